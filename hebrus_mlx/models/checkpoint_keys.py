@@ -1,0 +1,259 @@
+"""Explicit key tables between Qwen4Exp HF checkpoints and hebrus-mlx runtime names.
+
+Every tensor in a checkpoint is classified by exactly one rule: a dense template, a routed-expert
+template, a PLE shard, a PLE constant, or a named exclusion. Both the direct HF loader
+(`Model.sanitize`) and `hebrus-mlx convert` walk checkpoints through `classify`, and both assert
+that the set of keys they saw equals `expected_hf_keys(args)` (nothing silently ignored).
+
+Runtime names follow the HF module tree except for three places:
+  routed experts   -> model.layers.{i}.mlp.switch_mlp.{gate,up,down}_proj.weight  [E, out, in]
+  PLE table        -> model.layers.{i}.ple.ple_embedding.ngram_embedding.weight    (shards concatenated)
+  depthwise convs  -> same key, MLX layout [C, K, 1] instead of HF [C, 1, K]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+# Prefix written by Qwen4ExpForConditionalGeneration; the text model lives below it.
+CONDITIONAL_PREFIX = "model.language_model."
+
+# Named exclusion rules: (rule name, regex on the *raw* checkpoint key).
+EXCLUSION_RULES = (
+    ("vision", re.compile(r"^(model\.)?visual\.")),
+    ("mtp", re.compile(r"^(model\.)?mtp\.")),
+)
+
+# Dense tensors present in every layer: template relative to "model.layers.{i}.".
+HC_TEMPLATES = tuple(
+    f"{block}.{name}"
+    for block in ("attn_hyper_connection", "mlp_hyper_connection")
+    for name in (
+        "hc_norm.weight",
+        "input_mix_weight_down.weight",
+        "input_mix_weight_up.weight",
+        "block_inject_weight.weight",
+    )
+)
+MOE_DENSE_TEMPLATES = (
+    "mlp.gate.weight",
+    "mlp.shared_expert.gate_proj.weight",
+    "mlp.shared_expert.up_proj.weight",
+    "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_expert_gate.weight",
+)
+LINEAR_ATTN_TEMPLATES = (
+    "linear_attn.A_log",
+    "linear_attn.dt_bias",
+    "linear_attn.conv1d.weight",
+    "linear_attn.in_proj_qkv.weight",
+    "linear_attn.in_proj_z.weight",
+    "linear_attn.in_proj_a.weight",
+    "linear_attn.in_proj_b.weight",
+    "linear_attn.norm.weight",
+    "linear_attn.out_proj.weight",
+)
+INDEXED_ATTN_TEMPLATES = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "self_attn.indexer.index_qk_proj.weight",
+    "self_attn.indexer.q_layernorm.weight",
+    "self_attn.indexer.k_layernorm.weight",
+)
+PLE_DENSE_TEMPLATES = (
+    "ple.key_proj.weight",
+    "ple.value_proj.weight",
+    "ple.norm_key.weight",
+    "ple.norm_query.weight",
+    "ple.norm_conv.weight",
+    "ple.conv1d.weight",
+)
+# Integer buffers save_pretrained writes; they are re-derived from the config and checked.
+PLE_CONSTANT_NAMES = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
+GLOBAL_TEMPLATES = (
+    "model.embed_tokens.weight",
+    "model.hyper_connection_mixer.hc_norm.weight",
+    "model.hyper_connection_mixer.input_mix_weight_down.weight",
+    "model.hyper_connection_mixer.input_mix_weight_up.weight",
+)
+EXPERT_COMPONENTS = ("gate_proj", "up_proj", "down_proj")
+# Keys whose HF layout [C, 1, K] becomes MLX [C, K, 1].
+DEPTHWISE_CONV_SUFFIXES = ("linear_attn.conv1d.weight", "ple.conv1d.weight")
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_RE = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
+_PLE_SHARD_RE = re.compile(r"^ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight$")
+_PLE_CONST_RE = re.compile(r"^ple\.ple_embedding\.(" + "|".join(PLE_CONSTANT_NAMES) + r")$")
+
+
+class CheckpointKeyError(ValueError):
+    """A checkpoint key is unknown, missing, duplicated or inconsistent with the config."""
+
+
+@dataclass(frozen=True)
+class KeyClass:
+    """What one checkpoint tensor is.
+
+    kind: "dense" | "expert" | "fused_expert" | "ple_shard" | "ple_constant" | "excluded"
+    """
+
+    kind: str
+    runtime_key: Optional[str] = None
+    layer: Optional[int] = None
+    expert: Optional[int] = None
+    component: Optional[str] = None  # gate_proj/up_proj/down_proj, gate_up_proj, or a PLE constant name
+    shard: Optional[int] = None
+    rule: Optional[str] = None  # exclusion rule name
+    depthwise_conv: bool = False
+
+
+def strip_prefix(key: str) -> str:
+    """Map a conditional-generation key onto the text-model key space."""
+    if key.startswith(CONDITIONAL_PREFIX):
+        return "model." + key[len(CONDITIONAL_PREFIX):]
+    return key
+
+
+def exclusion_rule(key: str) -> Optional[str]:
+    for name, pattern in EXCLUSION_RULES:
+        if pattern.match(key):
+            return name
+    return None
+
+
+def layer_templates(args, layer: int) -> tuple[str, ...]:
+    kind = args.layer_types[layer]
+    names = HC_TEMPLATES + MOE_DENSE_TEMPLATES
+    names += LINEAR_ATTN_TEMPLATES if kind == "linear_attention" else INDEXED_ATTN_TEMPLATES
+    if args.ple_index(layer) is not None:
+        names += PLE_DENSE_TEMPLATES
+    return names
+
+
+def classify(raw_key: str, args) -> KeyClass:
+    """Classify one checkpoint key against the config; unknown keys raise CheckpointKeyError."""
+    rule = exclusion_rule(raw_key)
+    if rule is not None:
+        return KeyClass("excluded", rule=rule)
+    key = strip_prefix(raw_key)
+    if key == "lm_head.weight" or key in GLOBAL_TEMPLATES:
+        return KeyClass("dense", runtime_key=key)
+    match = _LAYER_RE.match(key)
+    if not match:
+        raise CheckpointKeyError(f"unexpected tensor {raw_key!r}: matches no key rule")
+    layer, rest = int(match.group(1)), match.group(2)
+    if layer >= args.num_hidden_layers:
+        raise CheckpointKeyError(
+            f"unexpected tensor {raw_key!r}: layer {layer} >= num_hidden_layers={args.num_hidden_layers}"
+        )
+    prefix = f"model.layers.{layer}."
+    if rest in layer_templates(args, layer):
+        return KeyClass(
+            "dense",
+            runtime_key=key,
+            layer=layer,
+            depthwise_conv=rest in DEPTHWISE_CONV_SUFFIXES,
+        )
+    m = _EXPERT_RE.match(rest)
+    if m:
+        expert = int(m.group(1))
+        if expert >= args.num_experts:
+            raise CheckpointKeyError(
+                f"unexpected tensor {raw_key!r}: expert {expert} >= num_experts={args.num_experts}"
+            )
+        component = m.group(2)
+        return KeyClass(
+            "expert",
+            runtime_key=prefix + f"mlp.switch_mlp.{component}.weight",
+            layer=layer,
+            expert=expert,
+            component=component,
+        )
+    m = _FUSED_RE.match(rest)
+    if m:
+        return KeyClass("fused_expert", layer=layer, component=m.group(1))
+    if args.ple_index(layer) is not None:
+        m = _PLE_SHARD_RE.match(rest)
+        if m:
+            shard = int(m.group(1))
+            if shard >= args.split_ngram_parts:
+                raise CheckpointKeyError(
+                    f"unexpected tensor {raw_key!r}: shard {shard} >= split_ngram_parts={args.split_ngram_parts}"
+                )
+            return KeyClass(
+                "ple_shard",
+                runtime_key=prefix + "ple.ple_embedding.ngram_embedding.weight",
+                layer=layer,
+                shard=shard,
+            )
+        m = _PLE_CONST_RE.match(rest)
+        if m:
+            return KeyClass("ple_constant", layer=layer, component=m.group(1))
+    raise CheckpointKeyError(f"unexpected tensor {raw_key!r}: matches no key rule for layer {layer}")
+
+
+def expected_hf_keys(args, expert_layout: str = "unfused") -> set[str]:
+    """The exact text-model key set (without the conditional prefix) a checkpoint must hold."""
+    if expert_layout not in ("unfused", "fused"):
+        raise ValueError(f"expert_layout must be 'unfused' or 'fused', got {expert_layout!r}")
+    keys = set(GLOBAL_TEMPLATES)
+    keys.add("lm_head.weight")
+    for layer in range(args.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        keys.update(prefix + name for name in layer_templates(args, layer))
+        if expert_layout == "unfused":
+            keys.update(
+                f"{prefix}mlp.experts.{e}.{c}.weight"
+                for e in range(args.num_experts)
+                for c in EXPERT_COMPONENTS
+            )
+        else:
+            keys.update({prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"})
+        if args.ple_index(layer) is not None:
+            keys.update(
+                f"{prefix}ple.ple_embedding.ngram_embedding.shard_{s}.weight"
+                for s in range(args.split_ngram_parts)
+            )
+            keys.update(f"{prefix}ple.ple_embedding.{n}" for n in PLE_CONSTANT_NAMES)
+    return keys
+
+
+def detect_expert_layout(keys) -> str:
+    """Which routed-expert layout a key set uses; mixing both is an error."""
+    stripped = [strip_prefix(k) for k in keys]
+    fused = any(_FUSED_RE.match(m.group(2)) for k in stripped if (m := _LAYER_RE.match(k)))
+    unfused = any(_EXPERT_RE.match(m.group(2)) for k in stripped if (m := _LAYER_RE.match(k)))
+    if fused and unfused:
+        raise CheckpointKeyError("checkpoint mixes fused (gate_up_proj) and per-expert expert tensors")
+    return "fused" if fused else "unfused"
+
+
+def check_key_set(raw_keys, args) -> dict:
+    """Classify all keys; raise naming the first missing/unexpected tensor. Returns exclusion counts."""
+    layout = detect_expert_layout(raw_keys)
+    seen = set()
+    excluded: dict[str, int] = {}
+    for raw in sorted(raw_keys):
+        cls = classify(raw, args)
+        if cls.kind == "excluded":
+            excluded[cls.rule] = excluded.get(cls.rule, 0) + 1
+            continue
+        key = strip_prefix(raw)
+        if key in seen:
+            raise CheckpointKeyError(f"duplicate tensor {raw!r} (text and conditional prefixes both present)")
+        seen.add(key)
+    expected = expected_hf_keys(args, layout)
+    missing = sorted(expected - seen)
+    if missing:
+        raise CheckpointKeyError(f"missing tensor {missing[0]!r} ({len(missing)} missing in total)")
+    extra = sorted(seen - expected)
+    if extra:
+        raise CheckpointKeyError(f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in total)")
+    return {"expert_layout": layout, "consumed": len(seen), "excluded": excluded}
