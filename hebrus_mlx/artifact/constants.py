@@ -1,0 +1,356 @@
+"""Artifact constants: magic numbers, versions, codecs, profiles and the
+closed family descriptors (AFN-001, AFN-002, AFN-003).
+
+A family is admitted only when the descriptor derived from a config equals a
+registered descriptor field for field. Nothing here accepts "any geometry".
+"""
+
+import math
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
+from typing import Optional, Tuple
+
+from .errors import CodecError, FamilyError
+
+# ---------------------------------------------------------------- layout ---
+ALIGNMENT = 4096  # direct-I/O alignment of every record and page
+SHA256_BYTES = 32
+
+EXPERT_MAJOR_MAGIC = b"HBXEXPM\x00"
+EXPERT_MAJOR_VERSION = 2
+EXPERT_MAJOR_HEADER_BYTES = 256
+EXPERT_MAJOR_ENTRY_BYTES = 128
+EXPERT_MAJOR_MAX_LAYERS = 256
+EXPERT_MAJOR_MAX_EXPERTS = 512
+EXPERT_COMPONENTS = ("gate", "up", "down")
+AFFINE_PARTS = ("weight", "scales", "biases")
+
+PLE_MAGIC = b"HBXPLEP\x00"
+PLE_VERSION = 1
+PLE_HEADER_BYTES = 512
+PLE_PAGE_MAGIC = b"PLEP"
+PLE_PAGE_HEADER_BYTES = 64
+PLE_MAX_HEADS = 32
+PLE_MAX_PAGES = 1 << 28  # digest table <= 8 GiB; far above any real profile
+PLE_MAX_ROWS_PER_PAGE = 1 << 20
+PLE_DEFAULT_PAGE_BYTES = 64 * 1024
+
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+OFF_T_MAX = (1 << 63) - 1
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_SCHEMA = "hebrus-mlx.artifact"
+MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_MAX_BYTES = 16 << 20
+SAFETENSORS_MAX_HEADER = 100 << 20
+
+# Source identity files copied into the artifact; their digests bind it.
+SOURCE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+
+
+# ---------------------------------------------------------------- codecs ---
+@dataclass(frozen=True)
+class Codec:
+    name: str
+    codec_id: int
+    bits: int
+    group_size: int  # 0 for plain float codecs
+
+    @property
+    def affine(self):
+        return self.group_size > 0
+
+    def parts(self, rows, cols, field_name="codec"):
+        """(part, dtype, shape) of one encoded [rows, cols] matrix.
+
+        Affine parts are exactly what `mx.quantize(w, group_size, bits)`
+        returns for a bf16 `w`: uint32 packed weights, bf16 scales and biases
+        (stored as raw uint16 bit patterns so readers stay numpy-only).
+        A group that does not cover a row exactly is rejected, never padded.
+        """
+        if rows <= 0 or cols <= 0:
+            raise CodecError(field_name, f"empty matrix [{rows}, {cols}]")
+        if not self.affine:
+            dtype = "uint16" if self.bits == 16 else "float32"
+            return (("weight", dtype, (rows, cols)),)
+        if cols % self.group_size:
+            raise CodecError(
+                field_name,
+                f"{self.name}: row width {cols} is not a multiple of group {self.group_size}",
+            )
+        if (cols * self.bits) % 32:
+            raise CodecError(field_name, f"{self.name}: row width {cols} does not pack into uint32")
+        groups = cols // self.group_size
+        return (
+            ("weight", "uint32", (rows, cols * self.bits // 32)),
+            ("scales", "uint16", (rows, groups)),
+            ("biases", "uint16", (rows, groups)),
+        )
+
+    def nbytes(self, rows, cols, field_name="codec"):
+        total = 0
+        for _, dtype, shape in self.parts(rows, cols, field_name):
+            total += shape[0] * shape[1] * DTYPE_BYTES[dtype]
+        return total
+
+
+DTYPE_BYTES = {"uint32": 4, "uint16": 2, "float32": 4}
+
+CODECS = {
+    c.name: c
+    for c in (
+        Codec("affine4-g64", 1, 4, 64),
+        Codec("affine8-g64", 2, 8, 64),
+        Codec("bf16", 3, 16, 0),
+        Codec("f32", 4, 32, 0),
+    )
+}
+CODECS_BY_ID = {c.codec_id: c for c in CODECS.values()}
+PLE_CODECS = ("bf16", "f32")  # PLE row codecs; affine PLE is not qualified
+
+
+def codec(name, field_name="codec"):
+    if name not in CODECS:
+        raise CodecError(field_name, f"unknown codec {name!r}; known: {sorted(CODECS)}")
+    return CODECS[name]
+
+
+def codec_by_id(codec_id, field_name="codec_id"):
+    if codec_id not in CODECS_BY_ID:
+        raise CodecError(field_name, f"unknown codec id {codec_id}")
+    return CODECS_BY_ID[codec_id]
+
+
+# A profile binds one codec to each store. Dense: codec of the quantizable
+# linear weights (norms, biases and small vectors stay float).
+PROFILES = {
+    "text-affine4-g64": {"dense": "affine4-g64", "experts": "affine4-g64", "ple": "bf16"},
+    "text-affine8-g64": {"dense": "affine8-g64", "experts": "affine8-g64", "ple": "bf16"},
+    "text-bf16": {"dense": "bf16", "experts": "bf16", "ple": "bf16"},
+    "text-f32": {"dense": "f32", "experts": "f32", "ple": "f32"},
+}
+
+# Profiles whose parity gate passed. Empty until a gate promotes one (AFN-013).
+VERIFIED_PROFILES = frozenset()
+
+
+# -------------------------------------------------------------- families ---
+def _is_prime(n):
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    for d in range(3, math.isqrt(n) + 1, 2):
+        if n % d == 0:
+            return False
+    return True
+
+
+@lru_cache(maxsize=64)
+def ngram_head_sizes(base, heads, table_index):
+    """Prime vocabulary size of each hashed head of PLE table `table_index`:
+    the (table_index*heads + h + 1)-th prime >= base, h = 0..heads-1."""
+    sizes = []
+    p = base - 1
+    skip = table_index * heads
+    while len(sizes) < heads:
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        if skip:
+            skip -= 1
+            continue
+        sizes.append(p)
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class FamilyDescriptor:
+    """The closed geometry of one model family. Equality is the admission
+    test; every field participates."""
+
+    name: str
+    family_id: int
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: Tuple[str, ...]
+    max_position_embeddings: int
+    hc_count: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    ple_tables: int
+    ple_embed_dim: int
+    ngram_size: int
+    heads_per_ngram: int
+    ngram_vocab_size_base: int
+    ngram_row_alignment: int
+    # PLE per-table geometry, pinned as literals for the real family so a
+    # derivation bug cannot silently move them (AFN-003).
+    ple_head_rows: Tuple[int, ...] = field(default=())
+    ple_rows: Tuple[int, ...] = field(default=())
+
+    @property
+    def ple_heads(self):
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def ple_width(self):
+        return self.ple_embed_dim // self.ple_heads
+
+    def ple_head_sizes(self, table):
+        return ngram_head_sizes(self.ngram_vocab_size_base, self.ple_heads, table)
+
+    def ple_head_offsets(self, table):
+        offsets, total = [], 0
+        for size in self.ple_head_sizes(table):
+            offsets.append(total)
+            total += size
+        return tuple(offsets)
+
+    def component_shapes(self):
+        """[rows, in] of each routed-expert projection (HF weight layout)."""
+        m, h = self.moe_intermediate_size, self.hidden_size
+        return {"gate": (m, h), "up": (m, h), "down": (h, m)}
+
+
+def _ple_rows(base, heads, tables, align):
+    head_rows, rows = [], []
+    for t in range(tables):
+        n = sum(ngram_head_sizes(base, heads, t))
+        head_rows.append(n)
+        rows.append(-(-n // align) * align)
+    return tuple(head_rows), tuple(rows)
+
+
+def derive_descriptor(constants, name, family_id):
+    """Descriptor implied by a model-constants dict (see manifest.py)."""
+    c = constants
+    ple_tables = len(c["ple_layer_ids"])
+    heads = (c["ngram_size"] - 1) * c["heads_per_ngram"]
+    if ple_tables and (heads <= 0 or c["ple_embed_dim"] % heads):
+        raise FamilyError("ple_embed_dim", f"{c['ple_embed_dim']} not divisible by {heads} heads")
+    head_rows, rows = _ple_rows(
+        c["ngram_vocab_size_base"], heads, ple_tables, c["make_ngram_vocab_size_divisible_by"]
+    )
+    return FamilyDescriptor(
+        name=name,
+        family_id=family_id,
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        layer_types=tuple(c["layer_types"]),
+        max_position_embeddings=c["max_position_embeddings"],
+        hc_count=c["hc_count"],
+        num_experts=c["num_experts"],
+        num_experts_per_tok=c["num_experts_per_tok"],
+        moe_intermediate_size=c["moe_intermediate_size"],
+        ple_tables=ple_tables,
+        ple_embed_dim=c["ple_embed_dim"],
+        ngram_size=c["ngram_size"],
+        heads_per_ngram=c["heads_per_ngram"],
+        ngram_vocab_size_base=c["ngram_vocab_size_base"],
+        ngram_row_alignment=c["make_ngram_vocab_size_divisible_by"],
+        ple_head_rows=head_rows,
+        ple_rows=rows,
+    )
+
+
+def first_mismatch(a, b):
+    """Name of the first descriptor field on which a and b differ."""
+    for f in fields(FamilyDescriptor):
+        if getattr(a, f.name) != getattr(b, f.name):
+            return f.name, getattr(a, f.name), getattr(b, f.name)
+    return None
+
+
+# Qwen/Qwen3.8-Flash-Next @ de4b8e4d: GDN,GDN,GDN,QSA x 12; 512 experts top-10
+# of width 640; one PLE table of 16 prime heads, 320,001,446 rows padded to
+# 320,001,536 rows of 160 values (AFN-001..003).
+_GDN3_QSA = ("linear_attention",) * 3 + ("indexed_attention",)
+
+QWEN38_FLASH_NEXT = FamilyDescriptor(
+    name="qwen3.8-flash-next",
+    family_id=4,
+    vocab_size=248320,
+    hidden_size=2560,
+    num_hidden_layers=48,
+    layer_types=_GDN3_QSA * 12,
+    max_position_embeddings=262144,
+    hc_count=4,
+    num_experts=512,
+    num_experts_per_tok=10,
+    moe_intermediate_size=640,
+    ple_tables=1,
+    ple_embed_dim=2560,
+    ngram_size=3,
+    heads_per_ngram=8,
+    ngram_vocab_size_base=20_000_000,
+    ngram_row_alignment=128,
+    ple_head_rows=(320_001_446,),
+    ple_rows=(320_001_536,),
+)
+
+# Tiny family for tests: hidden 64, 4 layers (GDN x3, QSA), 8 experts top-2
+# of width 64, one PLE table of 4 heads (primes after 999), 16 wide.
+QWEN4EXP_TINY_TEST = FamilyDescriptor(
+    name="qwen4exp-tiny-test",
+    family_id=0x7E57,
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=_GDN3_QSA,
+    max_position_embeddings=256,
+    hc_count=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    ple_tables=1,
+    ple_embed_dim=64,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=1000,
+    ngram_row_alignment=128,
+    ple_head_rows=(4062,),
+    ple_rows=(4096,),
+)
+
+FAMILIES = {f.name: f for f in (QWEN38_FLASH_NEXT, QWEN4EXP_TINY_TEST)}
+FAMILIES_BY_ID = {f.family_id: f for f in FAMILIES.values()}
+assert len(FAMILIES_BY_ID) == len(FAMILIES)
+
+
+def family(name, field_name="family"):
+    if name not in FAMILIES:
+        raise FamilyError(field_name, f"unregistered family {name!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_by_id(family_id, field_name="family_id"):
+    if family_id not in FAMILIES_BY_ID:
+        raise FamilyError(field_name, f"unregistered family id {family_id}")
+    return FAMILIES_BY_ID[family_id]
+
+
+def match_family(constants, name):
+    """The registered family `name`, provided the descriptor derived from
+    `constants` equals it exactly; else FamilyError naming the field."""
+    registered = family(name)
+    derived = derive_descriptor(constants, registered.name, registered.family_id)
+    diff = first_mismatch(derived, registered)
+    if diff is not None:
+        fname, got, want = diff
+        raise FamilyError(f"family.{fname}", f"derived {got!r} != registered {want!r}")
+    return registered
+
+
+def align_up(n, a=ALIGNMENT):
+    return -(-n // a) * a
