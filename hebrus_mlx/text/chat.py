@@ -1,0 +1,536 @@
+"""Chat rendering with provenance (AFN-006, AFN-007).
+
+`render` runs the checkpoint's own Jinja template in a sandbox and returns the rendered bytes plus
+a complete, gap-free list of segments, each DATA (caller text) or TRUSTED_CONTROL (template text).
+
+How provenance is kept: every caller string enters the template as a `_DataRef`, a `str` whose
+value is a per-render nonce placeholder and which answers string questions (`in`, `startswith`,
+`|length`, `strip`, `split`, ...) from the real text. Placeholders in the output map back to DATA;
+everything else the template emitted is TRUSTED_CONTROL. The same template is also rendered with
+the plain strings; that text is authoritative and the placeholder render must reproduce it exactly,
+otherwise rendering fails closed (`ProvenanceError`) instead of guessing.
+
+Trimming is Python's `str.strip` (Unicode whitespace plus U+001C..U+001F, whole code points), as
+Jinja's `trim` filter is; it also applies across a caller/template boundary, e.g. `macro()|trim`.
+"""
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+DATA = "DATA"
+TRUSTED_CONTROL = "TRUSTED_CONTROL"
+
+ROLES = ("system", "user", "assistant", "tool")
+MEDIA_PART_TYPES = ("image", "image_url", "input_image", "video", "video_url", "audio", "input_audio", "audio_url")
+
+QWEN_TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen_chat_template.jinja"
+
+
+class ChatError(ValueError):
+    """A request the renderer refuses; nothing is rendered."""
+
+
+class MediaPartError(ChatError):
+    pass
+
+
+class RoleError(ChatError):
+    pass
+
+
+class ToolArgumentsError(ChatError):
+    pass
+
+
+class TemplateError(ChatError):
+    """The template raised or failed to render."""
+
+
+class ProvenanceError(ChatError):
+    """The template transformed caller text in a way whose provenance cannot be tracked."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: str
+    start: int  # byte offsets into Rendered.text_bytes
+    end: int
+
+
+@dataclass(frozen=True)
+class Rendered:
+    text_bytes: bytes
+    segments: Tuple[Segment, ...]
+
+    @property
+    def text(self) -> str:
+        return self.text_bytes.decode("utf-8")
+
+    def pieces(self) -> List[Tuple[str, str]]:
+        """(kind, text) per segment, after checking the segments tile the bytes exactly."""
+        pos, out = 0, []
+        for n, s in enumerate(self.segments):
+            if s.kind not in (DATA, TRUSTED_CONTROL):
+                raise ChatError(f"segment {n}: unknown kind {s.kind!r}")
+            if s.start != pos or s.end <= s.start or s.end > len(self.text_bytes):
+                raise ChatError(f"segment {n}: [{s.start}, {s.end}) does not continue at byte {pos}")
+            try:
+                out.append((s.kind, self.text_bytes[s.start : s.end].decode("utf-8")))
+            except UnicodeDecodeError:
+                raise ChatError(f"segment {n}: not on a UTF-8 character boundary") from None
+            pos = s.end
+        if pos != len(self.text_bytes):
+            raise ChatError(f"segments cover {pos} of {len(self.text_bytes)} bytes")
+        return out
+
+
+# -- provenance-tracking strings ---------------------------------------------------------------
+
+
+class _Registry:
+    def __init__(self, avoid: List[str]):
+        while True:
+            self.nonce = secrets.token_hex(8)
+            if not any(self.nonce in s for s in avoid):
+                break
+        self.texts: List[str] = []
+        self.pattern = re.compile("\ue000" + self.nonce + r"(\d+)\ue001")
+
+    def ref(self, text: str) -> "_DataRef":
+        self.texts.append(str.__str__(text))
+        return _DataRef(self, len(self.texts) - 1)
+
+    def split(self, s: str) -> List[Any]:
+        """A str with placeholders -> list of plain str (template text) and _DataRef."""
+        out, pos = [], 0
+        for m in self.pattern.finditer(s):
+            if m.start() > pos:
+                out.append(s[pos : m.start()])
+            out.append(_DataRef(self, int(m.group(1))))
+            pos = m.end()
+        if pos < len(s):
+            out.append(s[pos:])
+        return out
+
+
+class _DataRef(str):
+    """A caller string inside the template: prints as its placeholder, behaves like its text."""
+
+    def __new__(cls, reg: _Registry, idx: int):
+        self = super().__new__(cls, f"\ue000{reg.nonce}{idx}\ue001")
+        self._reg, self._idx = reg, idx
+        return self
+
+    @property
+    def real(self) -> str:
+        return self._reg.texts[self._idx]
+
+    def _wrap(self, text):
+        return self._reg.ref(text)
+
+    def __str__(self):
+        return self
+
+    def __len__(self):
+        return len(self.real)
+
+    def __contains__(self, x):
+        return str(x) in self.real if not isinstance(x, _DataRef) else x.real in self.real
+
+    def __eq__(self, other):
+        return self.real == (other.real if isinstance(other, _DataRef) else other)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __hash__(self):
+        return hash(self.real)
+
+    def __lt__(self, other):
+        return self.real < (other.real if isinstance(other, _DataRef) else other)
+
+    def __getitem__(self, key):
+        return self._wrap(self.real[key])
+
+    def __iter__(self):
+        return iter([self._wrap(c) for c in self.real])
+
+    def strip(self, chars=None):
+        return self._wrap(self.real.strip(chars))
+
+    def lstrip(self, chars=None):
+        return self._wrap(self.real.lstrip(chars))
+
+    def rstrip(self, chars=None):
+        return self._wrap(self.real.rstrip(chars))
+
+    def split(self, sep=None, maxsplit=-1):
+        return [self._wrap(p) for p in self.real.split(sep, maxsplit)]
+
+    def rsplit(self, sep=None, maxsplit=-1):
+        return [self._wrap(p) for p in self.real.rsplit(sep, maxsplit)]
+
+    def splitlines(self, keepends=False):
+        return [self._wrap(p) for p in self.real.splitlines(keepends)]
+
+    def replace(self, old, new, count=-1):
+        # Text the template substitutes into caller text is kept as DATA: the safe direction.
+        return self._wrap(self.real.replace(_real(old), _real(new), count))
+
+    def startswith(self, prefix, *args):
+        return self.real.startswith(_real(prefix), *args)
+
+    def endswith(self, suffix, *args):
+        return self.real.endswith(_real(suffix), *args)
+
+    def find(self, sub, *args):
+        return self.real.find(_real(sub), *args)
+
+    def count(self, sub, *args):
+        return self.real.count(_real(sub), *args)
+
+    def lower(self):
+        return self._wrap(self.real.lower())
+
+    def upper(self):
+        return self._wrap(self.real.upper())
+
+    def isspace(self):
+        return self.real.isspace()
+
+
+def _real(x):
+    if isinstance(x, _DataRef):
+        return x.real
+    if isinstance(x, tuple):
+        return tuple(_real(v) for v in x)
+    return x
+
+
+def _unwrap(obj):
+    if isinstance(obj, _DataRef):
+        return obj.real
+    if isinstance(obj, dict):
+        return {_unwrap(k): _unwrap(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_unwrap(v) for v in obj]
+    return obj
+
+
+def _has_ref(obj) -> bool:
+    if isinstance(obj, _DataRef):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_ref(k) or _has_ref(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_ref(v) for v in obj)
+    return False
+
+
+def _strip_composite(reg: _Registry, s: str, chars, left: bool, right: bool) -> str:
+    """Python strip over template text mixed with placeholders, edge by edge, whole code points."""
+    parts = reg.split(s)
+    if left:
+        while parts:
+            p = parts[0]
+            q = (p.real.lstrip(chars) if isinstance(p, _DataRef) else p.lstrip(chars))
+            if q:
+                parts[0] = reg.ref(q) if isinstance(p, _DataRef) else q
+                break
+            parts.pop(0)
+    if right:
+        while parts:
+            p = parts[-1]
+            q = (p.real.rstrip(chars) if isinstance(p, _DataRef) else p.rstrip(chars))
+            if q:
+                parts[-1] = reg.ref(q) if isinstance(p, _DataRef) else q
+                break
+            parts.pop()
+    return "".join(str.__str__(p) for p in parts)
+
+
+# -- environment --------------------------------------------------------------------------------
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson_plain(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Plain json.dumps, as transformers' chat environment does (Jinja's own tojson HTML-escapes).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Env(ImmutableSandboxedEnvironment):
+    """Sandbox that keeps caller-text provenance through strip calls on composite strings."""
+
+    registry: Optional[_Registry] = None
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        reg = __self.registry
+        owner = getattr(__obj, "__self__", None)
+        name = getattr(__obj, "__name__", None)
+        if (
+            reg is not None
+            and type(owner) is str
+            and name in ("strip", "lstrip", "rstrip")
+            and reg.pattern.search(owner)
+        ):
+            chars = args[0] if args else kwargs.get("chars")
+            return _strip_composite(reg, owner, _real(chars), name != "rstrip", name != "lstrip")
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _make_env(registry: Optional[_Registry]) -> _Env:
+    env = _Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.registry = registry
+    env.globals["raise_exception"] = _raise_exception
+    if registry is None:
+        env.filters["tojson"] = _tojson_plain
+        return env
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        out = _tojson_plain(_unwrap(x), ensure_ascii, indent, separators, sort_keys)
+        # JSON of caller values is caller text as a whole, punctuation included.
+        return registry.ref(out) if _has_ref(x) else out
+
+    def trim(value, chars=None):
+        if isinstance(value, _DataRef):
+            return value.strip(_real(chars))
+        s = str(value)
+        if registry.pattern.search(s):
+            return _strip_composite(registry, s, _real(chars), True, True)
+        return s.strip(chars)
+
+    env.filters["tojson"] = tojson
+    env.filters["trim"] = trim
+    return env
+
+
+# -- request validation ---------------------------------------------------------------------------
+
+
+def _check_str(x, where):
+    if not isinstance(x, str):
+        raise ChatError(f"{where} must be a string, got {type(x).__name__}")
+    return x
+
+
+def _check_content(content, where):
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ChatError(f"{where}[{j}] must be an object")
+        kind = part.get("type")
+        if kind in MEDIA_PART_TYPES:
+            raise MediaPartError(f"{where}[{j}]: {kind!r} parts are not supported (text-only model)")
+        if kind != "text":
+            raise ChatError(f"{where}[{j}]: unknown content part type {kind!r}")
+        parts.append({"type": "text", "text": _check_str(part.get("text"), f"{where}[{j}].text")})
+    return parts
+
+
+def _check_json_value(x, where):
+    try:
+        json.dumps(x, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ToolArgumentsError(f"{where} is not JSON-serialisable: {e}") from None
+    return x
+
+
+def _check_tool_call(call, where):
+    if not isinstance(call, dict):
+        raise ToolArgumentsError(f"{where} must be an object")
+    fn = call.get("function", call)
+    if not isinstance(fn, dict):
+        raise ToolArgumentsError(f"{where}.function must be an object")
+    name = _check_str(fn.get("name"), f"{where}.function.name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise ToolArgumentsError(f"{where}.function.arguments is not valid JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise ToolArgumentsError(f"{where}.function.arguments must be a JSON object, got {type(args).__name__}")
+    _check_json_value(args, f"{where}.function.arguments")
+    out = {"type": "function", "function": {"name": name, "arguments": args}}
+    if "id" in call:
+        out["id"] = _check_str(call["id"], f"{where}.id")
+    return out
+
+
+def _check_messages(messages) -> List[dict]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatError("messages must be a non-empty list")
+    out = []
+    n_system = 0
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ChatError(f"{where} must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise RoleError(f"{where}.role {role!r} is not one of {', '.join(ROLES)}")
+        if role == "system":
+            n_system += 1
+            if n_system > 1:
+                raise RoleError(f"{where}: a second system message (only one, first)")
+            if i != 0:
+                raise RoleError(f"{where}: the system message must be the first message")
+        msg = {"role": role, "content": _check_content(m.get("content"), f"{where}.content")}
+        if role == "assistant":
+            if m.get("reasoning_content") is not None:
+                msg["reasoning_content"] = _check_str(m["reasoning_content"], f"{where}.reasoning_content")
+            if m.get("tool_calls"):
+                if not isinstance(m["tool_calls"], list):
+                    raise ToolArgumentsError(f"{where}.tool_calls must be a list")
+                msg["tool_calls"] = [
+                    _check_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])
+                ]
+        elif msg["content"] is None:
+            raise ChatError(f"{where}.content is missing")
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                msg[key] = _check_str(m[key], f"{where}.{key}")
+        out.append(msg)
+    return out
+
+
+def _check_tools(tools):
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise ChatError("tools must be a list")
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise ChatError(f"tools[{j}] must be an object")
+        _check_json_value(t, f"tools[{j}]")
+    return list(tools)
+
+
+def _wrap(obj, reg: _Registry, keys: bool):
+    """Deep copy with every caller string replaced by a _DataRef (dict keys too when `keys`)."""
+    if isinstance(obj, str):
+        return reg.ref(obj)
+    if isinstance(obj, dict):
+        return {(reg.ref(k) if keys and isinstance(k, str) else k): _wrap(v, reg, keys) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_wrap(v, reg, keys) for v in obj]
+    return obj
+
+
+def _wrap_message(m: dict, reg: _Registry) -> dict:
+    out = {}
+    for k, v in m.items():
+        if k == "role":
+            out[k] = v  # validated, from a closed set: structure, not text
+        elif k == "tool_calls":
+            out[k] = [
+                {**c, "function": {"name": reg.ref(c["function"]["name"]),
+                                   "arguments": _wrap(c["function"]["arguments"], reg, keys=True)}}
+                for c in v
+            ]
+        elif k == "content" and isinstance(v, list):
+            out[k] = [{"type": "text", "text": reg.ref(p["text"])} for p in v]
+        else:
+            out[k] = _wrap(v, reg, keys=False)
+    return out
+
+
+def _strings(obj, acc):
+    if isinstance(obj, str):
+        acc.append(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _strings(k, acc)
+            _strings(v, acc)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _strings(v, acc)
+    return acc
+
+
+# -- rendering -------------------------------------------------------------------------------------
+
+
+class ChatRenderer:
+    def __init__(self, template: str, special_tokens_map: Optional[dict] = None):
+        if not isinstance(template, str) or not template:
+            raise ChatError("chat template must be a non-empty string")
+        self.template = template
+        self.special_tokens_map = dict(special_tokens_map or {})
+        try:
+            _make_env(None).from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"chat template does not compile: {e}") from None
+
+    def _run(self, registry, messages, tools, add_generation_prompt, enable_thinking) -> str:
+        env = _make_env(registry)
+        kwargs = dict(self.special_tokens_map)
+        kwargs.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        try:
+            return env.from_string(self.template).render(**kwargs)
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template failed: {e}") from None
+
+    def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> Rendered:
+        msgs = _check_messages(messages)
+        tools = _check_tools(tools)
+        if enable_thinking is not None and not isinstance(enable_thinking, bool):
+            raise ChatError(f"enable_thinking must be a bool, got {enable_thinking!r}")
+
+        authoritative = self._run(None, msgs, tools, add_generation_prompt, enable_thinking)
+
+        reg = _Registry(_strings([msgs, tools, self.template], []))
+        w_msgs = [_wrap_message(m, reg) for m in msgs]
+        w_tools = None if tools is None else _wrap(tools, reg, keys=True)
+        marked = self._run(reg, w_msgs, w_tools, add_generation_prompt, enable_thinking)
+
+        pieces: List[List] = []
+        for p in reg.split(marked):
+            kind, text = (DATA, p.real) if isinstance(p, _DataRef) else (TRUSTED_CONTROL, p)
+            if not text:
+                continue
+            if pieces and pieces[-1][0] == kind:
+                pieces[-1][1] += text
+            else:
+                pieces.append([kind, text])
+        if "".join(t for _, t in pieces) != authoritative or "\ue000" + reg.nonce in "".join(t for _, t in pieces):
+            raise ProvenanceError(
+                "the template transforms caller text in a way provenance tracking does not follow"
+            )
+
+        segs, pos, chunks = [], 0, []
+        for kind, text in pieces:
+            b = text.encode("utf-8")
+            segs.append(Segment(kind, pos, pos + len(b)))
+            chunks.append(b)
+            pos += len(b)
+        return Rendered(b"".join(chunks), tuple(segs))
+
+
+def qwen_template() -> str:
+    """The shipped Qwen-style template (for the demo model)."""
+    return QWEN_TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+def render(messages, tools=None, add_generation_prompt=True, enable_thinking=None, *, chat_template=None,
+           special_tokens_map=None) -> Rendered:
+    """Render with `chat_template` (default: the shipped Qwen-style template)."""
+    renderer = ChatRenderer(chat_template if chat_template is not None else qwen_template(), special_tokens_map)
+    return renderer.render(messages, tools, add_generation_prompt, enable_thinking)

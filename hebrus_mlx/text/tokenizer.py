@@ -1,0 +1,285 @@
+"""Tokenizer for hebrus-mlx: the checkpoint's tokenizer.json is the authority (AFN-007).
+
+Two numbers are kept apart (AFN-005): `effective_vocab_size` is how many IDs the tokenizer assigns
+(the valid sampling domain), `physical_vocab_size` is the width of the model's logits. IDs in
+[effective, physical) decode to "" and are never sampled; IDs outside [0, physical) are errors.
+
+Caller text and template text are tokenized by provenance (AFN-006): DATA never resolves
+special/added tokens, TRUSTED_CONTROL may.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+from tokenizers import Tokenizer
+
+from .chat import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
+
+# Tokens that end a chat turn or a document when the tokenizer defines them.
+STOP_TOKEN_STRINGS = ("<|endoftext|>", "<|im_end|>")
+
+
+class TokenizerError(ValueError):
+    """Bad tokenizer files or arguments."""
+
+
+class TokenIdError(TokenizerError):
+    """A token ID outside [0, physical_vocab_size)."""
+
+
+class SegmentError(TokenizerError):
+    """Segments that do not tile the rendered bytes, or have an unknown kind."""
+
+
+class TextTokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        physical_vocab_size: int,
+        eos_token_ids: Iterable[int] = (),
+        chat_template: Optional[str] = None,
+        special_tokens_map: Optional[dict] = None,
+    ):
+        self._tok = tokenizer
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        ids = set(vocab.values())
+        n = len(ids)
+        if n == 0 or min(ids) != 0 or max(ids) != n - 1:
+            # A gap would make "valid for sampling" a set, not a boundary.
+            raise TokenizerError(f"tokenizer IDs are not dense 0..{n - 1} (max {max(ids, default=-1)})")
+        self.effective_vocab_size = n
+        if not isinstance(physical_vocab_size, int) or isinstance(physical_vocab_size, bool):
+            raise TokenizerError(f"physical_vocab_size must be an int, got {physical_vocab_size!r}")
+        if physical_vocab_size < n:
+            raise TokenizerError(
+                f"physical_vocab_size {physical_vocab_size} < effective vocabulary {n}"
+            )
+        self.physical_vocab_size = physical_vocab_size
+        self.added_tokens = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+
+        stops = set()
+        for i in eos_token_ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+                raise TokenizerError(f"eos_token_id {i!r} is not a token ID in [0, {n})")
+            stops.add(i)
+        for s in STOP_TOKEN_STRINGS:
+            if s in self.added_tokens:
+                stops.add(self.added_tokens[s])
+        self.stop_token_ids = frozenset(stops)
+        self.chat_template = chat_template
+        self.special_tokens_map = dict(special_tokens_map or {})
+        self._renderer = None
+
+    # -- encode -------------------------------------------------------------------------------
+
+    def _encode_data(self, text: str) -> List[int]:
+        # Normaliser, pre-tokenizer and model straight from the file, skipping the added-token
+        # matcher: a literal "<|im_end|>" in caller text is ordinary text.
+        tok = self._tok
+        if tok.normalizer is not None:
+            text = tok.normalizer.normalize_str(text)
+        pieces = tok.pre_tokenizer.pre_tokenize_str(text) if tok.pre_tokenizer is not None else [(text, None)]
+        out = []
+        for piece, _ in pieces:
+            out.extend(t.id for t in tok.model.tokenize(piece))
+        return out
+
+    def _encode_control(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text: str, *, trusted: bool = False) -> List[int]:
+        """Encode one string; caller text is DATA unless `trusted` is set explicitly."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"text must be str, got {type(text).__name__}")
+        return self._encode_control(text) if trusted else self._encode_data(text)
+
+    def encode_segments(self, segments) -> List[int]:
+        """Tokenize each segment by its provenance; all or nothing.
+
+        `segments` is a `Rendered` (its byte segments are validated to tile the bytes) or a
+        sequence of (kind, text) pairs.
+        """
+        pieces = _segment_pieces(segments)
+        out: List[int] = []
+        for kind, text in pieces:
+            out.extend(self._encode_control(text) if kind == TRUSTED_CONTROL else self._encode_data(text))
+        return out
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None):
+        """Render with the checkpoint's template and tokenize by provenance -> (Rendered, ids)."""
+        if self.chat_template is None:
+            raise TokenizerError("this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)")
+        if self._renderer is None:
+            self._renderer = ChatRenderer(self.chat_template, self.special_tokens_map)
+        rendered = self._renderer.render(messages, tools, add_generation_prompt, enable_thinking)
+        return rendered, self.encode_segments(rendered)
+
+    # -- decode -------------------------------------------------------------------------------
+
+    def check_ids(self, ids: Sequence[int]) -> List[int]:
+        out = []
+        for i in ids:
+            if hasattr(i, "item"):
+                i = i.item()
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise TokenIdError(f"token ID must be an int, got {type(i).__name__}")
+            if not 0 <= i < self.physical_vocab_size:
+                raise TokenIdError(f"token ID {i} outside [0, {self.physical_vocab_size})")
+            out.append(i)
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = [i for i in self.check_ids(ids) if i < self.effective_vocab_size]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def detokenizer(self) -> "StreamingDetokenizer":
+        return StreamingDetokenizer(self)
+
+
+class StreamingDetokenizer:
+    """Incremental decode: text is released once the pending tokens end on a whole character.
+
+    A multi-byte UTF-8 character split across tokens decodes to U+FFFD until its last byte
+    arrives, so pending tokens are held while their decode ends in U+FFFD. `max_pending` bounds
+    the wait for sequences that are invalid for good.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, max_pending: int = 8):
+        self._tokenizer = tokenizer
+        self.max_pending = max_pending
+        self.reset()
+
+    def reset(self):
+        self.tokens: List[int] = []
+        self._pending: List[int] = []
+        self._text = ""
+        self._last = ""
+
+    def add_token(self, token: int):
+        self.tokens.append(token)
+        self._pending.append(token)
+        text = self._tokenizer.decode(self._pending)
+        if not text.endswith("\ufffd") or len(self._pending) >= self.max_pending:
+            self._emit(text)
+
+    def _emit(self, text):
+        self._text += text
+        self._last += text
+        self._pending = []
+
+    def finalize(self):
+        if self._pending:
+            self._emit(self._tokenizer.decode(self._pending))
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    @property
+    def last_segment(self) -> str:
+        """Text released since the previous call."""
+        seg, self._last = self._last, ""
+        return seg
+
+
+def _segment_pieces(segments) -> List[Tuple[str, str]]:
+    if isinstance(segments, Rendered):
+        return segments.pieces()
+    out = []
+    for n, seg in enumerate(segments):
+        try:
+            kind, text = seg
+        except (TypeError, ValueError):
+            raise SegmentError(f"segment {n}: expected (kind, text), got {seg!r}") from None
+        if kind not in (DATA, TRUSTED_CONTROL):
+            raise SegmentError(f"segment {n}: unknown kind {kind!r}")
+        if not isinstance(text, str) or not text:
+            raise SegmentError(f"segment {n}: text must be a non-empty str")
+        out.append((kind, text))
+    return out
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+@dataclass
+class _Files:
+    tokenizer_json: Path
+    tokenizer_config: Optional[dict]
+    generation_config: Optional[dict]
+    chat_template: Optional[str]
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return doc
+
+
+def _find_files(model_dir: Path) -> _Files:
+    tj = model_dir / "tokenizer.json"
+    if not tj.is_file():
+        raise TokenizerError(f"no tokenizer in {model_dir}: looked for {tj.name}")
+    tcfg = _read_json(model_dir / "tokenizer_config.json")
+    gcfg = _read_json(model_dir / "generation_config.json")
+    template = None
+    tfile = model_dir / "chat_template.jinja"
+    if tfile.is_file():
+        template = tfile.read_text(encoding="utf-8")
+    elif tcfg is not None and tcfg.get("chat_template") is not None:
+        template = tcfg["chat_template"]
+        if isinstance(template, list):
+            # Named templates: [{"name": ..., "template": ...}]; the default one renders chat.
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not isinstance(template, str):
+            raise TokenizerError(f"{model_dir / 'tokenizer_config.json'}: chat_template has no default string")
+    return _Files(tj, tcfg, gcfg, template)
+
+
+def _eos_ids(gcfg: Optional[dict], where: Path) -> List[int]:
+    if not gcfg or gcfg.get("eos_token_id") is None:
+        return []
+    eos = gcfg["eos_token_id"]
+    eos = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+        raise TokenizerError(f"{where}: eos_token_id must be an int or a list of ints, got {gcfg['eos_token_id']!r}")
+    return eos
+
+
+def _special_tokens_map(tcfg: Optional[dict]) -> dict:
+    out = {}
+    for k, v in (tcfg or {}).items():
+        if not k.endswith("_token"):
+            continue
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            out[k] = v
+    return out
+
+
+def load_tokenizer(model_dir, physical_vocab_size: int) -> TextTokenizer:
+    """Load tokenizer.json, tokenizer_config.json, chat template and generation_config.json."""
+    model_dir = Path(model_dir)
+    files = _find_files(model_dir)
+    try:
+        tok = Tokenizer.from_file(str(files.tokenizer_json))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise TokenizerError(f"{files.tokenizer_json}: cannot load ({e})") from None
+    return TextTokenizer(
+        tok,
+        physical_vocab_size,
+        eos_token_ids=_eos_ids(files.generation_config, model_dir / "generation_config.json"),
+        chat_template=files.chat_template,
+        special_tokens_map=_special_tokens_map(files.tokenizer_config),
+    )
