@@ -1,0 +1,200 @@
+"""Per-layer routing statistics of a Qwen4Exp HF checkpoint, with a random-init control.
+
+    python tools/route_stats.py /work/demo_build/hf [--tokens 2048] [--json out.json]
+
+Top-k expert IDs are captured from each layer's router with forward hooks on the transformers
+reference model, over held-out text (the checkpoint's training_record.json names the held-out
+files; --text overrides). Reported per layer:
+
+- usage entropy of the expert-usage histogram, in bits, and as a fraction of log2(E);
+- reuse: mean share of a token's top-k experts that the previous token also selected;
+- union: mean size of the union of top-k sets over non-overlapping blocks of 2..5 tokens.
+
+A model with the same config and fresh random weights is measured on the same tokens; its
+numbers are the near-uniform control the trained routes must differ from.
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+BLOCKS = (2, 3, 4, 5)
+
+
+def capture_topk(model, windows) -> list:
+    """Return, per MoE layer, an int tensor (windows, seq, k) of the router's selected expert IDs."""
+    import torch
+
+    layers = model.model.layers
+    captured = [[] for _ in layers]
+    handles = []
+    for i, layer in enumerate(layers):
+        # The router returns (logits, scores, indices); the indices are exactly what the experts run.
+        def hook(_module, _inputs, output, i=i):
+            captured[i].append(output[2].detach().clone())
+
+        handles.append(layer.mlp.gate.register_forward_hook(hook))
+    model.eval()
+    try:
+        with torch.no_grad():
+            for w in windows:
+                model(input_ids=w[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    seq = windows.shape[1]
+    return [torch.stack([c.view(seq, -1) for c in per_layer]) for per_layer in captured]
+
+
+def layer_stats(topk, num_experts: int) -> dict:
+    """Statistics of one layer's selections `topk` of shape (windows, seq, k)."""
+    import torch
+
+    n_win, seq, k = topk.shape
+    counts = torch.bincount(topk.reshape(-1), minlength=num_experts).double()
+    p = counts / counts.sum()
+    nz = p[p > 0]
+    entropy = float(-(nz * nz.log2()).sum())
+
+    onehot = torch.zeros(n_win, seq, num_experts, dtype=torch.bool)
+    onehot.scatter_(-1, topk.long(), True)
+    shared = (onehot[:, 1:] & onehot[:, :-1]).sum(-1).double()  # within a window only
+    reuse = float(shared.mean() / k)
+
+    union = {}
+    for b in BLOCKS:
+        nb = seq // b
+        blocks = onehot[:, : nb * b].reshape(n_win, nb, b, num_experts).any(2)
+        union[b] = float(blocks.sum(-1).double().mean())
+    return {
+        "entropy_bits": entropy,
+        "entropy_fraction": entropy / math.log2(num_experts),
+        "used_experts": int((counts > 0).sum()),
+        "max_share": float(p.max()),
+        "reuse": reuse,
+        "union": union,
+    }
+
+
+def uniform_expectations(num_experts: int, k: int) -> dict:
+    """What independent uniformly random top-k sets would give."""
+    return {
+        "entropy_bits": math.log2(num_experts),
+        "reuse": k / num_experts,
+        "union": {b: num_experts * (1 - (1 - k / num_experts) ** b) for b in BLOCKS},
+    }
+
+
+def heldout_windows(ckpt: Path, tok, n_tokens: int, seq_len: int, text_path):
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import train_demo
+
+    if text_path is not None:
+        files = [Path(text_path)]
+        source = str(text_path)
+    else:
+        record_path = ckpt / "training_record.json"
+        if not record_path.is_file():
+            raise FileNotFoundError(f"{record_path}: needed to find the held-out files (or pass --text)")
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        files = [Path(record["corpus"]) / name for name in record["heldout_files"]]
+        source = f"held-out files of {record_path.name} ({len(files)} files)"
+    stream = train_demo.encode_stream(tok, files)
+    windows = train_demo.make_windows(stream, seq_len)
+    n = max(1, min(windows.shape[0], n_tokens // seq_len))
+    # Evenly spaced windows so the sample spans every held-out file, not just the first.
+    idx = torch.linspace(0, windows.shape[0] - 1, n).round().long()
+    return windows[idx], source
+
+
+def format_markdown(trained: list, control: list, uniform: dict, meta: dict) -> str:
+    lines = [
+        f"Tokens: {meta['tokens']} ({meta['windows']} windows of {meta['seq_len']}) from {meta['source']}. "
+        f"E = {meta['num_experts']}, k = {meta['k']}; uniform maximum entropy log2(E) = {uniform['entropy_bits']:.3f} bits; "
+        f"independent uniform top-k would give reuse {uniform['reuse']:.3f} and union "
+        + ", ".join(f"{b}: {uniform['union'][b]:.2f}" for b in BLOCKS)
+        + ".",
+        "",
+        "| layer | type | model | entropy bits (of max) | experts used | top share | reuse prev | union 2 | union 3 | union 4 | union 5 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, (t, c) in enumerate(zip(trained, control)):
+        for name, s in (("trained", t), ("random init", c)):
+            lines.append(
+                f"| {i} | {meta['layer_types'][i]} | {name} | {s['entropy_bits']:.3f} ({s['entropy_fraction']:.3f}) "
+                f"| {s['used_experts']} | {s['max_share']:.3f} | {s['reuse']:.3f} | "
+                + " | ".join(f"{s['union'][b]:.2f}" for b in BLOCKS)
+                + " |"
+            )
+
+    def mean(rows, key, b=None):
+        vals = [r[key][b] if b else r[key] for r in rows]
+        return sum(vals) / len(vals)
+
+    lines.append("")
+    for name, rows in (("trained", trained), ("random init", control)):
+        lines.append(
+            f"- {name}, mean over layers: entropy {mean(rows, 'entropy_fraction'):.3f} of max, "
+            f"reuse {mean(rows, 'reuse'):.3f}, union "
+            + ", ".join(f"{b}: {mean(rows, 'union', b):.2f}" for b in BLOCKS)
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--text", type=Path, default=None, help="measure this file instead of the held-out files")
+    p.add_argument("--control-seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.tokens <= 0 or args.seq_len <= 0:
+        raise ValueError(f"--tokens={args.tokens} and --seq-len={args.seq_len} must be positive")
+    if not (args.checkpoint / "config.json").is_file():
+        raise FileNotFoundError(f"checkpoint={args.checkpoint}: no config.json")
+
+    import torch
+    from tokenizers import Tokenizer
+    from transformers.models.qwen4_exp import Qwen4ExpForCausalLM
+
+    torch.set_num_threads(args.threads)
+    tok = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))
+    windows, source = heldout_windows(args.checkpoint, tok, args.tokens, args.seq_len, args.text)
+
+    model = Qwen4ExpForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+    cfg = model.config
+    torch.manual_seed(args.control_seed)
+    control_model = Qwen4ExpForCausalLM(cfg).float()
+
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    trained = [layer_stats(t, E) for t in capture_topk(model, windows)]
+    control = [layer_stats(t, E) for t in capture_topk(control_model, windows)]
+    uniform = uniform_expectations(E, k)
+    meta = {
+        "tokens": int(windows.numel()),
+        "windows": int(windows.shape[0]),
+        "seq_len": int(windows.shape[1]),
+        "source": source,
+        "num_experts": E,
+        "k": k,
+        "layer_types": list(cfg.layer_types),
+        "control_seed": args.control_seed,
+    }
+    print(format_markdown(trained, control, uniform, meta), end="")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"meta": meta, "uniform": uniform, "trained": trained, "control": control}, indent=1) + "\n",
+            encoding="utf-8",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
