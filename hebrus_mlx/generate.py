@@ -1,0 +1,295 @@
+"""Text generation with the feel of `mlx_lm.generate`: `generate_step`, `stream_generate`,
+`generate` and the `hebrus-mlx generate` / `python -m hebrus_mlx.generate` command."""
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
+
+DEFAULT_PROMPT = "hello"
+DEFAULT_MAX_TOKENS = 100
+DEFAULT_PREFILL_STEP_SIZE = 2048
+
+
+class GenerationError(ValueError):
+    """Bad generation input (empty prompt, prompt beyond the context, bad arguments)."""
+
+
+@dataclass
+class GenerationResponse:
+    text: str
+    token: int
+    logprobs: mx.array
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: Optional[str] = None
+
+
+def _eval_cache(cache, fallback):
+    states = [c.state for c in cache if hasattr(c, "state")]
+    # Evaluating the cache alone leaves the chunk's vocabulary projection unevaluated.
+    mx.eval(states if states else fallback)
+
+
+def generate_step(
+    prompt: mx.array,
+    model,
+    *,
+    effective_vocab_size: int,
+    max_tokens: int = 256,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    max_kv_size: Optional[int] = None,
+) -> Generator[Tuple[int, mx.array], None, None]:
+    """Yield (token, logprobs) pairs; logprobs are over the physical width, -inf past the
+    effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops."""
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
+    if prefill_step_size < 1:
+        raise GenerationError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+    if prompt_cache is None:
+        prompt_cache = model.make_cache(max_kv_size=max_kv_size) if max_kv_size else model.make_cache()
+    sampler = sampler or make_sampler(effective_vocab_size)
+    logits_processors = logits_processors or []
+    tokens = None
+
+    def _step(y):
+        nonlocal tokens
+        logits = model(y[None], cache=prompt_cache)[:, -1, :]
+        if logits_processors:
+            tokens = y if tokens is None else mx.concatenate([tokens, y])
+            for proc in logits_processors:
+                logits = proc(tokens, logits)
+        logits = apply_vocab_mask(logits, effective_vocab_size)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs), logprobs.squeeze(0)
+
+    y = prompt.astype(mx.int32)
+    # Chunked prefill: all but the last prompt token, the cache evaluated chunk by chunk.
+    while y.size > 1:
+        n = min(prefill_step_size, y.size - 1)
+        chunk = y[:n]
+        out = model(chunk[None], cache=prompt_cache)
+        if logits_processors:
+            tokens = chunk if tokens is None else mx.concatenate([tokens, chunk])
+        _eval_cache(prompt_cache, out)
+        y = y[n:]
+
+    y, logprobs = _step(y)
+    mx.async_eval(y, logprobs)
+    n = 0
+    while True:
+        if n != max_tokens:
+            # Queue the next step before reading this one, so the host never idles the device.
+            next_y, next_logprobs = _step(y)
+            mx.async_eval(next_y, next_logprobs)
+        if n == max_tokens:
+            break
+        yield y.item(), logprobs
+        y, logprobs = next_y, next_logprobs
+        n += 1
+
+
+def _prompt_ids(tokenizer, prompt) -> mx.array:
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)  # caller text: DATA, no special-token resolution
+    elif isinstance(prompt, mx.array):
+        ids = prompt.tolist()
+    else:
+        ids = list(prompt)
+    ids = tokenizer.check_ids(ids)
+    if not ids:
+        raise GenerationError("prompt is empty")
+    bad = [i for i in ids if i >= tokenizer.effective_vocab_size]
+    if bad:
+        raise GenerationError(f"prompt contains unassigned token ID {bad[0]} (>= {tokenizer.effective_vocab_size})")
+    return mx.array(ids, dtype=mx.int32)
+
+
+def _context_limit(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None)
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: Union[str, Sequence[int], mx.array],
+    max_tokens: int = 256,
+    **kwargs,
+) -> Generator[GenerationResponse, None, None]:
+    """Generate, yielding a GenerationResponse per token; stops on the tokenizer's stop set."""
+    ids = _prompt_ids(tokenizer, prompt)
+    limit = _context_limit(model)
+    if limit is not None and ids.size > limit:
+        raise GenerationError(f"prompt has {ids.size} tokens; the model context is {limit}")
+    if max_tokens != -1 and max_tokens < 1:
+        raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
+    if limit is not None:
+        room = limit - ids.size
+        max_tokens = room if max_tokens == -1 else min(max_tokens, room)
+
+    detok = tokenizer.detokenizer
+    stops = tokenizer.stop_token_ids
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    steps = generate_step(ids, model, effective_vocab_size=tokenizer.effective_vocab_size,
+                          max_tokens=max_tokens, **kwargs)
+    for n, (token, logprobs) in enumerate(steps, start=1):
+        if n == 1:
+            prompt_tps = ids.size / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        finish = "stop" if token in stops else ("length" if n == max_tokens else None)
+        if finish != "stop":
+            detok.add_token(token)
+        if finish is not None:
+            detok.finalize()
+        yield GenerationResponse(
+            text=detok.last_segment, token=token, logprobs=logprobs, prompt_tokens=ids.size,
+            prompt_tps=prompt_tps, generation_tokens=n,
+            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+        )
+        if finish is not None:
+            return
+
+
+def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """Generate a complete response; with `verbose`, stream it and print mlx_lm-style stats."""
+    text = ""
+    response = None
+    if verbose:
+        print("=" * 10)
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        if response is None:
+            print("No text generated for this prompt")
+            return text
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _UsageError(message)
+
+
+def _str2bool(s):
+    if s.lower() in ("true", "t", "1", "yes"):
+        return True
+    if s.lower() in ("false", "f", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hebrus-mlx generate", description="Generate text with a hebrus-mlx model.")
+    p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
+    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="message to send; '-' reads stdin")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-chat-template", action="store_true", help="tokenize the prompt as plain text")
+    p.add_argument("--verbose", type=_str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
+    p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP_SIZE)
+    p.add_argument("--max-kv-size", type=int, default=None)
+    return p
+
+
+def _check_args(args):
+    if args.max_tokens < 1:
+        raise _UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    try:
+        check_sampling_args(args.temp, args.top_p, args.min_p, args.top_k)
+    except ValueError as e:
+        raise _UsageError("--" + str(e).replace("_", "-", 1)) from None
+    if args.prefill_step_size < 1:
+        raise _UsageError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
+    if args.max_kv_size is not None and args.max_kv_size < 1:
+        raise _UsageError(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
+
+
+def _resolve_model(name: str) -> Path:
+    try:
+        from .utils import resolve_model_path
+    except ImportError:
+        resolve_model_path = None
+    if resolve_model_path is not None:
+        return resolve_model_path(name)
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {name!r} not found: looked for a directory at {path.resolve()}")
+    return path
+
+
+def _load(name: str):
+    path = _resolve_model(name)
+    try:
+        from .utils import load
+    except ImportError:
+        raise GenerationError("model loading is not available in this build (hebrus_mlx.utils.load)") from None
+    return load(path)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        _check_args(args)
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not prompt.strip():
+            raise _UsageError("the prompt is empty")
+        if args.seed is not None:
+            mx.random.seed(args.seed)
+        model, tokenizer = _load(args.model)
+        if args.ignore_chat_template or tokenizer.chat_template is None:
+            ids = tokenizer.encode(prompt)
+        else:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+            messages.append({"role": "user", "content": prompt})
+            _, ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
+                               min_p=args.min_p, top_k=args.top_k)
+        text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
+                        sampler=sampler, prefill_step_size=args.prefill_step_size,
+                        max_kv_size=args.max_kv_size)
+        if not args.verbose:
+            print(text)
+    except (_UsageError, GenerationError, OSError, ValueError, LookupError) as e:
+        print(f"hebrus-mlx generate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
