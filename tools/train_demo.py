@@ -522,13 +522,14 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None):
+def main(argv=None, dims=None):
+    """`dims` lets tests build a miniature model through the same path; the CLI always uses DemoDims()."""
     args = parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
-    dims = DemoDims()
+    dims = DemoDims() if dims is None else dims
     config = build_config(dims)
     t_start = time.time()
 
@@ -576,8 +577,9 @@ def main(argv=None):
     uni_subset = unigram_nll(train_stream, final_eval[:, 1:].reshape(-1), eff)
     uni_full = unigram_nll(train_stream, held_stream, eff)
 
-    # Greedy continuation of a held-out prompt: the start of the first held-out file's first "def".
-    prompt_text, prompt_file = None, None
+    # Greedy continuation of a held-out prompt: the start of the first held-out file's first "def"
+    # (or that file's opening text when no held-out file has one).
+    prompt_text, prompt_file = read_text(held_files[0])[:160], held_files[0].name
     for f in held_files:
         text = read_text(f)
         at = text.find("\ndef ")
