@@ -1,0 +1,315 @@
+// Python bindings: hebrus_mlx._ext. Shares MLX's nanobind domain so mx.array
+// crosses the boundary without copies.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <climits>
+#include <cstring>
+
+#include "ops.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using hebrus::Engine;
+
+namespace {
+
+hebrus::Digest to_digest(const nb::bytes& b, const char* field) {
+  if (b.size() != 32) {
+    throw hebrus::StreamError(
+        hebrus::ErrorCode::kBadRequest,
+        std::string(field) + ": SHA-256 digest must be 32 bytes");
+  }
+  hebrus::Digest d;
+  std::memcpy(d.data(), b.c_str(), 32);
+  return d;
+}
+
+nb::dict counters_dict(const hebrus::Counters& c) {
+  nb::dict d;
+  d["requests"] = c.requests;
+  d["hits"] = c.hits;
+  d["joins"] = c.joins;
+  d["misses"] = c.misses;
+  d["exact_bytes"] = c.exact_bytes;
+  d["predicted_bytes"] = c.predicted_bytes;
+  d["wasted_bytes"] = c.wasted_bytes;
+  d["evictions"] = c.evictions;
+  d["cancelled"] = c.cancelled;
+  d["stale_tickets"] = c.stale_tickets;
+  d["stale_drops"] = c.stale_drops;
+  d["errors"] = c.errors;
+  d["waits"] = c.waits;
+  d["waits_blocked"] = c.waits_blocked;
+  d["exposed_wait_ns"] = c.exposed_wait_ns;
+  d["exact_read_ns"] = c.exact_read_ns;
+  d["latency_p50_ns"] = c.latency_p50_ns;
+  d["latency_p95_ns"] = c.latency_p95_ns;
+  d["latency_p99_ns"] = c.latency_p99_ns;
+  d["latency_samples"] = c.latency_samples;
+  return d;
+}
+
+} // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "hebrus-mlx streaming engine (C++ MLX extension)";
+
+  nb::register_exception_translator(
+      [](const std::exception_ptr& p, void*) {
+        try {
+          std::rethrow_exception(p);
+        } catch (const hebrus::StreamError& e) {
+          nb::object cls;
+          try {
+            cls = nb::module_::import_("hebrus_mlx.stream.errors")
+                      .attr("BY_CODE")[nb::int_(static_cast<int>(e.code))];
+          } catch (...) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_RuntimeError, e.what());
+            return;
+          }
+          PyErr_SetString(cls.ptr(), e.what());
+        }
+      });
+
+  nb::class_<Engine>(m, "Engine")
+      .def(
+          "__init__",
+          [](Engine* self,
+             int threads,
+             uint64_t cache_bytes,
+             bool direct,
+             bool nocache,
+             bool rdadvise,
+             const std::string& policy,
+             bool testing) {
+            hebrus::EngineOptions o;
+            o.threads = threads;
+            o.cache_bytes = cache_bytes;
+            o.direct = direct;
+            o.nocache = nocache;
+            o.rdadvise = rdadvise;
+            o.policy = policy;
+            o.testing = testing;
+            new (self) Engine(o);
+          },
+          "threads"_a = 4,
+          "cache_bytes"_a = uint64_t(1) << 30,
+          "direct"_a = true,
+          "nocache"_a = false,
+          "rdadvise"_a = false,
+          "policy"_a = "lru",
+          "testing"_a = false)
+      .def("add_store", &Engine::add_store, "path"_a, "digest_id"_a = "")
+      .def(
+          "register_table",
+          [](Engine& e,
+             int store,
+             const std::vector<uint64_t>& offsets,
+             const std::vector<uint64_t>& lengths,
+             std::optional<std::vector<nb::bytes>> digests) {
+            if (offsets.size() != lengths.size() ||
+                (digests && digests->size() != offsets.size())) {
+              throw hebrus::StreamError(
+                  hebrus::ErrorCode::kBadRequest,
+                  "offsets/lengths/digests: must have equal lengths");
+            }
+            std::vector<hebrus::TableRow> rows(offsets.size());
+            for (size_t i = 0; i < rows.size(); ++i) {
+              rows[i].offset = offsets[i];
+              rows[i].length = lengths[i];
+              rows[i].has_digest = bool(digests);
+              if (digests) {
+                rows[i].digest = to_digest((*digests)[i], "digests");
+              }
+            }
+            return e.register_table(store, std::move(rows));
+          },
+          "store"_a,
+          "offsets"_a,
+          "lengths"_a,
+          "digests"_a = nb::none())
+      .def(
+          "request",
+          [](Engine& e,
+             int store,
+             uint64_t offset,
+             uint64_t length,
+             int priority,
+             bool exact,
+             uint64_t owner,
+             uint64_t generation,
+             int layer,
+             int expert,
+             uint64_t comp_begin,
+             std::optional<uint64_t> comp_end,
+             std::optional<int64_t> deadline_ns,
+             double confidence,
+             std::optional<nb::bytes> digest) {
+            hebrus::Request r;
+            r.store = store;
+            r.offset = offset;
+            r.length = length;
+            r.priority = priority;
+            r.exact = exact;
+            r.owner = owner;
+            r.generation = generation;
+            r.layer = layer;
+            r.expert = expert;
+            r.comp_begin = comp_begin;
+            r.comp_end = comp_end ? *comp_end : length;
+            r.deadline_ns = deadline_ns ? *deadline_ns : INT64_MAX;
+            r.confidence = confidence;
+            if (digest) {
+              r.has_digest = true;
+              r.digest = to_digest(*digest, "digest");
+            }
+            nb::gil_scoped_release nogil;
+            return e.request(r);
+          },
+          "store"_a,
+          "offset"_a,
+          "length"_a,
+          "priority"_a = 0,
+          "exact"_a = true,
+          "owner"_a = 0,
+          "generation"_a = 0,
+          "layer"_a = -1,
+          "expert"_a = -1,
+          "comp_begin"_a = 0,
+          "comp_end"_a = nb::none(),
+          "deadline_ns"_a = nb::none(),
+          "confidence"_a = 1.0,
+          "digest"_a = nb::none())
+      .def(
+          "wait",
+          [](Engine& e, uint64_t t, double timeout) {
+            nb::gil_scoped_release nogil;
+            return e.wait(t, timeout).length;
+          },
+          "ticket"_a,
+          "timeout"_a = -1.0)
+      .def(
+          "read",
+          [](Engine& e, uint64_t t, double timeout) {
+            Engine::View v{nullptr, 0};
+            {
+              nb::gil_scoped_release nogil;
+              v = e.wait(t, timeout);
+            }
+            // The ticket's pin keeps the slot valid while we copy.
+            return nb::bytes(reinterpret_cast<const char*>(v.data), v.length);
+          },
+          "ticket"_a,
+          "timeout"_a = -1.0)
+      .def("release", &Engine::release, "ticket"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("cancel", &Engine::cancel, "ticket"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("advance_generation", &Engine::advance_generation, "owner"_a,
+           "generation"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("set_hint", &Engine::set_hint, "store"_a, "offset"_a, "length"_a,
+           "p_use"_a)
+      .def(
+          "ticket_info",
+          [](Engine& e, uint64_t t) {
+            hebrus::TicketInfo i = e.ticket_info(t);
+            nb::dict d;
+            static const char* states[] = {"pending", "ready", "failed"};
+            static const char* kinds[] = {"hit", "joined", "miss"};
+            d["state"] = states[int(i.state)];
+            d["kind"] = kinds[int(i.kind)];
+            d["error"] = hebrus::error_name(i.error);
+            d["message"] = i.message;
+            d["slot"] = i.slot;
+            d["slot_generation"] = i.slot_generation;
+            d["complete_seq"] = i.complete_seq;
+            d["store"] = i.request.store;
+            d["offset"] = i.request.offset;
+            d["length"] = i.request.length;
+            d["priority"] = i.request.priority;
+            d["exact"] = i.request.exact;
+            d["owner"] = i.request.owner;
+            d["generation"] = i.request.generation;
+            d["layer"] = i.request.layer;
+            d["expert"] = i.request.expert;
+            d["comp_begin"] = i.request.comp_begin;
+            d["comp_end"] = i.request.comp_end;
+            d["deadline_ns"] = i.request.deadline_ns;
+            d["confidence"] = i.request.confidence;
+            return d;
+          },
+          "ticket"_a)
+      .def("counters", [](Engine& e) { return counters_dict(e.counters()); })
+      .def("reset_counters", &Engine::reset_counters)
+      .def(
+          "memory",
+          [](Engine& e) {
+            hebrus::MemoryInfo mi = e.memory();
+            nb::dict d;
+            d["capacity"] = mi.capacity;
+            d["allocated"] = mi.allocated;
+            d["resident"] = mi.resident;
+            d["pooled"] = mi.pooled;
+            d["slots_in_use"] = mi.slots_in_use;
+            d["pinned_slots"] = mi.pinned_slots;
+            d["tickets"] = mi.tickets;
+            d["inflight_reads"] = mi.inflight_reads;
+            d["queued_reads"] = mi.queued_reads;
+            return d;
+          })
+      .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "inject_fault",
+          [](Engine& e, const std::string& kind, int count) {
+            hebrus::Fault f;
+            if (kind == "eio") {
+              f = hebrus::Fault::kEIO;
+            } else if (kind == "short_read") {
+              f = hebrus::Fault::kShortRead;
+            } else if (kind == "digest") {
+              f = hebrus::Fault::kDigest;
+            } else {
+              throw hebrus::StreamError(
+                  hebrus::ErrorCode::kBadRequest,
+                  "kind: expected 'eio', 'short_read' or 'digest'");
+            }
+            e.inject_fault(f, count);
+          },
+          "kind"_a,
+          "count"_a = 1)
+      .def("hold", &Engine::hold, "on"_a)
+      .def("set_read_delay_us", &Engine::set_read_delay_us, "us"_a);
+
+  m.def(
+      "sha256",
+      [](const nb::bytes& b) {
+        hebrus::Digest d = hebrus::sha256(
+            reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+        return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      "data"_a);
+  m.def("load_tickets", &hebrus::load_tickets, "engine"_a, "tickets"_a);
+  m.def(
+      "gather_records",
+      &hebrus::gather_records,
+      "engine"_a,
+      "table"_a,
+      "indices"_a,
+      "owner"_a = 0,
+      "generation"_a = 0);
+  m.def(
+      "prefetch_records",
+      &hebrus::prefetch_records,
+      "engine"_a,
+      "table"_a,
+      "indices"_a,
+      "priority"_a = 1,
+      "confidence"_a = 1.0,
+      "owner"_a = 0,
+      "generation"_a = 0);
+}

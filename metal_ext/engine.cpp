@@ -1,0 +1,856 @@
+#include "engine.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace hebrus {
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+uint64_t round_up(uint64_t x, uint64_t a) {
+  return (x + a - 1) / a * a;
+}
+
+constexpr size_t kLatencyWindow = 1 << 16;
+
+} // namespace
+
+const char* error_name(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kNone:
+      return "ok";
+    case ErrorCode::kIO:
+      return "io";
+    case ErrorCode::kShortRead:
+      return "short_read";
+    case ErrorCode::kDigest:
+      return "digest";
+    case ErrorCode::kCancelled:
+      return "cancelled";
+    case ErrorCode::kStale:
+      return "stale";
+    case ErrorCode::kCacheFull:
+      return "cache_full";
+    case ErrorCode::kBadRequest:
+      return "bad_request";
+    case ErrorCode::kClosed:
+      return "closed";
+    case ErrorCode::kTimeout:
+      return "timeout";
+  }
+  return "unknown";
+}
+
+Engine::Engine(const EngineOptions& options) : opts_(options) {
+  if (opts_.threads < 1 || opts_.threads > 256) {
+    throw StreamError(ErrorCode::kBadRequest, "threads must be in [1, 256]");
+  }
+  if (opts_.cache_bytes < kAlign) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "cache_bytes must be at least 4096");
+  }
+  if (opts_.policy != "lru" && opts_.policy != "score") {
+    throw StreamError(
+        ErrorCode::kBadRequest, "policy must be 'lru' or 'score'");
+  }
+  latencies_.reserve(kLatencyWindow);
+  for (int i = 0; i < opts_.threads; ++i) {
+    workers_.emplace_back([this] { worker_loop(); });
+  }
+}
+
+Engine::~Engine() {
+  close();
+  for (auto& s : slots_) {
+    free_slab(s.slab);
+    if (s.job) {
+      free_slab(s.job->slab);
+    }
+  }
+  for (auto& [size, slab] : pool_) {
+    free_slab(slab);
+  }
+  for (auto& st : stores_) {
+    if (st.fd >= 0) {
+      ::close(st.fd);
+    }
+    if (st.direct_fd >= 0) {
+      ::close(st.direct_fd);
+    }
+  }
+}
+
+void Engine::close() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) {
+      return;
+    }
+    stop_ = true;
+    hold_ = false;
+  }
+  work_cv_.notify_all();
+  for (auto& t : workers_) {
+    t.join();
+  }
+  workers_.clear();
+  std::lock_guard<std::mutex> lk(mu_);
+  // Queued reads never ran: fail their tickets so no waiter hangs. Slabs stay
+  // until the destructor because a released view may still be in use.
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].state == SlotState::kLoading) {
+      fail_slot_locked(i, ErrorCode::kClosed, "stream engine closed");
+    }
+  }
+  done_cv_.notify_all();
+}
+
+void Engine::free_slab(Slab& slab) {
+  if (slab.data) {
+    std::free(slab.data);
+  }
+  slab = Slab{};
+}
+
+void Engine::check_store_locked(int store) const {
+  if (store < 0 || store >= static_cast<int>(stores_.size())) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "store: unknown store id " + std::to_string(store));
+  }
+}
+
+int Engine::add_store(const std::string& path, const std::string& digest_id) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "store path " + path + ": " + std::strerror(errno));
+  }
+  int direct_fd = -1;
+#if defined(__linux__)
+  if (opts_.direct) {
+    // Filesystems without O_DIRECT (tmpfs) refuse it: use the buffered fd.
+    direct_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  }
+#elif defined(__APPLE__)
+  if (opts_.nocache) {
+    fcntl(fd, F_NOCACHE, 1);
+  }
+#endif
+  std::lock_guard<std::mutex> lk(mu_);
+  stores_.push_back(Store{path, digest_id, fd, direct_fd});
+  return static_cast<int>(stores_.size()) - 1;
+}
+
+int Engine::register_table(int store, std::vector<TableRow> rows) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_store_locked(store);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i].length == 0 || rows[i].length > opts_.cache_bytes) {
+      throw StreamError(
+          ErrorCode::kBadRequest,
+          "table row " + std::to_string(i) +
+              ": length must be in [1, cache_bytes]");
+    }
+  }
+  uint64_t uniform = rows.empty() ? 0 : rows[0].length;
+  for (const auto& r : rows) {
+    if (r.length != uniform) {
+      uniform = 0;
+    }
+  }
+  tables_.push_back(Table{store, std::move(rows), uniform});
+  return static_cast<int>(tables_.size()) - 1;
+}
+
+const Table& Engine::table(int table_id) const {
+  // Tables are append-only and never mutated after registration.
+  if (table_id < 0 || table_id >= static_cast<int>(tables_.size())) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "table: unknown table id " + std::to_string(table_id));
+  }
+  return tables_[table_id];
+}
+
+uint32_t Engine::alloc_slot_locked() {
+  if (!free_slots_.empty()) {
+    uint32_t idx = free_slots_.back();
+    free_slots_.pop_back();
+    return idx;
+  }
+  slots_.emplace_back();
+  return static_cast<uint32_t>(slots_.size() - 1);
+}
+
+void Engine::retire_slot_locked(uint32_t idx) {
+  Slot& s = slots_[idx];
+  // The generation bump is what keeps an in-flight read of the old owner
+  // from ever publishing here.
+  s.gen++;
+  auto it = index_.find(s.key);
+  if (it != index_.end() && it->second == idx) {
+    index_.erase(it);
+  }
+  if (s.slab.data) {
+    pool_.emplace(s.slab.size, s.slab);
+    s.slab = Slab{};
+  }
+  if (s.job) {
+    pool_.emplace(s.job->slab.size, s.job->slab);
+    s.job.reset();
+  }
+  s.state = SlotState::kFree;
+  s.pins = 0;
+  s.detached = false;
+  s.exact = false;
+  s.used = false;
+  s.inflight = false;
+  s.queued_priority = -1;
+  s.deadline_ns = INT64_MAX;
+  s.waiters.clear();
+  free_slots_.push_back(idx);
+}
+
+void Engine::fail_slot_locked(
+    uint32_t idx,
+    ErrorCode code,
+    const std::string& msg) {
+  Slot& s = slots_[idx];
+  for (uint64_t id : s.waiters) {
+    auto it = tickets_.find(id);
+    if (it == tickets_.end()) {
+      continue;
+    }
+    it->second.state = TicketState::kFailed;
+    it->second.error = code;
+    it->second.message = msg;
+    it->second.holds_pin = false;
+  }
+  retire_slot_locked(idx);
+}
+
+double Engine::eviction_key(const Slot& s) const {
+  if (opts_.policy == "score") {
+    // Stall removed per byte: P(use) * latency a miss would cost / bytes.
+    double stall = s.stall_ns > 0 ? s.stall_ns : stall_ewma_ns_;
+    return s.p_use * std::max(stall, 1.0) / double(s.key.length);
+  }
+  return double(s.lru);
+}
+
+Slab Engine::reserve_slab_locked(uint64_t size, uint32_t protect) {
+  while (true) {
+    auto it = pool_.find(size);
+    if (it != pool_.end()) {
+      Slab slab = it->second;
+      pool_.erase(it);
+      return slab;
+    }
+    if (allocated_ + size <= opts_.cache_bytes) {
+      void* p = nullptr;
+      if (posix_memalign(&p, kAlign, size) != 0) {
+        throw StreamError(
+            ErrorCode::kCacheFull,
+            "could not allocate a " + std::to_string(size) + "-byte slab");
+      }
+      allocated_ += size;
+      return Slab{static_cast<uint8_t*>(p), size};
+    }
+    if (!pool_.empty()) {
+      // A pooled slab of another size: give its bytes back to the budget.
+      auto victim = std::prev(pool_.end());
+      allocated_ -= victim->second.size;
+      free_slab(victim->second);
+      pool_.erase(victim);
+      continue;
+    }
+    int64_t best = -1;
+    for (uint32_t i = 0; i < slots_.size(); ++i) {
+      const Slot& s = slots_[i];
+      if (s.state != SlotState::kReady || s.pins > 0 || i == protect) {
+        continue;
+      }
+      if (best < 0) {
+        best = i;
+        continue;
+      }
+      const Slot& b = slots_[best];
+      double ks = eviction_key(s), kb = eviction_key(b);
+      if (ks < kb || (ks == kb && s.lru < b.lru)) {
+        best = i;
+      }
+    }
+    if (best < 0) {
+      throw StreamError(
+          ErrorCode::kCacheFull,
+          "slot cache full: every byte of the " +
+              std::to_string(opts_.cache_bytes) +
+              "-byte cache is pinned or in flight; need " +
+              std::to_string(size));
+    }
+    Slot& v = slots_[best];
+    if (!v.used) {
+      counters_.wasted_bytes += v.key.length;
+    }
+    counters_.evictions++;
+    retire_slot_locked(static_cast<uint32_t>(best));
+  }
+}
+
+void Engine::enqueue_locked(uint32_t idx, int priority) {
+  Slot& s = slots_[idx];
+  s.queued_priority = priority;
+  queues_[priority].push(QueueItem{s.deadline_ns, ++queue_seq_, idx, s.gen});
+}
+
+uint64_t Engine::request(const Request& req) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stop_) {
+    throw StreamError(ErrorCode::kClosed, "stream engine closed");
+  }
+  check_store_locked(req.store);
+  if (req.length == 0 || req.length > opts_.cache_bytes) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "length: must be in [1, cache_bytes], got " +
+            std::to_string(req.length));
+  }
+  if (req.priority < 0 || req.priority >= kNumPriorities) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "priority: must be 0 (P0), 1 (P1) or 2 (P2), got " +
+            std::to_string(req.priority));
+  }
+  if (!(req.confidence >= 0.0 && req.confidence <= 1.0)) {
+    throw StreamError(ErrorCode::kBadRequest, "confidence: must be in [0, 1]");
+  }
+  if (req.comp_end < req.comp_begin || req.comp_end > req.length) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "component range: need comp_begin <= comp_end <= length");
+  }
+  auto og = owner_generation_.find(req.owner);
+  if (og != owner_generation_.end() && req.generation < og->second) {
+    throw StreamError(
+        ErrorCode::kStale,
+        "generation " + std::to_string(req.generation) + " of owner " +
+            std::to_string(req.owner) + " is stale (current " +
+            std::to_string(og->second) + ")");
+  }
+  counters_.requests++;
+  Key key{req.store, req.offset, req.length};
+  uint64_t id = next_ticket_;
+  Ticket t;
+  t.req = req;
+  auto found = index_.find(key);
+  if (found != index_.end()) {
+    uint32_t idx = found->second;
+    Slot& s = slots_[idx];
+    s.pins++;
+    s.used = true;
+    s.lru = ++lru_clock_;
+    s.p_use = std::max(s.p_use, req.confidence);
+    s.exact = s.exact || req.exact;
+    t.slot = idx;
+    t.gen = s.gen;
+    if (s.state == SlotState::kReady) {
+      t.state = TicketState::kReady;
+      t.kind = TicketKind::kHit;
+      t.complete_seq = 0;
+      counters_.hits++;
+    } else {
+      t.state = TicketState::kPending;
+      t.kind = TicketKind::kJoined;
+      counters_.joins++;
+      s.waiters.push_back(id);
+      // Still queued: a more urgent joiner moves the read up.
+      if (s.job &&
+          (req.priority < s.queued_priority ||
+           req.deadline_ns < s.deadline_ns)) {
+        s.deadline_ns = std::min(s.deadline_ns, req.deadline_ns);
+        enqueue_locked(idx, std::min(req.priority, s.queued_priority));
+        work_cv_.notify_one();
+      }
+    }
+  } else {
+    // Reserve before touching any state: a full cache leaves nothing behind.
+    Slab slab = reserve_slab_locked(round_up(req.length, kAlign), UINT32_MAX);
+    uint32_t idx = alloc_slot_locked();
+    Slot& s = slots_[idx];
+    s.state = SlotState::kLoading;
+    s.key = key;
+    s.pins = 1;
+    s.exact = req.exact;
+    s.lru = ++lru_clock_;
+    s.p_use = req.confidence;
+    s.stall_ns = 0;
+    s.deadline_ns = req.deadline_ns;
+    s.waiters = {id};
+    const Store& st = stores_[req.store];
+    s.job = std::make_unique<Job>(Job{
+        idx,
+        s.gen,
+        key,
+        slab,
+        req.has_digest,
+        req.digest,
+        now_ns(),
+        req.priority,
+        st.fd,
+        st.direct_fd});
+    index_[key] = idx;
+    enqueue_locked(idx, req.priority);
+    t.slot = idx;
+    t.gen = s.gen;
+    t.state = TicketState::kPending;
+    t.kind = TicketKind::kMiss;
+    counters_.misses++;
+    work_cv_.notify_one();
+  }
+  next_ticket_++;
+  tickets_.emplace(id, std::move(t));
+  return id;
+}
+
+Engine::View Engine::wait(uint64_t id, double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = tickets_.find(id);
+  if (it == tickets_.end()) {
+    if (id > 0 && id < next_ticket_) {
+      throw StreamError(
+          ErrorCode::kCancelled,
+          "ticket " + std::to_string(id) + " was already released or cancelled");
+    }
+    throw StreamError(
+        ErrorCode::kBadRequest, "ticket: unknown id " + std::to_string(id));
+  }
+  counters_.waits++;
+  if (it->second.state == TicketState::kPending) {
+    counters_.waits_blocked++;
+    int64_t t0 = now_ns();
+    auto deadline = std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(
+                            timeout_s < 0 ? 1e9 : timeout_s));
+    while (true) {
+      it = tickets_.find(id);
+      if (it == tickets_.end()) {
+        counters_.exposed_wait_ns += now_ns() - t0;
+        throw StreamError(
+            ErrorCode::kCancelled,
+            "ticket " + std::to_string(id) + " was cancelled while waiting");
+      }
+      if (it->second.state != TicketState::kPending) {
+        break;
+      }
+      if (done_cv_.wait_until(lk, deadline) == std::cv_status::timeout) {
+        it = tickets_.find(id);
+        if (it != tickets_.end() &&
+            it->second.state == TicketState::kPending) {
+          counters_.exposed_wait_ns += now_ns() - t0;
+          throw StreamError(
+              ErrorCode::kTimeout,
+              "ticket " + std::to_string(id) + " not ready within timeout");
+        }
+      }
+    }
+    counters_.exposed_wait_ns += now_ns() - t0;
+  }
+  Ticket& t = it->second;
+  if (t.state == TicketState::kFailed) {
+    throw StreamError(t.error, t.message);
+  }
+  Slot& s = slots_[t.slot];
+  s.used = true;
+  s.lru = ++lru_clock_;
+  return View{s.slab.data, s.key.length};
+}
+
+bool Engine::drop_ticket_locked(uint64_t id, bool cancel) {
+  auto it = tickets_.find(id);
+  if (it == tickets_.end()) {
+    return false;
+  }
+  Ticket t = std::move(it->second);
+  tickets_.erase(it);
+  if (cancel) {
+    counters_.cancelled++;
+  }
+  if (!t.holds_pin) {
+    return true;
+  }
+  Slot& s = slots_[t.slot];
+  if (s.gen != t.gen) {
+    return true;
+  }
+  s.pins--;
+  s.waiters.erase(
+      std::remove(s.waiters.begin(), s.waiters.end(), id), s.waiters.end());
+  if (s.state == SlotState::kLoading) {
+    if (!cancel) {
+      s.detached = true;
+    } else if (s.pins == 0 && !s.detached) {
+      // Nobody wants the record: drop a queued read; an in-flight read
+      // finishes into its own slab and is discarded (generation moved on).
+      retire_slot_locked(t.slot);
+    }
+  }
+  return true;
+}
+
+bool Engine::release(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  bool r = drop_ticket_locked(id, false);
+  done_cv_.notify_all();
+  return r;
+}
+
+bool Engine::cancel(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  bool r = drop_ticket_locked(id, true);
+  done_cv_.notify_all();
+  return r;
+}
+
+int Engine::advance_generation(uint64_t owner, uint64_t generation) {
+  std::lock_guard<std::mutex> lk(mu_);
+  uint64_t& cur = owner_generation_[owner];
+  cur = std::max(cur, generation);
+  std::vector<uint64_t> stale;
+  for (auto& [id, t] : tickets_) {
+    if (t.req.owner == owner && t.req.generation < cur &&
+        t.state != TicketState::kFailed) {
+      stale.push_back(id);
+    }
+  }
+  for (uint64_t id : stale) {
+    Ticket& t = tickets_.at(id);
+    std::string msg = "ticket " + std::to_string(id) + " of owner " +
+        std::to_string(owner) + " generation " +
+        std::to_string(t.req.generation) + " is stale (current " +
+        std::to_string(cur) + ")";
+    if (t.state == TicketState::kPending) {
+      Slot& s = slots_[t.slot];
+      if (s.gen == t.gen) {
+        s.pins--;
+        s.waiters.erase(
+            std::remove(s.waiters.begin(), s.waiters.end(), id),
+            s.waiters.end());
+        if (s.pins == 0 && !s.detached) {
+          retire_slot_locked(t.slot);
+        }
+      }
+      t.holds_pin = false;
+    }
+    // A ready ticket keeps its pin until released: its consumer may be
+    // reading the slot right now.
+    t.state = TicketState::kFailed;
+    t.error = ErrorCode::kStale;
+    t.message = msg;
+  }
+  counters_.stale_tickets += stale.size();
+  done_cv_.notify_all();
+  return static_cast<int>(stale.size());
+}
+
+bool Engine::set_hint(int store, uint64_t offset, uint64_t length, double p) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = index_.find(Key{store, offset, length});
+  if (it == index_.end()) {
+    return false;
+  }
+  slots_[it->second].p_use = std::clamp(p, 0.0, 1.0);
+  return true;
+}
+
+bool Engine::pick_job_locked(std::unique_ptr<Job>& job) {
+  for (int p = 0; p < kNumPriorities; ++p) {
+    // P2 only takes spare bandwidth: never while P0/P1 reads are queued, and
+    // one worker stays free for an exact miss that may arrive next.
+    if (p == kNumPriorities - 1 && opts_.threads > 1 &&
+        inflight_[p] >= opts_.threads - 1) {
+      return false;
+    }
+    Queue& q = queues_[p];
+    while (!q.empty()) {
+      QueueItem item = q.top();
+      q.pop();
+      Slot& s = slots_[item.slot];
+      if (s.gen != item.gen || s.state != SlotState::kLoading || !s.job ||
+          s.queued_priority != p) {
+        continue; // superseded entry (cancelled, upgraded or already taken)
+      }
+      job = std::move(s.job);
+      job->priority = p;
+      s.inflight = true;
+      s.queued_priority = -1;
+      inflight_[p]++;
+      return true;
+    }
+  }
+  return false;
+}
+
+ErrorCode Engine::do_read(
+    const Job& job,
+    std::string& msg,
+    Fault fault,
+    int64_t delay_us) {
+  auto where = [&] {
+    std::ostringstream os;
+    os << "store " << job.key.store << " offset " << job.key.offset
+       << " length " << job.key.length;
+    return os.str();
+  };
+  if (delay_us > 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+  }
+  if (fault == Fault::kEIO) {
+    msg = "I/O error reading " + where() + ": " + std::strerror(EIO) +
+        " (injected)";
+    return ErrorCode::kIO;
+  }
+  bool direct = job.direct_fd >= 0 && job.key.offset % kAlign == 0;
+  int fd = direct ? job.direct_fd : job.fd;
+  uint64_t want = direct ? round_up(job.key.length, kAlign) : job.key.length;
+#if defined(__APPLE__)
+  if (opts_.rdadvise) {
+    struct radvisory ra;
+    ra.ra_offset = static_cast<off_t>(job.key.offset);
+    ra.ra_count = static_cast<int>(std::min<uint64_t>(want, INT32_MAX));
+    fcntl(fd, F_RDADVISE, &ra);
+  }
+#endif
+  uint64_t got = 0;
+  while (got < want) {
+    ssize_t n = ::pread(
+        fd, job.slab.data + got, want - got, job.key.offset + got);
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      if (direct && errno == EINVAL && got == 0) {
+        // The filesystem refused this direct read: retry buffered.
+        direct = false;
+        fd = job.fd;
+        want = job.key.length;
+        continue;
+      }
+      msg = "I/O error reading " + where() + ": " + std::strerror(errno);
+      return ErrorCode::kIO;
+    }
+    if (n == 0) {
+      break;
+    }
+    got += static_cast<uint64_t>(n);
+  }
+  if (fault == Fault::kShortRead) {
+    got = job.key.length / 2;
+  }
+  if (got < job.key.length) {
+    msg = "short read of " + where() + ": got " + std::to_string(got) +
+        " bytes";
+    return ErrorCode::kShortRead;
+  }
+  if (job.has_digest) {
+    if (fault == Fault::kDigest) {
+      job.slab.data[0] ^= 0xff;
+    }
+    Digest d = sha256(job.slab.data, job.key.length);
+    if (d != job.digest) {
+      msg = "SHA-256 mismatch for " + where();
+      return ErrorCode::kDigest;
+    }
+  }
+  return ErrorCode::kNone;
+}
+
+void Engine::worker_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (true) {
+    if (stop_) {
+      return;
+    }
+    std::unique_ptr<Job> job;
+    if (hold_ || !pick_job_locked(job)) {
+      work_cv_.wait(lk);
+      continue;
+    }
+    Fault fault = Fault::kNone;
+    if (fault_count_ > 0 && (fault_ != Fault::kDigest || job->has_digest)) {
+      fault = fault_;
+      if (--fault_count_ == 0) {
+        fault_ = Fault::kNone;
+      }
+    }
+    int64_t delay = read_delay_us_;
+    lk.unlock();
+    std::string msg;
+    ErrorCode code = do_read(*job, msg, fault, delay);
+    lk.lock();
+    inflight_[job->priority]--;
+    Slot& s = slots_[job->slot];
+    if (s.gen != job->gen) {
+      // The slot was abandoned or recycled while we read: never publish.
+      counters_.stale_drops++;
+      counters_.wasted_bytes += job->key.length;
+      pool_.emplace(job->slab.size, job->slab);
+    } else if (code == ErrorCode::kNone) {
+      int64_t lat = now_ns() - job->issue_ns;
+      s.slab = job->slab;
+      s.state = SlotState::kReady;
+      s.inflight = false;
+      s.stall_ns = double(lat);
+      uint64_t seq = ++complete_seq_;
+      for (uint64_t id : s.waiters) {
+        auto it = tickets_.find(id);
+        if (it != tickets_.end() && it->second.state == TicketState::kPending) {
+          it->second.state = TicketState::kReady;
+          it->second.complete_seq = seq;
+        }
+      }
+      s.waiters.clear();
+      if (latencies_.size() < kLatencyWindow) {
+        latencies_.push_back(lat);
+      } else {
+        latencies_[latency_pos_] = lat;
+      }
+      latency_pos_ = (latency_pos_ + 1) % kLatencyWindow;
+      counters_.latency_samples++;
+      stall_ewma_ns_ = stall_ewma_ns_ == 0 ? lat : 0.9 * stall_ewma_ns_ + 0.1 * lat;
+      if (s.exact) {
+        counters_.exact_bytes += job->key.length;
+        counters_.exact_read_ns += lat;
+      } else {
+        counters_.predicted_bytes += job->key.length;
+      }
+    } else {
+      counters_.errors++;
+      pool_.emplace(job->slab.size, job->slab);
+      fail_slot_locked(job->slot, code, msg);
+    }
+    done_cv_.notify_all();
+    work_cv_.notify_all();
+  }
+}
+
+TicketInfo Engine::ticket_info(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = tickets_.find(id);
+  if (it == tickets_.end()) {
+    throw StreamError(
+        ErrorCode::kCancelled,
+        "ticket " + std::to_string(id) + " is not outstanding");
+  }
+  const Ticket& t = it->second;
+  return TicketInfo{
+      t.state,
+      t.kind,
+      t.error,
+      t.message,
+      t.slot,
+      t.gen,
+      t.complete_seq,
+      t.req};
+}
+
+Counters Engine::counters() {
+  std::lock_guard<std::mutex> lk(mu_);
+  Counters c = counters_;
+  if (!latencies_.empty()) {
+    std::vector<int64_t> v = latencies_;
+    auto pct = [&](double q) {
+      size_t k = std::min(v.size() - 1, size_t(q * (v.size() - 1) + 0.5));
+      std::nth_element(v.begin(), v.begin() + k, v.end());
+      return double(v[k]);
+    };
+    c.latency_p50_ns = pct(0.50);
+    c.latency_p95_ns = pct(0.95);
+    c.latency_p99_ns = pct(0.99);
+  }
+  return c;
+}
+
+void Engine::reset_counters() {
+  std::lock_guard<std::mutex> lk(mu_);
+  counters_ = Counters{};
+  latencies_.clear();
+  latency_pos_ = 0;
+}
+
+MemoryInfo Engine::memory() {
+  std::lock_guard<std::mutex> lk(mu_);
+  MemoryInfo m;
+  m.capacity = opts_.cache_bytes;
+  m.allocated = allocated_;
+  for (auto& [size, slab] : pool_) {
+    m.pooled += size;
+  }
+  for (const Slot& s : slots_) {
+    if (s.state == SlotState::kFree) {
+      continue;
+    }
+    m.slots_in_use++;
+    if (s.pins > 0) {
+      m.pinned_slots++;
+    }
+    if (s.state == SlotState::kReady) {
+      m.resident += s.slab.size;
+    } else if (s.inflight) {
+      m.inflight_reads++;
+    } else {
+      m.queued_reads++;
+    }
+  }
+  m.tickets = static_cast<uint32_t>(tickets_.size());
+  return m;
+}
+
+void Engine::inject_fault(Fault fault, int count) {
+  if (!opts_.testing) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "fault injection needs Engine(testing=True)");
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  fault_ = fault;
+  fault_count_ = count;
+}
+
+void Engine::hold(bool on) {
+  if (!opts_.testing) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "hold() needs Engine(testing=True)");
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    hold_ = on;
+  }
+  work_cv_.notify_all();
+}
+
+void Engine::set_read_delay_us(int64_t us) {
+  if (!opts_.testing) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "read delay needs Engine(testing=True)");
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  read_delay_us_ = us;
+}
+
+} // namespace hebrus

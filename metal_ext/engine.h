@@ -1,0 +1,327 @@
+// I/O engine for streamed records (experts, PLE pages).
+//
+// A request names (store, offset, length) plus scheduling metadata and gets a
+// ticket. Records live in a bounded slot cache; a slot publishes its bytes
+// only after the whole read (and optional SHA-256) succeeded, and only if the
+// slot generation the read was issued for is still current (AFN-019).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "sha256.h"
+
+namespace hebrus {
+
+constexpr uint64_t kAlign = 4096;
+
+enum class ErrorCode : int {
+  kNone = 0,
+  kIO = 1,
+  kShortRead = 2,
+  kDigest = 3,
+  kCancelled = 4,
+  kStale = 5,
+  kCacheFull = 6,
+  kBadRequest = 7,
+  kClosed = 8,
+  kTimeout = 9,
+};
+
+const char* error_name(ErrorCode code);
+
+struct StreamError : std::runtime_error {
+  StreamError(ErrorCode c, const std::string& msg)
+      : std::runtime_error(msg), code(c) {}
+  ErrorCode code;
+};
+
+// P0 exact critical, P1 near-term predicted, P2 speculative.
+constexpr int kNumPriorities = 3;
+
+struct Request {
+  int store = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  int priority = 0;
+  bool exact = true;
+  uint64_t owner = 0;
+  uint64_t generation = 0;
+  int layer = -1;
+  int expert = -1;
+  // Component byte range inside the record this consumer needs (metadata;
+  // the whole record is read and verified as one snapshot).
+  uint64_t comp_begin = 0;
+  uint64_t comp_end = 0;
+  // Absolute steady-clock ns; within a class, earlier deadlines go first.
+  int64_t deadline_ns = INT64_MAX;
+  double confidence = 1.0;
+  bool has_digest = false;
+  Digest digest{};
+};
+
+enum class TicketState : int { kPending = 0, kReady = 1, kFailed = 2 };
+enum class TicketKind : int { kHit = 0, kJoined = 1, kMiss = 2 };
+
+struct TicketInfo {
+  TicketState state;
+  TicketKind kind;
+  ErrorCode error;
+  std::string message;
+  uint32_t slot;
+  uint64_t slot_generation;
+  uint64_t complete_seq;
+  Request request;
+};
+
+struct Counters {
+  uint64_t requests = 0;
+  uint64_t hits = 0;
+  uint64_t joins = 0;
+  uint64_t misses = 0;
+  uint64_t exact_bytes = 0;
+  uint64_t predicted_bytes = 0;
+  uint64_t wasted_bytes = 0;
+  uint64_t evictions = 0;
+  uint64_t cancelled = 0;
+  uint64_t stale_tickets = 0;
+  uint64_t stale_drops = 0;
+  uint64_t errors = 0;
+  uint64_t waits = 0;
+  uint64_t waits_blocked = 0;
+  uint64_t exposed_wait_ns = 0;
+  uint64_t exact_read_ns = 0;
+  double latency_p50_ns = 0;
+  double latency_p95_ns = 0;
+  double latency_p99_ns = 0;
+  uint64_t latency_samples = 0;
+};
+
+struct MemoryInfo {
+  uint64_t capacity = 0;
+  uint64_t allocated = 0; // every slab: cached, in flight, or pooled
+  uint64_t resident = 0; // bytes of published slots
+  uint64_t pooled = 0;
+  uint32_t slots_in_use = 0;
+  uint32_t pinned_slots = 0;
+  uint32_t tickets = 0;
+  uint32_t inflight_reads = 0;
+  uint32_t queued_reads = 0;
+};
+
+struct EngineOptions {
+  int threads = 4;
+  uint64_t cache_bytes = 1ull << 30;
+  bool direct = true; // O_DIRECT on Linux when offset/length/buffer align
+  bool nocache = false; // macOS F_NOCACHE on the store fd
+  bool rdadvise = false; // macOS F_RDADVISE before each read
+  std::string policy = "lru"; // "lru" or "score"
+  bool testing = false; // enables fault injection and hold()
+};
+
+enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kDigest = 3 };
+
+// An aligned buffer owned by exactly one of: the pool, a slot, a read job.
+struct Slab {
+  uint8_t* data = nullptr;
+  uint64_t size = 0;
+};
+
+struct TableRow {
+  uint64_t offset;
+  uint64_t length;
+  bool has_digest;
+  Digest digest;
+};
+
+struct Table {
+  int store;
+  std::vector<TableRow> rows;
+  uint64_t uniform_length; // 0 when rows differ in length
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int add_store(const std::string& path, const std::string& digest_id);
+  int register_table(int store, std::vector<TableRow> rows);
+  const Table& table(int table_id) const;
+
+  // Never blocks on I/O. Throws StreamError (bad request, stale generation,
+  // cache full, closed).
+  uint64_t request(const Request& req);
+
+  struct View {
+    const uint8_t* data;
+    uint64_t length;
+  };
+  // Blocks until the ticket's record is published or failed. The view stays
+  // valid until the ticket is released or cancelled (the slot is pinned).
+  View wait(uint64_t ticket, double timeout_s = -1.0);
+
+  // Both drop the ticket's ownership exactly once (false on a repeat call).
+  // release keeps an unfinished read going as a cache candidate; cancel
+  // abandons it when no other ticket still wants the record.
+  bool release(uint64_t ticket);
+  bool cancel(uint64_t ticket);
+
+  // Tickets of `owner` below `generation` fail as stale; later requests below
+  // it are refused. Returns how many tickets went stale.
+  int advance_generation(uint64_t owner, uint64_t generation);
+
+  // Scored policy hint: P(use before eviction) for a cached record.
+  bool set_hint(int store, uint64_t offset, uint64_t length, double p_use);
+
+  TicketInfo ticket_info(uint64_t ticket);
+  Counters counters();
+  void reset_counters();
+  MemoryInfo memory();
+  void close();
+
+  // Test hooks (only with options.testing).
+  void inject_fault(Fault fault, int count);
+  void hold(bool on);
+  void set_read_delay_us(int64_t us);
+
+  const EngineOptions& options() const {
+    return opts_;
+  }
+
+ private:
+  struct Key {
+    int store;
+    uint64_t offset;
+    uint64_t length;
+    bool operator==(const Key& o) const {
+      return store == o.store && offset == o.offset && length == o.length;
+    }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      return std::hash<uint64_t>()(k.offset * 1000003ull ^ k.length) ^
+          std::hash<int>()(k.store);
+    }
+  };
+  struct Job {
+    uint32_t slot;
+    uint64_t gen;
+    Key key;
+    Slab slab;
+    bool has_digest;
+    Digest digest;
+    int64_t issue_ns;
+    int priority;
+    int fd;
+    int direct_fd;
+  };
+  enum class SlotState : int { kFree, kLoading, kReady };
+  struct Slot {
+    uint64_t gen = 0;
+    SlotState state = SlotState::kFree;
+    Key key{};
+    Slab slab;
+    int pins = 0;
+    bool detached = false;
+    bool exact = false;
+    bool used = false;
+    bool inflight = false;
+    uint64_t lru = 0;
+    double p_use = 0.0;
+    double stall_ns = 0.0;
+    int queued_priority = -1;
+    int64_t deadline_ns = INT64_MAX;
+    std::unique_ptr<Job> job;
+    std::vector<uint64_t> waiters;
+  };
+  struct Ticket {
+    uint32_t slot;
+    uint64_t gen;
+    TicketState state;
+    TicketKind kind;
+    ErrorCode error = ErrorCode::kNone;
+    std::string message;
+    bool holds_pin = true;
+    uint64_t complete_seq = 0;
+    Request req;
+  };
+  struct QueueItem {
+    int64_t deadline_ns;
+    uint64_t seq;
+    uint32_t slot;
+    uint64_t gen;
+    bool operator>(const QueueItem& o) const {
+      return deadline_ns != o.deadline_ns ? deadline_ns > o.deadline_ns
+                                          : seq > o.seq;
+    }
+  };
+  using Queue = std::priority_queue<
+      QueueItem,
+      std::vector<QueueItem>,
+      std::greater<QueueItem>>;
+  struct Store {
+    std::string path;
+    std::string digest_id;
+    int fd = -1;
+    int direct_fd = -1;
+  };
+
+  void worker_loop();
+  bool pick_job_locked(std::unique_ptr<Job>& job);
+  void enqueue_locked(uint32_t slot_idx, int priority);
+  Slab reserve_slab_locked(uint64_t size, uint32_t protect_slot);
+  void retire_slot_locked(uint32_t slot_idx);
+  void fail_slot_locked(uint32_t slot_idx, ErrorCode code, const std::string& msg);
+  uint32_t alloc_slot_locked();
+  bool drop_ticket_locked(uint64_t ticket, bool cancel);
+  void free_slab(Slab& slab);
+  ErrorCode do_read(const Job& job, std::string& msg, Fault fault, int64_t delay_us);
+  double eviction_key(const Slot& s) const;
+  void check_store_locked(int store) const;
+
+  EngineOptions opts_;
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::vector<std::thread> workers_;
+  std::vector<Store> stores_;
+  std::vector<Table> tables_;
+  std::deque<Slot> slots_;
+  std::vector<uint32_t> free_slots_;
+  std::unordered_map<Key, uint32_t, KeyHash> index_;
+  std::unordered_map<uint64_t, Ticket> tickets_;
+  std::unordered_map<uint64_t, uint64_t> owner_generation_;
+  std::multimap<uint64_t, Slab> pool_;
+  Queue queues_[kNumPriorities];
+  int inflight_[kNumPriorities] = {0, 0, 0};
+  uint64_t next_ticket_ = 1;
+  uint64_t queue_seq_ = 0;
+  uint64_t complete_seq_ = 0;
+  uint64_t lru_clock_ = 0;
+  uint64_t allocated_ = 0;
+  double stall_ewma_ns_ = 0.0;
+  bool stop_ = false;
+  bool hold_ = false;
+  Fault fault_ = Fault::kNone;
+  int fault_count_ = 0;
+  int64_t read_delay_us_ = 0;
+  Counters counters_;
+  std::vector<int64_t> latencies_;
+  size_t latency_pos_ = 0;
+};
+
+} // namespace hebrus

@@ -1,0 +1,126 @@
+// MLX primitives over the I/O engine. They run on the CPU stream: eval_cpu
+// dispatches a task that waits on exactly the tickets it consumes, so graph
+// evaluation (not Python) blocks on I/O, and only for the records it needs.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace hebrus {
+
+namespace mx = mlx::core;
+
+// uint8 [n, length] holding the records of already issued tickets (all of one
+// length). The op takes ownership of the tickets and releases each once.
+mx::array load_tickets(
+    std::shared_ptr<Engine> engine,
+    std::vector<uint64_t> tickets);
+
+// Streamed gather: uint8 [*indices.shape, length], row i = table[indices[i]].
+// Requests are issued as P0 exact when the indices are evaluated.
+mx::array gather_records(
+    std::shared_ptr<Engine> engine,
+    int table,
+    const mx::array& indices,
+    uint64_t owner,
+    uint64_t generation);
+
+// Non-blocking: issues table[indices] at `priority` as predicted reads and
+// returns at once; the reads stay as cache candidates. The uint32 scalar
+// output is the number of requests issued (misses + joins + hits).
+mx::array prefetch_records(
+    std::shared_ptr<Engine> engine,
+    int table,
+    const mx::array& indices,
+    int priority,
+    double confidence,
+    uint64_t owner,
+    uint64_t generation);
+
+class LoadTickets : public mx::UnaryPrimitive {
+ public:
+  LoadTickets(
+      mx::Stream s,
+      std::shared_ptr<Engine> engine,
+      std::vector<uint64_t> tickets,
+      uint64_t length)
+      : mx::UnaryPrimitive(s),
+        engine_(std::move(engine)),
+        tickets_(std::move(tickets)),
+        length_(length) {}
+  ~LoadTickets() override;
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "HebrusLoadTickets";
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  std::vector<uint64_t> tickets_;
+  uint64_t length_;
+};
+
+class GatherRecords : public mx::UnaryPrimitive {
+ public:
+  GatherRecords(
+      mx::Stream s,
+      std::shared_ptr<Engine> engine,
+      int table,
+      uint64_t owner,
+      uint64_t generation)
+      : mx::UnaryPrimitive(s),
+        engine_(std::move(engine)),
+        table_(table),
+        owner_(owner),
+        generation_(generation) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "HebrusGatherRecords";
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  int table_;
+  uint64_t owner_;
+  uint64_t generation_;
+};
+
+class PrefetchRecords : public mx::UnaryPrimitive {
+ public:
+  PrefetchRecords(
+      mx::Stream s,
+      std::shared_ptr<Engine> engine,
+      int table,
+      int priority,
+      double confidence,
+      uint64_t owner,
+      uint64_t generation)
+      : mx::UnaryPrimitive(s),
+        engine_(std::move(engine)),
+        table_(table),
+        priority_(priority),
+        confidence_(confidence),
+        owner_(owner),
+        generation_(generation) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "HebrusPrefetchRecords";
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  int table_;
+  int priority_;
+  double confidence_;
+  uint64_t owner_;
+  uint64_t generation_;
+};
+
+} // namespace hebrus
