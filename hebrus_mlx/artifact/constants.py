@@ -323,7 +323,32 @@ QWEN4EXP_TINY_TEST = FamilyDescriptor(
     ple_rows=(4096,),
 )
 
-FAMILIES = {f.name: f for f in (QWEN38_FLASH_NEXT, QWEN4EXP_TINY_TEST)}
+# The demo model of tools/train_demo.py (DemoDims defaults): hidden 128,
+# 8 layers, 64 experts top-4 of width 64, PLE on layers 1 and 5 (16 heads of
+# width 8, primes after 2047).
+QWEN4EXP_DEMO = FamilyDescriptor(
+    name="qwen4exp-demo",
+    family_id=0xDE70,
+    vocab_size=4224,
+    hidden_size=128,
+    num_hidden_layers=8,
+    layer_types=_GDN3_QSA * 2,
+    max_position_embeddings=4096,
+    hc_count=4,
+    num_experts=64,
+    num_experts_per_tok=4,
+    moe_intermediate_size=64,
+    ple_tables=2,
+    ple_embed_dim=128,
+    ngram_size=3,
+    heads_per_ngram=8,
+    ngram_vocab_size_base=2048,
+    ngram_row_alignment=128,
+    ple_head_rows=(33682, 35824),
+    ple_rows=(33792, 35840),
+)
+
+FAMILIES = {f.name: f for f in (QWEN38_FLASH_NEXT, QWEN4EXP_TINY_TEST, QWEN4EXP_DEMO)}
 FAMILIES_BY_ID = {f.family_id: f for f in FAMILIES.values()}
 assert len(FAMILIES_BY_ID) == len(FAMILIES)
 

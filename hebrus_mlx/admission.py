@@ -1,0 +1,420 @@
+"""`hebrus-mlx admit DIR`: CPU-only, ordered artifact admission (AFN-004).
+
+Stages run cheapest-first and the first failure stops admission, naming its
+field:
+
+    bounds -> family/profile -> source digests -> model constants ->
+    tokenizer/template identity -> exact tensor set -> ExpertMajor manifest
+    and records -> PLE manifest and geometry -> policy -> byte ownership
+
+No stage reads a sparse payload, and this module imports no MLX at all
+(a test runs it in a subprocess and checks sys.modules): `load()` calls
+`admit()` before it allocates a single graph buffer.
+"""
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+
+from .artifact import constants as C
+from .artifact import manifest as M
+from .artifact.errors import AdmissionError, ArtifactError
+from .artifact.expert_major import ExpertMajorReader
+from .artifact.ple_pages import PleReader
+from .models import checkpoint_keys as keys
+from .models.qwen4exp_config import ConfigError
+
+STAGES = (
+    "bounds", "family", "source", "constants", "tokenizer",
+    "tensors", "experts", "ple", "policy", "ownership",
+)
+
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
+             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+_REQUIRED_KEYS = {
+    "schema": str, "schema_version": int, "family": str, "profile": str, "support": str,
+    "source": dict, "model_constants": dict, "codecs": dict, "stores": list,
+    "tensors": dict, "policy": dict, "exclusions": dict, "conversion": dict,
+}
+
+
+class Report(dict):
+    """The JSON ownership report of an admitted artifact."""
+
+    def to_json(self):
+        return json.dumps(self, indent=1, sort_keys=True)
+
+
+def read_safetensors_header(path):
+    """(header_len, {name: entry}, metadata) with every bound checked before
+    the header is allocated; offsets are relative to the data region."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise AdmissionError("tensors.header", f"{size}-byte file has no safetensors header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > C.SAFETENSORS_MAX_HEADER or 8 + n > size:
+            raise AdmissionError("tensors.header", f"header length {n} exceeds cap or file size {size}")
+        body = f.read(n)
+    try:
+        header = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise AdmissionError("tensors.header", f"not JSON: {e}") from None
+    if type(header) is not dict:
+        raise AdmissionError("tensors.header", "must be a JSON object")
+    meta = header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, e in header.items():
+        field = f"tensors.{name}"
+        if type(e) is not dict or set(e) != {"dtype", "shape", "data_offsets"}:
+            raise AdmissionError(field, "entry must have exactly dtype, shape, data_offsets")
+        if e["dtype"] not in _ST_BYTES:
+            raise AdmissionError(f"{field}.dtype", f"unknown dtype {e['dtype']!r}")
+        shape, offs = e["shape"], e["data_offsets"]
+        if type(shape) is not list or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape):
+            raise AdmissionError(f"{field}.shape", f"bad shape {shape!r}")
+        if type(offs) is not list or len(offs) != 2 or not all(type(o) is int for o in offs):
+            raise AdmissionError(f"{field}.data_offsets", f"bad offsets {offs!r}")
+        begin, end = offs
+        if not 0 <= begin <= end <= data_bytes:
+            raise AdmissionError(f"{field}.data_offsets", f"[{begin}, {end}) outside data region of {data_bytes} bytes")
+        if end - begin != _ST_BYTES[e["dtype"]] * math.prod(shape):
+            raise AdmissionError(f"{field}.length", f"{end - begin} bytes for {e['dtype']}{shape}")
+    return n, header, meta
+
+
+class _Admission:
+    def __init__(self, path):
+        self.dir = os.path.abspath(path)
+        self.owners = {}  # file -> [(start, end, owner)]
+
+    def file(self, name):
+        return os.path.join(self.dir, name)
+
+    # 1 ------------------------------------------------------------------
+    def bounds(self):
+        if not os.path.isdir(self.dir):
+            raise AdmissionError("path", f"{self.dir} is not a directory")
+        mpath = self.file(C.MANIFEST_NAME)
+        if not os.path.isfile(mpath):
+            raise AdmissionError("manifest", "manifest.json missing")
+        size = os.path.getsize(mpath)
+        if size > C.MANIFEST_MAX_BYTES:
+            raise AdmissionError("manifest", f"{size} bytes exceeds {C.MANIFEST_MAX_BYTES}")
+        try:
+            with open(mpath, "rb") as f:
+                m = json.loads(f.read())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise AdmissionError("manifest", f"not JSON: {e}") from None
+        if type(m) is not dict:
+            raise AdmissionError("manifest", "must be a JSON object")
+        for k, t in _REQUIRED_KEYS.items():
+            if type(m.get(k)) is not t:
+                raise AdmissionError(f"manifest.{k}", f"must be {t.__name__}")
+        extra = sorted(set(m) - set(_REQUIRED_KEYS))
+        if extra:
+            raise AdmissionError(f"manifest.{extra[0]}", "unknown manifest field")
+        if m["schema"] != C.MANIFEST_SCHEMA or m["schema_version"] != C.MANIFEST_SCHEMA_VERSION:
+            raise AdmissionError("manifest.schema_version", f"{m['schema']} v{m['schema_version']} unsupported")
+        owned = {C.MANIFEST_NAME}
+        for i, s in enumerate(m["stores"]):
+            field = f"stores[{i}]"
+            if type(s) is not dict or type(s.get("path")) is not str or type(s.get("size")) is not int:
+                raise AdmissionError(field, "store needs path (str) and size (int)")
+            p = s["path"]
+            if not p or "/" in p or "\\" in p or p.startswith(".") or p == C.MANIFEST_NAME:
+                raise AdmissionError(f"{field}.path", f"{p!r} is not a plain file name in the artifact")
+            if p in owned:
+                raise AdmissionError(f"{field}.path", f"{p!r} is owned twice")
+            full = self.file(p)
+            if not os.path.isfile(full) or os.path.islink(full):
+                raise AdmissionError(f"{field}.path", f"{p!r} missing or not a regular file")
+            if os.path.getsize(full) != s["size"]:
+                raise AdmissionError(f"{field}.size", f"file is {os.path.getsize(full)} bytes, manifest says {s['size']}")
+            if type(s.get("sha256")) is not str or len(s["sha256"]) != 64:
+                raise AdmissionError(f"{field}.sha256", "must be a hex SHA-256")
+            owned.add(p)
+        files = m["source"].get("files")
+        if type(files) is not dict:
+            raise AdmissionError("source.files", "must be an object")
+        owned |= set(files)
+        for name in sorted(os.listdir(self.dir)):
+            if name not in owned:
+                raise AdmissionError(f"bounds.{name}", "file not owned by the manifest")
+        self.m = m
+
+    # 2 ------------------------------------------------------------------
+    def family(self):
+        m = self.m
+        self.fam = C.family(m["family"], "family")
+        if m["profile"] not in C.PROFILES:
+            raise AdmissionError("profile", f"unknown profile {m['profile']!r}; known: {sorted(C.PROFILES)}")
+        if m["codecs"] != C.PROFILES[m["profile"]]:
+            raise AdmissionError("codecs", f"{m['codecs']} != profile {m['profile']} {C.PROFILES[m['profile']]}")
+        if m["support"] != M.support_status(m["profile"]):
+            raise AdmissionError("support", f"{m['support']!r}: profile {m['profile']} has not passed its parity gate")
+
+    # 3 ------------------------------------------------------------------
+    def _check_digest(self, name, required):
+        files = self.m["source"]["files"]
+        field = f"source.files.{name}"
+        if name not in files:
+            if required:
+                raise AdmissionError(field, "missing")
+            return False
+        if not os.path.isfile(self.file(name)):
+            raise AdmissionError(field, "listed but absent")
+        if M.sha256_file(self.file(name)) != files[name]:
+            raise AdmissionError(field, "digest mismatch")
+        return True
+
+    def source(self):
+        src = self.m["source"]
+        for k in ("repo", "revision"):
+            if src.get(k) is not None and type(src.get(k)) is not str:
+                raise AdmissionError(f"source.{k}", "must be a string or null")
+        for name in src["files"]:
+            if name not in C.SOURCE_FILES:
+                raise AdmissionError(f"source.files.{name}", "not a source identity file")
+        self._check_digest("config.json", True)
+        self._check_digest("generation_config.json", False)
+
+    # 4 ------------------------------------------------------------------
+    def constants(self):
+        try:
+            with open(self.file("config.json"), "rb") as f:
+                config = json.loads(f.read())
+            self.args = M.model_args(config)
+            want = M.model_constants(config)
+        except ConfigError as e:
+            raise AdmissionError(f"config.{e.field}", str(e)) from None
+        except (UnicodeDecodeError, ValueError) as e:
+            raise AdmissionError("config", f"unreadable: {e}") from None
+        M.check_constants(self.m["model_constants"], want)
+        C.match_family(want, self.fam.name)
+        self.consts = want
+
+    # 5 ------------------------------------------------------------------
+    def tokenizer(self):
+        self._check_digest("tokenizer.json", True)
+        self._check_digest("tokenizer_config.json", False)
+        has_template = self._check_digest("chat_template.jinja", False)
+        if not has_template:
+            tc = {}
+            if "tokenizer_config.json" in self.m["source"]["files"]:
+                with open(self.file("tokenizer_config.json"), "rb") as f:
+                    tc = json.loads(f.read())
+            if not isinstance(tc, dict) or not isinstance(tc.get("chat_template"), str):
+                raise AdmissionError("source.files.chat_template.jinja", "no chat template in the artifact")
+        try:
+            with open(self.file("tokenizer.json"), "rb") as f:
+                tok = json.loads(f.read())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise AdmissionError("tokenizer.json", f"not JSON: {e}") from None
+        added = {t.get("id"): t for t in tok.get("added_tokens", []) if isinstance(t, dict)}
+        for eos in self.consts["eos_token_ids"]:
+            if eos not in added or not added[eos].get("special"):
+                raise AdmissionError("tokenizer.eos_token_ids", f"eos id {eos} is not a special token of tokenizer.json")
+        vocab = tok.get("model", {}).get("vocab", {})
+        ids = list(vocab.values()) if isinstance(vocab, dict) else []
+        top = max(ids + list(added), default=-1)
+        if top >= self.consts["vocab_size"]:
+            raise AdmissionError("tokenizer.vocab", f"token id {top} >= physical vocab {self.consts['vocab_size']}")
+
+    # 6 ------------------------------------------------------------------
+    def tensors(self):
+        dense = [(i, s) for i, s in enumerate(self.m["stores"]) if s.get("role") == "dense"]
+        if len(dense) != 1:
+            raise AdmissionError("stores.dense", f"{len(dense)} dense stores; exactly one required")
+        i, s = dense[0]
+        if s.get("format") != "safetensors":
+            raise AdmissionError(f"stores[{i}].format", f"{s.get('format')!r} != 'safetensors'")
+        n, header, _ = read_safetensors_header(self.file(s["path"]))
+        self.dense_path, self.dense_header_len, self.dense = s["path"], n, header
+        self.excluded_present = {}
+        expected = M.stored_tensors(self.args, self.m["profile"])
+        for name in sorted(header):
+            rule = keys.exclusion_rule(name)
+            if rule is not None:  # judged by the policy stage
+                self.excluded_present.setdefault(rule, name)
+                continue
+            cls = _classify(name, self.args)
+            if cls in ("expert", "fused_expert"):
+                raise AdmissionError(f"tensors.{name}", "routed expert tensor must live in the ExpertMajor store")
+            if cls in ("ple_shard", "ple_constant"):
+                raise AdmissionError(f"tensors.{name}", "PLE table tensor must live in the PLE page store")
+            if name not in expected:
+                raise AdmissionError(f"tensors.{name}", "extra tensor")
+        for name, (dtype, shape) in sorted(expected.items()):
+            if name not in header:
+                raise AdmissionError(f"tensors.{name}", "missing tensor")
+            e = header[name]
+            if tuple(e["shape"]) != shape:
+                raise AdmissionError(f"tensors.{name}.shape", f"{e['shape']} != expected {list(shape)}")
+            if e["dtype"] != dtype:
+                raise AdmissionError(f"tensors.{name}.dtype", f"{e['dtype']} != expected {dtype}")
+        inv = self.m["tensors"]
+        for name in sorted(set(inv) | set(expected)):
+            rec = inv.get(name)
+            if rec is None:
+                raise AdmissionError(f"manifest.tensors.{name}", "missing from the manifest inventory")
+            if name not in expected:
+                raise AdmissionError(f"manifest.tensors.{name}", "not in the expected tensor set")
+            e = header[name]
+            if rec.get("dtype") != e["dtype"] or rec.get("shape") != e["shape"]:
+                raise AdmissionError(f"manifest.tensors.{name}", "dtype/shape disagree with the dense file")
+            if rec.get("codec") not in C.CODECS:
+                raise AdmissionError(f"manifest.tensors.{name}.codec", f"unknown codec {rec.get('codec')!r}")
+            if rec.get("data_offsets", [None])[0] != e["data_offsets"][0]:
+                raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {rec.get('data_offsets')}")
+            if rec.get("data_offsets") != e["data_offsets"]:
+                raise AdmissionError(f"tensors.{name}.length", f"{e['data_offsets']} != manifest {rec.get('data_offsets')}")
+        base = 8 + n
+        self.owners[self.dense_path] = [(0, base, "safetensors.header")] + [
+            (base + e["data_offsets"][0], base + e["data_offsets"][1], f"tensor:{name}") for name, e in header.items()
+        ]
+
+    # 7 ------------------------------------------------------------------
+    def experts(self):
+        found = [(i, s) for i, s in enumerate(self.m["stores"]) if s.get("role") == "experts"]
+        if len(found) != 1:
+            where = f"stores[{found[1][0]}]" if len(found) > 1 else "stores.experts"
+            raise AdmissionError(where, f"{len(found)} ExpertMajor stores; exactly one required")
+        i, s = found[0]
+        if s.get("format") != "expert_major.v2":
+            raise AdmissionError(f"stores[{i}].format", f"{s.get('format')!r} != 'expert_major.v2'")
+        if s.get("codec") != self.m["codecs"]["experts"]:
+            raise AdmissionError(f"stores[{i}].codec", f"{s.get('codec')!r} != profile {self.m['codecs']['experts']!r}")
+        with ExpertMajorReader(self.file(s["path"]), family=self.fam) as r:
+            if r.codec.name != s["codec"]:
+                raise AdmissionError("experts.codec_id", f"store codec {r.codec.name} != manifest {s['codec']}")
+            self.owners[s["path"]] = r.extents()
+            self.expert_records = r.geometry.count
+
+    # 8 ------------------------------------------------------------------
+    def ple(self):
+        found = [(i, s) for i, s in enumerate(self.m["stores"]) if s.get("role") == "ple"]
+        if len(found) != self.fam.ple_tables:
+            where = f"stores[{found[-1][0]}]" if len(found) > self.fam.ple_tables else "stores.ple"
+            raise AdmissionError(where, f"{len(found)} PLE stores; family has {self.fam.ple_tables} tables")
+        seen = set()
+        for i, s in found:
+            t = s.get("table")
+            if type(t) is not int or not 0 <= t < self.fam.ple_tables or t in seen:
+                raise AdmissionError(f"stores[{i}].table", f"{t!r} is not a fresh table index")
+            seen.add(t)
+            if s.get("layer") != self.consts["ple_layer_ids"][t] - 1:
+                raise AdmissionError(f"stores[{i}].layer", f"{s.get('layer')!r} != PLE layer {self.consts['ple_layer_ids'][t] - 1}")
+            if s.get("format") != "ple_pages.v1":
+                raise AdmissionError(f"stores[{i}].format", f"{s.get('format')!r} != 'ple_pages.v1'")
+            if s.get("codec") != self.m["codecs"]["ple"]:
+                raise AdmissionError(f"stores[{i}].codec", f"{s.get('codec')!r} != profile {self.m['codecs']['ple']!r}")
+            with PleReader(self.file(s["path"]), family=self.fam) as r:
+                h, c = r.header, self.consts
+                if h["table_index"] != t:
+                    raise AdmissionError("ple.table_index", f"store holds table {h['table_index']}, manifest says {t}")
+                if r.codec.name != s["codec"]:
+                    raise AdmissionError("ple.codec_id", f"store codec {r.codec.name} != manifest {s['codec']}")
+                if h["total_rows"] != c["ple_rows"][t]:
+                    raise AdmissionError("ple.rows", f"{h['total_rows']} != config {c['ple_rows'][t]}")
+                if h["width"] != c["ple_width"]:
+                    raise AdmissionError("ple.width", f"{h['width']} != config {c['ple_width']}")
+                if list(r.geometry.heads) != c["ple_head_vocab_sizes"][t]:
+                    raise AdmissionError("ple.primes", "head primes disagree with config")
+                if s.get("rows_per_page") != h["rows_per_page"]:
+                    raise AdmissionError(f"stores[{i}].rows_per_page", f"{s.get('rows_per_page')!r} != store {h['rows_per_page']}")
+                self.owners[s["path"]] = r.extents()
+
+    # 9 ------------------------------------------------------------------
+    def policy(self):
+        m = self.m
+        if m["policy"] != {"modalities": ["text"], "mtp": "excluded"}:
+            raise AdmissionError("policy", f"{m['policy']} is not the text-only, MTP-excluded policy")
+        for rule, name in sorted(self.excluded_present.items()):
+            raise AdmissionError(f"policy.{rule}", f"excluded tensor {name!r} present in a text-only artifact")
+        rules = [r for r, _ in keys.EXCLUSION_RULES]
+        ex = m["exclusions"]
+        if sorted(ex) != sorted(rules) or not all(type(v) is int and v >= 0 for v in ex.values()):
+            raise AdmissionError("exclusions", f"{ex} must count exactly the rules {rules}")
+        if m["conversion"].get("state") != "complete":
+            raise AdmissionError("conversion.state", f"{m['conversion'].get('state')!r} != 'complete'")
+
+    # 10 -----------------------------------------------------------------
+    def ownership(self):
+        for path, spans in sorted(self.owners.items()):
+            size = os.path.getsize(self.file(path))
+            at, prev = 0, "start of file"
+            for start, end, owner in sorted(spans):
+                if start < at:
+                    raise AdmissionError(f"ownership.{path}", f"{owner} [{start}, {end}) overlaps {prev}")
+                if start > at and path == self.dense_path:
+                    raise AdmissionError(f"ownership.{path}", f"bytes [{at}, {start}) owned by nobody")
+                at, prev = end, owner
+            if at > size or (path == self.dense_path and at != size):
+                raise AdmissionError(f"ownership.{path}", f"owners end at {at}, file is {size} bytes")
+
+    def report(self):
+        m = self.m
+        return Report(
+            admitted=True,
+            family=self.fam.name,
+            profile=m["profile"],
+            support=m["support"],
+            stores=[{k: s[k] for k in ("role", "path", "size") if k in s} for s in m["stores"]],
+            dense_tensors=len(self.dense),
+            expert_records=self.expert_records,
+            exclusions=m["exclusions"],
+            owners={p: [[a, b, o] for a, b, o in sorted(v)] for p, v in sorted(self.owners.items())},
+        )
+
+
+def _classify(name, args):
+    # Dense stored names may carry .scales/.biases; classify the weight key.
+    key = name
+    for part in (".scales", ".biases"):
+        if name.endswith(part):
+            key = name[: -len(part)] + ".weight"
+    try:
+        return keys.classify(key, args).kind
+    except keys.CheckpointKeyError:
+        return "unknown"
+
+
+def admit(path):
+    """Run every stage in order; returns the Report or raises the first
+    ArtifactError (its `stage` attribute names the boundary)."""
+    a = _Admission(path)
+    for stage in STAGES:
+        try:
+            getattr(a, stage)()
+        except ArtifactError as e:
+            e.stage = stage
+            raise
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            err = AdmissionError(stage, f"{type(e).__name__}: {e}")
+            err.stage = stage
+            raise err from e
+    return a.report()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
+    p.add_argument("path", help="artifact directory")
+    args = p.parse_args(argv)
+    try:
+        report = admit(args.path)
+    except ArtifactError as e:
+        print(json.dumps({"admitted": False, "stage": getattr(e, "stage", None), "field": e.field,
+                          "error": str(e), "type": type(e).__name__}, indent=1))
+        return 2
+    print(report.to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

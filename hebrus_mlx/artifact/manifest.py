@@ -1,0 +1,276 @@
+"""manifest.json: the artifact's identity, stores, exclusions and state.
+
+The manifest is what loading reads instead of guessing from key names:
+which family and profile, which codec each dense tensor carries, which stores
+own which bytes, what was excluded and how many, and whether the profile's
+parity gate has passed (`verified`) or not (`unverified`, AFN-013).
+
+numpy/json only: admission imports this without MLX.
+"""
+
+import hashlib
+import json
+import math
+
+from ..models import checkpoint_keys as keys
+from ..models.qwen4exp_config import (
+    ModelArgs,
+    ple_head_offsets,
+    ple_head_vocab_sizes,
+    ple_layer_multipliers,
+    ple_row_width,
+    ple_table_rows,
+)
+from .constants import (
+    MANIFEST_SCHEMA,
+    MANIFEST_SCHEMA_VERSION,
+    PROFILES,
+    VERIFIED_PROFILES,
+    codec,
+)
+from .errors import AdmissionError
+
+EXPERTS_PATH = "experts.hbem"
+DENSE_PATH = "model.safetensors"
+
+
+def ple_path(table):
+    return f"ple.{table}.hbpl"
+
+
+# ------------------------------------------------------------ constants ---
+# Exact types. JSON keeps int and float apart; bool is not an int here.
+CONSTANT_TYPES = {
+    "vocab_size": "int", "hidden_size": "int", "num_hidden_layers": "int",
+    "num_attention_heads": "int", "num_key_value_heads": "int", "head_dim": "int",
+    "max_position_embeddings": "int", "rms_norm_eps": "float", "rope_theta": "float",
+    "partial_rotary_factor": "float", "layer_types": "str[]",
+    "linear_conv_kernel_dim": "int", "linear_key_head_dim": "int", "linear_value_head_dim": "int",
+    "linear_num_key_heads": "int", "linear_num_value_heads": "int",
+    "moe_intermediate_size": "int", "shared_expert_intermediate_size": "int",
+    "num_experts": "int", "num_experts_per_tok": "int", "norm_topk_prob": "bool",
+    "hc_count": "int", "hc_lowrank": "int",
+    "ple_layer_ids": "int[]", "ple_embed_dim": "int", "ple_conv_kernel_size": "int",
+    "ngram_size": "int", "heads_per_ngram": "int", "ngram_vocab_size_base": "int",
+    "make_ngram_vocab_size_divisible_by": "int", "seed": "int", "split_ngram_parts": "int",
+    "indexer_n_heads": "int", "indexer_kv_heads": "int", "indexer_head_dim": "int",
+    "indexer_budget": "int", "indexer_compress_ratio": "int", "eos_token_ids": "int[]",
+    "ple_width": "int", "ple_rows": "int[]", "ple_head_vocab_sizes": "int[][]",
+    "ple_head_offsets": "int[][]", "ple_layer_multipliers": "int[][]",
+}
+
+
+def model_args(config):
+    return ModelArgs.from_dict(config)
+
+
+def model_constants(config):
+    """Typed constants of a config.json dict, including the derived PLE
+    arrays (primes, offsets, multipliers, rows) per PLE table."""
+    a = model_args(config)
+    eos = a.eos_token_id if isinstance(a.eos_token_id, list) else ([] if a.eos_token_id is None else [a.eos_token_id])
+    c = {name: getattr(a, name) for name in CONSTANT_TYPES if hasattr(a, name) and not callable(getattr(a, name))}
+    tables = range(len(a.ple_layer_ids))
+    c.update(
+        rope_theta=float(a.rope_theta),
+        partial_rotary_factor=float(a.partial_rotary_factor),
+        rms_norm_eps=float(a.rms_norm_eps),
+        layer_types=list(a.layer_types),
+        ple_layer_ids=list(a.ple_layer_ids),
+        eos_token_ids=list(eos),
+        ple_width=ple_row_width(a) if a.ple_layer_ids else 0,
+        ple_rows=[ple_table_rows(a, t) for t in tables],
+        ple_head_vocab_sizes=[ple_head_vocab_sizes(a, t) for t in tables],
+        ple_head_offsets=[ple_head_offsets(ple_head_vocab_sizes(a, t)) for t in tables],
+        ple_layer_multipliers=[ple_layer_multipliers(a, t) for t in tables],
+    )
+    return {k: c[k] for k in CONSTANT_TYPES}
+
+
+def _typed(value, spec):
+    if spec == "int":
+        return type(value) is int
+    if spec == "float":
+        return type(value) is float
+    if spec == "bool":
+        return type(value) is bool
+    if spec.endswith("[]"):
+        return type(value) is list and all(_typed(v, spec[:-2]) for v in value)
+    return type(value) is str
+
+
+def check_constants(got, want, prefix="model_constants"):
+    """Exact equality with exact types; names the first bad field."""
+    if type(got) is not dict:
+        raise AdmissionError(prefix, "must be an object")
+    for name, spec in CONSTANT_TYPES.items():
+        field = f"{prefix}.{name}"
+        if name not in got:
+            raise AdmissionError(field, "missing")
+        if not _typed(got[name], spec):
+            raise AdmissionError(field, f"must be {spec}, got {type(got[name]).__name__} {got[name]!r}")
+        if got[name] != want[name]:
+            g, w = got[name], want[name]
+            if isinstance(w, list) and isinstance(g, list) and len(g) == len(w):
+                i = next(i for i, (x, y) in enumerate(zip(g, w)) if x != y)
+                raise AdmissionError(f"{field}[{i}]", f"{g[i]!r} != config {w[i]!r}")
+            raise AdmissionError(field, f"{g!r} != config {w!r}")
+    extra = sorted(set(got) - set(CONSTANT_TYPES))
+    if extra:
+        raise AdmissionError(f"{prefix}.{extra[0]}", "unknown constant")
+
+
+# ---------------------------------------------------------- dense shapes ---
+def dense_shapes(args):
+    """Logical runtime shape of every dense tensor the key tables name.
+
+    Depthwise convs use the MLX layout [C, K, 1]. Routed experts and PLE rows
+    live in their own stores and are not listed.
+    """
+    H, hc, r = args.hidden_size, args.hc_count, args.hc_lowrank
+    hcH = hc * H
+    nk, nv, dk, dv = (args.linear_num_key_heads, args.linear_num_value_heads,
+                      args.linear_key_head_dim, args.linear_value_head_dim)
+    conv_dim = 2 * nk * dk + nv * dv
+    nh, nkv, hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    S, E, P = args.shared_expert_intermediate_size, args.num_experts, args.ple_embed_dim
+    per_layer = {
+        "attn_hyper_connection.hc_norm.weight": (hcH,),
+        "attn_hyper_connection.input_mix_weight_down.weight": (r, hcH),
+        "attn_hyper_connection.input_mix_weight_up.weight": (hcH, r),
+        "attn_hyper_connection.block_inject_weight.weight": (hc, hcH),
+        "mlp.gate.weight": (E, H),
+        "mlp.shared_expert.gate_proj.weight": (S, H),
+        "mlp.shared_expert.up_proj.weight": (S, H),
+        "mlp.shared_expert.down_proj.weight": (H, S),
+        "mlp.shared_expert_gate.weight": (1, H),
+        "linear_attn.A_log": (nv,),
+        "linear_attn.dt_bias": (nv,),
+        "linear_attn.conv1d.weight": (conv_dim, args.linear_conv_kernel_dim, 1),
+        "linear_attn.in_proj_qkv.weight": (conv_dim, H),
+        "linear_attn.in_proj_z.weight": (nv * dv, H),
+        "linear_attn.in_proj_a.weight": (nv, H),
+        "linear_attn.in_proj_b.weight": (nv, H),
+        "linear_attn.norm.weight": (dv,),
+        "linear_attn.out_proj.weight": (H, nv * dv),
+        "self_attn.q_proj.weight": (2 * nh * hd, H),
+        "self_attn.k_proj.weight": (nkv * hd, H),
+        "self_attn.v_proj.weight": (nkv * hd, H),
+        "self_attn.o_proj.weight": (H, nh * hd),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "ple.key_proj.weight": (hcH, P),
+        "ple.value_proj.weight": (H, P),
+        "ple.norm_key.weight": (hcH,),
+        "ple.norm_query.weight": (hcH,),
+        "ple.norm_conv.weight": (hcH,),
+        "ple.conv1d.weight": (hcH, args.ple_conv_kernel_size, 1),
+    }
+    for name in ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
+                 "block_inject_weight.weight"):
+        per_layer["mlp_hyper_connection." + name] = per_layer["attn_hyper_connection." + name]
+    if args.indexer_n_heads is not None:
+        ihd = args.indexer_head_dim
+        per_layer["self_attn.indexer.index_qk_proj.weight"] = ((args.indexer_n_heads + args.indexer_kv_heads) * ihd, H)
+        per_layer["self_attn.indexer.q_layernorm.weight"] = (ihd,)
+        per_layer["self_attn.indexer.k_layernorm.weight"] = (ihd,)
+    shapes = {
+        "model.embed_tokens.weight": (args.vocab_size, H),
+        "lm_head.weight": (args.vocab_size, H),
+        "model.hyper_connection_mixer.hc_norm.weight": (hcH,),
+        "model.hyper_connection_mixer.input_mix_weight_down.weight": (r, hcH),
+        "model.hyper_connection_mixer.input_mix_weight_up.weight": (hcH, r),
+    }
+    for layer in range(args.num_hidden_layers):
+        for name in keys.layer_templates(args, layer):
+            shapes[f"model.layers.{layer}.{name}"] = per_layer[name]
+    return shapes
+
+
+# Dense weights an affine profile quantizes (as mlx_lm does for Linear and
+# Embedding). Routers, hyper-connection mixers, decay inputs, norms and convs
+# stay float: they are small and steer routing/gating.
+QUANTIZED_SUFFIXES = (
+    "embed_tokens.weight", "lm_head.weight", "q_proj.weight", "k_proj.weight",
+    "v_proj.weight", "o_proj.weight", "index_qk_proj.weight", "in_proj_qkv.weight",
+    "in_proj_z.weight", "out_proj.weight", "shared_expert.gate_proj.weight",
+    "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
+    "ple.key_proj.weight", "ple.value_proj.weight",
+)
+
+
+def dense_codec(key, shape, profile):
+    """Codec of one dense tensor under `profile`."""
+    name = PROFILES[profile]["dense"]
+    c = codec(name)
+    if not c.affine:
+        return name
+    if key.endswith(QUANTIZED_SUFFIXES) and len(shape) == 2 and shape[1] % c.group_size == 0:
+        return name
+    return "f32"
+
+
+_ST_DTYPES = {"uint32": "U32", "uint16": "BF16", "float32": "F32"}
+
+
+def stored_tensors(args, profile):
+    """{stored name: (safetensors dtype, shape)} the dense file must hold.
+    An affine tensor `x.weight` is stored as x.weight / x.scales / x.biases."""
+    out = {}
+    for key, shape in sorted(dense_shapes(args).items()):
+        name = dense_codec(key, shape, profile)
+        c = codec(name)
+        if not c.affine:
+            out[key] = ("BF16" if name == "bf16" else "F32", tuple(shape))
+            continue
+        stem = key[: -len("weight")]
+        for part, dtype, pshape in c.parts(shape[0], shape[1], key):
+            out[stem + part] = (_ST_DTYPES[dtype], pshape)
+    return out
+
+
+# -------------------------------------------------------------- manifest ---
+def sha256_file(path, chunk=8 << 20, progress=None):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+            if progress is not None:
+                progress(len(b))
+    return h.hexdigest()
+
+
+def support_status(profile):
+    return "verified" if profile in VERIFIED_PROFILES else "unverified"
+
+
+def build(*, family, profile, source_files, revision, repo, constants, stores, tensors,
+          exclusions, consumed, state="complete"):
+    """Assemble a manifest dict. `stores` entries: role, path, format,
+    codec, size, sha256 (+ table, layer, rows_per_page for PLE)."""
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "family": family,
+        "profile": profile,
+        "support": support_status(profile),
+        "source": {"repo": repo, "revision": revision, "files": dict(sorted(source_files.items()))},
+        "model_constants": constants,
+        "codecs": dict(PROFILES[profile]),
+        "stores": stores,
+        "tensors": tensors,
+        "policy": {"modalities": ["text"], "mtp": "excluded"},
+        "exclusions": {rule: exclusions.get(rule, 0) for rule, _ in keys.EXCLUSION_RULES},
+        "conversion": {"state": state, "source_tensors_consumed": consumed},
+    }
+
+
+def dumps(manifest):
+    return (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+
+
+def shape_bytes(dtype, shape):
+    return {"U32": 4, "BF16": 2, "F32": 4}[dtype] * math.prod(shape)
