@@ -1,0 +1,698 @@
+"""Qwen4Exp (Qwen3.8-Flash-Next) text model in MLX.
+
+Layer stack: hc_count residual streams; each layer optionally adds PLE (hashed n-gram features),
+then a gated-residual hyper-connection around either Gated DeltaNet or QSA indexed attention, then
+another around the sparse MoE. A final hyper-connection mixer collapses the streams for lm_head.
+The pinned reference is transformers 5.24.0 `models/qwen4_exp`; tests compare against it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from . import gated_delta
+from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
+from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
+from .qwen4exp_config import (
+    ConfigError,
+    ModelArgs,
+    ple_head_offsets,
+    ple_head_vocab_sizes,
+    ple_layer_multipliers,
+    ple_table_rows,
+)
+
+__all__ = ["ModelArgs", "Model", "ConfigError", "ContextLengthError", "CacheHoleError", "DenseOracleLimitError"]
+
+
+class DenseOracleLimitError(ValueError):
+    """The dense QSA oracle was asked for more keys than a sparse query can ever see (AFN-011)."""
+
+
+class Capture:
+    """Opt-in per-call record of hidden states, routes and QSA selections (tests, traces)."""
+
+    def __init__(self):
+        self.hidden: list[mx.array] = []
+        self.routes: dict[int, mx.array] = {}
+        self.qsa_selected: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+# ---- norms -------------------------------------------------------------------------------------
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight); with group_size it normalises each group separately."""
+
+    def __init__(self, dims: int, eps: float, group_size: Optional[int] = None):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+        self.group_size = group_size
+
+    def __call__(self, x):
+        if self.group_size is None:
+            return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+        shape = x.shape
+        grouped = x.reshape(*shape[:-1], -1, self.group_size)
+        return mx.fast.rms_norm(grouped, None, self.eps).reshape(shape) * (1.0 + self.weight)
+
+
+class GatedRMSNorm(nn.Module):
+    """Plain-weight RMSNorm followed by an activation gate (DeltaNet output norm)."""
+
+    def __init__(self, dims: int, eps: float, activation: str):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+        self.activation = nn.silu if activation == "silu" else mx.sigmoid
+
+    def __call__(self, x, gate):
+        return mx.fast.rms_norm(x, self.weight, self.eps) * self.activation(gate)
+
+
+# ---- rotary --------------------------------------------------------------------------------------
+
+
+class Rotary:
+    """Rotate-half RoPE on the leading `dims` channels at explicit integer positions.
+
+    Positions are explicit (not an offset) because QSA block keys sit at every compress_ratio-th
+    position; cos/sin follow the reference arithmetic (float32 position * inv_freq).
+    """
+
+    def __init__(self, dims: int, base: float):
+        self.dims = dims
+        exponents = np.arange(0, dims, 2, dtype=np.float32) / np.float32(dims)
+        self.inv_freq = mx.array((1.0 / (np.float32(base) ** exponents)).astype(np.float32))
+
+    def tables(self, positions: mx.array):
+        freqs = positions.astype(mx.float32)[:, None] * self.inv_freq[None, :]
+        freqs = mx.concatenate([freqs, freqs], axis=-1)
+        return mx.cos(freqs), mx.sin(freqs)
+
+    def apply(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        """x: [..., L, D] with cos/sin [L, dims] broadcast over leading axes."""
+        d = self.dims
+        rot, rest = x[..., :d], x[..., d:]
+        half = d // 2
+        rotated = mx.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+        out = rot * cos + rotated * sin
+        return mx.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+# ---- hyper-connections ---------------------------------------------------------------------------
+
+
+class HyperConnection(nn.Module):
+    """Gated residual over hc_count streams: mix streams into one block input, inject the output back."""
+
+    def __init__(self, args: ModelArgs, inject: bool = True):
+        super().__init__()
+        self.hc_count = args.hc_count
+        self.hidden_size = args.hidden_size
+        width = args.hc_count * args.hidden_size
+        self.hc_norm = ZeroCenteredRMSNorm(width, args.rms_norm_eps, group_size=args.hidden_size)
+        self.input_mix_weight_down = nn.Linear(width, args.hc_lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(args.hc_lowrank, width, bias=False)
+        if inject:
+            self.block_inject_weight = nn.Linear(width, args.hc_count, bias=False)
+
+    def mix(self, streams):
+        normed = self.hc_norm(streams)
+        weights = mx.sigmoid(self.input_mix_weight_up(nn.silu(self.input_mix_weight_down(normed) / self.hc_count)))
+        shape = (*streams.shape[:-1], self.hc_count, self.hidden_size)
+        mixed = (weights.reshape(shape) * normed.reshape(shape)).mean(axis=-2)
+        return mixed, normed
+
+    def __call__(self, streams, block):
+        """Run `block` on the mixed input and add its output back into every stream."""
+        mixed, normed = self.mix(streams)
+        inject = 2.0 * mx.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+        out = block(mixed)
+        added = out[..., None, :] * inject[..., :, None]
+        return streams + added.reshape(streams.shape)
+
+
+# ---- Gated DeltaNet ------------------------------------------------------------------------------
+
+
+def _causal_depthwise_conv(x, state, weight, dilation=1):
+    """Depthwise causal conv over [state; x]; returns (output of len(x), new state)."""
+    full = mx.concatenate([state, x], axis=1)
+    out = mx.conv1d(full, weight, dilation=dilation, groups=x.shape[-1])
+    return out, full[:, -state.shape[1]:]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_k_heads = args.linear_num_key_heads
+        self.num_v_heads = args.linear_num_value_heads
+        self.head_k_dim = args.linear_key_head_dim
+        self.head_v_dim = args.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = args.linear_conv_kernel_dim
+        h = args.hidden_size
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False)
+        self.dt_bias = mx.ones((self.num_v_heads,))
+        self.A_log = mx.zeros((self.num_v_heads,))
+        self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps, args.output_gate_type or args.hidden_act)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def __call__(self, x, cache: LinearCache):
+        B, L, _ = x.shape
+        conv_state = cache.conv_state
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=x.dtype)
+        qkv, cache.conv_state = _causal_depthwise_conv(self.in_proj_qkv(x), conv_state, self.conv1d.weight)
+        qkv = nn.silu(qkv)
+        q, k, v = mx.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(B, L, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, L, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, L, self.num_v_heads, self.head_v_dim)
+        q = gated_delta.l2_normalize(q) * (self.head_k_dim**-0.5)
+        k = gated_delta.l2_normalize(k)
+        beta = mx.sigmoid(self.in_proj_b(x))
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(self.in_proj_a(x) + self.dt_bias)
+        state = cache.recurrent_state
+        if state is None:
+            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
+        if L == 1:
+            out, state = gated_delta.recurrent_step(q, k, v, g, beta, state)
+        else:
+            out, state = gated_delta.chunked(q, k, v, g, beta, state)
+        cache.recurrent_state = state
+        z = self.in_proj_z(x).reshape(B, L, self.num_v_heads, self.head_v_dim)
+        out = self.norm(out.astype(x.dtype), z)
+        return self.out_proj(out.reshape(B, L, -1))
+
+
+# ---- QSA indexed attention -------------------------------------------------------------------------
+
+
+def _select_groups(scores, valid, keep):
+    """Per query, the `keep` best groups by (score desc, position asc), emitted in position order.
+
+    scores/valid: [Q, G]. Returns (group ids [Q, keep], ok [Q, keep]); AFN-017.
+    """
+    Q, G = scores.shape
+    neg_inf = mx.array(-np.inf, dtype=scores.dtype)
+    masked = mx.where(valid, scores, neg_inf)
+    if G > keep:
+        kth = -mx.sort(-masked, axis=-1)[:, keep - 1 : keep]
+        above = valid & (masked > kth)
+        tied = valid & (masked == kth)
+        room = keep - above.astype(mx.int32).sum(axis=-1, keepdims=True)
+        chosen = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
+    else:
+        chosen = valid
+    positions = mx.arange(G, dtype=mx.int32)
+    order_key = mx.where(chosen, positions, positions + G)
+    width = min(keep, G)
+    groups = mx.argsort(order_key, axis=-1)[:, :width].astype(mx.int32)
+    ok = mx.take_along_axis(chosen, groups, axis=-1)
+    if width < keep:
+        pad = keep - width
+        groups = mx.concatenate([groups, mx.zeros((Q, pad), dtype=mx.int32)], axis=-1)
+        ok = mx.concatenate([ok, mx.zeros((Q, pad), dtype=mx.bool_)], axis=-1)
+    return groups, ok
+
+
+def _online_softmax_attention(q, k, v, ok, scale, tile: int = 64):
+    """Attention over compact gathered keys with a running max/sum.
+
+    q: [B, Hkv, Q, R, D]; k, v: [B, Hkv, Q, W, D]; ok: [Q, W]. Visits W keys per query only.
+    """
+    W = k.shape[3]
+    m = l = acc = None
+    for start in range(0, W, tile):
+        kt = k[:, :, :, start : start + tile]
+        vt = v[:, :, :, start : start + tile]
+        s = (q @ kt.swapaxes(-1, -2)) * scale  # [B,Hkv,Q,R,t]
+        s = mx.where(ok[None, None, :, None, start : start + tile], s, -np.inf)
+        tile_max = s.max(axis=-1, keepdims=True)
+        new_m = tile_max if m is None else mx.maximum(m, tile_max)
+        safe_m = mx.where(mx.isinf(new_m), 0.0, new_m)
+        p = mx.exp(s - safe_m)
+        if m is None:
+            l, acc = p.sum(axis=-1, keepdims=True), p @ vt
+        else:
+            correction = mx.exp(mx.where(mx.isinf(m), -np.inf, m - safe_m))
+            l = l * correction + p.sum(axis=-1, keepdims=True)
+            acc = acc * correction + p @ vt
+        m = new_m
+    return acc / l
+
+
+def dense_qsa_oracle(q, k, v, scale, window: int, n_visible: int):
+    """Dense masked attention for contexts where every visible key is selected anyway.
+
+    Only a bounded correctness oracle (AFN-011): it refuses more than `window` visible keys before
+    allocating anything. q: [B, H, Q, D] for the last Q positions; k, v: [B, Hkv, T, D].
+    """
+    if n_visible > window:
+        raise DenseOracleLimitError(
+            f"dense QSA oracle accepts at most {window} visible keys (budget + ratio - 1), got {n_visible}"
+        )
+    B, H, Q, D = q.shape
+    T = k.shape[2]
+    rep = H // k.shape[1]
+    k = mx.repeat(k, rep, axis=1)
+    v = mx.repeat(v, rep, axis=1)
+    scores = (q @ k.swapaxes(-1, -2)) * scale
+    query_pos = mx.arange(T - Q, T)[:, None]
+    scores = mx.where(mx.arange(T)[None, :] <= query_pos, scores, -np.inf)
+    return mx.softmax(scores, axis=-1) @ v
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.indexer_n_heads
+        self.head_dim = args.indexer_head_dim
+        self.ratio = args.indexer_compress_ratio
+        self.budget = args.indexer_budget
+        self.block_topk = args.indexer_budget // args.indexer_compress_ratio
+        self.index_qk_proj = nn.Linear(args.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def project(self, x, rotary: Rotary, cos, sin):
+        B, L, _ = x.shape
+        qk = self.index_qk_proj(x)
+        q = qk[..., : self.n_heads * self.head_dim].reshape(B, L, self.n_heads, self.head_dim)
+        raw_keys = qk[..., self.n_heads * self.head_dim :]
+        q = self.q_layernorm(q).transpose(0, 2, 1, 3)  # [B, nh, L, Di]
+        return rotary.apply(q, cos, sin), raw_keys
+
+    def block_keys(self, raw_keys, first_group, rotary: Rotary, start_position: int):
+        """Pooled, normalised, rotated keys for complete groups given their raw keys [B, n*ratio, Di]."""
+        B, n_tok, D = raw_keys.shape
+        pooled = raw_keys.astype(mx.float32).reshape(B, n_tok // self.ratio, self.ratio, D).mean(axis=2)
+        pooled = self.k_layernorm(pooled.astype(raw_keys.dtype))
+        starts = start_position + (first_group + mx.arange(n_tok // self.ratio)) * self.ratio
+        cos, sin = rotary.tables(starts)
+        return rotary.apply(pooled, cos, sin)
+
+    def select(self, q, block_keys, first_query, n_tokens, tile_budget: int = 1 << 22):
+        """Token ids each query may attend (compact, chronological) and their validity.
+
+        q: [B, nh, L, Di] for cache indices first_query..first_query+L-1; block_keys: [B, G, Di].
+        Returns (idx [B, L, W], ok [B, L, W]) with W = budget + ratio - 1.
+        """
+        B, nh, L, Di = q.shape
+        G = block_keys.shape[1]
+        r = self.ratio
+        query_idx = first_query + mx.arange(L, dtype=mx.int32)
+        complete = (query_idx + 1) // r  # groups fully visible to each query
+        tail = complete[:, None] * r + mx.arange(r - 1, dtype=mx.int32)[None, :]
+        tail_ok = tail <= query_idx[:, None]
+        # Score candidate groups in query tiles so the score buffer stays bounded.
+        tile = max(1, min(L, tile_budget // max(1, nh * max(G, 1))))
+        all_idx, all_ok = [], []
+        for b in range(B):
+            rows_idx, rows_ok = [], []
+            for s in range(0, L, tile):
+                qs = q[b, :, s : s + tile].astype(mx.float32)  # [nh, t, Di]
+                if G:
+                    scores = mx.maximum(qs @ block_keys[b].astype(mx.float32).T, 0.0).sum(axis=0)
+                    scores = scores / math.sqrt(Di)
+                    valid = mx.arange(G)[None, :] < complete[s : s + tile, None]
+                    groups, ok = _select_groups(scores, valid, self.block_topk)
+                else:
+                    t = qs.shape[1]
+                    groups = mx.zeros((t, self.block_topk), dtype=mx.int32)
+                    ok = mx.zeros((t, self.block_topk), dtype=mx.bool_)
+                tokens = (groups[:, :, None] * r + mx.arange(r, dtype=mx.int32)).reshape(groups.shape[0], -1)
+                tok_ok = mx.repeat(ok, r, axis=-1)
+                rows_idx.append(mx.concatenate([tokens, tail[s : s + tile]], axis=-1))
+                rows_ok.append(mx.concatenate([tok_ok, tail_ok[s : s + tile]], axis=-1))
+            all_idx.append(mx.concatenate(rows_idx, axis=0))
+            all_ok.append(mx.concatenate(rows_ok, axis=0))
+        return mx.stack(all_idx), mx.stack(all_ok)
+
+
+class QSAAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        h = args.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.indexer = QSAIndexer(args)
+        self.rotary = Rotary(args.rotary_dim, args.rope_theta)
+
+    def __call__(self, x, cache: AttentionCache, capture: Optional[Capture] = None, layer: int = -1):
+        B, L, _ = x.shape
+        first = cache.length  # cache index of the first new token
+        positions = cache.start_position + first + mx.arange(L)
+        cos, sin = self.rotary.tables(positions)
+
+        q_all = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
+        queries, gate = q_all[..., : self.head_dim], q_all[..., self.head_dim :]
+        queries = self.rotary.apply(self.q_norm(queries).transpose(0, 2, 1, 3), cos, sin)
+        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        keys = self.rotary.apply(keys, cos, sin)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+
+        index_q, raw_keys = self.indexer.project(x, self.rotary, cos, sin)
+        keys, values = cache.append(keys, values, raw_keys)
+        new_groups = cache.pending_groups(self.indexer.ratio)
+        if new_groups is not None:
+            first_group, raw = new_groups
+            cache.add_block_keys(self.indexer.block_keys(raw, first_group, self.rotary, cache.start_position))
+        idx, ok = self.indexer.select(index_q, cache.block_keys_view(), first, cache.length)
+        if capture is not None:
+            capture.qsa_selected[layer] = (idx, ok)
+
+        out = self._sparse_attention(queries, keys, values, idx, ok)
+        out = out * mx.sigmoid(gate.reshape(B, L, -1))
+        return self.o_proj(out)
+
+    def _sparse_attention(self, queries, keys, values, idx, ok):
+        """Gather only the selected K/V rows, then online softmax over them (AFN-016)."""
+        B, H, L, D = queries.shape
+        rep = H // self.n_kv_heads
+        outs = []
+        for b in range(B):
+            flat = mx.where(ok[b], idx[b], 0).reshape(-1)
+            k_sel = mx.take(keys[b : b + 1], flat, axis=2).reshape(1, self.n_kv_heads, L, -1, D)
+            v_sel = mx.take(values[b : b + 1], flat, axis=2).reshape(1, self.n_kv_heads, L, -1, D)
+            q = queries[b : b + 1].reshape(1, self.n_kv_heads, rep, L, D).transpose(0, 1, 3, 2, 4)
+            o = _online_softmax_attention(q, k_sel, v_sel, ok[b], self.scale)  # [1,Hkv,L,rep,D]
+            outs.append(o.transpose(0, 2, 1, 3, 4).reshape(1, L, H * D))
+        return mx.concatenate(outs, axis=0)
+
+
+# ---- PLE -------------------------------------------------------------------------------------------
+
+
+class NGramEmbedding(nn.Module):
+    """Hashed n-gram rows for one PLE layer; history is per sequence and carried across calls (AFN-012)."""
+
+    def __init__(self, args: ModelArgs, ple_index: int):
+        super().__init__()
+        self.ngram_size = args.ngram_size
+        self.heads_per_ngram = args.heads_per_ngram
+        self.eos = args.eos_id
+        sizes = ple_head_vocab_sizes(args, ple_index)
+        self._multipliers = mx.array(ple_layer_multipliers(args, ple_index), dtype=mx.int64)
+        self._head_sizes = mx.array(sizes, dtype=mx.int64)
+        self._head_offsets = mx.array(ple_head_offsets(sizes), dtype=mx.int64)
+        self.ngram_embedding = nn.Embedding(ple_table_rows(args, ple_index), args.ple_embed_dim // args.ngram_heads)
+
+    def row_ids(self, history: mx.array, n_new: int) -> mx.array:
+        """Row ids [B, n_new, heads] for the last n_new tokens of `history` [B, ctx + n_new] (int64)."""
+        B, T = history.shape
+        pos = mx.arange(T)
+        eos_pos = mx.where(history == self.eos, pos, -1)
+        prev_inclusive = mx.cummax(eos_pos, axis=1)
+        prev = mx.concatenate([mx.full((B, 1), -1, dtype=prev_inclusive.dtype), prev_inclusive[:, :-1]], axis=1)
+        in_segment = pos[None, :] - (prev + 1)
+        shifted = [history]
+        for shift in range(1, self.ngram_size):
+            src = mx.maximum(pos - shift, 0)
+            moved = history[:, src]
+            keep = (in_segment >= shift) & ((pos - shift) >= 0)[None, :]
+            shifted.append(mx.where(keep, moved, self.eos))
+        blocks = []
+        for n in range(2, self.ngram_size + 1):
+            mixed = shifted[0] * self._multipliers[0]
+            for p in range(1, n):
+                mixed = mx.bitwise_xor(mixed, shifted[p] * self._multipliers[p])
+            lo = (n - 2) * self.heads_per_ngram
+            sizes = self._head_sizes[lo : lo + self.heads_per_ngram]
+            offsets = self._head_offsets[lo : lo + self.heads_per_ngram]
+            blocks.append(mx.remainder(mixed[..., None], sizes) + offsets)
+        return mx.concatenate(blocks, axis=-1)[:, T - n_new :]
+
+    def __call__(self, ids, cache: LinearCache, capture_rows: Optional[list] = None):
+        B, L = ids.shape
+        context = cache.ngram_context
+        if context is None:
+            context = mx.full((B, self.ngram_size - 1), self.eos, dtype=mx.int64)
+        history = mx.concatenate([context, ids.astype(mx.int64)], axis=1)
+        cache.ngram_context = history[:, -(self.ngram_size - 1):]
+        rows = self.row_ids(history, L)
+        if capture_rows is not None:
+            capture_rows.append(rows)
+        return self.ngram_embedding(rows).reshape(B, L, -1)
+
+
+class PLELayer(nn.Module):
+    def __init__(self, args: ModelArgs, ple_index: int):
+        super().__init__()
+        self.hc_count = args.hc_count
+        self.hidden_size = args.hidden_size
+        width = args.hc_count * args.hidden_size
+        self.dilation = args.ngram_size
+        self.state_len = (args.ple_conv_kernel_size - 1) * args.ngram_size
+        self.ple_embedding = NGramEmbedding(args, ple_index)
+        self.key_proj = nn.Linear(args.ple_embed_dim, width, bias=False)
+        self.value_proj = nn.Linear(args.ple_embed_dim, args.hidden_size, bias=False)
+        eps = args.rms_norm_eps
+        self.norm_key = ZeroCenteredRMSNorm(width, eps, group_size=args.hidden_size)
+        self.norm_query = ZeroCenteredRMSNorm(width, eps, group_size=args.hidden_size)
+        self.norm_conv = ZeroCenteredRMSNorm(width, eps, group_size=args.hidden_size)
+        self.conv1d = nn.Conv1d(width, width, args.ple_conv_kernel_size, groups=width, bias=False)
+
+    def __call__(self, streams, ids, cache: LinearCache):
+        B, L, width = streams.shape
+        emb = self.ple_embedding(ids, cache)
+        split = (B, L, self.hc_count, self.hidden_size)
+        key = self.norm_key(self.key_proj(emb)).reshape(split)
+        query = self.norm_query(streams).reshape(split)
+        value = self.value_proj(emb)
+        gate = (key * query).sum(axis=-1, keepdims=True) / math.sqrt(self.hidden_size)
+        gate = mx.sqrt(mx.maximum(mx.abs(gate), 1e-6)) * mx.sign(gate)
+        gated = (mx.sigmoid(gate) * value[:, :, None, :]).reshape(B, L, width)
+        state = cache.ple_conv_state
+        if state is None:
+            state = mx.zeros((B, self.state_len, width), dtype=streams.dtype)
+        conv, cache.ple_conv_state = _causal_depthwise_conv(
+            self.norm_conv(gated), state, self.conv1d.weight, dilation=self.dilation
+        )
+        return gated + nn.silu(conv)
+
+
+# ---- MoE ---------------------------------------------------------------------------------------------
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """float32 softmax router, top-k (rank order = probability desc), shared expert with sigmoid gate.
+
+    `switch_mlp` is the routed-expert interface (x, indices) -> [..., k, hidden]; the streaming
+    engine substitutes its own module with the same call shape.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
+        self.shared_expert = SharedExpert(args.hidden_size, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def route(self, x):
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        k = self.top_k
+        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        order = mx.argsort(-scores, axis=-1)
+        inds = mx.take_along_axis(inds, order, axis=-1)
+        scores = mx.take_along_axis(scores, order, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        return inds, scores.astype(x.dtype)
+
+    def __call__(self, x, capture: Optional[Capture] = None, layer: int = -1):
+        inds, scores = self.route(x)
+        if capture is not None:
+            capture.routes[layer] = inds
+        routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared
+
+
+# ---- layers and model ---------------------------------------------------------------------------------
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.is_linear = args.layer_types[layer] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = QSAAttention(args)
+        ple_index = args.ple_index(layer)
+        if ple_index is not None:
+            self.ple = PLELayer(args, ple_index)
+        self.has_ple = ple_index is not None
+        self.mlp = SparseMoE(args)
+        self.attn_hyper_connection = HyperConnection(args)
+        self.mlp_hyper_connection = HyperConnection(args)
+
+    def __call__(self, streams, ids, cache, capture: Optional[Capture] = None):
+        if self.has_ple:
+            streams = streams + self.ple(streams, ids, cache)
+        if self.is_linear:
+            mixer = lambda h: self.linear_attn(h, cache)  # noqa: E731
+        else:
+            mixer = lambda h: self.self_attn(h, cache, capture, self.layer)  # noqa: E731
+        streams = self.attn_hyper_connection(streams, mixer)
+        return self.mlp_hyper_connection(streams, lambda h: self.mlp(h, capture, self.layer))
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.hyper_connection_mixer = HyperConnection(args, inject=False)
+
+    def __call__(self, ids, cache, capture: Optional[Capture] = None):
+        h = self.embed_tokens(ids)
+        streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
+        for layer, layer_cache in zip(self.layers, cache):
+            streams = layer(streams, ids, layer_cache, capture)
+            if capture is not None:
+                capture.hidden.append(streams)
+        mixed, _ = self.hyper_connection_mixer.mix(streams)
+        return mixed
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = TextModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: Optional[SequenceCache] = None,
+        capture: Optional[Capture] = None,
+        position: Optional[int] = None,
+    ):
+        """inputs [B, L] token ids -> logits [B, L, vocab_size (physical)].
+
+        `position`, when given, is the logical position of inputs[:, 0]; it must continue the cached
+        run exactly (AFN-018). The request is rejected before any work if it would pass
+        max_position_embeddings.
+        """
+        if inputs.ndim != 2:
+            raise ValueError(f"inputs must be [batch, length], got shape {inputs.shape}")
+        if cache is None:
+            cache = self.make_cache()
+        cache.check_append(inputs.shape[1], self.args.max_position_embeddings, position)
+        out = self.model(inputs, cache, capture)
+        cache.advance(inputs.shape[1])
+        return self.lm_head(out)
+
+    def make_cache(self) -> SequenceCache:
+        return SequenceCache(
+            [LinearCache() if layer.is_linear else AttentionCache() for layer in self.model.layers]
+        )
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    # ---- checkpoint mapping ------------------------------------------------------------------------
+    def sanitize(self, weights: dict) -> dict:
+        """Map HF checkpoint tensors (CausalLM or ConditionalGeneration, unfused or fused experts)
+        onto runtime names. Idempotent: runtime-named input passes through unchanged.
+
+        Every tensor is consumed by a key rule or excluded by a named one; missing or unexpected
+        tensors raise CheckpointKeyError naming the tensor.
+        """
+        if self._is_runtime_layout(weights):
+            return dict(weights)
+        args = self.args
+        check_key_set(weights.keys(), args)
+        out: dict[str, mx.array] = {}
+        experts: dict[tuple[int, str], dict[int, mx.array]] = {}
+        shards: dict[int, dict[int, mx.array]] = {}
+        for raw_key, value in weights.items():
+            cls = classify(raw_key, args)
+            if cls.kind == "excluded":
+                continue
+            if cls.kind == "dense":
+                out[cls.runtime_key] = value.swapaxes(1, 2) if cls.depthwise_conv else value
+            elif cls.kind == "expert":
+                experts.setdefault((cls.layer, cls.component), {})[cls.expert] = value
+            elif cls.kind == "fused_expert":
+                prefix = f"model.layers.{cls.layer}.mlp.switch_mlp."
+                if cls.component == "gate_up_proj":
+                    half = value.shape[1] // 2
+                    out[prefix + "gate_proj.weight"] = value[:, :half]
+                    out[prefix + "up_proj.weight"] = value[:, half:]
+                else:
+                    out[prefix + "down_proj.weight"] = value
+            elif cls.kind == "ple_shard":
+                shards.setdefault(cls.layer, {})[cls.shard] = value
+            elif cls.kind == "ple_constant":
+                self._check_ple_constant(raw_key, cls.layer, cls.component, value)
+        for (layer, component), per_expert in experts.items():
+            out[f"model.layers.{layer}.mlp.switch_mlp.{component}.weight"] = mx.stack(
+                [per_expert[e] for e in range(args.num_experts)]
+            )
+        for layer, parts in shards.items():
+            out[f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"] = mx.concatenate(
+                [parts[s] for s in range(args.split_ngram_parts)], axis=0
+            )
+        return out
+
+    def _is_runtime_layout(self, weights) -> bool:
+        return any(".switch_mlp." in k for k in weights) and not any(
+            ".mlp.experts." in strip_prefix(k) for k in weights
+        )
+
+    def _check_ple_constant(self, raw_key, layer, name, value):
+        ple_index = self.args.ple_index(layer)
+        sizes = ple_head_vocab_sizes(self.args, ple_index)
+        expected = {
+            "layer_multipliers": ple_layer_multipliers(self.args, ple_index),
+            "ngram_heads_vocab_sizes": sizes,
+            "ngram_heads_offsets": ple_head_offsets(sizes),
+        }[name]
+        got = np.array(value).astype(np.int64).tolist()
+        if got != expected:
+            raise CheckpointKeyError(f"{raw_key}: checkpoint value {got} differs from the config-derived {expected}")
