@@ -290,9 +290,7 @@ class _Admission:
             raise AdmissionError(f"stores[{i}].format", f"{s.get('format')!r} != 'expert_major.v2'")
         if s.get("codec") != self.m["codecs"]["experts"]:
             raise AdmissionError(f"stores[{i}].codec", f"{s.get('codec')!r} != profile {self.m['codecs']['experts']!r}")
-        with ExpertMajorReader(self.file(s["path"]), family=self.fam) as r:
-            if r.codec.name != s["codec"]:
-                raise AdmissionError("experts.codec_id", f"store codec {r.codec.name} != manifest {s['codec']}")
+        with ExpertMajorReader(self.file(s["path"]), self.fam, s["codec"]) as r:
             self.owners[s["path"]] = r.extents()
             self.expert_records = r.geometry.count
 
@@ -314,12 +312,10 @@ class _Admission:
                 raise AdmissionError(f"stores[{i}].format", f"{s.get('format')!r} != 'ple_pages.v1'")
             if s.get("codec") != self.m["codecs"]["ple"]:
                 raise AdmissionError(f"stores[{i}].codec", f"{s.get('codec')!r} != profile {self.m['codecs']['ple']!r}")
-            with PleReader(self.file(s["path"]), family=self.fam) as r:
+            with PleReader(self.file(s["path"]), self.fam, s["codec"]) as r:
                 h, c = r.header, self.consts
                 if h["table_index"] != t:
                     raise AdmissionError("ple.table_index", f"store holds table {h['table_index']}, manifest says {t}")
-                if r.codec.name != s["codec"]:
-                    raise AdmissionError("ple.codec_id", f"store codec {r.codec.name} != manifest {s['codec']}")
                 if h["total_rows"] != c["ple_rows"][t]:
                     raise AdmissionError("ple.rows", f"{h['total_rows']} != config {c['ple_rows'][t]}")
                 if h["width"] != c["ple_width"]:

@@ -193,7 +193,7 @@ def publish(path, family, codec_name, records, faults=None, progress=None):
     return atomic.publish_file(
         path,
         lambda w: write(w, family, codec_name, records, progress),
-        verify=lambda tmp: ExpertMajorReader(tmp, family=family).verify_all(),
+        verify=lambda tmp: ExpertMajorReader(tmp, family, codec_name).verify_all(),
         faults=faults,
     )
 
@@ -208,14 +208,14 @@ def _pread_exact(fd, n, offset, field):
 class ExpertMajorReader:
     """Validate an untrusted store on open (header + table, no payload read).
 
-    family: if given, the header's family must be this one.
+    family / codec_name: if given, the header must name exactly these.
     """
 
-    def __init__(self, path, family=None):
+    def __init__(self, path, family=None, codec_name=None):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         try:
-            self._open(family)
+            self._open(family, codec_name)
         except BaseException:
             os.close(self.fd)
             raise
@@ -231,7 +231,7 @@ class ExpertMajorReader:
     def __exit__(self, *exc):
         self.close()
 
-    def _open(self, family):
+    def _open(self, family, codec_name):
         size = os.fstat(self.fd).st_size
         if size < EXPERT_MAJOR_HEADER_BYTES:
             raise TruncatedError("experts.header", f"file is {size} bytes, header needs {EXPERT_MAJOR_HEADER_BYTES}")
@@ -252,6 +252,8 @@ class ExpertMajorReader:
         if family is not None and fam != family:
             raise GeometryError("experts.family_id", f"store family {fam.name!r} != expected {family.name!r}")
         cod = codec_by_id(h["codec_id"], "experts.codec_id")
+        if codec_name is not None and cod.name != codec_name:
+            raise GeometryError("experts.codec_id", f"store codec {cod.name!r} != expected {codec_name!r}")
         geom = Geometry(fam, cod.name)
         for name, want in geom.header_values().items():
             if h[name] != want:

@@ -203,7 +203,7 @@ def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=
     return atomic.publish_file(
         path,
         lambda w: write(w, family, table, codec_name, chunks, rows_per_page, progress),
-        verify=lambda tmp: PleReader(tmp, family=family).verify_all(),
+        verify=lambda tmp: PleReader(tmp, family, codec_name).verify_all(),
         faults=faults,
     )
 
@@ -211,11 +211,11 @@ def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=
 class PleReader:
     """Open validates the manifest (no row payload is read)."""
 
-    def __init__(self, path, family=None):
+    def __init__(self, path, family=None, codec_name=None):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         try:
-            self._open(family)
+            self._open(family, codec_name)
         except BaseException:
             os.close(self.fd)
             raise
@@ -237,7 +237,7 @@ class PleReader:
             raise TruncatedError(field, f"read {len(data)} of {n} bytes at offset {offset}")
         return data
 
-    def _open(self, family):
+    def _open(self, family, codec_name):
         size = os.fstat(self.fd).st_size
         if size < PLE_HEADER_BYTES:
             raise TruncatedError("ple.header", f"file is {size} bytes, header needs {PLE_HEADER_BYTES}")
@@ -258,6 +258,8 @@ class PleReader:
         if family is not None and fam != family:
             raise GeometryError("ple.family_id", f"store family {fam.name!r} != expected {family.name!r}")
         cod = codec_by_id(h["codec_id"], "ple.codec_id")
+        if codec_name is not None and cod.name != codec_name:
+            raise GeometryError("ple.codec_id", f"store codec {cod.name!r} != expected {codec_name!r}")
         if not 0 <= h["table_index"] < fam.ple_tables:
             raise GeometryError("ple.table_index", f"{h['table_index']} outside family's {fam.ple_tables} tables")
         if not 1 <= h["rows_per_page"] <= PLE_MAX_ROWS_PER_PAGE:

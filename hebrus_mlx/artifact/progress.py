@@ -14,7 +14,7 @@ class Progress:
     def __call__(self, n):
         self.done += n
         now = time.monotonic()
-        if now - self.last >= self.min_interval or self.done >= self.total:
+        if now - self.last >= self.min_interval:
             self.last = now
             self.draw(now)
 

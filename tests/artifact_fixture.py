@@ -1,0 +1,140 @@
+"""Shared helper: a tiny Qwen4Exp checkpoint and its converted artifact.
+
+Provenance (AFN-014): the checkpoint tensors and config are an upstream
+capture (transformers `Qwen4ExpForCausalLM.save_pretrained`, seed 0); the
+tokenizer.json / chat template are contract controls written here by hand.
+Negative fixtures mutate one field of the converted artifact at a time.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+
+TINY_CONFIG = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    num_experts=8, num_experts_per_tok=2, hc_count=4, hc_lowrank=8, ple_layer_ids=[1],
+    ple_embed_dim=64, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000, split_ngram_parts=4,
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+    indexer_compress_ratio=4, eos_token_id=1, max_position_embeddings=256,
+)
+
+TOKENIZER = {
+    "version": "1.0",
+    "added_tokens": [{"id": 1, "content": "<|im_end|>", "special": True, "single_word": False,
+                      "lstrip": False, "rstrip": False, "normalized": False}],
+    "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<|im_end|>": 1, "a": 2, "b": 3}, "unk_token": "<unk>"},
+}
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+def tiny_checkpoint(d):
+    import torch
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    os.makedirs(d, exist_ok=True)
+    torch.manual_seed(0)
+    Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_CONFIG)).save_pretrained(d)
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump(TOKENIZER, f)
+    with open(os.path.join(d, "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATE)
+    return d
+
+
+def tiny_artifact(root, dtype="float32", q_bits=4):
+    """(hf_dir, artifact_dir) under `root`, converted with hebrus_mlx.convert."""
+    from hebrus_mlx.convert import convert
+
+    hf = tiny_checkpoint(os.path.join(root, "hf"))
+    out = os.path.join(root, "artifact")
+    convert(hf, out, q_bits=q_bits, dtype=dtype, quiet=True)
+    return hf, out
+
+
+def copy_artifact(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---- mutation helpers: each edits exactly one thing ------------------------
+def sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def load_manifest(d):
+    with open(os.path.join(d, "manifest.json")) as f:
+        return json.load(f)
+
+
+def save_manifest(d, m):
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+def edit_manifest(d, fn):
+    m = load_manifest(d)
+    fn(m)
+    save_manifest(d, m)
+
+
+def refresh_store(d, path):
+    """Re-record a store's size/digest after it was edited on purpose."""
+    m = load_manifest(d)
+    for s in m["stores"]:
+        if s["path"] == path:
+            s["size"] = os.path.getsize(os.path.join(d, path))
+            s["sha256"] = sha(os.path.join(d, path))
+    save_manifest(d, m)
+
+
+def edit_source_file(d, name, fn, refresh_digest=True):
+    p = os.path.join(d, name)
+    with open(p, "rb") as f:
+        data = fn(f.read())
+    with open(p, "wb") as f:
+        f.write(data)
+    if refresh_digest:
+        edit_manifest(d, lambda m: m["source"]["files"].__setitem__(name, sha(p)))
+
+
+def edit_safetensors_header(d, fn, path="model.safetensors", inventory=False):
+    """fn(header dict) mutates the header; data bytes are kept as they are."""
+    p = os.path.join(d, path)
+    with open(p, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    fn(header)
+    body = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    body += b" " * (-len(body) % 8)
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+    refresh_store(d, path)
+    if inventory:  # keep the manifest inventory in step with the file
+        def sync(m):
+            m["tensors"] = {
+                k: {"dtype": v["dtype"], "shape": v["shape"], "data_offsets": v["data_offsets"],
+                    "codec": m["tensors"].get(k, {}).get("codec", "f32")}
+                for k, v in header.items() if k != "__metadata__"
+            }
+        edit_manifest(d, sync)
+
+
+def patch_bytes(path, offset, fmt, value, digest_range=None, digest_at=None):
+    """Overwrite a struct field; optionally recompute a SHA-256 over
+    digest_range (with the digest slot zeroed) and store it at digest_at."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(struct.pack(fmt, value))
+        if digest_range is not None:
+            a, b = digest_range
+            f.seek(a)
+            blob = bytearray(f.read(b - a))
+            blob[digest_at - a : digest_at - a + 32] = bytes(32)
+            f.seek(digest_at)
+            f.write(hashlib.sha256(blob).digest())
