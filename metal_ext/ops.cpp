@@ -142,11 +142,29 @@ void GatherRecords::eval_cpu(
                 dst = out.data<uint8_t>()]() {
     const Table& t = engine->table(table);
     const uint32_t* ix = idx.data<uint32_t>();
-    std::vector<uint64_t> tickets;
-    tickets.reserve(idx.size());
+    const uint64_t length = t.uniform_length;
+    // Issue as many records as the cache can pin so the reads overlap; when
+    // it is full, consume the issued wave and continue (repeated indices
+    // join the same read).
+    std::vector<std::pair<size_t, uint64_t>> wave;
+    auto drain = [&] {
+      size_t k = 0;
+      try {
+        for (; k < wave.size(); ++k) {
+          Engine::View v = engine->wait(wave[k].second);
+          std::memcpy(dst + wave[k].first * length, v.data, length);
+          engine->release(wave[k].second);
+        }
+      } catch (...) {
+        for (; k < wave.size(); ++k) {
+          engine->cancel(wave[k].second);
+        }
+        wave.clear();
+        throw;
+      }
+      wave.clear();
+    };
     try {
-      // Issue every record first so the reads overlap, then consume in
-      // order; repeated indices join the same read.
       for (size_t i = 0; i < idx.size(); ++i) {
         if (ix[i] >= t.rows.size()) {
           throw StreamError(
@@ -168,15 +186,25 @@ void GatherRecords::eval_cpu(
         r.comp_end = row.length;
         r.has_digest = row.has_digest;
         r.digest = row.digest;
-        tickets.push_back(engine->request(r));
+        while (true) {
+          try {
+            wave.emplace_back(i, engine->request(r));
+            break;
+          } catch (const StreamError& e) {
+            if (e.code != ErrorCode::kCacheFull || wave.empty()) {
+              throw;
+            }
+            drain();
+          }
+        }
       }
+      drain();
     } catch (...) {
-      for (uint64_t tk : tickets) {
+      for (auto& [pos, tk] : wave) {
         engine->cancel(tk);
       }
       throw;
     }
-    copy_tickets(*engine, tickets, t.uniform_length, dst);
   });
 }
 

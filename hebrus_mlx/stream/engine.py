@@ -1,0 +1,224 @@
+"""Python face of the C++ streaming engine (``hebrus_mlx._ext``).
+
+A request names bytes in a store: ``(store, offset, length)`` plus scheduling
+metadata (priority, exact vs predicted, owner/generation, layer, expert,
+component range, deadline, digest). It returns an integer ticket. The record
+lands in a bounded slot cache; ``wait``/``read`` block until it is published,
+``release``/``cancel`` drop the ticket's ownership exactly once.
+
+Graph evaluation consumes records through MLX primitives:
+``gather(table, indices)`` waits inside ``mx.eval`` for exactly the records
+named by an (unevaluated) index array, ``prefetch(table, indices)`` issues
+predicted reads without blocking, and ``load(tickets)`` turns issued tickets
+into one uint8 array. None of them needs a Python-side read-back.
+
+If the extension is not built, :func:`available` is False and constructing a
+:class:`StreamEngine` raises :class:`StreamUnavailableError`; the rest of the
+package keeps working (resident weights only).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx  # loads libmlx before the extension needs it
+
+from .errors import StreamError
+
+try:
+    from hebrus_mlx import _ext
+except ImportError as e:  # not built (e.g. a metadata-only install)
+    _ext = None
+    _IMPORT_ERROR: Optional[BaseException] = e
+else:
+    _IMPORT_ERROR = None
+
+P0, P1, P2 = 0, 1, 2  # exact critical, near-term predicted, speculative
+
+
+class StreamUnavailableError(StreamError):
+    """The C++ extension is not available in this installation."""
+
+
+def available() -> bool:
+    return _ext is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    if _ext is not None:
+        return None
+    return f"hebrus_mlx._ext could not be imported: {_IMPORT_ERROR}"
+
+
+class StreamEngine:
+    """Thread-pool pread engine with a bounded, pinning slot cache.
+
+    Args:
+        cache_bytes: Slot cache capacity; every slab (cached, in flight or
+            pooled) counts against it.
+        threads: Reader threads.
+        direct: Use O_DIRECT on Linux when offset, length and buffer align.
+        policy: ``"lru"`` (control) or ``"score"`` (stall removed per byte).
+        nocache / rdadvise: macOS ``F_NOCACHE`` / ``F_RDADVISE``.
+        testing: Enables fault injection, ``hold`` and read delays.
+    """
+
+    def __init__(
+        self,
+        cache_bytes: int,
+        threads: int = 4,
+        direct: bool = True,
+        policy: str = "lru",
+        nocache: bool = False,
+        rdadvise: bool = False,
+        testing: bool = False,
+    ):
+        if _ext is None:
+            raise StreamUnavailableError(unavailable_reason())
+        self._e = _ext.Engine(
+            threads=threads,
+            cache_bytes=cache_bytes,
+            direct=direct,
+            nocache=nocache,
+            rdadvise=rdadvise,
+            policy=policy,
+            testing=testing,
+        )
+
+    # Stores and record tables -------------------------------------------
+    def add_store(self, path: str, digest_id: str = "") -> int:
+        return self._e.add_store(str(path), digest_id)
+
+    def register_table(
+        self,
+        store: int,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        digests: Optional[Sequence[bytes]] = None,
+    ) -> int:
+        """Record table for the graph ops: row i is (offsets[i], lengths[i])."""
+        return self._e.register_table(
+            store,
+            [int(o) for o in offsets],
+            [int(n) for n in lengths],
+            None if digests is None else [bytes(d) for d in digests],
+        )
+
+    # Tickets --------------------------------------------------------------
+    def request(
+        self,
+        store: int,
+        offset: int,
+        length: int,
+        *,
+        priority: int = P0,
+        exact: bool = True,
+        owner: int = 0,
+        generation: int = 0,
+        layer: int = -1,
+        expert: int = -1,
+        component: Optional[tuple] = None,
+        deadline_ns: Optional[int] = None,
+        confidence: float = 1.0,
+        digest: Optional[bytes] = None,
+    ) -> int:
+        """Issue a read; never blocks on I/O. ``deadline_ns`` is in
+        ``time.monotonic_ns()`` units."""
+        begin, end = component if component is not None else (0, None)
+        return self._e.request(
+            store,
+            offset,
+            length,
+            priority=priority,
+            exact=exact,
+            owner=owner,
+            generation=generation,
+            layer=layer,
+            expert=expert,
+            comp_begin=begin,
+            comp_end=end,
+            deadline_ns=deadline_ns,
+            confidence=confidence,
+            digest=digest,
+        )
+
+    def wait(self, ticket: int, timeout: Optional[float] = None) -> int:
+        return self._e.wait(ticket, -1.0 if timeout is None else timeout)
+
+    def read(self, ticket: int, timeout: Optional[float] = None) -> bytes:
+        """Wait and copy the record (the ticket stays owned)."""
+        return self._e.read(ticket, -1.0 if timeout is None else timeout)
+
+    def release(self, ticket: int) -> bool:
+        return self._e.release(ticket)
+
+    def cancel(self, ticket: int) -> bool:
+        return self._e.cancel(ticket)
+
+    def advance_generation(self, owner: int, generation: int) -> int:
+        return self._e.advance_generation(owner, generation)
+
+    def set_hint(self, store: int, offset: int, length: int, p_use: float) -> bool:
+        return self._e.set_hint(store, offset, length, p_use)
+
+    def ticket_info(self, ticket: int) -> dict:
+        return self._e.ticket_info(ticket)
+
+    # Graph ops ------------------------------------------------------------
+    def load(self, tickets: Sequence[int]) -> mx.array:
+        """uint8 [n, length]; the op owns the tickets and releases them."""
+        return _ext.load_tickets(self._e, list(tickets))
+
+    def gather(
+        self, table: int, indices: mx.array, owner: int = 0, generation: int = 0
+    ) -> mx.array:
+        """uint8 [*indices.shape, length] streamed during graph evaluation."""
+        return _ext.gather_records(self._e, table, indices, owner, generation)
+
+    def prefetch(
+        self,
+        table: int,
+        indices: mx.array,
+        priority: int = P1,
+        confidence: float = 1.0,
+        owner: int = 0,
+        generation: int = 0,
+    ) -> mx.array:
+        """Non-blocking predicted reads; returns a uint32 scalar (issued)."""
+        return _ext.prefetch_records(
+            self._e, table, indices, priority, confidence, owner, generation
+        )
+
+    # Observability --------------------------------------------------------
+    def counters(self) -> dict:
+        c = self._e.counters()
+        exact_ns = c["exact_read_ns"]
+        c["hidden_fraction"] = (
+            1.0 - c["exposed_wait_ns"] / exact_ns if exact_ns > 0 else None
+        )
+        return c
+
+    def reset_counters(self) -> None:
+        self._e.reset_counters()
+
+    def memory(self) -> dict:
+        return self._e.memory()
+
+    def close(self) -> None:
+        self._e.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # Test hooks (Engine(testing=True) only) --------------------------------
+    def inject_fault(self, kind: str, count: int = 1) -> None:
+        self._e.inject_fault(kind, count)
+
+    def hold(self, on: bool) -> None:
+        self._e.hold(on)
+
+    def set_read_delay_us(self, us: int) -> None:
+        self._e.set_read_delay_us(us)
