@@ -145,6 +145,117 @@ def format_markdown(trained: list, control: list, uniform: dict, meta: dict) -> 
     return "\n".join(lines) + "\n"
 
 
+def render_training_md(record: dict, route_md: str, config: dict) -> str:
+    """TRAINING.md: the build's provenance and results, from training_record.json plus the route tables."""
+    d, b = record["dims"], record["budget"]
+    ppl = math.exp(record["final_heldout_loss"])
+    uni = record["unigram_heldout_subset"]
+    hist = record["history"]
+    mins = record["train_seconds"] / 60
+    held = ", ".join(record["heldout_files"])
+    eff, phys = record["effective_vocab"], record["physical_vocab"]
+    ple = ", ".join(str(i) for i in d["ple_layer_ids"])
+    pattern = " ".join("A" if t == "indexed_attention" else "L" for t in config["layer_types"])
+    return f"""# Demo model: training record
+
+A small Qwen4Exp text model (`Qwen4ExpForCausalLM`, transformers {record['transformers']}) trained on the
+CPython standard library (`{Path(record['corpus']).name}`) so `hebrus-mlx generate --model demo` has trained routes.
+Built by `tools/train_demo.py`; routing tables by `tools/route_stats.py`. Reproduce:
+
+```
+nice python tools/train_demo.py --out /work/demo_build/hf --record-dir hebrus_mlx/demo \\
+    --steps {record['steps']} --seed {record['seed']} --threads {record['threads']}
+python tools/route_stats.py /work/demo_build/hf --training-md hebrus_mlx/demo/TRAINING.md
+```
+
+## Architecture (every Qwen4Exp feature on)
+
+| field | value |
+|---|---|
+| layers | {len(config['layer_types'])}: `{pattern}` (L = Gated DeltaNet, A = QSA indexed attention) |
+| hidden / hyper-connection streams / hc_lowrank | {d['hidden_size']} / {d['hc_count']} / {d['hc_lowrank']} |
+| attention | {d['num_attention_heads']} heads x {d['head_dim']}, {d['num_key_value_heads']} KV head, partial rotary {d['partial_rotary_factor']} (mrope_section {config['rope_parameters']['mrope_section']}) |
+| QSA indexer | {d['indexer_n_heads']} heads x {d['indexer_head_dim']}, 1 key head, budget {d['indexer_budget']} tokens, compress ratio {d['indexer_compress_ratio']} |
+| Gated DeltaNet | {d['linear_num_key_heads']} key heads x {d['linear_key_head_dim']}, {d['linear_num_value_heads']} value heads x {d['linear_value_head_dim']} |
+| MoE | {d['num_experts']} routed experts, top-{d['num_experts_per_tok']}, moe_intermediate {d['moe_intermediate_size']}, shared expert {d['shared_expert_intermediate_size']} |
+| PLE | layers {ple} (one-indexed, linear), 3-gram, {d['heads_per_ngram']} heads per n-gram, ngram_vocab_size_base {d['ngram_vocab_size_base']}, split_ngram_parts {d['split_ngram_parts']} |
+| vocabulary | effective {eff} ({d['bpe_vocab']} BPE + 9 specials), lm_head / embedding physical rows {phys} |
+| eos_token_id | {config['eos_token_id']} (`<|endoftext|>`, `<|im_end|>`; PLE uses the first as its segment boundary) |
+
+Parameters: {b['total_params']:,} total = {b['routed_expert_params']:,} routed-expert + {b['other_params']:,} other
+(~{b['active_params_per_token_approx']:,} active per token). Estimated shipped size with 4-bit affine group-64
+routed experts and fp16 everything else: {b['routed_bytes_4bit'] / 1e6:.2f} MB + {b['other_bytes_fp16'] / 1e6:.2f} MB =
+{b['estimated_artifact_bytes'] / 1e6:.2f} MB (budget 20 MB).
+
+## Corpus and split
+
+- Text: the `*.py` files at the top level of `{record['corpus']}` ({len(record['train_files']) + len(record['heldout_files'])} files).
+- Licence: {record['corpus_license']}.
+- Split by file before windowing: sorted names shuffled with `random.Random(seed={record['seed']})`, {len(record['heldout_files'])} files held out:
+  {held}.
+- Each file is NFC-normalised, tokenised and followed by `<|endoftext|>`; the streams are cut into
+  non-overlapping {record['seq_len']}-token windows: {record['train_tokens']:,} train tokens ({record['train_windows']} windows),
+  {record['heldout_tokens']:,} held-out tokens ({record['heldout_windows']} windows).
+
+## Tokenizer
+
+Byte-level BPE trained with `tokenizers` on the training files only: {d['bpe_vocab']} ranks (256-byte alphabet
+plus merges, min frequency 2), NFC normaliser, Qwen2-style split regex, then the nine Qwen special
+tokens appended as ids {d['bpe_vocab']}..{eff - 1}. Chat template: {record['chat_template_source']}.
+`generation_config.json` stops on {config['eos_token_id']}.
+
+## Training
+
+fp32 on CPU, torch {record['torch']}, {record['threads']} threads, `torch.use_deterministic_algorithms(True)`, seed {record['seed']}
+(init, batch order). AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), peak lr {record['lr']}, {record['warmup']}-step
+linear warmup then cosine to 10%, gradient clip 1.0, batch {record['batch']} x {record['seq_len']} tokens, {record['steps']} steps
+({record['steps'] * record['batch'] * record['seq_len']:,} tokens, {record['steps'] * record['batch'] / record['train_windows']:.2f} epochs),
+router load-balancing loss coefficient {config['router_aux_loss_coef']} (the config default).
+Wall time: {mins:.1f} min training, {record['total_seconds'] / 60:.1f} min for the whole script, on a shared 2-core machine.
+
+![loss curve](loss_curve.png)
+
+| measure | nats/token | perplexity |
+|---|---|---|
+| train loss, mean of last 20 steps | {record['final_train_loss_last20']:.3f} | {math.exp(record['final_train_loss_last20']):.1f} |
+| train windows, final model (same number of evenly spaced train windows) | {record['final_train_eval_loss']:.3f} | {math.exp(record['final_train_eval_loss']):.1f} |
+| held-out, final model ({record['final_heldout_tokens']:,} predicted tokens) | {record['final_heldout_loss']:.3f} | {ppl:.1f} |
+| unigram baseline, same held-out tokens (add-one, train counts) | {uni:.3f} | {math.exp(uni):.1f} |
+| unigram baseline, whole held-out stream | {record['unigram_heldout_full']:.3f} | {math.exp(record['unigram_heldout_full']):.1f} |
+
+Held-out perplexity is {math.exp(uni) / ppl:.1f}x lower than the unigram baseline.
+
+Greedy continuation (reference model, unassigned lm_head rows suppressed) of a held-out prompt from
+`{record['prompt_file']}`:
+
+```python
+{record['prompt']}
+```
+
+continues as:
+
+```python
+{record['continuation']}
+```
+
+## Routing statistics
+
+{route_md}
+The trained routers are far from the random-init control: lower usage entropy on most layers, a
+previous-token reuse share well above the independent-uniform k/E, and smaller unions over short
+blocks. Those are the properties the expert cache and the route predictors work from.
+
+## Known limits
+
+- The QSA indexer (`index_qk_proj`, its q/k norms) gets no gradient from the language-model loss: block
+  selection is a hard top-k, so the reference graph has no path from the loss to the indexer. Its
+  weights stay at their seeded initialisation; selection is still exercised (prompts longer than
+  {d['indexer_budget']} tokens attend to a {d['indexer_budget']}-token subset plus the incomplete tail block) and is deterministic,
+  but it is not a learned selection.
+- A 16M-parameter model trained for under an hour: the text is corpus-like, not correct Python.
+"""
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", type=Path)
@@ -154,6 +265,7 @@ def main(argv=None):
     p.add_argument("--control-seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--training-md", type=Path, default=None, help="also write TRAINING.md with these tables")
     args = p.parse_args(argv)
     if args.tokens <= 0 or args.seq_len <= 0:
         raise ValueError(f"--tokens={args.tokens} and --seq-len={args.seq_len} must be positive")
@@ -187,7 +299,15 @@ def main(argv=None):
         "layer_types": list(cfg.layer_types),
         "control_seed": args.control_seed,
     }
-    print(format_markdown(trained, control, uniform, meta), end="")
+    route_md = format_markdown(trained, control, uniform, meta)
+    print(route_md, end="")
+    if args.training_md is not None:
+        record = json.loads((args.checkpoint / "training_record.json").read_text(encoding="utf-8"))
+        config = json.loads((args.checkpoint / "config.json").read_text(encoding="utf-8"))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from train_demo import write_file_atomic
+
+        write_file_atomic(args.training_md, render_training_md(record, route_md, config).encode("utf-8"))
     if args.json is not None:
         args.json.write_text(
             json.dumps({"meta": meta, "uniform": uniform, "trained": trained, "control": control}, indent=1) + "\n",
