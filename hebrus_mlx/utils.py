@@ -1,0 +1,90 @@
+"""Model discovery and loading: `load(path) -> (model, tokenizer)` like mlx_lm.load."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from .models.qwen4exp import Model, ModelArgs
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No model at the given name; the message lists every place that was looked at."""
+
+
+def resolve_model_path(name: str) -> Path:
+    """`demo` -> the shipped demo model; otherwise an artifact dir or an HF checkpoint dir."""
+    looked = []
+    if name == "demo":
+        candidates = [DEMO_DIR]
+    else:
+        candidates = [Path(name).expanduser()]
+    for path in candidates:
+        looked.append(str(path / "manifest.json"))
+        if (path / "manifest.json").is_file():
+            return path
+        looked.append(str(path / "config.json"))
+        if (path / "config.json").is_file():
+            return path
+    raise ModelNotFoundError(f"no model {name!r}: looked for " + ", ".join(looked))
+
+
+def is_artifact(path: Path) -> bool:
+    return (Path(path) / "manifest.json").is_file()
+
+
+def load_config(path: Path) -> dict:
+    with open(Path(path) / "config.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32) -> Model:
+    """Build the graph from an HF checkpoint dir (safetensors) via the explicit key tables.
+
+    dtype: floating weights are cast to it (float32 by default: the CPU backend is fastest and
+    parity holds at fp32); None keeps the checkpoint dtype.
+    """
+    path = Path(path)
+    args = ModelArgs.from_dict(load_config(path))  # config errors surface before any weight is read
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors in {path}")
+    weights = {}
+    for file in files:
+        for key, value in mx.load(file).items():
+            if key in weights:
+                raise ValueError(f"tensor {key!r} appears in more than one shard")
+            weights[key] = value
+    model = Model(args)
+    weights = model.sanitize(weights)
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load_model(path, dtype: Optional[mx.Dtype] = mx.float32) -> Model:
+    path = Path(path)
+    if is_artifact(path):
+        from .artifact.loader import load_artifact_model  # admission runs before any graph buffer
+
+        return load_artifact_model(path, dtype=dtype)
+    return load_hf_model(path, dtype=dtype)
+
+
+def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32):
+    """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir."""
+    from .text.tokenizer import load_tokenizer
+
+    path = resolve_model_path(path_or_name)
+    model = load_model(path, dtype=dtype)
+    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size)
+    return model, tokenizer
