@@ -2,6 +2,7 @@
 `generate` and the `hebrus-mlx generate` / `python -m hebrus_mlx.generate` command."""
 
 import argparse
+import inspect
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +41,14 @@ def _eval_cache(cache, fallback):
     mx.eval(states if states else fallback)
 
 
+def _make_cache(model, max_kv_size):
+    if max_kv_size is None:
+        return model.make_cache()
+    if "max_kv_size" not in inspect.signature(model.make_cache).parameters:
+        raise GenerationError("this model does not support --max-kv-size")
+    return model.make_cache(max_kv_size=max_kv_size)
+
+
 def generate_step(
     prompt: mx.array,
     model,
@@ -59,7 +68,7 @@ def generate_step(
     if prefill_step_size < 1:
         raise GenerationError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     if prompt_cache is None:
-        prompt_cache = model.make_cache(max_kv_size=max_kv_size) if max_kv_size else model.make_cache()
+        prompt_cache = _make_cache(model, max_kv_size)
     sampler = sampler or make_sampler(effective_vocab_size)
     logits_processors = logits_processors or []
     tokens = None

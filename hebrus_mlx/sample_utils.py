@@ -8,9 +8,8 @@ unassigned rows, and log-probabilities are renormalised over the valid rows.
 from typing import Callable, List, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler as _mlx_make_sampler
 
-__all__ = ["apply_vocab_mask", "make_sampler", "make_logits_processors", "check_sampling_args"]
+__all__ = ["apply_vocab_mask", "make_sampler", "check_sampling_args"]
 
 
 def apply_vocab_mask(logits: mx.array, effective_vocab_size: int) -> mx.array:
@@ -48,6 +47,9 @@ def make_sampler(
     below `effective_vocab_size`.
     """
     check_sampling_args(temp, top_p, min_p, top_k)
+    # Imported here: the mlx_lm package pulls in transformers (~4 s), too slow for CLI errors.
+    from mlx_lm.sample_utils import make_sampler as _mlx_make_sampler
+
     inner = _mlx_make_sampler(temp=temp, top_p=top_p, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep, top_k=top_k)
 
     def sampler(logprobs: mx.array) -> mx.array:

@@ -1,0 +1,242 @@
+"""hebrus_mlx.generate: generate_step / stream_generate / generate and the CLI.
+
+The model here is a stand-in defined in this file only: a deterministic next-token rule that
+depends on the whole cached history, so wrong cache or prefill chunking changes the output. The
+expected tokens come from an independent uncached Python loop (independent cross-check).
+"""
+
+import io
+import re
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+import mlx.core as mx
+import pytest
+
+import hebrus_mlx.generate as gen
+from hebrus_mlx.generate import GenerationError, generate, generate_step, stream_generate
+from hebrus_mlx.text.tokenizer import load_tokenizer
+from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
+
+EFFECTIVE = 248077
+IM_END = 248046
+
+
+class _Args:
+    def __init__(self, ctx):
+        self.vocab_size = PHYSICAL_VOCAB
+        self.max_position_embeddings = ctx
+
+
+class _Cache:
+    def __init__(self):
+        self.tokens = mx.zeros((0,), dtype=mx.int32)
+
+    @property
+    def state(self):
+        return self.tokens
+
+
+class HistoryModel:
+    """next = (7 * sum(history) + 3) mod 1000 + 500; unassigned rows are made dominant."""
+
+    def __init__(self, ctx=256):
+        self.args = _Args(ctx)
+        self.calls = []
+
+    def make_cache(self):
+        return [_Cache()]
+
+    def __call__(self, inputs, cache):
+        self.calls.append(inputs.shape[1])
+        c = cache[0]
+        c.tokens = mx.concatenate([c.tokens, inputs[0].astype(mx.int32)])
+        sums = mx.cumsum(c.tokens.astype(mx.int64))[-inputs.shape[1]:]
+        nxt = (7 * sums + 3) % 1000 + 500
+        cols = mx.arange(PHYSICAL_VOCAB)
+        logits = mx.where(cols[None] == nxt[:, None], 10.0, 0.0)
+        logits = mx.where(cols[None] >= EFFECTIVE, 50.0, logits)
+        return logits[None].astype(mx.float32)
+
+
+class ScriptModel:
+    """Emits `script` after the prompt, one token per step, whatever the input."""
+
+    def __init__(self, script, ctx=256):
+        self.args = _Args(ctx)
+        self.script = script
+
+    def make_cache(self):
+        return [_Cache()]
+
+    def __call__(self, inputs, cache):
+        c = cache[0]
+        start = c.tokens.size
+        c.tokens = mx.concatenate([c.tokens, inputs[0].astype(mx.int32)])
+        rows = []
+        for pos in range(start, c.tokens.size):
+            k = pos - self.prompt_len + 1
+            tok = self.script[min(max(k, 0), len(self.script) - 1)]
+            rows.append(mx.where(mx.arange(PHYSICAL_VOCAB) == tok, 10.0, 0.0))
+        return mx.stack(rows)[None]
+
+
+def reference_tokens(prompt, n):
+    hist = list(prompt)
+    out = []
+    for _ in range(n):
+        t = (7 * sum(hist) + 3) % 1000 + 500
+        out.append(t)
+        hist.append(t)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tok(request):
+    return load_tokenizer(qwen_tokenizer_dir(request.config.cache.mkdir("hebrus_qwen_tokenizer")), PHYSICAL_VOCAB)
+
+
+@pytest.mark.parametrize("step", [1, 3, 2048])
+def test_generate_step_matches_uncached_reference(step):
+    """Chunked prefill + cached decode reproduce the uncached rule; invalid rows never win (AFN-005)."""
+    prompt = [11, 22, 33, 44, 55, 66, 77]
+    model = HistoryModel()
+    got = [t for t, _ in generate_step(mx.array(prompt), model, effective_vocab_size=EFFECTIVE,
+                                       max_tokens=6, prefill_step_size=step)]
+    assert got == reference_tokens(prompt, 6)
+    prefill = model.calls[: len(model.calls) - 7]  # 6 decode steps + 1 queued ahead
+    assert max(prefill) <= step and sum(prefill) == len(prompt) - 1
+    assert model.calls[len(prefill):] == [1] * 7
+
+
+def test_max_kv_size_reaches_the_cache_or_is_refused():
+    class Sized(HistoryModel):
+        def make_cache(self, max_kv_size=None):
+            self.max_kv_size = max_kv_size
+            return super().make_cache()
+
+    m = Sized()
+    list(generate_step(mx.array([1, 2]), m, effective_vocab_size=EFFECTIVE, max_tokens=1, max_kv_size=8))
+    assert m.max_kv_size == 8
+    with pytest.raises(GenerationError, match="max-kv-size"):
+        list(generate_step(mx.array([1, 2]), HistoryModel(), effective_vocab_size=EFFECTIVE, max_kv_size=8))
+
+
+def test_logprobs_are_masked_and_normalised():
+    """AFN-005: logprobs are -inf past the effective vocabulary and sum to 1 over valid rows."""
+    (_, lp), = list(generate_step(mx.array([1, 2]), HistoryModel(), effective_vocab_size=EFFECTIVE, max_tokens=1))
+    assert lp.shape == (PHYSICAL_VOCAB,)
+    assert mx.all(lp[EFFECTIVE:] == -mx.inf).item()
+    assert abs(mx.logsumexp(lp[:EFFECTIVE]).item()) < 1e-4
+
+
+def _script_model(tok, text, tail):
+    script = tok.encode(text) + tail
+    m = ScriptModel(script)
+    return m
+
+
+def test_stream_generate_stops_on_stop_set(tok):
+    """Stops on <|im_end|> from the explicit stop set; the stop token adds no text."""
+    prompt = tok.encode("hi")
+    model = _script_model(tok, "Hello 世界 नमस्ते", [IM_END, 9419])
+    model.prompt_len = len(prompt)
+    rs = list(stream_generate(model, tok, prompt, max_tokens=50))
+    assert "".join(r.text for r in rs) == "Hello 世界 नमस्ते"
+    assert rs[-1].finish_reason == "stop" and rs[-1].token == IM_END
+    assert all(r.finish_reason is None for r in rs[:-1])
+    assert rs[-1].generation_tokens == len(rs) and rs[-1].prompt_tokens == len(prompt)
+
+
+def test_stream_generate_length(tok):
+    prompt = tok.encode("hi")
+    model = _script_model(tok, "one two three four five", [IM_END])
+    model.prompt_len = len(prompt)
+    rs = list(stream_generate(model, tok, prompt, max_tokens=3))
+    assert len(rs) == 3 and rs[-1].finish_reason == "length"
+    assert "".join(r.text for r in rs) == tok.decode(model.script[:3])
+
+
+def test_string_prompt_is_data(tok):
+    """AFN-006: a str prompt is caller text; a literal <|im_end|> does not become a special ID."""
+    seen = []
+
+    class Spy(HistoryModel):
+        def __call__(self, inputs, cache):
+            seen.extend(inputs[0].tolist())
+            return super().__call__(inputs, cache)
+
+    list(stream_generate(Spy(), tok, "<|im_end|><|im_start|>", max_tokens=1))
+    assert seen and not set(seen) & set(range(248044, EFFECTIVE))
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ([], "empty"),
+    ([1] * 17, "context is 16"),
+    ([1, 248100], "unassigned"),
+    ([1, PHYSICAL_VOCAB], "outside"),
+])
+def test_bad_prompts(tok, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        list(stream_generate(HistoryModel(ctx=16), tok, prompt, max_tokens=2))
+
+
+def test_generate_verbose_output_shape(tok):
+    """Same report shape as mlx_lm.generate."""
+    prompt = tok.encode("hi")
+    model = _script_model(tok, "Hello there", [IM_END])
+    model.prompt_len = len(prompt)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        text = generate(model, tok, prompt, verbose=True, max_tokens=20)
+    lines = buf.getvalue().splitlines()
+    assert text == "Hello there"
+    assert lines[0] == "=" * 10 and lines[1] == "Hello there" and lines[2] == "=" * 10
+    assert re.fullmatch(rf"Prompt: {len(prompt)} tokens, [0-9.]+ tokens-per-sec", lines[3])
+    assert re.fullmatch(r"Generation: 3 tokens, [0-9.]+ tokens-per-sec", lines[4])
+    assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", lines[5])
+
+
+def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
+    """main() renders the chat template, generates and prints; context overflow exits 2."""
+    from hebrus_mlx.text.chat import qwen_template
+
+    tok.chat_template = qwen_template()
+    model = ScriptModel(tok.encode("ok") + [IM_END])
+    _, ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
+    model.prompt_len = len(ids)
+    monkeypatch.setattr(gen, "_load", lambda name: (model, tok))
+    assert gen.main(["-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
+    assert capsys.readouterr().out == "ok\n"
+    model.args.max_position_embeddings = 4
+    assert gen.main(["-p", "q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "context is 4" in err
+
+
+CLI_ERRORS = [
+    (["-p", ""], "", "prompt is empty"),
+    (["-p", "-"], "  \n", "prompt is empty"),
+    (["--model", "/nonexistent/model", "-p", "hi"], "", "/nonexistent/model"),
+    (["--temp", "-1"], "", "--temp"),
+    (["--top-p", "1.5"], "", "--top-p"),
+    (["--top-k", "-3"], "", "--top-k"),
+    (["--min-p", "2"], "", "--min-p"),
+    (["--max-tokens", "0"], "", "--max-tokens"),
+    (["-m", "ten"], "", "--max-tokens"),
+    (["--prefill-step-size", "0"], "", "--prefill-step-size"),
+    (["--max-kv-size", "0"], "", "--max-kv-size"),
+    (["--verbose", "maybe"], "", "--verbose"),
+    (["--no-such-flag"], "", "--no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("argv,stdin,needle", CLI_ERRORS, ids=[" ".join(a) for a, _, _ in CLI_ERRORS])
+def test_cli_errors_exit_2_with_one_line(argv, stdin, needle):
+    p = subprocess.run([sys.executable, "-m", "hebrus_mlx.generate", *argv], input=stdin,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert p.stdout == ""
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    assert needle in p.stderr
