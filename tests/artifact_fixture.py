@@ -138,3 +138,73 @@ def patch_bytes(path, offset, fmt, value, digest_range=None, digest_at=None):
             blob[digest_at - a : digest_at - a + 32] = bytes(32)
             f.seek(digest_at)
             f.write(hashlib.sha256(blob).digest())
+
+
+# ---- fuzzing: byte flips and truncations of every artifact file ------------
+def data_digest(d):
+    """SHA-256 over the bytes a runtime would read: every dense tensor, every
+    expert record and every PLE row, through the real readers."""
+    from hebrus_mlx.admission import read_safetensors_header
+    from hebrus_mlx.artifact.expert_major import ExpertMajorReader
+    from hebrus_mlx.artifact.ple_pages import PleReader
+
+    h = hashlib.sha256()
+    m = load_manifest(d)
+    for s in m["stores"]:
+        p = os.path.join(d, s["path"])
+        if s["role"] == "dense":
+            n, header, _ = read_safetensors_header(p)
+            with open(p, "rb") as f:
+                for name in sorted(header):
+                    a, b = header[name]["data_offsets"]
+                    h.update(name.encode() + os.pread(f.fileno(), b - a, 8 + n + a))
+        elif s["role"] == "experts":
+            with ExpertMajorReader(p) as r:
+                for i in range(r.geometry.count):
+                    h.update(r.read_record(*divmod(i, r.family.num_experts)))
+        else:
+            with PleReader(p) as r:
+                h.update(r.read_rows(range(r.geometry.total_rows)).tobytes())
+    return h.hexdigest()
+
+
+def fuzz(d, cases, seed=0):
+    """Run `cases` single mutations over every file of artifact `d` (restored
+    after each). Returns {(file, outcome): count}; outcome is "typed"
+    (an ArtifactError) or "identical" (accepted, data byte-identical).
+    Accepted-but-different data or any other exception propagates."""
+    import random
+
+    from hebrus_mlx.artifact.errors import ArtifactError
+    from hebrus_mlx.verify import verify
+
+    rng = random.Random(seed)
+    names = sorted(os.listdir(d))
+    originals = {n: open(os.path.join(d, n), "rb").read() for n in names}
+    baseline = data_digest(d)
+    counts = {}
+    with open(os.devnull, "w") as quiet:
+        for i in range(cases):
+            name = names[i % len(names)]
+            data = bytearray(originals[name])
+            if rng.random() < 0.75:
+                for _ in range(rng.randint(1, 3)):
+                    data[rng.randrange(len(data))] ^= rng.randint(1, 255)
+            else:
+                del data[rng.randrange(len(data)):]
+            path = os.path.join(d, name)
+            with open(path, "wb") as f:
+                f.write(data)
+            try:
+                verify(d, stream=quiet)
+                got = data_digest(d)
+                if got != baseline:
+                    raise AssertionError(f"case {i}: {name} accepted with different data")
+                outcome = "identical"
+            except ArtifactError:
+                outcome = "typed"
+            finally:
+                with open(path, "wb") as f:
+                    f.write(originals[name])
+            counts[(name, outcome)] = counts.get((name, outcome), 0) + 1
+    return counts
