@@ -286,13 +286,13 @@ def test_threaded_stress_never_publishes_wrong_bytes(store):
     path, data, aligned, _ = store
     eng = make(capacity=6 * REC, threads=3)
     s = eng.add_store(path)
-    eng.set_read_delay_us(200)
+    eng.set_read_delay_us(300)
     errors = []
 
     def worker(owner, seed):
         rng = random.Random(seed)
         gen = 0
-        for _ in range(150):
+        for _ in range(400):
             off, n = rng.choice(aligned[:12])
             try:
                 t = eng.request(s, off, n, owner=owner, generation=gen,
