@@ -339,6 +339,10 @@ class _Admission:
             raise AdmissionError("exclusions", f"{ex} must count exactly the rules {rules}")
         if m["conversion"].get("state") != "complete":
             raise AdmissionError("conversion.state", f"{m['conversion'].get('state')!r} != 'complete'")
+        consumed = m["conversion"].get("source_tensors_consumed")
+        allowed = {len(keys.expected_hf_keys(self.args, layout)) for layout in ("unfused", "fused")}
+        if type(consumed) is not int or consumed not in allowed:
+            raise AdmissionError("conversion.source_tensors_consumed", f"{consumed!r} not in the key-table counts {sorted(allowed)}")
 
     # 10 -----------------------------------------------------------------
     def ownership(self):

@@ -159,6 +159,7 @@ NEGATIVE_FIXTURES = [
     ("mtp-policy", _tensor(_add_tensor("mtp.fc.weight")), "policy", "policy.mtp"),
     ("modalities-policy", lambda d: edit_manifest(d, lambda m: m["policy"].__setitem__("modalities", ["text", "image"])), "policy", "policy"),
     ("exclusion-counts", lambda d: edit_manifest(d, lambda m: m["exclusions"].pop("mtp")), "policy", "exclusions"),
+    ("consumed-count", lambda d: edit_manifest(d, lambda m: m["conversion"].__setitem__("source_tensors_consumed", 7)), "policy", "conversion.source_tensors_consumed"),
     ("conversion-state", lambda d: edit_manifest(d, lambda m: m["conversion"].__setitem__("state", "partial")), "policy", "conversion.state"),
 ]
 
