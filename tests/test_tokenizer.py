@@ -42,12 +42,6 @@ def test_vocab_sizes_are_separate(tok):
     assert tok.physical_vocab_size == PHYSICAL_VOCAB
 
 
-def test_physical_narrower_than_vocab_is_rejected(qwen_dir):
-    """AFN-005: a logits width below the tokenizer's IDs cannot be admitted."""
-    with pytest.raises(TokenizerError, match="physical_vocab_size"):
-        load_tokenizer(qwen_dir, 248076)
-
-
 @pytest.mark.parametrize("case", CASES["encode"], ids=lambda c: c["name"])
 def test_trusted_encode_matches_upstream_capture(tok, case):
     """AFN-007/008: file-backed encode with specials on equals transformers' IDs; decode too."""
@@ -81,20 +75,41 @@ def test_decode_boundary_controls(tok):
             tok.decode([9419, bad])
 
 
-def test_stop_set_is_explicit(qwen_dir, tmp_path):
+@pytest.fixture(scope="session")
+def backend(tok):
+    return tok.backend
+
+
+def test_physical_narrower_than_vocab_is_rejected(backend):
+    """AFN-005: a logits width below the tokenizer's IDs cannot be admitted."""
+    with pytest.raises(TokenizerError, match="physical_vocab_size"):
+        TextTokenizer(backend, 248076)
+
+
+@pytest.mark.parametrize("eos,stops", [
+    ([], {EOT, IM_END}),
+    ([IM_END, EOT], {EOT, IM_END}),
+    ([248076], {EOT, IM_END, 248076}),
+])
+def test_stop_set_is_explicit(backend, eos, stops):
     """AFN-005: stops are generation_config eos IDs plus <|endoftext|>/<|im_end|>; <|im_start|> is not."""
+    t = TextTokenizer(backend, PHYSICAL_VOCAB, eos_token_ids=eos)
+    assert t.stop_token_ids == stops and IM_START not in t.stop_token_ids
+
+
+@pytest.mark.parametrize("eos", [248200, -1, True, "248046"])
+def test_bad_eos_ids_are_rejected(backend, eos):
+    with pytest.raises(TokenizerError, match="eos_token_id"):
+        TextTokenizer(backend, PHYSICAL_VOCAB, eos_token_ids=[eos])
+
+
+def test_generation_config_is_read(qwen_dir, tmp_path):
+    """load_tokenizer takes eos_token_id (int or list) from generation_config.json."""
     (tmp_path / "tokenizer.json").symlink_to(qwen_dir / "tokenizer.json")
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END, EOT]}))
-    t = load_tokenizer(tmp_path, PHYSICAL_VOCAB)
-    assert t.stop_token_ids == {EOT, IM_END}
-    assert IM_START not in t.stop_token_ids
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 248076}))
     assert load_tokenizer(tmp_path, PHYSICAL_VOCAB).stop_token_ids == {EOT, IM_END, 248076}
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 248200}))
-    with pytest.raises(TokenizerError, match="eos_token_id"):
-        load_tokenizer(tmp_path, PHYSICAL_VOCAB)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
-    with pytest.raises(TokenizerError, match="eos_token_id"):
+    with pytest.raises(TokenizerError, match="generation_config.json: eos_token_id"):
         load_tokenizer(tmp_path, PHYSICAL_VOCAB)
 
 
@@ -103,17 +118,29 @@ def test_missing_tokenizer_names_what_was_looked_for(tmp_path):
         load_tokenizer(tmp_path, 10)
 
 
-def test_chat_template_sources(qwen_dir, tmp_path):
+def _tiny_tokenizer_dir(d):
+    """Contract control: a 3-token WordLevel tokenizer.json, enough to exercise file discovery."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({"a": 0, "b": 1, "<|im_end|>": 2}, unk_token="a")).save(str(d / "tokenizer.json"))
+    return d
+
+
+def test_chat_template_sources(tmp_path):
     """chat_template.jinja wins; otherwise tokenizer_config.json's (named default) template."""
-    (tmp_path / "tokenizer.json").symlink_to(qwen_dir / "tokenizer.json")
-    assert load_tokenizer(tmp_path, PHYSICAL_VOCAB).chat_template is None
-    (tmp_path / "tokenizer_config.json").write_text(
+    d = _tiny_tokenizer_dir(tmp_path)
+    assert load_tokenizer(d, 4).chat_template is None
+    (d / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
                     "eos_token": {"content": "<|im_end|>"}}))
-    t = load_tokenizer(tmp_path, PHYSICAL_VOCAB)
+    t = load_tokenizer(d, 4)
     assert t.chat_template == "D" and t.special_tokens_map == {"eos_token": "<|im_end|>"}
-    (tmp_path / "chat_template.jinja").write_text("J")
-    assert load_tokenizer(tmp_path, PHYSICAL_VOCAB).chat_template == "J"
+    (d / "chat_template.jinja").write_text("J")
+    assert load_tokenizer(d, 4).chat_template == "J"
+    (d / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        load_tokenizer(d, 4)
 
 
 def test_encode_segments_by_provenance(tok):

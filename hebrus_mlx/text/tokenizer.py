@@ -72,6 +72,11 @@ class TextTokenizer:
         self.special_tokens_map = dict(special_tokens_map or {})
         self._renderer = None
 
+    @property
+    def backend(self) -> Tokenizer:
+        """The `tokenizers.Tokenizer` loaded from tokenizer.json."""
+        return self._tok
+
     # -- encode -------------------------------------------------------------------------------
 
     def _encode_data(self, text: str) -> List[int]:
@@ -272,14 +277,12 @@ def load_tokenizer(model_dir, physical_vocab_size: int) -> TextTokenizer:
     """Load tokenizer.json, tokenizer_config.json, chat template and generation_config.json."""
     model_dir = Path(model_dir)
     files = _find_files(model_dir)
+    # Small files are checked before the large one is loaded.
+    eos = _eos_ids(files.generation_config, model_dir / "generation_config.json")
+    special = _special_tokens_map(files.tokenizer_config)
     try:
         tok = Tokenizer.from_file(str(files.tokenizer_json))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise TokenizerError(f"{files.tokenizer_json}: cannot load ({e})") from None
-    return TextTokenizer(
-        tok,
-        physical_vocab_size,
-        eos_token_ids=_eos_ids(files.generation_config, model_dir / "generation_config.json"),
-        chat_template=files.chat_template,
-        special_tokens_map=_special_tokens_map(files.tokenizer_config),
-    )
+    return TextTokenizer(tok, physical_vocab_size, eos_token_ids=eos, chat_template=files.chat_template,
+                         special_tokens_map=special)
