@@ -2,6 +2,7 @@
 // crosses the boundary without copies.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -111,7 +112,8 @@ NB_MODULE(_ext, m) {
              int store,
              const std::vector<uint64_t>& offsets,
              const std::vector<uint64_t>& lengths,
-             std::optional<std::vector<nb::bytes>> digests) {
+             std::optional<std::vector<nb::bytes>> digests,
+             int arena) {
             if (offsets.size() != lengths.size() ||
                 (digests && digests->size() != offsets.size())) {
               throw hebrus::StreamError(
@@ -127,12 +129,13 @@ NB_MODULE(_ext, m) {
                 rows[i].digest = to_digest((*digests)[i], "digests");
               }
             }
-            return e.register_table(store, std::move(rows));
+            return e.register_table(store, std::move(rows), arena);
           },
           "store"_a,
           "offsets"_a,
           "lengths"_a,
-          "digests"_a = nb::none())
+          "digests"_a = nb::none(),
+          "arena"_a = -1)
       .def(
           "request",
           [](Engine& e,
@@ -149,8 +152,10 @@ NB_MODULE(_ext, m) {
              std::optional<uint64_t> comp_end,
              std::optional<int64_t> deadline_ns,
              double confidence,
-             std::optional<nb::bytes> digest) {
+             std::optional<nb::bytes> digest,
+             int arena) {
             hebrus::Request r;
+            r.arena = arena;
             r.store = store;
             r.offset = offset;
             r.length = length;
@@ -184,7 +189,8 @@ NB_MODULE(_ext, m) {
           "comp_end"_a = nb::none(),
           "deadline_ns"_a = nb::none(),
           "confidence"_a = 1.0,
-          "digest"_a = nb::none())
+          "digest"_a = nb::none(),
+          "arena"_a = -1)
       .def(
           "wait",
           [](Engine& e, uint64_t t, double timeout) {
@@ -196,13 +202,15 @@ NB_MODULE(_ext, m) {
       .def(
           "read",
           [](Engine& e, uint64_t t, double timeout) {
-            Engine::View v{nullptr, 0};
+            std::string out;
             {
               nb::gil_scoped_release nogil;
-              v = e.wait(t, timeout);
+              Engine::View v = e.wait(t, timeout);
+              // The ticket's pin keeps the slot valid while we copy.
+              out.resize(v.length);
+              e.copy_out(v, reinterpret_cast<uint8_t*>(out.data()));
             }
-            // The ticket's pin keeps the slot valid while we copy.
-            return nb::bytes(reinterpret_cast<const char*>(v.data), v.length);
+            return nb::bytes(out.data(), out.size());
           },
           "ticket"_a,
           "timeout"_a = -1.0)
@@ -213,7 +221,7 @@ NB_MODULE(_ext, m) {
       .def("advance_generation", &Engine::advance_generation, "owner"_a,
            "generation"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("set_hint", &Engine::set_hint, "store"_a, "offset"_a, "length"_a,
-           "p_use"_a)
+           "p_use"_a, "arena"_a = -1)
       .def(
           "ticket_info",
           [](Engine& e, uint64_t t) {
@@ -260,6 +268,7 @@ NB_MODULE(_ext, m) {
             d["tickets"] = mi.tickets;
             d["inflight_reads"] = mi.inflight_reads;
             d["queued_reads"] = mi.queued_reads;
+            d["arena_rows"] = mi.arena_rows;
             return d;
           })
       .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
@@ -293,6 +302,26 @@ NB_MODULE(_ext, m) {
         return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
       },
       "data"_a);
+  m.def(
+      "create_arena",
+      &hebrus::create_arena,
+      "engine"_a,
+      "part_bytes"_a,
+      "rows"_a);
+  m.def(
+      "resolve_records",
+      &hebrus::resolve_records,
+      "engine"_a,
+      "table"_a,
+      "indices"_a,
+      "owner"_a = 0,
+      "generation"_a = 0);
+  m.def(
+      "release_after",
+      &hebrus::release_after,
+      "engine"_a,
+      "value"_a,
+      "lease"_a);
   m.def("load_tickets", &hebrus::load_tickets, "engine"_a, "tickets"_a);
   m.def(
       "gather_records",

@@ -1,6 +1,8 @@
 #include "engine.h"
 
 #include <fcntl.h>
+#include <limits.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -76,8 +78,10 @@ Engine::Engine(const EngineOptions& options) : opts_(options) {
 Engine::~Engine() {
   close();
   for (auto& s : slots_) {
-    free_slab(s.slab);
-    if (s.job) {
+    if (s.slab.arena < 0) {
+      free_slab(s.slab);
+    }
+    if (s.job && s.job->slab.arena < 0) {
       free_slab(s.job->slab);
     }
   }
@@ -157,11 +161,22 @@ int Engine::add_store(const std::string& path, const std::string& digest_id) {
   return static_cast<int>(stores_.size()) - 1;
 }
 
-int Engine::register_table(int store, std::vector<TableRow> rows) {
+int Engine::register_table(int store, std::vector<TableRow> rows, int arena) {
   std::lock_guard<std::mutex> lk(mu_);
   check_store_locked(store);
+  if (arena >= static_cast<int>(arenas_.size())) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "arena: unknown arena id " + std::to_string(arena));
+  }
   for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i].length == 0 || rows[i].length > opts_.cache_bytes) {
+    if (arena >= 0 && rows[i].length != arenas_[arena].record_bytes) {
+      throw StreamError(
+          ErrorCode::kBadRequest,
+          "table row " + std::to_string(i) + ": length " +
+              std::to_string(rows[i].length) + " != arena record bytes " +
+              std::to_string(arenas_[arena].record_bytes));
+    }
+    if (arena < 0 && (rows[i].length == 0 || rows[i].length > opts_.cache_bytes)) {
       throw StreamError(
           ErrorCode::kBadRequest,
           "table row " + std::to_string(i) +
@@ -174,12 +189,70 @@ int Engine::register_table(int store, std::vector<TableRow> rows) {
       uniform = 0;
     }
   }
-  tables_.push_back(Table{store, std::move(rows), uniform});
+  tables_.push_back(Table{store, std::move(rows), uniform, arena});
   return static_cast<int>(tables_.size()) - 1;
 }
 
+int Engine::add_arena(
+    std::vector<uint8_t*> parts,
+    std::vector<uint64_t> part_bytes,
+    uint32_t rows,
+    std::shared_ptr<void> keepalive) {
+  if (parts.empty() || parts.size() != part_bytes.size() || rows == 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
+  }
+  Arena a;
+  for (uint64_t b : part_bytes) {
+    if (b == 0) {
+      throw StreamError(ErrorCode::kBadRequest, "part_bytes: must be > 0");
+    }
+    a.record_bytes += b;
+  }
+  a.parts = std::move(parts);
+  a.part_bytes = std::move(part_bytes);
+  a.rows = rows;
+  for (uint32_t r = rows; r-- > 0;) {
+    a.free_rows.push_back(r); // row 0 is handed out first
+  }
+  a.keepalive = std::move(keepalive);
+  std::lock_guard<std::mutex> lk(mu_);
+  arenas_.push_back(std::move(a));
+  return static_cast<int>(arenas_.size()) - 1;
+}
+
+uint64_t Engine::arena_record_bytes(int arena) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (arena < 0 || arena >= static_cast<int>(arenas_.size())) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "arena: unknown arena id " + std::to_string(arena));
+  }
+  return arenas_[arena].record_bytes;
+}
+
+void Engine::copy_out(const View& v, uint8_t* dst) {
+  if (v.arena < 0) {
+    std::memcpy(dst, v.data, v.length);
+    return;
+  }
+  std::vector<std::pair<const uint8_t*, uint64_t>> segs;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    const Arena& a = arenas_[v.arena];
+    for (size_t p = 0; p < a.parts.size(); ++p) {
+      segs.emplace_back(a.parts[p] + uint64_t(v.row) * a.part_bytes[p], a.part_bytes[p]);
+    }
+  }
+  for (auto& [ptr, n] : segs) {
+    std::memcpy(dst, ptr, n);
+    dst += n;
+  }
+}
+
 const Table& Engine::table(int table_id) const {
-  // Tables are append-only and never mutated after registration.
+  // Tables are append-only and never mutated after registration; the deque
+  // keeps references stable.
+  std::lock_guard<std::mutex> lk(const_cast<std::mutex&>(mu_));
   if (table_id < 0 || table_id >= static_cast<int>(tables_.size())) {
     throw StreamError(
         ErrorCode::kBadRequest,
@@ -207,12 +280,12 @@ void Engine::retire_slot_locked(uint32_t idx) {
   if (it != index_.end() && it->second == idx) {
     index_.erase(it);
   }
-  if (s.slab.data) {
-    pool_.emplace(s.slab.size, s.slab);
+  if (s.slab.valid()) {
+    recycle_slab_locked(s.slab);
     s.slab = Slab{};
   }
   if (s.job) {
-    pool_.emplace(s.job->slab.size, s.job->slab);
+    recycle_slab_locked(s.job->slab);
     s.job.reset();
   }
   s.state = SlotState::kFree;
@@ -254,7 +327,59 @@ double Engine::eviction_key(const Slot& s) const {
   return double(s.lru);
 }
 
-Slab Engine::reserve_slab_locked(uint64_t size, uint32_t protect) {
+void Engine::recycle_slab_locked(const Slab& slab) {
+  if (slab.arena >= 0) {
+    arenas_[slab.arena].free_rows.push_back(slab.row);
+  } else {
+    pool_.emplace(slab.size, slab);
+  }
+}
+
+int64_t Engine::pick_victim_locked(int arena) {
+  int64_t best = -1;
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (s.state != SlotState::kReady || s.pins > 0 || s.slab.arena != arena) {
+      continue;
+    }
+    if (best < 0) {
+      best = i;
+      continue;
+    }
+    const Slot& b = slots_[best];
+    double ks = eviction_key(s), kb = eviction_key(b);
+    if (ks < kb || (ks == kb && s.lru < b.lru)) {
+      best = i;
+    }
+  }
+  return best;
+}
+
+Slab Engine::reserve_row_locked(int arena) {
+  Arena& a = arenas_[arena];
+  while (true) {
+    if (!a.free_rows.empty()) {
+      uint32_t row = a.free_rows.back();
+      a.free_rows.pop_back();
+      return Slab{nullptr, a.record_bytes, arena, row};
+    }
+    int64_t best = pick_victim_locked(arena);
+    if (best < 0) {
+      throw StreamError(
+          ErrorCode::kCacheFull,
+          "arena " + std::to_string(arena) + " full: all " +
+              std::to_string(a.rows) + " rows are pinned or in flight");
+    }
+    Slot& v = slots_[best];
+    if (!v.used) {
+      counters_.wasted_bytes += v.key.length;
+    }
+    counters_.evictions++;
+    retire_slot_locked(static_cast<uint32_t>(best));
+  }
+}
+
+Slab Engine::reserve_slab_locked(uint64_t size) {
   while (true) {
     auto it = pool_.find(size);
     if (it != pool_.end()) {
@@ -280,22 +405,7 @@ Slab Engine::reserve_slab_locked(uint64_t size, uint32_t protect) {
       pool_.erase(victim);
       continue;
     }
-    int64_t best = -1;
-    for (uint32_t i = 0; i < slots_.size(); ++i) {
-      const Slot& s = slots_[i];
-      if (s.state != SlotState::kReady || s.pins > 0 || i == protect) {
-        continue;
-      }
-      if (best < 0) {
-        best = i;
-        continue;
-      }
-      const Slot& b = slots_[best];
-      double ks = eviction_key(s), kb = eviction_key(b);
-      if (ks < kb || (ks == kb && s.lru < b.lru)) {
-        best = i;
-      }
-    }
+    int64_t best = pick_victim_locked(-1);
     if (best < 0) {
       throw StreamError(
           ErrorCode::kCacheFull,
@@ -325,7 +435,18 @@ uint64_t Engine::request(const Request& req) {
     throw StreamError(ErrorCode::kClosed, "stream engine closed");
   }
   check_store_locked(req.store);
-  if (req.length == 0 || req.length > opts_.cache_bytes) {
+  if (req.arena >= static_cast<int>(arenas_.size())) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "arena: unknown arena id " + std::to_string(req.arena));
+  }
+  if (req.arena >= 0 && req.length != arenas_[req.arena].record_bytes) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "length: must equal the arena record bytes " +
+            std::to_string(arenas_[req.arena].record_bytes));
+  }
+  if (req.length == 0 || (req.arena < 0 && req.length > opts_.cache_bytes)) {
     throw StreamError(
         ErrorCode::kBadRequest,
         "length: must be in [1, cache_bytes], got " +
@@ -354,7 +475,7 @@ uint64_t Engine::request(const Request& req) {
             std::to_string(og->second) + ")");
   }
   counters_.requests++;
-  Key key{req.store, req.offset, req.length};
+  Key key{req.store, req.offset, req.length, req.arena};
   uint64_t id = next_ticket_;
   Ticket t;
   t.req = req;
@@ -390,7 +511,8 @@ uint64_t Engine::request(const Request& req) {
     }
   } else {
     // Reserve before touching any state: a full cache leaves nothing behind.
-    Slab slab = reserve_slab_locked(round_up(req.length, kAlign), UINT32_MAX);
+    Slab slab = req.arena >= 0 ? reserve_row_locked(req.arena)
+                               : reserve_slab_locked(round_up(req.length, kAlign));
     uint32_t idx = alloc_slot_locked();
     Slot& s = slots_[idx];
     s.state = SlotState::kLoading;
@@ -479,7 +601,7 @@ Engine::View Engine::wait(uint64_t id, double timeout_s) {
   Slot& s = slots_[t.slot];
   s.used = true;
   s.lru = ++lru_clock_;
-  return View{s.slab.data, s.key.length};
+  return View{s.slab.data, s.key.length, s.slab.arena, s.slab.row};
 }
 
 bool Engine::drop_ticket_locked(uint64_t id, bool cancel) {
@@ -569,9 +691,14 @@ int Engine::advance_generation(uint64_t owner, uint64_t generation) {
   return static_cast<int>(stale.size());
 }
 
-bool Engine::set_hint(int store, uint64_t offset, uint64_t length, double p) {
+bool Engine::set_hint(
+    int store,
+    uint64_t offset,
+    uint64_t length,
+    double p,
+    int arena) {
   std::lock_guard<std::mutex> lk(mu_);
-  auto it = index_.find(Key{store, offset, length});
+  auto it = index_.find(Key{store, offset, length, arena});
   if (it == index_.end()) {
     return false;
   }
@@ -626,9 +753,34 @@ ErrorCode Engine::do_read(
         " (injected)";
     return ErrorCode::kIO;
   }
+  // Destination segments: one slab, or one row of every arena part.
+  std::vector<struct iovec> segs;
+  if (job.slab.arena >= 0) {
+    std::lock_guard<std::mutex> lk(mu_);
+    const Arena& a = arenas_[job.slab.arena];
+    for (size_t p = 0; p < a.parts.size(); ++p) {
+      segs.push_back({a.parts[p] + uint64_t(job.slab.row) * a.part_bytes[p],
+                      a.part_bytes[p]});
+    }
+  } else {
+    segs.push_back({job.slab.data, job.key.length});
+  }
+  // O_DIRECT needs block-aligned file offset, buffers and lengths; a slab
+  // read is padded to 4096 (the slab is), arena parts must align exactly.
   bool direct = job.direct_fd >= 0 && job.key.offset % kAlign == 0;
+  for (auto& v : segs) {
+    direct = direct && reinterpret_cast<uintptr_t>(v.iov_base) % 512 == 0 &&
+        (job.slab.arena < 0 || v.iov_len % 512 == 0);
+  }
+  if (direct && job.slab.arena < 0) {
+    segs[0].iov_len = round_up(job.key.length, kAlign);
+  }
+  std::vector<struct iovec> iov = segs;
   int fd = direct ? job.direct_fd : job.fd;
-  uint64_t want = direct ? round_up(job.key.length, kAlign) : job.key.length;
+  uint64_t want = 0;
+  for (auto& v : iov) {
+    want += v.iov_len;
+  }
 #if defined(__APPLE__)
   if (opts_.rdadvise) {
     struct radvisory ra;
@@ -638,9 +790,10 @@ ErrorCode Engine::do_read(
   }
 #endif
   uint64_t got = 0;
+  size_t first = 0;
   while (got < want) {
-    ssize_t n = ::pread(
-        fd, job.slab.data + got, want - got, job.key.offset + got);
+    int cnt = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
+    ssize_t n = ::preadv(fd, iov.data() + first, cnt, job.key.offset + got);
     if (n < 0) {
       if (errno == EINTR) {
         continue;
@@ -649,6 +802,10 @@ ErrorCode Engine::do_read(
         // The filesystem refused this direct read: retry buffered.
         direct = false;
         fd = job.fd;
+        iov = segs;
+        if (job.slab.arena < 0) {
+          iov[0].iov_len = job.key.length;
+        }
         want = job.key.length;
         continue;
       }
@@ -659,6 +816,16 @@ ErrorCode Engine::do_read(
       break;
     }
     got += static_cast<uint64_t>(n);
+    for (uint64_t left = static_cast<uint64_t>(n); left > 0;) {
+      if (left >= iov[first].iov_len) {
+        left -= iov[first].iov_len;
+        first++;
+      } else {
+        iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+        iov[first].iov_len -= left;
+        left = 0;
+      }
+    }
   }
   if (fault == Fault::kShortRead) {
     got = job.key.length / 2;
@@ -670,10 +837,16 @@ ErrorCode Engine::do_read(
   }
   if (job.has_digest) {
     if (fault == Fault::kDigest) {
-      job.slab.data[0] ^= 0xff;
+      static_cast<uint8_t*>(segs[0].iov_base)[0] ^= 0xff;
     }
-    Digest d = sha256(job.slab.data, job.key.length);
-    if (d != job.digest) {
+    Sha256 h;
+    uint64_t left = job.key.length;
+    for (auto& v : segs) {
+      uint64_t n = std::min<uint64_t>(left, v.iov_len);
+      h.update(static_cast<const uint8_t*>(v.iov_base), n);
+      left -= n;
+    }
+    if (h.finish() != job.digest) {
       msg = "SHA-256 mismatch for " + where();
       return ErrorCode::kDigest;
     }
@@ -710,7 +883,7 @@ void Engine::worker_loop() {
       // The slot was abandoned or recycled while we read: never publish.
       counters_.stale_drops++;
       counters_.wasted_bytes += job->key.length;
-      pool_.emplace(job->slab.size, job->slab);
+      recycle_slab_locked(job->slab);
     } else if (code == ErrorCode::kNone) {
       int64_t lat = now_ns() - job->issue_ns;
       s.slab = job->slab;
@@ -742,12 +915,39 @@ void Engine::worker_loop() {
       }
     } else {
       counters_.errors++;
-      pool_.emplace(job->slab.size, job->slab);
+      recycle_slab_locked(job->slab);
       fail_slot_locked(job->slot, code, msg);
     }
     done_cv_.notify_all();
     work_cv_.notify_all();
   }
+}
+
+bool Engine::wait_progress() {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto busy = [&] {
+    for (int p = 0; p < kNumPriorities; ++p) {
+      if (inflight_[p] > 0) {
+        return true;
+      }
+    }
+    for (const Slot& s : slots_) {
+      if (s.state == SlotState::kLoading && s.job) {
+        return true;
+      }
+    }
+    return false;
+  };
+  if (stop_ || !busy()) {
+    return false;
+  }
+  uint64_t seq = complete_seq_, errs = counters_.errors,
+           drops = counters_.stale_drops;
+  done_cv_.wait(lk, [&] {
+    return stop_ || complete_seq_ != seq || counters_.errors != errs ||
+        counters_.stale_drops != drops;
+  });
+  return true;
 }
 
 TicketInfo Engine::ticket_info(uint64_t id) {
@@ -810,7 +1010,9 @@ MemoryInfo Engine::memory() {
     if (s.pins > 0) {
       m.pinned_slots++;
     }
-    if (s.state == SlotState::kReady) {
+    if (s.state == SlotState::kReady && s.slab.arena >= 0) {
+      m.arena_rows++;
+    } else if (s.state == SlotState::kReady) {
       m.resident += s.slab.size;
     } else if (s.inflight) {
       m.inflight_reads++;

@@ -69,6 +69,7 @@ struct Request {
   double confidence = 1.0;
   bool has_digest = false;
   Digest digest{};
+  int arena = -1; // destination: -1 slab cache, else an arena row
 };
 
 enum class TicketState : int { kPending = 0, kReady = 1, kFailed = 2 };
@@ -118,6 +119,7 @@ struct MemoryInfo {
   uint32_t tickets = 0;
   uint32_t inflight_reads = 0;
   uint32_t queued_reads = 0;
+  uint32_t arena_rows = 0; // published arena rows
 };
 
 struct EngineOptions {
@@ -133,9 +135,27 @@ struct EngineOptions {
 enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kDigest = 3 };
 
 // An aligned buffer owned by exactly one of: the pool, a slot, a read job.
+// In arena mode `data` is null and the bytes are row `row` of every part
+// buffer of arena `arena` (one part per tensor, so gather_qmm reads them).
 struct Slab {
   uint8_t* data = nullptr;
   uint64_t size = 0;
+  int arena = -1;
+  uint32_t row = 0;
+  bool valid() const {
+    return data != nullptr || arena >= 0;
+  }
+};
+
+// Caller-owned part buffers [rows, part_bytes[p]]; a record of
+// sum(part_bytes) bytes is scattered over them by one preadv.
+struct Arena {
+  std::vector<uint8_t*> parts;
+  std::vector<uint64_t> part_bytes;
+  uint64_t record_bytes = 0;
+  uint32_t rows = 0;
+  std::vector<uint32_t> free_rows;
+  std::shared_ptr<void> keepalive; // owns the part buffers
 };
 
 struct TableRow {
@@ -149,6 +169,7 @@ struct Table {
   int store;
   std::vector<TableRow> rows;
   uint64_t uniform_length; // 0 when rows differ in length
+  int arena; // -1: records go to the slab cache
 };
 
 class Engine {
@@ -159,7 +180,13 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   int add_store(const std::string& path, const std::string& digest_id);
-  int register_table(int store, std::vector<TableRow> rows);
+  int register_table(int store, std::vector<TableRow> rows, int arena = -1);
+  int add_arena(
+      std::vector<uint8_t*> parts,
+      std::vector<uint64_t> part_bytes,
+      uint32_t rows,
+      std::shared_ptr<void> keepalive);
+  uint64_t arena_record_bytes(int arena);
   const Table& table(int table_id) const;
 
   // Never blocks on I/O. Throws StreamError (bad request, stale generation,
@@ -167,9 +194,13 @@ class Engine {
   uint64_t request(const Request& req);
 
   struct View {
-    const uint8_t* data;
+    const uint8_t* data; // null for arena records: use copy_out / row
     uint64_t length;
+    int arena;
+    uint32_t row;
   };
+  // Copy a (pinned) record into contiguous memory.
+  void copy_out(const View& v, uint8_t* dst);
   // Blocks until the ticket's record is published or failed. The view stays
   // valid until the ticket is released or cancelled (the slot is pinned).
   View wait(uint64_t ticket, double timeout_s = -1.0);
@@ -185,7 +216,17 @@ class Engine {
   int advance_generation(uint64_t owner, uint64_t generation);
 
   // Scored policy hint: P(use before eviction) for a cached record.
-  bool set_hint(int store, uint64_t offset, uint64_t length, double p_use);
+  bool set_hint(
+      int store,
+      uint64_t offset,
+      uint64_t length,
+      double p_use,
+      int arena = -1);
+
+  // Blocks until some read finishes (returns true) or returns false at once
+  // if none is queued or in flight: lets a caller refused with kCacheFull
+  // wait for prefetches to drain instead of failing.
+  bool wait_progress();
 
   TicketInfo ticket_info(uint64_t ticket);
   Counters counters();
@@ -207,14 +248,16 @@ class Engine {
     int store;
     uint64_t offset;
     uint64_t length;
+    int arena;
     bool operator==(const Key& o) const {
-      return store == o.store && offset == o.offset && length == o.length;
+      return store == o.store && offset == o.offset && length == o.length &&
+          arena == o.arena;
     }
   };
   struct KeyHash {
     size_t operator()(const Key& k) const {
       return std::hash<uint64_t>()(k.offset * 1000003ull ^ k.length) ^
-          std::hash<int>()(k.store);
+          std::hash<int>()(k.store * 131 + k.arena);
     }
   };
   struct Job {
@@ -283,7 +326,10 @@ class Engine {
   void worker_loop();
   bool pick_job_locked(std::unique_ptr<Job>& job);
   void enqueue_locked(uint32_t slot_idx, int priority);
-  Slab reserve_slab_locked(uint64_t size, uint32_t protect_slot);
+  Slab reserve_slab_locked(uint64_t size);
+  Slab reserve_row_locked(int arena);
+  void recycle_slab_locked(const Slab& slab);
+  int64_t pick_victim_locked(int arena);
   void retire_slot_locked(uint32_t slot_idx);
   void fail_slot_locked(uint32_t slot_idx, ErrorCode code, const std::string& msg);
   uint32_t alloc_slot_locked();
@@ -299,7 +345,8 @@ class Engine {
   std::condition_variable done_cv_;
   std::vector<std::thread> workers_;
   std::vector<Store> stores_;
-  std::vector<Table> tables_;
+  std::deque<Table> tables_; // deque: references stay valid as it grows
+  std::deque<Arena> arenas_;
   std::deque<Slot> slots_;
   std::vector<uint32_t> free_slots_;
   std::unordered_map<Key, uint32_t, KeyHash> index_;

@@ -25,8 +25,7 @@ void copy_tickets(
   size_t i = 0;
   try {
     for (; i < tickets.size(); ++i) {
-      Engine::View v = engine.wait(tickets[i]);
-      std::memcpy(dst + i * length, v.data, length);
+      engine.copy_out(engine.wait(tickets[i]), dst + i * length);
       engine.release(tickets[i]);
     }
   } catch (...) {
@@ -151,8 +150,8 @@ void GatherRecords::eval_cpu(
       size_t k = 0;
       try {
         for (; k < wave.size(); ++k) {
-          Engine::View v = engine->wait(wave[k].second);
-          std::memcpy(dst + wave[k].first * length, v.data, length);
+          engine->copy_out(
+              engine->wait(wave[k].second), dst + wave[k].first * length);
           engine->release(wave[k].second);
         }
       } catch (...) {
@@ -186,6 +185,7 @@ void GatherRecords::eval_cpu(
         r.comp_end = row.length;
         r.has_digest = row.has_digest;
         r.digest = row.digest;
+        r.arena = t.arena;
         while (true) {
           try {
             wave.emplace_back(i, engine->request(r));
@@ -277,6 +277,7 @@ void PrefetchRecords::eval_cpu(
       r.comp_end = row.length;
       r.has_digest = row.has_digest;
       r.digest = row.digest;
+      r.arena = t.arena;
       try {
         // Released at once: the read continues as a cache candidate.
         engine->release(engine->request(r));
@@ -293,6 +294,189 @@ void PrefetchRecords::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
   throw std::runtime_error("HebrusPrefetchRecords runs on the CPU stream only");
+}
+
+std::pair<int, std::vector<mx::array>> create_arena(
+    std::shared_ptr<Engine> engine,
+    std::vector<uint64_t> part_bytes,
+    uint32_t rows) {
+  if (part_bytes.empty() || rows == 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
+  }
+  auto owned = std::make_shared<std::vector<mx::array>>();
+  std::vector<mx::array> parts;
+  std::vector<uint8_t*> ptrs;
+  for (uint64_t pb : part_bytes) {
+    uint64_t n = pb * rows;
+    if (pb == 0 || n > uint64_t(INT32_MAX) - kAlign) {
+      throw StreamError(
+          ErrorCode::kBadRequest,
+          "part_bytes: each part must be in [1, 2^31 / rows)");
+    }
+    // Over-allocate and slice to a 4096-aligned start so O_DIRECT can
+    // target the part rows; the slice shares the buffer.
+    mx::array base = mx::zeros({static_cast<int>(n + kAlign)}, mx::uint8, io_stream());
+    base.eval();
+    auto addr = reinterpret_cast<uintptr_t>(base.data<uint8_t>());
+    int skip = static_cast<int>((kAlign - addr % kAlign) % kAlign);
+    mx::array part = mx::reshape(
+        mx::slice(base, {skip}, {skip + static_cast<int>(n)}, io_stream()),
+        {static_cast<int>(rows), static_cast<int>(pb)},
+        io_stream());
+    part.eval();
+    if (part.data<uint8_t>() != base.data<uint8_t>() + skip) {
+      throw std::runtime_error("arena part is not a view of its buffer");
+    }
+    ptrs.push_back(part.data<uint8_t>());
+    owned->push_back(base);
+    owned->push_back(part);
+    parts.push_back(part);
+  }
+  int id = engine->add_arena(ptrs, std::move(part_bytes), rows, owned);
+  return {id, parts};
+}
+
+std::pair<mx::array, mx::array> resolve_records(
+    std::shared_ptr<Engine> engine,
+    int table,
+    const mx::array& indices,
+    uint64_t owner,
+    uint64_t generation) {
+  const Table& t = engine->table(table);
+  if (t.arena < 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "table " + std::to_string(table) + ": resolve needs an arena table");
+  }
+  mx::array idx = index_input(indices);
+  auto outs = mx::array::make_arrays(
+      {indices.shape(), mx::Shape{static_cast<int>(indices.size())}},
+      {mx::uint32, mx::uint64},
+      std::make_shared<ResolveRecords>(
+          io_stream(), std::move(engine), table, owner, generation),
+      {idx});
+  return {outs[0], outs[1]};
+}
+
+void ResolveRecords::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+  }
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  enc.set_output_array(outputs[0]);
+  enc.set_output_array(outputs[1]);
+  enc.dispatch([engine = engine_,
+                table = table_,
+                owner = owner_,
+                generation = generation_,
+                idx = inputs[0],
+                rows = outputs[0].data<uint32_t>(),
+                lease = outputs[1].data<uint64_t>()]() {
+    // Ticket 0 never exists: if this task fails, release_after sees an
+    // empty lease instead of garbage ids.
+    std::memset(lease, 0, idx.size() * sizeof(uint64_t));
+    std::memset(rows, 0, idx.size() * sizeof(uint32_t));
+    const Table& t = engine->table(table);
+    const uint32_t* ix = idx.data<uint32_t>();
+    std::vector<uint64_t> tickets;
+    tickets.reserve(idx.size());
+    size_t waited = 0;
+    try {
+      // Every record must be pinned at once (the kernel reads them all), so
+      // a full arena is an error here rather than a wave boundary.
+      for (size_t i = 0; i < idx.size(); ++i) {
+        if (ix[i] >= t.rows.size()) {
+          throw StreamError(
+              ErrorCode::kBadRequest,
+              "indices: " + std::to_string(ix[i]) + " out of range for table " +
+                  std::to_string(table));
+        }
+        const TableRow& row = t.rows[ix[i]];
+        Request r;
+        r.store = t.store;
+        r.offset = row.offset;
+        r.length = row.length;
+        r.owner = owner;
+        r.generation = generation;
+        r.expert = static_cast<int>(ix[i]);
+        r.comp_end = row.length;
+        r.has_digest = row.has_digest;
+        r.digest = row.digest;
+        r.arena = t.arena;
+        // Rows held by draining prefetches free up; our own pins do not.
+        // One last retry after the engine went idle closes the race with a
+        // read that finished just before wait_progress looked.
+        for (bool busy = true;;) {
+          try {
+            tickets.push_back(engine->request(r));
+            break;
+          } catch (const StreamError& e) {
+            if (e.code != ErrorCode::kCacheFull || !busy) {
+              throw;
+            }
+            busy = engine->wait_progress();
+          }
+        }
+      }
+      for (; waited < tickets.size(); ++waited) {
+        rows[waited] = engine->wait(tickets[waited]).row;
+        lease[waited] = tickets[waited];
+      }
+    } catch (...) {
+      for (uint64_t tk : tickets) {
+        engine->cancel(tk);
+      }
+      throw;
+    }
+  });
+}
+
+void ResolveRecords::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  throw std::runtime_error("HebrusResolveRecords runs on the CPU stream only");
+}
+
+mx::array release_after(
+    std::shared_ptr<Engine> engine,
+    const mx::array& value,
+    const mx::array& lease) {
+  if (lease.dtype() != mx::uint64) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "lease: must be the uint64 output of resolve");
+  }
+  return mx::array(
+      value.shape(),
+      value.dtype(),
+      std::make_shared<ReleaseAfter>(io_stream(), std::move(engine)),
+      {value, lease});
+}
+
+void ReleaseAfter::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  // Pass the value through untouched; runs after its producer, which is
+  // what makes releasing the pins safe.
+  out.copy_shared_buffer(inputs[0]);
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  enc.set_input_array(inputs[1]);
+  enc.dispatch([engine = engine_, lease = inputs[1], value = inputs[0]]() {
+    const uint64_t* t = lease.data<uint64_t>();
+    for (size_t i = 0; i < lease.size(); ++i) {
+      engine->release(t[i]);
+    }
+  });
+}
+
+void ReleaseAfter::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  throw std::runtime_error("HebrusReleaseAfter runs on the CPU stream only");
 }
 
 } // namespace hebrus

@@ -41,6 +41,75 @@ mx::array prefetch_records(
     uint64_t owner,
     uint64_t generation);
 
+// Fixed-row arena for one record geometry: part p is an MLX-allocated uint8
+// array [rows, part_bytes[p]] (e.g. gate weight | gate scales | ...), so the
+// graph can view a part as [rows, out, in] and index it with slot rows.
+std::pair<int, std::vector<mx::array>> create_arena(
+    std::shared_ptr<Engine> engine,
+    std::vector<uint64_t> part_bytes,
+    uint32_t rows);
+
+// Waits for table[indices] (P0 exact) in the table's arena and pins them.
+// Returns (rows uint32 [*indices.shape], lease uint64 [n]): rows index the
+// arena parts (e.g. gather_qmm rhs_indices); the lease must reach
+// release_after once the consumer of the rows has been computed.
+std::pair<mx::array, mx::array> resolve_records(
+    std::shared_ptr<Engine> engine,
+    int table,
+    const mx::array& indices,
+    uint64_t owner,
+    uint64_t generation);
+
+// Identity on `value` that, when evaluated, releases the lease's pins.
+mx::array release_after(
+    std::shared_ptr<Engine> engine,
+    const mx::array& value,
+    const mx::array& lease);
+
+class ResolveRecords : public mx::Primitive {
+ public:
+  ResolveRecords(
+      mx::Stream s,
+      std::shared_ptr<Engine> engine,
+      int table,
+      uint64_t owner,
+      uint64_t generation)
+      : mx::Primitive(s),
+        engine_(std::move(engine)),
+        table_(table),
+        owner_(owner),
+        generation_(generation) {}
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "HebrusResolveRecords";
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  int table_;
+  uint64_t owner_;
+  uint64_t generation_;
+};
+
+class ReleaseAfter : public mx::UnaryPrimitive {
+ public:
+  ReleaseAfter(mx::Stream s, std::shared_ptr<Engine> engine)
+      : mx::UnaryPrimitive(s), engine_(std::move(engine)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "HebrusReleaseAfter";
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+};
+
 class LoadTickets : public mx::UnaryPrimitive {
  public:
   LoadTickets(

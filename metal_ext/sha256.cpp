@@ -1,5 +1,6 @@
 #include "sha256.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace hebrus {
@@ -63,36 +64,62 @@ void compress(uint32_t h[8], const uint8_t* block) {
 
 } // namespace
 
-Digest sha256(const uint8_t* data, size_t size) {
-  uint32_t h[8] = {
+Sha256::Sha256() {
+  static constexpr uint32_t init[8] = {
       0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
       0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  size_t full = size / 64;
-  for (size_t i = 0; i < full; ++i) {
-    compress(h, data + 64 * i);
+  std::memcpy(h_, init, sizeof(h_));
+}
+
+void Sha256::update(const uint8_t* data, size_t size) {
+  total_ += size;
+  if (buf_len_ > 0) {
+    size_t take = std::min(size, size_t(64) - buf_len_);
+    std::memcpy(buf_ + buf_len_, data, take);
+    buf_len_ += take;
+    data += take;
+    size -= take;
+    if (buf_len_ < 64) {
+      return;
+    }
+    compress(h_, buf_);
+    buf_len_ = 0;
   }
-  // Final block(s): remaining bytes, 0x80, zero pad, 64-bit big-endian length.
+  for (; size >= 64; size -= 64, data += 64) {
+    compress(h_, data);
+  }
+  std::memcpy(buf_, data, size);
+  buf_len_ = size;
+}
+
+Digest Sha256::finish() {
+  // Remaining bytes, 0x80, zero pad, 64-bit big-endian bit length.
   uint8_t tail[128] = {0};
-  size_t rem = size - full * 64;
-  std::memcpy(tail, data + full * 64, rem);
-  tail[rem] = 0x80;
-  size_t tail_len = (rem + 1 + 8 <= 64) ? 64 : 128;
-  uint64_t bits = uint64_t(size) * 8;
+  std::memcpy(tail, buf_, buf_len_);
+  tail[buf_len_] = 0x80;
+  size_t tail_len = (buf_len_ + 1 + 8 <= 64) ? 64 : 128;
+  uint64_t bits = total_ * 8;
   for (int i = 0; i < 8; ++i) {
     tail[tail_len - 1 - i] = uint8_t(bits >> (8 * i));
   }
-  compress(h, tail);
+  compress(h_, tail);
   if (tail_len == 128) {
-    compress(h, tail + 64);
+    compress(h_, tail + 64);
   }
   Digest out;
   for (int i = 0; i < 8; ++i) {
-    out[4 * i] = uint8_t(h[i] >> 24);
-    out[4 * i + 1] = uint8_t(h[i] >> 16);
-    out[4 * i + 2] = uint8_t(h[i] >> 8);
-    out[4 * i + 3] = uint8_t(h[i]);
+    out[4 * i] = uint8_t(h_[i] >> 24);
+    out[4 * i + 1] = uint8_t(h_[i] >> 16);
+    out[4 * i + 2] = uint8_t(h_[i] >> 8);
+    out[4 * i + 3] = uint8_t(h_[i]);
   }
   return out;
+}
+
+Digest sha256(const uint8_t* data, size_t size) {
+  Sha256 s;
+  s.update(data, size);
+  return s.finish();
 }
 
 } // namespace hebrus

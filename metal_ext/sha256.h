@@ -9,6 +9,21 @@ namespace hebrus {
 
 using Digest = std::array<uint8_t, 32>;
 
+// Incremental form: a record scattered over arena parts is hashed as one
+// byte stream without first gathering it.
+class Sha256 {
+ public:
+  Sha256();
+  void update(const uint8_t* data, size_t size);
+  Digest finish();
+
+ private:
+  uint32_t h_[8];
+  uint8_t buf_[64];
+  size_t buf_len_ = 0;
+  uint64_t total_ = 0;
+};
+
 Digest sha256(const uint8_t* data, size_t size);
 
 } // namespace hebrus

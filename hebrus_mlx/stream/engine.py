@@ -6,11 +6,16 @@ component range, deadline, digest). It returns an integer ticket. The record
 lands in a bounded slot cache; ``wait``/``read`` block until it is published,
 ``release``/``cancel`` drop the ticket's ownership exactly once.
 
-Graph evaluation consumes records through MLX primitives:
-``gather(table, indices)`` waits inside ``mx.eval`` for exactly the records
-named by an (unevaluated) index array, ``prefetch(table, indices)`` issues
-predicted reads without blocking, and ``load(tickets)`` turns issued tickets
-into one uint8 array. None of them needs a Python-side read-back.
+Graph evaluation consumes records through MLX primitives, none of which
+needs a Python-side read-back of routes:
+
+- ``resolve(table, indices) -> (rows, lease)``: zero-copy. Records live in a
+  fixed-row arena whose parts are MLX arrays; ``rows`` index them (e.g.
+  ``gather_qmm`` ``rhs_indices``) and ``release_after(y, lease)`` unpins them
+  once ``y`` is computed. This is the streamed-SwitchGLU path.
+- ``prefetch(table, indices, priority)``: non-blocking predicted reads.
+- ``gather(table, indices)``: copies the records into a new uint8 array.
+- ``load(tickets)``: copies already issued tickets into one array.
 
 If the extension is not built, :func:`available` is False and constructing a
 :class:`StreamEngine` raises :class:`StreamUnavailableError`; the rest of the
@@ -95,14 +100,28 @@ class StreamEngine:
         offsets: Sequence[int],
         lengths: Sequence[int],
         digests: Optional[Sequence[bytes]] = None,
+        arena: int = -1,
     ) -> int:
-        """Record table for the graph ops: row i is (offsets[i], lengths[i])."""
+        """Record table for the graph ops: row i is (offsets[i], lengths[i]),
+        read into ``arena`` rows if given (lengths must equal its record)."""
         return self._e.register_table(
             store,
             [int(o) for o in offsets],
             [int(n) for n in lengths],
             None if digests is None else [bytes(d) for d in digests],
+            arena,
         )
+
+    def create_arena(self, part_bytes: Sequence[int], rows: int):
+        """Fixed-row slot arena for one record geometry.
+
+        Returns ``(arena_id, parts)``: ``parts[p]`` is an MLX uint8 array
+        ``[rows, part_bytes[p]]`` that one preadv per record fills in place
+        (the record is the concatenation of its parts). View a part as typed
+        weights with ``parts[p].view(dtype).reshape(rows, ...)`` and index it
+        with the rows returned by :meth:`resolve`.
+        """
+        return _ext.create_arena(self._e, [int(b) for b in part_bytes], int(rows))
 
     # Tickets --------------------------------------------------------------
     def request(
@@ -121,6 +140,7 @@ class StreamEngine:
         deadline_ns: Optional[int] = None,
         confidence: float = 1.0,
         digest: Optional[bytes] = None,
+        arena: int = -1,
     ) -> int:
         """Issue a read; never blocks on I/O. ``deadline_ns`` is in
         ``time.monotonic_ns()`` units."""
@@ -140,6 +160,7 @@ class StreamEngine:
             deadline_ns=deadline_ns,
             confidence=confidence,
             digest=digest,
+            arena=arena,
         )
 
     def wait(self, ticket: int, timeout: Optional[float] = None) -> int:
@@ -158,8 +179,11 @@ class StreamEngine:
     def advance_generation(self, owner: int, generation: int) -> int:
         return self._e.advance_generation(owner, generation)
 
-    def set_hint(self, store: int, offset: int, length: int, p_use: float) -> bool:
-        return self._e.set_hint(store, offset, length, p_use)
+    def set_hint(
+        self, store: int, offset: int, length: int, p_use: float, arena: int = -1
+    ) -> bool:
+        """Scored policy: P(use before eviction) of a cached record."""
+        return self._e.set_hint(store, offset, length, p_use, arena)
 
     def ticket_info(self, ticket: int) -> dict:
         return self._e.ticket_info(ticket)
@@ -174,6 +198,20 @@ class StreamEngine:
     ) -> mx.array:
         """uint8 [*indices.shape, length] streamed during graph evaluation."""
         return _ext.gather_records(self._e, table, indices, owner, generation)
+
+    def resolve(
+        self, table: int, indices: mx.array, owner: int = 0, generation: int = 0
+    ):
+        """Graph op: wait for ``table[indices]`` in the table's arena and pin
+        them. Returns ``(rows, lease)``; ``rows`` (uint32, shape of indices)
+        index the arena parts, e.g. as ``gather_qmm(..., rhs_indices=rows)``.
+        Pass the consumer's output and ``lease`` to :meth:`release_after`."""
+        return _ext.resolve_records(self._e, table, indices, owner, generation)
+
+    def release_after(self, value: mx.array, lease: mx.array) -> mx.array:
+        """Graph op: ``value`` unchanged; unpins the lease once ``value`` has
+        been computed (so the rows stay valid while they are read)."""
+        return _ext.release_after(self._e, value, lease)
 
     def prefetch(
         self,
