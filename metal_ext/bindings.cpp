@@ -47,6 +47,12 @@ nb::dict counters_dict(const hebrus::Counters& c) {
   d["waits_blocked"] = c.waits_blocked;
   d["exposed_wait_ns"] = c.exposed_wait_ns;
   d["exact_read_ns"] = c.exact_read_ns;
+  d["deadline_misses"] = c.deadline_misses;
+  nb::dict by_layer;
+  for (auto& [layer, ns] : c.exposed_wait_ns_by_layer) {
+    by_layer[nb::int_(layer)] = ns;
+  }
+  d["exposed_wait_ns_by_layer"] = by_layer;
   d["latency_p50_ns"] = c.latency_p50_ns;
   d["latency_p95_ns"] = c.latency_p95_ns;
   d["latency_p99_ns"] = c.latency_p99_ns;
@@ -315,7 +321,8 @@ NB_MODULE(_ext, m) {
       "table"_a,
       "indices"_a,
       "owner"_a = 0,
-      "generation"_a = 0);
+      "generation"_a = 0,
+      "layer"_a = -1);
   m.def(
       "release_after",
       &hebrus::release_after,
@@ -330,7 +337,8 @@ NB_MODULE(_ext, m) {
       "table"_a,
       "indices"_a,
       "owner"_a = 0,
-      "generation"_a = 0);
+      "generation"_a = 0,
+      "layer"_a = -1);
   m.def(
       "prefetch_records",
       &hebrus::prefetch_records,
@@ -340,5 +348,6 @@ NB_MODULE(_ext, m) {
       "priority"_a = 1,
       "confidence"_a = 1.0,
       "owner"_a = 0,
-      "generation"_a = 0);
+      "generation"_a = 0,
+      "layer"_a = -1);
 }

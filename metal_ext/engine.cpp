@@ -592,7 +592,9 @@ Engine::View Engine::wait(uint64_t id, double timeout_s) {
         }
       }
     }
-    counters_.exposed_wait_ns += now_ns() - t0;
+    int64_t waited = now_ns() - t0;
+    counters_.exposed_wait_ns += waited;
+    counters_.exposed_wait_ns_by_layer[it->second.req.layer] += waited;
   }
   Ticket& t = it->second;
   if (t.state == TicketState::kFailed) {
@@ -885,7 +887,11 @@ void Engine::worker_loop() {
       counters_.wasted_bytes += job->key.length;
       recycle_slab_locked(job->slab);
     } else if (code == ErrorCode::kNone) {
-      int64_t lat = now_ns() - job->issue_ns;
+      int64_t done = now_ns();
+      int64_t lat = done - job->issue_ns;
+      if (done > s.deadline_ns) {
+        counters_.deadline_misses++;
+      }
       s.slab = job->slab;
       s.state = SlotState::kReady;
       s.inflight = false;

@@ -103,6 +103,8 @@ struct Counters {
   uint64_t waits_blocked = 0;
   uint64_t exposed_wait_ns = 0;
   uint64_t exact_read_ns = 0;
+  uint64_t deadline_misses = 0; // reads published after their deadline
+  std::map<int, uint64_t> exposed_wait_ns_by_layer;
   double latency_p50_ns = 0;
   double latency_p95_ns = 0;
   double latency_p99_ns = 0;

@@ -114,7 +114,8 @@ mx::array gather_records(
     int table,
     const mx::array& indices,
     uint64_t owner,
-    uint64_t generation) {
+    uint64_t generation,
+    int layer) {
   uint64_t length = table_length(*engine, table);
   mx::Shape shape = indices.shape();
   shape.push_back(static_cast<int>(length));
@@ -122,7 +123,7 @@ mx::array gather_records(
       shape,
       mx::uint8,
       std::make_shared<GatherRecords>(
-          io_stream(), std::move(engine), table, owner, generation),
+          io_stream(), std::move(engine), table, owner, generation, layer),
       {index_input(indices)});
 }
 
@@ -137,6 +138,7 @@ void GatherRecords::eval_cpu(
                 table = table_,
                 owner = owner_,
                 generation = generation_,
+                layer = layer_,
                 idx = inputs[0],
                 dst = out.data<uint8_t>()]() {
     const Table& t = engine->table(table);
@@ -181,6 +183,7 @@ void GatherRecords::eval_cpu(
         r.exact = true;
         r.owner = owner;
         r.generation = generation;
+        r.layer = layer;
         r.expert = static_cast<int>(ix[i]);
         r.comp_end = row.length;
         r.has_digest = row.has_digest;
@@ -221,7 +224,8 @@ mx::array prefetch_records(
     int priority,
     double confidence,
     uint64_t owner,
-    uint64_t generation) {
+    uint64_t generation,
+    int layer) {
   engine->table(table); // validates the id now, not at eval time
   if (priority < 0 || priority >= kNumPriorities) {
     throw StreamError(
@@ -237,7 +241,8 @@ mx::array prefetch_records(
           priority,
           confidence,
           owner,
-          generation),
+          generation,
+          layer),
       {index_input(indices)});
 }
 
@@ -254,6 +259,7 @@ void PrefetchRecords::eval_cpu(
                 confidence = confidence_,
                 owner = owner_,
                 generation = generation_,
+                layer = layer_,
                 idx = inputs[0],
                 dst = out.data<uint32_t>()]() {
     const Table& t = engine->table(table);
@@ -273,6 +279,7 @@ void PrefetchRecords::eval_cpu(
       r.confidence = confidence;
       r.owner = owner;
       r.generation = generation;
+        r.layer = layer;
       r.expert = static_cast<int>(ix[i]);
       r.comp_end = row.length;
       r.has_digest = row.has_digest;
@@ -342,7 +349,8 @@ std::pair<mx::array, mx::array> resolve_records(
     int table,
     const mx::array& indices,
     uint64_t owner,
-    uint64_t generation) {
+    uint64_t generation,
+    int layer) {
   const Table& t = engine->table(table);
   if (t.arena < 0) {
     throw StreamError(
@@ -354,7 +362,7 @@ std::pair<mx::array, mx::array> resolve_records(
       {indices.shape(), mx::Shape{static_cast<int>(indices.size())}},
       {mx::uint32, mx::uint64},
       std::make_shared<ResolveRecords>(
-          io_stream(), std::move(engine), table, owner, generation),
+          io_stream(), std::move(engine), table, owner, generation, layer),
       {idx});
   return {outs[0], outs[1]};
 }
@@ -373,6 +381,7 @@ void ResolveRecords::eval_cpu(
                 table = table_,
                 owner = owner_,
                 generation = generation_,
+                layer = layer_,
                 idx = inputs[0],
                 rows = outputs[0].data<uint32_t>(),
                 lease = outputs[1].data<uint64_t>()]() {
@@ -402,6 +411,7 @@ void ResolveRecords::eval_cpu(
         r.length = row.length;
         r.owner = owner;
         r.generation = generation;
+        r.layer = layer;
         r.expert = static_cast<int>(ix[i]);
         r.comp_end = row.length;
         r.has_digest = row.has_digest;

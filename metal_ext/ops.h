@@ -27,7 +27,8 @@ mx::array gather_records(
     int table,
     const mx::array& indices,
     uint64_t owner,
-    uint64_t generation);
+    uint64_t generation,
+    int layer);
 
 // Non-blocking: issues table[indices] at `priority` as predicted reads and
 // returns at once; the reads stay as cache candidates. The uint32 scalar
@@ -39,7 +40,8 @@ mx::array prefetch_records(
     int priority,
     double confidence,
     uint64_t owner,
-    uint64_t generation);
+    uint64_t generation,
+    int layer);
 
 // Fixed-row arena for one record geometry: part p is an MLX-allocated uint8
 // array [rows, part_bytes[p]] (e.g. gate weight | gate scales | ...), so the
@@ -58,7 +60,8 @@ std::pair<mx::array, mx::array> resolve_records(
     int table,
     const mx::array& indices,
     uint64_t owner,
-    uint64_t generation);
+    uint64_t generation,
+    int layer);
 
 // Identity on `value` that, when evaluated, releases the lease's pins.
 mx::array release_after(
@@ -73,12 +76,14 @@ class ResolveRecords : public mx::Primitive {
       std::shared_ptr<Engine> engine,
       int table,
       uint64_t owner,
-      uint64_t generation)
+      uint64_t generation,
+      int layer)
       : mx::Primitive(s),
         engine_(std::move(engine)),
         table_(table),
         owner_(owner),
-        generation_(generation) {}
+        generation_(generation),
+        layer_(layer) {}
   void eval_cpu(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs) override;
@@ -94,6 +99,7 @@ class ResolveRecords : public mx::Primitive {
   int table_;
   uint64_t owner_;
   uint64_t generation_;
+  int layer_; // labels requests for per-layer counters
 };
 
 class ReleaseAfter : public mx::UnaryPrimitive {
@@ -141,12 +147,14 @@ class GatherRecords : public mx::UnaryPrimitive {
       std::shared_ptr<Engine> engine,
       int table,
       uint64_t owner,
-      uint64_t generation)
+      uint64_t generation,
+      int layer)
       : mx::UnaryPrimitive(s),
         engine_(std::move(engine)),
         table_(table),
         owner_(owner),
-        generation_(generation) {}
+        generation_(generation),
+        layer_(layer) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -158,6 +166,7 @@ class GatherRecords : public mx::UnaryPrimitive {
   int table_;
   uint64_t owner_;
   uint64_t generation_;
+  int layer_; // labels requests for per-layer counters
 };
 
 class PrefetchRecords : public mx::UnaryPrimitive {
@@ -169,14 +178,16 @@ class PrefetchRecords : public mx::UnaryPrimitive {
       int priority,
       double confidence,
       uint64_t owner,
-      uint64_t generation)
+      uint64_t generation,
+      int layer)
       : mx::UnaryPrimitive(s),
         engine_(std::move(engine)),
         table_(table),
         priority_(priority),
         confidence_(confidence),
         owner_(owner),
-        generation_(generation) {}
+        generation_(generation),
+        layer_(layer) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -190,6 +201,7 @@ class PrefetchRecords : public mx::UnaryPrimitive {
   double confidence_;
   uint64_t owner_;
   uint64_t generation_;
+  int layer_; // labels requests for per-layer counters
 };
 
 } // namespace hebrus

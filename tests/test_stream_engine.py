@@ -152,7 +152,31 @@ def test_priority_order_and_deadlines(store):
     c = eng.counters()
     assert c["joins"] == 1 and c["misses"] == 5
     assert c["exact_bytes"] == 2 * REC and c["predicted_bytes"] == 3 * REC
+    assert c["deadline_misses"] == 2  # deadlines 100 and 200 ns are long past
     for t in seq:
+        eng.release(t)
+    assert_clean(eng)
+
+
+def test_p2_leaves_a_worker_for_exact_reads(store):
+    """AFN-019: P2 only uses spare bandwidth: with two workers at most one
+    runs speculative reads, so a later exact miss overtakes queued P2 reads
+    (its exposed wait is booked to its layer)."""
+    path, _, aligned, _ = store
+    eng = make(threads=2)
+    s = eng.add_store(path)
+    eng.set_read_delay_us(30_000)
+    spec = [eng.request(s, *aligned[i], priority=se.P2, exact=False) for i in range(3)]
+    assert wait_until(lambda: eng.memory()["inflight_reads"] == 1)
+    assert eng.memory()["queued_reads"] == 2
+    p0 = eng.request(s, *aligned[10], layer=4)
+    eng.wait(p0)
+    for t in spec:
+        eng.wait(t)
+    seq = {t: eng.ticket_info(t)["complete_seq"] for t in spec + [p0]}
+    assert seq[p0] < seq[spec[1]] and seq[p0] < seq[spec[2]]
+    assert eng.counters()["exposed_wait_ns_by_layer"][4] > 0
+    for t in spec + [p0]:
         eng.release(t)
     assert_clean(eng)
 

@@ -194,19 +194,29 @@ class StreamEngine:
         return _ext.load_tickets(self._e, list(tickets))
 
     def gather(
-        self, table: int, indices: mx.array, owner: int = 0, generation: int = 0
+        self,
+        table: int,
+        indices: mx.array,
+        owner: int = 0,
+        generation: int = 0,
+        layer: int = -1,
     ) -> mx.array:
         """uint8 [*indices.shape, length] streamed during graph evaluation."""
-        return _ext.gather_records(self._e, table, indices, owner, generation)
+        return _ext.gather_records(self._e, table, indices, owner, generation, layer)
 
     def resolve(
-        self, table: int, indices: mx.array, owner: int = 0, generation: int = 0
+        self,
+        table: int,
+        indices: mx.array,
+        owner: int = 0,
+        generation: int = 0,
+        layer: int = -1,
     ):
         """Graph op: wait for ``table[indices]`` in the table's arena and pin
         them. Returns ``(rows, lease)``; ``rows`` (uint32, shape of indices)
         index the arena parts, e.g. as ``gather_qmm(..., rhs_indices=rows)``.
         Pass the consumer's output and ``lease`` to :meth:`release_after`."""
-        return _ext.resolve_records(self._e, table, indices, owner, generation)
+        return _ext.resolve_records(self._e, table, indices, owner, generation, layer)
 
     def release_after(self, value: mx.array, lease: mx.array) -> mx.array:
         """Graph op: ``value`` unchanged; unpins the lease once ``value`` has
@@ -221,10 +231,12 @@ class StreamEngine:
         confidence: float = 1.0,
         owner: int = 0,
         generation: int = 0,
+        layer: int = -1,
     ) -> mx.array:
-        """Non-blocking predicted reads; returns a uint32 scalar (issued)."""
+        """Non-blocking predicted reads; returns a uint32 scalar (issued).
+        Evaluate it (``mx.async_eval``) or make it an input of a later op."""
         return _ext.prefetch_records(
-            self._e, table, indices, priority, confidence, owner, generation
+            self._e, table, indices, priority, confidence, owner, generation, layer
         )
 
     # Observability --------------------------------------------------------
