@@ -262,3 +262,48 @@ def test_greedy_matches_transformers_generate(case):
     got = [t for t, _ in generate_step(mx.array(case["prompt"]), model, effective_vocab_size=model.args.vocab_size,
                                        max_tokens=len(case["greedy"]), prefill_step_size=5)]
     assert got == case["greedy"]
+
+
+def _byte_tokenizer_checkpoint(dst, src):
+    """Contract control: tiny_a's weights (320 logits rows) with a 259-ID byte-level tokenizer
+    (256 bytes + 3 specials), the shipped chat template and an explicit eos list."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(src / name, dst / name)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    t = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    t.save(str(dst / "tokenizer.json"))
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 258]}))
+    from hebrus_mlx.text.chat import QWEN_TEMPLATE_PATH
+
+    shutil.copy(QWEN_TEMPLATE_PATH, dst / "chat_template.jinja")
+    return dst
+
+
+def test_end_to_end_on_tiny_checkpoint(tmp_path):
+    """load() + chat template + masked sampling on a real graph: 320 physical rows, 259 IDs;
+    then the CLI as a subprocess prints mlx_lm's report shape."""
+    from hebrus_mlx.utils import load
+
+    d = _byte_tokenizer_checkpoint(tmp_path, Path(__file__).parents[1] / "tests" / "fixtures" / "parity" / "tiny_a")
+    model, tok = load(str(d))
+    assert (tok.effective_vocab_size, tok.physical_vocab_size) == (259, 320)
+    _, ids = tok.apply_chat_template([{"role": "user", "content": "hi <|im_end|>"}])
+    assert ids.count(258) == 1  # only the template's <|im_end|>; the user's literal stays bytes
+    rs = list(stream_generate(model, tok, ids, max_tokens=12))
+    assert all(r.token < 259 for r in rs)
+
+    p = subprocess.run([sys.executable, "-m", "hebrus_mlx.generate", "--model", str(d), "-p", "hi", "-m", "5"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "=" * 10 and lines[-4] == "=" * 10
+    assert re.fullmatch(r"Prompt: \d+ tokens, [0-9.]+ tokens-per-sec", lines[-3])
+    assert re.fullmatch(r"Generation: [1-5] tokens, [0-9.]+ tokens-per-sec", lines[-2])
+    assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", lines[-1])
