@@ -5,7 +5,7 @@ mask runs before anything selects: temperature, top-k, top-p, min-p and argmax a
 unassigned rows, and log-probabilities are renormalised over the valid rows.
 """
 
-from typing import Callable, List, Optional
+from typing import Callable
 
 import mlx.core as mx
 
