@@ -61,10 +61,19 @@ class Source:
                     raise ArtifactError(f"source.{key}", f"in two shards ({self.index[key][0]} and {full})")
                 self.index[key] = (full, 8 + n, e)
 
-    def read(self, key):
-        """float32 (or int64 for buffers) ndarray of one source tensor."""
+    def read(self, key, start=None, stop=None):
+        """float32 (or int64 for buffers) ndarray of one source tensor, or of
+        rows [start, stop) of its first axis: one pread of just those bytes,
+        so a slice of a huge tensor never brings in the rest."""
         path, base, e = self.index[key]
         begin, end = e["data_offsets"]
+        shape = list(e["shape"])
+        if start is not None:
+            if not shape or not 0 <= start <= stop <= shape[0]:
+                raise ArtifactError(f"source.{key}", f"rows [{start}, {stop}) outside shape {shape}")
+            row = (end - begin) // shape[0] if shape[0] else 0
+            begin, end = begin + start * row, begin + stop * row
+            shape[0] = stop - start
         with open(path, "rb") as f:
             raw = os.pread(f.fileno(), end - begin, base + begin)
         if len(raw) != end - begin:
@@ -77,7 +86,10 @@ class Source:
             a = a.astype(np.float32) if dt == "F16" else a
         else:
             raise ArtifactError(f"source.{key}.dtype", f"unsupported source dtype {dt}")
-        return a.reshape(e["shape"]), dt
+        return a.reshape(shape), dt
+
+    def shape(self, key):
+        return tuple(self.index[key][2]["shape"])
 
     def key(self, text_key):
         """Raw key for a text-model key, with or without the conditional prefix."""
@@ -136,18 +148,30 @@ def write_dense(w, src, args, profile, progress):
     raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     raw += b" " * (-len(raw) % 8)
     w.write(len(raw).to_bytes(8, "little") + raw)
-    parts = {}
+    # Stored names are written in sorted order; an affine tensor's parts
+    # (x.biases, x.scales, x.weight) are adjacent there, so only one source
+    # tensor's encoding is held at a time.
+    source_of = {}
     for key, shape, codec_name in _dense_items(args, profile):
-        a, dt = src.read(src.key(key))
-        if key.endswith(keys.DEPTHWISE_CONV_SUFFIXES):
-            a = a.transpose(0, 2, 1)  # HF [C, 1, K] -> MLX [C, K, 1]
-        if tuple(a.shape) != tuple(shape):
-            raise GeometryError(f"source.{key}.shape", f"{list(a.shape)} != expected {list(shape)}")
-        stem = key[: -len("weight")] if C.codec(codec_name).affine else None
-        for part, arr in encode(a, dt, codec_name).items():
-            parts[stem + part if stem else key] = arr
+        if C.codec(codec_name).affine:
+            stem = key[: -len("weight")]
+            for part in C.AFFINE_PARTS:
+                source_of[stem + part] = (key, shape, codec_name, part)
+        else:
+            source_of[key] = (key, shape, codec_name, "weight")
+    pending = {}
     for name in sorted(stored):
-        arr = parts.pop(name)
+        key, shape, codec_name, part = source_of[name]
+        if key not in pending:
+            a, dt = src.read(src.key(key))
+            if key.endswith(keys.DEPTHWISE_CONV_SUFFIXES):
+                a = a.transpose(0, 2, 1)  # HF [C, 1, K] -> MLX [C, K, 1]
+            if tuple(a.shape) != tuple(shape):
+                raise GeometryError(f"source.{key}.shape", f"{list(a.shape)} != expected {list(shape)}")
+            pending[key] = encode(a, dt, codec_name)
+        arr = pending[key].pop(part)
+        if not pending[key]:
+            del pending[key]
         assert (str(arr.dtype), tuple(arr.shape)) == ({"U32": "uint32", "BF16": "uint16", "F32": "float32"}[stored[name][0]], stored[name][1])
         data = np.ascontiguousarray(arr).tobytes()
         w.write(data)
@@ -155,22 +179,49 @@ def write_dense(w, src, args, profile, progress):
     return header, 8 + len(raw)
 
 
-def expert_records(src, args, fam, codec_name):
+def _expert_matrices(src, layout, layer, e, fam):
+    """{component: (float32 [rows, in], source dtype)} of one routed expert.
+
+    Fused checkpoints hold gate_up_proj [E, 2*m, h] (gate rows first, as
+    upstream chunks the projection output) and down_proj [E, h, m]; only
+    expert e's rows are read."""
+    m, h = fam.moe_intermediate_size, fam.hidden_size
+    prefix = f"model.layers.{layer}.mlp.experts."
+    if layout == "unfused":
+        return {comp: src.read(src.key(f"{prefix}{e}.{hf}.weight")) for comp, hf in _COMPONENT.items()}
+    gate_up, down = src.key(prefix + "gate_up_proj"), src.key(prefix + "down_proj")
+    want = {gate_up: (fam.num_experts, 2 * m, h), down: (fam.num_experts, h, m)}
+    for key, shape in want.items():
+        if src.shape(key) != shape:
+            raise GeometryError(f"source.{key}.shape", f"{list(src.shape(key))} != expected {list(shape)}")
+    gu, dt = src.read(gate_up, e, e + 1)
+    d, ddt = src.read(down, e, e + 1)
+    return {"gate": (gu[0, :m], dt), "up": (gu[0, m:], dt), "down": (d[0], ddt)}
+
+
+def expert_records(src, args, fam, codec_name, layout="unfused"):
     for layer in range(fam.num_hidden_layers):
         for e in range(fam.num_experts):
             parts = {}
-            for comp, hf in _COMPONENT.items():
-                a, dt = src.read(src.key(f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"))
+            for comp, (a, dt) in _expert_matrices(src, layout, layer, e, fam).items():
                 if tuple(a.shape) != fam.component_shapes()[comp]:
-                    raise GeometryError(f"source.layers.{layer}.experts.{e}.{hf}", f"shape {list(a.shape)}")
+                    raise GeometryError(f"source.layers.{layer}.experts.{e}.{_COMPONENT[comp]}", f"shape {list(a.shape)}")
                 parts[comp] = encode(a, dt, codec_name)
             yield layer, e, parts
 
 
+# Rows of a PLE shard read per step: bounds conversion memory by a constant
+# however large a shard is.
+PLE_CHUNK_ROWS = 1 << 16
+
+
 def ple_chunks(src, args, layer, codec_name):
     for s in range(args.split_ngram_parts):
-        a, dt = src.read(src.key(f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{s}.weight"))
-        yield encode(a, dt, codec_name)["weight"]
+        key = src.key(f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{s}.weight")
+        rows = src.shape(key)[0]
+        for start in range(0, rows, PLE_CHUNK_ROWS):
+            a, dt = src.read(key, start, min(rows, start + PLE_CHUNK_ROWS))
+            yield encode(a, dt, codec_name)["weight"]
 
 
 def check_ple_constants(src, args):
@@ -210,8 +261,6 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
     fam = detect_family(constants)
     src = Source(hf_path)
     counts = keys.check_key_set(list(src.index), args)
-    if counts["expert_layout"] != "unfused":
-        raise ArtifactError("source.experts", "fused expert tensors are not supported by convert yet")
     check_ple_constants(src, args)
     sink = open(os.devnull, "w") if quiet else None
 
@@ -240,7 +289,7 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
         g = expert_major.Geometry(fam, codecs["experts"])
         p = bar("experts", g.payload_bytes)
         expert_major.publish(os.path.join(tmp, M.EXPERTS_PATH), fam, codecs["experts"],
-                             expert_records(src, args, fam, codecs["experts"]), progress=p)
+                             expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]), progress=p)
         p.close()
         stores.append(_store(tmp, "experts", M.EXPERTS_PATH, "expert_major.v2", codecs["experts"]))
 
