@@ -185,6 +185,18 @@ def test_template_errors_and_sandbox():
         render([{"role": "user", "content": "x"}], chat_template="{{ raise_exception('boom') }}")
 
 
+def test_template_cannot_launder_caller_text_into_control():
+    """AFN-006: the sandbox hides the placeholder's internals, so a template cannot print caller
+    text as template text."""
+    for attr in ("_text", "_reg", "real"):
+        tpl = "{{ messages[0].content.%s }}" % attr
+        try:
+            r = render([{"role": "user", "content": "secret"}], chat_template=tpl)
+        except TemplateError:
+            continue
+        assert "secret" not in r.text
+
+
 def test_segment_validation():
     r = Rendered("héllo".encode(), (Segment(DATA, 0, 2), Segment(TRUSTED_CONTROL, 2, 6)))
     with pytest.raises(ChatError, match="UTF-8"):

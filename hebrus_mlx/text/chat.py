@@ -130,7 +130,7 @@ class _DataRef(str):
         return self
 
     @property
-    def real(self) -> str:
+    def _text(self) -> str:
         return self._reg.texts[self._idx]
 
     def _wrap(self, text):
@@ -140,76 +140,76 @@ class _DataRef(str):
         return self
 
     def __len__(self):
-        return len(self.real)
+        return len(self._text)
 
     def __contains__(self, x):
-        return str(x) in self.real if not isinstance(x, _DataRef) else x.real in self.real
+        return str(x) in self._text if not isinstance(x, _DataRef) else x._text in self._text
 
     def __eq__(self, other):
-        return self.real == (other.real if isinstance(other, _DataRef) else other)
+        return self._text == (other._text if isinstance(other, _DataRef) else other)
 
     def __ne__(self, other):
         return not self.__eq__(other)
 
     def __hash__(self):
-        return hash(self.real)
+        return hash(self._text)
 
     def __lt__(self, other):
-        return self.real < (other.real if isinstance(other, _DataRef) else other)
+        return self._text < (other._text if isinstance(other, _DataRef) else other)
 
     def __getitem__(self, key):
-        return self._wrap(self.real[key])
+        return self._wrap(self._text[key])
 
     def __iter__(self):
-        return iter([self._wrap(c) for c in self.real])
+        return iter([self._wrap(c) for c in self._text])
 
     def strip(self, chars=None):
-        return self._wrap(self.real.strip(chars))
+        return self._wrap(self._text.strip(chars))
 
     def lstrip(self, chars=None):
-        return self._wrap(self.real.lstrip(chars))
+        return self._wrap(self._text.lstrip(chars))
 
     def rstrip(self, chars=None):
-        return self._wrap(self.real.rstrip(chars))
+        return self._wrap(self._text.rstrip(chars))
 
     def split(self, sep=None, maxsplit=-1):
-        return [self._wrap(p) for p in self.real.split(sep, maxsplit)]
+        return [self._wrap(p) for p in self._text.split(sep, maxsplit)]
 
     def rsplit(self, sep=None, maxsplit=-1):
-        return [self._wrap(p) for p in self.real.rsplit(sep, maxsplit)]
+        return [self._wrap(p) for p in self._text.rsplit(sep, maxsplit)]
 
     def splitlines(self, keepends=False):
-        return [self._wrap(p) for p in self.real.splitlines(keepends)]
+        return [self._wrap(p) for p in self._text.splitlines(keepends)]
 
     def replace(self, old, new, count=-1):
         # Text the template substitutes into caller text is kept as DATA: the safe direction.
-        return self._wrap(self.real.replace(_real(old), _real(new), count))
+        return self._wrap(self._text.replace(_real(old), _real(new), count))
 
     def startswith(self, prefix, *args):
-        return self.real.startswith(_real(prefix), *args)
+        return self._text.startswith(_real(prefix), *args)
 
     def endswith(self, suffix, *args):
-        return self.real.endswith(_real(suffix), *args)
+        return self._text.endswith(_real(suffix), *args)
 
     def find(self, sub, *args):
-        return self.real.find(_real(sub), *args)
+        return self._text.find(_real(sub), *args)
 
     def count(self, sub, *args):
-        return self.real.count(_real(sub), *args)
+        return self._text.count(_real(sub), *args)
 
     def lower(self):
-        return self._wrap(self.real.lower())
+        return self._wrap(self._text.lower())
 
     def upper(self):
-        return self._wrap(self.real.upper())
+        return self._wrap(self._text.upper())
 
     def isspace(self):
-        return self.real.isspace()
+        return self._text.isspace()
 
 
 def _real(x):
     if isinstance(x, _DataRef):
-        return x.real
+        return x._text
     if isinstance(x, tuple):
         return tuple(_real(v) for v in x)
     return x
@@ -217,7 +217,7 @@ def _real(x):
 
 def _unwrap(obj):
     if isinstance(obj, _DataRef):
-        return obj.real
+        return obj._text
     if isinstance(obj, dict):
         return {_unwrap(k): _unwrap(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -241,7 +241,7 @@ def _strip_composite(reg: _Registry, s: str, chars, left: bool, right: bool) -> 
     if left:
         while parts:
             p = parts[0]
-            q = (p.real.lstrip(chars) if isinstance(p, _DataRef) else p.lstrip(chars))
+            q = (p._text.lstrip(chars) if isinstance(p, _DataRef) else p.lstrip(chars))
             if q:
                 parts[0] = reg.ref(q) if isinstance(p, _DataRef) else q
                 break
@@ -249,7 +249,7 @@ def _strip_composite(reg: _Registry, s: str, chars, left: bool, right: bool) -> 
     if right:
         while parts:
             p = parts[-1]
-            q = (p.real.rstrip(chars) if isinstance(p, _DataRef) else p.rstrip(chars))
+            q = (p._text.rstrip(chars) if isinstance(p, _DataRef) else p.rstrip(chars))
             if q:
                 parts[-1] = reg.ref(q) if isinstance(p, _DataRef) else q
                 break
@@ -503,7 +503,7 @@ class ChatRenderer:
 
         pieces: List[List] = []
         for p in reg.split(marked):
-            kind, text = (DATA, p.real) if isinstance(p, _DataRef) else (TRUSTED_CONTROL, p)
+            kind, text = (DATA, p._text) if isinstance(p, _DataRef) else (TRUSTED_CONTROL, p)
             if not text:
                 continue
             if pieces and pieces[-1][0] == kind:
