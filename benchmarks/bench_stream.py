@@ -10,11 +10,19 @@ k known at once) from a cold store (posix_fadvise DONTNEED before each run):
   (b) engine  StreamEngine request/wait/release, same batches
   (b2) op     StreamEngine.gather() MLX op evaluated per layer (graph path)
   (b3) sha    (b) with SHA-256 verification of every record
+  (b4) resolve  zero-copy resolve() into a slot arena + release_after
+  (c') glu    resolve + a SwitchGLU (gather_qmm gate/up/down, fp32 x, one
+              token) over the arena per layer: streamed MoE layers without
+              the rest of the model; compared with the serial bound
+              raw-I/O time + hot compute time (glu_hot: same graph, every
+              record already resident)
+  (c'') glu_pf  as glu, plus an oracle prefetch (P1) of the next layer's
+              records when a layer starts: the ceiling for any predictor
   (d) mmap    the same bytes paged in through an mmap (lazy-loading path)
 
-Prints GiB/s per run and the ratios engine/raw (target >= 0.9) and
-engine/mmap. (c), streamed decode vs the I/O roofline, needs the model graph
-and is not measured here.
+Prints GiB/s per run and the ratios engine/raw (target >= 0.9),
+engine/mmap (target >= 2) and glu vs the serial compute + I/O bound (target
+>= 0.9). Full-model streamed decode (issue 6 (c)) needs the model graph.
 
     python benchmarks/bench_stream.py [--store PATH] [--layers 6] [--experts 48]
 """
@@ -105,6 +113,53 @@ def run_gather_op(eng, table, batches, rec):
         mx.eval(eng.gather(table, idx))
 
 
+
+
+def part_bytes():
+    w = HIDDEN * INTER * BITS // 8
+    sb = HIDDEN * INTER // GROUP * 2  # bf16
+    return [w, sb, sb] * 3
+
+
+def glu_weights(parts, rows):
+    import mlx.core as mx
+
+    shapes = [(INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
+    out = []
+    for c, (o, i) in enumerate(shapes):
+        w = parts[3 * c].view(mx.uint32).reshape(rows, o, i * BITS // 32)
+        sc = parts[3 * c + 1].view(mx.bfloat16).reshape(rows, o, i // GROUP)
+        b = parts[3 * c + 2].view(mx.bfloat16).reshape(rows, o, i // GROUP)
+        out.append((w, sc, b))
+    return out
+
+
+def switch_glu(x, weights, rows):
+    import mlx.core as mx
+
+    def proj(k, h):
+        w, sc, b = weights[k]
+        return mx.gather_qmm(h, w, sc, b, rhs_indices=rows, transpose=True,
+                             group_size=GROUP, bits=BITS)
+
+    g = proj(0, x)
+    return proj(2, g * mx.sigmoid(g) * proj(1, x))
+
+
+def run_resolve(eng, table, batches, rec, weights=None, prefetch=False):
+    import mlx.core as mx
+
+    x = mx.random.normal((1, 1, 1, HIDDEN))
+    mx.eval(x)
+    idxs = [mx.array([off // rec for off in b], dtype=mx.uint32)[None] for b in batches]
+    for i, idx in enumerate(idxs):
+        if prefetch and i + 1 < len(idxs):
+            mx.async_eval(eng.prefetch(table, idxs[i + 1], priority=1))
+        rows, lease = eng.resolve(table, idx, layer=i)
+        y = rows if weights is None else switch_glu(x, weights, rows)
+        mx.eval(eng.release_after(y, lease))
+
+
 def run_mmap(path, batches, rec):
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -123,7 +178,7 @@ def main():
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--tokens", type=int, default=4, help="decode steps per run")
     p.add_argument("--threads", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sha", action="store_true", help="also time SHA-256 verify")
     args = p.parse_args()
 
@@ -152,10 +207,32 @@ def main():
         with open(args.store, "rb") as f:
             digests = [hashlib.sha256(f.read(rec)).digest() for _ in range(n)]
 
+    pb = part_bytes()
+    assert sum(pb) == rec, (pb, rec)
+
     def engine_run(kind):
         eng = se.StreamEngine(cache_bytes=cache, threads=args.threads)
         s = eng.add_store(args.store)
         table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n)
+        if kind in ("resolve", "glu", "glu_pf", "glu_hot"):
+            rows = 4 * args.top_k
+            aid, parts = eng.create_arena(pb, rows)
+            table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n,
+                                       arena=aid)
+            weights = None if kind == "resolve" else glu_weights(parts, rows)
+            todo = batches
+            if kind == "glu_hot":
+                # Same graph and arena size, every layer's records resident:
+                # compute (and op overhead) without I/O. gather_qmm cost on
+                # CPU grows with the arena rows, so the size must match.
+                todo = [batches[0]] * len(batches)
+                run_resolve(eng, table, todo[:1], rec, weights)
+            t0 = time.perf_counter()
+            run_resolve(eng, table, todo, rec, weights, prefetch=kind == "glu_pf")
+            dt = time.perf_counter() - t0
+            c = eng.counters()
+            eng.close()
+            return dt, c
         t0 = time.perf_counter()
         if kind == "op":
             run_gather_op(eng, table, batches, rec)
@@ -166,7 +243,8 @@ def main():
         eng.close()
         return dt, c
 
-    variants = ["raw", "engine", "op", "mmap"] + (["sha"] if args.sha else [])
+    variants = ["raw", "engine", "op", "resolve", "glu", "glu_pf", "glu_hot", "mmap"]
+    variants += ["sha"] if args.sha else []
     times = {v: [] for v in variants}
     last = {}
     for r in range(args.rounds):
@@ -195,7 +273,16 @@ def main():
         print(f"  {v:7s} median {gib / med[v]:.3f} GiB/s   runs [{runs}]")
     print(f"  engine/raw  {med['raw'] / med['engine']:.3f}x   (target >= 0.9)")
     print(f"  op/raw      {med['raw'] / med['op']:.3f}x")
-    print(f"  engine/mmap {med['mmap'] / med['engine']:.3f}x")
+    print(f"  resolve/raw {med['raw'] / med['resolve']:.3f}x   (zero-copy graph op)")
+    print(f"  engine/mmap {med['mmap'] / med['engine']:.3f}x   (target >= 2)")
+    bound = med["raw"] + med["glu_hot"]
+    steps = len(batches)
+    print(f"  SwitchGLU per layer: hot compute {med['glu_hot'] / steps * 1e3:.1f} ms, "
+          f"raw I/O {med['raw'] / steps * 1e3:.1f} ms, streamed {med['glu'] / steps * 1e3:.1f} ms, "
+          f"with oracle prefetch {med['glu_pf'] / steps * 1e3:.1f} ms")
+    print(f"  glu vs serial bound (raw I/O + hot compute) {bound / med['glu']:.3f}x "
+          f"(target >= 0.9); glu_pf {bound / med['glu_pf']:.3f}x; "
+          f"I/O roofline alone {med['raw'] / med['glu_pf']:.3f}x")
     if args.sha:
         print(f"  sha/engine  {med['engine'] / med['sha']:.3f}x")
     c = last["engine"]

@@ -302,12 +302,13 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "sha256",
-      [](const nb::bytes& b) {
+      [](const nb::bytes& b, bool portable) {
         hebrus::Digest d = hebrus::sha256(
-            reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+            reinterpret_cast<const uint8_t*>(b.c_str()), b.size(), portable);
         return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
       },
-      "data"_a);
+      "data"_a,
+      "portable"_a = false);
   m.def(
       "create_arena",
       &hebrus::create_arena,
@@ -329,6 +330,7 @@ NB_MODULE(_ext, m) {
       "engine"_a,
       "value"_a,
       "lease"_a);
+  m.def("sha256_backend", &hebrus::sha256_backend);
   m.def("load_tickets", &hebrus::load_tickets, "engine"_a, "tickets"_a);
   m.def(
       "gather_records",

@@ -13,7 +13,8 @@ using Digest = std::array<uint8_t, 32>;
 // byte stream without first gathering it.
 class Sha256 {
  public:
-  Sha256();
+  // portable=true forces the plain C++ rounds (tests cover both paths).
+  explicit Sha256(bool portable = false);
   void update(const uint8_t* data, size_t size);
   Digest finish();
 
@@ -22,8 +23,12 @@ class Sha256 {
   uint8_t buf_[64];
   size_t buf_len_ = 0;
   uint64_t total_ = 0;
+  void (*blocks_)(uint32_t*, const uint8_t*, size_t);
 };
 
-Digest sha256(const uint8_t* data, size_t size);
+Digest sha256(const uint8_t* data, size_t size, bool portable = false);
+
+// "sha-ni" (x86 SHA extensions, picked at load) or "portable".
+const char* sha256_backend();
 
 } // namespace hebrus
