@@ -9,8 +9,6 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .models.qwen4exp import Model, ModelArgs
-
 DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
 
 
@@ -44,12 +42,15 @@ def load_config(path: Path) -> dict:
         return json.load(f)
 
 
-def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32) -> Model:
+def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     """Build the graph from an HF checkpoint dir (safetensors) via the explicit key tables.
 
     dtype: floating weights are cast to it (float32 by default: the CPU backend is fastest and
     parity holds at fp32); None keeps the checkpoint dtype.
     """
+    # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
+    from .models.qwen4exp import Model, ModelArgs
+
     path = Path(path)
     args = ModelArgs.from_dict(load_config(path))  # config errors surface before any weight is read
     files = sorted(glob.glob(str(path / "*.safetensors")))
@@ -71,7 +72,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32) -> Model:
     return model
 
 
-def load_model(path, dtype: Optional[mx.Dtype] = mx.float32) -> Model:
+def load_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     path = Path(path)
     if is_artifact(path):
         from .artifact.loader import load_artifact_model  # admission runs before any graph buffer

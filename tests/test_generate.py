@@ -245,14 +245,7 @@ def test_cli_errors_exit_2_with_one_line(argv, stdin, needle):
 
 
 GREEDY = json.loads((Path(__file__).parent / "fixtures" / "text" / "greedy_cases.json").read_text())
-# tiny_b: the MLX graph's uncached logits for prompt+[144, 189, 180, 244] differ from transformers by
-# ~0.19 (1e-5 elsewhere), so greedy decoding diverges at the 7th token. Graph-side, reported to the
-# graph owner; strict so the fix is noticed.
-_TINY_B = pytest.mark.xfail(strict=True, reason="graph logits diverge on this sequence (not the generation loop)")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_TINY_B) if c["checkpoint"].endswith("tiny_b") else c
-                                  for c in GREEDY], ids=lambda c: c["checkpoint"].rsplit("/", 1)[-1])
+@pytest.mark.parametrize("case", GREEDY, ids=lambda c: c["checkpoint"].rsplit("/", 1)[-1])
 def test_greedy_matches_transformers_generate(case):
     """Issue 4 evidence: greedy generate_step (chunked prefill, cached decode) on the tiny
     reference checkpoints equals transformers' generate token for token (upstream capture)."""

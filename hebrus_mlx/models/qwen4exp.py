@@ -231,7 +231,7 @@ def _select_groups(scores, valid, keep):
     return groups, ok
 
 
-def _online_softmax_attention(q, k, v, ok, scale, tile: int = 64):
+def _online_softmax_attention(q, k, v, ok, scale, tile: int = 512):
     """Attention over compact gathered keys with a running max/sum.
 
     q: [B, Hkv, Q, R, D]; k, v: [B, Hkv, Q, W, D]; ok: [Q, W]. Visits W keys per query only.
@@ -311,31 +311,31 @@ class QSAIndexer(nn.Module):
         """Token ids each query may attend (compact, chronological) and their validity.
 
         q: [B, nh, L, Di] for cache indices first_query..first_query+L-1; block_keys: [B, G, Di].
-        Returns (idx [B, L, W], ok [B, L, W]) with W = budget + ratio - 1.
+        Returns (idx [B, L, W], ok [B, L, W]) with W = min(budget + ratio - 1, n_tokens).
         """
         B, nh, L, Di = q.shape
         G = block_keys.shape[1]
         r = self.ratio
         query_idx = first_query + mx.arange(L, dtype=mx.int32)
+        if n_tokens <= self.budget + r - 1:
+            # Every visible key fits the window, so the selection is the whole causal prefix,
+            # already chronological (AFN-017 dense parity); no scoring needed.
+            idx = mx.broadcast_to(mx.arange(n_tokens, dtype=mx.int32), (B, L, n_tokens))
+            return idx, idx <= query_idx[None, :, None]
         complete = (query_idx + 1) // r  # groups fully visible to each query
         tail = complete[:, None] * r + mx.arange(r - 1, dtype=mx.int32)[None, :]
         tail_ok = tail <= query_idx[:, None]
         # Score candidate groups in query tiles so the score buffer stays bounded.
-        tile = max(1, min(L, tile_budget // max(1, nh * max(G, 1))))
+        tile = max(1, min(L, tile_budget // max(1, nh * G)))
         all_idx, all_ok = [], []
         for b in range(B):
             rows_idx, rows_ok = [], []
             for s in range(0, L, tile):
                 qs = q[b, :, s : s + tile].astype(mx.float32)  # [nh, t, Di]
-                if G:
-                    scores = mx.maximum(qs @ block_keys[b].astype(mx.float32).T, 0.0).sum(axis=0)
-                    scores = scores / math.sqrt(Di)
-                    valid = mx.arange(G)[None, :] < complete[s : s + tile, None]
-                    groups, ok = _select_groups(scores, valid, self.block_topk)
-                else:
-                    t = qs.shape[1]
-                    groups = mx.zeros((t, self.block_topk), dtype=mx.int32)
-                    ok = mx.zeros((t, self.block_topk), dtype=mx.bool_)
+                scores = mx.maximum(qs @ block_keys[b].astype(mx.float32).T, 0.0).sum(axis=0)
+                scores = scores / math.sqrt(Di)
+                valid = mx.arange(G)[None, :] < complete[s : s + tile, None]
+                groups, ok = _select_groups(scores, valid, self.block_topk)
                 tokens = (groups[:, :, None] * r + mx.arange(r, dtype=mx.int32)).reshape(groups.shape[0], -1)
                 tok_ok = mx.repeat(ok, r, axis=-1)
                 rows_idx.append(mx.concatenate([tokens, tail[s : s + tile]], axis=-1))
@@ -389,18 +389,28 @@ class QSAAttention(nn.Module):
         out = out * mx.sigmoid(gate.reshape(B, L, -1))
         return self.o_proj(out)
 
-    def _sparse_attention(self, queries, keys, values, idx, ok):
-        """Gather only the selected K/V rows, then online softmax over them (AFN-016)."""
+    def _sparse_attention(self, queries, keys, values, idx, ok, gather_budget: int = 1 << 18):
+        """Gather only the selected K/V rows, then online softmax over them (AFN-016).
+
+        Queries go in tiles so the gathered rows (tile x W per KV head) stay bounded in prefill.
+        """
         B, H, L, D = queries.shape
+        W = idx.shape[-1]
         rep = H // self.n_kv_heads
+        tile = max(1, min(L, gather_budget // max(W, 1)))
         outs = []
         for b in range(B):
-            flat = mx.where(ok[b], idx[b], 0).reshape(-1)
-            k_sel = mx.take(keys[b : b + 1], flat, axis=2).reshape(1, self.n_kv_heads, L, -1, D)
-            v_sel = mx.take(values[b : b + 1], flat, axis=2).reshape(1, self.n_kv_heads, L, -1, D)
-            q = queries[b : b + 1].reshape(1, self.n_kv_heads, rep, L, D).transpose(0, 1, 3, 2, 4)
-            o = _online_softmax_attention(q, k_sel, v_sel, ok[b], self.scale)  # [1,Hkv,L,rep,D]
-            outs.append(o.transpose(0, 2, 1, 3, 4).reshape(1, L, H * D))
+            rows = []
+            for s in range(0, L, tile):
+                t_ok = ok[b, s : s + tile]
+                t = t_ok.shape[0]
+                flat = mx.where(t_ok, idx[b, s : s + tile], 0).reshape(-1)
+                k_sel = mx.take(keys[b : b + 1], flat, axis=2).reshape(1, self.n_kv_heads, t, W, D)
+                v_sel = mx.take(values[b : b + 1], flat, axis=2).reshape(1, self.n_kv_heads, t, W, D)
+                q = queries[b : b + 1, :, s : s + tile].reshape(1, self.n_kv_heads, rep, t, D).transpose(0, 1, 3, 2, 4)
+                o = _online_softmax_attention(q, k_sel, v_sel, t_ok, self.scale)  # [1,Hkv,t,rep,D]
+                rows.append(o.transpose(0, 2, 1, 3, 4).reshape(1, t, H * D))
+            outs.append(mx.concatenate(rows, axis=1))
         return mx.concatenate(outs, axis=0)
 
 
