@@ -259,6 +259,7 @@ class _Admission:
             if e["dtype"] != dtype:
                 raise AdmissionError(f"tensors.{name}.dtype", f"{e['dtype']} != expected {dtype}")
         inv = self.m["tensors"]
+        shapes = M.dense_shapes(self.args)
         for name in sorted(set(inv) | set(expected)):
             rec = inv.get(name)
             if rec is None:
@@ -270,6 +271,12 @@ class _Admission:
                 raise AdmissionError(f"manifest.tensors.{name}", "dtype/shape disagree with the dense file")
             if rec.get("codec") not in C.CODECS:
                 raise AdmissionError(f"manifest.tensors.{name}.codec", f"unknown codec {rec.get('codec')!r}")
+            # The loader builds quantized layers from this field, so it must be
+            # exactly the codec the profile gives the tensor.
+            wkey = name if name in shapes else name.rsplit(".", 1)[0] + ".weight"
+            want_codec = M.dense_codec(wkey, shapes[wkey], self.m["profile"])
+            if rec["codec"] != want_codec:
+                raise AdmissionError(f"manifest.tensors.{name}.codec", f"{rec['codec']!r} != profile codec {want_codec!r}")
             if rec.get("data_offsets", [None])[0] != e["data_offsets"][0]:
                 raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {rec.get('data_offsets')}")
             if rec.get("data_offsets") != e["data_offsets"]:

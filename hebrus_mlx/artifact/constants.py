@@ -418,8 +418,8 @@ QWEN4EXP_PARITY_C = FamilyDescriptor(
 )
 
 # Expert-heavy synthetic family for the bounded-memory conversion evidence
-# (tests/test_convert.py, benchmarks/bench_artifact.py): 4 layers x 128
-# experts of [256 x 128], ~200 MB of f32 expert weights, small everything else.
+# (tests/test_convert.py, benchmarks/bench_artifact.py): 4 layers x 256
+# experts of [256 x 128], ~400 MB of f32 expert weights, small everything else.
 QWEN4EXP_BULK_TEST = FamilyDescriptor(
     name="qwen4exp-bulk-test",
     family_id=0xB01C,
@@ -429,7 +429,7 @@ QWEN4EXP_BULK_TEST = FamilyDescriptor(
     layer_types=_GDN3_QSA,
     max_position_embeddings=256,
     hc_count=4,
-    num_experts=128,
+    num_experts=256,
     num_experts_per_tok=8,
     moe_intermediate_size=256,
     ple_tables=1,
