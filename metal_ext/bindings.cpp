@@ -310,6 +310,18 @@ NB_MODULE(_ext, m) {
       "data"_a,
       "portable"_a = false);
   m.def(
+      "gather_rows",
+      &hebrus::gather_rows,
+      "engine"_a,
+      "table"_a,
+      "row_ids"_a,
+      "rows_per_page"_a,
+      "row_bytes"_a,
+      "header_bytes"_a = 0,
+      "owner"_a = 0,
+      "generation"_a = 0,
+      "layer"_a = -1);
+  m.def(
       "create_arena",
       &hebrus::create_arena,
       "engine"_a,
@@ -349,6 +361,7 @@ NB_MODULE(_ext, m) {
       "indices"_a,
       "priority"_a = 1,
       "confidence"_a = 1.0,
+      "exact"_a = false,
       "owner"_a = 0,
       "generation"_a = 0,
       "layer"_a = -1);

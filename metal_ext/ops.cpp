@@ -1,6 +1,7 @@
 #include "ops.h"
 
 #include <cstring>
+#include <unordered_map>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -223,6 +224,7 @@ mx::array prefetch_records(
     const mx::array& indices,
     int priority,
     double confidence,
+    bool exact,
     uint64_t owner,
     uint64_t generation,
     int layer) {
@@ -240,6 +242,7 @@ mx::array prefetch_records(
           table,
           priority,
           confidence,
+          exact,
           owner,
           generation,
           layer),
@@ -257,6 +260,7 @@ void PrefetchRecords::eval_cpu(
                 table = table_,
                 priority = priority_,
                 confidence = confidence_,
+                exact = exact_,
                 owner = owner_,
                 generation = generation_,
                 layer = layer_,
@@ -275,7 +279,7 @@ void PrefetchRecords::eval_cpu(
       r.offset = row.offset;
       r.length = row.length;
       r.priority = priority;
-      r.exact = false;
+      r.exact = exact;
       r.confidence = confidence;
       r.owner = owner;
       r.generation = generation;
@@ -301,6 +305,124 @@ void PrefetchRecords::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
   throw std::runtime_error("HebrusPrefetchRecords runs on the CPU stream only");
+}
+
+mx::array gather_rows(
+    std::shared_ptr<Engine> engine,
+    int table,
+    const mx::array& row_ids,
+    uint64_t rows_per_page,
+    uint64_t row_bytes,
+    uint64_t header_bytes,
+    uint64_t owner,
+    uint64_t generation,
+    int layer) {
+  const Table& t = engine->table(table);
+  if (t.arena >= 0 || t.uniform_length == 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "table: gather_rows needs a slab table of equal-length pages");
+  }
+  if (rows_per_page == 0 || row_bytes == 0 ||
+      header_bytes + rows_per_page * row_bytes > t.uniform_length) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "rows_per_page/row_bytes/header_bytes: rows do not fit in a " +
+            std::to_string(t.uniform_length) + "-byte page");
+  }
+  mx::Shape shape = row_ids.shape();
+  shape.push_back(static_cast<int>(row_bytes));
+  return mx::array(
+      shape,
+      mx::uint8,
+      std::make_shared<GatherRows>(
+          io_stream(),
+          std::move(engine),
+          table,
+          rows_per_page,
+          row_bytes,
+          header_bytes,
+          owner,
+          generation,
+          layer),
+      {index_input(row_ids)});
+}
+
+void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  enc.set_output_array(out);
+  enc.dispatch([engine = engine_,
+                table = table_,
+                rpp = rows_per_page_,
+                row_bytes = row_bytes_,
+                header = header_bytes_,
+                owner = owner_,
+                generation = generation_,
+                layer = layer_,
+                idx = inputs[0],
+                dst = out.data<uint8_t>()]() {
+    const Table& t = engine->table(table);
+    const uint32_t* rows = idx.data<uint32_t>();
+    // One ticket per unique page, issued before any wait so reads overlap.
+    std::unordered_map<uint64_t, uint64_t> page_ticket;
+    std::vector<uint64_t> tickets;
+    auto cancel_all = [&] {
+      for (uint64_t tk : tickets) {
+        engine->cancel(tk);
+      }
+    };
+    try {
+      for (size_t i = 0; i < idx.size(); ++i) {
+        uint64_t page = rows[i] / rpp;
+        if (page >= t.rows.size()) {
+          throw StreamError(
+              ErrorCode::kBadRequest,
+              "row_ids: row " + std::to_string(rows[i]) + " is past page " +
+                  std::to_string(t.rows.size() - 1));
+        }
+        if (page_ticket.count(page)) {
+          continue;
+        }
+        const TableRow& p = t.rows[page];
+        Request r;
+        r.store = t.store;
+        r.offset = p.offset;
+        r.length = p.length;
+        r.owner = owner;
+        r.generation = generation;
+        r.layer = layer;
+        r.comp_end = p.length;
+        r.has_digest = p.has_digest;
+        r.digest = p.digest;
+        tickets.push_back(engine->request(r));
+        page_ticket[page] = tickets.back();
+      }
+      std::unordered_map<uint64_t, Engine::View> views;
+      for (auto& [page, tk] : page_ticket) {
+        views[page] = engine->wait(tk);
+      }
+      // Rows come from the same verified snapshot the digest covered.
+      for (size_t i = 0; i < idx.size(); ++i) {
+        const Engine::View& v = views.at(rows[i] / rpp);
+        std::memcpy(
+            dst + i * row_bytes,
+            v.data + header + (rows[i] % rpp) * row_bytes,
+            row_bytes);
+      }
+    } catch (...) {
+      cancel_all();
+      throw;
+    }
+    for (uint64_t tk : tickets) {
+      engine->release(tk);
+    }
+  });
+}
+
+void GatherRows::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  throw std::runtime_error("HebrusGatherRows runs on the CPU stream only");
 }
 
 std::pair<int, std::vector<mx::array>> create_arena(

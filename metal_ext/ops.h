@@ -30,15 +30,17 @@ mx::array gather_records(
     uint64_t generation,
     int layer);
 
-// Non-blocking: issues table[indices] at `priority` as predicted reads and
-// returns at once; the reads stay as cache candidates. The uint32 scalar
-// output is the number of requests issued (misses + joins + hits).
+// Non-blocking: issues table[indices] at `priority` and returns at once; the
+// reads stay as cache candidates. `exact` marks known-needed records issued
+// early (PLE pages once token ids are known) rather than predictions. The
+// uint32 scalar output is the number of requests issued.
 mx::array prefetch_records(
     std::shared_ptr<Engine> engine,
     int table,
     const mx::array& indices,
     int priority,
     double confidence,
+    bool exact,
     uint64_t owner,
     uint64_t generation,
     int layer);
@@ -68,6 +70,59 @@ mx::array release_after(
     std::shared_ptr<Engine> engine,
     const mx::array& value,
     const mx::array& lease);
+
+// PLE-style fixed pages: row r is page r / rows_per_page at byte
+// header_bytes + (r % rows_per_page) * row_bytes. Unique pages are read once
+// (P0, digest-verified as one snapshot) and rows copied out of that same
+// snapshot. Output uint8 [*row_ids.shape, row_bytes].
+mx::array gather_rows(
+    std::shared_ptr<Engine> engine,
+    int table,
+    const mx::array& row_ids,
+    uint64_t rows_per_page,
+    uint64_t row_bytes,
+    uint64_t header_bytes,
+    uint64_t owner,
+    uint64_t generation,
+    int layer);
+
+class GatherRows : public mx::UnaryPrimitive {
+ public:
+  GatherRows(
+      mx::Stream s,
+      std::shared_ptr<Engine> engine,
+      int table,
+      uint64_t rows_per_page,
+      uint64_t row_bytes,
+      uint64_t header_bytes,
+      uint64_t owner,
+      uint64_t generation,
+      int layer)
+      : mx::UnaryPrimitive(s),
+        engine_(std::move(engine)),
+        table_(table),
+        rows_per_page_(rows_per_page),
+        row_bytes_(row_bytes),
+        header_bytes_(header_bytes),
+        owner_(owner),
+        generation_(generation),
+        layer_(layer) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "HebrusGatherRows";
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  int table_;
+  uint64_t rows_per_page_;
+  uint64_t row_bytes_;
+  uint64_t header_bytes_;
+  uint64_t owner_;
+  uint64_t generation_;
+  int layer_;
+};
 
 class ResolveRecords : public mx::Primitive {
  public:
@@ -177,6 +232,7 @@ class PrefetchRecords : public mx::UnaryPrimitive {
       int table,
       int priority,
       double confidence,
+      bool exact,
       uint64_t owner,
       uint64_t generation,
       int layer)
@@ -185,6 +241,7 @@ class PrefetchRecords : public mx::UnaryPrimitive {
         table_(table),
         priority_(priority),
         confidence_(confidence),
+        exact_(exact),
         owner_(owner),
         generation_(generation),
         layer_(layer) {}
@@ -199,6 +256,7 @@ class PrefetchRecords : public mx::UnaryPrimitive {
   int table_;
   int priority_;
   double confidence_;
+  bool exact_;
   uint64_t owner_;
   uint64_t generation_;
   int layer_; // labels requests for per-layer counters

@@ -15,6 +15,8 @@ needs a Python-side read-back of routes:
   once ``y`` is computed. This is the streamed-SwitchGLU path.
 - ``prefetch(table, indices, priority)``: non-blocking predicted reads.
 - ``gather(table, indices)``: copies the records into a new uint8 array.
+- ``gather_rows(table, row_ids, ...)``: PLE rows from deduplicated,
+  verified single-snapshot page reads.
 - ``load(tickets)``: copies already issued tickets into one array.
 
 If the extension is not built, :func:`available` is False and constructing a
@@ -229,14 +231,42 @@ class StreamEngine:
         indices: mx.array,
         priority: int = P1,
         confidence: float = 1.0,
+        exact: bool = False,
         owner: int = 0,
         generation: int = 0,
         layer: int = -1,
     ) -> mx.array:
-        """Non-blocking predicted reads; returns a uint32 scalar (issued).
-        Evaluate it (``mx.async_eval``) or make it an input of a later op."""
+        """Non-blocking reads; returns a uint32 scalar (requests issued).
+
+        Predictions use P1/P2 with ``exact=False``; known-needed records
+        issued early (PLE pages as soon as token ids are known) use P0 with
+        ``exact=True``. Evaluate the result (``mx.async_eval``) or make it an
+        input of a later op so the requests are issued.
+        """
         return _ext.prefetch_records(
-            self._e, table, indices, priority, confidence, owner, generation, layer
+            self._e, table, indices, priority, confidence, exact, owner,
+            generation, layer,
+        )
+
+    def gather_rows(
+        self,
+        table: int,
+        row_ids: mx.array,
+        rows_per_page: int,
+        row_bytes: int,
+        header_bytes: int = 0,
+        owner: int = 0,
+        generation: int = 0,
+        layer: int = -1,
+    ) -> mx.array:
+        """Graph op for fixed-page stores (PLE, AFN-003): row r is in page
+        ``r // rows_per_page`` at ``header_bytes + (r % rows_per_page) *
+        row_bytes``. Each unique page is read once at P0, verified, and rows
+        are copied from that same snapshot. uint8 ``[*row_ids.shape,
+        row_bytes]``."""
+        return _ext.gather_rows(
+            self._e, table, row_ids, rows_per_page, row_bytes, header_bytes,
+            owner, generation, layer,
         )
 
     # Observability --------------------------------------------------------
