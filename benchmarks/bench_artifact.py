@@ -5,7 +5,10 @@
   * digest verification cost per MiB (raw SHA-256, ExpertMajor verify_all,
     PLE verify_all);
   * conversion throughput and peak RSS of `hebrus-mlx convert` on the tiny
-    checkpoint (subprocess, ru_maxrss).
+    checkpoint (subprocess, ru_maxrss);
+  * bounded-memory conversion: the ~390 MiB expert-heavy bulk checkpoint
+    (tests/convert_fixture.py) converted by `hebrus-mlx convert` in a child
+    whose RLIMIT_DATA is capped well below the checkpoint size.
 
     python benchmarks/bench_artifact.py [--lookups 2000]
 """
@@ -14,6 +17,7 @@ import argparse
 import hashlib
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,6 +118,46 @@ def main():
         print("\nConversion (tiny checkpoint, affine4-g64, includes admission of the temp dir)")
         print(f"source {src / 2**20:.2f} MiB in {float(dt):.2f} s = {src / 2**20 / float(dt):.2f} MiB/s, "
               f"peak RSS {int(rss) / 1024:.0f} MiB")
+
+
+        _bulk(root)
+
+
+# VmHWM is the peak RSS of this process image; ru_maxrss would also carry the
+# parent's high-water mark across fork/exec.
+_BULK_CHILD = (
+    "import resource, sys, time\n"
+    "def hwm():\n"
+    "    return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
+    "cap = int(sys.argv[1])\n"
+    "from hebrus_mlx.convert import main\n"
+    "base = hwm()\n"
+    "resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))\n"
+    "t = time.perf_counter()\n"
+    "rc = main(sys.argv[2:])\n"
+    "print(time.perf_counter() - t, base, hwm(), file=sys.stderr)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def _bulk(root, cap=160 << 20):
+    from convert_fixture import bulk_checkpoint
+
+    hf = os.path.join(root, "bulk")
+    size = bulk_checkpoint(hf)
+    print(f"\nBounded-memory conversion (bulk checkpoint {size / 2**20:.0f} MiB, RLIMIT_DATA cap {cap >> 20} MiB)")
+    print(f"{'profile':<12}{'s':>7}{'MiB/s':>8}{'base RSS MiB':>14}{'peak RSS MiB':>14}{'peak/ckpt':>11}")
+    for flag in (["--dtype", "float32"], ["--dtype", "bfloat16"], ["--q-bits", "4"]):
+        out = os.path.join(root, "bulk_out_" + flag[-1])
+        res = subprocess.run([sys.executable, "-c", _BULK_CHILD, str(cap), "--hf-path", hf, "--out", out, *flag],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            print(f"{flag[-1]:<12} failed: {res.stderr.strip().splitlines()[-1]}")
+            continue
+        dt, base, peak = res.stderr.strip().splitlines()[-1].split()
+        dt, base, peak = float(dt), int(base) / 1024, int(peak) / 1024
+        print(f"{flag[-1]:<12}{dt:7.2f}{size / 2**20 / dt:8.0f}{base:14.0f}{peak:14.0f}{peak * 2**20 / size:11.2f}")
+        shutil.rmtree(out)
 
 
 if __name__ == "__main__":

@@ -84,18 +84,22 @@ def test_group_64_codec_rejected_for_irregular_widths(name, tmp_path):
     assert not os.path.exists(out) and os.listdir(tmp_path) == ["hf"]
 
 
+# Peak RSS is read from VmHWM (this process image only): ru_maxrss would
+# inherit the parent's high-water mark across fork/exec.
 _CHILD = textwrap.dedent("""
     import resource, sys
+    def hwm():
+        return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
     cap, mode = int(sys.argv[1]), sys.argv[2]
     from hebrus_mlx.convert import convert
     import numpy as np
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = hwm()
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     if mode == "convert":
         convert(sys.argv[3], sys.argv[4], dtype="float32", quiet=True)
     else:  # control: hold the checkpoint's worth of bytes
         np.ones(int(sys.argv[3]), np.uint8)
-    print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    print(base, hwm())
 """)
 
 
