@@ -16,7 +16,6 @@
 import argparse
 import hashlib
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -112,7 +111,7 @@ def main():
         out = os.path.join(root, "art")
         code = ("import sys, time, resource; from hebrus_mlx.convert import convert; t = time.perf_counter(); "
                 "convert(sys.argv[1], sys.argv[2], quiet=True); "
-                "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+                "print(time.perf_counter() - t, [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
         res = subprocess.run([sys.executable, "-c", code, hf, out], capture_output=True, text=True, check=True)
         dt, rss = res.stdout.split()
         print("\nConversion (tiny checkpoint, affine4-g64, includes admission of the temp dir)")
