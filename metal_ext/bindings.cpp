@@ -243,6 +243,7 @@ NB_MODULE(_ext, m) {
             d["slot_generation"] = i.slot_generation;
             d["complete_seq"] = i.complete_seq;
             d["store"] = i.request.store;
+            d["store_digest"] = i.store_digest;
             d["offset"] = i.request.offset;
             d["length"] = i.request.length;
             d["priority"] = i.request.priority;

@@ -973,7 +973,8 @@ TicketInfo Engine::ticket_info(uint64_t id) {
       t.slot,
       t.gen,
       t.complete_seq,
-      t.req};
+      t.req,
+      stores_[t.req.store].digest_id};
 }
 
 Counters Engine::counters() {

@@ -84,6 +84,7 @@ struct TicketInfo {
   uint64_t slot_generation;
   uint64_t complete_seq;
   Request request;
+  std::string store_digest; // the store's immutable digest id
 };
 
 struct Counters {

@@ -188,12 +188,15 @@ def test_join_in_flight_reads_once(store):
     """AFN-019: a second request for an in-flight record joins it."""
     path, data, aligned, _ = store
     eng = make()
-    s = eng.add_store(path)
+    s = eng.add_store(path, digest_id="store-sha256:abc")
     eng.hold(True)
-    a = eng.request(s, *aligned[5])
+    a = eng.request(s, *aligned[5], layer=3, expert=5, component=(0, REC // 3))
     b = eng.request(s, *aligned[5], priority=se.P1, exact=False)
     eng.hold(False)
     assert eng.read(a) == eng.read(b) == data[5 * REC:6 * REC]
+    info = eng.ticket_info(a)
+    assert (info["store_digest"], info["layer"], info["expert"]) == ("store-sha256:abc", 3, 5)
+    assert (info["comp_begin"], info["comp_end"]) == (0, REC // 3)
     c = eng.counters()
     assert (c["misses"], c["joins"], c["exact_bytes"]) == (1, 1, REC)
     eng.release(a), eng.release(b)
