@@ -1,5 +1,6 @@
 #include "ops.h"
 
+#include <algorithm>
 #include <cstring>
 #include <unordered_map>
 
@@ -62,6 +63,12 @@ mx::array load_tickets(
     std::vector<uint64_t> tickets) {
   if (tickets.empty()) {
     throw StreamError(ErrorCode::kBadRequest, "tickets: need at least one");
+  }
+  std::vector<uint64_t> sorted = tickets;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "tickets: each ticket may appear once");
   }
   uint64_t length = engine->ticket_info(tickets[0]).request.length;
   for (uint64_t t : tickets) {

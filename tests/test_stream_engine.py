@@ -304,6 +304,8 @@ def test_cancelled_ticket_in_graph_op(store):
     with pytest.raises(TicketCancelledError):
         eng.load([t])
     ok = eng.request(s, *aligned[0])
+    with pytest.raises(StreamRequestError, match="once"):
+        eng.load([ok, ok])
     arr = eng.load([ok])
     mx.eval(arr)
     assert eng.release(ok) is False  # the op released it, exactly once
