@@ -1,0 +1,68 @@
+"""Routed experts of an ExpertMajor store, streamed into a slot arena.
+
+Glue between the artifact reader (record table: offsets, lengths, SHA-256
+per record, part layout) and the engine: one arena part per record part, so
+each part is a zero-copy ``[rows, *shape]`` view that ``gather_qmm`` indexes
+with the slot rows ``resolve`` returns. The reader is only consulted here, at
+construction; the engine itself knows nothing of the store format.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .engine import P1, StreamEngine
+
+# Store dtypes -> MLX; uint16 parts are bf16 bit patterns (artifact convention).
+_MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
+
+
+class StreamedExperts:
+    """Args:
+        engine: the StreamEngine doing the reads.
+        reader: an open ``ExpertMajorReader`` (validated header and table).
+        rows: arena slots; must cover every record one resolve needs at once
+            (tokens x top-k for one layer) plus prefetch headroom.
+    """
+
+    def __init__(self, engine: StreamEngine, reader, rows: int):
+        g = reader.geometry
+        self.engine = engine
+        self.num_experts = reader.family.num_experts
+        self.num_layers = reader.family.num_hidden_layers
+        self.rows = rows
+        self.arena, parts = engine.create_arena([n for *_, n in g.layout], rows)
+        store = engine.add_store(reader.path, reader.header["payload_sha256"].hex())
+        self.table = engine.register_table(
+            store,
+            [g.record_offset(i) for i in range(g.count)],
+            [g.record_bytes] * g.count,
+            reader.digests,
+            arena=self.arena,
+        )
+        # weights[component][part]: [rows, *shape] views of the arena.
+        self.weights = {}
+        for part_bytes, (comp, part, dtype, shape, _, _) in zip(parts, g.layout):
+            view = part_bytes.view(_MX_DTYPES[dtype]).reshape(rows, *shape)
+            self.weights.setdefault(comp, {})[part] = view
+
+    def _records(self, layer: int, indices: mx.array) -> mx.array:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: {layer} out of range [0, {self.num_layers})")
+        return indices.astype(mx.uint32) + layer * self.num_experts
+
+    def resolve(self, layer: int, indices: mx.array, owner: int = 0, generation: int = 0):
+        """(rows, lease) for this layer's routed ``indices`` (P0 exact).
+        Feed ``rows`` to gather_qmm as ``rhs_indices`` over ``self.weights``
+        and pass its output with ``lease`` to ``engine.release_after``."""
+        return self.engine.resolve(
+            self.table, self._records(layer, indices), owner, generation, layer
+        )
+
+    def prefetch(self, layer: int, indices: mx.array, priority: int = P1,
+                 confidence: float = 1.0) -> mx.array:
+        """Non-blocking hint, e.g. the previous token's top-k for ``layer``."""
+        return self.engine.prefetch(
+            self.table, self._records(layer, indices), priority, confidence,
+            layer=layer,
+        )

@@ -1,0 +1,118 @@
+"""Tests for hebrus_mlx/stream/experts.py: a real ExpertMajor store streamed
+through the engine's arena.
+
+Provenance: weights are quantized by mx.quantize (upstream capture), written
+with the artifact writer, and the resident reference reads them back through
+ExpertMajorReader.read_expert (an independent read path: Python pread +
+hashlib), not through the engine.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hebrus_mlx.artifact import constants as C
+from hebrus_mlx.artifact import expert_major as em
+from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream.experts import StreamedExperts
+
+pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
+
+FAM = C.QWEN4EXP_TINY_TEST
+CODEC = "affine4-g64"
+BITS, GROUP = 4, 64
+
+
+def _u16(a):
+    return np.array(a.view(mx.uint16))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    mx.random.seed(11)
+    geom = em.Geometry(FAM, CODEC)
+    shapes = {comp: shape for comp, part, _, shape, _, _ in geom.layout if part == "weight"}
+    records = []
+    for layer in range(FAM.num_hidden_layers):
+        for e in range(FAM.num_experts):
+            parts = {}
+            for comp, (rows, packed) in shapes.items():
+                w = (mx.random.normal((rows, packed * 32 // BITS)) * 0.1).astype(mx.bfloat16)
+                q, s, b = mx.quantize(w, group_size=GROUP, bits=BITS)
+                parts[comp] = {"weight": np.array(q), "scales": _u16(s), "biases": _u16(b)}
+            records.append((layer, e, parts))
+    path = str(tmp_path_factory.mktemp("experts") / "experts.hbem")
+    em.publish(path, FAM, CODEC, iter(records))
+    return path
+
+
+def resident_layer(reader, layer):
+    """Stacked [E, ...] MLX arrays of one layer via the artifact reader."""
+    per = [reader.read_expert(layer, e) for e in range(FAM.num_experts)]
+    out = {}
+    for comp in ("gate", "up", "down"):
+        q = mx.array(np.stack([p[comp]["weight"] for p in per]))
+        s = mx.array(np.stack([p[comp]["scales"] for p in per])).view(mx.bfloat16)
+        b = mx.array(np.stack([p[comp]["biases"] for p in per])).view(mx.bfloat16)
+        out[comp] = (q, s, b)
+    return out
+
+
+def switch_glu(x, w, idx):
+    def proj(comp, h):
+        q, s, b = w[comp]
+        return mx.gather_qmm(h, q, s, b, rhs_indices=idx, transpose=True,
+                             group_size=GROUP, bits=BITS)
+
+    g = proj("gate", x)
+    return proj("down", g * mx.sigmoid(g) * proj("up", x))
+
+
+def test_streamed_layers_equal_resident_reader(store):
+    """AFN-019: streamed experts (cache far below the store) give the same
+    SwitchGLU output bit for bit as weights read by the artifact reader;
+    routes stay in the graph and the previous token's top-k is the P1
+    prefetch control."""
+    H = FAM.hidden_size
+    with em.ExpertMajorReader(store, FAM, CODEC) as reader:
+        eng = se.StreamEngine(cache_bytes=1 << 20, threads=2)
+        experts = StreamedExperts(eng, reader, rows=6)
+        arena = {c: (p["weight"], p["scales"], p["biases"]) for c, p in experts.weights.items()}
+        resident = [resident_layer(reader, layer) for layer in range(FAM.num_hidden_layers)]
+        router = mx.random.normal((H, FAM.num_experts))
+        prev = {}
+        for token in range(3):
+            for layer in range(FAM.num_hidden_layers):
+                x = mx.random.normal((2, 1, 1, H))
+                idx = mx.argpartition(-(x.reshape(2, H) @ router), 1, axis=-1)[:, :2]
+                hint = experts.prefetch(layer, prev[layer]) if layer in prev else None
+                rows, lease = experts.resolve(layer, idx, owner=0, generation=token)
+                y = eng.release_after(switch_glu(x, arena, rows), lease)
+                mx.eval(y, *([hint] if hint is not None else []))
+                assert mx.array_equal(y, switch_glu(x, resident[layer], idx)).item()
+                prev[layer] = idx
+        c = eng.counters()
+        assert c["exact_bytes"] > 0 and c["errors"] == 0
+        assert eng.memory()["pinned_slots"] == 0
+
+
+def test_corrupt_record_is_refused_with_the_store_digest(store, tmp_path):
+    """AFN-003: the store's per-record SHA-256 is enforced by the engine; the
+    corrupt expert fails with a clear error, the others still stream."""
+    bad = tmp_path / "bad.hbem"
+    data = bytearray(open(store, "rb").read())
+    with em.ExpertMajorReader(store, FAM, CODEC) as r:
+        off = r.geometry.record_offset(r.geometry.index(1, 3))
+    data[off + 100] ^= 0x01
+    bad.write_bytes(bytes(data))
+    with em.ExpertMajorReader(str(bad), FAM, CODEC) as reader:  # header/table intact
+        eng = se.StreamEngine(cache_bytes=1 << 20, threads=2)
+        experts = StreamedExperts(eng, reader, rows=4)
+        rows, lease = experts.resolve(1, mx.array([[3, 4]]))
+        with pytest.raises(RuntimeError, match="SHA-256 mismatch"):
+            mx.eval(rows)
+        rows, lease = experts.resolve(1, mx.array([[4, 5]]))
+        mx.eval(eng.release_after(rows, lease))
+        assert eng.memory()["pinned_slots"] == 0
+    with pytest.raises(ValueError, match="layer"):
+        experts.resolve(FAM.num_hidden_layers, mx.array([0]))
