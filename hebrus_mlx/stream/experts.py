@@ -31,6 +31,11 @@ class StreamedExperts:
         self.num_experts = reader.family.num_experts
         self.num_layers = reader.family.num_hidden_layers
         self.rows = rows
+        # Affine codecs stream through gather_qmm; float codecs gather_mm.
+        self.bits = getattr(reader.codec, "bits", None)
+        self.group_size = getattr(reader.codec, "group_size", None)
+        if self.bits is not None and self.bits >= 16:
+            self.bits = self.group_size = None
         self.arena, parts = engine.create_arena([n for *_, n in g.layout], rows)
         store = engine.add_store(reader.path, reader.header["payload_sha256"].hex())
         self.table = engine.register_table(

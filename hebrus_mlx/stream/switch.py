@@ -1,0 +1,93 @@
+"""Streamed routed experts with the call shape of mlx_lm's SwitchGLU.
+
+``StreamedSwitchGLU(experts, layer)(x, indices)`` computes what
+``SwitchGLU(x, indices)`` computes, but its expert weights are arena rows
+that :meth:`StreamedExperts.resolve` streams in during graph evaluation:
+the router's indices never leave the graph (no ``mx.eval``, ``.item()`` or
+read-back), the op waits only for the records those indices name, and the
+rows are unpinned once the layer output exists.
+
+Wiring into a model (SparseMoE-style modules expose ``switch_mlp``)::
+
+    experts = StreamedExperts(engine, reader, rows=...)
+    attach([layer.mlp for layer in model.model.layers], experts)
+    # optional, at the start of each layer (before attention):
+    layer.mlp.switch_mlp.begin_layer()   # previous token's top-k as P1
+
+Prefill chunks need ``rows >= min(num_experts, tokens * top_k)`` (every
+distinct expert of the chunk is pinned at once).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwiGLU, _gather_sort, _scatter_unsort
+
+from .engine import P1
+from .experts import StreamedExperts
+
+
+class StreamedSwitchGLU(nn.Module):
+    def __init__(self, experts: StreamedExperts, layer: int):
+        super().__init__()
+        # A plain attribute: arena views are not this module's parameters.
+        self._experts = experts
+        self.layer = layer
+        self.activation = SwiGLU()
+        self.owner = 0
+        self.generation = 0
+        self._prev: Optional[mx.array] = None
+
+    def begin_layer(self, priority: int = P1) -> Optional[mx.array]:
+        """Issue the previous token's top-k for this layer as a prediction
+        (the zero-training control any predictor must beat). Non-blocking."""
+        if self._prev is None:
+            return None
+        hint = self._experts.prefetch(self.layer, self._prev.reshape(-1), priority)
+        mx.async_eval(hint)
+        return hint
+
+    def _project(self, name, x, rows, sorted_rows):
+        e = self._experts
+        w = e.weights[name]
+        if e.bits is not None:
+            return mx.gather_qmm(
+                x, w["weight"], w["scales"], w["biases"], rhs_indices=rows,
+                transpose=True, group_size=e.group_size, bits=e.bits,
+                sorted_indices=sorted_rows,
+            )
+        return mx.gather_mm(x, w["weight"].swapaxes(-1, -2), rhs_indices=rows,
+                            sorted_indices=sorted_rows)
+
+    def __call__(self, x, indices) -> mx.array:
+        indices = mx.stop_gradient(indices)
+        rows, lease = self._experts.resolve(
+            self.layer, indices, self.owner, self.generation
+        )
+        x = mx.expand_dims(x, (-2, -3))
+        # Same data movement as SwitchGLU: many tokens are grouped by
+        # expert (arena row) before the gathered matmuls.
+        do_sort = indices.size >= 64
+        inv_order = None
+        if do_sort:
+            x, rows, inv_order = _gather_sort(x, rows)
+        x_up = self._project("up", x, rows, do_sort)
+        x_gate = self._project("gate", x, rows, do_sort)
+        y = self._project("down", self.activation(x_up, x_gate), rows, do_sort)
+        if do_sort:
+            y = _scatter_unsort(y, inv_order, indices.shape)
+        self._prev = indices
+        return self._experts.engine.release_after(y.squeeze(-2), lease)
+
+
+def attach(moe_modules: Sequence[nn.Module], experts: StreamedExperts) -> None:
+    """Replace ``switch_mlp`` of each layer's MoE module (index = layer)."""
+    if len(moe_modules) != experts.num_layers:
+        raise ValueError(
+            f"moe_modules: {len(moe_modules)} layers, store has {experts.num_layers}"
+        )
+    for layer, moe in enumerate(moe_modules):
+        moe.switch_mlp = StreamedSwitchGLU(experts, layer)

@@ -1,0 +1,105 @@
+"""Tests for hebrus_mlx/stream/switch.py: StreamedSwitchGLU against mlx_lm's
+resident SwitchGLU holding the same weights.
+
+Provenance: the resident SwitchGLU (mlx_lm, quantized by nn.quantize) is the
+upstream reference; its per-expert arrays are written to an ExpertMajor
+store by the artifact writer and streamed back by the engine.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from hebrus_mlx.artifact import constants as C
+from hebrus_mlx.artifact import expert_major as em
+from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream.experts import StreamedExperts
+from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
+
+pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
+
+FAM = C.QWEN4EXP_TINY_TEST
+H, I, E, K = FAM.hidden_size, FAM.moe_intermediate_size, FAM.num_experts, FAM.num_experts_per_tok
+
+
+def _store_dtype(a):
+    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
+
+
+def build(codec_name, tmp_path):
+    """Resident SwitchGLU per layer + the same weights as an ExpertMajor store."""
+    mx.random.seed(3)
+    layers = []
+    for _ in range(FAM.num_hidden_layers):
+        glu = SwitchGLU(H, I, E)
+        if codec_name == "affine4-g64":
+            glu.set_dtype(mx.bfloat16)
+            nn.quantize(glu, group_size=64, bits=4)
+        mx.eval(glu.parameters())
+        layers.append(glu)
+    records = []
+    for layer, glu in enumerate(layers):
+        for e in range(E):
+            parts = {}
+            for comp in ("gate", "up", "down"):
+                proj = getattr(glu, f"{comp}_proj")
+                parts[comp] = {k: _store_dtype(proj[k][e])
+                               for k in ("weight", "scales", "biases") if k in proj}
+            records.append((layer, e, parts))
+    path = str(tmp_path / "experts.hbem")
+    em.publish(path, FAM, codec_name, iter(records))
+    return layers, path
+
+
+@pytest.mark.parametrize("codec_name", ["affine4-g64", "f32"])
+def test_decode_and_prefill_bit_identical(tmp_path, codec_name):
+    """AFN-019: the streamed module is a drop-in for SwitchGLU: decode steps
+    (small arena, evictions, previous-token P1 prefetch) and a sorted
+    prefill chunk give bit-identical outputs, routes never read back."""
+    layers, path = build(codec_name, tmp_path)
+    router = mx.random.normal((H, E))
+
+    def route(x):
+        return mx.argpartition(-(x @ router), K - 1, axis=-1)[..., :K]
+
+    with em.ExpertMajorReader(path, FAM, codec_name) as reader:
+        for rows, tokens, steps in ((4, 1, 4), (E, 40, 1)):  # decode, prefill
+            eng = se.StreamEngine(cache_bytes=1 << 20, threads=2)
+            experts = StreamedExperts(eng, reader, rows=rows)
+            streamed = [StreamedSwitchGLU(experts, layer) for layer in range(len(layers))]
+            assert not tree_flatten(streamed[0].parameters())
+            for _ in range(steps):
+                for layer, glu in enumerate(layers):
+                    x = mx.random.normal((1, tokens, H))
+                    streamed[layer].begin_layer()
+                    idx = route(x)
+                    got = streamed[layer](x, idx)
+                    want = glu(x, idx)
+                    assert got.shape == want.shape == (1, tokens, K, H)
+                    assert mx.array_equal(got, want).item(), (codec_name, rows, layer)
+            assert eng.memory()["pinned_slots"] == 0
+            if rows < E:
+                c = eng.counters()
+                assert c["evictions"] > 0 and c["predicted_bytes"] + c["hits"] > 0
+
+
+def test_attach_replaces_switch_mlp(tmp_path):
+    """attach() swaps each layer's switch_mlp and checks the layer count."""
+    _, path = build("f32", tmp_path)
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.switch_mlp = SwitchGLU(H, I, E)
+
+    with em.ExpertMajorReader(path, FAM, "f32") as reader:
+        experts = StreamedExperts(se.StreamEngine(cache_bytes=1 << 20), reader, rows=4)
+        moes = [MoE() for _ in range(FAM.num_hidden_layers)]
+        attach(moes, experts)
+        assert all(isinstance(m.switch_mlp, StreamedSwitchGLU) for m in moes)
+        assert [m.switch_mlp.layer for m in moes] == list(range(FAM.num_hidden_layers))
+        with pytest.raises(ValueError, match="moe_modules"):
+            attach(moes[:-1], experts)
