@@ -43,6 +43,23 @@ else:
 P0, P1, P2 = 0, 1, 2  # exact critical, near-term predicted, speculative
 
 
+def io_summary(counters: dict) -> str:
+    """One line for generate's stats: bytes read, hit rate, exposed wait,
+    hidden fraction (from :meth:`StreamEngine.counters`)."""
+    c = counters
+    read = (c["exact_bytes"] + c["predicted_bytes"]) / 1e9
+    lookups = c["hits"] + c["joins"] + c["misses"]
+    hit = 100.0 * (c["hits"] + c["joins"]) / lookups if lookups else 0.0
+    hidden = c.get("hidden_fraction")
+    hidden = "n/a" if hidden is None else f"{100.0 * hidden:.0f}%"
+    return (
+        f"I/O: {read:.3f} GB read ({c['predicted_bytes'] / 1e9:.3f} GB predicted, "
+        f"{c['wasted_bytes'] / 1e9:.3f} GB wasted), hit rate {hit:.1f}%, "
+        f"exposed wait {c['exposed_wait_ns'] / 1e9:.3f} s, hidden {hidden}, "
+        f"p50/p99 {c['latency_p50_ns'] / 1e6:.2f}/{c['latency_p99_ns'] / 1e6:.2f} ms"
+    )
+
+
 class StreamUnavailableError(StreamError):
     """The C++ extension is not available in this installation."""
 
