@@ -87,28 +87,35 @@ def init_weights(model, seed=0):
     mx.eval(model.parameters())
 
 
-def time_decode(model, prompt, n_tokens, make_cache):
-    cache = make_cache()
-    mx.eval(model(prompt, cache=cache))
-    token = prompt[:, -1:]
-    times = []
+def paired_decode(models, prompt, n_tokens):
+    """Decode both models token-by-token in alternation, so load on this shared machine hits
+    both alike; returns median tokens/s per model."""
+    states = []
+    for m in models:
+        cache = m.make_cache()
+        mx.eval(m(prompt, cache=cache))
+        states.append([cache, prompt[:, -1:]])
+    times = [[] for _ in models]
     for _ in range(n_tokens):
-        t0 = time.perf_counter()
-        logits = model(token, cache=cache)
-        token = mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32)
-        mx.eval(token)
-        times.append(time.perf_counter() - t0)
-    return 1.0 / statistics.median(times)
+        for i, m in enumerate(models):
+            cache, token = states[i]
+            t0 = time.perf_counter()
+            token = mx.argmax(m(token, cache=cache)[:, -1:], axis=-1).astype(mx.int32)
+            mx.eval(token)
+            times[i].append(time.perf_counter() - t0)
+            states[i][1] = token
+    return [1.0 / statistics.median(t) for t in times]
 
 
-def time_prefill(model, prompt, make_cache, repeats=3):
-    best = float("inf")
+def paired_prefill(models, prompt, repeats=4):
+    best = [float("inf")] * len(models)
     for _ in range(repeats):
-        cache = make_cache()
-        t0 = time.perf_counter()
-        mx.eval(model(prompt, cache=cache))
-        best = min(best, time.perf_counter() - t0)
-    return prompt.shape[1] / best
+        for i, m in enumerate(models):
+            cache = m.make_cache()
+            t0 = time.perf_counter()
+            mx.eval(m(prompt, cache=cache))
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return [prompt.shape[1] / b for b in best]
 
 
 def qsa_step_time(a, context, steps=20):
@@ -161,14 +168,11 @@ def main(argv=None):
     init_weights(ours)
     init_weights(theirs)
     print(f"dims: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} experts={a.experts} top-k={a.top_k}")
-    # Interleave the two so machine noise hits both alike.
-    results = {"hebrus": {}, "mlx_lm": {}}
-    for _ in range(2):
-        for name, m in (("hebrus", ours), ("mlx_lm", theirs)):
-            results[name].setdefault("decode", []).append(time_decode(m, prompt, a.decode, m.make_cache))
-            results[name].setdefault("prefill", []).append(time_prefill(m, prompt, m.make_cache))
-    for kind in ("decode", "prefill"):
-        h, m = max(results["hebrus"][kind]), max(results["mlx_lm"][kind])
+    results = {
+        "decode": paired_decode([ours, theirs], prompt, a.decode),
+        "prefill": paired_prefill([ours, theirs], prompt),
+    }
+    for kind, (h, m) in results.items():
         print(f"{kind:8s} hebrus {h:8.1f} tok/s   mlx-lm qwen3_next {m:8.1f} tok/s   ratio {h / m:.2f}x")
     short = qsa_step_time(a, a.short_context)
     long = qsa_step_time(a, a.long_context)
