@@ -419,3 +419,15 @@ def test_bad_requests_name_the_field(store):
     plain = se.StreamEngine(cache_bytes=REC)
     with pytest.raises(StreamRequestError, match="testing"):
         plain.inject_fault("eio")
+
+
+def test_io_summary_line():
+    """AFN-019 metrics: bytes, hit rate (hits + joins), exposed wait and
+    hidden fraction = 1 - exposed wait / exact read time (hand values)."""
+    c = dict(exact_bytes=2_000_000, predicted_bytes=1_000_000, wasted_bytes=500_000,
+             hits=2, joins=1, misses=3, exposed_wait_ns=250_000_000,
+             latency_p50_ns=1e6, latency_p99_ns=4e6, hidden_fraction=0.75)
+    line = se.io_summary(c)
+    assert "0.003 GB read (0.001 GB predicted, 0.001 GB wasted)" in line
+    assert "hit rate 50.0%" in line and "exposed wait 0.250 s" in line
+    assert "hidden 75%" in line and "p50/p99 1.00/4.00 ms" in line
