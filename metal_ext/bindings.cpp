@@ -48,6 +48,8 @@ nb::dict counters_dict(const hebrus::Counters& c) {
   d["exposed_wait_ns"] = c.exposed_wait_ns;
   d["exact_read_ns"] = c.exact_read_ns;
   d["deadline_misses"] = c.deadline_misses;
+  d["predicted_hits"] = c.predicted_hits;
+  d["predicted_joins"] = c.predicted_joins;
   nb::dict by_layer;
   for (auto& [layer, ns] : c.exposed_wait_ns_by_layer) {
     by_layer[nb::int_(layer)] = ns;

@@ -487,6 +487,10 @@ uint64_t Engine::request(const Request& req) {
     s.used = true;
     s.lru = ++lru_clock_;
     s.p_use = std::max(s.p_use, req.confidence);
+    if (req.exact && !s.exact) {
+      (s.state == SlotState::kReady ? counters_.predicted_hits
+                                    : counters_.predicted_joins)++;
+    }
     s.exact = s.exact || req.exact;
     t.slot = idx;
     t.gen = s.gen;

@@ -105,6 +105,10 @@ struct Counters {
   uint64_t exposed_wait_ns = 0;
   uint64_t exact_read_ns = 0;
   uint64_t deadline_misses = 0; // reads published after their deadline
+  // Exact requests served by a record a prediction brought in: already
+  // published (timely) or still in flight (joined, partly hidden).
+  uint64_t predicted_hits = 0;
+  uint64_t predicted_joins = 0;
   std::map<int, uint64_t> exposed_wait_ns_by_layer;
   double latency_p50_ns = 0;
   double latency_p95_ns = 0;

@@ -184,6 +184,30 @@ def test_p2_leaves_a_worker_for_exact_reads(store):
     assert_clean(eng)
 
 
+def test_predicted_records_serving_exact_requests_are_counted(store):
+    """AFN-019 timely recall: an exact request served by a prediction that
+    already landed is a predicted hit; one still in flight a predicted join;
+    each record counts once."""
+    path, _, aligned, _ = store
+    eng = make()
+    s = eng.add_store(path)
+    eng.release(eng.request(s, *aligned[0], priority=se.P1, exact=False))
+    assert wait_until(lambda: eng.memory()["slots_in_use"] == 1
+                      and eng.memory()["inflight_reads"] == 0
+                      and eng.memory()["queued_reads"] == 0)
+    eng.hold(True)
+    eng.release(eng.request(s, *aligned[1], priority=se.P2, exact=False))
+    exact = [eng.request(s, *aligned[i]) for i in (0, 1, 0)]
+    eng.hold(False)
+    for t in exact:
+        eng.wait(t)
+        eng.release(t)
+    c = eng.counters()
+    assert (c["predicted_hits"], c["predicted_joins"]) == (1, 1)
+    assert c["predicted_bytes"] == REC and c["exact_bytes"] == REC
+    assert_clean(eng)
+
+
 def test_join_in_flight_reads_once(store):
     """AFN-019: a second request for an in-flight record joins it."""
     path, data, aligned, _ = store

@@ -74,7 +74,6 @@ def test_decode_and_prefill_bit_identical(tmp_path, codec_name):
             for _ in range(steps):
                 for layer, glu in enumerate(layers):
                     x = mx.random.normal((1, tokens, H))
-                    streamed[layer].begin_layer()
                     idx = route(x)
                     got = streamed[layer](x, idx)
                     want = glu(x, idx)
@@ -108,9 +107,10 @@ def test_attach_replaces_switch_mlp(tmp_path):
 def test_tiny_model_streamed_equals_resident(tmp_path):
     """AFN-019 (issue 6 evidence): a converted tiny checkpoint decoded with
     its experts streamed through a 2-row arena (2 of 32 records, ~6% of the
-    expert store) gives logits and greedy tokens bitwise equal to the
-    resident run. Reference: the same artifact loaded resident by the
-    artifact loader (reader + mlx_lm QuantizedSwitchLinear)."""
+    expert store), and through a 6-row one with previous-token prefetch,
+    gives logits and greedy tokens bitwise equal to the resident run.
+    Reference: the same artifact loaded resident by the artifact loader
+    (reader + mlx_lm QuantizedSwitchLinear)."""
     import json
     import os
 
@@ -137,12 +137,19 @@ def test_tiny_model_streamed_equals_resident(tmp_path):
     s = next(s for s in m["stores"] if s["role"] == "experts")
     with em.ExpertMajorReader(os.path.join(art, s["path"]), C.family(m["family"]),
                               s["codec"]) as reader:
-        eng = se.StreamEngine(cache_bytes=1 << 20, threads=2)
-        experts = StreamedExperts(eng, reader, rows=2)
-        attach([layer.mlp for layer in model.model.layers], experts)
-        got_logits, got_tokens = decode()
-    assert got_tokens == ref_tokens
-    for a, b in zip(got_logits, ref_logits):
-        np.testing.assert_array_equal(a, b)
-    c = eng.counters()
-    assert c["misses"] > 0 and c["evictions"] > 0 and eng.memory()["pinned_slots"] == 0
+        runs = []
+        # ~6% of the store with exact misses only, then ~19% with the
+        # previous-token P1 prefetch: predictions move bytes, not results.
+        for rows, prefetch in ((2, False), (6, True)):
+            eng = se.StreamEngine(cache_bytes=1 << 20, threads=2)
+            experts = StreamedExperts(eng, reader, rows=rows, prefetch_previous=prefetch)
+            attach([layer.mlp for layer in model.model.layers], experts)
+            runs.append((decode(), eng))
+    for (got_logits, got_tokens), eng in runs:
+        assert got_tokens == ref_tokens
+        for a, b in zip(got_logits, ref_logits):
+            np.testing.assert_array_equal(a, b)
+        assert eng.counters()["misses"] > 0 and eng.memory()["pinned_slots"] == 0
+    small, large = runs[0][1].counters(), runs[1][1].counters()
+    assert small["evictions"] > 0 and small["predicted_bytes"] == 0
+    assert large["predicted_hits"] + large["predicted_joins"] > 0

@@ -23,14 +23,19 @@ class StreamedExperts:
         reader: an open ``ExpertMajorReader`` (validated header and table).
         rows: arena slots; must cover every record one resolve needs at once
             (tokens x top-k for one layer) plus prefetch headroom.
+        prefetch_previous: StreamedSwitchGLU issues the previous token's
+            top-k of each layer as P1 (off: exact misses only, the baseline
+            the lookahead is measured against).
     """
 
-    def __init__(self, engine: StreamEngine, reader, rows: int):
+    def __init__(self, engine: StreamEngine, reader, rows: int,
+                 prefetch_previous: bool = True):
         g = reader.geometry
         self.engine = engine
         self.num_experts = reader.family.num_experts
         self.num_layers = reader.family.num_hidden_layers
         self.rows = rows
+        self.prefetch_previous = prefetch_previous
         # Affine codecs stream through gather_qmm; float codecs gather_mm.
         self.bits = getattr(reader.codec, "bits", None)
         self.group_size = getattr(reader.codec, "group_size", None)

@@ -11,8 +11,11 @@ Wiring into a model (SparseMoE-style modules expose ``switch_mlp``)::
 
     experts = StreamedExperts(engine, reader, rows=...)
     attach([layer.mlp for layer in model.model.layers], experts)
-    # optional, at the start of each layer (before attention):
-    layer.mlp.switch_mlp.begin_layer()   # previous token's top-k as P1
+
+With ``experts.prefetch_previous`` (default on) each layer issues the
+previous token's top-k for itself as P1 while the token's graph is being
+built, i.e. before any layer of the token runs: the zero-training
+lookahead control (AFN-019) that a real predictor has to beat.
 
 Prefill chunks need ``rows >= min(num_experts, tokens * top_k)`` (every
 distinct expert of the chunk is pinned at once).
@@ -41,15 +44,6 @@ class StreamedSwitchGLU(nn.Module):
         self.generation = 0
         self._prev: Optional[mx.array] = None
 
-    def begin_layer(self, priority: int = P1) -> Optional[mx.array]:
-        """Issue the previous token's top-k for this layer as a prediction
-        (the zero-training control any predictor must beat). Non-blocking."""
-        if self._prev is None:
-            return None
-        hint = self._experts.prefetch(self.layer, self._prev.reshape(-1), priority)
-        mx.async_eval(hint)
-        return hint
-
     def _project(self, name, x, rows, sorted_rows):
         e = self._experts
         w = e.weights[name]
@@ -64,6 +58,9 @@ class StreamedSwitchGLU(nn.Module):
 
     def __call__(self, x, indices) -> mx.array:
         indices = mx.stop_gradient(indices)
+        if self._experts.prefetch_previous and self._prev is not None:
+            # Non-blocking: the previous token's routes are already computed.
+            mx.async_eval(self._experts.prefetch(self.layer, self._prev, P1))
         rows, lease = self._experts.resolve(
             self.layer, indices, self.owner, self.generation
         )
@@ -79,7 +76,8 @@ class StreamedSwitchGLU(nn.Module):
         y = self._project("down", self.activation(x_up, x_gate), rows, do_sort)
         if do_sort:
             y = _scatter_unsort(y, inv_order, indices.shape)
-        self._prev = indices
+        # The last position's routes predict the next token's.
+        self._prev = indices[..., -1, :] if indices.ndim > 1 else indices
         return self._experts.engine.release_after(y.squeeze(-2), lease)
 
 
