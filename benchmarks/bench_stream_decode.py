@@ -74,17 +74,21 @@ def main():
     s = next(s for s in m["stores"] if s["role"] == "experts")
     fam = C.family(m["family"])
     reader = em.ExpertMajorReader(os.path.join(art, s["path"]), fam, s["codec"])
-    eng = se.StreamEngine(cache_bytes=1 << 20, threads=4)
-    experts = StreamedExperts(eng, reader, rows=args.rows)
-    attach([layer.mlp for layer in model.model.layers], experts)
     records = fam.num_hidden_layers * fam.num_experts
-    streamed, t_str = decode(model, 3, args.compare, limit)
     print(f"artifact {art}: arena {args.rows} of {records} records "
-          f"({100 * args.rows / records:.1f}% of the expert store)")
-    print(f"  resident {args.compare / t_res:.1f} tok/s   streamed "
-          f"{args.compare / t_str:.1f} tok/s   ratio {t_res / t_str:.3f}x   "
-          f"tokens identical: {streamed == resident}")
-    print("  " + se.io_summary(eng.counters()))
+          f"({100 * args.rows / records:.1f}% of the expert store); "
+          f"resident {args.compare / t_res:.1f} tok/s")
+    for prefetch in (False, True):
+        eng = se.StreamEngine(cache_bytes=1 << 20, threads=4)
+        experts = StreamedExperts(eng, reader, rows=args.rows, prefetch_previous=prefetch)
+        attach([layer.mlp for layer in model.model.layers], experts)
+        streamed, t_str = decode(model, 3, args.compare, limit)
+        c = eng.counters()
+        print(f"  streamed, previous-token prefetch {'on ' if prefetch else 'off'}: "
+              f"{args.compare / t_str:.1f} tok/s ({t_res / t_str:.3f}x resident), "
+              f"tokens identical: {streamed == resident}, predicted hits/joins "
+              f"{c['predicted_hits']}/{c['predicted_joins']}")
+        print("    " + se.io_summary(c))
 
     eng.reset_counters()
     base = rss_mib()
