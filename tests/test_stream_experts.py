@@ -14,7 +14,7 @@ import pytest
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream.experts import StreamedExperts
+from hebrus_mlx.stream.experts import GIB, StreamedExperts, plan_experts
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -116,3 +116,19 @@ def test_corrupt_record_is_refused_with_the_store_digest(store, tmp_path):
         assert eng.memory()["pinned_slots"] == 0
     with pytest.raises(ValueError, match="layer"):
         experts.resolve(FAM.num_hidden_layers, mx.array([0]))
+
+
+def test_plan_resident_or_streamed():
+    """Resident when the store fits in available - reserve; otherwise the
+    arena rows the budget holds; --expert-cache-gb overrides; too small a
+    budget is a ValueError naming the field (hand arithmetic)."""
+    rec = 2_764_800
+    store = 48 * 512 * rec
+    assert plan_experts(store, rec, available=80 * GIB, reserve=8 * GIB) is None
+    assert plan_experts(store, rec, available=64 * GIB, reserve=8 * GIB) == 56 * GIB // rec
+    assert plan_experts(store, rec, 80 * GIB, 8 * GIB, expert_cache_gb=28) == 28 * GIB // rec
+    assert plan_experts(10 * rec, rec, 0, 0, expert_cache_gb=1) == 10  # capped at the store
+    with pytest.raises(ValueError, match="expert_cache_gb"):
+        plan_experts(store, rec, 80 * GIB, 0, expert_cache_gb=0.01, min_rows=10)
+    with pytest.raises(ValueError, match="available memory"):
+        plan_experts(store, rec, available=GIB, reserve=GIB, min_rows=10)
