@@ -273,6 +273,8 @@ uint32_t Engine::alloc_slot_locked() {
 
 void Engine::retire_slot_locked(uint32_t idx) {
   Slot& s = slots_[idx];
+  s.state = SlotState::kFree;
+  reindex_locked(idx); // leaves the evictable index
   // The generation bump is what keeps an in-flight read of the old owner
   // from ever publishing here.
   s.gen++;
@@ -335,24 +337,27 @@ void Engine::recycle_slab_locked(const Slab& slab) {
   }
 }
 
-int64_t Engine::pick_victim_locked(int arena) {
-  int64_t best = -1;
-  for (uint32_t i = 0; i < slots_.size(); ++i) {
-    const Slot& s = slots_[i];
-    if (s.state != SlotState::kReady || s.pins > 0 || s.slab.arena != arena) {
-      continue;
-    }
-    if (best < 0) {
-      best = i;
-      continue;
-    }
-    const Slot& b = slots_[best];
-    double ks = eviction_key(s), kb = eviction_key(b);
-    if (ks < kb || (ks == kb && s.lru < b.lru)) {
-      best = i;
-    }
+void Engine::reindex_locked(uint32_t idx) {
+  Slot& s = slots_[idx];
+  int dest = s.slab.arena;
+  if (s.indexed) {
+    evictable_[s.evict_key_arena].erase(s.evict_key);
+    s.indexed = false;
   }
-  return best;
+  if (s.state == SlotState::kReady && s.pins == 0) {
+    s.evict_key = {eviction_key(s), s.lru, idx};
+    s.evict_key_arena = dest;
+    evictable_[dest].insert(s.evict_key);
+    s.indexed = true;
+  }
+}
+
+int64_t Engine::pick_victim_locked(int arena) {
+  auto it = evictable_.find(arena);
+  if (it == evictable_.end() || it->second.empty()) {
+    return -1;
+  }
+  return std::get<2>(*it->second.begin());
 }
 
 Slab Engine::reserve_row_locked(int arena) {
@@ -492,6 +497,7 @@ uint64_t Engine::request(const Request& req) {
                                     : counters_.predicted_joins)++;
     }
     s.exact = s.exact || req.exact;
+    reindex_locked(idx); // now pinned
     t.slot = idx;
     t.gen = s.gen;
     if (s.state == SlotState::kReady) {
@@ -607,6 +613,7 @@ Engine::View Engine::wait(uint64_t id, double timeout_s) {
   Slot& s = slots_[t.slot];
   s.used = true;
   s.lru = ++lru_clock_;
+  reindex_locked(t.slot);
   return View{s.slab.data, s.key.length, s.slab.arena, s.slab.row};
 }
 
@@ -630,6 +637,7 @@ bool Engine::drop_ticket_locked(uint64_t id, bool cancel) {
   s.pins--;
   s.waiters.erase(
       std::remove(s.waiters.begin(), s.waiters.end(), id), s.waiters.end());
+  reindex_locked(t.slot);
   if (s.state == SlotState::kLoading) {
     if (!cancel) {
       s.detached = true;
@@ -680,6 +688,7 @@ int Engine::advance_generation(uint64_t owner, uint64_t generation) {
         s.waiters.erase(
             std::remove(s.waiters.begin(), s.waiters.end(), id),
             s.waiters.end());
+        reindex_locked(t.slot);
         if (s.pins == 0 && !s.detached) {
           retire_slot_locked(t.slot);
         }
@@ -709,6 +718,7 @@ bool Engine::set_hint(
     return false;
   }
   slots_[it->second].p_use = std::clamp(p, 0.0, 1.0);
+  reindex_locked(it->second);
   return true;
 }
 
@@ -909,6 +919,7 @@ void Engine::worker_loop() {
         }
       }
       s.waiters.clear();
+      reindex_locked(job->slot);
       if (latencies_.size() < kLatencyWindow) {
         latencies_.push_back(lat);
       } else {

@@ -14,6 +14,8 @@
 #include <memory>
 #include <mutex>
 #include <queue>
+#include <set>
+#include <tuple>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -297,6 +299,9 @@ class Engine {
     int64_t deadline_ns = INT64_MAX;
     std::unique_ptr<Job> job;
     std::vector<uint64_t> waiters;
+    bool indexed = false; // present in evictable_[evict_key_arena]
+    int evict_key_arena = -1;
+    std::tuple<double, uint64_t, uint32_t> evict_key{};
   };
   struct Ticket {
     uint32_t slot;
@@ -337,6 +342,7 @@ class Engine {
   Slab reserve_row_locked(int arena);
   void recycle_slab_locked(const Slab& slab);
   int64_t pick_victim_locked(int arena);
+  void reindex_locked(uint32_t slot);
   void retire_slot_locked(uint32_t slot_idx);
   void fail_slot_locked(uint32_t slot_idx, ErrorCode code, const std::string& msg);
   uint32_t alloc_slot_locked();
@@ -360,6 +366,10 @@ class Engine {
   std::unordered_map<uint64_t, Ticket> tickets_;
   std::unordered_map<uint64_t, uint64_t> owner_generation_;
   std::multimap<uint64_t, Slab> pool_;
+  // Evictable slots (published, unpinned) per destination (-1 = slab
+  // cache, else arena id), ordered by (policy key, lru, slot): victim
+  // selection is O(log n) however large the cache.
+  std::map<int, std::set<std::tuple<double, uint64_t, uint32_t>>> evictable_;
   Queue queues_[kNumPriorities];
   int inflight_[kNumPriorities] = {0, 0, 0};
   uint64_t next_ticket_ = 1;
