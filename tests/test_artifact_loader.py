@@ -86,6 +86,8 @@ def _reference_quantized(hf, bits):
     for path, m in model.named_modules():
         if path.endswith("ngram_embedding"):
             m.weight = m.weight.astype(mx.float32)
+        if hasattr(m, "scales"):  # the loader runs quantized layers with fp32 scales/biases
+            m.scales, m.biases = m.scales.astype(mx.float32), m.biases.astype(mx.float32)
     return model
 
 

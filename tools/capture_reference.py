@@ -97,16 +97,32 @@ def build(name: str, out: Path, seed: int = 0):
 def capture(checkpoint: Path) -> dict:
     """Run the pinned reference on the checkpoint's prompt; return upstream-captured arrays."""
     import torch
-    import transformers
     from transformers.models.qwen4_exp import Qwen4ExpForCausalLM
-    from transformers.models.qwen4_exp import modeling_qwen4_exp as ref_mod
 
-    if transformers.__version__ != PINNED["transformers"] or not torch.__version__.startswith(PINNED["torch"]):
-        raise RuntimeError(f"reference capture needs {PINNED}, found {transformers.__version__}/{torch.__version__}")
+    check_pins()
     model = Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     cfg = model.config
     eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
-    ids = prompt_ids(checkpoint.name, cfg.vocab_size, eos)
+    return capture_model(model, prompt_ids(checkpoint.name, cfg.vocab_size, eos))
+
+
+def check_pins():
+    import torch
+    import transformers
+
+    if transformers.__version__ != PINNED["transformers"] or not torch.__version__.startswith(PINNED["torch"]):
+        raise RuntimeError(f"reference capture needs {PINNED}, found {transformers.__version__}/{torch.__version__}")
+
+
+def capture_model(model, ids: np.ndarray, pin_ties: bool = False) -> dict:
+    """Hidden states, routes, QSA selections and indexer block scores of one reference forward.
+
+    pin_ties: the indexer's torch.topk leaves the order of equal scores unspecified; when set, its
+    block top-k uses a stable descending sort instead, i.e. AFN-017's (score desc, position asc)
+    rule. Only that call inside the indexer is affected.
+    """
+    import torch
+
     hidden, routes, selected, scores = {}, {}, {}, {}
 
     def on_layer(i):
@@ -133,6 +149,9 @@ def capture(checkpoint: Path) -> dict:
     def recording_topk(self, k, dim=-1, *a, **kw):
         if current["layer"] is not None and self.ndim == 1:
             recorded.setdefault(current["layer"], []).append(self.detach().numpy().copy())
+            if pin_ties:
+                values, indices = torch.sort(self, descending=True, stable=True)
+                return torch.return_types.topk((values[:k], indices[:k]))
         return original_topk(self, k, dim, *a, **kw)
 
     def indexer_pre(i):
@@ -155,7 +174,6 @@ def capture(checkpoint: Path) -> dict:
         torch.Tensor.topk = original_topk
         for h in handles:
             h.remove()
-    assert ref_mod is not None
     out = {"input_ids": ids, "logits": logits}
     for i, h in hidden.items():
         out[f"hidden_{i}"] = h

@@ -129,8 +129,9 @@ def load_artifact_model(path, dtype=mx.float32) -> Model:
 
     dtype: float tensors (dense floats, f32/bf16 experts, PLE rows) are cast
     to it; None keeps the stored dtype. Affine weights stay packed; their
-    bf16 scales/biases are kept as stored (MLX's CPU quantized matmul takes
-    bf16 scales with fp32 activations and returns fp32).
+    bf16 scales/biases are cast too: with bf16 scales MLX's CPU quantized
+    matmul loses ~0.5% relative accuracy against the dequantized product,
+    with fp32 scales it equals it exactly.
     """
     artifact = str(Path(path))
     admission.admit(artifact)  # raises before anything below allocates
@@ -148,9 +149,7 @@ def load_artifact_model(path, dtype=mx.float32) -> Model:
     weights.update(_experts(artifact, m, fam))
     weights.update(_ple(artifact, m, fam))
     if dtype is not None:
-        quantized_parts = {p + "." + part for p in plan for part in ("scales", "biases")}
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and k not in quantized_parts else v
-                   for k, v in weights.items()}
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
