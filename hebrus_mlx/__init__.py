@@ -1,20 +1,27 @@
 """hebrus-mlx: an MLX runtime for Qwen4Exp (Qwen3.8-Flash-Next).
 
-`load`, `generate` and `stream_generate` mirror mlx_lm's top-level API; they are imported on first
-use so that `import hebrus_mlx` (and CPU-only admission) stays free of MLX.
+`load`, `generate` and `stream_generate` mirror mlx_lm's top-level API. They are imported on first
+use so that `import hebrus_mlx` (and CPU-only admission, AFN-004) stays free of MLX. Because the
+function `generate` shares its name with the submodule `hebrus_mlx.generate`, the package attribute
+always resolves to the function; reach the module with `importlib.import_module("hebrus_mlx.generate")`.
 """
+
+import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
-_LAZY = {"load": "hebrus_mlx.utils", "generate": "hebrus_mlx.generate", "stream_generate": "hebrus_mlx.generate"}
+_API = {"load": "hebrus_mlx.utils", "generate": "hebrus_mlx.generate", "stream_generate": "hebrus_mlx.generate"}
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+class _Package(types.ModuleType):
+    def __getattribute__(self, name):
+        if name in _API:
+            return getattr(importlib.import_module(_API[name]), name)
+        return super().__getattribute__(name)
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hebrus_mlx' has no attribute {name!r}")
 
+sys.modules[__name__].__class__ = _Package
 
 __all__ = ["load", "generate", "stream_generate", "__version__"]

@@ -9,17 +9,20 @@ import io
 import json
 import re
 import subprocess
+import importlib
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
+
 import mlx.core as mx
 import pytest
 
-import hebrus_mlx.generate as gen
 from hebrus_mlx.generate import GenerationError, generate, generate_step, stream_generate
 from hebrus_mlx.text.tokenizer import load_tokenizer
 from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
+
+gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
 EFFECTIVE = 248077
 IM_END = 248046
