@@ -5,15 +5,14 @@ depends on the whole cached history, so wrong cache or prefill chunking changes 
 expected tokens come from an independent uncached Python loop (independent cross-check).
 """
 
+import importlib
 import io
 import json
 import re
 import subprocess
-import importlib
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
-
 
 import mlx.core as mx
 import pytest
