@@ -329,7 +329,8 @@ NB_MODULE(_ext, m) {
       &hebrus::create_arena,
       "engine"_a,
       "part_bytes"_a,
-      "rows"_a);
+      "rows"_a,
+      "expand"_a = std::vector<uint8_t>{});
   m.def(
       "resolve_records",
       &hebrus::resolve_records,

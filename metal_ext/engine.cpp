@@ -196,19 +196,33 @@ int Engine::register_table(int store, std::vector<TableRow> rows, int arena) {
 int Engine::add_arena(
     std::vector<uint8_t*> parts,
     std::vector<uint64_t> part_bytes,
+    std::vector<uint8_t> expand,
     uint32_t rows,
     std::shared_ptr<void> keepalive) {
   if (parts.empty() || parts.size() != part_bytes.size() || rows == 0) {
     throw StreamError(
         ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
   }
+  if (expand.empty()) {
+    expand.assign(part_bytes.size(), 0);
+  }
+  if (expand.size() != part_bytes.size()) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "expand: need one flag per part");
+  }
   Arena a;
-  for (uint64_t b : part_bytes) {
-    if (b == 0) {
+  for (size_t p = 0; p < part_bytes.size(); ++p) {
+    if (part_bytes[p] == 0) {
       throw StreamError(ErrorCode::kBadRequest, "part_bytes: must be > 0");
     }
-    a.record_bytes += b;
+    if (expand[p] && part_bytes[p] % 2 != 0) {
+      throw StreamError(
+          ErrorCode::kBadRequest,
+          "part_bytes: an expanded (bf16) part needs an even byte count");
+    }
+    a.record_bytes += part_bytes[p];
   }
+  a.expand = std::move(expand);
   a.parts = std::move(parts);
   a.part_bytes = std::move(part_bytes);
   a.rows = rows;
@@ -235,17 +249,31 @@ void Engine::copy_out(const View& v, uint8_t* dst) {
     std::memcpy(dst, v.data, v.length);
     return;
   }
-  std::vector<std::pair<const uint8_t*, uint64_t>> segs;
+  // (start, stored bytes); negative: an expanded bf16 part.
+  std::vector<std::pair<const uint8_t*, int64_t>> segs;
   {
     std::lock_guard<std::mutex> lk(mu_);
     const Arena& a = arenas_[v.arena];
     for (size_t p = 0; p < a.parts.size(); ++p) {
-      segs.emplace_back(a.parts[p] + uint64_t(v.row) * a.part_bytes[p], a.part_bytes[p]);
+      segs.emplace_back(
+          a.parts[p] + uint64_t(v.row) * a.row_bytes(p),
+          a.expand[p] ? -int64_t(a.part_bytes[p]) : int64_t(a.part_bytes[p]));
     }
   }
   for (auto& [ptr, n] : segs) {
-    std::memcpy(dst, ptr, n);
-    dst += n;
+    if (n >= 0) {
+      std::memcpy(dst, ptr, n);
+      dst += n;
+      continue;
+    }
+    // Expanded part: hand back the stored bf16 bytes (the high halves).
+    uint64_t count = uint64_t(-n) / 2;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(ptr);
+    for (uint64_t i = 0; i < count; ++i) {
+      uint16_t h = static_cast<uint16_t>(src[i] >> 16);
+      std::memcpy(dst + 2 * i, &h, 2);
+    }
+    dst += uint64_t(-n);
   }
 }
 
@@ -770,14 +798,18 @@ ErrorCode Engine::do_read(
     return ErrorCode::kIO;
   }
   // Destination segments: one slab, or one row of every arena part.
+  // Expanded parts are read into the first half of their row and widened
+  // in place once verified.
   std::vector<struct iovec> segs;
+  std::vector<uint8_t> expand;
   if (job.slab.arena >= 0) {
     std::lock_guard<std::mutex> lk(mu_);
     const Arena& a = arenas_[job.slab.arena];
     for (size_t p = 0; p < a.parts.size(); ++p) {
-      segs.push_back({a.parts[p] + uint64_t(job.slab.row) * a.part_bytes[p],
+      segs.push_back({a.parts[p] + uint64_t(job.slab.row) * a.row_bytes(p),
                       a.part_bytes[p]});
     }
+    expand = a.expand;
   } else {
     segs.push_back({job.slab.data, job.key.length});
   }
@@ -865,6 +897,21 @@ ErrorCode Engine::do_read(
     if (h.finish() != job.digest) {
       msg = "SHA-256 mismatch for " + where();
       return ErrorCode::kDigest;
+    }
+  }
+  // bf16 -> fp32 is a 16-bit left shift. Backwards, so element i (bytes
+  // 4i..4i+3) never overwrites a 16-bit input j < i (bytes 2j..2j+1). The
+  // row is not published yet, so nobody reads it meanwhile.
+  for (size_t p = 0; p < expand.size(); ++p) {
+    if (!expand[p]) {
+      continue;
+    }
+    uint8_t* base = static_cast<uint8_t*>(segs[p].iov_base);
+    for (uint64_t i = segs[p].iov_len / 2; i-- > 0;) {
+      uint16_t h;
+      std::memcpy(&h, base + 2 * i, 2);
+      uint32_t f = uint32_t(h) << 16;
+      std::memcpy(base + 4 * i, &f, 4);
     }
   }
   return ErrorCode::kNone;

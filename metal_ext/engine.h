@@ -156,11 +156,18 @@ struct Slab {
   }
 };
 
-// Caller-owned part buffers [rows, part_bytes[p]]; a record of
-// sum(part_bytes) bytes is scattered over them by one preadv.
+// Caller-owned part buffers [rows, row_bytes(p)]; a record of
+// sum(part_bytes) stored bytes is scattered over them by one preadv.
+// An expanded part holds bf16 values stored as 16-bit patterns widened to
+// fp32 after the digest check (row_bytes = 2 * part_bytes): MLX's CPU
+// quantized matmul is exact only with fp32 scales/biases.
 struct Arena {
   std::vector<uint8_t*> parts;
-  std::vector<uint64_t> part_bytes;
+  std::vector<uint64_t> part_bytes; // stored bytes per record
+  std::vector<uint8_t> expand; // 1: bf16 -> fp32 on publication
+  uint64_t row_bytes(size_t p) const {
+    return expand[p] ? 2 * part_bytes[p] : part_bytes[p];
+  }
   uint64_t record_bytes = 0;
   uint32_t rows = 0;
   std::vector<uint32_t> free_rows;
@@ -193,6 +200,7 @@ class Engine {
   int add_arena(
       std::vector<uint8_t*> parts,
       std::vector<uint64_t> part_bytes,
+      std::vector<uint8_t> expand,
       uint32_t rows,
       std::shared_ptr<void> keepalive);
   uint64_t arena_record_bytes(int arena);

@@ -435,15 +435,25 @@ void GatherRows::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) 
 std::pair<int, std::vector<mx::array>> create_arena(
     std::shared_ptr<Engine> engine,
     std::vector<uint64_t> part_bytes,
-    uint32_t rows) {
+    uint32_t rows,
+    std::vector<uint8_t> expand) {
   if (part_bytes.empty() || rows == 0) {
     throw StreamError(
         ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
   }
+  if (expand.empty()) {
+    expand.assign(part_bytes.size(), 0);
+  }
+  if (expand.size() != part_bytes.size()) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "expand: need one flag per part");
+  }
   auto owned = std::make_shared<std::vector<mx::array>>();
   std::vector<mx::array> parts;
   std::vector<uint8_t*> ptrs;
-  for (uint64_t pb : part_bytes) {
+  for (size_t p = 0; p < part_bytes.size(); ++p) {
+    // An expanded part's row holds fp32: twice the stored bf16 bytes.
+    uint64_t pb = expand[p] ? 2 * part_bytes[p] : part_bytes[p];
     uint64_t n = pb * rows;
     if (pb == 0 || n > uint64_t(INT32_MAX) - kAlign) {
       throw StreamError(
@@ -469,7 +479,8 @@ std::pair<int, std::vector<mx::array>> create_arena(
     owned->push_back(part);
     parts.push_back(part);
   }
-  int id = engine->add_arena(ptrs, std::move(part_bytes), rows, owned);
+  int id = engine->add_arena(
+      ptrs, std::move(part_bytes), std::move(expand), rows, owned);
   return {id, parts};
 }
 

@@ -48,10 +48,13 @@ mx::array prefetch_records(
 // Fixed-row arena for one record geometry: part p is an MLX-allocated uint8
 // array [rows, part_bytes[p]] (e.g. gate weight | gate scales | ...), so the
 // graph can view a part as [rows, out, in] and index it with slot rows.
+// expand[p] (empty: none) marks a stored-bf16 part held as fp32 in the
+// arena: its rows are [rows, 2 * part_bytes[p]].
 std::pair<int, std::vector<mx::array>> create_arena(
     std::shared_ptr<Engine> engine,
     std::vector<uint64_t> part_bytes,
-    uint32_t rows);
+    uint32_t rows,
+    std::vector<uint8_t> expand = {});
 
 // Waits for table[indices] (P0 exact) in the table's arena and pins them.
 // Returns (rows uint32 [*indices.shape], lease uint64 [n]): rows index the

@@ -139,3 +139,47 @@ def test_arena_fault_and_full_are_clean(experts):
     y = eng.release_after(switch_glu(x, weights, rows), lease)
     assert mx.array_equal(y, switch_glu(x, resident, idx)).item()
     assert eng.memory()["pinned_slots"] == 0
+
+
+def test_expanded_parts_hold_fp32_and_read_back_stored_bytes(experts):
+    """AFN-003/AFN-019: bf16 scale/bias parts flagged ``expand`` are widened
+    to fp32 in the arena after the digest check (the digest covers the
+    stored bytes, so a corrupt record still fails), the copy path returns
+    the stored bytes, and gather_qmm over the fp32 views equals the
+    resident run with fp32 scales (what the artifact loader builds).
+    Control: the widened values are mx's own bf16 -> fp32 cast."""
+    path, part_bytes, parts, resident, offsets, record, digests = experts
+    data = path.read_bytes()
+    expand = [a.dtype == mx.bfloat16 for _, a in parts]
+    assert sum(expand) == 6
+    rows = 3
+    eng = se.StreamEngine(cache_bytes=1 << 20, threads=2, testing=True)
+    aid, arena_parts = eng.create_arena(part_bytes, rows, expand)
+    assert [p.shape[1] for p in arena_parts] == [
+        n * (2 if w else 1) for n, w in zip(part_bytes, expand)]
+    table = eng.register_table(eng.add_store(path), offsets, [record] * E,
+                               digests, arena=aid)
+    weights = {}
+    for p in range(0, len(parts), 3):
+        name = parts[p][0]
+        weights[name] = tuple(
+            arena_parts[p + k].view(mx.float32 if expand[p + k] else parts[p + k][1].dtype)
+            .reshape(rows, *parts[p + k][1].shape[1:]) for k in range(3))
+    wide = {n: (q, s.astype(mx.float32), b.astype(mx.float32))
+            for n, (q, s, b) in resident.items()}
+    x = mx.random.normal((2, 1, 1, H))
+    idx = mx.array([[3, 4], [4, 9]])
+    r, lease = eng.resolve(table, idx)
+    y = eng.release_after(switch_glu(x, weights, r), lease)
+    assert mx.array_equal(y, switch_glu(x, wide, idx)).item()
+    for e in (3, 9):
+        t = eng.request(0, offsets[e], record, arena=aid, digest=digests[e])
+        assert eng.read(t) == data[offsets[e]:offsets[e] + record]
+        eng.release(t)
+    eng.inject_fault("digest", 1)
+    r, lease = eng.resolve(table, mx.array([[0, 1]]))
+    with pytest.raises(RuntimeError, match="SHA-256 mismatch"):
+        mx.eval(eng.release_after(switch_glu(x[:1], weights, r), lease))
+    assert eng.memory()["pinned_slots"] == 0
+    with pytest.raises(Exception, match="expand"):
+        eng.create_arena(part_bytes, rows, expand[:-1])

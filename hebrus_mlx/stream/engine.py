@@ -131,7 +131,8 @@ class StreamEngine:
             arena,
         )
 
-    def create_arena(self, part_bytes: Sequence[int], rows: int):
+    def create_arena(self, part_bytes: Sequence[int], rows: int,
+                     expand: Optional[Sequence[bool]] = None):
         """Fixed-row slot arena for one record geometry.
 
         Returns ``(arena_id, parts)``: ``parts[p]`` is an MLX uint8 array
@@ -139,8 +140,15 @@ class StreamEngine:
         (the record is the concatenation of its parts). View a part as typed
         weights with ``parts[p].view(dtype).reshape(rows, ...)`` and index it
         with the rows returned by :meth:`resolve`.
+
+        ``expand[p]`` marks a part stored as bf16 that the arena holds as
+        fp32 (``[rows, 2 * part_bytes[p]]``, widened after the digest check):
+        MLX's CPU quantized matmul is exact only with fp32 scales/biases.
         """
-        return _ext.create_arena(self._e, [int(b) for b in part_bytes], int(rows))
+        flags = [] if expand is None else [int(bool(f)) for f in expand]
+        return _ext.create_arena(
+            self._e, [int(b) for b in part_bytes], int(rows), flags
+        )
 
     # Tickets --------------------------------------------------------------
     def request(

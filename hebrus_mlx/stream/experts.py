@@ -79,10 +79,16 @@ class StreamedExperts:
         prefetch_previous: StreamedSwitchGLU issues the previous token's
             top-k of each layer as P1 (off: exact misses only, the baseline
             the lookahead is measured against).
+        dtype: ``mx.float32`` (default, like ``load``) holds bf16 parts
+            (affine scales/biases, bf16 weights) as fp32 in the arena, so
+            results equal the resident loader's; None keeps them bf16.
     """
 
     def __init__(self, engine: StreamEngine, reader, rows: int,
-                 prefetch_previous: bool = True):
+                 prefetch_previous: bool = True, dtype=mx.float32):
+        wide = dtype is not None
+        if wide and dtype != mx.float32:
+            raise ValueError(f"dtype: must be mx.float32 or None, got {dtype}")
         g = reader.geometry
         self.engine = engine
         self.num_experts = reader.family.num_experts
@@ -94,7 +100,10 @@ class StreamedExperts:
         self.group_size = getattr(reader.codec, "group_size", None)
         if self.bits is not None and self.bits >= 16:
             self.bits = self.group_size = None
-        self.arena, parts = engine.create_arena([n for *_, n in g.layout], rows)
+        expand = [wide and d == "uint16" for _, _, d, *_ in g.layout]
+        self.arena, parts = engine.create_arena(
+            [n for *_, n in g.layout], rows, expand
+        )
         store = engine.add_store(reader.path, reader.header["payload_sha256"].hex())
         self.table = engine.register_table(
             store,
@@ -105,13 +114,17 @@ class StreamedExperts:
         )
         # weights[component][part]: [rows, *shape] views of the arena.
         self.weights = {}
-        for part_bytes, (comp, part, dtype, shape, _, _) in zip(parts, g.layout):
-            view = part_bytes.view(_MX_DTYPES[dtype]).reshape(rows, *shape)
+        for part_bytes, wide, (comp, part, stored, shape, _, _) in zip(
+            parts, expand, g.layout
+        ):
+            view_dtype = mx.float32 if wide else _MX_DTYPES[stored]
+            view = part_bytes.view(view_dtype).reshape(rows, *shape)
             self.weights.setdefault(comp, {})[part] = view
 
     @classmethod
     def from_artifact(cls, artifact: str, rows: int, threads: int = 8,
-                      prefetch_previous: bool = True) -> "StreamedExperts":
+                      prefetch_previous: bool = True,
+                      dtype=mx.float32) -> "StreamedExperts":
         """Open an admitted artifact's expert store and stream it through a
         ``rows``-record arena (see :func:`plan_experts`)."""
         from ..artifact import constants as C
@@ -125,7 +138,7 @@ class StreamedExperts:
         )
         # The arena is the cache; the slab budget only backs copying ops.
         engine = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
-        out = cls(engine, reader, rows, prefetch_previous)
+        out = cls(engine, reader, rows, prefetch_previous, dtype)
         reader.close()  # the engine has its own descriptors
         return out
 
