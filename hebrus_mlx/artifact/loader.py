@@ -6,10 +6,12 @@ What each tensor is (float or affine, which group and bits) is read from the
 manifest's per-tensor codec and the store codecs, never inferred from key
 names or shapes.
 
-Routed experts are copied out of the ExpertMajor store into the resident
-SwitchGLU (affine codecs become mlx_lm QuantizedSwitchLinear), and each PLE
-table is read page by page into its embedding. Both stay resident for now;
-the streaming engine replaces them for the full-size family.
+Routed experts are either copied out of the ExpertMajor store into the
+resident SwitchGLU (affine codecs become mlx_lm QuantizedSwitchLinear) or,
+when they do not fit (or ``expert_cache_gb`` asks for it), left on disk and
+streamed through the engine's arena by ``StreamedSwitchGLU``
+(:func:`plan_expert_residency`). Each PLE table is read page by page into
+its embedding (resident).
 """
 
 import json
@@ -19,12 +21,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .. import admission
 from ..models.qwen4exp import Model, ModelArgs
 from . import constants as C
 from . import manifest as M
 from .errors import AdmissionError, DigestError, GeometryError
+from . import expert_major as em
 from .expert_major import ExpertMajorReader
 from .ple_pages import PleReader
 
@@ -124,14 +128,73 @@ def _ple(artifact, m, fam):
     return out
 
 
-def load_artifact_model(path, dtype=mx.float32) -> Model:
+# Kept free for activations, KV/recurrent state and the OS, besides the
+# resident dense and PLE bytes: 2 GiB is a few prefill chunks of the full
+# family's activations plus headroom.
+RESERVE_BYTES = 2 << 30
+
+
+def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=None):
+    """None: load the routed experts resident; otherwise the number of arena
+    rows to stream them through. From file metadata only (no expert byte is
+    read): the experts' in-memory size (bf16 parts widened to fp32 when
+    ``dtype`` is float32) against available memory minus ``RESERVE_BYTES``
+    and the dense + PLE store bytes; ``expert_cache_gb`` forces streaming
+    with that cache. At least top-k rows (one decode token of one layer)."""
+    from ..stream import experts as SE
+
+    s = _store(m, "experts")[0]
+    wide = dtype is not None and dtype == mx.float32
+    layout = em.record_layout(fam, s["codec"])
+    record = sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in layout)
+    count = fam.num_hidden_layers * fam.num_experts
+    resident_other = sum(os.path.getsize(os.path.join(artifact, t["path"]))
+                         for t in m["stores"] if t["role"] != "experts")
+    return SE.plan_experts(
+        count * record, record, SE.available_memory(), RESERVE_BYTES + resident_other,
+        expert_cache_gb, min_rows=fam.num_experts_per_tok,
+    )
+
+
+def _routed_expert_keys(model):
+    return {k for k, _ in tree_flatten(model.parameters()) if ".mlp.switch_mlp." in k}
+
+
+def _attach_streamed(artifact, m, fam, model, rows, dtype):
+    """Swap every switch_mlp for a StreamedSwitchGLU over a ``rows``-record
+    arena; the parameters removed must be exactly the routed-expert tensors
+    the resident path would load from the store's layout."""
+    from ..stream.experts import StreamedExperts
+    from ..stream.switch import attach
+
+    experts = StreamedExperts.from_artifact(artifact, rows, dtype=dtype)
+    before = _routed_expert_keys(model)
+    attach([layer.mlp for layer in model.model.layers], experts)
+    replaced = before - _routed_expert_keys(model)
+    layout = em.record_layout(fam, _store(m, "experts")[0]["codec"])
+    want = {f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}"
+            for layer in range(fam.num_hidden_layers) for comp, part, *_ in layout}
+    if replaced != want or _routed_expert_keys(model):
+        experts.engine.close()
+        raise GeometryError("experts", f"streamed experts replaced {len(replaced)} tensors, "
+                            f"the store holds {len(want)}")
+    return experts
+
+
+def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None) -> Model:
     """Admit `path`, then build and fill the graph.
 
     dtype: float tensors (dense floats, f32/bf16 experts, PLE rows) are cast
     to it; None keeps the stored dtype. Affine weights stay packed; their
-    bf16 scales/biases are cast too: with bf16 scales MLX's CPU quantized
-    matmul loses ~0.5% relative accuracy against the dequantized product,
-    with fp32 scales it equals it exactly.
+    bf16 scales/biases are cast too (with fp32 activations MLX's CPU
+    quantized matmul then equals the dequantized fp32 product; bf16 scales
+    make a quantized embedding emit bf16 activations, ~0.5% off).
+
+    expert_cache_gb: stream the routed experts through a cache of this size
+    instead of deciding from available memory (:func:`plan_expert_residency`).
+    Streamed, the expert store is never read into memory; ``model.stream_experts``
+    is the :class:`~hebrus_mlx.stream.experts.StreamedExperts` (engine,
+    counters), None when resident.
     """
     artifact = str(Path(path))
     admission.admit(artifact)  # raises before anything below allocates
@@ -141,16 +204,27 @@ def load_artifact_model(path, dtype=mx.float32) -> Model:
         config = json.loads(f.read())
     fam = C.family(m["family"])
     plan = quantization_plan(m)
+    rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb)
+    if rows is not None and dtype is not None and dtype != mx.float32:
+        raise ValueError(f"dtype: streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
+    # Built whole (expert modules quantized too) so the parameters a streamed
+    # switch_mlp replaces are exactly the resident ones; the replaced
+    # modules' lazy initial values are never evaluated.
     model = Model(ModelArgs.from_dict(config))
     if plan:
         _quantize(model, plan)
+    experts = None
+    if rows is not None:
+        experts = _attach_streamed(artifact, m, fam, model, rows, dtype)
     weights = _dense(artifact, m)
-    weights.update(_experts(artifact, m, fam))
+    if experts is None:
+        weights.update(_experts(artifact, m, fam))
     weights.update(_ple(artifact, m, fam))
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
+    model.stream_experts = experts
     return model
