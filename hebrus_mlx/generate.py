@@ -84,6 +84,10 @@ def generate_step(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
+    experts = getattr(model, "stream_experts", None)
+    if experts is not None:
+        # A streamed chunk pins every expert it routes to in the arena at once.
+        prefill_step_size = min(prefill_step_size, experts.max_chunk_tokens)
     y = prompt.astype(mx.int32)
     # Chunked prefill: all but the last prompt token, the cache evaluated chunk by chunk.
     while y.size > 1:
@@ -194,6 +198,11 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
+        experts = getattr(model, "stream_experts", None)
+        if experts is not None:
+            from .stream.engine import io_summary
+
+            print(io_summary(experts.engine.counters()))
     return text
 
 
@@ -232,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", type=_str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP_SIZE)
     p.add_argument("--max-kv-size", type=int, default=None)
+    p.add_argument("--expert-cache-gb", type=float, default=None,
+                   help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
     return p
 
 
@@ -246,6 +257,8 @@ def _check_args(args):
         raise _UsageError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
     if args.max_kv_size is not None and args.max_kv_size < 1:
         raise _UsageError(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
+    if args.expert_cache_gb is not None and not (0 < args.expert_cache_gb < float("inf")):
+        raise _UsageError(f"--expert-cache-gb must be a positive number of GiB, got {args.expert_cache_gb}")
 
 
 def _resolve_model(name: str) -> Path:
@@ -261,13 +274,13 @@ def _resolve_model(name: str) -> Path:
     return path
 
 
-def _load(name: str):
+def _load(name: str, expert_cache_gb: Optional[float] = None):
     path = _resolve_model(name)
     try:
         from .utils import load
     except ImportError:
         raise GenerationError("model loading is not available in this build (hebrus_mlx.utils.load)") from None
-    return load(path)
+    return load(path, expert_cache_gb=expert_cache_gb)
 
 
 def main(argv=None) -> int:
@@ -280,7 +293,7 @@ def main(argv=None) -> int:
             raise _UsageError("the prompt is empty")
         if args.seed is not None:
             mx.random.seed(args.seed)
-        model, tokenizer = _load(args.model)
+        model, tokenizer = _load(args.model, args.expert_cache_gb)
         if args.ignore_chat_template or tokenizer.chat_template is None:
             ids = tokenizer.encode(prompt)
         else:

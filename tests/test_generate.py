@@ -210,7 +210,7 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     model = ScriptModel(tok.encode("ok") + [IM_END])
     _, ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
     model.prompt_len = len(ids)
-    monkeypatch.setattr(gen, "_load", lambda name: (model, tok))
+    monkeypatch.setattr(gen, "_load", lambda name, expert_cache_gb=None: (model, tok))
     assert gen.main(["-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
     assert capsys.readouterr().out == "ok\n"
     model.args.max_position_embeddings = 4
@@ -232,6 +232,13 @@ CLI_ERRORS = [
     (["--prefill-step-size", "0"], "", "--prefill-step-size"),
     (["--max-kv-size", "0"], "", "--max-kv-size"),
     (["--verbose", "maybe"], "", "--verbose"),
+    (["--expert-cache-gb", "0"], "", "--expert-cache-gb"),
+    (["--expert-cache-gb", "-1"], "", "--expert-cache-gb"),
+    (["--expert-cache-gb", "nan"], "", "--expert-cache-gb"),
+    (["--expert-cache-gb", "inf"], "", "--expert-cache-gb"),
+    (["--expert-cache-gb", "lots"], "", "--expert-cache-gb"),
+    (["--model", "tests/fixtures/parity/tiny_a", "--expert-cache-gb", "1", "-p", "hi"], "", "expert_cache_gb"),
+    (["--expert-cache-gb", "1e-9", "-p", "hi"], "", "expert_cache_gb"),
     (["--no-such-flag"], "", "--no-such-flag"),
 ]
 
@@ -302,3 +309,25 @@ def test_end_to_end_on_tiny_checkpoint(tmp_path):
     assert re.fullmatch(r"Prompt: \d+ tokens, [0-9.]+ tokens-per-sec", lines[-3])
     assert re.fullmatch(r"Generation: [1-5] tokens, [0-9.]+ tokens-per-sec", lines[-2])
     assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", lines[-1])
+
+
+def test_cli_streamed_demo_prints_io_line_and_resident_text():
+    """AFN-019 (issue 6 integration): `--expert-cache-gb` streams the demo's routed experts
+    (0.0005 GiB = 34 of 512 arena records); the greedy text equals the resident run's and an
+    I/O line follows mlx_lm's stats. Control: the same command without the flag."""
+    def run(*extra):
+        p = subprocess.run([sys.executable, "-m", "hebrus_mlx.generate", "--model", "demo", "-p",
+                            "once upon a time", "-m", "12", *extra],
+                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+        assert p.returncode == 0, p.stderr
+        return p.stdout.splitlines()
+
+    resident, streamed = run(), run("--expert-cache-gb", "0.0005")
+    assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", resident[-1])
+    assert not any(line.startswith("I/O:") for line in resident)
+    io_line = streamed[-1]
+    assert re.fullmatch(r"I/O: [0-9.]+ GB read \([0-9.]+ GB predicted, [0-9.]+ GB wasted\), hit rate [0-9.]+%, "
+                        r"exposed wait [0-9.]+ s, hidden (n/a|-?\d+%), p50/p99 [0-9.]+/[0-9.]+ ms", io_line), io_line
+    assert streamed[-2].startswith("Peak memory:")
+    text = lambda out: out[1:out.index("=" * 10, 1)]  # noqa: E731
+    assert text(streamed) == text(resident)

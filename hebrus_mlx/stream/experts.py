@@ -93,6 +93,7 @@ class StreamedExperts:
         self.engine = engine
         self.num_experts = reader.family.num_experts
         self.num_layers = reader.family.num_hidden_layers
+        self.top_k = reader.family.num_experts_per_tok
         self.rows = rows
         self.prefetch_previous = prefetch_previous
         # Affine codecs stream through gather_qmm; float codecs gather_mm.
@@ -120,6 +121,12 @@ class StreamedExperts:
             view_dtype = mx.float32 if wide else _MX_DTYPES[stored]
             view = part_bytes.view(view_dtype).reshape(rows, *shape)
             self.weights.setdefault(comp, {})[part] = view
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """Tokens per forward call that always fit: every distinct expert one
+        layer routes to is pinned at once (generate caps prefill chunks)."""
+        return max(1, self.rows // self.top_k)
 
     @classmethod
     def from_artifact(cls, artifact: str, rows: int, threads: int = 8,
