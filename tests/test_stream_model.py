@@ -1,0 +1,201 @@
+"""Tests for the streamed model path: ``load(..., expert_cache_gb)`` / the
+resident-vs-streamed plan in hebrus_mlx/artifact/loader.py, wired to
+hebrus_mlx/stream (engine, StreamedExperts, StreamedSwitchGLU).
+
+Provenance: the reference for every streamed run is the same artifact loaded
+resident by the artifact loader (experts read by ExpertMajorReader: Python
+pread + hashlib, not the engine) - an independent cross-check of the
+engine's read, fp32 widening and arena gather path. Models: the shipped demo
+artifact (affine4-g64 experts, 8 layers x 64 experts) and the tiny reference
+checkpoint (transformers capture) converted here with the affine4-g64
+profile. Cache sizes are contract controls (5% of the records).
+"""
+
+import json
+import math
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hebrus_mlx.artifact import constants as C
+from hebrus_mlx.artifact import expert_major as em
+from hebrus_mlx.artifact import loader
+from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream import experts as SE
+from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
+from hebrus_mlx.utils import DEMO_DIR, load_model
+
+pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
+
+
+def _experts_store(art):
+    with open(os.path.join(art, C.MANIFEST_NAME)) as f:
+        m = json.load(f)
+    s = next(s for s in m["stores"] if s["role"] == "experts")
+    return os.path.join(art, s["path"]), C.family(m["family"]), s["codec"]
+
+
+def _cache_gb(art, fraction=0.05):
+    """GiB for ceil(fraction x records) arena rows (bf16 parts held as fp32),
+    at least one decode token's top-k; returns (gb, rows)."""
+    _, fam, codec = _experts_store(art)
+    record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, codec))
+    rows = max(math.ceil(fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
+    return (rows * record + record // 2) / SE.GIB, rows
+
+
+def _decode(model, prompt, steps, chunk):
+    """Chunked prefill then greedy decode; every forward's logits."""
+    cache, logits, tokens = model.make_cache(), [], list(prompt)
+    for i in range(0, len(prompt), chunk):
+        out = model(mx.array([prompt[i:i + chunk]]), cache)
+        mx.eval(out)
+        logits.append(np.array(out))
+    for _ in range(steps):
+        tokens.append(int(logits[-1][0, -1].argmax()))
+        out = model(mx.array([tokens[-1:]]), cache)
+        mx.eval(out)
+        logits.append(np.array(out))
+    return tokens, logits
+
+
+def _assert_same(got, want):
+    assert got[0] == want[0]
+    assert len(got[1]) == len(want[1])
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def tiny_affine4(tmp_path_factory):
+    from artifact_fixture import tiny_artifact
+
+    _, art = tiny_artifact(str(tmp_path_factory.mktemp("tiny4")), dtype=None, q_bits=4)
+    assert _experts_store(art)[2] == "affine4-g64"
+    return art
+
+
+@pytest.mark.parametrize("which", ["demo", "tiny_affine4"])
+def test_streamed_5pct_cache_bit_identical_to_resident(which, request):
+    """AFN-019 (issue 6 evidence): with a cache of 5% of the expert records,
+    a prompt + 20 greedy tokens give the same tokens and bitwise-equal logits
+    as the resident run, on quantized (affine4-g64) experts: the arena holds
+    fp32 scales/biases like the resident loader. Prefill runs in chunks of
+    rows // top_k tokens (every expert a chunk routes to is pinned at once)."""
+    art = str(DEMO_DIR) if which == "demo" else request.getfixturevalue("tiny_affine4")
+    gb, rows = _cache_gb(art)
+    resident = load_model(art)
+    streamed = load_model(art, expert_cache_gb=gb)
+    assert resident.stream_experts is None
+    experts = streamed.stream_experts
+    assert experts.rows == rows and isinstance(streamed.model.layers[0].mlp.switch_mlp, StreamedSwitchGLU)
+    assert experts.weights["gate"]["scales"].dtype == mx.float32
+    vocab = resident.args.vocab_size
+    prompt = np.random.default_rng(1).integers(2, vocab, 9).tolist()
+    chunk = experts.max_chunk_tokens
+    want = _decode(resident, prompt, 20, chunk)
+    got = _decode(streamed, prompt, 20, chunk)
+    _assert_same(got, want)
+    c, mem = experts.engine.counters(), experts.engine.memory()
+    assert c["misses"] > 0 and c["evictions"] > 0 and c["errors"] == 0
+    assert mem["pinned_slots"] == 0 and mem["arena_rows"] <= rows
+
+
+def test_streamed_load_reads_no_expert_bytes(monkeypatch):
+    """AFN-019: the streamed load never reads the expert store into memory
+    (the resident reader path is refused) and the auto plan streams when the
+    store does not fit available memory minus the reserve; HF dirs refuse
+    an expert cache (they stay resident)."""
+    def refuse(*a, **k):
+        raise AssertionError("expert store read while streaming")
+
+    monkeypatch.setattr(loader, "_experts", refuse)
+    monkeypatch.setattr(em.ExpertMajorReader, "read_expert", refuse)
+    with open(DEMO_DIR / C.MANIFEST_NAME) as f:
+        other = sum(os.path.getsize(DEMO_DIR / s["path"]) for s in json.load(f)["stores"]
+                    if s["role"] != "experts")
+    monkeypatch.setattr(SE, "available_memory", lambda: loader.RESERVE_BYTES + other + (1 << 20))
+    model = load_model(DEMO_DIR)  # 1 MiB spare < 7.9 MB of fp32-scaled experts
+    assert model.stream_experts is not None and model.stream_experts.rows == 68
+    out = model(mx.array([[5, 6]]), model.make_cache())
+    mx.eval(out)
+    monkeypatch.setattr(SE, "available_memory", lambda: 64 * SE.GIB)
+    with pytest.raises(AssertionError, match="expert store read"):
+        load_model(DEMO_DIR)  # fits: resident, which reads the store
+    with pytest.raises(ValueError, match="expert_cache_gb"):
+        load_model(os.path.join(os.path.dirname(__file__), "fixtures", "parity", "tiny_a"),
+                   expert_cache_gb=1.0)
+
+
+def _testing_experts(model, rows):
+    """Swap in a StreamedExperts over an engine with fault hooks; no P1
+    prefetch, so an injected fault lands on an exact read."""
+    path, fam, codec = _experts_store(str(DEMO_DIR))
+    with em.ExpertMajorReader(path, fam, codec) as reader:
+        eng = se.StreamEngine(cache_bytes=1 << 16, threads=2, testing=True)
+        experts = SE.StreamedExperts(eng, reader, rows, prefetch_previous=False)
+    attach([layer.mlp for layer in model.model.layers], experts)
+    model.stream_experts = experts
+    return experts
+
+
+@pytest.mark.parametrize("fault,message", [("eio", "I/O error"), ("digest", "SHA-256 mismatch")])
+def test_decode_fault_is_clean_and_retry_succeeds(fault, message):
+    """AFN-010/AFN-019: an EIO or a digest mismatch during a model decode
+    step fails that evaluation with a clear error naming the store read,
+    publishes nothing, leaves no slot pinned and no ticket open, and the
+    next sequence gives the resident tokens and logits. (The failed
+    sequence is discarded: its cache already holds that step's partial,
+    possibly in-place, updates.)"""
+    gb, rows = _cache_gb(str(DEMO_DIR))
+    resident = load_model(DEMO_DIR)
+    model = load_model(DEMO_DIR, expert_cache_gb=gb)
+    eng = _testing_experts(model, rows).engine
+    prompt = [7, 40, 99, 3]
+    want_tokens, want_logits = _decode(resident, prompt, 3, 1)
+    cache = model.make_cache()
+    for t in prompt[:-1]:
+        mx.eval(model(mx.array([[t]]), cache))
+    errors = eng.counters()["errors"]
+    eng.inject_fault(fault, 1)
+    out = model(mx.array([prompt[-1:]]), cache)
+    with pytest.raises(RuntimeError, match=message):
+        mx.eval(out)
+    mem = eng.memory()
+    assert eng.counters()["errors"] == errors + 1
+    assert mem["pinned_slots"] == 0 and mem["tickets"] == 0 and mem["arena_rows"] < rows + 1
+    _assert_same(_decode(model, prompt, 3, 1), (want_tokens, want_logits))
+    assert eng.memory()["pinned_slots"] == 0
+
+
+def _rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_streamed_decode_memory_is_flat():
+    """AFN-019 (bounded cache): 300 streamed decode tokens through a 5%
+    cache; after a 50-token warm-up, process RSS and MLX active memory grow
+    by far less than the bytes the engine read (a per-read leak would grow
+    by about that much), and the arena never exceeds its rows. The
+    2,000-token run is benchmarks/bench_stream_decode.py."""
+    gb, rows = _cache_gb(str(DEMO_DIR))
+    model = load_model(DEMO_DIR, expert_cache_gb=gb)
+    eng = model.stream_experts.engine
+    cache, y = model.make_cache(), mx.array([[5]])
+    rss = active = read0 = None
+    for step in range(300):
+        y = model(y, cache)[:, -1:].argmax(-1)
+        mx.eval(y)
+        if step == 50:
+            rss, active = _rss(), mx.get_active_memory()
+            c = eng.counters()
+            read0 = c["exact_bytes"] + c["predicted_bytes"]
+    c = eng.counters()
+    read = c["exact_bytes"] + c["predicted_bytes"] - read0
+    assert read > 20 * (1 << 20)
+    assert _rss() - rss < read / 8
+    assert mx.get_active_memory() - active < read / 8
+    assert eng.memory()["arena_rows"] <= rows and eng.memory()["pinned_slots"] == 0
