@@ -114,3 +114,11 @@ def test_context_above_max_positions_is_rejected_before_allocation():
     with pytest.raises(ContextLengthError):
         m(mx.zeros((1, limit - 3), dtype=mx.int32), cache=cache)
     assert cache.offset == 4
+
+
+def test_rejected_anchor_leaves_the_cache_untouched():
+    m = model("tiny_a")
+    cache = m.make_cache()
+    with pytest.raises(ContextLengthError):
+        m(mx.array([[1, 2, 3]]), cache=cache, position=m.args.max_position_embeddings - 2)
+    assert cache.start_position == 0 and cache.offset == 0

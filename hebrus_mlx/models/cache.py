@@ -134,30 +134,34 @@ class SequenceCache(list):
         return self.start_position + self.offset
 
     def check_append(self, n_tokens: int, max_positions: int, position: Optional[int] = None):
-        """Validate an append of n_tokens before any graph work (AFN-018, AFN-011)."""
+        """Validate an append of n_tokens before any graph work (AFN-018, AFN-011).
+
+        Everything is checked first; only an accepted append may set the run's anchor.
+        """
         if n_tokens < 1:
             raise ValueError("cannot append an empty chunk")
+        start = self.start_position
         if position is not None:
             if self.offset == 0:
                 if position < 0:
                     raise CacheHoleError(f"position must be >= 0, got {position}")
-                self.start_position = position
+                start = position
             elif position != self.next_position:
                 raise CacheHoleError(
                     f"append at position {position} does not continue the cached run ending at "
                     f"{self.next_position - 1}: a hole or overlap inside a sequence is rejected"
                 )
         for i, layer in enumerate(self):
-            if isinstance(layer, AttentionCache):
-                if layer.length != self.offset:
-                    raise CacheHoleError(
-                        f"layer {i} holds {layer.length} tokens but the sequence holds {self.offset}"
-                    )
-                layer.start_position = self.start_position
-        if self.next_position + n_tokens > max_positions:
+            if isinstance(layer, AttentionCache) and layer.length != self.offset:
+                raise CacheHoleError(f"layer {i} holds {layer.length} tokens but the sequence holds {self.offset}")
+        if start + self.offset + n_tokens > max_positions:
             raise ContextLengthError(
-                f"context of {self.next_position + n_tokens} tokens exceeds max_position_embeddings={max_positions}"
+                f"context of {start + self.offset + n_tokens} tokens exceeds max_position_embeddings={max_positions}"
             )
+        self.start_position = start
+        for layer in self:
+            if isinstance(layer, AttentionCache):
+                layer.start_position = start
 
     def advance(self, n_tokens: int):
         self.offset += n_tokens
