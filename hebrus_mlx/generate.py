@@ -5,6 +5,7 @@ import argparse
 import inspect
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Union
@@ -36,7 +37,7 @@ class GenerationResponse:
 
 
 def _eval_cache(cache, fallback):
-    states = [c.state for c in cache if hasattr(c, "state")]
+    states = cache.arrays if hasattr(cache, "arrays") else [c.state for c in cache if hasattr(c, "state")]
     # Evaluating the cache alone leaves the chunk's vocabulary projection unevaluated.
     mx.eval(states if states else fallback)
 
@@ -88,29 +89,51 @@ def generate_step(
     if experts is not None:
         # A streamed chunk pins every expert it routes to in the arena at once.
         prefill_step_size = min(prefill_step_size, experts.max_chunk_tokens)
+    # AFN-010: a step whose evaluation fails (e.g. an SSD read error) must not leave half-applied
+    # state. Snapshots are references (MLX arrays are values), so taking one per step is free, and
+    # holding it also keeps the previous buffers from being donated to the update.
+    snapshot = getattr(prompt_cache, "snapshot", lambda: None)
+
+    @contextmanager
+    def rollback_to(snap):
+        try:
+            yield
+        except BaseException:
+            if snap is not None:
+                prompt_cache.restore(snap)
+            raise
+
     y = prompt.astype(mx.int32)
     # Chunked prefill: all but the last prompt token, the cache evaluated chunk by chunk.
     while y.size > 1:
         n = min(prefill_step_size, y.size - 1)
         chunk = y[:n]
-        out = model(chunk[None], cache=prompt_cache)
+        with rollback_to(snapshot()):
+            out = model(chunk[None], cache=prompt_cache)
+            _eval_cache(prompt_cache, out)
         if logits_processors:
             tokens = chunk if tokens is None else mx.concatenate([tokens, chunk])
-        _eval_cache(prompt_cache, out)
         y = y[n:]
 
-    y, logprobs = _step(y)
-    mx.async_eval(y, logprobs)
+    snap = snapshot()
+    with rollback_to(snap):
+        y, logprobs = _step(y)
+        mx.async_eval(y, logprobs)
     n = 0
     while True:
-        if n != max_tokens:
-            # Queue the next step before reading this one, so the host never idles the device.
-            next_y, next_logprobs = _step(y)
-            mx.async_eval(next_y, next_logprobs)
-        if n == max_tokens:
-            break
-        yield y.item(), logprobs
-        y, logprobs = next_y, next_logprobs
+        # Until its token is read, the current step and the one queued on top of it roll back
+        # together to the state before the current step.
+        with rollback_to(snap):
+            if n != max_tokens:
+                # Queue the next step before reading this one, so the host never idles the device.
+                next_snap = snapshot()
+                next_y, next_logprobs = _step(y)
+                mx.async_eval(next_y, next_logprobs)
+            if n == max_tokens:
+                break
+            token = y.item()
+        yield token, logprobs
+        y, logprobs, snap = next_y, next_logprobs, next_snap
         n += 1
 
 

@@ -199,3 +199,35 @@ def test_streamed_decode_memory_is_flat():
     assert _rss() - rss < read / 8
     assert mx.get_active_memory() - active < read / 8
     assert eng.memory()["arena_rows"] <= rows and eng.memory()["pinned_slots"] == 0
+
+
+def test_failed_generation_step_rolls_the_sequence_back():
+    """AFN-010: generate_step restores the sequence state when a step's evaluation fails, so the
+    same sequence (not only a fresh one) continues exactly like a run that never failed."""
+    from hebrus_mlx.generate import generate_step
+
+    gb, rows = _cache_gb(str(DEMO_DIR))
+    resident = load_model(DEMO_DIR)
+    model = load_model(DEMO_DIR, expert_cache_gb=gb)
+    eng = _testing_experts(model, rows).engine
+    prompt = mx.array([7, 40, 99, 3, 12])
+    vocab = resident.args.vocab_size
+    want = [t for t, _ in generate_step(prompt, resident, effective_vocab_size=vocab, max_tokens=6)]
+
+    cache = model.make_cache()
+    got = []
+    steps = generate_step(prompt, model, effective_vocab_size=vocab, max_tokens=6, prompt_cache=cache)
+    got.append(next(steps)[0])
+    got.append(next(steps)[0])
+    eng.inject_fault("eio", 1)
+    with pytest.raises(RuntimeError, match="I/O error"):
+        for token, _ in steps:
+            got.append(token)
+    # Rolled back to a state no failure touched: the prompt and every handed-out token but the
+    # last are consumed; the last one is fed again to continue the same sequence.
+    assert cache.offset == prompt.size + len(got) - 1
+    resume_from = got[-1]
+    continued = [t for t, _ in generate_step(mx.array([resume_from]), model, effective_vocab_size=vocab,
+                                             max_tokens=6 - len(got), prompt_cache=cache)]
+    assert got + continued == want
+    assert eng.memory()["pinned_slots"] == 0
