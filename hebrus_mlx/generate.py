@@ -221,11 +221,11 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
-        experts = getattr(model, "stream_experts", None)
-        if experts is not None:
+        engine = getattr(model, "stream_engine", None)
+        if engine is not None:
             from .stream.engine import io_summary
 
-            print(io_summary(experts.engine.counters()))
+            print(io_summary(engine.counters()))
     return text
 
 
@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kv-size", type=int, default=None)
     p.add_argument("--expert-cache-gb", type=float, default=None,
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
+    p.add_argument("--ple-cache-gb", type=float, default=None,
+                   help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
     return p
 
 
@@ -280,8 +282,9 @@ def _check_args(args):
         raise _UsageError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
     if args.max_kv_size is not None and args.max_kv_size < 1:
         raise _UsageError(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
-    if args.expert_cache_gb is not None and not (0 < args.expert_cache_gb < float("inf")):
-        raise _UsageError(f"--expert-cache-gb must be a positive number of GiB, got {args.expert_cache_gb}")
+    for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
+        if value is not None and not (0 < value < float("inf")):
+            raise _UsageError(f"{flag} must be a positive number of GiB, got {value}")
 
 
 def _resolve_model(name: str) -> Path:
@@ -297,13 +300,13 @@ def _resolve_model(name: str) -> Path:
     return path
 
 
-def _load(name: str, expert_cache_gb: Optional[float] = None):
+def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None):
     path = _resolve_model(name)
     try:
         from .utils import load
     except ImportError:
         raise GenerationError("model loading is not available in this build (hebrus_mlx.utils.load)") from None
-    return load(path, expert_cache_gb=expert_cache_gb)
+    return load(path, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
 
 
 def main(argv=None) -> int:
@@ -316,7 +319,7 @@ def main(argv=None) -> int:
             raise _UsageError("the prompt is empty")
         if args.seed is not None:
             mx.random.seed(args.seed)
-        model, tokenizer = _load(args.model, args.expert_cache_gb)
+        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
         if args.ignore_chat_template or tokenizer.chat_template is None:
             ids = tokenizer.encode(prompt)
         else:

@@ -72,29 +72,33 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     return model
 
 
-def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None):
-    """Artifacts decide resident vs streamed routed experts from their size and available
-    memory; `expert_cache_gb` forces streaming through a cache of that size (see
-    `artifact.loader.load_artifact_model`). HF checkpoint dirs always load resident."""
+def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
+               ple_cache_gb: Optional[float] = None):
+    """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
+    available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
+    size (see `artifact.loader.load_artifact_model`). HF checkpoint dirs always load resident."""
     path = Path(path)
     if is_artifact(path):
         from .artifact.loader import load_artifact_model  # admission runs before any graph buffer
 
-        return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb)
-    if expert_cache_gb is not None:
-        raise ValueError(f"expert_cache_gb: streaming needs a converted artifact, {path} is an HF checkpoint dir")
+        return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb)):
+        if value is not None:
+            raise ValueError(f"{field}: streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype)
 
 
-def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None):
+def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
+         ple_cache_gb: Optional[float] = None):
     """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir.
 
     expert_cache_gb: stream an artifact's routed experts through a cache of this many GiB
-    (`--expert-cache-gb`); None decides from available memory.
+    (`--expert-cache-gb`); ple_cache_gb: its PLE table pages (`--ple-cache-gb`). None decides
+    from available memory.
     """
     from .text.tokenizer import load_tokenizer
 
     path = resolve_model_path(path_or_name)
-    model = load_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb)
+    model = load_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size)
     return model, tokenizer

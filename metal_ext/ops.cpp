@@ -372,27 +372,56 @@ void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
                 dst = out.data<uint8_t>()]() {
     const Table& t = engine->table(table);
     const uint32_t* rows = idx.data<uint32_t>();
-    // One ticket per unique page, issued before any wait so reads overlap.
-    std::unordered_map<uint64_t, uint64_t> page_ticket;
-    std::vector<uint64_t> tickets;
-    auto cancel_all = [&] {
-      for (uint64_t tk : tickets) {
-        engine->cancel(tk);
+    // Positions of each unique page's rows, pages in first-use order.
+    std::unordered_map<uint64_t, size_t> slot;
+    std::vector<uint64_t> pages;
+    std::vector<std::vector<size_t>> uses;
+    for (size_t i = 0; i < idx.size(); ++i) {
+      uint64_t page = rows[i] / rpp;
+      if (page >= t.rows.size()) {
+        throw StreamError(
+            ErrorCode::kBadRequest,
+            "row_ids: row " + std::to_string(rows[i]) + " is past page " +
+                std::to_string(t.rows.size() - 1));
       }
+      auto [it, fresh] = slot.emplace(page, pages.size());
+      if (fresh) {
+        pages.push_back(page);
+        uses.emplace_back();
+      }
+      uses[it->second].push_back(i);
+    }
+    // One P0 ticket per unique page, issued in waves as large as the cache
+    // can pin so reads overlap; a full cache consumes the issued wave (rows
+    // copied from that verified snapshot, pages released) and continues. An
+    // empty wave waits for draining lookahead reads like resolve; only a
+    // single page larger than the cache is an error.
+    std::vector<std::pair<size_t, uint64_t>> wave; // (slot, ticket)
+    auto drain = [&] {
+      size_t k = 0;
+      try {
+        for (; k < wave.size(); ++k) {
+          Engine::View v = engine->wait(wave[k].second);
+          for (size_t i : uses[wave[k].first]) {
+            std::memcpy(
+                dst + i * row_bytes,
+                v.data + header + (rows[i] % rpp) * row_bytes,
+                row_bytes);
+          }
+          engine->release(wave[k].second);
+        }
+      } catch (...) {
+        for (; k < wave.size(); ++k) {
+          engine->cancel(wave[k].second);
+        }
+        wave.clear();
+        throw;
+      }
+      wave.clear();
     };
     try {
-      for (size_t i = 0; i < idx.size(); ++i) {
-        uint64_t page = rows[i] / rpp;
-        if (page >= t.rows.size()) {
-          throw StreamError(
-              ErrorCode::kBadRequest,
-              "row_ids: row " + std::to_string(rows[i]) + " is past page " +
-                  std::to_string(t.rows.size() - 1));
-        }
-        if (page_ticket.count(page)) {
-          continue;
-        }
-        const TableRow& p = t.rows[page];
+      for (size_t s = 0; s < pages.size(); ++s) {
+        const TableRow& p = t.rows[pages[s]];
         Request r;
         r.store = t.store;
         r.offset = p.offset;
@@ -403,27 +432,30 @@ void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
         r.comp_end = p.length;
         r.has_digest = p.has_digest;
         r.digest = p.digest;
-        tickets.push_back(engine->request(r));
-        page_ticket[page] = tickets.back();
+        for (bool busy = true;;) {
+          try {
+            wave.emplace_back(s, engine->request(r));
+            break;
+          } catch (const StreamError& e) {
+            if (e.code != ErrorCode::kCacheFull) {
+              throw;
+            }
+            if (!wave.empty()) {
+              drain();
+            } else if (!busy) {
+              throw;
+            } else {
+              busy = engine->wait_progress();
+            }
+          }
+        }
       }
-      std::unordered_map<uint64_t, Engine::View> views;
-      for (auto& [page, tk] : page_ticket) {
-        views[page] = engine->wait(tk);
-      }
-      // Rows come from the same verified snapshot the digest covered.
-      for (size_t i = 0; i < idx.size(); ++i) {
-        const Engine::View& v = views.at(rows[i] / rpp);
-        std::memcpy(
-            dst + i * row_bytes,
-            v.data + header + (rows[i] % rpp) * row_bytes,
-            row_bytes);
-      }
+      drain();
     } catch (...) {
-      cancel_all();
+      for (auto& [s, tk] : wave) {
+        engine->cancel(tk);
+      }
       throw;
-    }
-    for (uint64_t tk : tickets) {
-      engine->release(tk);
     }
   });
 }

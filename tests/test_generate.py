@@ -210,7 +210,7 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     model = ScriptModel(tok.encode("ok") + [IM_END])
     _, ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
     model.prompt_len = len(ids)
-    monkeypatch.setattr(gen, "_load", lambda name, expert_cache_gb=None: (model, tok))
+    monkeypatch.setattr(gen, "_load", lambda name, expert_cache_gb=None, ple_cache_gb=None: (model, tok))
     assert gen.main(["-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
     assert capsys.readouterr().out == "ok\n"
     model.args.max_position_embeddings = 4
@@ -239,6 +239,8 @@ CLI_ERRORS = [
     (["--expert-cache-gb", "lots"], "", "--expert-cache-gb"),
     (["--model", "tests/fixtures/parity/tiny_a", "--expert-cache-gb", "1", "-p", "hi"], "", "expert_cache_gb"),
     (["--expert-cache-gb", "1e-9", "-p", "hi"], "", "expert_cache_gb"),
+    (["--ple-cache-gb", "0"], "", "--ple-cache-gb"),
+    (["--ple-cache-gb", "1e-9", "-p", "hi"], "", "ple_cache_gb"),
     (["--no-such-flag"], "", "--no-such-flag"),
 ]
 

@@ -10,8 +10,10 @@ Routed experts are either copied out of the ExpertMajor store into the
 resident SwitchGLU (affine codecs become mlx_lm QuantizedSwitchLinear) or,
 when they do not fit (or ``expert_cache_gb`` asks for it), left on disk and
 streamed through the engine's arena by ``StreamedSwitchGLU``
-(:func:`plan_expert_residency`). Each PLE table is read page by page into
-its embedding (resident).
+(:func:`plan_expert_residency`). PLE tables are read page by page into
+their embeddings (resident) or, when they do not fit (or ``ple_cache_gb``
+asks for it, :func:`plan_ple_residency`), served from the page stores by
+``StreamedNGramTable`` through the same engine as streamed experts.
 """
 
 import json
@@ -134,13 +136,45 @@ def _ple(artifact, m, fam):
 RESERVE_BYTES = 2 << 30
 
 
-def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=None):
+def _other_bytes(artifact, m, roles):
+    return sum(os.path.getsize(os.path.join(artifact, t["path"])) for t in m["stores"] if t["role"] in roles)
+
+
+def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
+    """None: load the PLE tables resident; otherwise the engine slab-cache
+    bytes to stream their pages through. From file metadata only: the tables'
+    in-memory size (bf16 rows widened to fp32 when ``dtype`` is float32)
+    against available memory minus ``RESERVE_BYTES`` and the dense store;
+    ``ple_cache_gb`` forces streaming with that cache."""
+    from ..stream import experts as SE
+    from ..stream.ple import plan_ple
+
+    stores = _store(m, "ple")
+    if not stores:
+        if ple_cache_gb is not None:
+            raise ValueError("ple_cache_gb: this artifact has no PLE tables")
+        return None
+    wide = dtype is not None and dtype == mx.float32
+    table = pages = page = 0
+    for s in stores:
+        with PleReader(os.path.join(artifact, s["path"]), fam, s["codec"]) as r:
+            g = r.geometry
+            table += g.total_rows * g.row_bytes * (2 if wide and g.codec.name == "bf16" else 1)
+            pages += g.num_pages
+            page = max(page, g.page_stride)
+    return plan_ple(table, page, pages, SE.available_memory(),
+                    RESERVE_BYTES + _other_bytes(artifact, m, ("dense",)), ple_cache_gb)
+
+
+def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None):
     """None: load the routed experts resident; otherwise the number of arena
     rows to stream them through. From file metadata only (no expert byte is
     read): the experts' in-memory size (bf16 parts widened to fp32 when
     ``dtype`` is float32) against available memory minus ``RESERVE_BYTES``
-    and the dense + PLE store bytes; ``expert_cache_gb`` forces streaming
-    with that cache. At least top-k rows (one decode token of one layer)."""
+    and the dense + PLE store bytes (the PLE cache instead when
+    ``ple_cache_bytes`` says PLE streams); ``expert_cache_gb`` forces
+    streaming with that cache. At least top-k rows (one decode token of one
+    layer)."""
     from ..stream import experts as SE
 
     s = _store(m, "experts")[0]
@@ -148,8 +182,10 @@ def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=No
     layout = em.record_layout(fam, s["codec"])
     record = sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in layout)
     count = fam.num_hidden_layers * fam.num_experts
-    resident_other = sum(os.path.getsize(os.path.join(artifact, t["path"]))
-                         for t in m["stores"] if t["role"] != "experts")
+    if ple_cache_bytes is None:
+        resident_other = _other_bytes(artifact, m, ("dense", "ple"))
+    else:
+        resident_other = _other_bytes(artifact, m, ("dense",)) + ple_cache_bytes
     return SE.plan_experts(
         count * record, record, SE.available_memory(), RESERVE_BYTES + resident_other,
         expert_cache_gb, min_rows=fam.num_experts_per_tok,
@@ -160,14 +196,32 @@ def _routed_expert_keys(model):
     return {k for k, _ in tree_flatten(model.parameters()) if ".mlp.switch_mlp." in k}
 
 
-def _attach_streamed(artifact, m, fam, model, rows, dtype):
+def _ple_keys(model):
+    return {k for k, _ in tree_flatten(model.parameters()) if ".ple.ple_embedding.ngram_embedding." in k}
+
+
+def _attach_ple(artifact, m, model, engine, dtype):
+    """Swap every PLE table for a StreamedNGramTable over its page store;
+    the parameters removed must be exactly the tables the resident path
+    would load."""
+    from ..stream.ple import attach_ple
+
+    before = _ple_keys(model)
+    attach_ple(model, artifact, engine, dtype)
+    replaced = before - _ple_keys(model)
+    want = {f"model.layers.{s['layer']}.ple.ple_embedding.ngram_embedding.weight" for s in _store(m, "ple")}
+    if replaced != want or _ple_keys(model):
+        raise GeometryError("ple", f"streamed PLE replaced {len(replaced)} tables, the artifact holds {len(want)}")
+
+
+def _attach_streamed(artifact, m, fam, model, rows, dtype, engine):
     """Swap every switch_mlp for a StreamedSwitchGLU over a ``rows``-record
     arena; the parameters removed must be exactly the routed-expert tensors
     the resident path would load from the store's layout."""
     from ..stream.experts import StreamedExperts
     from ..stream.switch import attach
 
-    experts = StreamedExperts.from_artifact(artifact, rows, dtype=dtype)
+    experts = StreamedExperts.from_artifact(artifact, rows, dtype=dtype, engine=engine)
     before = _routed_expert_keys(model)
     attach([layer.mlp for layer in model.model.layers], experts)
     replaced = before - _routed_expert_keys(model)
@@ -175,13 +229,12 @@ def _attach_streamed(artifact, m, fam, model, rows, dtype):
     want = {f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}"
             for layer in range(fam.num_hidden_layers) for comp, part, *_ in layout}
     if replaced != want or _routed_expert_keys(model):
-        experts.engine.close()
         raise GeometryError("experts", f"streamed experts replaced {len(replaced)} tensors, "
                             f"the store holds {len(want)}")
     return experts
 
 
-def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None) -> Model:
+def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None) -> Model:
     """Admit `path`, then build and fill the graph.
 
     dtype: float tensors (dense floats, f32/bf16 experts, PLE rows) are cast
@@ -195,6 +248,13 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None) -> Model:
     Streamed, the expert store is never read into memory; ``model.stream_experts``
     is the :class:`~hebrus_mlx.stream.experts.StreamedExperts` (engine,
     counters), None when resident.
+
+    ple_cache_gb: stream the PLE tables' pages through an engine cache of
+    this size instead of deciding from available memory
+    (:func:`plan_ple_residency`); the page stores are then never read into
+    memory. Streamed experts and PLE share one engine, ``model.stream_engine``
+    (None when everything is resident). Only the streamed parameters are
+    left out of the strict weight load.
     """
     artifact = str(Path(path))
     admission.admit(artifact)  # raises before anything below allocates
@@ -204,7 +264,8 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None) -> Model:
         config = json.loads(f.read())
     fam = C.family(m["family"])
     plan = quantization_plan(m)
-    rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb)
+    ple_cache = plan_ple_residency(artifact, m, fam, dtype, ple_cache_gb)
+    rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb, ple_cache)
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise ValueError(f"dtype: streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -214,17 +275,33 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None) -> Model:
     model = Model(ModelArgs.from_dict(config))
     if plan:
         _quantize(model, plan)
-    experts = None
-    if rows is not None:
-        experts = _attach_streamed(artifact, m, fam, model, rows, dtype)
-    weights = _dense(artifact, m)
-    if experts is None:
-        weights.update(_experts(artifact, m, fam))
-    weights.update(_ple(artifact, m, fam))
-    if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    model.load_weights(list(weights.items()), strict=True)
+    experts = engine = None
+    if rows is not None or ple_cache is not None:
+        from ..stream.engine import StreamEngine
+
+        # One engine: PLE pages in its slab cache, experts in their arena
+        # (the slab budget's record backs the copying ops).
+        record = sum(n for *_, n in em.record_layout(fam, _store(m, "experts")[0]["codec"]))
+        engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8)
+    try:
+        if rows is not None:
+            experts = _attach_streamed(artifact, m, fam, model, rows, dtype, engine)
+        if ple_cache is not None:
+            _attach_ple(artifact, m, model, engine, dtype)
+        weights = _dense(artifact, m)
+        if experts is None:
+            weights.update(_experts(artifact, m, fam))
+        if ple_cache is None:
+            weights.update(_ple(artifact, m, fam))
+        if dtype is not None:
+            weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        model.load_weights(list(weights.items()), strict=True)
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        raise
     mx.eval(model.parameters())
     model.eval()
     model.stream_experts = experts
+    model.stream_engine = engine
     return model

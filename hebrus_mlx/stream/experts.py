@@ -131,9 +131,11 @@ class StreamedExperts:
     @classmethod
     def from_artifact(cls, artifact: str, rows: int, threads: int = 8,
                       prefetch_previous: bool = True,
-                      dtype=mx.float32) -> "StreamedExperts":
+                      dtype=mx.float32,
+                      engine: Optional[StreamEngine] = None) -> "StreamedExperts":
         """Open an admitted artifact's expert store and stream it through a
-        ``rows``-record arena (see :func:`plan_experts`)."""
+        ``rows``-record arena (see :func:`plan_experts`). ``engine``: share
+        one (e.g. with streamed PLE pages); by default a new one."""
         from ..artifact import constants as C
         from ..artifact.expert_major import ExpertMajorReader
 
@@ -144,7 +146,8 @@ class StreamedExperts:
             os.path.join(artifact, s["path"]), C.family(m["family"]), s["codec"]
         )
         # The arena is the cache; the slab budget only backs copying ops.
-        engine = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
+        if engine is None:
+            engine = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
         out = cls(engine, reader, rows, prefetch_previous, dtype)
         reader.close()  # the engine has its own descriptors
         return out

@@ -8,6 +8,10 @@ the token's graph is still being built (exact lookahead) - then
 ``gather_rows`` copies the rows out of verified single-snapshot pages.
 
     attach_ple(model, artifact)   # every PLE layer of the model
+
+``load(..., ple_cache_gb=...)`` (or the automatic plan, :func:`plan_ple`,
+when the tables do not fit memory) does this at load time: the page stores
+are then never read into memory.
 """
 
 from __future__ import annotations
@@ -20,6 +24,41 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .engine import P0, StreamEngine
+
+GIB = 1 << 30
+
+
+def plan_ple(
+    table_bytes: int,
+    page_bytes: int,
+    num_pages: int,
+    available: int,
+    reserve: int,
+    ple_cache_gb: Optional[float] = None,
+) -> Optional[int]:
+    """Resident or streamed PLE tables: None keeps them resident (their
+    in-memory ``table_bytes`` fit in ``available - reserve`` and no cache
+    size was forced); otherwise the slab-cache bytes to stream the pages
+    through (whole pages, at most ``num_pages``). ``ple_cache_gb`` (the
+    ``--ple-cache-gb`` flag) forces streaming. gather_rows works in waves, so
+    one page is enough for correctness; fewer raises ValueError naming the
+    field."""
+    if ple_cache_gb is None:
+        budget = available - reserve
+        if table_bytes <= budget:
+            return None
+        field = "available memory"
+    else:
+        if not ple_cache_gb > 0:
+            raise ValueError(f"ple_cache_gb: must be > 0, got {ple_cache_gb}")
+        budget = int(ple_cache_gb * GIB)
+        field = "ple_cache_gb"
+    pages = min(budget // page_bytes, num_pages)
+    if pages < 1:
+        raise ValueError(
+            f"{field}: {budget / GIB:.4f} GiB holds no {page_bytes}-byte PLE page"
+        )
+    return int(pages * page_bytes)
 
 
 class StreamedNGramTable(nn.Module):
