@@ -13,6 +13,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
+from .stream.errors import StreamError, translate
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -98,10 +99,14 @@ def generate_step(
     def rollback_to(snap):
         try:
             yield
-        except BaseException:
+        except BaseException as e:
             if snap is not None:
                 prompt_cache.restore(snap)
-            raise
+            # A streamed read that failed inside evaluation arrives untyped.
+            typed = translate(e)
+            if typed is e:
+                raise
+            raise typed from e
 
     y = prompt.astype(mx.int32)
     # Chunked prefill: all but the last prompt token, the cache evaluated chunk by chunk.
@@ -333,6 +338,10 @@ def main(argv=None) -> int:
                         max_kv_size=args.max_kv_size)
         if not args.verbose:
             print(text)
+    except StreamError as e:
+        # Streaming failure at run time (SSD read, digest): the input was fine.
+        print(f"hebrus-mlx generate: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     except (_UsageError, GenerationError, OSError, ValueError, LookupError) as e:
         print(f"hebrus-mlx generate: error: {e}", file=sys.stderr)
         return 2

@@ -81,7 +81,7 @@ NB_MODULE(_ext, m) {
             PyErr_SetString(PyExc_RuntimeError, e.what());
             return;
           }
-          PyErr_SetString(cls.ptr(), e.what());
+          PyErr_SetString(cls.ptr(), e.message.c_str());
         }
       });
 

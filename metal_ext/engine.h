@@ -43,10 +43,17 @@ enum class ErrorCode : int {
 
 const char* error_name(ErrorCode code);
 
+// what() ends in " [stream:<error_name>]": MLX rethrows a failure inside
+// graph evaluation as a plain std::runtime_error(what()), and the tag lets
+// hebrus_mlx.stream.errors.translate restore the typed error there.
+// `message` is the untagged text (the bindings raise it typed directly).
 struct StreamError : std::runtime_error {
   StreamError(ErrorCode c, const std::string& msg)
-      : std::runtime_error(msg), code(c) {}
+      : std::runtime_error(msg + " [stream:" + error_name(c) + "]"),
+        code(c),
+        message(msg) {}
   ErrorCode code;
+  std::string message;
 };
 
 // P0 exact critical, P1 near-term predicted, P2 speculative.

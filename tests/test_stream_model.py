@@ -23,6 +23,7 @@ from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.artifact import loader
 from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream import errors
 from hebrus_mlx.stream import experts as SE
 from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
 from hebrus_mlx.utils import DEMO_DIR, load_model
@@ -141,10 +142,16 @@ def _testing_experts(model, rows):
     return experts
 
 
-@pytest.mark.parametrize("fault,message", [("eio", "I/O error"), ("digest", "SHA-256 mismatch")])
-def test_decode_fault_is_clean_and_retry_succeeds(fault, message):
-    """AFN-010/AFN-019: an EIO or a digest mismatch during a model decode
-    step fails that evaluation with a clear error naming the store read,
+FAULTS = [("eio", "I/O error", errors.StreamIOError),
+          ("short_read", "short read", errors.ShortReadError),
+          ("digest", "SHA-256 mismatch", errors.DigestMismatchError)]
+
+
+@pytest.mark.parametrize("fault,message,typed", FAULTS, ids=[f[0] for f in FAULTS])
+def test_decode_fault_is_clean_and_retry_succeeds(fault, message, typed):
+    """AFN-010/AFN-019: an EIO, a short read or a digest mismatch during a
+    model decode step fails that evaluation with a clear error naming the
+    store read (typed by errors.translate, message kept, tag dropped),
     publishes nothing, leaves no slot pinned and no ticket open, and the
     next sequence gives the resident tokens and logits. (The failed
     sequence is discarded: its cache already holds that step's partial,
@@ -158,13 +165,15 @@ def test_decode_fault_is_clean_and_retry_succeeds(fault, message):
     cache = model.make_cache()
     for t in prompt[:-1]:
         mx.eval(model(mx.array([[t]]), cache))
-    errors = eng.counters()["errors"]
+    n_errors = eng.counters()["errors"]
     eng.inject_fault(fault, 1)
     out = model(mx.array([prompt[-1:]]), cache)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(RuntimeError, match=message) as info:
         mx.eval(out)
+    err = errors.translate(info.value)
+    assert type(err) is typed and str(err).startswith(message) and "[stream:" not in str(err)
     mem = eng.memory()
-    assert eng.counters()["errors"] == errors + 1
+    assert eng.counters()["errors"] == n_errors + 1
     assert mem["pinned_slots"] == 0 and mem["tickets"] == 0 and mem["arena_rows"] < rows + 1
     _assert_same(_decode(model, prompt, 3, 1), (want_tokens, want_logits))
     assert eng.memory()["pinned_slots"] == 0
@@ -202,8 +211,9 @@ def test_streamed_decode_memory_is_flat():
 
 
 def test_failed_generation_step_rolls_the_sequence_back():
-    """AFN-010: generate_step restores the sequence state when a step's evaluation fails, so the
-    same sequence (not only a fresh one) continues exactly like a run that never failed."""
+    """AFN-010: generate_step restores the sequence state when a step's evaluation fails (and
+    raises the typed StreamIOError), so the same sequence (not only a fresh one) continues
+    exactly like a run that never failed."""
     from hebrus_mlx.generate import generate_step
 
     gb, rows = _cache_gb(str(DEMO_DIR))
@@ -220,7 +230,7 @@ def test_failed_generation_step_rolls_the_sequence_back():
     got.append(next(steps)[0])
     got.append(next(steps)[0])
     eng.inject_fault("eio", 1)
-    with pytest.raises(RuntimeError, match="I/O error"):
+    with pytest.raises(errors.StreamIOError, match="I/O error"):
         for token, _ in steps:
             got.append(token)
     # Rolled back to a state no failure touched: the prompt and every handed-out token but the
@@ -231,3 +241,79 @@ def test_failed_generation_step_rolls_the_sequence_back():
                                              max_tokens=6 - len(got), prompt_cache=cache)]
     assert got + continued == want
     assert eng.memory()["pinned_slots"] == 0
+
+
+def test_cancelled_ticket_mid_step_is_typed_and_clean():
+    """AFN-010/AFN-019: a ticket cancelled while a decode step's resolve waits
+    on it (workers held, so the read cannot finish first) fails generate with
+    TicketCancelledError naming the ticket; nothing stays pinned or open and
+    the same sequence then continues like the resident run."""
+    import threading
+
+    from hebrus_mlx.generate import generate_step
+
+    gb, rows = _cache_gb(str(DEMO_DIR))
+    resident = load_model(DEMO_DIR)
+    model = load_model(DEMO_DIR, expert_cache_gb=gb)
+    eng = _testing_experts(model, rows).engine
+    prompt, vocab = mx.array([7, 40, 99, 3]), resident.args.vocab_size
+    want = [t for t, _ in generate_step(prompt, resident, effective_vocab_size=vocab, max_tokens=4)]
+    cache = model.make_cache()
+    steps = generate_step(prompt, model, effective_vocab_size=vocab, max_tokens=4, prompt_cache=cache)
+    got = [next(steps)[0]]
+    # Ids are sequential: every ticket of the next step is above this one.
+    probe = eng.request(eng.add_store(_experts_store(str(DEMO_DIR))[0]), 0, 4096)
+    eng.wait(probe)
+    eng.release(probe)
+    def pending(t):
+        try:
+            return eng.ticket_info(t)["state"] == "pending"
+        except errors.TicketCancelledError:  # released or never issued
+            return False
+
+    cancelled, done = [], threading.Event()
+
+    def canceller():  # engine calls only: MLX streams belong to the main thread
+        while not done.is_set() and not cancelled:
+            cancelled.extend(t for t in range(probe + 1, probe + 4096) if pending(t) and eng.cancel(t))
+
+    worker = threading.Thread(target=canceller)
+    eng.hold(True)  # the first miss of a queued step blocks its resolve
+    worker.start()
+    caught = []
+    try:
+        for token, _ in steps:
+            got.append(token)
+    except errors.StreamError as e:
+        caught.append(e)
+    finally:
+        done.set()
+        worker.join()
+        eng.hold(False)
+    assert cancelled and len(caught) == 1, (got, caught)
+    assert type(caught[0]) is errors.TicketCancelledError and "cancelled" in str(caught[0])
+    assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
+    assert cache.offset == prompt.size + len(got) - 1
+    rest = generate_step(mx.array([got[-1]]), model, effective_vocab_size=vocab,
+                         max_tokens=4 - len(got), prompt_cache=cache)
+    assert got + [t for t, _ in rest] == want
+
+
+def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
+    """AFN-010: a read failure during `hebrus-mlx generate` prints one line
+    naming the typed error and the store read, no traceback, and exits 1."""
+    import importlib
+
+    from hebrus_mlx.utils import load
+
+    gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+
+    gb, rows = _cache_gb(str(DEMO_DIR))
+    model, tok = load("demo", expert_cache_gb=gb)
+    eng = _testing_experts(model, rows).engine
+    monkeypatch.setattr(gen, "_load", lambda *a, **k: (model, tok))
+    eng.inject_fault("short_read", 1)
+    assert gen.main(["-p", "hello", "--max-tokens", "3", "--verbose", "false"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ShortReadError: short read of store" in err
+    assert "Traceback" not in err and "[stream:" not in err

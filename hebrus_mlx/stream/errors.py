@@ -1,5 +1,14 @@
 """Typed errors of the streaming engine, shared by the C++ engine and the
-pure-Python reference so tests can hold both to the same contract."""
+pure-Python reference so tests can hold both to the same contract.
+
+Engine calls made directly from Python raise these classes. A failure
+inside MLX graph evaluation (a streamed layer's read) reaches Python as a
+plain ``RuntimeError`` whose message ends in the engine's tag
+``[stream:<name>]``; :func:`translate` turns it back into the typed error
+(generate does this at its per-step rollback boundary).
+"""
+
+import re
 
 
 class StreamError(RuntimeError):
@@ -54,3 +63,29 @@ BY_CODE = {
     8: StreamClosedError,
     9: StreamTimeoutError,
 }
+
+# metal_ext/engine.cpp error_name() -> class.
+BY_NAME = {
+    "io": StreamIOError,
+    "short_read": ShortReadError,
+    "digest": DigestMismatchError,
+    "cancelled": TicketCancelledError,
+    "stale": StaleGenerationError,
+    "cache_full": CacheFullError,
+    "bad_request": StreamRequestError,
+    "closed": StreamClosedError,
+    "timeout": StreamTimeoutError,
+}
+
+_TAG = re.compile(r" \[stream:(\w+)\]$")
+
+
+def translate(exc: BaseException) -> BaseException:
+    """The typed StreamError for an engine failure that crossed MLX's eval
+    boundary as a tagged ``RuntimeError`` (message kept, tag dropped);
+    any other exception is returned unchanged."""
+    if type(exc) is not RuntimeError:
+        return exc
+    m = _TAG.search(str(exc))
+    cls = BY_NAME.get(m.group(1)) if m else None
+    return exc if cls is None else cls(str(exc)[: m.start()])
