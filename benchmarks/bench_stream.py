@@ -22,9 +22,26 @@ k known at once) from a cold store (posix_fadvise DONTNEED before each run):
 
 Prints GiB/s per run and the ratios engine/raw (target >= 0.9),
 engine/mmap (target >= 2) and glu vs the serial compute + I/O bound (target
->= 0.9). Full-model streamed decode (issue 6 (c)) needs the model graph.
+>= 0.9).
 
     python benchmarks/bench_stream.py [--store PATH] [--layers 6] [--experts 48]
+
+(c) streamed decode, ``--decode``: a stack of --layers MoE layers over a
+store with valid affine4 scales/biases, one lazy graph per token (router ->
+top-k -> resolve -> SwitchGLU -> residual + RMS norm per layer, routes never
+leave the graph, one mx.eval per token), cold store, arena of --rows
+records. Token inputs follow an AR(1) process so consecutive tokens share
+routes, as real decode does. Per token it compares the streamed time with
+the serial bound = hot compute (same graph, that token's records already in
+the arena) + exact (missed) bytes per token / raw O_DIRECT bandwidth (same
+records, same threads), without prefetch and with the previous token's
+top-k prefetched as P1 per layer (StreamedSwitchGLU's control); and writes
+a PNG timeline of one token's layer-by-layer record wait and compute
+(a traced run, one host sync per layer for the timestamps only) to
+benchmarks/out/stream_decode_timeline.png.
+
+    python benchmarks/bench_stream.py --decode [--layers 6] [--experts 64]
+        [--rows 30] [--tokens 16]
 """
 
 import argparse
@@ -170,6 +187,224 @@ def run_mmap(path, batches, rec):
         mm.close()
 
 
+def build_decode_store(path, n_records, rec):
+    """Like build_store, but scales/biases are valid bf16 (zero-mean
+    dequantized weights of std ~ 1/sqrt(fan-in)), so activations stay finite
+    and the routes depend on them."""
+    size = n_records * rec
+    if os.path.exists(path) and os.path.getsize(path) == size:
+        return
+    rng = np.random.default_rng(1)
+    pb = part_bytes()
+
+    def bf16(a):
+        return (np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        for _ in range(n_records):
+            out = []
+            for c in range(3):
+                fan_in = INTER if c == 2 else HIDDEN
+                n = pb[3 * c + 1] // 2
+                scale = rng.uniform(0.5, 1.5, n) * np.sqrt(12.0 / fan_in) / 16
+                out += [rng.integers(0, 256, pb[3 * c], dtype=np.uint8).tobytes(),
+                        bf16(scale), bf16(-7.5 * scale)]
+            body = b"".join(out)
+            f.write(body + bytes(rec - len(body)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class DecodeStack:
+    """--layers MoE layers streamed from one arena table (issue 6 (c))."""
+
+    def __init__(self, eng, table, weights, layers, experts, top_k, prefetch):
+        import mlx.core as mx
+
+        self.eng, self.table, self.weights = eng, table, weights
+        self.layers, self.experts, self.top_k = layers, experts, top_k
+        self.prefetch = prefetch
+        key = mx.random.key(3)
+        self.routers = [mx.random.normal((HIDDEN, experts), key=mx.random.split(key, layers)[l])
+                        / HIDDEN ** 0.5 for l in range(layers)]
+        mx.eval(self.routers)
+        self.prev = None
+
+    def layer(self, l, x):
+        import mlx.core as mx
+
+        logits = (x @ self.routers[l]).reshape(1, self.experts)
+        idx = mx.argpartition(-logits, self.top_k - 1, axis=-1)[:, : self.top_k].astype(mx.uint32)
+        rows, lease = self.eng.resolve(self.table, idx + l * self.experts, layer=l)
+        y = self.eng.release_after(switch_glu(x, self.weights, rows), lease)  # [1, k, 1, H]
+        x = x + y.mean(axis=1, keepdims=True)
+        return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + 1e-6), idx
+
+    def token(self, h, trace=None):
+        """One token's graph, evaluated once; trace: per-layer host-synced
+        timestamps [(t_start, t_records_ready, t_computed)]."""
+        import mlx.core as mx
+
+        if self.prefetch and self.prev is not None:
+            for l, idx in enumerate(self.prev):
+                mx.async_eval(self.eng.prefetch(self.table, idx + l * self.experts,
+                                                priority=1, layer=l))
+        x, idxs = h, []
+        for l in range(self.layers):
+            if trace is None:
+                x, idx = self.layer(l, x)
+            else:
+                t0 = time.perf_counter()
+                logits = (x @ self.routers[l]).reshape(1, self.experts)
+                idx = mx.argpartition(-logits, self.top_k - 1, axis=-1)[:, : self.top_k].astype(mx.uint32)
+                rows, lease = self.eng.resolve(self.table, idx + l * self.experts, layer=l)
+                mx.eval(rows)
+                t1 = time.perf_counter()
+                y = self.eng.release_after(switch_glu(x, self.weights, rows), lease)
+                x = x + y.mean(axis=1, keepdims=True)
+                x = x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+                mx.eval(x)
+                trace.append((t0, t1, time.perf_counter()))
+            idxs.append(idx)
+        mx.eval(x, *idxs)
+        self.prev = idxs
+        return [np.array(i).ravel().tolist() for i in idxs]
+
+
+def token_inputs(n, rho=0.9, seed=5):
+    import mlx.core as mx
+
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal(HIDDEN)
+    out = []
+    for _ in range(n):
+        h = rho * h + (1 - rho * rho) ** 0.5 * rng.standard_normal(HIDDEN)
+        out.append(mx.array(h.astype(np.float32)).reshape(1, 1, 1, HIDDEN))
+    return out
+
+
+def run_decode(args):
+    import mlx.core as mx
+
+    from hebrus_mlx.stream import engine as se
+
+    rec = record_bytes()
+    n = args.layers * args.experts
+    path = args.store.replace(".bin", "") + f"_decode_{args.layers}x{args.experts}.bin"
+    build_decode_store(path, n, rec)
+    hs = token_inputs(args.tokens)
+    pb = part_bytes()
+
+    def stack(prefetch, rows=args.rows):
+        eng = se.StreamEngine(cache_bytes=rec, threads=args.threads)
+        s = eng.add_store(path)
+        aid, parts = eng.create_arena(pb, rows)
+        table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n, arena=aid)
+        return DecodeStack(eng, table, glu_weights(parts, rows), args.layers,
+                           args.experts, args.top_k, prefetch)
+
+    def streamed(prefetch, trace_token=None):
+        drop_cache(path)
+        st = stack(prefetch)
+        times, routes, trace = [], [], []
+        for t, h in enumerate(hs):
+            t0 = time.perf_counter()
+            routes.append(st.token(h, trace if t == trace_token else None))
+            times.append(time.perf_counter() - t0)
+        c = st.eng.counters()
+        st.eng.close()
+        return times, routes, c, trace
+
+    def hot():
+        # Each token twice: the second pass finds every record in an arena
+        # that holds a whole token (gather_qmm time does not depend on the
+        # arena rows on CPU: 10 experts x 640x2560, 20/40/80 rows ~15 ms).
+        st = stack(False, max(args.rows, args.layers * args.top_k))
+        times, misses = [], 0
+        for h in hs:
+            st.token(h)
+            m0 = st.eng.counters()["misses"]
+            t0 = time.perf_counter()
+            st.token(h)
+            times.append(time.perf_counter() - t0)
+            misses += st.eng.counters()["misses"] - m0
+        st.eng.close()
+        assert misses == 0, f"hot pass missed {misses} records"
+        return times
+
+    hot_t = statistics.median(hot())
+    res = {}
+    for r in range(args.rounds):
+        for pf in ((False, True) if r % 2 == 0 else (True, False)):
+            times, routes, c, _ = streamed(pf)
+            res.setdefault(pf, []).append((statistics.median(times[1:]), routes, c))
+    # Raw O_DIRECT bandwidth over the same records (cold, k-wide batches).
+    routes = res[False][0][1]
+    batches = [[(l * args.experts + e) * rec for e in r] for tok in routes for l, r in enumerate(tok)]
+    raw = []
+    for _ in range(args.rounds):
+        drop_cache(path)
+        t0 = time.perf_counter()
+        run_raw(path, batches, rec, args.threads)
+        raw.append(time.perf_counter() - t0)
+    bw = len(batches) * args.top_k * rec / statistics.median(raw)
+
+    toks = args.tokens
+    overlap = [len(set(a) & set(b)) / args.top_k for p, q in zip(routes, routes[1:]) for a, b in zip(p, q)]
+    print(f"(c) streamed decode: {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
+          f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows, {toks} tokens, {args.threads} threads, "
+          f"{args.rounds} rounds; store {path}")
+    print(f"  previous-token route overlap {100 * np.mean(overlap):.0f}%; raw O_DIRECT {bw / 2**30:.3f} GiB/s; "
+          f"hot compute {hot_t * 1e3:.1f} ms/token")
+    c0 = res[False][0][2]
+    miss_bytes = (c0["exact_bytes"]) / toks
+    bound = hot_t + miss_bytes / bw
+    print(f"  serial bound = hot compute + {miss_bytes / 2**20:.1f} MiB missed/token / raw bw "
+          f"= {bound * 1e3:.1f} ms/token")
+    for pf in (False, True):
+        t = statistics.median([m for m, _, _ in res[pf]])
+        c = res[pf][0][2]
+        print(f"  prefetch {'on ' if pf else 'off'}: {t * 1e3:.1f} ms/token "
+              f"(runs {' '.join(f'{m * 1e3:.1f}' for m, _, _ in res[pf])}), "
+              f"bound/streamed {bound / t:.3f}x (target >= 0.9{', higher than off' if pf else ''}); "
+              f"predicted hits/joins {c['predicted_hits']}/{c['predicted_joins']}")
+        print("    " + se.io_summary(c))
+    timeline(streamed, args)
+
+
+def timeline(streamed, args):
+    """PNG: one token's per-layer record wait and compute, both modes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tok = min(args.tokens - 1, 4)
+    fig, axes = plt.subplots(2, 1, figsize=(9, 4.5), sharex=True)
+    for ax, pf in zip(axes, (False, True)):
+        _, _, _, trace = streamed(pf, trace_token=tok)
+        t0 = trace[0][0]
+        for l, (a, b, e) in enumerate(trace):
+            ax.barh(l, (b - a) * 1e3, left=(a - t0) * 1e3, color="tab:red",
+                    label="route + wait for records (I/O)" if l == 0 else None)
+            ax.barh(l, (e - b) * 1e3, left=(b - t0) * 1e3, color="tab:blue",
+                    label="SwitchGLU compute" if l == 0 else None)
+        ax.set_ylabel("layer")
+        ax.invert_yaxis()
+        ax.set_title(f"previous-token prefetch {'on' if pf else 'off'}: token {tok}, "
+                     f"{(trace[-1][2] - t0) * 1e3:.1f} ms (traced: one sync per layer)", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("ms since the token's first layer started")
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "stream_decode_timeline.png")
+    fig.savefig(path, dpi=90)
+    print(f"  timeline: {path}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin")
@@ -180,7 +415,15 @@ def main():
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sha", action="store_true", help="also time SHA-256 verify")
+    p.add_argument("--decode", action="store_true", help="run part (c), streamed decode")
+    p.add_argument("--rows", type=int, default=None, help="(c) arena rows (default layers*top_k/2)")
     args = p.parse_args()
+    if args.decode:
+        if args.rows is None:
+            args.rows = max(args.top_k, args.layers * args.top_k // 2)
+        if args.tokens == 4:
+            args.tokens = 16
+        return run_decode(args)
 
     from hebrus_mlx.stream import engine as se
 
