@@ -41,6 +41,7 @@ from .constants import (
     family_by_id,
 )
 from .errors import DigestError, GeometryError, HeaderError, TruncatedError
+from .store_file import StoreFile
 
 _HEADER = struct.Struct("<8s10I6Q32s32s32s")
 _ENTRY = struct.Struct("<2I2Q18I32s")
@@ -198,44 +199,20 @@ def publish(path, family, codec_name, records, faults=None, progress=None):
     )
 
 
-def _pread_exact(fd, n, offset, field):
-    data = os.pread(fd, n, offset)
-    if len(data) != n:
-        raise TruncatedError(field, f"read {len(data)} of {n} bytes at offset {offset}")
-    return data
-
-
-class ExpertMajorReader:
+class ExpertMajorReader(StoreFile):
     """Validate an untrusted store on open (header + table, no payload read).
 
     family / codec_name: if given, the header must name exactly these.
     """
 
     def __init__(self, path, family=None, codec_name=None):
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        try:
-            self._open(family, codec_name)
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def close(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
         size = os.fstat(self.fd).st_size
         if size < EXPERT_MAJOR_HEADER_BYTES:
             raise TruncatedError("experts.header", f"file is {size} bytes, header needs {EXPERT_MAJOR_HEADER_BYTES}")
-        raw = _pread_exact(self.fd, EXPERT_MAJOR_HEADER_BYTES, 0, "experts.header")
+        raw = self._pread(EXPERT_MAJOR_HEADER_BYTES, 0, "experts.header")
         h = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(raw)))
         if h["magic"] != EXPERT_MAJOR_MAGIC:
             raise HeaderError("experts.magic", f"{h['magic']!r} is not an ExpertMajor store")
@@ -261,7 +238,7 @@ class ExpertMajorReader:
         if size != geom.file_bytes:
             cls = TruncatedError if size < geom.file_bytes else HeaderError
             raise cls("experts.file_bytes", f"file is {size} bytes, layout needs {geom.file_bytes}")
-        table = _pread_exact(self.fd, geom.table_bytes, geom.table_offset, "experts.table")
+        table = self._pread(geom.table_bytes, geom.table_offset, "experts.table")
         if hashlib.sha256(table).digest() != h["table_sha256"]:
             raise DigestError("experts.table_sha256", "record table digest mismatch")
         digests = []
@@ -278,7 +255,7 @@ class ExpertMajorReader:
         """One pread of the record, digest checked, bytes returned."""
         g = self.geometry
         i = g.index(layer, expert)
-        data = _pread_exact(self.fd, g.record_bytes, g.record_offset(i), f"experts.record[{i}]")
+        data = self._pread(g.record_bytes, g.record_offset(i), f"experts.record[{i}]")
         if hashlib.sha256(data).digest() != self.digests[i]:
             raise DigestError(f"experts.record[{i}]", f"digest mismatch for (layer {layer}, expert {expert})")
         return data
@@ -302,7 +279,7 @@ class ExpertMajorReader:
         g = self.geometry
         payload = hashlib.sha256()
         for i in range(g.count):
-            data = _pread_exact(self.fd, g.record_stride, g.record_offset(i), f"experts.record[{i}]")
+            data = self._pread(g.record_stride, g.record_offset(i), f"experts.record[{i}]")
             if hashlib.sha256(data[: g.record_bytes]).digest() != self.digests[i]:
                 raise DigestError(f"experts.record[{i}]", "record digest mismatch")
             payload.update(data)

@@ -44,6 +44,7 @@ from .constants import (
     family_by_id,
 )
 from .errors import CodecError, DigestError, GeometryError, HeaderError, TruncatedError
+from .store_file import StoreFile
 
 _HEADER = struct.Struct(f"<8s12I8Q{PLE_MAX_HEADS}I32s32s")
 _PAGE = struct.Struct("<4sIQQ8I")
@@ -208,34 +209,11 @@ def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=
     )
 
 
-class PleReader:
+class PleReader(StoreFile):
     """Open validates the manifest (no row payload is read)."""
 
     def __init__(self, path, family=None, codec_name=None):
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        try:
-            self._open(family, codec_name)
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def close(self):
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _pread(self, n, offset, field):
-        data = os.pread(self.fd, n, offset)
-        if len(data) != n:
-            raise TruncatedError(field, f"read {len(data)} of {n} bytes at offset {offset}")
-        return data
+        super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
         size = os.fstat(self.fd).st_size
