@@ -18,7 +18,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hebrus_mlx.models.cache import SequenceCache
 from hebrus_mlx.models.qwen4exp import Model, ModelArgs
 
 

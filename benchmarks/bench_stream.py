@@ -286,8 +286,6 @@ def token_inputs(n, rho=0.9, seed=5):
 
 
 def run_decode(args):
-    import mlx.core as mx
-
     from hebrus_mlx.stream import engine as se
 
     rec = record_bytes()

@@ -14,7 +14,6 @@ temp directory before the rename.
 import argparse
 import json
 import os
-import shutil
 import sys
 
 import numpy as np

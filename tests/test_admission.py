@@ -15,8 +15,7 @@ import sys
 import pytest
 
 from artifact_fixture import (
-    copy_artifact, edit_manifest, edit_safetensors_header, edit_source_file, load_manifest,
-    patch_bytes, refresh_store, tiny_artifact,
+    copy_artifact, edit_manifest, edit_safetensors_header, edit_source_file, patch_bytes, tiny_artifact,
 )
 from hebrus_mlx.admission import STAGES, admit
 from hebrus_mlx.artifact.errors import ArtifactError

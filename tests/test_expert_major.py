@@ -12,7 +12,7 @@ import pytest
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
-from hebrus_mlx.artifact.errors import CodecError, DigestError, GeometryError, HeaderError, PublishError, TruncatedError
+from hebrus_mlx.artifact.errors import CodecError, DigestError, GeometryError, HeaderError, TruncatedError
 
 FAM = C.QWEN4EXP_TINY_TEST
 

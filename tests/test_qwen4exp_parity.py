@@ -90,4 +90,5 @@ def test_live_reference_has_not_drifted(name):
         if value.dtype.kind in "iub":
             np.testing.assert_array_equal(fresh[key], value, err_msg=key)
         else:
-            np.testing.assert_allclose(fresh[key], value, atol=1e-6, rtol=0, equal_nan=True, err_msg=key)
+            # torch CPU reductions depend on the thread count: ~1e-6 moves are not drift.
+            np.testing.assert_allclose(fresh[key], value, atol=1e-5, rtol=0, equal_nan=True, err_msg=key)

@@ -164,7 +164,6 @@ def render_training_md(record: dict, route_md: str, config: dict) -> str:
     d, b = record["dims"], record["budget"]
     ppl = math.exp(record["final_heldout_loss"])
     uni = record["unigram_heldout_subset"]
-    hist = record["history"]
     mins = record["train_seconds"] / 60
     held = ", ".join(record["heldout_files"])
     eff, phys = record["effective_vocab"], record["physical_vocab"]

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time

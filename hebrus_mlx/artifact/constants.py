@@ -8,7 +8,7 @@ registered descriptor field for field. Nothing here accepts "any geometry".
 import math
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Tuple
 
 from .errors import CodecError, FamilyError
 

@@ -9,7 +9,7 @@ The pinned reference is transformers 5.24.0 `models/qwen4_exp`; tests compare ag
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
