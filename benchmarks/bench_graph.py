@@ -49,7 +49,9 @@ def hebrus_model(a):
     cfg.update(
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         hc_count=4,
-        hc_lowrank=a.hidden // 4,
+        # hc_lowrank has no mlx-lm counterpart; default to the real proportion: hidden 2560 (the expert
+        # geometry) over the pinned config default hc_lowrank 320.
+        hc_lowrank=a.hc_lowrank or a.hidden // 8,
         ple_layer_ids=[1],
         ngram_vocab_size_base=4096,
         heads_per_ngram=4,
@@ -162,6 +164,7 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--moe-inter", type=int, default=256)
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--hc-lowrank", type=int, default=None, help="default hidden/8, the real model's proportion")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--ratio", type=int, default=4)
     p.add_argument("--prompt", type=int, default=256)
