@@ -78,8 +78,9 @@ def tiny_affine4(tmp_path_factory):
     return art
 
 
+@pytest.mark.parametrize("stream_ple", [False, True], ids=["experts", "experts+ple"])
 @pytest.mark.parametrize("which", ["demo", "tiny_affine4"])
-def test_streamed_5pct_cache_bit_identical_to_resident(which, request):
+def test_streamed_5pct_cache_bit_identical_to_resident(which, stream_ple, request):
     """AFN-019 (issue 6 evidence): with a cache of 5% of the expert records,
     a prompt + 20 greedy tokens give the same tokens and bitwise-equal logits
     as the resident run, on quantized (affine4-g64) experts: the arena holds
@@ -88,11 +89,14 @@ def test_streamed_5pct_cache_bit_identical_to_resident(which, request):
     art = str(DEMO_DIR) if which == "demo" else request.getfixturevalue("tiny_affine4")
     gb, rows = _cache_gb(art)
     resident = load_model(art)
-    streamed = load_model(art, expert_cache_gb=gb)
+    # With stream_ple the PLE rows also come through the engine, from a 256 KiB page cache.
+    streamed = load_model(art, expert_cache_gb=gb, ple_cache_gb=(4 * 65536 / 2**30) if stream_ple else None)
     assert resident.stream_experts is None
     experts = streamed.stream_experts
     assert experts.rows == rows and isinstance(streamed.model.layers[0].mlp.switch_mlp, StreamedSwitchGLU)
     assert experts.weights["gate"]["scales"].dtype == mx.float32
+    tables = [layer.ple.ple_embedding.ngram_embedding for layer in streamed.model.layers if layer.has_ple]
+    assert tables and all((type(t).__name__ == "StreamedNGramTable") == stream_ple for t in tables)
     vocab = resident.args.vocab_size
     prompt = np.random.default_rng(1).integers(2, vocab, 9).tolist()
     chunk = experts.max_chunk_tokens
