@@ -138,6 +138,14 @@ class _Machine:
         fsync_dir(self.parent)
 
 
+
+def _abort(m, tmp, e):
+    """Remove the temp, record the abort, and surface OS errors as PublishError naming the state."""
+    _remove(tmp)
+    m.to(State.ABORTED)
+    if isinstance(e, OSError) and not isinstance(e, ArtifactError):
+        raise PublishError(os.path.basename(m.target), f"{m.trace[-2].value}: {e}") from e
+
 def publish_file(target, write, verify=None, faults=None):
     """Write `target` atomically.
 
@@ -167,12 +175,7 @@ def publish_file(target, write, verify=None, faults=None):
     except BaseException as e:
         if fd is not None:
             os.close(fd)
-        _remove(tmp)
-        m.to(State.ABORTED)
-        if isinstance(e, ArtifactError):
-            raise
-        if isinstance(e, OSError):
-            raise PublishError(os.path.basename(m.target), f"{m.trace[-2].value}: {e}") from e
+        _abort(m, tmp, e)
         raise
     _commit(m)
     return m.trace
@@ -216,12 +219,7 @@ def publish_dir(target, build, verify=None, faults=None):
             m.rename(tmp, m.target)
         m.to(State.RENAMED)
     except BaseException as e:
-        _remove(tmp)
-        m.to(State.ABORTED)
-        if isinstance(e, ArtifactError):
-            raise
-        if isinstance(e, OSError):
-            raise PublishError(os.path.basename(m.target), f"{m.trace[-2].value}: {e}") from e
+        _abort(m, tmp, e)
         raise
     try:
         _commit(m)
