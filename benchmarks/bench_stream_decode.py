@@ -8,7 +8,10 @@ tokens match, the engine's I/O line, and resident memory (RSS) every
 position limit would be passed; the arena and engine persist).
 
     python benchmarks/bench_stream_decode.py [--artifact DIR] [--rows 2]
-        [--tokens 2000]
+        [--tokens 2000] [--ple-cache-kib 256] [--long-resident]
+
+With --ple-cache-kib the PLE rows stream too (page cache of that size,
+through the same engine) in the streamed runs and the long run.
 
 Without --artifact a tiny checkpoint is built and converted (needs torch and
 transformers, as the tests do).
@@ -27,6 +30,7 @@ from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.experts import StreamedExperts
+from hebrus_mlx.stream.ple import attach_ple
 from hebrus_mlx.stream.switch import attach
 from hebrus_mlx.utils import load_model
 
@@ -46,7 +50,7 @@ def decode(model, first, n, limit, report=None):
         tok = int(out[0, -1].argmax())  # one sync per token, none per layer
         tokens.append(tok)
         if report and (i + 1) % report[0] == 0:
-            report[1](i + 1)
+            report[1](i + 1, cache)
     return tokens, time.perf_counter() - t0
 
 
@@ -57,6 +61,10 @@ def main():
     p.add_argument("--tokens", type=int, default=2000)
     p.add_argument("--compare", type=int, default=64, help="tokens timed both ways")
     p.add_argument("--report", type=int, default=250)
+    p.add_argument("--long-resident", action="store_true",
+                   help="long run on the resident model (the RSS control)")
+    p.add_argument("--ple-cache-kib", type=int, default=0,
+                   help="also stream PLE rows with a page cache this size (0: resident)")
     args = p.parse_args()
 
     art = args.artifact
@@ -76,10 +84,13 @@ def main():
     reader = em.ExpertMajorReader(os.path.join(art, s["path"]), fam, s["codec"])
     records = fam.num_hidden_layers * fam.num_experts
     print(f"artifact {art}: arena {args.rows} of {records} records "
-          f"({100 * args.rows / records:.1f}% of the expert store); "
+          f"({100 * args.rows / records:.1f}% of the expert store); PLE "
+          f"{f'streamed, {args.ple_cache_kib} KiB page cache' if args.ple_cache_kib else 'resident'}; "
           f"resident {args.compare / t_res:.1f} tok/s")
     for prefetch in (False, True):
-        eng = se.StreamEngine(cache_bytes=1 << 20, threads=4)
+        eng = se.StreamEngine(cache_bytes=max(1 << 20, args.ple_cache_kib << 10), threads=4)
+        if args.ple_cache_kib:
+            attach_ple(model, art, eng)
         experts = StreamedExperts(eng, reader, rows=args.rows, prefetch_previous=prefetch)
         attach([layer.mlp for layer in model.model.layers], experts)
         streamed, t_str = decode(model, 3, args.compare, limit)
@@ -91,17 +102,26 @@ def main():
         print("    " + se.io_summary(c))
 
     eng.reset_counters()
+    if args.long_resident:
+        model, eng = load_model(art), None
     base = rss_mib()
-    print(f"  long run: {args.tokens} tokens, RSS MiB every {args.report}:")
+    print(f"  long run ({'resident' if args.long_resident else 'streamed'}): "
+          f"{args.tokens} tokens, RSS MiB every {args.report}:")
 
-    def report(i):
-        mem = eng.memory()
-        print(f"    {i:6d}  RSS {rss_mib():8.1f}  (+{rss_mib() - base:6.1f})  "
-              f"engine slab bytes {mem['allocated']}  arena rows {mem['arena_rows']}  "
-              f"tickets {mem['tickets']}")
+    def report(i, cache):
+        # The sequence's own state (QSA K/V grows with the context) is
+        # shown apart, so RSS minus it is what streaming adds.
+        kv = sum(a.nbytes for a in cache.arrays) / 2**20
+        line = (f"    {i:6d}  RSS {rss_mib():8.1f}  (+{rss_mib() - base:6.1f})  "
+                f"sequence cache {kv:6.1f} MiB")
+        if eng is not None:
+            mem = eng.memory()
+            line += (f"  engine slab bytes {mem['allocated']}  arena rows {mem['arena_rows']}  "
+                     f"tickets {mem['tickets']}")
+        print(line)
 
     _, dt = decode(model, 3, args.tokens, limit, (args.report, report))
-    print(f"  {args.tokens / dt:.1f} tok/s; " + se.io_summary(eng.counters()))
+    print(f"  {args.tokens / dt:.1f} tok/s" + ("" if eng is None else "; " + se.io_summary(eng.counters())))
 
 
 if __name__ == "__main__":

@@ -157,3 +157,28 @@ def test_tiny_model_streamed_equals_resident(tmp_path):
     # Same exact routes in both runs: the extra requests are the P1 hints
     # (whether they land in time is timing, reported by the benchmark).
     assert large["requests"] > small["requests"]
+
+
+def test_previous_token_hint_is_issued_when_the_layer_starts(tmp_path):
+    """AFN-019: the P1 lookahead of layer l leaves when layer l's input is
+    evaluated, not while the token's graph is built (hints for every layer
+    at token start crowd out layer 0's exact misses). Contract control:
+    request counts before and after evaluating the layer's input."""
+    _, path = build("f32", tmp_path)
+    with em.ExpertMajorReader(path, FAM, "f32") as reader:
+        eng = se.StreamEngine(cache_bytes=1 << 20, threads=2)
+        experts = StreamedExperts(eng, reader, rows=2 * K)
+        glu = StreamedSwitchGLU(experts, 1)
+        x = mx.random.normal((1, 1, H))
+        assert glu.layer_start(x) is x  # no previous token yet: no hint
+        idx = mx.array([[list(range(K))]], dtype=mx.uint32)
+        mx.eval(glu(x, idx))
+        before = eng.counters()
+        x2 = glu.layer_start(x + 1)
+        assert eng.counters()["requests"] == before["requests"]  # graph built, nothing issued
+        mx.eval(x2)
+        np.testing.assert_array_equal(np.array(x2), np.array(x + 1))
+        after = eng.counters()
+        # The K previous-token records are still cached: every hint lands as a hit.
+        assert after["requests"] == before["requests"] + K
+        assert after["hits"] == before["hits"] + K

@@ -576,6 +576,10 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = HyperConnection(args)
 
     def __call__(self, streams, ids, cache, capture: Optional[Capture] = None):
+        # A streamed switch_mlp starts its lookahead reads when the layer starts.
+        layer_start = getattr(self.mlp.switch_mlp, "layer_start", None)
+        if layer_start is not None:
+            streams = layer_start(streams)
         if self.has_ple:
             streams = streams + self.ple(streams, ids, cache)
         if self.is_linear:

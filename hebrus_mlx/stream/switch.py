@@ -13,9 +13,13 @@ Wiring into a model (SparseMoE-style modules expose ``switch_mlp``)::
     attach([layer.mlp for layer in model.model.layers], experts)
 
 With ``experts.prefetch_previous`` (default on) each layer issues the
-previous token's top-k for itself as P1 while the token's graph is being
-built, i.e. before any layer of the token runs: the zero-training
-lookahead control (AFN-019) that a real predictor has to beat.
+previous token's top-k for itself as P1 when the layer starts: the decoder
+layer passes its input through :meth:`StreamedSwitchGLU.layer_start`, which
+makes the layer's first op depend on the hint, so the reads overlap the
+layer's attention/GDN work that precedes the router. That is the
+zero-training lookahead control (AFN-019) a real predictor has to beat.
+Hints issued for every layer at token start crowd out layer 0's exact
+misses; a hint hung on the previous layer's output is issued too late.
 
 Prefill chunks need ``rows >= min(num_experts, tokens * top_k)`` (every
 distinct expert of the chunk is pinned at once).
@@ -56,11 +60,14 @@ class StreamedSwitchGLU(nn.Module):
         return mx.gather_mm(x, w["weight"].swapaxes(-1, -2), rhs_indices=rows,
                             sorted_indices=sorted_rows)
 
+    def layer_start(self, x: mx.array) -> mx.array:
+        """``x`` (the layer's input), made to depend on the P1 hint."""
+        if not self._experts.prefetch_previous or self._prev is None:
+            return x
+        return mx.depends(x, self._experts.prefetch(self.layer, self._prev, P1))
+
     def __call__(self, x, indices) -> mx.array:
         indices = mx.stop_gradient(indices)
-        if self._experts.prefetch_previous and self._prev is not None:
-            # Non-blocking: the previous token's routes are already computed.
-            mx.async_eval(self._experts.prefetch(self.layer, self._prev, P1))
         rows, lease = self._experts.resolve(
             self.layer, indices, self.owner, self.generation
         )
