@@ -360,7 +360,7 @@ def run_decode(args):
     mixers = make_mixers(args.layers)
 
     def stack(prefetch, rows=args.rows):
-        eng = se.StreamEngine(cache_bytes=rec, threads=args.threads)
+        eng = se.StreamEngine(cache_bytes=rec, threads=args.threads, backend=args.backend)
         s = eng.add_store(path)
         aid, parts = eng.create_arena(pb, rows)
         table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n, arena=aid)
@@ -424,7 +424,7 @@ def run_decode(args):
     overlap = [len(set(a) & set(b)) / args.top_k for p, q in zip(routes, routes[1:]) for a, b in zip(p, q)]
     print(f"(c) streamed decode: {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
           f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows, {toks} tokens, {args.threads} threads, "
-          f"{args.rounds} rounds; store {path}")
+          f"{args.rounds} rounds, backend {args.backend}; store {path}")
     print(f"  previous-token route overlap {100 * np.mean(overlap):.0f}%; raw O_DIRECT {bw / 2**30:.3f} GiB/s; "
           f"hot compute {hot_t * 1e3:.1f} ms/token")
     c0 = res[False][0][2]
@@ -489,7 +489,14 @@ def main():
     p.add_argument("--sha", action="store_true", help="also time SHA-256 verify")
     p.add_argument("--decode", action="store_true", help="run part (c), streamed decode")
     p.add_argument("--rows", type=int, default=None, help="(c) arena rows (default layers*top_k/2)")
+    p.add_argument("--backend", default="pread",
+                   help="engine read backend: pread, or mtlio on a macOS Metal build "
+                        "(arena rows only; run both to A/B, metal_ext/README.md)")
     args = p.parse_args()
+    from hebrus_mlx.stream import engine as se
+
+    if args.backend not in se.backends():
+        raise SystemExit(f"--backend {args.backend}: this build has {se.backends()}")
     if args.decode:
         if args.rows is None:
             args.rows = max(args.top_k, args.layers * args.top_k // 2)
@@ -530,7 +537,7 @@ def main():
     assert sum(pb) == rec, (pb, rec)
 
     def engine_run(kind):
-        eng = se.StreamEngine(cache_bytes=cache, threads=args.threads)
+        eng = se.StreamEngine(cache_bytes=cache, threads=args.threads, backend=args.backend)
         s = eng.add_store(args.store)
         table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n)
         if kind in ("resolve", "glu", "glu_pf", "glu_hot"):
@@ -585,7 +592,7 @@ def main():
     gib = total / 2**30
     print(f"record {rec} B ({rec / 2**20:.3f} MiB), {total // rec} cold reads "
           f"in batches of <= {args.top_k}, {args.threads} threads, "
-          f"{args.rounds} rounds, store {args.store}")
+          f"{args.rounds} rounds, backend {args.backend}, store {args.store}")
     med = {v: statistics.median(ts) for v, ts in times.items()}
     for v in variants:
         runs = " ".join(f"{gib / t:.3f}" for t in times[v])

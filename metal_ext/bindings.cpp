@@ -10,6 +10,7 @@
 #include <climits>
 #include <cstring>
 
+#include "io_mtlio.h"
 #include "ops.h"
 
 namespace nb = nanobind;
@@ -95,6 +96,7 @@ NB_MODULE(_ext, m) {
              bool nocache,
              bool rdadvise,
              const std::string& policy,
+             const std::string& backend,
              bool testing) {
             hebrus::EngineOptions o;
             o.threads = threads;
@@ -103,6 +105,7 @@ NB_MODULE(_ext, m) {
             o.nocache = nocache;
             o.rdadvise = rdadvise;
             o.policy = policy;
+            o.backend = backend;
             o.testing = testing;
             new (self) Engine(o);
           },
@@ -112,7 +115,10 @@ NB_MODULE(_ext, m) {
           "nocache"_a = false,
           "rdadvise"_a = false,
           "policy"_a = "lru",
+          "backend"_a = "pread",
           "testing"_a = false)
+      .def_prop_ro(
+          "backend", [](Engine& e) { return e.options().backend; })
       .def("add_store", &Engine::add_store, "path"_a, "digest_id"_a = "")
       .def(
           "register_table",
@@ -347,6 +353,7 @@ NB_MODULE(_ext, m) {
       "value"_a,
       "lease"_a);
   m.def("sha256_backend", &hebrus::sha256_backend);
+  m.def("backends", &hebrus::compiled_backends);
   m.def("load_tickets", &hebrus::load_tickets, "engine"_a, "tickets"_a);
   m.def(
       "gather_records",

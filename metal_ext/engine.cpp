@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "io_mtlio.h"
 
 #include <fcntl.h>
 #include <limits.h>
@@ -68,6 +69,22 @@ Engine::Engine(const EngineOptions& options) : opts_(options) {
   if (opts_.policy != "lru" && opts_.policy != "score") {
     throw StreamError(
         ErrorCode::kBadRequest, "policy must be 'lru' or 'score'");
+  }
+  if (opts_.backend != "pread" && opts_.backend != "mtlio") {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "backend: expected 'pread' or 'mtlio', got '" + opts_.backend + "'");
+  }
+  if (opts_.backend == "mtlio") {
+#if HEBRUS_MTLIO
+    // Throws (no Metal device, no IO queue) before any thread exists.
+    mtlio_ = std::make_shared<MtlioReader>(opts_.threads);
+#else
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "backend: 'mtlio' is not compiled into this build (it needs macOS "
+        "with Metal and MLX's metal-cpp headers); available: pread");
+#endif
   }
   latencies_.reserve(kLatencyWindow);
   for (int i = 0; i < opts_.threads; ++i) {
@@ -198,7 +215,8 @@ int Engine::add_arena(
     std::vector<uint64_t> part_bytes,
     std::vector<uint8_t> expand,
     uint32_t rows,
-    std::shared_ptr<void> keepalive) {
+    std::shared_ptr<void> keepalive,
+    std::vector<DevicePart> device) {
   if (parts.empty() || parts.size() != part_bytes.size() || rows == 0) {
     throw StreamError(
         ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
@@ -209,6 +227,10 @@ int Engine::add_arena(
   if (expand.size() != part_bytes.size()) {
     throw StreamError(
         ErrorCode::kBadRequest, "expand: need one flag per part");
+  }
+  if (!device.empty() && device.size() != parts.size()) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "device: need one buffer per part or none");
   }
   Arena a;
   for (size_t p = 0; p < part_bytes.size(); ++p) {
@@ -230,6 +252,7 @@ int Engine::add_arena(
     a.free_rows.push_back(r); // row 0 is handed out first
   }
   a.keepalive = std::move(keepalive);
+  a.device = std::move(device);
   std::lock_guard<std::mutex> lk(mu_);
   arenas_.push_back(std::move(a));
   return static_cast<int>(arenas_.size()) - 1;
@@ -778,6 +801,73 @@ bool Engine::pick_job_locked(std::unique_ptr<Job>& job) {
   return false;
 }
 
+ErrorCode Engine::pread_into(
+    const Job& job,
+    const std::vector<struct iovec>& segs,
+    uint64_t& got,
+    std::string& msg) {
+  // O_DIRECT needs block-aligned file offset, buffers and lengths; a slab
+  // read is padded to 4096 (the slab is), arena parts must align exactly.
+  bool direct = job.direct_fd >= 0 && job.key.offset % kAlign == 0;
+  for (auto& v : segs) {
+    direct = direct && reinterpret_cast<uintptr_t>(v.iov_base) % 512 == 0 &&
+        (job.slab.arena < 0 || v.iov_len % 512 == 0);
+  }
+  std::vector<struct iovec> iov = segs;
+  if (direct && job.slab.arena < 0) {
+    iov[0].iov_len = round_up(job.key.length, kAlign);
+  }
+  int fd = direct ? job.direct_fd : job.fd;
+  uint64_t want = 0;
+  for (auto& v : iov) {
+    want += v.iov_len;
+  }
+#if defined(__APPLE__)
+  if (opts_.rdadvise) {
+    struct radvisory ra;
+    ra.ra_offset = static_cast<off_t>(job.key.offset);
+    ra.ra_count = static_cast<int>(std::min<uint64_t>(want, INT32_MAX));
+    fcntl(fd, F_RDADVISE, &ra);
+  }
+#endif
+  got = 0;
+  size_t first = 0;
+  while (got < want) {
+    int cnt = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
+    ssize_t n = ::preadv(fd, iov.data() + first, cnt, job.key.offset + got);
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      if (direct && errno == EINVAL && got == 0) {
+        // The filesystem refused this direct read: retry buffered.
+        direct = false;
+        fd = job.fd;
+        iov = segs;
+        want = job.key.length;
+        continue;
+      }
+      msg = std::strerror(errno);
+      return ErrorCode::kIO;
+    }
+    if (n == 0) {
+      break;
+    }
+    got += static_cast<uint64_t>(n);
+    for (uint64_t left = static_cast<uint64_t>(n); left > 0;) {
+      if (left >= iov[first].iov_len) {
+        left -= iov[first].iov_len;
+        first++;
+      } else {
+        iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+        iov[first].iov_len -= left;
+        left = 0;
+      }
+    }
+  }
+  return ErrorCode::kNone;
+}
+
 ErrorCode Engine::do_read(
     const Job& job,
     std::string& msg,
@@ -802,6 +892,10 @@ ErrorCode Engine::do_read(
   // in place once verified.
   std::vector<struct iovec> segs;
   std::vector<uint8_t> expand;
+#if HEBRUS_MTLIO
+  std::vector<IoTarget> targets; // same rows as segs, as device buffers
+  std::string path;
+#endif
   if (job.slab.arena >= 0) {
     std::lock_guard<std::mutex> lk(mu_);
     const Arena& a = arenas_[job.slab.arena];
@@ -810,70 +904,51 @@ ErrorCode Engine::do_read(
                       a.part_bytes[p]});
     }
     expand = a.expand;
+#if HEBRUS_MTLIO
+    if (mtlio_ && !a.device.empty()) {
+      for (size_t p = 0; p < a.parts.size(); ++p) {
+        targets.push_back(
+            {a.device[p].buffer,
+             a.device[p].offset + uint64_t(job.slab.row) * a.row_bytes(p),
+             a.part_bytes[p]});
+      }
+      path = stores_[job.key.store].path;
+    }
+#endif
   } else {
     segs.push_back({job.slab.data, job.key.length});
   }
-  // O_DIRECT needs block-aligned file offset, buffers and lengths; a slab
-  // read is padded to 4096 (the slab is), arena parts must align exactly.
-  bool direct = job.direct_fd >= 0 && job.key.offset % kAlign == 0;
-  for (auto& v : segs) {
-    direct = direct && reinterpret_cast<uintptr_t>(v.iov_base) % 512 == 0 &&
-        (job.slab.arena < 0 || v.iov_len % 512 == 0);
-  }
-  if (direct && job.slab.arena < 0) {
-    segs[0].iov_len = round_up(job.key.length, kAlign);
-  }
-  std::vector<struct iovec> iov = segs;
-  int fd = direct ? job.direct_fd : job.fd;
-  uint64_t want = 0;
-  for (auto& v : iov) {
-    want += v.iov_len;
-  }
-#if defined(__APPLE__)
-  if (opts_.rdadvise) {
-    struct radvisory ra;
-    ra.ra_offset = static_cast<off_t>(job.key.offset);
-    ra.ra_count = static_cast<int>(std::min<uint64_t>(want, INT32_MAX));
-    fcntl(fd, F_RDADVISE, &ra);
-  }
-#endif
+  // Only the byte-moving step depends on the backend; the short-read,
+  // digest and widening below (and publication in worker_loop) are shared.
   uint64_t got = 0;
-  size_t first = 0;
-  while (got < want) {
-    int cnt = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
-    ssize_t n = ::preadv(fd, iov.data() + first, cnt, job.key.offset + got);
-    if (n < 0) {
-      if (errno == EINTR) {
-        continue;
-      }
-      if (direct && errno == EINVAL && got == 0) {
-        // The filesystem refused this direct read: retry buffered.
-        direct = false;
-        fd = job.fd;
-        iov = segs;
-        if (job.slab.arena < 0) {
-          iov[0].iov_len = job.key.length;
-        }
-        want = job.key.length;
-        continue;
-      }
-      msg = "I/O error reading " + where() + ": " + std::strerror(errno);
-      return ErrorCode::kIO;
+  ErrorCode moved;
+  std::string detail;
+#if HEBRUS_MTLIO
+  struct stat st;
+  if (!targets.empty() && ::fstat(job.fd, &st) == 0 &&
+      uint64_t(st.st_size) < job.key.offset + job.key.length) {
+    // A load past EOF is an MTLIO error, not a count: report it as the
+    // short read it is, like the pread path.
+    got = uint64_t(st.st_size) > job.key.offset
+        ? uint64_t(st.st_size) - job.key.offset
+        : 0;
+    moved = ErrorCode::kNone;
+  } else if (!targets.empty()) {
+    moved = mtlio_->load(
+        job.key.store, path, job.key.offset, targets, job.priority == 0, detail);
+    if (moved == ErrorCode::kNone) {
+      got = job.key.length;
+    } else {
+      detail += " (mtlio)";
     }
-    if (n == 0) {
-      break;
-    }
-    got += static_cast<uint64_t>(n);
-    for (uint64_t left = static_cast<uint64_t>(n); left > 0;) {
-      if (left >= iov[first].iov_len) {
-        left -= iov[first].iov_len;
-        first++;
-      } else {
-        iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
-        iov[first].iov_len -= left;
-        left = 0;
-      }
-    }
+  } else
+#endif
+  {
+    moved = pread_into(job, segs, got, detail);
+  }
+  if (moved != ErrorCode::kNone) {
+    msg = "I/O error reading " + where() + ": " + detail;
+    return moved;
   }
   if (fault == Fault::kShortRead) {
     got = job.key.length / 2;

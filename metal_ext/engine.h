@@ -6,6 +6,8 @@
 // slot generation the read was issued for is still current (AFN-019).
 #pragma once
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -145,7 +147,19 @@ struct EngineOptions {
   bool nocache = false; // macOS F_NOCACHE on the store fd
   bool rdadvise = false; // macOS F_RDADVISE before each read
   std::string policy = "lru"; // "lru" or "score"
+  // How bytes move: "pread" (default, everywhere) or "mtlio" (Apple Metal
+  // builds only, arena rows only, unverified: AFN-013; see io_mtlio.h).
+  std::string backend = "pread";
   bool testing = false; // enables fault injection and hold()
+};
+
+class MtlioReader; // io_mtlio.h; only defined when HEBRUS_MTLIO
+
+// Where an arena part lives on the device: an MTL::Buffer* (opaque here)
+// and the byte offset of the part's row 0 inside it.
+struct DevicePart {
+  void* buffer = nullptr;
+  uint64_t offset = 0;
 };
 
 enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kDigest = 3 };
@@ -179,6 +193,9 @@ struct Arena {
   uint32_t rows = 0;
   std::vector<uint32_t> free_rows;
   std::shared_ptr<void> keepalive; // owns the part buffers
+  // One per part when the engine's backend can load into device buffers
+  // (mtlio); empty otherwise, and then every read is a preadv.
+  std::vector<DevicePart> device;
 };
 
 struct TableRow {
@@ -209,7 +226,8 @@ class Engine {
       std::vector<uint64_t> part_bytes,
       std::vector<uint8_t> expand,
       uint32_t rows,
-      std::shared_ptr<void> keepalive);
+      std::shared_ptr<void> keepalive,
+      std::vector<DevicePart> device = {});
   uint64_t arena_record_bytes(int arena);
   const Table& table(int table_id) const;
 
@@ -364,10 +382,18 @@ class Engine {
   bool drop_ticket_locked(uint64_t ticket, bool cancel);
   void free_slab(Slab& slab);
   ErrorCode do_read(const Job& job, std::string& msg, Fault fault, int64_t delay_us);
+  ErrorCode pread_into(
+      const Job& job,
+      const std::vector<struct iovec>& segs,
+      uint64_t& got,
+      std::string& msg);
   double eviction_key(const Slot& s) const;
   void check_store_locked(int store) const;
 
   EngineOptions opts_;
+  // Set only for backend "mtlio" (shared_ptr: the type is incomplete here
+  // and in builds without it).
+  std::shared_ptr<MtlioReader> mtlio_;
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;

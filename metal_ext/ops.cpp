@@ -6,6 +6,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "io_mtlio.h"
 
 namespace hebrus {
 
@@ -483,6 +484,7 @@ std::pair<int, std::vector<mx::array>> create_arena(
   auto owned = std::make_shared<std::vector<mx::array>>();
   std::vector<mx::array> parts;
   std::vector<uint8_t*> ptrs;
+  std::vector<DevicePart> device;
   for (size_t p = 0; p < part_bytes.size(); ++p) {
     // An expanded part's row holds fp32: twice the stored bf16 bytes.
     uint64_t pb = expand[p] ? 2 * part_bytes[p] : part_bytes[p];
@@ -507,12 +509,31 @@ std::pair<int, std::vector<mx::array>> create_arena(
       throw std::runtime_error("arena part is not a view of its buffer");
     }
     ptrs.push_back(part.data<uint8_t>());
+#if HEBRUS_MTLIO
+    // Under MLX's Metal allocator every array's buffer is an MTL::Buffer;
+    // the mtlio backend loads into it at the part's offset. Only recorded
+    // when that backend was chosen, so pread engines are unchanged.
+    if (engine->options().backend == "mtlio") {
+      mx::allocator::Buffer buf = base.buffer();
+      auto* contents = static_cast<uint8_t*>(buf.raw_ptr());
+      if (contents == nullptr || part.data<uint8_t>() < contents) {
+        throw std::runtime_error("arena part is not inside its MTL::Buffer");
+      }
+      device.push_back(
+          {buf.ptr(), uint64_t(part.data<uint8_t>() - contents)});
+    }
+#endif
     owned->push_back(base);
     owned->push_back(part);
     parts.push_back(part);
   }
   int id = engine->add_arena(
-      ptrs, std::move(part_bytes), std::move(expand), rows, owned);
+      ptrs,
+      std::move(part_bytes),
+      std::move(expand),
+      rows,
+      owned,
+      std::move(device));
   return {id, parts};
 }
 

@@ -74,6 +74,13 @@ def unavailable_reason() -> Optional[str]:
     return f"hebrus_mlx._ext could not be imported: {_IMPORT_ERROR}"
 
 
+def backends() -> list:
+    """Read backends compiled into this build, the default first:
+    ``["pread"]``, plus ``"mtlio"`` on a macOS build with Metal (unverified,
+    opt-in only, AFN-013). Empty when the extension is not built."""
+    return [] if _ext is None else list(_ext.backends())
+
+
 class StreamEngine:
     """Thread-pool pread engine with a bounded, pinning slot cache.
 
@@ -84,6 +91,11 @@ class StreamEngine:
         direct: Use O_DIRECT on Linux when offset, length and buffer align.
         policy: ``"lru"`` (control) or ``"score"`` (stall removed per byte).
         nocache / rdadvise: macOS ``F_NOCACHE`` / ``F_RDADVISE``.
+        backend: How bytes move: ``"pread"`` (default) or ``"mtlio"``
+            (``MTLIOCommandQueue`` into arena rows; macOS Metal builds only,
+            not yet verified on hardware, so never chosen automatically).
+            Anything else, or ``"mtlio"`` where :func:`backends` lacks it,
+            raises :class:`StreamRequestError` naming ``backend``.
         testing: Enables fault injection, ``hold`` and read delays.
     """
 
@@ -96,6 +108,7 @@ class StreamEngine:
         nocache: bool = False,
         rdadvise: bool = False,
         testing: bool = False,
+        backend: str = "pread",
     ):
         if _ext is None:
             raise StreamUnavailableError(unavailable_reason())
@@ -106,8 +119,19 @@ class StreamEngine:
             nocache=nocache,
             rdadvise=rdadvise,
             policy=policy,
+            backend=backend,
             testing=testing,
         )
+        self._threads = threads
+
+    @property
+    def backend(self) -> str:
+        return self._e.backend
+
+    def __repr__(self) -> str:
+        cap = self._e.memory()["capacity"]
+        return (f"StreamEngine(backend={self.backend!r}, threads={self._threads}, "
+                f"cache_bytes={cap})")
 
     # Stores and record tables -------------------------------------------
     def add_store(self, path: str, digest_id: str = "") -> int:
