@@ -419,7 +419,8 @@ class MarkedEngine:
 
 def token_trace(stack, hs, path, prefetch, tok):
     """Engine trace events of token `tok` in a normal (untraced until then)
-    cold run: (events, token start ns, token end ns, dropped)."""
+    cold run: (events, token start ns, token end ns, dropped, the engine
+    counters' exposed wait of that token in ns)."""
     drop_cache(path)
     st = stack(prefetch)
     for h in hs[:tok]:
@@ -427,6 +428,7 @@ def token_trace(stack, hs, path, prefetch, tok):
     eng = st.eng
     st.eng = MarkedEngine(eng)
     eng.enable_trace(1 << 16)
+    w0 = eng.counters()["exposed_wait_ns"]
     t0 = time.monotonic_ns()
     st.token(hs[tok])
     t1 = time.monotonic_ns()
@@ -436,8 +438,9 @@ def token_trace(stack, hs, path, prefetch, tok):
             break
         time.sleep(0.001)
     ev, dropped = eng.trace_events()
+    waited = eng.counters()["exposed_wait_ns"] - w0
     eng.close()
-    return ev, t0, t1, dropped
+    return ev, t0, t1, dropped, waited
 
 
 def timeline(stack, hs, path, args):
@@ -454,7 +457,7 @@ def timeline(stack, hs, path, args):
              ("exposed wait", 0.1, "black"), ("SwitchGLU compute", 0.3, "tab:blue"),
              ("norm + router", 0.3, "tab:cyan"))
     for ax, pf in zip(axes, (False, True)):
-        ev, t0, t1, dropped = token_trace(stack, hs, path, pf, tok)
+        ev, t0, t1, dropped, waited = token_trace(stack, hs, path, pf, tok)
         ms = lambda t: (np.asarray(t, np.float64) - t0) / 1e6  # noqa: E731
         reads = ev[(ev["kind"] == "read") & (ev["outcome"] == "published")]
         waits = ev[ev["kind"] == "wait"]
@@ -492,7 +495,7 @@ def timeline(stack, hs, path, args):
         ax.legend(fontsize=7, loc="upper right", ncol=3)
         print(f"  timeline prefetch {'on ' if pf else 'off'}: token {tok} {(t1 - t0) / 1e6:.1f} ms, "
               f"{n_exact} exact + {len(reads) - n_exact} predicted reads, "
-              f"exposed wait {wait_ms:.1f} ms in {len(waits)} waits, "
+              f"exposed wait {wait_ms:.1f} ms in {len(waits)} waits (counters {waited / 1e6:.1f} ms), "
               f"compute {sum(b - a for _, a, b, _ in spans['SwitchGLU compute']) / 1e6:.1f} ms")
     axes[-1].set_xlabel("ms since the token's graph was built (dashed: eval returned; "
                         "faint: queued in the engine)")

@@ -189,6 +189,15 @@ def test_raw_pread_reads_the_file_bytes(store):
     assert r["direct"] is False
 
 
+def test_trace_capacity_is_checked(store):
+    path, _ = store
+    eng, _ = make(path)
+    for bad in (-1, 2**25):
+        with pytest.raises(StreamRequestError, match="^capacity:"):
+            eng.enable_trace(bad)
+    eng.close()
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [
