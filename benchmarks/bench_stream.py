@@ -6,7 +6,9 @@ affine 4-bit, group 64 (uint32 weights + bf16 scales and biases), each record
 decode-like list of records (per "layer", top-k distinct random experts, all
 k known at once) from a cold store (posix_fadvise DONTNEED before each run):
 
-  (a) raw     O_DIRECT pread, same record size and thread count, k-wide batches
+  (a) raw     O_DIRECT pread by a pool of C threads (raw_pread, no engine, no
+              cache), same record size and thread count, k-wide batches
+  (a') raw_py the same reads from a Python ThreadPoolExecutor (for comparison)
   (b) engine  StreamEngine request/wait/release, same batches
   (b2) op     StreamEngine.gather() MLX op evaluated per layer (graph path)
   (b3) sha    (b) with SHA-256 verification of every record
@@ -22,23 +24,29 @@ k known at once) from a cold store (posix_fadvise DONTNEED before each run):
 
 Prints GiB/s per run and the ratios engine/raw (target >= 0.9),
 engine/mmap (target >= 2) and glu vs the serial compute + I/O bound (target
->= 0.9).
+>= 0.9). The store has 512 records per layer as the real model does: how
+sparsely the touched records lie decides whether the kernel's readahead
+for the mapping helps (neighbours used later) or wastes bandwidth.
 
     python benchmarks/bench_stream.py [--store STEM] [--layers 6] [--experts 512]
 
-(c) streamed decode, ``--decode``: a stack of --layers MoE layers over a
-store with valid affine4 scales/biases, one lazy graph per token (router ->
-top-k -> resolve -> SwitchGLU -> residual + RMS norm per layer, routes never
-leave the graph, one mx.eval per token), cold store, arena of --rows
-records. Token inputs follow an AR(1) process so consecutive tokens share
-routes, as real decode does. Per token it compares the streamed time with
+(c) streamed decode, ``--decode``: a stack of --layers decoder layers over
+a store with valid affine4 scales/biases, one lazy graph per token (per
+layer: a Gated DeltaNet with the real model's dimensions -> router -> top-k
+-> resolve -> SwitchGLU + shared expert -> residual; routes never leave the
+graph, one mx.eval per token), cold store, arena of --rows records. The GDN
+matters: in the real model the attention/GDN work between a layer's start
+and its router is the window a layer-start prediction hides reads in.
+Token inputs follow an AR(1) process so consecutive tokens share routes, as
+real decode does (the overlap is printed). Per token it compares the streamed time with
 the serial bound = hot compute (same graph, that token's records already in
-the arena) + exact (missed) bytes per token / raw O_DIRECT bandwidth (same
-records, same threads), without prefetch and with the previous token's
-top-k prefetched as P1 per layer (StreamedSwitchGLU's control); and writes
-a PNG timeline of one token's layer-by-layer record wait and compute
-(a traced run, one host sync per layer for the timestamps only) to
-benchmarks/out/stream_decode_timeline.png.
+the arena) + exact (missed) bytes per token / raw O_DIRECT bandwidth (C
+threads, same records, same threads), without prefetch and with the
+previous token's top-k prefetched as P1 when each layer starts
+(StreamedSwitchGLU.layer_start's control); and writes a PNG timeline of one token's layer-by-layer reads,
+exposed waits and compute to benchmarks/out/stream_decode_timeline.png,
+drawn from the engine's trace of a normal run (per-read timestamps plus
+in-graph marks; no host sync).
 
     python benchmarks/bench_stream.py --decode [--layers 6] [--experts 512]
         [--rows 30] [--tokens 16]
@@ -77,6 +85,13 @@ def drop_cache(path):
 
 
 def run_raw(path, batches, rec, threads):
+    """Seconds for the C-thread raw O_DIRECT reads (the roofline)."""
+    from hebrus_mlx.stream import engine as se
+
+    return se.raw_pread(path, batches, rec, threads=threads)["elapsed_ns"] / 1e9
+
+
+def run_raw_py(path, batches, rec, threads):
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     local = threading.local()
 
@@ -309,27 +324,13 @@ class DecodeStack:
         for c, s in zip(self.caches, snap):
             c.restore(s)
 
-    def token(self, h, trace=None):
-        """One token's graph, evaluated once; trace: per-layer host-synced
-        timestamps [(t_start, t_records_ready, t_computed)]."""
+    def token(self, h):
+        """One token's graph, evaluated once (no per-layer sync)."""
         import mlx.core as mx
 
         x, idxs = h, []
         for l in range(self.layers):
-            if trace is None:
-                x, idx = self.layer(l, x)
-            else:
-                t0 = time.perf_counter()
-                if self.prefetch and self.prev is not None:
-                    mx.eval(self.eng.prefetch(self.table, self.prev[l] + l * self.experts,
-                                              priority=1, layer=l))
-                x, hn, idx = self._route(l, x)
-                rows, lease = self.eng.resolve(self.table, idx + l * self.experts, layer=l)
-                mx.eval(rows)
-                t1 = time.perf_counter()
-                x = self._experts(l, x, hn, rows, lease)
-                mx.eval(x)
-                trace.append((t0, t1, time.perf_counter()))
+            x, idx = self.layer(l, x)
             idxs.append(idx)
         mx.eval(x, *idxs, *[c.arrays for c in self.caches])
         self.prev = idxs
@@ -367,17 +368,17 @@ def run_decode(args):
         return DecodeStack(eng, table, glu_weights(parts, rows), args.layers,
                            args.experts, args.top_k, prefetch, mixers)
 
-    def streamed(prefetch, trace_token=None):
+    def streamed(prefetch):
         drop_cache(path)
         st = stack(prefetch)
-        times, routes, trace = [], [], []
-        for t, h in enumerate(hs):
+        times, routes = [], []
+        for h in hs:
             t0 = time.perf_counter()
-            routes.append(st.token(h, trace if t == trace_token else None))
+            routes.append(st.token(h))
             times.append(time.perf_counter() - t0)
         c = st.eng.counters()
         st.eng.close()
-        return times, routes, c, trace
+        return times, routes, c
 
     def hot():
         # Each token twice: the second pass finds every record in an arena
@@ -406,26 +407,19 @@ def run_decode(args):
             if mode == "hot":
                 hot_runs.append(statistics.median(hot()[1:]))
                 continue
-            times, routes, c, _ = streamed(mode)
+            times, routes, c = streamed(mode)
             res.setdefault(mode, []).append((statistics.median(times[1:]), routes, c))
     hot_t = statistics.median(hot_runs)
-    # Raw O_DIRECT bandwidth over the same records (cold, k-wide batches).
     routes = res[False][0][1]
-    batches = [[(l * args.experts + e) * rec for e in r] for tok in routes for l, r in enumerate(tok)]
-    raw = []
-    for _ in range(args.rounds):
-        drop_cache(path)
-        t0 = time.perf_counter()
-        run_raw(path, batches, rec, args.threads)
-        raw.append(time.perf_counter() - t0)
-    bw = len(batches) * args.top_k * rec / statistics.median(raw)
+    bw, bw_py = raw_bandwidth(path, routes, rec, args)
 
     toks = args.tokens
     overlap = [len(set(a) & set(b)) / args.top_k for p, q in zip(routes, routes[1:]) for a, b in zip(p, q)]
     print(f"(c) streamed decode: {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
           f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows, {toks} tokens, {args.threads} threads, "
           f"{args.rounds} rounds, backend {args.backend}; store {path}")
-    print(f"  previous-token route overlap {100 * np.mean(overlap):.0f}%; raw O_DIRECT {bw / 2**30:.3f} GiB/s; "
+    print(f"  previous-token route overlap {100 * np.mean(overlap):.0f}%; raw O_DIRECT {bw / 2**30:.3f} GiB/s "
+          f"(C threads; Python pool {bw_py / 2**30:.3f} GiB/s, {bw_py / bw:.2f}x); "
           f"hot compute {hot_t * 1e3:.1f} ms/token")
     c0 = res[False][0][2]
     miss_bytes = (c0["exact_bytes"]) / toks
@@ -440,32 +434,133 @@ def run_decode(args):
               f"bound/streamed {bound / t:.3f}x (target >= 0.9{', higher than off' if pf else ''}); "
               f"predicted hits/joins {c['predicted_hits']}/{c['predicted_joins']}")
         print("    " + se.io_summary(c))
-    timeline(streamed, args)
+    timeline(stack, hs, path, args)
 
 
-def timeline(streamed, args):
-    """PNG: one token's per-layer record wait and compute, both modes."""
+def raw_bandwidth(path, routes, rec, args):
+    """Raw O_DIRECT bytes/s over the decode's records (cold, one k-wide
+    batch per layer): (C threads, Python pool), medians of --rounds."""
+    batches = [[(l * args.experts + e) * rec for e in r] for tok in routes for l, r in enumerate(tok)]
+    total = len(batches) * args.top_k * rec
+    c, py = [], []
+    for _ in range(args.rounds):
+        drop_cache(path)
+        c.append(run_raw(path, batches, rec, args.threads))
+        drop_cache(path)
+        t0 = time.perf_counter()
+        run_raw_py(path, batches, rec, args.threads)
+        py.append(time.perf_counter() - t0)
+    return total / statistics.median(c), total / statistics.median(py)
+
+
+ROUTED, RESOLVED, COMPUTED = 0, 1, 2  # trace mark tags
+
+
+class MarkedEngine:
+    """StreamEngine proxy for the timeline: marks each layer's routes
+    (router done), resolved rows (records ready) and released output
+    (SwitchGLU computed) in the graph, so compute spans come from the engine
+    trace without a host sync."""
+
+    def __init__(self, eng):
+        self._eng, self._layer = eng, -1
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+    def resolve(self, table, indices, layer=-1, **kw):
+        indices = self._eng.mark_after(indices, layer, ROUTED)
+        rows, lease = self._eng.resolve(table, indices, layer=layer, **kw)
+        self._layer = layer  # the graph is built layer by layer
+        return self._eng.mark_after(rows, layer, RESOLVED), lease
+
+    def release_after(self, value, lease):
+        y = self._eng.release_after(value, lease)
+        return self._eng.mark_after(y, self._layer, COMPUTED)
+
+
+def token_trace(stack, hs, path, prefetch, tok):
+    """Engine trace events of token `tok` in a normal (untraced until then)
+    cold run: (events, token start ns, token end ns, dropped, the engine
+    counters' exposed wait of that token in ns)."""
+    drop_cache(path)
+    st = stack(prefetch)
+    for h in hs[:tok]:
+        st.token(h)
+    eng = st.eng
+    st.eng = MarkedEngine(eng)
+    eng.enable_trace(1 << 16)
+    w0 = eng.counters()["exposed_wait_ns"]
+    t0 = time.monotonic_ns()
+    st.token(hs[tok])
+    t1 = time.monotonic_ns()
+    for _ in range(10000):  # let this token's unused prefetches land
+        m = eng.memory()
+        if m["inflight_reads"] == 0 and m["queued_reads"] == 0:
+            break
+        time.sleep(0.001)
+    ev, dropped = eng.trace_events()
+    waited = eng.counters()["exposed_wait_ns"] - w0
+    eng.close()
+    return ev, t0, t1, dropped, waited
+
+
+def timeline(stack, hs, path, args):
+    """PNG: one token's per-layer reads, exposed waits and compute, both
+    prefetch modes, from the engine trace (AFN-019: no per-layer sync)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tok = min(args.tokens - 1, 4)
-    fig, axes = plt.subplots(2, 1, figsize=(9, 4.5), sharex=True)
+    tok = min(len(hs) - 1, 4)
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    lanes = (("predicted read", -0.3, "tab:orange"), ("exact read", -0.1, "tab:red"),
+             ("exposed wait", 0.1, "black"), ("SwitchGLU compute", 0.3, "tab:blue"),
+             ("GDN + router", 0.3, "tab:cyan"))
     for ax, pf in zip(axes, (False, True)):
-        _, _, _, trace = streamed(pf, trace_token=tok)
-        t0 = trace[0][0]
-        for l, (a, b, e) in enumerate(trace):
-            ax.barh(l, (b - a) * 1e3, left=(a - t0) * 1e3, color="tab:red",
-                    label="route + wait for records (I/O)" if l == 0 else None)
-            ax.barh(l, (e - b) * 1e3, left=(b - t0) * 1e3, color="tab:blue",
-                    label="SwitchGLU compute" if l == 0 else None)
+        ev, t0, t1, dropped, waited = token_trace(stack, hs, path, pf, tok)
+        ms = lambda t: (np.asarray(t, np.float64) - t0) / 1e6  # noqa: E731
+        reads = ev[(ev["kind"] == "read") & (ev["outcome"] == "published")]
+        waits = ev[ev["kind"] == "wait"]
+        marks = ev[ev["kind"] == "mark"]
+        spans = {lane: [] for lane, _, _ in lanes}
+        for r in reads:
+            spans["exact read" if r["exact"] else "predicted read"].append(
+                (r["layer"], r["start_ns"], r["end_ns"], r["issue_ns"]))
+        for w in waits:
+            spans["exposed wait"].append((w["layer"], w["issue_ns"], w["end_ns"], None))
+        at = {(int(m["layer"]), int(m["expert"])): m["issue_ns"] for m in marks}
+        for l in range(args.layers):
+            if (l, RESOLVED) in at and (l, COMPUTED) in at:
+                spans["SwitchGLU compute"].append((l, at[l, RESOLVED], at[l, COMPUTED], None))
+            if (l - 1, COMPUTED) in at and (l, ROUTED) in at:
+                spans["GDN + router"].append((l, at[l - 1, COMPUTED], at[l, ROUTED], None))
+        for lane, dy, color in lanes:
+            alpha = 0.35 if "read" in lane else 0.9
+            for i, (l, a, b, issued) in enumerate(spans[lane]):
+                if issued is not None:  # queued in the engine before a worker took it
+                    ax.barh(l + dy, ms(a) - ms(issued), left=ms(issued), height=0.18,
+                            color=color, alpha=0.08)
+                ax.barh(l + dy, max(ms(b) - ms(a), 0.05), left=ms(a), height=0.18,
+                        color=color, alpha=alpha, label=lane if i == 0 else None)
+        wait_ms = float(np.sum(waits["end_ns"] - waits["issue_ns"])) / 1e6
+        n_exact = int(reads["exact"].sum())
+        ax.axvline(ms(t1), color="gray", lw=0.8, ls="--")
         ax.set_ylabel("layer")
+        ax.set_yticks(range(args.layers))
         ax.invert_yaxis()
         ax.set_title(f"previous-token prefetch {'on' if pf else 'off'}: token {tok}, "
-                     f"{(trace[-1][2] - t0) * 1e3:.1f} ms (traced: one sync per layer)", fontsize=9)
-        ax.legend(fontsize=7, loc="upper right")
-    axes[-1].set_xlabel("ms since the token's first layer started")
+                     f"{(t1 - t0) / 1e6:.1f} ms; {n_exact} exact + {len(reads) - n_exact} predicted "
+                     f"reads, exposed wait {wait_ms:.1f} ms (engine trace, no host sync"
+                     f"{f', {dropped} dropped' if dropped else ''})", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right", ncol=3)
+        print(f"  timeline prefetch {'on ' if pf else 'off'}: token {tok} {(t1 - t0) / 1e6:.1f} ms, "
+              f"{n_exact} exact + {len(reads) - n_exact} predicted reads, "
+              f"exposed wait {wait_ms:.1f} ms in {len(waits)} waits (counters {waited / 1e6:.1f} ms), "
+              f"compute {sum(b - a for _, a, b, _ in spans['SwitchGLU compute']) / 1e6:.1f} ms")
+    axes[-1].set_xlabel("ms since the token's graph was built (dashed: eval returned; "
+                        "faint: queued in the engine)")
     fig.tight_layout()
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     os.makedirs(out, exist_ok=True)
@@ -569,7 +664,7 @@ def main():
         eng.close()
         return dt, c
 
-    variants = ["raw", "engine", "op", "resolve", "glu", "glu_pf", "glu_hot", "mmap"]
+    variants = ["raw", "raw_py", "engine", "op", "resolve", "glu", "glu_pf", "glu_hot", "mmap"]
     variants += ["sha"] if args.sha else []
     times = {v: [] for v in variants}
     last = {}
@@ -578,8 +673,10 @@ def main():
         for v in order:
             drop_cache(args.store)
             if v == "raw":
+                dt = run_raw(args.store, batches, rec, args.threads)
+            elif v == "raw_py":
                 t0 = time.perf_counter()
-                run_raw(args.store, batches, rec, args.threads)
+                run_raw_py(args.store, batches, rec, args.threads)
                 dt = time.perf_counter() - t0
             elif v == "mmap":
                 t0 = time.perf_counter()
@@ -597,7 +694,9 @@ def main():
     for v in variants:
         runs = " ".join(f"{gib / t:.3f}" for t in times[v])
         print(f"  {v:7s} median {gib / med[v]:.3f} GiB/s   runs [{runs}]")
-    print(f"  engine/raw  {med['raw'] / med['engine']:.3f}x   (target >= 0.9)")
+    print(f"  engine/raw  {med['raw'] / med['engine']:.3f}x   (target >= 0.9; raw = C threads)")
+    print(f"  raw_py/raw  {med['raw'] / med['raw_py']:.3f}x   (Python pool vs C threads; "
+          f"engine/raw_py {med['raw_py'] / med['engine']:.3f}x)")
     print(f"  op/raw      {med['raw'] / med['op']:.3f}x")
     print(f"  resolve/raw {med['raw'] / med['resolve']:.3f}x   (zero-copy graph op)")
     print(f"  engine/mmap {med['mmap'] / med['engine']:.3f}x   (target >= 2); the mapping paged in "

@@ -7,11 +7,14 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <climits>
 #include <cstring>
 
 #include "io_mtlio.h"
 #include "ops.h"
+#include "rawbench.h"
+#include "trace_ops.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -60,6 +63,40 @@ nb::dict counters_dict(const hebrus::Counters& c) {
   d["latency_p95_ns"] = c.latency_p95_ns;
   d["latency_p99_ns"] = c.latency_p99_ns;
   d["latency_samples"] = c.latency_samples;
+  return d;
+}
+
+// Columns of trace events (oldest first); the Python side turns them into a
+// numpy structured array.
+nb::dict trace_dict(const std::vector<hebrus::TraceEvent>& ev, uint64_t dropped) {
+  nb::list kind, outcome, priority, exact, promoted, layer, expert, bytes, t0,
+      t1, t2;
+  for (const auto& e : ev) {
+    kind.append(int(e.kind));
+    outcome.append(int(e.outcome));
+    priority.append(int(e.priority));
+    exact.append(e.exact);
+    promoted.append(e.promoted);
+    layer.append(e.layer);
+    expert.append(e.expert);
+    bytes.append(e.bytes);
+    t0.append(e.t0);
+    t1.append(e.t1);
+    t2.append(e.t2);
+  }
+  nb::dict d;
+  d["kind"] = kind;
+  d["outcome"] = outcome;
+  d["priority"] = priority;
+  d["exact"] = exact;
+  d["promoted"] = promoted;
+  d["layer"] = layer;
+  d["expert"] = expert;
+  d["bytes"] = bytes;
+  d["t0"] = t0;
+  d["t1"] = t1;
+  d["t2"] = t2;
+  d["dropped"] = dropped;
   return d;
 }
 
@@ -306,6 +343,16 @@ NB_MODULE(_ext, m) {
           },
           "kind"_a,
           "count"_a = 1)
+      .def("enable_trace", &Engine::enable_trace, "capacity"_a)
+      .def(
+          "trace_events",
+          [](Engine& e, bool clear) {
+            uint64_t dropped = 0;
+            auto ev = e.trace_events(clear, &dropped);
+            return trace_dict(ev, dropped);
+          },
+          "clear"_a = false)
+      .def("mark", &Engine::mark, "layer"_a, "tag"_a = 0)
       .def("hold", &Engine::hold, "on"_a)
       .def("set_read_delay_us", &Engine::set_read_delay_us, "us"_a);
 
@@ -354,6 +401,49 @@ NB_MODULE(_ext, m) {
       "lease"_a);
   m.def("sha256_backend", &hebrus::sha256_backend);
   m.def("backends", &hebrus::compiled_backends);
+  m.def(
+      "mark_after",
+      &hebrus::mark_after,
+      "engine"_a,
+      "value"_a,
+      "layer"_a,
+      "tag"_a = 0);
+  // The engine trace's clock (steady_clock ns).
+  m.def("trace_clock_ns", [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  });
+  m.def(
+      "raw_pread",
+      [](const std::string& path,
+         const std::vector<std::vector<uint64_t>>& batches,
+         uint64_t length,
+         int threads,
+         bool direct,
+         bool collect) {
+        hebrus::RawReadResult r;
+        {
+          nb::gil_scoped_release nogil;
+          r = hebrus::raw_pread(path, batches, length, threads, direct, collect);
+        }
+        nb::dict d;
+        d["elapsed_ns"] = r.elapsed_ns;
+        d["bytes"] = r.bytes;
+        d["reads"] = r.reads;
+        d["direct"] = r.direct;
+        if (collect) {
+          d["data"] = nb::bytes(
+              reinterpret_cast<const char*>(r.data.data()), r.data.size());
+        }
+        return d;
+      },
+      "path"_a,
+      "batches"_a,
+      "length"_a,
+      "threads"_a = 4,
+      "direct"_a = true,
+      "collect"_a = false);
   m.def("load_tickets", &hebrus::load_tickets, "engine"_a, "tickets"_a);
   m.def(
       "gather_records",

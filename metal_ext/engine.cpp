@@ -338,6 +338,9 @@ void Engine::retire_slot_locked(uint32_t idx) {
     s.slab = Slab{};
   }
   if (s.job) {
+    if (trace_) {
+      trace_read_end_locked(idx, s.job->gen, uint8_t(TraceOutcome::kDropped));
+    }
     recycle_slab_locked(s.job->slab);
     s.job.reset();
   }
@@ -597,6 +600,10 @@ uint64_t Engine::request(const Request& req) {
         req.priority,
         st.fd,
         st.direct_fd});
+    if (trace_) {
+      trace_->pending[{idx, s.gen}] = TraceRing::Pending{
+          s.job->issue_ns, 0, -1, req.layer, req.expert, req.exact, req.length};
+    }
     index_[key] = idx;
     enqueue_locked(idx, req.priority);
     t.slot = idx;
@@ -627,6 +634,15 @@ Engine::View Engine::wait(uint64_t id, double timeout_s) {
   if (it->second.state == TicketState::kPending) {
     counters_.waits_blocked++;
     int64_t t0 = now_ns();
+    const int layer = it->second.req.layer, expert = it->second.req.expert;
+    auto trace_wait = [&](TraceOutcome o) {
+      if (trace_) {
+        int64_t t = now_ns();
+        trace_->push(TraceEvent{
+            TraceKind::kWait, uint8_t(o), -1, false, false, layer, expert, 0,
+            t0, t, t});
+      }
+    };
     auto deadline = std::chrono::steady_clock::now() +
         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                         std::chrono::duration<double>(
@@ -635,6 +651,7 @@ Engine::View Engine::wait(uint64_t id, double timeout_s) {
       it = tickets_.find(id);
       if (it == tickets_.end()) {
         counters_.exposed_wait_ns += now_ns() - t0;
+        trace_wait(TraceOutcome::kCancelled);
         throw StreamError(
             ErrorCode::kCancelled,
             "ticket " + std::to_string(id) + " was cancelled while waiting");
@@ -647,6 +664,7 @@ Engine::View Engine::wait(uint64_t id, double timeout_s) {
         if (it != tickets_.end() &&
             it->second.state == TicketState::kPending) {
           counters_.exposed_wait_ns += now_ns() - t0;
+          trace_wait(TraceOutcome::kTimeout);
           throw StreamError(
               ErrorCode::kTimeout,
               "ticket " + std::to_string(id) + " not ready within timeout");
@@ -656,6 +674,9 @@ Engine::View Engine::wait(uint64_t id, double timeout_s) {
     int64_t waited = now_ns() - t0;
     counters_.exposed_wait_ns += waited;
     counters_.exposed_wait_ns_by_layer[it->second.req.layer] += waited;
+    trace_wait(
+        it->second.state == TicketState::kReady ? TraceOutcome::kPublished
+                                                : TraceOutcome::kFailed);
   }
   Ticket& t = it->second;
   if (t.state == TicketState::kFailed) {
@@ -1011,12 +1032,27 @@ void Engine::worker_loop() {
       }
     }
     int64_t delay = read_delay_us_;
+    if (trace_) {
+      auto p = trace_->pending.find({job->slot, job->gen});
+      if (p != trace_->pending.end()) {
+        p->second.start_ns = now_ns();
+        p->second.priority = job->priority;
+      }
+    }
     lk.unlock();
     std::string msg;
     ErrorCode code = do_read(*job, msg, fault, delay);
     lk.lock();
     inflight_[job->priority]--;
     Slot& s = slots_[job->slot];
+    if (trace_) {
+      trace_read_end_locked(
+          job->slot,
+          job->gen,
+          s.gen != job->gen              ? uint8_t(TraceOutcome::kStale)
+              : code == ErrorCode::kNone ? uint8_t(TraceOutcome::kPublished)
+                                         : uint8_t(8 + int(code)));
+    }
     if (s.gen != job->gen) {
       // The slot was abandoned or recycled while we read: never publish.
       counters_.stale_drops++;
@@ -1166,6 +1202,57 @@ MemoryInfo Engine::memory() {
   }
   m.tickets = static_cast<uint32_t>(tickets_.size());
   return m;
+}
+
+void Engine::trace_read_end_locked(
+    uint32_t slot,
+    uint64_t gen,
+    uint8_t outcome) {
+  auto it = trace_->pending.find({slot, gen});
+  if (it == trace_->pending.end()) {
+    return; // issued before tracing was enabled
+  }
+  const TraceRing::Pending& p = it->second;
+  const Slot& s = slots_[slot];
+  bool promoted = !p.exact && s.gen == gen && s.exact;
+  int64_t t = now_ns();
+  trace_->push(TraceEvent{
+      TraceKind::kRead, outcome, int8_t(p.priority), p.exact, promoted,
+      p.layer, p.expert, p.bytes, p.issue_ns, p.start_ns, t});
+  trace_->pending.erase(it);
+}
+
+void Engine::enable_trace(size_t capacity) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (capacity > (size_t(1) << 24)) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "capacity: at most 2^24 trace events");
+  }
+  trace_ = capacity ? std::make_unique<TraceRing>(capacity) : nullptr;
+}
+
+std::vector<TraceEvent> Engine::trace_events(bool clear, uint64_t* dropped) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!trace_) {
+    *dropped = 0;
+    return {};
+  }
+  *dropped = trace_->dropped();
+  std::vector<TraceEvent> out = trace_->events();
+  if (clear) {
+    trace_->clear();
+  }
+  return out;
+}
+
+void Engine::mark(int layer, int tag) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (trace_) {
+    int64_t t = now_ns();
+    trace_->push(TraceEvent{
+        TraceKind::kMark, uint8_t(TraceOutcome::kPublished), -1, false,
+        false, layer, tag, 0, t, t, t});
+  }
 }
 
 void Engine::inject_fault(Fault fault, int count) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "sha256.h"
+#include "trace.h"
 
 namespace hebrus {
 
@@ -276,6 +277,14 @@ class Engine {
   MemoryInfo memory();
   void close();
 
+  // Bounded event trace (trace.h): capacity events, oldest dropped first;
+  // 0 turns it off and discards the events.
+  void enable_trace(size_t capacity);
+  // Oldest first; `dropped` gets the events lost to the bound so far.
+  std::vector<TraceEvent> trace_events(bool clear, uint64_t* dropped);
+  // A caller's timestamp (e.g. when a layer's compute finished).
+  void mark(int layer, int tag);
+
   // Test hooks (only with options.testing).
   void inject_fault(Fault fault, int count);
   void hold(bool on);
@@ -407,6 +416,8 @@ class Engine {
   std::unordered_map<uint64_t, Ticket> tickets_;
   std::unordered_map<uint64_t, uint64_t> owner_generation_;
   std::multimap<uint64_t, Slab> pool_;
+  std::unique_ptr<TraceRing> trace_; // null: tracing off
+  void trace_read_end_locked(uint32_t slot, uint64_t gen, uint8_t outcome);
   // Evictable slots (published, unpinned) per destination (-1 = slab
   // cache, else arena id), ordered by (policy key, lru, slot): victim
   // selection is O(log n) however large the cache.

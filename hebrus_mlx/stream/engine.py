@@ -29,8 +29,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import mlx.core as mx  # loads libmlx before the extension needs it
+import numpy as np
 
-from .errors import StreamError
+from .errors import BY_CODE, BY_NAME, StreamError, StreamRequestError
 
 try:
     from hebrus_mlx import _ext
@@ -57,6 +58,73 @@ def io_summary(counters: dict) -> str:
         f"{c['wasted_bytes'] / 1e9:.3f} GB wasted), hit rate {hit:.1f}%, "
         f"exposed wait {c['exposed_wait_ns'] / 1e9:.3f} s, hidden {hidden}, "
         f"p50/p99 {c['latency_p50_ns'] / 1e6:.2f}/{c['latency_p99_ns'] / 1e6:.2f} ms"
+    )
+
+
+# Engine trace (metal_ext/trace.h). Times are steady-clock ns, the clock of
+# time.monotonic_ns() (see trace_clock_ns).
+TRACE_KINDS = ("read", "wait", "mark")
+TRACE_OUTCOMES = {0: "published", 1: "stale", 2: "dropped", 3: "failed",
+                  4: "timeout", 5: "cancelled"}
+TRACE_DTYPE = np.dtype([
+    ("kind", "U4"),
+    ("outcome", "U12"),
+    ("priority", np.int8),   # read: queue it ran from, -1 if it never ran
+    ("exact", np.bool_),     # read: issued exact (else predicted)
+    ("promoted", np.bool_),  # read: predicted, then joined by an exact request
+    ("layer", np.int32),
+    ("expert", np.int32),    # mark: the tag
+    ("bytes", np.uint64),
+    ("issue_ns", np.int64),  # read: request; wait: begin; mark: time
+    ("start_ns", np.int64),  # read: a worker picked it (0: never ran)
+    ("end_ns", np.int64),    # read: published / failed / dropped; wait: end
+])
+
+
+def _trace_array(d: dict) -> np.ndarray:
+    n = len(d["kind"])
+    out = np.zeros(n, TRACE_DTYPE)
+    if n == 0:
+        return out
+    out["kind"] = [TRACE_KINDS[k] for k in d["kind"]]
+    # A failed read's outcome is 8 + the engine's ErrorCode: "error:<name>".
+    names = {cls: name for name, cls in BY_NAME.items()}
+    errors = {8 + code: "error:" + names[cls] for code, cls in BY_CODE.items()}
+    out["outcome"] = ["" if k == 2 else TRACE_OUTCOMES.get(o) or errors.get(o, str(o))
+                      for k, o in zip(d["kind"], d["outcome"])]
+    for field, col in (("priority", "priority"), ("exact", "exact"),
+                       ("promoted", "promoted"), ("layer", "layer"),
+                       ("expert", "expert"), ("bytes", "bytes"),
+                       ("issue_ns", "t0"), ("start_ns", "t1"), ("end_ns", "t2")):
+        out[field] = d[col]
+    return out
+
+
+def trace_clock_ns() -> int:
+    """Now on the engine trace's clock (steady clock, as time.monotonic_ns)."""
+    if _ext is None:
+        raise StreamUnavailableError(unavailable_reason())
+    return _ext.trace_clock_ns()
+
+
+def raw_pread(path, batches: Sequence[Sequence[int]], length: int,
+              threads: int = 4, direct: bool = True,
+              collect: bool = False) -> dict:
+    """The raw-read roofline (no engine, no cache): a pool of ``threads`` C
+    threads preads each batch of offsets (``length`` bytes each) into
+    aligned buffers, all of a batch issued and awaited before the next, as a
+    decode layer does. O_DIRECT when ``direct`` (offsets and length must be
+    4096-aligned; a filesystem without O_DIRECT falls back to buffered and
+    the result says ``direct=False``).
+
+    Returns ``{"elapsed_ns", "bytes", "reads", "direct"}`` (+ ``"data"``,
+    every read concatenated in batch order, with ``collect``). Bad input
+    raises :class:`StreamRequestError` naming the field."""
+    if _ext is None:
+        raise StreamUnavailableError(unavailable_reason())
+    return _ext.raw_pread(
+        str(path), [[int(o) for o in b] for b in batches], int(length),
+        int(threads), bool(direct), bool(collect),
     )
 
 
@@ -329,6 +397,39 @@ class StreamEngine:
 
     def reset_counters(self) -> None:
         self._e.reset_counters()
+
+    def enable_trace(self, capacity: int) -> None:
+        """Record engine events in a ring of ``capacity`` (oldest dropped
+        first, see :meth:`trace_events`); 0 turns tracing off. Off by
+        default: then the engine pays one branch per read."""
+        if int(capacity) < 0:
+            raise StreamRequestError("capacity: must be >= 0")
+        self._e.enable_trace(int(capacity))
+
+    def trace_events(self, clear: bool = False):
+        """``(events, dropped)``: a numpy structured array (``TRACE_DTYPE``,
+        oldest first) and how many events the ring bound has dropped so far.
+
+        - ``read``: one per miss (a read the engine issued), recorded when it
+          published, failed (outcome = the error class), finished for a
+          recycled slot (``stale``) or was dropped while queued.
+        - ``wait``: one per wait that blocked (the exposed wait), labelled
+          with the ticket's layer/expert.
+        - ``mark``: :meth:`mark` or :meth:`mark_after` timestamps.
+
+        Times are ns on :func:`trace_clock_ns`'s clock."""
+        d = self._e.trace_events(clear)
+        return _trace_array(d), d["dropped"]
+
+    def mark(self, layer: int, tag: int = 0) -> None:
+        """Host-side trace mark (no-op while tracing is off)."""
+        self._e.mark(layer, tag)
+
+    def mark_after(self, value: mx.array, layer: int, tag: int = 0) -> mx.array:
+        """Graph op: ``value`` unchanged; adds a trace mark when the CPU
+        stream has computed ``value``. Use the result in place of ``value``
+        so the mark runs in line (no host sync)."""
+        return _ext.mark_after(self._e, value, layer, tag)
 
     def memory(self) -> dict:
         return self._e.memory()

@@ -1,0 +1,44 @@
+// Graph-side markers for the engine trace (trace.h): an identity op that
+// records a timestamp when the CPU stream reaches it, so per-layer compute
+// spans can be drawn without a host sync (AFN-019).
+#pragma once
+
+#include <memory>
+
+#include "engine.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace hebrus {
+
+namespace mx = mlx::core;
+
+// `value` unchanged; when evaluated (after its producer), adds a mark event
+// (layer, tag) to the engine trace. No cost beyond one branch if the trace
+// is off.
+mx::array mark_after(
+    std::shared_ptr<Engine> engine,
+    const mx::array& value,
+    int layer,
+    int tag);
+
+class MarkAfter : public mx::UnaryPrimitive {
+ public:
+  MarkAfter(mx::Stream s, std::shared_ptr<Engine> engine, int layer, int tag)
+      : mx::UnaryPrimitive(s),
+        engine_(std::move(engine)),
+        layer_(layer),
+        tag_(tag) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "HebrusMarkAfter";
+  }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  int layer_;
+  int tag_;
+};
+
+} // namespace hebrus
