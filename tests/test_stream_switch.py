@@ -175,6 +175,7 @@ def test_previous_token_hint_is_issued_when_the_layer_starts(tmp_path):
         mx.eval(glu(x, idx))
         before = eng.counters()
         x2 = glu.layer_start(x + 1)
+        mx.synchronize()  # whatever was dispatched has run
         assert eng.counters()["requests"] == before["requests"]  # graph built, nothing issued
         mx.eval(x2)
         np.testing.assert_array_equal(np.array(x2), np.array(x + 1))
@@ -182,3 +183,47 @@ def test_previous_token_hint_is_issued_when_the_layer_starts(tmp_path):
         # The K previous-token records are still cached: every hint lands as a hit.
         assert after["requests"] == before["requests"] + K
         assert after["hits"] == before["hits"] + K
+
+
+
+def test_demo_hints_leave_layer_by_layer():
+    """AFN-019, on the shipped demo model decoding with streamed experts and
+    the engine trace on: within a token, each layer's P1 hints are issued
+    after the previous layer's exact reads and before the layer's own exact
+    reads, i.e. when the layer starts. The old scheme (every layer's hints
+    at token start) puts all hints before layer 0's exact reads and fails.
+    Contract control: engine timestamps, no timing thresholds."""
+    from hebrus_mlx.utils import DEMO_DIR, load_model
+
+    model = load_model(DEMO_DIR)
+    # 12 rows for 8 layers x top-4: the previous token's records are mostly
+    # evicted, so the hints become reads the trace sees.
+    experts = StreamedExperts.from_artifact(str(DEMO_DIR), rows=12, threads=2)
+    attach([layer.mlp for layer in model.model.layers], experts)
+    eng = experts.engine
+    eng.enable_trace(1 << 14)
+    cache, tok = model.make_cache(), 5
+    for step in range(5):
+        eng.mark(-1, step)  # token boundary
+        out = model(mx.array([[tok]]), cache)
+        tok = int(out[0, -1].argmax())
+        while eng.memory()["inflight_reads"] or eng.memory()["queued_reads"]:
+            pass  # unused hints land before the next token starts
+    ev, dropped = eng.trace_events()
+    assert dropped == 0
+    bounds = list(ev[ev["kind"] == "mark"]["issue_ns"]) + [np.iinfo(np.int64).max]
+    reads = ev[(ev["kind"] == "read") & (ev["outcome"] == "published")]
+    checked = 0
+    for t0, t1 in zip(bounds[:-1], bounds[1:]):
+        tok_reads = reads[(reads["issue_ns"] >= t0) & (reads["issue_ns"] < t1)]
+        for layer in range(len(model.model.layers)):
+            hints = tok_reads[~tok_reads["exact"] & (tok_reads["layer"] == layer)]["issue_ns"]
+            own = tok_reads[tok_reads["exact"] & (tok_reads["layer"] == layer)]["issue_ns"]
+            prev = tok_reads[tok_reads["exact"] & (tok_reads["layer"] == layer - 1)]["issue_ns"]
+            if len(hints) and len(prev):
+                assert hints.min() >= prev.max(), (layer, "hint before the previous layer ran")
+                checked += 1
+            if len(hints) and len(own):
+                assert hints.max() <= own.min(), (layer, "hint after the router")
+                checked += 1
+    assert checked >= 4, checked
