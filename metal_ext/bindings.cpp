@@ -144,6 +144,7 @@ NB_MODULE(_ext, m) {
             o.policy = policy;
             o.backend = backend;
             o.testing = testing;
+            o.allocate_slab = hebrus::allocate_mlx_slab;
             new (self) Engine(o);
           },
           "threads"_a = 4,

@@ -142,7 +142,12 @@ void Engine::close() {
 
 void Engine::free_slab(Slab& slab) {
   if (slab.data) {
-    std::free(slab.data);
+    auto owner = slab_owners_.find(slab.data);
+    if (owner != slab_owners_.end()) {
+      slab_owners_.erase(owner);
+    } else {
+      std::free(slab.data);
+    }
   }
   slab = Slab{};
 }
@@ -448,7 +453,17 @@ Slab Engine::reserve_slab_locked(uint64_t size) {
     }
     if (allocated_ + size <= opts_.cache_bytes) {
       void* p = nullptr;
-      if (posix_memalign(&p, kAlign, size) != 0) {
+      if (opts_.allocate_slab) {
+        auto [data, owner] = opts_.allocate_slab(size);
+        if (data == nullptr || reinterpret_cast<uintptr_t>(data) % kAlign) {
+          throw StreamError(
+              ErrorCode::kCacheFull,
+              "slab allocator returned no aligned " + std::to_string(size) +
+                  "-byte block");
+        }
+        slab_owners_[data] = std::move(owner);
+        p = data;
+      } else if (posix_memalign(&p, kAlign, size) != 0) {
         throw StreamError(
             ErrorCode::kCacheFull,
             "could not allocate a " + std::to_string(size) + "-byte slab");

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -152,6 +153,11 @@ struct EngineOptions {
   // builds only, arena rows only, unverified: AFN-013; see io_mtlio.h).
   std::string backend = "pread";
   bool testing = false; // enables fault injection and hold()
+  // Slab memory. Set by the MLX bindings to allocate through MLX's
+  // allocator (counted by mx.get_active_memory, unified memory on Apple);
+  // must return kAlign-aligned memory kept alive by the returned owner.
+  // Unset (the sanitizer driver, no MLX): posix_memalign.
+  std::function<std::pair<uint8_t*, std::shared_ptr<void>>(uint64_t)> allocate_slab;
 };
 
 class MtlioReader; // io_mtlio.h; only defined when HEBRUS_MTLIO
@@ -416,6 +422,8 @@ class Engine {
   std::unordered_map<uint64_t, Ticket> tickets_;
   std::unordered_map<uint64_t, uint64_t> owner_generation_;
   std::multimap<uint64_t, Slab> pool_;
+  // Owners of slabs from opts_.allocate_slab, by data pointer.
+  std::unordered_map<uint8_t*, std::shared_ptr<void>> slab_owners_;
   std::unique_ptr<TraceRing> trace_; // null: tracing off
   void trace_read_end_locked(uint32_t slot, uint64_t gen, uint8_t outcome);
   // Evictable slots (published, unpinned) per destination (-1 = slab

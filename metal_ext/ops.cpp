@@ -465,6 +465,17 @@ void GatherRows::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) 
   throw std::runtime_error("HebrusGatherRows runs on the CPU stream only");
 }
 
+std::pair<uint8_t*, std::shared_ptr<void>> allocate_mlx_slab(uint64_t size) {
+  // Data frees its buffer through MLX's allocator when the owner drops.
+  auto owner = std::make_shared<mx::allocator::Data>(mx::allocator::malloc(size + kAlign));
+  auto* base = static_cast<uint8_t*>(owner->buffer().raw_ptr());
+  if (base == nullptr) {
+    return {nullptr, nullptr};
+  }
+  uint8_t* data = base + (kAlign - reinterpret_cast<uintptr_t>(base) % kAlign) % kAlign;
+  return {data, std::move(owner)};
+}
+
 std::pair<int, std::vector<mx::array>> create_arena(
     std::shared_ptr<Engine> engine,
     std::vector<uint64_t> part_bytes,

@@ -50,6 +50,10 @@ mx::array prefetch_records(
 // graph can view a part as [rows, out, in] and index it with slot rows.
 // expand[p] (empty: none) marks a stored-bf16 part held as fp32 in the
 // arena: its rows are [rows, 2 * part_bytes[p]].
+// Slab memory from MLX's allocator (EngineOptions::allocate_slab): a
+// kAlign-aligned block inside an MLX buffer, freed when the owner drops.
+std::pair<uint8_t*, std::shared_ptr<void>> allocate_mlx_slab(uint64_t size);
+
 std::pair<int, std::vector<mx::array>> create_arena(
     std::shared_ptr<Engine> engine,
     std::vector<uint64_t> part_bytes,

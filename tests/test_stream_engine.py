@@ -400,6 +400,28 @@ def test_bounded_cache_memory_stays_flat(store):
     assert_clean(eng)
 
 
+def test_slabs_are_mlx_allocated(store):
+    """Issue 6: the slab cache lives in MLX-allocated memory (so MLX's
+    memory accounting and, on Apple, unified-memory buffers cover it) and
+    is returned when the engine goes. Control: mx.get_active_memory()."""
+    path, data, aligned, _ = store
+    mx.synchronize()
+    base = mx.get_active_memory()
+    eng = make(capacity=4 * REC, threads=2)
+    s = eng.add_store(path)
+    for off, n in aligned[:6]:  # more records than slabs: pooled and evicted
+        t = eng.request(s, off, n)
+        assert eng.read(t) == data[off:off + n]
+        eng.release(t)
+    held = mx.get_active_memory() - base
+    assert eng.memory()["allocated"] == 4 * REC
+    # Each slab is one MLX buffer with 4096 bytes of alignment slack.
+    assert 4 * REC <= held <= 4 * REC + 4 * 4096, held
+    eng.close()
+    del eng
+    assert mx.get_active_memory() - base <= 0
+
+
 def test_cache_full_is_clean_and_policies(store):
     """AFN-019: a full cache refuses before changing state; the scored
     policy evicts the lowest stall-per-byte record, LRU the oldest."""
