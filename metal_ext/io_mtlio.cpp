@@ -1,12 +1,14 @@
 // MTLIOCommandQueue read backend (Apple + Metal builds only; see io_mtlio.h).
 //
-// UNVERIFIED: written against metal-cpp on a Linux machine without a macOS
-// SDK; it has never been compiled or run. The engine never selects it on
-// its own (EngineOptions::backend defaults to "pread").
+// UNVERIFIED: only type-checked (clang -fsyntax-only) against Apple's
+// metal-cpp headers (macOS 14, 15 and 26 releases) on Linux, with the Apple
+// system headers stubbed; never linked or run. The engine never selects it
+// on its own (EngineOptions::backend defaults to "pread").
 //
 // This is the only TU of the extension that includes metal-cpp, so it owns
-// the private selector/class definitions (they have hidden visibility and do
-// not clash with libmlx's own copy).
+// the private selector/class definitions; hidden so they do not clash with
+// libmlx's own copy.
+#define METALCPP_SYMBOL_VISIBILITY_HIDDEN
 #define NS_PRIVATE_IMPLEMENTATION
 #define MTL_PRIVATE_IMPLEMENTATION
 #include <Foundation/Foundation.hpp>
@@ -75,6 +77,14 @@ struct MtlioReader::Impl {
 
 MtlioReader::MtlioReader(int max_in_flight) : impl_(std::make_unique<Impl>()) {
   PoolScope pool;
+  // load() opens files with newIOFileHandleWithURL:error:, which macOS 13
+  // lacks (it had newIOHandleWithURL:); there the message would raise an
+  // uncaught Objective-C exception in a worker, so refuse up front.
+  if (!NS::ProcessInfo::processInfo()->isOperatingSystemAtLeastVersion(
+          NS::OperatingSystemVersion{14, 0, 0})) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "backend: 'mtlio' needs macOS 14 or later");
+  }
   impl_->device = MTL::CreateSystemDefaultDevice();
   if (impl_->device == nullptr) {
     throw StreamError(
