@@ -7,7 +7,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <chrono>
 #include <climits>
 #include <cstring>
 
@@ -409,12 +408,8 @@ NB_MODULE(_ext, m) {
       "value"_a,
       "layer"_a,
       "tag"_a = 0);
-  // The engine trace's clock (steady_clock ns).
-  m.def("trace_clock_ns", [] {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  });
+  // The engine trace's clock.
+  m.def("trace_clock_ns", &hebrus::now_ns);
   m.def(
       "raw_pread",
       [](const std::string& path,

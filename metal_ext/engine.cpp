@@ -16,13 +16,13 @@
 
 namespace hebrus {
 
-namespace {
-
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+
+namespace {
 
 uint64_t round_up(uint64_t x, uint64_t a) {
   return (x + a - 1) / a * a;

@@ -32,6 +32,9 @@ namespace hebrus {
 
 constexpr uint64_t kAlign = 4096;
 
+// Steady-clock ns: the engine's counters, trace and the raw baseline share it.
+int64_t now_ns();
+
 enum class ErrorCode : int {
   kNone = 0,
   kIO = 1,

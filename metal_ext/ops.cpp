@@ -46,6 +46,30 @@ mx::array index_input(const mx::array& indices) {
   return mx::contiguous(mx::astype(indices, mx::uint32, io_stream()), false, io_stream());
 }
 
+// An exact P0 request for row `id` of a record table (hints then lower the
+// priority and clear `exact`).
+Request row_request(
+    const Table& t,
+    uint32_t id,
+    uint64_t owner,
+    uint64_t generation,
+    int layer) {
+  const TableRow& row = t.rows[id];
+  Request r;
+  r.store = t.store;
+  r.offset = row.offset;
+  r.length = row.length;
+  r.owner = owner;
+  r.generation = generation;
+  r.layer = layer;
+  r.expert = static_cast<int>(id);
+  r.comp_end = row.length;
+  r.has_digest = row.has_digest;
+  r.digest = row.digest;
+  r.arena = t.arena;
+  return r;
+}
+
 uint64_t table_length(Engine& engine, int table) {
   const Table& t = engine.table(table);
   if (t.uniform_length == 0) {
@@ -183,21 +207,7 @@ void GatherRecords::eval_cpu(
                   std::to_string(table) + " with " +
                   std::to_string(t.rows.size()) + " rows");
         }
-        const TableRow& row = t.rows[ix[i]];
-        Request r;
-        r.store = t.store;
-        r.offset = row.offset;
-        r.length = row.length;
-        r.priority = 0;
-        r.exact = true;
-        r.owner = owner;
-        r.generation = generation;
-        r.layer = layer;
-        r.expert = static_cast<int>(ix[i]);
-        r.comp_end = row.length;
-        r.has_digest = row.has_digest;
-        r.digest = row.digest;
-        r.arena = t.arena;
+        Request r = row_request(t, ix[i], owner, generation, layer);
         while (true) {
           try {
             wave.emplace_back(i, engine->request(r));
@@ -281,22 +291,10 @@ void PrefetchRecords::eval_cpu(
       if (ix[i] >= t.rows.size()) {
         continue; // a hint, not a dependency: bad ids are skipped
       }
-      const TableRow& row = t.rows[ix[i]];
-      Request r;
-      r.store = t.store;
-      r.offset = row.offset;
-      r.length = row.length;
+      Request r = row_request(t, ix[i], owner, generation, layer);
       r.priority = priority;
       r.exact = exact;
       r.confidence = confidence;
-      r.owner = owner;
-      r.generation = generation;
-        r.layer = layer;
-      r.expert = static_cast<int>(ix[i]);
-      r.comp_end = row.length;
-      r.has_digest = row.has_digest;
-      r.digest = row.digest;
-      r.arena = t.arena;
       try {
         // Released at once: the read continues as a cache candidate.
         engine->release(engine->request(r));
@@ -608,19 +606,7 @@ void ResolveRecords::eval_cpu(
               "indices: " + std::to_string(ix[i]) + " out of range for table " +
                   std::to_string(table));
         }
-        const TableRow& row = t.rows[ix[i]];
-        Request r;
-        r.store = t.store;
-        r.offset = row.offset;
-        r.length = row.length;
-        r.owner = owner;
-        r.generation = generation;
-        r.layer = layer;
-        r.expert = static_cast<int>(ix[i]);
-        r.comp_end = row.length;
-        r.has_digest = row.has_digest;
-        r.digest = row.digest;
-        r.arena = t.arena;
+        Request r = row_request(t, ix[i], owner, generation, layer);
         // Rows held by draining prefetches free up; our own pins do not.
         // One last retry after the engine went idle closes the race with a
         // read that finished just before wait_progress looked.
