@@ -86,9 +86,10 @@ def drop_cache(path):
 
 def run_raw(path, batches, rec, threads):
     """Seconds for the C-thread raw O_DIRECT reads (the roofline)."""
-    from hebrus_mlx.stream import engine as se
+    import mlx.core  # noqa: F401  (loads libmlx for the extension)
+    from hebrus_mlx import _bench
 
-    return se.raw_pread(path, batches, rec, threads=threads)["elapsed_ns"] / 1e9
+    return _bench.raw_pread(str(path), batches, rec, threads=threads)["elapsed_ns"] / 1e9
 
 
 def run_raw_py(path, batches, rec, threads):

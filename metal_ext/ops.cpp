@@ -18,26 +18,74 @@ mx::Stream io_stream() {
   return mx::default_stream(mx::Device::cpu);
 }
 
-// Wait, copy and release tickets in order. On failure every remaining ticket
-// is cancelled, so no slot stays pinned, and the error propagates.
-void copy_tickets(
-    Engine& engine,
-    const std::vector<uint64_t>& tickets,
-    uint64_t length,
-    uint8_t* dst) {
-  size_t i = 0;
-  try {
-    for (; i < tickets.size(); ++i) {
-      engine.copy_out(engine.wait(tickets[i]), dst + i * length);
-      engine.release(tickets[i]);
+// engine.request(r), retrying while the cache is full: `make_room` frees
+// space (returns true) or has nothing to free (false); then the reads other
+// callers left in flight are awaited, and once the engine is idle the
+// refusal propagates. The last retry after the engine went idle closes the
+// race with a read that finished just before wait_progress looked.
+template <class MakeRoom>
+uint64_t request_with_room(Engine& engine, const Request& r, MakeRoom make_room) {
+  for (bool busy = true;;) {
+    try {
+      return engine.request(r);
+    } catch (const StreamError& e) {
+      if (e.code != ErrorCode::kCacheFull) {
+        throw;
+      }
+      if (make_room()) {
+        continue;
+      }
+      if (!busy) {
+        throw;
+      }
+      busy = engine.wait_progress();
     }
-  } catch (...) {
-    for (; i < tickets.size(); ++i) {
-      engine.cancel(tickets[i]);
-    }
-    throw;
   }
 }
+
+// Tickets consumed in issue order: wait, consume(tag, view), release. Issued
+// in waves as large as the cache can pin, so reads overlap; a full cache
+// consumes the issued wave and issuing continues. Whatever is left when it
+// goes out of scope (a failure) is cancelled, so no slot stays pinned.
+template <class Consume>
+class Waves {
+ public:
+  Waves(Engine& engine, Consume consume)
+      : engine_(engine), consume_(std::move(consume)) {}
+  Waves(const Waves&) = delete;
+  Waves& operator=(const Waves&) = delete;
+  ~Waves() {
+    for (; next_ < tickets_.size(); ++next_) {
+      engine_.cancel(tickets_[next_].second);
+    }
+  }
+  // A ticket issued elsewhere; this wave owns it from now on.
+  void adopt(size_t tag, uint64_t ticket) {
+    tickets_.emplace_back(tag, ticket);
+  }
+  void issue(size_t tag, const Request& r) {
+    adopt(tag, request_with_room(engine_, r, [this] {
+            bool any = next_ < tickets_.size();
+            drain();
+            return any;
+          }));
+  }
+  void drain() {
+    for (; next_ < tickets_.size(); ++next_) {
+      auto [tag, ticket] = tickets_[next_];
+      consume_(tag, engine_.wait(ticket));
+      engine_.release(ticket);
+    }
+    tickets_.clear();
+    next_ = 0;
+  }
+
+ private:
+  Engine& engine_;
+  Consume consume_;
+  std::vector<std::pair<size_t, uint64_t>> tickets_;
+  size_t next_ = 0; // tickets_[:next_] are consumed and released
+};
 
 mx::array index_input(const mx::array& indices) {
   if (!mx::issubdtype(indices.dtype(), mx::integer)) {
@@ -63,7 +111,6 @@ Request row_request(
   r.generation = generation;
   r.layer = layer;
   r.expert = static_cast<int>(id);
-  r.comp_end = row.length;
   r.has_digest = row.has_digest;
   r.digest = row.digest;
   r.arena = t.arena;
@@ -131,7 +178,13 @@ void LoadTickets::eval_cpu(
                 tickets = std::move(tickets_),
                 length = length_,
                 dst = out.data<uint8_t>()]() {
-    copy_tickets(*engine, tickets, length, dst);
+    Waves waves(*engine, [&](size_t i, const Engine::View& v) {
+      engine->copy_out(v, dst + i * length);
+    });
+    for (size_t i = 0; i < tickets.size(); ++i) {
+      waves.adopt(i, tickets[i]);
+    }
+    waves.drain();
   });
   tickets_.clear();
 }
@@ -177,56 +230,21 @@ void GatherRecords::eval_cpu(
     const Table& t = engine->table(table);
     const uint32_t* ix = idx.data<uint32_t>();
     const uint64_t length = t.uniform_length;
-    // Issue as many records as the cache can pin so the reads overlap; when
-    // it is full, consume the issued wave and continue (repeated indices
-    // join the same read).
-    std::vector<std::pair<size_t, uint64_t>> wave;
-    auto drain = [&] {
-      size_t k = 0;
-      try {
-        for (; k < wave.size(); ++k) {
-          engine->copy_out(
-              engine->wait(wave[k].second), dst + wave[k].first * length);
-          engine->release(wave[k].second);
-        }
-      } catch (...) {
-        for (; k < wave.size(); ++k) {
-          engine->cancel(wave[k].second);
-        }
-        wave.clear();
-        throw;
+    // Repeated indices join the same read.
+    Waves waves(*engine, [&](size_t i, const Engine::View& v) {
+      engine->copy_out(v, dst + i * length);
+    });
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (ix[i] >= t.rows.size()) {
+        throw StreamError(
+            ErrorCode::kBadRequest,
+            "indices: " + std::to_string(ix[i]) + " out of range for table " +
+                std::to_string(table) + " with " +
+                std::to_string(t.rows.size()) + " rows");
       }
-      wave.clear();
-    };
-    try {
-      for (size_t i = 0; i < idx.size(); ++i) {
-        if (ix[i] >= t.rows.size()) {
-          throw StreamError(
-              ErrorCode::kBadRequest,
-              "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                  std::to_string(table) + " with " +
-                  std::to_string(t.rows.size()) + " rows");
-        }
-        Request r = row_request(t, ix[i], owner, generation, layer);
-        while (true) {
-          try {
-            wave.emplace_back(i, engine->request(r));
-            break;
-          } catch (const StreamError& e) {
-            if (e.code != ErrorCode::kCacheFull || wave.empty()) {
-              throw;
-            }
-            drain();
-          }
-        }
-      }
-      drain();
-    } catch (...) {
-      for (auto& [pos, tk] : wave) {
-        engine->cancel(tk);
-      }
-      throw;
+      waves.issue(i, row_request(t, ix[i], owner, generation, layer));
     }
+    waves.drain();
   });
 }
 
@@ -390,72 +408,24 @@ void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
       }
       uses[it->second].push_back(i);
     }
-    // One P0 ticket per unique page, issued in waves as large as the cache
-    // can pin so reads overlap; a full cache consumes the issued wave (rows
-    // copied from that verified snapshot, pages released) and continues. An
-    // empty wave waits for draining lookahead reads like resolve; only a
-    // single page larger than the cache is an error.
-    std::vector<std::pair<size_t, uint64_t>> wave; // (slot, ticket)
-    auto drain = [&] {
-      size_t k = 0;
-      try {
-        for (; k < wave.size(); ++k) {
-          Engine::View v = engine->wait(wave[k].second);
-          for (size_t i : uses[wave[k].first]) {
-            std::memcpy(
-                dst + i * row_bytes,
-                v.data + header + (rows[i] % rpp) * row_bytes,
-                row_bytes);
-          }
-          engine->release(wave[k].second);
-        }
-      } catch (...) {
-        for (; k < wave.size(); ++k) {
-          engine->cancel(wave[k].second);
-        }
-        wave.clear();
-        throw;
+    // One P0 ticket per unique page; rows are copied from that verified
+    // snapshot before the page is released. An empty wave waits for
+    // draining lookahead reads; only a single page larger than the cache is
+    // an error.
+    Waves waves(*engine, [&](size_t page, const Engine::View& v) {
+      for (size_t i : uses[page]) {
+        std::memcpy(
+            dst + i * row_bytes,
+            v.data + header + (rows[i] % rpp) * row_bytes,
+            row_bytes);
       }
-      wave.clear();
-    };
-    try {
-      for (size_t s = 0; s < pages.size(); ++s) {
-        const TableRow& p = t.rows[pages[s]];
-        Request r;
-        r.store = t.store;
-        r.offset = p.offset;
-        r.length = p.length;
-        r.owner = owner;
-        r.generation = generation;
-        r.layer = layer;
-        r.comp_end = p.length;
-        r.has_digest = p.has_digest;
-        r.digest = p.digest;
-        for (bool busy = true;;) {
-          try {
-            wave.emplace_back(s, engine->request(r));
-            break;
-          } catch (const StreamError& e) {
-            if (e.code != ErrorCode::kCacheFull) {
-              throw;
-            }
-            if (!wave.empty()) {
-              drain();
-            } else if (!busy) {
-              throw;
-            } else {
-              busy = engine->wait_progress();
-            }
-          }
-        }
-      }
-      drain();
-    } catch (...) {
-      for (auto& [s, tk] : wave) {
-        engine->cancel(tk);
-      }
-      throw;
+    });
+    for (size_t s = 0; s < pages.size(); ++s) {
+      Request r = row_request(t, pages[s], owner, generation, layer);
+      r.expert = -1; // a page, not an expert
+      waves.issue(s, r);
     }
+    waves.drain();
   });
 }
 
@@ -606,21 +576,10 @@ void ResolveRecords::eval_cpu(
               "indices: " + std::to_string(ix[i]) + " out of range for table " +
                   std::to_string(table));
         }
-        Request r = row_request(t, ix[i], owner, generation, layer);
         // Rows held by draining prefetches free up; our own pins do not.
-        // One last retry after the engine went idle closes the race with a
-        // read that finished just before wait_progress looked.
-        for (bool busy = true;;) {
-          try {
-            tickets.push_back(engine->request(r));
-            break;
-          } catch (const StreamError& e) {
-            if (e.code != ErrorCode::kCacheFull || !busy) {
-              throw;
-            }
-            busy = engine->wait_progress();
-          }
-        }
+        tickets.push_back(request_with_room(
+            *engine, row_request(t, ix[i], owner, generation, layer),
+            [] { return false; }));
       }
       for (; waited < tickets.size(); ++waited) {
         rows[waited] = engine->wait(tickets[waited]).row;

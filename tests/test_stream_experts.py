@@ -153,6 +153,15 @@ def test_failed_construction_releases_reader_and_engine():
     with pytest.raises(StreamRequestError, match="row") as err:
         StreamedExperts.from_artifact(str(DEMO_DIR), rows=0, threads=3)
     assert _fds_and_threads() == before, err.value
+    # Later, once the engine has opened the store: its descriptors go too.
+    with pytest.MonkeyPatch.context() as mp:
+        def refuse(*a, **k):
+            raise StreamRequestError("offsets: injected failure")
+
+        mp.setattr(se.StreamEngine, "register_table", refuse)
+        with pytest.raises(StreamRequestError, match="injected") as err:
+            StreamedExperts.from_artifact(str(DEMO_DIR), rows=8, threads=3)
+        assert _fds_and_threads() == before, err.value
     # A caller's engine is the caller's: left open, still usable.
     eng = se.StreamEngine(cache_bytes=1 << 20, threads=1)
     with pytest.raises(StreamRequestError):
