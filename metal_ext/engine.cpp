@@ -230,16 +230,9 @@ int Engine::add_arena(
     uint32_t rows,
     std::shared_ptr<void> keepalive,
     std::vector<DevicePart> device) {
-  if (parts.empty() || parts.size() != part_bytes.size() || rows == 0) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
-  }
-  if (expand.empty()) {
-    expand.assign(part_bytes.size(), 0);
-  }
-  if (expand.size() != part_bytes.size()) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "expand: need one flag per part");
+  check_arena_spec(part_bytes, rows, expand);
+  if (parts.size() != part_bytes.size()) {
+    throw StreamError(ErrorCode::kBadRequest, "parts: need one per part_bytes");
   }
   if (!device.empty() && device.size() != parts.size()) {
     throw StreamError(
@@ -269,6 +262,23 @@ int Engine::add_arena(
   std::lock_guard<std::mutex> lk(mu_);
   arenas_.push_back(std::move(a));
   return static_cast<int>(arenas_.size()) - 1;
+}
+
+void check_arena_spec(
+    const std::vector<uint64_t>& part_bytes,
+    uint32_t rows,
+    std::vector<uint8_t>& expand) {
+  if (part_bytes.empty() || rows == 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
+  }
+  if (expand.empty()) {
+    expand.assign(part_bytes.size(), 0);
+  }
+  if (expand.size() != part_bytes.size()) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "expand: need one flag per part");
+  }
 }
 
 uint64_t Engine::arena_record_bytes(int arena) {
@@ -1290,21 +1300,23 @@ void Engine::mark(int layer, int tag) {
   }
 }
 
-void Engine::inject_fault(Fault fault, int count) {
+void Engine::require_testing(const char* hook) const {
   if (!opts_.testing) {
     throw StreamError(
-        ErrorCode::kBadRequest, "fault injection needs Engine(testing=True)");
+        ErrorCode::kBadRequest,
+        std::string(hook) + " needs Engine(testing=True)");
   }
+}
+
+void Engine::inject_fault(Fault fault, int count) {
+  require_testing("fault injection");
   std::lock_guard<std::mutex> lk(mu_);
   fault_ = fault;
   fault_count_ = count;
 }
 
 void Engine::hold(bool on) {
-  if (!opts_.testing) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "hold() needs Engine(testing=True)");
-  }
+  require_testing("hold()");
   {
     std::lock_guard<std::mutex> lk(mu_);
     hold_ = on;
@@ -1313,10 +1325,7 @@ void Engine::hold(bool on) {
 }
 
 void Engine::set_read_delay_us(int64_t us) {
-  if (!opts_.testing) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "read delay needs Engine(testing=True)");
-  }
+  require_testing("read delay");
   std::lock_guard<std::mutex> lk(mu_);
   read_delay_us_ = us;
 }

@@ -217,6 +217,13 @@ struct Arena {
   std::vector<DevicePart> device;
 };
 
+// Refuses an arena without parts or rows, or with an expand flag list of
+// another length; an empty `expand` becomes "no part expanded".
+void check_arena_spec(
+    const std::vector<uint64_t>& part_bytes,
+    uint32_t rows,
+    std::vector<uint8_t>& expand);
+
 struct TableRow {
   uint64_t offset;
   uint64_t length;
@@ -435,6 +442,7 @@ class Engine {
       uint64_t& got,
       std::string& msg);
   double eviction_key(const Slot& s) const;
+  void require_testing(const char* hook) const; // the test hooks' guard
   void check_store_locked(int store) const;
 
   EngineOptions opts_;

@@ -87,6 +87,21 @@ class Waves {
   size_t next_ = 0; // tickets_[:next_] are consumed and released
 };
 
+// Allocates `out` and returns the CPU encoder with `inputs` and `out`
+// registered: the prologue of every copying op here.
+mx::cpu::CommandEncoder& cpu_encoder(
+    const mx::Stream& stream,
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (const auto& in : inputs) {
+    enc.set_input_array(in);
+  }
+  enc.set_output_array(out);
+  return enc;
+}
+
 mx::array index_input(const mx::array& indices) {
   if (!mx::issubdtype(indices.dtype(), mx::integer)) {
     throw StreamError(ErrorCode::kBadRequest, "indices: must be integers");
@@ -94,14 +109,21 @@ mx::array index_input(const mx::array& indices) {
   return mx::contiguous(mx::astype(indices, mx::uint32, io_stream()), false, io_stream());
 }
 
-// An exact P0 request for row `id` of a record table (hints then lower the
-// priority and clear `exact`).
-Request row_request(
-    const Table& t,
-    uint32_t id,
-    uint64_t owner,
-    uint64_t generation,
-    int layer) {
+
+uint64_t table_length(Engine& engine, int table) {
+  const Table& t = engine.table(table);
+  if (t.uniform_length == 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "table " + std::to_string(table) +
+            ": rows must share one length to be gathered");
+  }
+  return t.uniform_length;
+}
+
+} // namespace
+
+Request TableRead::row(const Table& t, uint32_t id) const {
   const TableRow& row = t.rows[id];
   Request r;
   r.store = t.store;
@@ -116,19 +138,6 @@ Request row_request(
   r.arena = t.arena;
   return r;
 }
-
-uint64_t table_length(Engine& engine, int table) {
-  const Table& t = engine.table(table);
-  if (t.uniform_length == 0) {
-    throw StreamError(
-        ErrorCode::kBadRequest,
-        "table " + std::to_string(table) +
-            ": rows must share one length to be gathered");
-  }
-  return t.uniform_length;
-}
-
-} // namespace
 
 mx::array load_tickets(
     std::shared_ptr<Engine> engine,
@@ -169,9 +178,7 @@ LoadTickets::~LoadTickets() {
 void LoadTickets::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_output_array(out);
+  auto& enc = cpu_encoder(stream(), inputs, out);
   // The task owns the tickets from here: the primitive may be detached from
   // the graph before the task runs.
   enc.dispatch([engine = engine_,
@@ -209,40 +216,33 @@ mx::array gather_records(
       shape,
       mx::uint8,
       std::make_shared<GatherRecords>(
-          io_stream(), std::move(engine), table, owner, generation, layer),
+          io_stream(),
+          TableRead{std::move(engine), table, owner, generation, layer}),
       {index_input(indices)});
 }
 
 void GatherRecords::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(out);
-  enc.dispatch([engine = engine_,
-                table = table_,
-                owner = owner_,
-                generation = generation_,
-                layer = layer_,
-                idx = inputs[0],
-                dst = out.data<uint8_t>()]() {
-    const Table& t = engine->table(table);
+  auto& enc = cpu_encoder(stream(), inputs, out);
+  enc.dispatch([read = read_, idx = inputs[0], dst = out.data<uint8_t>()]() {
+    Engine& engine = *read.engine;
+    const Table& t = engine.table(read.table);
     const uint32_t* ix = idx.data<uint32_t>();
     const uint64_t length = t.uniform_length;
     // Repeated indices join the same read.
-    Waves waves(*engine, [&](size_t i, const Engine::View& v) {
-      engine->copy_out(v, dst + i * length);
+    Waves waves(engine, [&](size_t i, const Engine::View& v) {
+      engine.copy_out(v, dst + i * length);
     });
     for (size_t i = 0; i < idx.size(); ++i) {
       if (ix[i] >= t.rows.size()) {
         throw StreamError(
             ErrorCode::kBadRequest,
             "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                std::to_string(table) + " with " +
+                std::to_string(read.table) + " with " +
                 std::to_string(t.rows.size()) + " rows");
       }
-      waves.issue(i, row_request(t, ix[i], owner, generation, layer));
+      waves.issue(i, read.row(t, ix[i]));
     }
     waves.drain();
   });
@@ -274,48 +274,38 @@ mx::array prefetch_records(
       mx::uint32,
       std::make_shared<PrefetchRecords>(
           io_stream(),
-          std::move(engine),
-          table,
+          TableRead{std::move(engine), table, owner, generation, layer},
           priority,
           confidence,
-          exact,
-          owner,
-          generation,
-          layer),
+          exact),
       {index_input(indices)});
 }
 
 void PrefetchRecords::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(out);
-  enc.dispatch([engine = engine_,
-                table = table_,
+  auto& enc = cpu_encoder(stream(), inputs, out);
+  enc.dispatch([read = read_,
                 priority = priority_,
                 confidence = confidence_,
                 exact = exact_,
-                owner = owner_,
-                generation = generation_,
-                layer = layer_,
                 idx = inputs[0],
                 dst = out.data<uint32_t>()]() {
-    const Table& t = engine->table(table);
+    Engine& engine = *read.engine;
+    const Table& t = engine.table(read.table);
     const uint32_t* ix = idx.data<uint32_t>();
     uint32_t issued = 0;
     for (size_t i = 0; i < idx.size(); ++i) {
       if (ix[i] >= t.rows.size()) {
         continue; // a hint, not a dependency: bad ids are skipped
       }
-      Request r = row_request(t, ix[i], owner, generation, layer);
+      Request r = read.row(t, ix[i]);
       r.priority = priority;
       r.exact = exact;
       r.confidence = confidence;
       try {
         // Released at once: the read continues as a cache candidate.
-        engine->release(engine->request(r));
+        engine.release(engine.request(r));
         issued++;
       } catch (const StreamError&) {
         // Speculation never fails the graph (full cache, stale generation).
@@ -361,33 +351,23 @@ mx::array gather_rows(
       mx::uint8,
       std::make_shared<GatherRows>(
           io_stream(),
-          std::move(engine),
-          table,
+          TableRead{std::move(engine), table, owner, generation, layer},
           rows_per_page,
           row_bytes,
-          header_bytes,
-          owner,
-          generation,
-          layer),
+          header_bytes),
       {index_input(row_ids)});
 }
 
 void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(out);
-  enc.dispatch([engine = engine_,
-                table = table_,
+  auto& enc = cpu_encoder(stream(), inputs, out);
+  enc.dispatch([read = read_,
                 rpp = rows_per_page_,
                 row_bytes = row_bytes_,
                 header = header_bytes_,
-                owner = owner_,
-                generation = generation_,
-                layer = layer_,
                 idx = inputs[0],
                 dst = out.data<uint8_t>()]() {
-    const Table& t = engine->table(table);
+    Engine& engine = *read.engine;
+    const Table& t = engine.table(read.table);
     const uint32_t* rows = idx.data<uint32_t>();
     // Positions of each unique page's rows, pages in first-use order.
     std::unordered_map<uint64_t, size_t> slot;
@@ -412,7 +392,7 @@ void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
     // snapshot before the page is released. An empty wave waits for
     // draining lookahead reads; only a single page larger than the cache is
     // an error.
-    Waves waves(*engine, [&](size_t page, const Engine::View& v) {
+    Waves waves(engine, [&](size_t page, const Engine::View& v) {
       for (size_t i : uses[page]) {
         std::memcpy(
             dst + i * row_bytes,
@@ -421,7 +401,7 @@ void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
       }
     });
     for (size_t s = 0; s < pages.size(); ++s) {
-      Request r = row_request(t, pages[s], owner, generation, layer);
+      Request r = read.row(t, pages[s]);
       r.expert = -1; // a page, not an expert
       waves.issue(s, r);
     }
@@ -449,17 +429,7 @@ std::pair<int, std::vector<mx::array>> create_arena(
     std::vector<uint64_t> part_bytes,
     uint32_t rows,
     std::vector<uint8_t> expand) {
-  if (part_bytes.empty() || rows == 0) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
-  }
-  if (expand.empty()) {
-    expand.assign(part_bytes.size(), 0);
-  }
-  if (expand.size() != part_bytes.size()) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "expand: need one flag per part");
-  }
+  check_arena_spec(part_bytes, rows, expand);
   auto owned = std::make_shared<std::vector<mx::array>>();
   std::vector<mx::array> parts;
   std::vector<uint8_t*> ptrs;
@@ -534,7 +504,8 @@ std::pair<mx::array, mx::array> resolve_records(
       {indices.shape(), mx::Shape{static_cast<int>(indices.size())}},
       {mx::uint32, mx::uint64},
       std::make_shared<ResolveRecords>(
-          io_stream(), std::move(engine), table, owner, generation, layer),
+          io_stream(),
+          TableRead{std::move(engine), table, owner, generation, layer}),
       {idx});
   return {outs[0], outs[1]};
 }
@@ -549,19 +520,16 @@ void ResolveRecords::eval_cpu(
   enc.set_input_array(inputs[0]);
   enc.set_output_array(outputs[0]);
   enc.set_output_array(outputs[1]);
-  enc.dispatch([engine = engine_,
-                table = table_,
-                owner = owner_,
-                generation = generation_,
-                layer = layer_,
+  enc.dispatch([read = read_,
                 idx = inputs[0],
                 rows = outputs[0].data<uint32_t>(),
                 lease = outputs[1].data<uint64_t>()]() {
+    const std::shared_ptr<Engine>& engine = read.engine;
     // Ticket 0 never exists: if this task fails, release_after sees an
     // empty lease instead of garbage ids.
     std::memset(lease, 0, idx.size() * sizeof(uint64_t));
     std::memset(rows, 0, idx.size() * sizeof(uint32_t));
-    const Table& t = engine->table(table);
+    const Table& t = engine->table(read.table);
     const uint32_t* ix = idx.data<uint32_t>();
     std::vector<uint64_t> tickets;
     tickets.reserve(idx.size());
@@ -574,11 +542,11 @@ void ResolveRecords::eval_cpu(
           throw StreamError(
               ErrorCode::kBadRequest,
               "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                  std::to_string(table));
+                  std::to_string(read.table));
         }
         // Rows held by draining prefetches free up; our own pins do not.
         tickets.push_back(request_with_room(
-            *engine, row_request(t, ix[i], owner, generation, layer),
+            *engine, read.row(t, ix[i]),
             [] { return false; }));
       }
       for (; waited < tickets.size(); ++waited) {

@@ -14,73 +14,57 @@ import re
 class StreamError(RuntimeError):
     """Base class of every streaming-engine failure."""
 
-    #: The engine's name for the error (metal_ext/engine.h
-    #: HEBRUS_ERROR_CODES); None for errors raised only on the Python side.
-    code_name = None
-
 
 class StreamIOError(StreamError):
     """The read failed (EIO or another OS error); nothing was published."""
-
-    code_name = "io"
 
 
 class ShortReadError(StreamError):
     """The store returned fewer bytes than the record length."""
 
-    code_name = "short_read"
-
 
 class DigestMismatchError(StreamError):
     """The bytes read do not match the record's SHA-256."""
-
-    code_name = "digest"
 
 
 class TicketCancelledError(StreamError):
     """The ticket was cancelled or already released."""
 
-    code_name = "cancelled"
-
 
 class StaleGenerationError(StreamError):
     """The ticket's owner generation was superseded before publication."""
-
-    code_name = "stale"
 
 
 class CacheFullError(StreamError):
     """Every byte of the slot cache is pinned or in flight."""
 
-    code_name = "cache_full"
-
 
 class StreamRequestError(StreamError, ValueError):
     """A request field is invalid (names the field)."""
-
-    code_name = "bad_request"
 
 
 class StreamClosedError(StreamError):
     """The engine was closed."""
 
-    code_name = "closed"
-
 
 class StreamTimeoutError(StreamError, TimeoutError):
     """A wait exceeded its timeout."""
 
-    code_name = "timeout"
 
-
-# Engine error name -> class. The names (and their numeric codes) are the
-# C++ engine's: hebrus_mlx._ext.error_codes() lists them, the bindings raise
-# BY_NAME[name], and tests hold this table to that list.
+# Engine error name -> class. The names (and their numeric codes) are the C++
+# engine's (metal_ext/engine.h HEBRUS_ERROR_CODES, listed by
+# hebrus_mlx._ext.error_codes()); the bindings raise BY_NAME[name] and the
+# tests hold this table to that list.
 BY_NAME = {
-    cls.code_name: cls
-    for cls in (StreamIOError, ShortReadError, DigestMismatchError,
-                TicketCancelledError, StaleGenerationError, CacheFullError,
-                StreamRequestError, StreamClosedError, StreamTimeoutError)
+    "io": StreamIOError,
+    "short_read": ShortReadError,
+    "digest": DigestMismatchError,
+    "cancelled": TicketCancelledError,
+    "stale": StaleGenerationError,
+    "cache_full": CacheFullError,
+    "bad_request": StreamRequestError,
+    "closed": StreamClosedError,
+    "timeout": StreamTimeoutError,
 }
 
 _TAG = re.compile(r" \[stream:(\w+)\]$")
