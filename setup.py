@@ -1,7 +1,15 @@
-"""Build hook: compile metal_ext/ with CMake into hebrus_mlx/_ext.
+"""Build hook: compile metal_ext/ with CMake into hebrus_mlx/_ext (the
+runtime module) and hebrus_mlx/_bench (benchmark helpers).
 
 Project metadata lives in pyproject.toml; this file only adds the CMake
-extension so that ``pip install -e .`` and ``pip install .`` both build it.
+extensions so that ``pip install -e .`` and ``pip install .`` both build them.
+
+Not ``mlx.extension``: its ``CMakeBuild`` builds every target of the project
+once per extension (no per-target build, so two modules of one CMake project
+compile twice), copies the whole build tree over the package for
+``--inplace``, and its ``MetalExtension`` writes its own CMakeLists (no
+static core library, no optional MTLIO backend). It covers only the
+configure/build/rpath lines below.
 """
 
 import os
@@ -25,7 +33,8 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         # For editable installs (build_ext --inplace) this is the source tree.
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve() / ext.name
+        # One build tree for both modules: the core library compiles once.
+        build_dir = Path(self.build_temp).resolve() / "metal_ext"
         build_dir.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
         configure = [
@@ -39,12 +48,16 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
         subprocess.run(configure, check=True)
         subprocess.run(
-            ["cmake", "--build", str(build_dir), "--target", "_ext", "-j", jobs],
+            ["cmake", "--build", str(build_dir), "--target", ext.name.split(".")[-1],
+             "-j", jobs],
             check=True,
         )
 
 
 setup(
-    ext_modules=[CMakeExtension("hebrus_mlx._ext", ROOT / "metal_ext")],
+    ext_modules=[
+        CMakeExtension("hebrus_mlx._ext", ROOT / "metal_ext"),
+        CMakeExtension("hebrus_mlx._bench", ROOT / "metal_ext"),
+    ],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -12,7 +12,7 @@
 
 #include "io_mtlio.h"
 #include "ops.h"
-#include "rawbench.h"
+#include "py_errors.h"
 #include "trace_ops.h"
 
 namespace nb = nanobind;
@@ -72,7 +72,7 @@ nb::dict trace_dict(const std::vector<hebrus::TraceEvent>& ev, uint64_t dropped)
       t1, t2;
   for (const auto& e : ev) {
     kind.append(int(e.kind));
-    outcome.append(int(e.outcome));
+    outcome.append(hebrus::trace_outcome_name(e));
     priority.append(int(e.priority));
     exact.append(e.exact);
     promoted.append(e.promoted);
@@ -104,23 +104,16 @@ nb::dict trace_dict(const std::vector<hebrus::TraceEvent>& ev, uint64_t dropped)
 NB_MODULE(_ext, m) {
   m.doc() = "hebrus-mlx streaming engine (C++ MLX extension)";
 
-  nb::register_exception_translator(
-      [](const std::exception_ptr& p, void*) {
-        try {
-          std::rethrow_exception(p);
-        } catch (const hebrus::StreamError& e) {
-          nb::object cls;
-          try {
-            cls = nb::module_::import_("hebrus_mlx.stream.errors")
-                      .attr("BY_CODE")[nb::int_(static_cast<int>(e.code))];
-          } catch (...) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_RuntimeError, e.what());
-            return;
-          }
-          PyErr_SetString(cls.ptr(), e.message.c_str());
-        }
-      });
+  hebrus::register_stream_error_translator();
+  // {code: name} of every engine error (engine.h HEBRUS_ERROR_CODES): the
+  // Python classes are looked up by these names.
+  m.def("error_codes", [] {
+    nb::dict d;
+#define HEBRUS_ERROR_ITEM(id, value, name) d[nb::int_(value)] = name;
+    HEBRUS_ERROR_CODES(HEBRUS_ERROR_ITEM)
+#undef HEBRUS_ERROR_ITEM
+    return d;
+  });
 
   nb::class_<Engine>(m, "Engine")
       .def(
@@ -199,8 +192,6 @@ NB_MODULE(_ext, m) {
              uint64_t generation,
              int layer,
              int expert,
-             uint64_t comp_begin,
-             std::optional<uint64_t> comp_end,
              std::optional<int64_t> deadline_ns,
              double confidence,
              std::optional<nb::bytes> digest,
@@ -216,8 +207,6 @@ NB_MODULE(_ext, m) {
             r.generation = generation;
             r.layer = layer;
             r.expert = expert;
-            r.comp_begin = comp_begin;
-            r.comp_end = comp_end ? *comp_end : length;
             r.deadline_ns = deadline_ns ? *deadline_ns : INT64_MAX;
             r.confidence = confidence;
             if (digest) {
@@ -236,8 +225,6 @@ NB_MODULE(_ext, m) {
           "generation"_a = 0,
           "layer"_a = -1,
           "expert"_a = -1,
-          "comp_begin"_a = 0,
-          "comp_end"_a = nb::none(),
           "deadline_ns"_a = nb::none(),
           "confidence"_a = 1.0,
           "digest"_a = nb::none(),
@@ -271,8 +258,28 @@ NB_MODULE(_ext, m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def("advance_generation", &Engine::advance_generation, "owner"_a,
            "generation"_a, nb::call_guard<nb::gil_scoped_release>())
-      .def("set_hint", &Engine::set_hint, "store"_a, "offset"_a, "length"_a,
-           "p_use"_a, "arena"_a = -1)
+      .def(
+          "set_hint",
+          [](Engine& e,
+             int store,
+             uint64_t offset,
+             uint64_t length,
+             double p_use,
+             int arena,
+             std::optional<nb::bytes> digest) {
+            hebrus::Digest d{};
+            if (digest) {
+              d = to_digest(*digest, "digest");
+            }
+            return e.set_hint(
+                store, offset, length, p_use, arena, digest ? &d : nullptr);
+          },
+          "store"_a,
+          "offset"_a,
+          "length"_a,
+          "p_use"_a,
+          "arena"_a = -1,
+          "digest"_a = nb::none())
       .def(
           "ticket_info",
           [](Engine& e, uint64_t t) {
@@ -297,8 +304,7 @@ NB_MODULE(_ext, m) {
             d["generation"] = i.request.generation;
             d["layer"] = i.request.layer;
             d["expert"] = i.request.expert;
-            d["comp_begin"] = i.request.comp_begin;
-            d["comp_end"] = i.request.comp_end;
+            d["has_digest"] = i.request.has_digest;
             d["deadline_ns"] = i.request.deadline_ns;
             d["confidence"] = i.request.confidence;
             return d;
@@ -410,36 +416,6 @@ NB_MODULE(_ext, m) {
       "tag"_a = 0);
   // The engine trace's clock.
   m.def("trace_clock_ns", &hebrus::now_ns);
-  m.def(
-      "raw_pread",
-      [](const std::string& path,
-         const std::vector<std::vector<uint64_t>>& batches,
-         uint64_t length,
-         int threads,
-         bool direct,
-         bool collect) {
-        hebrus::RawReadResult r;
-        {
-          nb::gil_scoped_release nogil;
-          r = hebrus::raw_pread(path, batches, length, threads, direct, collect);
-        }
-        nb::dict d;
-        d["elapsed_ns"] = r.elapsed_ns;
-        d["bytes"] = r.bytes;
-        d["reads"] = r.reads;
-        d["direct"] = r.direct;
-        if (collect) {
-          d["data"] = nb::bytes(
-              reinterpret_cast<const char*>(r.data.data()), r.data.size());
-        }
-        return d;
-      },
-      "path"_a,
-      "batches"_a,
-      "length"_a,
-      "threads"_a = 4,
-      "direct"_a = true,
-      "collect"_a = false);
   m.def("load_tickets", &hebrus::load_tickets, "engine"_a, "tickets"_a);
   m.def(
       "gather_records",

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <sstream>
 
 namespace hebrus {
@@ -34,28 +35,27 @@ constexpr size_t kLatencyWindow = 1 << 16;
 
 const char* error_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kNone:
-      return "ok";
-    case ErrorCode::kIO:
-      return "io";
-    case ErrorCode::kShortRead:
-      return "short_read";
-    case ErrorCode::kDigest:
-      return "digest";
-    case ErrorCode::kCancelled:
-      return "cancelled";
-    case ErrorCode::kStale:
-      return "stale";
-    case ErrorCode::kCacheFull:
-      return "cache_full";
-    case ErrorCode::kBadRequest:
-      return "bad_request";
-    case ErrorCode::kClosed:
-      return "closed";
-    case ErrorCode::kTimeout:
-      return "timeout";
+#define HEBRUS_ERROR_CASE(id, value, name) \
+  case ErrorCode::id:                      \
+    return name;
+    HEBRUS_ERROR_CODES(HEBRUS_ERROR_CASE)
+#undef HEBRUS_ERROR_CASE
   }
   return "unknown";
+}
+
+std::string trace_outcome_name(const TraceEvent& e) {
+  static const char* names[] = {
+      "published", "stale", "dropped", "failed", "timeout", "cancelled"};
+  if (e.kind == TraceKind::kMark) {
+    return "";
+  }
+  if (e.outcome >= kTraceErrorBase) {
+    return std::string("error:") +
+        error_name(ErrorCode(e.outcome - kTraceErrorBase));
+  }
+  return e.outcome < std::size(names) ? names[e.outcome]
+                                      : std::to_string(e.outcome);
 }
 
 Engine::Engine(const EngineOptions& options) : opts_(options) {
@@ -105,14 +105,6 @@ Engine::~Engine() {
   for (auto& [size, slab] : pool_) {
     free_slab(slab);
   }
-  for (auto& st : stores_) {
-    if (st.fd >= 0) {
-      ::close(st.fd);
-    }
-    if (st.direct_fd >= 0) {
-      ::close(st.direct_fd);
-    }
-  }
 }
 
 void Engine::close() {
@@ -135,6 +127,16 @@ void Engine::close() {
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     if (slots_[i].state == SlotState::kLoading) {
       fail_slot_locked(i, ErrorCode::kClosed, "stream engine closed");
+    }
+  }
+  // No worker is left to read: the descriptors go now, not at destruction
+  // (a failed construction closes its engine and must not hold files open).
+  for (auto& st : stores_) {
+    for (int* fd : {&st.fd, &st.direct_fd}) {
+      if (*fd >= 0) {
+        ::close(*fd);
+        *fd = -1;
+      }
     }
   }
   done_cv_.notify_all();
@@ -161,6 +163,12 @@ void Engine::check_store_locked(int store) const {
 }
 
 int Engine::add_store(const std::string& path, const std::string& digest_id) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) {
+      throw StreamError(ErrorCode::kClosed, "stream engine closed");
+    }
+  }
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     throw StreamError(
@@ -222,16 +230,9 @@ int Engine::add_arena(
     uint32_t rows,
     std::shared_ptr<void> keepalive,
     std::vector<DevicePart> device) {
-  if (parts.empty() || parts.size() != part_bytes.size() || rows == 0) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
-  }
-  if (expand.empty()) {
-    expand.assign(part_bytes.size(), 0);
-  }
-  if (expand.size() != part_bytes.size()) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "expand: need one flag per part");
+  check_arena_spec(part_bytes, rows, expand);
+  if (parts.size() != part_bytes.size()) {
+    throw StreamError(ErrorCode::kBadRequest, "parts: need one per part_bytes");
   }
   if (!device.empty() && device.size() != parts.size()) {
     throw StreamError(
@@ -261,6 +262,23 @@ int Engine::add_arena(
   std::lock_guard<std::mutex> lk(mu_);
   arenas_.push_back(std::move(a));
   return static_cast<int>(arenas_.size()) - 1;
+}
+
+void check_arena_spec(
+    const std::vector<uint64_t>& part_bytes,
+    uint32_t rows,
+    std::vector<uint8_t>& expand) {
+  if (part_bytes.empty() || rows == 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
+  }
+  if (expand.empty()) {
+    expand.assign(part_bytes.size(), 0);
+  }
+  if (expand.size() != part_bytes.size()) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "expand: need one flag per part");
+  }
 }
 
 uint64_t Engine::arena_record_bytes(int arena) {
@@ -503,8 +521,7 @@ void Engine::enqueue_locked(uint32_t idx, int priority) {
   queues_[priority].push(QueueItem{s.deadline_ns, ++queue_seq_, idx, s.gen});
 }
 
-uint64_t Engine::request(const Request& req) {
-  std::lock_guard<std::mutex> lk(mu_);
+void Engine::validate_locked(const Request& req) const {
   if (stop_) {
     throw StreamError(ErrorCode::kClosed, "stream engine closed");
   }
@@ -535,11 +552,6 @@ uint64_t Engine::request(const Request& req) {
   if (!(req.confidence >= 0.0 && req.confidence <= 1.0)) {
     throw StreamError(ErrorCode::kBadRequest, "confidence: must be in [0, 1]");
   }
-  if (req.comp_end < req.comp_begin || req.comp_end > req.length) {
-    throw StreamError(
-        ErrorCode::kBadRequest,
-        "component range: need comp_begin <= comp_end <= length");
-  }
   auto og = owner_generation_.find(req.owner);
   if (og != owner_generation_.end() && req.generation < og->second) {
     throw StreamError(
@@ -548,85 +560,95 @@ uint64_t Engine::request(const Request& req) {
             std::to_string(req.owner) + " is stale (current " +
             std::to_string(og->second) + ")");
   }
+}
+
+void Engine::join_locked(
+    uint32_t idx,
+    const Request& req,
+    uint64_t id,
+    Ticket& t) {
+  Slot& s = slots_[idx];
+  s.pins++;
+  s.used = true;
+  s.lru = ++lru_clock_;
+  s.p_use = std::max(s.p_use, req.confidence);
+  if (req.exact && !s.exact) {
+    (s.state == SlotState::kReady ? counters_.predicted_hits
+                                  : counters_.predicted_joins)++;
+  }
+  s.exact = s.exact || req.exact;
+  reindex_locked(idx); // now pinned
+  t.slot = idx;
+  t.gen = s.gen;
+  if (s.state == SlotState::kReady) {
+    t.state = TicketState::kReady;
+    t.kind = TicketKind::kHit;
+    t.complete_seq = 0;
+    counters_.hits++;
+    return;
+  }
+  t.state = TicketState::kPending;
+  t.kind = TicketKind::kJoined;
+  counters_.joins++;
+  s.waiters.push_back(id);
+  // Still queued: a more urgent joiner moves the read up.
+  if (s.job &&
+      (req.priority < s.queued_priority || req.deadline_ns < s.deadline_ns)) {
+    s.deadline_ns = std::min(s.deadline_ns, req.deadline_ns);
+    enqueue_locked(idx, std::min(req.priority, s.queued_priority));
+    work_cv_.notify_one();
+  }
+}
+
+void Engine::start_read_locked(
+    const Key& key,
+    const Request& req,
+    uint64_t id,
+    Ticket& t) {
+  // Reserve before touching any state: a full cache leaves nothing behind.
+  Slab slab = req.arena >= 0 ? reserve_row_locked(req.arena)
+                             : reserve_slab_locked(round_up(req.length, kAlign));
+  uint32_t idx = alloc_slot_locked();
+  Slot& s = slots_[idx];
+  s.state = SlotState::kLoading;
+  s.key = key;
+  s.pins = 1;
+  s.exact = req.exact;
+  s.lru = ++lru_clock_;
+  s.p_use = req.confidence;
+  s.stall_ns = 0;
+  s.deadline_ns = req.deadline_ns;
+  s.waiters = {id};
+  const Store& st = stores_[req.store];
+  s.job = std::make_unique<Job>(Job{
+      idx, s.gen, key, slab, now_ns(), req.priority, st.fd, st.direct_fd});
+  if (trace_) {
+    trace_->pending[{idx, s.gen}] = TraceRing::Pending{
+        s.job->issue_ns, 0, -1, req.layer, req.expert, req.exact, req.length};
+  }
+  index_[key] = idx;
+  enqueue_locked(idx, req.priority);
+  t.slot = idx;
+  t.gen = s.gen;
+  t.state = TicketState::kPending;
+  t.kind = TicketKind::kMiss;
+  counters_.misses++;
+  work_cv_.notify_one();
+}
+
+uint64_t Engine::request(const Request& req) {
+  std::lock_guard<std::mutex> lk(mu_);
+  validate_locked(req);
   counters_.requests++;
-  Key key{req.store, req.offset, req.length, req.arena};
+  Key key = key_of(req);
   uint64_t id = next_ticket_;
   Ticket t;
   t.req = req;
   auto found = index_.find(key);
   if (found != index_.end()) {
-    uint32_t idx = found->second;
-    Slot& s = slots_[idx];
-    s.pins++;
-    s.used = true;
-    s.lru = ++lru_clock_;
-    s.p_use = std::max(s.p_use, req.confidence);
-    if (req.exact && !s.exact) {
-      (s.state == SlotState::kReady ? counters_.predicted_hits
-                                    : counters_.predicted_joins)++;
-    }
-    s.exact = s.exact || req.exact;
-    reindex_locked(idx); // now pinned
-    t.slot = idx;
-    t.gen = s.gen;
-    if (s.state == SlotState::kReady) {
-      t.state = TicketState::kReady;
-      t.kind = TicketKind::kHit;
-      t.complete_seq = 0;
-      counters_.hits++;
-    } else {
-      t.state = TicketState::kPending;
-      t.kind = TicketKind::kJoined;
-      counters_.joins++;
-      s.waiters.push_back(id);
-      // Still queued: a more urgent joiner moves the read up.
-      if (s.job &&
-          (req.priority < s.queued_priority ||
-           req.deadline_ns < s.deadline_ns)) {
-        s.deadline_ns = std::min(s.deadline_ns, req.deadline_ns);
-        enqueue_locked(idx, std::min(req.priority, s.queued_priority));
-        work_cv_.notify_one();
-      }
-    }
+    join_locked(found->second, req, id, t);
   } else {
-    // Reserve before touching any state: a full cache leaves nothing behind.
-    Slab slab = req.arena >= 0 ? reserve_row_locked(req.arena)
-                               : reserve_slab_locked(round_up(req.length, kAlign));
-    uint32_t idx = alloc_slot_locked();
-    Slot& s = slots_[idx];
-    s.state = SlotState::kLoading;
-    s.key = key;
-    s.pins = 1;
-    s.exact = req.exact;
-    s.lru = ++lru_clock_;
-    s.p_use = req.confidence;
-    s.stall_ns = 0;
-    s.deadline_ns = req.deadline_ns;
-    s.waiters = {id};
-    const Store& st = stores_[req.store];
-    s.job = std::make_unique<Job>(Job{
-        idx,
-        s.gen,
-        key,
-        slab,
-        req.has_digest,
-        req.digest,
-        now_ns(),
-        req.priority,
-        st.fd,
-        st.direct_fd});
-    if (trace_) {
-      trace_->pending[{idx, s.gen}] = TraceRing::Pending{
-          s.job->issue_ns, 0, -1, req.layer, req.expert, req.exact, req.length};
-    }
-    index_[key] = idx;
-    enqueue_locked(idx, req.priority);
-    t.slot = idx;
-    t.gen = s.gen;
-    t.state = TicketState::kPending;
-    t.kind = TicketKind::kMiss;
-    counters_.misses++;
-    work_cv_.notify_one();
+    start_read_locked(key, req, id, t);
   }
   next_ticket_++;
   tickets_.emplace(id, std::move(t));
@@ -798,9 +820,17 @@ bool Engine::set_hint(
     uint64_t offset,
     uint64_t length,
     double p,
-    int arena) {
+    int arena,
+    const Digest* digest) {
   std::lock_guard<std::mutex> lk(mu_);
-  auto it = index_.find(Key{store, offset, length, arena});
+  Request r;
+  r.store = store;
+  r.offset = offset;
+  r.length = length;
+  r.arena = arena;
+  r.has_digest = digest != nullptr;
+  r.digest = digest ? *digest : Digest{};
+  auto it = index_.find(key_of(r));
   if (it == index_.end()) {
     return false;
   }
@@ -994,7 +1024,7 @@ ErrorCode Engine::do_read(
         " bytes";
     return ErrorCode::kShortRead;
   }
-  if (job.has_digest) {
+  if (job.key.has_digest) {
     if (fault == Fault::kDigest) {
       static_cast<uint8_t*>(segs[0].iov_base)[0] ^= 0xff;
     }
@@ -1005,7 +1035,7 @@ ErrorCode Engine::do_read(
       h.update(static_cast<const uint8_t*>(v.iov_base), n);
       left -= n;
     }
-    if (h.finish() != job.digest) {
+    if (h.finish() != job.key.digest) {
       msg = "SHA-256 mismatch for " + where();
       return ErrorCode::kDigest;
     }
@@ -1040,7 +1070,7 @@ void Engine::worker_loop() {
       continue;
     }
     Fault fault = Fault::kNone;
-    if (fault_count_ > 0 && (fault_ != Fault::kDigest || job->has_digest)) {
+    if (fault_count_ > 0 && (fault_ != Fault::kDigest || job->key.has_digest)) {
       fault = fault_;
       if (--fault_count_ == 0) {
         fault_ = Fault::kNone;
@@ -1066,7 +1096,7 @@ void Engine::worker_loop() {
           job->gen,
           s.gen != job->gen              ? uint8_t(TraceOutcome::kStale)
               : code == ErrorCode::kNone ? uint8_t(TraceOutcome::kPublished)
-                                         : uint8_t(8 + int(code)));
+                                         : uint8_t(kTraceErrorBase + int(code)));
     }
     if (s.gen != job->gen) {
       // The slot was abandoned or recycled while we read: never publish.
@@ -1270,21 +1300,23 @@ void Engine::mark(int layer, int tag) {
   }
 }
 
-void Engine::inject_fault(Fault fault, int count) {
+void Engine::require_testing(const char* hook) const {
   if (!opts_.testing) {
     throw StreamError(
-        ErrorCode::kBadRequest, "fault injection needs Engine(testing=True)");
+        ErrorCode::kBadRequest,
+        std::string(hook) + " needs Engine(testing=True)");
   }
+}
+
+void Engine::inject_fault(Fault fault, int count) {
+  require_testing("fault injection");
   std::lock_guard<std::mutex> lk(mu_);
   fault_ = fault;
   fault_count_ = count;
 }
 
 void Engine::hold(bool on) {
-  if (!opts_.testing) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "hold() needs Engine(testing=True)");
-  }
+  require_testing("hold()");
   {
     std::lock_guard<std::mutex> lk(mu_);
     hold_ = on;
@@ -1293,10 +1325,7 @@ void Engine::hold(bool on) {
 }
 
 void Engine::set_read_delay_us(int64_t us) {
-  if (!opts_.testing) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "read delay needs Engine(testing=True)");
-  }
+  require_testing("read delay");
   std::lock_guard<std::mutex> lk(mu_);
   read_delay_us_ = us;
 }

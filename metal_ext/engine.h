@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -35,20 +36,32 @@ constexpr uint64_t kAlign = 4096;
 // Steady-clock ns: the engine's counters, trace and the raw baseline share it.
 int64_t now_ns();
 
+// The one spelling of the engine's error codes: the enum, error_name() and
+// the bindings' error_codes() (from which hebrus_mlx.stream.errors maps each
+// name to its Python class) all expand this list.
+#define HEBRUS_ERROR_CODES(X) \
+  X(kNone, 0, "ok")           \
+  X(kIO, 1, "io")             \
+  X(kShortRead, 2, "short_read") \
+  X(kDigest, 3, "digest")     \
+  X(kCancelled, 4, "cancelled") \
+  X(kStale, 5, "stale")       \
+  X(kCacheFull, 6, "cache_full") \
+  X(kBadRequest, 7, "bad_request") \
+  X(kClosed, 8, "closed")     \
+  X(kTimeout, 9, "timeout")
+
 enum class ErrorCode : int {
-  kNone = 0,
-  kIO = 1,
-  kShortRead = 2,
-  kDigest = 3,
-  kCancelled = 4,
-  kStale = 5,
-  kCacheFull = 6,
-  kBadRequest = 7,
-  kClosed = 8,
-  kTimeout = 9,
+#define HEBRUS_ERROR_ENUM(id, value, name) id = value,
+  HEBRUS_ERROR_CODES(HEBRUS_ERROR_ENUM)
+#undef HEBRUS_ERROR_ENUM
 };
 
 const char* error_name(ErrorCode code);
+
+// A trace event's outcome as text: "published", "stale", ..., or
+// "error:<error_name>" for a failed read; "" for a mark.
+std::string trace_outcome_name(const TraceEvent& e);
 
 // what() ends in " [stream:<error_name>]": MLX rethrows a failure inside
 // graph evaluation as a plain std::runtime_error(what()), and the tag lets
@@ -76,10 +89,6 @@ struct Request {
   uint64_t generation = 0;
   int layer = -1;
   int expert = -1;
-  // Component byte range inside the record this consumer needs (metadata;
-  // the whole record is read and verified as one snapshot).
-  uint64_t comp_begin = 0;
-  uint64_t comp_end = 0;
   // Absolute steady-clock ns; within a class, earlier deadlines go first.
   int64_t deadline_ns = INT64_MAX;
   double confidence = 1.0;
@@ -208,6 +217,13 @@ struct Arena {
   std::vector<DevicePart> device;
 };
 
+// Refuses an arena without parts or rows, or with an expand flag list of
+// another length; an empty `expand` becomes "no part expanded".
+void check_arena_spec(
+    const std::vector<uint64_t>& part_bytes,
+    uint32_t rows,
+    std::vector<uint8_t>& expand);
+
 struct TableRow {
   uint64_t offset;
   uint64_t length;
@@ -267,13 +283,15 @@ class Engine {
   // it are refused. Returns how many tickets went stale.
   int advance_generation(uint64_t owner, uint64_t generation);
 
-  // Scored policy hint: P(use before eviction) for a cached record.
+  // Scored policy hint: P(use before eviction) for a cached record (named
+  // as its requests name it, digest included).
   bool set_hint(
       int store,
       uint64_t offset,
       uint64_t length,
       double p_use,
-      int arena = -1);
+      int arena = -1,
+      const Digest* digest = nullptr);
 
   // Blocks until some read finishes (returns true) or returns false at once
   // if none is queued or in flight: lets a caller refused with kCacheFull
@@ -304,29 +322,42 @@ class Engine {
   }
 
  private:
+  // A slot's identity: which bytes, where they go, and the SHA-256 they must
+  // have. The digest is part of it so a slot is one verified snapshot: a
+  // request with a digest never hits or joins a slot published without that
+  // digest (a digest-less read, or one expecting other bytes); it reads and
+  // verifies its own. Requests that agree share one read, as before.
   struct Key {
     int store;
     uint64_t offset;
     uint64_t length;
     int arena;
+    bool has_digest;
+    Digest digest;
     bool operator==(const Key& o) const {
       return store == o.store && offset == o.offset && length == o.length &&
-          arena == o.arena;
+          arena == o.arena && has_digest == o.has_digest &&
+          (!has_digest || digest == o.digest);
     }
   };
+  static Key key_of(const Request& r) {
+    return Key{
+        r.store, r.offset, r.length, r.arena, r.has_digest,
+        r.has_digest ? r.digest : Digest{}};
+  }
   struct KeyHash {
     size_t operator()(const Key& k) const {
-      return std::hash<uint64_t>()(k.offset * 1000003ull ^ k.length) ^
+      uint64_t d = 0;
+      std::memcpy(&d, k.digest.data(), sizeof(d));
+      return std::hash<uint64_t>()(k.offset * 1000003ull ^ k.length ^ d) ^
           std::hash<int>()(k.store * 131 + k.arena);
     }
   };
   struct Job {
     uint32_t slot;
     uint64_t gen;
-    Key key;
+    Key key; // key.has_digest: verify before publishing
     Slab slab;
-    bool has_digest;
-    Digest digest;
     int64_t issue_ns;
     int priority;
     int fd;
@@ -387,6 +418,11 @@ class Engine {
   };
 
   void worker_loop();
+  // request(): refuse a bad/stale/closed request; serve it from the slot
+  // that already holds or is reading its key; or reserve and queue a read.
+  void validate_locked(const Request& req) const;
+  void join_locked(uint32_t idx, const Request& req, uint64_t id, Ticket& t);
+  void start_read_locked(const Key& key, const Request& req, uint64_t id, Ticket& t);
   bool pick_job_locked(std::unique_ptr<Job>& job);
   void enqueue_locked(uint32_t slot_idx, int priority);
   Slab reserve_slab_locked(uint64_t size);
@@ -406,6 +442,7 @@ class Engine {
       uint64_t& got,
       std::string& msg);
   double eviction_key(const Slot& s) const;
+  void require_testing(const char* hook) const; // the test hooks' guard
   void check_store_locked(int store) const;
 
   EngineOptions opts_;

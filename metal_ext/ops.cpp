@@ -18,25 +18,88 @@ mx::Stream io_stream() {
   return mx::default_stream(mx::Device::cpu);
 }
 
-// Wait, copy and release tickets in order. On failure every remaining ticket
-// is cancelled, so no slot stays pinned, and the error propagates.
-void copy_tickets(
-    Engine& engine,
-    const std::vector<uint64_t>& tickets,
-    uint64_t length,
-    uint8_t* dst) {
-  size_t i = 0;
-  try {
-    for (; i < tickets.size(); ++i) {
-      engine.copy_out(engine.wait(tickets[i]), dst + i * length);
-      engine.release(tickets[i]);
+// engine.request(r), retrying while the cache is full: `make_room` frees
+// space (returns true) or has nothing to free (false); then the reads other
+// callers left in flight are awaited, and once the engine is idle the
+// refusal propagates. The last retry after the engine went idle closes the
+// race with a read that finished just before wait_progress looked.
+template <class MakeRoom>
+uint64_t request_with_room(Engine& engine, const Request& r, MakeRoom make_room) {
+  for (bool busy = true;;) {
+    try {
+      return engine.request(r);
+    } catch (const StreamError& e) {
+      if (e.code != ErrorCode::kCacheFull) {
+        throw;
+      }
+      if (make_room()) {
+        continue;
+      }
+      if (!busy) {
+        throw;
+      }
+      busy = engine.wait_progress();
     }
-  } catch (...) {
-    for (; i < tickets.size(); ++i) {
-      engine.cancel(tickets[i]);
-    }
-    throw;
   }
+}
+
+// Tickets consumed in issue order: wait, consume(tag, view), release. Issued
+// in waves as large as the cache can pin, so reads overlap; a full cache
+// consumes the issued wave and issuing continues. Whatever is left when it
+// goes out of scope (a failure) is cancelled, so no slot stays pinned.
+template <class Consume>
+class Waves {
+ public:
+  Waves(Engine& engine, Consume consume)
+      : engine_(engine), consume_(std::move(consume)) {}
+  Waves(const Waves&) = delete;
+  Waves& operator=(const Waves&) = delete;
+  ~Waves() {
+    for (; next_ < tickets_.size(); ++next_) {
+      engine_.cancel(tickets_[next_].second);
+    }
+  }
+  // A ticket issued elsewhere; this wave owns it from now on.
+  void adopt(size_t tag, uint64_t ticket) {
+    tickets_.emplace_back(tag, ticket);
+  }
+  void issue(size_t tag, const Request& r) {
+    adopt(tag, request_with_room(engine_, r, [this] {
+            bool any = next_ < tickets_.size();
+            drain();
+            return any;
+          }));
+  }
+  void drain() {
+    for (; next_ < tickets_.size(); ++next_) {
+      auto [tag, ticket] = tickets_[next_];
+      consume_(tag, engine_.wait(ticket));
+      engine_.release(ticket);
+    }
+    tickets_.clear();
+    next_ = 0;
+  }
+
+ private:
+  Engine& engine_;
+  Consume consume_;
+  std::vector<std::pair<size_t, uint64_t>> tickets_;
+  size_t next_ = 0; // tickets_[:next_] are consumed and released
+};
+
+// Allocates `out` and returns the CPU encoder with `inputs` and `out`
+// registered: the prologue of every copying op here.
+mx::cpu::CommandEncoder& cpu_encoder(
+    const mx::Stream& stream,
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (const auto& in : inputs) {
+    enc.set_input_array(in);
+  }
+  enc.set_output_array(out);
+  return enc;
 }
 
 mx::array index_input(const mx::array& indices) {
@@ -46,29 +109,6 @@ mx::array index_input(const mx::array& indices) {
   return mx::contiguous(mx::astype(indices, mx::uint32, io_stream()), false, io_stream());
 }
 
-// An exact P0 request for row `id` of a record table (hints then lower the
-// priority and clear `exact`).
-Request row_request(
-    const Table& t,
-    uint32_t id,
-    uint64_t owner,
-    uint64_t generation,
-    int layer) {
-  const TableRow& row = t.rows[id];
-  Request r;
-  r.store = t.store;
-  r.offset = row.offset;
-  r.length = row.length;
-  r.owner = owner;
-  r.generation = generation;
-  r.layer = layer;
-  r.expert = static_cast<int>(id);
-  r.comp_end = row.length;
-  r.has_digest = row.has_digest;
-  r.digest = row.digest;
-  r.arena = t.arena;
-  return r;
-}
 
 uint64_t table_length(Engine& engine, int table) {
   const Table& t = engine.table(table);
@@ -82,6 +122,22 @@ uint64_t table_length(Engine& engine, int table) {
 }
 
 } // namespace
+
+Request TableRead::row(const Table& t, uint32_t id) const {
+  const TableRow& row = t.rows[id];
+  Request r;
+  r.store = t.store;
+  r.offset = row.offset;
+  r.length = row.length;
+  r.owner = owner;
+  r.generation = generation;
+  r.layer = layer;
+  r.expert = static_cast<int>(id);
+  r.has_digest = row.has_digest;
+  r.digest = row.digest;
+  r.arena = t.arena;
+  return r;
+}
 
 mx::array load_tickets(
     std::shared_ptr<Engine> engine,
@@ -122,16 +178,20 @@ LoadTickets::~LoadTickets() {
 void LoadTickets::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_output_array(out);
+  auto& enc = cpu_encoder(stream(), inputs, out);
   // The task owns the tickets from here: the primitive may be detached from
   // the graph before the task runs.
   enc.dispatch([engine = engine_,
                 tickets = std::move(tickets_),
                 length = length_,
                 dst = out.data<uint8_t>()]() {
-    copy_tickets(*engine, tickets, length, dst);
+    Waves waves(*engine, [&](size_t i, const Engine::View& v) {
+      engine->copy_out(v, dst + i * length);
+    });
+    for (size_t i = 0; i < tickets.size(); ++i) {
+      waves.adopt(i, tickets[i]);
+    }
+    waves.drain();
   });
   tickets_.clear();
 }
@@ -156,77 +216,35 @@ mx::array gather_records(
       shape,
       mx::uint8,
       std::make_shared<GatherRecords>(
-          io_stream(), std::move(engine), table, owner, generation, layer),
+          io_stream(),
+          TableRead{std::move(engine), table, owner, generation, layer}),
       {index_input(indices)});
 }
 
 void GatherRecords::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(out);
-  enc.dispatch([engine = engine_,
-                table = table_,
-                owner = owner_,
-                generation = generation_,
-                layer = layer_,
-                idx = inputs[0],
-                dst = out.data<uint8_t>()]() {
-    const Table& t = engine->table(table);
+  auto& enc = cpu_encoder(stream(), inputs, out);
+  enc.dispatch([read = read_, idx = inputs[0], dst = out.data<uint8_t>()]() {
+    Engine& engine = *read.engine;
+    const Table& t = engine.table(read.table);
     const uint32_t* ix = idx.data<uint32_t>();
     const uint64_t length = t.uniform_length;
-    // Issue as many records as the cache can pin so the reads overlap; when
-    // it is full, consume the issued wave and continue (repeated indices
-    // join the same read).
-    std::vector<std::pair<size_t, uint64_t>> wave;
-    auto drain = [&] {
-      size_t k = 0;
-      try {
-        for (; k < wave.size(); ++k) {
-          engine->copy_out(
-              engine->wait(wave[k].second), dst + wave[k].first * length);
-          engine->release(wave[k].second);
-        }
-      } catch (...) {
-        for (; k < wave.size(); ++k) {
-          engine->cancel(wave[k].second);
-        }
-        wave.clear();
-        throw;
+    // Repeated indices join the same read.
+    Waves waves(engine, [&](size_t i, const Engine::View& v) {
+      engine.copy_out(v, dst + i * length);
+    });
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (ix[i] >= t.rows.size()) {
+        throw StreamError(
+            ErrorCode::kBadRequest,
+            "indices: " + std::to_string(ix[i]) + " out of range for table " +
+                std::to_string(read.table) + " with " +
+                std::to_string(t.rows.size()) + " rows");
       }
-      wave.clear();
-    };
-    try {
-      for (size_t i = 0; i < idx.size(); ++i) {
-        if (ix[i] >= t.rows.size()) {
-          throw StreamError(
-              ErrorCode::kBadRequest,
-              "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                  std::to_string(table) + " with " +
-                  std::to_string(t.rows.size()) + " rows");
-        }
-        Request r = row_request(t, ix[i], owner, generation, layer);
-        while (true) {
-          try {
-            wave.emplace_back(i, engine->request(r));
-            break;
-          } catch (const StreamError& e) {
-            if (e.code != ErrorCode::kCacheFull || wave.empty()) {
-              throw;
-            }
-            drain();
-          }
-        }
-      }
-      drain();
-    } catch (...) {
-      for (auto& [pos, tk] : wave) {
-        engine->cancel(tk);
-      }
-      throw;
+      waves.issue(i, read.row(t, ix[i]));
     }
+    waves.drain();
   });
 }
 
@@ -256,48 +274,38 @@ mx::array prefetch_records(
       mx::uint32,
       std::make_shared<PrefetchRecords>(
           io_stream(),
-          std::move(engine),
-          table,
+          TableRead{std::move(engine), table, owner, generation, layer},
           priority,
           confidence,
-          exact,
-          owner,
-          generation,
-          layer),
+          exact),
       {index_input(indices)});
 }
 
 void PrefetchRecords::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(out);
-  enc.dispatch([engine = engine_,
-                table = table_,
+  auto& enc = cpu_encoder(stream(), inputs, out);
+  enc.dispatch([read = read_,
                 priority = priority_,
                 confidence = confidence_,
                 exact = exact_,
-                owner = owner_,
-                generation = generation_,
-                layer = layer_,
                 idx = inputs[0],
                 dst = out.data<uint32_t>()]() {
-    const Table& t = engine->table(table);
+    Engine& engine = *read.engine;
+    const Table& t = engine.table(read.table);
     const uint32_t* ix = idx.data<uint32_t>();
     uint32_t issued = 0;
     for (size_t i = 0; i < idx.size(); ++i) {
       if (ix[i] >= t.rows.size()) {
         continue; // a hint, not a dependency: bad ids are skipped
       }
-      Request r = row_request(t, ix[i], owner, generation, layer);
+      Request r = read.row(t, ix[i]);
       r.priority = priority;
       r.exact = exact;
       r.confidence = confidence;
       try {
         // Released at once: the read continues as a cache candidate.
-        engine->release(engine->request(r));
+        engine.release(engine.request(r));
         issued++;
       } catch (const StreamError&) {
         // Speculation never fails the graph (full cache, stale generation).
@@ -343,33 +351,23 @@ mx::array gather_rows(
       mx::uint8,
       std::make_shared<GatherRows>(
           io_stream(),
-          std::move(engine),
-          table,
+          TableRead{std::move(engine), table, owner, generation, layer},
           rows_per_page,
           row_bytes,
-          header_bytes,
-          owner,
-          generation,
-          layer),
+          header_bytes),
       {index_input(row_ids)});
 }
 
 void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(out);
-  enc.dispatch([engine = engine_,
-                table = table_,
+  auto& enc = cpu_encoder(stream(), inputs, out);
+  enc.dispatch([read = read_,
                 rpp = rows_per_page_,
                 row_bytes = row_bytes_,
                 header = header_bytes_,
-                owner = owner_,
-                generation = generation_,
-                layer = layer_,
                 idx = inputs[0],
                 dst = out.data<uint8_t>()]() {
-    const Table& t = engine->table(table);
+    Engine& engine = *read.engine;
+    const Table& t = engine.table(read.table);
     const uint32_t* rows = idx.data<uint32_t>();
     // Positions of each unique page's rows, pages in first-use order.
     std::unordered_map<uint64_t, size_t> slot;
@@ -390,72 +388,24 @@ void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
       }
       uses[it->second].push_back(i);
     }
-    // One P0 ticket per unique page, issued in waves as large as the cache
-    // can pin so reads overlap; a full cache consumes the issued wave (rows
-    // copied from that verified snapshot, pages released) and continues. An
-    // empty wave waits for draining lookahead reads like resolve; only a
-    // single page larger than the cache is an error.
-    std::vector<std::pair<size_t, uint64_t>> wave; // (slot, ticket)
-    auto drain = [&] {
-      size_t k = 0;
-      try {
-        for (; k < wave.size(); ++k) {
-          Engine::View v = engine->wait(wave[k].second);
-          for (size_t i : uses[wave[k].first]) {
-            std::memcpy(
-                dst + i * row_bytes,
-                v.data + header + (rows[i] % rpp) * row_bytes,
-                row_bytes);
-          }
-          engine->release(wave[k].second);
-        }
-      } catch (...) {
-        for (; k < wave.size(); ++k) {
-          engine->cancel(wave[k].second);
-        }
-        wave.clear();
-        throw;
+    // One P0 ticket per unique page; rows are copied from that verified
+    // snapshot before the page is released. An empty wave waits for
+    // draining lookahead reads; only a single page larger than the cache is
+    // an error.
+    Waves waves(engine, [&](size_t page, const Engine::View& v) {
+      for (size_t i : uses[page]) {
+        std::memcpy(
+            dst + i * row_bytes,
+            v.data + header + (rows[i] % rpp) * row_bytes,
+            row_bytes);
       }
-      wave.clear();
-    };
-    try {
-      for (size_t s = 0; s < pages.size(); ++s) {
-        const TableRow& p = t.rows[pages[s]];
-        Request r;
-        r.store = t.store;
-        r.offset = p.offset;
-        r.length = p.length;
-        r.owner = owner;
-        r.generation = generation;
-        r.layer = layer;
-        r.comp_end = p.length;
-        r.has_digest = p.has_digest;
-        r.digest = p.digest;
-        for (bool busy = true;;) {
-          try {
-            wave.emplace_back(s, engine->request(r));
-            break;
-          } catch (const StreamError& e) {
-            if (e.code != ErrorCode::kCacheFull) {
-              throw;
-            }
-            if (!wave.empty()) {
-              drain();
-            } else if (!busy) {
-              throw;
-            } else {
-              busy = engine->wait_progress();
-            }
-          }
-        }
-      }
-      drain();
-    } catch (...) {
-      for (auto& [s, tk] : wave) {
-        engine->cancel(tk);
-      }
-      throw;
+    });
+    for (size_t s = 0; s < pages.size(); ++s) {
+      Request r = read.row(t, pages[s]);
+      r.expert = -1; // a page, not an expert
+      waves.issue(s, r);
     }
+    waves.drain();
   });
 }
 
@@ -479,17 +429,7 @@ std::pair<int, std::vector<mx::array>> create_arena(
     std::vector<uint64_t> part_bytes,
     uint32_t rows,
     std::vector<uint8_t> expand) {
-  if (part_bytes.empty() || rows == 0) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "arena: need >= 1 part and >= 1 row");
-  }
-  if (expand.empty()) {
-    expand.assign(part_bytes.size(), 0);
-  }
-  if (expand.size() != part_bytes.size()) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "expand: need one flag per part");
-  }
+  check_arena_spec(part_bytes, rows, expand);
   auto owned = std::make_shared<std::vector<mx::array>>();
   std::vector<mx::array> parts;
   std::vector<uint8_t*> ptrs;
@@ -564,7 +504,8 @@ std::pair<mx::array, mx::array> resolve_records(
       {indices.shape(), mx::Shape{static_cast<int>(indices.size())}},
       {mx::uint32, mx::uint64},
       std::make_shared<ResolveRecords>(
-          io_stream(), std::move(engine), table, owner, generation, layer),
+          io_stream(),
+          TableRead{std::move(engine), table, owner, generation, layer}),
       {idx});
   return {outs[0], outs[1]};
 }
@@ -579,19 +520,16 @@ void ResolveRecords::eval_cpu(
   enc.set_input_array(inputs[0]);
   enc.set_output_array(outputs[0]);
   enc.set_output_array(outputs[1]);
-  enc.dispatch([engine = engine_,
-                table = table_,
-                owner = owner_,
-                generation = generation_,
-                layer = layer_,
+  enc.dispatch([read = read_,
                 idx = inputs[0],
                 rows = outputs[0].data<uint32_t>(),
                 lease = outputs[1].data<uint64_t>()]() {
+    const std::shared_ptr<Engine>& engine = read.engine;
     // Ticket 0 never exists: if this task fails, release_after sees an
     // empty lease instead of garbage ids.
     std::memset(lease, 0, idx.size() * sizeof(uint64_t));
     std::memset(rows, 0, idx.size() * sizeof(uint32_t));
-    const Table& t = engine->table(table);
+    const Table& t = engine->table(read.table);
     const uint32_t* ix = idx.data<uint32_t>();
     std::vector<uint64_t> tickets;
     tickets.reserve(idx.size());
@@ -604,23 +542,12 @@ void ResolveRecords::eval_cpu(
           throw StreamError(
               ErrorCode::kBadRequest,
               "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                  std::to_string(table));
+                  std::to_string(read.table));
         }
-        Request r = row_request(t, ix[i], owner, generation, layer);
         // Rows held by draining prefetches free up; our own pins do not.
-        // One last retry after the engine went idle closes the race with a
-        // read that finished just before wait_progress looked.
-        for (bool busy = true;;) {
-          try {
-            tickets.push_back(engine->request(r));
-            break;
-          } catch (const StreamError& e) {
-            if (e.code != ErrorCode::kCacheFull || !busy) {
-              throw;
-            }
-            busy = engine->wait_progress();
-          }
-        }
+        tickets.push_back(request_with_room(
+            *engine, read.row(t, ix[i]),
+            [] { return false; }));
       }
       for (; waited < tickets.size(); ++waited) {
         rows[waited] = engine->wait(tickets[waited]).row;

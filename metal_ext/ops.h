@@ -93,27 +93,32 @@ mx::array gather_rows(
     uint64_t generation,
     int layer);
 
+// What a table op reads and for whom: the engine, the record table, the
+// owner/generation its requests carry, and the layer that labels them for
+// per-layer counters and the trace.
+struct TableRead {
+  std::shared_ptr<Engine> engine;
+  int table;
+  uint64_t owner;
+  uint64_t generation;
+  int layer;
+  // The exact P0 request for row `id` (callers lower priority / exact).
+  Request row(const Table& t, uint32_t id) const;
+};
+
 class GatherRows : public mx::UnaryPrimitive {
  public:
   GatherRows(
       mx::Stream s,
-      std::shared_ptr<Engine> engine,
-      int table,
+      TableRead read,
       uint64_t rows_per_page,
       uint64_t row_bytes,
-      uint64_t header_bytes,
-      uint64_t owner,
-      uint64_t generation,
-      int layer)
+      uint64_t header_bytes)
       : mx::UnaryPrimitive(s),
-        engine_(std::move(engine)),
-        table_(table),
+        read_(std::move(read)),
         rows_per_page_(rows_per_page),
         row_bytes_(row_bytes),
-        header_bytes_(header_bytes),
-        owner_(owner),
-        generation_(generation),
-        layer_(layer) {}
+        header_bytes_(header_bytes) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -121,31 +126,16 @@ class GatherRows : public mx::UnaryPrimitive {
   }
 
  private:
-  std::shared_ptr<Engine> engine_;
-  int table_;
+  TableRead read_;
   uint64_t rows_per_page_;
   uint64_t row_bytes_;
   uint64_t header_bytes_;
-  uint64_t owner_;
-  uint64_t generation_;
-  int layer_;
 };
 
 class ResolveRecords : public mx::Primitive {
  public:
-  ResolveRecords(
-      mx::Stream s,
-      std::shared_ptr<Engine> engine,
-      int table,
-      uint64_t owner,
-      uint64_t generation,
-      int layer)
-      : mx::Primitive(s),
-        engine_(std::move(engine)),
-        table_(table),
-        owner_(owner),
-        generation_(generation),
-        layer_(layer) {}
+  ResolveRecords(mx::Stream s, TableRead read)
+      : mx::Primitive(s), read_(std::move(read)) {}
   void eval_cpu(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs) override;
@@ -157,11 +147,7 @@ class ResolveRecords : public mx::Primitive {
   }
 
  private:
-  std::shared_ptr<Engine> engine_;
-  int table_;
-  uint64_t owner_;
-  uint64_t generation_;
-  int layer_; // labels requests for per-layer counters
+  TableRead read_;
 };
 
 class ReleaseAfter : public mx::UnaryPrimitive {
@@ -204,19 +190,8 @@ class LoadTickets : public mx::UnaryPrimitive {
 
 class GatherRecords : public mx::UnaryPrimitive {
  public:
-  GatherRecords(
-      mx::Stream s,
-      std::shared_ptr<Engine> engine,
-      int table,
-      uint64_t owner,
-      uint64_t generation,
-      int layer)
-      : mx::UnaryPrimitive(s),
-        engine_(std::move(engine)),
-        table_(table),
-        owner_(owner),
-        generation_(generation),
-        layer_(layer) {}
+  GatherRecords(mx::Stream s, TableRead read)
+      : mx::UnaryPrimitive(s), read_(std::move(read)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -224,34 +199,22 @@ class GatherRecords : public mx::UnaryPrimitive {
   }
 
  private:
-  std::shared_ptr<Engine> engine_;
-  int table_;
-  uint64_t owner_;
-  uint64_t generation_;
-  int layer_; // labels requests for per-layer counters
+  TableRead read_;
 };
 
 class PrefetchRecords : public mx::UnaryPrimitive {
  public:
   PrefetchRecords(
       mx::Stream s,
-      std::shared_ptr<Engine> engine,
-      int table,
+      TableRead read,
       int priority,
       double confidence,
-      bool exact,
-      uint64_t owner,
-      uint64_t generation,
-      int layer)
+      bool exact)
       : mx::UnaryPrimitive(s),
-        engine_(std::move(engine)),
-        table_(table),
+        read_(std::move(read)),
         priority_(priority),
         confidence_(confidence),
-        exact_(exact),
-        owner_(owner),
-        generation_(generation),
-        layer_(layer) {}
+        exact_(exact) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -259,14 +222,10 @@ class PrefetchRecords : public mx::UnaryPrimitive {
   }
 
  private:
-  std::shared_ptr<Engine> engine_;
-  int table_;
+  TableRead read_;
   int priority_;
   double confidence_;
   bool exact_;
-  uint64_t owner_;
-  uint64_t generation_;
-  int layer_; // labels requests for per-layer counters
 };
 
 } // namespace hebrus

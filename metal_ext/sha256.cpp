@@ -9,9 +9,8 @@
 #endif
 
 namespace hebrus {
-namespace {
 
-constexpr uint32_t K[64] = {
+const uint32_t detail::kSha256K[64] = {
     0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1,
     0x923f82a4, 0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3,
     0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786,
@@ -23,6 +22,10 @@ constexpr uint32_t K[64] = {
     0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a,
     0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208,
     0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+namespace {
+
+using detail::kSha256K;
 
 inline uint32_t rotr(uint32_t x, int n) {
   return (x >> n) | (x << (32 - n));
@@ -44,7 +47,7 @@ void compress(uint32_t h[8], const uint8_t* block) {
   for (int i = 0; i < 64; ++i) {
     uint32_t S1 = rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25);
     uint32_t ch = (e & f) ^ (~e & g);
-    uint32_t t1 = hh + S1 + ch + K[i] + w[i];
+    uint32_t t1 = hh + S1 + ch + kSha256K[i] + w[i];
     uint32_t S0 = rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22);
     uint32_t maj = (a & b) ^ (a & c) ^ (b & c);
     uint32_t t2 = S0 + maj;
@@ -67,7 +70,7 @@ void compress(uint32_t h[8], const uint8_t* block) {
   h[7] += hh;
 }
 
-void compress_blocks_portable(uint32_t h[8], const uint8_t* data, size_t n) {
+void compress_blocks_portable(uint32_t* h, const uint8_t* data, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     compress(h, data + 64 * i);
   }
@@ -98,7 +101,8 @@ __attribute__((target("sha,sse4.1,ssse3"))) void compress_blocks_shani(
     }
     for (int i = 0; i < 16; ++i) {
       __m128i wk = _mm_add_epi32(
-          m[i & 3], _mm_loadu_si128(reinterpret_cast<const __m128i*>(K + 4 * i)));
+          m[i & 3],
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(kSha256K + 4 * i)));
       cdgh = _mm_sha256rnds2_epu32(cdgh, abef, wk);
       abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(wk, 0x0E));
       if (i < 12) {
@@ -129,25 +133,35 @@ bool cpu_has_shani() {
 
 using BlocksFn = void (*)(uint32_t*, const uint8_t*, size_t);
 
-BlocksFn pick_blocks() {
+struct Backend {
+  BlocksFn blocks;
+  const char* name;
+};
+
+Backend pick_blocks() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   if (cpu_has_shani()) {
-    return compress_blocks_shani;
+    return {compress_blocks_shani, "sha-ni"};
   }
 #endif
-  return compress_blocks_portable;
+#if defined(__aarch64__)
+  if (detail::sha256_armv8_usable()) {
+    return {detail::sha256_blocks_armv8, "armv8"};
+  }
+#endif
+  return {compress_blocks_portable, "portable"};
 }
 
-const BlocksFn compress_blocks = pick_blocks();
+const Backend backend = pick_blocks();
 
 } // namespace
 
 const char* sha256_backend() {
-  return compress_blocks == compress_blocks_portable ? "portable" : "sha-ni";
+  return backend.name;
 }
 
 Sha256::Sha256(bool portable)
-    : blocks_(portable ? compress_blocks_portable : compress_blocks) {
+    : blocks_(portable ? compress_blocks_portable : backend.blocks) {
   static constexpr uint32_t init[8] = {
       0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
       0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
@@ -165,7 +179,7 @@ void Sha256::update(const uint8_t* data, size_t size) {
     if (buf_len_ < 64) {
       return;
     }
-    compress(h_, buf_);
+    blocks_(h_, buf_, 1);
     buf_len_ = 0;
   }
   blocks_(h_, data, size / 64);
@@ -185,10 +199,7 @@ Digest Sha256::finish() {
   for (int i = 0; i < 8; ++i) {
     tail[tail_len - 1 - i] = uint8_t(bits >> (8 * i));
   }
-  compress(h_, tail);
-  if (tail_len == 128) {
-    compress(h_, tail + 64);
-  }
+  blocks_(h_, tail, tail_len / 64);
   Digest out;
   for (int i = 0; i < 8; ++i) {
     out[4 * i] = uint8_t(h_[i] >> 24);

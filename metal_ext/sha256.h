@@ -1,4 +1,6 @@
-// Portable SHA-256 (FIPS 180-4) used to verify a record before publication.
+// SHA-256 (FIPS 180-4) used to verify a record before publication: the
+// CPU's SHA instructions where it has them (x86 SHA-NI, ARMv8 SHA-2), the
+// portable rounds otherwise.
 #pragma once
 
 #include <array>
@@ -28,7 +30,17 @@ class Sha256 {
 
 Digest sha256(const uint8_t* data, size_t size, bool portable = false);
 
-// "sha-ni" (x86 SHA extensions, picked at load) or "portable".
+// The block rounds picked at load: "sha-ni" (x86 SHA extensions), "armv8"
+// (ARMv8 SHA-2 instructions) or "portable".
 const char* sha256_backend();
+
+namespace detail {
+extern const uint32_t kSha256K[64]; // round constants, shared by every path
+#if defined(__aarch64__)
+// sha256_armv8.cpp (the only file built with the crypto extension).
+bool sha256_armv8_usable();
+void sha256_blocks_armv8(uint32_t h[8], const uint8_t* data, size_t n);
+#endif
+} // namespace detail
 
 } // namespace hebrus

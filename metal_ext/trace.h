@@ -14,7 +14,9 @@ namespace hebrus {
 
 enum class TraceKind : uint8_t { kRead = 0, kWait = 1, kMark = 2 };
 
-// Outcome of a traced read or wait (a read's error uses ErrorCode + 8).
+// Outcome of a traced read or wait; a failed read's outcome is
+// kTraceErrorBase + its ErrorCode (trace_outcome_name spells both).
+constexpr uint8_t kTraceErrorBase = 8;
 enum class TraceOutcome : uint8_t {
   kPublished = 0, // read: bytes published; wait: ticket ready
   kStale = 1, // read finished for a recycled slot: discarded
@@ -28,7 +30,7 @@ enum class TraceOutcome : uint8_t {
 // Python's time.monotonic_ns()).
 struct TraceEvent {
   TraceKind kind;
-  uint8_t outcome; // TraceOutcome, or 8 + ErrorCode for a failed read
+  uint8_t outcome; // TraceOutcome, or kTraceErrorBase + ErrorCode
   int8_t priority; // read: queue it ran from; -1 if it never ran
   bool exact; // read: issued as exact (P0) rather than a prediction
   bool promoted; // read: issued as a prediction, joined by an exact request

@@ -68,3 +68,13 @@ def test_package_works_without_the_extension():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_bench_code_is_a_separate_module():
+    """Issue 10: benchmark-only code (raw_pread) is built into
+    hebrus_mlx._bench, not the runtime module; the runtime exports the
+    engine's error table instead."""
+    from hebrus_mlx import _bench, _ext
+
+    assert hasattr(_bench, "raw_pread") and not hasattr(_ext, "raw_pread")
+    assert _ext.error_codes()[0] == "ok"

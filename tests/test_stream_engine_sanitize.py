@@ -21,7 +21,7 @@ def test_engine_stress_under_sanitizers(tmp_path):
     """AFN-019: concurrent cancellation and stale generations never deliver
     wrong bytes, leak a pin, race (TSan) or touch freed memory (ASan+UBSan)."""
     sources = [str(EXT / "tests" / "engine_stress.cpp"), str(EXT / "engine.cpp"),
-               str(EXT / "sha256.cpp")]
+               str(EXT / "sha256.cpp"), str(EXT / "sha256_armv8.cpp")]
     builds = {}
     # Both builds at once: the compile dominates this test's time.
     for name, flags in (("thread", ["-O1"]), ("address,undefined", ["-O0"])):

@@ -132,3 +132,52 @@ def test_plan_resident_or_streamed():
         plan_experts(store, rec, 80 * GIB, 0, expert_cache_gb=0.01, min_rows=10)
     with pytest.raises(ValueError, match="available memory"):
         plan_experts(store, rec, available=GIB, reserve=GIB, min_rows=10)
+
+
+def _fds_and_threads():
+    import os
+
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs /proc")
+def test_failed_construction_releases_reader_and_engine():
+    """Issue 10: a construction failure after the reader and the engine
+    exist (here: an arena of 0 rows) closes both before raising - no
+    descriptor or reader thread outlives the error, even while the error
+    (and its traceback) is still held."""
+    from hebrus_mlx.stream.errors import StreamRequestError
+    from hebrus_mlx.utils import DEMO_DIR
+
+    before = _fds_and_threads()
+    with pytest.raises(StreamRequestError, match="row") as err:
+        StreamedExperts.from_artifact(str(DEMO_DIR), rows=0, threads=3)
+    assert _fds_and_threads() == before, err.value
+    # Later, once the engine has opened the store: its descriptors go too.
+    with pytest.MonkeyPatch.context() as mp:
+        def refuse(*a, **k):
+            raise StreamRequestError("offsets: injected failure")
+
+        mp.setattr(se.StreamEngine, "register_table", refuse)
+        with pytest.raises(StreamRequestError, match="injected") as err:
+            StreamedExperts.from_artifact(str(DEMO_DIR), rows=8, threads=3)
+        assert _fds_and_threads() == before, err.value
+    # A caller's engine is the caller's: left open, still usable.
+    eng = se.StreamEngine(cache_bytes=1 << 20, threads=1)
+    with pytest.raises(StreamRequestError):
+        StreamedExperts.from_artifact(str(DEMO_DIR), rows=0, engine=eng)
+    assert eng.memory()["capacity"] == 1 << 20
+    eng.close()
+
+
+def test_artifact_without_expert_store_is_a_typed_error(tmp_path):
+    """Issue 10: no store with role "experts" is an ArtifactError naming the
+    field, not a bare StopIteration out of next()."""
+    import json
+
+    from hebrus_mlx.artifact.errors import ArtifactError
+
+    (tmp_path / C.MANIFEST_NAME).write_text(json.dumps(
+        {"family": FAM.name, "stores": [{"role": "ple", "path": "p.hbpl"}]}))
+    with pytest.raises(ArtifactError, match="stores"):
+        StreamedExperts.from_artifact(str(tmp_path), rows=4)

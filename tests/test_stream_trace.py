@@ -1,5 +1,6 @@
-"""Tests for the engine trace and raw_pread in hebrus_mlx/stream/engine.py
-(metal_ext/trace.h, trace_ops.cpp, rawbench.cpp).
+"""Tests for the engine trace in hebrus_mlx/stream/engine.py and the
+benchmark-only raw_pread (hebrus_mlx._bench) (metal_ext/trace.h,
+trace_ops.cpp, bench/rawbench.cpp).
 
 AFN-019 defended: exposed wait per layer and read issue->ready times must
 come from the engine's own timestamps (not a run that syncs once per
@@ -179,12 +180,14 @@ def test_raw_pread_reads_the_file_bytes(store):
     direct (aligned) and buffered (unaligned offsets and length)."""
     path, data = store
     batches = [[3 * REC, 0, 7 * REC], [REC], [31 * REC, 2 * REC]]
-    r = se.raw_pread(path, batches, REC, threads=3, direct=True, collect=True)
+    from hebrus_mlx import _bench
+
+    r = _bench.raw_pread(str(path), batches, REC, threads=3, direct=True, collect=True)
     want = b"".join(data[o:o + REC] for b in batches for o in b)
     assert r["data"] == want
     assert r["reads"] == 6 and r["bytes"] == 6 * REC and r["elapsed_ns"] > 0
     odd = [[5, 1000], [77777]]
-    r = se.raw_pread(path, odd, 1234, threads=2, direct=False, collect=True)
+    r = _bench.raw_pread(str(path), odd, 1234, threads=2, direct=False, collect=True)
     assert r["data"] == b"".join(data[o:o + 1234] for b in odd for o in b)
     assert r["direct"] is False
 
@@ -212,7 +215,9 @@ def test_trace_capacity_is_checked(store):
 )
 def test_raw_pread_rejects_bad_input(store, kw, field):
     path, _ = store
-    args = dict(path=path, batches=[[0, REC]], length=REC, threads=2, direct=True)
+    from hebrus_mlx import _bench
+
+    args = dict(path=str(path), batches=[[0, REC]], length=REC, threads=2, direct=True)
     args.update(kw)
     with pytest.raises(StreamRequestError, match=f"^{field}:"):
-        se.raw_pread(**args)
+        _bench.raw_pread(**args)

@@ -2,7 +2,7 @@
 
 A request names bytes in a store: ``(store, offset, length)`` plus scheduling
 metadata (priority, exact vs predicted, owner/generation, layer, expert,
-component range, deadline, digest). It returns an integer ticket. The record
+deadline, digest). It returns an integer ticket. The record
 lands in a bounded slot cache; ``wait``/``read`` block until it is published,
 ``release``/``cancel`` drop the ticket's ownership exactly once.
 
@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import mlx.core as mx  # loads libmlx before the extension needs it
 import numpy as np
 
-from .errors import BY_CODE, BY_NAME, StreamError, StreamRequestError
+from .errors import StreamError, StreamRequestError
 
 try:
     from hebrus_mlx import _ext
@@ -64,8 +64,6 @@ def io_summary(counters: dict) -> str:
 # Engine trace (metal_ext/trace.h). Times are steady-clock ns, the clock of
 # time.monotonic_ns() (see trace_clock_ns).
 TRACE_KINDS = ("read", "wait", "mark")
-TRACE_OUTCOMES = {0: "published", 1: "stale", 2: "dropped", 3: "failed",
-                  4: "timeout", 5: "cancelled"}
 TRACE_DTYPE = np.dtype([
     ("kind", "U4"),
     ("outcome", "U12"),
@@ -87,11 +85,8 @@ def _trace_array(d: dict) -> np.ndarray:
     if n == 0:
         return out
     out["kind"] = [TRACE_KINDS[k] for k in d["kind"]]
-    # A failed read's outcome is 8 + the engine's ErrorCode: "error:<name>".
-    names = {cls: name for name, cls in BY_NAME.items()}
-    errors = {8 + code: "error:" + names[cls] for code, cls in BY_CODE.items()}
-    out["outcome"] = ["" if k == 2 else TRACE_OUTCOMES.get(o) or errors.get(o, str(o))
-                      for k, o in zip(d["kind"], d["outcome"])]
+    # Named by the engine: "published", ..., "error:<name>" ("" for marks).
+    out["outcome"] = d["outcome"]
     for field, col in (("priority", "priority"), ("exact", "exact"),
                        ("promoted", "promoted"), ("layer", "layer"),
                        ("expert", "expert"), ("bytes", "bytes"),
@@ -105,27 +100,6 @@ def trace_clock_ns() -> int:
     if _ext is None:
         raise StreamUnavailableError(unavailable_reason())
     return _ext.trace_clock_ns()
-
-
-def raw_pread(path, batches: Sequence[Sequence[int]], length: int,
-              threads: int = 4, direct: bool = True,
-              collect: bool = False) -> dict:
-    """The raw-read roofline (no engine, no cache): a pool of ``threads`` C
-    threads preads each batch of offsets (``length`` bytes each) into
-    aligned buffers, all of a batch issued and awaited before the next, as a
-    decode layer does. O_DIRECT when ``direct`` (offsets and length must be
-    4096-aligned; a filesystem without O_DIRECT falls back to buffered and
-    the result says ``direct=False``).
-
-    Returns ``{"elapsed_ns", "bytes", "reads", "direct"}`` (+ ``"data"``,
-    every read concatenated in batch order, with ``collect``). Bad input
-    raises :class:`StreamRequestError` naming the field."""
-    if _ext is None:
-        raise StreamUnavailableError(unavailable_reason())
-    return _ext.raw_pread(
-        str(path), [[int(o) for o in b] for b in batches], int(length),
-        int(threads), bool(direct), bool(collect),
-    )
 
 
 class StreamUnavailableError(StreamError):
@@ -255,15 +229,16 @@ class StreamEngine:
         generation: int = 0,
         layer: int = -1,
         expert: int = -1,
-        component: Optional[tuple] = None,
         deadline_ns: Optional[int] = None,
         confidence: float = 1.0,
         digest: Optional[bytes] = None,
         arena: int = -1,
     ) -> int:
         """Issue a read; never blocks on I/O. ``deadline_ns`` is in
-        ``time.monotonic_ns()`` units."""
-        begin, end = component if component is not None else (0, None)
+        ``time.monotonic_ns()`` units. Requests share a slot (one read,
+        one snapshot) only if they name the same bytes and the same
+        ``digest`` (or both none): a digest-carrying request is never served
+        bytes that were not checked against its digest."""
         return self._e.request(
             store,
             offset,
@@ -274,8 +249,6 @@ class StreamEngine:
             generation=generation,
             layer=layer,
             expert=expert,
-            comp_begin=begin,
-            comp_end=end,
             deadline_ns=deadline_ns,
             confidence=confidence,
             digest=digest,
@@ -299,10 +272,12 @@ class StreamEngine:
         return self._e.advance_generation(owner, generation)
 
     def set_hint(
-        self, store: int, offset: int, length: int, p_use: float, arena: int = -1
+        self, store: int, offset: int, length: int, p_use: float, arena: int = -1,
+        digest: Optional[bytes] = None,
     ) -> bool:
-        """Scored policy: P(use before eviction) of a cached record."""
-        return self._e.set_hint(store, offset, length, p_use, arena)
+        """Scored policy: P(use before eviction) of a cached record (named
+        as its requests named it, ``digest`` included)."""
+        return self._e.set_hint(store, offset, length, p_use, arena, digest)
 
     def ticket_info(self, ticket: int) -> dict:
         return self._e.ticket_info(ticket)

@@ -51,20 +51,10 @@ class StreamTimeoutError(StreamError, TimeoutError):
     """A wait exceeded its timeout."""
 
 
-# Codes used by metal_ext/engine.h (ErrorCode).
-BY_CODE = {
-    1: StreamIOError,
-    2: ShortReadError,
-    3: DigestMismatchError,
-    4: TicketCancelledError,
-    5: StaleGenerationError,
-    6: CacheFullError,
-    7: StreamRequestError,
-    8: StreamClosedError,
-    9: StreamTimeoutError,
-}
-
-# metal_ext/engine.cpp error_name() -> class.
+# Engine error name -> class. The names (and their numeric codes) are the C++
+# engine's (metal_ext/engine.h HEBRUS_ERROR_CODES, listed by
+# hebrus_mlx._ext.error_codes()); the bindings raise BY_NAME[name] and the
+# tests hold this table to that list.
 BY_NAME = {
     "io": StreamIOError,
     "short_read": ShortReadError,

@@ -137,20 +137,30 @@ class StreamedExperts:
         ``rows``-record arena (see :func:`plan_experts`). ``engine``: share
         one (e.g. with streamed PLE pages); by default a new one."""
         from ..artifact import constants as C
+        from ..artifact.errors import ArtifactError
         from ..artifact.expert_major import ExpertMajorReader
 
         with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
             m = json.loads(f.read())
-        s = next(s for s in m["stores"] if s["role"] == "experts")
+        s = next((s for s in m["stores"] if s["role"] == "experts"), None)
+        if s is None:
+            raise ArtifactError("stores", 'no store with role "experts"')
         reader = ExpertMajorReader(
             os.path.join(artifact, s["path"]), C.family(m["family"]), s["codec"]
         )
-        # The arena is the cache; the slab budget only backs copying ops.
-        if engine is None:
-            engine = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
-        out = cls(engine, reader, rows, prefetch_previous, dtype)
-        reader.close()  # the engine has its own descriptors
-        return out
+        owned = None
+        try:
+            # The arena is the cache; the slab budget only backs copying ops.
+            if engine is None:
+                engine = owned = StreamEngine(
+                    cache_bytes=reader.geometry.record_stride, threads=threads)
+            return cls(engine, reader, rows, prefetch_previous, dtype)
+        except BaseException:
+            if owned is not None:
+                owned.close()  # joins its reader threads now, not at GC
+            raise
+        finally:
+            reader.close()  # the engine has its own descriptors
 
     def _records(self, layer: int, indices: mx.array) -> mx.array:
         if not 0 <= layer < self.num_layers:

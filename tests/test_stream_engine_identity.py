@@ -1,0 +1,102 @@
+"""A slot is one verified snapshot (issue 10): the engine's de-duplication
+key includes the record's expected SHA-256, so a request that carries a
+digest is never served bytes that were published without checking that
+digest (by a digest-less request or one expecting other bytes).
+
+Provenance: the store is random bytes written by the test; expected digests
+are hashlib's over the test's own copy of those bytes (contract control).
+The corruption is made on disk by the test after the first read.
+"""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream.errors import DigestMismatchError
+
+pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
+
+REC = 2 * 4096
+
+
+@pytest.fixture
+def store(tmp_path):
+    data = np.random.default_rng(10).integers(0, 256, 8 * REC, dtype=np.uint8).tobytes()
+    path = tmp_path / "store.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def make():
+    # direct=False: the corrupted-store case must read what the test wrote
+    # through the page cache, on any filesystem.
+    return se.StreamEngine(cache_bytes=8 * REC, threads=1, direct=False, testing=True)
+
+
+def corrupt(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_digest_request_is_not_served_an_unverified_slot(store):
+    """A digest-less request publishes a record; the store is then corrupted.
+    A request carrying the record's (true) digest must not hit that slot: it
+    reads again and the corrupt bytes are refused, typed."""
+    path, data = store
+    eng = make()
+    s = eng.add_store(path)
+    t = eng.request(s, REC, REC)  # no digest: fills a slot unverified
+    assert eng.read(t) == data[REC:2 * REC]
+    eng.release(t)
+    corrupt(path, REC + 7)
+    want = hashlib.sha256(data[REC:2 * REC]).digest()
+    t = eng.request(s, REC, REC, digest=want)
+    assert eng.ticket_info(t)["kind"] == "miss"
+    with pytest.raises(DigestMismatchError):
+        eng.read(t)
+    eng.release(t)
+    eng.close()
+
+
+def test_digest_request_does_not_join_an_unverified_read(store):
+    """The same while the digest-less read is still queued: the digest
+    request must not join it (it would be served unverified bytes)."""
+    path, data = store
+    eng = make()
+    s = eng.add_store(path)
+    eng.hold(True)
+    a = eng.request(s, 0, REC)
+    b = eng.request(s, 0, REC, digest=hashlib.sha256(b"other bytes").digest())
+    assert eng.ticket_info(b)["kind"] == "miss"
+    eng.hold(False)
+    assert eng.read(a) == data[:REC]
+    with pytest.raises(DigestMismatchError):
+        eng.read(b)
+    eng.release(a), eng.release(b)
+    eng.close()
+
+
+def test_different_digests_are_different_snapshots(store):
+    """A slot verified against digest A never serves a request expecting
+    digest B (one of them is wrong about the store: that one fails)."""
+    path, data = store
+    eng = make()
+    s = eng.add_store(path)
+    good = hashlib.sha256(data[:REC]).digest()
+    t = eng.request(s, 0, REC, digest=good)
+    assert eng.read(t) == data[:REC]
+    eng.release(t)
+    t = eng.request(s, 0, REC, digest=hashlib.sha256(b"x").digest())
+    with pytest.raises(DigestMismatchError):
+        eng.read(t)
+    eng.release(t)
+    # The same digest again is a hit on the verified slot.
+    t = eng.request(s, 0, REC, digest=good)
+    assert eng.ticket_info(t)["kind"] == "hit" and eng.read(t) == data[:REC]
+    eng.release(t)
+    eng.close()
