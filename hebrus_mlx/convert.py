@@ -24,6 +24,7 @@ from .artifact import constants as C
 from .artifact import expert_major, manifest as M, ple_pages
 from .artifact.errors import ArtifactError, GeometryError
 from .artifact.progress import Progress
+from .convert_fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
 from .models import checkpoint_keys as keys
 from .models.qwen4exp_config import ple_head_offsets, ple_head_vocab_sizes, ple_layer_multipliers
 
@@ -47,7 +48,7 @@ def profile_for(q_bits, q_group_size, dtype):
 class Source:
     """Index of every tensor in a checkpoint's shards; reads one at a time."""
 
-    def __init__(self, path):
+    def __init__(self, path, config=None):
         self.path = path
         self.index = {}
         for name in sorted(os.listdir(path)):
@@ -59,12 +60,27 @@ class Source:
                 if key in self.index:
                     raise ArtifactError(f"source.{key}", f"in two shards ({self.index[key][0]} and {full})")
                 self.index[key] = (full, 8 + n, e)
+        # Block-FP8 sources: scale tensors leave the index (they are not
+        # model tensors) and dequantize their tensor on read.
+        self.fp8 = Fp8Scales(self.index, block_config(config or {}))
 
     def read(self, key, start=None, stop=None):
         """float32 (or int64 for buffers) ndarray of one source tensor, or of
         rows [start, stop) of its first axis: one pread of just those bytes,
-        so a slice of a huge tensor never brings in the rest."""
-        path, base, e = self.index[key]
+        so a slice of a huge tensor never brings in the rest. A float8
+        tensor comes back dequantized by its scales, dtype "F8_E4M3"."""
+        raw, shape, dt = self._raw(key, self.index[key], start, stop)
+        if dt == FP8_DTYPE:
+            a = self.fp8.dequantize(key, decode_e4m3(raw), shape, start, self._scale)
+            return a, dt
+        return self._decode(key, raw, shape, dt), dt
+
+    def _scale(self, key, start, stop):
+        raw, shape, dt = self._raw(key, self.fp8.entries[key], start, stop)
+        return self._decode(key, raw, shape, dt)
+
+    def _raw(self, key, entry, start, stop):
+        path, base, e = entry
         begin, end = e["data_offsets"]
         shape = list(e["shape"])
         if start is not None:
@@ -77,7 +93,10 @@ class Source:
             raw = os.pread(f.fileno(), end - begin, base + begin)
         if len(raw) != end - begin:
             raise ArtifactError(f"source.{key}", "short read")
-        dt = e["dtype"]
+        return raw, shape, e["dtype"]
+
+    @staticmethod
+    def _decode(key, raw, shape, dt):
         if dt == "BF16":
             a = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
         elif dt in ("F32", "F16", "I64"):
@@ -85,7 +104,7 @@ class Source:
             a = a.astype(np.float32) if dt == "F16" else a
         else:
             raise ArtifactError(f"source.{key}.dtype", f"unsupported source dtype {dt}")
-        return a.reshape(shape), dt
+        return a.reshape(shape)
 
     def shape(self, key):
         return tuple(self.index[key][2]["shape"])
@@ -258,7 +277,7 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
     args = M.model_args(config)
     constants = M.model_constants(config)
     fam = detect_family(constants)
-    src = Source(hf_path)
+    src = Source(hf_path, config)
     counts = keys.check_key_set(list(src.index), args)
     check_ple_constants(src, args)
     sink = open(os.devnull, "w") if quiet else None
