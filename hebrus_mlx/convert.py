@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from . import admission
+from . import admission, hub
 from .artifact import atomic
 from .artifact import constants as C
 from .artifact import expert_major, manifest as M, ple_pages
@@ -263,13 +263,19 @@ def detect_family(constants):
     return matches[0]
 
 
+def artifact_bytes(args, fam, profile):
+    """Bytes the stores of `profile` will take (source files excluded: small)."""
+    codecs = C.PROFILES[profile]
+    n = sum(M.shape_bytes(d, s) for d, s in M.stored_tensors(args, profile).values())
+    n += expert_major.Geometry(fam, codecs["experts"]).file_bytes
+    n += sum(ple_pages.Geometry(fam, t, codecs["ple"]).file_bytes for t in range(len(args.ple_layer_ids)))
+    return n
+
+
 def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, repo=None, quiet=False):
     if not os.path.isdir(hf_path):
-        from huggingface_hub import snapshot_download
-
         repo = hf_path
-        hf_path = snapshot_download(hf_path, revision=revision,
-                                    allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"])
+        hf_path = str(hub.download(hf_path, revision))
     profile = profile_for(q_bits, q_group_size, dtype)
     codecs = C.PROFILES[profile]
     with open(os.path.join(hf_path, "config.json"), "rb") as f:
@@ -280,6 +286,9 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
     src = Source(hf_path, config)
     counts = keys.check_key_set(list(src.index), args)
     check_ple_constants(src, args)
+    # The artifact is written next to `out` before the rename: refuse up front
+    # rather than fail with ENOSPC after hours of a 100+ GB conversion.
+    hub.check_free(artifact_bytes(args, fam, profile), out, f"converting into {out}", field="out")
     sink = open(os.devnull, "w") if quiet else None
 
     def bar(label, total):
