@@ -347,7 +347,7 @@ class _Admission:
         if m["conversion"].get("state") != "complete":
             raise AdmissionError("conversion.state", f"{m['conversion'].get('state')!r} != 'complete'")
         consumed = m["conversion"].get("source_tensors_consumed")
-        allowed = {len(keys.expected_hf_keys(self.args, layout)) for layout in ("unfused", "fused")}
+        allowed = {len(keys.expected_hf_keys(self.args, layout)) for layout in ("unfused", "fused", "mlx")}
         if type(consumed) is not int or consumed not in allowed:
             raise AdmissionError("conversion.source_tensors_consumed", f"{consumed!r} not in the key-table counts {sorted(allowed)}")
 
