@@ -97,6 +97,8 @@ def fp8_twins(hf, root, block, ple_scale="block", mutate=None):
         mutate(fp8)
     qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+    if ple_scale == "tensor":  # transformers swaps in FP8Embedding only for the tables named here
+        qcfg["modules_to_convert"] = ["ple_embedding.ngram_embedding"]
     fdir, odir = os.path.join(root, "fp8"), os.path.join(root, "oracle")
     _copy_side_files(hf, fdir, lambda c: c.__setitem__("quantization_config", qcfg))
     _copy_side_files(hf, odir)
@@ -215,3 +217,65 @@ def test_unsupported_quantization_config_is_refused_at_the_cli(hf, tmp_path, cap
     assert convert_mod.main(["--hf-path", fdir, "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "quantization_config.weight_block_size" in err
+
+
+def _has(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.skipif(not _has("accelerate"), reason="transformers' FP8 loader needs accelerate")
+def test_transformers_reads_the_fixture_as_its_oracle(hf, tmp_path):
+    """The FP8 twin is the layout transformers reads: loaded with
+    FineGrainedFP8Config(dequantize=True), its experts equal the oracle twin
+    bitwise, and its FP8Embedding PLE rows (per-tensor weight_scale) too.
+    Blocks of 128 (every block partial here): transformers' dequantize-at-load
+    derives the block from the scale grid (rows // grid rows) and so agrees
+    with the ceil-grid layout only when each axis has one block or divides
+    evenly; the partial-block case is checked against mlx-vlm below."""
+    import torch
+    from transformers import FineGrainedFP8Config, Qwen4ExpForCausalLM
+
+    fdir, odir = fp8_twins(hf, str(tmp_path), (128, 128), "tensor")
+    got = Qwen4ExpForCausalLM.from_pretrained(fdir, dtype=torch.float32,
+                                              quantization_config=FineGrainedFP8Config(dequantize=True))
+    want = Qwen4ExpForCausalLM.from_pretrained(odir, dtype=torch.float32).state_dict()
+    state = got.state_dict()
+    experts = [k for k in want if ".mlp.experts." in k]
+    assert len(experts) == 8 and all(torch.equal(state[k], want[k]) for k in experts)
+    table = got.model.layers[0].ple.ple_embedding.ngram_embedding
+    assert type(table).__name__ == "FP8Embedding"
+    rows = table(torch.arange(table.num_embeddings))
+    assert torch.equal(rows, want["model.layers.0.ple.ple_embedding.ngram_embedding.weight"])
+
+
+def test_partial_blocks_match_mlx_vlm_dequantizer(hf, tmp_path):
+    """Edge blocks (48 x 48 blocks over 64 x 64 experts and 1024 x 16 PLE
+    shards): the torch oracle equals mlx-vlm's independent block-FP8
+    dequantizer (pad, reshape, scale; square blocks only) bit for bit, so the
+    partial-block semantics are not this test's invention."""
+    import mlx_vlm_fixture as V
+
+    if not V.available():
+        pytest.skip("mlx-vlm not unpacked")
+    import importlib
+
+    import mlx.core as mx
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.torch import load_file as load_torch
+
+    V.import_mlx_vlm()
+    dequantize = importlib.import_module("mlx_vlm.fp8")._dequantize_fp8_weight
+    fdir, odir = fp8_twins(hf, str(tmp_path), (48, 48), "block")
+    q = load_torch(os.path.join(fdir, "model.safetensors"))
+    oracle = load_file(os.path.join(odir, "model.safetensors"))
+    n = 0
+    for k, scale in q.items():
+        if k.endswith("_scale_inv"):
+            w = k[: -len("_scale_inv")]
+            got = dequantize(mx.array(q[w].view(torch.uint8).numpy()), mx.array(scale.numpy()), block_size=48)
+            assert got.dtype == mx.float32 and np.array_equal(np.array(got), oracle[w]), w
+            n += 1
+    assert n == 4 * 8 * 3 + 4
