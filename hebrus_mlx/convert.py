@@ -299,24 +299,31 @@ def open_source(path, config):
     return Source(path, config)
 
 
-def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False):
-    """q_bits/q_group_size default to 4/64 for float sources; an MLX-quantized
-    source imports into the profile of its own quantization."""
+def plan(config, q_bits=None, q_group_size=None, dtype=None):
+    """(profile, args, constants, family) of a source config; q_bits and
+    q_group_size default to 4/64 for float sources, an MLX-quantized source
+    imports into the profile of its own quantization."""
     from . import convert_mlx
 
-    if not os.path.isdir(hf_path):
-        repo = hf_path
-        hf_path = str(hub.download(hf_path, revision))
-    with open(os.path.join(hf_path, "config.json"), "rb") as f:
-        config = json.loads(f.read())
     if convert_mlx.is_mlx_config(config):
         profile = convert_mlx.source_profile(config, q_bits, q_group_size, dtype)
     else:
         profile = profile_for(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size, dtype)
-    codecs = C.PROFILES[profile]
-    args = M.model_args(config)
     constants = M.model_constants(config)
-    fam = detect_family(constants)
+    return profile, M.model_args(config), constants, detect_family(constants)
+
+
+def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False):
+    if not os.path.isdir(hf_path):
+        # Plan from the repo's config.json first, so one disk check covers the
+        # download and the artifact before either starts.
+        repo = hf_path
+        profile, args, _, fam = plan(hub.read_config(repo, revision), q_bits, q_group_size, dtype)
+        hf_path = str(hub.download(repo, revision, also=(artifact_bytes(args, fam, profile), out)))
+    with open(os.path.join(hf_path, "config.json"), "rb") as f:
+        config = json.loads(f.read())
+    profile, args, constants, fam = plan(config, q_bits, q_group_size, dtype)
+    codecs = C.PROFILES[profile]
     src = open_source(hf_path, config)
     counts = src.check(args)
     # The artifact is written next to `out` before the rename: refuse up front

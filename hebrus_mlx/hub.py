@@ -86,15 +86,43 @@ def bytes_to_download(repo_id, revision=None, allow_patterns=ALLOW_PATTERNS, cac
     return todo, total
 
 
-def download(repo_id, revision=None, allow_patterns=ALLOW_PATTERNS, cache_dir=None):
-    """Local snapshot directory of `repo_id`, downloaded after the disk check."""
+def read_config(repo_id, revision=None, cache_dir=None):
+    """config.json of a repo (one small download, or the cache when offline)."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    if not is_repo_id(repo_id):
+        raise HubError("model", f"{repo_id!r} is neither a local directory nor a Hub repo id (ORG/NAME)")
+    try:
+        path = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except Exception as e:  # offline cache miss, network, auth, bad JSON: version-dependent types
+        raise HubError("model", f"{repo_id}: cannot read config.json ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _device(path):
+    return os.stat(_existing_parent(path)).st_dev
+
+
+def download(repo_id, revision=None, allow_patterns=ALLOW_PATTERNS, cache_dir=None, also=None):
+    """Local snapshot directory of `repo_id`, downloaded after the disk check.
+    also=(bytes, path): a later write (the converted artifact) that must fit
+    too; on the cache's filesystem the two are added."""
     from huggingface_hub import constants, snapshot_download
 
     if not is_repo_id(repo_id):
         raise HubError("model", f"{repo_id!r} is neither `demo`, a local directory, nor a Hub repo id (ORG/NAME)")
     if not offline():
+        cache = cache_dir or constants.HF_HUB_CACHE
         todo, _ = bytes_to_download(repo_id, revision, allow_patterns, cache_dir)
-        check_free(todo, cache_dir or constants.HF_HUB_CACHE, f"downloading {repo_id}")
+        if also is not None and _device(also[1]) == _device(cache):
+            check_free(todo + also[0], cache, f"downloading {repo_id} and converting it into {also[1]}")
+        else:
+            check_free(todo, cache, f"downloading {repo_id}")
+            if also is not None:
+                check_free(also[0], also[1], f"converting {repo_id} into {also[1]}", field="out")
     try:
         path = snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns, cache_dir=cache_dir)
     except Exception as e:  # offline cache miss, network, auth: version-dependent types

@@ -49,6 +49,10 @@ class FakeHub:
         def try_to_load_from_cache(repo_id, filename, cache_dir=None, revision=None):
             return fake.cached.get(filename)
 
+        def hf_hub_download(repo_id, filename, revision=None, cache_dir=None):
+            fake.calls.append(("hf_hub_download", repo_id, filename))
+            return os.path.join(str(fake.snapshot), filename)
+
         real_usage = shutil.disk_usage
 
         def disk_usage(path):
@@ -59,6 +63,7 @@ class FakeHub:
         monkeypatch.setattr(huggingface_hub, "HfApi", Api)
         monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
         monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", try_to_load_from_cache)
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
         monkeypatch.setattr(hub.shutil, "disk_usage", disk_usage)
 
     def names(self):
@@ -163,10 +168,28 @@ def test_convert_downloads_a_repo_and_checks_the_output_disk(monkeypatch, tmp_pa
     capsys.readouterr()
     rc = convert_mod.main(["--hf-path", "someorg/tiny", "--out", out, "--dtype", "float32"])
     err = capsys.readouterr().err
-    # the download fits exactly; the f32 artifact (bigger than the source) does not
-    assert rc == 2 and err.count("\n") == 1 and "out:" in err and f"only {size} bytes" in err
-    assert fake.names()[:3] == ["model_info", "disk_usage", "snapshot_download"] and not os.path.exists(out)
+    # the download alone would fit; with the f32 artifact (bigger than the
+    # source) it does not: refused before the download starts
+    assert rc == 2 and err.count("\n") == 1 and f"only {size} bytes" in err and "convert" in err
+    assert "snapshot_download" not in fake.names() and not os.path.exists(out)
+    assert fake.names()[:2] == ["hf_hub_download", "model_info"]
     fake.free = 10 * GB
     assert convert_mod.main(["--hf-path", "someorg/tiny", "--out", out, "--dtype", "float32"]) == 0
     import json
     assert json.load(open(os.path.join(out, "manifest.json")))["source"]["repo"] == "someorg/tiny"
+
+
+@pytest.mark.parametrize("same_fs", [True, False])
+def test_download_and_artifact_share_the_free_space_of_one_filesystem(monkeypatch, tmp_path, same_fs):
+    """convert from a repo: download + artifact are added when the HF cache
+    and --out share a filesystem, checked apart when they do not."""
+    fake = FakeHub(monkeypatch, {"model.safetensors": 600, "config.json": 0}, DEMO_DIR, free=1000)
+    monkeypatch.setattr(hub, "_device", lambda p: 1 if same_fs or str(p).startswith(str(tmp_path)) else 2)
+    also = (500, str(tmp_path / "art"))
+    if same_fs:
+        with pytest.raises(hub.DiskSpaceError) as e:
+            hub.download("o/r", also=also)
+        assert "needs 1100 bytes" in str(e.value) and "snapshot_download" not in fake.names()
+    else:
+        assert hub.download("o/r", also=also) == DEMO_DIR
+        assert fake.names().count("disk_usage") == 2
