@@ -163,8 +163,18 @@ class Fp8Scales:
             s = read_scale(scale_key, start, None if start is None else start + shape[0])
             ri = np.arange(shape[-2]) // br
         self._finite(scale_key, s)
-        ci = np.arange(shape[-1]) // bc
-        return w * s[..., ri, :][..., ci]
+        # Scales expanded over rows only (small); columns broadcast through a
+        # block view of the weight. Same single f32 multiply per element.
+        srow = s[..., ri, :]
+        cols = shape[-1]
+        full, rem = divmod(cols, bc)
+        out = np.empty(shape, np.float32)
+        lead = tuple(shape[:-1])
+        np.multiply(w[..., : full * bc].reshape(lead + (full, bc)), srow[..., :full, None],
+                    out=out[..., : full * bc].reshape(lead + (full, bc)))
+        if rem:
+            np.multiply(w[..., full * bc:], srow[..., full:full + 1], out=out[..., full * bc:])
+        return out
 
     @staticmethod
     def _finite(scale_key, s):
