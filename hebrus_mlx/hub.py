@@ -20,8 +20,9 @@ from pathlib import Path
 
 from .artifact.errors import ArtifactError
 
-# What a text checkpoint needs: weights, configs, tokenizer, chat template.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+# What a text checkpoint needs (weights, configs, tokenizer, chat template),
+# and a published hebrus-mlx artifact's stores.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.hbem", "*.hbpl"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 
