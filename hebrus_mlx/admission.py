@@ -33,7 +33,7 @@ STAGES = (
 )
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
-             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _REQUIRED_KEYS = {
     "schema": str, "schema_version": int, "family": str, "profile": str, "support": str,
@@ -347,7 +347,7 @@ class _Admission:
         if m["conversion"].get("state") != "complete":
             raise AdmissionError("conversion.state", f"{m['conversion'].get('state')!r} != 'complete'")
         consumed = m["conversion"].get("source_tensors_consumed")
-        allowed = {len(keys.expected_hf_keys(self.args, layout)) for layout in ("unfused", "fused")}
+        allowed = {len(keys.expected_hf_keys(self.args, layout)) for layout in ("unfused", "fused", "mlx")}
         if type(consumed) is not int or consumed not in allowed:
             raise AdmissionError("conversion.source_tensors_consumed", f"{consumed!r} not in the key-table counts {sorted(allowed)}")
 

@@ -1,5 +1,9 @@
 """`hebrus-mlx convert`: HF Qwen4Exp checkpoint -> hebrus-mlx artifact directory.
 
+Sources: an HF checkpoint directory (bf16/f32/f16 safetensors, or block-FP8,
+`convert_fp8`), an MLX-quantized conversion (mlx-vlm / mlx-community layout,
+imported without requantizing, `convert_mlx`), or a Hub repo id (`hub`).
+
 Tensors are read one at a time straight from the safetensors shards (pread of
 one tensor's bytes), so peak memory is about the largest tensor plus a
 constant, independent of checkpoint size. Every source key is classified by
@@ -18,12 +22,13 @@ import sys
 
 import numpy as np
 
-from . import admission
+from . import admission, hub
 from .artifact import atomic
 from .artifact import constants as C
 from .artifact import expert_major, manifest as M, ple_pages
 from .artifact.errors import ArtifactError, GeometryError
 from .artifact.progress import Progress
+from .convert_fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
 from .models import checkpoint_keys as keys
 from .models.qwen4exp_config import ple_head_offsets, ple_head_vocab_sizes, ple_layer_multipliers
 
@@ -47,7 +52,7 @@ def profile_for(q_bits, q_group_size, dtype):
 class Source:
     """Index of every tensor in a checkpoint's shards; reads one at a time."""
 
-    def __init__(self, path):
+    def __init__(self, path, config=None):
         self.path = path
         self.index = {}
         for name in sorted(os.listdir(path)):
@@ -59,12 +64,27 @@ class Source:
                 if key in self.index:
                     raise ArtifactError(f"source.{key}", f"in two shards ({self.index[key][0]} and {full})")
                 self.index[key] = (full, 8 + n, e)
+        # Block-FP8 sources: scale tensors leave the index (they are not
+        # model tensors) and dequantize their tensor on read.
+        self.fp8 = Fp8Scales(self.index, block_config(config or {}))
 
     def read(self, key, start=None, stop=None):
         """float32 (or int64 for buffers) ndarray of one source tensor, or of
         rows [start, stop) of its first axis: one pread of just those bytes,
-        so a slice of a huge tensor never brings in the rest."""
-        path, base, e = self.index[key]
+        so a slice of a huge tensor never brings in the rest. A float8
+        tensor comes back dequantized by its scales, dtype "F8_E4M3"."""
+        raw, shape, dt = self._raw(key, self.index[key], start, stop)
+        if dt == FP8_DTYPE:
+            a = self.fp8.dequantize(key, decode_e4m3(raw), shape, start, self._scale)
+            return a, dt
+        return self._decode(key, raw, shape, dt), dt
+
+    def _scale(self, key, start, stop):
+        raw, shape, dt = self._raw(key, self.fp8.entries[key], start, stop)
+        return self._decode(key, raw, shape, dt)
+
+    def _raw(self, key, entry, start, stop):
+        path, base, e = entry
         begin, end = e["data_offsets"]
         shape = list(e["shape"])
         if start is not None:
@@ -77,7 +97,10 @@ class Source:
             raw = os.pread(f.fileno(), end - begin, base + begin)
         if len(raw) != end - begin:
             raise ArtifactError(f"source.{key}", "short read")
-        dt = e["dtype"]
+        return raw, shape, e["dtype"]
+
+    @staticmethod
+    def _decode(key, raw, shape, dt):
         if dt == "BF16":
             a = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
         elif dt in ("F32", "F16", "I64"):
@@ -85,10 +108,42 @@ class Source:
             a = a.astype(np.float32) if dt == "F16" else a
         else:
             raise ArtifactError(f"source.{key}.dtype", f"unsupported source dtype {dt}")
-        return a.reshape(shape), dt
+        return a.reshape(shape)
 
     def shape(self, key):
         return tuple(self.index[key][2]["shape"])
+
+    # The four things conversion asks of a source (MlxSource answers them too).
+    def check(self, args):
+        """Classify every key (named exclusions counted) and check the PLE
+        constant buffers; returns the counts recorded in the manifest."""
+        counts = keys.check_key_set(list(self.index), args)
+        check_ple_constants(self, args)
+        return counts
+
+    def dense_parts(self, key, shape, codec_name):
+        a, dt = self.read(self.key(key))
+        if key.endswith(keys.DEPTHWISE_CONV_SUFFIXES):
+            a = a.transpose(0, 2, 1)  # HF [C, 1, K] -> MLX [C, K, 1]
+        if tuple(a.shape) != tuple(shape):
+            raise GeometryError(f"source.{key}.shape", f"{list(a.shape)} != expected {list(shape)}")
+        return encode(a, dt, codec_name)
+
+    def expert_parts(self, layer, e, fam, codec_name, layout):
+        parts = {}
+        for comp, (a, dt) in _expert_matrices(self, layout, layer, e, fam).items():
+            if tuple(a.shape) != fam.component_shapes()[comp]:
+                raise GeometryError(f"source.layers.{layer}.experts.{e}.{_COMPONENT[comp]}", f"shape {list(a.shape)}")
+            parts[comp] = encode(a, dt, codec_name)
+        return parts
+
+    def ple_chunks(self, args, layer, codec_name):
+        for s in range(args.split_ngram_parts):
+            key = self.key(f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{s}.weight")
+            rows = self.shape(key)[0]
+            for start in range(0, rows, PLE_CHUNK_ROWS):
+                a, dt = self.read(key, start, min(rows, start + PLE_CHUNK_ROWS))
+                yield encode(a, dt, codec_name)["weight"]
 
     def key(self, text_key):
         """Raw key for a text-model key, with or without the conditional prefix."""
@@ -162,12 +217,7 @@ def write_dense(w, src, args, profile, progress):
     for name in sorted(stored):
         key, shape, codec_name, part = source_of[name]
         if key not in pending:
-            a, dt = src.read(src.key(key))
-            if key.endswith(keys.DEPTHWISE_CONV_SUFFIXES):
-                a = a.transpose(0, 2, 1)  # HF [C, 1, K] -> MLX [C, K, 1]
-            if tuple(a.shape) != tuple(shape):
-                raise GeometryError(f"source.{key}.shape", f"{list(a.shape)} != expected {list(shape)}")
-            pending[key] = encode(a, dt, codec_name)
+            pending[key] = src.dense_parts(key, shape, codec_name)
         arr = pending[key].pop(part)
         if not pending[key]:
             del pending[key]
@@ -201,26 +251,12 @@ def _expert_matrices(src, layout, layer, e, fam):
 def expert_records(src, args, fam, codec_name, layout="unfused"):
     for layer in range(fam.num_hidden_layers):
         for e in range(fam.num_experts):
-            parts = {}
-            for comp, (a, dt) in _expert_matrices(src, layout, layer, e, fam).items():
-                if tuple(a.shape) != fam.component_shapes()[comp]:
-                    raise GeometryError(f"source.layers.{layer}.experts.{e}.{_COMPONENT[comp]}", f"shape {list(a.shape)}")
-                parts[comp] = encode(a, dt, codec_name)
-            yield layer, e, parts
+            yield layer, e, src.expert_parts(layer, e, fam, codec_name, layout)
 
 
 # Rows of a PLE shard read per step: bounds conversion memory by a constant
 # however large a shard is.
 PLE_CHUNK_ROWS = 1 << 16
-
-
-def ple_chunks(src, args, layer, codec_name):
-    for s in range(args.split_ngram_parts):
-        key = src.key(f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{s}.weight")
-        rows = src.shape(key)[0]
-        for start in range(0, rows, PLE_CHUNK_ROWS):
-            a, dt = src.read(key, start, min(rows, start + PLE_CHUNK_ROWS))
-            yield encode(a, dt, codec_name)["weight"]
 
 
 def check_ple_constants(src, args):
@@ -244,23 +280,55 @@ def detect_family(constants):
     return matches[0]
 
 
-def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, repo=None, quiet=False):
-    if not os.path.isdir(hf_path):
-        from huggingface_hub import snapshot_download
-
-        repo = hf_path
-        hf_path = snapshot_download(hf_path, revision=revision,
-                                    allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"])
-    profile = profile_for(q_bits, q_group_size, dtype)
+def artifact_bytes(args, fam, profile):
+    """Bytes the stores of `profile` will take (source files excluded: small)."""
     codecs = C.PROFILES[profile]
+    n = sum(M.shape_bytes(d, s) for d, s in M.stored_tensors(args, profile).values())
+    n += expert_major.Geometry(fam, codecs["experts"]).file_bytes
+    n += sum(ple_pages.Geometry(fam, t, codecs["ple"]).file_bytes for t in range(len(args.ple_layer_ids)))
+    return n
+
+
+def open_source(path, config):
+    """The reader for a checkpoint directory: HF safetensors (bf16/f32, or
+    block-FP8), or an MLX-quantized conversion (`convert_mlx`)."""
+    from . import convert_mlx
+
+    if convert_mlx.is_mlx_config(config):
+        return convert_mlx.MlxSource(path, config)
+    return Source(path, config)
+
+
+def plan(config, q_bits=None, q_group_size=None, dtype=None):
+    """(profile, args, constants, family) of a source config; q_bits and
+    q_group_size default to 4/64 for float sources, an MLX-quantized source
+    imports into the profile of its own quantization."""
+    from . import convert_mlx
+
+    if convert_mlx.is_mlx_config(config):
+        profile = convert_mlx.source_profile(config, q_bits, q_group_size, dtype)
+    else:
+        profile = profile_for(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size, dtype)
+    constants = M.model_constants(config)
+    return profile, M.model_args(config), constants, detect_family(constants)
+
+
+def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False):
+    if not os.path.isdir(hf_path):
+        # Plan from the repo's config.json first, so one disk check covers the
+        # download and the artifact before either starts.
+        repo = hf_path
+        profile, args, _, fam = plan(hub.read_config(repo, revision), q_bits, q_group_size, dtype)
+        hf_path = str(hub.download(repo, revision, also=(artifact_bytes(args, fam, profile), out)))
     with open(os.path.join(hf_path, "config.json"), "rb") as f:
         config = json.loads(f.read())
-    args = M.model_args(config)
-    constants = M.model_constants(config)
-    fam = detect_family(constants)
-    src = Source(hf_path)
-    counts = keys.check_key_set(list(src.index), args)
-    check_ple_constants(src, args)
+    profile, args, constants, fam = plan(config, q_bits, q_group_size, dtype)
+    codecs = C.PROFILES[profile]
+    src = open_source(hf_path, config)
+    counts = src.check(args)
+    # The artifact is written next to `out` before the rename: refuse up front
+    # rather than fail with ENOSPC after hours of a 100+ GB conversion.
+    hub.check_free(artifact_bytes(args, fam, profile), out, f"converting into {out}", field="out")
     sink = open(os.devnull, "w") if quiet else None
 
     def bar(label, total):
@@ -296,7 +364,7 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
             g = ple_pages.Geometry(fam, t, codecs["ple"])
             p = bar(f"ple[{t}]", g.payload_bytes)
             ple_pages.publish(os.path.join(tmp, M.ple_path(t)), fam, t, codecs["ple"],
-                              ple_chunks(src, args, layer_id - 1, codecs["ple"]), progress=p)
+                              src.ple_chunks(args, layer_id - 1, codecs["ple"]), progress=p)
             p.close()
             s = _store(tmp, "ple", M.ple_path(t), "ple_pages.v1", codecs["ple"])
             s.update(table=t, layer=layer_id - 1, rows_per_page=g.rows_per_page)
@@ -339,8 +407,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="hebrus-mlx convert", description="Convert a Qwen4Exp HF checkpoint")
     p.add_argument("--hf-path", required=True, help="local directory or Hugging Face repo id")
     p.add_argument("--out", required=True, help="artifact directory to publish")
-    p.add_argument("--q-bits", type=int, default=4)
-    p.add_argument("--q-group-size", type=int, default=64)
+    p.add_argument("--q-bits", type=int, help="default 4 (an MLX-quantized source keeps its own)")
+    p.add_argument("--q-group-size", type=int, help="default 64 (an MLX-quantized source keeps its own)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store unquantized instead")
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     a = p.parse_args(argv)

@@ -294,7 +294,7 @@ def _check_args(args):
 
 def _resolve_model(name: str) -> Path:
     try:
-        from .utils import resolve_model_path
+        from .hub import resolve_model as resolve_model_path  # demo -> local dir -> Hub repo id
     except ImportError:
         resolve_model_path = None
     if resolve_model_path is not None:

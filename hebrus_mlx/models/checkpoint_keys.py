@@ -200,9 +200,13 @@ def classify(raw_key: str, args) -> KeyClass:
 
 
 def expected_hf_keys(args, expert_layout: str = "unfused") -> set[str]:
-    """The exact text-model key set (without the conditional prefix) a checkpoint must hold."""
-    if expert_layout not in ("unfused", "fused"):
-        raise ValueError(f"expert_layout must be 'unfused' or 'fused', got {expert_layout!r}")
+    """The exact text-model key set (without the conditional prefix) a checkpoint must hold.
+
+    expert_layout "mlx" is the mlx-lm / mlx-vlm layout (`convert_mlx`): experts stacked as
+    `mlp.switch_mlp.{gate,up,down}_proj.weight`, PLE shards as `ngram_embedding.shards.{s}.weight`;
+    one key per module (a quantized module's .scales/.biases are parts of it, not counted)."""
+    if expert_layout not in ("unfused", "fused", "mlx"):
+        raise ValueError(f"expert_layout must be 'unfused', 'fused' or 'mlx', got {expert_layout!r}")
     keys = set(GLOBAL_TEMPLATES)
     keys.add("lm_head.weight")
     for layer in range(args.num_hidden_layers):
@@ -214,11 +218,14 @@ def expected_hf_keys(args, expert_layout: str = "unfused") -> set[str]:
                 for e in range(args.num_experts)
                 for c in EXPERT_COMPONENTS
             )
-        else:
+        elif expert_layout == "fused":
             keys.update({prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"})
+        else:
+            keys.update(f"{prefix}mlp.switch_mlp.{c}.weight" for c in EXPERT_COMPONENTS)
         if args.ple_index(layer) is not None:
+            shard = "shards." if expert_layout == "mlx" else "shard_"
             keys.update(
-                f"{prefix}ple.ple_embedding.ngram_embedding.shard_{s}.weight"
+                f"{prefix}ple.ple_embedding.ngram_embedding.{shard}{s}.weight"
                 for s in range(args.split_ngram_parts)
             )
             keys.update(f"{prefix}ple.ple_embedding.{n}" for n in PLE_CONSTANT_NAMES)

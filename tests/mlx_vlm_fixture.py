@@ -1,0 +1,121 @@
+"""An MLX-quantized Qwen4Exp checkpoint written by mlx-vlm 0.7.10's own code.
+
+Provenance (AFN-014): the float weights are the tiny transformers checkpoint
+(`artifact_fixture.tiny_checkpoint`, `save_pretrained`, seed 0), renamed to
+the conditional-generation layout the real release uses (`model.` ->
+`model.language_model.`). Everything after that is mlx-vlm's code, in the
+order its `convert` runs it: `Model.sanitize` (stacks experts into
+`switch_mlp`, renames PLE shards, moves conv axes), the cast to bfloat16,
+`quant_utils.quantize_model` with the model's own `quant_predicate` behind
+convert's multimodal skip, then `utils.save_weights` and `utils.save_config`.
+The vision tower is a tiny random one (text-only conversions exclude it).
+
+mlx-vlm is unpacked read-only at MLX_VLM_ROOT (not pip-installed); its heavy
+package `__init__`s are bypassed by registering bare parent packages, and PIL
+(absent here) is stubbed after transformers has been imported without it.
+Tests skip when it is not there.
+"""
+
+import importlib
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+MLX_VLM_ROOT = os.environ.get("MLX_VLM_ROOT", "/work/pkgs/mlx_vlm_0710")
+
+
+def available():
+    return os.path.isdir(os.path.join(MLX_VLM_ROOT, "mlx_vlm", "models", "qwen4_exp"))
+
+
+def import_mlx_vlm():
+    """(qwen4_exp module, quant_utils, utils) of the unpacked mlx-vlm."""
+    if MLX_VLM_ROOT not in sys.path:
+        sys.path.insert(0, MLX_VLM_ROOT)
+    for name in ("mlx_vlm", "mlx_vlm.speculative", "mlx_vlm.speculative.drafters"):
+        if name not in sys.modules:
+            m = types.ModuleType(name)
+            m.__path__ = [os.path.join(MLX_VLM_ROOT, *name.split("."))]
+            sys.modules[name] = m
+    import transformers.processing_utils  # noqa: F401  (imported before the PIL stub: it must see no PIL)
+
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        pil = types.ModuleType("PIL")
+        pil.Image = types.ModuleType("PIL.Image")
+        pil.Image.Image = type("Image", (), {})
+        pil.ImageOps = types.ModuleType("PIL.ImageOps")
+        sys.modules.update({"PIL": pil, "PIL.Image": pil.Image, "PIL.ImageOps": pil.ImageOps})
+    return (importlib.import_module("mlx_vlm.models.qwen4_exp"), importlib.import_module("mlx_vlm.quant_utils"),
+            importlib.import_module("mlx_vlm.utils"))
+
+
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, out_hidden_size=64, num_heads=2, patch_size=2,
+                   spatial_patch_size=2, temporal_patch_size=1, num_position_embeddings=16,
+                   fullatt_block_indexes=[], in_channels=3)
+
+
+def conditional_config(hf_config):
+    """The HF text config as the real release's conditional config: indexed
+    layers spelled "full_attention" (both readers accept it), the output gate
+    explicit (mlx-vlm reads a missing one as sigmoid, transformers null as
+    silu), rope with the mrope section mlx-vlm requires (text positions make
+    it plain rope)."""
+    text = {k: v for k, v in hf_config.items() if k not in ("architectures", "transformers_version", "dtype")}
+    text["model_type"] = "qwen4_exp_text"
+    text["layer_types"] = ["full_attention" if t == "indexed_attention" else t for t in hf_config["layer_types"]]
+    text["output_gate_type"] = hf_config.get("output_gate_type") or "silu"
+    rope = dict(hf_config["rope_parameters"])
+    rope.setdefault("partial_rotary_factor", 1.0)
+    rope.setdefault("mrope_section", [3, 3, 2])
+    text["rope_parameters"] = rope
+    return {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+            "text_config": text, "vision_config": dict(TINY_VISION), "eos_token_id": hf_config["eos_token_id"],
+            "torch_dtype": "bfloat16"}
+
+
+def build_model(config):
+    q4, _, _ = import_mlx_vlm()
+    import copy
+
+    return q4.Model(q4.ModelConfig.from_dict(copy.deepcopy(config)))
+
+
+def mlx_vlm_checkpoint(hf_dir, out_dir, bits=4, group_size=64):
+    """Quantize the HF checkpoint at `hf_dir` with mlx-vlm into `out_dir`;
+    returns the quantized mlx-vlm model (bf16, as saved)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+
+    q4, quant_utils, utils = import_mlx_vlm()
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = conditional_config(json.load(f))
+    model = build_model(config)
+    weights = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in mx.load(os.path.join(hf_dir, "model.safetensors")).items()}
+    model.load_weights(list(model.sanitize(weights).items()), strict=False)  # vision stays random
+    cast = model.cast_predicate
+    model.update(tree_map_with_path(
+        lambda k, v: v.astype(mx.bfloat16) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+        model.parameters()))
+    model_predicate = model.quant_predicate
+
+    def base_quant_predicate(path, module):  # mlx_vlm.convert's, verbatim in behaviour
+        if utils.skip_multimodal_module(path):
+            return False
+        return model_predicate(path, module)
+
+    model, qconfig = quant_utils.quantize_model(model, config, group_size, bits,
+                                                quant_predicate=base_quant_predicate)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    utils.save_weights(out, model, donate_weights=False)
+    utils.save_config(qconfig, config_path=out / "config.json")
+    for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        if os.path.exists(os.path.join(hf_dir, name)):
+            with open(os.path.join(hf_dir, name), "rb") as f, open(out / name, "wb") as g:
+                g.write(f.read())
+    return model
