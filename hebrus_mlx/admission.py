@@ -186,15 +186,12 @@ class _Admission:
 
     # 4 ------------------------------------------------------------------
     def constants(self):
+        config = _json_file(self.file("config.json"), "config")
         try:
-            with open(self.file("config.json"), "rb") as f:
-                config = json.loads(f.read())
             self.args = M.model_args(config)
             want = M.model_constants(config)
         except ConfigError as e:
-            raise AdmissionError(f"config.{e.field}", str(e)) from None
-        except (UnicodeDecodeError, ValueError) as e:
-            raise AdmissionError("config", f"unreadable: {e}") from None
+            raise AdmissionError(e.field, e.message) from None
         M.check_constants(self.m["model_constants"], want)
         C.match_family(want, self.fam.name)
         self.consts = want
@@ -207,21 +204,30 @@ class _Admission:
         if not has_template:
             tc = {}
             if "tokenizer_config.json" in self.m["source"]["files"]:
-                with open(self.file("tokenizer_config.json"), "rb") as f:
-                    tc = json.loads(f.read())
+                tc = _json_file(self.file("tokenizer_config.json"), "tokenizer_config.json")
             if not isinstance(tc, dict) or not isinstance(tc.get("chat_template"), str):
                 raise AdmissionError("source.files.chat_template.jinja", "no chat template in the artifact")
-        try:
-            with open(self.file("tokenizer.json"), "rb") as f:
-                tok = json.loads(f.read())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise AdmissionError("tokenizer.json", f"not JSON: {e}") from None
-        added = {t.get("id"): t for t in tok.get("added_tokens", []) if isinstance(t, dict)}
+        tok = _json_file(self.file("tokenizer.json"), "tokenizer.json")
+        if type(tok) is not dict:
+            raise AdmissionError("tokenizer.json", "must be a JSON object")
+        added_tokens = tok.get("added_tokens", [])
+        if type(added_tokens) is not list:
+            raise AdmissionError("tokenizer.added_tokens", "must be a list")
+        added = {}
+        for i, t in enumerate(added_tokens):
+            if type(t) is not dict or type(t.get("id")) is not int:
+                raise AdmissionError(f"tokenizer.added_tokens[{i}]", "must be an object with an integer id")
+            added[t["id"]] = t
         for eos in self.consts["eos_token_ids"]:
             if eos not in added or not added[eos].get("special"):
                 raise AdmissionError("tokenizer.eos_token_ids", f"eos id {eos} is not a special token of tokenizer.json")
-        vocab = tok.get("model", {}).get("vocab", {})
+        model = tok.get("model", {})
+        if type(model) is not dict:
+            raise AdmissionError("tokenizer.model", "must be an object")
+        vocab = model.get("vocab", {})
         ids = list(vocab.values()) if isinstance(vocab, dict) else []
+        if not all(type(i) is int for i in ids):
+            raise AdmissionError("tokenizer.vocab", "token ids must be integers")
         top = max(ids + list(added), default=-1)
         if top >= self.consts["vocab_size"]:
             raise AdmissionError("tokenizer.vocab", f"token id {top} >= physical vocab {self.consts['vocab_size']}")
@@ -266,10 +272,15 @@ class _Admission:
                 raise AdmissionError(f"manifest.tensors.{name}", "missing from the manifest inventory")
             if name not in expected:
                 raise AdmissionError(f"manifest.tensors.{name}", "not in the expected tensor set")
+            if type(rec) is not dict:
+                raise AdmissionError(f"manifest.tensors.{name}", "must be an object")
+            offs = rec.get("data_offsets")
+            if type(offs) is not list or len(offs) != 2:
+                raise AdmissionError(f"manifest.tensors.{name}.data_offsets", f"{offs!r} is not a [begin, end] pair")
             e = header[name]
             if rec.get("dtype") != e["dtype"] or rec.get("shape") != e["shape"]:
                 raise AdmissionError(f"manifest.tensors.{name}", "dtype/shape disagree with the dense file")
-            if rec.get("codec") not in C.CODECS:
+            if type(rec.get("codec")) is not str or rec["codec"] not in C.CODECS:
                 raise AdmissionError(f"manifest.tensors.{name}.codec", f"unknown codec {rec.get('codec')!r}")
             # The loader builds quantized layers from this field, so it must be
             # exactly the codec the profile gives the tensor.
@@ -277,10 +288,10 @@ class _Admission:
             want_codec = M.dense_codec(wkey, shapes[wkey], self.m["profile"])
             if rec["codec"] != want_codec:
                 raise AdmissionError(f"manifest.tensors.{name}.codec", f"{rec['codec']!r} != profile codec {want_codec!r}")
-            if rec.get("data_offsets", [None])[0] != e["data_offsets"][0]:
-                raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {rec.get('data_offsets')}")
-            if rec.get("data_offsets") != e["data_offsets"]:
-                raise AdmissionError(f"tensors.{name}.length", f"{e['data_offsets']} != manifest {rec.get('data_offsets')}")
+            if offs[0] != e["data_offsets"][0]:
+                raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {offs}")
+            if offs != e["data_offsets"]:
+                raise AdmissionError(f"tensors.{name}.length", f"{e['data_offsets']} != manifest {offs}")
         base = 8 + n
         self.owners[self.dense_path] = [(0, base, "safetensors.header")] + [
             (base + e["data_offsets"][0], base + e["data_offsets"][1], f"tensor:{name}") for name, e in header.items()
@@ -380,6 +391,14 @@ class _Admission:
         )
 
 
+def _json_file(path, field):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise AdmissionError(field, f"not JSON: {e}") from None
+
+
 def _classify(name, args):
     # Dense stored names may carry .scales/.biases; classify the weight key.
     key = name
@@ -402,7 +421,8 @@ def admit(path):
         except ArtifactError as e:
             e.stage = stage
             raise
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        except OSError as e:
+            # The environment, not the bytes (permissions, EIO): still this stage's failure.
             err = AdmissionError(stage, f"{type(e).__name__}: {e}")
             err.stage = stage
             raise err from e
@@ -413,15 +433,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
     p.add_argument("path", help="artifact directory")
     args = p.parse_args(argv)
-    try:
-        report = admit(args.path)
-    except ArtifactError as e:
-        print(json.dumps({"admitted": False, "stage": getattr(e, "stage", None), "field": e.field,
-                          "error": str(e), "type": type(e).__name__}, indent=1))
-        return 2
-    print(report.to_json())
+    print(admit(args.path).to_json())  # a rejection is one line on stderr (cli.run)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run
+
+    sys.exit(run("admit", main))

@@ -17,13 +17,13 @@ import os
 import sys
 
 import numpy as np
+from tqdm import tqdm
 
 from . import admission
 from .artifact import atomic
 from .artifact import constants as C
 from .artifact import expert_major, manifest as M, ple_pages
 from .artifact.errors import ArtifactError, GeometryError
-from .artifact.progress import Progress
 from .models import checkpoint_keys as keys
 from .models.qwen4exp_config import ple_head_offsets, ple_head_vocab_sizes, ple_layer_multipliers
 
@@ -246,11 +246,11 @@ def detect_family(constants):
 
 def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, repo=None, quiet=False):
     if not os.path.isdir(hf_path):
-        from huggingface_hub import snapshot_download
-
+        # A path-like name that is not a directory is a typo, not a Hub repo id.
+        if os.path.isabs(hf_path) or hf_path.startswith((".", "~")) or os.path.exists(hf_path):
+            raise ArtifactError("hf_path", f"{hf_path} is not a checkpoint directory")
         repo = hf_path
-        hf_path = snapshot_download(hf_path, revision=revision,
-                                    allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"])
+        hf_path = _download(hf_path, revision)
     profile = profile_for(q_bits, q_group_size, dtype)
     codecs = C.PROFILES[profile]
     with open(os.path.join(hf_path, "config.json"), "rb") as f:
@@ -261,10 +261,10 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
     src = Source(hf_path)
     counts = keys.check_key_set(list(src.index), args)
     check_ple_constants(src, args)
-    sink = open(os.devnull, "w") if quiet else None
-
     def bar(label, total):
-        return Progress(label, total, stream=sink)
+        # Bytes written; shown on a terminal only (tqdm's disable=None).
+        return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024,
+                    disable=True if quiet else None)
 
     def build(tmp):
         source_files = {}
@@ -279,7 +279,7 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
         result = {}
 
         def dense(w):
-            result["header"], result["base"] = write_dense(w, src, args, profile, p)
+            result["header"], result["base"] = write_dense(w, src, args, profile, p.update)
 
         atomic.publish_file(os.path.join(tmp, M.DENSE_PATH), dense)
         p.close()
@@ -288,7 +288,7 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
         g = expert_major.Geometry(fam, codecs["experts"])
         p = bar("experts", g.payload_bytes)
         expert_major.publish(os.path.join(tmp, M.EXPERTS_PATH), fam, codecs["experts"],
-                             expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]), progress=p)
+                             expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]), progress=p.update)
         p.close()
         stores.append(_store(tmp, "experts", M.EXPERTS_PATH, "expert_major.v2", codecs["experts"]))
 
@@ -296,7 +296,7 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
             g = ple_pages.Geometry(fam, t, codecs["ple"])
             p = bar(f"ple[{t}]", g.payload_bytes)
             ple_pages.publish(os.path.join(tmp, M.ple_path(t)), fam, t, codecs["ple"],
-                              ple_chunks(src, args, layer_id - 1, codecs["ple"]), progress=p)
+                              ple_chunks(src, args, layer_id - 1, codecs["ple"]), progress=p.update)
             p.close()
             s = _store(tmp, "ple", M.ple_path(t), "ple_pages.v1", codecs["ple"])
             s.update(table=t, layer=layer_id - 1, rows_per_page=g.rows_per_page)
@@ -315,9 +315,18 @@ def convert(hf_path, out, q_bits=4, q_group_size=64, dtype=None, revision=None, 
         atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
 
     atomic.publish_dir(out, build, verify=admission.admit)
-    if sink is not None:
-        sink.close()
     return admission.admit(out)
+
+
+def _download(repo, revision):
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo, revision=revision,
+                                 allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"])
+    except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as e:
+        raise ArtifactError("hf_path", f"cannot fetch {repo!r} from the Hugging Face Hub: {e}") from None
 
 
 def _copy(path, w):
@@ -344,17 +353,12 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store unquantized instead")
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     a = p.parse_args(argv)
-    try:
-        report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision)
-    except ArtifactError as e:
-        print(f"convert: {e}", file=sys.stderr)
-        return 2
-    except keys.CheckpointKeyError as e:
-        print(f"convert: {e}", file=sys.stderr)
-        return 2
+    report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision)  # errors: cli.run
     print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run
+
+    sys.exit(run("convert", main))

@@ -9,11 +9,15 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .errors import HebrusError, UsageError
+
 DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(HebrusError, FileNotFoundError):
     """No model at the given name; the message lists every place that was looked at."""
+
+    default_field = "model"
 
 
 def resolve_model_path(name: str) -> Path:
@@ -49,6 +53,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     parity holds at fp32); None keeps the checkpoint dtype.
     """
     # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
+    from .models.checkpoint_keys import CheckpointKeyError
     from .models.qwen4exp import Model, ModelArgs
 
     path = Path(path)
@@ -60,7 +65,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     for file in files:
         for key, value in mx.load(file).items():
             if key in weights:
-                raise ValueError(f"tensor {key!r} appears in more than one shard")
+                raise CheckpointKeyError(f"tensor {key!r} appears in more than one shard")
             weights[key] = value
     model = Model(args)
     weights = model.sanitize(weights)
@@ -84,7 +89,7 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
         return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
     for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb)):
         if value is not None:
-            raise ValueError(f"{field}: streaming needs a converted artifact, {path} is an HF checkpoint dir")
+            raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype)
 
 

@@ -37,9 +37,13 @@ class _Cache:
     def __init__(self):
         self.tokens = mx.zeros((0,), dtype=mx.int32)
 
+
+class _Caches(list):
+    """The sequence-cache face generate_step uses: the layer caches plus their live arrays."""
+
     @property
-    def state(self):
-        return self.tokens
+    def arrays(self):
+        return [c.tokens for c in self]
 
 
 class HistoryModel:
@@ -50,7 +54,7 @@ class HistoryModel:
         self.calls = []
 
     def make_cache(self):
-        return [_Cache()]
+        return _Caches([_Cache()])
 
     def __call__(self, inputs, cache):
         self.calls.append(inputs.shape[1])
@@ -72,7 +76,7 @@ class ScriptModel:
         self.script = script
 
     def make_cache(self):
-        return [_Cache()]
+        return _Caches([_Cache()])
 
     def __call__(self, inputs, cache):
         c = cache[0]
@@ -114,17 +118,20 @@ def test_generate_step_matches_uncached_reference(step):
     assert model.calls[len(prefill):] == [1] * 7
 
 
-def test_max_kv_size_reaches_the_cache_or_is_refused():
-    class Sized(HistoryModel):
-        def make_cache(self, max_kv_size=None):
-            self.max_kv_size = max_kv_size
-            return super().make_cache()
+def test_max_kv_size_is_refused_before_any_work():
+    """mlx-lm's --max-kv-size has no exact meaning for QSA: refused as a typed one-liner, before the
+    model is loaded (a nonexistent model path must not be what the user hears about)."""
+    from hebrus_mlx.cli import main
+    from hebrus_mlx.errors import UsageError
 
-    m = Sized()
-    list(generate_step(mx.array([1, 2]), m, effective_vocab_size=EFFECTIVE, max_tokens=1, max_kv_size=8))
-    assert m.max_kv_size == 8
-    with pytest.raises(GenerationError, match="max-kv-size"):
-        list(generate_step(mx.array([1, 2]), HistoryModel(), effective_vocab_size=EFFECTIVE, max_kv_size=8))
+    m = HistoryModel()
+    with pytest.raises(UsageError, match="max_kv_size: not supported"):
+        next(generate_step(mx.array([1, 2]), m, effective_vocab_size=EFFECTIVE, max_kv_size=8))
+    assert m.calls == []
+    p = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", "/nonexistent/model",
+                        "--max-kv-size", "64", "-p", "hi"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == "hebrus-mlx generate: error: --max-kv-size: " + gen.MAX_KV_SIZE_UNSUPPORTED + "\n"
 
 
 def test_logprobs_are_masked_and_normalised():
@@ -210,11 +217,13 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     model = ScriptModel(tok.encode("ok") + [IM_END])
     _, ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
     model.prompt_len = len(ids)
+    from hebrus_mlx.cli import main
+
     monkeypatch.setattr(gen, "_load", lambda name, expert_cache_gb=None, ple_cache_gb=None: (model, tok))
-    assert gen.main(["-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
+    assert main(["generate", "-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
     assert capsys.readouterr().out == "ok\n"
     model.args.max_position_embeddings = 4
-    assert gen.main(["-p", "q"]) == 2
+    assert main(["generate", "-p", "q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "context is 4" in err
 

@@ -14,7 +14,8 @@ import pytest
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream.experts import GIB, StreamedExperts, plan_experts
+from hebrus_mlx.loading.plan import GIB, plan_experts
+from hebrus_mlx.stream.experts import StreamedExperts
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 

@@ -24,6 +24,7 @@ from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.artifact import loader
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors
+from hebrus_mlx.loading import plan
 from hebrus_mlx.stream import experts as SE
 from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
 from hebrus_mlx.utils import DEMO_DIR, load_model
@@ -44,7 +45,7 @@ def _cache_gb(art, fraction=0.05):
     _, fam, codec = _experts_store(art)
     record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, codec))
     rows = max(math.ceil(fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
-    return (rows * record + record // 2) / SE.GIB, rows
+    return (rows * record + record // 2) / plan.GIB, rows
 
 
 def _decode(model, prompt, steps, chunk):
@@ -121,12 +122,12 @@ def test_streamed_load_reads_no_expert_bytes(monkeypatch):
     with open(DEMO_DIR / C.MANIFEST_NAME) as f:
         other = sum(os.path.getsize(DEMO_DIR / s["path"]) for s in json.load(f)["stores"]
                     if s["role"] != "experts")
-    monkeypatch.setattr(SE, "available_memory", lambda: loader.RESERVE_BYTES + other + (1 << 20))
+    monkeypatch.setattr(plan, "available_memory", lambda: loader.RESERVE_BYTES + other + (1 << 20))
     model = load_model(DEMO_DIR)  # 1 MiB spare < 7.9 MB of fp32-scaled experts
     assert model.stream_experts is not None and model.stream_experts.rows == 68
     out = model(mx.array([[5, 6]]), model.make_cache())
     mx.eval(out)
-    monkeypatch.setattr(SE, "available_memory", lambda: 64 * SE.GIB)
+    monkeypatch.setattr(plan, "available_memory", lambda: 64 * plan.GIB)
     with pytest.raises(AssertionError, match="expert store read"):
         load_model(DEMO_DIR)  # fits: resident, which reads the store
     with pytest.raises(ValueError, match="expert_cache_gb"):
@@ -305,7 +306,7 @@ def test_cancelled_ticket_mid_step_is_typed_and_clean():
 
 def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     """AFN-010: a read failure during `hebrus-mlx generate` prints one line
-    naming the typed error and the store read, no traceback, and exits 1."""
+    naming the typed error and the store read, no traceback, and exits 2."""
     import importlib
 
     from hebrus_mlx.utils import load
@@ -317,7 +318,9 @@ def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     eng = _testing_experts(model, rows).engine
     monkeypatch.setattr(gen, "_load", lambda *a, **k: (model, tok))
     eng.inject_fault("short_read", 1)
-    assert gen.main(["-p", "hello", "--max-tokens", "3", "--verbose", "false"]) == 1
+    from hebrus_mlx.cli import main
+
+    assert main(["generate", "-p", "hello", "--max-tokens", "3", "--verbose", "false"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ShortReadError: short read of store" in err
     assert "Traceback" not in err and "[stream:" not in err

@@ -13,7 +13,8 @@ import pytest
 
 from hebrus_mlx.artifact import ple_pages
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream.ple import StreamedNGramTable, attach_ple, plan_ple
+from hebrus_mlx.loading.plan import plan_ple
+from hebrus_mlx.stream.ple import StreamedNGramTable, attach_ple
 from hebrus_mlx.stream.switch import StreamedSwitchGLU
 from hebrus_mlx.utils import DEMO_DIR, load_model
 

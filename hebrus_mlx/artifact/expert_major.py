@@ -274,15 +274,21 @@ class ExpertMajorReader(StoreFile):
             out.setdefault(comp, {})[part] = np.frombuffer(data, dtype=dtype, count=n // DTYPE_BYTES[dtype], offset=off).reshape(shape)
         return out
 
-    def verify_all(self, progress=None):
-        """Every record digest plus the whole-payload digest (separate checks)."""
+    def verify_all(self, progress=None, file_hash=None):
+        """Every record digest plus the whole-payload digest (separate checks).
+        `file_hash` (a hashlib object) is fed every byte of the file in order, so
+        one pass also yields the whole-file digest."""
         g = self.geometry
+        if file_hash is not None:
+            file_hash.update(self._pread(g.payload_offset, 0, "experts.header"))
         payload = hashlib.sha256()
         for i in range(g.count):
             data = self._pread(g.record_stride, g.record_offset(i), f"experts.record[{i}]")
             if hashlib.sha256(data[: g.record_bytes]).digest() != self.digests[i]:
                 raise DigestError(f"experts.record[{i}]", "record digest mismatch")
             payload.update(data)
+            if file_hash is not None:
+                file_hash.update(data)
             if progress is not None:
                 progress(g.record_stride)
         if payload.digest() != self.header["payload_sha256"]:

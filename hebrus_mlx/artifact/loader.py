@@ -26,6 +26,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import admission
+from ..errors import UsageError
+from ..loading import plan
+from ..loading.plan import RESERVE_BYTES
 from ..models.qwen4exp import Model, ModelArgs
 from . import constants as C
 from . import manifest as M
@@ -130,12 +133,6 @@ def _ple(artifact, m, fam):
     return out
 
 
-# Kept free for activations, KV/recurrent state and the OS, besides the
-# resident dense and PLE bytes: 2 GiB is a few prefill chunks of the full
-# family's activations plus headroom.
-RESERVE_BYTES = 2 << 30
-
-
 def _other_bytes(artifact, m, roles):
     return sum(os.path.getsize(os.path.join(artifact, t["path"])) for t in m["stores"] if t["role"] in roles)
 
@@ -146,13 +143,10 @@ def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
     in-memory size (bf16 rows widened to fp32 when ``dtype`` is float32)
     against available memory minus ``RESERVE_BYTES`` and the dense store;
     ``ple_cache_gb`` forces streaming with that cache."""
-    from ..stream import experts as SE
-    from ..stream.ple import plan_ple
-
     stores = _store(m, "ple")
     if not stores:
         if ple_cache_gb is not None:
-            raise ValueError("ple_cache_gb: this artifact has no PLE tables")
+            raise UsageError("ple_cache_gb", "this artifact has no PLE tables")
         return None
     wide = dtype is not None and dtype == mx.float32
     table = pages = page = 0
@@ -162,7 +156,7 @@ def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
             table += g.total_rows * g.row_bytes * (2 if wide and g.codec.name == "bf16" else 1)
             pages += g.num_pages
             page = max(page, g.page_stride)
-    return plan_ple(table, page, pages, SE.available_memory(),
+    return plan.plan_ple(table, page, pages, plan.available_memory(),
                     RESERVE_BYTES + _other_bytes(artifact, m, ("dense",)), ple_cache_gb)
 
 
@@ -175,8 +169,6 @@ def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=No
     ``ple_cache_bytes`` says PLE streams); ``expert_cache_gb`` forces
     streaming with that cache. At least top-k rows (one decode token of one
     layer)."""
-    from ..stream import experts as SE
-
     s = _store(m, "experts")[0]
     wide = dtype is not None and dtype == mx.float32
     layout = em.record_layout(fam, s["codec"])
@@ -186,8 +178,8 @@ def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=No
         resident_other = _other_bytes(artifact, m, ("dense", "ple"))
     else:
         resident_other = _other_bytes(artifact, m, ("dense",)) + ple_cache_bytes
-    return SE.plan_experts(
-        count * record, record, SE.available_memory(), RESERVE_BYTES + resident_other,
+    return plan.plan_experts(
+        count * record, record, plan.available_memory(), RESERVE_BYTES + resident_other,
         expert_cache_gb, min_rows=fam.num_experts_per_tok,
     )
 
@@ -267,7 +259,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     ple_cache = plan_ple_residency(artifact, m, fam, dtype, ple_cache_gb)
     rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb, ple_cache)
     if rows is not None and dtype is not None and dtype != mx.float32:
-        raise ValueError(f"dtype: streamed experts run in float32 or the stored dtype (None), got {dtype}")
+        raise UsageError("dtype", f"streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
     # Built whole (expert modules quantized too) so the parameters a streamed
     # switch_mlp replaces are exactly the resident ones; the replaced

@@ -313,12 +313,19 @@ class PleReader(StoreFile):
                 raw[i] = np.frombuffer(data, np.uint8, g.row_bytes, off)
         return out
 
-    def verify_all(self, progress=None):
-        """Every page (header + digest), then the whole-payload digest."""
+    def verify_all(self, progress=None, file_hash=None):
+        """Every page (header + digest), then the whole-payload digest.
+        `file_hash` (a hashlib object) is fed every byte of the file in order, so
+        one pass also yields the whole-file digest."""
         g = self.geometry
+        if file_hash is not None:
+            file_hash.update(self._pread(g.payload_offset, 0, "ple.header"))
         payload = hashlib.sha256()
         for page in range(g.num_pages):
-            payload.update(self.read_page(page))
+            data = self.read_page(page)
+            payload.update(data)
+            if file_hash is not None:
+                file_hash.update(data)
             if progress is not None:
                 progress(g.page_stride)
         if payload.digest() != self.payload_sha:

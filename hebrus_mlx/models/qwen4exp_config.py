@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..errors import HebrusError
+
 LAYER_TYPES = ("linear_attention", "indexed_attention")
 QSA_FIELDS = (
     "indexer_n_heads",
@@ -21,12 +23,11 @@ QSA_FIELDS = (
 )
 
 
-class ConfigError(ValueError):
-    """A config.json field is malformed or unsupported. The message names the field."""
+class ConfigError(HebrusError, ValueError):
+    """A config.json field is malformed or unsupported; `field` is ``config.<name>``."""
 
     def __init__(self, field_name: str, message: str):
-        super().__init__(f"config field {field_name!r}: {message}")
-        self.field = field_name
+        super().__init__(f"config.{field_name}", message)
 
 
 def _require_int(name, value, minimum=None):
@@ -34,6 +35,10 @@ def _require_int(name, value, minimum=None):
         raise ConfigError(name, f"must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(name, f"must be >= {minimum}, got {value}")
+
+
+def _positive_number(value):
+    return type(value) in (int, float) and 0 < value < math.inf
 
 
 @dataclass
@@ -166,6 +171,8 @@ class ModelArgs:
             _require_int(name, getattr(self, name), minimum=1)
         _require_int("hc_count", self.hc_count, minimum=2)
         _require_int("seed", self.seed, minimum=0)
+        if not _positive_number(self.rms_norm_eps):
+            raise ConfigError("rms_norm_eps", f"must be a positive number, got {self.rms_norm_eps!r}")
         if self.hidden_act != "silu":
             raise ConfigError("hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
         gate = self.output_gate_type or self.hidden_act
@@ -193,6 +200,8 @@ class ModelArgs:
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
             raise ConfigError("rope_parameters.rope_type", f"only 'default' is supported, got {rope_type!r}")
+        if not _positive_number(rope.get("rope_theta", 10000.0)):
+            raise ConfigError("rope_parameters.rope_theta", f"must be a positive number, got {rope['rope_theta']!r}")
         factor = rope.get("partial_rotary_factor", 1.0)
         if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise ConfigError("rope_parameters.partial_rotary_factor", f"must be in (0, 1], got {factor!r}")

@@ -17,55 +17,6 @@ import mlx.core as mx
 
 from .engine import P1, StreamEngine
 
-GIB = 1 << 30
-
-
-def available_memory() -> int:
-    """Bytes the OS reports as available (Linux MemAvailable; elsewhere the
-    physical size, which the reserve has to cover)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def plan_experts(
-    store_bytes: int,
-    record_bytes: int,
-    available: int,
-    reserve: int,
-    expert_cache_gb: Optional[float] = None,
-    min_rows: int = 1,
-) -> Optional[int]:
-    """Resident or streamed: None keeps every expert resident (the store
-    fits in ``available - reserve`` and no cache size was forced); otherwise
-    the number of arena rows to stream through. ``expert_cache_gb`` (the
-    ``--expert-cache-gb`` flag) overrides the decision. Raises ValueError
-    naming the field when the budget cannot hold ``min_rows`` records (one
-    layer's top-k for the largest token chunk)."""
-    if expert_cache_gb is None:
-        budget = available - reserve
-        if store_bytes <= budget:
-            return None
-        field = "available memory"
-    else:
-        if not expert_cache_gb > 0:
-            raise ValueError(f"expert_cache_gb: must be > 0, got {expert_cache_gb}")
-        budget = int(expert_cache_gb * GIB)
-        field = "expert_cache_gb"
-    rows = min(budget // record_bytes, store_bytes // record_bytes)
-    if rows < min_rows:
-        raise ValueError(
-            f"{field}: {budget / GIB:.2f} GiB holds {max(rows, 0)} expert records of "
-            f"{record_bytes} bytes, need at least {min_rows}"
-        )
-    return int(rows)
-
-
 # Store dtypes -> MLX; uint16 parts are bf16 bit patterns (artifact convention).
 _MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
 

@@ -25,42 +25,6 @@ import mlx.nn as nn
 
 from .engine import P0, StreamEngine
 
-GIB = 1 << 30
-
-
-def plan_ple(
-    table_bytes: int,
-    page_bytes: int,
-    num_pages: int,
-    available: int,
-    reserve: int,
-    ple_cache_gb: Optional[float] = None,
-) -> Optional[int]:
-    """Resident or streamed PLE tables: None keeps them resident (their
-    in-memory ``table_bytes`` fit in ``available - reserve`` and no cache
-    size was forced); otherwise the slab-cache bytes to stream the pages
-    through (whole pages, at most ``num_pages``). ``ple_cache_gb`` (the
-    ``--ple-cache-gb`` flag) forces streaming. gather_rows works in waves, so
-    one page is enough for correctness; fewer raises ValueError naming the
-    field."""
-    if ple_cache_gb is None:
-        budget = available - reserve
-        if table_bytes <= budget:
-            return None
-        field = "available memory"
-    else:
-        if not ple_cache_gb > 0:
-            raise ValueError(f"ple_cache_gb: must be > 0, got {ple_cache_gb}")
-        budget = int(ple_cache_gb * GIB)
-        field = "ple_cache_gb"
-    pages = min(budget // page_bytes, num_pages)
-    if pages < 1:
-        raise ValueError(
-            f"{field}: {budget / GIB:.4f} GiB holds no {page_bytes}-byte PLE page"
-        )
-    return int(pages * page_bytes)
-
-
 class StreamedNGramTable(nn.Module):
     """Args:
         engine: the StreamEngine (its slab cache holds the pages).

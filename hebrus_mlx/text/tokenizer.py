@@ -15,14 +15,17 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 from tokenizers import Tokenizer
 
+from ..errors import HebrusError
 from .chat import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
 
 # Tokens that end a chat turn or a document when the tokenizer defines them.
 STOP_TOKEN_STRINGS = ("<|endoftext|>", "<|im_end|>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(HebrusError, ValueError):
     """Bad tokenizer files or arguments."""
+
+    default_field = "tokenizer"
 
 
 class TokenIdError(TokenizerError):
