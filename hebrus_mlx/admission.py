@@ -13,10 +13,9 @@ No stage reads a sparse payload, and this module imports no MLX at all
 """
 
 import argparse
+import hashlib
 import json
-import math
 import os
-import struct
 import sys
 
 from .artifact import constants as C
@@ -24,6 +23,7 @@ from .artifact import manifest as M
 from .artifact.errors import AdmissionError, ArtifactError
 from .artifact.expert_major import ExpertMajorReader
 from .artifact.ple_pages import PleReader
+from .artifact.safetensors import read_safetensors_header
 from .models import checkpoint_keys as keys
 from .models.qwen4exp_config import ConfigError
 
@@ -32,8 +32,6 @@ STAGES = (
     "tensors", "experts", "ple", "policy", "ownership",
 )
 
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
-             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _REQUIRED_KEYS = {
     "schema": str, "schema_version": int, "family": str, "profile": str, "support": str,
@@ -49,49 +47,11 @@ class Report(dict):
         return json.dumps(self, indent=1, sort_keys=True)
 
 
-def read_safetensors_header(path):
-    """(header_len, {name: entry}, metadata) with every bound checked before
-    the header is allocated; offsets are relative to the data region."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise AdmissionError("tensors.header", f"{size}-byte file has no safetensors header length")
-        (n,) = struct.unpack("<Q", raw)
-        if n > C.SAFETENSORS_MAX_HEADER or 8 + n > size:
-            raise AdmissionError("tensors.header", f"header length {n} exceeds cap or file size {size}")
-        body = f.read(n)
-    try:
-        header = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise AdmissionError("tensors.header", f"not JSON: {e}") from None
-    if type(header) is not dict:
-        raise AdmissionError("tensors.header", "must be a JSON object")
-    meta = header.pop("__metadata__", None)
-    data_bytes = size - 8 - n
-    for name, e in header.items():
-        field = f"tensors.{name}"
-        if type(e) is not dict or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise AdmissionError(field, "entry must have exactly dtype, shape, data_offsets")
-        if e["dtype"] not in _ST_BYTES:
-            raise AdmissionError(f"{field}.dtype", f"unknown dtype {e['dtype']!r}")
-        shape, offs = e["shape"], e["data_offsets"]
-        if type(shape) is not list or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape):
-            raise AdmissionError(f"{field}.shape", f"bad shape {shape!r}")
-        if type(offs) is not list or len(offs) != 2 or not all(type(o) is int for o in offs):
-            raise AdmissionError(f"{field}.data_offsets", f"bad offsets {offs!r}")
-        begin, end = offs
-        if not 0 <= begin <= end <= data_bytes:
-            raise AdmissionError(f"{field}.data_offsets", f"[{begin}, {end}) outside data region of {data_bytes} bytes")
-        if end - begin != _ST_BYTES[e["dtype"]] * math.prod(shape):
-            raise AdmissionError(f"{field}.length", f"{end - begin} bytes for {e['dtype']}{shape}")
-    return n, header, meta
-
-
 class _Admission:
     def __init__(self, path):
         self.dir = os.path.abspath(path)
         self.owners = {}  # file -> [(start, end, owner)]
+        self.sources = {}  # source identity file -> the bytes whose digest was checked
 
     def file(self, name):
         return os.path.join(self.dir, name)
@@ -106,11 +66,7 @@ class _Admission:
         size = os.path.getsize(mpath)
         if size > C.MANIFEST_MAX_BYTES:
             raise AdmissionError("manifest", f"{size} bytes exceeds {C.MANIFEST_MAX_BYTES}")
-        try:
-            with open(mpath, "rb") as f:
-                m = json.loads(f.read())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise AdmissionError("manifest", f"not JSON: {e}") from None
+        m = _json(_read(mpath), "manifest")
         if type(m) is not dict:
             raise AdmissionError("manifest", "must be a JSON object")
         for k, t in _REQUIRED_KEYS.items():
@@ -161,6 +117,8 @@ class _Admission:
 
     # 3 ------------------------------------------------------------------
     def _check_digest(self, name, required):
+        """Read a source identity file once and check its digest; later stages parse exactly
+        these bytes (`self.sources`), never the file again."""
         files = self.m["source"]["files"]
         field = f"source.files.{name}"
         if name not in files:
@@ -169,8 +127,10 @@ class _Admission:
             return False
         if not os.path.isfile(self.file(name)):
             raise AdmissionError(field, "listed but absent")
-        if M.sha256_file(self.file(name)) != files[name]:
+        data = _read(self.file(name))
+        if hashlib.sha256(data).hexdigest() != files[name]:
             raise AdmissionError(field, "digest mismatch")
+        self.sources[name] = data
         return True
 
     def source(self):
@@ -186,7 +146,7 @@ class _Admission:
 
     # 4 ------------------------------------------------------------------
     def constants(self):
-        config = _json_file(self.file("config.json"), "config")
+        config = self.config = _json(self.sources["config.json"], "config")
         try:
             self.args = M.model_args(config)
             want = M.model_constants(config)
@@ -204,10 +164,10 @@ class _Admission:
         if not has_template:
             tc = {}
             if "tokenizer_config.json" in self.m["source"]["files"]:
-                tc = _json_file(self.file("tokenizer_config.json"), "tokenizer_config.json")
+                tc = _json(self.sources["tokenizer_config.json"], "tokenizer_config.json")
             if not isinstance(tc, dict) or not isinstance(tc.get("chat_template"), str):
                 raise AdmissionError("source.files.chat_template.jinja", "no chat template in the artifact")
-        tok = _json_file(self.file("tokenizer.json"), "tokenizer.json")
+        tok = _json(self.sources["tokenizer.json"], "tokenizer.json")
         if type(tok) is not dict:
             raise AdmissionError("tokenizer.json", "must be a JSON object")
         added_tokens = tok.get("added_tokens", [])
@@ -376,6 +336,22 @@ class _Admission:
             if at > size or (path == self.dense_path and at != size):
                 raise AdmissionError(f"ownership.{path}", f"owners end at {at}, file is {size} bytes")
 
+    def manifest(self):
+        m = self.m
+        return M.Manifest(
+            directory=self.dir,
+            family=self.fam,
+            profile=m["profile"],
+            support=m["support"],
+            codecs=dict(m["codecs"]),
+            stores=tuple(M.store_from_dict(s) for s in m["stores"]),
+            tensors=m["tensors"],
+            constants=self.consts,
+            config=self.config,
+            args=self.args,
+            report=self.report(),
+        )
+
     def report(self):
         m = self.m
         return Report(
@@ -391,10 +367,14 @@ class _Admission:
         )
 
 
-def _json_file(path, field):
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _json(data, field):
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
+        return json.loads(data)
     except (UnicodeDecodeError, ValueError) as e:
         raise AdmissionError(field, f"not JSON: {e}") from None
 
@@ -411,8 +391,9 @@ def _classify(name, args):
         return "unknown"
 
 
-def admit(path):
-    """Run every stage in order; returns the Report or raises the first
+def admit(path) -> M.Manifest:
+    """Run every stage in order; returns the admitted, typed manifest
+    (`.report` is the JSON ownership report) or raises the first
     ArtifactError (its `stage` attribute names the boundary)."""
     a = _Admission(path)
     for stage in STAGES:
@@ -426,14 +407,14 @@ def admit(path):
             err = AdmissionError(stage, f"{type(e).__name__}: {e}")
             err.stage = stage
             raise err from e
-    return a.report()
+    return a.manifest()
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
     p.add_argument("path", help="artifact directory")
     args = p.parse_args(argv)
-    print(admit(args.path).to_json())  # a rejection is one line on stderr (cli.run)
+    print(admit(args.path).report.to_json())  # a rejection is one line on stderr (cli.run)
     return 0
 
 

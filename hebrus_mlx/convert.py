@@ -353,7 +353,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store unquantized instead")
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     a = p.parse_args(argv)
-    report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision)  # errors: cli.run
+    report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision).report  # errors: cli.run
     print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
     return 0
 

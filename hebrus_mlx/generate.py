@@ -92,10 +92,10 @@ def generate_step(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
-    experts = getattr(model, "stream_experts", None)
-    if experts is not None:
+    streaming = model.streaming
+    if streaming is not None and streaming.max_chunk_tokens is not None:
         # A streamed chunk pins every expert it routes to in the arena at once.
-        prefill_step_size = min(prefill_step_size, experts.max_chunk_tokens)
+        prefill_step_size = min(prefill_step_size, streaming.max_chunk_tokens)
     # AFN-010: a step whose evaluation fails (e.g. an SSD read error) must not leave half-applied
     # state. Snapshots are references (MLX arrays are values), so taking one per step is free, and
     # holding it also keeps the previous buffers from being donated to the update.
@@ -232,11 +232,10 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
-        engine = getattr(model, "stream_engine", None)
-        if engine is not None:
+        if model.streaming is not None:
             from .stream.engine import io_summary
 
-            print(io_summary(engine.counters()))
+            print(io_summary(model.streaming.engine.counters()))
     return text
 
 

@@ -81,10 +81,10 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
                ple_cache_gb: Optional[float] = None):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
-    size (see `artifact.loader.load_artifact_model`). HF checkpoint dirs always load resident."""
+    size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident."""
     path = Path(path)
     if is_artifact(path):
-        from .artifact.loader import load_artifact_model  # admission runs before any graph buffer
+        from .loading.artifact import load_artifact_model  # admission runs before any graph buffer
 
         return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
     for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb)):

@@ -10,7 +10,6 @@ Progress bars (tqdm) show on a terminal only.
 import argparse
 import hashlib
 import json
-import os
 import sys
 
 from tqdm import tqdm
@@ -30,20 +29,18 @@ def _bar(label, total, stream):
 def verify(path, stream=None):
     """(admission report, {what: count}) or the first typed error. `stream`: where progress goes
     (stderr by default; shown only when it is a terminal)."""
-    report = admit(path)
-    with open(os.path.join(path, "manifest.json"), "rb") as f:
-        stores = json.loads(f.read())["stores"]
+    m = admit(path)
     checked = {}
-    for s in stores:
-        full = os.path.join(path, s["path"])
+    for s in m.stores:
+        full = m.file(s)
         digest = hashlib.sha256()
-        with _bar(s["path"], s["size"], stream) as bar:
-            if s["role"] == "experts":
-                with ExpertMajorReader(full) as r:
+        with _bar(s.path, s.size, stream) as bar:
+            if s.role == "experts":
+                with ExpertMajorReader(full, m.family, s.codec) as r:
                     r.verify_all(bar.update, file_hash=digest)
                     checked["expert_records"] = r.geometry.count
-            elif s["role"] == "ple":
-                with PleReader(full) as r:
+            elif s.role == "ple":
+                with PleReader(full, m.family, s.codec) as r:
                     r.verify_all(bar.update, file_hash=digest)
                     checked["ple_pages"] = checked.get("ple_pages", 0) + r.geometry.num_pages
             else:
@@ -51,10 +48,10 @@ def verify(path, stream=None):
                     while b := f.read(_CHUNK):
                         digest.update(b)
                         bar.update(len(b))
-        if digest.hexdigest() != s["sha256"]:
-            raise DigestError(f"stores.{s['path']}.sha256", "whole-file digest mismatch")
-    checked["stores"] = len(stores)
-    return report, checked
+        if digest.hexdigest() != s.sha256:
+            raise DigestError(f"stores.{s.path}.sha256", "whole-file digest mismatch")
+    checked["stores"] = len(m.stores)
+    return m.report, checked
 
 
 def main(argv=None):

@@ -165,7 +165,9 @@ NEGATIVE_FIXTURES = [
 
 def test_positive_artifact_is_admitted(artifact):
     """AFN-004: the unmutated artifact passes every stage and reports owners."""
-    r = admit(artifact)
+    m = admit(artifact)
+    r = m.report
+    assert m.family.name == "qwen4exp-tiny-test" and m.experts.path == "experts.hbem" and m.args.hidden_size == 64
     assert r["admitted"] and r["family"] == "qwen4exp-tiny-test" and r["support"] == "unverified"
     assert r["expert_records"] == 4 * 8
     assert set(r["owners"]) == {"model.safetensors", "experts.hbem", "ple.0.hbpl"}

@@ -21,7 +21,7 @@ def demo():
 def test_demo_is_an_admitted_artifact_within_budget():
     from hebrus_mlx.admission import admit
 
-    report = admit(DEMO_DIR)
+    report = admit(DEMO_DIR).report
     assert report["admitted"]
     size = sum(p.stat().st_size for p in DEMO_DIR.iterdir())
     assert size <= 20 * 1000 * 1000

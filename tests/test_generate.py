@@ -49,6 +49,8 @@ class _Caches(list):
 class HistoryModel:
     """next = (7 * sum(history) + 3) mod 1000 + 500; unassigned rows are made dominant."""
 
+    streaming = None  # resident
+
     def __init__(self, ctx=256):
         self.args = _Args(ctx)
         self.calls = []
@@ -70,6 +72,8 @@ class HistoryModel:
 
 class ScriptModel:
     """Emits `script` after the prompt, one token per step, whatever the input."""
+
+    streaming = None  # resident
 
     def __init__(self, script, ctx=256):
         self.args = _Args(ctx)

@@ -9,12 +9,13 @@ construction; the engine itself knows nothing of the store format.
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 
+from ..admission import admit
+from ..artifact.expert_major import ExpertMajorReader
+from ..artifact.manifest import Manifest
 from .engine import P1, StreamEngine
 
 # Store dtypes -> MLX; uint16 parts are bf16 bit patterns (artifact convention).
@@ -80,22 +81,17 @@ class StreamedExperts:
         return max(1, self.rows // self.top_k)
 
     @classmethod
-    def from_artifact(cls, artifact: str, rows: int, threads: int = 8,
+    def from_artifact(cls, artifact: Union[str, Manifest], rows: int, threads: int = 8,
                       prefetch_previous: bool = True,
                       dtype=mx.float32,
                       engine: Optional[StreamEngine] = None) -> "StreamedExperts":
-        """Open an admitted artifact's expert store and stream it through a
-        ``rows``-record arena (see :func:`plan_experts`). ``engine``: share
-        one (e.g. with streamed PLE pages); by default a new one."""
-        from ..artifact import constants as C
-        from ..artifact.expert_major import ExpertMajorReader
-
-        with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
-            m = json.loads(f.read())
-        s = next(s for s in m["stores"] if s["role"] == "experts")
-        reader = ExpertMajorReader(
-            os.path.join(artifact, s["path"]), C.family(m["family"]), s["codec"]
-        )
+        """Open an artifact's expert store (``artifact``: the admitted
+        manifest, or a directory, which is admitted first) and stream it
+        through a ``rows``-record arena (see ``loading.plan.plan_experts``).
+        ``engine``: share one (e.g. with streamed PLE pages); by default a
+        new one."""
+        m = artifact if isinstance(artifact, Manifest) else admit(artifact)
+        reader = ExpertMajorReader(m.file(m.experts), m.family, m.experts.codec)
         # The arena is the cache; the slab budget only backs copying ops.
         if engine is None:
             engine = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
