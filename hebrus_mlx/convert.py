@@ -25,14 +25,9 @@ from .artifact import constants as C
 from .artifact import expert_major, manifest as M, ple_pages
 from .artifact.errors import ArtifactError, GeometryError
 from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import ple_head_offsets, ple_head_vocab_sizes, ple_layer_multipliers
+from .models.qwen4exp_config import ple_constants
 
 _COMPONENT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-_PLE_CONSTANTS = {
-    "layer_multipliers": ple_layer_multipliers,
-    "ngram_heads_vocab_sizes": ple_head_vocab_sizes,
-    "ngram_heads_offsets": lambda a, t: ple_head_offsets(ple_head_vocab_sizes(a, t)),
-}
 
 
 def profile_for(q_bits, q_group_size, dtype):
@@ -225,11 +220,11 @@ def ple_chunks(src, args, layer, codec_name):
 
 def check_ple_constants(src, args):
     for t, layer_id in enumerate(args.ple_layer_ids):
-        for name, derive in _PLE_CONSTANTS.items():
+        for name, want in ple_constants(args, t).items():
             key = f"model.layers.{layer_id - 1}.ple.ple_embedding.{name}"
             a, _ = src.read(src.key(key))
-            if a.tolist() != list(derive(args, t)):
-                raise ArtifactError(f"source.{key}", f"{a.tolist()} != derived {list(derive(args, t))}")
+            if a.tolist() != want:
+                raise ArtifactError(f"source.{key}", f"{a.tolist()} != derived {want}")
 
 
 def detect_family(constants):

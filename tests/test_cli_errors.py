@@ -79,19 +79,22 @@ def test_flipped_byte_in_any_file_refuses_in_one_line_or_prints_the_pristine_tex
     assert set(refused) == set(names), (refused, identical)
 
 
-def test_flipped_ple_page_byte_as_a_subprocess(demo_copy, tmp_path):
-    d, _ = demo_copy
-    bad = tmp_path / "bad"
-    shutil.copytree(d, bad)
-    p = bad / "ple.1.hbpl"
+def _corrupt_copy(src, dst, name, at, mask):
+    """A copy of artifact `src` with byte `at(size)` of file `name` XORed with `mask`."""
+    shutil.copytree(src, dst)
+    p = dst / name
     data = bytearray(p.read_bytes())
-    data[len(data) - 5] ^= 0x10
+    data[at(len(data))] ^= mask
     p.write_bytes(bytes(data))
+    return dst
+
+
+def test_flipped_ple_page_byte_as_a_subprocess(demo_copy, tmp_path):
+    bad = _corrupt_copy(demo_copy[0], tmp_path / "bad", "ple.1.hbpl", lambda n: n - 5, 0x10)
     r = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", str(bad), *ARGV],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr.startswith("hebrus-mlx generate: error: ple.page[") and r.stderr.count("\n") == 1, r.stderr
-
 
 
 def test_traceback_switch_shows_the_traceback_of_a_typed_error(monkeypatch):
@@ -104,13 +107,7 @@ def test_traceback_switch_shows_the_traceback_of_a_typed_error(monkeypatch):
 
 
 def test_verify_and_admit_refuse_in_one_line(demo_copy, tmp_path):
-    d, _ = demo_copy
-    bad = tmp_path / "bad"
-    shutil.copytree(d, bad)
-    p = bad / "experts.hbem"
-    data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 1
-    p.write_bytes(bytes(data))
+    bad = _corrupt_copy(demo_copy[0], tmp_path / "bad", "experts.hbem", lambda n: n // 2, 1)
     rc, out, err = _run(["verify", str(bad)])
     assert _one_line("verify", rc, out, err) and ": error: experts." in err, err
     (bad / "stray.bin").write_bytes(b"x")

@@ -5,11 +5,10 @@ A family is admitted only when the descriptor derived from a config equals a
 registered descriptor field for field. Nothing here accepts "any geometry".
 """
 
-import math
 from dataclasses import dataclass, field, fields
-from functools import lru_cache
 from typing import Tuple
 
+from ..models.qwen4exp_config import ngram_head_primes, padded_rows, ple_head_offsets
 from .errors import CodecError, FamilyError
 
 # ---------------------------------------------------------------- layout ---
@@ -142,35 +141,6 @@ VERIFIED_PROFILES = frozenset()
 
 
 # -------------------------------------------------------------- families ---
-def _is_prime(n):
-    if n < 2:
-        return False
-    if n % 2 == 0:
-        return n == 2
-    for d in range(3, math.isqrt(n) + 1, 2):
-        if n % d == 0:
-            return False
-    return True
-
-
-@lru_cache(maxsize=64)
-def ngram_head_sizes(base, heads, table_index):
-    """Prime vocabulary size of each hashed head of PLE table `table_index`:
-    the (table_index*heads + h + 1)-th prime >= base, h = 0..heads-1."""
-    sizes = []
-    p = base - 1
-    skip = table_index * heads
-    while len(sizes) < heads:
-        p += 1
-        while not _is_prime(p):
-            p += 1
-        if skip:
-            skip -= 1
-            continue
-        sizes.append(p)
-    return tuple(sizes)
-
-
 @dataclass(frozen=True)
 class FamilyDescriptor:
     """The closed geometry of one model family. Equality is the admission
@@ -207,14 +177,10 @@ class FamilyDescriptor:
         return self.ple_embed_dim // self.ple_heads
 
     def ple_head_sizes(self, table):
-        return ngram_head_sizes(self.ngram_vocab_size_base, self.ple_heads, table)
+        return ngram_head_primes(self.ngram_vocab_size_base, self.ple_heads, table)
 
     def ple_head_offsets(self, table):
-        offsets, total = [], 0
-        for size in self.ple_head_sizes(table):
-            offsets.append(total)
-            total += size
-        return tuple(offsets)
+        return tuple(ple_head_offsets(self.ple_head_sizes(table)))
 
     def component_shapes(self):
         """[rows, in] of each routed-expert projection (HF weight layout)."""
@@ -223,12 +189,8 @@ class FamilyDescriptor:
 
 
 def _ple_rows(base, heads, tables, align):
-    head_rows, rows = [], []
-    for t in range(tables):
-        n = sum(ngram_head_sizes(base, heads, t))
-        head_rows.append(n)
-        rows.append(-(-n // align) * align)
-    return tuple(head_rows), tuple(rows)
+    sizes = [ngram_head_primes(base, heads, t) for t in range(tables)]
+    return tuple(sum(s) for s in sizes), tuple(padded_rows(s, align) for s in sizes)
 
 
 def derive_descriptor(constants, name, family_id):

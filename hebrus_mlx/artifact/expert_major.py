@@ -275,24 +275,17 @@ class ExpertMajorReader(StoreFile):
         return out
 
     def verify_all(self, progress=None, file_hash=None):
-        """Every record digest plus the whole-payload digest (separate checks).
-        `file_hash` (a hashlib object) is fed every byte of the file in order, so
-        one pass also yields the whole-file digest."""
+        """Every record digest plus the whole-payload digest (separate checks)."""
         g = self.geometry
-        if file_hash is not None:
-            file_hash.update(self._pread(g.payload_offset, 0, "experts.header"))
-        payload = hashlib.sha256()
-        for i in range(g.count):
+
+        def record(i):
             data = self._pread(g.record_stride, g.record_offset(i), f"experts.record[{i}]")
             if hashlib.sha256(data[: g.record_bytes]).digest() != self.digests[i]:
                 raise DigestError(f"experts.record[{i}]", "record digest mismatch")
-            payload.update(data)
-            if file_hash is not None:
-                file_hash.update(data)
-            if progress is not None:
-                progress(g.record_stride)
-        if payload.digest() != self.header["payload_sha256"]:
-            raise DigestError("experts.payload_sha256", "whole-payload digest mismatch")
+            return data
+
+        self._verify_payload(g.payload_offset, g.count, record, self.header["payload_sha256"], "experts",
+                             progress, file_hash)
 
     def extents(self):
         """Physical owners inside this file: (start, end, owner)."""

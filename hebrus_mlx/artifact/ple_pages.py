@@ -314,22 +314,10 @@ class PleReader(StoreFile):
         return out
 
     def verify_all(self, progress=None, file_hash=None):
-        """Every page (header + digest), then the whole-payload digest.
-        `file_hash` (a hashlib object) is fed every byte of the file in order, so
-        one pass also yields the whole-file digest."""
+        """Every page (header + digest), then the whole-payload digest."""
         g = self.geometry
-        if file_hash is not None:
-            file_hash.update(self._pread(g.payload_offset, 0, "ple.header"))
-        payload = hashlib.sha256()
-        for page in range(g.num_pages):
-            data = self.read_page(page)
-            payload.update(data)
-            if file_hash is not None:
-                file_hash.update(data)
-            if progress is not None:
-                progress(g.page_stride)
-        if payload.digest() != self.payload_sha:
-            raise DigestError("ple.payload_sha256", "whole-payload digest mismatch")
+        self._verify_payload(g.payload_offset, g.num_pages, self.read_page, self.payload_sha, "ple",
+                             progress, file_hash)
 
     def extents(self):
         g = self.geometry

@@ -1,8 +1,9 @@
 """Read-only handle on one untrusted store file: validated on open, exact-length preads."""
 
+import hashlib
 import os
 
-from .errors import TruncatedError
+from .errors import DigestError, TruncatedError
 
 
 class StoreFile:
@@ -31,6 +32,23 @@ class StoreFile:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _verify_payload(self, payload_offset, units, read_unit, payload_sha, prefix, progress, file_hash):
+        """Read every unit (record, page) through `read_unit(i)` (which checks its digest), then
+        the whole-payload digest. `file_hash` (a hashlib object) is fed every byte of the file in
+        order, so the same pass yields the whole-file digest."""
+        if file_hash is not None:
+            file_hash.update(self._pread(payload_offset, 0, f"{prefix}.header"))
+        payload = hashlib.sha256()
+        for i in range(units):
+            data = read_unit(i)
+            payload.update(data)
+            if file_hash is not None:
+                file_hash.update(data)
+            if progress is not None:
+                progress(len(data))
+        if payload.digest() != payload_sha:
+            raise DigestError(f"{prefix}.payload_sha256", "whole-payload digest mismatch")
 
     def _pread(self, n, offset, field):
         """Exactly n bytes at offset, or TruncatedError naming the field."""

@@ -22,6 +22,7 @@ from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_
 from .qwen4exp_config import (
     ConfigError,
     ModelArgs,
+    ple_constants,
     ple_head_offsets,
     ple_head_vocab_sizes,
     ple_layer_multipliers,
@@ -718,13 +719,7 @@ class Model(nn.Module):
         )
 
     def _check_ple_constant(self, raw_key, layer, name, value):
-        ple_index = self.args.ple_index(layer)
-        sizes = ple_head_vocab_sizes(self.args, ple_index)
-        expected = {
-            "layer_multipliers": ple_layer_multipliers(self.args, ple_index),
-            "ngram_heads_vocab_sizes": sizes,
-            "ngram_heads_offsets": ple_head_offsets(sizes),
-        }[name]
+        expected = ple_constants(self.args, self.args.ple_index(layer))[name]
         got = np.array(value).astype(np.int64).tolist()
         if got != expected:
             raise CheckpointKeyError(f"{raw_key}: checkpoint value {got} differs from the config-derived {expected}")
