@@ -20,6 +20,7 @@ import shutil
 
 import numpy as np
 
+import families  # noqa: F401  (registers the bulk family)
 from parity_fixtures import PARITY
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

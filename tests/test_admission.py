@@ -194,6 +194,7 @@ def test_admit_cli_imports_no_mlx(artifact, tmp_path):
     edit_manifest(bad, lambda m: m.__setitem__("profile", "nope"))
     code = (
         "import sys, json\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r}); import families  # the tiny family\n"
         "from hebrus_mlx.cli import main\n"
         "rcs = [main(['admit', sys.argv[1]]), main(['admit', sys.argv[2]])]\n"
         "print(json.dumps({'rcs': rcs, 'mlx': any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules)}))\n"

@@ -91,6 +91,7 @@ _CHILD = textwrap.dedent("""
     def hwm():
         return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
     cap, mode = int(sys.argv[1]), sys.argv[2]
+    import families  # the bulk family (tests/ is on PYTHONPATH)
     from hebrus_mlx.convert import convert
     import numpy as np
     base = hwm()

@@ -195,3 +195,27 @@ def test_verify_reads_each_store_once():
     verify(str(DEMO_DIR), stream=open(os.devnull, "w"))
     read = _rchar() - before
     assert total <= read < 1.15 * total, (read, total)
+
+
+def test_product_family_registry_holds_only_the_real_family_and_the_demo():
+    """Test-only descriptors (tiny, parity, bulk) are registered by tests/families.py, not shipped."""
+    code = ("import json; from hebrus_mlx.artifact import constants as C; "
+            "print(json.dumps([sorted(C.FAMILIES), sorted(C.FAMILIES_BY_ID)]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    names, ids = json.loads(out.stdout)
+    assert names == ["qwen3.8-flash-next", "qwen4exp-demo"] and ids == [4, 0xDE70]
+
+
+def test_register_family_refuses_a_clash():
+    import dataclasses
+
+    from hebrus_mlx.artifact import constants as C
+    from hebrus_mlx.artifact.errors import FamilyError
+
+    assert C.register_family(C.QWEN4EXP_DEMO) is C.QWEN4EXP_DEMO  # identical: no-op
+    with pytest.raises(FamilyError, match="already registered"):
+        C.register_family(dataclasses.replace(C.QWEN4EXP_DEMO, hidden_size=256))
+    with pytest.raises(FamilyError, match="already registered"):
+        C.register_family(dataclasses.replace(C.QWEN4EXP_DEMO, name="other"))  # same id
+    assert C.FAMILIES["qwen4exp-demo"] is C.QWEN4EXP_DEMO

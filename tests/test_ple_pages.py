@@ -11,11 +11,12 @@ import struct
 import numpy as np
 import pytest
 
+import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import ple_pages as pp
 from hebrus_mlx.artifact.errors import CodecError, DigestError, GeometryError, TruncatedError
 
-FAM = C.QWEN4EXP_TINY_TEST
+FAM = families.QWEN4EXP_TINY_TEST
 ROWS_PER_PAGE = 100
 
 

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
@@ -19,7 +20,7 @@ from hebrus_mlx.stream.experts import StreamedExperts
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
-FAM = C.QWEN4EXP_TINY_TEST
+FAM = families.QWEN4EXP_TINY_TEST
 CODEC = "affine4-g64"
 BITS, GROUP = 4, 64
 

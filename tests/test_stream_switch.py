@@ -13,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
+import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
@@ -22,7 +23,7 @@ from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
-FAM = C.QWEN4EXP_TINY_TEST
+FAM = families.QWEN4EXP_TINY_TEST
 H, I, E, K = FAM.hidden_size, FAM.moe_intermediate_size, FAM.num_experts, FAM.num_experts_per_tok
 
 
