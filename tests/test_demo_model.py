@@ -75,6 +75,8 @@ def test_cli_generates_with_the_demo_model():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "==========" and "==========" in lines[2:]
-    assert any(l.startswith("Prompt:") for l in lines) and any(l.startswith("Generation: 24 tokens") or l.startswith("Generation:") for l in lines)
+    # Greedy and trained: the demo does not emit EOS within 24 tokens of this prompt, so exactly 24.
+    assert any(l.startswith("Prompt: 8 tokens, ") for l in lines)
+    assert any(l.startswith("Generation: 24 tokens, ") for l in lines), lines
     body = "\n".join(lines[1 : lines.index("==========", 1)])
     assert body.strip(), "demo generated no text"

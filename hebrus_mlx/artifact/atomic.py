@@ -79,12 +79,6 @@ class AtomicWriter:
             self.written += n
             view = view[n:]
 
-    def tell(self):
-        return os.lseek(self.fd, 0, os.SEEK_CUR)
-
-    def seek(self, offset):
-        os.lseek(self.fd, offset, os.SEEK_SET)
-
     def pwrite(self, data, offset):
         view = memoryview(data).cast("B")
         while view:
@@ -149,7 +143,7 @@ def _abort(m, tmp, e):
 def publish_file(target, write, verify=None, faults=None):
     """Write `target` atomically.
 
-    write(w): writes the content through `w` (AtomicWriter: write/seek/pwrite).
+    write(w): writes the content through `w` (AtomicWriter: write/pwrite).
     verify(path): reopens the synced temp through the real reader; raises on
     any disagreement. Returns the state trace.
     """
