@@ -42,8 +42,11 @@ def is_artifact(path: Path) -> bool:
 
 
 def load_config(path: Path) -> dict:
-    with open(Path(path) / "config.json", encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(Path(path) / "config.json", "rb") as f:
+            return json.loads(f.read())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HebrusError("config.json", f"not JSON: {e}") from None
 
 
 def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
