@@ -348,6 +348,7 @@ class _Admission:
             tensors=m["tensors"],
             constants=self.consts,
             config=self.config,
+            sources=dict(self.sources),
             args=self.args,
             report=self.report(),
         )

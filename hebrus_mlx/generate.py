@@ -282,8 +282,9 @@ def _check_args(args):
         raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
     try:
         check_sampling_args(args.temp, args.top_p, args.min_p, args.top_k)
-    except ValueError as e:
-        raise UsageError("--" + str(e).replace("_", "-", 1)) from None
+    except ValueError as e:  # "top_p must be in (0, 1], got 1.5": name the flag
+        name, _, message = str(e).partition(" ")
+        raise UsageError("--" + name.replace("_", "-"), message) from None
     if args.prefill_step_size < 1:
         raise UsageError("--prefill-step-size", f"must be >= 1, got {args.prefill_step_size}")
     if args.max_kv_size is not None and args.max_kv_size < 1:

@@ -84,12 +84,15 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
                ple_cache_gb: Optional[float] = None):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
-    size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident."""
-    path = Path(path)
-    if is_artifact(path):
+    size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident.
+    `path`: a directory, or an artifact's admitted Manifest."""
+    from .artifact.manifest import Manifest
+
+    if isinstance(path, Manifest) or is_artifact(path):
         from .loading.artifact import load_artifact_model  # admission runs before any graph buffer
 
         return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    path = Path(path)
     for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb)):
         if value is not None:
             raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
@@ -107,6 +110,13 @@ def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache
     from .text.tokenizer import load_tokenizer
 
     path = resolve_model_path(path_or_name)
-    model = load_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
-    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size)
+    source, sources = path, None
+    if is_artifact(path):
+        from .admission import admit
+
+        # One admission: the graph and the tokenizer use exactly the bytes it checked.
+        source = admit(str(path))
+        sources = source.sources
+    model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources)
     return model, tokenizer

@@ -219,3 +219,16 @@ def test_register_family_refuses_a_clash():
     with pytest.raises(FamilyError, match="already registered"):
         C.register_family(dataclasses.replace(C.QWEN4EXP_DEMO, name="other"))  # same id
     assert C.FAMILIES["qwen4exp-demo"] is C.QWEN4EXP_DEMO
+
+
+def test_load_reads_every_source_file_once(monkeypatch):
+    """load("demo"): admission reads each source identity file once and checks its digest; the
+    graph and the tokenizer use those bytes (no check-then-use window on tokenizer files either)."""
+    from hebrus_mlx.utils import load
+
+    seen = _opened(monkeypatch)
+    model, tok = load("demo")
+    assert tok.chat_template is not None and tok.stop_token_ids
+    for name in ("manifest.json", "config.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "chat_template.jinja"):
+        assert seen.count(name) == 1, (name, seen)

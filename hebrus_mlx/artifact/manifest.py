@@ -311,6 +311,7 @@ class Manifest:
     tensors: Mapping[str, Mapping]  # stored dense name -> dtype, shape, data_offsets, codec
     constants: Mapping[str, object]
     config: Mapping[str, object]  # config.json as admitted (digest-checked bytes)
+    sources: Mapping[str, bytes]  # source identity file -> the digest-checked bytes (tokenizer, templates)
     args: ModelArgs
     report: Mapping[str, object]  # the JSON ownership report (`hebrus-mlx admit`)
 

@@ -226,8 +226,8 @@ def _attach_streamed(m: Manifest, model, rows, dtype, engine):
 
 
 def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None) -> Model:
-    """Admit `path`, then build and fill the graph from the admitted manifest (manifest.json and
-    config.json are not read again).
+    """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
+    admitted manifest (manifest.json and config.json are not read again).
 
     dtype: float tensors (dense floats, f32/bf16 experts, PLE rows) are cast
     to it; None keeps the stored dtype. Affine weights stay packed; their
@@ -244,7 +244,8 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     None when everything is resident. Only the streamed parameters are
     left out of the strict weight load.
     """
-    m = admission.admit(str(Path(path)))  # raises before anything below allocates
+    # Admission raises before anything below allocates.
+    m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
     plan_ = quantization_plan(m)
     ple_cache = plan_ple_residency(m, dtype, ple_cache_gb)
     rows = plan_expert_residency(m, dtype, expert_cache_gb, ple_cache)
