@@ -17,7 +17,6 @@ error naming its field. numpy only: admission must not import MLX.
 """
 
 import hashlib
-import os
 import struct
 
 import numpy as np
@@ -37,8 +36,6 @@ from .constants import (
     U32_MAX,
     align_up,
     codec,
-    codec_by_id,
-    family_by_id,
 )
 from .errors import DigestError, GeometryError, HeaderError, TruncatedError
 from .store_file import StoreFile
@@ -209,10 +206,7 @@ class ExpertMajorReader(StoreFile):
         super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
-        size = os.fstat(self.fd).st_size
-        if size < EXPERT_MAJOR_HEADER_BYTES:
-            raise TruncatedError("experts.header", f"file is {size} bytes, header needs {EXPERT_MAJOR_HEADER_BYTES}")
-        raw = self._pread(EXPERT_MAJOR_HEADER_BYTES, 0, "experts.header")
+        size, raw = self._header(EXPERT_MAJOR_HEADER_BYTES, "experts")
         h = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(raw)))
         if h["magic"] != EXPERT_MAJOR_MAGIC:
             raise HeaderError("experts.magic", f"{h['magic']!r} is not an ExpertMajor store")
@@ -225,12 +219,7 @@ class ExpertMajorReader(StoreFile):
             raise DigestError("experts.header_sha256", "header digest mismatch")
         if raw[_HEADER.size :] != bytes(EXPERT_MAJOR_HEADER_BYTES - _HEADER.size):
             raise HeaderError("experts.reserved", "reserved header bytes are not zero")
-        fam = family_by_id(h["family_id"], "experts.family_id")
-        if family is not None and fam != family:
-            raise GeometryError("experts.family_id", f"store family {fam.name!r} != expected {family.name!r}")
-        cod = codec_by_id(h["codec_id"], "experts.codec_id")
-        if codec_name is not None and cod.name != codec_name:
-            raise GeometryError("experts.codec_id", f"store codec {cod.name!r} != expected {codec_name!r}")
+        fam, cod = self._identity(h, "experts", family, codec_name)
         geom = Geometry(fam, cod.name)
         for name, want in geom.header_values().items():
             if h[name] != want:
