@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from hebrus_mlx.generate import GenerationError, generate, generate_step, stream_generate
+from hebrus_mlx.generate import generate, generate_step, stream_generate
 from hebrus_mlx.text.tokenizer import load_tokenizer
 from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 

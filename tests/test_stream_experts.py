@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import families
-from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loading.plan import GIB, plan_experts
