@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+sys.path.insert(0, TESTS)
 
 from hebrus_mlx.artifact import constants as C  # noqa: E402
 from hebrus_mlx.artifact import expert_major as em  # noqa: E402
@@ -109,7 +110,8 @@ def main():
         hf = tiny_checkpoint(os.path.join(root, "hf"))
         src = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf))
         out = os.path.join(root, "art")
-        code = ("import sys, time, resource; from hebrus_mlx.convert import convert; t = time.perf_counter(); "
+        code = (f"import sys, time, resource; sys.path.insert(0, {TESTS!r}); import families; "
+                "from hebrus_mlx.convert import convert; t = time.perf_counter(); "
                 "convert(sys.argv[1], sys.argv[2], quiet=True); "
                 "print(time.perf_counter() - t, [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
         res = subprocess.run([sys.executable, "-c", code, hf, out], capture_output=True, text=True, check=True)

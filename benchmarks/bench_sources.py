@@ -2,7 +2,7 @@
 
   * block-FP8 expert matrices (real size: gate/up [640, 2560], down [2560, 640],
     float8_e4m3fn + float32 scale per 128x128 block) read and dequantized
-    to float32 by `convert.Source.read`, vs the same matrices stored bf16;
+    to float32 by `sources.Source.read`, vs the same matrices stored bf16;
   * an MLX affine4-g64 stacked switch_mlp (mlx-vlm layout) copied per expert
     by `convert_mlx.MlxSource.expert_parts`, vs quantizing the bf16 expert
     with `convert.encode` (what a float source costs).
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from hebrus_mlx import convert as CV
+from hebrus_mlx import sources as CV
 from hebrus_mlx.convert_fp8 import E4M3FN
 
 H, M = 2560, 640

@@ -31,6 +31,7 @@ from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.experts import StreamedExperts
 from hebrus_mlx.stream.ple import attach_ple
+from hebrus_mlx.stream.streaming import Streaming
 from hebrus_mlx.stream.switch import attach
 from hebrus_mlx.utils import load_model
 
@@ -92,7 +93,8 @@ def main():
         if args.ple_cache_kib:
             attach_ple(model, art, eng)
         experts = StreamedExperts(eng, reader, rows=args.rows, prefetch_previous=prefetch)
-        attach([layer.mlp for layer in model.model.layers], experts)
+        # The model's declared streaming face runs each layer's P1 hint (prefetch) when it starts.
+        model.streaming = Streaming(eng, experts, attach([layer.mlp for layer in model.model.layers], experts))
         streamed, t_str = decode(model, 3, args.compare, limit)
         c = eng.counters()
         print(f"  streamed, previous-token prefetch {'on ' if prefetch else 'off'}: "

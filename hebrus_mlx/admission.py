@@ -13,10 +13,9 @@ No stage reads a sparse payload, and this module imports no MLX at all
 """
 
 import argparse
+import hashlib
 import json
-import math
 import os
-import struct
 import sys
 
 from .artifact import constants as C
@@ -24,6 +23,7 @@ from .artifact import manifest as M
 from .artifact.errors import AdmissionError, ArtifactError
 from .artifact.expert_major import ExpertMajorReader
 from .artifact.ple_pages import PleReader
+from .artifact.safetensors import read_safetensors_header
 from .models import checkpoint_keys as keys
 from .models.qwen4exp_config import ConfigError
 
@@ -32,8 +32,6 @@ STAGES = (
     "tensors", "experts", "ple", "policy", "ownership",
 )
 
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
-             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _REQUIRED_KEYS = {
     "schema": str, "schema_version": int, "family": str, "profile": str, "support": str,
@@ -49,49 +47,11 @@ class Report(dict):
         return json.dumps(self, indent=1, sort_keys=True)
 
 
-def read_safetensors_header(path):
-    """(header_len, {name: entry}, metadata) with every bound checked before
-    the header is allocated; offsets are relative to the data region."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise AdmissionError("tensors.header", f"{size}-byte file has no safetensors header length")
-        (n,) = struct.unpack("<Q", raw)
-        if n > C.SAFETENSORS_MAX_HEADER or 8 + n > size:
-            raise AdmissionError("tensors.header", f"header length {n} exceeds cap or file size {size}")
-        body = f.read(n)
-    try:
-        header = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise AdmissionError("tensors.header", f"not JSON: {e}") from None
-    if type(header) is not dict:
-        raise AdmissionError("tensors.header", "must be a JSON object")
-    meta = header.pop("__metadata__", None)
-    data_bytes = size - 8 - n
-    for name, e in header.items():
-        field = f"tensors.{name}"
-        if type(e) is not dict or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise AdmissionError(field, "entry must have exactly dtype, shape, data_offsets")
-        if e["dtype"] not in _ST_BYTES:
-            raise AdmissionError(f"{field}.dtype", f"unknown dtype {e['dtype']!r}")
-        shape, offs = e["shape"], e["data_offsets"]
-        if type(shape) is not list or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape):
-            raise AdmissionError(f"{field}.shape", f"bad shape {shape!r}")
-        if type(offs) is not list or len(offs) != 2 or not all(type(o) is int for o in offs):
-            raise AdmissionError(f"{field}.data_offsets", f"bad offsets {offs!r}")
-        begin, end = offs
-        if not 0 <= begin <= end <= data_bytes:
-            raise AdmissionError(f"{field}.data_offsets", f"[{begin}, {end}) outside data region of {data_bytes} bytes")
-        if end - begin != _ST_BYTES[e["dtype"]] * math.prod(shape):
-            raise AdmissionError(f"{field}.length", f"{end - begin} bytes for {e['dtype']}{shape}")
-    return n, header, meta
-
-
 class _Admission:
     def __init__(self, path):
         self.dir = os.path.abspath(path)
         self.owners = {}  # file -> [(start, end, owner)]
+        self.sources = {}  # source identity file -> the bytes whose digest was checked
 
     def file(self, name):
         return os.path.join(self.dir, name)
@@ -106,11 +66,7 @@ class _Admission:
         size = os.path.getsize(mpath)
         if size > C.MANIFEST_MAX_BYTES:
             raise AdmissionError("manifest", f"{size} bytes exceeds {C.MANIFEST_MAX_BYTES}")
-        try:
-            with open(mpath, "rb") as f:
-                m = json.loads(f.read())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise AdmissionError("manifest", f"not JSON: {e}") from None
+        m = _json(_read(mpath), "manifest")
         if type(m) is not dict:
             raise AdmissionError("manifest", "must be a JSON object")
         for k, t in _REQUIRED_KEYS.items():
@@ -161,6 +117,8 @@ class _Admission:
 
     # 3 ------------------------------------------------------------------
     def _check_digest(self, name, required):
+        """Read a source identity file once and check its digest; later stages parse exactly
+        these bytes (`self.sources`), never the file again."""
         files = self.m["source"]["files"]
         field = f"source.files.{name}"
         if name not in files:
@@ -169,8 +127,10 @@ class _Admission:
             return False
         if not os.path.isfile(self.file(name)):
             raise AdmissionError(field, "listed but absent")
-        if M.sha256_file(self.file(name)) != files[name]:
+        data = _read(self.file(name))
+        if hashlib.sha256(data).hexdigest() != files[name]:
             raise AdmissionError(field, "digest mismatch")
+        self.sources[name] = data
         return True
 
     def source(self):
@@ -186,15 +146,12 @@ class _Admission:
 
     # 4 ------------------------------------------------------------------
     def constants(self):
+        config = self.config = _json(self.sources["config.json"], "config")
         try:
-            with open(self.file("config.json"), "rb") as f:
-                config = json.loads(f.read())
             self.args = M.model_args(config)
             want = M.model_constants(config)
         except ConfigError as e:
-            raise AdmissionError(f"config.{e.field}", str(e)) from None
-        except (UnicodeDecodeError, ValueError) as e:
-            raise AdmissionError("config", f"unreadable: {e}") from None
+            raise AdmissionError(e.field, e.message) from None
         M.check_constants(self.m["model_constants"], want)
         C.match_family(want, self.fam.name)
         self.consts = want
@@ -207,21 +164,30 @@ class _Admission:
         if not has_template:
             tc = {}
             if "tokenizer_config.json" in self.m["source"]["files"]:
-                with open(self.file("tokenizer_config.json"), "rb") as f:
-                    tc = json.loads(f.read())
+                tc = _json(self.sources["tokenizer_config.json"], "tokenizer_config.json")
             if not isinstance(tc, dict) or not isinstance(tc.get("chat_template"), str):
                 raise AdmissionError("source.files.chat_template.jinja", "no chat template in the artifact")
-        try:
-            with open(self.file("tokenizer.json"), "rb") as f:
-                tok = json.loads(f.read())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise AdmissionError("tokenizer.json", f"not JSON: {e}") from None
-        added = {t.get("id"): t for t in tok.get("added_tokens", []) if isinstance(t, dict)}
+        tok = _json(self.sources["tokenizer.json"], "tokenizer.json")
+        if type(tok) is not dict:
+            raise AdmissionError("tokenizer.json", "must be a JSON object")
+        added_tokens = tok.get("added_tokens", [])
+        if type(added_tokens) is not list:
+            raise AdmissionError("tokenizer.added_tokens", "must be a list")
+        added = {}
+        for i, t in enumerate(added_tokens):
+            if type(t) is not dict or type(t.get("id")) is not int:
+                raise AdmissionError(f"tokenizer.added_tokens[{i}]", "must be an object with an integer id")
+            added[t["id"]] = t
         for eos in self.consts["eos_token_ids"]:
             if eos not in added or not added[eos].get("special"):
                 raise AdmissionError("tokenizer.eos_token_ids", f"eos id {eos} is not a special token of tokenizer.json")
-        vocab = tok.get("model", {}).get("vocab", {})
+        model = tok.get("model", {})
+        if type(model) is not dict:
+            raise AdmissionError("tokenizer.model", "must be an object")
+        vocab = model.get("vocab", {})
         ids = list(vocab.values()) if isinstance(vocab, dict) else []
+        if not all(type(i) is int for i in ids):
+            raise AdmissionError("tokenizer.vocab", "token ids must be integers")
         top = max(ids + list(added), default=-1)
         if top >= self.consts["vocab_size"]:
             raise AdmissionError("tokenizer.vocab", f"token id {top} >= physical vocab {self.consts['vocab_size']}")
@@ -266,10 +232,15 @@ class _Admission:
                 raise AdmissionError(f"manifest.tensors.{name}", "missing from the manifest inventory")
             if name not in expected:
                 raise AdmissionError(f"manifest.tensors.{name}", "not in the expected tensor set")
+            if type(rec) is not dict:
+                raise AdmissionError(f"manifest.tensors.{name}", "must be an object")
+            offs = rec.get("data_offsets")
+            if type(offs) is not list or len(offs) != 2:
+                raise AdmissionError(f"manifest.tensors.{name}.data_offsets", f"{offs!r} is not a [begin, end] pair")
             e = header[name]
             if rec.get("dtype") != e["dtype"] or rec.get("shape") != e["shape"]:
                 raise AdmissionError(f"manifest.tensors.{name}", "dtype/shape disagree with the dense file")
-            if rec.get("codec") not in C.CODECS:
+            if type(rec.get("codec")) is not str or rec["codec"] not in C.CODECS:
                 raise AdmissionError(f"manifest.tensors.{name}.codec", f"unknown codec {rec.get('codec')!r}")
             # The loader builds quantized layers from this field, so it must be
             # exactly the codec the profile gives the tensor.
@@ -277,10 +248,10 @@ class _Admission:
             want_codec = M.dense_codec(wkey, shapes[wkey], self.m["profile"])
             if rec["codec"] != want_codec:
                 raise AdmissionError(f"manifest.tensors.{name}.codec", f"{rec['codec']!r} != profile codec {want_codec!r}")
-            if rec.get("data_offsets", [None])[0] != e["data_offsets"][0]:
-                raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {rec.get('data_offsets')}")
-            if rec.get("data_offsets") != e["data_offsets"]:
-                raise AdmissionError(f"tensors.{name}.length", f"{e['data_offsets']} != manifest {rec.get('data_offsets')}")
+            if offs[0] != e["data_offsets"][0]:
+                raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {offs}")
+            if offs != e["data_offsets"]:
+                raise AdmissionError(f"tensors.{name}.length", f"{e['data_offsets']} != manifest {offs}")
         base = 8 + n
         self.owners[self.dense_path] = [(0, base, "safetensors.header")] + [
             (base + e["data_offsets"][0], base + e["data_offsets"][1], f"tensor:{name}") for name, e in header.items()
@@ -365,6 +336,23 @@ class _Admission:
             if at > size or (path == self.dense_path and at != size):
                 raise AdmissionError(f"ownership.{path}", f"owners end at {at}, file is {size} bytes")
 
+    def manifest(self):
+        m = self.m
+        return M.Manifest(
+            directory=self.dir,
+            family=self.fam,
+            profile=m["profile"],
+            support=m["support"],
+            codecs=dict(m["codecs"]),
+            stores=tuple(M.store_from_dict(s) for s in m["stores"]),
+            tensors=m["tensors"],
+            constants=self.consts,
+            config=self.config,
+            sources=dict(self.sources),
+            args=self.args,
+            report=self.report(),
+        )
+
     def report(self):
         m = self.m
         return Report(
@@ -380,6 +368,18 @@ class _Admission:
         )
 
 
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _json(data, field):
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise AdmissionError(field, f"not JSON: {e}") from None
+
+
 def _classify(name, args):
     # Dense stored names may carry .scales/.biases; classify the weight key.
     key = name
@@ -392,8 +392,9 @@ def _classify(name, args):
         return "unknown"
 
 
-def admit(path):
-    """Run every stage in order; returns the Report or raises the first
+def admit(path) -> M.Manifest:
+    """Run every stage in order; returns the admitted, typed manifest
+    (`.report` is the JSON ownership report) or raises the first
     ArtifactError (its `stage` attribute names the boundary)."""
     a = _Admission(path)
     for stage in STAGES:
@@ -402,26 +403,23 @@ def admit(path):
         except ArtifactError as e:
             e.stage = stage
             raise
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        except OSError as e:
+            # The environment, not the bytes (permissions, EIO): still this stage's failure.
             err = AdmissionError(stage, f"{type(e).__name__}: {e}")
             err.stage = stage
             raise err from e
-    return a.report()
+    return a.manifest()
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
     p.add_argument("path", help="artifact directory")
     args = p.parse_args(argv)
-    try:
-        report = admit(args.path)
-    except ArtifactError as e:
-        print(json.dumps({"admitted": False, "stage": getattr(e, "stage", None), "field": e.field,
-                          "error": str(e), "type": type(e).__name__}, indent=1))
-        return 2
-    print(report.to_json())
+    print(admit(args.path).report.to_json())  # a rejection is one line on stderr (cli.run)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run
+
+    sys.exit(run("admit", main))

@@ -1,7 +1,12 @@
-"""`hebrus-mlx VERB ...`: one verb per module, each with its own main()."""
+"""`hebrus-mlx VERB ...`: one verb per module, each with its own main(); `run` is the one place a
+typed error becomes the user's one line (exit 2)."""
 
 import importlib
+import os
 import sys
+import traceback
+
+from .errors import HebrusError
 
 VERBS = {
     "generate": "hebrus_mlx.generate",
@@ -9,6 +14,43 @@ VERBS = {
     "admit": "hebrus_mlx.admission",
     "verify": "hebrus_mlx.verify",
 }
+
+# HEBRUS_TRACEBACK=1 also prints the traceback of a typed error (for debugging; bugs always show it).
+TRACEBACK_ENV = "HEBRUS_TRACEBACK"
+
+
+def _typed():
+    # stream.errors imports only `re`: the admit verb stays free of MLX (AFN-004).
+    from .stream.errors import StreamError
+
+    return (HebrusError, StreamError, OSError)
+
+
+def describe(e: BaseException) -> str:
+    """``field: message`` on one line: the field a HebrusError names; a streaming failure's typed
+    class (its message names the store and record); an OS error's file."""
+    if isinstance(e, HebrusError):
+        text = f"{e.field}: {e.message}"
+        stage = getattr(e, "stage", None)
+        if stage is not None:
+            text += f" (admission stage {stage})"
+    elif isinstance(e, OSError) and e.filename is not None:
+        text = f"{e.filename}: {e.strerror or e}"
+    else:
+        text = f"{type(e).__name__}: {e}"
+    return " ".join(text.split())
+
+
+def run(verb: str, main, argv=None) -> int:
+    """main(argv) of one verb; a typed error ends as ``hebrus-mlx VERB: error: FIELD: MESSAGE`` on
+    stderr and exit 2. Any other exception is a bug and propagates with its traceback."""
+    try:
+        return main(argv)
+    except _typed() as e:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            traceback.print_exc()
+        print(f"hebrus-mlx {verb}: error: {describe(e)}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None):
@@ -20,8 +62,7 @@ def main(argv=None):
     if verb not in VERBS:
         print(f"hebrus-mlx: unknown command {verb!r}; choose from {', '.join(VERBS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(VERBS[verb])
-    return module.main(rest)
+    return run(verb, importlib.import_module(VERBS[verb]).main, rest)
 
 
 if __name__ == "__main__":

@@ -21,23 +21,15 @@ import os
 import sys
 
 import numpy as np
+from tqdm import tqdm
 
 from . import admission, hub
 from .artifact import atomic
 from .artifact import constants as C
 from .artifact import expert_major, manifest as M, ple_pages
-from .artifact.errors import ArtifactError, GeometryError
-from .artifact.progress import Progress
-from .convert_fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
-from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import ple_head_offsets, ple_head_vocab_sizes, ple_layer_multipliers
+from .artifact.errors import ArtifactError
+from .sources import Source
 
-_COMPONENT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-_PLE_CONSTANTS = {
-    "layer_multipliers": ple_layer_multipliers,
-    "ngram_heads_vocab_sizes": ple_head_vocab_sizes,
-    "ngram_heads_offsets": lambda a, t: ple_head_offsets(ple_head_vocab_sizes(a, t)),
-}
 
 
 def profile_for(q_bits, q_group_size, dtype):
@@ -47,140 +39,6 @@ def profile_for(q_bits, q_group_size, dtype):
     if name not in C.PROFILES:
         raise ArtifactError("quantization", f"no codec for bits={q_bits} group={q_group_size}; known {sorted(C.PROFILES)}")
     return name
-
-
-class Source:
-    """Index of every tensor in a checkpoint's shards; reads one at a time."""
-
-    def __init__(self, path, config=None):
-        self.path = path
-        self.index = {}
-        for name in sorted(os.listdir(path)):
-            if not name.endswith(".safetensors"):
-                continue
-            full = os.path.join(path, name)
-            n, header, _ = admission.read_safetensors_header(full)
-            for key, e in header.items():
-                if key in self.index:
-                    raise ArtifactError(f"source.{key}", f"in two shards ({self.index[key][0]} and {full})")
-                self.index[key] = (full, 8 + n, e)
-        # Block-FP8 sources: scale tensors leave the index (they are not
-        # model tensors) and dequantize their tensor on read.
-        self.fp8 = Fp8Scales(self.index, block_config(config or {}))
-
-    def read(self, key, start=None, stop=None):
-        """float32 (or int64 for buffers) ndarray of one source tensor, or of
-        rows [start, stop) of its first axis: one pread of just those bytes,
-        so a slice of a huge tensor never brings in the rest. A float8
-        tensor comes back dequantized by its scales, dtype "F8_E4M3"."""
-        raw, shape, dt = self._raw(key, self.index[key], start, stop)
-        if dt == FP8_DTYPE:
-            a = self.fp8.dequantize(key, decode_e4m3(raw), shape, start, self._scale)
-            return a, dt
-        return self._decode(key, raw, shape, dt), dt
-
-    def _scale(self, key, start, stop):
-        raw, shape, dt = self._raw(key, self.fp8.entries[key], start, stop)
-        return self._decode(key, raw, shape, dt)
-
-    def _raw(self, key, entry, start, stop):
-        path, base, e = entry
-        begin, end = e["data_offsets"]
-        shape = list(e["shape"])
-        if start is not None:
-            if not shape or not 0 <= start <= stop <= shape[0]:
-                raise ArtifactError(f"source.{key}", f"rows [{start}, {stop}) outside shape {shape}")
-            row = (end - begin) // shape[0] if shape[0] else 0
-            begin, end = begin + start * row, begin + stop * row
-            shape[0] = stop - start
-        with open(path, "rb") as f:
-            raw = os.pread(f.fileno(), end - begin, base + begin)
-        if len(raw) != end - begin:
-            raise ArtifactError(f"source.{key}", "short read")
-        return raw, shape, e["dtype"]
-
-    @staticmethod
-    def _decode(key, raw, shape, dt):
-        if dt == "BF16":
-            a = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-        elif dt in ("F32", "F16", "I64"):
-            a = np.frombuffer(raw, {"F32": np.float32, "F16": np.float16, "I64": np.int64}[dt])
-            a = a.astype(np.float32) if dt == "F16" else a
-        else:
-            raise ArtifactError(f"source.{key}.dtype", f"unsupported source dtype {dt}")
-        return a.reshape(shape)
-
-    def shape(self, key):
-        return tuple(self.index[key][2]["shape"])
-
-    # The four things conversion asks of a source (MlxSource answers them too).
-    def check(self, args):
-        """Classify every key (named exclusions counted) and check the PLE
-        constant buffers; returns the counts recorded in the manifest."""
-        counts = keys.check_key_set(list(self.index), args)
-        check_ple_constants(self, args)
-        return counts
-
-    def dense_parts(self, key, shape, codec_name):
-        a, dt = self.read(self.key(key))
-        if key.endswith(keys.DEPTHWISE_CONV_SUFFIXES):
-            a = a.transpose(0, 2, 1)  # HF [C, 1, K] -> MLX [C, K, 1]
-        if tuple(a.shape) != tuple(shape):
-            raise GeometryError(f"source.{key}.shape", f"{list(a.shape)} != expected {list(shape)}")
-        return encode(a, dt, codec_name)
-
-    def expert_parts(self, layer, e, fam, codec_name, layout):
-        parts = {}
-        for comp, (a, dt) in _expert_matrices(self, layout, layer, e, fam).items():
-            if tuple(a.shape) != fam.component_shapes()[comp]:
-                raise GeometryError(f"source.layers.{layer}.experts.{e}.{_COMPONENT[comp]}", f"shape {list(a.shape)}")
-            parts[comp] = encode(a, dt, codec_name)
-        return parts
-
-    def ple_chunks(self, args, layer, codec_name):
-        for s in range(args.split_ngram_parts):
-            key = self.key(f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{s}.weight")
-            rows = self.shape(key)[0]
-            for start in range(0, rows, PLE_CHUNK_ROWS):
-                a, dt = self.read(key, start, min(rows, start + PLE_CHUNK_ROWS))
-                yield encode(a, dt, codec_name)["weight"]
-
-    def key(self, text_key):
-        """Raw key for a text-model key, with or without the conditional prefix."""
-        if text_key in self.index:
-            return text_key
-        alt = keys.CONDITIONAL_PREFIX + text_key[len("model."):] if text_key.startswith("model.") else None
-        if alt in self.index:
-            return alt
-        raise ArtifactError(f"source.{text_key}", "missing")
-
-
-def to_bf16_bits(a, src_dtype):
-    """Round-to-nearest-even float32 -> bf16 bits; exact when the source was bf16."""
-    bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    if src_dtype == "BF16":
-        return (bits >> 16).astype(np.uint16)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    out = (rounded >> 16).astype(np.uint16)
-    nan = np.isnan(a)
-    out[nan] = 0x7FC0
-    return out
-
-
-def encode(a, src_dtype, codec_name):
-    """{part: ndarray} of one [rows, cols] (or any-rank float) tensor."""
-    c = C.codec(codec_name)
-    if codec_name == "f32":
-        return {"weight": np.ascontiguousarray(a, np.float32)}
-    if codec_name == "bf16":
-        return {"weight": to_bf16_bits(a, src_dtype)}
-    import mlx.core as mx  # quantization is the one MLX step of conversion
-
-    rows, cols = a.shape
-    c.parts(rows, cols)  # rejects a group that does not cover the row
-    w = mx.array(to_bf16_bits(a, src_dtype)).view(mx.bfloat16)
-    q, s, b = mx.quantize(w, group_size=c.group_size, bits=c.bits)
-    return {"weight": np.array(q), "scales": np.array(s.view(mx.uint16)), "biases": np.array(b.view(mx.uint16))}
 
 
 def _dense_items(args, profile):
@@ -228,44 +86,10 @@ def write_dense(w, src, args, profile, progress):
     return header, 8 + len(raw)
 
 
-def _expert_matrices(src, layout, layer, e, fam):
-    """{component: (float32 [rows, in], source dtype)} of one routed expert.
-
-    Fused checkpoints hold gate_up_proj [E, 2*m, h] (gate rows first, as
-    upstream chunks the projection output) and down_proj [E, h, m]; only
-    expert e's rows are read."""
-    m, h = fam.moe_intermediate_size, fam.hidden_size
-    prefix = f"model.layers.{layer}.mlp.experts."
-    if layout == "unfused":
-        return {comp: src.read(src.key(f"{prefix}{e}.{hf}.weight")) for comp, hf in _COMPONENT.items()}
-    gate_up, down = src.key(prefix + "gate_up_proj"), src.key(prefix + "down_proj")
-    want = {gate_up: (fam.num_experts, 2 * m, h), down: (fam.num_experts, h, m)}
-    for key, shape in want.items():
-        if src.shape(key) != shape:
-            raise GeometryError(f"source.{key}.shape", f"{list(src.shape(key))} != expected {list(shape)}")
-    gu, dt = src.read(gate_up, e, e + 1)
-    d, ddt = src.read(down, e, e + 1)
-    return {"gate": (gu[0, :m], dt), "up": (gu[0, m:], dt), "down": (d[0], ddt)}
-
-
 def expert_records(src, args, fam, codec_name, layout="unfused"):
     for layer in range(fam.num_hidden_layers):
         for e in range(fam.num_experts):
             yield layer, e, src.expert_parts(layer, e, fam, codec_name, layout)
-
-
-# Rows of a PLE shard read per step: bounds conversion memory by a constant
-# however large a shard is.
-PLE_CHUNK_ROWS = 1 << 16
-
-
-def check_ple_constants(src, args):
-    for t, layer_id in enumerate(args.ple_layer_ids):
-        for name, derive in _PLE_CONSTANTS.items():
-            key = f"model.layers.{layer_id - 1}.ple.ple_embedding.{name}"
-            a, _ = src.read(src.key(key))
-            if a.tolist() != list(derive(args, t)):
-                raise ArtifactError(f"source.{key}", f"{a.tolist()} != derived {list(derive(args, t))}")
 
 
 def detect_family(constants):
@@ -315,6 +139,9 @@ def plan(config, q_bits=None, q_group_size=None, dtype=None):
 
 def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False):
     if not os.path.isdir(hf_path):
+        # A path-like name that is not a directory is a typo, not a Hub repo id.
+        if os.path.isabs(hf_path) or hf_path.startswith((".", "~")) or os.path.exists(hf_path):
+            raise ArtifactError("hf_path", f"{hf_path} is not a checkpoint directory")
         # Plan from the repo's config.json first, so one disk check covers the
         # download and the artifact before either starts.
         repo = hf_path
@@ -329,10 +156,11 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
     # The artifact is written next to `out` before the rename: refuse up front
     # rather than fail with ENOSPC after hours of a 100+ GB conversion.
     hub.check_free(artifact_bytes(args, fam, profile), out, f"converting into {out}", field="out")
-    sink = open(os.devnull, "w") if quiet else None
 
     def bar(label, total):
-        return Progress(label, total, stream=sink)
+        # Bytes written; shown on a terminal only (tqdm's disable=None).
+        return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024,
+                    disable=True if quiet else None)
 
     def build(tmp):
         source_files = {}
@@ -347,7 +175,7 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         result = {}
 
         def dense(w):
-            result["header"], result["base"] = write_dense(w, src, args, profile, p)
+            result["header"], result["base"] = write_dense(w, src, args, profile, p.update)
 
         atomic.publish_file(os.path.join(tmp, M.DENSE_PATH), dense)
         p.close()
@@ -356,7 +184,7 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         g = expert_major.Geometry(fam, codecs["experts"])
         p = bar("experts", g.payload_bytes)
         expert_major.publish(os.path.join(tmp, M.EXPERTS_PATH), fam, codecs["experts"],
-                             expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]), progress=p)
+                             expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]), progress=p.update)
         p.close()
         stores.append(_store(tmp, "experts", M.EXPERTS_PATH, "expert_major.v2", codecs["experts"]))
 
@@ -364,7 +192,7 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
             g = ple_pages.Geometry(fam, t, codecs["ple"])
             p = bar(f"ple[{t}]", g.payload_bytes)
             ple_pages.publish(os.path.join(tmp, M.ple_path(t)), fam, t, codecs["ple"],
-                              src.ple_chunks(args, layer_id - 1, codecs["ple"]), progress=p)
+                              src.ple_chunks(args, layer_id - 1, codecs["ple"]), progress=p.update)
             p.close()
             s = _store(tmp, "ple", M.ple_path(t), "ple_pages.v1", codecs["ple"])
             s.update(table=t, layer=layer_id - 1, rows_per_page=g.rows_per_page)
@@ -383,8 +211,6 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
 
     atomic.publish_dir(out, build, verify=admission.admit)
-    if sink is not None:
-        sink.close()
     return admission.admit(out)
 
 
@@ -412,17 +238,12 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store unquantized instead")
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     a = p.parse_args(argv)
-    try:
-        report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision)
-    except ArtifactError as e:
-        print(f"convert: {e}", file=sys.stderr)
-        return 2
-    except keys.CheckpointKeyError as e:
-        print(f"convert: {e}", file=sys.stderr)
-        return 2
+    report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision).report  # errors: cli.run
     print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run
+
+    sys.exit(run("convert", main))

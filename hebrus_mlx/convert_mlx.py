@@ -29,11 +29,11 @@ mode, fp16/fp32 scales) is refused with a typed error naming the tensor.
 
 import numpy as np
 
-from . import convert as _convert
+from . import sources as _sources
 from .artifact import constants as C
-from .artifact import manifest as M
 from .artifact.errors import ArtifactError, CodecError, GeometryError
 from .models import checkpoint_keys as keys
+from .models.qwen4exp_config import ple_constants
 
 PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 EXCLUDED = (("vision", "vision_tower."), ("mtp", "mtp."))
@@ -79,7 +79,7 @@ def _text_key(raw):
     return raw
 
 
-class MlxSource(_convert.Source):
+class MlxSource(_sources.Source):
     """A Source whose reads and checks follow the MLX layout (see module doc)."""
 
     def __init__(self, path, config):
@@ -180,12 +180,12 @@ class MlxSource(_convert.Source):
             raise keys.CheckpointKeyError(f"unexpected tensor {self.text[extra[0]]!r} "
                                           f"({len(extra)} unexpected in total)")
         for t, layer_id in enumerate(args.ple_layer_ids):
-            for name, derive in _convert._PLE_CONSTANTS.items():
+            for name, want in ple_constants(args, t).items():
                 key = f"model.layers.{layer_id - 1}.ple.ple_embedding.{name}"
                 if key in self.text:
                     a, _ = self._array(key)
-                    if a.tolist() != list(derive(args, t)):
-                        raise ArtifactError(f"source.{self.text[key]}", f"{a.tolist()} != derived {list(derive(args, t))}")
+                    if a.tolist() != want:
+                        raise ArtifactError(f"source.{self.text[key]}", f"{a.tolist()} != derived {want}")
         return {"expert_layout": "mlx", "consumed": len(logical), "excluded": dict(self.excluded)}
 
     def dense_parts(self, key, shape, codec_name):
@@ -199,13 +199,13 @@ class MlxSource(_convert.Source):
                 return self._copy_or_refuse(stem, parts, bits, group, codec_name)
             import mlx.core as mx
 
-            return _convert.encode(self._dequantize(parts, bits, group, mx.float32), "F32", codec_name)
+            return _sources.encode(self._dequantize(parts, bits, group, mx.float32), "F32", codec_name)
         a, dt = self._array(key)
         if dt == "BF16":
             a = (a.astype(np.uint32) << 16).view(np.float32)
         if tuple(a.shape) != tuple(shape):  # depthwise convs are already MLX [C, K, 1]
             raise GeometryError(f"source.{self.text[key]}.shape", f"{list(a.shape)} != expected {list(shape)}")
-        return _convert.encode(a, dt, codec_name)
+        return _sources.encode(a, dt, codec_name)
 
     def expert_parts(self, layer, e, fam, codec_name, layout):
         out = {}
@@ -214,7 +214,7 @@ class MlxSource(_convert.Source):
             if not self._is_quantized(stem):
                 a, dt = self._array(stem + ".weight", e, e + 1)
                 a = (a.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else a
-                out[comp] = _convert.encode(a[0], dt, codec_name)
+                out[comp] = _sources.encode(a[0], dt, codec_name)
                 continue
             parts, (bits, group) = self._quantized(stem, e, e + 1)
             parts = {p: a[0] for p, a in parts.items()}
@@ -228,8 +228,8 @@ class MlxSource(_convert.Source):
         for s in range(args.split_ngram_parts):
             stem = f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.shards.{s}"
             rows = self.shape(self.text[stem + ".weight"])[0]
-            for start in range(0, rows, _convert.PLE_CHUNK_ROWS):
-                stop = min(rows, start + _convert.PLE_CHUNK_ROWS)
+            for start in range(0, rows, _sources.PLE_CHUNK_ROWS):
+                stop = min(rows, start + _sources.PLE_CHUNK_ROWS)
                 if self._is_quantized(stem):
                     parts, (bits, group) = self._quantized(stem, start, stop)
                     # bf16, as mlx-vlm's QuantizedEmbedding returns it
@@ -238,5 +238,5 @@ class MlxSource(_convert.Source):
                 else:
                     a, dt = self._array(stem + ".weight", start, stop)
                     a = (a.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else a
-                yield _convert.encode(a, dt, codec_name)["weight"]
+                yield _sources.encode(a, dt, codec_name)["weight"]
 

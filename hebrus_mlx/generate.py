@@ -2,26 +2,27 @@
 `generate` and the `hebrus-mlx generate` / `python -m hebrus_mlx.generate` command."""
 
 import argparse
-import inspect
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from .errors import HebrusError, UsageError
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
-from .stream.errors import StreamError, translate
+from .stream.errors import translate
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP_SIZE = 2048
 
 
-class GenerationError(ValueError):
+class GenerationError(HebrusError, ValueError):
     """Bad generation input (empty prompt, prompt beyond the context, bad arguments)."""
+
+    default_field = "prompt"
 
 
 @dataclass
@@ -38,17 +39,21 @@ class GenerationResponse:
 
 
 def _eval_cache(cache, fallback):
-    states = cache.arrays if hasattr(cache, "arrays") else [c.state for c in cache if hasattr(c, "state")]
+    states = cache.arrays
     # Evaluating the cache alone leaves the chunk's vocabulary projection unevaluated.
     mx.eval(states if states else fallback)
 
 
-def _make_cache(model, max_kv_size):
-    if max_kv_size is None:
-        return model.make_cache()
-    if "max_kv_size" not in inspect.signature(model.make_cache).parameters:
-        raise GenerationError("this model does not support --max-kv-size")
-    return model.make_cache(max_kv_size=max_kv_size)
+# mlx-lm's --max-kv-size keeps a rotating window of the last N keys. Qwen4Exp's QSA layers select
+# keys from the whole context by the indexer's scores, and GDN layers carry a fixed-size state, so a
+# window would silently change which keys QSA can pick: the flag is refused, not approximated.
+MAX_KV_SIZE_UNSUPPORTED = ("not supported by Qwen4Exp (QSA selects keys from the whole context; a rotating "
+                           "window would change its output)")
+
+
+def _check_max_kv_size(max_kv_size, field):
+    if max_kv_size is not None:
+        raise UsageError(field, MAX_KV_SIZE_UNSUPPORTED)
 
 
 def generate_step(
@@ -68,9 +73,10 @@ def generate_step(
     if prompt.ndim != 1 or prompt.size == 0:
         raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
     if prefill_step_size < 1:
-        raise GenerationError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        raise GenerationError("prefill_step_size", f"must be >= 1, got {prefill_step_size}")
+    _check_max_kv_size(max_kv_size, "max_kv_size")
     if prompt_cache is None:
-        prompt_cache = _make_cache(model, max_kv_size)
+        prompt_cache = model.make_cache()
     sampler = sampler or make_sampler(effective_vocab_size)
     logits_processors = logits_processors or []
     tokens = None
@@ -86,10 +92,10 @@ def generate_step(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
-    experts = getattr(model, "stream_experts", None)
-    if experts is not None:
+    streaming = model.streaming
+    if streaming is not None and streaming.max_chunk_tokens is not None:
         # A streamed chunk pins every expert it routes to in the arena at once.
-        prefill_step_size = min(prefill_step_size, experts.max_chunk_tokens)
+        prefill_step_size = min(prefill_step_size, streaming.max_chunk_tokens)
     # AFN-010: a step whose evaluation fails (e.g. an SSD read error) must not leave half-applied
     # state. Snapshots are references (MLX arrays are values), so taking one per step is free, and
     # holding it also keeps the previous buffers from being donated to the update.
@@ -176,7 +182,7 @@ def stream_generate(
     if limit is not None and ids.size > limit:
         raise GenerationError(f"prompt has {ids.size} tokens; the model context is {limit}")
     if max_tokens != -1 and max_tokens < 1:
-        raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
+        raise GenerationError("max_tokens", f"must be >= 1, got {max_tokens}")
     if limit is not None:
         room = limit - ids.size
         max_tokens = room if max_tokens == -1 else min(max_tokens, room)
@@ -226,24 +232,19 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
-        engine = getattr(model, "stream_engine", None)
-        if engine is not None:
+        if model.streaming is not None:
             from .stream.engine import io_summary
 
-            print(io_summary(engine.counters()))
+            print(io_summary(model.streaming.engine.counters()))
     return text
 
 
 # -- command line -------------------------------------------------------------------------------------
 
 
-class _UsageError(Exception):
-    pass
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        raise _UsageError(message)
+        raise UsageError("arguments", message)
 
 
 def _str2bool(s):
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-chat-template", action="store_true", help="tokenize the prompt as plain text")
     p.add_argument("--verbose", type=_str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP_SIZE)
-    p.add_argument("--max-kv-size", type=int, default=None)
+    p.add_argument("--max-kv-size", type=int, default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED)
     p.add_argument("--expert-cache-gb", type=float, default=None,
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
     p.add_argument("--ple-cache-gb", type=float, default=None,
@@ -278,75 +279,56 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args):
     if args.max_tokens < 1:
-        raise _UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
     try:
         check_sampling_args(args.temp, args.top_p, args.min_p, args.top_k)
-    except ValueError as e:
-        raise _UsageError("--" + str(e).replace("_", "-", 1)) from None
+    except ValueError as e:  # "top_p must be in (0, 1], got 1.5": name the flag
+        name, _, message = str(e).partition(" ")
+        raise UsageError("--" + name.replace("_", "-"), message) from None
     if args.prefill_step_size < 1:
-        raise _UsageError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
+        raise UsageError("--prefill-step-size", f"must be >= 1, got {args.prefill_step_size}")
     if args.max_kv_size is not None and args.max_kv_size < 1:
-        raise _UsageError(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
+        raise UsageError("--max-kv-size", f"must be >= 1, got {args.max_kv_size}")
+    _check_max_kv_size(args.max_kv_size, "--max-kv-size")
     for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
         if value is not None and not (0 < value < float("inf")):
-            raise _UsageError(f"{flag} must be a positive number of GiB, got {value}")
-
-
-def _resolve_model(name: str) -> Path:
-    try:
-        from .hub import resolve_model as resolve_model_path  # demo -> local dir -> Hub repo id
-    except ImportError:
-        resolve_model_path = None
-    if resolve_model_path is not None:
-        return resolve_model_path(name)
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model {name!r} not found: looked for a directory at {path.resolve()}")
-    return path
+            raise UsageError(flag, f"must be a positive number of GiB, got {value}")
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None):
-    path = _resolve_model(name)
-    try:
-        from .utils import load
-    except ImportError:
-        raise GenerationError("model loading is not available in this build (hebrus_mlx.utils.load)") from None
-    return load(path, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
+    from .utils import load
+
+    return load(resolve_model(name), expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
 
 
 def main(argv=None) -> int:
+    """`hebrus-mlx generate`; typed errors propagate to `cli.run` (one line, exit 2)."""
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-        _check_args(args)
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        if not prompt.strip():
-            raise _UsageError("the prompt is empty")
-        if args.seed is not None:
-            mx.random.seed(args.seed)
-        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
-        if args.ignore_chat_template or tokenizer.chat_template is None:
-            ids = tokenizer.encode(prompt)
-        else:
-            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
-            messages.append({"role": "user", "content": prompt})
-            _, ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
-                               min_p=args.min_p, top_k=args.top_k)
-        text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
-                        sampler=sampler, prefill_step_size=args.prefill_step_size,
-                        max_kv_size=args.max_kv_size)
-        if not args.verbose:
-            print(text)
-    except StreamError as e:
-        # Streaming failure at run time (SSD read, digest): the input was fine.
-        print(f"hebrus-mlx generate: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    except (_UsageError, GenerationError, OSError, ValueError, LookupError) as e:
-        print(f"hebrus-mlx generate: error: {e}", file=sys.stderr)
-        return 2
+    args = parser.parse_args(argv)
+    _check_args(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise UsageError("--prompt", "the prompt is empty")
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+    if args.ignore_chat_template or tokenizer.chat_template is None:
+        ids = tokenizer.encode(prompt)
+    else:
+        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+        messages.append({"role": "user", "content": prompt})
+        _, ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
+                           min_p=args.min_p, top_k=args.top_k)
+    text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
+                    sampler=sampler, prefill_step_size=args.prefill_step_size)
+    if not args.verbose:
+        print(text)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run
+
+    sys.exit(run("generate", main))

@@ -9,11 +9,15 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .errors import HebrusError, UsageError
+
 DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(HebrusError, FileNotFoundError):
     """No model at the given name; the message lists every place that was looked at."""
+
+    default_field = "model"
 
 
 def resolve_model_path(name: str) -> Path:
@@ -38,8 +42,11 @@ def is_artifact(path: Path) -> bool:
 
 
 def load_config(path: Path) -> dict:
-    with open(Path(path) / "config.json", encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(Path(path) / "config.json", "rb") as f:
+            return json.loads(f.read())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HebrusError("config.json", f"not JSON: {e}") from None
 
 
 def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
@@ -49,6 +56,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     parity holds at fp32); None keeps the checkpoint dtype.
     """
     # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
+    from .models.checkpoint_keys import CheckpointKeyError
     from .models.qwen4exp import Model, ModelArgs
 
     path = Path(path)
@@ -60,7 +68,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     for file in files:
         for key, value in mx.load(file).items():
             if key in weights:
-                raise ValueError(f"tensor {key!r} appears in more than one shard")
+                raise CheckpointKeyError(f"tensor {key!r} appears in more than one shard")
             weights[key] = value
     model = Model(args)
     weights = model.sanitize(weights)
@@ -76,15 +84,18 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
                ple_cache_gb: Optional[float] = None):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
-    size (see `artifact.loader.load_artifact_model`). HF checkpoint dirs always load resident."""
-    path = Path(path)
-    if is_artifact(path):
-        from .artifact.loader import load_artifact_model  # admission runs before any graph buffer
+    size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident.
+    `path`: a directory, or an artifact's admitted Manifest."""
+    from .artifact.manifest import Manifest
+
+    if isinstance(path, Manifest) or is_artifact(path):
+        from .loading.artifact import load_artifact_model  # admission runs before any graph buffer
 
         return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    path = Path(path)
     for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb)):
         if value is not None:
-            raise ValueError(f"{field}: streaming needs a converted artifact, {path} is an HF checkpoint dir")
+            raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype)
 
 
@@ -99,6 +110,13 @@ def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache
     from .text.tokenizer import load_tokenizer
 
     path = resolve_model_path(path_or_name)
-    model = load_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
-    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size)
+    source, sources = path, None
+    if is_artifact(path):
+        from .admission import admit
+
+        # One admission: the graph and the tokenizer use exactly the bytes it checked.
+        source = admit(str(path))
+        sources = source.sources
+    model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources)
     return model, tokenizer

@@ -2,62 +2,68 @@
 
 Admission (cheap, no payload) runs first; then every ExpertMajor record and
 its whole-payload digest, every PLE page and its payload digest, and the
-whole-file SHA-256 of every store recorded in the manifest. Reports progress.
+whole-file SHA-256 of every store recorded in the manifest. Each store is read
+once: the record and page checks feed the whole-file digest as they go.
+Progress bars (tqdm) show on a terminal only.
 """
 
 import argparse
+import hashlib
 import json
-import os
 import sys
 
+from tqdm import tqdm
+
 from .admission import admit
-from .artifact.errors import ArtifactError, DigestError
+from .artifact.errors import DigestError
 from .artifact.expert_major import ExpertMajorReader
-from .artifact.manifest import sha256_file
 from .artifact.ple_pages import PleReader
-from .artifact.progress import Progress
+
+_CHUNK = 8 << 20
+
+
+def _bar(label, total, stream):
+    return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=stream, disable=None)
 
 
 def verify(path, stream=None):
-    report = admit(path)
-    with open(os.path.join(path, "manifest.json"), "rb") as f:
-        stores = json.loads(f.read())["stores"]
+    """(admission report, {what: count}) or the first typed error. `stream`: where progress goes
+    (stderr by default; shown only when it is a terminal)."""
+    m = admit(path)
     checked = {}
-    for s in stores:
-        full = os.path.join(path, s["path"])
-        if s["role"] == "experts":
-            with ExpertMajorReader(full) as r:
-                p = Progress(f"records {s['path']}", r.geometry.payload_bytes, stream)
-                r.verify_all(p)
-                p.close()
-                checked["expert_records"] = r.geometry.count
-        elif s["role"] == "ple":
-            with PleReader(full) as r:
-                p = Progress(f"pages {s['path']}", r.geometry.payload_bytes, stream)
-                r.verify_all(p)
-                p.close()
-                checked["ple_pages"] = checked.get("ple_pages", 0) + r.geometry.num_pages
-        p = Progress(f"sha256 {s['path']}", s["size"], stream)
-        digest = sha256_file(full, progress=p)
-        p.close()
-        if digest != s["sha256"]:
-            raise DigestError(f"stores.{s['path']}.sha256", "whole-file digest mismatch")
-    checked["stores"] = len(stores)
-    return report, checked
+    for s in m.stores:
+        full = m.file(s)
+        digest = hashlib.sha256()
+        with _bar(s.path, s.size, stream) as bar:
+            if s.role == "experts":
+                with ExpertMajorReader(full, m.family, s.codec) as r:
+                    r.verify_all(bar.update, file_hash=digest)
+                    checked["expert_records"] = r.geometry.count
+            elif s.role == "ple":
+                with PleReader(full, m.family, s.codec) as r:
+                    r.verify_all(bar.update, file_hash=digest)
+                    checked["ple_pages"] = checked.get("ple_pages", 0) + r.geometry.num_pages
+            else:
+                with open(full, "rb") as f:
+                    while b := f.read(_CHUNK):
+                        digest.update(b)
+                        bar.update(len(b))
+        if digest.hexdigest() != s.sha256:
+            raise DigestError(f"stores.{s.path}.sha256", "whole-file digest mismatch")
+    checked["stores"] = len(m.stores)
+    return m.report, checked
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="hebrus-mlx verify", description="verify every artifact digest")
     p.add_argument("path")
     a = p.parse_args(argv)
-    try:
-        _, checked = verify(a.path)
-    except ArtifactError as e:
-        print(json.dumps({"verified": False, "field": e.field, "error": str(e), "type": type(e).__name__}, indent=1))
-        return 2
+    _, checked = verify(a.path)  # a failure is one line on stderr (cli.run)
     print(json.dumps({"verified": True, **checked}, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run
+
+    sys.exit(run("verify", main))

@@ -12,6 +12,8 @@ import os
 import shutil
 import struct
 
+import families  # noqa: F401  (registers the tiny and parity families)
+
 TINY_CONFIG = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
     head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,

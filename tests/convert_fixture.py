@@ -20,6 +20,7 @@ import shutil
 
 import numpy as np
 
+import families  # noqa: F401  (registers the bulk family)
 from parity_fixtures import PARITY
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -71,7 +72,7 @@ def bulk_checkpoint(d, seed=0):
     from hebrus_mlx.artifact import manifest as M
     from hebrus_mlx.models import checkpoint_keys as keys
     from hebrus_mlx.models.qwen4exp_config import (
-        ModelArgs, ple_head_offsets, ple_head_vocab_sizes, ple_layer_multipliers, ple_table_rows,
+        ModelArgs, ple_constants, ple_table_rows,
     )
 
     os.makedirs(d, exist_ok=True)
@@ -102,10 +103,7 @@ def bulk_checkpoint(d, seed=0):
             rest[key] = noise((ple_table_rows(args, t) // args.split_ngram_parts, args.ple_embed_dim // args.ngram_heads))
         else:  # PLE constant buffer
             t = args.ple_index(int(key.split(".")[2]))
-            sizes = ple_head_vocab_sizes(args, t)
-            value = {"layer_multipliers": ple_layer_multipliers(args, t), "ngram_heads_vocab_sizes": sizes,
-                     "ngram_heads_offsets": ple_head_offsets(sizes)}[key.rsplit(".", 1)[1]]
-            rest[key] = np.array(value, np.int64)
+            rest[key] = np.array(ple_constants(args, t)[key.rsplit(".", 1)[1]], np.int64)
     save_file(rest, os.path.join(d, "model-rest.safetensors"))
     h, m = args.hidden_size, args.moe_intermediate_size
     for layer in range(args.num_hidden_layers):

@@ -165,7 +165,9 @@ NEGATIVE_FIXTURES = [
 
 def test_positive_artifact_is_admitted(artifact):
     """AFN-004: the unmutated artifact passes every stage and reports owners."""
-    r = admit(artifact)
+    m = admit(artifact)
+    r = m.report
+    assert m.family.name == "qwen4exp-tiny-test" and m.experts.path == "experts.hbem" and m.args.hidden_size == 64
     assert r["admitted"] and r["family"] == "qwen4exp-tiny-test" and r["support"] == "unverified"
     assert r["expert_records"] == 4 * 8
     assert set(r["owners"]) == {"model.safetensors", "experts.hbem", "ple.0.hbpl"}
@@ -192,6 +194,7 @@ def test_admit_cli_imports_no_mlx(artifact, tmp_path):
     edit_manifest(bad, lambda m: m.__setitem__("profile", "nope"))
     code = (
         "import sys, json\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r}); import families  # the tiny family\n"
         "from hebrus_mlx.cli import main\n"
         "rcs = [main(['admit', sys.argv[1]]), main(['admit', sys.argv[2]])]\n"
         "print(json.dumps({'rcs': rcs, 'mlx': any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules)}))\n"
@@ -199,4 +202,104 @@ def test_admit_cli_imports_no_mlx(artifact, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, artifact, bad], capture_output=True, text=True, check=True)
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert last == {"rcs": [0, 2], "mlx": False}
-    assert '"field": "profile"' in out.stdout
+    assert out.stderr.splitlines() == [
+        "hebrus-mlx admit: error: profile: unknown profile 'nope'; known: ['text-affine4-g64', 'text-affine8-g64', "
+        "'text-bf16', 'text-f32'] (admission stage family)"]
+
+
+# ---- malformed-but-parseable input: typed errors from explicit checks, never a relabelled bug ----
+_WRONG = [None, 0, -1, 1.5, True, "x", "", [], [0], {}, {"a": 1}]
+
+
+def _paths(node, at=()):
+    """Every (path) to a value in a JSON tree, containers included."""
+    yield at
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, at + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, at + (i,))
+
+
+def _set(root, path, value):
+    node = root
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+
+
+def _mutations(tree, n, seed):
+    import random
+
+    rng = random.Random(seed)
+    paths = [p for p in _paths(tree) if p]
+    for _ in range(n):
+        yield rng.choice(paths), rng.choice(_WRONG)
+
+
+def _admit_typed(d):
+    """Admission either passes or raises a typed error; anything else (KeyError, AttributeError,
+    TypeError ...) is a bug in admission and fails the test."""
+    try:
+        admit(d)
+    except ArtifactError:
+        return "typed"
+    return "admitted"
+
+
+def test_manifest_values_of_the_wrong_type_are_typed_errors(artifact, tmp_path):
+    """Contract control: 300 seeded JSON-valid manifests with one value swapped for a wrong-typed
+    one (in the store list, the tensor inventory, the constants ...) end in an ArtifactError."""
+    d = copy_artifact(artifact, str(tmp_path / "m"))
+    with open(os.path.join(d, "manifest.json")) as f:
+        pristine = json.load(f)
+    outcomes = []
+    for path, value in _mutations(pristine, 300, seed=7):
+        m = json.loads(json.dumps(pristine))
+        _set(m, path, value)
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            json.dump(m, f)
+        outcomes.append((path, _admit_typed(d)))
+    assert sum(o == "typed" for _, o in outcomes) > 250, outcomes
+
+
+def test_tensor_inventory_entries_are_checked_explicitly(artifact, tmp_path):
+    """One inventory record that is not an object, and offsets that are not a pair."""
+    name = "lm_head.weight"
+    for bad, field in (([1, 2], f"manifest.tensors.{name}"), ({"data_offsets": 3}, f"manifest.tensors.{name}")):
+        d = copy_artifact(artifact, str(tmp_path / f"t{len(field)}{type(bad).__name__}"))
+        edit_manifest(d, lambda m: m["tensors"].__setitem__(name, bad if isinstance(bad, list) else {**m["tensors"][name], **bad}))
+        with pytest.raises(ArtifactError) as e:
+            admit(d)
+        assert e.value.field.startswith(field) and e.value.stage == "tensors", str(e.value)
+
+
+def test_tokenizer_json_structure_is_checked_explicitly(artifact, tmp_path):
+    """tokenizer.json that parses but has the wrong shape (digest refreshed, so the digest check
+    passes): a typed error naming the tokenizer, not an AttributeError/TypeError."""
+    cases = [
+        (lambda t: [], "tokenizer.json"),
+        (lambda t: {**t, "added_tokens": 5}, "tokenizer.added_tokens"),
+        (lambda t: {**t, "model": []}, "tokenizer.model"),
+        (lambda t: {**t, "model": {**t["model"], "vocab": {"a": "zero"}}}, "tokenizer.vocab"),
+        (lambda t: {**t, "added_tokens": t["added_tokens"] + [{"id": "x", "special": True}]}, "tokenizer.added_tokens"),
+    ]
+    for i, (mutate, field) in enumerate(cases):
+        d = copy_artifact(artifact, str(tmp_path / f"k{i}"))
+        edit_source_file(d, "tokenizer.json", lambda b, mutate=mutate: json.dumps(mutate(json.loads(b))).encode())
+        with pytest.raises(ArtifactError) as e:
+            admit(d)
+        assert e.value.field.startswith(field) and e.value.stage == "tokenizer", (i, str(e.value))
+
+
+def test_a_bug_in_a_stage_is_not_relabelled_as_a_rejection(artifact, monkeypatch):
+    """A genuine bug (here: a KeyError planted in a stage) propagates as itself."""
+    from hebrus_mlx import admission
+
+    def broken(self):
+        return {}["planted"]
+
+    monkeypatch.setattr(admission._Admission, "policy", broken)
+    with pytest.raises(KeyError, match="planted"):
+        admit(artifact)

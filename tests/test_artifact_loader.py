@@ -22,7 +22,7 @@ import pytest
 
 from artifact_fixture import copy_artifact, edit_manifest, tiny_checkpoint
 from convert_fixture import parity_source
-from hebrus_mlx.artifact import loader
+from hebrus_mlx.loading import artifact as loader
 from hebrus_mlx.artifact.errors import AdmissionError, DigestError
 from hebrus_mlx.convert import convert
 from hebrus_mlx.models import qwen4exp

@@ -64,8 +64,8 @@ def test_fused_and_unfused_sources_give_identical_stores(tmp_path):
     os.makedirs(tmp_path / "fused")
     fused = _fused_twin(unfused, str(tmp_path / "fused"))
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    ra = convert(unfused, a, dtype="float32", quiet=True)
-    rb = convert(fused, b, dtype="float32", quiet=True)
+    ra = convert(unfused, a, dtype="float32", quiet=True).report
+    rb = convert(fused, b, dtype="float32", quiet=True).report
     da, db = _digests(a), _digests(b)
     assert da.pop("manifest.json") != db.pop("manifest.json")
     assert da == db and "experts.hbem" in da
@@ -91,6 +91,7 @@ _CHILD = textwrap.dedent("""
     def hwm():
         return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
     cap, mode = int(sys.argv[1]), sys.argv[2]
+    import families  # the bulk family (tests/ is on PYTHONPATH)
     from hebrus_mlx.convert import convert
     import numpy as np
     base = hwm()

@@ -17,8 +17,10 @@ import shutil
 import numpy as np
 import pytest
 
+from hebrus_mlx.cli import main as cli_main
+
 from artifact_fixture import sha, tiny_checkpoint
-from hebrus_mlx import convert as convert_mod
+from hebrus_mlx import sources as sources_mod
 from hebrus_mlx.convert import convert
 from hebrus_mlx.convert_fp8 import E4M3FN, Fp8Error
 
@@ -133,13 +135,13 @@ def test_e4m3_table_matches_torch():
 @pytest.mark.parametrize("block,ple_scale,chunk", [((128, 128), "tensor", None), ((48, 40), "block", 100)])
 def test_fp8_source_converts_like_its_dequantized_twin(hf, tmp_path, monkeypatch, block, ple_scale, chunk):
     if chunk is not None:
-        monkeypatch.setattr(convert_mod, "PLE_CHUNK_ROWS", chunk)
+        monkeypatch.setattr(sources_mod, "PLE_CHUNK_ROWS", chunk)
     fdir, odir = fp8_twins(hf, str(tmp_path), block, ple_scale)
     for profile in ({"dtype": "float32"}, {"q_bits": 4}):
         name = "-".join(f"{k}{v}" for k, v in profile.items())
         a, b = str(tmp_path / f"a-{name}"), str(tmp_path / f"b-{name}")
-        ra = convert(fdir, a, quiet=True, **profile)
-        rb = convert(odir, b, quiet=True, **profile)
+        ra = convert(fdir, a, quiet=True, **profile).report
+        rb = convert(odir, b, quiet=True, **profile).report
         assert _stores(a) == _stores(b)
         assert ra["expert_records"] == rb["expert_records"] == 4 * 8
 
@@ -214,7 +216,7 @@ def test_unsupported_quantization_config_is_refused_at_the_cli(hf, tmp_path, cap
     cfg = json.load(open(path))
     cfg["quantization_config"]["weight_block_size"] = [128]
     json.dump(cfg, open(path, "w"))
-    assert convert_mod.main(["--hf-path", fdir, "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 2
+    assert cli_main(["convert", "--hf-path", fdir, "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "quantization_config.weight_block_size" in err
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hebrus_mlx.cli import main as cli_main
+
 import mlx_vlm_fixture as V
 from artifact_fixture import tiny_checkpoint
 
@@ -34,7 +36,7 @@ def imported(tmp_path_factory):
     src = str(root / "mlx")
     V.mlx_vlm_checkpoint(hf, src, bits=4, group_size=64)
     art = str(root / "art")
-    return src, art, convert(src, art, quiet=True)
+    return src, art, convert(src, art, quiet=True).report
 
 
 def _source_tensors(src):
@@ -186,13 +188,11 @@ def hf(tmp_path_factory):
 def test_group_32_source_is_refused(hf, tmp_path, capsys):
     """An mlx-vlm group-32 conversion: the artifact has no affine4-g32 codec;
     refused (never requantized), one line at the CLI, nothing published."""
-    from hebrus_mlx import convert as C
-
     src = str(tmp_path / "g32")
     V.mlx_vlm_checkpoint(hf, src, bits=4, group_size=32)
     out = str(tmp_path / "out")
     capsys.readouterr()
-    assert C.main(["--hf-path", src, "--out", out]) == 2
+    assert cli_main(["convert", "--hf-path", src, "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "quantization: bits=4 group_size=32 has no artifact codec" in err
     assert not os.path.exists(out)

@@ -10,11 +10,12 @@ import os
 import numpy as np
 import pytest
 
+import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.artifact.errors import CodecError, DigestError, GeometryError, HeaderError, TruncatedError
 
-FAM = C.QWEN4EXP_TINY_TEST
+FAM = families.QWEN4EXP_TINY_TEST
 
 
 def _records(codec_name, seed=0):

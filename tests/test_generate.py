@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from hebrus_mlx.generate import GenerationError, generate, generate_step, stream_generate
+from hebrus_mlx.generate import generate, generate_step, stream_generate
 from hebrus_mlx.text.tokenizer import load_tokenizer
 from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
@@ -37,20 +37,26 @@ class _Cache:
     def __init__(self):
         self.tokens = mx.zeros((0,), dtype=mx.int32)
 
+
+class _Caches(list):
+    """The sequence-cache face generate_step uses: the layer caches plus their live arrays."""
+
     @property
-    def state(self):
-        return self.tokens
+    def arrays(self):
+        return [c.tokens for c in self]
 
 
 class HistoryModel:
     """next = (7 * sum(history) + 3) mod 1000 + 500; unassigned rows are made dominant."""
+
+    streaming = None  # resident
 
     def __init__(self, ctx=256):
         self.args = _Args(ctx)
         self.calls = []
 
     def make_cache(self):
-        return [_Cache()]
+        return _Caches([_Cache()])
 
     def __call__(self, inputs, cache):
         self.calls.append(inputs.shape[1])
@@ -67,12 +73,14 @@ class HistoryModel:
 class ScriptModel:
     """Emits `script` after the prompt, one token per step, whatever the input."""
 
+    streaming = None  # resident
+
     def __init__(self, script, ctx=256):
         self.args = _Args(ctx)
         self.script = script
 
     def make_cache(self):
-        return [_Cache()]
+        return _Caches([_Cache()])
 
     def __call__(self, inputs, cache):
         c = cache[0]
@@ -114,17 +122,20 @@ def test_generate_step_matches_uncached_reference(step):
     assert model.calls[len(prefill):] == [1] * 7
 
 
-def test_max_kv_size_reaches_the_cache_or_is_refused():
-    class Sized(HistoryModel):
-        def make_cache(self, max_kv_size=None):
-            self.max_kv_size = max_kv_size
-            return super().make_cache()
+def test_max_kv_size_is_refused_before_any_work():
+    """mlx-lm's --max-kv-size has no exact meaning for QSA: refused as a typed one-liner, before the
+    model is loaded (a nonexistent model path must not be what the user hears about)."""
+    from hebrus_mlx.cli import main
+    from hebrus_mlx.errors import UsageError
 
-    m = Sized()
-    list(generate_step(mx.array([1, 2]), m, effective_vocab_size=EFFECTIVE, max_tokens=1, max_kv_size=8))
-    assert m.max_kv_size == 8
-    with pytest.raises(GenerationError, match="max-kv-size"):
-        list(generate_step(mx.array([1, 2]), HistoryModel(), effective_vocab_size=EFFECTIVE, max_kv_size=8))
+    m = HistoryModel()
+    with pytest.raises(UsageError, match="max_kv_size: not supported"):
+        next(generate_step(mx.array([1, 2]), m, effective_vocab_size=EFFECTIVE, max_kv_size=8))
+    assert m.calls == []
+    p = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", "/nonexistent/model",
+                        "--max-kv-size", "64", "-p", "hi"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == "hebrus-mlx generate: error: --max-kv-size: " + gen.MAX_KV_SIZE_UNSUPPORTED + "\n"
 
 
 def test_logprobs_are_masked_and_normalised():
@@ -210,11 +221,13 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     model = ScriptModel(tok.encode("ok") + [IM_END])
     _, ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
     model.prompt_len = len(ids)
+    from hebrus_mlx.cli import main
+
     monkeypatch.setattr(gen, "_load", lambda name, expert_cache_gb=None, ple_cache_gb=None: (model, tok))
-    assert gen.main(["-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
+    assert main(["generate", "-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
     assert capsys.readouterr().out == "ok\n"
     model.args.max_position_embeddings = 4
-    assert gen.main(["-p", "q"]) == 2
+    assert main(["generate", "-p", "q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "context is 4" in err
 

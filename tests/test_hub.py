@@ -16,6 +16,8 @@ from types import SimpleNamespace as N
 
 import huggingface_hub
 import pytest
+
+from hebrus_mlx.cli import main as cli_main
 from huggingface_hub import constants
 
 from hebrus_mlx import hub
@@ -71,7 +73,7 @@ class FakeHub:
 
 
 def _gen(capsys, *args):
-    rc = generate.main(["-p", "def f", "-m", "3", "--ignore-chat-template", *args])
+    rc = cli_main(["generate", "-p", "def f", "-m", "3", "--ignore-chat-template", *args])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -159,14 +161,13 @@ def test_unknown_repo_is_one_line(monkeypatch, capsys):
 
 def test_convert_downloads_a_repo_and_checks_the_output_disk(monkeypatch, tmp_path, capsys):
     from artifact_fixture import tiny_checkpoint
-    from hebrus_mlx import convert as convert_mod
 
     hf = tiny_checkpoint(str(tmp_path / "snap"))
     size = sum(os.path.getsize(os.path.join(hf, n)) for n in os.listdir(hf))
     fake = FakeHub(monkeypatch, {n: os.path.getsize(os.path.join(hf, n)) for n in os.listdir(hf)}, hf, free=size)
     out = str(tmp_path / "art")
     capsys.readouterr()
-    rc = convert_mod.main(["--hf-path", "someorg/tiny", "--out", out, "--dtype", "float32"])
+    rc = cli_main(["convert", "--hf-path", "someorg/tiny", "--out", out, "--dtype", "float32"])
     err = capsys.readouterr().err
     # the download alone would fit; with the f32 artifact (bigger than the
     # source) it does not: refused before the download starts
@@ -174,7 +175,7 @@ def test_convert_downloads_a_repo_and_checks_the_output_disk(monkeypatch, tmp_pa
     assert "snapshot_download" not in fake.names() and not os.path.exists(out)
     assert fake.names()[:2] == ["hf_hub_download", "model_info"]
     fake.free = 10 * GB
-    assert convert_mod.main(["--hf-path", "someorg/tiny", "--out", out, "--dtype", "float32"]) == 0
+    assert cli_main(["convert", "--hf-path", "someorg/tiny", "--out", out, "--dtype", "float32"]) == 0
     import json
     assert json.load(open(os.path.join(out, "manifest.json")))["source"]["repo"] == "someorg/tiny"
 

@@ -11,11 +11,12 @@ import struct
 import numpy as np
 import pytest
 
+import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import ple_pages as pp
-from hebrus_mlx.artifact.errors import CodecError, DigestError, GeometryError, TruncatedError
+from hebrus_mlx.artifact.errors import ArtifactError, CodecError, DigestError, GeometryError, TruncatedError
 
-FAM = C.QWEN4EXP_TINY_TEST
+FAM = families.QWEN4EXP_TINY_TEST
 ROWS_PER_PAGE = 100
 
 
@@ -140,7 +141,7 @@ def test_untrusted_header_fields_are_checked_before_reading(store, tmp_path):
     for off, fmt, val, field in [(80, "<Q", 1 << 40, "ple.num_pages"), (36, "<I", 0, "ple.rows_per_page"),
                                  (88, "<Q", 1 << 62, "ple.page_stride"), (16, "<I", 12345, "ple.family_id")]:
         bad = _copy_with(path, str(tmp_path / field), off, struct.pack(fmt, val))
-        with pytest.raises(Exception) as e:
+        with pytest.raises(ArtifactError) as e:
             pp.PleReader(bad)
         assert e.value.field == field
     short = tmp_path / "short"

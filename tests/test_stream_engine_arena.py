@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream import errors
 from hebrus_mlx.stream.errors import DigestMismatchError  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -181,5 +182,5 @@ def test_expanded_parts_hold_fp32_and_read_back_stored_bytes(experts):
     with pytest.raises(RuntimeError, match="SHA-256 mismatch"):
         mx.eval(eng.release_after(switch_glu(x[:1], weights, r), lease))
     assert eng.memory()["pinned_slots"] == 0
-    with pytest.raises(Exception, match="expand"):
+    with pytest.raises(errors.StreamRequestError, match="expand"):
         eng.create_arena(part_bytes, rows, expand[:-1])

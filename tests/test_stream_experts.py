@@ -11,14 +11,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream.experts import GIB, StreamedExperts, plan_experts
+from hebrus_mlx.loading.plan import GIB, plan_experts
+from hebrus_mlx.stream.experts import StreamedExperts
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
-FAM = C.QWEN4EXP_TINY_TEST
+FAM = families.QWEN4EXP_TINY_TEST
 CODEC = "affine4-g64"
 BITS, GROUP = 4, 64
 
@@ -171,13 +173,19 @@ def test_failed_construction_releases_reader_and_engine():
 
 
 def test_artifact_without_expert_store_is_a_typed_error(tmp_path):
-    """Issue 10: no store with role "experts" is an ArtifactError naming the
-    field, not a bare StopIteration out of next()."""
+    """Issue 10: an artifact whose manifest lost its expert store is refused
+    with a typed error naming the field (admission runs first), never a bare
+    StopIteration out of next()."""
     import json
+    import shutil
 
     from hebrus_mlx.artifact.errors import ArtifactError
+    from hebrus_mlx.utils import DEMO_DIR
 
-    (tmp_path / C.MANIFEST_NAME).write_text(json.dumps(
-        {"family": FAM.name, "stores": [{"role": "ple", "path": "p.hbpl"}]}))
-    with pytest.raises(ArtifactError, match="stores"):
-        StreamedExperts.from_artifact(str(tmp_path), rows=4)
+    art = tmp_path / "a"
+    shutil.copytree(DEMO_DIR, art)
+    m = json.loads((art / C.MANIFEST_NAME).read_text())
+    m["stores"] = [s for s in m["stores"] if s["role"] != "experts"]
+    (art / C.MANIFEST_NAME).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="experts"):
+        StreamedExperts.from_artifact(str(art), rows=4)

@@ -1,5 +1,5 @@
 """Tests for the streamed model path: ``load(..., expert_cache_gb)`` / the
-resident-vs-streamed plan in hebrus_mlx/artifact/loader.py, wired to
+resident-vs-streamed plan in hebrus_mlx/loading/artifact.py, wired to
 hebrus_mlx/stream (engine, StreamedExperts, StreamedSwitchGLU).
 
 Provenance: the reference for every streamed run is the same artifact loaded
@@ -21,10 +21,12 @@ import pytest
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
-from hebrus_mlx.artifact import loader
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors
+from hebrus_mlx.loading import artifact as artifact_loading
+from hebrus_mlx.loading import plan
 from hebrus_mlx.stream import experts as SE
+from hebrus_mlx.stream.streaming import Streaming
 from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
 from hebrus_mlx.utils import DEMO_DIR, load_model
 
@@ -44,7 +46,7 @@ def _cache_gb(art, fraction=0.05):
     _, fam, codec = _experts_store(art)
     record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, codec))
     rows = max(math.ceil(fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
-    return (rows * record + record // 2) / SE.GIB, rows
+    return (rows * record + record // 2) / plan.GIB, rows
 
 
 def _decode(model, prompt, steps, chunk):
@@ -91,8 +93,8 @@ def test_streamed_5pct_cache_bit_identical_to_resident(which, stream_ple, reques
     resident = load_model(art)
     # With stream_ple the PLE rows also come through the engine, from a 256 KiB page cache.
     streamed = load_model(art, expert_cache_gb=gb, ple_cache_gb=(4 * 65536 / 2**30) if stream_ple else None)
-    assert resident.stream_experts is None
-    experts = streamed.stream_experts
+    assert resident.streaming is None
+    experts = streamed.streaming.experts
     assert experts.rows == rows and isinstance(streamed.model.layers[0].mlp.switch_mlp, StreamedSwitchGLU)
     assert experts.weights["gate"]["scales"].dtype == mx.float32
     tables = [layer.ple.ple_embedding.ngram_embedding for layer in streamed.model.layers if layer.has_ple]
@@ -116,17 +118,17 @@ def test_streamed_load_reads_no_expert_bytes(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("expert store read while streaming")
 
-    monkeypatch.setattr(loader, "_experts", refuse)
+    monkeypatch.setattr(artifact_loading, "_experts", refuse)
     monkeypatch.setattr(em.ExpertMajorReader, "read_expert", refuse)
     with open(DEMO_DIR / C.MANIFEST_NAME) as f:
         other = sum(os.path.getsize(DEMO_DIR / s["path"]) for s in json.load(f)["stores"]
                     if s["role"] != "experts")
-    monkeypatch.setattr(SE, "available_memory", lambda: loader.RESERVE_BYTES + other + (1 << 20))
+    monkeypatch.setattr(plan, "available_memory", lambda: plan.RESERVE_BYTES + other + (1 << 20))
     model = load_model(DEMO_DIR)  # 1 MiB spare < 7.9 MB of fp32-scaled experts
-    assert model.stream_experts is not None and model.stream_experts.rows == 68
+    assert model.streaming is not None and model.streaming.experts.rows == 68
     out = model(mx.array([[5, 6]]), model.make_cache())
     mx.eval(out)
-    monkeypatch.setattr(SE, "available_memory", lambda: 64 * SE.GIB)
+    monkeypatch.setattr(plan, "available_memory", lambda: 64 * plan.GIB)
     with pytest.raises(AssertionError, match="expert store read"):
         load_model(DEMO_DIR)  # fits: resident, which reads the store
     with pytest.raises(ValueError, match="expert_cache_gb"):
@@ -141,8 +143,8 @@ def _testing_experts(model, rows):
     with em.ExpertMajorReader(path, fam, codec) as reader:
         eng = se.StreamEngine(cache_bytes=1 << 16, threads=2, testing=True)
         experts = SE.StreamedExperts(eng, reader, rows, prefetch_previous=False)
-    attach([layer.mlp for layer in model.model.layers], experts)
-    model.stream_experts = experts
+    switches = attach([layer.mlp for layer in model.model.layers], experts)
+    model.streaming = Streaming(eng, experts, switches)
     return experts
 
 
@@ -196,7 +198,7 @@ def test_streamed_decode_memory_is_flat():
     2,000-token run is benchmarks/bench_stream_decode.py."""
     gb, rows = _cache_gb(str(DEMO_DIR))
     model = load_model(DEMO_DIR, expert_cache_gb=gb)
-    eng = model.stream_experts.engine
+    eng = model.streaming.engine
     cache, y = model.make_cache(), mx.array([[5]])
     rss = active = read0 = None
     for step in range(300):
@@ -305,7 +307,7 @@ def test_cancelled_ticket_mid_step_is_typed_and_clean():
 
 def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     """AFN-010: a read failure during `hebrus-mlx generate` prints one line
-    naming the typed error and the store read, no traceback, and exits 1."""
+    naming the typed error and the store read, no traceback, and exits 2."""
     import importlib
 
     from hebrus_mlx.utils import load
@@ -317,7 +319,9 @@ def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     eng = _testing_experts(model, rows).engine
     monkeypatch.setattr(gen, "_load", lambda *a, **k: (model, tok))
     eng.inject_fault("short_read", 1)
-    assert gen.main(["-p", "hello", "--max-tokens", "3", "--verbose", "false"]) == 1
+    from hebrus_mlx.cli import main
+
+    assert main(["generate", "-p", "hello", "--max-tokens", "3", "--verbose", "false"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ShortReadError: short read of store" in err
     assert "Traceback" not in err and "[stream:" not in err

@@ -13,7 +13,8 @@ import pytest
 
 from hebrus_mlx.artifact import ple_pages
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream.ple import StreamedNGramTable, attach_ple, plan_ple
+from hebrus_mlx.loading.plan import plan_ple
+from hebrus_mlx.stream.ple import StreamedNGramTable, attach_ple
 from hebrus_mlx.stream.switch import StreamedSwitchGLU
 from hebrus_mlx.utils import DEMO_DIR, load_model
 
@@ -97,12 +98,12 @@ def test_load_streams_experts_and_ple_bit_identical(monkeypatch):
     model = load_model(DEMO_DIR, expert_cache_gb=0.001, ple_cache_gb=2 * 65536 / 2**30)
     assert isinstance(model.model.layers[0].ple.ple_embedding.ngram_embedding, StreamedNGramTable)
     assert isinstance(model.model.layers[0].mlp.switch_mlp, StreamedSwitchGLU)
-    assert model.stream_experts.engine is model.stream_engine
+    assert model.streaming.experts.engine is model.streaming.engine
     got = _prefill_decode(model, ids, 9)
     assert len(got) == len(want) == 7
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
-    c, mem = model.stream_engine.counters(), model.stream_engine.memory()
+    c, mem = model.streaming.engine.counters(), model.streaming.engine.memory()
     assert c["errors"] == 0 and c["evictions"] > 0
     assert mem["capacity"] < 3 * 65536 + (1 << 20) and mem["pinned_slots"] == 0 and mem["tickets"] == 0
 

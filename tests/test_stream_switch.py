@@ -13,15 +13,17 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
+import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.experts import StreamedExperts
+from hebrus_mlx.stream.streaming import Streaming
 from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
-FAM = C.QWEN4EXP_TINY_TEST
+FAM = families.QWEN4EXP_TINY_TEST
 H, I, E, K = FAM.hidden_size, FAM.moe_intermediate_size, FAM.num_experts, FAM.num_experts_per_tok
 
 
@@ -145,7 +147,7 @@ def test_tiny_model_streamed_equals_resident(tmp_path):
         attach([layer.mlp for layer in model.model.layers], experts)
         runs = [(decode(), eng)]
     experts = StreamedExperts.from_artifact(art, rows=6, threads=2)
-    attach([layer.mlp for layer in model.model.layers], experts)
+    model.streaming = Streaming(experts.engine, experts, attach([layer.mlp for layer in model.model.layers], experts))
     runs.append((decode(), experts.engine))
     for (got_logits, got_tokens), eng in runs:
         assert got_tokens == ref_tokens
@@ -199,7 +201,7 @@ def test_demo_hints_leave_layer_by_layer():
     # 12 rows for 8 layers x top-4: the previous token's records are mostly
     # evicted, so the hints become reads the trace sees.
     experts = StreamedExperts.from_artifact(str(DEMO_DIR), rows=12, threads=2)
-    attach([layer.mlp for layer in model.model.layers], experts)
+    model.streaming = Streaming(experts.engine, experts, attach([layer.mlp for layer in model.model.layers], experts))
     eng = experts.engine
     eng.enable_trace(1 << 14)
     cache, tok = model.make_cache(), 5

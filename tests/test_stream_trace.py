@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream import errors
 from hebrus_mlx.stream.errors import StreamRequestError
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -140,7 +141,7 @@ def test_dropped_and_failed_reads_are_recorded(store):
     eng.hold(False)
     eng.inject_fault("eio", 1)
     t = eng.request(s, REC, REC, expert=1)
-    with pytest.raises(Exception):
+    with pytest.raises(errors.StreamIOError):
         eng.wait(t)
     eng.release(t)
     reads = eng.trace_events()[0]

@@ -79,12 +79,6 @@ class AtomicWriter:
             self.written += n
             view = view[n:]
 
-    def tell(self):
-        return os.lseek(self.fd, 0, os.SEEK_CUR)
-
-    def seek(self, offset):
-        os.lseek(self.fd, offset, os.SEEK_SET)
-
     def pwrite(self, data, offset):
         view = memoryview(data).cast("B")
         while view:
@@ -146,10 +140,20 @@ def _abort(m, tmp, e):
     if isinstance(e, OSError) and not isinstance(e, ArtifactError):
         raise PublishError(os.path.basename(m.target), f"{m.trace[-2].value}: {e}") from e
 
+def _verify_synced(m, tmp, verify):
+    """SYNCED -> VERIFIED (the real reader accepts the temp) -> DIR_SYNCED (the parent holds it)."""
+    m.to(State.SYNCED)
+    if verify is not None:
+        verify(tmp)
+    m.to(State.VERIFIED)
+    fsync_dir(m.parent)
+    m.to(State.DIR_SYNCED)
+
+
 def publish_file(target, write, verify=None, faults=None):
     """Write `target` atomically.
 
-    write(w): writes the content through `w` (AtomicWriter: write/seek/pwrite).
+    write(w): writes the content through `w` (AtomicWriter: write/pwrite).
     verify(path): reopens the synced temp through the real reader; raises on
     any disagreement. Returns the state trace.
     """
@@ -164,12 +168,7 @@ def publish_file(target, write, verify=None, faults=None):
         m.fsync(fd)
         os.close(fd)
         fd = None
-        m.to(State.SYNCED)
-        if verify is not None:
-            verify(tmp)
-        m.to(State.VERIFIED)
-        fsync_dir(m.parent)
-        m.to(State.DIR_SYNCED)
+        _verify_synced(m, tmp, verify)
         m.rename(tmp, m.target)
         m.to(State.RENAMED)
     except BaseException as e:
@@ -203,12 +202,7 @@ def publish_dir(target, build, verify=None, faults=None):
             m.fsync(dfd)
         finally:
             os.close(dfd)
-        m.to(State.SYNCED)
-        if verify is not None:
-            verify(tmp)
-        m.to(State.VERIFIED)
-        fsync_dir(m.parent)
-        m.to(State.DIR_SYNCED)
+        _verify_synced(m, tmp, verify)
         if os.path.lexists(m.target):
             if m.faults.rename:
                 m.faults.rename = False

@@ -5,11 +5,10 @@ A family is admitted only when the descriptor derived from a config equals a
 registered descriptor field for field. Nothing here accepts "any geometry".
 """
 
-import math
 from dataclasses import dataclass, field, fields
-from functools import lru_cache
 from typing import Tuple
 
+from ..models.qwen4exp_config import ngram_head_primes, padded_rows, ple_head_offsets
 from .errors import CodecError, FamilyError
 
 # ---------------------------------------------------------------- layout ---
@@ -142,35 +141,6 @@ VERIFIED_PROFILES = frozenset()
 
 
 # -------------------------------------------------------------- families ---
-def _is_prime(n):
-    if n < 2:
-        return False
-    if n % 2 == 0:
-        return n == 2
-    for d in range(3, math.isqrt(n) + 1, 2):
-        if n % d == 0:
-            return False
-    return True
-
-
-@lru_cache(maxsize=64)
-def ngram_head_sizes(base, heads, table_index):
-    """Prime vocabulary size of each hashed head of PLE table `table_index`:
-    the (table_index*heads + h + 1)-th prime >= base, h = 0..heads-1."""
-    sizes = []
-    p = base - 1
-    skip = table_index * heads
-    while len(sizes) < heads:
-        p += 1
-        while not _is_prime(p):
-            p += 1
-        if skip:
-            skip -= 1
-            continue
-        sizes.append(p)
-    return tuple(sizes)
-
-
 @dataclass(frozen=True)
 class FamilyDescriptor:
     """The closed geometry of one model family. Equality is the admission
@@ -207,14 +177,10 @@ class FamilyDescriptor:
         return self.ple_embed_dim // self.ple_heads
 
     def ple_head_sizes(self, table):
-        return ngram_head_sizes(self.ngram_vocab_size_base, self.ple_heads, table)
+        return ngram_head_primes(self.ngram_vocab_size_base, self.ple_heads, table)
 
     def ple_head_offsets(self, table):
-        offsets, total = [], 0
-        for size in self.ple_head_sizes(table):
-            offsets.append(total)
-            total += size
-        return tuple(offsets)
+        return tuple(ple_head_offsets(self.ple_head_sizes(table)))
 
     def component_shapes(self):
         """[rows, in] of each routed-expert projection (HF weight layout)."""
@@ -223,12 +189,8 @@ class FamilyDescriptor:
 
 
 def _ple_rows(base, heads, tables, align):
-    head_rows, rows = [], []
-    for t in range(tables):
-        n = sum(ngram_head_sizes(base, heads, t))
-        head_rows.append(n)
-        rows.append(-(-n // align) * align)
-    return tuple(head_rows), tuple(rows)
+    sizes = [ngram_head_primes(base, heads, t) for t in range(tables)]
+    return tuple(sum(s) for s in sizes), tuple(padded_rows(s, align) for s in sizes)
 
 
 def derive_descriptor(constants, name, family_id):
@@ -299,30 +261,6 @@ QWEN38_FLASH_NEXT = FamilyDescriptor(
     ple_rows=(320_001_536,),
 )
 
-# Tiny family for tests: hidden 64, 4 layers (GDN x3, QSA), 8 experts top-2
-# of width 64, one PLE table of 4 heads (primes after 999), 16 wide.
-QWEN4EXP_TINY_TEST = FamilyDescriptor(
-    name="qwen4exp-tiny-test",
-    family_id=0x7E57,
-    vocab_size=512,
-    hidden_size=64,
-    num_hidden_layers=4,
-    layer_types=_GDN3_QSA,
-    max_position_embeddings=256,
-    hc_count=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=64,
-    ple_tables=1,
-    ple_embed_dim=64,
-    ngram_size=3,
-    heads_per_ngram=2,
-    ngram_vocab_size_base=1000,
-    ngram_row_alignment=128,
-    ple_head_rows=(4062,),
-    ple_rows=(4096,),
-)
-
 # The demo model of tools/train_demo.py (DemoDims defaults): hidden 128,
 # 8 layers, 64 experts top-4 of width 64, PLE on layers 1 and 5 (16 heads of
 # width 8, primes after 2047).
@@ -348,104 +286,24 @@ QWEN4EXP_DEMO = FamilyDescriptor(
     ple_rows=(33792, 35840),
 )
 
-# The three reference checkpoints of tests/fixtures/parity (tools/capture_reference.py).
-# Their geometry is deliberately irregular (hidden 80/48, expert width 24/32) so
-# affine group-64 codecs must reject them (AFN-002).
-QWEN4EXP_PARITY_A = FamilyDescriptor(
-    name="qwen4exp-parity-a",
-    family_id=0x7EA0,
-    vocab_size=320,
-    hidden_size=64,
-    num_hidden_layers=4,
-    layer_types=_GDN3_QSA,
-    max_position_embeddings=256,
-    hc_count=4,
-    num_experts=8,
-    num_experts_per_tok=3,
-    moe_intermediate_size=32,
-    ple_tables=1,
-    ple_embed_dim=64,
-    ngram_size=3,
-    heads_per_ngram=2,
-    ngram_vocab_size_base=50,
-    ngram_row_alignment=128,
-    ple_head_rows=(240,),
-    ple_rows=(256,),
-)
+# The product's registry: the real family and the shipped demo. Tests and tools that build other
+# checkpoints register their own descriptors (register_family).
+FAMILIES = {}
+FAMILIES_BY_ID = {}
 
-QWEN4EXP_PARITY_B = FamilyDescriptor(
-    name="qwen4exp-parity-b",
-    family_id=0x7EB0,
-    vocab_size=384,
-    hidden_size=80,
-    num_hidden_layers=8,
-    layer_types=_GDN3_QSA * 2,
-    max_position_embeddings=256,
-    hc_count=4,
-    num_experts=12,
-    num_experts_per_tok=4,
-    moe_intermediate_size=24,
-    ple_tables=2,
-    ple_embed_dim=48,
-    ngram_size=3,
-    heads_per_ngram=3,
-    ngram_vocab_size_base=97,
-    ngram_row_alignment=128,
-    ple_head_rows=(630, 834),
-    ple_rows=(640, 896),
-)
 
-QWEN4EXP_PARITY_C = FamilyDescriptor(
-    name="qwen4exp-parity-c",
-    family_id=0x7EC0,
-    vocab_size=300,
-    hidden_size=48,
-    num_hidden_layers=4,
-    layer_types=_GDN3_QSA,
-    max_position_embeddings=256,
-    hc_count=3,
-    num_experts=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    ple_tables=2,
-    ple_embed_dim=48,
-    ngram_size=2,
-    heads_per_ngram=4,
-    ngram_vocab_size_base=101,
-    ngram_row_alignment=128,
-    ple_head_rows=(420, 508),
-    ple_rows=(512, 512),
-)
+def register_family(descriptor):
+    """Admit artifacts of `descriptor` from now on. Registering the identical descriptor again is
+    a no-op; another descriptor under a registered name or id is refused."""
+    for key, table in ((descriptor.name, FAMILIES), (descriptor.family_id, FAMILIES_BY_ID)):
+        if table.get(key, descriptor) != descriptor:
+            raise FamilyError("family", f"{key!r} is already registered with another geometry")
+    FAMILIES[descriptor.name] = FAMILIES_BY_ID[descriptor.family_id] = descriptor
+    return descriptor
 
-# Expert-heavy synthetic family for the bounded-memory conversion evidence
-# (tests/test_convert.py, benchmarks/bench_artifact.py): 4 layers x 256
-# experts of [256 x 128], ~400 MB of f32 expert weights, small everything else.
-QWEN4EXP_BULK_TEST = FamilyDescriptor(
-    name="qwen4exp-bulk-test",
-    family_id=0xB01C,
-    vocab_size=512,
-    hidden_size=128,
-    num_hidden_layers=4,
-    layer_types=_GDN3_QSA,
-    max_position_embeddings=256,
-    hc_count=4,
-    num_experts=256,
-    num_experts_per_tok=8,
-    moe_intermediate_size=256,
-    ple_tables=1,
-    ple_embed_dim=64,
-    ngram_size=3,
-    heads_per_ngram=2,
-    ngram_vocab_size_base=1000,
-    ngram_row_alignment=128,
-    ple_head_rows=(4062,),
-    ple_rows=(4096,),
-)
 
-FAMILIES = {f.name: f for f in (QWEN38_FLASH_NEXT, QWEN4EXP_TINY_TEST, QWEN4EXP_DEMO, QWEN4EXP_PARITY_A,
-                                QWEN4EXP_PARITY_B, QWEN4EXP_PARITY_C, QWEN4EXP_BULK_TEST)}
-FAMILIES_BY_ID = {f.family_id: f for f in FAMILIES.values()}
-assert len(FAMILIES_BY_ID) == len(FAMILIES)
+register_family(QWEN38_FLASH_NEXT)
+register_family(QWEN4EXP_DEMO)
 
 
 def family(name, field_name="family"):

@@ -1,13 +1,11 @@
 """Typed artifact errors. Every error names the field that failed so a
 diagnostic is actionable ("ple.rows", not "bad file")."""
 
+from ..errors import HebrusError
 
-class ArtifactError(Exception):
+
+class ArtifactError(HebrusError):
     """Base class. `field` is a dotted name of the offending field."""
-
-    def __init__(self, field, message):
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 class HeaderError(ArtifactError):
@@ -32,10 +30,6 @@ class DigestError(ArtifactError):
 
 class TruncatedError(ArtifactError):
     """A read returned fewer bytes than the structure requires."""
-
-
-class OverlapError(ArtifactError):
-    """Two owners claim the same byte range."""
 
 
 class AdmissionError(ArtifactError):

@@ -17,7 +17,6 @@ error naming its field. numpy only: admission must not import MLX.
 """
 
 import hashlib
-import os
 import struct
 
 import numpy as np
@@ -37,8 +36,6 @@ from .constants import (
     U32_MAX,
     align_up,
     codec,
-    codec_by_id,
-    family_by_id,
 )
 from .errors import DigestError, GeometryError, HeaderError, TruncatedError
 from .store_file import StoreFile
@@ -209,10 +206,7 @@ class ExpertMajorReader(StoreFile):
         super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
-        size = os.fstat(self.fd).st_size
-        if size < EXPERT_MAJOR_HEADER_BYTES:
-            raise TruncatedError("experts.header", f"file is {size} bytes, header needs {EXPERT_MAJOR_HEADER_BYTES}")
-        raw = self._pread(EXPERT_MAJOR_HEADER_BYTES, 0, "experts.header")
+        size, raw = self._header(EXPERT_MAJOR_HEADER_BYTES, "experts")
         h = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(raw)))
         if h["magic"] != EXPERT_MAJOR_MAGIC:
             raise HeaderError("experts.magic", f"{h['magic']!r} is not an ExpertMajor store")
@@ -225,12 +219,7 @@ class ExpertMajorReader(StoreFile):
             raise DigestError("experts.header_sha256", "header digest mismatch")
         if raw[_HEADER.size :] != bytes(EXPERT_MAJOR_HEADER_BYTES - _HEADER.size):
             raise HeaderError("experts.reserved", "reserved header bytes are not zero")
-        fam = family_by_id(h["family_id"], "experts.family_id")
-        if family is not None and fam != family:
-            raise GeometryError("experts.family_id", f"store family {fam.name!r} != expected {family.name!r}")
-        cod = codec_by_id(h["codec_id"], "experts.codec_id")
-        if codec_name is not None and cod.name != codec_name:
-            raise GeometryError("experts.codec_id", f"store codec {cod.name!r} != expected {codec_name!r}")
+        fam, cod = self._identity(h, "experts", family, codec_name)
         geom = Geometry(fam, cod.name)
         for name, want in geom.header_values().items():
             if h[name] != want:
@@ -274,19 +263,18 @@ class ExpertMajorReader(StoreFile):
             out.setdefault(comp, {})[part] = np.frombuffer(data, dtype=dtype, count=n // DTYPE_BYTES[dtype], offset=off).reshape(shape)
         return out
 
-    def verify_all(self, progress=None):
+    def verify_all(self, progress=None, file_hash=None):
         """Every record digest plus the whole-payload digest (separate checks)."""
         g = self.geometry
-        payload = hashlib.sha256()
-        for i in range(g.count):
+
+        def record(i):
             data = self._pread(g.record_stride, g.record_offset(i), f"experts.record[{i}]")
             if hashlib.sha256(data[: g.record_bytes]).digest() != self.digests[i]:
                 raise DigestError(f"experts.record[{i}]", "record digest mismatch")
-            payload.update(data)
-            if progress is not None:
-                progress(g.record_stride)
-        if payload.digest() != self.header["payload_sha256"]:
-            raise DigestError("experts.payload_sha256", "whole-payload digest mismatch")
+            return data
+
+        self._verify_payload(g.payload_offset, g.count, record, self.header["payload_sha256"], "experts",
+                             progress, file_hash)
 
     def extents(self):
         """Physical owners inside this file: (start, end, owner)."""

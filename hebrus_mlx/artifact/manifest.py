@@ -11,6 +11,9 @@ numpy/json only: admission imports this without MLX.
 import hashlib
 import json
 import math
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional, Tuple
 
 from ..models import checkpoint_keys as keys
 from ..models.qwen4exp_config import (
@@ -26,6 +29,7 @@ from .constants import (
     MANIFEST_SCHEMA_VERSION,
     PROFILES,
     VERIFIED_PROFILES,
+    FamilyDescriptor,
     codec,
 )
 from .errors import AdmissionError
@@ -274,3 +278,63 @@ def dumps(manifest):
 
 def shape_bytes(dtype, shape):
     return {"U32": 4, "BF16": 2, "F32": 4}[dtype] * math.prod(shape)
+
+
+# ------------------------------------------------------- admitted object ---
+@dataclass(frozen=True)
+class Store:
+    """One store of an admitted manifest (``stores[i]``)."""
+
+    role: str  # dense | experts | ple
+    path: str  # plain file name inside the artifact
+    format: str
+    codec: str
+    size: int
+    sha256: str
+    table: Optional[int] = None  # PLE only
+    layer: Optional[int] = None  # PLE only: the zero-indexed layer it feeds
+    rows_per_page: Optional[int] = None  # PLE only
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What `admission.admit` returns: the manifest it validated, typed, with the config and
+    family it was checked against. Loading, verify and streaming use this object instead of
+    re-reading manifest.json or config.json after admission (no check-then-use window)."""
+
+    directory: str
+    family: FamilyDescriptor
+    profile: str
+    support: str
+    codecs: Mapping[str, str]
+    stores: Tuple[Store, ...]
+    tensors: Mapping[str, Mapping]  # stored dense name -> dtype, shape, data_offsets, codec
+    constants: Mapping[str, object]
+    config: Mapping[str, object]  # config.json as admitted (digest-checked bytes)
+    sources: Mapping[str, bytes]  # source identity file -> the digest-checked bytes (tokenizer, templates)
+    args: ModelArgs
+    report: Mapping[str, object]  # the JSON ownership report (`hebrus-mlx admit`)
+
+    def file(self, store: Store) -> str:
+        return os.path.join(self.directory, store.path)
+
+    def _only(self, role):
+        (store,) = [s for s in self.stores if s.role == role]
+        return store
+
+    @property
+    def dense(self) -> Store:
+        return self._only("dense")
+
+    @property
+    def experts(self) -> Store:
+        return self._only("experts")
+
+    @property
+    def ple(self) -> Tuple[Store, ...]:
+        """PLE stores in table order."""
+        return tuple(sorted((s for s in self.stores if s.role == "ple"), key=lambda s: s.table))
+
+
+def store_from_dict(s) -> Store:
+    return Store(**{f.name: s.get(f.name) for f in fields(Store)})

@@ -18,7 +18,6 @@ independent checks.
 """
 
 import hashlib
-import os
 import struct
 
 import numpy as np
@@ -40,8 +39,6 @@ from .constants import (
     SHA256_BYTES,
     align_up,
     codec,
-    codec_by_id,
-    family_by_id,
 )
 from .errors import CodecError, DigestError, GeometryError, HeaderError, TruncatedError
 from .store_file import StoreFile
@@ -216,10 +213,7 @@ class PleReader(StoreFile):
         super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
-        size = os.fstat(self.fd).st_size
-        if size < PLE_HEADER_BYTES:
-            raise TruncatedError("ple.header", f"file is {size} bytes, header needs {PLE_HEADER_BYTES}")
-        raw = self._pread(PLE_HEADER_BYTES, 0, "ple.header")
+        size, raw = self._header(PLE_HEADER_BYTES, "ple")
         vals = _HEADER.unpack_from(raw)
         h = dict(zip(_FIELDS, vals))
         heads = vals[len(_FIELDS) : len(_FIELDS) + PLE_MAX_HEADS]
@@ -232,12 +226,7 @@ class PleReader(StoreFile):
             raise HeaderError("ple.header_bytes", f"{h['header_bytes']} != {PLE_HEADER_BYTES}")
         if raw[_HEADER.size :] != bytes(PLE_HEADER_BYTES - _HEADER.size):
             raise HeaderError("ple.reserved", "reserved header bytes are not zero")
-        fam = family_by_id(h["family_id"], "ple.family_id")
-        if family is not None and fam != family:
-            raise GeometryError("ple.family_id", f"store family {fam.name!r} != expected {family.name!r}")
-        cod = codec_by_id(h["codec_id"], "ple.codec_id")
-        if codec_name is not None and cod.name != codec_name:
-            raise GeometryError("ple.codec_id", f"store codec {cod.name!r} != expected {codec_name!r}")
+        fam, cod = self._identity(h, "ple", family, codec_name)
         if not 0 <= h["table_index"] < fam.ple_tables:
             raise GeometryError("ple.table_index", f"{h['table_index']} outside family's {fam.ple_tables} tables")
         if not 1 <= h["rows_per_page"] <= PLE_MAX_ROWS_PER_PAGE:
@@ -313,16 +302,11 @@ class PleReader(StoreFile):
                 raw[i] = np.frombuffer(data, np.uint8, g.row_bytes, off)
         return out
 
-    def verify_all(self, progress=None):
+    def verify_all(self, progress=None, file_hash=None):
         """Every page (header + digest), then the whole-payload digest."""
         g = self.geometry
-        payload = hashlib.sha256()
-        for page in range(g.num_pages):
-            payload.update(self.read_page(page))
-            if progress is not None:
-                progress(g.page_stride)
-        if payload.digest() != self.payload_sha:
-            raise DigestError("ple.payload_sha256", "whole-payload digest mismatch")
+        self._verify_payload(g.payload_offset, g.num_pages, self.read_page, self.payload_sha, "ple",
+                             progress, file_hash)
 
     def extents(self):
         g = self.geometry

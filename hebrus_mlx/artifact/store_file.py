@@ -1,8 +1,10 @@
 """Read-only handle on one untrusted store file: validated on open, exact-length preads."""
 
+import hashlib
 import os
 
-from .errors import TruncatedError
+from .constants import codec_by_id, family_by_id
+from .errors import DigestError, GeometryError, TruncatedError
 
 
 class StoreFile:
@@ -31,6 +33,41 @@ class StoreFile:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _header(self, nbytes, prefix):
+        """(file size, the fixed-size header); TruncatedError when the file is shorter."""
+        size = os.fstat(self.fd).st_size
+        if size < nbytes:
+            raise TruncatedError(f"{prefix}.header", f"file is {size} bytes, header needs {nbytes}")
+        return size, self._pread(nbytes, 0, f"{prefix}.header")
+
+    @staticmethod
+    def _identity(h, prefix, family, codec_name):
+        """(family, codec) the header names by id; they must be `family` / `codec_name` when given."""
+        fam = family_by_id(h["family_id"], f"{prefix}.family_id")
+        if family is not None and fam != family:
+            raise GeometryError(f"{prefix}.family_id", f"store family {fam.name!r} != expected {family.name!r}")
+        cod = codec_by_id(h["codec_id"], f"{prefix}.codec_id")
+        if codec_name is not None and cod.name != codec_name:
+            raise GeometryError(f"{prefix}.codec_id", f"store codec {cod.name!r} != expected {codec_name!r}")
+        return fam, cod
+
+    def _verify_payload(self, payload_offset, units, read_unit, payload_sha, prefix, progress, file_hash):
+        """Read every unit (record, page) through `read_unit(i)` (which checks its digest), then
+        the whole-payload digest. `file_hash` (a hashlib object) is fed every byte of the file in
+        order, so the same pass yields the whole-file digest."""
+        if file_hash is not None:
+            file_hash.update(self._pread(payload_offset, 0, f"{prefix}.header"))
+        payload = hashlib.sha256()
+        for i in range(units):
+            data = read_unit(i)
+            payload.update(data)
+            if file_hash is not None:
+                file_hash.update(data)
+            if progress is not None:
+                progress(len(data))
+        if payload.digest() != payload_sha:
+            raise DigestError(f"{prefix}.payload_sha256", "whole-payload digest mismatch")
 
     def _pread(self, n, offset, field):
         """Exactly n bytes at offset, or TruncatedError naming the field."""

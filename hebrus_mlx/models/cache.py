@@ -13,15 +13,21 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..errors import HebrusError
+
 _GROW = 256  # attention buffers grow in steps of this many tokens
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(HebrusError, ValueError):
     """The request would pass max_position_embeddings; raised before any allocation."""
 
+    default_field = "context"
 
-class CacheHoleError(ValueError):
+
+class CacheHoleError(HebrusError, ValueError):
     """An append does not continue the cached position run, or layers disagree (AFN-018)."""
+
+    default_field = "position"
 
 
 class LinearCache:

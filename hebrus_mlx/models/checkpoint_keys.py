@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import HebrusError
+
 # Prefix written by Qwen4ExpForConditionalGeneration; the text model lives below it.
 CONDITIONAL_PREFIX = "model.language_model."
 
@@ -93,8 +95,10 @@ _PLE_SHARD_RE = re.compile(r"^ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.
 _PLE_CONST_RE = re.compile(r"^ple\.ple_embedding\.(" + "|".join(PLE_CONSTANT_NAMES) + r")$")
 
 
-class CheckpointKeyError(ValueError):
+class CheckpointKeyError(HebrusError, ValueError):
     """A checkpoint key is unknown, missing, duplicated or inconsistent with the config."""
+
+    default_field = "checkpoint"
 
 
 @dataclass(frozen=True)

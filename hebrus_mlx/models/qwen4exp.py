@@ -9,7 +9,7 @@ The pinned reference is transformers 5.24.0 `models/qwen4_exp`; tests compare ag
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +22,7 @@ from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_
 from .qwen4exp_config import (
     ConfigError,
     ModelArgs,
+    ple_constants,
     ple_head_offsets,
     ple_head_vocab_sizes,
     ple_layer_multipliers,
@@ -558,6 +559,16 @@ class SparseMoE(nn.Module):
 # ---- layers and model ---------------------------------------------------------------------------------
 
 
+class Streaming(Protocol):
+    """What the graph and generate use of streamed weights (implemented by
+    hebrus_mlx.stream.streaming.Streaming; the model holds None when everything is resident)."""
+
+    engine: Any  # counters() for the I/O line
+    max_chunk_tokens: Optional[int]  # a streamed chunk pins every expert it routes to
+
+    def layer_start(self, layer: int, x: mx.array) -> mx.array: ...
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -576,10 +587,6 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = HyperConnection(args)
 
     def __call__(self, streams, ids, cache, capture: Optional[Capture] = None):
-        # A streamed switch_mlp starts its lookahead reads when the layer starts.
-        layer_start = getattr(self.mlp.switch_mlp, "layer_start", None)
-        if layer_start is not None:
-            streams = layer_start(streams)
         if self.has_ple:
             streams = streams + self.ple(streams, ids, cache)
         if self.is_linear:
@@ -597,11 +604,15 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hyper_connection_mixer = HyperConnection(args, inject=False)
+        self.streaming: Optional[Streaming] = None
 
     def __call__(self, ids, cache, capture: Optional[Capture] = None):
         h = self.embed_tokens(ids)
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
-        for layer, layer_cache in zip(self.layers, cache):
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            if self.streaming is not None:
+                # Streamed experts start their lookahead reads when the layer starts.
+                streams = self.streaming.layer_start(i, streams)
             streams = layer(streams, ids, layer_cache, capture)
             if capture is not None:
                 capture.hidden.append(streams)
@@ -638,6 +649,15 @@ class Model(nn.Module):
         out = self.model(inputs, cache, capture)
         cache.advance(inputs.shape[1])
         return self.lm_head(out)
+
+    @property
+    def streaming(self) -> Optional[Streaming]:
+        """The streamed experts/PLE face (engine, chunk cap, layer hook); None when resident."""
+        return self.model.streaming
+
+    @streaming.setter
+    def streaming(self, value: Optional[Streaming]):
+        self.model.streaming = value
 
     def make_cache(self) -> SequenceCache:
         return SequenceCache(
@@ -699,13 +719,7 @@ class Model(nn.Module):
         )
 
     def _check_ple_constant(self, raw_key, layer, name, value):
-        ple_index = self.args.ple_index(layer)
-        sizes = ple_head_vocab_sizes(self.args, ple_index)
-        expected = {
-            "layer_multipliers": ple_layer_multipliers(self.args, ple_index),
-            "ngram_heads_vocab_sizes": sizes,
-            "ngram_heads_offsets": ple_head_offsets(sizes),
-        }[name]
+        expected = ple_constants(self.args, self.args.ple_index(layer))[name]
         got = np.array(value).astype(np.int64).tolist()
         if got != expected:
             raise CheckpointKeyError(f"{raw_key}: checkpoint value {got} differs from the config-derived {expected}")

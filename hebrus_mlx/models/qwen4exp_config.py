@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import inspect
 import math
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from ..errors import HebrusError
 
 LAYER_TYPES = ("linear_attention", "indexed_attention")
 QSA_FIELDS = (
@@ -21,12 +24,11 @@ QSA_FIELDS = (
 )
 
 
-class ConfigError(ValueError):
-    """A config.json field is malformed or unsupported. The message names the field."""
+class ConfigError(HebrusError, ValueError):
+    """A config.json field is malformed or unsupported; `field` is ``config.<name>``."""
 
     def __init__(self, field_name: str, message: str):
-        super().__init__(f"config field {field_name!r}: {message}")
-        self.field = field_name
+        super().__init__(f"config.{field_name}", message)
 
 
 def _require_int(name, value, minimum=None):
@@ -34,6 +36,10 @@ def _require_int(name, value, minimum=None):
         raise ConfigError(name, f"must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(name, f"must be >= {minimum}, got {value}")
+
+
+def _positive_number(value):
+    return type(value) in (int, float) and 0 < value < math.inf
 
 
 @dataclass
@@ -166,6 +172,8 @@ class ModelArgs:
             _require_int(name, getattr(self, name), minimum=1)
         _require_int("hc_count", self.hc_count, minimum=2)
         _require_int("seed", self.seed, minimum=0)
+        if not _positive_number(self.rms_norm_eps):
+            raise ConfigError("rms_norm_eps", f"must be a positive number, got {self.rms_norm_eps!r}")
         if self.hidden_act != "silu":
             raise ConfigError("hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
         gate = self.output_gate_type or self.hidden_act
@@ -193,6 +201,8 @@ class ModelArgs:
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
             raise ConfigError("rope_parameters.rope_type", f"only 'default' is supported, got {rope_type!r}")
+        if not _positive_number(rope.get("rope_theta", 10000.0)):
+            raise ConfigError("rope_parameters.rope_theta", f"must be a positive number, got {rope['rope_theta']!r}")
         factor = rope.get("partial_rotary_factor", 1.0)
         if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise ConfigError("rope_parameters.partial_rotary_factor", f"must be in (0, 1], got {factor!r}")
@@ -298,21 +308,26 @@ def _is_prime(n: int) -> bool:
     return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
 
 
-def ple_head_vocab_sizes(args: ModelArgs, ple_index: int) -> list[int]:
-    """Distinct primes above ngram_vocab_size_base - 1, one per head, numbered globally across PLE layers."""
+@lru_cache(maxsize=64)
+def ngram_head_primes(base: int, heads: int, table_index: int) -> tuple[int, ...]:
+    """Prime vocabulary size of each hashed head of PLE table `table_index`: distinct primes
+    >= base numbered globally across tables; head h takes the (table_index*heads + h + 1)-th."""
     sizes = []
-    first_global = ple_index * args.ngram_heads
-    prime = args.ngram_vocab_size_base - 1
+    first_global = table_index * heads
+    prime = base - 1
     count = 0
-    # Walk primes in order; head h takes the (first_global + h + 1)-th prime after base - 1.
-    while len(sizes) < args.ngram_heads:
+    while len(sizes) < heads:
         prime += 1
         while not _is_prime(prime):
             prime += 1
         count += 1
         if count > first_global:
             sizes.append(prime)
-    return sizes
+    return tuple(sizes)
+
+
+def ple_head_vocab_sizes(args: ModelArgs, ple_index: int) -> list[int]:
+    return list(ngram_head_primes(args.ngram_vocab_size_base, args.ngram_heads, ple_index))
 
 
 def ple_head_offsets(sizes: list[int]) -> list[int]:
@@ -323,11 +338,24 @@ def ple_head_offsets(sizes: list[int]) -> list[int]:
     return offsets
 
 
+def padded_rows(head_sizes, divisor: int) -> int:
+    """Rows of a PLE table: the sum of its head primes padded to the divisor."""
+    return -(-sum(head_sizes) // divisor) * divisor
+
+
 def ple_table_rows(args: ModelArgs, ple_index: int) -> int:
-    """Rows of one PLE layer's runtime table: sum of head primes padded to the divisor."""
-    total = sum(ple_head_vocab_sizes(args, ple_index))
-    divisor = args.make_ngram_vocab_size_divisible_by
-    return -(-total // divisor) * divisor
+    return padded_rows(ple_head_vocab_sizes(args, ple_index), args.make_ngram_vocab_size_divisible_by)
+
+
+def ple_constants(args: ModelArgs, ple_index: int) -> dict:
+    """The PLE constant tensors a checkpoint carries for one PLE layer (checkpoint_keys'
+    PLE_CONSTANT_NAMES), as derived from the config; conversion and sanitize check them."""
+    sizes = ple_head_vocab_sizes(args, ple_index)
+    return {
+        "layer_multipliers": ple_layer_multipliers(args, ple_index),
+        "ngram_heads_vocab_sizes": sizes,
+        "ngram_heads_offsets": ple_head_offsets(sizes),
+    }
 
 
 def ple_row_width(args: ModelArgs) -> int:

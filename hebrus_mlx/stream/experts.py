@@ -9,62 +9,14 @@ construction; the engine itself knows nothing of the store format.
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 
+from ..admission import admit
+from ..artifact.expert_major import ExpertMajorReader
+from ..artifact.manifest import Manifest
 from .engine import P1, StreamEngine
-
-GIB = 1 << 30
-
-
-def available_memory() -> int:
-    """Bytes the OS reports as available (Linux MemAvailable; elsewhere the
-    physical size, which the reserve has to cover)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def plan_experts(
-    store_bytes: int,
-    record_bytes: int,
-    available: int,
-    reserve: int,
-    expert_cache_gb: Optional[float] = None,
-    min_rows: int = 1,
-) -> Optional[int]:
-    """Resident or streamed: None keeps every expert resident (the store
-    fits in ``available - reserve`` and no cache size was forced); otherwise
-    the number of arena rows to stream through. ``expert_cache_gb`` (the
-    ``--expert-cache-gb`` flag) overrides the decision. Raises ValueError
-    naming the field when the budget cannot hold ``min_rows`` records (one
-    layer's top-k for the largest token chunk)."""
-    if expert_cache_gb is None:
-        budget = available - reserve
-        if store_bytes <= budget:
-            return None
-        field = "available memory"
-    else:
-        if not expert_cache_gb > 0:
-            raise ValueError(f"expert_cache_gb: must be > 0, got {expert_cache_gb}")
-        budget = int(expert_cache_gb * GIB)
-        field = "expert_cache_gb"
-    rows = min(budget // record_bytes, store_bytes // record_bytes)
-    if rows < min_rows:
-        raise ValueError(
-            f"{field}: {budget / GIB:.2f} GiB holds {max(rows, 0)} expert records of "
-            f"{record_bytes} bytes, need at least {min_rows}"
-        )
-    return int(rows)
-
 
 # Store dtypes -> MLX; uint16 parts are bf16 bit patterns (artifact convention).
 _MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
@@ -129,31 +81,22 @@ class StreamedExperts:
         return max(1, self.rows // self.top_k)
 
     @classmethod
-    def from_artifact(cls, artifact: str, rows: int, threads: int = 8,
+    def from_artifact(cls, artifact: Union[str, Manifest], rows: int, threads: int = 8,
                       prefetch_previous: bool = True,
                       dtype=mx.float32,
                       engine: Optional[StreamEngine] = None) -> "StreamedExperts":
-        """Open an admitted artifact's expert store and stream it through a
-        ``rows``-record arena (see :func:`plan_experts`). ``engine``: share
-        one (e.g. with streamed PLE pages); by default a new one."""
-        from ..artifact import constants as C
-        from ..artifact.errors import ArtifactError
-        from ..artifact.expert_major import ExpertMajorReader
-
-        with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
-            m = json.loads(f.read())
-        s = next((s for s in m["stores"] if s["role"] == "experts"), None)
-        if s is None:
-            raise ArtifactError("stores", 'no store with role "experts"')
-        reader = ExpertMajorReader(
-            os.path.join(artifact, s["path"]), C.family(m["family"]), s["codec"]
-        )
+        """Open an artifact's expert store (``artifact``: the admitted
+        manifest, or a directory, which is admitted first) and stream it
+        through a ``rows``-record arena (see ``loading.plan.plan_experts``).
+        ``engine``: share one (e.g. with streamed PLE pages); by default a
+        new one."""
+        m = artifact if isinstance(artifact, Manifest) else admit(artifact)  # admission: exactly one expert store
+        reader = ExpertMajorReader(m.file(m.experts), m.family, m.experts.codec)
         owned = None
         try:
             # The arena is the cache; the slab budget only backs copying ops.
             if engine is None:
-                engine = owned = StreamEngine(
-                    cache_bytes=reader.geometry.record_stride, threads=threads)
+                engine = owned = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
             return cls(engine, reader, rows, prefetch_previous, dtype)
         except BaseException:
             if owned is not None:

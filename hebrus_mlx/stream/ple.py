@@ -9,57 +9,23 @@ the token's graph is still being built (exact lookahead) - then
 
     attach_ple(model, artifact)   # every PLE layer of the model
 
-``load(..., ple_cache_gb=...)`` (or the automatic plan, :func:`plan_ple`,
+``load(..., ple_cache_gb=...)`` (or the automatic plan, ``loading.plan.plan_ple``,
 when the tables do not fit memory) does this at load time: the page stores
 are then never read into memory.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..admission import admit
+from ..artifact import constants as C
+from ..artifact.manifest import Manifest
+from ..artifact.ple_pages import PleReader
 from .engine import P0, StreamEngine
-
-GIB = 1 << 30
-
-
-def plan_ple(
-    table_bytes: int,
-    page_bytes: int,
-    num_pages: int,
-    available: int,
-    reserve: int,
-    ple_cache_gb: Optional[float] = None,
-) -> Optional[int]:
-    """Resident or streamed PLE tables: None keeps them resident (their
-    in-memory ``table_bytes`` fit in ``available - reserve`` and no cache
-    size was forced); otherwise the slab-cache bytes to stream the pages
-    through (whole pages, at most ``num_pages``). ``ple_cache_gb`` (the
-    ``--ple-cache-gb`` flag) forces streaming. gather_rows works in waves, so
-    one page is enough for correctness; fewer raises ValueError naming the
-    field."""
-    if ple_cache_gb is None:
-        budget = available - reserve
-        if table_bytes <= budget:
-            return None
-        field = "available memory"
-    else:
-        if not ple_cache_gb > 0:
-            raise ValueError(f"ple_cache_gb: must be > 0, got {ple_cache_gb}")
-        budget = int(ple_cache_gb * GIB)
-        field = "ple_cache_gb"
-    pages = min(budget // page_bytes, num_pages)
-    if pages < 1:
-        raise ValueError(
-            f"{field}: {budget / GIB:.4f} GiB holds no {page_bytes}-byte PLE page"
-        )
-    return int(pages * page_bytes)
-
 
 class StreamedNGramTable(nn.Module):
     """Args:
@@ -71,8 +37,6 @@ class StreamedNGramTable(nn.Module):
 
     def __init__(self, engine: StreamEngine, reader, dtype=mx.float32):
         super().__init__()
-        from ..artifact import constants as C
-
         g = reader.geometry
         self._engine = engine
         store = engine.add_store(reader.path, reader.payload_sha.hex())
@@ -101,25 +65,23 @@ class StreamedNGramTable(nn.Module):
         return out if self.dtype is None else out.astype(self.dtype)
 
 
-def attach_ple(model, artifact: str, engine: Optional[StreamEngine] = None,
+def attach_ple(model, artifact: Union[str, Manifest], engine: Optional[StreamEngine] = None,
                dtype=mx.float32, threads: int = 2) -> StreamEngine:
     """Swap the resident table of every PLE layer for a streamed one over
-    the artifact's page stores. Returns the engine (counters)."""
-    from ..artifact import constants as C
-    from ..artifact.ple_pages import PleReader
-
-    with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
-        m = json.loads(f.read())
-    fam = C.family(m["family"])
-    stores = [s for s in m["stores"] if s["role"] == "ple"]
-    readers = [PleReader(os.path.join(artifact, s["path"]), fam, s["codec"]) for s in stores]
+    the artifact's page stores (``artifact``: the admitted manifest, or a
+    directory, which is admitted first). Returns the engine (counters)."""
+    m = artifact if isinstance(artifact, Manifest) else admit(artifact)
+    stores = m.ple
+    readers = []
     try:
+        for s in stores:
+            readers.append(PleReader(m.file(s), m.family, s.codec))
         if engine is None:
             # Room for one call's distinct pages of every table at once.
             page = max(r.geometry.page_stride for r in readers)
             engine = StreamEngine(cache_bytes=256 * page, threads=threads)
         for s, r in zip(stores, readers):
-            emb = model.model.layers[s["layer"]].ple.ple_embedding
+            emb = model.model.layers[s.layer].ple.ple_embedding
             emb.ngram_embedding = StreamedNGramTable(engine, r, dtype)
     finally:
         for r in readers:

@@ -13,8 +13,9 @@ Wiring into a model (SparseMoE-style modules expose ``switch_mlp``)::
     attach([layer.mlp for layer in model.model.layers], experts)
 
 With ``experts.prefetch_previous`` (default on) each layer issues the
-previous token's top-k for itself as P1 when the layer starts: the decoder
-layer passes its input through :meth:`StreamedSwitchGLU.layer_start`, which
+previous token's top-k for itself as P1 when the layer starts: the model
+passes each layer's input through :meth:`StreamedSwitchGLU.layer_start`
+(via ``Model.streaming``, :class:`~hebrus_mlx.stream.streaming.Streaming`), which
 makes the layer's first op depend on the hint, so the reads overlap the
 layer's attention/GDN work that precedes the router. That is the
 zero-training lookahead control (AFN-019) a real predictor has to beat.
@@ -27,7 +28,7 @@ distinct expert of the chunk is pinned at once).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,11 +89,15 @@ class StreamedSwitchGLU(nn.Module):
         return self._experts.engine.release_after(y.squeeze(-2), lease)
 
 
-def attach(moe_modules: Sequence[nn.Module], experts: StreamedExperts) -> None:
-    """Replace ``switch_mlp`` of each layer's MoE module (index = layer)."""
+def attach(moe_modules: Sequence[nn.Module], experts: StreamedExperts) -> List[StreamedSwitchGLU]:
+    """Replace ``switch_mlp`` of each layer's MoE module (index = layer);
+    returns the new modules (their ``layer_start`` hooks, in layer order)."""
     if len(moe_modules) != experts.num_layers:
         raise ValueError(
             f"moe_modules: {len(moe_modules)} layers, store has {experts.num_layers}"
         )
+    switches = []
     for layer, moe in enumerate(moe_modules):
         moe.switch_mlp = StreamedSwitchGLU(experts, layer)
+        switches.append(moe.switch_mlp)
+    return switches

@@ -25,6 +25,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..errors import HebrusError
+
 DATA = "DATA"
 TRUSTED_CONTROL = "TRUSTED_CONTROL"
 
@@ -34,8 +36,10 @@ MEDIA_PART_TYPES = ("image", "image_url", "input_image", "video", "video_url", "
 QWEN_TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen_chat_template.jinja"
 
 
-class ChatError(ValueError):
+class ChatError(HebrusError, ValueError):
     """A request the renderer refuses; nothing is rendered."""
+
+    default_field = "messages"
 
 
 class MediaPartError(ChatError):

@@ -15,14 +15,17 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 from tokenizers import Tokenizer
 
+from ..errors import HebrusError
 from .chat import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
 
 # Tokens that end a chat turn or a document when the tokenizer defines them.
 STOP_TOKEN_STRINGS = ("<|endoftext|>", "<|im_end|>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(HebrusError, ValueError):
     """Bad tokenizer files or arguments."""
+
+    default_field = "tokenizer"
 
 
 class TokenIdError(TokenizerError):
@@ -212,34 +215,57 @@ def _segment_pieces(segments) -> List[Tuple[str, str]]:
 @dataclass
 class _Files:
     tokenizer_json: Path
+    tokenizer_bytes: bytes
     tokenizer_config: Optional[dict]
     generation_config: Optional[dict]
     chat_template: Optional[str]
 
 
-def _read_json(path: Path) -> Optional[dict]:
-    if not path.is_file():
+def _reader(model_dir: Path, sources):
+    """name -> bytes or None: from `sources` (the digest-checked bytes admission read) when given,
+    else from the directory."""
+    if sources is not None:
+        return sources.get
+
+    def read(name):
+        path = model_dir / name
+        if not path.is_file():
+            return None
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise TokenizerError(f"{path}: cannot read ({e})") from None
+
+    return read
+
+
+def _read_json(data: Optional[bytes], path: Path) -> Optional[dict]:
+    if data is None:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerError(f"{path}: cannot read JSON ({e})") from None
     if not isinstance(doc, dict):
         raise TokenizerError(f"{path}: expected a JSON object")
     return doc
 
 
-def _find_files(model_dir: Path) -> _Files:
+def _find_files(model_dir: Path, sources=None) -> _Files:
+    read = _reader(model_dir, sources)
     tj = model_dir / "tokenizer.json"
-    if not tj.is_file():
+    tokenizer_bytes = read(tj.name)
+    if tokenizer_bytes is None:
         raise TokenizerError(f"no tokenizer in {model_dir}: looked for {tj.name}")
-    tcfg = _read_json(model_dir / "tokenizer_config.json")
-    gcfg = _read_json(model_dir / "generation_config.json")
+    tcfg = _read_json(read("tokenizer_config.json"), model_dir / "tokenizer_config.json")
+    gcfg = _read_json(read("generation_config.json"), model_dir / "generation_config.json")
     template = None
-    tfile = model_dir / "chat_template.jinja"
-    if tfile.is_file():
-        template = tfile.read_text(encoding="utf-8")
+    tbytes = read("chat_template.jinja")
+    if tbytes is not None:
+        try:
+            template = tbytes.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{model_dir / 'chat_template.jinja'}: not UTF-8 ({e})") from None
     elif tcfg is not None and tcfg.get("chat_template") is not None:
         template = tcfg["chat_template"]
         if isinstance(template, list):
@@ -248,7 +274,7 @@ def _find_files(model_dir: Path) -> _Files:
             template = named.get("default")
         if not isinstance(template, str):
             raise TokenizerError(f"{model_dir / 'tokenizer_config.json'}: chat_template has no default string")
-    return _Files(tj, tcfg, gcfg, template)
+    return _Files(tj, tokenizer_bytes, tcfg, gcfg, template)
 
 
 def _eos_ids(gcfg: Optional[dict], where: Path) -> List[int]:
@@ -273,15 +299,17 @@ def _special_tokens_map(tcfg: Optional[dict]) -> dict:
     return out
 
 
-def load_tokenizer(model_dir, physical_vocab_size: int) -> TextTokenizer:
-    """Load tokenizer.json, tokenizer_config.json, chat template and generation_config.json."""
+def load_tokenizer(model_dir, physical_vocab_size: int, sources=None) -> TextTokenizer:
+    """Load tokenizer.json, tokenizer_config.json, chat template and generation_config.json.
+    `sources` ({file name: bytes}, e.g. an admitted artifact's `Manifest.sources`): use exactly
+    these bytes instead of reading the files again."""
     model_dir = Path(model_dir)
-    files = _find_files(model_dir)
+    files = _find_files(model_dir, sources)
     # Small files are checked before the large one is loaded.
     eos = _eos_ids(files.generation_config, model_dir / "generation_config.json")
     special = _special_tokens_map(files.tokenizer_config)
     try:
-        tok = Tokenizer.from_file(str(files.tokenizer_json))
+        tok = Tokenizer.from_str(files.tokenizer_bytes.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise TokenizerError(f"{files.tokenizer_json}: cannot load ({e})") from None
     return TextTokenizer(tok, physical_vocab_size, eos_token_ids=eos, chat_template=files.chat_template,

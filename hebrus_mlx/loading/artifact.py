@@ -16,8 +16,7 @@ asks for it, :func:`plan_ple_residency`), served from the page stores by
 ``StreamedNGramTable`` through the same engine as streamed experts.
 """
 
-import json
-import os
+import hashlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,13 +25,21 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import admission
-from ..models.qwen4exp import Model, ModelArgs
-from . import constants as C
-from . import manifest as M
-from .errors import AdmissionError, DigestError, GeometryError
-from . import expert_major as em
-from .expert_major import ExpertMajorReader
-from .ple_pages import PleReader
+from ..artifact import constants as C
+from ..artifact import expert_major as em
+from ..artifact.errors import AdmissionError, DigestError, GeometryError
+from ..artifact.expert_major import ExpertMajorReader
+from ..artifact.manifest import Manifest
+from ..artifact.ple_pages import PleReader
+from ..errors import UsageError
+from ..models.qwen4exp import Model
+from ..stream.engine import StreamEngine
+from ..stream.experts import StreamedExperts
+from ..stream.ple import attach_ple
+from ..stream.streaming import Streaming
+from ..stream.switch import attach
+from . import plan
+from .plan import RESERVE_BYTES
 
 
 def _quant_params(codec_name):
@@ -40,33 +47,33 @@ def _quant_params(codec_name):
     return {"group_size": c.group_size, "bits": c.bits, "mode": "affine"}
 
 
-def quantization_plan(m):
+def quantization_plan(m: Manifest):
     """{module path: to_quantized kwargs} of every layer the manifest says is
     affine: dense tensors by their recorded codec, routed experts by the
     expert store's codec."""
-    plan = {}
-    for name, rec in m["tensors"].items():
+    plan_ = {}
+    for name, rec in m.tensors.items():
         if C.codec(rec["codec"]).affine and name.endswith(".weight"):
-            plan[name[: -len(".weight")]] = _quant_params(rec["codec"])
-    expert_codec = m["codecs"]["experts"]
+            plan_[name[: -len(".weight")]] = _quant_params(rec["codec"])
+    expert_codec = m.codecs["experts"]
     if C.codec(expert_codec).affine:
-        for layer in range(m["model_constants"]["num_hidden_layers"]):
+        for layer in range(m.family.num_hidden_layers):
             for comp in ("gate_proj", "up_proj", "down_proj"):
-                plan[f"model.layers.{layer}.mlp.switch_mlp.{comp}"] = _quant_params(expert_codec)
-    return plan
+                plan_[f"model.layers.{layer}.mlp.switch_mlp.{comp}"] = _quant_params(expert_codec)
+    return plan_
 
 
-def _quantize(model, plan):
+def _quantize(model, plan_):
     done = set()
 
     def predicate(path, module):
-        if path in plan:
+        if path in plan_:
             done.add(path)
-            return plan[path]
+            return plan_[path]
         return False
 
     nn.quantize(model, class_predicate=predicate)
-    missing = sorted(set(plan) - done)
+    missing = sorted(set(plan_) - done)
     if missing:
         raise GeometryError(f"manifest.tensors.{missing[0]}.weight", "no quantizable layer at this path")
 
@@ -78,28 +85,28 @@ def _to_mx(a):
     return mx.array(a)
 
 
-def _store(m, role):
-    return [s for s in m["stores"] if s["role"] == role]
-
-
-def _dense(artifact, m):
-    s = _store(m, "dense")[0]
-    path = os.path.join(artifact, s["path"])
-    # Admission checked this file's metadata, not its bytes; it is read whole
-    # anyway, so its digest is checked before use.
-    if M.sha256_file(path) != s["sha256"]:
-        raise DigestError(f"stores.{s['path']}.sha256", "dense store digest mismatch")
-    weights = mx.load(path)
-    if set(weights) != set(m["tensors"]):
+def _dense(m: Manifest):
+    s = m.dense
+    # Admission checked this file's metadata, not its bytes. It is read whole anyway: hashed and
+    # loaded through one open descriptor, so the bytes loaded are the bytes whose digest matched.
+    with open(m.file(s), "rb") as f:
+        digest = hashlib.sha256()
+        while b := f.read(8 << 20):
+            digest.update(b)
+        if digest.hexdigest() != s.sha256:
+            raise DigestError(f"stores.{s.path}.sha256", "dense store digest mismatch")
+        f.seek(0)
+        weights = mx.load(f, format="safetensors")
+    if set(weights) != set(m.tensors):
         raise AdmissionError("tensors", "dense file changed after admission")
     return weights
 
 
-def _experts(artifact, m, fam):
+def _experts(m: Manifest):
     """Runtime SwitchGLU tensors: [E, rows, cols] per component and part."""
-    s = _store(m, "experts")[0]
+    s, fam = m.experts, m.family
     out = {}
-    with ExpertMajorReader(os.path.join(artifact, s["path"]), fam, s["codec"]) as r:
+    with ExpertMajorReader(m.file(s), fam, s.codec) as r:
         layout = r.geometry.layout
         for layer in range(fam.num_hidden_layers):
             stacks = {(comp, part): np.empty((fam.num_experts,) + shape, dtype)
@@ -113,11 +120,11 @@ def _experts(artifact, m, fam):
     return out
 
 
-def _ple(artifact, m, fam):
+def _ple(m: Manifest):
     """Resident PLE tables: every page read through its digest check."""
     out = {}
-    for s in _store(m, "ple"):
-        with PleReader(os.path.join(artifact, s["path"]), fam, s["codec"]) as r:
+    for s in m.ple:
+        with PleReader(m.file(s), m.family, s.codec) as r:
             g = r.geometry
             raw = np.empty((g.total_rows, g.row_bytes), np.uint8)
             for page in range(g.num_pages):
@@ -126,47 +133,37 @@ def _ple(artifact, m, fam):
                 data = r.read_page(page)
                 raw[first : first + n] = np.frombuffer(data, np.uint8, n * g.row_bytes, C.PLE_PAGE_HEADER_BYTES).reshape(n, -1)
             table = raw.view(np.uint16 if g.codec.name == "bf16" else np.float32)
-        out[f"model.layers.{s['layer']}.ple.ple_embedding.ngram_embedding.weight"] = _to_mx(table)
+        out[f"model.layers.{s.layer}.ple.ple_embedding.ngram_embedding.weight"] = _to_mx(table)
     return out
 
 
-# Kept free for activations, KV/recurrent state and the OS, besides the
-# resident dense and PLE bytes: 2 GiB is a few prefill chunks of the full
-# family's activations plus headroom.
-RESERVE_BYTES = 2 << 30
+def _store_bytes(m: Manifest, roles):
+    return sum(s.size for s in m.stores if s.role in roles)
 
 
-def _other_bytes(artifact, m, roles):
-    return sum(os.path.getsize(os.path.join(artifact, t["path"])) for t in m["stores"] if t["role"] in roles)
-
-
-def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
+def plan_ple_residency(m: Manifest, dtype=mx.float32, ple_cache_gb=None):
     """None: load the PLE tables resident; otherwise the engine slab-cache
     bytes to stream their pages through. From file metadata only: the tables'
     in-memory size (bf16 rows widened to fp32 when ``dtype`` is float32)
     against available memory minus ``RESERVE_BYTES`` and the dense store;
     ``ple_cache_gb`` forces streaming with that cache."""
-    from ..stream import experts as SE
-    from ..stream.ple import plan_ple
-
-    stores = _store(m, "ple")
-    if not stores:
+    if not m.ple:
         if ple_cache_gb is not None:
-            raise ValueError("ple_cache_gb: this artifact has no PLE tables")
+            raise UsageError("ple_cache_gb", "this artifact has no PLE tables")
         return None
     wide = dtype is not None and dtype == mx.float32
     table = pages = page = 0
-    for s in stores:
-        with PleReader(os.path.join(artifact, s["path"]), fam, s["codec"]) as r:
+    for s in m.ple:
+        with PleReader(m.file(s), m.family, s.codec) as r:
             g = r.geometry
             table += g.total_rows * g.row_bytes * (2 if wide and g.codec.name == "bf16" else 1)
             pages += g.num_pages
             page = max(page, g.page_stride)
-    return plan_ple(table, page, pages, SE.available_memory(),
-                    RESERVE_BYTES + _other_bytes(artifact, m, ("dense",)), ple_cache_gb)
+    return plan.plan_ple(table, page, pages, plan.available_memory(),
+                         RESERVE_BYTES + _store_bytes(m, ("dense",)), ple_cache_gb)
 
 
-def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None):
+def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None):
     """None: load the routed experts resident; otherwise the number of arena
     rows to stream them through. From file metadata only (no expert byte is
     read): the experts' in-memory size (bf16 parts widened to fp32 when
@@ -175,19 +172,17 @@ def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=No
     ``ple_cache_bytes`` says PLE streams); ``expert_cache_gb`` forces
     streaming with that cache. At least top-k rows (one decode token of one
     layer)."""
-    from ..stream import experts as SE
-
-    s = _store(m, "experts")[0]
+    fam = m.family
     wide = dtype is not None and dtype == mx.float32
-    layout = em.record_layout(fam, s["codec"])
+    layout = em.record_layout(fam, m.experts.codec)
     record = sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in layout)
     count = fam.num_hidden_layers * fam.num_experts
     if ple_cache_bytes is None:
-        resident_other = _other_bytes(artifact, m, ("dense", "ple"))
+        resident_other = _store_bytes(m, ("dense", "ple"))
     else:
-        resident_other = _other_bytes(artifact, m, ("dense",)) + ple_cache_bytes
-    return SE.plan_experts(
-        count * record, record, SE.available_memory(), RESERVE_BYTES + resident_other,
+        resident_other = _store_bytes(m, ("dense",)) + ple_cache_bytes
+    return plan.plan_experts(
+        count * record, record, plan.available_memory(), RESERVE_BYTES + resident_other,
         expert_cache_gb, min_rows=fam.num_experts_per_tok,
     )
 
@@ -200,42 +195,39 @@ def _ple_keys(model):
     return {k for k, _ in tree_flatten(model.parameters()) if ".ple.ple_embedding.ngram_embedding." in k}
 
 
-def _attach_ple(artifact, m, model, engine, dtype):
+def _attach_ple(m: Manifest, model, engine, dtype):
     """Swap every PLE table for a StreamedNGramTable over its page store;
     the parameters removed must be exactly the tables the resident path
     would load."""
-    from ..stream.ple import attach_ple
-
     before = _ple_keys(model)
-    attach_ple(model, artifact, engine, dtype)
+    attach_ple(model, m, engine, dtype)
     replaced = before - _ple_keys(model)
-    want = {f"model.layers.{s['layer']}.ple.ple_embedding.ngram_embedding.weight" for s in _store(m, "ple")}
+    want = {f"model.layers.{s.layer}.ple.ple_embedding.ngram_embedding.weight" for s in m.ple}
     if replaced != want or _ple_keys(model):
         raise GeometryError("ple", f"streamed PLE replaced {len(replaced)} tables, the artifact holds {len(want)}")
 
 
-def _attach_streamed(artifact, m, fam, model, rows, dtype, engine):
+def _attach_streamed(m: Manifest, model, rows, dtype, engine):
     """Swap every switch_mlp for a StreamedSwitchGLU over a ``rows``-record
     arena; the parameters removed must be exactly the routed-expert tensors
     the resident path would load from the store's layout."""
-    from ..stream.experts import StreamedExperts
-    from ..stream.switch import attach
-
-    experts = StreamedExperts.from_artifact(artifact, rows, dtype=dtype, engine=engine)
+    fam = m.family
+    experts = StreamedExperts.from_artifact(m, rows, dtype=dtype, engine=engine)
     before = _routed_expert_keys(model)
-    attach([layer.mlp for layer in model.model.layers], experts)
+    switches = attach([layer.mlp for layer in model.model.layers], experts)
     replaced = before - _routed_expert_keys(model)
-    layout = em.record_layout(fam, _store(m, "experts")[0]["codec"])
+    layout = em.record_layout(fam, m.experts.codec)
     want = {f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}"
             for layer in range(fam.num_hidden_layers) for comp, part, *_ in layout}
     if replaced != want or _routed_expert_keys(model):
         raise GeometryError("experts", f"streamed experts replaced {len(replaced)} tensors, "
                             f"the store holds {len(want)}")
-    return experts
+    return experts, switches
 
 
 def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None) -> Model:
-    """Admit `path`, then build and fill the graph.
+    """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
+    admitted manifest (manifest.json and config.json are not read again).
 
     dtype: float tensors (dense floats, f32/bf16 experts, PLE rows) are cast
     to it; None keeps the stored dtype. Affine weights stay packed; their
@@ -244,55 +236,45 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     make a quantized embedding emit bf16 activations, ~0.5% off).
 
     expert_cache_gb: stream the routed experts through a cache of this size
-    instead of deciding from available memory (:func:`plan_expert_residency`).
-    Streamed, the expert store is never read into memory; ``model.stream_experts``
-    is the :class:`~hebrus_mlx.stream.experts.StreamedExperts` (engine,
-    counters), None when resident.
-
-    ple_cache_gb: stream the PLE tables' pages through an engine cache of
-    this size instead of deciding from available memory
-    (:func:`plan_ple_residency`); the page stores are then never read into
-    memory. Streamed experts and PLE share one engine, ``model.stream_engine``
-    (None when everything is resident). Only the streamed parameters are
+    instead of deciding from available memory (:func:`plan_expert_residency`);
+    the expert store is then never read into memory. ple_cache_gb: the same
+    for the PLE tables' pages (:func:`plan_ple_residency`). Streamed experts
+    and PLE share one engine; ``model.streaming`` is the
+    :class:`~hebrus_mlx.stream.streaming.Streaming` (engine, experts),
+    None when everything is resident. Only the streamed parameters are
     left out of the strict weight load.
     """
-    artifact = str(Path(path))
-    admission.admit(artifact)  # raises before anything below allocates
-    with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
-        m = json.loads(f.read())
-    with open(os.path.join(artifact, "config.json"), "rb") as f:
-        config = json.loads(f.read())
-    fam = C.family(m["family"])
-    plan = quantization_plan(m)
-    ple_cache = plan_ple_residency(artifact, m, fam, dtype, ple_cache_gb)
-    rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb, ple_cache)
+    # Admission raises before anything below allocates.
+    m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
+    plan_ = quantization_plan(m)
+    ple_cache = plan_ple_residency(m, dtype, ple_cache_gb)
+    rows = plan_expert_residency(m, dtype, expert_cache_gb, ple_cache)
     if rows is not None and dtype is not None and dtype != mx.float32:
-        raise ValueError(f"dtype: streamed experts run in float32 or the stored dtype (None), got {dtype}")
+        raise UsageError("dtype", f"streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
     # Built whole (expert modules quantized too) so the parameters a streamed
     # switch_mlp replaces are exactly the resident ones; the replaced
     # modules' lazy initial values are never evaluated.
-    model = Model(ModelArgs.from_dict(config))
-    if plan:
-        _quantize(model, plan)
+    model = Model(m.args)
+    if plan_:
+        _quantize(model, plan_)
     experts = engine = None
+    switches = ()
     if rows is not None or ple_cache is not None:
-        from ..stream.engine import StreamEngine
-
         # One engine: PLE pages in its slab cache, experts in their arena
         # (the slab budget's record backs the copying ops).
-        record = sum(n for *_, n in em.record_layout(fam, _store(m, "experts")[0]["codec"]))
+        record = sum(n for *_, n in em.record_layout(m.family, m.experts.codec))
         engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8)
     try:
         if rows is not None:
-            experts = _attach_streamed(artifact, m, fam, model, rows, dtype, engine)
+            experts, switches = _attach_streamed(m, model, rows, dtype, engine)
         if ple_cache is not None:
-            _attach_ple(artifact, m, model, engine, dtype)
-        weights = _dense(artifact, m)
+            _attach_ple(m, model, engine, dtype)
+        weights = _dense(m)
         if experts is None:
-            weights.update(_experts(artifact, m, fam))
+            weights.update(_experts(m))
         if ple_cache is None:
-            weights.update(_ple(artifact, m, fam))
+            weights.update(_ple(m))
         if dtype is not None:
             weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
         model.load_weights(list(weights.items()), strict=True)
@@ -302,6 +284,6 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         raise
     mx.eval(model.parameters())
     model.eval()
-    model.stream_experts = experts
-    model.stream_engine = engine
+    if engine is not None:
+        model.streaming = Streaming(engine, experts, switches)
     return model

@@ -1,0 +1,27 @@
+"""The product's typed errors: one base class for every failure caused by input (an artifact's
+bytes, a config, a tokenizer, a prompt, a flag) rather than by a bug.
+
+Each error names the field that failed (`field`, a dotted name such as ``ple.rows`` or
+``--max-tokens``) and says why (`message`); the CLI prints exactly ``field: message`` as one line
+and exits 2. Anything that is not a HebrusError is a bug and propagates with its traceback.
+No imports: CPU-only admission (AFN-004) uses this module.
+"""
+
+
+class HebrusError(Exception):
+    """``HebrusError(field, message)``; ``Subclass(message)`` takes the class's `default_field`."""
+
+    default_field = "input"
+
+    def __init__(self, field: str, message: str = None):
+        if message is None:
+            field, message = self.default_field, field
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class UsageError(HebrusError, ValueError):
+    """A bad command-line or API argument; `field` names the flag or parameter."""
+
+    default_field = "arguments"

@@ -1,0 +1,71 @@
+"""Resident or streamed: the one memory planner for routed experts and PLE pages.
+
+No MLX: it works from byte counts (file metadata) and the memory the OS reports.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..errors import UsageError
+
+GIB = 1 << 30
+
+# Kept free for activations, KV/recurrent state and the OS, besides the resident dense and PLE
+# bytes: 2 GiB is a few prefill chunks of the full family's activations plus headroom.
+RESERVE_BYTES = 2 << 30
+
+
+def available_memory() -> int:
+    """Bytes the OS reports as available (Linux MemAvailable; elsewhere the
+    physical size, which the reserve has to cover)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_stream(resident_bytes: int, unit_bytes: int, units: int, available: int, reserve: int,
+                cache_gb: Optional[float], cache_field: str, what: str, min_units: int = 1) -> Optional[int]:
+    """None keeps the data resident (its in-memory ``resident_bytes`` fit in ``available - reserve``
+    and no cache size was forced); otherwise how many ``unit_bytes`` units (records, pages) to
+    stream through, at most ``units``. ``cache_gb`` (a ``--*-cache-gb`` flag, named by
+    ``cache_field``) forces streaming with that budget. A budget below ``min_units`` units is a
+    UsageError naming the field."""
+    if cache_gb is None:
+        budget = available - reserve
+        if resident_bytes <= budget:
+            return None
+        field = "available memory"
+    else:
+        if not cache_gb > 0:
+            raise UsageError(cache_field, f"must be > 0, got {cache_gb}")
+        budget = int(cache_gb * GIB)
+        field = cache_field
+    n = min(budget // unit_bytes, units)
+    if n < min_units:
+        raise UsageError(field, f"{budget / GIB:.4f} GiB holds {max(n, 0)} {what} of {unit_bytes} bytes, "
+                                f"need at least {min_units}")
+    return int(n)
+
+
+def plan_experts(store_bytes: int, record_bytes: int, available: int, reserve: int,
+                 expert_cache_gb: Optional[float] = None, min_rows: int = 1) -> Optional[int]:
+    """None (resident) or the arena rows to stream routed experts through; at least ``min_rows``
+    (one layer's top-k for the largest token chunk)."""
+    return plan_stream(store_bytes, record_bytes, store_bytes // record_bytes, available, reserve,
+                       expert_cache_gb, "expert_cache_gb", "expert records", min_rows)
+
+
+def plan_ple(table_bytes: int, page_bytes: int, num_pages: int, available: int, reserve: int,
+             ple_cache_gb: Optional[float] = None) -> Optional[int]:
+    """None (resident) or the slab-cache bytes (whole pages) to stream PLE pages through;
+    gather_rows works in waves, so one page is enough for correctness."""
+    pages = plan_stream(table_bytes, page_bytes, num_pages, available, reserve,
+                        ple_cache_gb, "ple_cache_gb", "PLE pages")
+    return None if pages is None else pages * page_bytes

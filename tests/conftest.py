@@ -1,0 +1,1 @@
+import families  # noqa: F401  (registers the test checkpoints' family descriptors)
