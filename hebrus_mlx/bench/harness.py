@@ -242,6 +242,8 @@ def run_once(model, tokenizer, prompt: List[int], n: int, gen_kwargs: dict, reco
     out.update(io_metrics(before, after, len(tokens) - 1, record_bytes))
     if eng is not None:
         out["cache_bytes"] = eng.memory()["capacity"]
+        experts = model.streaming.experts
+        out["arena_rows"] = None if experts is None else experts.rows
     if trace and eng is not None:
         events, _ = eng.trace_events(clear=True)
         eng.enable_trace(0)

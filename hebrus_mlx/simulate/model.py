@@ -143,10 +143,12 @@ class Replay:
         return float(self.demand_misses.sum() + self.predicted_reads.sum())
 
 
-def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off") -> Replay:
+def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off",
+                         warm: Optional[np.ndarray] = None) -> Replay:
     """Replay [T, L, k] routes through an LRU arena of `capacity` records; with
     prefetch="previous" each layer first hints the previous token's top-k (loaded as predicted
-    reads, LRU-touched), as StreamedSwitchGLU.layer_start does."""
+    reads, LRU-touched), as StreamedSwitchGLU.layer_start does. `warm` [T0, L, k] routes run
+    first and are not counted (earlier runs and the prompt: the arena persists between them)."""
     if prefetch not in PREFETCH:
         raise UsageError("prefetch", f"unknown {prefetch!r}; this model knows {', '.join(PREFETCH)}")
     t, L, k = topk.shape
@@ -156,8 +158,10 @@ def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, pref
     demand = np.zeros(L)
     used = np.zeros(L)
     reads = np.zeros(L)
-    ids = topk.astype(np.int64).tolist()
-    for i in range(t):
+    t0 = 0 if warm is None else len(warm)
+    ids = (topk if warm is None else np.concatenate([warm, topk])).astype(np.int64).tolist()
+    for i in range(len(ids)):
+        count = i >= t0
         for l in range(L):
             base = l * num_experts
             pending = set()
@@ -171,16 +175,16 @@ def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, pref
                             cache.popitem(last=False)
                         cache[x] = None
                         pending.add(x)
-                        reads[l] += 1
+                        reads[l] += count
             for e in ids[i][l]:
                 x = base + e
                 if x in cache:
                     if x in pending:
-                        used[l] += 1
+                        used[l] += count
                         pending.discard(x)
                     cache.move_to_end(x)
                 else:
-                    demand[l] += 1
+                    demand[l] += count
                     if len(cache) >= capacity:
                         cache.popitem(last=False)
                     cache[x] = None
@@ -188,23 +192,28 @@ def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, pref
     return Replay(t, demand / n, used / n, reads / n, L * k)
 
 
-def replay(topk: np.ndarray, num_experts: int, capacity: int, policy: str = "lru", prefetch: str = "off") -> Replay:
-    """Demand paging through cachesim for any policy; the arena replay for a prediction."""
+def replay(topk: np.ndarray, num_experts: int, capacity: int, policy: str = "lru", prefetch: str = "off",
+           warm: Optional[np.ndarray] = None) -> Replay:
+    """Demand paging through cachesim for any policy; the arena replay for a prediction. `warm`
+    routes run first, uncounted (for online policies hits(warm + trace) - hits(warm) are the
+    trace's own hits; for Belady, a bound anyway, it is the same subtraction)."""
     if prefetch != "off":
         if policy != "lru":
             raise UsageError("policy", f"prefetch={prefetch} is modelled with the engine's LRU arena only")
-        return replay_with_prefetch(topk, num_experts, capacity, prefetch)
+        return replay_with_prefetch(topk, num_experts, capacity, prefetch, warm)
     t, L, k = topk.shape
     if capacity < k:
         raise UsageError("cache", f"{capacity} records is fewer than top_k={k}")
     if policy not in cachesim.POLICIES:
         raise UsageError("policy", f"unknown {policy!r}; choose from {', '.join(cachesim.POLICIES)}")
-    stream = cachesim.access_stream(topk, num_experts)
-    # cachesim counts totals; run it once and spread misses evenly over layers (the timing model is
-    # per layer, and with demand paging the misses of one token are summed anyway).
-    r = cachesim.simulate(policy, stream, capacity)
-    misses = np.full(L, r.misses / L / max(t, 1))
-    return Replay(t, misses, np.zeros(L), np.zeros(L), L * k)
+    full = topk if warm is None else np.concatenate([warm, topk])
+    misses = cachesim.simulate(policy, cachesim.access_stream(full, num_experts), capacity).misses
+    if warm is not None and len(warm):
+        misses -= cachesim.simulate(policy, cachesim.access_stream(warm, num_experts), capacity).misses
+    # cachesim counts totals: spread them over the layers (the timing model sums layers anyway,
+    # only the per-layer queue depth sees the spread).
+    per_layer = np.full(L, misses / L / max(t, 1))
+    return Replay(t, per_layer, np.zeros(L), np.zeros(L), L * k)
 
 
 def union_factor(topk: np.ndarray, depth: int) -> float:
@@ -278,7 +287,8 @@ def capacity_of(cache_gb: float, geom: ModelGeometry) -> int:
 
 def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Sequence[float],
           policies: Sequence[str] = ("lru",), prefetches: Sequence[str] = PREFETCH,
-          draft_depths: Sequence[int] = (0,), acceptance: float = 0.0) -> List[Projection]:
+          draft_depths: Sequence[int] = (0,), acceptance: float = 0.0,
+          warm: Optional[np.ndarray] = None) -> List[Projection]:
     """Every configuration (cache size x policy x prefetch x draft depth); the replay of each
     (cache, policy, prefetch) is shared by the draft depths."""
     out = []
@@ -289,7 +299,7 @@ def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Se
             for pf in prefetches:
                 if pf != "off" and pol != "lru":
                     continue
-                rep = replay(topk, geom.num_experts, cap, pol, pf)
+                rep = replay(topk, geom.num_experts, cap, pol, pf, warm)
                 for d in draft_depths:
                     out.append(project(machine, geom, rep, cache_gb=gb, capacity=cap, policy=pol, prefetch=pf,
                                        draft_depth=d, acceptance=acceptance if d else 0.0, union=unions[d]))
@@ -300,3 +310,28 @@ def best(projections: Sequence[Projection], exclude_bounds: bool = True) -> Proj
     """The fastest real configuration (Belady needs the future: a bound, never a recommendation)."""
     cands = [p for p in projections if not (exclude_bounds and p.policy == "belady")]
     return max(cands, key=lambda p: p.tok_s)
+
+
+def synthetic_routes(tokens: int, num_layers: int, num_experts: int, top_k: int, reuse: float, skew: float,
+                     seed: int = 0) -> np.ndarray:
+    """[T, L, k] stand-in routes for a model whose trace we do not have: each layer keeps each of
+    the previous token's experts with probability `reuse` and draws the rest from a popularity
+    with weights (rank + 1) ** -skew (a permutation per layer). Only for projections that say so."""
+    rng = np.random.default_rng(seed)
+    pop = (np.arange(num_experts) + 1.0) ** -skew
+    pop /= pop.sum()
+    perms = [rng.permutation(num_experts) for _ in range(num_layers)]
+    out = np.zeros((tokens, num_layers, top_k), np.int64)
+    for l in range(num_layers):
+        prev = None
+        for t in range(tokens):
+            keep = [] if prev is None else [e for e in prev if rng.random() < reuse]
+            chosen = set(keep)
+            while len(chosen) < top_k:
+                for e in perms[l][rng.choice(num_experts, top_k, p=pop)]:
+                    if len(chosen) < top_k:
+                        chosen.add(int(e))
+            row = list(chosen)
+            out[t, l] = row
+            prev = row
+    return out
