@@ -127,6 +127,7 @@ class Replay:
     predicted_used: np.ndarray  # [L] predicted reads that the layer then used, per token
     predicted_reads: np.ndarray  # [L] predicted reads issued, per token
     accesses: int  # exact accesses per token
+    prefetch_lookups: float = 0.0  # hinted records looked up per token
 
     @property
     def hit_rate(self) -> float:
@@ -138,6 +139,15 @@ class Replay:
         """Exact misses a prediction had already issued (upper bound on what prefetch hides)."""
         miss = float(self.demand_misses.sum() + self.predicted_used.sum())
         return float(self.predicted_used.sum()) / miss if miss else 0.0
+
+    @property
+    def engine_hit_rate(self) -> float:
+        """The hit rate as the engine counts it: a prediction's own lookups count too (a hinted
+        record already cached is a hit), so with prefetch on it is not `hit_rate`."""
+        a = self.accesses
+        p = self.prefetch_lookups
+        served = a - float(self.demand_misses.sum()) + p - float(self.predicted_reads.sum())
+        return served / (a + p) if a + p else 0.0
 
     def reads_per_token(self) -> float:
         return float(self.demand_misses.sum() + self.predicted_reads.sum())
@@ -189,7 +199,8 @@ def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, pref
                         cache.popitem(last=False)
                     cache[x] = None
     n = max(t, 1)
-    return Replay(t, demand / n, used / n, reads / n, L * k)
+    hinted = L * k * (t - (1 if t0 == 0 else 0)) / n if prefetch == "previous" else 0.0
+    return Replay(t, demand / n, used / n, reads / n, L * k, hinted)
 
 
 def replay(topk: np.ndarray, num_experts: int, capacity: int, policy: str = "lru", prefetch: str = "off",
