@@ -255,10 +255,11 @@ def run_once(model, tokenizer, prompt: List[int], n: int, gen_kwargs: dict, reco
 
 
 def timeline(events, stamps_ns: List[int], t0_ns: int) -> List[dict]:
-    """Per generated token: wall time, exposed I/O wait and bytes read inside it (engine trace)."""
+    """Per decode token (the first token's interval is the prefill, left out): wall time, exposed
+    I/O wait and bytes read inside it (engine trace)."""
     rows = []
-    prev = t0_ns
-    for i, end in enumerate(stamps_ns):
+    prev = stamps_ns[0] if stamps_ns else t0_ns
+    for i, end in enumerate(stamps_ns[1:], start=1):
         w = events[(events["kind"] == "wait") & (events["end_ns"] > prev) & (events["issue_ns"] < end)]
         wait = sum(min(e, end) - max(b, prev) for b, e in zip(w["issue_ns"].tolist(), w["end_ns"].tolist()))
         rd = events[(events["kind"] == "read") & (events["end_ns"] > prev) & (events["end_ns"] <= end)]

@@ -120,10 +120,10 @@ def plot(result: dict, path) -> None:
             line, = ax.plot(x, wall, lw=1, label=f"{t['config']}: token wall time")
             ax.fill_between(x, 0, wait, alpha=0.35, color=line.get_color(),
                             label=f"{t['config']}: exposed I/O wait")
-        ax.set_xlabel("generated token")
+        ax.set_xlabel("decode token (after the first)")
         ax.set_ylabel("ms")
         ax.set_title("per-token compute vs exposed I/O (engine trace)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="upper right")
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.png")
