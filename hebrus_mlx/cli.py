@@ -9,6 +9,7 @@ VERBS = {
     "admit": "hebrus_mlx.admission",
     "verify": "hebrus_mlx.verify",
     "server": "hebrus_mlx.server",
+    "chat": "hebrus_mlx.chat",
 }
 
 
