@@ -226,6 +226,13 @@ class Job:
     events: Any  # asyncio.Queue, filled from the worker thread
     cancel: threading.Event = field(default_factory=threading.Event)
     usage: Usage = field(default_factory=lambda: Usage(0, 0))
+    generation: Optional[int] = None  # the engine generation its expert tickets carry
+    finished: bool = False
+
+
+# Expert tickets of server requests carry this owner and one generation per request, so a
+# cancelled request's pending reads can be failed at once (StreamEngine.advance_generation).
+TICKET_OWNER = 0x5E4E
 
 
 class Worker:
@@ -237,6 +244,8 @@ class Worker:
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.model = self.tokenizer = None
         self.busy = False
+        self._switches = []
+        self._generation = 0
         self._ready = threading.Event()
         self._load_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, args=(load,), name="hebrus-worker", daemon=True)
@@ -252,6 +261,10 @@ class Worker:
     def _run(self, load):
         try:
             self.model, self.tokenizer = load()
+            if getattr(self.model, "stream_experts", None) is not None:
+                from .stream.switch import StreamedSwitchGLU
+
+                self._switches = [m for _, m in self.model.named_modules() if isinstance(m, StreamedSwitchGLU)]
         except BaseException as e:  # reported by the constructor on the caller's thread
             self._load_error = e
             self._ready.set()
@@ -267,20 +280,35 @@ class Worker:
             try:
                 self._generate(job)
             except (StreamError, gen.GenerationError, ValueError) as e:
-                self._emit(job, ("error", e))
+                if job.cancel.is_set():  # its tickets were failed on purpose
+                    log.info("cancelled request stopped: %s: %s", type(e).__name__, e)
+                else:
+                    self._emit(job, ("error", e))
             except Exception as e:  # never a traceback to the client; one log line here
                 log.error("generation failed: %s: %s", type(e).__name__, e)
                 self._emit(job, ("error", e))
             finally:
+                self._drain(job)
                 self.busy = False
-                self._drain()
 
-    def _drain(self):
+    def _drain(self, job: Job):
         # A closed generator leaves its queued step in flight; finishing it here returns every
-        # expert lease it holds before the next job starts.
+        # expert lease it holds before the next job starts. If the job was cancelled that step
+        # fails on its stale tickets, as intended; its state is discarded with the job's cache.
         import mlx.core as mx
 
-        mx.synchronize()
+        try:
+            mx.synchronize()
+        except Exception as e:
+            if job.cancel.is_set():
+                log.info("cancelled request's last step: %s", e)
+            else:
+                log.error("draining the last step failed: %s: %s", type(e).__name__, e)
+        # The P1 hint of the next step hangs on this job's last routes, which may come from a
+        # step that failed (cancelled tickets): the next job must not evaluate them. (Another
+        # conversation's routes are a poor hint anyway.)
+        for m in self._switches:
+            m.forget_routes()
 
     @staticmethod
     def _emit(job: Job, event):
@@ -290,6 +318,11 @@ class Worker:
         import mlx.core as mx
 
         s = job.sampling
+        if self._switches:
+            self._generation += 1
+            job.generation = self._generation
+            for m in self._switches:  # read when each step's graph is built
+                m.owner, m.generation = TICKET_OWNER, job.generation
         if s.seed is not None:
             mx.random.seed(s.seed)
         sampler = make_sampler(self.tokenizer.effective_vocab_size, temp=s.temperature, top_p=s.top_p,
@@ -302,6 +335,14 @@ class Worker:
             self._emit(job, ("text", r.text))
         if not job.cancel.is_set():
             self._emit(job, ("done", finish or "stop"))
+
+    def cancel(self, job: Job):
+        """From any thread: stop `job` (queued or running) and fail its pending expert reads, so
+        a step blocked on the SSD ends now instead of after its reads."""
+        job.cancel.set()
+        engine = getattr(getattr(self.model, "stream_experts", None), "engine", None)
+        if job.generation is not None and not job.finished and engine is not None:
+            engine.advance_generation(TICKET_OWNER, job.generation + 1)
 
     def stop(self):
         self.jobs.put(None)
@@ -472,11 +513,13 @@ class App:
                         log.info("client disconnected: request cancelled")
                         return
                     continue
-                yield event
                 if event[0] in ("done", "error"):
+                    job.finished = True
+                yield event
+                if job.finished:
                     return
         finally:
-            job.cancel.set()
+            self.worker.cancel(job)
 
     async def _respond(self, request, job: Job, chat: bool, parse_tools: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)

@@ -44,6 +44,7 @@ def _proc(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +283,59 @@ def test_parse_tool_calls_as_template_writes_them():
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     # Not a call: stays text.
     assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
+
+
+def test_cancel_fails_pending_expert_tickets(reference):
+    """AFN-019: cancelling a running request fails its pending expert reads at once (a step
+    blocked on the SSD does not finish first); nothing stays pinned or open and the next request
+    gives the in-process reference text. Reads are held so the step is provably blocked."""
+    import asyncio
+
+    from hebrus_mlx import load
+    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+    from test_stream_model import _testing_experts
+
+    tok, run = reference
+
+    def load_streamed():
+        model, t = load("demo")
+        _testing_experts(model, 26)  # 26 of 512 records: every step misses
+        return model, t
+
+    worker = Worker(load_streamed, 1 << 30, ServerDefaults())
+    eng = worker.model.stream_engine or worker.model.stream_experts.engine
+    sampling = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False)
+    ids = tok.encode("def main():\n")
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        job = Job(ids, sampling, 500, loop, asyncio.Queue())
+        worker.jobs.put(job)
+        assert (await asyncio.wait_for(job.events.get(), 30))[0] == "text"
+        eng.hold(True)  # the next miss blocks its step
+        await asyncio.sleep(0.3)
+        before = eng.counters()["stale_tickets"]
+        worker.cancel(job)
+        stale = eng.counters()["stale_tickets"] - before
+        eng.hold(False)
+        for _ in range(400):
+            if not worker.busy:
+                break
+            await asyncio.sleep(0.05)
+        nxt = Job(ids, sampling, 8, loop, asyncio.Queue())
+        worker.jobs.put(nxt)
+        text = ""
+        while True:
+            kind, value = await asyncio.wait_for(nxt.events.get(), 30)
+            if kind != "text":
+                assert kind == "done", value
+                return stale, text
+            text += value
+
+    try:
+        stale, text = asyncio.run(scenario())
+    finally:
+        worker.stop()
+    assert stale > 0
+    assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
+    assert text == run(ids, 8)[0]
