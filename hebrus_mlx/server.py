@@ -576,7 +576,7 @@ class App:
             text += extra
             finish = "tool_calls" if calls else (state["finish"] or "stop")
             if chat:
-                msg = {"role": "assistant", "content": text}
+                msg = {"role": "assistant", "content": text.strip() if calls else text}
                 if calls:
                     msg["tool_calls"] = calls
                 choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
