@@ -12,6 +12,7 @@ import sys
 
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import make_sampler
+from .server import USED, refuse_unused, share_generate_flags
 from .stream.errors import StreamError
 from .text.chat import ChatError
 from .text.tokenizer import TokenizerError
@@ -26,9 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = gen._Parser(prog="hebrus-mlx chat", description="Chat with a hebrus-mlx model in the terminal.",
                     conflict_handler="resolve")
     # generate's model, cache and sampling flags (incl. --system-prompt), so the verbs cannot drift.
-    for action in gen.build_parser()._actions:
-        if action.dest not in _NOT_SHARED:
-            p._add_action(action)
+    p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--verbose", type=gen._str2bool, default=True, help="print a stats line after each reply")
     p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
                    help="byte limit of cached prefix snapshots (0: prefill the whole conversation every turn)")
@@ -49,6 +48,7 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         gen._check_args(args)
+        refuse_unused(args, parser.shared, USED | {"system_prompt"}, "chat")
         if args.prompt_cache_bytes < 0:
             raise gen._UsageError(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
         if args.max_kv_size is not None:

@@ -641,16 +641,33 @@ def _as_request_error(e) -> RequestError:
 
 
 # generate's flags that describe the model, its caches and sampling defaults; taken from its parser
-# so the two verbs cannot drift (flags added there, e.g. a draft model, appear here too).
+# so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
+# until this verb uses it (never silently ignored).
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
+USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
+        "expert_cache_gb", "ple_cache_gb"}
+
+
+def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
+    """Add generate's flags (but `exclude`) to `p`; returns the added actions."""
+    added = []
+    for action in gen.build_parser()._actions:
+        if action.dest not in exclude:
+            p._add_action(action)
+            added.append(action)
+    return added
+
+
+def refuse_unused(args, actions, used, verb):
+    for a in actions:
+        if a.dest not in used and getattr(args, a.dest) != a.default:
+            raise gen._UsageError(f"{a.option_strings[0]} is not supported by `hebrus-mlx {verb}` yet")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = gen._Parser(prog="hebrus-mlx server", description="OpenAI-compatible HTTP server (like mlx_lm.server).",
                     conflict_handler="resolve")
-    for action in gen.build_parser()._actions:
-        if action.dest not in _NOT_SHARED:
-            p._add_action(action)
+    p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on start)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -667,6 +684,7 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         gen._check_args(args)
+        refuse_unused(args, parser.shared, USED, "server")
         if not 0 <= args.port <= 65535:
             raise gen._UsageError(f"--port must be in [0, 65535], got {args.port}")
         if args.prompt_cache_bytes < 0:
@@ -680,8 +698,14 @@ def main(argv=None) -> int:
                                   max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size)
         if args.max_kv_size is not None:
             raise gen._UsageError("--max-kv-size: this model does not support a rotating KV cache")
-        worker = Worker(lambda: gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb),
-                        args.prompt_cache_bytes, defaults)
+        def load():
+            if args.seed is not None:  # on the worker thread, which samples
+                import mlx.core as mx
+
+                mx.random.seed(args.seed)
+            return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+
+        worker = Worker(load, args.prompt_cache_bytes, defaults)
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, args.port))

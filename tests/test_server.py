@@ -405,3 +405,30 @@ def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
         srv.should_exit = True
         th.join(10)
         worker.jobs.put(None)
+
+
+def test_cli_flags(monkeypatch, capsys):
+    """Binds 127.0.0.1 by default; bad flags exit 2 with one line; a flag generate gains (e.g. a
+    draft model on another branch) is shared but refused until the server uses it."""
+    import importlib
+
+    srv = importlib.import_module("hebrus_mlx.server")
+    gen = importlib.import_module("hebrus_mlx.generate")
+    args = srv.build_parser().parse_args([])
+    assert (args.host, args.model, args.max_tokens) == ("127.0.0.1", "demo", 512)
+    for argv, flag in [(["--port", "70000"], "--port"), (["--temp", "-1"], "--temp"),
+                       (["--prompt-cache-bytes", "-5"], "--prompt-cache-bytes"), (["--max-kv-size", "64"], "--max-kv-size")]:
+        assert srv.main(argv) == 2
+        err = capsys.readouterr().err
+        assert flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    original = gen.build_parser
+
+    def with_draft():
+        p = original()
+        p.add_argument("--draft-model", default=None)
+        return p
+
+    monkeypatch.setattr(gen, "build_parser", with_draft)
+    assert "--draft-model" in srv.build_parser().format_help()
+    assert srv.main(["--draft-model", "x"]) == 2
+    assert "--draft-model is not supported by `hebrus-mlx server` yet" in capsys.readouterr().err
