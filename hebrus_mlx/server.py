@@ -22,6 +22,7 @@ import hmac
 import importlib
 import json
 import logging
+import math
 import queue
 import re
 import secrets
@@ -86,8 +87,8 @@ def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
         v = body.get(name)
         if v is None:
             return default
-        if not _is_number(v):
-            raise RequestError(f"{name} must be a number, got {json.dumps(v)}", name)
+        if not _is_number(v) or not math.isfinite(v):
+            raise RequestError(f"{name} must be a finite number, got {json.dumps(v)}", name)
         return float(v)
 
     def integer(name, default):
