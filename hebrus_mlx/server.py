@@ -571,7 +571,7 @@ class App:
                         text += take(event)
                         if state["finish"] is not None:
                             break
-            except (StreamError, gen.GenerationError, ValueError) as e:
+            except Exception as e:
                 raise _as_request_error(e) from None
             extra, calls = tool_calls()
             text += extra
@@ -607,7 +607,7 @@ class App:
                             yield chunk({"content": out} if chat else out)
                         if state["finish"] is not None:
                             break
-            except (StreamError, gen.GenerationError, ValueError) as e:
+            except Exception as e:  # the response has started: an error event, never a traceback
                 err = _as_request_error(e)
                 log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
                 yield "data: " + json.dumps(_error_body(err)) + "\n\n"
@@ -633,9 +633,12 @@ def _param_of(e) -> Optional[str]:
 
 
 def _as_request_error(e) -> RequestError:
-    if isinstance(e, StreamError):
-        return RequestError(f"{type(e).__name__}: {e}", None, 500, "server_error")
-    return RequestError(str(e))
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, (gen.GenerationError, ChatError, TokenizerError)):
+        return RequestError(str(e))
+    # A streamed read that failed (StreamError) or anything unexpected: the request was fine.
+    return RequestError(f"{type(e).__name__}: {e}", None, 500, "server_error")
 
 
 # -- command line ---------------------------------------------------------------------------------

@@ -328,23 +328,33 @@ def test_cancel_fails_pending_expert_tickets(reference):
             if not worker.busy:
                 break
             await asyncio.sleep(0.05)
-        nxt = Job(ids, sampling, 8, loop, asyncio.Queue())
-        worker.jobs.put(nxt)
-        text = ""
-        while True:
-            kind, value = await asyncio.wait_for(nxt.events.get(), 30)
-            if kind != "text":
-                assert kind == "done", value
-                return stale, text
-            text += value
+        async def complete(prompt):
+            job = Job(prompt, sampling, 8, loop, asyncio.Queue())
+            worker.jobs.put(job)
+            text = ""
+            while True:
+                kind, value = await asyncio.wait_for(job.events.get(), 30)
+                if kind != "text":
+                    return kind, value, text
+                text += value
+
+        after_cancel = await complete(ids)
+        # An SSD read error is that request's typed error; the next one is unaffected.
+        eng.inject_fault("eio", 1)
+        failed = await complete(tok.encode("class Reader:\n"))
+        after_fault = await complete(ids)
+        return stale, after_cancel, failed, after_fault
 
     try:
-        stale, text = asyncio.run(scenario())
+        stale, after_cancel, failed, after_fault = asyncio.run(scenario())
     finally:
         worker.stop()
     assert stale > 0
     assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
-    assert text == run(ids, 8)[0]
+    want = run(ids, 8)[0]
+    assert after_cancel[:2] == ("done", "length") and after_cancel[2] == want
+    assert failed[0] == "error" and type(failed[1]).__name__ == "StreamIOError"
+    assert after_fault[:2] == ("done", "length") and after_fault[2] == want
 
 
 def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
