@@ -236,6 +236,18 @@ def test_disconnect_cancels_and_next_request_is_unaffected(server, client, refer
     assert h["stream"] == {"tickets": 0, "pinned_slots": 0}
     r = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == want
+    # Non-streamed too: the server notices the closed connection while it waits for tokens.
+    s = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
+    body = json.dumps({"prompt": "def main():", "max_tokens": 3000}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 20
+    while not _health(server)["busy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    s.close()
+    tic = time.monotonic()
+    assert _idle(server)["stream"] == {"tickets": 0, "pinned_slots": 0} and time.monotonic() - tic < 10
 
 
 def test_concurrent_requests_queue(client, reference):
