@@ -504,22 +504,29 @@ class App:
     # Generation -----------------------------------------------------------------------------
     async def _events(self, request, job: Job):
         """Queue the job and yield its events; a disconnect (or the consumer closing) cancels it."""
+
+        async def watch():
+            # The body is read: the next ASGI message is the disconnect (as Starlette's
+            # StreamingResponse listens for it); it wakes the consumer below.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            log.info("client disconnected: request cancelled")
+            job.events.put_nowait(("disconnected", None))
+
+        watcher = asyncio.create_task(watch())
         self.worker.jobs.put(job)
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        log.info("client disconnected: request cancelled")
-                        return
-                    continue
+                event = await job.events.get()
+                if event[0] == "disconnected":
+                    return
                 if event[0] in ("done", "error"):
                     job.finished = True
                 yield event
                 if job.finished:
                     return
         finally:
+            watcher.cancel()
             self.worker.cancel(job)
 
     async def _respond(self, request, job: Job, chat: bool, parse_tools: bool):

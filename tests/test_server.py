@@ -237,6 +237,7 @@ def test_disconnect_cancels_and_next_request_is_unaffected(server, client, refer
     r = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == want
     # Non-streamed too: the server notices the closed connection while it waits for tokens.
+    _idle(server)
     s = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
     body = json.dumps({"prompt": "def main():", "max_tokens": 3000}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
