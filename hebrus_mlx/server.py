@@ -5,8 +5,9 @@ and `stream_options.include_usage`), GET /v1/models, GET /health. Starlette on u
 
 One worker thread owns the model (MLX streams belong to the thread that built the graph, and the
 streaming extension's ops too): requests queue in FIFO order and run one at a time. A client that
-disconnects cancels its request, queued or running; the running step is drained so no expert
-ticket stays pinned, and the next request starts from clean state. Prompts reuse the longest
+disconnects cancels its request, queued or running: its pending expert reads fail at once (one
+engine generation per request), the last queued step is drained so no ticket stays pinned, and
+the next request starts from clean state. Batched decode is not implemented. Prompts reuse the longest
 cached prefix (`PromptCache`, exact prefixes only; see prompt_cache.py).
 
 Chat provenance (AFN-006): messages are rendered by the checkpoint's template and tokenized by
