@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     else:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
-        _, ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
                            min_p=args.min_p, top_k=args.top_k)
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
