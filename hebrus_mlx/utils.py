@@ -100,5 +100,6 @@ def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache
 
     path = resolve_model_path(path_or_name)
     model = load_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    model.source_path = path  # route traces pin the artifact by its digest
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size)
     return model, tokenizer
