@@ -368,6 +368,10 @@ def test_scores_and_history_controls():
     assert r["prev_token"][1, 0, :2].tolist() == [3, 1] and r["prev_token"][2, 0, :2].tolist() == [0, 2]
     assert r["lru"][2, 0, :2].tolist() in ([0, 2], [2, 0]) and r["lru"][2, 0, 2] in (1, 3)
     assert r["frequency"][0, 0].tolist() == [0, 1, 2, 3]  # nothing seen yet: ties by ID
+    # token_frequency: counts per fed token ID (online here): token 7 was fed with {3, 1} before.
+    r = history_rankings([(np.array([7, 8, 7]), seq)], 1, 4, 4)
+    assert sorted(r["token_frequency"][2, 0, :2].tolist()) == [1, 3]
+    assert r["token_frequency"][1, 0].tolist() == r["frequency"][1, 0].tolist()  # token 8 unseen
 
 
 def _opt_hits(stream, cap):

@@ -9,8 +9,8 @@ train split, epoch chosen on validation, scored on test at the same candidate bu
 
 - `history` (token-start deadline, before layer 0): the fed token's ID embedding and the previous
   token's routes in every layer (multi-hot). Same deadline as the frequency/LRU/prev_token controls.
-- `feature` (one layer ahead): layer l-1's router input (exported with --trace-features 1) plus the
-  previous token's layer-l route, predicting layer l for l >= 1. Same deadline as router_reuse_1;
+- `feature` (one layer ahead): layer l-1's router input (exported with --trace-features 1), the
+  fed token's ID embedding and the previous token's layer-l route, predicting layer l for l >= 1. Same deadline as router_reuse_1;
   hc_mix_reuse runs later (at layer l's start) and is reported beside it.
 
 --controls takes `traces eval OUT --split test --model M --json F`; the script then says, per
@@ -101,7 +101,7 @@ def train(mode, data, E, L, budgets, epochs, seed, vocab):
     torch.manual_seed(seed)
     layers = list(range(L)) if mode == "history" else list(range(1, L))
     tr, va, te = (examples(data[s], mode, E, layers) for s in ("train", "validation", "test"))
-    model = Predictor(tr[0].shape[1], L, E, vocab=vocab if mode == "history" else None)
+    model = Predictor(tr[0].shape[1], L, E, vocab=vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     n = len(tr[0])
     best, best_state, log = -1.0, None, []
@@ -119,8 +119,8 @@ def train(mode, data, E, L, budgets, epochs, seed, vocab):
         model.eval()
         with torch.no_grad():
             m = metrics(model(*va[:3]), va[3], budgets, va[1], L)
-        log.append({"epoch": ep + 1, "loss": float(loss), "val_recall@k": m["recall"][budgets[0]]})
-        print(f"  {mode} epoch {ep + 1}: loss {float(loss):.4f} validation recall@{budgets[0]} {m['recall'][budgets[0]]:.3f}")
+        log.append({"epoch": ep + 1, "loss": loss.item(), "val_recall@k": m["recall"][budgets[0]]})
+        print(f"  {mode} epoch {ep + 1}: loss {loss.item():.4f} validation recall@{budgets[0]} {m['recall'][budgets[0]]:.3f}")
         if m["recall"][budgets[0]] > best:
             best, best_state = m["recall"][budgets[0]], {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(best_state)
@@ -172,8 +172,8 @@ def main():
     controls = json.loads(Path(args.controls).read_text())["controls"] if args.controls else {}
     out = {"rows": {s: int(len(data[s]["token_ids"])) for s in data}, "budgets": budgets, "predictors": {}}
     modes = ["history"] + (["feature"] if "router_inputs" in data["train"] else [])
-    same_deadline = {"history": ["random", "frequency", "lru", "prev_token"],
-                     "feature": ["random", "frequency", "lru", "prev_token", "router_reuse_1"]}
+    same_deadline = {"history": ["random", "frequency", "lru", "prev_token", "token_frequency"],
+                     "feature": ["random", "frequency", "lru", "prev_token", "token_frequency", "router_reuse_1"]}
     for mode in modes:
         res = train(mode, data, E, L, budgets, args.epochs, args.seed, vocab=int(max(d["token_ids"].max() for d in data.values())) + 1)
         print(f"{mode} predictor ({res['params']} params, {res['train_rows']} train examples), test split: "

@@ -11,6 +11,8 @@ Controls (histories reset at each sequence start, where every control falls back
 - random: a uniformly random ranking per row (seeded);
 - frequency: experts by selection count per layer, fit on the export's train split (a trace dir
   has no split: counts accumulate online over the tokens already seen);
+- token_frequency: experts by selection count per (fed token ID, layer), then frequency; fit on
+  train like frequency (online for a trace dir). The token ID is known before layer 0;
 - lru: experts by how recently the layer selected them in this sequence, then frequency;
 - prev_token: the previous token's same-layer top-k in rank order, then frequency;
 - router_reuse_1 / router_reuse_2: layer l's native router applied to layer l-1's / l-2's router
@@ -29,12 +31,12 @@ import numpy as np
 from .cachesim import POLICIES, sweep
 from .schema import TraceError
 
-HISTORY = ("random", "frequency", "lru", "prev_token")
+HISTORY = ("random", "frequency", "token_frequency", "lru", "prev_token")
 REUSE = ("router_reuse_1", "router_reuse_2", "hc_mix_reuse")
 
 
 def load_source(source, split: str = "test"):
-    """(identity, eval sequences [(token_ids, topk_ids)], train topk_ids or None, description)."""
+    """(identity, eval sequences [(token_ids, topk_ids)], train (token_ids, topk_ids) or None, description)."""
     from .export import read_export
     from .shards import read_trace
 
@@ -49,8 +51,8 @@ def load_source(source, split: str = "test"):
             sel = d["sequence_ids"] == s
             seqs.append((d["token_ids"][sel], d["topk_ids"][sel].astype(np.int64)))
         train = ex["splits"].get("train")
-        train_ids = train["topk_ids"].astype(np.int64) if train is not None and split != "train" else None
-        return ex["identity"], seqs, train_ids, f"export {p} split {split}"
+        fit = (train["token_ids"], train["topk_ids"].astype(np.int64)) if train is not None and split != "train" else None
+        return ex["identity"], seqs, fit, f"export {p} split {split}"
     ts = read_trace(p)
     seqs = [(s.token_ids, s.topk_ids.astype(np.int64)) for s in ts.sequences]
     return ts.identity, seqs, None, f"trace {p} (all sequences; frequency fit online)"
@@ -63,15 +65,20 @@ def _counts(topk, L, E):
     return c
 
 
-def history_rankings(seqs, L, E, bmax, train_ids=None, seed=0) -> dict:
+def history_rankings(seqs, L, E, bmax, train=None, seed=0) -> dict:
     """{control: [N, L, bmax]} for the history controls over all sequences (in order)."""
     rng = np.random.default_rng(seed)
-    static = _counts(train_ids, L, E) if train_ids is not None else None
+    static = _counts(train[1], L, E) if train is not None else None
     online = np.zeros((L, E), np.int64)
+    per_token = {}
+    if train is not None:
+        for tok in np.unique(train[0]):
+            per_token[int(tok)] = _counts(train[1][train[0] == tok], L, E)
     out = {name: [] for name in HISTORY}
     eidx = np.arange(E)
-    for _, topk in seqs:
+    for token_ids, topk in seqs:
         n = len(topk)
+        tokf_r = np.empty((n, L, bmax), np.int64)
         out["random"].append(np.argsort(rng.random((n, L, E)), axis=-1)[..., :bmax])
         last = np.full((L, E), -1, np.int64)
         freq_r, lru_r, prev_r = (np.empty((n, L, bmax), np.int64) for _ in range(3))
@@ -81,6 +88,11 @@ def history_rankings(seqs, L, E, bmax, train_ids=None, seed=0) -> dict:
             frank = np.empty_like(forder)
             np.put_along_axis(frank, forder, eidx[None].repeat(L, 0), axis=-1)
             freq_r[t] = forder[:, :bmax]
+            tc = per_token.get(int(token_ids[t])) if token_ids is not None else None
+            if tc is None:
+                tokf_r[t] = forder[:, :bmax]
+            else:
+                tokf_r[t] = np.argsort(-(tc * (E + 1) + (E - frank)), axis=-1, kind="stable")[:, :bmax]
             # LRU: most recent first, never-seen experts after them in frequency order.
             key = last * (E + 1) + (E - frank)
             lru_r[t] = np.argsort(-key, axis=-1, kind="stable")[:, :bmax]
@@ -94,8 +106,12 @@ def history_rankings(seqs, L, E, bmax, train_ids=None, seed=0) -> dict:
                 prev_r[t] = np.argsort(-(boost + (E - frank)), axis=-1, kind="stable")[:, :bmax]
             np.put_along_axis(last, topk[t], t, axis=-1)
             if static is None:
-                np.add.at(online, (np.arange(L)[:, None].repeat(topk.shape[2], 1), topk[t]), 1)
+                where = (np.arange(L)[:, None].repeat(topk.shape[2], 1), topk[t])
+                np.add.at(online, where, 1)
+                if token_ids is not None:
+                    np.add.at(per_token.setdefault(int(token_ids[t]), np.zeros((L, E), np.int64)), where, 1)
         out["frequency"].append(freq_r)
+        out["token_frequency"].append(tokf_r)
         out["lru"].append(lru_r)
         out["prev_token"].append(prev_r)
     return {k: np.concatenate(v) for k, v in out.items()}
@@ -177,7 +193,7 @@ def _record_bytes(model_path) -> Optional[int]:
 
 def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache_sim=False,
              cache_sizes=(5, 10, 20, 30, 50), seed=0, json_path=None, plot_path=None) -> dict:
-    ident, seqs, train_ids, desc = load_source(source, split)
+    ident, seqs, train, desc = load_source(source, split)
     L, E, k = ident.num_layers, ident.num_experts, ident.top_k
     budgets = sorted(set(budgets or [k, 2 * k, 4 * k]))
     if max(budgets) > E:
@@ -189,7 +205,7 @@ def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache
             raise TraceError("plot", "needs matplotlib (pip install matplotlib)") from None
     bmax = max(max(budgets), k)
     truth = np.concatenate([t for _, t in seqs])
-    rankings = history_rankings(seqs, L, E, bmax, train_ids, seed)
+    rankings = history_rankings(seqs, L, E, bmax, train, seed)
     record_bytes, parity = None, None
     if model is not None:
         from ..traces.schema import model_identity
