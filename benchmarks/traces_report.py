@@ -94,12 +94,12 @@ def analyze(args):
     run(["traces", "export", str(work / "heldout"), "--out", str(work / "export"), "--split-by", "owner",
          "--fractions", "0.5,0.2,0.3"], log)
     run(["traces", "eval", str(work / "heldout"), "--model", "demo", "--cache-sim",
-         "--json", str(OUT / "traces_eval_all.json"), "--plot", str(OUT / "traces_report.png")], log)
+         "--json", "benchmarks/out/traces_eval_all.json", "--plot", "benchmarks/out/traces_report.png"], log)
     run(["traces", "eval", str(work / "export"), "--split", "test", "--model", "demo",
          "--json", str(work / "eval_test.json")], log)
     t0 = time.time()
     cmd = [sys.executable, "tools/train_route_predictor.py", str(work / "export"), "--controls", str(work / "eval_test.json"),
-           "--json", str(OUT / "traces_predictor.json")]
+           "--json", "benchmarks/out/traces_predictor.json"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     log.append(("python " + " ".join(cmd[1:]), p.returncode, p.stdout + p.stderr, time.time() - t0))
     print(p.stdout, p.stderr)
