@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifact.atomic import publish_dir, publish_file
-from .schema import EXPORT_SCHEMA, EXPORT_SCHEMA_VERSION, KIND_DECODE, Identity, TraceError
+from .schema import EXPORT_SCHEMA, EXPORT_SCHEMA_VERSION, KIND_DECODE, SCHEMA_VERSION, Identity, TraceError
 from .shards import read_trace
 
 SPLITS = ("train", "validation", "test")
@@ -106,7 +106,7 @@ def export(trace_dir, out, *, split_by="sequence", fractions=(0.8, 0.1, 0.1), sh
               "feature_rows": int(sum(len(t.get("feature_rows", ())) for _, t in plan))}
     manifest = {
         "schema": EXPORT_SCHEMA, "schema_version": EXPORT_SCHEMA_VERSION,
-        "trace_schema_version": 1, **{k: v for k, v in ident.to_dict().items()},
+        "trace_schema_version": SCHEMA_VERSION, **{k: v for k, v in ident.to_dict().items()},
         "split_by": split_by, "fractions": list(fractions), "counts": counts, "splits": splits,
         "sequences": table, "id_dtype": id_dtype, "weight_dtype": weight_dtype, "shards": shards,
         "sensitive": "token_ids are reversible to text; handle as the source transcripts",

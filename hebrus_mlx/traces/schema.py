@@ -23,7 +23,6 @@ EXPORT_SCHEMA_VERSION = 1
 
 KIND_PREFILL = 0  # a prompt token consumed by a prefill chunk (teacher-forced)
 KIND_DECODE = 1  # a token fed by the decode loop (the last prompt token, then sampled tokens)
-KINDS = {KIND_PREFILL: "prefill", KIND_DECODE: "decode"}
 
 
 class TraceError(ValueError):
