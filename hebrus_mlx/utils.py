@@ -63,12 +63,16 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
                 raise ValueError(f"tensor {key!r} appears in more than one shard")
             weights[key] = value
     model = Model(args)
+    from .models.mtp import attach_mtp_head, load_mtp_head
+
+    head = load_mtp_head(weights, args, dtype)  # the `mtp.*` tensors the text sanitize excludes
     weights = model.sanitize(weights)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
+    attach_mtp_head(model, head)
     return model
 
 
