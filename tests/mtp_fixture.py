@@ -59,6 +59,19 @@ def mtp_tensors(config: dict, seed: int = 0, layout: str = "unfused", scale: flo
     return out
 
 
+def add_mtp_tensors(d, seed: int = 0, layout: str = "unfused"):
+    """Add a random MTP head to the single-file checkpoint in `d` (written by save_pretrained)."""
+    from safetensors.numpy import load_file, save_file
+
+    with open(os.path.join(d, "config.json")) as f:
+        config = json.load(f)
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    tensors.update(mtp_tensors(config, seed, layout))
+    save_file(tensors, path)
+    return d
+
+
 def mtp_checkpoint(d, name: str = "tiny_a", seed: int = 0, layout: str = "unfused"):
     """Copy parity checkpoint `name` into `d` and add an MTP head to its safetensors."""
     from safetensors.numpy import load_file, save_file

@@ -26,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import admission
+from ..models.mtp import MTPHead, attach_mtp_head
 from ..models.qwen4exp import Model, ModelArgs
 from . import constants as C
 from . import manifest as M
@@ -304,4 +305,32 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     model.eval()
     model.stream_experts = experts
     model.stream_engine = engine
+    attach_mtp_head(model, _mtp_head(artifact, m, model.args, dtype))
     return model
+
+
+def _mtp_head(artifact, m, args, dtype):
+    """The optional MTP head, resident (one layer), built from its store's recorded codecs; None
+    when the artifact has no MTP store."""
+    found = _store(m, "mtp")
+    if not found:
+        return None
+    s = found[0]
+    path = os.path.join(artifact, s["path"])
+    if M.sha256_file(path) != s["sha256"]:
+        raise DigestError(f"stores.{s['path']}.sha256", "MTP store digest mismatch")
+    weights = mx.load(path)
+    if set(weights) != set(s["tensors"]):
+        raise AdmissionError("mtp.tensors", "MTP file changed after admission")
+    head = MTPHead(args)
+    plan = {name[len("mtp."): -len(".weight")]: _quant_params(rec["codec"])
+            for name, rec in s["tensors"].items() if C.codec(rec["codec"]).affine and name.endswith(".weight")}
+    if plan:
+        _quantize(head, plan)
+    weights = {k[len("mtp."):]: v for k, v in weights.items()}
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    head.load_weights(list(weights.items()), strict=True)
+    mx.eval(head.parameters())
+    head.eval()
+    return head
