@@ -46,7 +46,8 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     """Build the graph from an HF checkpoint dir (safetensors) via the explicit key tables.
 
     dtype: floating weights are cast to it (float32 by default: the CPU backend is fastest and
-    parity holds at fp32); None keeps the checkpoint dtype.
+    parity holds at fp32); None keeps the checkpoint dtype. A checkpoint's `mtp.*` head becomes
+    `model.mtp_head` (None without one).
     """
     # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
     from .models.qwen4exp import Model, ModelArgs
