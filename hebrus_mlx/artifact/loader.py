@@ -145,7 +145,7 @@ def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
     """None: load the PLE tables resident; otherwise the engine slab-cache
     bytes to stream their pages through. From file metadata only: the tables'
     in-memory size (bf16 rows widened to fp32 when ``dtype`` is float32)
-    against available memory minus ``RESERVE_BYTES`` and the dense store;
+    against available memory minus ``RESERVE_BYTES`` and the dense (+ MTP head) store;
     ``ple_cache_gb`` forces streaming with that cache."""
     from ..stream import experts as SE
     from ..stream.ple import plan_ple
@@ -164,7 +164,7 @@ def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
             pages += g.num_pages
             page = max(page, g.page_stride)
     return plan_ple(table, page, pages, SE.available_memory(),
-                    RESERVE_BYTES + _other_bytes(artifact, m, ("dense",)), ple_cache_gb)
+                    RESERVE_BYTES + _other_bytes(artifact, m, ("dense", "mtp")), ple_cache_gb)
 
 
 def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None):
@@ -172,7 +172,7 @@ def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=No
     rows to stream them through. From file metadata only (no expert byte is
     read): the experts' in-memory size (bf16 parts widened to fp32 when
     ``dtype`` is float32) against available memory minus ``RESERVE_BYTES``
-    and the dense + PLE store bytes (the PLE cache instead when
+    and the dense + PLE (+ MTP head) store bytes (the PLE cache instead when
     ``ple_cache_bytes`` says PLE streams); ``expert_cache_gb`` forces
     streaming with that cache. At least top-k rows (one decode token of one
     layer)."""
@@ -184,9 +184,9 @@ def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=No
     record = sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in layout)
     count = fam.num_hidden_layers * fam.num_experts
     if ple_cache_bytes is None:
-        resident_other = _other_bytes(artifact, m, ("dense", "ple"))
+        resident_other = _other_bytes(artifact, m, ("dense", "ple", "mtp"))
     else:
-        resident_other = _other_bytes(artifact, m, ("dense",)) + ple_cache_bytes
+        resident_other = _other_bytes(artifact, m, ("dense", "mtp")) + ple_cache_bytes
     return SE.plan_experts(
         count * record, record, SE.available_memory(), RESERVE_BYTES + resident_other,
         expert_cache_gb, min_rows=fam.num_experts_per_tok,
