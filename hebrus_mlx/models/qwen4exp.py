@@ -389,6 +389,8 @@ class QSAAttention(nn.Module):
             first_group, raw = new_groups
             cache.add_block_keys(self.indexer.block_keys(raw, first_group, self.rotary, cache.start_position))
         idx, ok = self.indexer.select(index_q, cache.block_keys_view(), first, cache.length)
+        # A hard selection has no gradient; stopping it lets the graph train (MTP head trainer).
+        idx, ok = mx.stop_gradient(idx), mx.stop_gradient(ok)
         if capture is not None:
             capture.qsa_selected[layer] = (idx, ok)
 
@@ -545,9 +547,10 @@ class SparseMoE(nn.Module):
     def route(self, x):
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         k = self.top_k
-        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        # Indices carry no gradient (as in mlx-lm); stopping them lets the graph train.
+        inds = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
         scores = mx.take_along_axis(probs, inds, axis=-1)
-        order = mx.argsort(-scores, axis=-1)
+        order = mx.stop_gradient(mx.argsort(-scores, axis=-1))
         inds = mx.take_along_axis(inds, order, axis=-1)
         scores = mx.take_along_axis(scores, order, axis=-1)
         if self.norm_topk_prob:
@@ -631,6 +634,9 @@ class TextModel(nn.Module):
 
 
 class Model(nn.Module):
+    # The checkpoint's optional MTP head (models/mtp.py), set by the loaders; not a child module.
+    mtp_head = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
