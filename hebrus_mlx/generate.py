@@ -156,7 +156,9 @@ def generate_step(
 
 def _speculative(prompt, model, drafter, *, max_kv_size, prompt_cache, with_draft_flag=False, **kwargs):
     from .speculative import speculative_generate_step
+    from .speculative.protocol import check_drafter
 
+    check_drafter(drafter)  # names and directories resolve in stream_generate (they need the tokenizer)
     if prompt_cache is None:
         prompt_cache = _make_cache(model, max_kv_size)
     for token, logprobs, from_draft in speculative_generate_step(prompt, model, drafter,

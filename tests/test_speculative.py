@@ -92,6 +92,16 @@ def test_greedy_identical_with_governor_and_draft_model(demo, plain):
     assert got == want and stats.accepted >= 0.9 * stats.drafted
 
 
+def test_generate_step_takes_a_drafter(demo, plain):
+    model, tok = demo
+    ids, want = plain
+    got = [t for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=tok.effective_vocab_size,
+                                       max_tokens=N, draft_model=Perturbed(want), num_draft_tokens=2)]
+    assert got == want
+    with pytest.raises(DrafterError, match="draft_model"):
+        next(generate_step(mx.array(ids), model, effective_vocab_size=tok.effective_vocab_size, draft_model="ngram"))
+
+
 def test_stream_generate_marks_drafted_tokens(demo, plain):
     model, tok = demo
     ids, want = plain
@@ -448,3 +458,41 @@ def test_cli_speculative_stats_and_errors():
                         (("--draft-model", "ngram", "--num-draft-tokens", "0"), "--num-draft-tokens")):
         r = _cli("-p", "x", *args)
         assert r.returncode == 2 and field in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- governor -----------------------------------------------------------------------------------------
+
+
+def _drive(gov, accept_rate, cost, steps=200):
+    """Feed the governor a synthetic world: each drafted position accepted with accept_rate (a fixed
+    pattern, no randomness), a step of B drafts costs cost(B) seconds. Returns the choices after warmup."""
+    choices, credit = [], 0.0
+    for _ in range(steps):
+        b = gov.block_size()
+        a = 0
+        while a < b:
+            credit += accept_rate
+            if credit < 1.0:
+                break
+            credit -= 1.0
+            a += 1
+        gov.observe(b, a, cost(b))
+        choices.append(b)
+    return choices[20:]
+
+
+def test_governor_follows_acceptance_and_cost():
+    from collections import Counter
+
+    from hebrus_mlx.speculative import Governor
+
+    # Cheap verify, drafts always right: the longest block.
+    top = Counter(_drive(Governor(4), 1.0, lambda b: 1.0 + 0.1 * b)).most_common(1)[0][0]
+    assert top == 4
+    # Verify cost grows like the extra unique experts an SSD-bound block reads (~k per drafted
+    # token), acceptance 0.3: tau(B) = 1 + .3 + ... never pays for it, so plain steps.
+    top = Counter(_drive(Governor(4), 0.3, lambda b: 1.0 + 0.9 * b)).most_common(1)[0][0]
+    assert top == 0
+    # In between: depth 2 is the optimum of tau(B) / (1 + 0.2 B) at alpha 0.6 (1.40 vs 1.36 at 3).
+    top = Counter(_drive(Governor(4), 0.6, lambda b: 1.0 + 0.2 * b)).most_common(1)[0][0]
+    assert top == 2

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 
 class Governor:
-    def __init__(self, max_block: int, decay: float = 0.9, explore_every: int = 16, warmup_rounds: int = 2,
-                 alpha_prior: float = 0.5):
+    def __init__(self, max_block: int, decay: float = 0.9, explore_every: int = 16, alpha_prior: float = 0.5):
         self.max_block = max(0, int(max_block))
         self.decay = decay
         self.explore_every = explore_every
@@ -27,7 +26,9 @@ class Governor:
         self.cost: dict[int, float] = {}
         self.seen: dict[int, int] = {}
         self.steps = 0
-        self._warmup = [b for _ in range(warmup_rounds) for b in range(self.max_block, -1, -1)]
+        # Measure the two ends first (a full block, a plain step); lengths between are interpolated
+        # until chosen or explored. Short generations cannot afford a sweep over every length.
+        self._warmup = [self.max_block, 0] if self.max_block > 0 else []
         self._explore = 0
 
     @property

@@ -223,6 +223,8 @@ def speculative_generate_step(
                 raise
             raise typed from e
 
+    if max_tokens == 0:
+        return
     try:
         ids = prompt.astype(mx.int32).tolist()
         history = list(ids)
