@@ -142,8 +142,10 @@ def test_hidden_rows_are_predecessor_states(demo, plain):
     D = model.args.hc_count * model.args.hidden_size
     assert rec.begin_hidden.shape == (len(ids), D)
     np.testing.assert_allclose(np.array(rec.begin_hidden), h[: len(ids)], atol=2e-4)
-    pos = len(ids)  # sequence index of the next committed token
-    for accepted, hid in rec.commits:
+    first, hid0 = rec.commits[0]
+    assert first == want[:1] and hid0.shape == (0, D)  # its predecessor's state came with begin
+    pos = len(ids) + 1  # sequence index of the next committed token
+    for accepted, hid in rec.commits[1:]:
         assert hid.shape == (len(accepted), D)
         # hidden[j] is h at the position of accepted[j]'s predecessor.
         np.testing.assert_allclose(np.array(hid), h[pos - 1: pos - 1 + len(accepted)], atol=2e-4)
@@ -406,11 +408,12 @@ def test_draft_model_gate_names_the_field(demo, tmp_path):
         edit(d)
         return d
 
-    def rename_token(d):
+    def swap_ids(d):  # same token strings, two IDs exchanged (merges stay valid)
         t = json.loads((d / "tokenizer.json").read_text())
         vocab = t["model"]["vocab"]
-        k = next(k for k in vocab if vocab[k] == 300)
-        vocab["renamed_" + k] = vocab.pop(k)
+        a = next(k for k in vocab if vocab[k] == 300)
+        b = next(k for k in vocab if vocab[k] == 301)
+        vocab[a], vocab[b] = 301, 300
         (d / "tokenizer.json").write_text(json.dumps(t))
 
     def wider(d):
@@ -420,10 +423,10 @@ def test_draft_model_gate_names_the_field(demo, tmp_path):
 
     def other_eos(d):
         g = json.loads((d / "generation_config.json").read_text())
-        g["eos_token_id"] = [4096]
+        g["eos_token_id"] = [4096, 4097, 4098]  # one more stop token
         (d / "generation_config.json").write_text(json.dumps(g))
 
-    for name, edit, field in (("vocab", rename_token, "tokenizer.vocab"), ("wide", wider, "vocab_size"),
+    for name, edit, field in (("vocab", swap_ids, "tokenizer.vocab"), ("wide", wider, "vocab_size"),
                               ("eos", other_eos, "stop_token_ids")):
         with pytest.raises(CompatibilityError, match=f"draft_model: {field}"):
             load_draft_model(variant(name, edit), tok, model.args.vocab_size)

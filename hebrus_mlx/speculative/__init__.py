@@ -3,8 +3,9 @@
 
 `DRAFTERS` maps a `--draft-model` name to `factory(model, args) -> Drafter`; any other value is a
 draft model directory. `args` is a DraftArgs. A module that provides a drafter registers it here;
-`mtp` resolves by importing `hebrus_mlx.speculative.mtp`, which must expose
-`make_drafter(model, args) -> Drafter` (raising DrafterError when the target has no MTP head).
+`mtp` resolves by importing `hebrus_mlx.speculative.mtp`, which exposes
+`make_drafter(model, args) -> Drafter` or `MTPDrafter(model, model.mtp_head)`; a missing module or
+head is a DrafterError (one line, exit 2 at the CLI).
 """
 
 from __future__ import annotations
@@ -44,9 +45,17 @@ def _mtp(model, args):
             raise
         raise DrafterError("draft_model: 'mtp' needs hebrus_mlx.speculative.mtp, which this build does not have") from None
     factory = getattr(mod, "make_drafter", None)
+    if factory is None and hasattr(mod, "MTPDrafter"):
+        # The MTP branch's drafter: MTPDrafter(model, model.mtp_head) (the loaders attach the head).
+        factory = lambda m, a: mod.MTPDrafter(m, getattr(m, "mtp_head", None))  # noqa: E731
     if factory is None:
         raise DrafterError("draft_model: hebrus_mlx.speculative.mtp has no make_drafter(model, args)")
-    return factory(model, args)
+    try:
+        return factory(model, args)
+    except DrafterError:
+        raise
+    except ValueError as e:  # e.g. no MTP head in this artifact
+        raise DrafterError(str(e) if str(e).startswith("draft_model") else f"draft_model: mtp: {e}") from None
 
 
 DRAFTERS: Dict[str, Callable[[Any, DraftArgs], Drafter]] = {"ngram": _ngram, "mtp": _mtp}

@@ -11,15 +11,19 @@ decoder layer's output streams before `hyper_connection_mixer`, `[hc_count * hid
 returned by ``Model(..., return_hidden=True)``. The target's logits at t predict token t+1; an MTP
 head predicts token t+2 from ``(h_t, embed(token_{t+1}))``.
 
+Every state is delivered exactly once, in sequence order (state i belongs to sequence position i):
+
 - ``begin(prompt, hidden)``: after the target consumed the whole prompt (L tokens).
-  ``hidden[i] = h_i`` for i in 0..L-1 ([L, D]). So the pairs (h_i, prompt[i+1]) for i < L-1 are known;
-  ``hidden[L-1]`` pairs with the first generated token, which arrives with the first ``commit``.
-- ``commit(accepted, hidden)``: the tokens appended to the sequence this step (the accepted draft
-  prefix plus the target's bonus token, in order; the first commit after ``begin`` is the first
-  generated token alone). ``hidden[j]`` ([len(accepted), D]) is h at the position of the token
-  *preceding* ``accepted[j]``, so ``(hidden[j], accepted[j])`` is exactly one MTP input pair and
-  ``hidden[-1]`` with ``accepted[-1]`` predicts the token after the sequence's last token. For the
-  first commit ``hidden[0]`` is ``begin``'s ``hidden[L-1]`` again.
+  ``hidden[i] = h_i`` for i in 0..L-1 ([L, D]): the pairs (h_i, prompt[i+1]) for i < L-1 are
+  complete; h_{L-1} pairs with the first generated token.
+- ``commit(accepted, hidden)``: the tokens appended to the sequence this step, in order (the accepted
+  draft prefix plus the target's bonus token; the first commit after ``begin`` is the first
+  generated token alone). ``hidden`` holds the states that became known this step: for a verify step
+  ``len(accepted)`` rows, h at the positions of the block's kept inputs, i.e. of the token
+  *preceding* each ``accepted[j]``; so ``(hidden[j], accepted[j])`` is one MTP input pair and
+  ``(hidden[-1], accepted[-1])`` predicts the token after the sequence's last token. The first
+  commit after ``begin`` has ``hidden`` with 0 rows (its predecessor's state h_{L-1} came with
+  ``begin``).
 - Anything a drafter speculated beyond ``accepted`` (its own cache over rejected drafts, rejected
   hidden rows) it must roll back in ``commit``; the sequence after ``commit`` is
   ``prompt + all committed tokens``, nothing else.

@@ -243,7 +243,7 @@ def speculative_generate_step(
         lp = rows_logprobs(logits[0, -1:], history)
         y = int(sampler(lp).reshape(-1)[0].item())
         drafter.begin(ids, hidden)
-        drafter.commit([y], None if hidden is None else hidden[-1:])
+        drafter.commit([y], None if hidden is None else hidden[:0])  # h_{L-1} came with begin
         produced = 1
         history.append(y)
         yield y, lp[0], False
