@@ -1,7 +1,7 @@
 """Speculative decoding on the demo model with code prompts, side by side with plain decode.
 
-For each drafter (prompt lookup `ngram`; the `oracle` replaying plain decoding's own output: the
-acceptance upper bound) and block size 1..4 plus the governor (limit 4), resident and with routed
+For each drafter (prompt lookup `ngram`; `mtp` when the build and the artifact have the MTP head;
+the `oracle` replaying plain decoding's own output: the acceptance upper bound) and block size 1..4 plus the governor (limit 4), resident and with routed
 experts streamed through a 5% cache, prints:
 
 - tokens per verify step (acceptance length incl. the bonus) and the acceptance rate;
@@ -29,8 +29,8 @@ from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.generate import generate_step
 from hebrus_mlx.models import qwen4exp
-from hebrus_mlx.speculative import Governor, SpeculativeStats, speculative_generate_step
-from hebrus_mlx.speculative.drafters import NGramDrafter, OracleDrafter
+from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter, speculative_generate_step
+from hebrus_mlx.speculative.drafters import OracleDrafter
 from hebrus_mlx.utils import DEMO_DIR, load
 
 PROMPTS = [
@@ -106,13 +106,24 @@ def main():
         prompts = [tok.encode(p) for p in PROMPTS]
         futures = [run(model, tok, ids, None, args.tokens) for ids in prompts]
         variants = {}
-        for name in ("ngram", "oracle"):
+        names = ["ngram", "oracle"]
+        try:
+            make_drafter("mtp", model, tok)
+            names.insert(1, "mtp")
+        except DrafterError as e:
+            print(f"({setup}: no mtp variant: {e})")
+        for name in names:
             for b in (1, 2, 3, 4):
                 variants[f"{name} B={b}"] = (name, b, False)
             variants[f"{name} governor"] = (name, 4, True)
 
         def make(name, b, governed, i):
-            return lambda: ((NGramDrafter() if name == "ngram" else OracleDrafter(futures[i])), b, governed)
+            def build():
+                if name == "oracle":
+                    return OracleDrafter(futures[i]), b, governed
+                return make_drafter(name, model, tok), b, governed
+
+            return build
 
         # Untimed pass: exactness, acceptance, routed bytes.
         info = {}
