@@ -189,6 +189,7 @@ def test_golden_replay_zero_partial_full_and_rollback(demo, plain):
 
 @pytest.mark.parametrize("field,value", [
     ("target_revision", "0" * 64), ("vocab_size", 4225), ("hidden_shape", [256]),
+    ("captured_stage", "layers.6.output.pre_mixer"),
     ("owner", 7), ("generation", 3), ("schema_version", 2)])
 def test_replay_refuses_foreign_trace(demo, plain, field, value):
     model, tok = demo

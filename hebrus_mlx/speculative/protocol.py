@@ -301,7 +301,7 @@ class TraceMismatchError(ValueError):
 def target_contract(model, owner: int = 0, generation: int = 0) -> dict:
     """What a replay trace binds to (AFN-020): the target revision (a fingerprint: config plus a
     strided sample of lm_head and the embedding, not a full weight digest), the vocabulary width,
-    the hidden-capture shape, and the request's owner/generation."""
+    the hidden-capture shape and stage, and the request's owner/generation."""
     args = model.args
     h = hashlib.sha256(json.dumps(vars(args) if not hasattr(args, "to_dict") else args.to_dict(),
                                   sort_keys=True, default=str).encode())
@@ -313,6 +313,7 @@ def target_contract(model, owner: int = 0, generation: int = 0) -> dict:
         "target_revision": h.hexdigest(),
         "vocab_size": int(args.vocab_size),
         "hidden_shape": [int(args.hc_count * args.hidden_size)],
+        "captured_stage": f"layers.{args.num_hidden_layers - 1}.output.pre_mixer",
         "owner": int(owner),
         "generation": int(generation),
     }
@@ -320,7 +321,8 @@ def target_contract(model, owner: int = 0, generation: int = 0) -> dict:
 
 def check_trace(header: dict, contract: dict) -> None:
     """Refuse a trace recorded against anything but this contract, naming the first field."""
-    for key in ("schema_version", "target_revision", "vocab_size", "hidden_shape", "owner", "generation"):
+    for key in ("schema_version", "target_revision", "vocab_size", "hidden_shape", "captured_stage", "owner",
+                "generation"):
         if header.get(key) != contract[key]:
             raise TraceMismatchError(f"{key}: trace has {header.get(key)!r}, this target has {contract[key]!r}")
 
