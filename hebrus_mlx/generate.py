@@ -248,10 +248,14 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     """Generate a complete response; with `verbose`, stream it and print mlx_lm-style stats."""
     text = ""
     response = None
-    if kwargs.get("draft_model") is not None and kwargs.get("speculative_stats") is None:
-        from .speculative import SpeculativeStats
+    if kwargs.get("draft_model") is not None:
+        from .speculative import SpeculativeStats, make_drafter
 
-        kwargs["speculative_stats"] = SpeculativeStats()
+        # Resolved before anything is printed: a bad --draft-model is one line on stderr.
+        kwargs["draft_model"] = make_drafter(kwargs["draft_model"], model, tokenizer, kwargs.get("sampler"),
+                                             kwargs.get("num_draft_tokens"))
+        if kwargs.get("speculative_stats") is None:
+            kwargs["speculative_stats"] = SpeculativeStats()
     if verbose:
         print("=" * 10)
     for response in stream_generate(model, tokenizer, prompt, **kwargs):

@@ -463,6 +463,7 @@ def test_cli_speculative_stats_and_errors(demo):
                         (("--draft-model", "ngram", "--num-draft-tokens", "0"), "--num-draft-tokens")):
         r = _cli("-p", "x", *args)
         assert r.returncode == 2 and field in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stdout == "", r.stdout
 
 
 # -- governor -----------------------------------------------------------------------------------------
