@@ -198,7 +198,7 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent_state
         if state is None:
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
-        if L == 1:
+        if L <= gated_delta.RECURRENT_MAX_TOKENS:  # decode and speculative verify blocks
             out, state = gated_delta.recurrent_step(q, k, v, g, beta, state)
         else:
             out, state = gated_delta.chunked(q, k, v, g, beta, state)
@@ -619,7 +619,7 @@ class TextModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(args, inject=False)
         self.streaming: Optional[Streaming] = None
 
-    def __call__(self, ids, cache, capture: Optional[Capture] = None):
+    def __call__(self, ids, cache, capture: Optional[Capture] = None, return_hidden: bool = False):
         h = self.embed_tokens(ids)
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -630,7 +630,7 @@ class TextModel(nn.Module):
             if capture is not None and capture.hidden is not None:
                 capture.hidden.append(streams)
         mixed, _ = self.hyper_connection_mixer.mix(streams)
-        return mixed
+        return (mixed, streams) if return_hidden else mixed
 
 
 class Model(nn.Module):
@@ -650,8 +650,14 @@ class Model(nn.Module):
         cache: Optional[SequenceCache] = None,
         capture: Optional[Capture] = None,
         position: Optional[int] = None,
+        return_hidden: bool = False,
     ):
         """inputs [B, L] token ids -> logits [B, L, vocab_size (physical)].
+
+        `return_hidden` also returns the last decoder layer's output streams before
+        `hyper_connection_mixer`, [B, L, hc_count * hidden_size]: (logits, streams). Row t is the
+        state after consuming inputs[:, t] (the speculative drafters' capture, see
+        hebrus_mlx/speculative/base.py).
 
         `position`, when given, is the logical position of inputs[:, 0]; it must continue the cached
         run exactly (AFN-018). The request is rejected before any work if it would pass
@@ -662,8 +668,10 @@ class Model(nn.Module):
         if cache is None:
             cache = self.make_cache()
         cache.check_append(inputs.shape[1], self.args.max_position_embeddings, position)
-        out = self.model(inputs, cache, capture)
+        out = self.model(inputs, cache, capture, return_hidden)
         cache.advance(inputs.shape[1])
+        if return_hidden:
+            return self.lm_head(out[0]), out[1]
         return self.lm_head(out)
 
     @property
