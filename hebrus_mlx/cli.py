@@ -13,6 +13,9 @@ VERBS = {
     "convert": "hebrus_mlx.convert",
     "admit": "hebrus_mlx.admission",
     "verify": "hebrus_mlx.verify",
+    "server": "hebrus_mlx.server",
+    "chat": "hebrus_mlx.chat",
+    "traces": "hebrus_mlx.traces.command",
     "bench": "hebrus_mlx.bench.command",
     "simulate": "hebrus_mlx.simulate.command",
 }

@@ -10,19 +10,14 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 
 import mlx.core as mx
 
-from .errors import HebrusError, UsageError
+from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .stream.errors import translate
+from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP_SIZE = 2048
-
-
-class GenerationError(HebrusError, ValueError):
-    """Bad generation input (empty prompt, prompt beyond the context, bad arguments)."""
-
-    default_field = "prompt"
 
 
 @dataclass
@@ -36,12 +31,13 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: Optional[str] = None
+    from_draft: bool = False  # a drafted token the target accepted (speculative decoding)
 
 
-def _eval_cache(cache, fallback):
+def _eval_cache(cache, fallback, extra=()):
     states = cache.arrays
     # Evaluating the cache alone leaves the chunk's vocabulary projection unevaluated.
-    mx.eval(states if states else fallback)
+    mx.eval(*(states if states else [fallback]), *extra)
 
 
 # mlx-lm's --max-kv-size keeps a rotating window of the last N keys. Qwen4Exp's QSA layers select
@@ -67,9 +63,27 @@ def generate_step(
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     max_kv_size: Optional[int] = None,
+    trace=None,
+    draft_model=None,
+    num_draft_tokens: Optional[int] = None,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; logprobs are over the physical width, -inf past the
-    effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops."""
+    effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops.
+
+    trace: a `traces.capture.TraceRecorder` records the native routes of every token fed (read
+    back once per step or prefill chunk); the caller closes it.
+
+    `draft_model` (a hebrus_mlx.speculative Drafter) decodes speculatively with blocks of up to
+    `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling)."""
+    if draft_model is not None:
+        if trace is not None:
+            raise UsageError("trace", "route capture of speculative decoding is not supported (only "
+                             "verified tokens may enter a clean-path trace, AFN-021)")
+        yield from _speculative(prompt, model, draft_model, effective_vocab_size=effective_vocab_size,
+                                max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
+                                prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+                                max_kv_size=max_kv_size, num_draft_tokens=num_draft_tokens)
+        return
     if prompt.ndim != 1 or prompt.size == 0:
         raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
     if prefill_step_size < 1:
@@ -80,17 +94,30 @@ def generate_step(
     sampler = sampler or make_sampler(effective_vocab_size)
     logits_processors = logits_processors or []
     tokens = None
+    if trace is not None:
+        trace.begin(getattr(prompt_cache, "next_position", 0))
+
+    def _forward(x, kind):
+        if trace is None:
+            return model(x[None], cache=prompt_cache), None
+        cap = trace.capture()
+        out = model(x[None], cache=prompt_cache, capture=cap)
+        return out, trace.stage(cap, x, kind)
 
     def _step(y):
         nonlocal tokens
-        logits = model(y[None], cache=prompt_cache)[:, -1, :]
+        logits, staged = _forward(y, KIND_DECODE)
+        logits = logits[:, -1, :]
         if logits_processors:
             tokens = y if tokens is None else mx.concatenate([tokens, y])
             for proc in logits_processors:
                 logits = proc(tokens, logits)
         logits = apply_vocab_mask(logits, effective_vocab_size)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs.squeeze(0)
+        return sampler(logprobs), logprobs.squeeze(0), staged
+
+    def _pending(staged):
+        return staged.arrays if staged is not None else []
 
     streaming = model.streaming
     if streaming is not None and streaming.max_chunk_tokens is not None:
@@ -120,16 +147,18 @@ def generate_step(
         n = min(prefill_step_size, y.size - 1)
         chunk = y[:n]
         with rollback_to(snapshot()):
-            out = model(chunk[None], cache=prompt_cache)
-            _eval_cache(prompt_cache, out)
+            out, staged = _forward(chunk, KIND_PREFILL)
+            _eval_cache(prompt_cache, out, _pending(staged))
+        if staged is not None:
+            trace.commit(staged)
         if logits_processors:
             tokens = chunk if tokens is None else mx.concatenate([tokens, chunk])
         y = y[n:]
 
     snap = snapshot()
     with rollback_to(snap):
-        y, logprobs = _step(y)
-        mx.async_eval(y, logprobs)
+        y, logprobs, staged = _step(y)
+        mx.async_eval(y, logprobs, *_pending(staged))
     n = 0
     while True:
         # Until its token is read, the current step and the one queued on top of it roll back
@@ -138,14 +167,29 @@ def generate_step(
             if n != max_tokens:
                 # Queue the next step before reading this one, so the host never idles the device.
                 next_snap = snapshot()
-                next_y, next_logprobs = _step(y)
-                mx.async_eval(next_y, next_logprobs)
+                next_y, next_logprobs, next_staged = _step(y)
+                mx.async_eval(next_y, next_logprobs, *_pending(next_staged))
+            if staged is not None:
+                trace.commit(staged)  # the step that fed the previous token
             if n == max_tokens:
                 break
             token = y.item()
         yield token, logprobs
-        y, logprobs, snap = next_y, next_logprobs, next_snap
+        y, logprobs, snap, staged = next_y, next_logprobs, next_snap, next_staged
         n += 1
+
+
+def _speculative(prompt, model, drafter, *, max_kv_size, prompt_cache, with_draft_flag=False, **kwargs):
+    from .speculative import speculative_generate_step
+    from .speculative.protocol import check_drafter
+
+    check_drafter(drafter)  # names and directories resolve in stream_generate (they need the tokenizer)
+    _check_max_kv_size(max_kv_size, "max_kv_size")
+    if prompt_cache is None:
+        prompt_cache = model.make_cache()
+    for token, logprobs, from_draft in speculative_generate_step(prompt, model, drafter,
+                                                                 prompt_cache=prompt_cache, **kwargs):
+        yield (token, logprobs, from_draft) if with_draft_flag else (token, logprobs)
 
 
 def _prompt_ids(tokenizer, prompt) -> mx.array:
@@ -174,9 +218,19 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
+    *,
+    trace_out=None,
+    trace_features: int = 0,
+    trace_owner: str = "local",
+    trace_generation: int = 0,
+    trace_sampling: Optional[dict] = None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
-    """Generate, yielding a GenerationResponse per token; stops on the tokenizer's stop set."""
+    """Generate, yielding a GenerationResponse per token; stops on the tokenizer's stop set.
+
+    trace_out: record a route trace of this sequence into that directory (off by default; token
+    IDs are sensitive). trace_features=N also records the router input of every Nth position;
+    trace_owner/trace_generation are opaque labels; trace_sampling describes the sampler."""
     ids = _prompt_ids(tokenizer, prompt)
     limit = _context_limit(model)
     if limit is not None and ids.size > limit:
@@ -187,14 +241,42 @@ def stream_generate(
         room = limit - ids.size
         max_tokens = room if max_tokens == -1 else min(max_tokens, room)
 
+    if trace_out is not None:
+        # The same loop with a recorder, closed (remaining observations published) however it ends.
+        from .traces.capture import TraceRecorder
+
+        if trace_sampling is None:
+            trace_sampling = {"sampler": "greedy" if kwargs.get("sampler") is None else "caller"}
+        recorder = TraceRecorder.for_model(trace_out, model, tokenizer, owner=trace_owner,
+                                           generation=trace_generation, sampling=trace_sampling,
+                                           feature_every=trace_features)
+        try:
+            yield from stream_generate(model, tokenizer, ids, max_tokens, trace=recorder, **kwargs)
+        finally:
+            recorder.close()
+        return
+
     detok = tokenizer.detokenizer
     stops = tokenizer.stop_token_ids
+    draft_model = kwargs.pop("draft_model", None)
+    num_draft_tokens = kwargs.pop("num_draft_tokens", None)
+    speculative_stats = kwargs.pop("speculative_stats", None)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = 0.0
-    steps = generate_step(ids, model, effective_vocab_size=tokenizer.effective_vocab_size,
-                          max_tokens=max_tokens, **kwargs)
-    for n, (token, logprobs) in enumerate(steps, start=1):
+    if draft_model is None:
+        steps = ((t, lp, False) for t, lp in generate_step(
+            ids, model, effective_vocab_size=tokenizer.effective_vocab_size, max_tokens=max_tokens, **kwargs))
+    else:
+        # Speculative decoding: a name (ngram, mtp), a draft model directory or a Drafter.
+        from .speculative import make_drafter
+
+        drafter = make_drafter(draft_model, model, tokenizer, kwargs.get("sampler"), num_draft_tokens)
+        steps = _speculative(ids, model, drafter, effective_vocab_size=tokenizer.effective_vocab_size,
+                             max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, stats=speculative_stats,
+                             with_draft_flag=True, prompt_cache=kwargs.pop("prompt_cache", None),
+                             max_kv_size=kwargs.pop("max_kv_size", None), **kwargs)
+    for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = ids.size / (time.perf_counter() - tic)
             tic = time.perf_counter()
@@ -207,7 +289,7 @@ def stream_generate(
             text=detok.last_segment, token=token, logprobs=logprobs, prompt_tokens=ids.size,
             prompt_tps=prompt_tps, generation_tokens=n,
             generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, from_draft=from_draft,
         )
         if finish is not None:
             return
@@ -217,6 +299,14 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     """Generate a complete response; with `verbose`, stream it and print mlx_lm-style stats."""
     text = ""
     response = None
+    if kwargs.get("draft_model") is not None:
+        from .speculative import SpeculativeStats, make_drafter
+
+        # Resolved before anything is printed: a bad --draft-model is one line on stderr.
+        kwargs["draft_model"] = make_drafter(kwargs["draft_model"], model, tokenizer, kwargs.get("sampler"),
+                                             kwargs.get("num_draft_tokens"))
+        if kwargs.get("speculative_stats") is None:
+            kwargs["speculative_stats"] = SpeculativeStats()
     if verbose:
         print("=" * 10)
     for response in stream_generate(model, tokenizer, prompt, **kwargs):
@@ -232,6 +322,8 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
+        if kwargs.get("speculative_stats") is not None:
+            print(kwargs["speculative_stats"].summary())
         if model.streaming is not None:
             from .stream.engine import io_summary
 
@@ -274,6 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
     p.add_argument("--ple-cache-gb", type=float, default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
+    p.add_argument("--trace-out", default=None, metavar="DIR",
+                   help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
+    p.add_argument("--trace-features", type=int, default=0, metavar="N",
+                   help="with --trace-out, also record the router input of every Nth position (0 = off)")
+    p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a draft model directory")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)")
     return p
 
 
@@ -293,6 +394,13 @@ def _check_args(args):
     for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
         if value is not None and not (0 < value < float("inf")):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
+    if args.trace_features < 0:
+        raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
+    if args.num_draft_tokens is not None:
+        if args.draft_model is None:
+            raise UsageError("--num-draft-tokens", "needs --draft-model")
+        if args.num_draft_tokens < 1:
+            raise UsageError("--num-draft-tokens", f"must be >= 1, got {args.num_draft_tokens}")
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None):
@@ -300,6 +408,20 @@ def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Opti
     from .utils import load
 
     return load(resolve_model(name), expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+
+
+def _trace_kwargs(args) -> dict:
+    if args.trace_out is None:
+        return {}
+    sampling = {"temp": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed}
+    return {"trace_out": args.trace_out, "trace_features": args.trace_features, "trace_owner": args.trace_owner,
+            "trace_sampling": sampling}
+
+
+def _draft_kwargs(args) -> dict:
+    if args.draft_model is None:
+        return {}
+    return {"draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens}
 
 
 def main(argv=None) -> int:
@@ -318,11 +440,11 @@ def main(argv=None) -> int:
     else:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
-        _, ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
                            min_p=args.min_p, top_k=args.top_k)
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
-                    sampler=sampler, prefill_step_size=args.prefill_step_size)
+                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args))
     if not args.verbose:
         print(text)
     return 0

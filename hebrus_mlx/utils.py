@@ -53,7 +53,8 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     """Build the graph from an HF checkpoint dir (safetensors) via the explicit key tables.
 
     dtype: floating weights are cast to it (float32 by default: the CPU backend is fastest and
-    parity holds at fp32); None keeps the checkpoint dtype.
+    parity holds at fp32); None keeps the checkpoint dtype. A checkpoint's `mtp.*` head becomes
+    `model.mtp_head` (None without one).
     """
     # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
     from .models.checkpoint_keys import CheckpointKeyError
@@ -71,12 +72,16 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
                 raise CheckpointKeyError(f"tensor {key!r} appears in more than one shard")
             weights[key] = value
     model = Model(args)
+    from .models.mtp import attach_mtp_head, load_mtp_head
+
+    head = load_mtp_head(weights, args, dtype)  # the `mtp.*` tensors the text sanitize excludes
     weights = model.sanitize(weights)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
+    attach_mtp_head(model, head)
     return model
 
 
@@ -119,4 +124,5 @@ def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache
         sources = source.sources
     model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources)
+    model.source_path = path  # route traces pin the artifact by its digest
     return model, tokenizer

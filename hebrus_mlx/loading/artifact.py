@@ -32,6 +32,7 @@ from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
 from ..errors import UsageError
+from ..models.mtp import MTPHead, attach_mtp_head
 from ..models.qwen4exp import Model
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
@@ -145,7 +146,7 @@ def plan_ple_residency(m: Manifest, dtype=mx.float32, ple_cache_gb=None):
     """None: load the PLE tables resident; otherwise the engine slab-cache
     bytes to stream their pages through. From file metadata only: the tables'
     in-memory size (bf16 rows widened to fp32 when ``dtype`` is float32)
-    against available memory minus ``RESERVE_BYTES`` and the dense store;
+    against available memory minus ``RESERVE_BYTES`` and the dense (+ MTP head) store;
     ``ple_cache_gb`` forces streaming with that cache."""
     if not m.ple:
         if ple_cache_gb is not None:
@@ -160,7 +161,7 @@ def plan_ple_residency(m: Manifest, dtype=mx.float32, ple_cache_gb=None):
             pages += g.num_pages
             page = max(page, g.page_stride)
     return plan.plan_ple(table, page, pages, plan.available_memory(),
-                         RESERVE_BYTES + _store_bytes(m, ("dense",)), ple_cache_gb)
+                         RESERVE_BYTES + _store_bytes(m, ("dense", "mtp")), ple_cache_gb)
 
 
 def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None):
@@ -168,7 +169,7 @@ def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, p
     rows to stream them through. From file metadata only (no expert byte is
     read): the experts' in-memory size (bf16 parts widened to fp32 when
     ``dtype`` is float32) against available memory minus ``RESERVE_BYTES``
-    and the dense + PLE store bytes (the PLE cache instead when
+    and the dense + PLE (+ MTP head) store bytes (the PLE cache instead when
     ``ple_cache_bytes`` says PLE streams); ``expert_cache_gb`` forces
     streaming with that cache. At least top-k rows (one decode token of one
     layer)."""
@@ -178,9 +179,9 @@ def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, p
     record = sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in layout)
     count = fam.num_hidden_layers * fam.num_experts
     if ple_cache_bytes is None:
-        resident_other = _store_bytes(m, ("dense", "ple"))
+        resident_other = _store_bytes(m, ("dense", "ple", "mtp"))
     else:
-        resident_other = _store_bytes(m, ("dense",)) + ple_cache_bytes
+        resident_other = _store_bytes(m, ("dense", "mtp")) + ple_cache_bytes
     return plan.plan_experts(
         count * record, record, plan.available_memory(), RESERVE_BYTES + resident_other,
         expert_cache_gb, min_rows=fam.num_experts_per_tok,
@@ -286,4 +287,36 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     model.eval()
     if engine is not None:
         model.streaming = Streaming(engine, experts, switches)
+    attach_mtp_head(model, _mtp_head(m, model.args, dtype))
     return model
+
+
+def _mtp_head(m: Manifest, args, dtype):
+    """The optional MTP head, resident (one layer), built from its store's recorded codecs; None
+    when the artifact has no MTP store. Hashed and loaded through one open file, like the dense
+    store."""
+    s = m.mtp
+    if s is None:
+        return None
+    with open(m.file(s), "rb") as f:
+        digest = hashlib.sha256()
+        while b := f.read(8 << 20):
+            digest.update(b)
+        if digest.hexdigest() != s.sha256:
+            raise DigestError(f"stores.{s.path}.sha256", "MTP store digest mismatch")
+        f.seek(0)
+        weights = mx.load(f, format="safetensors")
+    if set(weights) != set(s.tensors):
+        raise AdmissionError("mtp.tensors", "MTP file changed after admission")
+    head = MTPHead(args)
+    plan = {name[len("mtp."): -len(".weight")]: _quant_params(rec["codec"])
+            for name, rec in s.tensors.items() if C.codec(rec["codec"]).affine and name.endswith(".weight")}
+    if plan:
+        _quantize(head, plan)
+    weights = {k[len("mtp."):]: v for k, v in weights.items()}
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    head.load_weights(list(weights.items()), strict=True)
+    mx.eval(head.parameters())
+    head.eval()
+    return head

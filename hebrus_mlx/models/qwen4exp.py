@@ -37,11 +37,18 @@ class DenseOracleLimitError(ValueError):
 
 
 class Capture:
-    """Opt-in per-call record of hidden states, routes and QSA selections (tests, traces)."""
+    """Opt-in per-call record of hidden states, routes and QSA selections (tests, traces).
 
-    def __init__(self):
-        self.hidden: list[mx.array] = []
+    Everything stays lazy on the device; the caller decides when to read it back. Route traces
+    pass hidden=False (holding every layer's streams of a prefill chunk is too much memory) and
+    router_inputs=True only when they record the router's input feature.
+    """
+
+    def __init__(self, hidden: bool = True, router_inputs: bool = False):
+        self.hidden: Optional[list[mx.array]] = [] if hidden else None
         self.routes: dict[int, mx.array] = {}
+        self.route_weights: dict[int, mx.array] = {}
+        self.router_inputs: Optional[dict[int, mx.array]] = {} if router_inputs else None
         self.qsa_selected: dict[int, tuple[mx.array, mx.array]] = {}
 
 
@@ -191,7 +198,7 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent_state
         if state is None:
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
-        if L == 1:
+        if L <= gated_delta.RECURRENT_MAX_TOKENS:  # decode and speculative verify blocks
             out, state = gated_delta.recurrent_step(q, k, v, g, beta, state)
         else:
             out, state = gated_delta.chunked(q, k, v, g, beta, state)
@@ -382,6 +389,8 @@ class QSAAttention(nn.Module):
             first_group, raw = new_groups
             cache.add_block_keys(self.indexer.block_keys(raw, first_group, self.rotary, cache.start_position))
         idx, ok = self.indexer.select(index_q, cache.block_keys_view(), first, cache.length)
+        # A hard selection has no gradient; stopping it lets the graph train (MTP head trainer).
+        idx, ok = mx.stop_gradient(idx), mx.stop_gradient(ok)
         if capture is not None:
             capture.qsa_selected[layer] = (idx, ok)
 
@@ -538,9 +547,10 @@ class SparseMoE(nn.Module):
     def route(self, x):
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         k = self.top_k
-        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        # Indices carry no gradient (as in mlx-lm); stopping them lets the graph train.
+        inds = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
         scores = mx.take_along_axis(probs, inds, axis=-1)
-        order = mx.argsort(-scores, axis=-1)
+        order = mx.stop_gradient(mx.argsort(-scores, axis=-1))
         inds = mx.take_along_axis(inds, order, axis=-1)
         scores = mx.take_along_axis(scores, order, axis=-1)
         if self.norm_topk_prob:
@@ -551,6 +561,9 @@ class SparseMoE(nn.Module):
         inds, scores = self.route(x)
         if capture is not None:
             capture.routes[layer] = inds
+            capture.route_weights[layer] = scores
+            if capture.router_inputs is not None:
+                capture.router_inputs[layer] = x  # post-hyper-connection MLP input
         routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
         shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
@@ -606,7 +619,7 @@ class TextModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(args, inject=False)
         self.streaming: Optional[Streaming] = None
 
-    def __call__(self, ids, cache, capture: Optional[Capture] = None):
+    def __call__(self, ids, cache, capture: Optional[Capture] = None, return_hidden: bool = False):
         h = self.embed_tokens(ids)
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -614,13 +627,16 @@ class TextModel(nn.Module):
                 # Streamed experts start their lookahead reads when the layer starts.
                 streams = self.streaming.layer_start(i, streams)
             streams = layer(streams, ids, layer_cache, capture)
-            if capture is not None:
+            if capture is not None and capture.hidden is not None:
                 capture.hidden.append(streams)
         mixed, _ = self.hyper_connection_mixer.mix(streams)
-        return mixed
+        return (mixed, streams) if return_hidden else mixed
 
 
 class Model(nn.Module):
+    # The checkpoint's optional MTP head (models/mtp.py), set by the loaders; not a child module.
+    mtp_head = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -634,8 +650,14 @@ class Model(nn.Module):
         cache: Optional[SequenceCache] = None,
         capture: Optional[Capture] = None,
         position: Optional[int] = None,
+        return_hidden: bool = False,
     ):
         """inputs [B, L] token ids -> logits [B, L, vocab_size (physical)].
+
+        `return_hidden` also returns the last decoder layer's output streams before
+        `hyper_connection_mixer`, [B, L, hc_count * hidden_size]: (logits, streams). Row t is the
+        state after consuming inputs[:, t] (the speculative drafters' capture, see
+        hebrus_mlx/speculative/base.py).
 
         `position`, when given, is the logical position of inputs[:, 0]; it must continue the cached
         run exactly (AFN-018). The request is rejected before any work if it would pass
@@ -646,8 +668,10 @@ class Model(nn.Module):
         if cache is None:
             cache = self.make_cache()
         cache.check_append(inputs.shape[1], self.args.max_position_embeddings, position)
-        out = self.model(inputs, cache, capture)
+        out = self.model(inputs, cache, capture, return_hidden)
         cache.advance(inputs.shape[1])
+        if return_hidden:
+            return self.lm_head(out[0]), out[1]
         return self.lm_head(out)
 
     @property

@@ -16,6 +16,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..errors import HebrusError
+
 SCHEMA = "hebrus-mlx.route-trace"
 SCHEMA_VERSION = 1
 EXPORT_SCHEMA = "hebrus-mlx.route-export"
@@ -25,12 +27,8 @@ KIND_PREFILL = 0  # a prompt token consumed by a prefill chunk (teacher-forced)
 KIND_DECODE = 1  # a token fed by the decode loop (the last prompt token, then sampled tokens)
 
 
-class TraceError(ValueError):
+class TraceError(HebrusError, ValueError):
     """Bad or inconsistent trace input; `field` names what failed."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 @dataclass(frozen=True)
