@@ -194,3 +194,16 @@ def test_bad_bench_input_is_one_typed_line(argv, field, capsys, tmp_path):
     rc = cli.main(["bench", "--no-probe", "--quiet", "--out", str(tmp_path), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"hebrus-mlx bench: error: {field}:"), err
+
+
+def test_speculative_option_plugs_in_and_reports_acceptance(tmp_path):
+    """draft-model reaches generate by signature; the MTP configuration reports its acceptance and
+    its greedy tokens equal the plain run's (else the bench would refuse)."""
+    from hebrus_mlx.bench import command as B
+
+    res = B.run_bench("demo", [8], [6], H.parse_ab(["draft-model=none,mtp"]), repeats=1, warmup=0, probe=False,
+                      timeline=False)
+    by = {s["config"]: s["metrics"] for s in res["summary"]}
+    assert by["draft-model=none"]["acceptance"] is None
+    acc = by["draft-model=mtp"]["acceptance"]["median"]
+    assert 0.0 <= acc <= 1.0 and by["draft-model=mtp"]["tokens_per_step"]["median"] >= 1.0

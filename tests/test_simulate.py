@@ -167,3 +167,18 @@ def test_validate_on_a_tiny_run(capsys, tmp_path):
     # 8 rows < one token's 8 layers x 4 experts: demand paging never hits; 128 rows hold the run.
     assert v["runs"][0]["predicted_hit_rate"] == 0.0 and v["runs"][0]["measured_hit_rate"] == 0.0
     assert v["runs"][2]["predicted_hit_rate"] > 0.5
+
+
+def test_simulate_reads_a_recorded_route_trace(tmp_path, capsys):
+    """A trace captured by `generate --trace-out` (hebrus_mlx.traces) drives the projection; a trace
+    of another geometry is refused naming --trace."""
+    trace = tmp_path / "trace"
+    assert cli.main(["generate", "--model", "demo", "-p", "def f(x):", "--ignore-chat-template", "-m", "12",
+                     "--trace-out", str(trace), "--verbose", "false"]) == 0
+    capsys.readouterr()
+    assert cli.main(["simulate", "--family", "qwen4exp-demo", "--trace", str(trace), "--cache-gb", "0.001",
+                     "--policies", "lru", "--draft-depths", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"routes: trace {trace}" in out and "qwen4exp-demo (8 layers, 64 experts top-4, 16,384 B records)" in out
+    assert cli.main(["simulate", "--trace", str(trace), "--cache-gb", "8"]) == 2
+    assert "--trace: recorded with 64 experts per layer" in capsys.readouterr().err

@@ -88,7 +88,8 @@ def _set_prefetch(model, value):
 
 
 ADAPTERS: Dict[str, Callable] = {"prefetch": _set_prefetch}
-GENERATE_RESERVED = {"max_tokens", "prompt_cache", "sampler", "logits_processors", "effective_vocab_size"}
+GENERATE_RESERVED = {"max_tokens", "prompt_cache", "sampler", "logits_processors", "effective_vocab_size",
+                     "speculative_stats", "stats", "with_draft_flag"}
 
 
 @dataclass
@@ -213,8 +214,14 @@ def run_once(model, tokenizer, prompt: List[int], n: int, gen_kwargs: dict, reco
         if trace:
             eng.enable_trace(1 << 20)
             eng.trace_events(clear=True)
+    stats = None
+    if gen_kwargs.get("draft_model") is not None:
+        from ..speculative.protocol import SpeculativeStats
+
+        stats = SpeculativeStats()
+        gen_kwargs = dict(gen_kwargs, speculative_stats=stats)
     mx.reset_peak_memory()
-    tokens, stamps, drafted = [], [], 0
+    tokens, stamps = [], []
     before = None
     t0 = time.perf_counter()
     t_mono0 = time.monotonic_ns()
@@ -224,7 +231,6 @@ def run_once(model, tokenizer, prompt: List[int], n: int, gen_kwargs: dict, reco
             before = eng.counters()
         tokens.append(int(r.token))
         stamps.append(now)
-        drafted += bool(getattr(r, "from_draft", False))
     after = eng.counters() if eng is not None else None
     ttft = stamps[0] - t0
     decode_s = stamps[-1] - stamps[0]
@@ -239,8 +245,9 @@ def run_once(model, tokenizer, prompt: List[int], n: int, gen_kwargs: dict, reco
         "decode_tok_s_p50": 1.0 / statistics.median([b - a for a, b in zip(stamps, stamps[1:])])
         if len(stamps) > 1 and stamps[-1] > stamps[0] else None,
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        "acceptance": (drafted / (len(tokens) - 1)) if "draft_model" in gen_kwargs and gen_kwargs["draft_model"]
-        and len(tokens) > 1 else None,
+        # Speculative decoding: accepted / drafted tokens, and tokens committed per verify step.
+        "acceptance": stats.accepted / stats.drafted if stats is not None and stats.drafted else None,
+        "tokens_per_step": stats.committed / stats.verify_steps if stats is not None and stats.verify_steps else None,
     }
     out.update(io_metrics(before, after, len(tokens) - 1, record_bytes))
     if eng is not None:
@@ -272,7 +279,7 @@ def timeline(events, stamps_ns: List[int], t0_ns: int) -> List[dict]:
 # ---- statistics and honesty ----------------------------------------------------------------------
 
 METRICS = ("decode_tok_s", "decode_tok_s_p50", "prefill_tok_s", "ttft_s", "peak_memory_gb", "expert_bytes_per_token", "hit_rate",
-           "exposed_wait_ms_per_token", "hidden_fraction", "timely_recall", "acceptance")
+           "exposed_wait_ms_per_token", "hidden_fraction", "timely_recall", "acceptance", "tokens_per_step")
 
 
 def summarize(values: Sequence[Optional[float]]) -> Optional[dict]:

@@ -19,6 +19,7 @@ COLUMNS = [  # (metric, header, format, scale)
     ("hidden_fraction", "I/O hidden", "{:.0%}", 1),
     ("timely_recall", "timely recall", "{:.0%}", 1),
     ("acceptance", "spec. acceptance", "{:.0%}", 1),
+    ("tokens_per_step", "tokens/verify", "{:.2f}", 1),
 ]
 
 

@@ -94,6 +94,9 @@ def load_trace(path: str, geom: S.ModelGeometry) -> np.ndarray:
     except ImportError:
         raise UsageError("--trace", "this build has no route-trace reader (hebrus_mlx.traces.eval)") from None
     identity, seqs, _, _ = load_source(path)
+    ne = identity["num_experts"] if isinstance(identity, dict) else identity.num_experts
+    if ne != geom.num_experts:
+        raise UsageError("--trace", f"recorded with {ne} experts per layer, --family has {geom.num_experts}")
     topk = np.concatenate([t for _, t in seqs]) if seqs else np.zeros((0, geom.num_layers, geom.top_k))
     if topk.shape[1:] != (geom.num_layers, geom.top_k):
         raise UsageError("--trace", f"routes are {topk.shape[1:]}, the model has ({geom.num_layers}, {geom.top_k})")
