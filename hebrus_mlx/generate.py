@@ -18,6 +18,31 @@ from .stream.errors import StreamError, translate
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP_SIZE = 2048
+CLEAR_CACHE_EVERY = 256  # tokens; as mlx-lm's generate, so the buffer cache does not grow unbounded
+
+# One stream for the model's work, as mlx-lm: host-side work on the default stream does not queue
+# behind (or in front of) a generation step.
+generation_stream = mx.new_stream(mx.default_device())
+
+
+@contextmanager
+def wired_limit(model):
+    """Wire the model's weights while generating when they are a large part of the Metal working set
+    (mlx-lm's rule); a no-op without Metal (this machine: not exercised)."""
+    if not (hasattr(mx, "metal") and mx.metal.is_available()):
+        yield
+        return
+    from mlx.utils import tree_reduce
+
+    model_bytes = tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, model, 0)
+    max_rec = mx.metal.device_info()["max_recommended_working_set_size"]
+    old = mx.set_wired_limit(min(model_bytes, max_rec)) if model_bytes > 0.9 * max_rec else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            mx.synchronize(generation_stream)
+            mx.set_wired_limit(old)
 
 
 class GenerationError(ValueError):
@@ -77,6 +102,11 @@ def generate_step(
 
     def _step(y):
         nonlocal tokens
+        with mx.stream(generation_stream):
+            return _step_on_stream(y)
+
+    def _step_on_stream(y):
+        nonlocal tokens
         logits = model(y[None], cache=prompt_cache)[:, -1, :]
         if logits_processors:
             tokens = y if tokens is None else mx.concatenate([tokens, y])
@@ -113,7 +143,7 @@ def generate_step(
     while y.size > 1:
         n = min(prefill_step_size, y.size - 1)
         chunk = y[:n]
-        with rollback_to(snapshot()):
+        with rollback_to(snapshot()), mx.stream(generation_stream):
             out = model(chunk[None], cache=prompt_cache)
             _eval_cache(prompt_cache, out)
         if logits_processors:
@@ -140,6 +170,8 @@ def generate_step(
         yield token, logprobs
         y, logprobs, snap = next_y, next_logprobs, next_snap
         n += 1
+        if n % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
 
 
 def _prompt_ids(tokenizer, prompt) -> mx.array:
@@ -188,6 +220,12 @@ def stream_generate(
     prompt_tps = 0.0
     steps = generate_step(ids, model, effective_vocab_size=tokenizer.effective_vocab_size,
                           max_tokens=max_tokens, **kwargs)
+    with wired_limit(model):
+        yield from _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic)
+
+
+def _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic):
+    prompt_tps = 0.0
     for n, (token, logprobs) in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = ids.size / (time.perf_counter() - tic)

@@ -88,9 +88,18 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
     return load_hf_model(path, dtype=dtype)
 
 
-def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
+def default_dtype() -> Optional[mx.Dtype]:
+    """float32 on the CPU backend (fastest there, and the parity dtype); the stored dtype (None)
+    where MLX runs on the GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = None,
          ple_cache_gb: Optional[float] = None):
     """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir.
+
+    dtype: "auto" (default_dtype(): float32 on CPU, the stored dtype on Metal), an mx.Dtype, or
+    None for the stored dtype.
 
     expert_cache_gb: stream an artifact's routed experts through a cache of this many GiB
     (`--expert-cache-gb`); ple_cache_gb: its PLE table pages (`--ple-cache-gb`). None decides
@@ -98,6 +107,10 @@ def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache
     """
     from .text.tokenizer import load_tokenizer
 
+    if isinstance(dtype, str):
+        if dtype != "auto":
+            raise ValueError(f"dtype: expected 'auto', an mlx dtype or None, got {dtype!r}")
+        dtype = default_dtype()
     path = resolve_model_path(path_or_name)
     model = load_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size)
