@@ -8,6 +8,7 @@ VERBS = {
     "convert": "hebrus_mlx.convert",
     "admit": "hebrus_mlx.admission",
     "verify": "hebrus_mlx.verify",
+    "qualify": "hebrus_mlx.qualify",
 }
 
 

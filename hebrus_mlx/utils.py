@@ -94,6 +94,22 @@ def default_dtype() -> Optional[mx.Dtype]:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
+def _apply_machine_profile():
+    """Switch on only what `hebrus-mlx qualify` passed on this machine (AFN-013); without a
+    readable profile nothing optional is on."""
+    import warnings
+
+    from . import kernels
+    from .qualify import ProfileError, read_profile
+
+    try:
+        profile = read_profile()
+    except ProfileError as e:
+        warnings.warn(f"{e}; optional kernels stay off (re-run `hebrus-mlx qualify`)", stacklevel=3)
+        profile = None
+    return kernels.configure(profile)
+
+
 def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = None,
          ple_cache_gb: Optional[float] = None):
     """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir.
@@ -111,6 +127,7 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
         if dtype != "auto":
             raise ValueError(f"dtype: expected 'auto', an mlx dtype or None, got {dtype!r}")
         dtype = default_dtype()
+    _apply_machine_profile()
     path = resolve_model_path(path_or_name)
     model = load_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size)

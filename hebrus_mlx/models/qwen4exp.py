@@ -18,6 +18,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from .. import kernels
+from ..kernels import hc_mix, ple_gather, qsa_attention
 from . import gated_delta
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
 from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
@@ -165,6 +167,8 @@ class HyperConnection(nn.Module):
         fns = _hc_fns(self.hc_count, self.hidden_size)
         normed = self.hc_norm(streams)
         weights = self.input_mix_weight_up(fns.activate(self.input_mix_weight_down(normed)))
+        if kernels.enabled("hc_mix"):  # qualified on this Metal device only (AFN-013)
+            return hc_mix.metal(weights, normed, self.hc_count, self.hidden_size), normed
         return fns.mix(weights, normed), normed
 
     def __call__(self, streams, block):
@@ -460,6 +464,8 @@ class QSAAttention(nn.Module):
                 queries, keys, values, scale=self.scale, mask="causal" if L > 1 else None
             )
             out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        elif kernels.enabled("qsa_attention"):  # qualified on this Metal device only (AFN-013)
+            out = qsa_attention.metal(queries, keys, values, idx, ok, self.scale)
         else:
             out = self._sparse_attention(queries, keys, values, idx, ok)
         out = out * mx.sigmoid(gate.reshape(B, L, -1))
@@ -539,6 +545,11 @@ class NGramEmbedding(nn.Module):
             context = mx.full((B, self.ngram_size - 1), self.eos, dtype=mx.int64)
         history = mx.concatenate([context, ids.astype(mx.int64)], axis=1)
         cache.ngram_context = history[:, -(self.ngram_size - 1):]
+        if kernels.enabled("ple_gather") and type(self.ngram_embedding) is nn.Embedding:
+            rows, emb = ple_gather.metal(self, history, L)  # resident table, qualified on this device
+            if capture_rows is not None:
+                capture_rows.append(rows)
+            return emb
         rows = self.row_ids(history, L)
         if capture_rows is not None:
             capture_rows.append(rows)
