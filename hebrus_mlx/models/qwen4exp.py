@@ -105,7 +105,16 @@ class GatedRMSNorm(nn.Module):
         self.activation = nn.silu if activation == "silu" else mx.sigmoid
 
     def __call__(self, x, gate):
-        return mx.fast.rms_norm(x, self.weight, self.eps) * self.activation(gate)
+        return _gated_norm_fn(self.activation, self.eps)(x, self.weight, gate)
+
+
+@lru_cache(maxsize=None)
+def _gated_norm_fn(activation, eps: float):
+    @_compiled
+    def norm(x, weight, gate):
+        return mx.fast.rms_norm(x, weight, eps) * activation(gate)
+
+    return norm
 
 
 # ---- rotary --------------------------------------------------------------------------------------
@@ -216,6 +225,21 @@ def _causal_depthwise_conv(x, state, weight, dilation=1):
     return out, full[:, -state.shape[1]:]
 
 
+@lru_cache(maxsize=None)
+def _gdn_gates_fn(q_scale: float):
+    """Normalised q/k, beta and the log decay g, as one compiled elementwise graph."""
+
+    @_compiled
+    def gates(q, k, b, a, A_log, dt_bias):
+        q = gated_delta.l2_normalize(q) * q_scale
+        k = gated_delta.l2_normalize(k)
+        beta = mx.sigmoid(b)
+        g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
+        return q, k, beta, g
+
+    return gates
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -249,10 +273,9 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(B, L, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, L, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, L, self.num_v_heads, self.head_v_dim)
-        q = gated_delta.l2_normalize(q) * (self.head_k_dim**-0.5)
-        k = gated_delta.l2_normalize(k)
-        beta = mx.sigmoid(self.in_proj_b(x))
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(self.in_proj_a(x) + self.dt_bias)
+        q, k, beta, g = _gdn_gates_fn(self.head_k_dim**-0.5)(
+            q, k, self.in_proj_b(x), self.in_proj_a(x), self.A_log, self.dt_bias
+        )
         state = cache.recurrent_state
         if state is None:
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
@@ -595,6 +618,16 @@ class PLELayer(nn.Module):
 # ---- MoE ---------------------------------------------------------------------------------------------
 
 
+@_compiled
+def _swiglu(gate, up):
+    return nn.silu(gate) * up
+
+
+@_compiled
+def _moe_combine(routed, scores, shared_logit, shared):
+    return (routed * scores[..., None]).sum(axis=-2) + mx.sigmoid(shared_logit) * shared
+
+
 class SharedExpert(nn.Module):
     def __init__(self, hidden, intermediate):
         super().__init__()
@@ -603,7 +636,24 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@lru_cache(maxsize=None)
+def _route_fn(k: int, norm_topk_prob: bool):
+    @_compiled
+    def route(logits):
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        order = mx.argsort(-scores, axis=-1)
+        inds = mx.take_along_axis(inds, order, axis=-1)
+        scores = mx.take_along_axis(scores, order, axis=-1)
+        if norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        return inds, scores
+
+    return route
 
 
 class SparseMoE(nn.Module):
@@ -623,24 +673,14 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
     def route(self, x):
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
-        k = self.top_k
-        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
-        scores = mx.take_along_axis(probs, inds, axis=-1)
-        order = mx.argsort(-scores, axis=-1)
-        inds = mx.take_along_axis(inds, order, axis=-1)
-        scores = mx.take_along_axis(scores, order, axis=-1)
-        if self.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
+        inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(self.gate(x))
         return inds, scores.astype(x.dtype)
 
     def __call__(self, x, capture: Optional[Capture] = None, layer: int = -1):
         inds, scores = self.route(x)
         if capture is not None:
             capture.routes[layer] = inds
-        routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return _moe_combine(self.switch_mlp(x, inds), scores, self.shared_expert_gate(x), self.shared_expert(x))
 
 
 # ---- layers and model ---------------------------------------------------------------------------------
