@@ -51,9 +51,17 @@ class Capture:
 # ---- norms -------------------------------------------------------------------------------------
 
 
+COMPILE = os.environ.get("HEBRUS_NO_COMPILE") != "1"  # off: plain ops (debugging, A/B); same tokens
+
+
 def _compiled(fn):
-    """mx.compile unless HEBRUS_NO_COMPILE=1 (debugging; the results are the same either way)."""
-    return fn if os.environ.get("HEBRUS_NO_COMPILE") == "1" else mx.compile(fn)
+    """mx.compile'd `fn`, or `fn` itself while COMPILE is off."""
+    compiled = mx.compile(fn)
+
+    def call(*args):
+        return compiled(*args) if COMPILE else fn(*args)
+
+    return call
 
 
 @lru_cache(maxsize=None)
