@@ -18,6 +18,31 @@ from .traces.schema import KIND_DECODE, KIND_PREFILL
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP_SIZE = 2048
+CLEAR_CACHE_EVERY = 256  # tokens; as mlx-lm's generate, so the buffer cache does not grow unbounded
+
+# One stream for the model's work, as mlx-lm: host-side work on the default stream does not queue
+# behind (or in front of) a generation step.
+generation_stream = mx.new_stream(mx.default_device())
+
+
+@contextmanager
+def wired_limit(model):
+    """Wire the model's weights while generating when they are a large part of the Metal working set
+    (mlx-lm's rule); a no-op without Metal (this machine: not exercised)."""
+    if not (hasattr(mx, "metal") and mx.metal.is_available()):
+        yield
+        return
+    from mlx.utils import tree_reduce
+
+    model_bytes = tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, model, 0)
+    max_rec = mx.metal.device_info()["max_recommended_working_set_size"]
+    old = mx.set_wired_limit(min(model_bytes, max_rec)) if model_bytes > 0.9 * max_rec else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            mx.synchronize(generation_stream)
+            mx.set_wired_limit(old)
 
 
 @dataclass
@@ -105,6 +130,10 @@ def generate_step(
         return out, trace.stage(cap, x, kind)
 
     def _step(y):
+        with mx.stream(generation_stream):
+            return _step_on_stream(y)
+
+    def _step_on_stream(y):
         nonlocal tokens
         logits, staged = _forward(y, KIND_DECODE)
         logits = logits[:, -1, :]
@@ -146,7 +175,7 @@ def generate_step(
     while y.size > 1:
         n = min(prefill_step_size, y.size - 1)
         chunk = y[:n]
-        with rollback_to(snapshot()):
+        with rollback_to(snapshot()), mx.stream(generation_stream):
             out, staged = _forward(chunk, KIND_PREFILL)
             _eval_cache(prompt_cache, out, _pending(staged))
         if staged is not None:
@@ -177,6 +206,8 @@ def generate_step(
         yield token, logprobs
         y, logprobs, snap, staged = next_y, next_logprobs, next_snap, next_staged
         n += 1
+        if n % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
 
 
 def _speculative(prompt, model, drafter, *, max_kv_size, prompt_cache, with_draft_flag=False, **kwargs):
@@ -263,7 +294,6 @@ def stream_generate(
     speculative_stats = kwargs.pop("speculative_stats", None)
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    prompt_tps = 0.0
     if draft_model is None:
         steps = ((t, lp, False) for t, lp in generate_step(
             ids, model, effective_vocab_size=tokenizer.effective_vocab_size, max_tokens=max_tokens, **kwargs))
@@ -276,6 +306,12 @@ def stream_generate(
                              max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, stats=speculative_stats,
                              with_draft_flag=True, prompt_cache=kwargs.pop("prompt_cache", None),
                              max_kv_size=kwargs.pop("max_kv_size", None), **kwargs)
+    with wired_limit(model):
+        yield from _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic)
+
+
+def _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic):
+    prompt_tps = 0.0
     for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = ids.size / (time.perf_counter() - tic)
