@@ -95,13 +95,14 @@ def _dense(artifact, m):
     return weights
 
 
-def _experts(artifact, m, fam):
-    """Runtime SwitchGLU tensors: [E, rows, cols] per component and part."""
+def _experts(artifact, m, fam, layers=None):
+    """Runtime SwitchGLU tensors: [E, rows, cols] per component and part (of `layers`, default
+    all; a pipeline stage reads only its own records)."""
     s = _store(m, "experts")[0]
     out = {}
     with ExpertMajorReader(os.path.join(artifact, s["path"]), fam, s["codec"]) as r:
         layout = r.geometry.layout
-        for layer in range(fam.num_hidden_layers):
+        for layer in (range(fam.num_hidden_layers) if layers is None else layers):
             stacks = {(comp, part): np.empty((fam.num_experts,) + shape, dtype)
                       for comp, part, dtype, shape, _, _ in layout}
             for e in range(fam.num_experts):
@@ -113,10 +114,12 @@ def _experts(artifact, m, fam):
     return out
 
 
-def _ple(artifact, m, fam):
+def _ple(artifact, m, fam, layers=None):
     """Resident PLE tables: every page read through its digest check."""
     out = {}
     for s in _store(m, "ple"):
+        if layers is not None and s["layer"] not in layers:
+            continue
         with PleReader(os.path.join(artifact, s["path"]), fam, s["codec"]) as r:
             g = r.geometry
             raw = np.empty((g.total_rows, g.row_bytes), np.uint8)
@@ -234,7 +237,7 @@ def _attach_streamed(artifact, m, fam, model, rows, dtype, engine):
     return experts
 
 
-def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None) -> Model:
+def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None) -> Model:
     """Admit `path`, then build and fill the graph.
 
     dtype: float tensors (dense floats, f32/bf16 experts, PLE rows) are cast
@@ -255,6 +258,11 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     memory. Streamed experts and PLE share one engine, ``model.stream_engine``
     (None when everything is resident). Only the streamed parameters are
     left out of the strict weight load.
+
+    stage: a pipeline stage (:class:`hebrus_mlx.pipeline.split.Stage`): only its layers (and the
+    embedding on the first rank, mixer + lm_head on the last) are built and read — no expert
+    record or PLE page of another rank is touched; the other modules are pruned before any weight
+    is evaluated. Stages load resident (the split was planned to fit).
     """
     artifact = str(Path(path))
     admission.admit(artifact)  # raises before anything below allocates
@@ -264,8 +272,14 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         config = json.loads(f.read())
     fam = C.family(m["family"])
     plan = quantization_plan(m)
-    ple_cache = plan_ple_residency(artifact, m, fam, dtype, ple_cache_gb)
-    rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb, ple_cache)
+    if stage is not None:
+        if expert_cache_gb is not None or ple_cache_gb is not None:
+            raise ValueError("stage: streaming inside a pipeline stage is not supported yet")
+        plan = {k: v for k, v in plan.items() if stage.owns(k + ".weight")}
+        ple_cache = rows = None
+    else:
+        ple_cache = plan_ple_residency(artifact, m, fam, dtype, ple_cache_gb)
+        rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb, ple_cache)
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise ValueError(f"dtype: streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -273,6 +287,10 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     # switch_mlp replaces are exactly the resident ones; the replaced
     # modules' lazy initial values are never evaluated.
     model = Model(ModelArgs.from_dict(config))
+    if stage is not None:
+        from ..pipeline.stage import prune
+
+        prune(model, stage)
     if plan:
         _quantize(model, plan)
     experts = engine = None
@@ -289,10 +307,15 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         if ple_cache is not None:
             _attach_ple(artifact, m, model, engine, dtype)
         weights = _dense(artifact, m)
+        layers = None
+        if stage is not None:
+            # The dense store has one file digest, so every rank reads it whole; it keeps only its own.
+            weights = {k: v for k, v in weights.items() if stage.owns(k)}
+            layers = stage.layers
         if experts is None:
-            weights.update(_experts(artifact, m, fam))
+            weights.update(_experts(artifact, m, fam, layers))
         if ple_cache is None:
-            weights.update(_ple(artifact, m, fam))
+            weights.update(_ple(artifact, m, fam, layers))
         if dtype is not None:
             weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
         model.load_weights(list(weights.items()), strict=True)
