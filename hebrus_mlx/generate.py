@@ -12,6 +12,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 
 import mlx.core as mx
 
+from .pipeline import launched as pipeline_launched
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .stream.errors import StreamError, translate
 
@@ -273,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
     p.add_argument("--ple-cache-gb", type=float, default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
+    p.add_argument("--pipeline-split", default=None,
+                   help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
     return p
 
 
@@ -324,7 +327,14 @@ def main(argv=None) -> int:
             raise _UsageError("the prompt is empty")
         if args.seed is not None:
             mx.random.seed(args.seed)
-        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+        if pipeline_launched():
+            from .pipeline.cli import load_or_serve
+
+            pipe, model, tokenizer = load_or_serve(_resolve_model(args.model), args)
+            if pipe is None:
+                return 0  # a serving rank: rank 0 prints
+        else:
+            model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
         if args.ignore_chat_template or tokenizer.chat_template is None:
             ids = tokenizer.encode(prompt)
         else:
@@ -337,7 +347,11 @@ def main(argv=None) -> int:
                         sampler=sampler, prefill_step_size=args.prefill_step_size,
                         max_kv_size=args.max_kv_size)
         if not args.verbose:
-            print(text)
+            print(text, flush=True)
+        if pipeline_launched():
+            from .pipeline.cli import finish
+
+            finish(model, verbose=args.verbose)  # last: the launcher ends rank 0 once a peer exits
     except StreamError as e:
         # Streaming failure at run time (SSD read, digest): the input was fine.
         print(f"hebrus-mlx generate: error: {type(e).__name__}: {e}", file=sys.stderr)

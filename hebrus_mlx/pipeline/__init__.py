@@ -50,9 +50,10 @@ def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Option
     from ..artifact import constants as C
     from ..artifact.loader import RESERVE_BYTES, load_artifact_model
     from ..stream.experts import available_memory
-    from .stage import DEFAULT_TIMEOUT_S, PipelineModel, terminate_as_error
+    from .stage import DEFAULT_TIMEOUT_S, PipelineModel, set_nodelay, terminate_as_error
 
     group = group or mx.distributed.init()
+    set_nodelay()
     rank, size = group.rank(), group.size()
     path = Path(path)
     if not (path / C.MANIFEST_NAME).is_file():
@@ -73,6 +74,7 @@ def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Option
     if rank == 0:
         terminate_as_error()
         model = PipelineModel(model, stage, group, timeout=timeout)
+        model.all_stages = stages(counts)
     return Pipeline(rank, size, stage, counts, group, model)
 
 

@@ -103,6 +103,33 @@ class _Watchdog:
                 self._deadline = None
 
 
+def set_nodelay() -> int:
+    """Turn off Nagle on this process's TCP sockets (the ring backend's links). MLX leaves it on,
+    so every small header waits for the peer's delayed ACK: ~40 ms per message measured here, ~6 ms
+    with it off. Returns the number of sockets changed."""
+    import socket
+    import stat
+
+    changed = 0
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                changed += 1
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return changed
+
+
 def _layer_cache(layer):
     return LinearCache() if layer.is_linear else AttentionCache()
 
