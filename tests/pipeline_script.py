@@ -6,6 +6,8 @@ generated; the other ranks serve. Modes:
   restore    forward A, snapshot, B, restore, B again, then C: all logits (exercises RESTORE/FREE)
   kill       rank 1 exits hard after 3 forwards
   stall      rank 1 sleeps forever after 3 forwards (rank 0's watchdog must end the run)
+  stream     as generate, each rank streaming its experts and PLE pages through a small cache;
+             every rank also writes OUT.rank<r>.json: the layers its engine read records of
 """
 
 import os
@@ -34,9 +36,29 @@ if mode in ("kill", "stall") and os.environ["MLX_RANK"] == "1":
 
     S._run_layers = faulty
 
-pipe = load_pipeline(model_path, split=split, timeout=timeout)
+streamed = mode == "stream"
+pipe = load_pipeline(model_path, split=split, timeout=timeout,
+                     expert_cache_gb=0.0005 if streamed else None, ple_cache_gb=0.0005 if streamed else None)
+engine = pipe.model.stream_engine
+if streamed:
+    engine.enable_trace(1 << 16)
+
+
+def dump_layers():
+    import json
+
+    ev, _ = engine.trace_events()
+    reads = ev[ev["kind"] == "read"]
+    with open(f"{out}.rank{pipe.rank}.json", "w") as f:
+        json.dump({"stage": [pipe.stage.start, pipe.stage.stop],
+                   "expert_layers": sorted({int(x) for x in reads["layer"] if x >= 0}),  # PLE pages: layer -1
+                   "reads": int(len(reads))}, f)
+
+
 if pipe.rank != 0:
     pipe.serve()
+    if streamed:
+        dump_layers()
     sys.exit(0)
 
 from hebrus_mlx.generate import generate_step  # noqa: E402
@@ -67,4 +89,6 @@ except S.PipelineError as e:
     print(f"TYPED {type(e).__name__} after {time.monotonic() - t0:.2f}s: {e}", flush=True)
     sys.exit(0)
 model.stop()
+if streamed:
+    dump_layers()
 np.savez(out, tokens=np.array(tokens), logprobs=np.stack(logprobs))

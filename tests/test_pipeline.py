@@ -59,6 +59,16 @@ def test_plan_split_refuses_what_does_not_fit_naming_the_rank():
         plan_split([1 << 30] * 4, 0, 0, [1 << 30, 8 << 30], override=[3, 1])
 
 
+def test_plan_split_streams_what_does_not_fit_resident():
+    per_layer, streamable = [5 << 30] * 4, [4 << 30] * 4
+    with pytest.raises(PipelineSplitError):
+        plan_split(per_layer, 0, 0, [8 << 30, 8 << 30])
+    assert plan_split(per_layer, 0, 0, [8 << 30, 8 << 30], streamable=streamable) == [2, 2]
+    assert plan_split(per_layer, 0, 0, [8 << 30, 8 << 30], override=[3, 1], streamable=streamable) == [3, 1]
+    with pytest.raises(PipelineSplitError, match=r"rank 0 needs 4\.00 GiB resident \(experts and PLE pages streamed\)"):
+        plan_split(per_layer, 1 << 30, 0, [1 << 30, 8 << 30], override=[3, 1], streamable=streamable)
+
+
 @pytest.mark.parametrize("text,err", [("4", "1 counts for 2 ranks"), ("3,x", "comma-separated"),
                                       ("8,0", "at least one layer"), ("5,4", "add up to 9")])
 def test_parse_split_names_the_flag(text, err):
@@ -78,7 +88,7 @@ def test_stage_ownership_is_explicit():
 
 def test_layer_bytes_account_for_every_stored_byte_of_the_demo():
     m = json.loads((DEMO_DIR / "manifest.json").read_text())
-    per_layer, first, last = layer_bytes(m)
+    per_layer, first, last, streamable = layer_bytes(m)
     dense = DEMO_DIR / "model.safetensors"
     header = 8 + int.from_bytes(dense.read_bytes()[:8], "little")
     stored = dense.stat().st_size - header + sum(
@@ -92,6 +102,8 @@ def test_layer_bytes_account_for_every_stored_byte_of_the_demo():
     ple_dense = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in tensors.items()
                     if k.startswith("model.layers.0.ple."))
     assert per_layer[0] - per_layer[1] == ple[0] + ple_dense
+    experts = (DEMO_DIR / "experts.hbem").stat().st_size // 8
+    assert streamable == [experts + ple.get(i, 0) for i in range(8)]
 
 
 # -- local ranks on the ring backend ----------------------------------------------------------------
@@ -157,6 +169,18 @@ def test_demo_pipeline_equals_single_process_bitwise(tmp_path, n, split):
     got = np.load(out)
     assert got["tokens"].tolist() == tokens.tolist()
     assert np.array_equal(got["logprobs"], logprobs)  # bit for bit, -inf rows included
+
+
+def test_streamed_stages_equal_resident_and_read_only_their_own_layers(tmp_path):
+    _, tokens, logprobs = _single(DEMO_DIR)
+    out, results, _ = _launch(tmp_path, 2, DEMO_DIR, "stream", "3,5")
+    assert all(rc == 0 for rc, _, _ in results), results
+    got = np.load(out)
+    assert got["tokens"].tolist() == tokens.tolist()
+    assert np.array_equal(got["logprobs"], logprobs)
+    for rank, own in enumerate(([0, 1, 2], [3, 4, 5, 6, 7])):
+        seen = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert seen["reads"] > 0 and seen["expert_layers"] and set(seen["expert_layers"]) <= set(own), seen
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ def _other_bytes(artifact, m, roles):
     return sum(os.path.getsize(os.path.join(artifact, t["path"])) for t in m["stores"] if t["role"] in roles)
 
 
-def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
+def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None, stage=None):
     """None: load the PLE tables resident; otherwise the engine slab-cache
     bytes to stream their pages through. From file metadata only: the tables'
     in-memory size (bf16 rows widened to fp32 when ``dtype`` is float32)
@@ -152,7 +152,7 @@ def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
     from ..stream import experts as SE
     from ..stream.ple import plan_ple
 
-    stores = _store(m, "ple")
+    stores = [s for s in _store(m, "ple") if stage is None or s["layer"] in stage.layers]
     if not stores:
         if ple_cache_gb is not None:
             raise ValueError("ple_cache_gb: this artifact has no PLE tables")
@@ -166,10 +166,18 @@ def plan_ple_residency(artifact, m, fam, dtype=mx.float32, ple_cache_gb=None):
             pages += g.num_pages
             page = max(page, g.page_stride)
     return plan_ple(table, page, pages, SE.available_memory(),
-                    RESERVE_BYTES + _other_bytes(artifact, m, ("dense",)), ple_cache_gb)
+                    RESERVE_BYTES + _dense_bytes(artifact, m, stage), ple_cache_gb)
 
 
-def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None):
+def _dense_bytes(artifact, m, stage=None):
+    """The dense store's size, or a pipeline stage's share of its tensors."""
+    if stage is None:
+        return _other_bytes(artifact, m, ("dense",))
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in m["tensors"].items() if stage.owns(k))
+
+
+def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None,
+                          stage=None):
     """None: load the routed experts resident; otherwise the number of arena
     rows to stream them through. From file metadata only (no expert byte is
     read): the experts' in-memory size (bf16 parts widened to fp32 when
@@ -184,11 +192,12 @@ def plan_expert_residency(artifact, m, fam, dtype=mx.float32, expert_cache_gb=No
     wide = dtype is not None and dtype == mx.float32
     layout = em.record_layout(fam, s["codec"])
     record = sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in layout)
-    count = fam.num_hidden_layers * fam.num_experts
+    count = (fam.num_hidden_layers if stage is None else len(stage.layers)) * fam.num_experts
+    resident_other = _dense_bytes(artifact, m, stage)
     if ple_cache_bytes is None:
-        resident_other = _other_bytes(artifact, m, ("dense", "ple"))
+        resident_other += sum(s["size"] for s in _store(m, "ple") if stage is None or s["layer"] in stage.layers)
     else:
-        resident_other = _other_bytes(artifact, m, ("dense",)) + ple_cache_bytes
+        resident_other += ple_cache_bytes
     return SE.plan_experts(
         count * record, record, SE.available_memory(), RESERVE_BYTES + resident_other,
         expert_cache_gb, min_rows=fam.num_experts_per_tok,
@@ -203,34 +212,37 @@ def _ple_keys(model):
     return {k for k, _ in tree_flatten(model.parameters()) if ".ple.ple_embedding.ngram_embedding." in k}
 
 
-def _attach_ple(artifact, m, model, engine, dtype):
-    """Swap every PLE table for a StreamedNGramTable over its page store;
-    the parameters removed must be exactly the tables the resident path
-    would load."""
+def _attach_ple(artifact, m, model, engine, dtype, layers=None):
+    """Swap every PLE table (of ``layers``) for a StreamedNGramTable over its
+    page store; the parameters removed must be exactly the tables the
+    resident path would load."""
     from ..stream.ple import attach_ple
 
     before = _ple_keys(model)
-    attach_ple(model, artifact, engine, dtype)
+    attach_ple(model, artifact, engine, dtype, layers=layers)
     replaced = before - _ple_keys(model)
-    want = {f"model.layers.{s['layer']}.ple.ple_embedding.ngram_embedding.weight" for s in _store(m, "ple")}
+    want = {f"model.layers.{s['layer']}.ple.ple_embedding.ngram_embedding.weight" for s in _store(m, "ple")
+            if layers is None or s["layer"] in layers}
     if replaced != want or _ple_keys(model):
         raise GeometryError("ple", f"streamed PLE replaced {len(replaced)} tables, the artifact holds {len(want)}")
 
 
-def _attach_streamed(artifact, m, fam, model, rows, dtype, engine):
-    """Swap every switch_mlp for a StreamedSwitchGLU over a ``rows``-record
-    arena; the parameters removed must be exactly the routed-expert tensors
-    the resident path would load from the store's layout."""
+def _attach_streamed(artifact, m, fam, model, rows, dtype, engine, layers=None):
+    """Swap every switch_mlp (of ``layers``) for a StreamedSwitchGLU over a
+    ``rows``-record arena; the parameters removed must be exactly the
+    routed-expert tensors the resident path would load from the store's
+    layout."""
     from ..stream.experts import StreamedExperts
     from ..stream.switch import attach
 
+    layers = range(fam.num_hidden_layers) if layers is None else layers
     experts = StreamedExperts.from_artifact(artifact, rows, dtype=dtype, engine=engine)
     before = _routed_expert_keys(model)
-    attach([layer.mlp for layer in model.model.layers], experts)
+    attach([model.model.layers[i].mlp for i in layers], experts, layers)
     replaced = before - _routed_expert_keys(model)
     layout = em.record_layout(fam, _store(m, "experts")[0]["codec"])
     want = {f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}"
-            for layer in range(fam.num_hidden_layers) for comp, part, *_ in layout}
+            for layer in layers for comp, part, *_ in layout}
     if replaced != want or _routed_expert_keys(model):
         raise GeometryError("experts", f"streamed experts replaced {len(replaced)} tensors, "
                             f"the store holds {len(want)}")
@@ -262,7 +274,8 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     stage: a pipeline stage (:class:`hebrus_mlx.pipeline.split.Stage`): only its layers (and the
     embedding on the first rank, mixer + lm_head on the last) are built and read — no expert
     record or PLE page of another rank is touched; the other modules are pruned before any weight
-    is evaluated. Stages load resident (the split was planned to fit).
+    is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
+    does not fit (or a cache size is given), exactly as a whole model does.
     """
     artifact = str(Path(path))
     admission.admit(artifact)  # raises before anything below allocates
@@ -273,13 +286,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     fam = C.family(m["family"])
     plan = quantization_plan(m)
     if stage is not None:
-        if expert_cache_gb is not None or ple_cache_gb is not None:
-            raise ValueError("stage: streaming inside a pipeline stage is not supported yet")
         plan = {k: v for k, v in plan.items() if stage.owns(k + ".weight")}
-        ple_cache = rows = None
-    else:
-        ple_cache = plan_ple_residency(artifact, m, fam, dtype, ple_cache_gb)
-        rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb, ple_cache)
+    ple_cache = plan_ple_residency(artifact, m, fam, dtype, ple_cache_gb, stage)
+    rows = plan_expert_residency(artifact, m, fam, dtype, expert_cache_gb, ple_cache, stage)
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise ValueError(f"dtype: streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -302,16 +311,15 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         record = sum(n for *_, n in em.record_layout(fam, _store(m, "experts")[0]["codec"]))
         engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8)
     try:
+        layers = None if stage is None else stage.layers
         if rows is not None:
-            experts = _attach_streamed(artifact, m, fam, model, rows, dtype, engine)
+            experts = _attach_streamed(artifact, m, fam, model, rows, dtype, engine, layers)
         if ple_cache is not None:
-            _attach_ple(artifact, m, model, engine, dtype)
+            _attach_ple(artifact, m, model, engine, dtype, layers)
         weights = _dense(artifact, m)
-        layers = None
         if stage is not None:
             # The dense store has one file digest, so every rank reads it whole; it keeps only its own.
             weights = {k: v for k, v in weights.items() if stage.owns(k)}
-            layers = stage.layers
         if experts is None:
             weights.update(_experts(artifact, m, fam, layers))
         if ple_cache is None:

@@ -41,9 +41,11 @@ class Pipeline:
 
 
 def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Optional[float] = None,
-                  reserve_bytes: Optional[int] = None) -> Pipeline:
+                  reserve_bytes: Optional[int] = None, expert_cache_gb: Optional[float] = None,
+                  ple_cache_gb: Optional[float] = None) -> Pipeline:
     """Admit the artifact on this rank, agree on the split with the other ranks (each rank's free
-    memory, gathered over the group), load this rank's stage only."""
+    memory, gathered over the group), load this rank's stage only — streaming its experts / PLE
+    pages from its own SSD when its share does not fit or a cache size is given."""
     import mlx.core as mx
 
     from .. import admission
@@ -65,11 +67,12 @@ def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Option
     mine = max(available_memory() - reserve, 0) >> 20  # MiB: exact in float32 up to 16 TiB
     budgets = mx.distributed.all_gather(mx.array([float(mine)]), group=group)
     budgets = [int(b) << 20 for b in budgets.tolist()]
-    per_layer, first, last = layer_bytes(manifest)
+    per_layer, first, last, streamable = layer_bytes(manifest)
     n = manifest["model_constants"]["num_hidden_layers"]
-    counts = plan_split(per_layer, first, last, budgets, parse_split(split, n, size) if split else None)
+    counts = plan_split(per_layer, first, last, budgets, parse_split(split, n, size) if split else None,
+                        streamable=streamable)
     stage = stages(counts)[rank]
-    model = load_artifact_model(path, stage=stage)
+    model = load_artifact_model(path, stage=stage, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if rank == 0:
         terminate_as_error()

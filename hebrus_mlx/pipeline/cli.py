@@ -13,9 +13,8 @@ def load_or_serve(path, args):
     """(pipeline, model, tokenizer) on rank 0; (None, None, None) on a serving rank once done."""
     from ..text.tokenizer import load_tokenizer
 
-    if args.expert_cache_gb is not None or args.ple_cache_gb is not None:
-        raise ValueError("--expert-cache-gb/--ple-cache-gb: streaming inside a pipeline stage is not supported yet")
-    pipe = load_pipeline(path, split=args.pipeline_split)
+    pipe = load_pipeline(path, split=args.pipeline_split, expert_cache_gb=args.expert_cache_gb,
+                         ple_cache_gb=args.ple_cache_gb)
     if pipe.rank != 0:
         try:
             stats = pipe.serve()

@@ -82,12 +82,14 @@ def parse_split(text: str, num_layers: int, size: int) -> list:
 
 
 def layer_bytes(manifest: dict) -> tuple:
-    """(bytes per layer, bytes only the first rank holds, bytes only the last rank holds) from
-    the manifest alone: dense tensors by their recorded offsets, expert records per layer, PLE
-    page stores by their layer."""
+    """(bytes per layer, bytes only the first rank holds, bytes only the last rank holds, streamable
+    bytes per layer) from the manifest alone: dense tensors by their recorded offsets, expert
+    records per layer, PLE page stores by their layer. Experts and PLE pages can stream from the
+    rank's SSD; dense tensors cannot."""
     consts = manifest["model_constants"]
     n = consts["num_hidden_layers"]
     per_layer = [0] * n
+    streamable = [0] * n
     first = last = 0
     for key, rec in manifest["tensors"].items():
         size = rec["data_offsets"][1] - rec["data_offsets"][0]
@@ -104,21 +106,17 @@ def layer_bytes(manifest: dict) -> tuple:
         if store["role"] == "experts":
             for i in range(n):
                 per_layer[i] += store["size"] // n
+                streamable[i] += store["size"] // n
         elif store["role"] == "ple":
             per_layer[store["layer"]] += store["size"]
-    return per_layer, first, last
+            streamable[store["layer"]] += store["size"]
+    return per_layer, first, last, streamable
 
 
-def plan_split(per_layer: Sequence[int], first: int, last: int, budgets: Sequence[int],
-               override: Optional[Sequence[int]] = None) -> list:
-    """Layers per rank. With `override`, only checked; otherwise the contiguous split that
-    minimises the largest load/budget ratio (exact, by dynamic programming over cut points).
-    Raises naming the rank when the best split still overfills a rank's budget."""
+def _best_split(per_layer, first, last, budgets):
+    """The contiguous split minimising the largest load/budget ratio (exact, dynamic programming
+    over cut points) and that ratio."""
     n, size = len(per_layer), len(budgets)
-    if size < 1 or n < size:
-        raise PipelineSplitError("ranks", f"{size} ranks for {n} layers: every rank needs a layer")
-    if any(b <= 0 for b in budgets):
-        raise PipelineSplitError("budgets", f"a rank has no memory budget: {list(budgets)}")
     prefix = [0]
     for b in per_layer:
         prefix.append(prefix[-1] + b)
@@ -126,37 +124,65 @@ def plan_split(per_layer: Sequence[int], first: int, last: int, budgets: Sequenc
     def load(rank, a, b):
         return prefix[b] - prefix[a] + (first if rank == 0 else 0) + (last if rank == size - 1 else 0)
 
-    if override is not None:
-        counts = list(override)
-    else:
-        # best[r][j]: the smallest max ratio placing layers [0, j) on ranks [0, r].
-        inf = float("inf")
-        best = [[inf] * (n + 1) for _ in range(size)]
-        cut = [[0] * (n + 1) for _ in range(size)]
-        for j in range(1, n + 1):
-            best[0][j] = load(0, 0, j) / budgets[0]
-        for r in range(1, size):
-            for j in range(r + 1, n + 1):
-                for i in range(r, j):
-                    v = max(best[r - 1][i], load(r, i, j) / budgets[r])
-                    if v < best[r][j]:
-                        best[r][j], cut[r][j] = v, i
-        counts, j = [], n
-        for r in range(size - 1, 0, -1):
-            i = cut[r][j]
-            counts.append(j - i)
-            j = i
-        counts.append(j)
-        counts.reverse()
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(size)]  # best[r][j]: layers [0, j) on ranks [0, r]
+    cut = [[0] * (n + 1) for _ in range(size)]
+    for j in range(1, n + 1):
+        best[0][j] = load(0, 0, j) / budgets[0]
+    for r in range(1, size):
+        for j in range(r + 1, n + 1):
+            for i in range(r, j):
+                v = max(best[r - 1][i], load(r, i, j) / budgets[r])
+                if v < best[r][j]:
+                    best[r][j], cut[r][j] = v, i
+    counts, j = [], n
+    for r in range(size - 1, 0, -1):
+        counts.append(j - cut[r][j])
+        j = cut[r][j]
+    counts.append(j)
+    return counts[::-1], best[size - 1][n]
+
+
+def _check(counts, per_layer, first, last, budgets, what):
     start = 0
+    size = len(budgets)
     for rank, c in enumerate(counts):
-        need = load(rank, start, start + c)
+        need = sum(per_layer[start:start + c]) + (first if rank == 0 else 0) + (last if rank == size - 1 else 0)
         if need > budgets[rank]:
             raise PipelineSplitError(
                 "pipeline split",
-                f"rank {rank} needs {need / 2**30:.2f} GiB for layers {start}-{start + c - 1} but has "
-                f"{budgets[rank] / 2**30:.2f} GiB; the model needs {(prefix[n] + first + last) / 2**30:.2f} GiB, "
-                f"the ranks have {sum(budgets) / 2**30:.2f} GiB together",
+                f"rank {rank} needs {need / 2**30:.2f} GiB{what} for layers {start}-{start + c - 1} but has "
+                f"{budgets[rank] / 2**30:.2f} GiB; that part of the model is {(sum(per_layer) + first + last) / 2**30:.2f} "
+                f"GiB, the ranks have {sum(budgets) / 2**30:.2f} GiB together",
             )
         start += c
+
+
+def plan_split(per_layer: Sequence[int], first: int, last: int, budgets: Sequence[int],
+               override: Optional[Sequence[int]] = None, streamable: Optional[Sequence[int]] = None) -> list:
+    """Layers per rank. With `override`, only checked; otherwise the contiguous split that
+    minimises the largest load/budget ratio. When no split holds everything resident and
+    `streamable` (experts + PLE pages per layer) is given, the split is planned on what must stay
+    resident and each rank streams the rest from its own SSD. Raises naming the rank otherwise."""
+    n, size = len(per_layer), len(budgets)
+    if size < 1 or n < size:
+        raise PipelineSplitError("ranks", f"{size} ranks for {n} layers: every rank needs a layer")
+    if any(b <= 0 for b in budgets):
+        raise PipelineSplitError("budgets", f"a rank has no memory budget: {list(budgets)}")
+    fixed = per_layer if streamable is None else [a - b for a, b in zip(per_layer, streamable)]
+    if override is not None:
+        counts = list(override)
+        try:
+            _check(counts, per_layer, first, last, budgets, "")
+        except PipelineSplitError:
+            if streamable is None:
+                raise
+            _check(counts, fixed, first, last, budgets, " resident (experts and PLE pages streamed)")
+        return counts
+    counts, ratio = _best_split(per_layer, first, last, budgets)
+    if ratio > 1 and streamable is not None:
+        counts, _ = _best_split(fixed, first, last, budgets)
+        _check(counts, fixed, first, last, budgets, " resident (experts and PLE pages streamed)")
+        return counts
+    _check(counts, per_layer, first, last, budgets, "")
     return counts

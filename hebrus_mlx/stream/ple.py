@@ -102,16 +102,17 @@ class StreamedNGramTable(nn.Module):
 
 
 def attach_ple(model, artifact: str, engine: Optional[StreamEngine] = None,
-               dtype=mx.float32, threads: int = 2) -> StreamEngine:
-    """Swap the resident table of every PLE layer for a streamed one over
-    the artifact's page stores. Returns the engine (counters)."""
+               dtype=mx.float32, threads: int = 2, layers=None) -> StreamEngine:
+    """Swap the resident table of every PLE layer (of ``layers``, default all)
+    for a streamed one over the artifact's page stores. Returns the engine
+    (counters)."""
     from ..artifact import constants as C
     from ..artifact.ple_pages import PleReader
 
     with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
         m = json.loads(f.read())
     fam = C.family(m["family"])
-    stores = [s for s in m["stores"] if s["role"] == "ple"]
+    stores = [s for s in m["stores"] if s["role"] == "ple" and (layers is None or s["layer"] in layers)]
     readers = [PleReader(os.path.join(artifact, s["path"]), fam, s["codec"]) for s in stores]
     try:
         if engine is None:
