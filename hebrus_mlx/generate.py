@@ -11,6 +11,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
+from .pipeline import launched as pipeline_launched
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .stream.errors import translate
 from .traces.schema import KIND_DECODE, KIND_PREFILL
@@ -409,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a draft model directory")
+    p.add_argument("--pipeline-split", default=None,
+                   help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)")
     return p
@@ -470,7 +473,15 @@ def main(argv=None) -> int:
         raise UsageError("--prompt", "the prompt is empty")
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+    if pipeline_launched():
+        from .hub import resolve_model
+        from .pipeline.cli import load_or_serve
+
+        pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
+        if pipe is None:
+            return 0  # a serving rank: rank 0 prints
+    else:
+        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:
@@ -482,7 +493,11 @@ def main(argv=None) -> int:
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
                     sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args))
     if not args.verbose:
-        print(text)
+        print(text, flush=True)
+    if pipeline_launched():
+        from .pipeline.cli import finish
+
+        finish(model, verbose=args.verbose)  # last: the launcher ends rank 0 once a peer exits
     return 0
 
 
