@@ -3,6 +3,7 @@
 
 import argparse
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,8 +23,16 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 CLEAR_CACHE_EVERY = 256  # tokens; as mlx-lm's generate, so the buffer cache does not grow unbounded
 
 # One stream for the model's work, as mlx-lm: host-side work on the default stream does not queue
-# behind (or in front of) a generation step.
-generation_stream = mx.new_stream(mx.default_device())
+# behind (or in front of) a generation step. MLX streams belong to the thread that made them, so each
+# generating thread (the server's worker, the CLI's main thread) gets its own.
+_thread = threading.local()
+
+
+def generation_stream():
+    stream = getattr(_thread, "stream", None)
+    if stream is None:
+        stream = _thread.stream = mx.new_stream(mx.default_device())
+    return stream
 
 
 @contextmanager
@@ -42,7 +51,7 @@ def wired_limit(model):
         yield
     finally:
         if old is not None:
-            mx.synchronize(generation_stream)
+            mx.synchronize(generation_stream())
             mx.set_wired_limit(old)
 
 
@@ -131,7 +140,7 @@ def generate_step(
         return out, trace.stage(cap, x, kind)
 
     def _step(y):
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream()):
             return _step_on_stream(y)
 
     def _step_on_stream(y):
@@ -176,7 +185,7 @@ def generate_step(
     while y.size > 1:
         n = min(prefill_step_size, y.size - 1)
         chunk = y[:n]
-        with rollback_to(snapshot()), mx.stream(generation_stream):
+        with rollback_to(snapshot()), mx.stream(generation_stream()):
             out, staged = _forward(chunk, KIND_PREFILL)
             _eval_cache(prompt_cache, out, _pending(staged))
         if staged is not None:
