@@ -11,7 +11,6 @@ the projection below is arithmetic on stated assumptions, not a measurement.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,16 +59,6 @@ def _rank_main(model, tokens, out):
     Path(out).write_text(json.dumps(res))
 
 
-def _ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _run(model, tokens, ranks, tmp):
     out = Path(tmp) / f"r{ranks}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, __file__, "--rank-main", "--model", model, "--tokens", str(tokens), "--out", str(out)]
@@ -77,8 +66,9 @@ def _run(model, tokens, ranks, tmp):
     if ranks == 1:
         subprocess.run(cmd, env=env, check=True)
     else:
-        hostfile = Path(tmp) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _ports(ranks)]))
+        from hebrus_mlx.pipeline import local_hostfile
+
+        hostfile = local_hostfile(Path(tmp) / "hosts.json", ranks)
         procs = [subprocess.Popen(cmd, env=dict(env, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(r)))
                  for r in range(ranks)]
         for p in procs:

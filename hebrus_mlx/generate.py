@@ -14,7 +14,7 @@ import mlx.core as mx
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
-from .stream.errors import translate
+from .models.cache import rollback_on_error
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
@@ -167,18 +167,8 @@ def generate_step(
     # holding it also keeps the previous buffers from being donated to the update.
     snapshot = getattr(prompt_cache, "snapshot", lambda: None)
 
-    @contextmanager
     def rollback_to(snap):
-        try:
-            yield
-        except BaseException as e:
-            if snap is not None:
-                prompt_cache.restore(snap)
-            # A streamed read that failed inside evaluation arrives untyped.
-            typed = translate(e)
-            if typed is e:
-                raise
-            raise typed from e
+        return rollback_on_error(prompt_cache, snap)
 
     y = prompt.astype(mx.int32)
     # Chunked prefill: all but the last prompt token, the cache evaluated chunk by chunk.

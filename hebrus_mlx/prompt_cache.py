@@ -19,7 +19,7 @@ import importlib
 
 import mlx.core as mx
 
-from .stream.errors import translate
+from .models.cache import rollback_on_error
 
 _gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -121,16 +121,9 @@ def _prefill(model, cache, ids: mx.array, step: int, cancelled: Callable[[], boo
         if cancelled():
             return False
         chunk, ids = ids[:step], ids[step:]
-        snap = cache.snapshot()
-        try:
+        with rollback_on_error(cache, cache.snapshot()):
             out = model(chunk[None], cache=cache)
             _gen._eval_cache(cache, out)
-        except BaseException as e:
-            cache.restore(snap)
-            typed = translate(e)
-            if typed is e:
-                raise
-            raise typed from e
     return True
 
 

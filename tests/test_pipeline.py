@@ -5,7 +5,6 @@ restore, and ending with a typed error when a rank dies or stalls."""
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hebrus_mlx.pipeline.split import PipelineSplitError, Stage, layer_bytes, parse_split, plan_split, stages
+from hebrus_mlx.pipeline import local_hostfile
+from hebrus_mlx.pipeline.split import PipelineSplitError, layer_bytes, parse_split, plan_split, stages
 from hebrus_mlx.utils import DEMO_DIR
 
 SCRIPT = Path(__file__).with_name("pipeline_script.py")
@@ -110,21 +110,17 @@ def test_layer_bytes_account_for_every_stored_byte_of_the_demo():
 
 # -- local ranks on the ring backend ----------------------------------------------------------------
 
-def _ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def _free_port():
+    import tempfile
+
+    hosts = json.loads(local_hostfile(Path(tempfile.mkdtemp()) / "hosts.json", 1).read_text())
+    return int(hosts[0][0].rsplit(":", 1)[1])
 
 
 def _launch(tmp_path, n, model, mode, split=None, timeout=60, env_extra=None, wait=120, reap=False):
     """Start n ranks; wait for all (or, with `reap`, for rank 0, then kill the rest: a rank stalled
     on purpose never ends by itself). Returns (out file, [(rc, stdout, stderr)], seconds)."""
-    hostfile = tmp_path / f"hosts{n}.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _ports(n)]))
+    hostfile = local_hostfile(tmp_path / f"hosts{n}.json", n)
     out = tmp_path / f"{mode}{n}.npz"
     args = [sys.executable, str(SCRIPT), str(model), str(out), mode] + ([split] if split else [])
     procs = []
@@ -237,7 +233,7 @@ def test_cli_under_mlx_launch_prints_the_single_process_text():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     single = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", *cmd], env=env, capture_output=True,
                             text=True, timeout=120)
-    launch = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(_ports(1)[0]),
+    launch = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()),
               "--python", sys.executable, "-m", "hebrus_mlx.cli"]
     launched = subprocess.run([*launch, *cmd], env=env, capture_output=True, text=True, timeout=120)
     assert single.returncode == 0 and launched.returncode == 0, launched.stderr

@@ -86,18 +86,21 @@ def _to_mx(a):
     return mx.array(a)
 
 
-def _dense(m: Manifest):
-    s = m.dense
-    # Admission checked this file's metadata, not its bytes. It is read whole anyway: hashed and
-    # loaded through one open descriptor, so the bytes loaded are the bytes whose digest matched.
+def _load_hashed(m: Manifest, s, what: str):
+    """A whole safetensors store: admission checked its metadata, not its bytes, so it is hashed
+    and loaded through one open descriptor (the bytes loaded are the bytes whose digest matched)."""
     with open(m.file(s), "rb") as f:
         digest = hashlib.sha256()
         while b := f.read(8 << 20):
             digest.update(b)
         if digest.hexdigest() != s.sha256:
-            raise DigestError(f"stores.{s.path}.sha256", "dense store digest mismatch")
+            raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
         f.seek(0)
-        weights = mx.load(f, format="safetensors")
+        return mx.load(f, format="safetensors")
+
+
+def _dense(m: Manifest):
+    weights = _load_hashed(m, m.dense, "dense")
     if set(weights) != set(m.tensors):
         raise AdmissionError("tensors", "dense file changed after admission")
     return weights
@@ -355,14 +358,7 @@ def _mtp_head(m: Manifest, args, dtype):
     s = m.mtp
     if s is None:
         return None
-    with open(m.file(s), "rb") as f:
-        digest = hashlib.sha256()
-        while b := f.read(8 << 20):
-            digest.update(b)
-        if digest.hexdigest() != s.sha256:
-            raise DigestError(f"stores.{s.path}.sha256", "MTP store digest mismatch")
-        f.seek(0)
-        weights = mx.load(f, format="safetensors")
+    weights = _load_hashed(m, s, "MTP")
     if set(weights) != set(s.tensors):
         raise AdmissionError("mtp.tensors", "MTP file changed after admission")
     head = MTPHead(args)

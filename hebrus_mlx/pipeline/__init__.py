@@ -14,7 +14,27 @@ from typing import Optional
 
 from .split import PipelineSplitError, Stage, layer_bytes, parse_split, plan_split, stages
 
-__all__ = ["PipelineSplitError", "Stage", "launched", "load_pipeline", "Pipeline", "gather_stats"]
+__all__ = ["PipelineSplitError", "Stage", "launched", "load_pipeline", "local_hostfile", "Pipeline", "gather_stats"]
+
+
+def local_hostfile(path, ranks: int) -> Path:
+    """Write an `mlx.launch`-style ring hostfile for `ranks` processes on this machine (free
+    loopback ports), for running a pipeline by hand: set MLX_HOSTFILE to it and MLX_RANK per
+    process. Returns the path."""
+    import json
+    import socket
+
+    socks = [socket.socket() for _ in range(ranks)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    path = Path(path)
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return path
 
 
 def launched() -> bool:
