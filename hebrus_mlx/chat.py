@@ -93,7 +93,8 @@ def main(argv=None) -> int:
                 raise gen.GenerationError(f"the conversation has {len(ids)} tokens, the context is {limit}; /reset")
             usage, reply = Usage(0, 0), ""
             for r in stream_with_cache(model, tok, ids, cache, max_tokens, sampler=sampler,
-                                       prefill_step_size=args.prefill_step_size, usage=usage):
+                                       prefill_step_size=args.prefill_step_size, usage=usage,
+                                       draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens):
                 print(r.text, end="", flush=True)
                 reply += r.text
             print()

@@ -49,19 +49,25 @@ def _dense_items(args, profile):
         yield key, shapes[key], M.dense_codec(key, shapes[key], profile)
 
 
-def write_dense(w, src, args, profile, progress):
-    """Stream the dense safetensors file: header first (all shapes are known),
-    then each tensor in header order."""
-    stored = M.stored_tensors(args, profile)
+def write_header(w, tensors):
+    """A safetensors header for `tensors` [(name, dtype, shape)], data laid out in that order;
+    returns (header, offset of the data)."""
     header, off = {}, 0
-    for name in sorted(stored):
-        dtype, shape = stored[name]
+    for name, dtype, shape in tensors:
         n = M.shape_bytes(dtype, shape)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     raw += b" " * (-len(raw) % 8)
     w.write(len(raw).to_bytes(8, "little") + raw)
+    return header, 8 + len(raw)
+
+
+def write_dense(w, src, args, profile, progress):
+    """Stream the dense safetensors file: header first (all shapes are known),
+    then each tensor in header order."""
+    stored = M.stored_tensors(args, profile)
+    header, base = write_header(w, [(name, *stored[name]) for name in sorted(stored)])
     # Stored names are written in sorted order; an affine tensor's parts
     # (x.biases, x.scales, x.weight) are adjacent there, so only one source
     # tensor's encoding is held at a time.
@@ -85,7 +91,7 @@ def write_dense(w, src, args, profile, progress):
         data = np.ascontiguousarray(arr).tobytes()
         w.write(data)
         progress(len(data))
-    return header, 8 + len(raw)
+    return header, base
 
 
 def expert_records(src, args, fam, codec_name, layout="unfused"):
@@ -111,15 +117,7 @@ def write_mtp(w, src, args, fam, profile, report, progress=None):
     with the codec the profile gives the same kind of tensor in the text model. Header first, then
     every tensor written at its offset; routed experts are encoded one expert at a time."""
     stored = M.mtp_stored_tensors(args, profile)
-    header, off = {}, 0
-    for name, (dtype, shape, _) in stored.items():
-        n = M.shape_bytes(dtype, shape)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    raw += b" " * (-len(raw) % 8)
-    w.write(len(raw).to_bytes(8, "little") + raw)
-    base = 8 + len(raw)
+    header, base = write_header(w, [(name, dtype, shape) for name, (dtype, shape, _) in stored.items()])
     keys_by_name = report["keys"]
 
     def put(stem, parts, index=None):

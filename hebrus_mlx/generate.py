@@ -3,6 +3,7 @@
 
 import argparse
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,8 +12,9 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
+from .pipeline import launched as pipeline_launched
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
-from .stream.errors import translate
+from .models.cache import rollback_on_error
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
@@ -21,8 +23,16 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 CLEAR_CACHE_EVERY = 256  # tokens; as mlx-lm's generate, so the buffer cache does not grow unbounded
 
 # One stream for the model's work, as mlx-lm: host-side work on the default stream does not queue
-# behind (or in front of) a generation step.
-generation_stream = mx.new_stream(mx.default_device())
+# behind (or in front of) a generation step. MLX streams belong to the thread that made them, so each
+# generating thread (the server's worker, the CLI's main thread) gets its own.
+_thread = threading.local()
+
+
+def generation_stream():
+    stream = getattr(_thread, "stream", None)
+    if stream is None:
+        stream = _thread.stream = mx.new_stream(mx.default_device())
+    return stream
 
 
 @contextmanager
@@ -41,7 +51,7 @@ def wired_limit(model):
         yield
     finally:
         if old is not None:
-            mx.synchronize(generation_stream)
+            mx.synchronize(generation_stream())
             mx.set_wired_limit(old)
 
 
@@ -130,7 +140,7 @@ def generate_step(
         return out, trace.stage(cap, x, kind)
 
     def _step(y):
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream()):
             return _step_on_stream(y)
 
     def _step_on_stream(y):
@@ -157,25 +167,15 @@ def generate_step(
     # holding it also keeps the previous buffers from being donated to the update.
     snapshot = getattr(prompt_cache, "snapshot", lambda: None)
 
-    @contextmanager
     def rollback_to(snap):
-        try:
-            yield
-        except BaseException as e:
-            if snap is not None:
-                prompt_cache.restore(snap)
-            # A streamed read that failed inside evaluation arrives untyped.
-            typed = translate(e)
-            if typed is e:
-                raise
-            raise typed from e
+        return rollback_on_error(prompt_cache, snap)
 
     y = prompt.astype(mx.int32)
     # Chunked prefill: all but the last prompt token, the cache evaluated chunk by chunk.
     while y.size > 1:
         n = min(prefill_step_size, y.size - 1)
         chunk = y[:n]
-        with rollback_to(snapshot()), mx.stream(generation_stream):
+        with rollback_to(snapshot()), mx.stream(generation_stream()):
             out, staged = _forward(chunk, KIND_PREFILL)
             _eval_cache(prompt_cache, out, _pending(staged))
         if staged is not None:
@@ -409,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a draft model directory")
+    p.add_argument("--pipeline-split", default=None,
+                   help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)")
     return p
@@ -470,7 +472,15 @@ def main(argv=None) -> int:
         raise UsageError("--prompt", "the prompt is empty")
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+    if pipeline_launched():
+        from .hub import resolve_model
+        from .pipeline.cli import load_or_serve
+
+        pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
+        if pipe is None:
+            return 0  # a serving rank: rank 0 prints
+    else:
+        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:
@@ -482,7 +492,11 @@ def main(argv=None) -> int:
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
                     sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args))
     if not args.verbose:
-        print(text)
+        print(text, flush=True)
+    if pipeline_launched():
+        from .pipeline.cli import finish
+
+        finish(model, verbose=args.verbose)  # last: the launcher ends rank 0 once a peer exits
     return 0
 
 

@@ -19,7 +19,7 @@ import importlib
 
 import mlx.core as mx
 
-from .stream.errors import translate
+from .models.cache import rollback_on_error
 
 _gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -121,16 +121,9 @@ def _prefill(model, cache, ids: mx.array, step: int, cancelled: Callable[[], boo
         if cancelled():
             return False
         chunk, ids = ids[:step], ids[step:]
-        snap = cache.snapshot()
-        try:
+        with rollback_on_error(cache, cache.snapshot()):
             out = model(chunk[None], cache=cache)
             _gen._eval_cache(cache, out)
-        except BaseException as e:
-            cache.restore(snap)
-            typed = translate(e)
-            if typed is e:
-                raise
-            raise typed from e
     return True
 
 
@@ -144,9 +137,14 @@ def stream_with_cache(
     prefill_step_size: int = _gen.DEFAULT_PREFILL_STEP_SIZE,
     cancelled: Callable[[], bool] = lambda: False,
     usage: Optional[Usage] = None,
+    draft_model=None,
+    num_draft_tokens: Optional[int] = None,
 ) -> Iterator[_gen.GenerationResponse]:
     """`stream_generate` over a prompt whose longest cached prefix is restored instead of
-    prefilled. Fills `usage` as it goes. Stops early (no error) when `cancelled()` turns true."""
+    prefilled. Fills `usage` as it goes. Stops early (no error) when `cancelled()` turns true.
+    `draft_model` / `num_draft_tokens` decode speculatively as `stream_generate` does (the drafter
+    sees the tokens from the last cached position on, so a prompt-lookup drafter finds fewer
+    matches after a long cached prefix; the tokens are the same either way)."""
     ids = list(ids)
     limit = _gen._context_limit(model)
     if not ids:
@@ -165,8 +163,9 @@ def stream_with_cache(
         return
     if prompt_cache is not None and len(ids) - 1 > n:
         prompt_cache.insert(ids[:-1], cache)
+    draft = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
     steps = _gen.stream_generate(model, tokenizer, ids[-1:], max_tokens=max_tokens, sampler=sampler,
-                                 prompt_cache=cache, prefill_step_size=prefill_step_size)
+                                 prompt_cache=cache, prefill_step_size=prefill_step_size, **draft)
     tokens: List[int] = []
     finished = False
     try:

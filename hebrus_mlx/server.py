@@ -218,6 +218,8 @@ class ServerDefaults:
     min_p: float = 0.0
     max_tokens: int = 512
     prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE
+    draft_model: Optional[str] = None  # speculative decoding: 'ngram', 'mtp' or a draft model dir
+    num_draft_tokens: Optional[int] = None
 
 
 @dataclass
@@ -299,6 +301,7 @@ class Worker:
         import mlx.core as mx
 
         try:
+            mx.synchronize(gen.generation_stream())  # the worker thread's generation stream
             mx.synchronize()
         except Exception as e:
             if job.cancel.is_set():
@@ -331,7 +334,9 @@ class Worker:
         finish = None
         for r in stream_with_cache(self.model, self.tokenizer, job.ids, self.prompt_cache, job.max_tokens,
                                    sampler=sampler, prefill_step_size=self.defaults.prefill_step_size,
-                                   cancelled=job.cancel.is_set, usage=job.usage):
+                                   cancelled=job.cancel.is_set, usage=job.usage,
+                                   draft_model=self.defaults.draft_model,
+                                   num_draft_tokens=self.defaults.num_draft_tokens):
             finish = r.finish_reason
             self._emit(job, ("text", r.text))
         if not job.cancel.is_set():
@@ -662,6 +667,7 @@ def _as_request_error(e) -> RequestError:
 # until this verb uses it (never silently ignored).
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
 USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
+        "draft_model", "num_draft_tokens",
         "expert_cache_gb", "ple_cache_gb"}
 
 
@@ -712,7 +718,8 @@ def main(argv=None) -> int:
     import uvicorn
 
     defaults = ServerDefaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size)
+                              max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
+                              draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
 
     def load():
         if args.seed is not None:  # on the worker thread, which samples

@@ -49,6 +49,11 @@ def import_mlx_vlm():
         pil.Image.Image = type("Image", (), {})
         pil.ImageOps = types.ModuleType("PIL.ImageOps")
         sys.modules.update({"PIL": pil, "PIL.Image": pil.Image, "PIL.ImageOps": pil.ImageOps})
+    # tests/mtp_fixture.py registers model packages bare (its drafter needs only submodules): import
+    # them for real here, whatever ran first.
+    for name in [n for n, m in sys.modules.items() if n.startswith("mlx_vlm.models.") and n.count(".") == 2
+                 and getattr(m, "__file__", None) is None]:
+        del sys.modules[name]
     return (importlib.import_module("mlx_vlm.models.qwen4_exp"), importlib.import_module("mlx_vlm.quant_utils"),
             importlib.import_module("mlx_vlm.utils"))
 

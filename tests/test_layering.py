@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "hebrus_mlx"
 
 FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.models.qwen4exp_config",
-          "hebrus_mlx.models.checkpoint_keys")
+          "hebrus_mlx.models.checkpoint_keys", "hebrus_mlx.pipeline.split")
 RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one module
     (FORMAT, 0),
     (("hebrus_mlx.admission",), 1),
@@ -29,7 +29,8 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.traces", "hebrus_mlx.traces.", "hebrus_mlx.models.mtp"), 2),
     (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.convert",
       "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.prompt_cache",
-      "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify", "hebrus_mlx.bench",
+      "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify",
+      "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli", "hebrus_mlx.bench",
       "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate."), 3),
     (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.chat"), 4),
 ]

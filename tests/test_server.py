@@ -452,14 +452,61 @@ def test_cli_flags(monkeypatch, capsys):
         assert cli_main(["server", *argv]) == 2
         err = capsys.readouterr().err
         assert flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # Generate's trace and pipeline flags are shared but refused until the server uses them.
+    for flag in (["--trace-out", "/tmp/x"], ["--pipeline-split", "4,4"]):
+        assert cli_main(["server", *flag]) == 2
+        assert f"{flag[0]}: not supported by `hebrus-mlx server` yet" in capsys.readouterr().err
     original = gen.build_parser
 
-    def with_draft():
+    def with_new_flag():
         p = original()
-        p.add_argument("--draft-model", default=None)
+        p.add_argument("--future-flag", default=None)
         return p
 
-    monkeypatch.setattr(gen, "build_parser", with_draft)
-    assert "--draft-model" in srv.build_parser().format_help()
-    assert cli_main(["server", "--draft-model", "x"]) == 2
-    assert "--draft-model: not supported by `hebrus-mlx server` yet" in capsys.readouterr().err
+    monkeypatch.setattr(gen, "build_parser", with_new_flag)
+    assert "--future-flag" in srv.build_parser().format_help()
+    assert cli_main(["server", "--future-flag", "x"]) == 2
+    assert "--future-flag: not supported by `hebrus-mlx server` yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft", ["ngram", "mtp"])
+def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch):
+    """Issue 16: the server takes generate's --draft-model; speculative decoding through the worker
+    (prefix cache included: the second request restores the first prompt's state) gives the plain
+    in-process text at temperature 0."""
+    import asyncio
+
+    from hebrus_mlx import load
+    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+
+    import hebrus_mlx.speculative as spec
+
+    made, real = [], spec.make_drafter
+    monkeypatch.setattr(spec, "make_drafter", lambda *a, **k: made.append(a[0]) or real(*a, **k))
+    tok, run = reference
+    worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults(draft_model=draft, num_draft_tokens=3))
+    sampling = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False)
+    first = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    second = first + tok.encode("    return fibonacci(n - 1)")
+
+    async def complete(ids, n):
+        job = Job(ids, sampling, n, asyncio.get_running_loop(), asyncio.Queue())
+        worker.jobs.put(job)
+        text = ""
+        while True:
+            kind, value = await asyncio.wait_for(job.events.get(), 60)
+            if kind != "text":
+                assert kind == "done", value
+                return text, job.usage
+            text += value
+
+    async def scenario():
+        return await complete(first, 16), await complete(second, 16)
+
+    try:
+        (a, _), (b, usage) = asyncio.run(scenario())
+    finally:
+        worker.stop()
+    assert made == [draft, draft]  # both requests decoded speculatively
+    assert a == run(first, 16)[0] and b == run(second, 16)[0]
+    assert usage.cached_tokens > 0  # the second request reused the first prompt's state

@@ -10,23 +10,19 @@ The corruption is made on disk by the test after the first read.
 
 import hashlib
 
-import numpy as np
 import pytest
 
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import DigestMismatchError
 
-pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
+from stream_store import REC, random_store
 
-REC = 2 * 4096
+pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
 
 @pytest.fixture
 def store(tmp_path):
-    data = np.random.default_rng(10).integers(0, 256, 8 * REC, dtype=np.uint8).tobytes()
-    path = tmp_path / "store.bin"
-    path.write_bytes(data)
-    return path, data
+    return random_store(tmp_path, 8, seed=10)
 
 
 def make():

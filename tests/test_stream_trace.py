@@ -15,24 +15,20 @@ test_stream_engine.py checks independently against the request pattern
 import time
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors
 from hebrus_mlx.stream.errors import StreamRequestError
 
-pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
+from stream_store import REC, random_store
 
-REC = 2 * 4096
+pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
 
 @pytest.fixture
 def store(tmp_path):
-    data = np.random.default_rng(7).integers(0, 256, 32 * REC, dtype=np.uint8).tobytes()
-    path = tmp_path / "store.bin"
-    path.write_bytes(data)
-    return path, data
+    return random_store(tmp_path, 32, seed=7)
 
 
 def make(path, threads=2, capacity=16 * REC):

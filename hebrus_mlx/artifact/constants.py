@@ -35,7 +35,6 @@ PLE_MAX_ROWS_PER_PAGE = 1 << 20
 PLE_DEFAULT_PAGE_BYTES = 64 * 1024
 
 U32_MAX = (1 << 32) - 1
-U64_MAX = (1 << 64) - 1
 OFF_T_MAX = (1 << 63) - 1
 
 MANIFEST_NAME = "manifest.json"

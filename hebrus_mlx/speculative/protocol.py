@@ -168,7 +168,7 @@ def speculative_generate_step(
     "auto" (default: choose the block per step, see governor.py), None (always the limit) or a
     Governor."""
     from ..errors import GenerationError
-    from ..stream.errors import translate
+    from ..models.cache import rollback_on_error
     from .governor import Governor
 
     if prompt.ndim != 1 or prompt.size == 0:
@@ -213,14 +213,8 @@ def speculative_generate_step(
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def guarded(snap, fn):
-        try:
+        with rollback_on_error(cache, snap):
             return fn()
-        except BaseException as e:
-            cache.restore(snap)
-            typed = translate(e)
-            if typed is e:
-                raise
-            raise typed from e
 
     if max_tokens == 0:
         return

@@ -22,11 +22,13 @@ class Streaming:
                  switches: Sequence[StreamedSwitchGLU] = ()):
         self.engine = engine
         self.experts = experts  # None when only PLE pages stream
-        self.switches = list(switches)  # one per layer when experts stream
+        self.switches = list(switches)  # one per streamed layer (a pipeline stage: its own)
+        self._by_layer = {s.layer: s for s in self.switches}
 
     @property
     def max_chunk_tokens(self) -> Optional[int]:
         return None if self.experts is None else self.experts.max_chunk_tokens
 
     def layer_start(self, layer: int, x: mx.array) -> mx.array:
-        return self.switches[layer].layer_start(x) if self.switches else x
+        switch = self._by_layer.get(layer)
+        return switch.layer_start(x) if switch is not None else x
