@@ -13,6 +13,7 @@ import mlx.core as mx
 from .errors import HebrusError, UsageError
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .stream.errors import translate
+from .stream.predict import add_prefetch_argument, prefetch_from_args
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -235,7 +236,7 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         if model.streaming is not None:
             from .stream.engine import io_summary
 
-            print(io_summary(model.streaming.engine.counters()))
+            print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
     return text
 
 
@@ -274,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
     p.add_argument("--ple-cache-gb", type=float, default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
+    add_prefetch_argument(p)
     return p
 
 
@@ -295,11 +297,13 @@ def _check_args(args):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
 
 
-def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None):
+def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
+          prefetch=None):
     from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
     from .utils import load
 
-    return load(resolve_model(name), expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    return load(resolve_model(name), expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
+                prefetch=prefetch)
 
 
 def main(argv=None) -> int:
@@ -312,7 +316,7 @@ def main(argv=None) -> int:
         raise UsageError("--prompt", "the prompt is empty")
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+    model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args))
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:

@@ -81,7 +81,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
 
 
 def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
-               ple_cache_gb: Optional[float] = None):
+               ple_cache_gb: Optional[float] = None, prefetch=None):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
     size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident.
@@ -91,21 +91,24 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
     if isinstance(path, Manifest) or is_artifact(path):
         from .loading.artifact import load_artifact_model  # admission runs before any graph buffer
 
-        return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+        return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
+                                   prefetch=prefetch)
     path = Path(path)
-    for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb)):
+    for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb),
+                         ("prefetch", prefetch)):
         if value is not None:
             raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype)
 
 
 def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
-         ple_cache_gb: Optional[float] = None):
+         ple_cache_gb: Optional[float] = None, prefetch=None):
     """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir.
 
     expert_cache_gb: stream an artifact's routed experts through a cache of this many GiB
     (`--expert-cache-gb`); ple_cache_gb: its PLE table pages (`--ple-cache-gb`). None decides
-    from available memory.
+    from available memory. prefetch: streamed experts' read-ahead (`--prefetch`, see
+    `stream.predict`); None: the default.
     """
     from .text.tokenizer import load_tokenizer
 
@@ -117,6 +120,7 @@ def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache
         # One admission: the graph and the tokenizer use exactly the bytes it checked.
         source = admit(str(path))
         sources = source.sources
-    model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
+                       prefetch=prefetch)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources)
     return model, tokenizer

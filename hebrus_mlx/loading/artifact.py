@@ -35,6 +35,7 @@ from ..errors import UsageError
 from ..models.qwen4exp import Model
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
+from ..stream.predict import parse_prefetch
 from ..stream.ple import attach_ple
 from ..stream.streaming import Streaming
 from ..stream.switch import attach
@@ -225,7 +226,7 @@ def _attach_streamed(m: Manifest, model, rows, dtype, engine):
     return experts, switches
 
 
-def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None) -> Model:
+def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, prefetch=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -243,6 +244,10 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     :class:`~hebrus_mlx.stream.streaming.Streaming` (engine, experts),
     None when everything is resident. Only the streamed parameters are
     left out of the strict weight load.
+
+    prefetch: the streamed experts' read-ahead (``stream.predict``: ``"off"``, ``"previous"``,
+    ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: the default. Naming one
+    for a model whose experts are resident is a UsageError.
     """
     # Admission raises before anything below allocates.
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
@@ -285,5 +290,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     mx.eval(model.parameters())
     model.eval()
     if engine is not None:
-        model.streaming = Streaming(engine, experts, switches)
+        model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
+    elif prefetch is not None and parse_prefetch(prefetch).kind != "off":
+        raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
     return model
