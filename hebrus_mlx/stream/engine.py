@@ -64,8 +64,8 @@ def prediction_stats(counters: dict) -> dict:
 def io_summary(counters: dict, prefetch=None) -> str:
     """One line for generate's stats: bytes read, hit rate, exposed wait,
     hidden fraction (from :meth:`StreamEngine.counters`); with ``prefetch``
-    (the PrefetchSpec in use) also the predictor's name, timely recall,
-    precision and wasted bytes."""
+    (the PrefetchSpec in use) also the predictor's name, timely recall and
+    precision (wasted bytes are in the main line)."""
     c = counters
     read = (c["exact_bytes"] + c["predicted_bytes"]) / 1e9
     lookups = c["hits"] + c["joins"] + c["misses"]
@@ -84,7 +84,7 @@ def _prefetch_summary(c: dict, prefetch) -> str:
     s = prediction_stats(c)
     pct = lambda v: "n/a" if v is None else f"{100.0 * v:.1f}%"  # noqa: E731
     return (f"prefetch {prefetch.name}: timely recall {pct(s['timely_recall'])}, "
-            f"precision {pct(s['precision'])}, wasted {c['wasted_bytes'] / 1e9:.3f} GB")
+            f"precision {pct(s['precision'])}")
 
 
 # Engine trace (metal_ext/trace.h). Times are steady-clock ns, the clock of
