@@ -13,6 +13,9 @@ VERBS = {
     "convert": "hebrus_mlx.convert",
     "admit": "hebrus_mlx.admission",
     "verify": "hebrus_mlx.verify",
+    "server": "hebrus_mlx.server",
+    "chat": "hebrus_mlx.chat",
+    "traces": "hebrus_mlx.traces.command",
 }
 
 # HEBRUS_TRACEBACK=1 also prints the traceback of a typed error (for debugging; bugs always show it).

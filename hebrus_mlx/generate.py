@@ -14,6 +14,7 @@ from .errors import HebrusError, UsageError
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .stream.errors import translate
 from .stream.predict import add_prefetch_argument, prefetch_from_args
+from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -39,10 +40,10 @@ class GenerationResponse:
     finish_reason: Optional[str] = None
 
 
-def _eval_cache(cache, fallback):
+def _eval_cache(cache, fallback, extra=()):
     states = cache.arrays
     # Evaluating the cache alone leaves the chunk's vocabulary projection unevaluated.
-    mx.eval(states if states else fallback)
+    mx.eval(*(states if states else [fallback]), *extra)
 
 
 # mlx-lm's --max-kv-size keeps a rotating window of the last N keys. Qwen4Exp's QSA layers select
@@ -68,9 +69,13 @@ def generate_step(
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     max_kv_size: Optional[int] = None,
+    trace=None,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; logprobs are over the physical width, -inf past the
-    effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops."""
+    effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops.
+
+    trace: a `traces.capture.TraceRecorder` records the native routes of every token fed (read
+    back once per step or prefill chunk); the caller closes it."""
     if prompt.ndim != 1 or prompt.size == 0:
         raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
     if prefill_step_size < 1:
@@ -81,17 +86,30 @@ def generate_step(
     sampler = sampler or make_sampler(effective_vocab_size)
     logits_processors = logits_processors or []
     tokens = None
+    if trace is not None:
+        trace.begin(getattr(prompt_cache, "next_position", 0))
+
+    def _forward(x, kind):
+        if trace is None:
+            return model(x[None], cache=prompt_cache), None
+        cap = trace.capture()
+        out = model(x[None], cache=prompt_cache, capture=cap)
+        return out, trace.stage(cap, x, kind)
 
     def _step(y):
         nonlocal tokens
-        logits = model(y[None], cache=prompt_cache)[:, -1, :]
+        logits, staged = _forward(y, KIND_DECODE)
+        logits = logits[:, -1, :]
         if logits_processors:
             tokens = y if tokens is None else mx.concatenate([tokens, y])
             for proc in logits_processors:
                 logits = proc(tokens, logits)
         logits = apply_vocab_mask(logits, effective_vocab_size)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs.squeeze(0)
+        return sampler(logprobs), logprobs.squeeze(0), staged
+
+    def _pending(staged):
+        return staged.arrays if staged is not None else []
 
     streaming = model.streaming
     if streaming is not None and streaming.max_chunk_tokens is not None:
@@ -121,16 +139,18 @@ def generate_step(
         n = min(prefill_step_size, y.size - 1)
         chunk = y[:n]
         with rollback_to(snapshot()):
-            out = model(chunk[None], cache=prompt_cache)
-            _eval_cache(prompt_cache, out)
+            out, staged = _forward(chunk, KIND_PREFILL)
+            _eval_cache(prompt_cache, out, _pending(staged))
+        if staged is not None:
+            trace.commit(staged)
         if logits_processors:
             tokens = chunk if tokens is None else mx.concatenate([tokens, chunk])
         y = y[n:]
 
     snap = snapshot()
     with rollback_to(snap):
-        y, logprobs = _step(y)
-        mx.async_eval(y, logprobs)
+        y, logprobs, staged = _step(y)
+        mx.async_eval(y, logprobs, *_pending(staged))
     n = 0
     while True:
         # Until its token is read, the current step and the one queued on top of it roll back
@@ -139,13 +159,15 @@ def generate_step(
             if n != max_tokens:
                 # Queue the next step before reading this one, so the host never idles the device.
                 next_snap = snapshot()
-                next_y, next_logprobs = _step(y)
-                mx.async_eval(next_y, next_logprobs)
+                next_y, next_logprobs, next_staged = _step(y)
+                mx.async_eval(next_y, next_logprobs, *_pending(next_staged))
+            if staged is not None:
+                trace.commit(staged)  # the step that fed the previous token
             if n == max_tokens:
                 break
             token = y.item()
         yield token, logprobs
-        y, logprobs, snap = next_y, next_logprobs, next_snap
+        y, logprobs, snap, staged = next_y, next_logprobs, next_snap, next_staged
         n += 1
 
 
@@ -175,9 +197,19 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
+    *,
+    trace_out=None,
+    trace_features: int = 0,
+    trace_owner: str = "local",
+    trace_generation: int = 0,
+    trace_sampling: Optional[dict] = None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
-    """Generate, yielding a GenerationResponse per token; stops on the tokenizer's stop set."""
+    """Generate, yielding a GenerationResponse per token; stops on the tokenizer's stop set.
+
+    trace_out: record a route trace of this sequence into that directory (off by default; token
+    IDs are sensitive). trace_features=N also records the router input of every Nth position;
+    trace_owner/trace_generation are opaque labels; trace_sampling describes the sampler."""
     ids = _prompt_ids(tokenizer, prompt)
     limit = _context_limit(model)
     if limit is not None and ids.size > limit:
@@ -187,6 +219,21 @@ def stream_generate(
     if limit is not None:
         room = limit - ids.size
         max_tokens = room if max_tokens == -1 else min(max_tokens, room)
+
+    if trace_out is not None:
+        # The same loop with a recorder, closed (remaining observations published) however it ends.
+        from .traces.capture import TraceRecorder
+
+        if trace_sampling is None:
+            trace_sampling = {"sampler": "greedy" if kwargs.get("sampler") is None else "caller"}
+        recorder = TraceRecorder.for_model(trace_out, model, tokenizer, owner=trace_owner,
+                                           generation=trace_generation, sampling=trace_sampling,
+                                           feature_every=trace_features)
+        try:
+            yield from stream_generate(model, tokenizer, ids, max_tokens, trace=recorder, **kwargs)
+        finally:
+            recorder.close()
+        return
 
     detok = tokenizer.detokenizer
     stops = tokenizer.stop_token_ids
@@ -276,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ple-cache-gb", type=float, default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
     add_prefetch_argument(p)
+    p.add_argument("--trace-out", default=None, metavar="DIR",
+                   help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
+    p.add_argument("--trace-features", type=int, default=0, metavar="N",
+                   help="with --trace-out, also record the router input of every Nth position (0 = off)")
+    p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
     return p
 
 
@@ -295,6 +347,8 @@ def _check_args(args):
     for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
         if value is not None and not (0 < value < float("inf")):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
+    if args.trace_features < 0:
+        raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
@@ -304,6 +358,14 @@ def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Opti
 
     return load(resolve_model(name), expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
                 prefetch=prefetch)
+
+
+def _trace_kwargs(args) -> dict:
+    if args.trace_out is None:
+        return {}
+    sampling = {"temp": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed}
+    return {"trace_out": args.trace_out, "trace_features": args.trace_features, "trace_owner": args.trace_owner,
+            "trace_sampling": sampling}
 
 
 def main(argv=None) -> int:
@@ -322,11 +384,11 @@ def main(argv=None) -> int:
     else:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
-        _, ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
                            min_p=args.min_p, top_k=args.top_k)
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
-                    sampler=sampler, prefill_step_size=args.prefill_step_size)
+                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args))
     if not args.verbose:
         print(text)
     return 0

@@ -123,4 +123,5 @@ def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache
     model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
                        prefetch=prefetch)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources)
+    model.source_path = path  # route traces pin the artifact by its digest
     return model, tokenizer

@@ -65,7 +65,10 @@ def test_render_bytes_match_upstream(case):
 def test_caller_text_never_becomes_special_ids(tok, case):
     """AFN-006: special IDs in the model input come only from TRUSTED_CONTROL segments; for
     chats whose caller text spells no control, segmented IDs equal flat upstream IDs."""
-    r, ids = tok.apply_chat_template(case["messages"], case["tools"], **case["kwargs"])
+    r = tok.render_chat(case["messages"], case["tools"], **case["kwargs"])
+    ids = tok.apply_chat_template(case["messages"], case["tools"], **case["kwargs"])
+    assert ids == tok.encode_segments(r)
+    assert tok.apply_chat_template(case["messages"], case["tools"], tokenize=False, **case["kwargs"]) == r.text
     control_ids = []
     for kind, text in r.pieces():
         if kind == TRUSTED_CONTROL:
@@ -101,8 +104,8 @@ def test_literal_controls_stay_data(tok, where, literal):
         tools = [{"type": "function", "function": {"name": "f", "description": payload}}]
     baseline_msgs = json.loads(json.dumps(msgs).replace(literal, "").replace(json.dumps(literal)[1:-1], ""))
     baseline_tools = None if tools is None else [{"type": "function", "function": {"name": "f", "description": "ab"}}]
-    r, ids = tok.apply_chat_template(msgs, tools)
-    _, base_ids = tok.apply_chat_template(baseline_msgs, baseline_tools)
+    r, ids = tok.render_chat(msgs, tools), tok.apply_chat_template(msgs, tools)
+    base_ids = tok.apply_chat_template(baseline_msgs, baseline_tools)
     assert any(kind == DATA and literal in text for kind, text in r.pieces())
     assert not any(kind == TRUSTED_CONTROL and literal in text and "a" + literal in text for kind, text in r.pieces())
     # The literal adds ordinary tokens only: the special-ID sequence is the baseline's.
@@ -147,11 +150,12 @@ def test_enable_thinking_false_is_control():
 ])
 def test_rejections_are_typed_and_clean(tok, messages, err, field):
     """AFN-006: bad requests fail with a typed error naming the field; earlier outputs survive."""
-    before, before_ids = tok.apply_chat_template([{"role": "user", "content": "keep"}])
+    keep = [{"role": "user", "content": "keep"}]
+    before, before_ids = tok.render_chat(keep), tok.apply_chat_template(keep)
     with pytest.raises(err) as e:
         tok.apply_chat_template(messages)
     assert field in str(e.value)
-    after, after_ids = tok.apply_chat_template([{"role": "user", "content": "keep"}])
+    after, after_ids = tok.render_chat(keep), tok.apply_chat_template(keep)
     assert (after, after_ids) == (before, before_ids)
 
 

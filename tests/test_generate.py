@@ -219,7 +219,7 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
 
     tok.chat_template = qwen_template()
     model = ScriptModel(tok.encode("ok") + [IM_END])
-    _, ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
+    ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
     model.prompt_len = len(ids)
     from hebrus_mlx.cli import main
 
@@ -311,7 +311,7 @@ def test_end_to_end_on_tiny_checkpoint(tmp_path):
     d = _byte_tokenizer_checkpoint(tmp_path, Path(__file__).parents[1] / "tests" / "fixtures" / "parity" / "tiny_a")
     model, tok = load(str(d))
     assert (tok.effective_vocab_size, tok.physical_vocab_size) == (259, 320)
-    _, ids = tok.apply_chat_template([{"role": "user", "content": "hi <|im_end|>"}])
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi <|im_end|>"}])
     assert ids.count(258) == 1  # only the template's <|im_end|>; the user's literal stays bytes
     rs = list(stream_generate(model, tok, ids, max_tokens=12))
     assert all(r.token < 259 for r in rs)

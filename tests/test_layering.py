@@ -25,10 +25,11 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
     (("hebrus_mlx.admission",), 1),
     (("hebrus_mlx.loading", "hebrus_mlx.loading.", "hebrus_mlx.models", "hebrus_mlx.models.qwen4exp",
       "hebrus_mlx.models.cache", "hebrus_mlx.models.gated_delta", "hebrus_mlx.stream", "hebrus_mlx.stream.",
-      "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.utils", "hebrus_mlx.hub"), 2),
+      "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.utils", "hebrus_mlx.hub",
+      "hebrus_mlx.traces", "hebrus_mlx.traces."), 2),
     (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.convert",
-      "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources"), 3),
-    (("hebrus_mlx.cli", "hebrus_mlx"), 4),
+      "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.prompt_cache"), 3),
+    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.chat"), 4),
 ]
 
 

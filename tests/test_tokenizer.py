@@ -201,3 +201,35 @@ def test_live_upstream_recapture_matches_fixture(qwen_dir):
     import capture_text_cases
 
     assert capture_text_cases.tokenizer_cases(qwen_dir) == CASES
+
+
+def test_mlx_lm_tokenizer_conventions():
+    """Code written for mlx-lm / transformers runs unchanged: apply_chat_template returns IDs
+    (tokenize=True) or the string, eos/vocab accessors answer from the checkpoint's files."""
+    import json as _json
+
+    from hebrus_mlx.text.tokenizer import load_tokenizer as _load
+    from hebrus_mlx.utils import DEMO_DIR
+
+    tok = _load(DEMO_DIR, physical_vocab_size=4224)
+    msgs = [{"role": "user", "content": "hi <|im_end|>"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    assert ids == tok.encode_segments(tok.render_chat(msgs))
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert text == "<|im_start|>user\nhi <|im_end|><|im_end|>\n<|im_start|>assistant\n"
+    # The caller's literal stays DATA: one <|im_end|> ID (the template's), not two.
+    vocab = tok.get_vocab()
+    files = _json.loads((DEMO_DIR / "tokenizer.json").read_text("utf-8"))
+    added = {t["content"]: t["id"] for t in files["added_tokens"]}
+    assert ids.count(added["<|im_end|>"]) == 1
+    assert vocab["<|im_end|>"] == added["<|im_end|>"] and len(vocab) == tok.effective_vocab_size
+    assert tok.convert_tokens_to_ids("<|im_end|>") == added["<|im_end|>"]
+    assert tok.convert_tokens_to_ids(["<think>", "no-such-token-xyz"]) == [added["<think>"], None]
+    gen_cfg = _json.loads((DEMO_DIR / "generation_config.json").read_text("utf-8"))
+    assert set(gen_cfg["eos_token_id"]) <= tok.eos_token_ids
+    assert tok.eos_token_id == added["<|im_end|>"]  # tokenizer_config eos_token
+    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi")
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    with pytest.raises(TokenizerError, match="return_dict"):
+        tok.apply_chat_template(msgs, return_dict=True)

@@ -126,6 +126,23 @@ class AttentionCache:
     def restore(self, snap):
         (self.keys, self.values, self.raw_keys, self.block_keys, self.length, self.n_groups, self.start_position) = snap
 
+    def detach(self):
+        """A snapshot that later appends cannot reach: buffers cut to the live rows.
+
+        `snapshot()` shares the growable buffers, which appends write in place past `length`;
+        that is fine for rolling back one sequence but not for a second sequence that continues
+        from the same prefix. A restored detached snapshot has no spare capacity, so its first
+        append copies into a fresh buffer.
+        """
+        n, g = self.length, self.n_groups
+        return (
+            None if not n else self.keys[:, :, :n],
+            None if not n else self.values[:, :, :n],
+            None if not n else self.raw_keys[:, :n],
+            None if not g else self.block_keys[:, :g],
+            n, g, self.start_position,
+        )
+
 
 class SequenceCache(list):
     """All layer caches of one sequence plus its logical position run."""
@@ -179,6 +196,13 @@ class SequenceCache(list):
         self.offset, self.start_position, layers = snap
         for layer, state in zip(self, layers):
             layer.restore(state)
+
+    def detach(self):
+        """A snapshot another sequence may `restore()` and continue from (prefix reuse) without
+        the two sequences writing into each other's attention buffers. Recurrent state is
+        replaced, never written in place, so its references are shared as they are."""
+        return (self.offset, self.start_position,
+                tuple(layer.detach() if isinstance(layer, AttentionCache) else layer.snapshot() for layer in self))
 
     @property
     def arrays(self):

@@ -37,11 +37,18 @@ class DenseOracleLimitError(ValueError):
 
 
 class Capture:
-    """Opt-in per-call record of hidden states, routes and QSA selections (tests, traces)."""
+    """Opt-in per-call record of hidden states, routes and QSA selections (tests, traces).
 
-    def __init__(self):
-        self.hidden: list[mx.array] = []
+    Everything stays lazy on the device; the caller decides when to read it back. Route traces
+    pass hidden=False (holding every layer's streams of a prefill chunk is too much memory) and
+    router_inputs=True only when they record the router's input feature.
+    """
+
+    def __init__(self, hidden: bool = True, router_inputs: bool = False):
+        self.hidden: Optional[list[mx.array]] = [] if hidden else None
         self.routes: dict[int, mx.array] = {}
+        self.route_weights: dict[int, mx.array] = {}
+        self.router_inputs: Optional[dict[int, mx.array]] = {} if router_inputs else None
         self.qsa_selected: dict[int, tuple[mx.array, mx.array]] = {}
 
 
@@ -551,6 +558,9 @@ class SparseMoE(nn.Module):
         inds, scores = self.route(x)
         if capture is not None:
             capture.routes[layer] = inds
+            capture.route_weights[layer] = scores
+            if capture.router_inputs is not None:
+                capture.router_inputs[layer] = x  # post-hyper-connection MLP input
         routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
         shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
@@ -624,7 +634,7 @@ class TextModel(nn.Module):
                 # Streamed experts start their lookahead reads when the layer starts.
                 streams = self.streaming.layer_start(i, streams)
             streams = layer(streams, ids, layer_cache, capture, self.streaming)
-            if capture is not None:
+            if capture is not None and capture.hidden is not None:
                 capture.hidden.append(streams)
         mixed, _ = self.hyper_connection_mixer.mix(streams)
         return mixed

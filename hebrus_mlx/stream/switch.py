@@ -67,6 +67,11 @@ class StreamedSwitchGLU(nn.Module):
         return mx.gather_mm(x, w["weight"].swapaxes(-1, -2), rhs_indices=rows,
                             sorted_indices=sorted_rows)
 
+    def forget_routes(self):
+        """Drop the previous token's routes (the P1 hint's source), e.g. after a cancelled or
+        failed step whose routes must not be evaluated by the next sequence."""
+        self._prev = None
+
     def layer_start(self, x: mx.array) -> mx.array:
         """``x`` (the layer's input), made to depend on the P1 hint."""
         if not self._experts.prefetch_previous or self._prev is None:

@@ -97,10 +97,19 @@ class TextTokenizer:
     def _encode_control(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode(self, text: str, *, trusted: bool = False) -> List[int]:
-        """Encode one string; caller text is DATA unless `trusted` is set explicitly."""
+    def encode(self, text: str, add_special_tokens: bool = True, *, trusted: bool = False) -> List[int]:
+        """Encode one string; caller text is DATA unless `trusted` is set explicitly.
+
+        `add_special_tokens` is accepted for mlx-lm/transformers callers; Qwen's post-processor
+        adds no BOS/EOS, so it changes nothing (a tokenizer.json whose post-processor would add
+        some is refused rather than silently ignored).
+        """
         if not isinstance(text, str):
             raise TokenizerError(f"text must be str, got {type(text).__name__}")
+        post = self._tok.post_processor
+        if add_special_tokens and post is not None and post.num_special_tokens_to_add(False):
+            raise TokenizerError("add_special_tokens: this tokenizer's post-processor adds special tokens; "
+                                 "pass add_special_tokens=False")
         return self._encode_control(text) if trusted else self._encode_data(text)
 
     def encode_segments(self, segments) -> List[int]:
@@ -115,14 +124,61 @@ class TextTokenizer:
             out.extend(self._encode_control(text) if kind == TRUSTED_CONTROL else self._encode_data(text))
         return out
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None):
-        """Render with the checkpoint's template and tokenize by provenance -> (Rendered, ids)."""
+    def render_chat(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> Rendered:
+        """Render with the checkpoint's template; the result keeps each byte's provenance
+        (DATA / TRUSTED_CONTROL segments). `encode_segments(render_chat(...))` are the IDs."""
         if self.chat_template is None:
             raise TokenizerError("this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)")
         if self._renderer is None:
             self._renderer = ChatRenderer(self.chat_template, self.special_tokens_map)
-        rendered = self._renderer.render(messages, tools, add_generation_prompt, enable_thinking)
-        return rendered, self.encode_segments(rendered)
+        return self._renderer.render(messages, tools, add_generation_prompt, enable_thinking)
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=True,
+                            enable_thinking=None, **kwargs):
+        """mlx-lm / transformers call shape: token IDs (`tokenize=True`) or the rendered string.
+
+        The IDs are tokenized by provenance (AFN-006): caller text stays DATA. The string is for
+        display; re-encoding it with `encode` would turn the template's control spellings into
+        plain text, so use the IDs for generation.
+        """
+        if kwargs:
+            # transformers' extras (return_dict, continue_final_message, ...) change the output.
+            raise TokenizerError(f"apply_chat_template: unsupported argument {sorted(kwargs)[0]!r}")
+        rendered = self.render_chat(messages, tools, add_generation_prompt, enable_thinking)
+        return self.encode_segments(rendered) if tokenize else rendered.text
+
+    # -- vocabulary ---------------------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> frozenset:
+        """Every ID that ends generation (generation_config eos plus the stop tokens)."""
+        return self.stop_token_ids
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        """The checkpoint's eos token (tokenizer_config `eos_token`), else the smallest stop ID."""
+        eos = self.special_tokens_map.get("eos_token")
+        if eos in self.added_tokens:
+            return self.added_tokens[eos]
+        return min(self.stop_token_ids) if self.stop_token_ids else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.effective_vocab_size
+
+    def get_vocab(self) -> dict:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens):
+        """One token string -> ID (None if unknown), or a list of them -> list, like transformers."""
+        if isinstance(tokens, str):
+            return self._tok.token_to_id(tokens)
+        return [self._tok.token_to_id(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids):
+        if isinstance(ids, int):
+            return self._tok.id_to_token(self.check_ids([ids])[0])
+        return [self._tok.id_to_token(i) for i in self.check_ids(ids)]
 
     # -- decode -------------------------------------------------------------------------------
 

@@ -1,0 +1,115 @@
+"""`hebrus-mlx chat`: an interactive chat REPL like `mlx_lm.chat`.
+
+Each turn renders the whole conversation with the checkpoint's template (caller text stays DATA,
+AFN-006) and restores the longest cached prefix, so a turn prefills only what is new since the
+previous one. Commands: /reset (forget the conversation, keep the system prompt), /help, /exit
+(or q, or end of input).
+"""
+
+import argparse
+import importlib
+import sys
+
+from .errors import UsageError
+from .prompt_cache import PromptCache, Usage, stream_with_cache
+from .sample_utils import make_sampler
+from .server import USED, refuse_unused, share_generate_flags
+from .stream.errors import StreamError
+from .stream.predict import prefetch_from_args
+from .text.chat import ChatError
+from .text.tokenizer import TokenizerError
+
+gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+
+HELP = "Type a message. /reset clears the conversation, /help shows this, /exit or q quits."
+_NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = gen._Parser(prog="hebrus-mlx chat", description="Chat with a hebrus-mlx model in the terminal.",
+                    conflict_handler="resolve")
+    # generate's model, cache and sampling flags (incl. --system-prompt), so the verbs cannot drift.
+    p.shared = share_generate_flags(p, _NOT_SHARED)
+    p.add_argument("--verbose", type=gen._str2bool, default=True, help="print a stats line after each reply")
+    p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
+                   help="byte limit of cached prefix snapshots (0: prefill the whole conversation every turn)")
+    p.set_defaults(max_tokens=256)
+    return p
+
+
+def _stats(u: Usage) -> str:
+    new = u.prompt_tokens - u.cached_tokens
+    ptps = new / u.prompt_seconds if u.prompt_seconds > 0 else 0.0
+    gtps = (u.completion_tokens - 1) / u.generation_seconds if u.generation_seconds > 0 else 0.0
+    return (f"[prompt: {u.prompt_tokens} tokens ({u.cached_tokens} cached, {new} prefilled, {ptps:.1f} tokens-per-sec); "
+            f"generation: {u.completion_tokens} tokens, {gtps:.1f} tokens-per-sec]")
+
+
+def main(argv=None) -> int:
+    """`hebrus-mlx chat`; typed errors propagate to `cli.run` (one line, exit 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    gen._check_args(args)
+    refuse_unused(args, parser.shared, USED | {"system_prompt"}, "chat")
+    if args.prompt_cache_bytes < 0:
+        raise UsageError("--prompt-cache-bytes", f"must be >= 0, got {args.prompt_cache_bytes}")
+    if args.seed is not None:
+        import mlx.core as mx
+
+        mx.random.seed(args.seed)
+    model, tok = gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args))
+    if tok.chat_template is None:
+        raise UsageError("--model", f"model {args.model!r} has no chat template")
+
+    sampler = make_sampler(tok.effective_vocab_size, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
+                           top_k=args.top_k)
+    cache = PromptCache(args.prompt_cache_bytes)
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+    messages = list(system)
+    limit = gen._context_limit(model)
+    print(f"[INFO] Chatting with {args.model}. {HELP}", flush=True)
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            print()
+            return 0
+        text = line.strip()
+        if text in ("/exit", "q"):
+            return 0
+        if text == "/help":
+            print(HELP)
+            continue
+        if text == "/reset":
+            messages = list(system)
+            print("[INFO] conversation cleared")
+            continue
+        if not text:
+            continue
+        turn = messages + [{"role": "user", "content": line}]
+        try:
+            ids = tok.apply_chat_template(turn)
+            max_tokens = args.max_tokens if limit is None else min(args.max_tokens, limit - len(ids))
+            if max_tokens < 1:
+                raise gen.GenerationError(f"the conversation has {len(ids)} tokens, the context is {limit}; /reset")
+            usage, reply = Usage(0, 0), ""
+            for r in stream_with_cache(model, tok, ids, cache, max_tokens, sampler=sampler,
+                                       prefill_step_size=args.prefill_step_size, usage=usage):
+                print(r.text, end="", flush=True)
+                reply += r.text
+            print()
+        except StreamError as e:
+            print(f"[ERROR] {type(e).__name__}: {e}", flush=True)
+            continue
+        except (ChatError, TokenizerError, gen.GenerationError) as e:
+            print(f"[ERROR] {e}", flush=True)
+            continue
+        messages = turn + [{"role": "assistant", "content": reply}]
+        if args.verbose:
+            print(_stats(usage), flush=True)
+
+
+if __name__ == "__main__":
+    from .cli import run
+
+    sys.exit(run("chat", main))

@@ -1,0 +1,744 @@
+"""`hebrus-mlx server`: an OpenAI-compatible HTTP server with the endpoints of `mlx_lm.server`.
+
+POST /v1/chat/completions, POST /v1/completions (both with `stream: true` as server-sent events
+and `stream_options.include_usage`), GET /v1/models, GET /health. Starlette on uvicorn.
+
+One worker thread owns the model (MLX streams belong to the thread that built the graph, and the
+streaming extension's ops too): requests queue in FIFO order and run one at a time. A client that
+disconnects cancels its request, queued or running: its pending expert reads fail at once (one
+engine generation per request), the last queued step is drained so no ticket stays pinned, and
+the next request starts from clean state. Batched decode is not implemented. Prompts reuse the longest
+cached prefix (`PromptCache`, exact prefixes only; see prompt_cache.py).
+
+Chat provenance (AFN-006): messages are rendered by the checkpoint's template and tokenized by
+provenance, so caller text never becomes a control token, whatever it spells. Bad requests get a
+4xx with an OpenAI-style error object naming the field and one log line; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import importlib
+import json
+import logging
+import math
+import queue
+import re
+import secrets
+import socket
+import sys
+import threading
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from .errors import HebrusError, UsageError
+from .prompt_cache import PromptCache, Usage, stream_with_cache
+from .sample_utils import check_sampling_args, make_sampler
+from .stream.errors import StreamError
+from .stream.predict import prefetch_from_args
+from .text.chat import ChatError
+from .text.tokenizer import TokenizerError
+
+gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+
+log = logging.getLogger("hebrus_mlx.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class RequestError(ValueError):
+    """A request the server refuses; becomes an OpenAI-style error object."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+# -- request parsing (no MLX) ---------------------------------------------------------------------
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class Sampling:
+    max_tokens: Optional[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: Optional[int]
+    stop: List[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
+    def number(name, default):
+        v = body.get(name)
+        if v is None:
+            return default
+        if not _is_number(v) or not math.isfinite(v):
+            raise RequestError(f"{name} must be a finite number, got {json.dumps(v)}", name)
+        return float(v)
+
+    def integer(name, default):
+        v = body.get(name)
+        if v is None:
+            return default
+        if not _is_int(v):
+            raise RequestError(f"{name} must be an integer, got {json.dumps(v)}", name)
+        return v
+
+    max_tokens = integer("max_tokens", None)
+    max_completion = integer("max_completion_tokens", None)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise RequestError("max_tokens and max_completion_tokens disagree", "max_tokens")
+    max_tokens = max_tokens if max_tokens is not None else max_completion
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    s = Sampling(
+        max_tokens=max_tokens,
+        temperature=number("temperature", defaults.temp),
+        top_p=number("top_p", defaults.top_p),
+        top_k=integer("top_k", defaults.top_k),
+        min_p=number("min_p", defaults.min_p),
+        seed=integer("seed", None),
+        stop=[],
+        stream=False,
+        include_usage=False,
+    )
+    try:
+        check_sampling_args(s.temperature, s.top_p, s.min_p, s.top_k)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise RequestError(str(e).replace("temp ", "temperature ", 1), "temperature" if name == "temp" else name) from None
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+            raise RequestError("stop must be a non-empty string or a list of them", "stop")
+        s.stop = stop
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be a boolean", "stream")
+    s.stream = stream
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise RequestError("stream_options must be an object", "stream_options")
+        inc = opts.get("include_usage", False)
+        if not isinstance(inc, bool):
+            raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+        s.include_usage = inc
+    n = body.get("n", 1)
+    if n != 1 or not _is_int(n):
+        raise RequestError("only n=1 is supported", "n")
+    if body.get("logprobs") not in (None, False):
+        raise RequestError("logprobs are not supported by this server", "logprobs")
+    return s
+
+
+class StopMatcher:
+    """Releases text except a tail that may still become a stop sequence (or a tool-call
+    opening); `feed` returns (text to release, hit) where hit is the marker found, if any."""
+
+    def __init__(self, stops: List[str], markers: List[str] = ()):
+        self.stops = list(stops)
+        self.markers = list(markers)
+        self.buf = ""
+
+    def feed(self, text: str, final: bool = False):
+        self.buf += text
+        hit, at = None, len(self.buf)
+        for s in self.stops + self.markers:
+            i = self.buf.find(s)
+            if i != -1 and i < at:
+                hit, at = s, i
+        if hit is not None:
+            out, self.buf = self.buf[:at], self.buf[at:]
+            return out, hit
+        if final:
+            out, self.buf = self.buf, ""
+            return out, None
+        keep = 0
+        for s in self.stops + self.markers:
+            for k in range(min(len(s) - 1, len(self.buf)), 0, -1):
+                if self.buf.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        out = self.buf[: len(self.buf) - keep]
+        self.buf = self.buf[len(out):]
+        return out, None
+
+
+def parse_tool_calls(text: str):
+    """Split model output into (content, calls) the way the Qwen-family template writes calls:
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. Blocks that do not parse stay
+    in the content; calls get OpenAI's shape (arguments as a JSON string)."""
+    calls, content, pos = [], [], 0
+    pattern = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
+    for m in pattern.finditer(text):
+        try:
+            obj = json.loads(m.group(1).strip())
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", {})
+        content.append(text[pos : m.start()])
+        pos = m.end()
+        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+    content.append(text[pos:])
+    return "".join(content).strip() if calls else text, calls
+
+
+# -- the worker: owns the model -------------------------------------------------------------------
+
+
+@dataclass
+class ServerDefaults:
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 512
+    prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE
+
+
+@dataclass
+class Job:
+    ids: List[int]
+    sampling: Sampling
+    max_tokens: int
+    loop: Any
+    events: Any  # asyncio.Queue, filled from the worker thread
+    cancel: threading.Event = field(default_factory=threading.Event)
+    usage: Usage = field(default_factory=lambda: Usage(0, 0))
+    generation: Optional[int] = None  # the engine generation its expert tickets carry
+    finished: bool = False
+
+
+# Expert tickets of server requests carry this owner and one generation per request, so a
+# cancelled request's pending reads can be failed at once (StreamEngine.advance_generation).
+TICKET_OWNER = 0x5E4E
+
+
+class Worker:
+    """Loads the model on its own thread and runs jobs one at a time, FIFO."""
+
+    def __init__(self, load, prompt_cache_bytes: int, defaults: ServerDefaults):
+        self.defaults = defaults
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self.model = self.tokenizer = None
+        self.busy = False
+        self._switches = []
+        self._generation = 0
+        self._ready = threading.Event()
+        self._load_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(load,), name="hebrus-worker", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    @property
+    def context(self) -> Optional[int]:
+        return gen._context_limit(self.model)
+
+    def _run(self, load):
+        try:
+            self.model, self.tokenizer = load()
+            if self.model.streaming is not None:
+                self._switches = self.model.streaming.switches
+        except BaseException as e:  # reported by the constructor on the caller's thread
+            self._load_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancel.is_set():
+                continue
+            self.busy = True
+            try:
+                self._generate(job)
+            except (StreamError, gen.GenerationError, ValueError) as e:
+                if job.cancel.is_set():  # its tickets were failed on purpose
+                    log.info("cancelled request stopped: %s: %s", type(e).__name__, e)
+                else:
+                    self._emit(job, ("error", e))
+            except Exception as e:  # never a traceback to the client; one log line here
+                log.error("generation failed: %s: %s", type(e).__name__, e)
+                self._emit(job, ("error", e))
+            finally:
+                self._drain(job)
+                self.busy = False
+
+    def _drain(self, job: Job):
+        # A closed generator leaves its queued step in flight; finishing it here returns every
+        # expert lease it holds before the next job starts. If the job was cancelled that step
+        # fails on its stale tickets, as intended; its state is discarded with the job's cache.
+        import mlx.core as mx
+
+        try:
+            mx.synchronize()
+        except Exception as e:
+            if job.cancel.is_set():
+                log.info("cancelled request's last step: %s", e)
+            else:
+                log.error("draining the last step failed: %s: %s", type(e).__name__, e)
+        # The P1 hint of the next step hangs on this job's last routes, which may come from a
+        # step that failed (cancelled tickets): the next job must not evaluate them. (Another
+        # conversation's routes are a poor hint anyway.)
+        for m in self._switches:
+            m.forget_routes()
+
+    @staticmethod
+    def _emit(job: Job, event):
+        job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+
+    def _generate(self, job: Job):
+        import mlx.core as mx
+
+        s = job.sampling
+        if self._switches:
+            self._generation += 1
+            job.generation = self._generation
+            for m in self._switches:  # read when each step's graph is built
+                m.owner, m.generation = TICKET_OWNER, job.generation
+        if s.seed is not None:
+            mx.random.seed(s.seed)
+        sampler = make_sampler(self.tokenizer.effective_vocab_size, temp=s.temperature, top_p=s.top_p,
+                               min_p=s.min_p, top_k=s.top_k)
+        finish = None
+        for r in stream_with_cache(self.model, self.tokenizer, job.ids, self.prompt_cache, job.max_tokens,
+                                   sampler=sampler, prefill_step_size=self.defaults.prefill_step_size,
+                                   cancelled=job.cancel.is_set, usage=job.usage):
+            finish = r.finish_reason
+            self._emit(job, ("text", r.text))
+        if not job.cancel.is_set():
+            self._emit(job, ("done", finish or "stop"))
+
+    def cancel(self, job: Job):
+        """From any thread: stop `job` (queued or running) and fail its pending expert reads, so
+        a step blocked on the SSD ends now instead of after its reads."""
+        job.cancel.set()
+        streaming = getattr(self.model, "streaming", None)
+        engine = streaming.engine if streaming is not None and streaming.experts is not None else None
+        if job.generation is not None and not job.finished and engine is not None:
+            engine.advance_generation(TICKET_OWNER, job.generation + 1)
+
+    def stop(self):
+        self.jobs.put(None)
+
+
+# -- HTTP -----------------------------------------------------------------------------------------
+
+
+def _error_body(e: RequestError) -> dict:
+    return {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": None}}
+
+
+class App:
+    def __init__(self, worker: Worker, model_id: str, api_key: Optional[str] = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        self.worker, self.model_id, self.api_key, self.max_body_bytes = worker, model_id, api_key, max_body_bytes
+        self.created = int(time.time())
+        tmpl = worker.tokenizer.chat_template or ""
+        added = worker.tokenizer.added_tokens
+        # Tool calls are parsed only where the template writes them in this format.
+        self.tool_markers = TOOL_CALL_OPEN in tmpl and TOOL_CALL_OPEN in added and TOOL_CALL_CLOSE in added
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self._wrap(self.chat), methods=["POST"]),
+            Route("/chat/completions", self._wrap(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
+            Route("/completions", self._wrap(self.completions), methods=["POST"]),
+            Route("/v1/models", self._wrap(self.models), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+
+    # Errors ---------------------------------------------------------------------------------
+    def _json(self, obj, status=200):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(obj, status_code=status)
+
+    def _refuse(self, request, e: RequestError):
+        log.warning("%d %s %s: %s", e.status, request.method, request.url.path, e)
+        return self._json(_error_body(e), e.status)
+
+    async def _not_found(self, request, exc):
+        return self._refuse(request, RequestError(f"no route {request.url.path}", None, 404, "not_found_error"))
+
+    async def _not_allowed(self, request, exc):
+        return self._refuse(request, RequestError(f"{request.method} not allowed on {request.url.path}", None, 405))
+
+    def _wrap(self, handler):
+        async def endpoint(request):
+            try:
+                self._authorize(request)
+                return await handler(request)
+            except RequestError as e:
+                return self._refuse(request, e)
+            except (ChatError, TokenizerError, gen.GenerationError) as e:
+                return self._refuse(request, RequestError(str(e), _param_of(e)))
+            except Exception as e:  # one line, no traceback, the server keeps serving
+                log.error("500 %s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
+                return self._json(_error_body(RequestError(f"{type(e).__name__}: {e}", None, 500, "server_error")), 500)
+
+        return endpoint
+
+    def _authorize(self, request):
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        want = "Bearer " + self.api_key
+        if not hmac.compare_digest(got.encode(), want.encode()):
+            raise RequestError("missing or wrong API key (Authorization: Bearer ...)", None, 401, "authentication_error")
+
+    async def _body(self, request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            raise RequestError(f"request body over {self.max_body_bytes} bytes", None, 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise RequestError(f"request body over {self.max_body_bytes} bytes", None, 413)
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(f"invalid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    # Endpoints ------------------------------------------------------------------------------
+    async def health(self, request):
+        w = self.worker
+        out = {"status": "ok", "queued": w.jobs.qsize(), "busy": w.busy,
+               "prompt_cache": {"entries": len(w.prompt_cache), "bytes": w.prompt_cache.nbytes,
+                                "hits": w.prompt_cache.hits, "misses": w.prompt_cache.misses}}
+        streaming = getattr(w.model, "streaming", None)
+        if streaming is not None:
+            mem = streaming.engine.memory()
+            out["stream"] = {"tickets": mem.get("tickets"), "pinned_slots": mem.get("pinned_slots")}
+        return self._json(out)
+
+    async def models(self, request):
+        return self._json({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "hebrus-mlx"}]})
+
+    def _max_tokens(self, s: Sampling, n_prompt: int, where: str) -> int:
+        room = None if self.worker.context is None else self.worker.context - n_prompt
+        if room is not None and room < 1:
+            raise RequestError(f"{where} has {n_prompt} tokens; the model context is {self.worker.context}", where)
+        if s.max_tokens is None:
+            return self.worker.defaults.max_tokens if room is None else min(self.worker.defaults.max_tokens, room)
+        if room is not None and s.max_tokens > room:
+            raise RequestError(f"max_tokens {s.max_tokens} + {n_prompt} prompt tokens exceeds the model context "
+                               f"{self.worker.context}", "max_tokens")
+        return s.max_tokens
+
+    async def chat(self, request):
+        body = await self._body(request)
+        s = parse_sampling(body, self.worker.defaults)
+        if "messages" not in body:
+            raise RequestError("messages is required", "messages")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RequestError("tools must be a list", "tools")
+        tok = self.worker.tokenizer
+        if tok.chat_template is None:
+            raise RequestError("this model has no chat template; use /v1/completions", "messages")
+        # Provenance-safe: rendered by the template, caller strings tokenized as DATA (AFN-006).
+        ids = tok.apply_chat_template(body["messages"], tools=tools or None, add_generation_prompt=True)
+        max_tokens = self._max_tokens(s, len(ids), "messages")
+        parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
+        return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
+                                   chat=True, parse_tools=parse_tools)
+
+    async def completions(self, request):
+        body = await self._body(request)
+        s = parse_sampling(body, self.worker.defaults)
+        prompt = body.get("prompt")
+        tok = self.worker.tokenizer
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)  # caller text: DATA
+        elif isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
+            bad = [i for i in prompt if not 0 <= i < tok.effective_vocab_size]
+            if bad:
+                raise RequestError(f"prompt token ID {bad[0]} outside [0, {tok.effective_vocab_size})", "prompt")
+            ids = list(prompt)
+        else:
+            raise RequestError("prompt must be a string or a non-empty list of token IDs", "prompt")
+        if not ids:
+            raise RequestError("prompt is empty", "prompt")
+        max_tokens = self._max_tokens(s, len(ids), "prompt")
+        return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
+                                   chat=False, parse_tools=False)
+
+    # Generation -----------------------------------------------------------------------------
+    async def _events(self, request, job: Job):
+        """Queue the job and yield its events; a disconnect (or the consumer closing) cancels it."""
+
+        async def watch():
+            # The body is read: the next ASGI message is the disconnect (as Starlette's
+            # StreamingResponse listens for it); it wakes the consumer below.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            log.info("client disconnected: request cancelled")
+            job.events.put_nowait(("disconnected", None))
+
+        watcher = asyncio.create_task(watch())
+        self.worker.jobs.put(job)
+        try:
+            while True:
+                event = await job.events.get()
+                if event[0] == "disconnected":
+                    return
+                if event[0] in ("done", "error"):
+                    job.finished = True
+                yield event
+                if job.finished:
+                    return
+        finally:
+            watcher.cancel()
+            self.worker.cancel(job)
+
+    async def _respond(self, request, job: Job, chat: bool, parse_tools: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        markers = [TOOL_CALL_OPEN] if parse_tools else []
+        matcher = StopMatcher(job.sampling.stop, markers)
+        head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_id}
+        state = {"tool_text": None, "finish": None}
+
+        def take(event):
+            """Text to publish for one worker event, updating the finish state."""
+            kind, value = event
+            if kind == "error":
+                raise value
+            if state["tool_text"] is not None:  # inside tool calls: withheld until the end
+                if kind == "text":
+                    state["tool_text"] += value
+                else:
+                    state["finish"] = value
+                return ""
+            out, hit = matcher.feed(value if kind == "text" else "", final=kind == "done")
+            if hit == TOOL_CALL_OPEN:
+                state["tool_text"] = matcher.buf
+                matcher.buf = ""
+            elif hit is not None:
+                state["finish"] = "stop"
+            elif kind == "done":
+                state["finish"] = value
+            return out
+
+        def usage():
+            u = job.usage
+            return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                    "total_tokens": u.prompt_tokens + u.completion_tokens,
+                    "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+        def tool_calls():
+            if state["tool_text"] is None:
+                return "", []
+            content, calls = parse_tool_calls(state["tool_text"])
+            return ("" if calls else content), calls
+
+        if not job.sampling.stream:
+            text = ""
+            try:
+                async with aclosing(self._events(request, job)) as events:
+                    async for event in events:
+                        text += take(event)
+                        if state["finish"] is not None:
+                            break
+            except Exception as e:
+                raise _as_request_error(e) from None
+            extra, calls = tool_calls()
+            text += extra
+            finish = "tool_calls" if calls else (state["finish"] or "stop")
+            if chat:
+                msg = {"role": "assistant", "content": text.strip() if calls else text}
+                if calls:
+                    msg["tool_calls"] = calls
+                choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return self._json({**head, "choices": [choice], "usage": usage()})
+
+        from starlette.responses import StreamingResponse
+
+        chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_or_text, finish=None):
+            if chat:
+                choice = {"index": 0, "delta": delta_or_text, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta_or_text, "finish_reason": finish, "logprobs": None}
+            return "data: " + json.dumps({**head, "object": chunk_object, "choices": [choice]}) + "\n\n"
+
+        async def sse():
+            if chat:
+                yield chunk({"role": "assistant", "content": ""})
+            try:
+                async with aclosing(self._events(request, job)) as events:
+                    async for event in events:
+                        out = take(event)
+                        if out:
+                            yield chunk({"content": out} if chat else out)
+                        if state["finish"] is not None:
+                            break
+            except Exception as e:  # the response has started: an error event, never a traceback
+                err = _as_request_error(e)
+                log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
+                yield "data: " + json.dumps(_error_body(err)) + "\n\n"
+                return
+            extra, calls = tool_calls()
+            if extra:
+                yield chunk({"content": extra} if chat else extra)
+            finish = "tool_calls" if calls else (state["finish"] or "stop")
+            if calls:
+                yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+            yield chunk({} if chat else "", finish)
+            if job.sampling.include_usage:
+                yield "data: " + json.dumps({**head, "object": chunk_object, "choices": [], "usage": usage()}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _text(e) -> str:
+    # A typed error's own message (its str() is prefixed with the field).
+    return e.message if isinstance(e, HebrusError) else str(e)
+
+
+def _param_of(e) -> Optional[str]:
+    m = re.match(r"(messages|tools)(\[\d+\])?(\.\w+(\[\d+\])?)*", _text(e))
+    return m.group(0) if m else ("messages" if isinstance(e, ChatError) else None)
+
+
+def _as_request_error(e) -> RequestError:
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, (gen.GenerationError, ChatError, TokenizerError)):
+        return RequestError(_text(e))
+    # A streamed read that failed (StreamError) or anything unexpected: the request was fine.
+    return RequestError(f"{type(e).__name__}: {e}", None, 500, "server_error")
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+# generate's flags that describe the model, its caches and sampling defaults; taken from its parser
+# so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
+# until this verb uses it (never silently ignored).
+_NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
+USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
+        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold"}
+
+
+def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
+    """Add generate's flags (but `exclude`) to `p`; returns the added actions."""
+    added = []
+    for action in gen.build_parser()._actions:
+        if action.dest not in exclude:
+            p._add_action(action)
+            added.append(action)
+    return added
+
+
+def refuse_unused(args, actions, used, verb):
+    for a in actions:
+        if a.dest not in used and getattr(args, a.dest) != a.default:
+            raise UsageError(a.option_strings[0], f"not supported by `hebrus-mlx {verb}` yet")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = gen._Parser(prog="hebrus-mlx server", description="OpenAI-compatible HTTP server (like mlx_lm.server).",
+                    conflict_handler="resolve")
+    p.shared = share_generate_flags(p, _NOT_SHARED)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on start)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES,
+                   help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(max_tokens=512)
+    return p
+
+
+def main(argv=None) -> int:
+    """`hebrus-mlx server`; typed errors propagate to `cli.run` (one line, exit 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    gen._check_args(args)
+    refuse_unused(args, parser.shared, USED, "server")
+    if not 0 <= args.port <= 65535:
+        raise UsageError("--port", f"must be in [0, 65535], got {args.port}")
+    if args.prompt_cache_bytes < 0:
+        raise UsageError("--prompt-cache-bytes", f"must be >= 0, got {args.prompt_cache_bytes}")
+    if args.max_body_bytes < 1:
+        raise UsageError("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    defaults = ServerDefaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size)
+
+    def load():
+        if args.seed is not None:  # on the worker thread, which samples
+            import mlx.core as mx
+
+            mx.random.seed(args.seed)
+        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch)
+
+    prefetch = prefetch_from_args(args)  # checked before the model loads
+    worker = Worker(load, args.prompt_cache_bytes, defaults)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    app = App(worker, args.model, args.api_key, args.max_body_bytes)
+    host, port = sock.getsockname()[:2]
+    print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
+    config = uvicorn.Config(app.app, log_level=args.log_level.lower(), access_log=False, lifespan="off")
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        worker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import run
+
+    sys.exit(run("server", main))

@@ -1,0 +1,182 @@
+"""Export validated capture shards as a trainer-ready dataset (no MLX needed).
+
+OUT/ holds `manifest.json` and safetensors shards, one split per shard:
+
+- `token_ids`, `sequence_ids` (index into manifest["sequences"]), `positions`: int32 [N]
+- `topk_ids` [N, L, k] int16 (or int32), native rank order; `topk_weights` [N, L, k] float32/16
+- with router features: `feature_rows` int32 [M] (rows of this shard) and `router_inputs` float32 [M, L, H]
+
+Split membership is decided per owner or per sequence (never per window) from sha256 of that key,
+so it is deterministic and no sequence lands in two splits. Exporting twice gives identical
+bytes. The directory is published atomically; readers fail closed (TraceError) on partial shards,
+unknown schema versions, digest mismatches and counts that disagree with the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..artifact.atomic import publish_dir, publish_file
+from .schema import EXPORT_SCHEMA, EXPORT_SCHEMA_VERSION, KIND_DECODE, SCHEMA_VERSION, Identity, TraceError
+from .shards import read_trace
+
+SPLITS = ("train", "validation", "test")
+
+
+def write_json(path, obj) -> None:
+    data = (json.dumps(obj, indent=1, sort_keys=True, default=float) + "\n").encode()
+    publish_file(str(path), lambda w: w.write(data))
+
+
+def split_of(key: str, fractions) -> str:
+    u = int(hashlib.sha256(key.encode()).hexdigest()[:16], 16) / 2.0**64
+    acc = 0.0
+    for name, f in zip(SPLITS, fractions):
+        acc += f
+        if u < acc:
+            return name
+    return SPLITS[-1]
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+def export(trace_dir, out, *, split_by="sequence", fractions=(0.8, 0.1, 0.1), shard_tokens=65536,
+           id_dtype="int16", weight_dtype="float32") -> dict:
+    from safetensors.numpy import save
+
+    traces = read_trace(trace_dir)
+    ident = traces.identity
+    if id_dtype == "int16" and ident.num_experts > np.iinfo(np.int16).max:
+        raise TraceError("id_dtype", f"int16 cannot hold {ident.num_experts} expert IDs")
+    seqs = []
+    for i, s in enumerate(traces.sequences):
+        key = s.owner if split_by == "owner" else f"{s.owner}\0{s.generation}\0{s.sequence_id}"
+        seqs.append((split_of(key, fractions), i, s))
+    table = [{"index": i, "sequence_id": s.sequence_id, "owner": s.owner, "generation": s.generation,
+              "tokens": int(len(s.positions)), "decode_tokens": int((s.kinds == KIND_DECODE).sum()),
+              "split": sp, "sampling": s.sampling} for sp, i, s in seqs]
+    shards, splits = [], {}
+    plan = []  # (file, tensors)
+    for sp in SPLITS:
+        members = [(i, s) for name, i, s in seqs if name == sp]
+        splits[sp] = {"sequences": [i for i, _ in members], "tokens": int(sum(len(s.positions) for _, s in members)),
+                      "shards": []}
+        if not members:
+            continue
+        cols = {
+            "token_ids": np.concatenate([s.token_ids for _, s in members]).astype(np.int32),
+            "sequence_ids": np.concatenate([np.full(len(s.positions), i, np.int32) for i, s in members]),
+            "positions": np.concatenate([s.positions for _, s in members]).astype(np.int32),
+            "topk_ids": np.concatenate([s.topk_ids for _, s in members]).astype(id_dtype),
+            "topk_weights": np.concatenate([s.topk_weights for _, s in members]).astype(weight_dtype),
+        }
+        has_feat = any(s.features is not None and len(s.feature_positions) for _, s in members)
+        if has_feat:
+            rows, feats, base = [], [], 0
+            for _, s in members:
+                if s.features is not None and len(s.feature_positions):
+                    rows.append(base + np.searchsorted(s.positions, s.feature_positions).astype(np.int64))
+                    feats.append(s.features)
+                base += len(s.positions)
+            feat_rows, feat_vals = np.concatenate(rows), np.concatenate(feats).astype(np.float32)
+        n = len(cols["token_ids"])
+        for j, a in enumerate(range(0, n, shard_tokens)):
+            b = min(n, a + shard_tokens)
+            t = {k: v[a:b] for k, v in cols.items()}
+            if has_feat:
+                sel = (feat_rows >= a) & (feat_rows < b)
+                t["feature_rows"] = (feat_rows[sel] - a).astype(np.int32)
+                t["router_inputs"] = feat_vals[sel]
+            name = f"{sp}-{j:05d}.safetensors"
+            plan.append((name, t))
+            splits[sp]["shards"].append(name)
+    counts = {"tokens": traces.tokens, "sequences": len(table),
+              "decode_tokens": int(sum(r["decode_tokens"] for r in table)),
+              "feature_rows": int(sum(len(t.get("feature_rows", ())) for _, t in plan))}
+    manifest = {
+        "schema": EXPORT_SCHEMA, "schema_version": EXPORT_SCHEMA_VERSION,
+        "trace_schema_version": SCHEMA_VERSION, **{k: v for k, v in ident.to_dict().items()},
+        "split_by": split_by, "fractions": list(fractions), "counts": counts, "splits": splits,
+        "sequences": table, "id_dtype": id_dtype, "weight_dtype": weight_dtype, "shards": shards,
+        "sensitive": "token_ids are reversible to text; handle as the source transcripts",
+    }
+
+    def build(tmp):
+        for name, t in plan:
+            data = save({k: np.ascontiguousarray(v) for k, v in t.items()})
+            publish_file(os.path.join(tmp, name), lambda w, data=data: w.write(data))
+            shards.append({"file": name, "split": name.split("-")[0], "tokens": int(len(t["token_ids"])),
+                           "sha256": hashlib.sha256(data).hexdigest()})
+        write_json(os.path.join(tmp, "manifest.json"), manifest)
+
+    publish_dir(str(out), build, verify=read_export)
+    return manifest
+
+
+def read_export(out, verify_digests: bool = True) -> dict:
+    """Validate OUT and return {"manifest", "identity", "splits": {name: {tensor: array}}} (fails closed)."""
+    from safetensors import safe_open
+
+    out = Path(out)
+    mpath = out / "manifest.json"
+    if not mpath.is_file():
+        raise TraceError("manifest.json", f"missing in {out}")
+    try:
+        m = json.loads(mpath.read_text())
+    except ValueError:
+        raise TraceError("manifest.json", "not valid JSON (partial write?)") from None
+    if m.get("schema") != EXPORT_SCHEMA:
+        raise TraceError("manifest.schema", f"expected {EXPORT_SCHEMA!r}, got {m.get('schema')!r}")
+    if m.get("schema_version") != EXPORT_SCHEMA_VERSION:
+        raise TraceError("manifest.schema_version",
+                         f"unknown version {m.get('schema_version')!r} (this build reads {EXPORT_SCHEMA_VERSION})")
+    ident = Identity.from_dict({k: m.get(k) for k in Identity.__dataclass_fields__}, "manifest")
+    L, k = ident.num_layers, ident.top_k
+    data = {sp: {} for sp in SPLITS}
+    total = 0
+    for sh in m.get("shards", []):
+        p = out / sh["file"]
+        if not p.is_file():
+            raise TraceError(f"shards.{sh['file']}", "missing")
+        if verify_digests and _sha256(p) != sh["sha256"]:
+            raise TraceError(f"shards.{sh['file']}.sha256", "digest mismatch (partial or changed shard)")
+        try:
+            with safe_open(str(p), framework="numpy") as f:
+                t = {key: f.get_tensor(key) for key in f.keys()}
+        except Exception as e:
+            raise TraceError(f"shards.{sh['file']}", f"partial or corrupt ({type(e).__name__})") from None
+        n = len(t.get("token_ids", ()))
+        if n != sh["tokens"] or t["topk_ids"].shape != (n, L, k):
+            raise TraceError(f"shards.{sh['file']}.tokens", f"holds {n} rows / {t['topk_ids'].shape}, manifest says {sh['tokens']}")
+        for key, v in t.items():
+            data[sh["split"]].setdefault(key, []).append(v)
+        total += n
+    if total != m["counts"]["tokens"]:
+        raise TraceError("manifest.counts.tokens", f"shards hold {total} tokens, manifest says {m['counts']['tokens']}")
+    splits = {}
+    for sp, cols in data.items():
+        if not cols:
+            continue
+        offs = np.cumsum([0] + [len(a) for a in cols["token_ids"]])
+        merged = {key: np.concatenate(v) for key, v in cols.items() if key != "feature_rows"}
+        if "feature_rows" in cols:
+            merged["feature_rows"] = np.concatenate([r + o for r, o in zip(cols["feature_rows"], offs)])
+        seq, pos = merged["sequence_ids"], merged["positions"]
+        # Counter regression: within a sequence positions must run 0, 1, 2, ... in order.
+        for s in np.unique(seq):
+            ps = pos[seq == s]
+            if ps[0] != 0 or np.any(np.diff(ps) != 1):
+                raise TraceError(f"splits.{sp}.positions", f"sequence {int(s)} positions are not 0, 1, 2, ... (regression or gap)")
+        splits[sp] = merged
+    return {"manifest": m, "identity": ident, "splits": splits}

@@ -1,0 +1,176 @@
+"""Replay a recorded token history as causal prefill and check exact route parity (AFN-021 gate 1).
+
+For every recorded sequence the token IDs are fed to a fresh cache in chunks of `chunk` tokens;
+the native router's top-k IDs at every (position, layer) must equal the recorded ones, in rank
+order. Weights are compared with a declared tolerance (WEIGHT_ATOL) and reported separately.
+
+Tie rule: the replay also computes the router's full float32 probabilities. Where two of the
+top-(k+1) probabilities are exactly equal, the rank order (or, at rank k, the selection) is
+ambiguous: argpartition/argsort make no promise between equal keys. Such rows are counted as
+`tied`; a recorded ID at rank j is accepted there if it lies in the group of experts whose
+probability equals the replay's rank-j probability. Every other row must match exactly.
+
+Failures are named: identity (artifact/tokenizer digests), a sequence that does not start at
+position 0 (wrong position offset), position gaps (dropped token; caught by the reader), routes
+that match the replay shifted by d positions (misaligned offset), a clean prefix followed by
+divergence (a dropped or changed token, or state corruption) and mismatches from the first token
+on (a different artifact than its digest claims).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..models.qwen4exp import Capture
+from .capture import stack_capture
+from .schema import TraceError, model_identity
+from .shards import TraceSet
+
+WEIGHT_ATOL = 1e-5
+MAX_EXAMPLES = 5
+
+
+@dataclass
+class Recomputed:
+    topk_ids: np.ndarray  # int32 [N, L, k]
+    topk_weights: np.ndarray  # float32 [N, L, k]
+    ranked_ids: np.ndarray  # int32 [N, L, k+1] replay probability order
+    ranked_probs: np.ndarray  # float32 [N, L, k+1]
+
+
+def recompute(model, token_ids, chunk: int, on_chunk: Optional[Callable] = None) -> Recomputed:
+    """Causal prefill of `token_ids` on a fresh cache, `chunk` tokens at a time; one readback per
+    chunk. `on_chunk(start, capture)` may add device work per chunk (it sees router inputs)."""
+    if chunk < 1:
+        raise TraceError("prefill_step_size", f"must be >= 1, got {chunk}")
+    a = model.args
+    L, k = a.num_hidden_layers, a.num_experts_per_tok
+    cache = model.make_cache()
+    ids = np.asarray(token_ids, dtype=np.int32)
+    parts = []
+    for s in range(0, len(ids), chunk):
+        cap = Capture(hidden=on_chunk is not None and getattr(on_chunk, "wants_hidden", False), router_inputs=True)
+        out = model(mx.array(ids[None, s:s + chunk]), cache=cache, capture=cap)
+        topk, w = stack_capture(cap, L)
+        ranked_i, ranked_p = [], []
+        for layer in range(L):
+            x = cap.router_inputs[layer]
+            probs = mx.softmax(model.model.layers[layer].mlp.gate(x).astype(mx.float32), axis=-1)
+            order = mx.argsort(-probs, axis=-1)[..., : k + 1]
+            ranked_i.append(order)
+            ranked_p.append(mx.take_along_axis(probs, order, axis=-1))
+        ri, rp = mx.stack(ranked_i, axis=-2)[0], mx.stack(ranked_p, axis=-2)[0]
+        extra = on_chunk(s, cap) if on_chunk is not None else []
+        mx.eval(out, cache.arrays, topk, w, ri, rp, *extra)
+        parts.append((np.array(topk[0]), np.array(w[0]), np.array(ri).astype(np.int32), np.array(rp)))
+    cols = list(zip(*parts))
+    return Recomputed(*(np.concatenate(c) for c in cols))
+
+
+def _tie_groups_ok(rec_ids, ranked_ids, ranked_probs):
+    """Per row (flattened [R, k]): recorded ID at rank j lies in the replay's equal-probability
+    group of rank j. Returns (ok [R] bool, tied [R] bool)."""
+    k = rec_ids.shape[-1]
+    eq = ranked_probs[:, 1:] == ranked_probs[:, :-1]  # [R, k]
+    tied = eq.any(axis=1)
+    ok = np.all(rec_ids == ranked_ids[:, :k], axis=1)
+    for r in np.flatnonzero(tied & ~ok):
+        p = ranked_probs[r]
+        good = True
+        for j in range(k):
+            group = set(ranked_ids[r][p == p[j]].tolist())
+            if rec_ids[r, j] not in group:
+                good = False
+                break
+        ok[r] = good and len(set(rec_ids[r].tolist())) == k
+    return ok, tied
+
+
+@dataclass
+class SequenceParity:
+    sequence_id: str
+    owner: str
+    tokens: int
+    decode_tokens: int
+    mismatches_per_layer: list
+    tied_per_layer: list
+    max_weight_diff: float
+    examples: list = field(default_factory=list)
+    diagnosis: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return sum(self.mismatches_per_layer) == 0 and self.max_weight_diff <= WEIGHT_ATOL
+
+
+def _diagnose(match: np.ndarray, rec_ids, rep_ids, first_position=0) -> Optional[str]:
+    """match [N, L] bool; name the most likely fault."""
+    rows = match.all(axis=1)
+    if rows.all():
+        return None
+    n = len(rows)
+    base = rows.mean()
+    best = (0.0, 0)
+    for d in (-3, -2, -1, 1, 2, 3):
+        if n <= abs(d) + 1:
+            continue
+        a = rec_ids[max(0, -d): n - max(0, d)]
+        b = rep_ids[max(0, d): n - max(0, -d)]
+        rate = np.all(a == b, axis=(1, 2)).mean()
+        best = max(best, (rate, d))
+    if best[0] > 0.5 and best[0] > 2 * base:
+        return (f"wrong position offset: the recorded routes match the replay shifted by {best[1]:+d} "
+                f"position(s) ({best[0]:.0%} of rows)")
+    p0 = int(np.flatnonzero(~rows)[0])
+    after = 1.0 - rows[p0:].mean()
+    if p0 == 0 and after > 0.5:
+        return ("mismatches from the first token in most rows: the weights are not the artifact the "
+                "trace names (a different artifact)")
+    if after > 0.5:
+        return (f"divergence from position {first_position + p0}: exact before it, {after:.0%} of rows differ "
+                f"after (a dropped or changed token, or corrupted state, just before it)")
+    return (f"{int((~rows).sum())} scattered row mismatches (first at position {first_position + p0}): "
+            f"numerical near-ties between the prefill and decode paths")
+
+
+def replay(model, tokenizer, traces: TraceSet, chunk: int = 2048, check_identity: bool = True) -> list:
+    """Replay every sequence; returns [SequenceParity]. Identity and offset faults raise TraceError."""
+    if check_identity:
+        mine = model_identity(model, tokenizer)
+        diff = traces.identity.mismatch(mine)
+        if diff is not None:
+            field_name = diff.split(":", 1)[0]
+            raise TraceError(field_name, f"the trace was recorded against a different runtime ({diff})")
+    L, k = traces.identity.num_layers, traces.identity.top_k
+    out = []
+    for seq in traces.sequences:
+        if seq.positions[0] != 0:
+            raise TraceError("positions", f"sequence {seq.sequence_id} starts at position {int(seq.positions[0])}: "
+                                          "wrong position offset (the history before it is not in the trace)")
+        rep = recompute(model, seq.token_ids, chunk)
+        n = len(seq.positions)
+        ok, tied = _tie_groups_ok(seq.topk_ids.reshape(n * L, k), rep.ranked_ids.reshape(n * L, k + 1),
+                                  rep.ranked_probs.reshape(n * L, k + 1))
+        match, tied = ok.reshape(n, L), tied.reshape(n, L)
+        wdiff = np.abs(seq.topk_weights - rep.topk_weights).max(axis=2)
+        res = SequenceParity(
+            sequence_id=seq.sequence_id, owner=seq.owner, tokens=n,
+            decode_tokens=int((seq.kinds == 1).sum()),
+            mismatches_per_layer=(~match).sum(axis=0).astype(int).tolist(),
+            tied_per_layer=tied.sum(axis=0).astype(int).tolist(),
+            max_weight_diff=float(np.where(match, wdiff, 0).max()) if n else 0.0,
+        )
+        for p, layer in zip(*np.nonzero(~match)):
+            if len(res.examples) == MAX_EXAMPLES:
+                break
+            res.examples.append({"position": int(seq.positions[p]), "layer": int(layer),
+                                 "recorded": seq.topk_ids[p, layer].tolist(), "replayed": rep.topk_ids[p, layer].tolist()})
+        res.diagnosis = _diagnose(match, seq.topk_ids, rep.topk_ids, int(seq.positions[0]))
+        if res.diagnosis is None and res.max_weight_diff > WEIGHT_ATOL:
+            res.diagnosis = f"IDs exact but weights differ by {res.max_weight_diff:.2e} (> {WEIGHT_ATOL})"
+        out.append(res)
+    return out
