@@ -66,9 +66,10 @@ Engine::Engine(const EngineOptions& options) : opts_(options) {
     throw StreamError(
         ErrorCode::kBadRequest, "cache_bytes must be at least 4096");
   }
-  if (opts_.policy != "lru" && opts_.policy != "score") {
+  if (opts_.policy != "lru" && opts_.policy != "clock" &&
+      opts_.policy != "score") {
     throw StreamError(
-        ErrorCode::kBadRequest, "policy must be 'lru' or 'score'");
+        ErrorCode::kBadRequest, "policy must be 'lru', 'clock' or 'score'");
   }
   if (opts_.backend != "pread" && opts_.backend != "mtlio") {
     throw StreamError(
@@ -407,6 +408,9 @@ double Engine::eviction_key(const Slot& s) const {
     double stall = s.stall_ns > 0 ? s.stall_ns : stall_ewma_ns_;
     return s.p_use * std::max(stall, 1.0) / double(s.key.length);
   }
+  if (opts_.policy == "clock") {
+    return double(s.clock_pos);
+  }
   return double(s.lru);
 }
 
@@ -442,6 +446,20 @@ int64_t Engine::pick_bucket_locked(int bucket) {
   auto it = evictable_.find(bucket);
   if (it == evictable_.end() || it->second.empty()) {
     return -1;
+  }
+  if (opts_.policy == "clock") {
+    // The hand passes referenced records once (clearing the bit, moving them
+    // behind the hand); pinned ones are not on the ring. Ends: bits only clear.
+    while (true) {
+      uint32_t v = std::get<2>(*it->second.begin());
+      Slot& s = slots_[v];
+      if (!s.ref) {
+        return v;
+      }
+      s.ref = false;
+      s.clock_pos = ++lru_clock_;
+      reindex_locked(v);
+    }
   }
   return std::get<2>(*it->second.begin());
 }
@@ -635,6 +653,7 @@ void Engine::join_locked(
   s.pins++;
   s.used = true;
   s.lru = ++lru_clock_;
+  s.ref = true;
   s.p_use = std::max(s.p_use, req.confidence);
   if (req.exact && !s.exact) {
     (s.state == SlotState::kReady ? counters_.predicted_hits
@@ -687,6 +706,8 @@ void Engine::start_read_locked(
     counters_.predicted_reads++;
   }
   s.lru = ++lru_clock_;
+  s.clock_pos = s.lru;
+  s.ref = false;
   s.p_use = req.confidence;
   s.stall_ns = 0;
   s.deadline_ns = req.deadline_ns;

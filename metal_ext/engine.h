@@ -164,7 +164,7 @@ struct EngineOptions {
   bool direct = true; // O_DIRECT on Linux when offset/length/buffer align
   bool nocache = false; // macOS F_NOCACHE on the store fd
   bool rdadvise = false; // macOS F_RDADVISE before each read
-  std::string policy = "lru"; // "lru" or "score"
+  std::string policy = "lru"; // "lru", "clock" or "score"
   // How bytes move: "pread" (default, everywhere) or "mtlio" (Apple Metal
   // builds only, arena rows only, unverified: AFN-013; see io_mtlio.h).
   std::string backend = "pread";
@@ -389,6 +389,10 @@ class Engine {
     bool inflight = false;
     int arena = -1; // arena of the row it holds or is loading into
     uint64_t lru = 0;
+    // CLOCK: position on the ring (load order; moved to the hand's tail on a
+    // second chance) and the reference bit a hit sets.
+    uint64_t clock_pos = 0;
+    bool ref = false;
     double p_use = 0.0;
     double stall_ns = 0.0;
     int queued_priority = -1;

@@ -171,11 +171,11 @@ def test_resident_model_refuses_a_predictor():
 
 # -- engine: advisory read-ahead ------------------------------------------------------------------
 
-def _arena_engine(tmp_path, rows, n=8, record=4096):
+def _arena_engine(tmp_path, rows, n=8, record=4096, policy="lru"):
     blob = bytes(np.random.default_rng(1).integers(0, 256, n * record, dtype=np.uint8))
     path = tmp_path / "recs.bin"
     path.write_bytes(blob)
-    eng = se.StreamEngine(cache_bytes=1 << 16, threads=2)
+    eng = se.StreamEngine(cache_bytes=1 << 16, threads=2, policy=policy)
     aid, _ = eng.create_arena([record], rows)
     digests = [hashlib.sha256(blob[i * record:(i + 1) * record]).digest() for i in range(n)]
     table = eng.register_table(eng.add_store(path), [i * record for i in range(n)], [record] * n, digests, arena=aid)
@@ -228,4 +228,24 @@ def test_staging_rows_hold_predictions_and_a_hit_promotes(tmp_path):
     assert eng.counters()["predicted_reads"] == 2
     with pytest.raises(Exception, match="staging"):
         eng.set_staging(aid, 4)
+    eng.close()
+
+
+@pytest.mark.parametrize("policy, evicted", [("lru", 1), ("clock", 0)])
+def test_clock_gives_a_second_chance_where_lru_keeps_recency(tmp_path, policy, evicted):
+    """Records 0, 1, 2 loaded in that order, then hit 1, 0, 2 (every reference bit set): LRU
+    evicts the least recent (1); CLOCK's hand clears all three bits and takes the first on the
+    ring (0). The survivor is then a hit, the victim a miss."""
+    eng, aid, table = _arena_engine(tmp_path, rows=3, policy=policy)
+    for i in (0, 1, 2):
+        _exact(eng, table, [i])
+    for i in (1, 0, 2):
+        _exact(eng, table, [i])
+    _exact(eng, table, [3])
+    eng.reset_counters()
+    _exact(eng, table, [evicted])
+    assert eng.counters()["exact_misses"] == 1
+    eng.reset_counters()
+    _exact(eng, table, [2])  # never the victim under either policy
+    assert eng.counters()["exact_misses"] == 0
     eng.close()

@@ -157,7 +157,8 @@ class StreamEngine:
             pooled) counts against it.
         threads: Reader threads.
         direct: Use O_DIRECT on Linux when offset, length and buffer align.
-        policy: ``"lru"`` (control) or ``"score"`` (stall removed per byte).
+        policy: ``"lru"`` (control), ``"clock"`` (second chance, pinned
+            records off the ring) or ``"score"`` (stall removed per byte).
         nocache / rdadvise: macOS ``F_NOCACHE`` / ``F_RDADVISE``.
         backend: How bytes move: ``"pread"`` (default) or ``"mtlio"``
             (``MTLIOCommandQueue`` into arena rows; macOS Metal builds only,
