@@ -32,6 +32,10 @@ from hebrus_mlx.utils import DEMO_DIR, load_model
 ENGINE_POLICIES = ("lru", "clock", "score")
 
 
+def _engine(policy, *a, **k):
+    return StreamEngine(*a, **{**k, "policy": policy})
+
+
 def decode(model, prompt, tokens, routes=None):
     """Greedy tokens and per-token seconds; the engine's counters restart after the prefill
     (count decode only, as the simulator does)."""
@@ -81,7 +85,8 @@ def main():
         res = {pol: [] for pol in ENGINE_POLICIES}
         for r in range(args.rounds):
             for pol in (ENGINE_POLICIES if r % 2 == 0 else ENGINE_POLICIES[::-1]):
-                artifact_loading.StreamEngine = functools.partial(StreamEngine, policy=pol)
+                # The loader names its default policy; this run's replaces it.
+                artifact_loading.StreamEngine = functools.partial(_engine, pol)
                 try:
                     model = load_model(DEMO_DIR, expert_cache_gb=gb, prefetch="off")
                 finally:

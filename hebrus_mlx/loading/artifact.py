@@ -269,7 +269,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         # One engine: PLE pages in its slab cache, experts in their arena
         # (the slab budget's record backs the copying ops).
         record = sum(n for *_, n in em.record_layout(m.family, m.experts.codec))
-        engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8)
+        # CLOCK: measured on demo decode at 5-50% of the records it is within a point of LRU or
+        # above it (benchmarks/bench_cache_policy.py), as public runtimes found.
+        engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8, policy="clock")
     try:
         if rows is not None:
             experts, switches = _attach_streamed(m, model, rows, dtype, engine)
