@@ -164,9 +164,12 @@ def test_router_reuse_predicts_the_target_layers_own_router(monkeypatch):
         np.testing.assert_array_equal(np.sort(np.array(cands)), np.sort(want))
 
 
-def test_resident_model_refuses_a_predictor():
+def test_resident_experts_refuse_a_predictor():
     with pytest.raises(UsageError, match="prefetch"):
         load_model(DEMO_DIR, prefetch="hyper-reuse")
+    with pytest.raises(UsageError, match="prefetch"):  # only the PLE pages stream
+        load_model(DEMO_DIR, ple_cache_gb=4 * 65536 / 2**30, prefetch="router-reuse:1")
+    assert load_model(DEMO_DIR, ple_cache_gb=4 * 65536 / 2**30, prefetch="off").streaming.prefetch is None
 
 
 # -- engine: advisory read-ahead ------------------------------------------------------------------

@@ -254,6 +254,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     plan_ = quantization_plan(m)
     ple_cache = plan_ple_residency(m, dtype, ple_cache_gb)
     rows = plan_expert_residency(m, dtype, expert_cache_gb, ple_cache)
+    prefetch = None if prefetch is None else parse_prefetch(prefetch)  # bad values fail before any buffer
+    if prefetch is not None and prefetch.kind != "off" and rows is None:
+        raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise UsageError("dtype", f"streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -293,6 +296,4 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     model.eval()
     if engine is not None:
         model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
-    elif prefetch is not None and parse_prefetch(prefetch).kind != "off":
-        raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
     return model

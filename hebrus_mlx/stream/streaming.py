@@ -31,9 +31,9 @@ class Streaming:
         self.switches = list(switches)  # one per layer when experts stream
         self._predictor: Optional[Predictor] = None
         self.prefetch: Optional[PrefetchSpec] = None
-        if experts is not None:
-            if prefetch is None:
-                prefetch = "previous" if experts.prefetch_previous else "off"
+        if experts is not None and prefetch is None:
+            prefetch = "previous" if experts.prefetch_previous else "off"
+        if prefetch is not None:
             self.set_prefetch(prefetch, layers)
 
     def set_prefetch(self, prefetch, layers=None) -> None:
