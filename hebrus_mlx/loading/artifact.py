@@ -35,7 +35,7 @@ from ..errors import UsageError
 from ..models.qwen4exp import Model
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
-from ..stream.predict import parse_prefetch
+from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
 from ..stream.ple import attach_ple
 from ..stream.streaming import Streaming
 from ..stream.switch import attach
@@ -246,7 +246,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     left out of the strict weight load.
 
     prefetch: the streamed experts' read-ahead (``stream.predict``: ``"off"``, ``"previous"``,
-    ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: the default. Naming one
+    ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: ``stream.predict.DEFAULT``. Naming one
     for a model whose experts are resident is a UsageError.
     """
     # Admission raises before anything below allocates.
@@ -295,5 +295,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     mx.eval(model.parameters())
     model.eval()
     if engine is not None:
+        if prefetch is None and experts is not None:
+            prefetch = parse_prefetch(DEFAULT_PREFETCH)
         model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
     return model
