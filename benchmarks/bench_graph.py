@@ -1,18 +1,26 @@
-"""Resident-graph speed: hebrus-mlx Qwen4Exp vs mlx-lm qwen3_next at matched dims, one run.
+"""Resident-graph speed: hebrus-mlx Qwen4Exp vs mlx-vlm's qwen4_exp (same checkpoint) and vs mlx-lm
+qwen3_next at matched dims, one run.
 
-Prints decode and prefill tokens/s of both graphs on random weights of the same shape (hidden,
-layers, heads, experts, top-k), their ratios, and the QSA decode-step time at a long vs a short
-context (work must be bounded by the budget, not the context: AFN-016).
+1. mlx-vlm 0.7.10 `qwen4_exp` (the public MLX implementation of this model) on the same Qwen4Exp
+   checkpoint: a transformers `save_pretrained` checkpoint at the bench dims (or `--checkpoint DIR`),
+   both graphs holding the same weight arrays; each one's max |logit - transformers| beside its speed.
+2. mlx-lm qwen3_next on random weights of the same shape (hidden, layers, heads, experts, top-k).
+3. The QSA decode-step time at a long vs a short context (work bounded by the budget: AFN-016).
 
-Targets (issue 2): decode >= 0.8x mlx-lm; QSA step at 32K <= 1.5x the step at 4K.
-Run: python benchmarks/bench_graph.py [--layers 8 --hidden 512 ...]
+Decode is paired token by token (A/B alternation), prefill takes the best of interleaved repeats.
+Targets (issue 14): decode and prefill >= 1.0x mlx-vlm and >= 1.0x mlx-lm; QSA step at 32K <= 1.5x 4K.
+Run: python benchmarks/bench_graph.py [--layers 8 --hidden 512 ...] [--checkpoint DIR] [--skip-vlm]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,7 +52,7 @@ def dims(a):
     )
 
 
-def hebrus_model(a):
+def hebrus_model_config(a):
     cfg = dims(a)
     cfg.update(
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
@@ -54,6 +62,7 @@ def hebrus_model(a):
         hc_lowrank=a.hc_lowrank or a.hidden // 8,
         ple_layer_ids=[1],
         ngram_vocab_size_base=4096,
+        split_ngram_parts=4,
         heads_per_ngram=4,
         indexer_n_heads=4,
         indexer_kv_heads=1,
@@ -62,7 +71,11 @@ def hebrus_model(a):
         indexer_compress_ratio=a.ratio,
         eos_token_id=0,
     )
-    return Model(ModelArgs.from_dict(cfg))
+    return cfg
+
+
+def hebrus_model(a):
+    return Model(ModelArgs.from_dict(hebrus_model_config(a)))
 
 
 def mlx_lm_model(a):
@@ -88,35 +101,124 @@ def init_weights(model, seed=0):
     mx.eval(model.parameters())
 
 
+def _logits(m, x, cache):
+    out = m(x, cache=cache)
+    return getattr(out, "logits", out)  # mlx-vlm returns an output object
+
+
 def paired_decode(models, prompt, n_tokens):
-    """Decode both models token-by-token in alternation, so load on this shared machine hits
-    both alike; returns median tokens/s per model."""
+    """Decode the models token-by-token in alternation (A/B, then B/A on the next token), so load
+    on this shared machine hits all alike; returns (median tokens/s per model, greedy tokens)."""
     states = []
     for m in models:
         cache = m.make_cache()
-        mx.eval(m(prompt, cache=cache))
+        mx.eval(_logits(m, prompt, cache))
         states.append([cache, prompt[:, -1:]])
     times = [[] for _ in models]
-    for _ in range(n_tokens):
-        for i, m in enumerate(models):
+    tokens = [[] for _ in models]
+    for step in range(n_tokens):
+        order = range(len(models)) if step % 2 == 0 else reversed(range(len(models)))
+        for i in order:
+            m = models[i]
             cache, token = states[i]
             t0 = time.perf_counter()
-            token = mx.argmax(m(token, cache=cache)[:, -1:], axis=-1).astype(mx.int32)
+            token = mx.argmax(_logits(m, token, cache)[:, -1:], axis=-1).astype(mx.int32)
             mx.eval(token)
             times[i].append(time.perf_counter() - t0)
             states[i][1] = token
-    return [1.0 / statistics.median(t) for t in times]
+            tokens[i].append(token.item())
+    return [1.0 / statistics.median(t) for t in times], tokens
 
 
 def paired_prefill(models, prompt, repeats=4):
     best = [float("inf")] * len(models)
-    for _ in range(repeats):
-        for i, m in enumerate(models):
+    for r in range(repeats):
+        order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
+        for i in order:
+            m = models[i]
             cache = m.make_cache()
             t0 = time.perf_counter()
-            mx.eval(m(prompt, cache=cache))
+            mx.eval(_logits(m, prompt, cache))
             best[i] = min(best[i], time.perf_counter() - t0)
     return [prompt.shape[1] / b for b in best]
+
+
+# ---- mlx-vlm qwen4_exp on the same checkpoint -------------------------------------------------------
+
+
+def build_checkpoint(a, out: Path, seed: int = 0):
+    """transformers Qwen4ExpForCausalLM at the bench dims, randomised away from the zero/one inits
+    (as tools/capture_reference.py does), saved with save_pretrained."""
+    import torch
+    from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    cfg = hebrus_model_config(a)
+    cfg.pop("rope_parameters")
+    config = Qwen4ExpTextConfig(
+        **cfg, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    )
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
+            elif name.endswith("dt_bias") or "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif "ngram_embedding" in name or "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    model.save_pretrained(out)
+    return model
+
+
+def reference_logits(checkpoint: Path, ids: np.ndarray, model=None):
+    import torch
+    from transformers.models.qwen4_exp import Qwen4ExpForCausalLM
+
+    if model is None:
+        model = Qwen4ExpForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+
+
+def vlm_comparison(a):
+    """Returns rows (kind, hebrus tok/s, mlx-vlm tok/s) and a parity line, or None without the peer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peer_mlx_vlm import PeerUnavailable, from_hebrus
+
+    from hebrus_mlx.utils import load_hf_model
+
+    with tempfile.TemporaryDirectory(prefix="bench-graph-") as tmp:
+        checkpoint = Path(a.checkpoint) if a.checkpoint else Path(tmp)
+        torch_model = None if a.checkpoint else build_checkpoint(a, checkpoint)
+        hf_config = json.loads((checkpoint / "config.json").read_text())
+        vocab = hf_config["vocab_size"]
+        n_prompt = min(a.prompt, hf_config["max_position_embeddings"] - a.decode - 1)
+        ids = np.random.default_rng(1).integers(3, vocab, size=(1, n_prompt)).astype(np.int32)
+        ref = reference_logits(checkpoint, ids, torch_model)
+        del torch_model
+        ours = load_hf_model(checkpoint)
+        try:
+            peer = from_hebrus(ours, hf_config)
+        except PeerUnavailable as e:
+            print(f"mlx-vlm: skipped ({e})")
+            return None
+    prompt = mx.array(ids)
+    parity = []
+    for m in (ours, peer):
+        parity.append(float(np.abs(np.array(_logits(m, prompt, m.make_cache())) - ref).max()))
+    (dh, dv), tokens = paired_decode([ours, peer], prompt, a.decode)
+    ph, pv = paired_prefill([ours, peer], prompt)
+    same = "identical" if tokens[0] == tokens[1] else "DIFFER"
+    return [("decode", dh, dv), ("prefill", ph, pv)], (
+        f"parity vs transformers (max |logit diff|, {n_prompt} tokens): hebrus {parity[0]:.2e}   mlx-vlm {parity[1]:.2e}; "
+        f"greedy tokens over {a.decode} steps: {same}"
+    )
 
 
 def qsa_layer_state(a, context):
@@ -171,7 +273,22 @@ def main(argv=None):
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--short-context", type=int, default=4096)
     p.add_argument("--long-context", type=int, default=32768)
+    p.add_argument("--checkpoint", default=None, help="HF Qwen4Exp checkpoint dir for the mlx-vlm comparison "
+                   "(default: one built at the bench dims)")
+    p.add_argument("--skip-vlm", action="store_true")
+    p.add_argument("--skip-mlx-lm", action="store_true")
+    p.add_argument("--skip-qsa", action="store_true")
     a = p.parse_args(argv)
+
+    if not a.skip_vlm:
+        out = vlm_comparison(a)
+        if out is not None:
+            rows, parity = out
+            for kind, h, v in rows:
+                print(f"{kind:8s} hebrus {h:8.1f} tok/s   mlx-vlm qwen4_exp {v:8.1f} tok/s   ratio {h / v:.2f}x")
+            print(parity)
+    if a.skip_mlx_lm:
+        return
 
     prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
     ours, theirs = hebrus_model(a), mlx_lm_model(a)
@@ -179,11 +296,13 @@ def main(argv=None):
     init_weights(theirs)
     print(f"dims: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} experts={a.experts} top-k={a.top_k}")
     results = {
-        "decode": paired_decode([ours, theirs], prompt, a.decode),
+        "decode": paired_decode([ours, theirs], prompt, a.decode)[0],
         "prefill": paired_prefill([ours, theirs], prompt),
     }
     for kind, (h, m) in results.items():
         print(f"{kind:8s} hebrus {h:8.1f} tok/s   mlx-lm qwen3_next {m:8.1f} tok/s   ratio {h / m:.2f}x")
+    if a.skip_qsa:
+        return
     short, long = paired_qsa_steps(a, [a.short_context, a.long_context])
     print(
         f"QSA decode step: {a.short_context} ctx {short * 1e3:.2f} ms, {a.long_context} ctx {long * 1e3:.2f} ms, "

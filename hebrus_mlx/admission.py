@@ -5,7 +5,8 @@ field:
 
     bounds -> family/profile -> source digests -> model constants ->
     tokenizer/template identity -> exact tensor set -> ExpertMajor manifest
-    and records -> PLE manifest and geometry -> policy -> byte ownership
+    and records -> PLE manifest and geometry -> optional MTP head store ->
+    policy -> byte ownership
 
 No stage reads a sparse payload, and this module imports no MLX at all
 (a test runs it in a subprocess and checks sys.modules): `load()` calls
@@ -25,11 +26,11 @@ from .artifact.expert_major import ExpertMajorReader
 from .artifact.ple_pages import PleReader
 from .artifact.safetensors import read_safetensors_header
 from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import ConfigError
+from .models.qwen4exp_config import ConfigError, mtp_layer_args
 
 STAGES = (
     "bounds", "family", "source", "constants", "tokenizer",
-    "tensors", "experts", "ple", "policy", "ownership",
+    "tensors", "experts", "ple", "mtp", "policy", "ownership",
 )
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -305,10 +306,78 @@ class _Admission:
                 self.owners[s["path"]] = r.extents()
 
     # 9 ------------------------------------------------------------------
+    def mtp(self):
+        """The optional MTP head store: one safetensors file whose tensors are exactly the head's
+        under the profile's codecs, inventoried in its store entry like the dense file."""
+        found = [(i, s) for i, s in enumerate(self.m["stores"]) if s.get("role") == "mtp"]
+        self.mtp_path = None
+        if not found:
+            return
+        if len(found) > 1:
+            raise AdmissionError(f"stores[{found[1][0]}]", f"{len(found)} MTP stores; at most one")
+        i, s = found[0]
+        field = f"stores[{i}]"
+        if s.get("format") != "safetensors":
+            raise AdmissionError(f"{field}.format", f"{s.get('format')!r} != 'safetensors'")
+        if s.get("codec") != self.m["codecs"]["dense"]:
+            raise AdmissionError(f"{field}.codec", f"{s.get('codec')!r} != profile {self.m['codecs']['dense']!r}")
+        try:
+            mtp_layer_args(self.args)
+        except ConfigError as e:
+            raise AdmissionError(f"config.{e.field}", str(e)) from None
+        try:
+            n, header, _ = read_safetensors_header(self.file(s["path"]))
+        except AdmissionError as e:
+            raise AdmissionError("mtp." + e.field, str(e).split(": ", 1)[-1]) from None
+        expected = M.mtp_stored_tensors(self.args, self.m["profile"])
+        for name in sorted(header):
+            if name not in expected:
+                raise AdmissionError(f"mtp.tensors.{name}", "extra tensor")
+        for name, (dtype, shape, _) in expected.items():
+            if name not in header:
+                raise AdmissionError(f"mtp.tensors.{name}", "missing tensor")
+            if tuple(header[name]["shape"]) != shape:
+                raise AdmissionError(f"mtp.tensors.{name}.shape", f"{header[name]['shape']} != expected {list(shape)}")
+            if header[name]["dtype"] != dtype:
+                raise AdmissionError(f"mtp.tensors.{name}.dtype", f"{header[name]['dtype']} != expected {dtype}")
+        inv = s.get("tensors")
+        if type(inv) is not dict:
+            raise AdmissionError(f"{field}.tensors", "must be the MTP tensor inventory object")
+        for name in sorted(set(inv) | set(expected)):
+            rec = inv.get(name)
+            if type(rec) is not dict:
+                raise AdmissionError(f"{field}.tensors.{name}", "missing from the MTP inventory")
+            if name not in expected:
+                raise AdmissionError(f"{field}.tensors.{name}", "not in the expected MTP tensor set")
+            unknown = sorted(set(rec) - {"dtype", "shape", "data_offsets", "codec"})
+            if unknown:
+                raise AdmissionError(f"{field}.tensors.{name}.{unknown[0]}", "unknown inventory field")
+            e = header[name]
+            if rec.get("dtype") != e["dtype"] or rec.get("shape") != e["shape"]:
+                raise AdmissionError(f"{field}.tensors.{name}", "dtype/shape disagree with the MTP file")
+            if rec.get("codec") != expected[name][2]:
+                raise AdmissionError(f"{field}.tensors.{name}.codec", f"{rec.get('codec')!r} != profile codec {expected[name][2]!r}")
+            if rec.get("data_offsets") != e["data_offsets"]:
+                raise AdmissionError(f"{field}.tensors.{name}.data_offsets", f"{rec.get('data_offsets')} != file {e['data_offsets']}")
+        allowed = {len(keys.expected_mtp_keys(self.args, layout)) for layout in ("unfused", "fused")}
+        if type(s.get("source_tensors")) is not int or s["source_tensors"] not in allowed:
+            raise AdmissionError(f"{field}.source_tensors", f"{s.get('source_tensors')!r} not in the MTP key-table counts {sorted(allowed)}")
+        base = 8 + n
+        self.mtp_path = s["path"]
+        self.owners[s["path"]] = [(0, base, "safetensors.header")] + [
+            (base + e["data_offsets"][0], base + e["data_offsets"][1], f"mtp:{name}") for name, e in header.items()
+        ]
+
+    # 10 -----------------------------------------------------------------
     def policy(self):
         m = self.m
-        if m["policy"] != {"modalities": ["text"], "mtp": "excluded"}:
-            raise AdmissionError("policy", f"{m['policy']} is not the text-only, MTP-excluded policy")
+        mode = "included" if self.mtp_path else "excluded"
+        if m["policy"] != {"modalities": ["text"], "mtp": mode}:
+            field = "policy.mtp" if type(m["policy"]) is dict and m["policy"].get("modalities") == ["text"] else "policy"
+            raise AdmissionError(field, f"{m['policy']} is not the text-only policy with the MTP head {mode}"
+                                 f" ({'an' if self.mtp_path else 'no'} MTP store)")
+        if self.mtp_path and m["exclusions"].get("mtp") != 0:
+            raise AdmissionError("exclusions.mtp", f"{m['exclusions'].get('mtp')!r}: the MTP head is included, nothing was excluded")
         for rule, name in sorted(self.excluded_present.items()):
             raise AdmissionError(f"policy.{rule}", f"excluded tensor {name!r} present in a text-only artifact")
         rules = [r for r, _ in keys.EXCLUSION_RULES]
@@ -322,7 +391,7 @@ class _Admission:
         if type(consumed) is not int or consumed not in allowed:
             raise AdmissionError("conversion.source_tensors_consumed", f"{consumed!r} not in the key-table counts {sorted(allowed)}")
 
-    # 10 -----------------------------------------------------------------
+    # 11 -----------------------------------------------------------------
     def ownership(self):
         for path, spans in sorted(self.owners.items()):
             size = os.path.getsize(self.file(path))
@@ -330,10 +399,10 @@ class _Admission:
             for start, end, owner in sorted(spans):
                 if start < at:
                     raise AdmissionError(f"ownership.{path}", f"{owner} [{start}, {end}) overlaps {prev}")
-                if start > at and path == self.dense_path:
+                if start > at and path in (self.dense_path, self.mtp_path):
                     raise AdmissionError(f"ownership.{path}", f"bytes [{at}, {start}) owned by nobody")
                 at, prev = end, owner
-            if at > size or (path == self.dense_path and at != size):
+            if at > size or (path in (self.dense_path, self.mtp_path) and at != size):
                 raise AdmissionError(f"ownership.{path}", f"owners end at {at}, file is {size} bytes")
 
     def manifest(self):

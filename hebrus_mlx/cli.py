@@ -16,6 +16,7 @@ VERBS = {
     "server": "hebrus_mlx.server",
     "chat": "hebrus_mlx.chat",
     "traces": "hebrus_mlx.traces.command",
+    "qualify": "hebrus_mlx.qualify",
 }
 
 # HEBRUS_TRACEBACK=1 also prints the traceback of a typed error (for debugging; bugs always show it).

@@ -27,8 +27,10 @@ from . import admission, hub
 from .artifact import atomic
 from .artifact import constants as C
 from .artifact import expert_major, manifest as M, ple_pages
-from .artifact.errors import ArtifactError
-from .sources import Source
+from .artifact.errors import ArtifactError, GeometryError
+from .models import checkpoint_keys as keys
+from .models.qwen4exp_config import mtp_layer_args
+from .sources import _COMPONENT, Source, encode
 
 
 
@@ -92,6 +94,68 @@ def expert_records(src, args, fam, codec_name, layout="unfused"):
             yield layer, e, src.expert_parts(layer, e, fam, codec_name, layout)
 
 
+def _mtp_expert(src, raw, layout, e, comp, fam):
+    """(float32 [rows, in], source dtype) of MTP expert e's component, one expert's rows read."""
+    m = fam.moe_intermediate_size
+    if layout == "unfused":
+        return src.read(raw[f"mtp.layers.0.mlp.experts.{e}.{_COMPONENT[comp]}.weight"])
+    if comp == "down":
+        d, dt = src.read(raw["mtp.layers.0.mlp.experts.down_proj"], e, e + 1)
+        return d[0], dt
+    gu, dt = src.read(raw["mtp.layers.0.mlp.experts.gate_up_proj"], e, e + 1)
+    return (gu[0, :m] if comp == "gate" else gu[0, m:]), dt
+
+
+def write_mtp(w, src, args, fam, profile, report, progress=None):
+    """The MTP store: one safetensors file of the head's tensors under runtime names, each encoded
+    with the codec the profile gives the same kind of tensor in the text model. Header first, then
+    every tensor written at its offset; routed experts are encoded one expert at a time."""
+    stored = M.mtp_stored_tensors(args, profile)
+    header, off = {}, 0
+    for name, (dtype, shape, _) in stored.items():
+        n = M.shape_bytes(dtype, shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    w.write(len(raw).to_bytes(8, "little") + raw)
+    base = 8 + len(raw)
+    keys_by_name = report["keys"]
+
+    def put(stem, parts, index=None):
+        for part, arr in parts.items():
+            e = header[stem + part]
+            data = np.ascontiguousarray(arr).tobytes()
+            at = base + e["data_offsets"][0] + (0 if index is None else index * len(data))
+            w.pwrite(data, at)
+            if progress is not None:
+                progress(len(data))
+
+    for key, shape, codec_name, comp in M.mtp_weights(args, profile):
+        stem = key[: -len("weight")]
+        if comp is None:
+            a, dt = src.read(keys_by_name[key])
+            if tuple(a.shape) != tuple(shape):
+                raise GeometryError(f"source.{keys_by_name[key]}.shape", f"{list(a.shape)} != expected {list(shape)}")
+            put(stem, encode(a, dt, codec_name))
+            continue
+        for e in range(args.num_experts):
+            a, dt = _mtp_expert(src, keys_by_name, report["expert_layout"], e, comp, fam)
+            if tuple(a.shape) != tuple(shape):
+                raise GeometryError(f"source.mtp.layers.0.mlp.experts.{e}.{_COMPONENT[comp]}", f"shape {list(a.shape)}")
+            put(stem, encode(a, dt, codec_name), e)
+    return header
+
+
+def mtp_store(tmp, header, args, profile, consumed):
+    """Manifest entry of the MTP store; its inventory records every stored tensor's codec."""
+    s = _store(tmp, "mtp", M.MTP_PATH, "safetensors", C.PROFILES[profile]["dense"])
+    stored = M.mtp_stored_tensors(args, profile)
+    s["tensors"] = {name: dict(e, codec=stored[name][2]) for name, e in sorted(header.items())}
+    s["source_tensors"] = consumed
+    return s
+
+
 def detect_family(constants):
     matches = []
     for name in C.FAMILIES:
@@ -137,7 +201,10 @@ def plan(config, q_bits=None, q_group_size=None, dtype=None):
     return profile, M.model_args(config), constants, detect_family(constants)
 
 
-def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False):
+def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False,
+            mtp=True):
+    """mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
+    store; False excludes it (counted under the "mtp" exclusion rule)."""
     if not os.path.isdir(hf_path):
         # A path-like name that is not a directory is a typo, not a Hub repo id.
         if os.path.isabs(hf_path) or hf_path.startswith((".", "~")) or os.path.exists(hf_path):
@@ -153,6 +220,9 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
     codecs = C.PROFILES[profile]
     src = open_source(hf_path, config)
     counts = src.check(args)
+    mtp_report = keys.check_mtp_key_set(list(src.index), args) if mtp else None
+    if mtp_report is not None:
+        mtp_layer_args(args)  # the head's QSA layer needs the indexer fields
     # The artifact is written next to `out` before the rename: refuse up front
     # rather than fail with ENOSPC after hours of a 100+ GB conversion.
     hub.check_free(artifact_bytes(args, fam, profile), out, f"converting into {out}", field="out")
@@ -198,6 +268,17 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
             s.update(table=t, layer=layer_id - 1, rows_per_page=g.rows_per_page)
             stores.append(s)
 
+        if mtp_report is not None:
+            p = bar("mtp", sum(M.shape_bytes(d, sh) for d, sh, _ in M.mtp_stored_tensors(args, profile).values()))
+            mtp_header = {}
+
+            def write(w):
+                mtp_header.update(write_mtp(w, src, args, fam, profile, mtp_report, p.update))
+
+            atomic.publish_file(os.path.join(tmp, M.MTP_PATH), write)
+            p.close()
+            stores.append(mtp_store(tmp, mtp_header, args, profile, mtp_report["consumed"]))
+
         tensors = {}
         shapes = M.dense_shapes(args)
         for name, e in result["header"].items():
@@ -206,12 +287,56 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
                              "codec": M.dense_codec(wkey, shapes[wkey], profile)}
         man = M.build(family=fam.name, profile=profile, source_files=source_files, revision=revision,
                       repo=repo, constants=constants, stores=stores, tensors=tensors,
-                      exclusions=counts["excluded"], consumed=counts["consumed"])
+                      exclusions=counts["excluded"], consumed=counts["consumed"], mtp=mtp_report is not None)
         data = M.dumps(man)
         atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
 
     atomic.publish_dir(out, build, verify=admission.admit)
     return admission.admit(out)
+
+
+def add_mtp(artifact, mtp_source, quiet=False):
+    """Republish `artifact` with the MTP head read from `mtp_source` (a directory of safetensors
+    holding exactly the `mtp.*` tensors, e.g. a trained head), encoded with the artifact's own
+    profile codecs. Every other file is copied byte for byte; the new directory is admitted before
+    it atomically replaces the old one. Replaces an MTP store already present."""
+    from .models.qwen4exp_config import ModelArgs
+
+    admission.admit(artifact)
+    with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
+        man = json.loads(f.read())
+    with open(os.path.join(artifact, "config.json"), "rb") as f:
+        args = ModelArgs.from_dict(json.loads(f.read()))
+    mtp_layer_args(args)
+    fam = C.family(man["family"])
+    src = Source(mtp_source)
+    report = keys.check_mtp_key_set(list(src.index), args)
+    if report is None:
+        raise ArtifactError("mtp_source", f"{mtp_source} holds no mtp.* tensors")
+    extra = sorted(set(src.index) - set(report["keys"].values()))
+    if extra:
+        raise ArtifactError(f"mtp_source.{extra[0]}", "not an MTP tensor")
+    profile = man["profile"]
+
+    def build(tmp):
+        for s in man["stores"]:
+            if s["role"] != "mtp":
+                atomic.publish_file(os.path.join(tmp, s["path"]), lambda w, p=os.path.join(artifact, s["path"]): _copy(p, w))
+        for name in man["source"]["files"]:
+            atomic.publish_file(os.path.join(tmp, name), lambda w, p=os.path.join(artifact, name): _copy(p, w))
+        p = tqdm(total=sum(M.shape_bytes(d, sh) for d, sh, _ in M.mtp_stored_tensors(args, profile).values()),
+                 desc="mtp", unit="B", unit_scale=True, unit_divisor=1024, disable=True if quiet else None)
+        header = {}
+        atomic.publish_file(os.path.join(tmp, M.MTP_PATH),
+                            lambda w: header.update(write_mtp(w, src, args, fam, profile, report, p.update)))
+        p.close()
+        new = dict(man, stores=[s for s in man["stores"] if s["role"] != "mtp"] + [mtp_store(tmp, header, args, profile, report["consumed"])],
+                   policy=dict(man["policy"], mtp="included"), exclusions=dict(man["exclusions"], mtp=0))
+        data = M.dumps(new)
+        atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
+
+    atomic.publish_dir(artifact, build, verify=admission.admit)
+    return admission.admit(artifact)
 
 
 def _copy(path, w):
@@ -237,8 +362,10 @@ def main(argv=None):
     p.add_argument("--q-group-size", type=int, help="default 64 (an MLX-quantized source keeps its own)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store unquantized instead")
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")
     a = p.parse_args(argv)
-    report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision).report  # errors: cli.run
+    report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision,
+                     mtp=not a.no_mtp).report  # errors: cli.run
     print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
     return 0
 

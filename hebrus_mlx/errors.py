@@ -25,3 +25,9 @@ class UsageError(HebrusError, ValueError):
     """A bad command-line or API argument; `field` names the flag or parameter."""
 
     default_field = "arguments"
+
+
+class GenerationError(HebrusError, ValueError):
+    """Bad generation input (empty prompt, prompt beyond the context, bad arguments)."""
+
+    default_field = "prompt"

@@ -3,6 +3,7 @@
 
 import argparse
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -10,7 +11,8 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 
 import mlx.core as mx
 
-from .errors import HebrusError, UsageError
+from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
+from .pipeline import launched as pipeline_launched
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .stream.errors import translate
 from .stream.predict import add_prefetch_argument, prefetch_from_args
@@ -19,12 +21,39 @@ from .traces.schema import KIND_DECODE, KIND_PREFILL
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP_SIZE = 2048
+CLEAR_CACHE_EVERY = 256  # tokens; as mlx-lm's generate, so the buffer cache does not grow unbounded
+
+# One stream for the model's work, as mlx-lm: host-side work on the default stream does not queue
+# behind (or in front of) a generation step. MLX streams belong to the thread that made them, so each
+# generating thread (the server's worker, the CLI's main thread) gets its own.
+_thread = threading.local()
 
 
-class GenerationError(HebrusError, ValueError):
-    """Bad generation input (empty prompt, prompt beyond the context, bad arguments)."""
+def generation_stream():
+    stream = getattr(_thread, "stream", None)
+    if stream is None:
+        stream = _thread.stream = mx.new_stream(mx.default_device())
+    return stream
 
-    default_field = "prompt"
+
+@contextmanager
+def wired_limit(model):
+    """Wire the model's weights while generating when they are a large part of the Metal working set
+    (mlx-lm's rule); a no-op without Metal (this machine: not exercised)."""
+    if not (hasattr(mx, "metal") and mx.metal.is_available()):
+        yield
+        return
+    from mlx.utils import tree_reduce
+
+    model_bytes = tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, model, 0)
+    max_rec = mx.metal.device_info()["max_recommended_working_set_size"]
+    old = mx.set_wired_limit(min(model_bytes, max_rec)) if model_bytes > 0.9 * max_rec else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            mx.synchronize(generation_stream())
+            mx.set_wired_limit(old)
 
 
 @dataclass
@@ -38,6 +67,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: Optional[str] = None
+    from_draft: bool = False  # a drafted token the target accepted (speculative decoding)
 
 
 def _eval_cache(cache, fallback, extra=()):
@@ -70,12 +100,26 @@ def generate_step(
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     max_kv_size: Optional[int] = None,
     trace=None,
+    draft_model=None,
+    num_draft_tokens: Optional[int] = None,
 ) -> Generator[Tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; logprobs are over the physical width, -inf past the
     effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops.
 
     trace: a `traces.capture.TraceRecorder` records the native routes of every token fed (read
-    back once per step or prefill chunk); the caller closes it."""
+    back once per step or prefill chunk); the caller closes it.
+
+    `draft_model` (a hebrus_mlx.speculative Drafter) decodes speculatively with blocks of up to
+    `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling)."""
+    if draft_model is not None:
+        if trace is not None:
+            raise UsageError("trace", "route capture of speculative decoding is not supported (only "
+                             "verified tokens may enter a clean-path trace, AFN-021)")
+        yield from _speculative(prompt, model, draft_model, effective_vocab_size=effective_vocab_size,
+                                max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
+                                prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+                                max_kv_size=max_kv_size, num_draft_tokens=num_draft_tokens)
+        return
     if prompt.ndim != 1 or prompt.size == 0:
         raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
     if prefill_step_size < 1:
@@ -97,6 +141,10 @@ def generate_step(
         return out, trace.stage(cap, x, kind)
 
     def _step(y):
+        with mx.stream(generation_stream()):
+            return _step_on_stream(y)
+
+    def _step_on_stream(y):
         nonlocal tokens
         logits, staged = _forward(y, KIND_DECODE)
         logits = logits[:, -1, :]
@@ -138,7 +186,7 @@ def generate_step(
     while y.size > 1:
         n = min(prefill_step_size, y.size - 1)
         chunk = y[:n]
-        with rollback_to(snapshot()):
+        with rollback_to(snapshot()), mx.stream(generation_stream()):
             out, staged = _forward(chunk, KIND_PREFILL)
             _eval_cache(prompt_cache, out, _pending(staged))
         if staged is not None:
@@ -169,6 +217,21 @@ def generate_step(
         yield token, logprobs
         y, logprobs, snap, staged = next_y, next_logprobs, next_snap, next_staged
         n += 1
+        if n % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+
+
+def _speculative(prompt, model, drafter, *, max_kv_size, prompt_cache, with_draft_flag=False, **kwargs):
+    from .speculative import speculative_generate_step
+    from .speculative.protocol import check_drafter
+
+    check_drafter(drafter)  # names and directories resolve in stream_generate (they need the tokenizer)
+    _check_max_kv_size(max_kv_size, "max_kv_size")
+    if prompt_cache is None:
+        prompt_cache = model.make_cache()
+    for token, logprobs, from_draft in speculative_generate_step(prompt, model, drafter,
+                                                                 prompt_cache=prompt_cache, **kwargs):
+        yield (token, logprobs, from_draft) if with_draft_flag else (token, logprobs)
 
 
 def _prompt_ids(tokenizer, prompt) -> mx.array:
@@ -237,12 +300,30 @@ def stream_generate(
 
     detok = tokenizer.detokenizer
     stops = tokenizer.stop_token_ids
+    draft_model = kwargs.pop("draft_model", None)
+    num_draft_tokens = kwargs.pop("num_draft_tokens", None)
+    speculative_stats = kwargs.pop("speculative_stats", None)
     mx.reset_peak_memory()
     tic = time.perf_counter()
+    if draft_model is None:
+        steps = ((t, lp, False) for t, lp in generate_step(
+            ids, model, effective_vocab_size=tokenizer.effective_vocab_size, max_tokens=max_tokens, **kwargs))
+    else:
+        # Speculative decoding: a name (ngram, mtp), a draft model directory or a Drafter.
+        from .speculative import make_drafter
+
+        drafter = make_drafter(draft_model, model, tokenizer, kwargs.get("sampler"), num_draft_tokens)
+        steps = _speculative(ids, model, drafter, effective_vocab_size=tokenizer.effective_vocab_size,
+                             max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, stats=speculative_stats,
+                             with_draft_flag=True, prompt_cache=kwargs.pop("prompt_cache", None),
+                             max_kv_size=kwargs.pop("max_kv_size", None), **kwargs)
+    with wired_limit(model):
+        yield from _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic)
+
+
+def _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic):
     prompt_tps = 0.0
-    steps = generate_step(ids, model, effective_vocab_size=tokenizer.effective_vocab_size,
-                          max_tokens=max_tokens, **kwargs)
-    for n, (token, logprobs) in enumerate(steps, start=1):
+    for n, (token, logprobs, from_draft) in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = ids.size / (time.perf_counter() - tic)
             tic = time.perf_counter()
@@ -255,7 +336,7 @@ def stream_generate(
             text=detok.last_segment, token=token, logprobs=logprobs, prompt_tokens=ids.size,
             prompt_tps=prompt_tps, generation_tokens=n,
             generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, from_draft=from_draft,
         )
         if finish is not None:
             return
@@ -265,6 +346,14 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     """Generate a complete response; with `verbose`, stream it and print mlx_lm-style stats."""
     text = ""
     response = None
+    if kwargs.get("draft_model") is not None:
+        from .speculative import SpeculativeStats, make_drafter
+
+        # Resolved before anything is printed: a bad --draft-model is one line on stderr.
+        kwargs["draft_model"] = make_drafter(kwargs["draft_model"], model, tokenizer, kwargs.get("sampler"),
+                                             kwargs.get("num_draft_tokens"))
+        if kwargs.get("speculative_stats") is None:
+            kwargs["speculative_stats"] = SpeculativeStats()
     if verbose:
         print("=" * 10)
     for response in stream_generate(model, tokenizer, prompt, **kwargs):
@@ -280,6 +369,8 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
+        if kwargs.get("speculative_stats") is not None:
+            print(kwargs["speculative_stats"].summary())
         if model.streaming is not None:
             from .stream.engine import io_summary
 
@@ -328,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-features", type=int, default=0, metavar="N",
                    help="with --trace-out, also record the router input of every Nth position (0 = off)")
     p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a draft model directory")
+    p.add_argument("--pipeline-split", default=None,
+                   help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)")
     return p
 
 
@@ -349,6 +446,11 @@ def _check_args(args):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
     if args.trace_features < 0:
         raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
+    if args.num_draft_tokens is not None:
+        if args.draft_model is None:
+            raise UsageError("--num-draft-tokens", "needs --draft-model")
+        if args.num_draft_tokens < 1:
+            raise UsageError("--num-draft-tokens", f"must be >= 1, got {args.num_draft_tokens}")
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
@@ -368,6 +470,12 @@ def _trace_kwargs(args) -> dict:
             "trace_sampling": sampling}
 
 
+def _draft_kwargs(args) -> dict:
+    if args.draft_model is None:
+        return {}
+    return {"draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens}
+
+
 def main(argv=None) -> int:
     """`hebrus-mlx generate`; typed errors propagate to `cli.run` (one line, exit 2)."""
     parser = build_parser()
@@ -378,7 +486,15 @@ def main(argv=None) -> int:
         raise UsageError("--prompt", "the prompt is empty")
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args))
+    if pipeline_launched():
+        from .hub import resolve_model
+        from .pipeline.cli import load_or_serve
+
+        pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
+        if pipe is None:
+            return 0  # a serving rank: rank 0 prints
+    else:
+        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args))
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:
@@ -388,9 +504,13 @@ def main(argv=None) -> int:
     sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
                            min_p=args.min_p, top_k=args.top_k)
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
-                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args))
+                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args))
     if not args.verbose:
-        print(text)
+        print(text, flush=True)
+    if pipeline_launched():
+        from .pipeline.cli import finish
+
+        finish(model, verbose=args.verbose)  # last: the launcher ends rank 0 once a peer exits
     return 0
 
 

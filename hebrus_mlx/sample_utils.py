@@ -58,4 +58,26 @@ def make_sampler(
         x = x - mx.logsumexp(x, axis=-1, keepdims=True)
         return inner(x)
 
+    # The distribution the sampler draws from, for speculative rejection sampling; None = argmax.
+    sampler.distribution = None if temp == 0 else _make_distribution(
+        effective_vocab_size, temp, top_p, min_p, min_tokens_to_keep, top_k)
     return sampler
+
+
+def _make_distribution(effective_vocab_size, temp, top_p, min_p, min_tokens_to_keep, top_k):
+    """logprobs [B, V] -> float32 probabilities of the token `make_sampler` would draw (same filter
+    chain and order as mlx-lm's sampler, then softmax(x / temp))."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    def distribution(logprobs: mx.array) -> mx.array:
+        x = apply_vocab_mask(logprobs.astype(mx.float32), effective_vocab_size)
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if 0 < top_p < 1.0:
+            x = apply_top_p(x, top_p)
+        if min_p != 0.0:
+            x = apply_min_p(x, min_p, min_tokens_to_keep)
+        if top_k > 0:
+            x = apply_top_k(x, top_k)
+        return mx.softmax(x * (1.0 / temp), axis=-1)
+
+    return distribution

@@ -300,6 +300,7 @@ class Worker:
         import mlx.core as mx
 
         try:
+            mx.synchronize(gen.generation_stream())  # the worker thread's generation stream
             mx.synchronize()
         except Exception as e:
             if job.cancel.is_set():

@@ -53,7 +53,8 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     """Build the graph from an HF checkpoint dir (safetensors) via the explicit key tables.
 
     dtype: floating weights are cast to it (float32 by default: the CPU backend is fastest and
-    parity holds at fp32); None keeps the checkpoint dtype.
+    parity holds at fp32); None keeps the checkpoint dtype. A checkpoint's `mtp.*` head becomes
+    `model.mtp_head` (None without one).
     """
     # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
     from .models.checkpoint_keys import CheckpointKeyError
@@ -71,12 +72,16 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
                 raise CheckpointKeyError(f"tensor {key!r} appears in more than one shard")
             weights[key] = value
     model = Model(args)
+    from .models.mtp import attach_mtp_head, load_mtp_head
+
+    head = load_mtp_head(weights, args, dtype)  # the `mtp.*` tensors the text sanitize excludes
     weights = model.sanitize(weights)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
+    attach_mtp_head(model, head)
     return model
 
 
@@ -101,9 +106,34 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
     return load_hf_model(path, dtype=dtype)
 
 
-def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
+def default_dtype() -> Optional[mx.Dtype]:
+    """float32 on the CPU backend (fastest there, and the parity dtype); the stored dtype (None)
+    where MLX runs on the GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def _apply_machine_profile():
+    """Switch on only what `hebrus-mlx qualify` passed on this machine (AFN-013); without a
+    readable profile nothing optional is on."""
+    import warnings
+
+    from . import kernels
+    from .profile import ProfileError, read_profile
+
+    try:
+        profile = read_profile()
+    except ProfileError as e:
+        warnings.warn(f"{e}; optional kernels stay off (re-run `hebrus-mlx qualify`)", stacklevel=3)
+        profile = None
+    return kernels.configure(profile)
+
+
+def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = None,
          ple_cache_gb: Optional[float] = None, prefetch=None):
     """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir.
+
+    dtype: "auto" (default_dtype(): float32 on CPU, the stored dtype on Metal), an mx.Dtype, or
+    None for the stored dtype.
 
     expert_cache_gb: stream an artifact's routed experts through a cache of this many GiB
     (`--expert-cache-gb`); ple_cache_gb: its PLE table pages (`--ple-cache-gb`). None decides
@@ -112,6 +142,11 @@ def load(path_or_name: str, dtype: Optional[mx.Dtype] = mx.float32, expert_cache
     """
     from .text.tokenizer import load_tokenizer
 
+    if isinstance(dtype, str):
+        if dtype != "auto":
+            raise ValueError(f"dtype: expected 'auto', an mlx dtype or None, got {dtype!r}")
+        dtype = default_dtype()
+    _apply_machine_profile()
     path = resolve_model_path(path_or_name)
     source, sources = path, None
     if is_artifact(path):

@@ -1,4 +1,5 @@
 #include "ops.h"
+#include "ops_metal.h"
 
 #include <algorithm>
 #include <cstring>
@@ -318,7 +319,32 @@ void PrefetchRecords::eval_cpu(
 void PrefetchRecords::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  throw std::runtime_error("HebrusPrefetchRecords runs on the CPU stream only");
+  // GPU-event path (ops_metal.cpp; unbuilt/unverified): the host issues the
+  // hints once the GPU has produced the indices.
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  eval_gpu_via_io(stream(), {inputs[0], out}, [engine = engine_, table = table_, priority = priority_,
+                                               confidence = confidence_, exact = exact_, owner = owner_,
+                                               generation = generation_, layer = layer_, idx = inputs[0],
+                                               dst = out.data<uint32_t>()]() {
+    const Table& t = engine->table(table);
+    const uint32_t* ix = idx.data<uint32_t>();
+    uint32_t issued = 0;
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (ix[i] >= t.rows.size()) {
+        continue;
+      }
+      Request r = row_request(t, ix[i], owner, generation, layer);
+      r.priority = priority;
+      r.exact = exact;
+      r.confidence = confidence;
+      try {
+        engine->release(engine->request(r));
+        issued++;
+      } catch (const StreamError&) {
+      }
+    }
+    *dst = issued;
+  });
 }
 
 mx::array gather_rows(
@@ -603,7 +629,15 @@ void ReleaseAfter::eval_cpu(
 void ReleaseAfter::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  throw std::runtime_error("HebrusReleaseAfter runs on the CPU stream only");
+  // GPU-event path (ops_metal.cpp; unbuilt/unverified): pins are released
+  // once the GPU has computed the value that read the records.
+  out.copy_shared_buffer(inputs[0]);
+  eval_gpu_via_io(stream(), {inputs[0], inputs[1]}, [engine = engine_, lease = inputs[1]]() {
+    const uint64_t* t = lease.data<uint64_t>();
+    for (size_t i = 0; i < lease.size(); ++i) {
+      engine->release(t[i]);
+    }
+  });
 }
 
 } // namespace hebrus

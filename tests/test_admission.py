@@ -92,6 +92,15 @@ def _second_experts_store(d):
     edit_manifest(d, lambda m: m["stores"].append({**m["stores"][1], "path": "experts2.hbem"}))
 
 
+def _foreign_mtp_store(d):
+    """An MTP store whose file is not an MTP head (here: a copy of the dense file)."""
+    import shutil
+
+    shutil.copy(os.path.join(d, "model.safetensors"), os.path.join(d, "mtp.safetensors"))
+    edit_manifest(d, lambda m: m["stores"].append({**m["stores"][0], "role": "mtp", "path": "mtp.safetensors",
+                                                   "tensors": {}, "source_tensors": 0}))
+
+
 def _stray_file(d):
     with open(os.path.join(d, "ple.9.hbpl"), "wb") as f:
         f.write(b"x")
@@ -154,6 +163,7 @@ NEGATIVE_FIXTURES = [
     ("ple-digest-table", _ple_header(512, "<I", 0xDEADBEEF), "ple", "ple.manifest_sha256"),
     ("ple-rows-per-page-record", lambda d: edit_manifest(d, lambda m: m["stores"][2].__setitem__("rows_per_page", 7)), "ple", "stores[2].rows_per_page"),
     ("ple-layer", lambda d: edit_manifest(d, lambda m: m["stores"][2].__setitem__("layer", 1)), "ple", "stores[2].layer"),
+    ("mtp-store-not-a-head", _foreign_mtp_store, "mtp", "mtp.tensors.lm_head.weight"),
     ("vision-policy", _tensor(_add_tensor("model.visual.patch_embed.weight")), "policy", "policy.vision"),
     ("mtp-policy", _tensor(_add_tensor("mtp.fc.weight")), "policy", "policy.mtp"),
     ("modalities-policy", lambda d: edit_manifest(d, lambda m: m["policy"].__setitem__("modalities", ["text", "image"])), "policy", "policy"),

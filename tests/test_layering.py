@@ -19,16 +19,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "hebrus_mlx"
 
 FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.models.qwen4exp_config",
-          "hebrus_mlx.models.checkpoint_keys")
+          "hebrus_mlx.models.checkpoint_keys", "hebrus_mlx.pipeline.split")
 RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one module
     (FORMAT, 0),
     (("hebrus_mlx.admission",), 1),
     (("hebrus_mlx.loading", "hebrus_mlx.loading.", "hebrus_mlx.models", "hebrus_mlx.models.qwen4exp",
       "hebrus_mlx.models.cache", "hebrus_mlx.models.gated_delta", "hebrus_mlx.stream", "hebrus_mlx.stream.",
-      "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.utils", "hebrus_mlx.hub",
-      "hebrus_mlx.traces", "hebrus_mlx.traces."), 2),
+      "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.kernels.", "hebrus_mlx.profile", "hebrus_mlx.utils", "hebrus_mlx.hub",
+      "hebrus_mlx.traces", "hebrus_mlx.traces.", "hebrus_mlx.models.mtp"), 2),
     (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.convert",
-      "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.prompt_cache"), 3),
+      "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.prompt_cache",
+      "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify",
+      "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli"), 3),
     (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.chat"), 4),
 ]
 

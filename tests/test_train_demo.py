@@ -174,3 +174,27 @@ def test_main_writes_a_reloadable_checkpoint(corpus, tmp_path):
     # A published directory is never replaced.
     with pytest.raises(FileExistsError, match="--out"):
         td.main(argv, dims=MINI)
+
+
+def test_mtp_head_state_is_the_released_layout_and_round_trips():
+    """The MTP trainer's export is the released `mtp.*` per-expert layout: loading it back through
+    the checkpoint key tables gives the same head (what `train_demo.py mtp --publish` ships)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from hebrus_mlx.models.checkpoint_keys import check_mtp_key_set
+    from hebrus_mlx.models.mtp import MTPHead, load_mtp_head
+    from hebrus_mlx.models.qwen4exp_config import ModelArgs
+
+    with open(ROOT / "hebrus_mlx" / "demo" / "model" / "config.json") as f:
+        args = ModelArgs.from_dict(json.load(f))
+    mx.random.seed(4)
+    head = MTPHead(args)
+    state = td.mtp_head_state(head)
+    assert check_mtp_key_set(list(state), args)["expert_layout"] == "unfused"
+    back = load_mtp_head({k: mx.array(v) for k, v in state.items()}, args)
+    ours, theirs = dict(tree_flatten(head.parameters())), dict(tree_flatten(back.parameters()))
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        np.testing.assert_array_equal(np.array(ours[k]), np.array(theirs[k]), err_msg=k)

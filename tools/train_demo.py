@@ -651,5 +651,199 @@ def main(argv=None, dims=None):
     return 0
 
 
+# ---------------------------------------------------------------- MTP head
+#
+#     nice python tools/train_demo.py mtp --artifact hebrus_mlx/demo/model --publish
+#
+# Trains only the MTP head (MLX, fp32) with the shipped demo artifact as the frozen target: the
+# head sees exactly the (quantized) target states it will draft from at run time. Pair t is
+# (h_t, corpus token t+1); its label is the target's greedy token after consuming t+1 (the token a
+# greedy verify accepts), so the loss is distillation onto the target's top-1. Same corpus split as
+# the target (by file, --seed); windows evenly spaced over each split.
+
+
+def mtp_parse_args(argv):
+    p = argparse.ArgumentParser(prog="train_demo.py mtp", description="train the demo's MTP head (target frozen)")
+    p.add_argument("--artifact", type=Path, default=Path(__file__).resolve().parent.parent / "hebrus_mlx" / "demo" / "model")
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heldout-fraction", type=float, default=0.1)
+    p.add_argument("--seq-len", type=int, default=64, help="window length (<= the QSA window keeps prefill dense)")
+    p.add_argument("--train-windows", type=int, default=640)
+    p.add_argument("--heldout-windows", type=int, default=64)
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--out", type=Path, default=None, help="write the trained head (HF mtp.* layout) here")
+    p.add_argument("--publish", action="store_true", help="republish --artifact with the trained head (add_mtp)")
+    args = p.parse_args(argv)
+    for name in ("seq_len", "train_windows", "heldout_windows", "steps", "batch"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    return args
+
+
+def _spaced_windows(ids, seq_len, n):
+    import numpy as np
+
+    total = len(ids) // seq_len
+    if total == 0:
+        raise ValueError(f"seq_len={seq_len} exceeds the token stream length {len(ids)}")
+    pick = np.unique(np.linspace(0, total - 1, min(n, total)).round().astype(np.int64))
+    return np.stack([ids[i * seq_len : (i + 1) * seq_len] for i in pick]).astype(np.int32)
+
+
+def mtp_head_state(head):
+    """Trained head -> HF `mtp.*` tensors in the released per-expert layout (numpy fp32)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    out = {}
+    for name, value in tree_flatten(head.parameters()):
+        value = np.array(value.astype(mx.float32))
+        if ".switch_mlp." in name:
+            comp = name.split(".switch_mlp.")[1].split(".")[0]
+            for e in range(value.shape[0]):
+                out[f"mtp.layers.0.mlp.experts.{e}.{comp}.weight"] = np.ascontiguousarray(value[e])
+        else:
+            out["mtp." + name] = value
+    return out
+
+
+def mtp_main(argv=None):
+    args = mtp_parse_args(argv)
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from hebrus_mlx.models.mtp import MTPHead
+    from hebrus_mlx.models.qwen4exp import Capture
+    from hebrus_mlx.utils import load_model
+
+    t_start = time.time()
+    mx.random.seed(args.seed)
+    target = load_model(args.artifact)
+    target.freeze()
+    tok = Tokenizer.from_file(str(args.artifact / "tokenizer.json"))
+    vocab = tok.get_vocab_size()  # effective: unassigned lm_head rows are never a label
+    eot = tok.token_to_id("<|endoftext|>")
+    files = list_corpus(args.corpus)
+    train_files, held_files = split_files(files, args.heldout_fraction, args.seed)
+
+    def stream(fs):
+        ids = []
+        for f in fs:
+            ids.extend(tok.encode(read_text(f), add_special_tokens=False).ids)
+            ids.append(eot)
+        return np.array(ids, dtype=np.int32)
+
+    train_ids, held_ids = stream(train_files), stream(held_files)
+    train_w = _spaced_windows(train_ids, args.seq_len, args.train_windows)
+    held_w = _spaced_windows(held_ids, args.seq_len, args.heldout_windows)
+    print(f"mtp corpus: {len(train_files)} train / {len(held_files)} held-out files; "
+          f"windows {len(train_w)} / {len(held_w)} of {args.seq_len} tokens", flush=True)
+
+    def target_pass(windows):
+        """Target final pre-mixer states h [N, L, W] and greedy labels [N, L] (frozen, once)."""
+        hs, labels = [], []
+        for i in range(0, len(windows), args.batch):
+            cap = Capture()
+            logits = target(mx.array(windows[i : i + args.batch]), capture=cap)
+            lab = mx.argmax(logits[..., :vocab], axis=-1).astype(mx.int32)
+            mx.eval(cap.hidden[-1], lab)
+            hs.append(cap.hidden[-1])
+            labels.append(lab)
+        return mx.concatenate(hs), mx.concatenate(labels)
+
+    t0 = time.time()
+    train_h, train_lab = target_pass(train_w)
+    held_h, held_lab = target_pass(held_w)
+    t_target = time.time() - t0
+    print(f"target states: {t_target:.0f} s", flush=True)
+    train_x, held_x = mx.array(train_w), mx.array(held_w)
+
+    embed, lm_head = target.model.embed_tokens, target.lm_head
+
+    def head_logits(head, x, h):
+        mixed, _ = head(embed(x[:, 1:]), h[:, :-1], head.make_cache())
+        return lm_head(mixed)[..., :vocab]
+
+    def loss_fn(head, x, h, lab):
+        return nn.losses.cross_entropy(head_logits(head, x, h), lab[:, 1:]).mean()
+
+    def accuracy(head):
+        hits = total = 0
+        for i in range(0, len(held_w), args.batch):
+            x, h, lab = held_x[i : i + args.batch], held_h[i : i + args.batch], held_lab[i : i + args.batch]
+            pred = mx.argmax(head_logits(head, x, h), axis=-1)
+            hits += (pred == lab[:, 1:]).sum().item()
+            total += pred.size
+        return hits / total, total
+
+    head = MTPHead(target.args)
+    mx.eval(head.parameters())
+    untrained_acc, n_pairs = accuracy(head)
+
+    # Trivial baseline: the most frequent successor of token t+1 in the training stream.
+    succ = np.zeros((vocab, vocab), dtype=np.int32)
+    np.add.at(succ, (train_ids[:-1], train_ids[1:]), 1)
+    bigram = succ.argmax(axis=1)
+    held_np, lab_np = np.array(held_w), np.array(held_lab)
+    bigram_acc = float((bigram[held_np[:, 1:]] == lab_np[:, 1:]).mean())
+
+    opt = optim.AdamW(learning_rate=args.lr, betas=[0.9, 0.95], weight_decay=0.01)
+    value_and_grad = nn.value_and_grad(head, loss_fn)
+    order = np.random.default_rng(args.seed).permutation(np.resize(np.arange(len(train_w)), args.steps * args.batch))
+    losses = []
+    t0 = time.time()
+    for step in range(args.steps):
+        opt.learning_rate = lr_at(step, args.steps, args.lr, args.warmup)
+        idx = mx.array(order[step * args.batch : (step + 1) * args.batch])
+        loss, grads = value_and_grad(head, train_x[idx], train_h[idx], train_lab[idx])
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(head, grads)
+        mx.eval(head.parameters(), opt.state, loss)
+        losses.append(loss.item())
+        if step % 20 == 0 or step == args.steps - 1:
+            print(f"mtp step {step}: loss {losses[-1]:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    t_train = time.time() - t0
+    head.eval()
+    trained_acc, _ = accuracy(head)
+
+    record = {
+        "train_windows": len(train_w), "heldout_windows": len(held_w), "seq_len": args.seq_len,
+        "steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "heldout_pairs": n_pairs, "heldout_top1_trained": trained_acc,
+        "heldout_top1_untrained_init": untrained_acc, "heldout_top1_bigram_baseline": bigram_acc,
+        "loss_first": losses[0], "loss_last20_mean": float(np.mean(losses[-20:])),
+        "seconds_target_states": round(t_target, 1), "seconds_training": round(t_train, 1),
+    }
+    state = mtp_head_state(head)
+    if args.out is not None or args.publish:
+        from safetensors.numpy import save_file
+
+        out = args.out or Path(tempfile.mkdtemp(prefix="mtp-head-"))
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out / "mtp.safetensors"))
+        print(f"saved head: {out / 'mtp.safetensors'}")
+        if args.publish:
+            from hebrus_mlx.convert import add_mtp
+
+            add_mtp(str(args.artifact), str(out), quiet=True)
+            print(f"published {args.artifact} with its MTP head")
+            # The shipped head is quantized with the artifact's codecs: measure that one too.
+            record["heldout_top1_shipped"] = accuracy(load_model(args.artifact).mtp_head)[0]
+    record["seconds_total"] = round(time.time() - t_start, 1)
+    print(json.dumps(record, indent=1))
+    return 0
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "mtp":
+        sys.exit(mtp_main(sys.argv[2:]))
     sys.exit(main())

@@ -18,6 +18,7 @@ from typing import Mapping, Optional, Tuple
 from ..models import checkpoint_keys as keys
 from ..models.qwen4exp_config import (
     ModelArgs,
+    mtp_layer_args,
     ple_head_offsets,
     ple_head_vocab_sizes,
     ple_layer_multipliers,
@@ -36,6 +37,7 @@ from .errors import AdmissionError
 
 EXPERTS_PATH = "experts.hbem"
 DENSE_PATH = "model.safetensors"
+MTP_PATH = "mtp.safetensors"
 
 
 def ple_path(table):
@@ -217,20 +219,58 @@ def dense_codec(key, shape, profile):
 _ST_DTYPES = {"uint32": "U32", "uint16": "BF16", "float32": "F32"}
 
 
+def _stored_parts(key, shape, name, lead=()):
+    """{stored name: (safetensors dtype, shape)} of one logical tensor under codec `name`; `lead`
+    prefixes stacked axes (routed experts [E, rows, cols])."""
+    c = codec(name)
+    if not c.affine:
+        return {key: ("BF16" if name == "bf16" else "F32", tuple(lead) + tuple(shape))}
+    stem = key[: -len("weight")]
+    return {stem + part: (_ST_DTYPES[dtype], tuple(lead) + pshape) for part, dtype, pshape in c.parts(shape[0], shape[1], key)}
+
+
 def stored_tensors(args, profile):
     """{stored name: (safetensors dtype, shape)} the dense file must hold.
     An affine tensor `x.weight` is stored as x.weight / x.scales / x.biases."""
     out = {}
     for key, shape in sorted(dense_shapes(args).items()):
-        name = dense_codec(key, shape, profile)
-        c = codec(name)
-        if not c.affine:
-            out[key] = ("BF16" if name == "bf16" else "F32", tuple(shape))
-            continue
-        stem = key[: -len("weight")]
-        for part, dtype, pshape in c.parts(shape[0], shape[1], key):
-            out[stem + part] = (_ST_DTYPES[dtype], pshape)
+        out.update(_stored_parts(key, shape, dense_codec(key, shape, profile)))
     return out
+
+
+# ------------------------------------------------------------ MTP head ---
+def mtp_dense_shapes(args):
+    """Logical shape of every dense tensor of the MTP head, by runtime name ("mtp." + module path)."""
+    base = dense_shapes(mtp_layer_args(args))
+    H, W = args.hidden_size, args.hc_count * args.hidden_size
+    shapes = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (W,),
+              "mtp.fc_embedding.weight": (H, H), "mtp.fc_hidden.weight": (H, H)}
+    for name in keys.MTP_GLOBAL_TEMPLATES:
+        if name.startswith("hyper_connection_mixer."):
+            shapes["mtp." + name] = base["model." + name]
+    for name in keys.MTP_LAYER_TEMPLATES:
+        shapes["mtp.layers.0." + name] = base["model.layers.0." + name]
+    return shapes
+
+
+def mtp_weights(args, profile):
+    """[(runtime weight key, logical shape, codec, expert component or None)] of the MTP head:
+    dense tensors with their profile codec, the routed experts stacked [E, rows, cols] with the
+    profile's expert codec (the same codecs the text model's tensors get)."""
+    out = [(k, s, dense_codec(k, s, profile), None) for k, s in sorted(mtp_dense_shapes(args).items())]
+    m, H = args.moe_intermediate_size, args.hidden_size
+    for comp, shape in (("gate", (m, H)), ("up", (m, H)), ("down", (H, m))):
+        out.append((f"mtp.layers.0.mlp.switch_mlp.{comp}_proj.weight", shape, PROFILES[profile]["experts"], comp))
+    return out
+
+
+def mtp_stored_tensors(args, profile):
+    """{stored name: (safetensors dtype, shape, codec)} the MTP store must hold."""
+    out = {}
+    for key, shape, name, comp in mtp_weights(args, profile):
+        lead = (args.num_experts,) if comp else ()
+        out.update({k: (d, s, name) for k, (d, s) in _stored_parts(key, shape, name, lead).items()})
+    return dict(sorted(out.items()))
 
 
 # -------------------------------------------------------------- manifest ---
@@ -252,7 +292,7 @@ def support_status(profile):
 
 
 def build(*, family, profile, source_files, revision, repo, constants, stores, tensors,
-          exclusions, consumed, state="complete"):
+          exclusions, consumed, state="complete", mtp=False):
     """Assemble a manifest dict. `stores` entries: role, path, format,
     codec, size, sha256 (+ table, layer, rows_per_page for PLE)."""
     return {
@@ -266,8 +306,8 @@ def build(*, family, profile, source_files, revision, repo, constants, stores, t
         "codecs": dict(PROFILES[profile]),
         "stores": stores,
         "tensors": tensors,
-        "policy": {"modalities": ["text"], "mtp": "excluded"},
-        "exclusions": {rule: exclusions.get(rule, 0) for rule, _ in keys.EXCLUSION_RULES},
+        "policy": {"modalities": ["text"], "mtp": "included" if mtp else "excluded"},
+        "exclusions": {rule: 0 if (mtp and rule == "mtp") else exclusions.get(rule, 0) for rule, _ in keys.EXCLUSION_RULES},
         "conversion": {"state": state, "source_tensors_consumed": consumed},
     }
 
@@ -285,7 +325,7 @@ def shape_bytes(dtype, shape):
 class Store:
     """One store of an admitted manifest (``stores[i]``)."""
 
-    role: str  # dense | experts | ple
+    role: str  # dense | experts | ple | mtp
     path: str  # plain file name inside the artifact
     format: str
     codec: str
@@ -294,6 +334,8 @@ class Store:
     table: Optional[int] = None  # PLE only
     layer: Optional[int] = None  # PLE only: the zero-indexed layer it feeds
     rows_per_page: Optional[int] = None  # PLE only
+    tensors: Optional[Mapping[str, Mapping]] = None  # MTP only: the head's tensor inventory
+    source_tensors: Optional[int] = None  # MTP only: source tensors consumed
 
 
 @dataclass(frozen=True)
@@ -329,6 +371,12 @@ class Manifest:
     @property
     def experts(self) -> Store:
         return self._only("experts")
+
+    @property
+    def mtp(self) -> Optional[Store]:
+        """The optional MTP head store, None when the artifact has none."""
+        found = [s for s in self.stores if s.role == "mtp"]
+        return found[0] if found else None
 
     @property
     def ple(self) -> Tuple[Store, ...]:

@@ -1,0 +1,55 @@
+"""Metal kernels (one per module) with their MLX-ops fallbacks.
+
+Each kernel module has: SOURCE (the body passed to `mx.fast.metal_kernel`), `launch(...)` (grid,
+threadgroup, template for a call), `ops(...)` (the fallback, which is the graph's own path), `metal(...)`
+(the kernel on a Metal device) and `emulate(...)` (the same source through `msl_emulator` on numpy).
+
+A kernel runs in the graph only when all hold (AFN-013: code is not a feature until qualified):
+- MLX has a Metal device (`kernel_object()` is None otherwise — this machine: always None);
+- its kill-switch `HEBRUS_KERNEL_<NAME>=0` is not set;
+- the machine profile written by `hebrus-mlx qualify` on this device marks it passed
+  (`configure(profile)`, called by `load()`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import mlx.core as mx
+
+KERNELS = ("qsa_attention", "ple_gather", "hc_mix")
+
+_qualified: set[str] = set()
+
+
+def metal_available() -> bool:
+    return bool(hasattr(mx, "metal") and mx.metal.is_available())
+
+
+def killed(name: str) -> bool:
+    return os.environ.get(f"HEBRUS_KERNEL_{name.upper()}", "1") == "0"
+
+
+def configure(profile: Optional[dict]) -> set[str]:
+    """Switch on the kernels the machine profile says passed on this device; returns them."""
+    _qualified.clear()
+    checks = (profile or {}).get("kernels", {})
+    for name in KERNELS:
+        if checks.get(name, {}).get("status") == "passed" and checks[name].get("device") == "metal":
+            _qualified.add(name)
+    return set(_qualified)
+
+
+def enabled(name: str) -> bool:
+    return name in _qualified and metal_available() and not killed(name)
+
+
+def make_kernel(name: str, input_names, output_names, source: str, header: str = ""):
+    """`mx.fast.metal_kernel` for a kernel module, or None where Metal is absent or it is killed."""
+    if not metal_available() or killed(name):
+        return None
+    return mx.fast.metal_kernel(
+        name=f"hebrus_{name}", input_names=list(input_names), output_names=list(output_names),
+        source=source, header=header, ensure_row_contiguous=True,
+    )

@@ -32,6 +32,7 @@ from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
 from ..errors import UsageError
+from ..models.mtp import MTPHead, attach_mtp_head
 from ..models.qwen4exp import Model
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
@@ -103,13 +104,14 @@ def _dense(m: Manifest):
     return weights
 
 
-def _experts(m: Manifest):
-    """Runtime SwitchGLU tensors: [E, rows, cols] per component and part."""
+def _experts(m: Manifest, layers=None):
+    """Runtime SwitchGLU tensors: [E, rows, cols] per component and part (of `layers`, default
+    all; a pipeline stage reads only its own records)."""
     s, fam = m.experts, m.family
     out = {}
     with ExpertMajorReader(m.file(s), fam, s.codec) as r:
         layout = r.geometry.layout
-        for layer in range(fam.num_hidden_layers):
+        for layer in (range(fam.num_hidden_layers) if layers is None else layers):
             stacks = {(comp, part): np.empty((fam.num_experts,) + shape, dtype)
                       for comp, part, dtype, shape, _, _ in layout}
             for e in range(fam.num_experts):
@@ -121,10 +123,10 @@ def _experts(m: Manifest):
     return out
 
 
-def _ple(m: Manifest):
-    """Resident PLE tables: every page read through its digest check."""
+def _ple(m: Manifest, layers=None):
+    """Resident PLE tables (of `layers`, default all): every page read through its digest check."""
     out = {}
-    for s in m.ple:
+    for s in _ple_stores(m, layers):
         with PleReader(m.file(s), m.family, s.codec) as r:
             g = r.geometry
             raw = np.empty((g.total_rows, g.row_bytes), np.uint8)
@@ -142,34 +144,48 @@ def _store_bytes(m: Manifest, roles):
     return sum(s.size for s in m.stores if s.role in roles)
 
 
-def plan_ple_residency(m: Manifest, dtype=mx.float32, ple_cache_gb=None):
+def _ple_stores(m: Manifest, layers=None):
+    return [s for s in m.ple if layers is None or s.layer in layers]
+
+
+def _dense_bytes(m: Manifest, stage=None):
+    """Dense (+ MTP head) store bytes, or a pipeline stage's share of the dense tensors (the MTP
+    head is not loaded by stages)."""
+    if stage is None:
+        return _store_bytes(m, ("dense", "mtp"))
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in m.tensors.items() if stage.owns(k))
+
+
+def plan_ple_residency(m: Manifest, dtype=mx.float32, ple_cache_gb=None, stage=None):
     """None: load the PLE tables resident; otherwise the engine slab-cache
     bytes to stream their pages through. From file metadata only: the tables'
     in-memory size (bf16 rows widened to fp32 when ``dtype`` is float32)
-    against available memory minus ``RESERVE_BYTES`` and the dense store;
+    against available memory minus ``RESERVE_BYTES`` and the dense (+ MTP head) store;
     ``ple_cache_gb`` forces streaming with that cache."""
-    if not m.ple:
+    stores = _ple_stores(m, None if stage is None else stage.layers)
+    if not stores:
         if ple_cache_gb is not None:
-            raise UsageError("ple_cache_gb", "this artifact has no PLE tables")
+            raise UsageError("ple_cache_gb", "this artifact has no PLE tables" + (" in this stage" if stage else ""))
         return None
     wide = dtype is not None and dtype == mx.float32
     table = pages = page = 0
-    for s in m.ple:
+    for s in stores:
         with PleReader(m.file(s), m.family, s.codec) as r:
             g = r.geometry
             table += g.total_rows * g.row_bytes * (2 if wide and g.codec.name == "bf16" else 1)
             pages += g.num_pages
             page = max(page, g.page_stride)
     return plan.plan_ple(table, page, pages, plan.available_memory(),
-                         RESERVE_BYTES + _store_bytes(m, ("dense",)), ple_cache_gb)
+                         RESERVE_BYTES + _dense_bytes(m, stage), ple_cache_gb)
 
 
-def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None):
+def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None,
+                          stage=None):
     """None: load the routed experts resident; otherwise the number of arena
     rows to stream them through. From file metadata only (no expert byte is
     read): the experts' in-memory size (bf16 parts widened to fp32 when
     ``dtype`` is float32) against available memory minus ``RESERVE_BYTES``
-    and the dense + PLE store bytes (the PLE cache instead when
+    and the dense + PLE (+ MTP head) store bytes (the PLE cache instead when
     ``ple_cache_bytes`` says PLE streams); ``expert_cache_gb`` forces
     streaming with that cache. At least top-k rows (one decode token of one
     layer)."""
@@ -177,11 +193,12 @@ def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, p
     wide = dtype is not None and dtype == mx.float32
     layout = em.record_layout(fam, m.experts.codec)
     record = sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in layout)
-    count = fam.num_hidden_layers * fam.num_experts
+    count = (fam.num_hidden_layers if stage is None else len(stage.layers)) * fam.num_experts
+    resident_other = _dense_bytes(m, stage)
     if ple_cache_bytes is None:
-        resident_other = _store_bytes(m, ("dense", "ple"))
+        resident_other += sum(s.size for s in _ple_stores(m, None if stage is None else stage.layers))
     else:
-        resident_other = _store_bytes(m, ("dense",)) + ple_cache_bytes
+        resident_other += ple_cache_bytes
     return plan.plan_experts(
         count * record, record, plan.available_memory(), RESERVE_BYTES + resident_other,
         expert_cache_gb, min_rows=fam.num_experts_per_tok,
@@ -196,37 +213,62 @@ def _ple_keys(model):
     return {k for k, _ in tree_flatten(model.parameters()) if ".ple.ple_embedding.ngram_embedding." in k}
 
 
-def _attach_ple(m: Manifest, model, engine, dtype):
-    """Swap every PLE table for a StreamedNGramTable over its page store;
-    the parameters removed must be exactly the tables the resident path
-    would load."""
+def _attach_ple(m: Manifest, model, engine, dtype, layers=None):
+    """Swap every PLE table (of ``layers``) for a StreamedNGramTable over its
+    page store; the parameters removed must be exactly the tables the
+    resident path would load."""
     before = _ple_keys(model)
-    attach_ple(model, m, engine, dtype)
+    attach_ple(model, m, engine, dtype, layers=layers)
     replaced = before - _ple_keys(model)
-    want = {f"model.layers.{s.layer}.ple.ple_embedding.ngram_embedding.weight" for s in m.ple}
+    want = {f"model.layers.{s.layer}.ple.ple_embedding.ngram_embedding.weight" for s in _ple_stores(m, layers)}
     if replaced != want or _ple_keys(model):
         raise GeometryError("ple", f"streamed PLE replaced {len(replaced)} tables, the artifact holds {len(want)}")
 
 
-def _attach_streamed(m: Manifest, model, rows, dtype, engine):
-    """Swap every switch_mlp for a StreamedSwitchGLU over a ``rows``-record
-    arena; the parameters removed must be exactly the routed-expert tensors
-    the resident path would load from the store's layout."""
+def _attach_streamed(m: Manifest, model, rows, dtype, engine, layers=None):
+    """Swap every switch_mlp (of ``layers``) for a StreamedSwitchGLU over a
+    ``rows``-record arena; the parameters removed must be exactly the
+    routed-expert tensors the resident path would load from the store's
+    layout."""
     fam = m.family
+    layers = range(fam.num_hidden_layers) if layers is None else layers
     experts = StreamedExperts.from_artifact(m, rows, dtype=dtype, engine=engine)
     before = _routed_expert_keys(model)
-    switches = attach([layer.mlp for layer in model.model.layers], experts)
+    switches = attach([model.model.layers[i].mlp for i in layers], experts, layers)
     replaced = before - _routed_expert_keys(model)
     layout = em.record_layout(fam, m.experts.codec)
     want = {f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}"
-            for layer in range(fam.num_hidden_layers) for comp, part, *_ in layout}
+            for layer in layers for comp, part, *_ in layout}
     if replaced != want or _routed_expert_keys(model):
         raise GeometryError("experts", f"streamed experts replaced {len(replaced)} tensors, "
                             f"the store holds {len(want)}")
     return experts, switches
 
 
-def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, prefetch=None) -> Model:
+class _Absent(nn.Module):
+    """Stands where another pipeline rank's module would be: no parameters, never called."""
+
+    def __call__(self, *args, **kwargs):  # pragma: no cover - a wiring bug if reached
+        raise RuntimeError("called a module owned by another pipeline rank")
+
+
+def prune(model, stage):
+    """Drop every module another pipeline rank owns, before any weight is loaded or evaluated
+    (their lazy initial values are never materialised)."""
+    layers = model.model.layers
+    for i in range(len(layers)):
+        if i not in stage.layers:
+            layers[i] = _Absent()
+    if not stage.first:
+        model.model.embed_tokens = _Absent()
+    if not stage.last:
+        model.model.hyper_connection_mixer = _Absent()
+        model.lm_head = _Absent()
+    return model
+
+
+def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
+                        prefetch=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -245,6 +287,13 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     None when everything is resident. Only the streamed parameters are
     left out of the strict weight load.
 
+    stage: a pipeline stage (:class:`hebrus_mlx.pipeline.split.Stage`): only its layers (and the
+    embedding on the first rank, mixer + lm_head on the last) are built and read — no expert
+    record or PLE page of another rank is touched; the other modules are pruned before any weight
+    is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
+    does not fit (or a cache size is given), exactly as a whole model does. Stages leave out the
+    MTP head.
+
     prefetch: the streamed experts' read-ahead (``stream.predict``: ``"off"``, ``"previous"``,
     ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: ``stream.predict.DEFAULT``. Naming one
     for a model whose experts are resident is a UsageError.
@@ -252,8 +301,12 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     # Admission raises before anything below allocates.
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
     plan_ = quantization_plan(m)
-    ple_cache = plan_ple_residency(m, dtype, ple_cache_gb)
-    rows = plan_expert_residency(m, dtype, expert_cache_gb, ple_cache)
+    layers = None
+    if stage is not None:
+        plan_ = {k: v for k, v in plan_.items() if stage.owns(k + ".weight")}
+        layers = stage.layers
+    ple_cache = plan_ple_residency(m, dtype, ple_cache_gb, stage)
+    rows = plan_expert_residency(m, dtype, expert_cache_gb, ple_cache, stage)
     prefetch = None if prefetch is None else parse_prefetch(prefetch)  # bad values fail before any buffer
     if prefetch is not None and prefetch.kind != "off" and rows is None:
         raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
@@ -264,6 +317,8 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     # switch_mlp replaces are exactly the resident ones; the replaced
     # modules' lazy initial values are never evaluated.
     model = Model(m.args)
+    if stage is not None:
+        prune(model, stage)
     if plan_:
         _quantize(model, plan_)
     experts = engine = None
@@ -277,14 +332,17 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8, policy="clock")
     try:
         if rows is not None:
-            experts, switches = _attach_streamed(m, model, rows, dtype, engine)
+            experts, switches = _attach_streamed(m, model, rows, dtype, engine, layers)
         if ple_cache is not None:
-            _attach_ple(m, model, engine, dtype)
+            _attach_ple(m, model, engine, dtype, layers)
         weights = _dense(m)
+        if stage is not None:
+            # The dense store has one file digest, so every rank reads it whole; it keeps its own.
+            weights = {k: v for k, v in weights.items() if stage.owns(k)}
         if experts is None:
-            weights.update(_experts(m))
+            weights.update(_experts(m, layers))
         if ple_cache is None:
-            weights.update(_ple(m))
+            weights.update(_ple(m, layers))
         if dtype is not None:
             weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
         model.load_weights(list(weights.items()), strict=True)
@@ -298,4 +356,37 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         if prefetch is None and experts is not None:
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
         model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
+    if stage is None:
+        attach_mtp_head(model, _mtp_head(m, model.args, dtype))
     return model
+
+
+def _mtp_head(m: Manifest, args, dtype):
+    """The optional MTP head, resident (one layer), built from its store's recorded codecs; None
+    when the artifact has no MTP store. Hashed and loaded through one open file, like the dense
+    store."""
+    s = m.mtp
+    if s is None:
+        return None
+    with open(m.file(s), "rb") as f:
+        digest = hashlib.sha256()
+        while b := f.read(8 << 20):
+            digest.update(b)
+        if digest.hexdigest() != s.sha256:
+            raise DigestError(f"stores.{s.path}.sha256", "MTP store digest mismatch")
+        f.seek(0)
+        weights = mx.load(f, format="safetensors")
+    if set(weights) != set(s.tensors):
+        raise AdmissionError("mtp.tensors", "MTP file changed after admission")
+    head = MTPHead(args)
+    plan = {name[len("mtp."): -len(".weight")]: _quant_params(rec["codec"])
+            for name, rec in s.tensors.items() if C.codec(rec["codec"]).affine and name.endswith(".weight")}
+    if plan:
+        _quantize(head, plan)
+    weights = {k[len("mtp."):]: v for k, v in weights.items()}
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    head.load_weights(list(weights.items()), strict=True)
+    mx.eval(head.parameters())
+    head.eval()
+    return head

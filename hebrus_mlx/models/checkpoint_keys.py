@@ -268,3 +268,93 @@ def check_key_set(raw_keys, args) -> dict:
     if extra:
         raise CheckpointKeyError(f"unexpected tensor {extra[0]!r} ({len(extra)} unexpected in total)")
     return {"expert_layout": layout, "consumed": len(seen), "excluded": excluded}
+
+
+# ---- MTP head (`mtp.*`) ----------------------------------------------------------------------------
+# The released checkpoint ships a one-layer multi-token-prediction head beside the text model. The
+# main tables above exclude it (rule "mtp"); these tables map it onto runtime names under "mtp."
+# for the optional MTP component. Layout learnt from mlx-vlm 0.7.10's qwen4_exp_mtp drafter:
+# norms/projections at the top, one indexed-attention decoder layer (no PLE) under layers.0, and a
+# stream mixer without injection.
+MTP_PREFIXES = ("model.mtp.", "mtp.")
+MTP_GLOBAL_TEMPLATES = (
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "fc_embedding.weight",
+    "fc_hidden.weight",
+    "hyper_connection_mixer.hc_norm.weight",
+    "hyper_connection_mixer.input_mix_weight_down.weight",
+    "hyper_connection_mixer.input_mix_weight_up.weight",
+)
+MTP_LAYER_TEMPLATES = HC_TEMPLATES + MOE_DENSE_TEMPLATES + INDEXED_ATTN_TEMPLATES
+
+
+def mtp_relative(raw_key: str) -> Optional[str]:
+    """The key below the MTP prefix, or None for a non-MTP key."""
+    for prefix in MTP_PREFIXES:
+        if raw_key.startswith(prefix):
+            return raw_key[len(prefix):]
+    return None
+
+
+def classify_mtp(raw_key: str, args) -> KeyClass:
+    """Classify one `mtp.*` key; runtime keys are "mtp." + the module path of `MTPHead`."""
+    rest = mtp_relative(raw_key)
+    if rest is None:
+        raise CheckpointKeyError(f"{raw_key!r} is not an MTP tensor")
+    if rest in MTP_GLOBAL_TEMPLATES:
+        return KeyClass("dense", runtime_key="mtp." + rest)
+    match = re.match(r"^layers\.(\d+)\.(.+)$", rest)
+    if not match:
+        raise CheckpointKeyError(f"unexpected MTP tensor {raw_key!r}: matches no key rule")
+    layer, sub = int(match.group(1)), match.group(2)
+    if layer != 0:
+        raise CheckpointKeyError(f"unexpected MTP tensor {raw_key!r}: the MTP head has exactly one layer")
+    if sub in MTP_LAYER_TEMPLATES:
+        return KeyClass("dense", runtime_key="mtp.layers.0." + sub, layer=0)
+    m = _EXPERT_RE.match(sub)
+    if m:
+        expert = int(m.group(1))
+        if expert >= args.num_experts:
+            raise CheckpointKeyError(f"unexpected MTP tensor {raw_key!r}: expert {expert} >= num_experts={args.num_experts}")
+        return KeyClass("expert", runtime_key=f"mtp.layers.0.mlp.switch_mlp.{m.group(2)}.weight",
+                        layer=0, expert=expert, component=m.group(2))
+    m = _FUSED_RE.match(sub)
+    if m:
+        return KeyClass("fused_expert", layer=0, component=m.group(1))
+    raise CheckpointKeyError(f"unexpected MTP tensor {raw_key!r}: matches no key rule")
+
+
+def expected_mtp_keys(args, expert_layout: str = "unfused") -> set[str]:
+    """The exact MTP key set (with the bare "mtp." prefix) a checkpoint's head must hold."""
+    keys = {"mtp." + k for k in MTP_GLOBAL_TEMPLATES}
+    keys.update("mtp.layers.0." + k for k in MTP_LAYER_TEMPLATES)
+    if expert_layout == "unfused":
+        keys.update(f"mtp.layers.0.mlp.experts.{e}.{c}.weight" for e in range(args.num_experts) for c in EXPERT_COMPONENTS)
+    else:
+        keys.update({"mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj"})
+    return keys
+
+
+def check_mtp_key_set(raw_keys, args) -> Optional[dict]:
+    """None when the checkpoint has no MTP tensors; else classify them all and check the exact set."""
+    mtp = [k for k in raw_keys if mtp_relative(k) is not None]
+    if not mtp:
+        return None
+    normal = {}
+    for raw in sorted(mtp):
+        classify_mtp(raw, args)
+        key = "mtp." + mtp_relative(raw)
+        if key in normal:
+            raise CheckpointKeyError(f"duplicate MTP tensor {raw!r} (two prefixes)")
+        normal[key] = raw
+    fused = any(".mlp.experts.gate_up_proj" in k or k.endswith(".mlp.experts.down_proj") for k in normal)
+    unfused = any(_EXPERT_RE.match(k[len("mtp.layers.0."):]) for k in normal if k.startswith("mtp.layers.0."))
+    if fused and unfused:
+        raise CheckpointKeyError("MTP head mixes fused (gate_up_proj) and per-expert expert tensors")
+    layout = "fused" if fused else "unfused"
+    expected = expected_mtp_keys(args, layout)
+    missing = sorted(expected - set(normal))
+    if missing:
+        raise CheckpointKeyError(f"missing MTP tensor {missing[0]!r} ({len(missing)} missing in total)")
+    return {"expert_layout": layout, "consumed": len(normal), "keys": normal}

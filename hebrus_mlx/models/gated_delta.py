@@ -10,6 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 CHUNK_SIZE = 64
+# Up to this many tokens the per-token recurrence runs (decode, speculative verify blocks): the
+# chunked form pads every call to CHUNK_SIZE, so a 4-token block would cost a 64-token chunk.
+RECURRENT_MAX_TOKENS = 8
 
 
 def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:

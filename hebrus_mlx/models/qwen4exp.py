@@ -9,6 +9,8 @@ The pinned reference is transformers 5.24.0 `models/qwen4_exp`; tests compare ag
 from __future__ import annotations
 
 import math
+import os
+from functools import lru_cache
 from typing import Any, Optional, Protocol
 
 import mlx.core as mx
@@ -16,6 +18,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from .. import kernels
+from ..kernels import hc_mix, ple_gather, qsa_attention
 from . import gated_delta
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
 from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
@@ -55,8 +59,37 @@ class Capture:
 # ---- norms -------------------------------------------------------------------------------------
 
 
+COMPILE = os.environ.get("HEBRUS_NO_COMPILE") != "1"  # off: plain ops (debugging, A/B); same tokens
+
+
+def _compiled(fn):
+    """mx.compile'd `fn`, or `fn` itself while COMPILE is off."""
+    compiled = mx.compile(fn)
+
+    def call(*args):
+        return compiled(*args) if COMPILE else fn(*args)
+
+    return call
+
+
+@lru_cache(maxsize=None)
+def _group_norm_fn(group_size: int, eps: float):
+    @_compiled
+    def norm(x, scale):
+        grouped = x.reshape(*x.shape[:-1], -1, group_size)
+        out = mx.fast.rms_norm(grouped, None, eps) * scale.reshape(-1, group_size)
+        return out.reshape(x.shape)
+
+    return norm
+
+
 class ZeroCenteredRMSNorm(nn.Module):
-    """RMSNorm scaled by (1 + weight); with group_size it normalises each group separately."""
+    """RMSNorm scaled by (1 + weight); with group_size it normalises each group separately.
+
+    The checkpoint stores the zero-centred `weight`; the (1 + weight) scale is folded once per
+    weight array (in memory, re-derived whenever `weight` is replaced by a load) rather than on
+    every call. Stored weights and keys are unchanged.
+    """
 
     def __init__(self, dims: int, eps: float, group_size: Optional[int] = None):
         super().__init__()
@@ -64,12 +97,18 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.group_size = group_size
 
+    @property
+    def scale(self):
+        folded = self.__dict__.get("_folded")
+        if folded is None or folded[0] is not self.weight:
+            folded = (self.weight, 1.0 + self.weight)
+            object.__setattr__(self, "_folded", folded)  # plain attribute: never a parameter
+        return folded[1]
+
     def __call__(self, x):
         if self.group_size is None:
-            return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
-        shape = x.shape
-        grouped = x.reshape(*shape[:-1], -1, self.group_size)
-        return mx.fast.rms_norm(grouped, None, self.eps).reshape(shape) * (1.0 + self.weight)
+            return mx.fast.rms_norm(x, self.scale, self.eps)
+        return _group_norm_fn(self.group_size, self.eps)(x, self.scale)
 
 
 class GatedRMSNorm(nn.Module):
@@ -82,7 +121,16 @@ class GatedRMSNorm(nn.Module):
         self.activation = nn.silu if activation == "silu" else mx.sigmoid
 
     def __call__(self, x, gate):
-        return mx.fast.rms_norm(x, self.weight, self.eps) * self.activation(gate)
+        return _gated_norm_fn(self.activation, self.eps)(x, self.weight, gate)
+
+
+@lru_cache(maxsize=None)
+def _gated_norm_fn(activation, eps: float):
+    @_compiled
+    def norm(x, weight, gate):
+        return mx.fast.rms_norm(x, weight, eps) * activation(gate)
+
+    return norm
 
 
 # ---- rotary --------------------------------------------------------------------------------------
@@ -98,7 +146,15 @@ class Rotary:
     def __init__(self, dims: int, base: float):
         self.dims = dims
         exponents = np.arange(0, dims, 2, dtype=np.float32) / np.float32(dims)
-        self.inv_freq = mx.array((1.0 / (np.float32(base) ** exponents)).astype(np.float32))
+        inv_freq = (1.0 / (np.float32(base) ** exponents)).astype(np.float32)
+        self.inv_freq = mx.array(inv_freq)
+        # mx.fast.rope divides positions by these periods; given the same float32 inv_freq it
+        # reproduces `apply(tables(...))` bit for bit at consecutive positions.
+        self.periods = mx.array((1.0 / inv_freq).astype(np.float32))
+
+    def at_offset(self, x: mx.array, offset: int) -> mx.array:
+        """x: [..., L, D] at consecutive positions offset..offset+L-1."""
+        return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self.periods)
 
     def tables(self, positions: mx.array):
         freqs = positions.astype(mx.float32)[:, None] * self.inv_freq[None, :]
@@ -133,19 +189,46 @@ class HyperConnection(nn.Module):
             self.block_inject_weight = nn.Linear(width, args.hc_count, bias=False)
 
     def mix(self, streams):
+        fns = _hc_fns(self.hc_count, self.hidden_size)
         normed = self.hc_norm(streams)
-        weights = mx.sigmoid(self.input_mix_weight_up(nn.silu(self.input_mix_weight_down(normed) / self.hc_count)))
-        shape = (*streams.shape[:-1], self.hc_count, self.hidden_size)
-        mixed = (weights.reshape(shape) * normed.reshape(shape)).mean(axis=-2)
-        return mixed, normed
+        weights = self.input_mix_weight_up(fns.activate(self.input_mix_weight_down(normed)))
+        if kernels.enabled("hc_mix"):  # qualified on this Metal device only (AFN-013)
+            return hc_mix.metal(weights, normed, self.hc_count, self.hidden_size), normed
+        return fns.mix(weights, normed), normed
 
     def __call__(self, streams, block):
         """Run `block` on the mixed input and add its output back into every stream."""
+        fns = _hc_fns(self.hc_count, self.hidden_size)
         mixed, normed = self.mix(streams)
-        inject = 2.0 * mx.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+        inject = self.block_inject_weight(normed)
         out = block(mixed)
-        added = out[..., None, :] * inject[..., :, None]
-        return streams + added.reshape(streams.shape)
+        return fns.inject(streams, out, inject)
+
+
+class _HCFns:
+    """The hyper-connection's elementwise parts, compiled once per (hc_count, hidden)."""
+
+    def __init__(self, hc_count: int, hidden: int):
+        @_compiled
+        def activate(down):
+            return nn.silu(down / hc_count)
+
+        @_compiled
+        def mix(up, normed):
+            shape = (*normed.shape[:-1], hc_count, hidden)
+            return (mx.sigmoid(up).reshape(shape) * normed.reshape(shape)).mean(axis=-2)
+
+        @_compiled
+        def inject(streams, out, logits):
+            gate = 2.0 * mx.sigmoid(logits / hc_count)
+            return streams + (out[..., None, :] * gate[..., :, None]).reshape(streams.shape)
+
+        self.activate, self.mix, self.inject = activate, mix, inject
+
+
+@lru_cache(maxsize=None)
+def _hc_fns(hc_count: int, hidden: int) -> _HCFns:
+    return _HCFns(hc_count, hidden)
 
 
 # ---- Gated DeltaNet ------------------------------------------------------------------------------
@@ -156,6 +239,21 @@ def _causal_depthwise_conv(x, state, weight, dilation=1):
     full = mx.concatenate([state, x], axis=1)
     out = mx.conv1d(full, weight, dilation=dilation, groups=x.shape[-1])
     return out, full[:, -state.shape[1]:]
+
+
+@lru_cache(maxsize=None)
+def _gdn_gates_fn(q_scale: float):
+    """Normalised q/k, beta and the log decay g, as one compiled elementwise graph."""
+
+    @_compiled
+    def gates(q, k, b, a, A_log, dt_bias):
+        q = gated_delta.l2_normalize(q) * q_scale
+        k = gated_delta.l2_normalize(k)
+        beta = mx.sigmoid(b)
+        g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
+        return q, k, beta, g
+
+    return gates
 
 
 class GatedDeltaNet(nn.Module):
@@ -191,14 +289,13 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(B, L, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, L, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, L, self.num_v_heads, self.head_v_dim)
-        q = gated_delta.l2_normalize(q) * (self.head_k_dim**-0.5)
-        k = gated_delta.l2_normalize(k)
-        beta = mx.sigmoid(self.in_proj_b(x))
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(self.in_proj_a(x) + self.dt_bias)
+        q, k, beta, g = _gdn_gates_fn(self.head_k_dim**-0.5)(
+            q, k, self.in_proj_b(x), self.in_proj_a(x), self.A_log, self.dt_bias
+        )
         state = cache.recurrent_state
         if state is None:
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
-        if L == 1:
+        if L <= gated_delta.RECURRENT_MAX_TOKENS:  # decode and speculative verify blocks
             out, state = gated_delta.recurrent_step(q, k, v, g, beta, state)
         else:
             out, state = gated_delta.chunked(q, k, v, g, beta, state)
@@ -297,12 +394,16 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def project(self, x, rotary: Rotary, cos, sin):
+    def project(self, x, rotary: Rotary, cos=None, sin=None, *, offset: Optional[int] = None):
+        """Index queries (rotated by the cos/sin tables, or at consecutive positions from `offset`)
+        and the raw keys."""
         B, L, _ = x.shape
         qk = self.index_qk_proj(x)
         q = qk[..., : self.n_heads * self.head_dim].reshape(B, L, self.n_heads, self.head_dim)
         raw_keys = qk[..., self.n_heads * self.head_dim :]
         q = self.q_layernorm(q).transpose(0, 2, 1, 3)  # [B, nh, L, Di]
+        if offset is not None:
+            return rotary.at_offset(q, offset), raw_keys
         return rotary.apply(q, cos, sin), raw_keys
 
     def block_keys(self, raw_keys, first_group, rotary: Rotary, start_position: int):
@@ -352,6 +453,10 @@ class QSAIndexer(nn.Module):
         return mx.stack(all_idx), mx.stack(all_ok)
 
 
+def _dense_sdpa_enabled() -> bool:
+    return os.environ.get("HEBRUS_QSA_DENSE_SDPA", "1") != "0"
+
+
 class QSAAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -372,27 +477,38 @@ class QSAAttention(nn.Module):
     def __call__(self, x, cache: AttentionCache, capture: Optional[Capture] = None, layer: int = -1):
         B, L, _ = x.shape
         first = cache.length  # cache index of the first new token
-        positions = cache.start_position + first + mx.arange(L)
-        cos, sin = self.rotary.tables(positions)
+        offset = cache.start_position + first
 
         q_all = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
         queries, gate = q_all[..., : self.head_dim], q_all[..., self.head_dim :]
-        queries = self.rotary.apply(self.q_norm(queries).transpose(0, 2, 1, 3), cos, sin)
+        queries = self.rotary.at_offset(self.q_norm(queries).transpose(0, 2, 1, 3), offset)
         keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        keys = self.rotary.apply(keys, cos, sin)
+        keys = self.rotary.at_offset(keys, offset)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
 
-        index_q, raw_keys = self.indexer.project(x, self.rotary, cos, sin)
+        index_q, raw_keys = self.indexer.project(x, self.rotary, offset=offset)
         keys, values = cache.append(keys, values, raw_keys)
         new_groups = cache.pending_groups(self.indexer.ratio)
         if new_groups is not None:
             first_group, raw = new_groups
             cache.add_block_keys(self.indexer.block_keys(raw, first_group, self.rotary, cache.start_position))
         idx, ok = self.indexer.select(index_q, cache.block_keys_view(), first, cache.length)
+        # A hard selection has no gradient; stopping it lets the graph train (MTP head trainer).
+        idx, ok = mx.stop_gradient(idx), mx.stop_gradient(ok)
         if capture is not None:
             capture.qsa_selected[layer] = (idx, ok)
 
-        out = self._sparse_attention(queries, keys, values, idx, ok)
+        if cache.length <= self.indexer.budget + self.indexer.ratio - 1 and _dense_sdpa_enabled():
+            # Every visible key is selected (the select above is the whole causal prefix), so this is
+            # the same attention through the fused kernel instead of a gather of all keys.
+            out = mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=self.scale, mask="causal" if L > 1 else None
+            )
+            out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        elif kernels.enabled("qsa_attention"):  # qualified on this Metal device only (AFN-013)
+            out = qsa_attention.metal(queries, keys, values, idx, ok, self.scale)
+        else:
+            out = self._sparse_attention(queries, keys, values, idx, ok)
         out = out * mx.sigmoid(gate.reshape(B, L, -1))
         return self.o_proj(out)
 
@@ -470,6 +586,11 @@ class NGramEmbedding(nn.Module):
             context = mx.full((B, self.ngram_size - 1), self.eos, dtype=mx.int64)
         history = mx.concatenate([context, ids.astype(mx.int64)], axis=1)
         cache.ngram_context = history[:, -(self.ngram_size - 1):]
+        if kernels.enabled("ple_gather") and type(self.ngram_embedding) is nn.Embedding:
+            rows, emb = ple_gather.metal(self, history, L)  # resident table, qualified on this device
+            if capture_rows is not None:
+                capture_rows.append(rows)
+            return emb
         rows = self.row_ids(history, L)
         if capture_rows is not None:
             capture_rows.append(rows)
@@ -515,6 +636,16 @@ class PLELayer(nn.Module):
 # ---- MoE ---------------------------------------------------------------------------------------------
 
 
+@_compiled
+def _swiglu(gate, up):
+    return nn.silu(gate) * up
+
+
+@_compiled
+def _moe_combine(routed, scores, shared_logit, shared):
+    return (routed * scores[..., None]).sum(axis=-2) + mx.sigmoid(shared_logit) * shared
+
+
 class SharedExpert(nn.Module):
     def __init__(self, hidden, intermediate):
         super().__init__()
@@ -523,7 +654,25 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@lru_cache(maxsize=None)
+def _route_fn(k: int, norm_topk_prob: bool):
+    @_compiled
+    def route(logits):
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        # Indices carry no gradient (as in mlx-lm); stopping them lets the graph train (MTP head).
+        inds = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        order = mx.stop_gradient(mx.argsort(-scores, axis=-1))
+        inds = mx.take_along_axis(inds, order, axis=-1)
+        scores = mx.take_along_axis(scores, order, axis=-1)
+        if norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        return inds, scores
+
+    return route
 
 
 class SparseMoE(nn.Module):
@@ -543,15 +692,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
     def route(self, x):
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
-        k = self.top_k
-        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]
-        scores = mx.take_along_axis(probs, inds, axis=-1)
-        order = mx.argsort(-scores, axis=-1)
-        inds = mx.take_along_axis(inds, order, axis=-1)
-        scores = mx.take_along_axis(scores, order, axis=-1)
-        if self.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
+        inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(self.gate(x))
         return inds, scores.astype(x.dtype)
 
     def __call__(self, x, capture: Optional[Capture] = None, layer: int = -1):
@@ -561,9 +702,7 @@ class SparseMoE(nn.Module):
             capture.route_weights[layer] = scores
             if capture.router_inputs is not None:
                 capture.router_inputs[layer] = x  # post-hyper-connection MLP input
-        routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return _moe_combine(self.switch_mlp(x, inds), scores, self.shared_expert_gate(x), self.shared_expert(x))
 
 
 # ---- layers and model ---------------------------------------------------------------------------------
@@ -626,7 +765,7 @@ class TextModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(args, inject=False)
         self.streaming: Optional[Streaming] = None
 
-    def __call__(self, ids, cache, capture: Optional[Capture] = None):
+    def __call__(self, ids, cache, capture: Optional[Capture] = None, return_hidden: bool = False):
         h = self.embed_tokens(ids)
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -634,13 +773,21 @@ class TextModel(nn.Module):
                 # Streamed experts start their lookahead reads when the layer starts.
                 streams = self.streaming.layer_start(i, streams)
             streams = layer(streams, ids, layer_cache, capture, self.streaming)
-            if capture is not None and capture.hidden is not None:
-                capture.hidden.append(streams)
+            if capture is not None:
+                if capture.hidden is not None:
+                    capture.hidden.append(streams)
+            elif self.streaming is None or self.streaming.experts is None:
+                # Resident layers: compute this layer while the next one's graph is built. Streamed
+                # layers keep their own ordering (their reads are issued from inside the graph).
+                mx.async_eval(streams)
         mixed, _ = self.hyper_connection_mixer.mix(streams)
-        return mixed
+        return (mixed, streams) if return_hidden else mixed
 
 
 class Model(nn.Module):
+    # The checkpoint's optional MTP head (models/mtp.py), set by the loaders; not a child module.
+    mtp_head = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -654,8 +801,14 @@ class Model(nn.Module):
         cache: Optional[SequenceCache] = None,
         capture: Optional[Capture] = None,
         position: Optional[int] = None,
+        return_hidden: bool = False,
     ):
         """inputs [B, L] token ids -> logits [B, L, vocab_size (physical)].
+
+        `return_hidden` also returns the last decoder layer's output streams before
+        `hyper_connection_mixer`, [B, L, hc_count * hidden_size]: (logits, streams). Row t is the
+        state after consuming inputs[:, t] (the speculative drafters' capture, see
+        hebrus_mlx/speculative/base.py).
 
         `position`, when given, is the logical position of inputs[:, 0]; it must continue the cached
         run exactly (AFN-018). The request is rejected before any work if it would pass
@@ -666,8 +819,10 @@ class Model(nn.Module):
         if cache is None:
             cache = self.make_cache()
         cache.check_append(inputs.shape[1], self.args.max_position_embeddings, position)
-        out = self.model(inputs, cache, capture)
+        out = self.model(inputs, cache, capture, return_hidden)
         cache.advance(inputs.shape[1])
+        if return_hidden:
+            return self.lm_head(out[0]), out[1]
         return self.lm_head(out)
 
     @property

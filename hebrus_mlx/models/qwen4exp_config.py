@@ -360,3 +360,12 @@ def ple_constants(args: ModelArgs, ple_index: int) -> dict:
 
 def ple_row_width(args: ModelArgs) -> int:
     return args.ple_embed_dim // args.ngram_heads
+
+
+def mtp_layer_args(args: ModelArgs) -> ModelArgs:
+    """Arguments of the MTP head's single decoder layer: indexed attention, no PLE, same widths."""
+    from dataclasses import replace
+
+    if args.indexer_n_heads is None:
+        raise ConfigError("indexer_n_heads", "the MTP head's QSA layer needs the indexer fields")
+    return replace(args, num_hidden_layers=1, layer_types=["indexed_attention"], ple_layer_ids=[])

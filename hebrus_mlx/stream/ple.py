@@ -66,12 +66,13 @@ class StreamedNGramTable(nn.Module):
 
 
 def attach_ple(model, artifact: Union[str, Manifest], engine: Optional[StreamEngine] = None,
-               dtype=mx.float32, threads: int = 2) -> StreamEngine:
-    """Swap the resident table of every PLE layer for a streamed one over
-    the artifact's page stores (``artifact``: the admitted manifest, or a
-    directory, which is admitted first). Returns the engine (counters)."""
+               dtype=mx.float32, threads: int = 2, layers=None) -> StreamEngine:
+    """Swap the resident table of every PLE layer (of ``layers``, default all)
+    for a streamed one over the artifact's page stores (``artifact``: the
+    admitted manifest, or a directory, which is admitted first). Returns the
+    engine (counters)."""
     m = artifact if isinstance(artifact, Manifest) else admit(artifact)
-    stores = m.ple
+    stores = [s for s in m.ple if layers is None or s.layer in layers]
     readers = []
     try:
         for s in stores:

@@ -28,7 +28,8 @@ class Streaming:
                  switches: Sequence[StreamedSwitchGLU] = (), prefetch=None, layers=None):
         self.engine = engine
         self.experts = experts  # None when only PLE pages stream
-        self.switches = list(switches)  # one per layer when experts stream
+        self.switches = list(switches)  # one per streamed layer (a pipeline stage: its own)
+        self._by_layer = {s.layer: s for s in self.switches}
         self._predictor: Optional[Predictor] = None
         self.prefetch: Optional[PrefetchSpec] = None
         if experts is not None and prefetch is None:
@@ -58,13 +59,16 @@ class Streaming:
         return None if self.experts is None else self.experts.max_chunk_tokens
 
     def layer_start(self, layer: int, x: mx.array) -> mx.array:
-        return self.switches[layer].layer_start(x) if self.switches else x
+        switch = self._by_layer.get(layer)
+        return switch.layer_start(x) if switch is not None else x
 
     def before_router(self, layer: int, streams: mx.array, x: mx.array) -> mx.array:
         """``x`` unchanged; queues this layer's prediction for a later layer (issued by the
-        layer's StreamedSwitchGLU right after its exact reads)."""
-        if self._predictor is not None:
+        layer's StreamedSwitchGLU right after its exact reads). Only within this stage's
+        streamed layers (a pipeline stage does not predict for the next stage's)."""
+        switch = self._by_layer.get(layer)
+        if self._predictor is not None and switch is not None:
             p = self._predictor.predict(layer, streams, x)
-            if p is not None:
-                self.switches[layer].predict_after_resolve(*p)
+            if p is not None and p[0] in self._by_layer:
+                switch.predict_after_resolve(*p)
         return x

@@ -107,15 +107,18 @@ class StreamedSwitchGLU(nn.Module):
         return self._experts.engine.release_after(y.squeeze(-2), lease)
 
 
-def attach(moe_modules: Sequence[nn.Module], experts: StreamedExperts) -> List[StreamedSwitchGLU]:
-    """Replace ``switch_mlp`` of each layer's MoE module (index = layer);
-    returns the new modules (their ``layer_start`` hooks, in layer order)."""
-    if len(moe_modules) != experts.num_layers:
+def attach(moe_modules: Sequence[nn.Module], experts: StreamedExperts,
+           layers: Optional[Sequence[int]] = None) -> List[StreamedSwitchGLU]:
+    """Replace ``switch_mlp`` of each MoE module; ``layers`` names each module's layer (default:
+    index = layer, every layer of the store; a pipeline stage passes only its own). Returns the
+    new modules (their ``layer_start`` hooks, in layer order)."""
+    layers = range(experts.num_layers) if layers is None else list(layers)
+    if len(moe_modules) != len(layers) or any(not 0 <= i < experts.num_layers for i in layers):
         raise ValueError(
-            f"moe_modules: {len(moe_modules)} layers, store has {experts.num_layers}"
+            f"moe_modules: {len(moe_modules)} modules for layers {list(layers)}, store has {experts.num_layers}"
         )
     switches = []
-    for layer, moe in enumerate(moe_modules):
+    for layer, moe in zip(layers, moe_modules):
         moe.switch_mlp = StreamedSwitchGLU(experts, layer)
         switches.append(moe.switch_mlp)
     return switches

@@ -1,0 +1,178 @@
+"""Speculative decoding on the demo model with code prompts, side by side with plain decode.
+
+For each drafter (prompt lookup `ngram`; `mtp` when the build and the artifact have the MTP head;
+the `oracle` replaying plain decoding's own output: the acceptance upper bound) and block size 1..4 plus the governor (limit 4), resident and with routed
+experts streamed through a 5% cache, prints:
+
+- tokens per verify step (acceptance length incl. the bonus) and the acceptance rate;
+- tokens/s relative to plain decode, median of per-round ratios with the runs interleaved
+  A/B/B/A (plain, variants, variants reversed, plain) because this machine is shared and noisy;
+- routed expert bytes per generated token: unique experts per layer of every forward (verify,
+  re-run of an accepted prefix) x the record size, counted in a separate untimed pass; with a
+  streamed model also the bytes the engine actually read per token (cache misses).
+
+Every variant's tokens are checked against plain decode (greedy); a mismatch aborts.
+
+    python benchmarks/bench_speculative.py [--tokens 48] [--rounds 2] [--no-streamed]
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import mlx.core as mx
+
+from hebrus_mlx.artifact import constants as C
+from hebrus_mlx.artifact import expert_major as em
+from hebrus_mlx.generate import generate_step
+from hebrus_mlx.models import qwen4exp
+from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter, speculative_generate_step
+from hebrus_mlx.speculative.drafters import OracleDrafter
+from hebrus_mlx.utils import DEMO_DIR, load
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
+    "        self.items = {}\n\n    def get(self, key, default=None):\n        return self.items.get(key, default)\n\n"
+    "    def set(self, key, value):\n",
+]
+
+
+def record_bytes():
+    with open(os.path.join(DEMO_DIR, C.MANIFEST_NAME)) as f:
+        m = json.load(f)
+    s = next(s for s in m["stores"] if s["role"] == "experts")
+    fam = C.family(m["family"])
+    return sum(n for *_, n in em.record_layout(fam, s["codec"])), fam
+
+
+def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None):
+    """Tokens of one generation; on_first() runs once the prompt is consumed (first token out)."""
+    V = tok.effective_vocab_size
+    if variant is None:
+        steps = ((t, None) for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=V,
+                                                     max_tokens=n_tokens))
+    else:
+        drafter, block, governed = variant()
+        gov = Governor(block) if governed else None
+        steps = speculative_generate_step(mx.array(ids), model, drafter, effective_vocab_size=V, max_tokens=n_tokens,
+                                          num_draft_tokens=block, governor=gov, stats=stats)
+    out = []
+    for t, *_ in steps:
+        if not out and on_first is not None:
+            on_first()
+        out.append(t)
+    return out
+
+
+class UniqueExperts:
+    """Untimed pass: sum over forwards and layers of the unique routed experts (a sync per layer)."""
+
+    def __init__(self):
+        self.total = 0
+        self.orig = qwen4exp.SparseMoE.route
+
+    def __enter__(self):
+        outer = self
+
+        def route(moe, x):
+            inds, scores = outer.orig(moe, x)
+            outer.total += len(set(inds.reshape(-1).tolist()))
+            return inds, scores
+
+        qwen4exp.SparseMoE.route = route
+        return self
+
+    def __exit__(self, *exc):
+        qwen4exp.SparseMoE.route = self.orig
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-streamed", action="store_true")
+    args = ap.parse_args()
+    rec, fam = record_bytes()
+    rows = max(math.ceil(0.05 * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
+    gb = (rows * rec + rec // 2) / 2**30
+    setups = [("resident", {})] + ([] if args.no_streamed else [("streamed 5%", {"expert_cache_gb": gb})])
+    for setup, kw in setups:
+        model, tok = load("demo", **kw)
+        engine = model.streaming.engine if model.streaming is not None else None
+        prompts = [tok.encode(p) for p in PROMPTS]
+        futures = [run(model, tok, ids, None, args.tokens) for ids in prompts]
+        variants = {}
+        names = ["ngram", "oracle"]
+        try:
+            make_drafter("mtp", model, tok)
+            names.insert(1, "mtp")
+        except DrafterError as e:
+            print(f"({setup}: no mtp variant: {e})")
+        for name in names:
+            for b in (1, 2, 3, 4):
+                variants[f"{name} B={b}"] = (name, b, False)
+            variants[f"{name} governor"] = (name, 4, True)
+
+        def make(name, b, governed, i):
+            def build():
+                if name == "oracle":
+                    return OracleDrafter(futures[i]), b, governed
+                return make_drafter(name, model, tok), b, governed
+
+            return build
+
+        # Untimed pass: exactness, acceptance, routed bytes.
+        info = {}
+        for label in ["plain"] + list(variants):
+            tot, acc, dr, steps, eng = 0, 0, 0, 0, 0
+            for i, ids in enumerate(prompts):
+                st = SpeculativeStats()
+                with UniqueExperts() as ue:
+                    def decode_only():  # count decode, not the prompt's prefill
+                        ue.total = 0
+                        if engine is not None:
+                            engine.reset_counters()
+
+                    out = run(model, tok, ids, None if label == "plain" else make(*variants[label], i), args.tokens,
+                              st, decode_only)
+                if out != futures[i]:
+                    raise SystemExit(f"{setup} {label}: tokens differ from plain decode")
+                if engine is not None:
+                    c = engine.counters()
+                    eng += c["exact_bytes"] + c["predicted_bytes"]
+                tot += ue.total
+                acc, dr, steps = acc + st.accepted, dr + st.drafted, steps + st.verify_steps
+            n = (args.tokens - 1) * len(prompts)  # tokens after the first (which the prefill yields)
+            info[label] = dict(bytes_tok=tot * rec / n, eng_tok=eng / n, acc=acc, dr=dr,
+                               per_step=n / steps if steps else 1.0)
+        # Timed, interleaved rounds.
+        times = {label: [] for label in info}
+        order = list(info)
+        for r in range(args.rounds):
+            for label in order + order[::-1]:
+                t0 = time.perf_counter()
+                for i, ids in enumerate(prompts):
+                    run(model, tok, ids, None if label == "plain" else make(*variants[label], i), args.tokens)
+                times[label].append(time.perf_counter() - t0)
+        plain_t = times["plain"]
+        print(f"\n== {setup}: demo model, {len(prompts)} code prompts x {args.tokens} tokens, {args.rounds} rounds ==")
+        print(f"{'variant':18s} {'tok/verify':>10s} {'accept':>8s} {'speed vs plain':>15s} "
+              f"{'routed KiB/tok':>15s}" + (f" {'read KiB/tok':>13s}" if engine is not None else ""))
+        for label, d in info.items():
+            ratios = [p / t for p, t in zip(plain_t, times[label])]
+            acc = f"{100 * d['acc'] / d['dr']:.0f}%" if d["dr"] else "-"
+            line = (f"{label:18s} {d['per_step']:10.2f} {acc:>8s} {statistics.median(ratios):14.2f}x "
+                    f"{d['bytes_tok'] / 1024:15.1f}")
+            if engine is not None:
+                line += f" {d['eng_tok'] / 1024:13.1f}"
+            print(line)
+        if engine is not None:
+            engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""QSA attention over the selected keys (prefill and decode), one threadgroup per (query, head).
+
+Input is the indexer's compact selection: idx [L, W] cache indices (the chosen blocks in
+chronological order, then the tail block — AFN-017) and ok [L, W] validity. NSG SIMD groups split
+the W keys (lane-strided); each thread keeps an online softmax (running max, sum, D accumulators),
+the SIMD group merges with simd_max / simd_sum, and the groups merge through threadgroup memory.
+The ops path is `QSAAttention._sparse_attention` (gather + tiled online softmax).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from . import make_kernel, msl_emulator
+
+NAME = "qsa_attention"
+INPUTS = ("q", "k", "v", "idx", "ok", "scale")
+OUTPUTS = ("out",)
+NSG = 2  # SIMD groups per threadgroup
+
+SOURCE = """
+    uint lane = thread_index_in_simdgroup;
+    uint sg = simdgroup_index_in_threadgroup;
+    uint h = threadgroup_position_in_grid.y;
+    uint qi = threadgroup_position_in_grid.z;
+    uint kvh = h / (HQ / HKV);
+    const device T* qp = q + (h * L + qi) * D;
+    float m = -INFINITY;
+    float l = 0.0f;
+    float acc[D];
+    for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+    for (uint j = sg * 32 + lane; j < uint(W); j += 32 * NSG) {
+        if (!ok[qi * W + j]) continue;
+        uint t = uint(idx[qi * W + j]);
+        const device T* kp = k + (kvh * S + t) * D;
+        const device T* vp = v + (kvh * S + t) * D;
+        float s = 0.0f;
+        for (int d = 0; d < D; ++d) s += float(qp[d]) * float(kp[d]);
+        s *= scale[0];
+        float nm = metal::max(m, s);
+        float c = (m == -INFINITY) ? 0.0f : metal::exp(m - nm);
+        float p = metal::exp(s - nm);
+        l = l * c + p;
+        for (int d = 0; d < D; ++d) acc[d] = acc[d] * c + p * float(vp[d]);
+        m = nm;
+    }
+    // Merge the lanes of this SIMD group.
+    float gm = simd_max(m);
+    float c = (m == -INFINITY) ? 0.0f : metal::exp(m - gm);
+    float gl = simd_sum(l * c);
+    threadgroup float tg_m[NSG];
+    threadgroup float tg_l[NSG];
+    threadgroup float tg_acc[NSG * D];
+    for (int d = 0; d < D; ++d) {
+        float a = simd_sum(acc[d] * c);
+        if (lane == 0) tg_acc[sg * D + d] = a;
+    }
+    if (lane == 0) { tg_m[sg] = gm; tg_l[sg] = gl; }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // Merge the SIMD groups; each thread finishes a strided subset of the D channels.
+    float M = -INFINITY;
+    for (int g = 0; g < NSG; ++g) M = metal::max(M, tg_m[g]);
+    float total = 0.0f;
+    for (int g = 0; g < NSG; ++g) total += (tg_m[g] == -INFINITY) ? 0.0f : tg_l[g] * metal::exp(tg_m[g] - M);
+    for (uint d = thread_index_in_threadgroup; d < uint(D); d += 32 * NSG) {
+        float a = 0.0f;
+        for (int g = 0; g < NSG; ++g)
+            a += (tg_m[g] == -INFINITY) ? 0.0f : tg_acc[g * D + d] * metal::exp(tg_m[g] - M);
+        out[(qi * HQ + h) * D + d] = T(a / total);
+    }
+"""
+
+
+def launch(L: int, hq: int, hkv: int, S: int, W: int, D: int, dtype):
+    return dict(grid=(32 * NSG, hq, L), threadgroup=(32 * NSG, 1, 1),
+                template=[("T", dtype), ("L", L), ("HQ", hq), ("HKV", hkv), ("S", S), ("W", W), ("D", D), ("NSG", NSG)])
+
+
+@lru_cache(maxsize=None)
+def kernel_object():
+    return make_kernel(NAME, INPUTS, OUTPUTS, SOURCE)
+
+
+def metal(queries, keys, values, idx, ok, scale: float):
+    """queries [B, Hq, L, D]; keys/values [B, Hkv, S, D]; idx/ok [B, L, W] -> [B, L, Hq * D]."""
+    B, hq, L, D = queries.shape
+    hkv, S = keys.shape[1], keys.shape[2]
+    W = idx.shape[-1]
+    outs = []
+    for b in range(B):
+        p = launch(L, hq, hkv, S, W, D, queries.dtype)
+        (o,) = kernel_object()(
+            inputs=[queries[b], keys[b], values[b], idx[b].astype(mx.int32), ok[b], mx.array([scale], mx.float32)],
+            output_shapes=[(L, hq * D)], output_dtypes=[queries.dtype], **p,
+        )
+        outs.append(o)
+    return mx.stack(outs)
+
+
+def emulate(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, idx: np.ndarray, ok: np.ndarray,
+            scale: float) -> np.ndarray:
+    """One sequence: queries [Hq, L, D]; keys/values [Hkv, S, D]; idx/ok [L, W] -> [L, Hq * D]."""
+    hq, L, D = queries.shape
+    hkv, S = keys.shape[:2]
+    W = idx.shape[-1]
+    p = launch(L, hq, hkv, S, W, D, mx.float32)
+    (out,) = msl_emulator.run(
+        NAME, SOURCE,
+        {"q": queries, "k": keys, "v": values, "idx": idx.astype(np.int32), "ok": ok.astype(np.bool_),
+         "scale": np.array([scale], np.float32)},
+        {"out": ((L, hq * D), queries.dtype)}, p["grid"], p["threadgroup"], p["template"],
+    )
+    return out

@@ -1,0 +1,86 @@
+"""Pipeline parallelism across processes or Macs with MLX's own distributed backend.
+
+Launch any verb under `mlx.launch` (e.g. `mlx.launch --backend ring -n 2 "$(command -v hebrus-mlx)"
+generate --model demo -p hi`): rank 0 tokenizes, samples and prints; every other rank serves its
+layer range until rank 0 is done. See `split.py` for who owns what and `stage.py` for the wire.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .split import PipelineSplitError, Stage, layer_bytes, parse_split, plan_split, stages
+
+__all__ = ["PipelineSplitError", "Stage", "launched", "load_pipeline", "Pipeline", "gather_stats"]
+
+
+def launched() -> bool:
+    """True when started by `mlx.launch` (or by hand with its variables) with more than one rank."""
+    return os.environ.get("MLX_RANK") is not None and (
+        os.environ.get("MLX_HOSTFILE") is not None or os.environ.get("OMPI_COMM_WORLD_SIZE") is not None
+    )
+
+
+@dataclass
+class Pipeline:
+    rank: int
+    size: int
+    stage: Stage
+    counts: list
+    group: object
+    model: object  # PipelineModel on rank 0, the pruned Model elsewhere
+
+    def serve(self) -> dict:
+        from .stage import serve
+
+        return serve(self.model, self.stage, self.group)
+
+
+def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Optional[float] = None,
+                  reserve_bytes: Optional[int] = None, expert_cache_gb: Optional[float] = None,
+                  ple_cache_gb: Optional[float] = None) -> Pipeline:
+    """Admit the artifact on this rank, agree on the split with the other ranks (each rank's free
+    memory, gathered over the group), load this rank's stage only — streaming its experts / PLE
+    pages from its own SSD when its share does not fit or a cache size is given."""
+    import mlx.core as mx
+
+    from .. import admission
+    from ..artifact import constants as C
+    from ..loading.artifact import load_artifact_model
+    from ..loading.plan import RESERVE_BYTES, available_memory
+    from .stage import DEFAULT_TIMEOUT_S, PipelineModel, set_nodelay, terminate_as_error
+
+    group = group or mx.distributed.init()
+    set_nodelay()
+    rank, size = group.rank(), group.size()
+    path = Path(path)
+    if not (path / C.MANIFEST_NAME).is_file():
+        raise PipelineSplitError("model", f"pipeline runs need a converted artifact; {path} has no manifest")
+    manifest = admission.admit(str(path))
+    reserve = RESERVE_BYTES if reserve_bytes is None else reserve_bytes
+    mine = max(available_memory() - reserve, 0) >> 20  # MiB: exact in float32 up to 16 TiB
+    budgets = mx.distributed.all_gather(mx.array([float(mine)]), group=group)
+    budgets = [int(b) << 20 for b in budgets.tolist()]
+    per_layer, first, last, streamable = layer_bytes(manifest)
+    n = manifest.family.num_hidden_layers
+    counts = plan_split(per_layer, first, last, budgets, parse_split(split, n, size) if split else None,
+                        streamable=streamable)
+    stage = stages(counts)[rank]
+    model = load_artifact_model(manifest, stage=stage, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if rank == 0:
+        terminate_as_error()
+        model = PipelineModel(model, stage, group, timeout=timeout)
+        model.all_stages = stages(counts)
+    return Pipeline(rank, size, stage, counts, group, model)
+
+
+def gather_stats(group, forwards: int, comm_seconds: float, comm_bytes: int) -> list:
+    """Every rank's (peak memory GB, communication seconds, bytes, forwards), gathered on all."""
+    import mlx.core as mx
+
+    mine = mx.array([[mx.get_peak_memory() / 1e9, comm_seconds, float(comm_bytes), float(forwards)]])
+    return mx.distributed.all_gather(mine, group=group).tolist()

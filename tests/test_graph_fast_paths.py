@@ -1,0 +1,63 @@
+"""The resident speed paths (compiled elementwise graphs, fused-SDPA dense QSA, mx.fast.rope, the
+folded norm scale) keep greedy tokens identical to the plain ops path (exactness is the product)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+GREEDY = """
+import json, sys
+import mlx.core as mx
+from hebrus_mlx.utils import load_model, resolve_model_path
+from hebrus_mlx.generate import generate_step
+model = load_model(resolve_model_path("demo"), dtype=mx.float32)
+prompt = mx.array(list(range(5, 45)), dtype=mx.int32)
+tokens, last = [], None
+for tok, logprobs in generate_step(prompt, model, effective_vocab_size=model.args.vocab_size, max_tokens=36):
+    tokens.append(tok); last = logprobs
+print(json.dumps({"tokens": tokens, "last": last.tolist()}))
+"""
+
+
+def _greedy(**env):
+    full = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    proc = subprocess.run([sys.executable, "-c", GREEDY], env=full, capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_fast_paths_keep_greedy_tokens_across_the_dense_to_sparse_boundary():
+    # demo: budget 64, ratio 8 -> the dense regime ends at 71 tokens; 40 + 36 crosses it
+    plain = _greedy(HEBRUS_NO_COMPILE="1", HEBRUS_QSA_DENSE_SDPA="0")
+    fast = _greedy()
+    assert fast["tokens"] == plain["tokens"]
+    np.testing.assert_allclose(np.array(fast["last"]), np.array(plain["last"]), atol=1e-4)
+
+
+def test_folded_norm_scale_follows_weight_replacement():
+    from hebrus_mlx.models.qwen4exp import ZeroCenteredRMSNorm
+
+    norm = ZeroCenteredRMSNorm(8, 1e-6)
+    x = mx.random.normal((2, 8), key=mx.random.key(0))
+    before = norm(x)
+    norm.load_weights([("weight", mx.full((8,), 0.5))])
+    np.testing.assert_allclose(np.array(norm(x)), np.array(before) * 1.5, rtol=1e-6)
+    assert "_folded" not in dict(norm.parameters())  # not a parameter: keys and checkpoints unchanged
+
+
+def test_rope_at_offset_is_bit_identical_to_the_reference_tables():
+    from hebrus_mlx.models.qwen4exp import Rotary
+
+    rot = Rotary(32, 1e7)
+    x = mx.random.normal((1, 4, 5, 64), key=mx.random.key(1))
+    for offset in (0, 7, 40_000):
+        cos, sin = rot.tables(offset + mx.arange(5))
+        assert mx.array_equal(rot.at_offset(x, offset), rot.apply(x, cos, sin)).item()

@@ -1,0 +1,232 @@
+"""Metal kernels: the same sources through the MSL emulator (runs everywhere) against float64
+oracles and the graph's ops paths; kernel vs ops on a real Metal device (skipped without Metal).
+
+The emulator checks indexing, reductions, barriers and masking — not Apple's compiler
+(see hebrus_mlx/kernels/msl_emulator.py)."""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from hebrus_mlx import kernels
+from hebrus_mlx.kernels import hc_mix, msl_emulator, ple_gather, qsa_attention
+from hebrus_mlx.models.qwen4exp import Capture, QSAAttention
+from parity_fixtures import capture, model
+
+needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")), reason="no C++ compiler")
+needs_metal = pytest.mark.skipif(not kernels.metal_available(), reason="no Metal device (not verifiable here)")
+
+
+# ---- harness -------------------------------------------------------------------------------------
+
+REDUCE = """
+    uint i = thread_position_in_grid.x;
+    float v = x[i];
+    // butterfly within the SIMD group, then the groups through threadgroup memory
+    for (ushort o = 16; o > 0; o >>= 1) v += simd_shuffle_xor(v, o);
+    threadgroup float part[NSG];
+    if (thread_index_in_simdgroup == 0) part[simdgroup_index_in_threadgroup] = v;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (thread_index_in_threadgroup == 0) {
+        float t = 0.0f;
+        for (int g = 0; g < NSG; ++g) t += part[g];
+        out[threadgroup_position_in_grid.x] = t;
+    }
+    float m = simd_max(x[i]);
+    if (thread_index_in_simdgroup == 0) mx_out[i / 32] = m;
+"""
+
+
+@needs_cxx
+def test_harness_reductions_barriers_and_threadgroups():
+    x = np.random.default_rng(0).standard_normal(3 * 128).astype(np.float32)
+    out, mx_out = msl_emulator.run(
+        "reduce", REDUCE, {"x": x}, {"out": ((3,), np.float32), "mx_out": ((12,), np.float32)},
+        grid=(384, 1, 1), threadgroup=(128, 1, 1), template=[("NSG", 4)],
+    )
+    np.testing.assert_allclose(out, x.astype(np.float64).reshape(3, 128).sum(-1), atol=1e-5)
+    np.testing.assert_array_equal(mx_out, x.reshape(12, 32).max(-1))
+
+
+@needs_cxx
+def test_harness_catches_a_missing_group_in_the_merge():
+    """The oracle comparison can fail: a kernel that merges only SIMD group 0 is caught."""
+    x = np.random.default_rng(1).standard_normal(128).astype(np.float32)
+    broken = REDUCE.replace("for (int g = 0; g < NSG; ++g) t += part[g];", "t = part[0];")
+    out, _ = msl_emulator.run(
+        "reduce_broken", broken, {"x": x}, {"out": ((1,), np.float32), "mx_out": ((4,), np.float32)},
+        grid=(128, 1, 1), threadgroup=(128, 1, 1), template=[("NSG", 4)],
+    )
+    assert abs(out[0] - x.astype(np.float64).sum()) > 1e-3
+
+
+def test_grid_must_be_a_multiple_of_the_threadgroup():
+    with pytest.raises(ValueError, match="multiple"):
+        msl_emulator.run("x", "", {}, {"o": ((1,), np.float32)}, grid=(33, 1, 1), threadgroup=(32, 1, 1))
+
+
+# ---- hyper-connection mix ------------------------------------------------------------------------
+
+
+def _hc_inputs(rows=5, hc=4, hidden=64, seed=0):
+    r = np.random.default_rng(seed)
+    return (r.standard_normal((1, rows, hc * hidden)).astype(np.float32) * 3,
+            r.standard_normal((1, rows, hc * hidden)).astype(np.float32))
+
+
+@needs_cxx
+@pytest.mark.parametrize("hc,hidden", [(4, 64), (3, 48)])
+def test_hc_mix_emulated_matches_float64_and_ops(hc, hidden):
+    up, normed = _hc_inputs(hc=hc, hidden=hidden)
+    got = hc_mix.emulate(up, normed, hc, hidden)
+    u, n = up.astype(np.float64), normed.astype(np.float64)
+    oracle = ((1 / (1 + np.exp(-u))).reshape(1, 5, hc, hidden) * n.reshape(1, 5, hc, hidden)).mean(-2)
+    np.testing.assert_allclose(got, oracle, atol=1e-6)
+    np.testing.assert_allclose(got, np.array(hc_mix.ops(mx.array(up), mx.array(normed), hc, hidden)), atol=1e-6)
+
+
+# ---- PLE hash + gather ---------------------------------------------------------------------------
+
+
+def _ple_case(name):
+    m = model(name)
+    layer = next(lay for lay in m.layers if lay.has_ple)
+    emb = layer.ple.ple_embedding
+    eos = m.args.eos_id
+    ids = capture(name)["input_ids"][0].astype(np.int64)
+    # carried context of EOS (sequence start), then the prompt with its adjacent/later EOS
+    history = np.concatenate([np.full(emb.ngram_size - 1, eos), ids[:20]])
+    return emb, history, eos
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_b", "tiny_c"])
+def test_ple_gather_emulated_matches_ops(name):
+    emb, history, eos = _ple_case(name)
+    n_new = len(history) - (emb.ngram_size - 1)
+    rows, got = ple_gather.emulate(
+        history, np.array(emb._multipliers), np.array(emb._head_sizes), np.array(emb._head_offsets),
+        np.array(emb.ngram_embedding.weight), n_new, emb.heads_per_ngram, eos,
+    )
+    ref_rows, ref_emb = ple_gather.ops(emb, mx.array(history[None]), n_new)
+    np.testing.assert_array_equal(rows, np.array(ref_rows)[0])
+    np.testing.assert_array_equal(got, np.array(ref_emb)[0])
+    assert (history[emb.ngram_size - 1:] == eos).any()  # the segment rule was exercised
+
+
+# ---- QSA attention over the selected keys --------------------------------------------------------
+
+
+def _sparse_calls(name, decode_steps=1):
+    """(queries, keys, values, idx, ok, out) of every sparse attention call: a prefill past the
+    window, then decode steps."""
+    m = model(name)
+    calls = []
+    orig = QSAAttention._sparse_attention
+
+    def record(self, q, k, v, idx, ok, *a, **kw):
+        out = orig(self, q, k, v, idx, ok, *a, **kw)
+        calls.append((self.scale, *(np.array(t) for t in (q, k, v, idx, ok, out))))
+        return out
+
+    QSAAttention._sparse_attention = record
+    try:
+        ids = mx.array(capture(name)["input_ids"])
+        cache = m.make_cache()
+        logits = m(ids, cache=cache, capture=Capture())
+        for _ in range(decode_steps):
+            logits = m(mx.argmax(logits[:, -1:], axis=-1), cache=cache)
+            mx.eval(logits)
+    finally:
+        QSAAttention._sparse_attention = orig
+    assert calls, "no sparse call: the prompt must pass the QSA window"
+    return calls
+
+
+def _attention_oracle(q, k, v, idx, ok, scale):
+    hq, L, D = q.shape
+    rep = hq // k.shape[0]
+    out = np.zeros((L, hq * D))
+    for h in range(hq):
+        for i in range(L):
+            sel = idx[i][ok[i]]
+            s = (k[h // rep, sel].astype(np.float64) @ q[h, i].astype(np.float64)) * scale
+            p = np.exp(s - s.max())
+            out[i, h * D:(h + 1) * D] = (p / p.sum()) @ v[h // rep, sel].astype(np.float64)
+    return out
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_c"])
+def test_qsa_attention_emulated_prefill_and_decode(name):
+    calls = _sparse_calls(name)
+    kinds, tails = set(), set()
+    for scale, q, k, v, idx, ok, ops_out in calls:
+        L = q.shape[2]
+        kinds.add("prefill" if L > 1 else "decode")
+        got = qsa_attention.emulate(q[0], k[0], v[0], idx[0], ok[0], scale)
+        oracle = _attention_oracle(q[0], k[0], v[0], idx[0], ok[0], scale)
+        np.testing.assert_allclose(got, oracle, atol=2e-6)
+        np.testing.assert_allclose(got, ops_out[0], atol=2e-6)
+        # the tail (the query's incomplete block) is part of the selection (AFN-017)
+        r = model(name).args.indexer_compress_ratio
+        for i in range(L):
+            pos = k.shape[2] - L + i
+            tail = np.arange((pos + 1) // r * r, pos + 1)
+            assert np.isin(tail, idx[0][i][ok[0][i]]).all()
+            tails.add(len(tail) > 0)
+        # and selected groups come in chronological order
+        assert all((np.diff(idx[0][i][ok[0][i]]) > 0).all() for i in range(L))
+    assert kinds == {"prefill", "decode"} and True in tails
+
+
+# ---- switches ------------------------------------------------------------------------------------
+
+
+def test_kernels_switch_on_only_when_the_profile_passed_them_on_metal(monkeypatch):
+    profile = {"kernels": {"hc_mix": {"status": "passed", "device": "metal"},
+                           "ple_gather": {"status": "passed", "device": "emulator"},
+                           "qsa_attention": {"status": "failed", "device": "metal"}}}
+    assert kernels.configure(profile) == {"hc_mix"}
+    assert kernels.enabled("hc_mix") == kernels.metal_available()
+    monkeypatch.setenv("HEBRUS_KERNEL_HC_MIX", "0")
+    assert not kernels.enabled("hc_mix")
+    assert kernels.make_kernel("hc_mix", ["a"], ["b"], "") is None
+    kernels.configure(None)
+    assert not any(kernels.enabled(k) for k in kernels.KERNELS)
+
+
+def test_no_kernel_object_without_metal():
+    if kernels.metal_available():
+        pytest.skip("Metal present")
+    assert hc_mix.kernel_object() is None and ple_gather.kernel_object() is None
+    assert qsa_attention.kernel_object() is None
+
+
+# ---- on a Metal device (skipped here) -----------------------------------------------------------
+
+
+@needs_metal
+def test_hc_mix_metal_matches_ops():
+    up, normed = (mx.array(a) for a in _hc_inputs())
+    np.testing.assert_allclose(np.array(hc_mix.metal(up, normed, 4, 64)), np.array(hc_mix.ops(up, normed, 4, 64)),
+                               atol=1e-5)
+
+
+@needs_metal
+def test_ple_gather_metal_matches_ops():
+    emb, history, _ = _ple_case("tiny_a")
+    n_new = len(history) - (emb.ngram_size - 1)
+    rows, got = ple_gather.metal(emb, mx.array(history[None]), n_new)
+    ref_rows, ref = ple_gather.ops(emb, mx.array(history[None]), n_new)
+    np.testing.assert_array_equal(np.array(rows), np.array(ref_rows))
+    np.testing.assert_array_equal(np.array(got), np.array(ref))
+
+
+@needs_metal
+def test_qsa_attention_metal_matches_ops():
+    for scale, q, k, v, idx, ok, ops_out in _sparse_calls("tiny_a"):
+        got = qsa_attention.metal(*(mx.array(t) for t in (q, k, v, idx, ok)), scale)
+        np.testing.assert_allclose(np.array(got), ops_out, atol=1e-5)

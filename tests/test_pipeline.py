@@ -1,0 +1,253 @@
+"""Pipeline parallelism over mx.distributed (issue 17): split planning, and 2/3 local ranks on the
+ring backend giving the single process's tokens and logits bit for bit, surviving snapshot/
+restore, and ending with a typed error when a rank dies or stalls."""
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hebrus_mlx.pipeline.split import PipelineSplitError, Stage, layer_bytes, parse_split, plan_split, stages
+from hebrus_mlx.utils import DEMO_DIR
+
+SCRIPT = Path(__file__).with_name("pipeline_script.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- split planning (no MLX) --------------------------------------------------------------------------
+
+def _brute(per_layer, first, last, budgets):
+    n, size = len(per_layer), len(budgets)
+    best = None
+    for cuts in itertools.combinations(range(1, n), size - 1):
+        bounds = (0, *cuts, n)
+        ratio = 0.0
+        for r in range(size):
+            load = sum(per_layer[bounds[r]:bounds[r + 1]]) + (first if r == 0 else 0) + (last if r == size - 1 else 0)
+            ratio = max(ratio, load / budgets[r])
+        if best is None or ratio < best:
+            best = ratio
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_split_minimises_the_worst_rank(seed):
+    rng = np.random.default_rng(seed)
+    n, size = int(rng.integers(3, 9)), int(rng.integers(2, 4))
+    per_layer = [int(x) for x in rng.integers(1, 100, n)]
+    first, last = int(rng.integers(0, 80)), int(rng.integers(0, 80))
+    budgets = [int(x) for x in rng.integers(400, 900, size)]
+    counts = plan_split(per_layer, first, last, budgets)
+    assert sum(counts) == n and all(c >= 1 for c in counts)
+    bounds = np.cumsum([0] + counts)
+    got = max((sum(per_layer[bounds[r]:bounds[r + 1]]) + (first if r == 0 else 0) + (last if r == size - 1 else 0))
+              / budgets[r] for r in range(size))
+    assert got == pytest.approx(_brute(per_layer, first, last, budgets))
+
+
+def test_plan_split_refuses_what_does_not_fit_naming_the_rank():
+    with pytest.raises(PipelineSplitError, match=r"rank 1 needs .* GiB"):
+        plan_split([3 << 30] * 4, 0, 0, [7 << 30, 5 << 30])
+    with pytest.raises(PipelineSplitError, match="rank 0 needs"):
+        plan_split([1 << 30] * 4, 0, 0, [1 << 30, 8 << 30], override=[3, 1])
+
+
+def test_plan_split_streams_what_does_not_fit_resident():
+    per_layer, streamable = [5 << 30] * 4, [4 << 30] * 4
+    with pytest.raises(PipelineSplitError):
+        plan_split(per_layer, 0, 0, [8 << 30, 8 << 30])
+    assert plan_split(per_layer, 0, 0, [8 << 30, 8 << 30], streamable=streamable) == [2, 2]
+    assert plan_split(per_layer, 0, 0, [8 << 30, 8 << 30], override=[3, 1], streamable=streamable) == [3, 1]
+    with pytest.raises(PipelineSplitError, match=r"rank 0 needs 4\.00 GiB resident \(experts and PLE pages streamed\)"):
+        plan_split(per_layer, 1 << 30, 0, [1 << 30, 8 << 30], override=[3, 1], streamable=streamable)
+
+
+@pytest.mark.parametrize("text,err", [("4", "1 counts for 2 ranks"), ("3,x", "comma-separated"),
+                                      ("8,0", "at least one layer"), ("5,4", "add up to 9")])
+def test_parse_split_names_the_flag(text, err):
+    with pytest.raises(PipelineSplitError, match="--pipeline-split") as e:
+        parse_split(text, 8, 2)
+    assert err in str(e.value)
+
+
+def test_stage_ownership_is_explicit():
+    a, b = stages([3, 5])
+    assert a.owns("model.embed_tokens.weight") and not b.owns("model.embed_tokens.weight")
+    assert b.owns("lm_head.weight") and b.owns("model.hyper_connection_mixer.hc_norm.weight")
+    assert a.owns("model.layers.2.mlp.gate.weight") and not a.owns("model.layers.3.mlp.gate.weight")
+    with pytest.raises(PipelineSplitError, match="no pipeline owner"):
+        a.owns("model.norm.weight")
+
+
+def test_layer_bytes_account_for_every_stored_byte_of_the_demo():
+    from hebrus_mlx.admission import admit
+
+    m = json.loads((DEMO_DIR / "manifest.json").read_text())
+    per_layer, first, last, streamable = layer_bytes(admit(str(DEMO_DIR)))
+    dense = DEMO_DIR / "model.safetensors"
+    header = 8 + int.from_bytes(dense.read_bytes()[:8], "little")
+    stored = dense.stat().st_size - header + sum(
+        (DEMO_DIR / s["path"]).stat().st_size for s in m["stores"] if s["role"] in ("experts", "ple"))
+    assert sum(per_layer) + first + last == stored
+    ple = {s["layer"]: s["size"] for s in m["stores"] if s["role"] == "ple"}
+    assert first > 0 and last > 0 and sorted(ple) == [0, 4]
+    # Two GDN layers; only layer 0 holds a PLE table (its page store + its dense PLE tensors).
+    raw = dense.read_bytes()
+    tensors = json.loads(raw[8:header])
+    ple_dense = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in tensors.items()
+                    if k.startswith("model.layers.0.ple."))
+    assert per_layer[0] - per_layer[1] == ple[0] + ple_dense
+    experts = (DEMO_DIR / "experts.hbem").stat().st_size // 8
+    assert streamable == [experts + ple.get(i, 0) for i in range(8)]
+
+
+# -- local ranks on the ring backend ----------------------------------------------------------------
+
+def _ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _launch(tmp_path, n, model, mode, split=None, timeout=60, env_extra=None, wait=120, reap=False):
+    """Start n ranks; wait for all (or, with `reap`, for rank 0, then kill the rest: a rank stalled
+    on purpose never ends by itself). Returns (out file, [(rc, stdout, stderr)], seconds)."""
+    hostfile = tmp_path / f"hosts{n}.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _ports(n)]))
+    out = tmp_path / f"{mode}{n}.npz"
+    args = [sys.executable, str(SCRIPT), str(model), str(out), mode] + ([split] if split else [])
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank), PIPELINE_TIMEOUT=str(timeout),
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    t0 = time.monotonic()
+    results = []
+    for i, p in enumerate(procs):
+        if reap and i > 0:
+            p.kill()
+        try:
+            o, e = p.communicate(timeout=max(1, wait - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"a rank hung past {wait}s")
+        results.append((p.returncode, o, e))
+    return out, results, time.monotonic() - t0
+
+
+def _single(model, prompt_len=13, max_tokens=12):
+    import mlx.core as mx
+
+    from hebrus_mlx.generate import generate_step
+    from hebrus_mlx.utils import load_model
+
+    m = load_model(model)
+    prompt = mx.array([(7 * i + 3) % 97 + 4 for i in range(prompt_len)], dtype=mx.int32)
+    toks, lps = [], []
+    for t, lp in generate_step(prompt, m, effective_vocab_size=m.args.vocab_size, max_tokens=max_tokens,
+                               prefill_step_size=5):
+        toks.append(t)
+        lps.append(np.array(lp))
+    return m, np.array(toks), np.stack(lps)
+
+
+@pytest.mark.parametrize("n,split", [(2, None), (3, "3,3,2")])
+def test_demo_pipeline_equals_single_process_bitwise(tmp_path, n, split):
+    _, tokens, logprobs = _single(DEMO_DIR)
+    out, results, _ = _launch(tmp_path, n, DEMO_DIR, "generate", split)
+    assert all(rc == 0 for rc, _, _ in results), results
+    got = np.load(out)
+    assert got["tokens"].tolist() == tokens.tolist()
+    assert np.array_equal(got["logprobs"], logprobs)  # bit for bit, -inf rows included
+
+
+def test_streamed_stages_equal_resident_and_read_only_their_own_layers(tmp_path):
+    _, tokens, logprobs = _single(DEMO_DIR)
+    out, results, _ = _launch(tmp_path, 2, DEMO_DIR, "stream", "3,5")
+    assert all(rc == 0 for rc, _, _ in results), results
+    got = np.load(out)
+    assert got["tokens"].tolist() == tokens.tolist()
+    assert np.array_equal(got["logprobs"], logprobs)
+    for rank, own in enumerate(([0, 1, 2], [3, 4, 5, 6, 7])):
+        seen = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert seen["reads"] > 0 and seen["expert_layers"] and set(seen["expert_layers"]) <= set(own), seen
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact_dir(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from artifact_fixture import tiny_artifact
+
+    return tiny_artifact(str(tmp_path_factory.mktemp("pipe")), dtype="float32")[1]
+
+
+def test_tiny_checkpoint_pipeline_and_restore_equal_single_process(tmp_path, tiny_artifact_dir):
+    import mlx.core as mx
+
+    from hebrus_mlx.utils import load_model
+
+    out, results, _ = _launch(tmp_path, 2, tiny_artifact_dir, "restore")
+    assert all(rc == 0 for rc, _, _ in results), results
+    got = np.load(out)
+    m = load_model(tiny_artifact_dir)
+    cache = m.make_cache()
+    want = [np.array(m(mx.array([row], dtype=mx.int32), cache)) for row in ([5, 9, 13, 2, 7], [3, 3, 8], [11])]
+    assert np.array_equal(got["a"], want[0])
+    assert np.array_equal(got["b1"], want[1]) and np.array_equal(got["b2"], want[1])
+    assert np.array_equal(got["c"], want[2])  # continues from the restored state, not from b twice
+
+
+def test_killed_rank_is_a_typed_error_on_rank_0(tmp_path):
+    _, results, elapsed = _launch(tmp_path, 2, DEMO_DIR, "kill", timeout=30, wait=60)
+    rc0, out0, err0 = results[0]
+    assert results[1][0] == 7
+    assert rc0 == 0 and "TYPED PipelineError" in out0 and "rank 0 lost its link" in out0, (out0, err0)
+    assert elapsed < 30
+
+
+def test_stalled_rank_ends_the_run_within_the_timeout(tmp_path):
+    _, results, elapsed = _launch(tmp_path, 2, DEMO_DIR, "stall", timeout=3, wait=60, reap=True)
+    rc0, _, err0 = results[0]
+    assert rc0 == 3, err0
+    lines = [line for line in err0.splitlines() if line.strip()]
+    assert lines[-1].startswith("hebrus-mlx: error: PipelineError: pipeline: rank 0 waited more than 3 s")
+    assert elapsed < 45
+
+
+def _text(stdout):
+    # The generated text sits between the two "==========" lines (the stats below differ: timings).
+    return stdout.split("==========\n")[1]
+
+
+def test_cli_under_mlx_launch_prints_the_single_process_text():
+    # mlx.launch takes --verbose (and -p) for itself, so the launched command keeps the defaults.
+    cmd = ["generate", "--model", "demo", "--prompt", "def fibonacci(n):", "--ignore-chat-template", "-m", "16"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    single = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", *cmd], env=env, capture_output=True,
+                            text=True, timeout=120)
+    launch = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(_ports(1)[0]),
+              "--python", sys.executable, "-m", "hebrus_mlx.cli"]
+    launched = subprocess.run([*launch, *cmd], env=env, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0 and launched.returncode == 0, launched.stderr
+    assert _text(launched.stdout) == _text(single.stdout)  # only rank 0 prints, in the same shape
+    assert launched.stdout.count("==========") == 2
+    assert "Rank 0: layers 0-3, peak memory" in launched.stdout and "Rank 1: layers 4-7" in launched.stdout
+
+    bad = subprocess.run([*launch, *cmd, "--pipeline-split", "9,1"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    # mlx.launch itself exits 0 whatever its ranks return; each rank printed one line.
+    assert bad.stderr.count("hebrus-mlx generate: error: --pipeline-split: counts add up to 10, "
+                            "the model has 8 layers") == 2, bad.stderr
+    assert "Traceback" not in bad.stderr
