@@ -29,9 +29,11 @@ import mlx.core as mx
 from ..errors import UsageError
 
 KINDS = ("off", "previous", "router-reuse", "hyper-reuse")
-# Won the A/B runs against the previous-token control with identical tokens (decode bench: tied
-# on time, -26% exposed wait, -17% bytes read; demo at 5%: -30% exact misses), see the README.
-DEFAULT = "router-reuse:1"
+# router-reuse:1 won the A/B runs against this control with identical tokens (decode bench: tied on
+# time, -26% exposed wait, -17% bytes read; demo at 5%: -30% exact misses), but as the default it
+# makes tests/test_stream_experts.py::test_failed_construction_releases_reader_and_engine see one
+# extra thread in full-suite order (not yet diagnosed), so the control stays the default for now.
+DEFAULT = "previous"
 _SKIP = 0xFFFFFFFF  # an out-of-range record id: the prefetch op skips it
 
 
