@@ -299,10 +299,17 @@ class DecodeStack:
         import mlx.core as mx
 
         from hebrus_mlx.models.cache import LinearCache
+        from hebrus_mlx.stream.predict import parse_prefetch
 
         self.eng, self.table, self.weights = eng, table, weights
         self.layers, self.experts, self.top_k = layers, experts, top_k
-        self.prefetch, self.mixers = prefetch, mixers
+        # True/False: the previous-token control / off (the timeline's modes); or a --prefetch
+        # value (router-reuse:D as in stream.predict; hyper-reuse needs hyper-connections).
+        spec = parse_prefetch({True: "previous", False: "off"}.get(prefetch, prefetch))
+        if spec.kind == "hyper-reuse":
+            raise SystemExit("--prefetch-modes: the synthetic stack has no hyper-connections (hyper-reuse)")
+        self.spec = spec
+        self.prefetch, self.mixers = spec.kind == "previous", mixers
         self.caches = [LinearCache() for _ in range(layers)]
         key = mx.random.key(3)
         self.routers = [mx.random.normal((HIDDEN, experts), key=mx.random.split(key, layers)[l])
@@ -328,11 +335,20 @@ class DecodeStack:
     def layer(self, l, x):
         import mlx.core as mx
 
+        from hebrus_mlx.stream.predict import candidates
+
         if self.prefetch and self.prev is not None:
             x = mx.depends(x, self.eng.prefetch(self.table, self.prev[l] + l * self.experts,
                                                 priority=1, layer=l))
         x, h, idx = self._route(l, x)
         rows, lease = self.eng.resolve(self.table, idx + l * self.experts, layer=l)
+        target = l + self.spec.depth
+        if self.spec.kind == "router-reuse" and target < self.layers:
+            # Layer l+D's router on layer l's router input, issued after l's exact reads and
+            # before its expert compute (as StreamedSwitchGLU does).
+            probs = mx.softmax((h @ self.routers[target]).reshape(1, self.experts), axis=-1)
+            cand = mx.depends(candidates(probs, self.top_k, 0.0), rows) + target * self.experts
+            h = mx.depends(h, self.eng.prefetch(self.table, cand, priority=1, layer=target))
         return self._experts(l, x, h, rows, lease), idx
 
     def snapshot(self):
@@ -383,8 +399,12 @@ def run_decode(args):
         s = eng.add_store(path)
         aid, parts = eng.create_arena(pb, rows)
         table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n, arena=aid)
-        return DecodeStack(eng, table, glu_weights(parts, rows), args.layers,
-                           args.experts, args.top_k, prefetch, mixers)
+        st = DecodeStack(eng, table, glu_weights(parts, rows), args.layers,
+                         args.experts, args.top_k, prefetch, mixers)
+        # Staging rows for predictions, as stream.streaming.Streaming sets them.
+        if st.spec.kind != "off":
+            eng.set_staging(aid, min(args.top_k * st.spec.depth, rows // 4))
+        return st
 
     def streamed(prefetch):
         drop_cache(path)
@@ -419,16 +439,18 @@ def run_decode(args):
 
     # Hot, off and on take turns (order reversed every round): load from
     # other jobs on this shared machine hits all three alike.
+    modes = args.prefetch_modes.split(",")
     res, hot_runs = {}, []
     for r in range(args.rounds):
-        for mode in (("hot", False, True) if r % 2 == 0 else (True, False, "hot")):
+        order = ["hot", *modes]
+        for mode in (order if r % 2 == 0 else order[::-1]):
             if mode == "hot":
                 hot_runs.append(statistics.median(hot()[1:]))
                 continue
             times, routes, c = streamed(mode)
             res.setdefault(mode, []).append((statistics.median(times[1:]), routes, c))
     hot_t = statistics.median(hot_runs)
-    routes = res[False][0][1]
+    routes = res[modes[0]][0][1]
     bw, bw_py = raw_bandwidth(path, routes, rec, args)
 
     toks = args.tokens
@@ -439,20 +461,25 @@ def run_decode(args):
     print(f"  previous-token route overlap {100 * np.mean(overlap):.0f}%; raw O_DIRECT {bw / 2**30:.3f} GiB/s "
           f"(C threads; Python pool {bw_py / 2**30:.3f} GiB/s, {bw_py / bw:.2f}x); "
           f"hot compute {hot_t * 1e3:.1f} ms/token")
-    c0 = res[False][0][2]
+    c0 = res["off"][0][2] if "off" in res else res[modes[0]][0][2]
     miss_bytes = (c0["exact_bytes"]) / toks
     bound = hot_t + miss_bytes / bw
     print(f"  serial bound = hot compute + {miss_bytes / 2**20:.1f} MiB missed/token / raw bw "
           f"= {bound * 1e3:.1f} ms/token")
-    for pf in (False, True):
+    from hebrus_mlx.stream.predict import parse_prefetch
+
+    ctrl = statistics.median([m for m, _, _ in res[modes[0]]])
+    for pf in modes:
         t = statistics.median([m for m, _, _ in res[pf]])
         c = res[pf][0][2]
-        print(f"  prefetch {'on ' if pf else 'off'}: {t * 1e3:.1f} ms/token "
-              f"(runs {' '.join(f'{m * 1e3:.1f}' for m, _, _ in res[pf])}), "
-              f"bound/streamed {bound / t:.3f}x (target >= 0.9{', higher than off' if pf else ''}); "
-              f"predicted hits/joins {c['predicted_hits']}/{c['predicted_joins']}")
-        print("    " + se.io_summary(c))
-    timeline(stack, hs, path, args)
+        same = all(r == routes for _, r, _ in res[pf])
+        print(f"  prefetch {pf}: {t * 1e3:.1f} ms/token "
+              f"(runs {' '.join(f'{m * 1e3:.1f}' for m, _, _ in res[pf])}), x{ctrl / t:.3f} vs {modes[0]}, "
+              f"bound/streamed {bound / t:.3f}x; predicted hits/joins {c['predicted_hits']}/{c['predicted_joins']}, "
+              f"routes {'identical' if same else 'DIFFER'}")
+        print("    " + se.io_summary(c, parse_prefetch(pf)))
+    if not args.no_timeline:
+        timeline(stack, hs, path, args)
 
 
 def raw_bandwidth(path, routes, rec, args):
@@ -602,6 +629,10 @@ def main():
     p.add_argument("--sha", action="store_true", help="also time SHA-256 verify")
     p.add_argument("--decode", action="store_true", help="run part (c), streamed decode")
     p.add_argument("--rows", type=int, default=None, help="(c) arena rows (default layers*top_k/2)")
+    p.add_argument("--prefetch-modes", default="previous,off",
+                   help="(c) comma-separated --prefetch values timed A/B/B/A; the first is the control "
+                        "(off, previous, router-reuse:1, router-reuse:2)")
+    p.add_argument("--no-timeline", action="store_true", help="(c) skip the engine-trace timeline plot")
     p.add_argument("--backend", default="pread",
                    help="engine read backend: pread, or mtlio on a macOS Metal build "
                         "(arena rows only; run both to A/B, metal_ext/README.md)")

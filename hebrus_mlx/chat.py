@@ -15,6 +15,7 @@ from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import make_sampler
 from .server import USED, refuse_unused, share_generate_flags
 from .stream.errors import StreamError
+from .stream.predict import prefetch_from_args
 from .text.chat import ChatError
 from .text.tokenizer import TokenizerError
 
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
         import mlx.core as mx
 
         mx.random.seed(args.seed)
-    model, tok = gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+    model, tok = gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args))
     if tok.chat_template is None:
         raise UsageError("--model", f"model {args.model!r} has no chat template")
 

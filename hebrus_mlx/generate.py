@@ -15,6 +15,7 @@ from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: 
 from .pipeline import launched as pipeline_launched
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .models.cache import rollback_on_error
+from .stream.predict import add_prefetch_argument, prefetch_from_args
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
@@ -363,7 +364,7 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         if model.streaming is not None:
             from .stream.engine import io_summary
 
-            print(io_summary(model.streaming.engine.counters()))
+            print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
     return text
 
 
@@ -402,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
     p.add_argument("--ple-cache-gb", type=float, default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
+    add_prefetch_argument(p)
     p.add_argument("--trace-out", default=None, metavar="DIR",
                    help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
     p.add_argument("--trace-features", type=int, default=0, metavar="N",
@@ -441,11 +443,13 @@ def _check_args(args):
             raise UsageError("--num-draft-tokens", f"must be >= 1, got {args.num_draft_tokens}")
 
 
-def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None):
+def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
+          prefetch=None):
     from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
     from .utils import load
 
-    return load(resolve_model(name), expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    return load(resolve_model(name), expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
+                prefetch=prefetch)
 
 
 def _trace_kwargs(args) -> dict:
@@ -480,7 +484,7 @@ def main(argv=None) -> int:
         if pipe is None:
             return 0  # a serving rank: rank 0 prints
     else:
-        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args))
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:

@@ -39,6 +39,7 @@ from .errors import HebrusError, UsageError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import check_sampling_args, make_sampler
 from .stream.errors import StreamError
+from .stream.predict import prefetch_from_args
 from .text.chat import ChatError
 from .text.tokenizer import TokenizerError
 
@@ -668,7 +669,7 @@ def _as_request_error(e) -> RequestError:
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
 USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
         "draft_model", "num_draft_tokens",
-        "expert_cache_gb", "ple_cache_gb"}
+        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold"}
 
 
 def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
@@ -726,8 +727,9 @@ def main(argv=None) -> int:
             import mlx.core as mx
 
             mx.random.seed(args.seed)
-        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb)
+        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch)
 
+    prefetch = prefetch_from_args(args)  # checked before the model loads
     worker = Worker(load, args.prompt_cache_bytes, defaults)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

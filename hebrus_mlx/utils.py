@@ -86,7 +86,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
 
 
 def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
-               ple_cache_gb: Optional[float] = None):
+               ple_cache_gb: Optional[float] = None, prefetch=None):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
     size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident.
@@ -96,9 +96,11 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
     if isinstance(path, Manifest) or is_artifact(path):
         from .loading.artifact import load_artifact_model  # admission runs before any graph buffer
 
-        return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+        return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
+                                   prefetch=prefetch)
     path = Path(path)
-    for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb)):
+    for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb),
+                         ("prefetch", prefetch)):
         if value is not None:
             raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype)
@@ -127,7 +129,7 @@ def _apply_machine_profile():
 
 
 def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = None,
-         ple_cache_gb: Optional[float] = None):
+         ple_cache_gb: Optional[float] = None, prefetch=None):
     """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir.
 
     dtype: "auto" (default_dtype(): float32 on CPU, the stored dtype on Metal), an mx.Dtype, or
@@ -135,7 +137,8 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
 
     expert_cache_gb: stream an artifact's routed experts through a cache of this many GiB
     (`--expert-cache-gb`); ple_cache_gb: its PLE table pages (`--ple-cache-gb`). None decides
-    from available memory.
+    from available memory. prefetch: streamed experts' read-ahead (`--prefetch`, see
+    `stream.predict`); None: the default.
     """
     from .text.tokenizer import load_tokenizer
 
@@ -152,7 +155,8 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
         # One admission: the graph and the tokenizer use exactly the bytes it checked.
         source = admit(str(path))
         sources = source.sources
-    model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb)
+    model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
+                       prefetch=prefetch)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources)
     model.source_path = path  # route traces pin the artifact by its digest
     return model, tokenizer

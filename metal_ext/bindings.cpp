@@ -53,6 +53,8 @@ nb::dict counters_dict(const hebrus::Counters& c) {
   d["deadline_misses"] = c.deadline_misses;
   d["predicted_hits"] = c.predicted_hits;
   d["predicted_joins"] = c.predicted_joins;
+  d["predicted_reads"] = c.predicted_reads;
+  d["exact_misses"] = c.exact_misses;
   nb::dict by_layer;
   for (auto& [layer, ns] : c.exposed_wait_ns_by_layer) {
     by_layer[nb::int_(layer)] = ns;
@@ -258,6 +260,11 @@ NB_MODULE(_ext, m) {
            nb::call_guard<nb::gil_scoped_release>())
       .def("advance_generation", &Engine::advance_generation, "owner"_a,
            "generation"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "set_staging",
+          &Engine::set_staging,
+          "arena"_a,
+          "rows"_a)
       .def(
           "set_hint",
           [](Engine& e,

@@ -66,9 +66,10 @@ Engine::Engine(const EngineOptions& options) : opts_(options) {
     throw StreamError(
         ErrorCode::kBadRequest, "cache_bytes must be at least 4096");
   }
-  if (opts_.policy != "lru" && opts_.policy != "score") {
+  if (opts_.policy != "lru" && opts_.policy != "clock" &&
+      opts_.policy != "score") {
     throw StreamError(
-        ErrorCode::kBadRequest, "policy must be 'lru' or 'score'");
+        ErrorCode::kBadRequest, "policy must be 'lru', 'clock' or 'score'");
   }
   if (opts_.backend != "pread" && opts_.backend != "mtlio") {
     throw StreamError(
@@ -347,6 +348,10 @@ uint32_t Engine::alloc_slot_locked() {
 
 void Engine::retire_slot_locked(uint32_t idx) {
   Slot& s = slots_[idx];
+  if (s.exact) {
+    count_exact_locked(idx, -1);
+  }
+  s.arena = -1;
   s.state = SlotState::kFree;
   reindex_locked(idx); // leaves the evictable index
   // The generation bump is what keeps an in-flight read of the old owner
@@ -403,6 +408,9 @@ double Engine::eviction_key(const Slot& s) const {
     double stall = s.stall_ns > 0 ? s.stall_ns : stall_ewma_ns_;
     return s.p_use * std::max(stall, 1.0) / double(s.key.length);
   }
+  if (opts_.policy == "clock") {
+    return double(s.clock_pos);
+  }
   return double(s.lru);
 }
 
@@ -423,34 +431,108 @@ void Engine::reindex_locked(uint32_t idx) {
   }
   if (s.state == SlotState::kReady && s.pins == 0) {
     s.evict_key = {eviction_key(s), s.lru, idx};
+    // Arena rows: exact and predicted records in separate buckets (2a, 2a+1)
+    // so a prediction can be kept from evicting an exact record.
+    if (dest >= 0) {
+      dest = 2 * dest + (s.exact ? 0 : 1);
+    }
     s.evict_key_arena = dest;
     evictable_[dest].insert(s.evict_key);
     s.indexed = true;
   }
 }
 
-int64_t Engine::pick_victim_locked(int arena) {
-  auto it = evictable_.find(arena);
+int64_t Engine::pick_bucket_locked(int bucket) {
+  auto it = evictable_.find(bucket);
   if (it == evictable_.end() || it->second.empty()) {
     return -1;
+  }
+  if (opts_.policy == "clock") {
+    // The hand passes referenced records once (clearing the bit, moving them
+    // behind the hand); pinned ones are not on the ring. Ends: bits only clear.
+    while (true) {
+      uint32_t v = std::get<2>(*it->second.begin());
+      Slot& s = slots_[v];
+      if (!s.ref) {
+        return v;
+      }
+      s.ref = false;
+      s.clock_pos = ++lru_clock_;
+      reindex_locked(v);
+    }
   }
   return std::get<2>(*it->second.begin());
 }
 
-Slab Engine::reserve_row_locked(int arena) {
+int64_t Engine::pick_victim_locked(int arena) {
+  if (arena < 0) {
+    return pick_bucket_locked(-1);
+  }
+  // The policy's order over both classes of the arena's rows.
+  int64_t e = pick_bucket_locked(2 * arena);
+  int64_t p = pick_bucket_locked(2 * arena + 1);
+  if (e < 0 || p < 0) {
+    return e < 0 ? p : e;
+  }
+  return slots_[p].evict_key < slots_[e].evict_key ? p : e;
+}
+
+void Engine::count_exact_locked(uint32_t idx, int delta) {
+  int arena = slots_[idx].arena;
+  if (arena >= 0) {
+    arenas_[arena].exact_rows += delta;
+  }
+}
+
+void Engine::set_staging(int arena, uint32_t rows) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (arena < 0 || arena >= static_cast<int>(arenas_.size())) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "arena: unknown arena id " + std::to_string(arena));
+  }
+  if (rows >= arenas_[arena].rows) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "staging: must be below the arena's " +
+            std::to_string(arenas_[arena].rows) + " rows, got " +
+            std::to_string(rows));
+  }
+  arenas_[arena].staging = rows;
+}
+
+Slab Engine::reserve_row_locked(int arena, bool exact) {
   Arena& a = arenas_[arena];
+  if (exact) {
+    // Over its share, an exact read recycles exact rows (oldest first) and
+    // leaves the staging rows to predictions; if every exact row is pinned
+    // it falls through to any free or evictable row.
+    while (a.staging > 0 && a.exact_rows >= a.rows - a.staging) {
+      int64_t v = pick_bucket_locked(2 * arena);
+      if (v < 0) {
+        break;
+      }
+      if (!slots_[v].used) {
+        counters_.wasted_bytes += slots_[v].key.length;
+      }
+      counters_.evictions++;
+      retire_slot_locked(static_cast<uint32_t>(v));
+    }
+  }
   while (true) {
     if (!a.free_rows.empty()) {
       uint32_t row = a.free_rows.back();
       a.free_rows.pop_back();
       return Slab{nullptr, a.record_bytes, arena, row};
     }
-    int64_t best = pick_victim_locked(arena);
+    // Advisory: a prediction only ever displaces another prediction.
+    int64_t best = exact ? pick_victim_locked(arena)
+                         : pick_bucket_locked(2 * arena + 1);
     if (best < 0) {
       throw StreamError(
           ErrorCode::kCacheFull,
           "arena " + std::to_string(arena) + " full: all " +
-              std::to_string(a.rows) + " rows are pinned or in flight");
+              std::to_string(a.rows) + " rows are pinned or in flight" +
+              (exact ? "" : " or hold exact records"));
     }
     Slot& v = slots_[best];
     if (!v.used) {
@@ -571,10 +653,12 @@ void Engine::join_locked(
   s.pins++;
   s.used = true;
   s.lru = ++lru_clock_;
+  s.ref = true;
   s.p_use = std::max(s.p_use, req.confidence);
   if (req.exact && !s.exact) {
     (s.state == SlotState::kReady ? counters_.predicted_hits
                                   : counters_.predicted_joins)++;
+    count_exact_locked(idx, +1); // a hit promotes the prediction
   }
   s.exact = s.exact || req.exact;
   reindex_locked(idx); // now pinned
@@ -606,7 +690,7 @@ void Engine::start_read_locked(
     uint64_t id,
     Ticket& t) {
   // Reserve before touching any state: a full cache leaves nothing behind.
-  Slab slab = req.arena >= 0 ? reserve_row_locked(req.arena)
+  Slab slab = req.arena >= 0 ? reserve_row_locked(req.arena, req.exact)
                              : reserve_slab_locked(round_up(req.length, kAlign));
   uint32_t idx = alloc_slot_locked();
   Slot& s = slots_[idx];
@@ -614,7 +698,16 @@ void Engine::start_read_locked(
   s.key = key;
   s.pins = 1;
   s.exact = req.exact;
+  s.arena = req.arena;
+  if (s.exact) {
+    count_exact_locked(idx, +1);
+    counters_.exact_misses++;
+  } else {
+    counters_.predicted_reads++;
+  }
   s.lru = ++lru_clock_;
+  s.clock_pos = s.lru;
+  s.ref = false;
   s.p_use = req.confidence;
   s.stall_ns = 0;
   s.deadline_ns = req.deadline_ns;
@@ -845,6 +938,12 @@ bool Engine::pick_job_locked(std::unique_ptr<Job>& job) {
     // one worker stays free for an exact miss that may arrive next.
     if (p == kNumPriorities - 1 && opts_.threads > 1 &&
         inflight_[p] >= opts_.threads - 1) {
+      return false;
+    }
+    // Predictions (P1 and P2 together) never take the last free worker: an
+    // exact miss that arrives next starts at once.
+    if (p >= 1 && opts_.threads > 1 &&
+        inflight_[1] + inflight_[2] >= opts_.threads - 1) {
       return false;
     }
     Queue& q = queues_[p];

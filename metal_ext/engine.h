@@ -134,6 +134,10 @@ struct Counters {
   // published (timely) or still in flight (joined, partly hidden).
   uint64_t predicted_hits = 0;
   uint64_t predicted_joins = 0;
+  // Reads started by a prediction (the precision denominator) and by an
+  // exact request (misses nothing had brought in: the recall denominator).
+  uint64_t predicted_reads = 0;
+  uint64_t exact_misses = 0;
   std::map<int, uint64_t> exposed_wait_ns_by_layer;
   double latency_p50_ns = 0;
   double latency_p95_ns = 0;
@@ -160,7 +164,7 @@ struct EngineOptions {
   bool direct = true; // O_DIRECT on Linux when offset/length/buffer align
   bool nocache = false; // macOS F_NOCACHE on the store fd
   bool rdadvise = false; // macOS F_RDADVISE before each read
-  std::string policy = "lru"; // "lru" or "score"
+  std::string policy = "lru"; // "lru", "clock" or "score"
   // How bytes move: "pread" (default, everywhere) or "mtlio" (Apple Metal
   // builds only, arena rows only, unverified: AFN-013; see io_mtlio.h).
   std::string backend = "pread";
@@ -210,6 +214,11 @@ struct Arena {
   }
   uint64_t record_bytes = 0;
   uint32_t rows = 0;
+  // Advisory predictions: rows held by exact records (loading or ready) and
+  // the rows kept for predicted ones (exact records hold at most
+  // rows - staging unless every other row is pinned).
+  uint32_t exact_rows = 0;
+  uint32_t staging = 0;
   std::vector<uint32_t> free_rows;
   std::shared_ptr<void> keepalive; // owns the part buffers
   // One per part when the engine's backend can load into device buffers
@@ -282,6 +291,10 @@ class Engine {
   // Tickets of `owner` below `generation` fail as stale; later requests below
   // it are refused. Returns how many tickets went stale.
   int advance_generation(uint64_t owner, uint64_t generation);
+
+  // Rows of `arena` kept for predicted records (advisory read-ahead): exact
+  // records then take at most rows - staging of them while others are free.
+  void set_staging(int arena, uint32_t rows);
 
   // Scored policy hint: P(use before eviction) for a cached record (named
   // as its requests name it, digest included).
@@ -374,7 +387,12 @@ class Engine {
     bool exact = false;
     bool used = false;
     bool inflight = false;
+    int arena = -1; // arena of the row it holds or is loading into
     uint64_t lru = 0;
+    // CLOCK: position on the ring (load order; moved to the hand's tail on a
+    // second chance) and the reference bit a hit sets.
+    uint64_t clock_pos = 0;
+    bool ref = false;
     double p_use = 0.0;
     double stall_ns = 0.0;
     int queued_priority = -1;
@@ -426,7 +444,9 @@ class Engine {
   bool pick_job_locked(std::unique_ptr<Job>& job);
   void enqueue_locked(uint32_t slot_idx, int priority);
   Slab reserve_slab_locked(uint64_t size);
-  Slab reserve_row_locked(int arena);
+  Slab reserve_row_locked(int arena, bool exact);
+  int64_t pick_bucket_locked(int bucket);
+  void count_exact_locked(uint32_t idx, int delta);
   void recycle_slab_locked(const Slab& slab);
   int64_t pick_victim_locked(int arena);
   void reindex_locked(uint32_t slot);

@@ -282,37 +282,39 @@ mx::array prefetch_records(
       {index_input(indices)});
 }
 
+// Issues the hints for `idx` and writes how many were issued: the host work of both eval paths.
+static void issue_hints(const TableRead& read, int priority, double confidence, bool exact,
+                        const mx::array& idx, uint32_t* dst) {
+  Engine& engine = *read.engine;
+  const Table& t = engine.table(read.table);
+  const uint32_t* ix = idx.data<uint32_t>();
+  uint32_t issued = 0;
+  for (size_t i = 0; i < idx.size(); ++i) {
+    if (ix[i] >= t.rows.size()) {
+      continue; // a hint, not a dependency: bad ids are skipped
+    }
+    Request r = read.row(t, ix[i]);
+    r.priority = priority;
+    r.exact = exact;
+    r.confidence = confidence;
+    try {
+      // Released at once: the read continues as a cache candidate.
+      engine.release(engine.request(r));
+      issued++;
+    } catch (const StreamError&) {
+      // Speculation never fails the graph (full cache, stale generation).
+    }
+  }
+  *dst = issued;
+}
+
 void PrefetchRecords::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
   auto& enc = cpu_encoder(stream(), inputs, out);
-  enc.dispatch([read = read_,
-                priority = priority_,
-                confidence = confidence_,
-                exact = exact_,
-                idx = inputs[0],
-                dst = out.data<uint32_t>()]() {
-    Engine& engine = *read.engine;
-    const Table& t = engine.table(read.table);
-    const uint32_t* ix = idx.data<uint32_t>();
-    uint32_t issued = 0;
-    for (size_t i = 0; i < idx.size(); ++i) {
-      if (ix[i] >= t.rows.size()) {
-        continue; // a hint, not a dependency: bad ids are skipped
-      }
-      Request r = read.row(t, ix[i]);
-      r.priority = priority;
-      r.exact = exact;
-      r.confidence = confidence;
-      try {
-        // Released at once: the read continues as a cache candidate.
-        engine.release(engine.request(r));
-        issued++;
-      } catch (const StreamError&) {
-        // Speculation never fails the graph (full cache, stale generation).
-      }
-    }
-    *dst = issued;
+  enc.dispatch([read = read_, priority = priority_, confidence = confidence_, exact = exact_,
+                idx = inputs[0], dst = out.data<uint32_t>()]() {
+    issue_hints(read, priority, confidence, exact, idx, dst);
   });
 }
 
@@ -322,28 +324,9 @@ void PrefetchRecords::eval_gpu(
   // GPU-event path (ops_metal.cpp; unbuilt/unverified): the host issues the
   // hints once the GPU has produced the indices.
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  eval_gpu_via_io(stream(), {inputs[0], out}, [engine = engine_, table = table_, priority = priority_,
-                                               confidence = confidence_, exact = exact_, owner = owner_,
-                                               generation = generation_, layer = layer_, idx = inputs[0],
-                                               dst = out.data<uint32_t>()]() {
-    const Table& t = engine->table(table);
-    const uint32_t* ix = idx.data<uint32_t>();
-    uint32_t issued = 0;
-    for (size_t i = 0; i < idx.size(); ++i) {
-      if (ix[i] >= t.rows.size()) {
-        continue;
-      }
-      Request r = row_request(t, ix[i], owner, generation, layer);
-      r.priority = priority;
-      r.exact = exact;
-      r.confidence = confidence;
-      try {
-        engine->release(engine->request(r));
-        issued++;
-      } catch (const StreamError&) {
-      }
-    }
-    *dst = issued;
+  eval_gpu_via_io(stream(), {inputs[0], out}, [read = read_, priority = priority_, confidence = confidence_,
+                                               exact = exact_, idx = inputs[0], dst = out.data<uint32_t>()]() {
+    issue_hints(read, priority, confidence, exact, idx, dst);
   });
 }
 
@@ -609,6 +592,13 @@ mx::array release_after(
       {value, lease});
 }
 
+static void release_leases(Engine& engine, const mx::array& lease) {
+  const uint64_t* t = lease.data<uint64_t>();
+  for (size_t i = 0; i < lease.size(); ++i) {
+    engine.release(t[i]);
+  }
+}
+
 void ReleaseAfter::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
@@ -619,10 +609,7 @@ void ReleaseAfter::eval_cpu(
   enc.set_input_array(inputs[0]);
   enc.set_input_array(inputs[1]);
   enc.dispatch([engine = engine_, lease = inputs[1], value = inputs[0]]() {
-    const uint64_t* t = lease.data<uint64_t>();
-    for (size_t i = 0; i < lease.size(); ++i) {
-      engine->release(t[i]);
-    }
+    release_leases(*engine, lease);
   });
 }
 
@@ -633,10 +620,7 @@ void ReleaseAfter::eval_gpu(
   // once the GPU has computed the value that read the records.
   out.copy_shared_buffer(inputs[0]);
   eval_gpu_via_io(stream(), {inputs[0], inputs[1]}, [engine = engine_, lease = inputs[1]]() {
-    const uint64_t* t = lease.data<uint64_t>();
-    for (size_t i = 0; i < lease.size(); ++i) {
-      engine->release(t[i]);
-    }
+    release_leases(*engine, lease);
   });
 }
 

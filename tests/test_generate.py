@@ -223,7 +223,7 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     model.prompt_len = len(ids)
     from hebrus_mlx.cli import main
 
-    monkeypatch.setattr(gen, "_load", lambda name, expert_cache_gb=None, ple_cache_gb=None: (model, tok))
+    monkeypatch.setattr(gen, "_load", lambda name, expert_cache_gb=None, ple_cache_gb=None, prefetch=None: (model, tok))
     assert main(["generate", "-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
     assert capsys.readouterr().out == "ok\n"
     model.args.max_position_embeddings = 4
@@ -338,11 +338,14 @@ def test_cli_streamed_demo_prints_io_line_and_resident_text():
         return p.stdout.splitlines()
 
     resident, streamed = run(), run("--expert-cache-gb", "0.0005")
+    hyper = run("--expert-cache-gb", "0.0005", "--prefetch", "hyper-reuse")
     assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", resident[-1])
     assert not any(line.startswith("I/O:") for line in resident)
     io_line = streamed[-1]
     assert re.fullmatch(r"I/O: [0-9.]+ GB read \([0-9.]+ GB predicted, [0-9.]+ GB wasted\), hit rate [0-9.]+%, "
-                        r"exposed wait [0-9.]+ s, hidden (n/a|-?\d+%), p50/p99 [0-9.]+/[0-9.]+ ms", io_line), io_line
+                        r"exposed wait [0-9.]+ s, hidden (n/a|-?\d+%), p50/p99 [0-9.]+/[0-9.]+ ms; "
+                        r"prefetch previous: timely recall [0-9.]+%, precision [0-9.]+%", io_line), io_line
     assert streamed[-2].startswith("Peak memory:")
+    assert "; prefetch hyper-reuse: timely recall " in hyper[-1], hyper[-1]
     text = lambda out: out[1:out.index("=" * 10, 1)]  # noqa: E731
-    assert text(streamed) == text(resident)
+    assert text(streamed) == text(resident) == text(hyper)

@@ -36,6 +36,7 @@ from ..models.mtp import MTPHead, attach_mtp_head
 from ..models.qwen4exp import Model
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
+from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
 from ..stream.ple import attach_ple
 from ..stream.streaming import Streaming
 from ..stream.switch import attach
@@ -269,7 +270,8 @@ def prune(model, stage):
     return model
 
 
-def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None) -> Model:
+def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
+                        prefetch=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -294,6 +296,10 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
     does not fit (or a cache size is given), exactly as a whole model does. Stages leave out the
     MTP head.
+
+    prefetch: the streamed experts' read-ahead (``stream.predict``: ``"off"``, ``"previous"``,
+    ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: ``stream.predict.DEFAULT``. Naming one
+    for a model whose experts are resident is a UsageError.
     """
     # Admission raises before anything below allocates.
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
@@ -304,6 +310,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         layers = stage.layers
     ple_cache = plan_ple_residency(m, dtype, ple_cache_gb, stage)
     rows = plan_expert_residency(m, dtype, expert_cache_gb, ple_cache, stage)
+    prefetch = None if prefetch is None else parse_prefetch(prefetch)  # bad values fail before any buffer
+    if prefetch is not None and prefetch.kind != "off" and rows is None:
+        raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise UsageError("dtype", f"streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -321,7 +330,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         # One engine: PLE pages in its slab cache, experts in their arena
         # (the slab budget's record backs the copying ops).
         record = sum(n for *_, n in em.record_layout(m.family, m.experts.codec))
-        engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8)
+        # CLOCK: measured on demo decode at 5-50% of the records it is within a point of LRU or
+        # above it (benchmarks/bench_cache_policy.py), as public runtimes found.
+        engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8, policy="clock")
     try:
         if rows is not None:
             experts, switches = _attach_streamed(m, model, rows, dtype, engine, layers)
@@ -345,7 +356,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     mx.eval(model.parameters())
     model.eval()
     if engine is not None:
-        model.streaming = Streaming(engine, experts, switches)
+        if prefetch is None and experts is not None:
+            prefetch = parse_prefetch(DEFAULT_PREFETCH)
+        model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
     if stage is None:
         attach_mtp_head(model, _mtp_head(m, model.args, dtype))
     return model

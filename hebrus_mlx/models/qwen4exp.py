@@ -717,6 +717,8 @@ class Streaming(Protocol):
 
     def layer_start(self, layer: int, x: mx.array) -> mx.array: ...
 
+    def before_router(self, layer: int, streams: mx.array, x: mx.array) -> mx.array: ...
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
@@ -735,7 +737,8 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = HyperConnection(args)
         self.mlp_hyper_connection = HyperConnection(args)
 
-    def __call__(self, streams, ids, cache, capture: Optional[Capture] = None):
+    def __call__(self, streams, ids, cache, capture: Optional[Capture] = None,
+                 streaming: Optional[Streaming] = None):
         if self.has_ple:
             streams = streams + self.ple(streams, ids, cache)
         if self.is_linear:
@@ -743,7 +746,14 @@ class DecoderLayer(nn.Module):
         else:
             mixer = lambda h: self.self_attn(h, cache, capture, self.layer)  # noqa: E731
         streams = self.attn_hyper_connection(streams, mixer)
-        return self.mlp_hyper_connection(streams, lambda h: self.mlp(h, capture, self.layer))
+
+        def mlp(h):
+            if streaming is not None:
+                # Cross-layer route predictors see this layer's MoE input and its streams.
+                h = streaming.before_router(self.layer, streams, h)
+            return self.mlp(h, capture, self.layer)
+
+        return self.mlp_hyper_connection(streams, mlp)
 
 
 class TextModel(nn.Module):
@@ -762,7 +772,7 @@ class TextModel(nn.Module):
             if self.streaming is not None:
                 # Streamed experts start their lookahead reads when the layer starts.
                 streams = self.streaming.layer_start(i, streams)
-            streams = layer(streams, ids, layer_cache, capture)
+            streams = layer(streams, ids, layer_cache, capture, self.streaming)
             if capture is not None:
                 if capture.hidden is not None:
                     capture.hidden.append(streams)

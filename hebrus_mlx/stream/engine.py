@@ -44,9 +44,28 @@ else:
 P0, P1, P2 = 0, 1, 2  # exact critical, near-term predicted, speculative
 
 
-def io_summary(counters: dict) -> str:
+def prediction_stats(counters: dict) -> dict:
+    """Read-ahead quality from :meth:`StreamEngine.counters`:
+
+    - ``timely_recall``: exact requests served by a prediction that had already
+      landed, over the exact requests nothing exact had cached (those plus
+      predictions still in flight plus exact misses);
+    - ``precision``: predicted reads an exact request later used, over predicted reads.
+    None where the denominator is 0."""
+    c = counters
+    hits, joins = c["predicted_hits"], c["predicted_joins"]
+    need = hits + joins + c["exact_misses"]
+    return {
+        "timely_recall": hits / need if need else None,
+        "precision": (hits + joins) / c["predicted_reads"] if c["predicted_reads"] else None,
+    }
+
+
+def io_summary(counters: dict, prefetch=None) -> str:
     """One line for generate's stats: bytes read, hit rate, exposed wait,
-    hidden fraction (from :meth:`StreamEngine.counters`)."""
+    hidden fraction (from :meth:`StreamEngine.counters`); with ``prefetch``
+    (the PrefetchSpec in use) also the predictor's name, timely recall and
+    precision (wasted bytes are in the main line)."""
     c = counters
     read = (c["exact_bytes"] + c["predicted_bytes"]) / 1e9
     lookups = c["hits"] + c["joins"] + c["misses"]
@@ -58,7 +77,14 @@ def io_summary(counters: dict) -> str:
         f"{c['wasted_bytes'] / 1e9:.3f} GB wasted), hit rate {hit:.1f}%, "
         f"exposed wait {c['exposed_wait_ns'] / 1e9:.3f} s, hidden {hidden}, "
         f"p50/p99 {c['latency_p50_ns'] / 1e6:.2f}/{c['latency_p99_ns'] / 1e6:.2f} ms"
-    )
+    ) + ("" if prefetch is None else "; " + _prefetch_summary(c, prefetch))
+
+
+def _prefetch_summary(c: dict, prefetch) -> str:
+    s = prediction_stats(c)
+    pct = lambda v: "n/a" if v is None else f"{100.0 * v:.1f}%"  # noqa: E731
+    return (f"prefetch {prefetch.name}: timely recall {pct(s['timely_recall'])}, "
+            f"precision {pct(s['precision'])}")
 
 
 # Engine trace (metal_ext/trace.h). Times are steady-clock ns, the clock of
@@ -131,7 +157,8 @@ class StreamEngine:
             pooled) counts against it.
         threads: Reader threads.
         direct: Use O_DIRECT on Linux when offset, length and buffer align.
-        policy: ``"lru"`` (control) or ``"score"`` (stall removed per byte).
+        policy: ``"lru"`` (control), ``"clock"`` (second chance, pinned
+            records off the ring) or ``"score"`` (stall removed per byte).
         nocache / rdadvise: macOS ``F_NOCACHE`` / ``F_RDADVISE``.
         backend: How bytes move: ``"pread"`` (default) or ``"mtlio"``
             (``MTLIOCommandQueue`` into arena rows; macOS Metal builds only,
@@ -270,6 +297,12 @@ class StreamEngine:
 
     def advance_generation(self, owner: int, generation: int) -> int:
         return self._e.advance_generation(owner, generation)
+
+    def set_staging(self, arena: int, rows: int) -> None:
+        """Keep ``rows`` of ``arena`` for predicted records: exact records
+        then hold at most the rest while any of theirs can be recycled, and a
+        prediction never displaces an exact record (advisory read-ahead)."""
+        self._e.set_staging(int(arena), int(rows))
 
     def set_hint(
         self, store: int, offset: int, length: int, p_use: float, arena: int = -1,

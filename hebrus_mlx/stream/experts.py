@@ -120,8 +120,12 @@ class StreamedExperts:
 
     def prefetch(self, layer: int, indices: mx.array, priority: int = P1,
                  confidence: float = 1.0) -> mx.array:
-        """Non-blocking hint, e.g. the previous token's top-k for ``layer``."""
+        """Non-blocking hint, e.g. the previous token's top-k for ``layer``; ids outside
+        ``[0, num_experts)`` are skipped (predict.candidates marks low-probability ones so)."""
+        indices = indices.astype(mx.uint32)
+        records = mx.where(indices < self.num_experts, self._records(layer, indices),
+                           mx.array(0xFFFFFFFF, mx.uint32))
         return self.engine.prefetch(
-            self.table, self._records(layer, indices), priority, confidence,
+            self.table, records, priority, confidence,
             layer=layer,
         )

@@ -48,6 +48,12 @@ class StreamedSwitchGLU(nn.Module):
         self.owner = 0
         self.generation = 0
         self._prev: Optional[mx.array] = None
+        self._ahead = None  # (target layer, candidates) set at this layer's router
+
+    def predict_after_resolve(self, target: int, candidates: mx.array) -> None:
+        """Issue ``candidates`` (expert ids of layer ``target``, most probable first) as P1 once
+        this layer's exact reads are resolved, before its expert compute (predict.Predictor)."""
+        self._ahead = (target, candidates)
 
     def _project(self, name, x, rows, sorted_rows):
         e = self._experts
@@ -77,6 +83,13 @@ class StreamedSwitchGLU(nn.Module):
         rows, lease = self._experts.resolve(
             self.layer, indices, self.owner, self.generation
         )
+        if self._ahead is not None:
+            target, cands = self._ahead
+            self._ahead = None
+            # After this layer's P0 reads (rows), before its matmuls (x): the predicted reads
+            # overlap the expert compute and the next layer's attention, never this layer's misses.
+            issued = self._experts.prefetch(target, mx.depends(cands, rows), P1)
+            x = mx.depends(x, issued)
         x = mx.expand_dims(x, (-2, -3))
         # Same data movement as SwitchGLU: many tokens are grouped by
         # expert (arena row) before the gathered matmuls.
