@@ -42,9 +42,14 @@ def test_schedule_is_interleaved_abba_with_equal_counts():
 
 
 def test_options_go_where_the_code_accepts_them_and_unknown_keys_are_refused():
-    s = H.split_config({"expert-cache-gb": "0.5", "prefill-step-size": "64", "prefetch": "off"})
+    s = H.split_config({"expert-cache-gb": "0.5", "prefill-step-size": "64"})
     assert s.load == {"expert_cache_gb": 0.5} and s.generate == {"prefill_step_size": 64}
-    assert s.adapt == {"prefetch": "off"}
+
+    def old_load(path_or_name, dtype=None, expert_cache_gb=None):  # a loader without a prefetch option
+        pass
+
+    s = H.split_config({"prefetch": "off"}, old_load)
+    assert s.adapt == {"prefetch": "off"} and s.load == {}
     with pytest.raises(UsageError, match="unknown option 'warp-speed'") as e:
         H.split_config({"warp-speed": "9"})
     assert e.value.field == "--ab"
