@@ -17,6 +17,8 @@ VERBS = {
     "chat": "hebrus_mlx.chat",
     "traces": "hebrus_mlx.traces.command",
     "qualify": "hebrus_mlx.qualify",
+    "bench": "hebrus_mlx.bench.command",
+    "simulate": "hebrus_mlx.simulate.command",
 }
 
 # HEBRUS_TRACEBACK=1 also prints the traceback of a typed error (for debugging; bugs always show it).

@@ -1,0 +1,187 @@
+"""`hebrus-mlx bench`: what this model does on this Mac, and which setting to choose.
+
+    hebrus-mlx bench --model demo -p 128,512 -n 64 --repeats 4 \\
+        --ab "expert-cache-gb=0.002,0.004" --ab "prefetch=off,previous" --out bench-out
+
+Every configuration is loaded once, warmed up, then the runs interleave A B B A ... so the
+machine's drift hits all configurations alike; the table shows medians and the half-range spread.
+Greedy tokens must be identical across configurations (every option claims exactness) and every
+configuration must run the same artifact, else the bench refuses to compare (exit 2).
+Writes OUT/bench.json, OUT/bench.md and OUT/bench.png (when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List
+
+from ..errors import UsageError
+from . import harness as H
+from . import machine as M
+from . import report as R
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError("arguments", message)
+
+
+def _ints(s: str, flag: str) -> List[int]:
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(flag, f"expected comma-separated integers, got {s!r}") from None
+    if not v or min(v) < 1:
+        raise UsageError(flag, f"expected integers >= 1, got {s!r}")
+    return v
+
+
+def build_parser():
+    p = _Parser(prog="hebrus-mlx bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", "-m", default="demo", help="'demo', an artifact or an HF checkpoint directory")
+    p.add_argument("--prompt-tokens", "-p", default="128", help="prompt sizes, e.g. 512,2048")
+    p.add_argument("--gen-tokens", "-n", default="64", help="generation lengths, e.g. 128")
+    p.add_argument("--repeats", "-r", type=int, default=4, help="timed runs per configuration and size")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration first")
+    p.add_argument("--ab", action="append", default=[], metavar="KEY=V1,V2",
+                   help="configurations to compare (repeatable: the cross product), e.g. expert-cache-gb=8,16, "
+                        "draft-model=none,mtp, prefetch=off,previous")
+    p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
+    p.add_argument("--seed", type=int, default=0, help="prompt token seed")
+    p.add_argument("--no-probe", action="store_true", help="skip the SSD read probe")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--against", default=None, help="an earlier bench.json: refuse unless comparable")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _load(name, load_kwargs):
+    from ..hub import resolve_model
+    from ..utils import load
+
+    return load(resolve_model(name), **load_kwargs)
+
+
+def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dict], repeats: int = 4,
+              warmup: int = 1, seed: int = 0, probe: bool = True, progress: bool = False,
+              timeline: bool = True) -> dict:
+    """The whole bench as a dict (what bench.json holds)."""
+    from ..utils import resolve_model_path
+
+    # Resolve every configuration before loading anything: a typo fails in a second.
+    plans = []
+    for c in configs:
+        c = dict(c)
+        name = c.pop("model", model)
+        plans.append((name, H.split_config(c)))
+    digests = {H.label(c): H.artifact_digest(resolve_model_path(name)) for c, (name, _) in zip(configs, plans)}
+    H.check_artifacts(digests)
+
+    loaded = {}
+    for name, split in plans:
+        key = (name, json.dumps(split.load, sort_keys=True))
+        if key not in loaded:
+            loaded[key] = _load(name, split.load)
+    cases = [(p, n) for p in prompts for n in gens]
+
+    def go(i, case, trace=False):
+        name, split = plans[i]
+        mdl, tok = loaded[(name, json.dumps(split.load, sort_keys=True))]
+        for k, v in split.adapt.items():
+            H.ADAPTERS[k](mdl, v)
+        p, n = case
+        ids = H.prompt_ids(tok, p, seed)
+        limit = getattr(mdl.args, "max_position_embeddings", None)
+        if limit is not None and p + n > limit:
+            raise UsageError("--prompt-tokens", f"{p} + {n} tokens exceed the model context {limit}")
+        r = H.run_once(mdl, tok, ids, n, split.generate, trace=trace)
+        r.update(config=H.label(configs[i]), requested=n)
+        return r
+
+    order = H.schedule(len(configs), repeats)
+    total = len(configs) * warmup * len(cases[:1]) + len(order) * len(cases)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+    for i in range(len(configs)):
+        for _ in range(warmup):
+            go(i, cases[0])
+            bar and bar.update()
+    runs = []
+    for case in cases:
+        for i in order:
+            if bar:
+                bar.set_postfix_str(f"{H.label(configs[i])} p{case[0]} n{case[1]}")
+            runs.append(go(i, case))
+            bar and bar.update()
+    bar and bar.close()
+    H.check_tokens(runs)
+    timelines = []
+    if timeline:  # one more run per configuration with the engine trace on (untimed: tracing costs)
+        traced = [go(i, cases[0], trace=True) for i in range(len(configs))]
+        H.check_tokens(runs + traced)
+        timelines = [{"config": r["config"], "prompt_tokens": cases[0][0], "rows": r.pop("timeline")}
+                     for r in traced if "timeline" in r]
+    summary = []
+    for p, n in cases:
+        for c in configs:
+            sel = [r for r in runs if r["config"] == H.label(c) and r["prompt_tokens"] == p and r["requested"] == n]
+            summary.append({"config": H.label(c), "prompt_tokens": p, "n": n,
+                            "metrics": {k: H.summarize([r.get(k) for r in sel]) for k in H.METRICS}})
+    first_name = plans[0][0]
+    return {
+        "schema": "hebrus-mlx.bench", "version": 1, "model": model,
+        "artifact_digest": next(iter(digests.values())),
+        "machine": M.record(resolve_model_path(first_name), probe=probe),
+        "configs": [H.label(c) for c in configs], "prompts": prompts, "gens": gens, "repeats": repeats,
+        "warmup": warmup, "seed": seed, "order": [H.label(configs[i]) for i in order],
+        "order_note": "A B B A" if len(configs) == 2 else "forward/reversed rounds",
+        "tokens_identical": True, "runs": runs, "summary": summary, "timelines": timelines,
+    }
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    prompts = _ints(args.prompt_tokens, "--prompt-tokens")
+    gens = _ints(args.gen_tokens, "--gen-tokens")
+    if args.repeats < 1:
+        raise UsageError("--repeats", f"must be >= 1, got {args.repeats}")
+    if args.warmup < 0:
+        raise UsageError("--warmup", f"must be >= 0, got {args.warmup}")
+    configs = H.parse_ab(args.ab)
+    against = None
+    if args.against is not None:
+        try:
+            against = json.loads(Path(args.against).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError("--against", f"cannot read {args.against}: {e}") from None
+    result = run_bench(args.model, prompts, gens, configs, repeats=args.repeats, warmup=args.warmup,
+                       seed=args.seed, probe=not args.no_probe, progress=not args.quiet)
+    if against is not None:
+        H.compare_results(against, result)
+    out = Path(args.out)
+    R.write_json(out / "bench.json", result)
+    md = R.markdown(result)
+    R.write_text_atomic(out / "bench.md", md)
+    print(md, end="")
+    if not args.no_plot:
+        if R.have_matplotlib():
+            R.plot(result, out / "bench.png")
+            print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
+        else:
+            print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}; no PNG: matplotlib is not installed "
+                  f"(pip install matplotlib, or the 'test' extra)")
+    else:
+        print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    from ..cli import run
+
+    sys.exit(run("bench", main))

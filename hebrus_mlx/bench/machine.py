@@ -1,0 +1,151 @@
+"""What machine a bench ran on: chip, memory, OS, MLX version and backend, and an SSD read probe
+(record-sized random reads of the artifact's own expert store at several queue depths)."""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import platform
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+
+def _sysctl(name: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def chip() -> str:
+    if platform.system() == "Darwin":
+        return _sysctl("machdep.cpu.brand_string") or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_bytes() -> int:
+    if platform.system() == "Darwin":
+        v = _sysctl("hw.memsize")
+        if v and v.isdigit():
+            return int(v)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def mlx_info() -> dict:
+    import mlx.core as mx
+
+    metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
+    return {"mlx_version": mx.__version__, "backend": "metal" if metal else "cpu",
+            "default_device": str(mx.default_device())}
+
+
+def _open_direct(path: str):
+    """O_DIRECT where the filesystem takes it (bypasses the page cache); else buffered."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if flag:
+        try:
+            return os.open(path, os.O_RDONLY | flag), True
+        except OSError:
+            pass
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):  # at least do not pretend the page cache is the disk
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return fd, False
+
+
+def ssd_probe(path: str, record_bytes: int, offsets: Sequence[int], queue_depths=(1, 2, 4, 8), reads: int = 256,
+              trials: int = 3, seed: int = 0) -> dict:
+    """GB/s of random record reads (from `offsets`) per queue depth: qd threads, each with one read
+    in flight, `reads` reads per trial, the median of `trials` (the machine is shared and noisy);
+    plus SHA-256 GB/s of one core (the engine verifies every record). Reads are O_DIRECT when the
+    filesystem allows it (recorded as `direct`); a store small enough for the device's cache reads
+    faster than a large one would."""
+    import statistics
+    import threading
+
+    rng = np.random.default_rng(seed)
+    fd, direct = _open_direct(path)
+    span = -(-record_bytes // 4096) * 4096
+    local = threading.local()
+
+    def read(off):
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = mmap.mmap(-1, span)  # page-aligned, as O_DIRECT needs
+        view, got = memoryview(buf), 0
+        while got < span:
+            n = os.preadv(fd, [view[got:]], off + got)
+            if n <= 0:
+                break
+            got += n
+        return got
+
+    result: Dict[str, object] = {"path": str(path), "record_bytes": int(record_bytes), "direct": direct,
+                                 "reads": reads, "trials": trials, "gbps_by_qd": {}}
+    try:
+        for qd in queue_depths:
+            with ThreadPoolExecutor(qd) as ex:
+                list(ex.map(read, [int(offsets[0])] * qd))  # start the threads and their buffers
+                rates = []
+                for _ in range(trials):
+                    picks = [int(offsets[i]) for i in rng.integers(0, len(offsets), reads)]
+                    t0 = time.perf_counter()
+                    total = sum(ex.map(read, picks))
+                    rates.append(total / (time.perf_counter() - t0) / 1e9)
+            result["gbps_by_qd"][str(qd)] = statistics.median(rates)
+    finally:
+        os.close(fd)
+    block = os.urandom(1 << 22)
+    rates = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        hashlib.sha256(block).digest()
+        rates.append(len(block) / (time.perf_counter() - t0) / 1e9)
+    result["sha256_gbps_per_core"] = statistics.median(rates)
+    return result
+
+
+def expert_store(model_dir) -> Optional[dict]:
+    """The artifact's expert store: path, record stride and record offsets (None: not an artifact)."""
+    import json
+    from pathlib import Path
+
+    from ..artifact import constants as C
+    from ..artifact.expert_major import Geometry
+
+    man = Path(model_dir) / C.MANIFEST_NAME
+    if not man.is_file():
+        return None
+    m = json.loads(man.read_text())
+    store = next((s for s in m.get("stores", []) if s.get("role") == "experts"), None)
+    if store is None:
+        return None
+    g = Geometry(C.family(m["family"]), store["codec"])
+    return {"path": str(Path(model_dir) / store["path"]), "record_bytes": g.record_stride,
+            "offsets": [g.record_offset(i) for i in range(g.count)], "records": g.count,
+            "record_payload_bytes": g.record_bytes}
+
+
+def record(model_dir=None, probe: bool = True) -> dict:
+    """The machine record of a bench or simulate run."""
+    out = {"chip": chip(), "memory_gb": memory_bytes() / (1 << 30), "os": platform.platform(),
+           "python": platform.python_version(), "cpus": os.cpu_count()}
+    out.update(mlx_info())
+    if probe and model_dir is not None:
+        st = expert_store(model_dir)
+        if st is not None:
+            out["ssd_probe"] = ssd_probe(st["path"], st["record_bytes"], st["offsets"])
+    return out

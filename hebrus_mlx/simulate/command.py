@@ -1,0 +1,333 @@
+"""`hebrus-mlx simulate`: projected decode speed on a machine that is not this one.
+
+    hebrus-mlx simulate --profile m5-pro-48gb                 # Qwen3.8-Flash-Next, shipped profile
+    hebrus-mlx simulate --profile my-mac.json --trace DIR     # a recorded route trace / export
+    hebrus-mlx simulate --validate --model demo               # predicted vs measured, on this machine
+
+A projection combines a route trace (replayed through the expert arena: hit rate, reads per
+token), the model geometry (layers, experts, top-k, record bytes from the artifact format) and a
+machine (SSD GB/s by queue depth, compute per layer, verify speed, memory). See
+`hebrus_mlx.simulate.model` for the equations. `--validate` measures this machine (its disk with
+the bench's SSD probe, its compute with every record cached), records the demo's routes for the
+bench's own prompt, predicts the bench's runs at several cache sizes with and without the
+previous-token prediction, runs them (interleaved) and prints both side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from ..errors import UsageError
+from . import model as S
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError("arguments", message)
+
+
+def build_parser():
+    p = _Parser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
+    p.add_argument("--profile", default="m5-pro-48gb",
+                   help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}) or a JSON file")
+    p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
+    p.add_argument("--codec", default="affine4-g64", help="expert codec (record size)")
+    p.add_argument("--trace", default=None, help="a route trace directory or export (hebrus-mlx traces)")
+    p.add_argument("--cache-gb", default=None, help="cache sizes to sweep (default: up to the memory budget)")
+    p.add_argument("--policies", default="lru,clock,lfu,belady")
+    p.add_argument("--draft-depths", default="0,1,2,3")
+    p.add_argument("--acceptance", type=float, default=None, help="speculative acceptance per drafted token")
+    p.add_argument("--no-verify", action="store_true", help="project without SHA-256 checks of streamed records")
+    p.add_argument("--json", default=None, help="write the projection/validation as JSON")
+    p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
+    p.add_argument("--model", default="demo", help="with --validate: the model to run")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", default="8,16,64,192",
+                   help="with --validate: expert cache sizes in stored records (the in-memory arena may get "
+                        "more rows of the same GB; the table shows the rows it got)")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _list(s: str, conv, flag: str) -> list:
+    try:
+        v = [conv(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(flag, f"bad list {s!r}") from None
+    if not v:
+        raise UsageError(flag, "is empty")
+    return v
+
+
+def load_profile(name: str) -> dict:
+    path = PROFILES_DIR / f"{name}.json"
+    if not path.is_file():
+        path = Path(name)
+    if not path.is_file():
+        known = ", ".join(sorted(x.stem for x in PROFILES_DIR.glob("*.json")))
+        raise UsageError("--profile", f"no profile {name!r} (shipped: {known}; or a JSON file)")
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise UsageError("--profile", f"{path}: not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise UsageError("--profile", f"{path}: not a JSON object")
+    return d
+
+
+def load_trace(path: str, geom: S.ModelGeometry) -> np.ndarray:
+    """[T, L, k] routes of every sequence of a trace directory or export (hebrus_mlx.traces)."""
+    try:
+        from ..traces.eval import load_source
+    except ImportError:
+        raise UsageError("--trace", "this build has no route-trace reader (hebrus_mlx.traces.eval)") from None
+    identity, seqs, _, _ = load_source(path)
+    ne = identity["num_experts"] if isinstance(identity, dict) else identity.num_experts
+    if ne != geom.num_experts:
+        raise UsageError("--trace", f"recorded with {ne} experts per layer, --family has {geom.num_experts}")
+    topk = np.concatenate([t for _, t in seqs]) if seqs else np.zeros((0, geom.num_layers, geom.top_k))
+    if topk.shape[1:] != (geom.num_layers, geom.top_k):
+        raise UsageError("--trace", f"routes are {topk.shape[1:]}, the model has ({geom.num_layers}, {geom.top_k})")
+    return topk.astype(np.int64)
+
+
+def _table(rows: List[S.Projection]) -> str:
+    lines = ["| cache GB | policy | prefetch | draft | tok/s | ms/token | exposed ms | hit rate | MB/token |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in rows:
+        lines.append(f"| {p.cache_gb:g} | {p.policy} | {p.prefetch} | {p.draft_depth} | {p.tok_s:.2f} | "
+                     f"{p.token_ms:.1f} | {p.exposed_ms:.1f} | {p.hit_rate:.1%} | {p.bytes_per_token / 1e6:.0f} |")
+    return "\n".join(lines)
+
+
+def project_profile(args) -> dict:
+    from ..artifact import constants as C
+
+    prof = load_profile(args.profile)
+    machine = S.Machine.from_dict(prof, f"profile {args.profile}")
+    if args.no_verify:
+        machine.verify_gbps = None
+    fam = C.family(args.family, "--family")
+    geom = S.geometry_of_family(fam, args.codec, float(prof.get("resident_gb", 0.0)))
+    if args.trace:
+        topk = load_trace(args.trace, geom)
+        half = len(topk) // 2
+        warm, topk, routes = topk[:half], topk[half:], f"trace {args.trace}"
+    else:
+        sr = prof.get("synthetic_routes")
+        if not sr:
+            raise UsageError("--trace", "the profile has no synthetic_routes: give a route trace")
+        allr = S.synthetic_routes(int(sr["tokens"]), geom.num_layers, geom.num_experts, geom.top_k,
+                                  float(sr["reuse"]), float(sr["skew"]), int(sr.get("seed", 0)))
+        w = int(sr.get("warm", 0))
+        warm, topk = allr[:w], allr[w:]
+        routes = f"SYNTHETIC routes (reuse {sr['reuse']}, skew {sr['skew']}; see the profile's assumptions)"
+    budget = (machine.memory_gb or 0) - float(prof.get("resident_gb", 0)) - float(prof.get("reserve_gb", 0))
+    if args.cache_gb:
+        caches = _list(args.cache_gb, float, "--cache-gb")
+    else:
+        caches = [g for g in (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96) if g <= budget]
+        if not caches:
+            raise UsageError("--profile", f"no expert cache fits: budget {budget:.1f} GB")
+    acceptance = args.acceptance if args.acceptance is not None else float(prof.get("acceptance", 0.0))
+    rows = S.sweep(machine, geom, topk, caches, _list(args.policies, str, "--policies"), S.PREFETCH,
+                   _list(args.draft_depths, int, "--draft-depths"), acceptance, warm)
+    best = S.best(rows)
+    return {"profile": prof, "machine": machine.to_dict(), "geometry": geom.__dict__, "routes": routes,
+            "cache_budget_gb": budget, "rows": [r.to_dict() for r in rows], "best": best.to_dict(),
+            "status": "PROJECTION (not a measurement)"}
+
+
+def print_projection(res: dict) -> None:
+    rows = [S.Projection(**r) for r in res["rows"]]
+    best = S.Projection(**res["best"])
+    g = res["geometry"]
+    print(f"PROJECTION for {res['machine']['name']} - {g['name']} ({g['num_layers']} layers, {g['num_experts']} "
+          f"experts top-{g['top_k']}, {g['record_bytes']:,} B records); routes: {res['routes']}")
+    per_cache = {}
+    for r in rows:  # the best configuration at each cache size, then the overall best
+        if r.policy != "belady" and (r.cache_gb not in per_cache or r.tok_s > per_cache[r.cache_gb].tok_s):
+            per_cache[r.cache_gb] = r
+    print(_table(list(per_cache.values())))
+    print(f"best: {best.tok_s:.2f} tok/s with a {best.cache_gb:g} GB cache, {best.policy}, prefetch {best.prefetch}, "
+          f"draft depth {best.draft_depth} (hit rate {best.hit_rate:.1%}, {best.bytes_per_token / 1e6:.0f} MB/token, "
+          f"exposed wait {best.exposed_ms:.1f} ms/token)")
+    for a in res["machine"]["assumptions"]:
+        print(f"  - {a}")
+
+
+# ---- validation on this machine ------------------------------------------------------------------
+
+
+def record_routes(model, prompt: List[int], n: int):
+    """Greedy routes of the bench's own run, recorded on the resident model: (prompt routes
+    [P-1, L, k] as the warm prefix, decode routes [n, L, k], tokens)."""
+    import mlx.core as mx
+
+    from ..models.qwen4exp import Capture
+
+    L = model.args.num_hidden_layers
+    cache = model.make_cache()
+
+    def fwd(ids):
+        cap = Capture()
+        logits = model(mx.array([ids]), cache, capture=cap)
+        routes = mx.stack([cap.routes[l][0] for l in range(L)], axis=1)  # [len, L, k]
+        mx.eval(logits, routes)
+        return logits, np.array(routes)
+
+    warm = np.zeros((0, L, model.args.num_experts_per_tok), np.int64)
+    if len(prompt) > 1:
+        _, warm = fwd(prompt[:-1])
+    tok, out, toks = prompt[-1], [], []
+    for _ in range(n):
+        logits, r = fwd([tok])
+        out.append(r[0])
+        tok = int(mx.argmax(logits[0, -1]).item())
+        toks.append(tok)
+    return warm.astype(np.int64), np.stack(out).astype(np.int64), toks
+
+
+def validate(args) -> dict:
+    from ..bench import command as B
+    from ..bench import harness as H
+    from ..utils import load, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    rows = _list(args.rows, int, "--rows")
+    model, tok = load(str(path))
+    if model.streaming is not None:
+        raise UsageError("--model", "validation records routes on the resident model; this one streams")
+    prompt = H.prompt_ids(tok, args.prompt_tokens, 0)
+    warm1, decode, toks = record_routes(model, prompt, args.gen_tokens)
+    L, E, k = model.args.num_hidden_layers, model.args.num_experts, model.args.num_experts_per_tok
+    from ..bench.machine import expert_store
+
+    st = expert_store(path)
+    if st is None:
+        raise UsageError("--model", "validation needs an artifact with an expert store")
+    total = L * E
+    if min(rows) < k or max(rows) > total:
+        raise UsageError("--rows", f"arena rows must be in [{k}, {total}]")
+    gb = lambda r: r * st["record_bytes"] / S.GIB  # noqa: E731
+    configs = [{"expert-cache-gb": f"{gb(total):.9f}", "prefetch": "off"}]  # every record cached: compute
+    for r in rows:
+        for pf in ("off", "previous"):
+            configs.append({"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf})
+    bench = B.run_bench(args.model, [args.prompt_tokens], [args.gen_tokens], configs, repeats=args.repeats,
+                        warmup=1, progress=not args.quiet, timeline=False)
+    bench_tokens = bench["runs"][0]["tokens"]
+    if bench_tokens != toks:
+        raise H.NotComparableError("tokens", "the recorded routes' greedy tokens differ from the bench's")
+    probe = bench["machine"]["ssd_probe"]
+    med = {s["config"]: s["metrics"] for s in bench["summary"]}
+    # Per-token medians on both sides (robust to other processes on a shared machine).
+    compute_s = 1.0 / med[H.label(configs[0])]["decode_tok_s_p50"]["median"]
+    machine = S.Machine(
+        name="this machine (measured)", ssd_gbps={int(q): v for q, v in probe["gbps_by_qd"].items()},
+        layer_s=compute_s / L, threads=8, verify_gbps=probe["sha256_gbps_per_core"],
+        assumptions=["compute: streamed decode stack with every record cached (measured in the same "
+                     "interleaved run)", "pre_router 0.5 (assumption)"])
+    geom = S.ModelGeometry(str(args.model), L, E, k, st["record_bytes"])
+    # The arena persists across the bench's runs: before a timed run come the warm-up and earlier
+    # runs of the same tokens; the replay sees the prompt and one earlier run of this config.
+    prompt_and_prev = np.concatenate([warm1, decode, warm1])
+    # Paired by round (the schedule runs every configuration once per round): each run is predicted
+    # from the compute measured in its own round, so a slow patch of the shared machine moves the
+    # prediction and the measurement together; the per-configuration ratio is the median over rounds.
+    n = len(configs)
+    rounds = [bench["runs"][i:i + n] for i in range(0, len(bench["runs"]), n)]
+    base = H.label(configs[0])
+    out = []
+    for c in configs[1:]:
+        label = H.label(c)
+        cap = _arena_rows(bench, label)
+        rep = S.replay(decode, E, cap, "lru", c["prefetch"], prompt_and_prev)
+        preds, meas, ratios = [], [], []
+        for rnd in rounds:
+            comp = next(r for r in rnd if r["config"] == base)["decode_tok_s_p50"]
+            run = next(r for r in rnd if r["config"] == label)["decode_tok_s_p50"]
+            mach = dataclasses.replace(machine, layer_s=1.0 / comp / L)
+            p = S.project(mach, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="lru",
+                          prefetch=c["prefetch"])
+            preds.append(p.tok_s)
+            meas.append(run)
+            ratios.append(p.tok_s / run)
+        p = S.project(machine, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="lru",
+                      prefetch=c["prefetch"])
+        m = med[label]
+        out.append({"config": label, "rows": cap, "predicted_tok_s": statistics.median(preds),
+                    "measured_tok_s": statistics.median(meas), "spread": m["decode_tok_s_p50"]["spread"],
+                    "ratio": statistics.median(ratios), "ratios_by_round": ratios,
+                    "measured_tok_s_whole_run": m["decode_tok_s"]["median"],
+                    "predicted_hit_rate": rep.engine_hit_rate, "exact_hit_rate": p.hit_rate,
+                    "measured_hit_rate": (m["hit_rate"] or {}).get("median"),
+                    "predicted_exposed_ms": p.exposed_ms,
+                    "measured_exposed_ms": (m["exposed_wait_ms_per_token"] or {}).get("median")})
+    worst = max(abs(r["ratio"] - 1) for r in out)
+    return {"machine": machine.to_dict(), "bench_machine": bench["machine"], "compute_ms_per_token": compute_s * 1e3,
+            "runs": out, "worst": worst, "repeats": args.repeats}
+
+
+def _arena_rows(bench, label):
+    """Arena rows the loader gave this configuration (recorded by each run)."""
+    return next(r["arena_rows"] for r in bench["runs"] if r["config"] == label)
+
+
+def print_validation(v: dict) -> None:
+    print(f"validation on this machine: compute {v['compute_ms_per_token']:.2f} ms/token (all records cached), "
+          f"SSD {', '.join(f'QD{q} {g:.2f}' for q, g in v['machine']['ssd_gbps'].items())} GB/s, "
+          f"SHA-256 {v['machine']['verify_gbps']:.2f} GB/s; {v['repeats']} interleaved rounds; tok/s = 1 / the "
+          "median inter-token time; each run predicted from its own round's compute run, pred/meas = the "
+          "median over rounds")
+    print("| configuration | rows | predicted tok/s | measured tok/s (spread) | pred/meas | "
+          "engine hit rate pred/meas | exposed ms pred/meas |")
+    print("|---|---|---|---|---|---|---|")
+    for r in v["runs"]:
+        mh = "n/a" if r["measured_hit_rate"] is None else f"{r['measured_hit_rate']:.1%}"
+        me = "n/a" if r["measured_exposed_ms"] is None else f"{r['measured_exposed_ms']:.2f}"
+        print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.1f} | {r['measured_tok_s']:.1f} "
+              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} | {r['predicted_hit_rate']:.1%} / {mh} | "
+              f"{r['predicted_exposed_ms']:.2f} / {me} |")
+    print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.validate:
+        if args.trace:
+            raise UsageError("--trace", "--validate records its own routes")
+        for flag, v in (("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens),
+                        ("--repeats", args.repeats)):
+            if v < 1:
+                raise UsageError(flag, f"must be >= 1, got {v}")
+        res = validate(args)
+        print_validation(res)
+    else:
+        if args.acceptance is not None and not 0 <= args.acceptance < 1:
+            raise UsageError("--acceptance", f"must be in [0, 1), got {args.acceptance}")
+        res = project_profile(args)
+        print_projection(res)
+    if args.json:
+        from ..bench.report import write_json
+
+        write_json(args.json, res)
+    return 0
+
+
+if __name__ == "__main__":
+    from ..cli import run
+
+    sys.exit(run("simulate", main))

@@ -1,0 +1,348 @@
+"""The decode-time model of `hebrus-mlx simulate` (no MLX: numbers in, numbers out).
+
+One decode token runs the layers in order. Layer l computes for ``layer_s`` seconds; its router
+runs after ``pre_router`` of that time (attention/GDN first), and the layer then waits for the
+records of its top-k experts that are not in the arena. A miss costs ``io_time(n)``: n records
+read at queue depth min(n, threads) from the machine's bandwidth-by-queue-depth table, plus the
+digest check. A prediction (the previous-token P1 hint) issues its reads when the layer starts,
+so up to ``pre_router * layer_s`` of them hide behind compute; exact misses go first (P0).
+
+    exposed_l = max(io(demand_l), io(demand_l + used_predicted_l) - window_l)
+    token_s   = compute_s + sum_l exposed_l
+
+Speculative decoding with draft depth d and per-token acceptance a verifies d+1 tokens per step:
+tokens/step = (1 - a^(d+1)) / (1 - a); a step costs compute_s * (1 + verify_extra * d) plus the
+misses of the union of the d+1 tokens' routes (from the trace).
+
+Which accesses hit comes from the route trace replayed through the arena: demand paging through
+`traces.cachesim` (LRU/CLOCK/LFU/Belady); with a prediction, `replay_with_prefetch` also inserts
+the hinted records (cachesim has no prefetch; without one the two agree, which a test checks).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import UsageError
+from ..traces import cachesim
+
+GIB = 1 << 30
+PREFETCH = ("off", "previous")
+
+
+@dataclass
+class Machine:
+    """What a machine costs: SSD bandwidth by queue depth, compute per decode token, verify speed."""
+
+    name: str
+    ssd_gbps: Dict[int, float]  # queue depth -> GB/s (1e9 bytes/s) of record-sized random reads
+    layer_s: float  # decode compute per layer per token (resident experts), seconds
+    other_s: float = 0.0  # per token outside the layers (embedding, head, sampling)
+    pre_router: float = 0.5  # fraction of a layer's compute before its router (the prefetch window)
+    threads: int = 8  # reader threads (the engine's queue depth)
+    verify_gbps: Optional[float] = None  # SHA-256 throughput of the readers (None: not on the path)
+    verify_extra: float = 0.15  # cost of each extra verified token relative to one decode token
+    memory_gb: Optional[float] = None
+    sources: List[str] = field(default_factory=list)
+    assumptions: List[str] = field(default_factory=list)
+
+    def bandwidth(self, qd: float) -> float:
+        """Bytes/s at queue depth qd: linear between table points, flat beyond them."""
+        qs = sorted(self.ssd_gbps)
+        return float(np.interp(qd, qs, [self.ssd_gbps[q] for q in qs])) * 1e9
+
+    def io_time(self, n: float, record_bytes: int) -> float:
+        """Seconds to read (and verify) n records issued together."""
+        if n <= 0:
+            return 0.0
+        t = n * record_bytes / self.bandwidth(min(max(n, 1.0), self.threads))
+        if self.verify_gbps:
+            t += n * record_bytes / (self.verify_gbps * 1e9) / min(max(n, 1.0), self.threads)
+        return t
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "profile") -> "Machine":
+        try:
+            ssd = {int(k): float(v) for k, v in d["ssd_gbps"].items()}
+            m = cls(name=str(d["name"]), ssd_gbps=ssd, layer_s=float(d["layer_ms"]) / 1e3,
+                    other_s=float(d.get("other_ms", 0.0)) / 1e3, pre_router=float(d.get("pre_router", 0.5)),
+                    threads=int(d.get("threads", 8)),
+                    verify_gbps=None if d.get("verify_gbps") is None else float(d["verify_gbps"]),
+                    verify_extra=float(d.get("verify_extra", 0.15)),
+                    memory_gb=None if d.get("memory_gb") is None else float(d["memory_gb"]),
+                    sources=list(d.get("sources", [])), assumptions=list(d.get("assumptions", [])))
+        except KeyError as e:
+            raise UsageError(f"{where}.{e.args[0]}", "missing") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise UsageError(where, f"bad value: {e}") from None
+        if not ssd or min(ssd) < 1 or min(ssd.values()) <= 0:
+            raise UsageError(f"{where}.ssd_gbps", "needs positive GB/s at queue depths >= 1")
+        if m.layer_s < 0 or not 0 <= m.pre_router <= 1 or m.threads < 1:
+            raise UsageError(where, "layer_ms >= 0, 0 <= pre_router <= 1 and threads >= 1 are required")
+        return m
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "ssd_gbps": {str(k): v for k, v in sorted(self.ssd_gbps.items())},
+                "layer_ms": self.layer_s * 1e3, "other_ms": self.other_s * 1e3, "pre_router": self.pre_router,
+                "threads": self.threads, "verify_gbps": self.verify_gbps, "verify_extra": self.verify_extra,
+                "memory_gb": self.memory_gb, "sources": self.sources, "assumptions": self.assumptions}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    name: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    record_bytes: int  # bytes read per record (the aligned stride)
+    resident_gb: float = 0.0  # dense weights + PLE/state kept in memory besides the expert cache
+
+    @property
+    def store_bytes(self) -> int:
+        return self.num_layers * self.num_experts * self.record_bytes
+
+
+def geometry_of_family(family, codec: str = "affine4-g64", resident_gb: float = 0.0) -> ModelGeometry:
+    """From the artifact format: ExpertMajor v2 record stride for (family, codec)."""
+    from ..artifact.expert_major import Geometry
+
+    g = Geometry(family, codec)
+    return ModelGeometry(family.name, family.num_hidden_layers, family.num_experts,
+                         family.num_experts_per_tok, g.record_stride, resident_gb)
+
+
+# ---- the arena -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Replay:
+    """Per-token averages of one route trace through one arena."""
+
+    tokens: int
+    demand_misses: np.ndarray  # [L] exact misses per token (not covered by a prediction)
+    predicted_used: np.ndarray  # [L] predicted reads that the layer then used, per token
+    predicted_reads: np.ndarray  # [L] predicted reads issued, per token
+    accesses: int  # exact accesses per token
+    prefetch_lookups: float = 0.0  # hinted records looked up per token
+
+    @property
+    def hit_rate(self) -> float:
+        """Exact accesses whose record was already in the arena, or read by a prediction."""
+        return 1.0 - float(self.demand_misses.sum()) / self.accesses if self.accesses else 0.0
+
+    @property
+    def timely_recall(self) -> float:
+        """Exact misses a prediction had already issued (upper bound on what prefetch hides)."""
+        miss = float(self.demand_misses.sum() + self.predicted_used.sum())
+        return float(self.predicted_used.sum()) / miss if miss else 0.0
+
+    @property
+    def engine_hit_rate(self) -> float:
+        """The hit rate as the engine counts it: a prediction's own lookups count too (a hinted
+        record already cached is a hit), so with prefetch on it is not `hit_rate`."""
+        a = self.accesses
+        p = self.prefetch_lookups
+        served = a - float(self.demand_misses.sum()) + p - float(self.predicted_reads.sum())
+        return served / (a + p) if a + p else 0.0
+
+    def reads_per_token(self) -> float:
+        return float(self.demand_misses.sum() + self.predicted_reads.sum())
+
+
+def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off",
+                         warm: Optional[np.ndarray] = None) -> Replay:
+    """Replay [T, L, k] routes through an LRU arena of `capacity` records; with
+    prefetch="previous" each layer first hints the previous token's top-k (loaded as predicted
+    reads, LRU-touched), as StreamedSwitchGLU.layer_start does. `warm` [T0, L, k] routes run
+    first and are not counted (earlier runs and the prompt: the arena persists between them)."""
+    if prefetch not in PREFETCH:
+        raise UsageError("prefetch", f"unknown {prefetch!r}; this model knows {', '.join(PREFETCH)}")
+    t, L, k = topk.shape
+    if capacity < k:
+        raise UsageError("cache", f"{capacity} records is fewer than top_k={k}")
+    cache: OrderedDict = OrderedDict()
+    demand = np.zeros(L)
+    used = np.zeros(L)
+    reads = np.zeros(L)
+    t0 = 0 if warm is None else len(warm)
+    ids = (topk if warm is None else np.concatenate([warm, topk])).astype(np.int64).tolist()
+    for i in range(len(ids)):
+        count = i >= t0
+        for l in range(L):
+            base = l * num_experts
+            pending = set()
+            if prefetch == "previous" and i > 0:
+                for e in ids[i - 1][l]:
+                    x = base + e
+                    if x in cache:
+                        cache.move_to_end(x)
+                    else:
+                        if len(cache) >= capacity:
+                            cache.popitem(last=False)
+                        cache[x] = None
+                        pending.add(x)
+                        reads[l] += count
+            for e in ids[i][l]:
+                x = base + e
+                if x in cache:
+                    if x in pending:
+                        used[l] += count
+                        pending.discard(x)
+                    cache.move_to_end(x)
+                else:
+                    demand[l] += count
+                    if len(cache) >= capacity:
+                        cache.popitem(last=False)
+                    cache[x] = None
+    n = max(t, 1)
+    hinted = L * k * (t - (1 if t0 == 0 else 0)) / n if prefetch == "previous" else 0.0
+    return Replay(t, demand / n, used / n, reads / n, L * k, hinted)
+
+
+def replay(topk: np.ndarray, num_experts: int, capacity: int, policy: str = "lru", prefetch: str = "off",
+           warm: Optional[np.ndarray] = None) -> Replay:
+    """Demand paging through cachesim for any policy; the arena replay for a prediction. `warm`
+    routes run first, uncounted (for online policies hits(warm + trace) - hits(warm) are the
+    trace's own hits; for Belady, a bound anyway, it is the same subtraction)."""
+    if prefetch != "off":
+        if policy != "lru":
+            raise UsageError("policy", f"prefetch={prefetch} is modelled with the engine's LRU arena only")
+        return replay_with_prefetch(topk, num_experts, capacity, prefetch, warm)
+    t, L, k = topk.shape
+    if capacity < k:
+        raise UsageError("cache", f"{capacity} records is fewer than top_k={k}")
+    if policy not in cachesim.POLICIES:
+        raise UsageError("policy", f"unknown {policy!r}; choose from {', '.join(cachesim.POLICIES)}")
+    full = topk if warm is None else np.concatenate([warm, topk])
+    misses = cachesim.simulate(policy, cachesim.access_stream(full, num_experts), capacity).misses
+    if warm is not None and len(warm):
+        misses -= cachesim.simulate(policy, cachesim.access_stream(warm, num_experts), capacity).misses
+    # cachesim counts totals: spread them over the layers (the timing model sums layers anyway,
+    # only the per-layer queue depth sees the spread).
+    per_layer = np.full(L, misses / L / max(t, 1))
+    return Replay(t, per_layer, np.zeros(L), np.zeros(L), L * k)
+
+
+def union_factor(topk: np.ndarray, depth: int) -> float:
+    """Mean distinct experts per layer over windows of depth+1 consecutive tokens, divided by
+    (depth+1) * k: how much a verify step's routes overlap."""
+    t, L, k = topk.shape
+    w = depth + 1
+    if depth == 0 or t < w:
+        return 1.0
+    total = 0
+    windows = 0
+    for i in range(0, t - w + 1, w):
+        for l in range(L):
+            total += len(set(topk[i:i + w, l].reshape(-1).tolist()))
+            windows += 1
+    return total / (windows * w * k)
+
+
+# ---- the projection ------------------------------------------------------------------------------
+
+
+@dataclass
+class Projection:
+    cache_gb: float
+    capacity: int
+    policy: str
+    prefetch: str
+    draft_depth: int
+    acceptance: float
+    tok_s: float
+    token_ms: float
+    compute_ms: float
+    exposed_ms: float
+    hit_rate: float
+    bytes_per_token: float
+    timely_recall: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: float, capacity: int, policy: str,
+            prefetch: str, draft_depth: int = 0, acceptance: float = 0.0, union: float = 1.0) -> Projection:
+    """Tokens/s of one configuration from the replay's per-token misses and the machine's costs."""
+    R = geom.record_bytes
+    L = geom.num_layers
+    compute = L * machine.layer_s + machine.other_s
+    window = machine.pre_router * machine.layer_s
+    exposed = 0.0
+    w = draft_depth + 1
+    for l in range(L):
+        # A verify step routes w tokens; their distinct experts miss at the per-token rate.
+        d = rep.demand_misses[l] * w * union
+        p = rep.predicted_used[l] * w * union
+        exposed += max(machine.io_time(d, R), machine.io_time(d + p, R) - window)
+    step = compute * (1 + machine.verify_extra * draft_depth) + exposed
+    if draft_depth and acceptance > 0:
+        a = min(acceptance, 0.999999)
+        per_step = (1 - a ** w) / (1 - a)
+    else:
+        per_step = 1.0
+    token = step / per_step
+    reads = rep.reads_per_token() * w * union / per_step
+    return Projection(cache_gb, capacity, policy, prefetch, draft_depth, acceptance, 1.0 / token, token * 1e3,
+                      compute * 1e3, exposed * 1e3 / per_step, rep.hit_rate, reads * R, rep.timely_recall)
+
+
+def capacity_of(cache_gb: float, geom: ModelGeometry) -> int:
+    return int(min(cache_gb * GIB // geom.record_bytes, geom.num_layers * geom.num_experts))
+
+
+def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Sequence[float],
+          policies: Sequence[str] = ("lru",), prefetches: Sequence[str] = PREFETCH,
+          draft_depths: Sequence[int] = (0,), acceptance: float = 0.0,
+          warm: Optional[np.ndarray] = None) -> List[Projection]:
+    """Every configuration (cache size x policy x prefetch x draft depth); the replay of each
+    (cache, policy, prefetch) is shared by the draft depths."""
+    out = []
+    unions = {d: union_factor(topk, d) for d in draft_depths}
+    for gb in cache_gbs:
+        cap = capacity_of(gb, geom)
+        for pol in policies:
+            for pf in prefetches:
+                if pf != "off" and pol != "lru":
+                    continue
+                rep = replay(topk, geom.num_experts, cap, pol, pf, warm)
+                for d in draft_depths:
+                    out.append(project(machine, geom, rep, cache_gb=gb, capacity=cap, policy=pol, prefetch=pf,
+                                       draft_depth=d, acceptance=acceptance if d else 0.0, union=unions[d]))
+    return out
+
+
+def best(projections: Sequence[Projection], exclude_bounds: bool = True) -> Projection:
+    """The fastest real configuration (Belady needs the future: a bound, never a recommendation)."""
+    cands = [p for p in projections if not (exclude_bounds and p.policy == "belady")]
+    return max(cands, key=lambda p: p.tok_s)
+
+
+def synthetic_routes(tokens: int, num_layers: int, num_experts: int, top_k: int, reuse: float, skew: float,
+                     seed: int = 0) -> np.ndarray:
+    """[T, L, k] stand-in routes for a model whose trace we do not have: each layer keeps each of
+    the previous token's experts with probability `reuse` and draws the rest from a popularity
+    with weights (rank + 1) ** -skew (a permutation per layer). Only for projections that say so."""
+    rng = np.random.default_rng(seed)
+    pop = (np.arange(num_experts) + 1.0) ** -skew
+    pop /= pop.sum()
+    perms = [rng.permutation(num_experts) for _ in range(num_layers)]
+    out = np.zeros((tokens, num_layers, top_k), np.int64)
+    for l in range(num_layers):
+        prev = None
+        for t in range(tokens):
+            keep = [] if prev is None else [e for e in prev if rng.random() < reuse]
+            chosen = set(keep)
+            while len(chosen) < top_k:
+                for e in perms[l][rng.choice(num_experts, top_k, p=pop)]:
+                    if len(chosen) < top_k:
+                        chosen.add(int(e))
+            row = list(chosen)
+            out[t, l] = row
+            prev = row
+    return out
