@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import List
 
 from ..errors import UsageError
+from ..traces.command import positive_ints
 from . import harness as H
 from . import machine as M
 from . import report as R
@@ -29,14 +30,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError("arguments", message)
 
 
-def _ints(s: str, flag: str) -> List[int]:
-    try:
-        v = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(flag, f"expected comma-separated integers, got {s!r}") from None
-    if not v or min(v) < 1:
-        raise UsageError(flag, f"expected integers >= 1, got {s!r}")
-    return v
 
 
 def build_parser():
@@ -147,8 +140,8 @@ def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dic
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    prompts = _ints(args.prompt_tokens, "--prompt-tokens")
-    gens = _ints(args.gen_tokens, "--gen-tokens")
+    prompts = positive_ints(args.prompt_tokens, "--prompt-tokens")
+    gens = positive_ints(args.gen_tokens, "--gen-tokens")
     if args.repeats < 1:
         raise UsageError("--repeats", f"must be >= 1, got {args.repeats}")
     if args.warmup < 0:

@@ -4,8 +4,6 @@ with spread, and a per-token timeline of compute vs exposed I/O from the engine 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 COLUMNS = [  # (metric, header, format, scale)
@@ -23,21 +21,17 @@ COLUMNS = [  # (metric, header, format, scale)
 ]
 
 
-def write_text_atomic(path, text: str) -> None:
-    """temp + fsync + rename, like every writer of the project."""
+def write_bytes_atomic(path, data: bytes) -> None:
+    """temp + fsync + rename + directory fsync (the project's one publisher)."""
+    from ..artifact.atomic import publish_file
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    publish_file(path, lambda w: w.write(data))
+
+
+def write_text_atomic(path, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
 
 
 def write_json(path, obj) -> None:
@@ -126,8 +120,9 @@ def plot(result: dict, path) -> None:
         ax.set_title("per-token compute vs exposed I/O (engine trace)")
         ax.legend(fontsize=6, loc="upper right")
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    write_bytes_atomic(path, buf.getvalue())

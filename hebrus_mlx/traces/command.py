@@ -51,7 +51,8 @@ def build_parser():
     return p
 
 
-def _ints(s, flag):
+def positive_ints(s, flag):
+    """`--flag 4,8,16` -> [4, 8, 16]; a typed error naming the flag otherwise."""
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
@@ -117,8 +118,8 @@ def _export(args) -> int:
 def _eval(args) -> int:
     from .eval import run_eval
 
-    budgets = _ints(args.budgets, "--budgets") if args.budgets else None
-    sizes = _ints(args.cache_sizes, "--cache-sizes")
+    budgets = positive_ints(args.budgets, "--budgets") if args.budgets else None
+    sizes = positive_ints(args.cache_sizes, "--cache-sizes")
     if max(sizes) > 100:
         raise UsageError("--cache-sizes", f"percentages must be <= 100, got {args.cache_sizes!r}")
     report = run_eval(args.source, model=args.model, budgets=budgets, split=args.split,
