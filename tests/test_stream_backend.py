@@ -11,26 +11,21 @@ import hashlib
 import os
 import sys
 
-import numpy as np
 import pytest
 
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import ShortReadError, StreamRequestError
 from hebrus_mlx.stream.reference import ReferenceEngine
+from stream_store import REC, random_store
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
-REC = 2 * 4096
 PARTS = [4096, 1024, 3072]  # arena parts of one REC-byte record
 
 
 @pytest.fixture
 def store(tmp_path):
-    rng = np.random.default_rng(606)
-    data = rng.integers(0, 256, size=8 * REC + 100, dtype=np.uint8).tobytes()
-    path = tmp_path / "store.bin"
-    path.write_bytes(data)
-    return path, data
+    return random_store(tmp_path, 8, seed=606, tail=100)
 
 
 def os_threads():

@@ -24,9 +24,7 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -178,23 +176,9 @@ def build(out_dir, check_digest=True):
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "tokenizer.json"
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tokenizer.json.")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    from hebrus_mlx.artifact.atomic import publish_file  # temp + fsync + rename + directory fsync
+
+    publish_file(path, lambda w: w.write(data))
     return path, digest, time.perf_counter() - t0
 
 

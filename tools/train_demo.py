@@ -446,24 +446,10 @@ def publish_dir(tmp: Path, final: Path) -> None:
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:
+    from hebrus_mlx.artifact.atomic import publish_file  # temp + fsync + rename + directory fsync
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), 0o644)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    publish_file(path, lambda w: w.write(data))
 
 
 def plot_losses(history: dict, unigram: float, path: Path) -> None:
