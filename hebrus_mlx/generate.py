@@ -411,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a draft model directory")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "stored"),
+                   help="float dtype to run in: auto = float32 on the CPU backend, the stored dtype on Metal")
     p.add_argument("--pipeline-split", default=None,
                    help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
@@ -444,12 +446,12 @@ def _check_args(args):
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
-          prefetch=None):
+          prefetch=None, dtype="auto"):
     from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
     from .utils import load
 
-    return load(resolve_model(name), expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                prefetch=prefetch)
+    return load(resolve_model(name), dtype=None if dtype == "stored" else dtype, expert_cache_gb=expert_cache_gb,
+                ple_cache_gb=ple_cache_gb, prefetch=prefetch)
 
 
 def _trace_kwargs(args) -> dict:
@@ -484,7 +486,8 @@ def main(argv=None) -> int:
         if pipe is None:
             return 0  # a serving rank: rank 0 prints
     else:
-        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args))
+        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
+                                 args.dtype)
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:

@@ -106,6 +106,10 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
     return load_hf_model(path, dtype=dtype)
 
 
+# `--dtype`: the float dtype weights and activations run in; "stored" keeps the artifact's own.
+DTYPES = {"auto": None, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16, "stored": None}
+
+
 def default_dtype() -> Optional[mx.Dtype]:
     """float32 on the CPU backend (fastest there, and the parity dtype); the stored dtype (None)
     where MLX runs on the GPU."""
@@ -143,9 +147,9 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
     from .text.tokenizer import load_tokenizer
 
     if isinstance(dtype, str):
-        if dtype != "auto":
-            raise ValueError(f"dtype: expected 'auto', an mlx dtype or None, got {dtype!r}")
-        dtype = default_dtype()
+        if dtype not in DTYPES:
+            raise UsageError("dtype", f"expected one of {', '.join(DTYPES)}, an mlx dtype or None, got {dtype!r}")
+        dtype = default_dtype() if dtype == "auto" else DTYPES[dtype]
     _apply_machine_profile()
     path = resolve_model_path(path_or_name)
     source, sources = path, None

@@ -349,3 +349,31 @@ def test_cli_streamed_demo_prints_io_line_and_resident_text():
     assert "; prefetch hyper-reuse: timely recall " in hyper[-1], hyper[-1]
     text = lambda out: out[1:out.index("=" * 10, 1)]  # noqa: E731
     assert text(streamed) == text(resident) == text(hyper)
+
+
+def test_dtype_flag_reaches_load_and_runs(monkeypatch, capsys):
+    """Issue 14: `--dtype` chooses the float dtype (auto = float32 on the CPU backend); bfloat16
+    weights really load as bfloat16 and generate; an unknown value is one line, exit 2."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import hebrus_mlx.utils as U
+    from hebrus_mlx.cli import main as cli_main
+
+    seen, real = [], U.load
+
+    def spy(path, dtype="auto", **kw):
+        model, tok = real(path, dtype=dtype, **kw)
+        floats = {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+        seen.append((dtype, floats))
+        return model, tok
+
+    monkeypatch.setattr(U, "load", spy)
+    args = ["generate", "--model", "demo", "-p", "def f(x):", "--ignore-chat-template", "-m", "4", "--verbose", "false"]
+    assert cli_main([*args, "--dtype", "bfloat16"]) == 0 and capsys.readouterr().out.strip()
+    assert cli_main(args) == 0 and capsys.readouterr().out.strip()
+    assert seen[0][0] == "bfloat16" and seen[0][1] == {mx.bfloat16}
+    assert seen[1][0] == "auto" and seen[1][1] == {mx.float32}  # the CPU backend's default
+    assert cli_main([*args, "--dtype", "float64"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--dtype" in err and "Traceback" not in err

@@ -13,8 +13,11 @@ def load_or_serve(path, args):
     """(pipeline, model, tokenizer) on rank 0; (None, None, None) on a serving rank once done."""
     from ..text.tokenizer import load_tokenizer
 
+    from ..errors import UsageError
     from ..stream.predict import prefetch_from_args
 
+    if args.dtype != "auto":
+        raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
     pipe = load_pipeline(path, split=args.pipeline_split, expert_cache_gb=args.expert_cache_gb,
                          ple_cache_gb=args.ple_cache_gb, prefetch=prefetch_from_args(args))
     if pipe.rank != 0:
