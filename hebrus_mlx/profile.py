@@ -38,11 +38,11 @@ def read_profile(path: Optional[Path] = None) -> Optional[dict]:
 
 
 def write_profile(profile: dict, path: Optional[Path] = None) -> Path:
+    """Publish the profile atomically; an existing one is replaced by the rename, never removed
+    first (a reader sees the old profile or the new one)."""
     from .artifact.atomic import publish_file
 
     path = Path(path) if path else profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        path.unlink()  # a profile is replaced whole; publication refuses to overwrite
     publish_file(path, lambda w: w.write(json.dumps(profile, indent=1).encode()))
     return path
