@@ -415,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float dtype to run in: auto = float32 on the CPU backend, the stored dtype on Metal")
     p.add_argument("--pipeline-split", default=None,
                    help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
+    p.add_argument("--pipeline-timeout", type=float, default=None,
+                   help="under mlx.launch: seconds a rank waits on another before the run ends with an error (default 60)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)")
     return p
@@ -436,6 +438,8 @@ def _check_args(args):
     for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
         if value is not None and not (0 < value < float("inf")):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
+    if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
+        raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
     if args.trace_features < 0:
         raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
     if args.num_draft_tokens is not None:

@@ -247,3 +247,110 @@ def test_cli_under_mlx_launch_prints_the_single_process_text():
     assert bad.stderr.count("hebrus-mlx generate: error: --pipeline-split: counts add up to 10, "
                             "the model has 8 layers") == 2, bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+# -- server under a distributed launch -------------------------------------------------------------
+
+def _server_ranks(tmp_path, n=2, extra=()):
+    """Start `hebrus-mlx server` as n ranks (rank 0 serves HTTP on a free port). Returns (procs, port)."""
+    hostfile = local_hostfile(tmp_path / "server-hosts.json", n)
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
+             "--log-level", "WARNING", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=open(tmp_path / f"server{rank}.err", "w"), text=True))
+    deadline, line = time.monotonic() + 90, ""
+    while time.monotonic() < deadline and "listening on" not in line:
+        line = procs[0].stdout.readline()
+        if not line and procs[0].poll() is not None:
+            raise AssertionError((tmp_path / "server0.err").read_text())
+    return procs, int(line.rsplit(":", 1)[1])
+
+
+def _post(port, body, timeout=60):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    status, data = r.status, r.read().decode()
+    conn.close()
+    if body.get("stream"):
+        events = [json.loads(x[6:]) for x in data.split("\n\n") if x.startswith("data: {")]
+        return status, events
+    return status, json.loads(data)
+
+
+def _reap(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+PROMPT = "def fibonacci(n):"
+
+
+def _single_text(max_tokens):
+    from hebrus_mlx import load, stream_generate
+
+    model, tok = load("demo")
+    return "".join(r.text for r in stream_generate(model, tok, tok.encode(PROMPT), max_tokens=max_tokens))
+
+
+def test_server_under_a_launch_equals_one_process_and_reuses_prefixes_across_ranks(tmp_path):
+    procs, port = _server_ranks(tmp_path, extra=("--pipeline-timeout", "30"))
+    try:
+        want = _single_text(12)
+        status, r = _post(port, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+        assert status == 200 and r["choices"][0]["text"] == want, r
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # The same prompt again, streamed: its prefix is restored on every rank, not recomputed.
+        status, events = _post(port, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True,
+                                      "stream_options": {"include_usage": True}})
+        assert status == 200 and "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # A longer prompt continues from the first reply's snapshot (prompt + 12 tokens), then
+        # differs: exact only if rank 1 restored its layers' share of that same snapshot.
+        longer = PROMPT + want + "\n"
+        from hebrus_mlx import load, stream_generate
+
+        model, tok = load("demo")
+        want2 = "".join(x.text for x in stream_generate(model, tok, tok.encode(longer), max_tokens=8))
+        status, r = _post(port, {"prompt": longer, "max_tokens": 8, "temperature": 0})
+        assert status == 200 and r["choices"][0]["text"] == want2, r
+        # A dead rank: this request and the next end with a 503 naming the pipeline, no hang.
+        procs[1].kill()
+        procs[1].wait(10)
+        for _ in range(2):
+            t0 = time.monotonic()
+            status, r = _post(port, {"prompt": PROMPT, "max_tokens": 4})
+            assert status == 503 and r["error"]["message"].startswith("PipelineError: "), r
+            assert time.monotonic() - t0 < 30
+        assert procs[0].poll() is None  # still serving (errors), never hung
+    finally:
+        _reap(procs)
+    assert "pipeline down" in (tmp_path / "server0.err").read_text()
+
+
+def test_server_with_a_stalled_rank_answers_503_then_exits(tmp_path):
+    import signal
+
+    procs, port = _server_ranks(tmp_path, extra=("--pipeline-timeout", "3"))
+    try:
+        status, _ = _post(port, {"prompt": PROMPT, "max_tokens": 2})
+        assert status == 200
+        os.kill(procs[1].pid, signal.SIGSTOP)  # alive but silent
+        t0 = time.monotonic()
+        status, r = _post(port, {"prompt": PROMPT, "max_tokens": 4})
+        assert status == 503 and "waited more than 3 s" in r["error"]["message"], r
+        assert time.monotonic() - t0 < 20
+        assert procs[0].wait(20) == 3
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+        _reap(procs)
+    err = (tmp_path / "server0.err").read_text()
+    assert "pipeline stalled" in err and "PipelineError: pipeline: rank 0 waited more than 3 s" in err

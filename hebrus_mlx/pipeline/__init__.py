@@ -52,11 +52,12 @@ class Pipeline:
     counts: list
     group: object
     model: object  # PipelineModel on rank 0, the pruned Model elsewhere
+    timeout: Optional[float] = None
 
     def serve(self) -> dict:
-        from .stage import serve
+        from .stage import DEFAULT_TIMEOUT_S, serve
 
-        return serve(self.model, self.stage, self.group)
+        return serve(self.model, self.stage, self.group, DEFAULT_TIMEOUT_S if self.timeout is None else self.timeout)
 
 
 def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Optional[float] = None,
@@ -93,10 +94,13 @@ def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Option
                                 prefetch=prefetch)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if rank == 0:
-        terminate_as_error()
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # the server loads on its worker thread
+            terminate_as_error()
         model = PipelineModel(model, stage, group, timeout=timeout)
         model.all_stages = stages(counts)
-    return Pipeline(rank, size, stage, counts, group, model)
+    return Pipeline(rank, size, stage, counts, group, model, timeout)
 
 
 def gather_stats(group, forwards: int, comm_seconds: float, comm_bytes: int) -> list:

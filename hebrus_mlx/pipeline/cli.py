@@ -18,7 +18,7 @@ def load_or_serve(path, args):
 
     if args.dtype != "auto":
         raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
-    pipe = load_pipeline(path, split=args.pipeline_split, expert_cache_gb=args.expert_cache_gb,
+    pipe = load_pipeline(path, split=args.pipeline_split, timeout=args.pipeline_timeout, expert_cache_gb=args.expert_cache_gb,
                          ple_cache_gb=args.ple_cache_gb, prefetch=prefetch_from_args(args))
     if pipe.rank != 0:
         try:

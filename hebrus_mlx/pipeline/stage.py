@@ -5,8 +5,10 @@ Rank 0 drives. Per forward it sends a fixed-size header, then one payload — th
 hyper-connection state after its layers plus the token ids (PLE layers need them) — to rank 1,
 which runs its layers and passes both on; the last rank applies the final mixer and lm_head and
 sends the logits back to rank 0, which samples. Every rank keeps the caches of its own layers;
-snapshots (AFN-010 rollback, prefix reuse) are named by rank 0 and taken by the other ranks when
-the next forward's header reaches them, so a snapshot costs no message of its own.
+snapshots (AFN-010 rollback) are named by rank 0 and taken by the other ranks when the next
+forward's header reaches them, so a snapshot costs no message of its own. Detached snapshots
+(prefix reuse across requests: another sequence continues from them) are taken at once by a
+DETACH header, kept by every rank until rank 0 drops its handle, and restored into any sequence.
 
 Messages on one link are plain byte streams, so each send is evaluated before the next one is
 built: a header always precedes its payload.
@@ -29,7 +31,7 @@ from ..errors import HebrusError
 from ..models.cache import AttentionCache, LinearCache, SequenceCache
 from .split import Stage
 
-FORWARD, RESTORE, FREE, STOP = 1, 2, 3, 4
+FORWARD, RESTORE, FREE, STOP, DETACH = 1, 2, 3, 4, 5
 HEADER = 8  # [cmd, batch, length, position (-1: none), all_logits, cache id, snapshot id (-1), oldest live snapshot]
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -47,6 +49,7 @@ class _Watchdog:
 
     def __init__(self, rank: int, timeout: float):
         self.rank, self.timeout = rank, timeout
+        self.on_stall = None  # called with the message before the exit (the server answers the request)
         self._deadline = None
         self._what = ""
         self._cv = threading.Condition()
@@ -62,8 +65,13 @@ class _Watchdog:
                 if left > 0:
                     self._cv.wait(left)
                     continue
-                sys.stderr.write(f"hebrus-mlx: error: PipelineError: pipeline: rank {self.rank} waited more than "
-                                 f"{self.timeout:g} s for {self._what}; a rank stalled\n")
+                message = f"rank {self.rank} waited more than {self.timeout:g} s for {self._what}; a rank stalled"
+                if self.on_stall is not None:
+                    try:
+                        self.on_stall(message)
+                    except Exception:
+                        pass
+                sys.stderr.write(f"hebrus-mlx: error: PipelineError: pipeline: {message}\n")
                 sys.stderr.flush()
                 os._exit(3)
 
@@ -146,6 +154,23 @@ class PipelineCache(SequenceCache):
         super().restore(snap.local)
         self.pipe._restore(self.cache_id, snap)
 
+    def detach(self):
+        return _Detached(self.pipe, self.cache_id, super().detach())
+
+
+class _Detached(list):
+    """A detached snapshot (see `SequenceCache.detach`) of every rank's share: rank 0's is the
+    list's one item (so the prompt cache counts its arrays); the others keep theirs under `id`
+    until this handle is dropped."""
+
+    def __init__(self, pipe, cache_id, local):
+        super().__init__([local])
+        self.local, self.id = local, pipe._next_snapshot
+        pipe._next_snapshot += 1
+        pipe._flush_frees()
+        pipe._send_header([DETACH, 0, 0, -1, 0, cache_id, self.id, -1])
+        weakref.finalize(self, pipe._pending_free_snaps.append, self.id)
+
 
 class _Snapshot:
     """A named point in a sequence's history. The other ranks take their half when the next
@@ -176,6 +201,7 @@ class PipelineModel:
         self._live = {}
         self._unsent = {}
         self._pending_free = []
+        self._pending_free_snaps = []
         self.comm_seconds = 0.0
         self.comm_bytes = 0
         self.forwards = 0
@@ -183,6 +209,14 @@ class PipelineModel:
     @property
     def layers(self):
         return self.model.layers
+
+    @property
+    def on_stall(self):
+        return self._watchdog.on_stall
+
+    @on_stall.setter
+    def on_stall(self, fn):
+        self._watchdog.on_stall = fn
 
     def make_cache(self) -> PipelineCache:
         self._next_cache += 1
@@ -196,8 +230,14 @@ class PipelineModel:
     def _flush_frees(self):
         while self._pending_free:
             self._send_header([FREE, 0, 0, -1, 0, self._pending_free.pop(), -1, -1])
+        while self._pending_free_snaps:
+            self._send_header([FREE, 0, 0, -1, 0, -1, self._pending_free_snaps.pop(), -1])
 
     def _restore(self, cache_id, snap):
+        if isinstance(snap, _Detached):
+            self._flush_frees()
+            self._send_header([RESTORE, 0, 0, -1, 0, cache_id, snap.id, -1])
+            return
         if self._unsent.get(cache_id) is snap and not snap.sent:
             return  # never forwarded: the other ranks' state still equals it
         self._flush_frees()
@@ -261,7 +301,7 @@ def serve(model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S) -> dic
         raise PipelineError("serve() runs on ranks > 0")
     prev, nxt = stage.rank - 1, (stage.rank + 1) % stage.size
     watchdog = _Watchdog(stage.rank, timeout)
-    caches, snaps = {}, {}
+    caches, snaps, detached = {}, {}, {}
     stats = {"forwards": 0, "comm_seconds": 0.0, "comm_bytes": 0}
     while True:
         header = mx.distributed.recv((HEADER,), mx.int32, prev, group=group)
@@ -275,9 +315,22 @@ def serve(model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S) -> dic
         if cmd == STOP:
             return stats
         if cmd == FREE:
+            if cache_id < 0:
+                detached.pop(snap_id, None)
+                continue
             caches.pop(cache_id, None)
             for k in [k for k, (cid, _) in snaps.items() if cid == cache_id]:
                 del snaps[k]
+            continue
+        if cmd == DETACH:
+            cache = caches.get(cache_id)
+            detached[snap_id] = (cache if cache is not None else _local_cache(model, stage)).detach()
+            continue
+        if cmd == RESTORE and snap_id in detached:
+            cache = caches.get(cache_id)
+            if cache is None:
+                cache = caches[cache_id] = _local_cache(model, stage)
+            cache.restore(detached[snap_id])
             continue
         if cmd == RESTORE:
             if snap_id not in snaps:
