@@ -354,3 +354,30 @@ def test_server_with_a_stalled_rank_answers_503_then_exits(tmp_path):
         _reap(procs)
     err = (tmp_path / "server0.err").read_text()
     assert "pipeline stalled" in err and "PipelineError: pipeline: rank 0 waited more than 3 s" in err
+
+
+def test_bench_under_a_launch_runs_the_harness_on_rank_0(tmp_path):
+    from hebrus_mlx import load, stream_generate
+    from hebrus_mlx.bench.harness import _NoStop, prompt_ids
+
+    hostfile = local_hostfile(tmp_path / "bench-hosts.json", 2)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hebrus_mlx.cli", "bench", "--model", "demo", "-p", "24", "-n", "10", "-r", "1",
+             "--warmup", "0", "--no-probe", "--no-plot", "--quiet", "--ab", "draft-model=none,ngram",
+             "--out", str(tmp_path / "out")], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    model, tok = load("demo")
+    want = [int(r.token) for r in stream_generate(model, _NoStop(tok), prompt_ids(tok, 24, 0), max_tokens=10)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[1][0] == ""  # only rank 0 prints
+    assert "Rank 0: layers 0-3" in outs[0][0] and "Rank 1: layers 4-7" in outs[0][0]
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    # Plain and prompt-lookup decoding through the pipeline: the single process's greedy tokens.
+    assert {r["config"] for r in result["runs"]} == {"draft-model=none", "draft-model=ngram"}
+    assert all(r["tokens"] == want for r in result["runs"]), (want, result["runs"])
+    assert [row["rank"] for row in result["pipeline"]] == [0, 1] and result["pipeline"][1]["forwards"] > 0
