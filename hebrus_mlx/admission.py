@@ -33,6 +33,7 @@ STAGES = (
     "tensors", "experts", "ple", "mtp", "policy", "ownership",
 )
 
+_TENSOR_FIELDS = {"dtype", "shape", "data_offsets", "codec", "sha256"}  # sha256: optional, all or none
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _REQUIRED_KEYS = {
     "schema": str, "schema_version": int, "family": str, "profile": str, "support": str,
@@ -235,6 +236,14 @@ class _Admission:
                 raise AdmissionError(f"manifest.tensors.{name}", "not in the expected tensor set")
             if type(rec) is not dict:
                 raise AdmissionError(f"manifest.tensors.{name}", "must be an object")
+            unknown = sorted(set(rec) - _TENSOR_FIELDS)
+            if unknown:
+                raise AdmissionError(f"manifest.tensors.{name}.{unknown[0]}", "unknown inventory field")
+            digest = rec.get("sha256")
+            if ("sha256" in rec) != ("sha256" in inv[min(inv)]):
+                raise AdmissionError(f"manifest.tensors.{name}.sha256", "per-tensor digests are all or none")
+            if "sha256" in rec and not _is_sha256(digest):
+                raise AdmissionError(f"manifest.tensors.{name}.sha256", "must be a lowercase hex SHA-256")
             offs = rec.get("data_offsets")
             if type(offs) is not list or len(offs) != 2:
                 raise AdmissionError(f"manifest.tensors.{name}.data_offsets", f"{offs!r} is not a [begin, end] pair")
@@ -253,6 +262,7 @@ class _Admission:
                 raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {offs}")
             if offs != e["data_offsets"]:
                 raise AdmissionError(f"tensors.{name}.length", f"{e['data_offsets']} != manifest {offs}")
+        self.dense_digests = bool(inv) and "sha256" in inv[min(inv)]
         base = 8 + n
         self.owners[self.dense_path] = [(0, base, "safetensors.header")] + [
             (base + e["data_offsets"][0], base + e["data_offsets"][1], f"tensor:{name}") for name, e in header.items()
@@ -420,6 +430,7 @@ class _Admission:
             sources=dict(self.sources),
             args=self.args,
             report=self.report(),
+            dense_digests={k: r["sha256"] for k, r in m["tensors"].items()} if self.dense_digests else None,
         )
 
     def report(self):
@@ -447,6 +458,10 @@ def _json(data, field):
         return json.loads(data)
     except (UnicodeDecodeError, ValueError) as e:
         raise AdmissionError(field, f"not JSON: {e}") from None
+
+
+def _is_sha256(x):
+    return type(x) is str and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 def _classify(name, args):

@@ -381,3 +381,150 @@ def test_bench_under_a_launch_runs_the_harness_on_rank_0(tmp_path):
     assert {r["config"] for r in result["runs"]} == {"draft-model=none", "draft-model=ngram"}
     assert all(r["tokens"] == want for r in result["runs"]), (want, result["runs"])
     assert [row["rank"] for row in result["pipeline"]] == [0, 1] and result["pipeline"][1]["forwards"] > 0
+
+
+# -- a rank reads (and verifies) only its own dense tensors ------------------------------------------
+
+def _copy_demo(tmp_path):
+    import shutil
+
+    dst = tmp_path / "demo"
+    shutil.copytree(DEMO_DIR, dst)
+    return dst
+
+
+def _tensor_range(path, name):
+    raw = (path / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def _flip(path, name):
+    begin, end = _tensor_range(path, name)
+    f = path / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[(begin + end) // 2] ^= 0x01
+    f.write_bytes(bytes(raw))
+
+
+def test_stage_reads_only_its_own_dense_ranges(monkeypatch):
+    import hashlib
+
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.loading import artifact as LA
+
+    m = admit(str(DEMO_DIR))
+    raw = (DEMO_DIR / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    # The shipped digests are the SHA-256 of each tensor's bytes (computed here independently).
+    for name, e in header.items():
+        b, c = e["data_offsets"]
+        assert m.dense_digests[name] == hashlib.sha256(raw[8 + header_len + b : 8 + header_len + c]).hexdigest()
+
+    dense = os.path.realpath(DEMO_DIR / "model.safetensors")
+    reads, real_pread = [], os.pread
+
+    def counting(fd, n, offset):
+        data = real_pread(fd, n, offset)
+        if os.path.realpath(f"/proc/self/fd/{fd}") == dense:
+            reads.append((offset, offset + len(data)))
+        return data
+
+    def whole(*a):
+        raise AssertionError("a stage read the whole dense file")
+
+    monkeypatch.setattr(os, "pread", counting)
+    monkeypatch.setattr(LA, "_load_hashed", whole)
+    base = 8 + header_len
+    for st in stages([3, 5]):
+        reads.clear()
+        model = LA.load_artifact_model(m, stage=st)
+        owned = sorted((base + e["data_offsets"][0], base + e["data_offsets"][1])
+                       for k, e in header.items() if st.owns(k))
+        assert sorted(reads) == sorted([(0, 8)] + owned)  # the length prefix, then its tensors, once each
+        assert sum(b - a for a, b in reads) < len(raw) - base  # the other rank's tensors stayed unread
+        assert model.model.layers[st.start] is not None
+
+
+def test_a_flipped_byte_fails_only_the_rank_that_owns_it(tmp_path, capsys):
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact.errors import DigestError
+    from hebrus_mlx.loading.artifact import load_artifact_model
+
+    first, last = stages([3, 5])
+    path = _copy_demo(tmp_path)
+    _flip(path, "lm_head.weight")  # the last rank's
+    m = admit(str(path))
+    clean = dict(tree_flatten_params(load_artifact_model(admit(str(DEMO_DIR)), stage=first)))
+    got = dict(tree_flatten_params(load_artifact_model(m, stage=first)))
+    assert got.keys() == clean.keys() and all(np.array_equal(np.array(got[k]), np.array(clean[k])) for k in got)
+    with pytest.raises(DigestError) as e:
+        load_artifact_model(m, stage=last)
+    assert str(e.value).splitlines() == ["tensors.lm_head.weight.sha256: digest mismatch in model.safetensors"]
+
+    _flip(path, "lm_head.weight")  # back
+    _flip(path, "model.layers.1.mlp.gate.weight")  # the first rank's
+    m = admit(str(path))
+    with pytest.raises(DigestError, match=r"^tensors\.model\.layers\.1\.mlp\.gate\.weight\.sha256: digest mismatch"):
+        load_artifact_model(m, stage=first)
+    load_artifact_model(m, stage=last)
+    # A single process checks the whole-file digest, as before.
+    with pytest.raises(DigestError, match="dense store digest mismatch"):
+        load_artifact_model(m)
+
+
+def tree_flatten_params(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+def test_older_artifact_without_digests_reads_the_whole_file_and_says_so(tmp_path, capsys):
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.loading.artifact import load_artifact_model
+
+    path = _copy_demo(tmp_path)
+    man = json.loads((path / "manifest.json").read_text())
+    for rec in man["tensors"].values():
+        del rec["sha256"]
+    (path / "manifest.json").write_text(json.dumps(man))
+    m = admit(str(path))
+    assert m.dense_digests is None
+    load_artifact_model(m, stage=stages([3, 5])[1])
+    assert "rank 1: model.safetensors has no per-tensor digests (an older artifact): this stage reads and " \
+           "verifies the whole file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit,field,message", [
+    (lambda t: t["lm_head.weight"].update(sha256="ab" * 31), "manifest.tensors.lm_head.weight.sha256", "hex SHA-256"),
+    (lambda t: t["lm_head.weight"].update(sha256="AB" * 32), "manifest.tensors.lm_head.weight.sha256", "hex SHA-256"),
+    (lambda t: t["lm_head.weight"].pop("sha256"), "manifest.tensors.lm_head.weight.sha256", "all or none"),
+    (lambda t: t["lm_head.weight"].update(crc=1), "manifest.tensors.lm_head.weight.crc", "unknown inventory field"),
+])
+def test_admission_checks_per_tensor_digests_strictly(tmp_path, edit, field, message):
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact.errors import AdmissionError
+
+    path = _copy_demo(tmp_path)
+    man = json.loads((path / "manifest.json").read_text())
+    edit(man["tensors"])
+    (path / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(AdmissionError) as e:
+        admit(str(path))
+    assert e.value.field == field and message in str(e.value)
+
+
+def test_converter_writes_per_tensor_digests(tiny_artifact_dir):
+    import hashlib
+
+    from hebrus_mlx.admission import admit
+
+    m = admit(str(tiny_artifact_dir))
+    raw = (Path(tiny_artifact_dir) / "model.safetensors").read_bytes()
+    base = 8 + int.from_bytes(raw[:8], "little")
+    assert m.dense_digests is not None and set(m.dense_digests) == set(m.tensors)
+    for name, rec in m.tensors.items():
+        b, e = rec["data_offsets"]
+        assert m.dense_digests[name] == hashlib.sha256(raw[base + b : base + e]).hexdigest()

@@ -17,6 +17,8 @@ asks for it, :func:`plan_ple_residency`), served from the page stores by
 """
 
 import hashlib
+import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,7 +29,7 @@ from mlx.utils import tree_flatten
 from .. import admission
 from ..artifact import constants as C
 from ..artifact import expert_major as em
-from ..artifact.errors import AdmissionError, DigestError, GeometryError
+from ..artifact.errors import AdmissionError, DigestError, GeometryError, TruncatedError
 from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
@@ -100,11 +102,50 @@ def _load_hashed(m: Manifest, s, what: str):
         return mx.load(f, format="safetensors")
 
 
-def _dense(m: Manifest):
+def _dense(m: Manifest, stage=None):
+    """The dense tensors (a pipeline stage's only). A stage of an artifact with per-tensor
+    digests reads and verifies just its own tensors' byte ranges (it never reads another rank's
+    bytes); without them (older artifacts) it reads and verifies the whole file, and says so."""
+    if stage is not None and m.dense_digests is not None:
+        return _dense_ranges(m, [k for k in sorted(m.tensors) if stage.owns(k)])
+    if stage is not None:
+        print(f"hebrus-mlx: note: rank {stage.rank}: {m.dense.path} has no per-tensor digests (an older "
+              f"artifact): this stage reads and verifies the whole file", file=sys.stderr)
     weights = _load_hashed(m, m.dense, "dense")
     if set(weights) != set(m.tensors):
         raise AdmissionError("tensors", "dense file changed after admission")
+    if stage is not None:
+        weights = {k: v for k, v in weights.items() if stage.owns(k)}
     return weights
+
+
+_NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F32": np.float32}
+
+
+def _dense_ranges(m: Manifest, names):
+    """`names` from the dense store: each tensor's bytes read once (exact-length preads at its
+    admitted offsets) and checked against its manifest digest before it becomes an array."""
+    fd = os.open(m.file(m.dense), os.O_RDONLY)
+    try:
+        base = 8 + int.from_bytes(_pread(fd, 8, 0, "tensors.header"), "little")
+        out = {}
+        for name in names:
+            rec = m.tensors[name]
+            begin, end = rec["data_offsets"]
+            data = _pread(fd, end - begin, base + begin, f"tensors.{name}")
+            if hashlib.sha256(data).hexdigest() != m.dense_digests[name]:
+                raise DigestError(f"tensors.{name}.sha256", f"digest mismatch in {m.dense.path}")
+            out[name] = _to_mx(np.frombuffer(data, _NP_DTYPES[rec["dtype"]]).reshape(rec["shape"]))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _pread(fd, n, offset, field):
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise TruncatedError(field, f"read {len(data)} of {n} bytes at offset {offset}: file changed after admission")
+    return data
 
 
 def _experts(m: Manifest, layers=None):
@@ -291,8 +332,8 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     left out of the strict weight load.
 
     stage: a pipeline stage (:class:`hebrus_mlx.pipeline.split.Stage`): only its layers (and the
-    embedding on the first rank, mixer + lm_head on the last) are built and read — no expert
-    record or PLE page of another rank is touched; the other modules are pruned before any weight
+    embedding on the first rank, mixer + lm_head on the last) are built and read — no dense
+    tensor (given per-tensor digests), expert record or PLE page of another rank is touched; the other modules are pruned before any weight
     is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
     does not fit (or a cache size is given), exactly as a whole model does. Stages leave out the
     MTP head.
@@ -338,10 +379,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
             experts, switches = _attach_streamed(m, model, rows, dtype, engine, layers)
         if ple_cache is not None:
             _attach_ple(m, model, engine, dtype, layers)
-        weights = _dense(m)
-        if stage is not None:
-            # The dense store has one file digest, so every rank reads it whole; it keeps its own.
-            weights = {k: v for k, v in weights.items() if stage.owns(k)}
+        weights = _dense(m, stage)
         if experts is None:
             weights.update(_experts(m, layers))
         if ple_cache is None:
