@@ -73,11 +73,13 @@ def _pipeline(model: str, configs: List[dict], split, timeout):
     from ..pipeline import load_pipeline
     from ..pipeline.cli import serve_or_return
 
-    loads = set()
+    loads, mtp = set(), False
     for c in configs:
         c = dict(c)
         name = c.pop("model", model)
-        loads.add((name, json.dumps(H.split_config(c).load, sort_keys=True)))
+        sp = H.split_config(c)
+        loads.add((name, json.dumps(sp.load, sort_keys=True)))
+        mtp = mtp or sp.generate.get("draft_model") == "mtp"
     if len(loads) > 1:
         raise UsageError("--ab", "under mlx.launch every configuration shares one pipeline: compare options "
                          "of generation (e.g. draft-model), not of loading or the model")
@@ -87,7 +89,7 @@ def _pipeline(model: str, configs: List[dict], split, timeout):
         if key not in ("expert_cache_gb", "ple_cache_gb", "prefetch"):
             raise UsageError("--ab", f"{key.replace('_', '-')} is not supported under mlx.launch")
     path = resolve_model(name)
-    pipe, mdl, tok = serve_or_return(load_pipeline(path, split=split, timeout=timeout, **load), path)
+    pipe, mdl, tok = serve_or_return(load_pipeline(path, split=split, timeout=timeout, mtp=mtp, **load), path)
     return pipe, (None if pipe is None else (mdl, tok))
 
 

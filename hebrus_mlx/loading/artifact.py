@@ -197,7 +197,8 @@ def _dense_bytes(m: Manifest, stage=None):
     head is not loaded by stages)."""
     if stage is None:
         return _store_bytes(m, ("dense", "mtp"))
-    return sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in m.tensors.items() if stage.owns(k))
+    own = sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in m.tensors.items() if stage.owns(k))
+    return own + (_store_bytes(m, ("mtp",)) if stage.heads else 0)
 
 
 def plan_ple_residency(m: Manifest, dtype=mx.float32, ple_cache_gb=None, stage=None):
@@ -305,7 +306,7 @@ def prune(model, stage):
             layers[i] = _Absent()
     if not stage.first:
         model.model.embed_tokens = _Absent()
-    if not stage.last:
+    if not (stage.last or stage.heads):
         model.model.hyper_connection_mixer = _Absent()
         model.lm_head = _Absent()
     return model
@@ -336,7 +337,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     tensor (given per-tensor digests), expert record or PLE page of another rank is touched; the other modules are pruned before any weight
     is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
     does not fit (or a cache size is given), exactly as a whole model does. Stages leave out the
-    MTP head.
+    MTP head, except rank 0 of a pipeline that drafts with it (`stage.heads`).
 
     prefetch: the streamed experts' read-ahead (``stream.predict``: ``"off"``, ``"previous"``,
     ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: ``stream.predict.DEFAULT``. Naming one
@@ -397,7 +398,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         if prefetch is None and experts is not None:
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
         model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
-    if stage is None:
+    if stage is None or stage.heads:
         attach_mtp_head(model, _mtp_head(m, model.args, dtype))
     return model
 

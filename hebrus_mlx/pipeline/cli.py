@@ -18,7 +18,7 @@ def load_or_serve(path, args):
         raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
     pipe = load_pipeline(path, split=args.pipeline_split, timeout=args.pipeline_timeout,
                          expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,
-                         prefetch=prefetch_from_args(args))
+                         prefetch=prefetch_from_args(args), mtp=getattr(args, "draft_model", None) == "mtp")
     return serve_or_return(pipe, path)
 
 

@@ -4,7 +4,9 @@ backend `mlx.launch` sets up): each rank holds a contiguous range of decoder lay
 Rank 0 drives. Per forward it sends a fixed-size header, then one payload — the 4-stream
 hyper-connection state after its layers plus the token ids (PLE layers need them) — to rank 1,
 which runs its layers and passes both on; the last rank applies the final mixer and lm_head and
-sends the logits back to rank 0, which samples. Every rank keeps the caches of its own layers;
+sends the logits back to rank 0, which samples (the last row's, unless every row is asked for, as
+a speculative verify does). To draft with the MTP head, rank 0 holds a copy of the mixer, lm_head
+and MTP head, and the last rank sends the final pre-mixer state of every row after the logits. Every rank keeps the caches of its own layers;
 snapshots (AFN-010 rollback) are named by rank 0 and taken by the other ranks when the next
 forward's header reaches them, so a snapshot costs no message of its own. Detached snapshots
 (prefix reuse across requests: another sequence continues from them) are taken at once by a
@@ -32,7 +34,8 @@ from ..models.cache import AttentionCache, LinearCache, SequenceCache
 from .split import Stage
 
 FORWARD, RESTORE, FREE, STOP, DETACH = 1, 2, 3, 4, 5
-HEADER = 8  # [cmd, batch, length, position (-1: none), all_logits, cache id, snapshot id (-1), oldest live snapshot]
+HEADER = 8  # [cmd, batch, length, position (-1: none), flags, cache id, snapshot id (-1), oldest live snapshot]
+ALL_LOGITS, HIDDEN = 1, 2  # flags: every row's logits (else the last row's); the pre-mixer state too
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -187,12 +190,16 @@ class _Snapshot:
 
 
 class PipelineModel:
-    """Rank 0's model: same call as `Model.__call__`, the other ranks' layers run remotely."""
+    """Rank 0's model: same call as `Model.__call__`, the other ranks' layers run remotely. Only
+    the last row's logits cross back unless `all_logits` (a prefill chunk needs one row)."""
+
+    last_row_logits = True
 
     def __init__(self, model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S):
         if not stage.first:
             raise PipelineError("PipelineModel runs on rank 0; the other ranks run serve()")
-        self.model, self.stage, self.group = model, stage, group
+        # `local`: this rank's pruned Model; `model` mirrors Model.model (the drafters use it).
+        self.local, self.stage, self.group = model, stage, group
         self.args = model.args
         self.streaming = model.streaming  # rank 0's own stage (generate caps chunks by it)
         self._watchdog = _Watchdog(0, timeout)
@@ -204,11 +211,24 @@ class PipelineModel:
         self._pending_free_snaps = []
         self.comm_seconds = 0.0
         self.comm_bytes = 0
+        self.hidden_bytes = 0  # of comm_bytes: the final states sent back for MTP drafting
         self.forwards = 0
 
     @property
+    def model(self):
+        return self.local.model
+
+    @property
     def layers(self):
-        return self.model.layers
+        return self.local.layers
+
+    @property
+    def lm_head(self):
+        return self.local.lm_head  # rank 0's copy when it drafts with MTP, else a placeholder
+
+    @property
+    def mtp_head(self):
+        return self.local.mtp_head
 
     @property
     def on_stall(self):
@@ -220,7 +240,7 @@ class PipelineModel:
 
     def make_cache(self) -> PipelineCache:
         self._next_cache += 1
-        return PipelineCache(self, [_layer_cache(self.model.model.layers[i]) for i in self.stage.layers],
+        return PipelineCache(self, [_layer_cache(self.local.model.layers[i]) for i in self.stage.layers],
                              self._next_cache)
 
     def _send_header(self, header):
@@ -247,9 +267,9 @@ class PipelineModel:
                  position: Optional[int] = None, all_logits: bool = False, return_hidden: bool = False):
         if capture is not None:
             raise PipelineError("capture", "route capture across pipeline ranks is not supported")
-        if return_hidden:
-            raise PipelineError("return_hidden", "the final pre-mixer state stays on the last rank "
-                                "(drafters that need it, e.g. mtp, are not supported across ranks)")
+        if return_hidden and not self.stage.heads:
+            raise PipelineError("return_hidden", "this pipeline was not loaded to draft with the MTP head "
+                                "(load_pipeline(..., mtp=True); the CLI does so for --draft-model mtp)")
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [batch, length], got shape {inputs.shape}")
         if cache is None:
@@ -263,12 +283,13 @@ class PipelineModel:
             snap.sent, snap_id = True, snap.id
         oldest = min(self._live) if self._live else -1
         tic = time.perf_counter()
-        self._send_header([FORWARD, batch, length, -1 if position is None else position, int(all_logits),
+        flags = (ALL_LOGITS if all_logits else 0) | (HIDDEN if return_hidden else 0)
+        self._send_header([FORWARD, batch, length, -1 if position is None else position, flags,
                            cache.cache_id, snap_id, oldest])
         ids = inputs.astype(mx.int32)
-        h = self.model.model.embed_tokens(ids)
+        h = self.local.model.embed_tokens(ids)
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
-        payload = _payload(_run_layers(self.model, self.stage, streams, ids, cache), ids)
+        payload = _payload(_run_layers(self.local, self.stage, streams, ids, cache), ids)
         mx.eval(payload)  # this rank's compute, kept out of the communication time
         tic_comm = time.perf_counter()
         self._watchdog.eval("rank 1 to take the hidden state", mx.distributed.send(payload, 1, group=self.group))
@@ -277,11 +298,17 @@ class PipelineModel:
         logits = mx.distributed.recv((batch, out_len, self.args.vocab_size), mx.float32,
                                      self.stage.size - 1, group=self.group)
         self._watchdog.eval(f"rank {self.stage.size - 1} to return the logits", logits)
+        hidden = None
+        if return_hidden:
+            hidden = mx.distributed.recv((batch, length, payload.shape[-1] - 1), mx.float32,
+                                         self.stage.size - 1, group=self.group)
+            self._watchdog.eval(f"rank {self.stage.size - 1} to return the final state", hidden)
+            self.hidden_bytes += hidden.nbytes
         self.comm_seconds += time.perf_counter() - tic_comm
-        self.comm_bytes += payload.nbytes + logits.nbytes + 4 * HEADER
+        self.comm_bytes += payload.nbytes + logits.nbytes + 4 * HEADER + (0 if hidden is None else hidden.nbytes)
         self.forwards += 1
         del tic
-        return logits
+        return logits if hidden is None else (logits, hidden)
 
     def stop(self):
         """Release the other ranks' serve() loops (idempotent)."""
@@ -309,7 +336,7 @@ def serve(model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S) -> dic
             mx.eval(header)  # idle between requests: no deadline here; a dead rank 0 closes the link
         except RuntimeError as e:
             raise PipelineError(f"rank {stage.rank} lost its link to rank {prev}: {e}") from None
-        cmd, batch, length, position, all_logits, cache_id, snap_id, oldest = header.tolist()
+        cmd, batch, length, position, flags, cache_id, snap_id, oldest = header.tolist()
         if not stage.last:
             watchdog.eval(f"rank {nxt} to take a header", mx.distributed.send(header, nxt, group=group))
         if cmd == STOP:
@@ -361,12 +388,16 @@ def serve(model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S) -> dic
             # The same ops over the same rows as one process (then sliced), so logits match bit for bit.
             mixed, _ = model.model.hyper_connection_mixer.mix(streams)
             out = model.lm_head(mixed).astype(mx.float32)
-            out = out if all_logits else out[:, -1:]
+            out = out if flags & ALL_LOGITS else out[:, -1:]
         else:
             out = _payload(streams, ids)
         mx.eval(out)
         tic = time.perf_counter()
         watchdog.eval(f"rank {nxt} to take the output", mx.distributed.send(out, nxt, group=group))
+        if stage.last and flags & HIDDEN:
+            final = streams.astype(mx.float32)
+            watchdog.eval(f"rank {nxt} to take the final state", mx.distributed.send(final, nxt, group=group))
+            stats["comm_bytes"] += final.nbytes
         stats["comm_seconds"] += time.perf_counter() - tic
         stats["comm_bytes"] += payload.nbytes + out.nbytes + 8 * HEADER
         stats["forwards"] += 1

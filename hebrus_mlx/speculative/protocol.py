@@ -194,8 +194,10 @@ def speculative_generate_step(
     need_h = bool(drafter.needs_hidden)
     tickets = _ExpertTickets(model)
 
-    def forward(ids: List[int]):
-        out = model(mx.array(ids, dtype=mx.int32)[None], cache=cache, return_hidden=need_h)
+    def forward(ids: List[int], rows: bool = False):
+        # rows: every row's logits (a verify); a pipeline sends only the last row's unless asked.
+        kw = {"all_logits": True} if rows and getattr(model, "last_row_logits", False) else {}
+        out = model(mx.array(ids, dtype=mx.int32)[None], cache=cache, return_hidden=need_h, **kw)
         return out if need_h else (out, None)
 
     def rows_logprobs(logits: mx.array, history: List[int]) -> mx.array:
@@ -250,7 +252,7 @@ def speculative_generate_step(
             block = [y] + drafts
             snap = cache.snapshot()
             position = cache.next_position
-            logits, h = guarded(snap, lambda: forward(block))
+            logits, h = guarded(snap, lambda: forward(block, rows=True))
             lp = guarded(snap, lambda: rows_logprobs(logits[0], history + drafts))
             guarded(snap, lambda: mx.eval([lp] + ([h] if h is not None else []) + cache.arrays))
             a, bonus, target = accept_block(lp, proposal, sampler)
