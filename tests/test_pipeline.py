@@ -322,6 +322,7 @@ def test_server_under_a_launch_equals_one_process_and_reuses_prefixes_across_ran
         want2 = "".join(x.text for x in stream_generate(model, tok, tok.encode(longer), max_tokens=8))
         status, r = _post(port, {"prompt": longer, "max_tokens": 8, "temperature": 0})
         assert status == 200 and r["choices"][0]["text"] == want2, r
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(tok.encode(PROMPT)) + 12
         # A dead rank: this request and the next end with a 503 naming the pipeline, no hang.
         procs[1].kill()
         procs[1].wait(10)
