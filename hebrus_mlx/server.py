@@ -483,6 +483,11 @@ class App:
         if streaming is not None:
             mem = streaming.engine.memory()
             out["stream"] = {"tickets": mem.get("tickets"), "pinned_slots": mem.get("pinned_slots")}
+        stages = getattr(w.model, "all_stages", None)
+        if stages is not None:  # under mlx.launch: who holds which layers, and whether the pipeline is up
+            out["pipeline"] = {"ranks": [[st.start, st.stop - 1] for st in stages], "down": w.broken is not None}
+            if w.broken is not None:
+                out["status"] = "pipeline down"
         return self._json(out)
 
     async def models(self, request):

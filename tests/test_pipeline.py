@@ -284,6 +284,16 @@ def _post(port, body, timeout=60):
     return status, json.loads(data)
 
 
+def _get(port, path):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path)
+    data = json.loads(conn.getresponse().read())
+    conn.close()
+    return data
+
+
 def _reap(procs):
     for p in procs:
         if p.poll() is None:
@@ -332,6 +342,8 @@ def test_server_under_a_launch_equals_one_process_and_reuses_prefixes_across_ran
             assert status == 503 and r["error"]["message"].startswith("PipelineError: "), r
             assert time.monotonic() - t0 < 30
         assert procs[0].poll() is None  # still serving (errors), never hung
+        health = _get(port, "/health")
+        assert health["pipeline"] == {"ranks": [[0, 3], [4, 7]], "down": True}
     finally:
         _reap(procs)
     assert "pipeline down" in (tmp_path / "server0.err").read_text()

@@ -334,8 +334,8 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
 
     stage: a pipeline stage (:class:`hebrus_mlx.pipeline.split.Stage`): only its layers (and the
     embedding on the first rank, mixer + lm_head on the last) are built and read — no dense
-    tensor (given per-tensor digests), expert record or PLE page of another rank is touched; the other modules are pruned before any weight
-    is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
+    tensor (given per-tensor digests), expert record or PLE page of another rank is touched; the
+    other modules are pruned before any weight is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
     does not fit (or a cache size is given), exactly as a whole model does. Stages leave out the
     MTP head, except rank 0 of a pipeline that drafts with it (`stage.heads`).
 

@@ -6,9 +6,11 @@ hyper-connection state after its layers plus the token ids (PLE layers need them
 which runs its layers and passes both on; the last rank applies the final mixer and lm_head and
 sends the logits back to rank 0, which samples (the last row's, unless every row is asked for, as
 a speculative verify does). To draft with the MTP head, rank 0 holds a copy of the mixer, lm_head
-and MTP head, and the last rank sends the final pre-mixer state of every row after the logits. Every rank keeps the caches of its own layers;
-snapshots (AFN-010 rollback) are named by rank 0 and taken by the other ranks when the next
-forward's header reaches them, so a snapshot costs no message of its own. Detached snapshots
+and MTP head, and the last rank sends the final pre-mixer state of every row after the logits.
+
+Every rank keeps the caches of its own layers; snapshots (AFN-010 rollback) are named by rank 0
+and taken by the other ranks when the next forward's header reaches them, so a snapshot costs no
+message of its own. Detached snapshots
 (prefix reuse across requests: another sequence continues from them) are taken at once by a
 DETACH header, kept by every rank until rank 0 drops its handle, and restored into any sequence.
 
