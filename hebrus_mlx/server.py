@@ -669,7 +669,7 @@ def _as_request_error(e) -> RequestError:
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
 USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
         "draft_model", "num_draft_tokens",
-        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold"}
+        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror"}
 
 
 def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
@@ -727,7 +727,8 @@ def main(argv=None) -> int:
             import mlx.core as mx
 
             mx.random.seed(args.seed)
-        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch)
+        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch,
+                         expert_mirror=args.expert_mirror)
 
     prefetch = prefetch_from_args(args)  # checked before the model loads
     worker = Worker(load, args.prompt_cache_bytes, defaults)
