@@ -206,3 +206,11 @@ def test_cli_bad_mirror_is_one_line(tmp_path, capsys):
     assert cli.main(["generate", "--model", "demo", "--expert-mirror", str(d), "-m", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "expert-mirror" in err[0] and "resident" in err[0], err
+
+
+def test_bench_takes_expert_mirror_as_a_load_option():
+    """`hebrus-mlx bench --ab expert-mirror=none,DIR` reaches load() (the harness routes by signature)."""
+    from hebrus_mlx.bench.harness import split_config
+
+    assert split_config({"expert-mirror": "/some/dir"}).load == {"expert_mirror": "/some/dir"}
+    assert split_config({"expert-mirror": "none"}).load == {"expert_mirror": None}
