@@ -495,6 +495,39 @@ def admit(path) -> M.Manifest:
     return a.manifest()
 
 
+def admit_mirror(m: M.Manifest, directory) -> str:
+    """`--expert-mirror DIR`: DIR holds a byte-identical copy of the admitted manifest ``m``'s
+    expert store (e.g. on a second disk) under the same file name. Checked like the store itself
+    (header and record table, no payload read) and against it: same size as the manifest records,
+    same header, so the same payload and per-record SHA-256 digests. The engine verifies every
+    record it reads from the mirror against those digests (a bad record is re-read from the
+    store). Returns the mirror file's path; AdmissionError names ``expert-mirror`` otherwise."""
+    field = "expert-mirror"
+    d = os.path.abspath(str(directory))
+    if not os.path.isdir(d):
+        raise AdmissionError(field, f"{d} is not a directory")
+    store = m.experts
+    path = os.path.join(d, store.path)
+    if not os.path.isfile(path):
+        raise AdmissionError(field, f"{path} missing (copy {m.file(store)} there)")
+    if os.path.exists(m.file(store)) and os.path.samefile(path, m.file(store)):
+        raise AdmissionError(field, f"{path} is the expert store itself, not a copy")
+    size = os.path.getsize(path)
+    if size != store.size:
+        raise AdmissionError(f"{field}.size", f"{path} is {size} bytes, the store is {store.size}")
+    try:
+        with ExpertMajorReader(path, m.family, store.codec) as mirror, \
+                ExpertMajorReader(m.file(store), m.family, store.codec) as primary:
+            for k in ("payload_sha256", "table_sha256", "header_sha256"):
+                if mirror.header[k] != primary.header[k]:
+                    raise AdmissionError(f"{field}.{k}", f"{path} differs from {m.file(store)}")
+    except ArtifactError as e:
+        if e.field.startswith(field):
+            raise
+        raise AdmissionError(f"{field}.{e.field}", f"{path}: {e.message}") from None
+    return path
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
     p.add_argument("path", help="artifact directory")

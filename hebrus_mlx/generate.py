@@ -365,6 +365,11 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
             from .stream.engine import io_summary
 
             print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
+            experts = model.streaming.experts
+            if experts is not None and experts.mirror is not None:
+                from .stream.engine import mirror_summary
+
+                print(mirror_summary(model.streaming.engine.file_reads(experts.store)))
     return text
 
 
@@ -404,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ple-cache-gb", type=float, default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
     add_prefetch_argument(p)
+    p.add_argument("--expert-mirror", default=None, metavar="DIR",
+                   help="a directory holding a copy of the expert store (e.g. on a second disk); streamed reads "
+                        "alternate between the two (not verified on two disks here)")
     p.add_argument("--trace-out", default=None, metavar="DIR",
                    help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
     p.add_argument("--trace-features", type=int, default=0, metavar="N",
@@ -450,12 +458,12 @@ def _check_args(args):
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
-          prefetch=None, dtype="auto"):
+          prefetch=None, dtype="auto", expert_mirror=None):
     from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
     from .utils import load
 
     return load(resolve_model(name), dtype=None if dtype == "stored" else dtype, expert_cache_gb=expert_cache_gb,
-                ple_cache_gb=ple_cache_gb, prefetch=prefetch)
+                ple_cache_gb=ple_cache_gb, prefetch=prefetch, expert_mirror=expert_mirror)
 
 
 def _trace_kwargs(args) -> dict:
@@ -491,7 +499,7 @@ def main(argv=None) -> int:
             return 0  # a serving rank: rank 0 prints
     else:
         model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
-                                 args.dtype)
+                                 args.dtype, args.expert_mirror)
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:

@@ -708,7 +708,7 @@ def _as_request_error(e) -> RequestError:
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
 USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
         "draft_model", "num_draft_tokens", "pipeline_split", "pipeline_timeout",
-        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold"}
+        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror"}
 
 
 def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
@@ -783,7 +783,8 @@ def main(argv=None) -> int:
             nonlocal pipe
             pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
             return model, tokenizer
-        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch)
+        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch,
+                         expert_mirror=args.expert_mirror)
 
     worker = Worker(load, args.prompt_cache_bytes, defaults)
     if pipe is not None:

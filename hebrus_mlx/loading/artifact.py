@@ -270,14 +270,14 @@ def _attach_ple(m: Manifest, model, engine, dtype, layers=None):
         raise GeometryError("ple", f"streamed PLE replaced {len(replaced)} tables, the artifact holds {len(want)}")
 
 
-def _attach_streamed(m: Manifest, model, rows, dtype, engine, layers=None):
+def _attach_streamed(m: Manifest, model, rows, dtype, engine, layers=None, mirror=None):
     """Swap every switch_mlp (of ``layers``) for a StreamedSwitchGLU over a
     ``rows``-record arena; the parameters removed must be exactly the
     routed-expert tensors the resident path would load from the store's
     layout."""
     fam = m.family
     layers = range(fam.num_hidden_layers) if layers is None else layers
-    experts = StreamedExperts.from_artifact(m, rows, dtype=dtype, engine=engine)
+    experts = StreamedExperts.from_artifact(m, rows, dtype=dtype, engine=engine, mirror=mirror)
     before = _routed_expert_keys(model)
     switches = attach([model.model.layers[i].mlp for i in layers], experts, layers)
     replaced = before - _routed_expert_keys(model)
@@ -313,7 +313,7 @@ def prune(model, stage):
 
 
 def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
-                        prefetch=None) -> Model:
+                        prefetch=None, expert_mirror=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -342,6 +342,10 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     prefetch: the streamed experts' read-ahead (``stream.predict``: ``"off"``, ``"previous"``,
     ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: ``stream.predict.DEFAULT``. Naming one
     for a model whose experts are resident is a UsageError.
+
+    expert_mirror: a directory holding a byte-identical copy of the expert store (a second disk);
+    streamed reads alternate between the two files (``admission.admit_mirror`` checks it first).
+    Not verified on two disks here. Naming one for resident experts is a UsageError.
     """
     # Admission raises before anything below allocates.
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
@@ -355,6 +359,8 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     prefetch = None if prefetch is None else parse_prefetch(prefetch)  # bad values fail before any buffer
     if prefetch is not None and prefetch.kind != "off" and rows is None:
         raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
+    if expert_mirror is not None and rows is None:
+        raise UsageError("expert-mirror", "only streamed routed experts read a mirror; this model's experts are resident")
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise UsageError("dtype", f"streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -377,7 +383,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8, policy="clock")
     try:
         if rows is not None:
-            experts, switches = _attach_streamed(m, model, rows, dtype, engine, layers)
+            experts, switches = _attach_streamed(m, model, rows, dtype, engine, layers, expert_mirror)
         if ple_cache is not None:
             _attach_ple(m, model, engine, dtype, layers)
         weights = _dense(m, stage)

@@ -16,6 +16,8 @@ def load_or_serve(path, args):
 
     if args.dtype != "auto":
         raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
+    if getattr(args, "expert_mirror", None) is not None:
+        raise UsageError("--expert-mirror", "pipeline stages do not read a mirror yet")
     pipe = load_pipeline(path, split=args.pipeline_split, timeout=args.pipeline_timeout,
                          expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,
                          prefetch=prefetch_from_args(args), mtp=getattr(args, "draft_model", None) == "mtp")
