@@ -39,12 +39,12 @@ def test_io_time_interpolates_bandwidth_by_queue_depth_and_adds_verify():
 
 def test_demand_paging_hand_case():
     """L=2, E=4, k=1. Layer 0 always expert 0, layer 1 alternates 1, 2; an LRU arena of 2 records:
-    stream 0,5,0,6,0,5,0,6 -> misses 0,5,6,5,6 = 5 of 8. Each layer then misses 5/2/4 = 0.625
-    records per token; 1 MB at 1 GB/s = 0.625 ms exposed per layer; compute 2 x 1 ms."""
+    stream 0,5,0,6,0,5,0,6 -> misses 0,5,6,5,6 = 5 of 8: layer 0 misses 1/4 records per token,
+    layer 1 4/4; 1 MB at 1 GB/s = 0.25 + 1.0 ms exposed; compute 2 x 1 ms."""
     topk = np.array([[[0], [1]], [[0], [2]], [[0], [1]], [[0], [2]]])
     rep = S.replay(topk, 4, 2, "lru")
     assert rep.hit_rate == pytest.approx(3 / 8)
-    assert rep.demand_misses.tolist() == pytest.approx([0.625, 0.625])
+    assert rep.demand_misses.tolist() == pytest.approx([0.25, 1.0])
     g = S.ModelGeometry("hand", 2, 4, 1, R)
     p = S.project(machine(), g, rep, cache_gb=0, capacity=2, policy="lru", prefetch="off")
     assert p.exposed_ms == pytest.approx(1.25)
@@ -54,21 +54,136 @@ def test_demand_paging_hand_case():
 
 
 def test_previous_token_prefetch_hand_case():
-    """L=2, k=1, arena of 1 record, each layer always the same expert: demand paging misses all 6;
-    with the previous-token hint, tokens 1 and 2 are read as predictions at layer start (a miss
-    only on token 0). Per layer: demand 1/3, predicted-used 2/3 per token. Exposed per layer:
-    max(io(1/3), io(1) - 0.5 ms window) = 0.5 ms."""
+    """L=2, k=1, 2 arena rows of which 1 is staging, layer 0 always expert 0, layer 1 always
+    expert 1 (record 5). Token 0: both miss; record 5 may not take a second exact row while an
+    exact one can be recycled, so record 0 goes. Token 1: layer 0's hint reads record 0 into the
+    free row (a predicted read), its exact lookup then uses it (promoted: now 2 exact rows);
+    record 5 is a hit (its hint too). Token 2: everything hits. Per token: demand [1/3, 1/3],
+    predicted used and read [1/3, 0]. Exposed: layer 0 max(io(1/3), io(2/3) - 0.5 ms window)
+    = 1/3 ms, layer 1 io(1/3) = 1/3 ms; compute 2 ms."""
     topk = np.array([[[0], [1]]] * 3)
-    off = S.replay(topk, 4, 1, "lru")
-    assert off.hit_rate == 0.0
-    rep = S.replay(topk, 4, 1, "lru", "previous")
+    rep = S.replay_arena(topk, 4, 2, "previous", staging=1)
     assert rep.demand_misses.tolist() == pytest.approx([1 / 3, 1 / 3])
-    assert rep.predicted_used.tolist() == pytest.approx([2 / 3, 2 / 3])
-    assert rep.hit_rate == pytest.approx(2 / 3) and rep.timely_recall == pytest.approx(2 / 3)
+    assert rep.predicted_used.tolist() == pytest.approx([1 / 3, 0])
+    assert rep.predicted_reads.tolist() == pytest.approx([1 / 3, 0])
+    assert rep.hit_rate == pytest.approx(2 / 3) and rep.timely_recall == pytest.approx(1 / 3)
+    assert rep.precision == 1.0 and rep.predicted_wasted == 0.0
+    # hints: token 1 both (one read, one hit), token 2 both hits -> 4 lookups, 3 hits over 3 tokens
+    assert (rep.prefetch_lookups, rep.prefetch_hits) == pytest.approx((4 / 3, 1.0))
     g = S.ModelGeometry("hand", 2, 4, 1, R)
-    p = S.project(machine(), g, rep, cache_gb=0, capacity=1, policy="lru", prefetch="previous")
-    assert p.exposed_ms == pytest.approx(1.0)
-    assert p.token_ms == pytest.approx(3.0)
+    p = S.project(machine(), g, rep, cache_gb=0, capacity=2, policy="lru", prefetch="previous")
+    assert p.exposed_ms == pytest.approx(2 / 3)
+    assert p.token_ms == pytest.approx(2 + 2 / 3)
+
+
+def test_a_prediction_never_displaces_an_exact_record():
+    """One row (no staging): the row always holds an exact record, so every hint is dropped and
+    the replay is demand paging: 6 misses of 6, no predicted reads."""
+    topk = np.array([[[0], [1]]] * 3)
+    rep = S.replay(topk, 4, 1, "clock", "previous")
+    assert rep.demand_misses.tolist() == [1.0, 1.0]
+    assert rep.predicted_reads.sum() == 0 and rep.prefetch_lookups == 0
+
+
+def test_router_reuse_predictions_are_issued_ahead_and_wasted_ones_counted():
+    """router-reuse:1 hints layer l+1's predicted set after layer l's exact reads. L=2, k=1,
+    8 rows (staging min(1, 2) = 1). Layer 1's routes are 1, 2, 3; its predictions 1, 2, 0: token
+    0's is used by layer 1 (timely), token 1's too, token 2's (record 4) is wasted and layer 1
+    misses record 7. Layer 0 (expert 0) misses once. The window is one layer of compute."""
+    topk = np.array([[[0], [1]], [[0], [2]], [[0], [3]]])
+    pred = np.full((3, 2, 1), -1)
+    pred[:, 1, 0] = [1, 2, 0]
+    rep = S.replay(topk, 4, 8, "clock", "router-reuse:1", predicted=pred)
+    assert rep.demand_misses.tolist() == pytest.approx([1 / 3, 1 / 3])
+    assert rep.predicted_used.tolist() == pytest.approx([0, 2 / 3])
+    assert rep.predicted_reads.tolist() == pytest.approx([0, 1.0])
+    assert rep.precision == pytest.approx(2 / 3) and rep.predicted_wasted == pytest.approx(1 / 3)
+    p = S.project(machine(), S.ModelGeometry("hand", 2, 4, 1, R), rep, cache_gb=0, capacity=8, policy="clock",
+                  prefetch="router-reuse:1")
+    # layer 0: io(1/3); layer 1: max(io(1/3), io(4/3) - 1 ms) = 1/3 ms
+    assert p.exposed_ms == pytest.approx(2 / 3)
+    with pytest.raises(UsageError, match="predicted sets"):
+        S.replay(topk, 4, 8, "clock", "router-reuse:1")
+
+
+def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
+    """The same routes driven through the real StreamEngine arena (one layer at a time, hints
+    landed before the next request, as the replay assumes)."""
+    import time
+
+    import mlx.core as mx
+
+    from hebrus_mlx.stream import engine as se
+
+    T, L, k = topk.shape
+    rec = 4096
+    path = tmp_path / "store.bin"
+    path.write_bytes(bytes(L * E * rec))
+    eng = se.StreamEngine(cache_bytes=rec, threads=2, policy=policy, testing=True)
+    # Reads take 1 ms, so the hints of one prefetch op are all still in flight while it issues
+    # them (not evictable), as the replay assumes; without the delay that is a race.
+    eng.set_read_delay_us(1000)
+    st = eng.add_store(str(path))
+    aid, _ = eng.create_arena([rec], rows)
+    table = eng.register_table(st, [i * rec for i in range(L * E)], [rec] * (L * E), arena=aid)
+    if prefetch != "off":
+        eng.set_staging(aid, min(k, rows // 4))
+
+    def idle():  # every predicted read published (then it is evictable, as the replay assumes)
+        for _ in range(5000):
+            c = eng.counters()
+            if c["predicted_bytes"] == c["predicted_reads"] * rec:
+                return
+            time.sleep(0.001)
+        raise AssertionError("predicted reads did not land")
+
+    for t in range(T):
+        for l in range(L):
+            if prefetch == "previous" and t > 0:
+                mx.eval(eng.prefetch(table, mx.array((topk[t - 1, l] + l * E).astype(np.uint32)), priority=1,
+                                     layer=l))
+                idle()
+            rows_, lease = eng.resolve(table, mx.array((topk[t, l] + l * E).astype(np.uint32))[None], layer=l)
+            mx.eval(rows_)  # pinned
+            if pred is not None and l + 1 < L:  # router-reuse:1, while layer l's rows are pinned
+                ids = np.where(pred[t, l + 1] < 0, 2 ** 32 - 1, pred[t, l + 1] + (l + 1) * E)  # -1: skipped
+                mx.eval(eng.prefetch(table, mx.array(ids.astype(np.uint32)), priority=1, layer=l + 1))
+                idle()
+            mx.eval(eng.release_after(rows_, lease))
+    c = eng.counters()
+    eng.close()
+    return c
+
+
+@pytest.mark.parametrize("policy, prefetch", [("clock", "off"), ("clock", "previous"), ("lru", "previous"),
+                                              ("clock", "router-reuse:1")])
+def test_arena_replay_matches_the_engine_record_for_record(policy, prefetch, tmp_path):
+    """The replay's arena against metal_ext's: same routes, same rows, same policy and staging ->
+    the same exact misses, predicted reads and predicted hits (an independent implementation:
+    the C++ engine)."""
+    rng = np.random.default_rng(7)
+    T, L, E, k = 40, 3, 12, 3
+    topk = np.zeros((T, L, k), np.int64)
+    for l in range(L):
+        prev = rng.choice(E, k, replace=False)
+        for t in range(T):
+            keep = [e for e in prev if rng.random() < 0.5]
+            rest = [e for e in rng.permutation(E) if e not in keep][: k - len(keep)]
+            topk[t, l] = prev = np.array(keep + rest)
+    # a noisy predictor: each routed expert kept with probability 0.6, else a random other one
+    pred = np.where(rng.random(topk.shape) < 0.6, topk, rng.integers(0, E, topk.shape))
+    pred = np.array([[list(dict.fromkeys(r)) + [-1] * (k - len(set(r))) for r in tok] for tok in pred])
+    predicted_reads = 0
+    for rows in (5, 12, 20):
+        ahead = prefetch.startswith("router-reuse")
+        c = _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred if ahead else None)
+        rep = S.replay(topk, E, rows, policy, prefetch, predicted=pred if ahead else None)
+        assert round(rep.demand_misses.sum() * T) == c["exact_misses"], (rows, c)
+        assert round(rep.predicted_reads.sum() * T) == c["predicted_reads"], (rows, c)
+        assert round(rep.predicted_hits * T) == c["predicted_hits"] + c["predicted_joins"], (rows, c)
+        assert c["exact_misses"] > 0
+        predicted_reads += c["predicted_reads"]
+    assert (prefetch == "off") == (predicted_reads == 0)
 
 
 def test_warm_prefix_is_replayed_but_not_counted():
