@@ -45,6 +45,8 @@ def build_parser():
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed")
     p.add_argument("--no-probe", action="store_true", help="skip the SSD read probe")
+    p.add_argument("--fresh-probe", action="store_true",
+                   help="probe the SSD now even when the machine profile (hebrus-mlx qualify) has a matching probe")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--against", default=None, help="an earlier bench.json: refuse unless comparable")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -60,7 +62,7 @@ def _load(name, load_kwargs):
 
 def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dict], repeats: int = 4,
               warmup: int = 1, seed: int = 0, probe: bool = True, progress: bool = False,
-              timeline: bool = True) -> dict:
+              timeline: bool = True, reuse_profile: bool = True) -> dict:
     """The whole bench as a dict (what bench.json holds)."""
     from ..utils import resolve_model_path
 
@@ -130,7 +132,7 @@ def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dic
     return {
         "schema": "hebrus-mlx.bench", "version": 1, "model": model,
         "artifact_digest": next(iter(digests.values())),
-        "machine": M.record(resolve_model_path(first_name), probe=probe),
+        "machine": M.record(resolve_model_path(first_name), probe=probe, reuse_profile=reuse_profile),
         "configs": [H.label(c) for c in configs], "prompts": prompts, "gens": gens, "repeats": repeats,
         "warmup": warmup, "seed": seed, "order": [H.label(configs[i]) for i in order],
         "order_note": "A B B A" if len(configs) == 2 else "forward/reversed rounds",
@@ -154,7 +156,8 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             raise UsageError("--against", f"cannot read {args.against}: {e}") from None
     result = run_bench(args.model, prompts, gens, configs, repeats=args.repeats, warmup=args.warmup,
-                       seed=args.seed, probe=not args.no_probe, progress=not args.quiet)
+                       seed=args.seed, probe=not args.no_probe, progress=not args.quiet,
+                       reuse_profile=not args.fresh_probe)
     if against is not None:
         H.compare_results(against, result)
     out = Path(args.out)

@@ -51,12 +51,23 @@ def build_parser():
     p.add_argument("--json", default=None, help="write the projection/validation as JSON")
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
+    p.add_argument("--stack", default=None, choices=["decode"],
+                   help="with --validate: instead of --model, the real-geometry decode stack of "
+                        "benchmarks/bench_stream.py --decode (I/O-bound; needs a source checkout)")
+    p.add_argument("--layers", type=int, default=4, help="with --stack decode: decoder layers")
+    p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
+                   help="with --stack decode: store path stem (bench_stream's; built on first use)")
+    p.add_argument("--fresh-probe", action="store_true",
+                   help="with --stack decode: probe the SSD now even when the machine profile has a probe")
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--gen-tokens", type=int, default=None, help="decode tokens per run (demo 48, decode stack 16)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rows", default="8,16,64,192",
-                   help="with --validate: expert cache sizes in stored records (the in-memory arena may get "
-                        "more rows of the same GB; the table shows the rows it got)")
+    p.add_argument("--rows", default=None,
+                   help="with --validate: expert cache sizes in stored records (demo default 8,16,64,192; the "
+                        "in-memory arena may get more rows of the same GB, the table shows the rows it got; "
+                        "decode stack default 20,40,80,160 arena rows)")
+    p.add_argument("--prefetch-modes", default="off,previous,router-reuse:1,hyper-reuse",
+                   help="with --validate: the predictors to run at each cache size")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -171,33 +182,77 @@ def print_projection(res: dict) -> None:
 # ---- validation on this machine ------------------------------------------------------------------
 
 
-def record_routes(model, prompt: List[int], n: int):
+class _PredictionRecorder:
+    """Stands in for the model's Streaming while routes are recorded on the resident model: at
+    each layer's router it runs the engine's own Predictor for every --prefetch kind asked for
+    and keeps the candidates it would have hinted (one-token forwards only, as the engine)."""
+
+    experts = None
+    engine = None
+    max_chunk_tokens = None
+
+    def __init__(self, layers, top_k: int, kinds):
+        from ..stream.predict import Predictor, parse_prefetch
+
+        self.predictors = {k: Predictor(parse_prefetch(k), layers, top_k) for k in kinds}
+        self.rows: dict = {}
+
+    def layer_start(self, layer, x):
+        return x
+
+    def before_router(self, layer, streams, x):
+        for k, p in self.predictors.items():
+            r = p.predict(layer, streams, x)
+            if r is not None:
+                self.rows.setdefault(k, {})[r[0]] = r[1]
+        return x
+
+
+def record_routes(model, prompt: List[int], n: int, kinds=()):
     """Greedy routes of the bench's own run, recorded on the resident model: (prompt routes
-    [P-1, L, k] as the warm prefix, decode routes [n, L, k], tokens)."""
+    [P-1, L, k] as the warm prefix, decode routes [n, L, k], tokens, {kind: predicted sets
+    [n, L, B] (-1: none)} for the ahead predictors in `kinds`)."""
     import mlx.core as mx
 
     from ..models.qwen4exp import Capture
 
     L = model.args.num_hidden_layers
+    k = model.args.num_experts_per_tok
     cache = model.make_cache()
+    kinds = [x for x in kinds if S.prefetch_kind(x)[0] == "ahead"]
+    rec = _PredictionRecorder(model.model.layers, k, kinds) if kinds else None
 
     def fwd(ids):
         cap = Capture()
+        if rec is not None:
+            rec.rows = {}
         logits = model(mx.array([ids]), cache, capture=cap)
         routes = mx.stack([cap.routes[l][0] for l in range(L)], axis=1)  # [len, L, k]
-        mx.eval(logits, routes)
+        mx.eval(logits, routes, *[a for r in (rec.rows.values() if rec else ()) for a in r.values()])
         return logits, np.array(routes)
 
-    warm = np.zeros((0, L, model.args.num_experts_per_tok), np.int64)
+    warm = np.zeros((0, L, k), np.int64)
     if len(prompt) > 1:
         _, warm = fwd(prompt[:-1])
     tok, out, toks = prompt[-1], [], []
-    for _ in range(n):
-        logits, r = fwd([tok])
-        out.append(r[0])
-        tok = int(mx.argmax(logits[0, -1]).item())
-        toks.append(tok)
-    return warm.astype(np.int64), np.stack(out).astype(np.int64), toks
+    preds = {x: [] for x in kinds}
+    saved = model.streaming
+    model.streaming = rec
+    try:
+        for _ in range(n):
+            logits, r = fwd([tok])
+            out.append(r[0])
+            for x in kinds:
+                row = np.full((L, k), -1, np.int64)
+                for l, c in rec.rows.get(x, {}).items():
+                    row[l, : c.size] = np.array(c).astype(np.int64)[:k]
+                row[row >= model.args.num_experts] = -1  # below the threshold: skipped
+                preds[x].append(row)
+            tok = int(mx.argmax(logits[0, -1]).item())
+            toks.append(tok)
+    finally:
+        model.streaming = saved
+    return warm.astype(np.int64), np.stack(out).astype(np.int64), toks, {x: np.stack(v) for x, v in preds.items()}
 
 
 def validate(args) -> dict:
@@ -206,12 +261,15 @@ def validate(args) -> dict:
     from ..utils import load, resolve_model_path
 
     path = resolve_model_path(args.model)
-    rows = _list(args.rows, int, "--rows")
+    rows = _list(args.rows or "8,16,64,192", int, "--rows")
     model, tok = load(str(path))
     if model.streaming is not None:
         raise UsageError("--model", "validation records routes on the resident model; this one streams")
+    modes = _list(args.prefetch_modes, str, "--prefetch-modes")
+    for m in modes:
+        S.prefetch_kind(m)
     prompt = H.prompt_ids(tok, args.prompt_tokens, 0)
-    warm1, decode, toks = record_routes(model, prompt, args.gen_tokens)
+    warm1, decode, toks, preds = record_routes(model, prompt, args.gen_tokens, modes)
     L, E, k = model.args.num_hidden_layers, model.args.num_experts, model.args.num_experts_per_tok
     from ..bench.machine import expert_store
 
@@ -224,7 +282,7 @@ def validate(args) -> dict:
     gb = lambda r: r * st["record_bytes"] / S.GIB  # noqa: E731
     configs = [{"expert-cache-gb": f"{gb(total):.9f}", "prefetch": "off"}]  # every record cached: compute
     for r in rows:
-        for pf in ("off", "previous"):
+        for pf in modes:
             configs.append({"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf})
     bench = B.run_bench(args.model, [args.prompt_tokens], [args.gen_tokens], configs, repeats=args.repeats,
                         warmup=1, progress=not args.quiet, timeline=False)
@@ -244,6 +302,7 @@ def validate(args) -> dict:
     # The arena persists across the bench's runs: before a timed run come the warm-up and earlier
     # runs of the same tokens; the replay sees the prompt and one earlier run of this config.
     prompt_and_prev = np.concatenate([warm1, decode, warm1])
+    none = np.full((len(warm1), L, k), -1, np.int64)
     # Paired by round (the schedule runs every configuration once per round): each run is predicted
     # from the compute measured in its own round, so a slow patch of the shared machine moves the
     # prediction and the measurement together; the per-configuration ratio is the median over rounds.
@@ -254,31 +313,39 @@ def validate(args) -> dict:
     for c in configs[1:]:
         label = H.label(c)
         cap = _arena_rows(bench, label)
-        rep = S.replay(decode, E, cap, "lru", c["prefetch"], prompt_and_prev)
-        preds, meas, ratios = [], [], []
+        pred = preds.get(c["prefetch"])
+        if pred is not None:  # the prompt's forward predicts nothing (one-token forwards only)
+            pred = np.concatenate([none, pred, none, pred])
+        rep = S.replay(decode, E, cap, "clock", c["prefetch"], prompt_and_prev, predicted=pred)
+        preds_s, meas, ratios = [], [], []
         for rnd in rounds:
             comp = next(r for r in rnd if r["config"] == base)["decode_tok_s_p50"]
             run = next(r for r in rnd if r["config"] == label)["decode_tok_s_p50"]
             mach = dataclasses.replace(machine, layer_s=1.0 / comp / L)
-            p = S.project(mach, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="lru",
+            p = S.project(mach, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
                           prefetch=c["prefetch"])
-            preds.append(p.tok_s)
+            preds_s.append(p.tok_s)
             meas.append(run)
             ratios.append(p.tok_s / run)
-        p = S.project(machine, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="lru",
+        p = S.project(machine, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
                       prefetch=c["prefetch"])
         m = med[label]
-        out.append({"config": label, "rows": cap, "predicted_tok_s": statistics.median(preds),
+        out.append({"config": label, "rows": cap, "predicted_tok_s": statistics.median(preds_s),
                     "measured_tok_s": statistics.median(meas), "spread": m["decode_tok_s_p50"]["spread"],
                     "ratio": statistics.median(ratios), "ratios_by_round": ratios,
                     "measured_tok_s_whole_run": m["decode_tok_s"]["median"],
                     "predicted_hit_rate": rep.engine_hit_rate, "exact_hit_rate": p.hit_rate,
                     "measured_hit_rate": (m["hit_rate"] or {}).get("median"),
+                    "predicted_timely_recall": rep.timely_recall if c["prefetch"] != "off" else None,
+                    "measured_timely_recall": (m.get("timely_recall") or {}).get("median"),
+                    "predicted_precision": rep.precision,
+                    "predicted_mb_per_token": p.bytes_per_token / 1e6,
+                    "measured_mb_per_token": ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6,
                     "predicted_exposed_ms": p.exposed_ms,
                     "measured_exposed_ms": (m["exposed_wait_ms_per_token"] or {}).get("median")})
     worst = max(abs(r["ratio"] - 1) for r in out)
     return {"machine": machine.to_dict(), "bench_machine": bench["machine"], "compute_ms_per_token": compute_s * 1e3,
-            "runs": out, "worst": worst, "repeats": args.repeats}
+            "runs": out, "worst": worst, "repeats": args.repeats, "stack": f"model {args.model}"}
 
 
 def _arena_rows(bench, label):
@@ -287,20 +354,25 @@ def _arena_rows(bench, label):
 
 
 def print_validation(v: dict) -> None:
-    print(f"validation on this machine: compute {v['compute_ms_per_token']:.2f} ms/token (all records cached), "
-          f"SSD {', '.join(f'QD{q} {g:.2f}' for q, g in v['machine']['ssd_gbps'].items())} GB/s, "
-          f"SHA-256 {v['machine']['verify_gbps']:.2f} GB/s; {v['repeats']} interleaved rounds; tok/s = 1 / the "
-          "median inter-token time; each run predicted from its own round's compute run, pred/meas = the "
-          "median over rounds")
+    m = v["machine"]
+    print(f"validation on this machine ({v.get('stack', '')}): compute {v['compute_ms_per_token']:.2f} ms/token "
+          f"(all records cached; {m['pre_router']:.0%} of a layer before its router), SSD {', '.join(f'QD{q} {g:.2f}' for q, g in m['ssd_gbps'].items())} GB/s"
+          + (f", SHA-256 {m['verify_gbps']:.2f} GB/s" if m.get("verify_gbps") else "")
+          + (f" [{v['probe_source']}]" if v.get("probe_source") else "")
+          + f"; {v['repeats']} interleaved rounds; tok/s = 1 / the median inter-token time; each run predicted "
+          "from its own round's compute run, pred/meas = the median over rounds")
+    pct = lambda x: "n/a" if x is None else f"{x:.0%}"  # noqa: E731
+    num = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     print("| configuration | rows | predicted tok/s | measured tok/s (spread) | pred/meas | "
-          "engine hit rate pred/meas | exposed ms pred/meas |")
-    print("|---|---|---|---|---|---|---|")
+          "hit rate pred/meas | timely recall pred/meas | MB/token pred/meas | exposed ms pred/meas |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in v["runs"]:
-        mh = "n/a" if r["measured_hit_rate"] is None else f"{r['measured_hit_rate']:.1%}"
-        me = "n/a" if r["measured_exposed_ms"] is None else f"{r['measured_exposed_ms']:.2f}"
-        print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.1f} | {r['measured_tok_s']:.1f} "
-              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} | {r['predicted_hit_rate']:.1%} / {mh} | "
-              f"{r['predicted_exposed_ms']:.2f} / {me} |")
+        print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.2f} | {r['measured_tok_s']:.2f} "
+              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} | {pct(r['predicted_hit_rate'])} / "
+              f"{pct(r['measured_hit_rate'])} | {pct(r.get('predicted_timely_recall'))} / "
+              f"{pct(r.get('measured_timely_recall'))} | {num(r.get('predicted_mb_per_token'), '.1f')} / "
+              f"{num(r.get('measured_mb_per_token'), '.1f')} | {r['predicted_exposed_ms']:.2f} / "
+              f"{num(r['measured_exposed_ms'], '.2f')} |")
     print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs")
 
 
@@ -309,11 +381,21 @@ def main(argv=None) -> int:
     if args.validate:
         if args.trace:
             raise UsageError("--trace", "--validate records its own routes")
+        if args.gen_tokens is None:
+            args.gen_tokens = 16 if args.stack == "decode" else 48
         for flag, v in (("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens),
-                        ("--repeats", args.repeats)):
+                        ("--repeats", args.repeats), ("--layers", args.layers)):
             if v < 1:
                 raise UsageError(flag, f"must be >= 1, got {v}")
-        res = validate(args)
+        if args.stack == "decode":
+            from .decode_stack import validate_decode
+
+            if args.gen_tokens < 2:
+                raise UsageError("--gen-tokens", "the decode stack times tokens 1.. of a cold run: give >= 2")
+            args.rows = ",".join(str(x) for x in _list(args.rows or "20,40,80,160", int, "--rows"))
+            res = validate_decode(args)
+        else:
+            res = validate(args)
         print_validation(res)
     else:
         if args.acceptance is not None and not 0 <= args.acceptance < 1:
