@@ -297,3 +297,94 @@ def test_simulate_reads_a_recorded_route_trace(tmp_path, capsys):
     assert f"routes: trace {trace}" in out and "qwen4exp-demo (8 layers, 64 experts top-4, 16,384 B records)" in out
     assert cli.main(["simulate", "--trace", str(trace), "--cache-gb", "8"]) == 2
     assert "--trace: recorded with 64 experts per layer" in capsys.readouterr().err
+
+
+def _qualify_profile(tmp_path, monkeypatch, record_bytes, **machine):
+    """A machine profile in the shape `hebrus-mlx qualify` writes (its io section measured by
+    qualify's own probe on a small file), published where profile.read_profile looks."""
+    import platform
+
+    import mlx.core as mx
+
+    from hebrus_mlx import profile, qualify
+
+    path = tmp_path / "profile.json"
+    monkeypatch.setenv("HEBRUS_PROFILE", str(path))
+    ident = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
+             "mlx": mx.__version__, "metal": False}
+    ident.update(machine)
+    io = qualify.io_section(str(tmp_path), record_bytes, 16, None)
+    profile.write_profile({"schema": profile.SCHEMA, "created_unix": 1764547200, "machine": ident, "io": io}, path)
+    return io["pread"]
+
+
+def test_bench_machine_record_reuses_the_qualify_probe_when_it_matches(tmp_path, monkeypatch):
+    from hebrus_mlx.bench import machine as M
+
+    store = tmp_path / "experts.bin"
+    store.write_bytes(bytes(8 * 16384))
+    pread = _qualify_profile(tmp_path, monkeypatch, 16384)
+    probe, source = M.profile_probe(store, 16384)
+    assert probe["gbps_by_qd"] == {"1": pread["qd1_GBps"], "8": pread["qd8_GBps"], "32": pread["qd32_GBps"]}
+    assert probe["sha256_gbps_per_core"] == pread["sha256_GBps_one_thread"]
+    assert "hebrus-mlx qualify, written 2025-12-01T00:00:00Z" in source and str(tmp_path) in source
+    assert M.profile_probe(store, 2_764_800) is None  # another record size: not these reads
+    _qualify_profile(tmp_path, monkeypatch, 16384, mlx="0.0.1")
+    assert M.profile_probe(store, 16384) is None  # written under another MLX: not this machine
+
+
+def test_bench_record_probes_when_no_profile_stands_for_the_store(tmp_path, monkeypatch):
+    from hebrus_mlx.bench import machine as M
+
+    monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "none.json"))
+    monkeypatch.setattr(M, "expert_store", lambda d: {"path": str(tmp_path / "s.bin"), "record_bytes": 4096,
+                                                       "offsets": [0, 4096]})
+    (tmp_path / "s.bin").write_bytes(bytes(8192))
+    calls = []
+    monkeypatch.setattr(M, "ssd_probe", lambda *a, **k: calls.append(a) or {"gbps_by_qd": {"1": 1.0}})
+    rec = M.record(tmp_path)
+    assert calls and rec["ssd_probe"]["source"] == "probed now on the artifact's expert store"
+    _qualify_profile(tmp_path, monkeypatch, 4096)
+    calls.clear()
+    rec = M.record(tmp_path)
+    assert not calls and rec["ssd_probe"]["source"].startswith("machine profile")
+    assert M.record(tmp_path, reuse_profile=False)["ssd_probe"]["source"].startswith("probed now") and calls
+
+
+def test_projection_from_the_qualify_profile(tmp_path, monkeypatch, capsys):
+    pread = _qualify_profile(tmp_path, monkeypatch, 2_764_800 // 64)
+    assert cli.main(["simulate", "--profile", "machine", "--cache-gb", "8"]) == 2
+    assert "--layer-ms:" in capsys.readouterr().err
+    assert cli.main(["simulate", "--profile", "machine", "--layer-ms", "1.0", "--cache-gb", "8", "--policies", "clock",
+                     "--draft-depths", "0", "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PROJECTION for this machine (qualify profile)")
+    m = json.loads((tmp_path / "p.json").read_text())["machine"]
+    assert m["ssd_gbps"] == {"1": pread["qd1_GBps"], "8": pread["qd8_GBps"], "32": pread["qd32_GBps"]}
+    assert m["layer_ms"] == 1.0
+
+
+def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):
+    """--stack decode end to end on a shrunken store (1 layer of 16 experts, top-2, 3 tokens): the
+    routes recorded once equal every streamed run's, each (rows x predictor) run has a prediction
+    and a measurement, and the SSD comes from a matching qualify profile (no 8 GB probe here)."""
+    import argparse
+
+    from hebrus_mlx.simulate import decode_stack as D
+
+    bs = D.bench_stream()
+    _qualify_profile(tmp_path, monkeypatch, bs.record_bytes())
+    args = argparse.Namespace(rows="2,8", prefetch_modes="off,router-reuse:1", layers=2, experts=16, top_k=2,
+                              store=str(tmp_path / "experts.bin"), gen_tokens=3, repeats=1, quiet=True,
+                              fresh_probe=False)
+    v = D.validate_decode(args)
+    assert [r["config"] for r in v["runs"]] == ["rows=2,prefetch=off", "rows=2,prefetch=router-reuse:1",
+                                               "rows=8,prefetch=off", "rows=8,prefetch=router-reuse:1"]
+    assert v["probe_source"].startswith("machine profile")
+    for r in v["runs"]:
+        assert r["predicted_tok_s"] > 0 and r["measured_tok_s"] > 0
+        assert r["predicted_hit_rate"] == pytest.approx(r["measured_hit_rate"], abs=0.35)
+    assert v["runs"][0]["predicted_hit_rate"] == 0.0 == v["runs"][0]["measured_hit_rate"]  # 2 rows: top-2 only
+    C.print_validation(v)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"validation: worst \|predicted/measured - 1\| = [\d.]+% over 4 runs", last)

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -39,7 +40,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     p = _Parser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="m5-pro-48gb",
-                   help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}) or a JSON file")
+                   help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
+                        "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
+    p.add_argument("--layer-ms", type=float, default=None, help="with --profile machine: decode compute per layer")
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
     p.add_argument("--codec", default="affine4-g64", help="expert codec (record size)")
     p.add_argument("--trace", default=None, help="a route trace directory or export (hebrus-mlx traces)")
@@ -82,7 +85,41 @@ def _list(s: str, conv, flag: str) -> list:
     return v
 
 
-def load_profile(name: str) -> dict:
+def qualify_machine(layer_ms: Optional[float]) -> dict:
+    """A machine description from the profile `hebrus-mlx qualify` wrote on this machine: its SSD
+    probe by queue depth and SHA-256 speed, this machine's memory; compute per layer from
+    --layer-ms (qualify does not measure the model); the shipped M5 Pro 48 GB profile's synthetic
+    routes and memory reserve (said so in the assumptions)."""
+    from ..bench.machine import memory_bytes
+    from ..profile import profile_path, read_profile
+
+    prof = read_profile()
+    pread = ((prof or {}).get("io") or {}).get("pread") if isinstance((prof or {}).get("io"), dict) else None
+    if not isinstance(pread, dict) or pread.get("status") != "measured":
+        raise UsageError("--profile", f"machine: no measured SSD probe in the machine profile {profile_path()} "
+                                      "(run hebrus-mlx qualify)")
+    if layer_ms is None or layer_ms < 0:
+        raise UsageError("--layer-ms", "--profile machine needs the decode compute per layer in ms "
+                                       "(e.g. from hebrus-mlx bench: 1000 / resident tok/s / layers)")
+    ssd = {k[2:-5]: float(v) for k, v in pread.items() if k.startswith("qd") and k.endswith("_GBps")}
+    base = load_profile("m5-pro-48gb")
+    when = prof.get("created_unix")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)) if isinstance(when, (int, float)) else "unknown"
+    return {"name": "this machine (qualify profile)", "memory_gb": memory_bytes() / 1e9, "ssd_gbps": ssd,
+            "threads": 8, "layer_ms": layer_ms, "pre_router": 0.5, "verify_gbps": pread.get("sha256_GBps_one_thread"),
+            "resident_gb": base["resident_gb"], "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
+            "synthetic_routes": base["synthetic_routes"],
+            "status": "projection from this machine's qualify probe and a given compute per layer",
+            "sources": [f"SSD and SHA-256: machine profile {profile_path()} (hebrus-mlx qualify, written {stamp}; "
+                        f"{pread.get('record_bytes')} B O_DIRECT reads)", f"compute: --layer-ms {layer_ms}"],
+            "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads",
+                            "ASSUMPTION: resident/reserve GB, acceptance and synthetic routes of the shipped "
+                            "m5-pro-48gb profile"] + [a for a in base["assumptions"] if "synthetic" in a]}
+
+
+def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
+    if name == "machine":
+        return qualify_machine(layer_ms)
     path = PROFILES_DIR / f"{name}.json"
     if not path.is_file():
         path = Path(name)
@@ -126,7 +163,7 @@ def _table(rows: List[S.Projection]) -> str:
 def project_profile(args) -> dict:
     from ..artifact import constants as C
 
-    prof = load_profile(args.profile)
+    prof = load_profile(args.profile, args.layer_ms)
     machine = S.Machine.from_dict(prof, f"profile {args.profile}")
     if args.no_verify:
         machine.verify_gbps = None
@@ -373,6 +410,10 @@ def print_validation(v: dict) -> None:
               f"{pct(r.get('measured_timely_recall'))} | {num(r.get('predicted_mb_per_token'), '.1f')} / "
               f"{num(r.get('measured_mb_per_token'), '.1f')} | {r['predicted_exposed_ms']:.2f} / "
               f"{num(r['measured_exposed_ms'], '.2f')} |")
+    by_rows = {r["rows"]: r["compute_ms_per_token"] for r in v["runs"] if "compute_ms_per_token" in r}
+    if by_rows:
+        print("compute ms/token with every record cached, by arena rows (measured in each round next to the "
+              "runs): " + ", ".join(f"{r}: {c:.0f}" for r, c in by_rows.items()))
     print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs")
 
 

@@ -121,39 +121,41 @@ class Stack:
             st.eng.close()
         return np.array(routes, np.int64), pred
 
-    def compute(self):
-        """Hot seconds per token (every record already in the arena; bench_stream's hot()) and
-        the fraction of a layer's time before its router (GDN + router, timed per layer)."""
+    def pre_router(self, rows: int) -> float:
+        """The fraction of a hot token's layer time before the routers (GDN + router, each layer
+        evaluated on its own), median over three tokens."""
         import mlx.core as mx
 
-        times = self.hot()
-        st = self.make("off", max(self.layers * self.top_k, self.top_k))
+        st = self.make("off", rows)
+        fr = []
         try:
-            pre = []
-            for h in self.hs[1:4]:
+            for h in self.hs[:4]:
                 snap = st.snapshot()
-                x, t_route = h, 0.0
+                st.token(h)  # every record of this token now in the arena
+                st.restore(snap)
+                x, t_route, t_all = h, 0.0, time.perf_counter()
                 for l in range(st.layers):
                     t0 = time.perf_counter()
                     x2, hh, idx = st._route(l, x)
                     mx.eval(x2, hh, idx)
                     t_route += time.perf_counter() - t0
-                    rows, lease = st.eng.resolve(st.table, idx + l * st.experts, layer=l)
-                    x = st._experts(l, x2, hh, rows, lease)
+                    rows_, lease = st.eng.resolve(st.table, idx + l * st.experts, layer=l)
+                    x = st._experts(l, x2, hh, rows_, lease)
                     mx.eval(x)
+                fr.append(t_route / (time.perf_counter() - t_all))
                 st.restore(snap)
-                pre.append(t_route)
         finally:
             st.eng.close()
-        return times, statistics.median(pre)
+        return statistics.median(fr[1:])
 
-    def hot(self) -> float:
+    def hot(self, rows: int, tokens: int = 4) -> float:
         """bench_stream's hot(): each token twice, the second pass timed with every record of it
-        already in the arena; the mean over tokens 1.."""
-        st = self.make("off", max(self.layers * self.top_k, self.top_k))
+        already in an arena of `rows` rows (gather_qmm's cost on the CPU grows with the arena's
+        rows, so compute is measured at the run's size); mean over tokens 1..tokens-1."""
+        st = self.make("off", rows)
         times = []
         try:
-            for h in self.hs:
+            for h in self.hs[:tokens]:
                 snap = st.snapshot()
                 st.token(h)
                 st.restore(snap)
@@ -174,13 +176,14 @@ def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: 
 
 def validate_decode(args) -> dict:
     bs = bench_stream()
-    rows_list = [int(x) for x in args.rows.split(",")] if args.rows else [20, 40, 80, 160]
+    rows_list = [int(x) for x in args.rows.split(",")]
     modes = [m.strip() for m in args.prefetch_modes.split(",") if m.strip()]
     for m in modes:
         if m == "hyper-reuse":
             raise UsageError("--prefetch-modes", "the decode stack has no hyper-connections (hyper-reuse: --model)")
         S.prefetch_kind(m)
-    L, E, k = args.layers, 512, 10
+    # 512 experts top-10 is the real geometry; a test may shrink the store (experts, top_k).
+    L, E, k = args.layers, getattr(args, "experts", 512), getattr(args, "top_k", 10)
     if min(rows_list) < k or max(rows_list) > L * E:
         raise UsageError("--rows", f"arena rows must be in [{k}, {L * E}] for --stack decode")
     stack = Stack(bs, args.store, L, E, k, args.gen_tokens, 8)
@@ -192,7 +195,7 @@ def validate_decode(args) -> dict:
             r, preds[m] = stack.record(m)
             if not np.array_equal(r, routes):
                 raise UsageError("--stack", f"routes differ between prefetch off and {m}")
-    probe, source = machine_probe(args, stack)
+    from_profile = None if args.fresh_probe else machine_probe_from_profile(stack)
     # Each run starts cold: the replay warms on token 0 and counts tokens 1.. (as the timing).
     warm, topk = routes[:1], routes[1:]
     configs = [(r, m) for r in rows_list for m in modes]
@@ -200,30 +203,33 @@ def validate_decode(args) -> dict:
     for r, m in configs:
         reps[r, m] = S.replay(topk, E, r, "clock", m, warm, predicted=preds.get(m))
     geom = S.ModelGeometry("bench_stream --decode", L, E, k, stack.rec)
+    # A round: per arena size, its compute run (every record cached, same rows) next to its
+    # streamed runs; sizes and runs in reverse order every other round (A B B A).
+    hot_rows = {r: max(r, L * k) for r in rows_list}  # a hot token needs its L x k records resident
     rounds = []
     for rnd in range(args.repeats):
-        order = [("hot", None)] + configs
-        if rnd % 2:
-            order = order[::-1]
-        got = {}
-        for r, m in order:
-            if r == "hot":
-                got["hot"] = stack.compute()
+        got = {"pre": stack.pre_router(max(rows_list[0], L * k))}
+        # The disk drifts on a shared machine: without a profile's probe, each round probes it.
+        got["probe"] = from_profile or (quick_probe(stack), "probed in this round on the stack's store")
+        order = [(r, m) for r in rows_list for m in ["hot"] + modes]
+        for r, m in (order if rnd % 2 == 0 else order[::-1]):
+            if m == "hot":
+                got[r, "hot"] = stack.hot(hot_rows[r])
             else:
                 times, rts, c = stack.run(m, r)
                 if not np.array_equal(rts, routes):
                     raise UsageError("--stack", "a streamed run's routes differ from the recorded ones")
                 got[r, m] = (statistics.mean(times[1:]), c)
             if not args.quiet:
-                print(f"  round {rnd + 1}/{args.repeats}: {r} {m or ''} done", flush=True)
+                print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", flush=True)
         rounds.append(got)
     out = []
     for r, m in configs:
         rep = reps[r, m]
         ratios, pred_s, meas_s = [], [], []
         for got in rounds:
-            hot, pre = got["hot"]
-            mach = machine_from_probe(probe, hot / L, min(max(pre / hot, 0.0), 1.0), 8, source)
+            hot, pre = got[r, "hot"], got["pre"]
+            mach = machine_from_probe(got["probe"][0], hot / L, pre, 8, got["probe"][1])
             p = S.project(mach, geom, rep, cache_gb=r * stack.rec / S.GIB, capacity=r, policy="clock", prefetch=m)
             t, _ = got[r, m]
             pred_s.append(p.tok_s)
@@ -237,6 +243,7 @@ def validate_decode(args) -> dict:
                     "measured_tok_s": statistics.median(meas_s),
                     "spread": (max(meas_s) - min(meas_s)) / statistics.median(meas_s) if len(meas_s) > 1 else 0.0,
                     "ratio": statistics.median(ratios), "ratios_by_round": ratios,
+                    "compute_ms_per_token": statistics.median(g[r, "hot"] for g in rounds) * 1e3,
                     "predicted_hit_rate": rep.engine_hit_rate,
                     "measured_hit_rate": (c["hits"] + c["joins"]) / lookups if lookups else None,
                     "predicted_timely_recall": rep.timely_recall if m != "off" else None,
@@ -248,22 +255,29 @@ def validate_decode(args) -> dict:
                     "measured_mb_per_token": (c["exact_bytes"] + c["predicted_bytes"]) / T / 1e6,
                     "predicted_exposed_ms": p.exposed_ms,
                     "measured_exposed_ms": c["exposed_wait_ns"] / T / 1e6})
-    hot = statistics.median(g["hot"][0] for g in rounds)
-    pre = statistics.median(g["hot"][1] for g in rounds)
-    machine = machine_from_probe(probe, hot / L, min(pre / hot, 1.0), 8, source)
+    hot = statistics.median(g[rows_list[0], "hot"] for g in rounds)
+    pre = statistics.median(g["pre"] for g in rounds)
+    probe = rounds[0]["probe"][0].copy()
+    probe["gbps_by_qd"] = {q: statistics.median(g["probe"][0]["gbps_by_qd"][q] for g in rounds)
+                           for q in probe["gbps_by_qd"]}
+    source = rounds[0]["probe"][1] + ("" if from_profile else " (median over rounds shown)")
+    machine = machine_from_probe(probe, hot / L, pre, 8, source)
     return {"machine": machine.to_dict(), "probe": probe, "probe_source": source, "compute_ms_per_token": hot * 1e3,
             "runs": out, "worst": max(abs(x["ratio"] - 1) for x in out), "repeats": args.repeats,
             "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
                      f"{args.gen_tokens} tokens per cold run, store {stack.path}"}
 
 
-def machine_probe(args, stack):
-    """The SSD probe: from the machine profile when it matches this store (see
-    bench.machine.profile_probe), else the bench's probe on this store's records."""
+def machine_probe_from_profile(stack):
+    """(probe, source) from the machine profile when it stands for this store (see
+    bench.machine.profile_probe), else None."""
     from ..bench import machine as BM
 
-    offsets = [i * stack.rec for i in range(stack.n)]
-    got = BM.profile_probe(stack.path, stack.rec) if not args.fresh_probe else None
-    if got is not None:
-        return got
-    return BM.ssd_probe(stack.path, stack.rec, offsets), "probed now on the stack's store"
+    return BM.profile_probe(stack.path, stack.rec)
+
+
+def quick_probe(stack) -> dict:
+    """The bench's SSD probe on the stack's records, short enough to run every round."""
+    from ..bench import machine as BM
+
+    return BM.ssd_probe(stack.path, stack.rec, [i * stack.rec for i in range(stack.n)], reads=64, trials=1)
