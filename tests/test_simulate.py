@@ -365,7 +365,7 @@ def test_projection_from_the_qualify_profile(tmp_path, monkeypatch, capsys):
 
 
 def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):
-    """--stack decode end to end on a shrunken store (1 layer of 16 experts, top-2, 3 tokens): the
+    """--stack decode end to end on a shrunken store (2 layers of 8 experts, top-2, 3 tokens): the
     routes recorded once equal every streamed run's, each (rows x predictor) run has a prediction
     and a measurement, and the SSD comes from a matching qualify profile (no 8 GB probe here)."""
     import argparse
@@ -374,17 +374,18 @@ def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):
 
     bs = D.bench_stream()
     _qualify_profile(tmp_path, monkeypatch, bs.record_bytes())
-    args = argparse.Namespace(rows="2,8", prefetch_modes="off,router-reuse:1", layers=2, experts=16, top_k=2,
+    args = argparse.Namespace(rows="2", prefetch_modes="off,router-reuse:1", layers=2, experts=8, top_k=2,
                               store=str(tmp_path / "experts.bin"), gen_tokens=3, repeats=1, quiet=True,
                               fresh_probe=False)
     v = D.validate_decode(args)
-    assert [r["config"] for r in v["runs"]] == ["rows=2,prefetch=off", "rows=2,prefetch=router-reuse:1",
-                                               "rows=8,prefetch=off", "rows=8,prefetch=router-reuse:1"]
+    assert [r["config"] for r in v["runs"]] == ["rows=2,prefetch=off", "rows=2,prefetch=router-reuse:1"]
     assert v["probe_source"].startswith("machine profile")
     for r in v["runs"]:
-        assert r["predicted_tok_s"] > 0 and r["measured_tok_s"] > 0
-        assert r["predicted_hit_rate"] == pytest.approx(r["measured_hit_rate"], abs=0.35)
-    assert v["runs"][0]["predicted_hit_rate"] == 0.0 == v["runs"][0]["measured_hit_rate"]  # 2 rows: top-2 only
+        assert r["predicted_tok_s"] > 0 and r["measured_tok_s"] > 0 and r["compute_ms_per_token"] > 0
+        # 2 rows, top-2: each layer evicts the other's records (nothing hits); no staging row
+        # (2 // 4 = 0) and both rows pinned when layer 0 hints layer 1: every hint is dropped.
+        assert r["predicted_hit_rate"] == 0.0 == r["measured_hit_rate"]
+        assert r["predicted_mb_per_token"] == pytest.approx(r["measured_mb_per_token"])
     C.print_validation(v)
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(r"validation: worst \|predicted/measured - 1\| = [\d.]+% over 4 runs", last)
+    assert re.fullmatch(r"validation: worst \|predicted/measured - 1\| = [\d.]+% over 2 runs", last)
