@@ -266,22 +266,26 @@ def test_profile_file_errors_name_the_field(tmp_path):
 
 
 def test_validate_on_a_tiny_run(capsys, tmp_path):
-    """The validation path end to end: routes recorded on the resident demo, the bench's streamed
-    runs at two arena sizes with and without the prediction, predicted vs measured, the final line."""
+    """The validation path end to end: routes and the engine Predictor's hinted sets recorded on
+    the resident demo, the bench's streamed runs at two arena sizes for three predictors,
+    predicted vs measured, the final line."""
     rc = cli.main(["simulate", "--validate", "--model", "demo", "--rows", "8,128", "--prompt-tokens", "8",
-                   "--gen-tokens", "6", "--repeats", "1", "--quiet", "--json", str(tmp_path / "v.json")])
+                   "--gen-tokens", "6", "--repeats", "1", "--quiet", "--prefetch-modes", "off,previous,hyper-reuse",
+                   "--json", str(tmp_path / "v.json")])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0
     m = re.fullmatch(r"validation: worst \|predicted/measured - 1\| = ([\d.]+)% over (\d+) runs", out[-1])
-    assert m and m.group(2) == "4"
+    assert m and m.group(2) == "6"
     v = json.loads((tmp_path / "v.json").read_text())
     rows = [r["rows"] for r in v["runs"]]  # the arena rows the loader gave (>= the stored-record count)
-    assert rows[0] == rows[1] >= 8 and rows[2] == rows[3] >= 128
+    assert rows[0] == rows[1] == rows[2] >= 8 and rows[3] == rows[4] == rows[5] >= 128
     for r in v["runs"]:
         assert r["predicted_tok_s"] > 0 and r["measured_tok_s"] > 0
     # 8 rows < one token's 8 layers x 4 experts: demand paging never hits; 128 rows hold the run.
     assert v["runs"][0]["predicted_hit_rate"] == 0.0 and v["runs"][0]["measured_hit_rate"] == 0.0
-    assert v["runs"][2]["predicted_hit_rate"] > 0.5
+    assert v["runs"][3]["predicted_hit_rate"] > 0.5
+    # hyper-reuse hints the next layer from the engine's own Predictor: some are read and used
+    assert v["runs"][5]["predicted_timely_recall"] > 0 and v["runs"][5]["measured_timely_recall"] > 0
 
 
 def test_simulate_reads_a_recorded_route_trace(tmp_path, capsys):
