@@ -251,8 +251,13 @@ def test_projection_on_a_profile_runs_and_picks_the_best(capsys):
 @pytest.mark.parametrize("argv, field", [
     (["--profile", "nope"], "--profile"), (["--policies", "fifo", "--cache-gb", "8"], "policy"),
     (["--acceptance", "1.5"], "--acceptance"), (["--family", "nope"], "--family"),
+    (["--validate", "--prefetch-modes", "off,sometimes"], "--prefetch-modes"),
+    (["--validate", "--stack", "decode", "--prefetch-modes", "hyper-reuse"], "--prefetch-modes"),
+    (["--validate", "--stack", "decode", "--gen-tokens", "1"], "--gen-tokens"),
+    (["--profile", "machine", "--layer-ms", "1"], "--profile"),
 ])
-def test_bad_simulate_input_is_one_typed_line(argv, field, capsys):
+def test_bad_simulate_input_is_one_typed_line(argv, field, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "no-profile.json"))
     rc = cli.main(["simulate", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"hebrus-mlx simulate: error: {field}:"), err

@@ -3,14 +3,18 @@
     hebrus-mlx simulate --profile m5-pro-48gb                 # Qwen3.8-Flash-Next, shipped profile
     hebrus-mlx simulate --profile my-mac.json --trace DIR     # a recorded route trace / export
     hebrus-mlx simulate --validate --model demo               # predicted vs measured, on this machine
+    hebrus-mlx simulate --validate --stack decode             # ... on bench_stream's real-geometry stack
+    hebrus-mlx simulate --profile machine --layer-ms 0.8      # this machine's SSD from `hebrus-mlx qualify`
 
 A projection combines a route trace (replayed through the expert arena: hit rate, reads per
 token), the model geometry (layers, experts, top-k, record bytes from the artifact format) and a
 machine (SSD GB/s by queue depth, compute per layer, verify speed, memory). See
 `hebrus_mlx.simulate.model` for the equations. `--validate` measures this machine (its disk with
 the bench's SSD probe, its compute with every record cached), records the demo's routes for the
-bench's own prompt, predicts the bench's runs at several cache sizes with and without the
-previous-token prediction, runs them (interleaved) and prints both side by side.
+bench's own prompt (and the hinted sets of the engine's own Predictor), predicts the bench's runs
+at several cache sizes for each predictor (--prefetch-modes), runs them (interleaved) and prints
+both side by side. `--stack decode` does the same on the I/O-heavy real-geometry decode stack
+(`hebrus_mlx.simulate.decode_stack`).
 """
 
 from __future__ import annotations
@@ -428,6 +432,14 @@ def main(argv=None) -> int:
                         ("--repeats", args.repeats), ("--layers", args.layers)):
             if v < 1:
                 raise UsageError(flag, f"must be >= 1, got {v}")
+        for m in _list(args.prefetch_modes, str, "--prefetch-modes"):
+            try:
+                S.prefetch_kind(m)
+            except UsageError as e:
+                raise UsageError("--prefetch-modes", e.message) from None
+            if m == "hyper-reuse" and args.stack == "decode":
+                raise UsageError("--prefetch-modes", "the decode stack has no hyper-connections (hyper-reuse: "
+                                                     "use --model)")
         if args.stack == "decode":
             from .decode_stack import validate_decode
 

@@ -4,19 +4,22 @@ One decode token runs the layers in order. Layer l computes for ``layer_s`` seco
 runs after ``pre_router`` of that time (attention/GDN first), and the layer then waits for the
 records of its top-k experts that are not in the arena. A miss costs ``io_time(n)``: n records
 read at queue depth min(n, threads) from the machine's bandwidth-by-queue-depth table, plus the
-digest check. A prediction (the previous-token P1 hint) issues its reads when the layer starts,
-so up to ``pre_router * layer_s`` of them hide behind compute; exact misses go first (P0).
+digest check. A prediction hints records ahead of the exact (P0) reads: ``previous`` (the
+previous token's top-k) when the layer starts, ``window = pre_router * layer_s`` before its
+router; ``router-reuse:D`` / ``hyper-reuse`` right after layer l - D's exact reads,
+``window = D * layer_s``. The disk serves the layer's predicted reads (used or wasted) too:
 
-    exposed_l = max(io(demand_l), io(demand_l + used_predicted_l) - window_l)
+    exposed_l = max(io(demand_l), io(demand_l + predicted_reads_l) - window_l)
     token_s   = compute_s + sum_l exposed_l
 
 Speculative decoding with draft depth d and per-token acceptance a verifies d+1 tokens per step:
 tokens/step = (1 - a^(d+1)) / (1 - a); a step costs compute_s * (1 + verify_extra * d) plus the
 misses of the union of the d+1 tokens' routes (from the trace).
 
-Which accesses hit comes from the route trace replayed through the arena: demand paging through
-`traces.cachesim` (LRU/CLOCK/LFU/Belady); with a prediction, `replay_with_prefetch` also inserts
-the hinted records (cachesim has no prefetch; without one the two agree, which a test checks).
+Which accesses hit comes from the route trace replayed through the engine's arena (`_Arena`,
+record for record as metal_ext/engine.cpp: CLOCK or LRU order, the computing layer's records
+pinned, staging rows, predictions that only displace predictions; a test checks it against the
+engine's counters) for lru/clock, and through `traces.cachesim` demand paging for lfu/belady.
 """
 
 from __future__ import annotations
