@@ -73,8 +73,9 @@ def build_parser():
                    help="with --validate: expert cache sizes in stored records (demo default 8,16,64,192; the "
                         "in-memory arena may get more rows of the same GB, the table shows the rows it got; "
                         "decode stack default 20,40,80,160 arena rows)")
-    p.add_argument("--prefetch-modes", default="off,previous,router-reuse:1,hyper-reuse",
-                   help="with --validate: the predictors to run at each cache size")
+    p.add_argument("--prefetch-modes", default=None,
+                   help="with --validate: the predictors to run at each cache size (demo default "
+                        "off,previous,router-reuse:1,hyper-reuse; decode stack off,previous,router-reuse:1)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -405,7 +406,8 @@ def print_validation(v: dict) -> None:
     pct = lambda x: "n/a" if x is None else f"{x:.0%}"  # noqa: E731
     num = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     print("| configuration | rows | predicted tok/s | measured tok/s (spread) | pred/meas | "
-          "hit rate pred/meas | timely recall pred/meas | MB/token pred/meas | exposed ms pred/meas |")
+          "hit rate pred/meas | timely recall pred (read by a prediction, landed or not)/meas | MB/token pred/meas | "
+          "exposed ms pred/meas |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in v["runs"]:
         print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.2f} | {r['measured_tok_s']:.2f} "
@@ -432,6 +434,8 @@ def main(argv=None) -> int:
                         ("--repeats", args.repeats), ("--layers", args.layers)):
             if v < 1:
                 raise UsageError(flag, f"must be >= 1, got {v}")
+        if args.prefetch_modes is None:
+            args.prefetch_modes = "off,previous,router-reuse:1" + ("" if args.stack == "decode" else ",hyper-reuse")
         for m in _list(args.prefetch_modes, str, "--prefetch-modes"):
             try:
                 S.prefetch_kind(m)
