@@ -39,12 +39,12 @@ def test_io_time_interpolates_bandwidth_by_queue_depth_and_adds_verify():
 
 def test_demand_paging_hand_case():
     """L=2, E=4, k=1. Layer 0 always expert 0, layer 1 alternates 1, 2; an LRU arena of 2 records:
-    stream 0,5,0,6,0,5,0,6 -> misses 0,5,6,5,6 = 5 of 8. Each layer then misses 5/2/4 = 0.625
-    records per token; 1 MB at 1 GB/s = 0.625 ms exposed per layer; compute 2 x 1 ms."""
+    stream 0,5,0,6,0,5,0,6 -> misses 0,5,6,5,6 = 5 of 8: layer 0 misses 1/4 records per token,
+    layer 1 4/4; 1 MB at 1 GB/s = 0.25 + 1.0 ms exposed; compute 2 x 1 ms."""
     topk = np.array([[[0], [1]], [[0], [2]], [[0], [1]], [[0], [2]]])
     rep = S.replay(topk, 4, 2, "lru")
     assert rep.hit_rate == pytest.approx(3 / 8)
-    assert rep.demand_misses.tolist() == pytest.approx([0.625, 0.625])
+    assert rep.demand_misses.tolist() == pytest.approx([0.25, 1.0])
     g = S.ModelGeometry("hand", 2, 4, 1, R)
     p = S.project(machine(), g, rep, cache_gb=0, capacity=2, policy="lru", prefetch="off")
     assert p.exposed_ms == pytest.approx(1.25)
@@ -54,21 +54,136 @@ def test_demand_paging_hand_case():
 
 
 def test_previous_token_prefetch_hand_case():
-    """L=2, k=1, arena of 1 record, each layer always the same expert: demand paging misses all 6;
-    with the previous-token hint, tokens 1 and 2 are read as predictions at layer start (a miss
-    only on token 0). Per layer: demand 1/3, predicted-used 2/3 per token. Exposed per layer:
-    max(io(1/3), io(1) - 0.5 ms window) = 0.5 ms."""
+    """L=2, k=1, 2 arena rows of which 1 is staging, layer 0 always expert 0, layer 1 always
+    expert 1 (record 5). Token 0: both miss; record 5 may not take a second exact row while an
+    exact one can be recycled, so record 0 goes. Token 1: layer 0's hint reads record 0 into the
+    free row (a predicted read), its exact lookup then uses it (promoted: now 2 exact rows);
+    record 5 is a hit (its hint too). Token 2: everything hits. Per token: demand [1/3, 1/3],
+    predicted used and read [1/3, 0]. Exposed: layer 0 max(io(1/3), io(2/3) - 0.5 ms window)
+    = 1/3 ms, layer 1 io(1/3) = 1/3 ms; compute 2 ms."""
     topk = np.array([[[0], [1]]] * 3)
-    off = S.replay(topk, 4, 1, "lru")
-    assert off.hit_rate == 0.0
-    rep = S.replay(topk, 4, 1, "lru", "previous")
+    rep = S.replay_arena(topk, 4, 2, "previous", staging=1)
     assert rep.demand_misses.tolist() == pytest.approx([1 / 3, 1 / 3])
-    assert rep.predicted_used.tolist() == pytest.approx([2 / 3, 2 / 3])
-    assert rep.hit_rate == pytest.approx(2 / 3) and rep.timely_recall == pytest.approx(2 / 3)
+    assert rep.predicted_used.tolist() == pytest.approx([1 / 3, 0])
+    assert rep.predicted_reads.tolist() == pytest.approx([1 / 3, 0])
+    assert rep.hit_rate == pytest.approx(2 / 3) and rep.timely_recall == pytest.approx(1 / 3)
+    assert rep.precision == 1.0 and rep.predicted_wasted == 0.0
+    # hints: token 1 both (one read, one hit), token 2 both hits -> 4 lookups, 3 hits over 3 tokens
+    assert (rep.prefetch_lookups, rep.prefetch_hits) == pytest.approx((4 / 3, 1.0))
     g = S.ModelGeometry("hand", 2, 4, 1, R)
-    p = S.project(machine(), g, rep, cache_gb=0, capacity=1, policy="lru", prefetch="previous")
-    assert p.exposed_ms == pytest.approx(1.0)
-    assert p.token_ms == pytest.approx(3.0)
+    p = S.project(machine(), g, rep, cache_gb=0, capacity=2, policy="lru", prefetch="previous")
+    assert p.exposed_ms == pytest.approx(2 / 3)
+    assert p.token_ms == pytest.approx(2 + 2 / 3)
+
+
+def test_a_prediction_never_displaces_an_exact_record():
+    """One row (no staging): the row always holds an exact record, so every hint is dropped and
+    the replay is demand paging: 6 misses of 6, no predicted reads."""
+    topk = np.array([[[0], [1]]] * 3)
+    rep = S.replay(topk, 4, 1, "clock", "previous")
+    assert rep.demand_misses.tolist() == [1.0, 1.0]
+    assert rep.predicted_reads.sum() == 0 and rep.prefetch_lookups == 0
+
+
+def test_router_reuse_predictions_are_issued_ahead_and_wasted_ones_counted():
+    """router-reuse:1 hints layer l+1's predicted set after layer l's exact reads. L=2, k=1,
+    8 rows (staging min(1, 2) = 1). Layer 1's routes are 1, 2, 3; its predictions 1, 2, 0: token
+    0's is used by layer 1 (timely), token 1's too, token 2's (record 4) is wasted and layer 1
+    misses record 7. Layer 0 (expert 0) misses once. The window is one layer of compute."""
+    topk = np.array([[[0], [1]], [[0], [2]], [[0], [3]]])
+    pred = np.full((3, 2, 1), -1)
+    pred[:, 1, 0] = [1, 2, 0]
+    rep = S.replay(topk, 4, 8, "clock", "router-reuse:1", predicted=pred)
+    assert rep.demand_misses.tolist() == pytest.approx([1 / 3, 1 / 3])
+    assert rep.predicted_used.tolist() == pytest.approx([0, 2 / 3])
+    assert rep.predicted_reads.tolist() == pytest.approx([0, 1.0])
+    assert rep.precision == pytest.approx(2 / 3) and rep.predicted_wasted == pytest.approx(1 / 3)
+    p = S.project(machine(), S.ModelGeometry("hand", 2, 4, 1, R), rep, cache_gb=0, capacity=8, policy="clock",
+                  prefetch="router-reuse:1")
+    # layer 0: io(1/3); layer 1: max(io(1/3), io(4/3) - 1 ms) = 1/3 ms
+    assert p.exposed_ms == pytest.approx(2 / 3)
+    with pytest.raises(UsageError, match="predicted sets"):
+        S.replay(topk, 4, 8, "clock", "router-reuse:1")
+
+
+def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
+    """The same routes driven through the real StreamEngine arena (one layer at a time, hints
+    landed before the next request, as the replay assumes)."""
+    import time
+
+    import mlx.core as mx
+
+    from hebrus_mlx.stream import engine as se
+
+    T, L, k = topk.shape
+    rec = 4096
+    path = tmp_path / "store.bin"
+    path.write_bytes(bytes(L * E * rec))
+    eng = se.StreamEngine(cache_bytes=rec, threads=2, policy=policy, testing=True)
+    # Reads take 1 ms, so the hints of one prefetch op are all still in flight while it issues
+    # them (not evictable), as the replay assumes; without the delay that is a race.
+    eng.set_read_delay_us(1000)
+    st = eng.add_store(str(path))
+    aid, _ = eng.create_arena([rec], rows)
+    table = eng.register_table(st, [i * rec for i in range(L * E)], [rec] * (L * E), arena=aid)
+    if prefetch != "off":
+        eng.set_staging(aid, min(k, rows // 4))
+
+    def idle():  # every predicted read published (then it is evictable, as the replay assumes)
+        for _ in range(5000):
+            c = eng.counters()
+            if c["predicted_bytes"] == c["predicted_reads"] * rec:
+                return
+            time.sleep(0.001)
+        raise AssertionError("predicted reads did not land")
+
+    for t in range(T):
+        for l in range(L):
+            if prefetch == "previous" and t > 0:
+                mx.eval(eng.prefetch(table, mx.array((topk[t - 1, l] + l * E).astype(np.uint32)), priority=1,
+                                     layer=l))
+                idle()
+            rows_, lease = eng.resolve(table, mx.array((topk[t, l] + l * E).astype(np.uint32))[None], layer=l)
+            mx.eval(rows_)  # pinned
+            if pred is not None and l + 1 < L:  # router-reuse:1, while layer l's rows are pinned
+                ids = np.where(pred[t, l + 1] < 0, 2 ** 32 - 1, pred[t, l + 1] + (l + 1) * E)  # -1: skipped
+                mx.eval(eng.prefetch(table, mx.array(ids.astype(np.uint32)), priority=1, layer=l + 1))
+                idle()
+            mx.eval(eng.release_after(rows_, lease))
+    c = eng.counters()
+    eng.close()
+    return c
+
+
+@pytest.mark.parametrize("policy, prefetch", [("clock", "off"), ("clock", "previous"), ("lru", "previous"),
+                                              ("clock", "router-reuse:1")])
+def test_arena_replay_matches_the_engine_record_for_record(policy, prefetch, tmp_path):
+    """The replay's arena against metal_ext's: same routes, same rows, same policy and staging ->
+    the same exact misses, predicted reads and predicted hits (an independent implementation:
+    the C++ engine)."""
+    rng = np.random.default_rng(7)
+    T, L, E, k = 40, 3, 12, 3
+    topk = np.zeros((T, L, k), np.int64)
+    for l in range(L):
+        prev = rng.choice(E, k, replace=False)
+        for t in range(T):
+            keep = [e for e in prev if rng.random() < 0.5]
+            rest = [e for e in rng.permutation(E) if e not in keep][: k - len(keep)]
+            topk[t, l] = prev = np.array(keep + rest)
+    # a noisy predictor: each routed expert kept with probability 0.6, else a random other one
+    pred = np.where(rng.random(topk.shape) < 0.6, topk, rng.integers(0, E, topk.shape))
+    pred = np.array([[list(dict.fromkeys(r)) + [-1] * (k - len(set(r))) for r in tok] for tok in pred])
+    predicted_reads = 0
+    for rows in (5, 12, 20):
+        ahead = prefetch.startswith("router-reuse")
+        c = _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred if ahead else None)
+        rep = S.replay(topk, E, rows, policy, prefetch, predicted=pred if ahead else None)
+        assert round(rep.demand_misses.sum() * T) == c["exact_misses"], (rows, c)
+        assert round(rep.predicted_reads.sum() * T) == c["predicted_reads"], (rows, c)
+        assert round(rep.predicted_hits * T) == c["predicted_hits"] + c["predicted_joins"], (rows, c)
+        assert c["exact_misses"] > 0
+        predicted_reads += c["predicted_reads"]
+    assert (prefetch == "off") == (predicted_reads == 0)
 
 
 def test_warm_prefix_is_replayed_but_not_counted():
@@ -136,8 +251,13 @@ def test_projection_on_a_profile_runs_and_picks_the_best(capsys):
 @pytest.mark.parametrize("argv, field", [
     (["--profile", "nope"], "--profile"), (["--policies", "fifo", "--cache-gb", "8"], "policy"),
     (["--acceptance", "1.5"], "--acceptance"), (["--family", "nope"], "--family"),
+    (["--validate", "--prefetch-modes", "off,sometimes"], "--prefetch-modes"),
+    (["--validate", "--stack", "decode", "--prefetch-modes", "hyper-reuse"], "--prefetch-modes"),
+    (["--validate", "--stack", "decode", "--gen-tokens", "1"], "--gen-tokens"),
+    (["--profile", "machine", "--layer-ms", "1"], "--profile"),
 ])
-def test_bad_simulate_input_is_one_typed_line(argv, field, capsys):
+def test_bad_simulate_input_is_one_typed_line(argv, field, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "no-profile.json"))
     rc = cli.main(["simulate", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"hebrus-mlx simulate: error: {field}:"), err
@@ -151,22 +271,26 @@ def test_profile_file_errors_name_the_field(tmp_path):
 
 
 def test_validate_on_a_tiny_run(capsys, tmp_path):
-    """The validation path end to end: routes recorded on the resident demo, the bench's streamed
-    runs at two arena sizes with and without the prediction, predicted vs measured, the final line."""
+    """The validation path end to end: routes and the engine Predictor's hinted sets recorded on
+    the resident demo, the bench's streamed runs at two arena sizes for three predictors,
+    predicted vs measured, the final line."""
     rc = cli.main(["simulate", "--validate", "--model", "demo", "--rows", "8,128", "--prompt-tokens", "8",
-                   "--gen-tokens", "6", "--repeats", "1", "--quiet", "--json", str(tmp_path / "v.json")])
+                   "--gen-tokens", "6", "--repeats", "1", "--quiet", "--prefetch-modes", "off,previous,hyper-reuse",
+                   "--json", str(tmp_path / "v.json")])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0
     m = re.fullmatch(r"validation: worst \|predicted/measured - 1\| = ([\d.]+)% over (\d+) runs", out[-1])
-    assert m and m.group(2) == "4"
+    assert m and m.group(2) == "6"
     v = json.loads((tmp_path / "v.json").read_text())
     rows = [r["rows"] for r in v["runs"]]  # the arena rows the loader gave (>= the stored-record count)
-    assert rows[0] == rows[1] >= 8 and rows[2] == rows[3] >= 128
+    assert rows[0] == rows[1] == rows[2] >= 8 and rows[3] == rows[4] == rows[5] >= 128
     for r in v["runs"]:
         assert r["predicted_tok_s"] > 0 and r["measured_tok_s"] > 0
     # 8 rows < one token's 8 layers x 4 experts: demand paging never hits; 128 rows hold the run.
     assert v["runs"][0]["predicted_hit_rate"] == 0.0 and v["runs"][0]["measured_hit_rate"] == 0.0
-    assert v["runs"][2]["predicted_hit_rate"] > 0.5
+    assert v["runs"][3]["predicted_hit_rate"] > 0.5
+    # hyper-reuse hints the next layer from the engine's own Predictor: some are read and used
+    assert v["runs"][5]["predicted_timely_recall"] > 0 and v["runs"][5]["measured_timely_recall"] > 0
 
 
 def test_simulate_reads_a_recorded_route_trace(tmp_path, capsys):
@@ -182,3 +306,95 @@ def test_simulate_reads_a_recorded_route_trace(tmp_path, capsys):
     assert f"routes: trace {trace}" in out and "qwen4exp-demo (8 layers, 64 experts top-4, 16,384 B records)" in out
     assert cli.main(["simulate", "--trace", str(trace), "--cache-gb", "8"]) == 2
     assert "--trace: recorded with 64 experts per layer" in capsys.readouterr().err
+
+
+def _qualify_profile(tmp_path, monkeypatch, record_bytes, **machine):
+    """A machine profile in the shape `hebrus-mlx qualify` writes (its io section measured by
+    qualify's own probe on a small file), published where profile.read_profile looks."""
+    import platform
+
+    import mlx.core as mx
+
+    from hebrus_mlx import profile, qualify
+
+    path = tmp_path / "profile.json"
+    monkeypatch.setenv("HEBRUS_PROFILE", str(path))
+    ident = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
+             "mlx": mx.__version__, "metal": False}
+    ident.update(machine)
+    io = qualify.io_section(str(tmp_path), record_bytes, 16, None)
+    profile.write_profile({"schema": profile.SCHEMA, "created_unix": 1764547200, "machine": ident, "io": io}, path)
+    return io["pread"]
+
+
+def test_bench_machine_record_reuses_the_qualify_probe_when_it_matches(tmp_path, monkeypatch):
+    from hebrus_mlx.bench import machine as M
+
+    store = tmp_path / "experts.bin"
+    store.write_bytes(bytes(8 * 16384))
+    pread = _qualify_profile(tmp_path, monkeypatch, 16384)
+    probe, source = M.profile_probe(store, 16384)
+    assert probe["gbps_by_qd"] == {"1": pread["qd1_GBps"], "8": pread["qd8_GBps"], "32": pread["qd32_GBps"]}
+    assert probe["sha256_gbps_per_core"] == pread["sha256_GBps_one_thread"]
+    assert "hebrus-mlx qualify, written 2025-12-01T00:00:00Z" in source and str(tmp_path) in source
+    assert M.profile_probe(store, 2_764_800) is None  # another record size: not these reads
+    _qualify_profile(tmp_path, monkeypatch, 16384, mlx="0.0.1")
+    assert M.profile_probe(store, 16384) is None  # written under another MLX: not this machine
+
+
+def test_bench_record_probes_when_no_profile_stands_for_the_store(tmp_path, monkeypatch):
+    from hebrus_mlx.bench import machine as M
+
+    monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "none.json"))
+    monkeypatch.setattr(M, "expert_store", lambda d: {"path": str(tmp_path / "s.bin"), "record_bytes": 4096,
+                                                       "offsets": [0, 4096]})
+    (tmp_path / "s.bin").write_bytes(bytes(8192))
+    calls = []
+    monkeypatch.setattr(M, "ssd_probe", lambda *a, **k: calls.append(a) or {"gbps_by_qd": {"1": 1.0}})
+    rec = M.record(tmp_path)
+    assert calls and rec["ssd_probe"]["source"] == "probed now on the artifact's expert store"
+    _qualify_profile(tmp_path, monkeypatch, 4096)
+    calls.clear()
+    rec = M.record(tmp_path)
+    assert not calls and rec["ssd_probe"]["source"].startswith("machine profile")
+    assert M.record(tmp_path, reuse_profile=False)["ssd_probe"]["source"].startswith("probed now") and calls
+
+
+def test_projection_from_the_qualify_profile(tmp_path, monkeypatch, capsys):
+    pread = _qualify_profile(tmp_path, monkeypatch, 2_764_800 // 64)
+    assert cli.main(["simulate", "--profile", "machine", "--cache-gb", "8"]) == 2
+    assert "--layer-ms:" in capsys.readouterr().err
+    assert cli.main(["simulate", "--profile", "machine", "--layer-ms", "1.0", "--cache-gb", "8", "--policies", "clock",
+                     "--draft-depths", "0", "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PROJECTION for this machine (qualify profile)")
+    m = json.loads((tmp_path / "p.json").read_text())["machine"]
+    assert m["ssd_gbps"] == {"1": pread["qd1_GBps"], "8": pread["qd8_GBps"], "32": pread["qd32_GBps"]}
+    assert m["layer_ms"] == 1.0
+
+
+def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):
+    """--stack decode end to end on a shrunken store (2 layers of 8 experts, top-2, 3 tokens): the
+    routes recorded once equal every streamed run's, each (rows x predictor) run has a prediction
+    and a measurement, and the SSD comes from a matching qualify profile (no 8 GB probe here)."""
+    import argparse
+
+    from hebrus_mlx.simulate import decode_stack as D
+
+    bs = D.bench_stream()
+    _qualify_profile(tmp_path, monkeypatch, bs.record_bytes())
+    args = argparse.Namespace(rows="2", prefetch_modes="off,router-reuse:1", layers=2, experts=8, top_k=2,
+                              store=str(tmp_path / "experts.bin"), gen_tokens=3, repeats=1, quiet=True,
+                              fresh_probe=False)
+    v = D.validate_decode(args)
+    assert [r["config"] for r in v["runs"]] == ["rows=2,prefetch=off", "rows=2,prefetch=router-reuse:1"]
+    assert v["probe_source"].startswith("machine profile")
+    for r in v["runs"]:
+        assert r["predicted_tok_s"] > 0 and r["measured_tok_s"] > 0 and r["compute_ms_per_token"] > 0
+        # 2 rows, top-2: each layer evicts the other's records (nothing hits); no staging row
+        # (2 // 4 = 0) and both rows pinned when layer 0 hints layer 1: every hint is dropped.
+        assert r["predicted_hit_rate"] == 0.0 == r["measured_hit_rate"]
+        assert r["predicted_mb_per_token"] == pytest.approx(r["measured_mb_per_token"])
+    C.print_validation(v)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"validation: worst \|predicted/measured - 1\| = [\d.]+% over 2 runs", last)

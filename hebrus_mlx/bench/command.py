@@ -50,6 +50,8 @@ def build_parser():
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed")
     p.add_argument("--no-probe", action="store_true", help="skip the SSD read probe")
+    p.add_argument("--fresh-probe", action="store_true",
+                   help="probe the SSD now even when the machine profile (hebrus-mlx qualify) has a matching probe")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--against", default=None, help="an earlier bench.json: refuse unless comparable")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -95,7 +97,7 @@ def _pipeline(model: str, configs: List[dict], split, timeout):
 
 def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dict], repeats: int = 4,
               warmup: int = 1, seed: int = 0, probe: bool = True, progress: bool = False,
-              timeline: bool = True, loaded_model=None) -> dict:
+              timeline: bool = True, loaded_model=None, reuse_profile: bool = True) -> dict:
     """The whole bench as a dict (what bench.json holds). `loaded_model`: (model, tokenizer) every
     configuration runs (a pipeline's), instead of loading each configuration's."""
     from ..utils import resolve_model_path
@@ -166,7 +168,7 @@ def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dic
     return {
         "schema": "hebrus-mlx.bench", "version": 1, "model": model,
         "artifact_digest": next(iter(digests.values())),
-        "machine": M.record(resolve_model_path(first_name), probe=probe),
+        "machine": M.record(resolve_model_path(first_name), probe=probe, reuse_profile=reuse_profile),
         "configs": [H.label(c) for c in configs], "prompts": prompts, "gens": gens, "repeats": repeats,
         "warmup": warmup, "seed": seed, "order": [H.label(configs[i]) for i in order],
         "order_note": "A B B A" if len(configs) == 2 else "forward/reversed rounds",
@@ -199,7 +201,8 @@ def main(argv=None) -> int:
     elif args.pipeline_split is not None:
         raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
     result = run_bench(args.model, prompts, gens, configs, repeats=args.repeats, warmup=args.warmup,
-                       seed=args.seed, probe=not args.no_probe, progress=not args.quiet, loaded_model=loaded)
+                       seed=args.seed, probe=not args.no_probe, progress=not args.quiet, loaded_model=loaded,
+                       reuse_profile=not args.fresh_probe)
     if pipe is not None:
         from ..pipeline.cli import finish
 

@@ -139,13 +139,68 @@ def expert_store(model_dir) -> Optional[dict]:
             "record_payload_bytes": g.record_bytes}
 
 
-def record(model_dir=None, probe: bool = True) -> dict:
-    """The machine record of a bench or simulate run."""
+# What must match between the machine that wrote a profile and this one for its probe to stand
+# for this machine's disk (the same keys profile.passed() checks for kernel claims).
+_IDENTITY = ("system", "release", "machine", "mlx")
+
+
+def profile_probe(store_path, record_bytes: int, profile_path=None) -> Optional[tuple]:
+    """(probe, source) from the machine profile `hebrus-mlx qualify` wrote, in ssd_probe's shape,
+    when it stands for this store: written on this machine (same OS release, architecture, MLX),
+    a measured pread probe of records of this size (4 KiB aligned) and, if the profile names the
+    file it probed, this store's file system. None otherwise (then the caller probes)."""
+    import mlx.core as mx
+
+    from ..profile import profile_path as default_path
+    from ..profile import read_profile
+
+    path = profile_path or default_path()
+    prof = read_profile(path)
+    if prof is None:
+        return None
+    here = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
+            "mlx": mx.__version__}
+    wrote = prof.get("machine") if isinstance(prof.get("machine"), dict) else {}
+    pread = (prof.get("io") or {}).get("pread") if isinstance(prof.get("io"), dict) else None
+    if any(wrote.get(k) != here[k] for k in _IDENTITY) or not isinstance(pread, dict):
+        return None
+    # Record-sized reads: within 10% of this store's record the GB/s are the same reads (qualify
+    # takes the size in whole KiB); a probe of another size (a demo's 16 KiB records) is not.
+    if pread.get("status") != "measured" or not 0.9 <= float(pread.get("record_bytes", 0)) / record_bytes <= 1.1:
+        return None
+    probed = pread.get("store") or pread.get("path")
+    if probed:
+        try:
+            if os.stat(probed).st_dev != os.stat(store_path).st_dev:
+                return None
+        except OSError:
+            return None
+    qd = {k[2:-5]: float(v) for k, v in pread.items() if k.startswith("qd") and k.endswith("_GBps")}
+    if not qd or not all(q.isdigit() for q in qd):
+        return None
+    when = prof.get("created_unix")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)) if isinstance(when, (int, float)) else "unknown"
+    source = f"machine profile {path} (hebrus-mlx qualify, written {stamp})"
+    probe = {"path": probed or "(qualify's probe file)", "record_bytes": int(pread["record_bytes"]),
+             "direct": bool(pread.get("direct")), "gbps_by_qd": dict(sorted(qd.items(), key=lambda x: int(x[0]))),
+             "sha256_gbps_per_core": pread.get("sha256_GBps_one_thread"), "source": source,
+             "profile_created_unix": when}
+    return probe, source
+
+
+def record(model_dir=None, probe: bool = True, reuse_profile: bool = True) -> dict:
+    """The machine record of a bench or simulate run. The SSD probe comes from the machine profile
+    when it stands for this machine and store (`profile_probe`), else it is run now."""
     out = {"chip": chip(), "memory_gb": memory_bytes() / (1 << 30), "os": platform.platform(),
            "python": platform.python_version(), "cpus": os.cpu_count()}
     out.update(mlx_info())
     if probe and model_dir is not None:
         st = expert_store(model_dir)
         if st is not None:
-            out["ssd_probe"] = ssd_probe(st["path"], st["record_bytes"], st["offsets"])
+            got = profile_probe(st["path"], st["record_bytes"]) if reuse_profile else None
+            if got is not None:
+                out["ssd_probe"] = got[0]
+            else:
+                out["ssd_probe"] = ssd_probe(st["path"], st["record_bytes"], st["offsets"])
+                out["ssd_probe"]["source"] = "probed now on the artifact's expert store"
     return out

@@ -67,7 +67,9 @@ def markdown(result: dict) -> str:
         qd = ", ".join(f"QD{k} {v:.2f}" for k, v in probe["gbps_by_qd"].items())
         lines += ["", f"SSD probe ({probe['record_bytes']} B random reads, "
                       f"{'O_DIRECT' if probe['direct'] else 'buffered'}): {qd} GB/s; "
-                      f"SHA-256 {probe['sha256_gbps_per_core']:.2f} GB/s per core"]
+                      + (f"SHA-256 {probe['sha256_gbps_per_core']:.2f} GB/s per core"
+                         if probe.get("sha256_gbps_per_core") else "SHA-256 not measured")
+                      + (f"; from {probe['source']}" if probe.get("source") else "")]
     return "\n".join(lines) + "\n"
 
 

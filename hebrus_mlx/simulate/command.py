@@ -3,14 +3,18 @@
     hebrus-mlx simulate --profile m5-pro-48gb                 # Qwen3.8-Flash-Next, shipped profile
     hebrus-mlx simulate --profile my-mac.json --trace DIR     # a recorded route trace / export
     hebrus-mlx simulate --validate --model demo               # predicted vs measured, on this machine
+    hebrus-mlx simulate --validate --stack decode             # ... on bench_stream's real-geometry stack
+    hebrus-mlx simulate --profile machine --layer-ms 0.8      # this machine's SSD from `hebrus-mlx qualify`
 
 A projection combines a route trace (replayed through the expert arena: hit rate, reads per
 token), the model geometry (layers, experts, top-k, record bytes from the artifact format) and a
 machine (SSD GB/s by queue depth, compute per layer, verify speed, memory). See
 `hebrus_mlx.simulate.model` for the equations. `--validate` measures this machine (its disk with
 the bench's SSD probe, its compute with every record cached), records the demo's routes for the
-bench's own prompt, predicts the bench's runs at several cache sizes with and without the
-previous-token prediction, runs them (interleaved) and prints both side by side.
+bench's own prompt (and the hinted sets of the engine's own Predictor), predicts the bench's runs
+at several cache sizes for each predictor (--prefetch-modes), runs them (interleaved) and prints
+both side by side. `--stack decode` does the same on the I/O-heavy real-geometry decode stack
+(`hebrus_mlx.simulate.decode_stack`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -39,7 +44,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     p = _Parser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="m5-pro-48gb",
-                   help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}) or a JSON file")
+                   help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
+                        "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
+    p.add_argument("--layer-ms", type=float, default=None, help="with --profile machine: decode compute per layer")
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
     p.add_argument("--codec", default="affine4-g64", help="expert codec (record size)")
     p.add_argument("--trace", default=None, help="a route trace directory or export (hebrus-mlx traces)")
@@ -51,12 +58,24 @@ def build_parser():
     p.add_argument("--json", default=None, help="write the projection/validation as JSON")
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
+    p.add_argument("--stack", default=None, choices=["decode"],
+                   help="with --validate: instead of --model, the real-geometry decode stack of "
+                        "benchmarks/bench_stream.py --decode (I/O-bound; needs a source checkout)")
+    p.add_argument("--layers", type=int, default=4, help="with --stack decode: decoder layers")
+    p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
+                   help="with --stack decode: store path stem (bench_stream's; built on first use)")
+    p.add_argument("--fresh-probe", action="store_true",
+                   help="with --stack decode: probe the SSD now even when the machine profile has a probe")
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--gen-tokens", type=int, default=None, help="decode tokens per run (demo 48, decode stack 16)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rows", default="8,16,64,192",
-                   help="with --validate: expert cache sizes in stored records (the in-memory arena may get "
-                        "more rows of the same GB; the table shows the rows it got)")
+    p.add_argument("--rows", default=None,
+                   help="with --validate: expert cache sizes in stored records (demo default 8,16,64,192; the "
+                        "in-memory arena may get more rows of the same GB, the table shows the rows it got; "
+                        "decode stack default 20,40,80,160 arena rows)")
+    p.add_argument("--prefetch-modes", default=None,
+                   help="with --validate: the predictors to run at each cache size (demo default "
+                        "off,previous,router-reuse:1,hyper-reuse; decode stack off,previous,router-reuse:1)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -71,7 +90,41 @@ def _list(s: str, conv, flag: str) -> list:
     return v
 
 
-def load_profile(name: str) -> dict:
+def qualify_machine(layer_ms: Optional[float]) -> dict:
+    """A machine description from the profile `hebrus-mlx qualify` wrote on this machine: its SSD
+    probe by queue depth and SHA-256 speed, this machine's memory; compute per layer from
+    --layer-ms (qualify does not measure the model); the shipped M5 Pro 48 GB profile's synthetic
+    routes and memory reserve (said so in the assumptions)."""
+    from ..bench.machine import memory_bytes
+    from ..profile import profile_path, read_profile
+
+    prof = read_profile()
+    pread = ((prof or {}).get("io") or {}).get("pread") if isinstance((prof or {}).get("io"), dict) else None
+    if not isinstance(pread, dict) or pread.get("status") != "measured":
+        raise UsageError("--profile", f"machine: no measured SSD probe in the machine profile {profile_path()} "
+                                      "(run hebrus-mlx qualify)")
+    if layer_ms is None or layer_ms < 0:
+        raise UsageError("--layer-ms", "--profile machine needs the decode compute per layer in ms "
+                                       "(e.g. from hebrus-mlx bench: 1000 / resident tok/s / layers)")
+    ssd = {k[2:-5]: float(v) for k, v in pread.items() if k.startswith("qd") and k.endswith("_GBps")}
+    base = load_profile("m5-pro-48gb")
+    when = prof.get("created_unix")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)) if isinstance(when, (int, float)) else "unknown"
+    return {"name": "this machine (qualify profile)", "memory_gb": memory_bytes() / 1e9, "ssd_gbps": ssd,
+            "threads": 8, "layer_ms": layer_ms, "pre_router": 0.5, "verify_gbps": pread.get("sha256_GBps_one_thread"),
+            "resident_gb": base["resident_gb"], "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
+            "synthetic_routes": base["synthetic_routes"],
+            "status": "projection from this machine's qualify probe and a given compute per layer",
+            "sources": [f"SSD and SHA-256: machine profile {profile_path()} (hebrus-mlx qualify, written {stamp}; "
+                        f"{pread.get('record_bytes')} B O_DIRECT reads)", f"compute: --layer-ms {layer_ms}"],
+            "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads",
+                            "ASSUMPTION: resident/reserve GB, acceptance and synthetic routes of the shipped "
+                            "m5-pro-48gb profile"] + [a for a in base["assumptions"] if "synthetic" in a]}
+
+
+def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
+    if name == "machine":
+        return qualify_machine(layer_ms)
     path = PROFILES_DIR / f"{name}.json"
     if not path.is_file():
         path = Path(name)
@@ -115,7 +168,7 @@ def _table(rows: List[S.Projection]) -> str:
 def project_profile(args) -> dict:
     from ..artifact import constants as C
 
-    prof = load_profile(args.profile)
+    prof = load_profile(args.profile, args.layer_ms)
     machine = S.Machine.from_dict(prof, f"profile {args.profile}")
     if args.no_verify:
         machine.verify_gbps = None
@@ -171,33 +224,77 @@ def print_projection(res: dict) -> None:
 # ---- validation on this machine ------------------------------------------------------------------
 
 
-def record_routes(model, prompt: List[int], n: int):
+class _PredictionRecorder:
+    """Stands in for the model's Streaming while routes are recorded on the resident model: at
+    each layer's router it runs the engine's own Predictor for every --prefetch kind asked for
+    and keeps the candidates it would have hinted (one-token forwards only, as the engine)."""
+
+    experts = None
+    engine = None
+    max_chunk_tokens = None
+
+    def __init__(self, layers, top_k: int, kinds):
+        from ..stream.predict import Predictor, parse_prefetch
+
+        self.predictors = {k: Predictor(parse_prefetch(k), layers, top_k) for k in kinds}
+        self.rows: dict = {}
+
+    def layer_start(self, layer, x):
+        return x
+
+    def before_router(self, layer, streams, x):
+        for k, p in self.predictors.items():
+            r = p.predict(layer, streams, x)
+            if r is not None:
+                self.rows.setdefault(k, {})[r[0]] = r[1]
+        return x
+
+
+def record_routes(model, prompt: List[int], n: int, kinds=()):
     """Greedy routes of the bench's own run, recorded on the resident model: (prompt routes
-    [P-1, L, k] as the warm prefix, decode routes [n, L, k], tokens)."""
+    [P-1, L, k] as the warm prefix, decode routes [n, L, k], tokens, {kind: predicted sets
+    [n, L, B] (-1: none)} for the ahead predictors in `kinds`)."""
     import mlx.core as mx
 
     from ..models.qwen4exp import Capture
 
     L = model.args.num_hidden_layers
+    k = model.args.num_experts_per_tok
     cache = model.make_cache()
+    kinds = [x for x in kinds if S.prefetch_kind(x)[0] == "ahead"]
+    rec = _PredictionRecorder(model.model.layers, k, kinds) if kinds else None
 
     def fwd(ids):
         cap = Capture()
+        if rec is not None:
+            rec.rows = {}
         logits = model(mx.array([ids]), cache, capture=cap)
         routes = mx.stack([cap.routes[l][0] for l in range(L)], axis=1)  # [len, L, k]
-        mx.eval(logits, routes)
+        mx.eval(logits, routes, *[a for r in (rec.rows.values() if rec else ()) for a in r.values()])
         return logits, np.array(routes)
 
-    warm = np.zeros((0, L, model.args.num_experts_per_tok), np.int64)
+    warm = np.zeros((0, L, k), np.int64)
     if len(prompt) > 1:
         _, warm = fwd(prompt[:-1])
     tok, out, toks = prompt[-1], [], []
-    for _ in range(n):
-        logits, r = fwd([tok])
-        out.append(r[0])
-        tok = int(mx.argmax(logits[0, -1]).item())
-        toks.append(tok)
-    return warm.astype(np.int64), np.stack(out).astype(np.int64), toks
+    preds = {x: [] for x in kinds}
+    saved = model.streaming
+    model.streaming = rec
+    try:
+        for _ in range(n):
+            logits, r = fwd([tok])
+            out.append(r[0])
+            for x in kinds:
+                row = np.full((L, k), -1, np.int64)
+                for l, c in rec.rows.get(x, {}).items():
+                    row[l, : c.size] = np.array(c).astype(np.int64)[:k]
+                row[row >= model.args.num_experts] = -1  # below the threshold: skipped
+                preds[x].append(row)
+            tok = int(mx.argmax(logits[0, -1]).item())
+            toks.append(tok)
+    finally:
+        model.streaming = saved
+    return warm.astype(np.int64), np.stack(out).astype(np.int64), toks, {x: np.stack(v) for x, v in preds.items()}
 
 
 def validate(args) -> dict:
@@ -206,12 +303,15 @@ def validate(args) -> dict:
     from ..utils import load, resolve_model_path
 
     path = resolve_model_path(args.model)
-    rows = _list(args.rows, int, "--rows")
+    rows = _list(args.rows or "8,16,64,192", int, "--rows")
     model, tok = load(str(path))
     if model.streaming is not None:
         raise UsageError("--model", "validation records routes on the resident model; this one streams")
+    modes = _list(args.prefetch_modes, str, "--prefetch-modes")
+    for m in modes:
+        S.prefetch_kind(m)
     prompt = H.prompt_ids(tok, args.prompt_tokens, 0)
-    warm1, decode, toks = record_routes(model, prompt, args.gen_tokens)
+    warm1, decode, toks, preds = record_routes(model, prompt, args.gen_tokens, modes)
     L, E, k = model.args.num_hidden_layers, model.args.num_experts, model.args.num_experts_per_tok
     from ..bench.machine import expert_store
 
@@ -224,7 +324,7 @@ def validate(args) -> dict:
     gb = lambda r: r * st["record_bytes"] / S.GIB  # noqa: E731
     configs = [{"expert-cache-gb": f"{gb(total):.9f}", "prefetch": "off"}]  # every record cached: compute
     for r in rows:
-        for pf in ("off", "previous"):
+        for pf in modes:
             configs.append({"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf})
     bench = B.run_bench(args.model, [args.prompt_tokens], [args.gen_tokens], configs, repeats=args.repeats,
                         warmup=1, progress=not args.quiet, timeline=False)
@@ -244,6 +344,7 @@ def validate(args) -> dict:
     # The arena persists across the bench's runs: before a timed run come the warm-up and earlier
     # runs of the same tokens; the replay sees the prompt and one earlier run of this config.
     prompt_and_prev = np.concatenate([warm1, decode, warm1])
+    none = np.full((len(warm1), L, k), -1, np.int64)
     # Paired by round (the schedule runs every configuration once per round): each run is predicted
     # from the compute measured in its own round, so a slow patch of the shared machine moves the
     # prediction and the measurement together; the per-configuration ratio is the median over rounds.
@@ -254,31 +355,39 @@ def validate(args) -> dict:
     for c in configs[1:]:
         label = H.label(c)
         cap = _arena_rows(bench, label)
-        rep = S.replay(decode, E, cap, "lru", c["prefetch"], prompt_and_prev)
-        preds, meas, ratios = [], [], []
+        pred = preds.get(c["prefetch"])
+        if pred is not None:  # the prompt's forward predicts nothing (one-token forwards only)
+            pred = np.concatenate([none, pred, none, pred])
+        rep = S.replay(decode, E, cap, "clock", c["prefetch"], prompt_and_prev, predicted=pred)
+        preds_s, meas, ratios = [], [], []
         for rnd in rounds:
             comp = next(r for r in rnd if r["config"] == base)["decode_tok_s_p50"]
             run = next(r for r in rnd if r["config"] == label)["decode_tok_s_p50"]
             mach = dataclasses.replace(machine, layer_s=1.0 / comp / L)
-            p = S.project(mach, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="lru",
+            p = S.project(mach, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
                           prefetch=c["prefetch"])
-            preds.append(p.tok_s)
+            preds_s.append(p.tok_s)
             meas.append(run)
             ratios.append(p.tok_s / run)
-        p = S.project(machine, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="lru",
+        p = S.project(machine, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
                       prefetch=c["prefetch"])
         m = med[label]
-        out.append({"config": label, "rows": cap, "predicted_tok_s": statistics.median(preds),
+        out.append({"config": label, "rows": cap, "predicted_tok_s": statistics.median(preds_s),
                     "measured_tok_s": statistics.median(meas), "spread": m["decode_tok_s_p50"]["spread"],
                     "ratio": statistics.median(ratios), "ratios_by_round": ratios,
                     "measured_tok_s_whole_run": m["decode_tok_s"]["median"],
                     "predicted_hit_rate": rep.engine_hit_rate, "exact_hit_rate": p.hit_rate,
                     "measured_hit_rate": (m["hit_rate"] or {}).get("median"),
+                    "predicted_timely_recall": rep.timely_recall if c["prefetch"] != "off" else None,
+                    "measured_timely_recall": (m.get("timely_recall") or {}).get("median"),
+                    "predicted_precision": rep.precision,
+                    "predicted_mb_per_token": p.bytes_per_token / 1e6,
+                    "measured_mb_per_token": ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6,
                     "predicted_exposed_ms": p.exposed_ms,
                     "measured_exposed_ms": (m["exposed_wait_ms_per_token"] or {}).get("median")})
     worst = max(abs(r["ratio"] - 1) for r in out)
     return {"machine": machine.to_dict(), "bench_machine": bench["machine"], "compute_ms_per_token": compute_s * 1e3,
-            "runs": out, "worst": worst, "repeats": args.repeats}
+            "runs": out, "worst": worst, "repeats": args.repeats, "stack": f"model {args.model}"}
 
 
 def _arena_rows(bench, label):
@@ -287,20 +396,30 @@ def _arena_rows(bench, label):
 
 
 def print_validation(v: dict) -> None:
-    print(f"validation on this machine: compute {v['compute_ms_per_token']:.2f} ms/token (all records cached), "
-          f"SSD {', '.join(f'QD{q} {g:.2f}' for q, g in v['machine']['ssd_gbps'].items())} GB/s, "
-          f"SHA-256 {v['machine']['verify_gbps']:.2f} GB/s; {v['repeats']} interleaved rounds; tok/s = 1 / the "
-          "median inter-token time; each run predicted from its own round's compute run, pred/meas = the "
-          "median over rounds")
+    m = v["machine"]
+    print(f"validation on this machine ({v.get('stack', '')}): compute {v['compute_ms_per_token']:.2f} ms/token "
+          f"(all records cached; {m['pre_router']:.0%} of a layer before its router), SSD {', '.join(f'QD{q} {g:.2f}' for q, g in m['ssd_gbps'].items())} GB/s"
+          + (f", SHA-256 {m['verify_gbps']:.2f} GB/s" if m.get("verify_gbps") else "")
+          + (f" [{v['probe_source']}]" if v.get("probe_source") else "")
+          + f"; {v['repeats']} interleaved rounds; tok/s = 1 / the median inter-token time; each run predicted "
+          "from its own round's compute run, pred/meas = the median over rounds")
+    pct = lambda x: "n/a" if x is None else f"{x:.0%}"  # noqa: E731
+    num = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     print("| configuration | rows | predicted tok/s | measured tok/s (spread) | pred/meas | "
-          "engine hit rate pred/meas | exposed ms pred/meas |")
-    print("|---|---|---|---|---|---|---|")
+          "hit rate pred/meas | timely recall pred (read by a prediction, landed or not)/meas | MB/token pred/meas | "
+          "exposed ms pred/meas |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in v["runs"]:
-        mh = "n/a" if r["measured_hit_rate"] is None else f"{r['measured_hit_rate']:.1%}"
-        me = "n/a" if r["measured_exposed_ms"] is None else f"{r['measured_exposed_ms']:.2f}"
-        print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.1f} | {r['measured_tok_s']:.1f} "
-              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} | {r['predicted_hit_rate']:.1%} / {mh} | "
-              f"{r['predicted_exposed_ms']:.2f} / {me} |")
+        print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.2f} | {r['measured_tok_s']:.2f} "
+              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} | {pct(r['predicted_hit_rate'])} / "
+              f"{pct(r['measured_hit_rate'])} | {pct(r.get('predicted_timely_recall'))} / "
+              f"{pct(r.get('measured_timely_recall'))} | {num(r.get('predicted_mb_per_token'), '.1f')} / "
+              f"{num(r.get('measured_mb_per_token'), '.1f')} | {r['predicted_exposed_ms']:.2f} / "
+              f"{num(r['measured_exposed_ms'], '.2f')} |")
+    by_rows = {r["rows"]: r["compute_ms_per_token"] for r in v["runs"] if "compute_ms_per_token" in r}
+    if by_rows:
+        print("compute ms/token with every record cached, by arena rows (measured in each round next to the "
+              "runs): " + ", ".join(f"{r}: {c:.0f}" for r, c in by_rows.items()))
     print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs")
 
 
@@ -309,11 +428,31 @@ def main(argv=None) -> int:
     if args.validate:
         if args.trace:
             raise UsageError("--trace", "--validate records its own routes")
+        if args.gen_tokens is None:
+            args.gen_tokens = 16 if args.stack == "decode" else 48
         for flag, v in (("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens),
-                        ("--repeats", args.repeats)):
+                        ("--repeats", args.repeats), ("--layers", args.layers)):
             if v < 1:
                 raise UsageError(flag, f"must be >= 1, got {v}")
-        res = validate(args)
+        if args.prefetch_modes is None:
+            args.prefetch_modes = "off,previous,router-reuse:1" + ("" if args.stack == "decode" else ",hyper-reuse")
+        for m in _list(args.prefetch_modes, str, "--prefetch-modes"):
+            try:
+                S.prefetch_kind(m)
+            except UsageError as e:
+                raise UsageError("--prefetch-modes", e.message) from None
+            if m == "hyper-reuse" and args.stack == "decode":
+                raise UsageError("--prefetch-modes", "the decode stack has no hyper-connections (hyper-reuse: "
+                                                     "use --model)")
+        if args.stack == "decode":
+            from .decode_stack import validate_decode
+
+            if args.gen_tokens < 2:
+                raise UsageError("--gen-tokens", "the decode stack times tokens 1.. of a cold run: give >= 2")
+            args.rows = ",".join(str(x) for x in _list(args.rows or "20,40,80,160", int, "--rows"))
+            res = validate_decode(args)
+        else:
+            res = validate(args)
         print_validation(res)
     else:
         if args.acceptance is not None and not 0 <= args.acceptance < 1:

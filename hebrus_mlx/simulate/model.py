@@ -4,26 +4,29 @@ One decode token runs the layers in order. Layer l computes for ``layer_s`` seco
 runs after ``pre_router`` of that time (attention/GDN first), and the layer then waits for the
 records of its top-k experts that are not in the arena. A miss costs ``io_time(n)``: n records
 read at queue depth min(n, threads) from the machine's bandwidth-by-queue-depth table, plus the
-digest check. A prediction (the previous-token P1 hint) issues its reads when the layer starts,
-so up to ``pre_router * layer_s`` of them hide behind compute; exact misses go first (P0).
+digest check. A prediction hints records ahead of the exact (P0) reads: ``previous`` (the
+previous token's top-k) when the layer starts, ``window = pre_router * layer_s`` before its
+router; ``router-reuse:D`` / ``hyper-reuse`` right after layer l - D's exact reads,
+``window = D * layer_s``. The disk serves the layer's predicted reads (used or wasted) too:
 
-    exposed_l = max(io(demand_l), io(demand_l + used_predicted_l) - window_l)
+    exposed_l = max(io(demand_l), io(demand_l + predicted_reads_l) - window_l)
     token_s   = compute_s + sum_l exposed_l
 
 Speculative decoding with draft depth d and per-token acceptance a verifies d+1 tokens per step:
 tokens/step = (1 - a^(d+1)) / (1 - a); a step costs compute_s * (1 + verify_extra * d) plus the
 misses of the union of the d+1 tokens' routes (from the trace).
 
-Which accesses hit comes from the route trace replayed through the arena: demand paging through
-`traces.cachesim` (LRU/CLOCK/LFU/Belady); with a prediction, `replay_with_prefetch` also inserts
-the hinted records (cachesim has no prefetch; without one the two agree, which a test checks).
+Which accesses hit comes from the route trace replayed through the engine's arena (`_Arena`,
+record for record as metal_ext/engine.cpp: CLOCK or LRU order, the computing layer's records
+pinned, staging rows, predictions that only displace predictions; a test checks it against the
+engine's counters) for lru/clock, and through `traces.cachesim` demand paging for lfu/belady.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -31,7 +34,8 @@ from ..errors import UsageError
 from ..traces import cachesim
 
 GIB = 1 << 30
-PREFETCH = ("off", "previous")
+PREFETCH = ("off", "previous")  # what synthetic routes support
+PREDICTORS = ("off", "previous", "router-reuse:1", "router-reuse:2", "hyper-reuse")
 
 
 @dataclass
@@ -127,7 +131,10 @@ class Replay:
     predicted_used: np.ndarray  # [L] predicted reads that the layer then used, per token
     predicted_reads: np.ndarray  # [L] predicted reads issued, per token
     accesses: int  # exact accesses per token
-    prefetch_lookups: float = 0.0  # hinted records looked up per token
+    prefetch_lookups: float = 0.0  # hinted records looked up per token (dropped hints not counted)
+    prefetch_hits: float = 0.0  # hinted records already in the arena, per token
+    predicted_wasted: float = 0.0  # predicted reads no layer of the same token used, per token
+    predicted_hits: float = 0.0  # exact lookups served by any earlier prediction (the engine's count)
 
     @property
     def hit_rate(self) -> float:
@@ -141,77 +148,231 @@ class Replay:
         return float(self.predicted_used.sum()) / miss if miss else 0.0
 
     @property
+    def precision(self) -> Optional[float]:
+        """Predicted reads the target layer used (the rest is wasted bytes)."""
+        r = float(self.predicted_reads.sum())
+        return float(self.predicted_used.sum()) / r if r else None
+
+    @property
     def engine_hit_rate(self) -> float:
         """The hit rate as the engine counts it: a prediction's own lookups count too (a hinted
         record already cached is a hit), so with prefetch on it is not `hit_rate`."""
         a = self.accesses
         p = self.prefetch_lookups
-        served = a - float(self.demand_misses.sum()) + p - float(self.predicted_reads.sum())
+        served = a - float(self.demand_misses.sum()) + self.prefetch_hits
         return served / (a + p) if a + p else 0.0
 
     def reads_per_token(self) -> float:
         return float(self.demand_misses.sum() + self.predicted_reads.sum())
 
 
-def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off",
-                         warm: Optional[np.ndarray] = None) -> Replay:
-    """Replay [T, L, k] routes through an LRU arena of `capacity` records; with
-    prefetch="previous" each layer first hints the previous token's top-k (loaded as predicted
-    reads, LRU-touched), as StreamedSwitchGLU.layer_start does. `warm` [T0, L, k] routes run
-    first and are not counted (earlier runs and the prompt: the arena persists between them)."""
-    if prefetch not in PREFETCH:
-        raise UsageError("prefetch", f"unknown {prefetch!r}; this model knows {', '.join(PREFETCH)}")
+class _Arena:
+    """The engine's arena rows (metal_ext/engine.cpp), record for record: exact and predicted
+    records in separate buckets; CLOCK orders a bucket by the position a record took when it was
+    read and gives a referenced record one more pass (its bit set by any later lookup), LRU by the
+    last lookup; the records of the layer being computed are pinned; with `staging` rows kept
+    for predictions, exact records hold at most rows - staging while one of theirs can be
+    recycled, and a prediction only ever displaces another prediction (else it is dropped)."""
+
+    def __init__(self, rows: int, staging: int, policy: str):
+        self.rows, self.staging, self.policy = rows, staging, policy
+        self.slots: Dict[int, list] = {}  # item -> [exact, clock_pos, lru, ref, pins, ver, issued]
+        self.heaps = ([], [])  # bucket 0 exact, 1 predicted: (key, lru, item, ver)
+        self.tick = 0
+        self.ver = 0
+        self.exact_rows = 0
+        self.wasted = 0
+
+    def _index(self, x):
+        # Versions are drawn from one counter, so a stale heap entry of an evicted
+        # incarnation never matches the record's next one.
+        s = self.slots[x]
+        self.ver += 1
+        s[5] = self.ver
+        if s[4] == 0:
+            key = s[1] if self.policy == "clock" else s[2]
+            heapq.heappush(self.heaps[0 if s[0] else 1], (key, s[2], x, s[5]))
+
+    def _peek(self, b):
+        h = self.heaps[b]
+        while h:
+            key, lru, x, ver = h[0]
+            s = self.slots.get(x)
+            if s is None or s[5] != ver or s[4] or (0 if s[0] else 1) != b:
+                heapq.heappop(h)
+                continue
+            if self.policy == "clock" and s[3]:  # second chance: clear the bit, behind the hand
+                heapq.heappop(h)
+                s[3] = False
+                self.tick += 1
+                s[1] = self.tick
+                self._index(x)
+                continue
+            return h[0]
+        return None
+
+    def _evict(self, x):
+        s = self.slots.pop(x)
+        if s[0]:
+            self.exact_rows -= 1
+        else:
+            self.wasted += 1
+
+    def _reserve(self, exact: bool) -> bool:
+        if exact:
+            while self.staging and self.exact_rows >= self.rows - self.staging:
+                v = self._peek(0)
+                if v is None:
+                    break
+                self._evict(v[2])
+        while len(self.slots) >= self.rows:
+            if exact:
+                e, p = self._peek(0), self._peek(1)
+                v = p if e is None else e if p is None else min(e, p)
+            else:
+                v = self._peek(1)
+            if v is None:
+                return False
+            self._evict(v[2])
+        return True
+
+    def lookup(self, x: int, exact: bool, issued=None):
+        """One request: "hit" (with the prediction's `issued` tag when an exact lookup promotes a
+        predicted record), "miss" (read), or "dropped" (a prediction with no row to take)."""
+        s = self.slots.get(x)
+        self.tick += 1
+        if s is not None:
+            s[2] = self.tick
+            s[3] = True
+            tag = None
+            if exact:
+                s[4] += 1
+                if not s[0]:
+                    s[0] = True
+                    self.exact_rows += 1
+                    tag = s[6]
+            self._index(x)
+            return "hit", tag
+        if not self._reserve(exact):
+            return "dropped", None
+        self.tick += 1
+        self.slots[x] = [exact, self.tick, self.tick, False, 1 if exact else 0, 0, issued]
+        if exact:
+            self.exact_rows += 1
+        self._index(x)
+        return "miss", None
+
+    def pin(self, x: int):
+        self.slots[x][4] += 1
+        self.ver += 1
+        self.slots[x][5] = self.ver  # off the evictable index
+
+    def unpin(self, x: int):
+        s = self.slots.get(x)
+        if s is not None and s[4]:
+            s[4] -= 1
+            self._index(x)
+
+
+def prefetch_kind(prefetch: str) -> Tuple[str, int]:
+    """("off" | "previous" | "ahead", depth) of a --prefetch value."""
+    if prefetch in ("off", "previous"):
+        return prefetch, 0
+    kind, _, d = prefetch.partition(":")
+    if kind == "router-reuse" and d in ("", "1", "2"):
+        return "ahead", int(d or 1)
+    if kind == "hyper-reuse" and d in ("", "1"):
+        return "ahead", 1
+    raise UsageError("prefetch", f"unknown {prefetch!r}; this model knows {', '.join(PREDICTORS)}")
+
+
+def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off",
+                 warm: Optional[np.ndarray] = None, policy: str = "clock", predicted: Optional[np.ndarray] = None,
+                 staging: Optional[int] = None) -> Replay:
+    """Replay [T, L, k] routes through the engine's arena of `capacity` rows (`_Arena`), as the
+    streamed layers drive it: with prefetch="previous" each layer first hints the previous
+    token's top-k (StreamedSwitchGLU.layer_start); with "router-reuse:D" / "hyper-reuse" the
+    predicted sets `predicted` [T0 + T, L, B] (for token t, target layer l; -1 = none) are hinted
+    right after layer l - D's exact reads (predict_after_resolve). Staging rows default to the
+    loader's min(B * D, rows // 4). `warm` [T0, L, k] routes run first and are not counted."""
+    kind, depth = prefetch_kind(prefetch)
+    if policy not in ("lru", "clock"):
+        raise UsageError("policy", f"the engine's arena is lru or clock, not {policy!r}")
     t, L, k = topk.shape
     if capacity < k:
         raise UsageError("cache", f"{capacity} records is fewer than top_k={k}")
-    cache: OrderedDict = OrderedDict()
-    demand = np.zeros(L)
-    used = np.zeros(L)
-    reads = np.zeros(L)
     t0 = 0 if warm is None else len(warm)
     ids = (topk if warm is None else np.concatenate([warm, topk])).astype(np.int64).tolist()
+    if kind == "ahead":
+        if predicted is None or len(predicted) != len(ids) or predicted.shape[1] != L:
+            raise UsageError("prefetch", f"{prefetch} needs the predicted sets of every token and layer")
+        pred = predicted.astype(np.int64).tolist()
+        budget = predicted.shape[2]
+    else:
+        budget = k
+    if staging is None:
+        staging = 0 if kind == "off" else min(budget * max(depth, 1), capacity // 4)
+    arena = _Arena(capacity, staging, policy)
+    demand, used, reads = np.zeros(L), np.zeros(L), np.zeros(L)
+    hint_lookups = hint_hits = promoted = 0
     for i in range(len(ids)):
         count = i >= t0
+
+        def hint(l, experts):
+            # One prefetch op issues its hints together: a read still in flight is not
+            # evictable, so a hint never displaces another of the same batch.
+            nonlocal hint_lookups, hint_hits
+            flying = []
+            for e in experts:
+                if e < 0:
+                    continue
+                x = l * num_experts + e
+                res, _ = arena.lookup(x, False, (i, l))
+                if res == "miss":
+                    arena.pin(x)
+                    flying.append(x)
+                if count and res != "dropped":
+                    hint_lookups += 1
+                    hint_hits += res == "hit"
+                    reads[l] += res == "miss"
+            for x in flying:
+                arena.unpin(x)
+
         for l in range(L):
             base = l * num_experts
-            pending = set()
-            if prefetch == "previous" and i > 0:
-                for e in ids[i - 1][l]:
-                    x = base + e
-                    if x in cache:
-                        cache.move_to_end(x)
-                    else:
-                        if len(cache) >= capacity:
-                            cache.popitem(last=False)
-                        cache[x] = None
-                        pending.add(x)
-                        reads[l] += count
+            if kind == "previous" and i > 0:
+                hint(l, ids[i - 1][l])
             for e in ids[i][l]:
-                x = base + e
-                if x in cache:
-                    if x in pending:
-                        used[l] += count
-                        pending.discard(x)
-                    cache.move_to_end(x)
-                else:
-                    demand[l] += count
-                    if len(cache) >= capacity:
-                        cache.popitem(last=False)
-                    cache[x] = None
+                res, tag = arena.lookup(base + e, True)
+                if count:
+                    demand[l] += res == "miss"
+                    promoted += tag is not None
+                    used[l] += tag == (i, l)  # read by this token's prediction for this layer
+            if kind == "ahead" and l + depth < L:
+                hint(l + depth, pred[i][l + depth])
+            for e in ids[i][l]:
+                arena.unpin(base + e)
     n = max(t, 1)
-    hinted = L * k * (t - (1 if t0 == 0 else 0)) / n if prefetch == "previous" else 0.0
-    return Replay(t, demand / n, used / n, reads / n, L * k, hinted)
+    return Replay(t, demand / n, used / n, reads / n, L * k, hint_lookups / n, hint_hits / n,
+                  float(np.sum(reads) - np.sum(used)) / n, promoted / n)
+
+
+def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off",
+                         warm: Optional[np.ndarray] = None) -> Replay:
+    """The engine arena with LRU order (the control policy)."""
+    return replay_arena(topk, num_experts, capacity, prefetch, warm, "lru")
 
 
 def replay(topk: np.ndarray, num_experts: int, capacity: int, policy: str = "lru", prefetch: str = "off",
-           warm: Optional[np.ndarray] = None) -> Replay:
-    """Demand paging through cachesim for any policy; the arena replay for a prediction. `warm`
-    routes run first, uncounted (for online policies hits(warm + trace) - hits(warm) are the
-    trace's own hits; for Belady, a bound anyway, it is the same subtraction)."""
+           warm: Optional[np.ndarray] = None, predicted: Optional[np.ndarray] = None) -> Replay:
+    """The engine's arena for its policies (lru, clock; any prediction); demand paging through
+    cachesim for the others (lfu, belady; no prediction). `warm` routes run first, uncounted (for
+    online policies hits(warm + trace) - hits(warm) are the trace's own hits; for Belady, a bound
+    anyway, it is the same subtraction)."""
+    if policy in ("lru", "clock"):
+        return replay_arena(topk, num_experts, capacity, prefetch, warm, policy, predicted)
     if prefetch != "off":
-        if policy != "lru":
-            raise UsageError("policy", f"prefetch={prefetch} is modelled with the engine's LRU arena only")
-        return replay_with_prefetch(topk, num_experts, capacity, prefetch, warm)
+        raise UsageError("policy", f"prefetch={prefetch} is modelled with the engine's arena (lru, clock) only")
     t, L, k = topk.shape
     if capacity < k:
         raise UsageError("cache", f"{capacity} records is fewer than top_k={k}")
@@ -272,13 +433,17 @@ def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: flo
     R = geom.record_bytes
     L = geom.num_layers
     compute = L * machine.layer_s + machine.other_s
-    window = machine.pre_router * machine.layer_s
+    kind, depth = prefetch_kind(prefetch)
+    # How long before a layer's router its predicted reads were issued: at the layer's start
+    # (previous), or right after layer l - D's exact reads (router-reuse:D / hyper-reuse).
+    window = {"off": 0.0, "previous": machine.pre_router * machine.layer_s}.get(kind, depth * machine.layer_s)
     exposed = 0.0
     w = draft_depth + 1
     for l in range(L):
-        # A verify step routes w tokens; their distinct experts miss at the per-token rate.
+        # A verify step routes w tokens; their distinct experts miss at the per-token rate. The
+        # disk serves the layer's predicted reads (used or wasted) and then its exact misses.
         d = rep.demand_misses[l] * w * union
-        p = rep.predicted_used[l] * w * union
+        p = rep.predicted_reads[l] * w * union
         exposed += max(machine.io_time(d, R), machine.io_time(d + p, R) - window)
     step = compute * (1 + machine.verify_extra * draft_depth) + exposed
     if draft_depth and acceptance > 0:
@@ -308,7 +473,7 @@ def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Se
         cap = capacity_of(gb, geom)
         for pol in policies:
             for pf in prefetches:
-                if pf != "off" and pol != "lru":
+                if pf != "off" and pol not in ("lru", "clock"):
                     continue
                 rep = replay(topk, geom.num_experts, cap, pol, pf, warm)
                 for d in draft_depths:

@@ -1,0 +1,283 @@
+"""`hebrus-mlx simulate --validate --stack decode`: the simulator against the real-geometry decode
+stack of `benchmarks/bench_stream.py --decode`, where I/O dominates a token.
+
+The stack is bench_stream's own (DecodeStack: per layer a Gated DeltaNet with Qwen3.8-Flash-Next's
+dimensions -> router over 512 experts -> top-10 -> resolve from a cold store of 2560x640 affine4
+records -> SwitchGLU + shared expert; one lazy graph per token). This module measures this
+machine (the SSD by queue depth on that store's records with the bench's probe, or the probe of
+the machine profile `hebrus-mlx qualify` wrote; compute per layer and the part of it before the
+router on the stack with every record cached), records the stack's routes and each predictor's
+hinted sets in a pass of their own, predicts every (arena rows x predictor) run, then times the
+runs (interleaved with a compute run, each from a cold store and an empty arena) and prints both.
+It needs a source checkout (the benchmark is not part of the installed package).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+
+from ..errors import UsageError
+from . import model as S
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stream.py"
+
+
+def bench_stream():
+    """benchmarks/bench_stream.py of this checkout, imported as a module."""
+    if not BENCH.is_file():
+        raise UsageError("--stack", f"decode needs a source checkout: {BENCH} is missing")
+    spec = importlib.util.spec_from_file_location("_hebrus_bench_stream", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Recorder:
+    """StreamEngine proxy that keeps the indices of every prefetch (the hinted sets)."""
+
+    def __init__(self, eng):
+        self._eng = eng
+        self.hints: List[tuple] = []
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+    def prefetch(self, table, indices, priority=1, layer=-1, **kw):
+        self.hints.append((layer, indices))
+        return self._eng.prefetch(table, indices, priority=priority, layer=layer, **kw)
+
+
+class Stack:
+    """bench_stream's decode stack on one store, built per run like its `stack()`."""
+
+    def __init__(self, bs, store: str, layers: int, experts: int, top_k: int, tokens: int, threads: int):
+        self.bs, self.layers, self.experts, self.top_k, self.threads = bs, layers, experts, top_k, threads
+        self.rec = bs.record_bytes()
+        self.n = layers * experts
+        self.path = store.replace(".bin", "") + f"_{layers}x{experts}.bin"
+        bs.build_decode_store(self.path, self.n, self.rec)
+        self.hs = bs.token_inputs(tokens)
+        self.mixers = bs.make_mixers(layers)
+
+    def make(self, prefetch: str, rows: int):
+        from ..stream import engine as se
+
+        bs = self.bs
+        eng = se.StreamEngine(cache_bytes=self.rec, threads=self.threads)
+        s = eng.add_store(self.path)
+        aid, parts = eng.create_arena(bs.part_bytes(), rows)
+        table = eng.register_table(s, [i * self.rec for i in range(self.n)], [self.rec] * self.n, arena=aid)
+        st = bs.DecodeStack(eng, table, bs.glu_weights(parts, rows), self.layers, self.experts, self.top_k,
+                            prefetch, self.mixers)
+        if st.spec.kind != "off":  # the loader's staging rows (stream.streaming.Streaming)
+            eng.set_staging(aid, min(self.top_k * st.spec.depth, rows // 4))
+        return st
+
+    def run(self, prefetch: str, rows: int):
+        """A cold run: (seconds per token, routes [T, L, k], engine counters)."""
+        self.bs.drop_cache(self.path)
+        st = self.make(prefetch, rows)
+        times, routes = [], []
+        try:
+            for i, h in enumerate(self.hs):
+                t0 = time.perf_counter()
+                routes.append(st.token(h))
+                times.append(time.perf_counter() - t0)
+                if i == 0:
+                    c0 = st.eng.counters()
+            c1 = st.eng.counters()
+            # Tokens 1.. only (token 0 fills the empty arena; the replay warms on it too).
+            c = {k: v - c0[k] for k, v in c1.items() if isinstance(v, (int, float)) and isinstance(c0.get(k), (int, float))}
+        finally:
+            st.eng.close()
+        return times, np.array(routes, np.int64), c
+
+    def record(self, prefetch: str):
+        """Routes and the hinted sets of one run ([T, L, k] and [T, L, k] with -1 where the
+        predictor hinted nothing for that (token, target layer))."""
+        import mlx.core as mx
+
+        st = self.make(prefetch, self.layers * self.top_k * 2)
+        rec = _Recorder(st.eng)
+        st.eng = rec
+        routes, pred = [], np.full((len(self.hs), self.layers, self.top_k), -1, np.int64)
+        try:
+            for t, h in enumerate(self.hs):
+                rec.hints = []
+                routes.append(st.token(h))
+                for layer, idx in rec.hints:
+                    ids = np.array(mx.array(idx)).reshape(-1).astype(np.int64) - layer * self.experts
+                    ids = ids[(ids >= 0) & (ids < self.experts)][: self.top_k]
+                    pred[t, layer, : len(ids)] = ids
+        finally:
+            st.eng = rec._eng
+            st.eng.close()
+        return np.array(routes, np.int64), pred
+
+    def pre_router(self, rows: int) -> float:
+        """The fraction of a hot token's layer time before the routers (GDN + router, each layer
+        evaluated on its own), median over three tokens."""
+        import mlx.core as mx
+
+        st = self.make("off", rows)
+        fr = []
+        try:
+            for h in self.hs[:4]:
+                snap = st.snapshot()
+                st.token(h)  # every record of this token now in the arena
+                st.restore(snap)
+                x, t_route, t_all = h, 0.0, time.perf_counter()
+                for l in range(st.layers):
+                    t0 = time.perf_counter()
+                    x2, hh, idx = st._route(l, x)
+                    mx.eval(x2, hh, idx)
+                    t_route += time.perf_counter() - t0
+                    rows_, lease = st.eng.resolve(st.table, idx + l * st.experts, layer=l)
+                    x = st._experts(l, x2, hh, rows_, lease)
+                    mx.eval(x)
+                fr.append(t_route / (time.perf_counter() - t_all))
+                st.restore(snap)
+        finally:
+            st.eng.close()
+        return statistics.median(fr[1:])
+
+    def hot(self, rows: int, tokens: int = 4) -> float:
+        """bench_stream's hot(): each token twice, the second pass timed with every record of it
+        already in an arena of `rows` rows (gather_qmm's cost on the CPU grows with the arena's
+        rows, so compute is measured at the run's size); mean over tokens 1..tokens-1."""
+        st = self.make("off", rows)
+        times = []
+        try:
+            for h in self.hs[:tokens]:
+                snap = st.snapshot()
+                st.token(h)
+                st.restore(snap)
+                t0 = time.perf_counter()
+                st.token(h)
+                times.append(time.perf_counter() - t0)
+        finally:
+            st.eng.close()
+        return statistics.mean(times[1:])
+
+
+def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: int, source: str) -> S.Machine:
+    return S.Machine(name="this machine (measured)", ssd_gbps={int(q): float(v) for q, v in probe["gbps_by_qd"].items()},
+                     layer_s=layer_s, pre_router=pre_router, threads=threads, verify_gbps=None,
+                     assumptions=[f"SSD: {source}", "compute: the stack with every record cached, same rounds",
+                                  "no SHA-256 on this stack (its table has no digests)"])
+
+
+def validate_decode(args) -> dict:
+    bs = bench_stream()
+    rows_list = [int(x) for x in args.rows.split(",")]
+    modes = [m.strip() for m in args.prefetch_modes.split(",") if m.strip()]
+    for m in modes:
+        if m == "hyper-reuse":
+            raise UsageError("--prefetch-modes", "the decode stack has no hyper-connections (hyper-reuse: --model)")
+        S.prefetch_kind(m)
+    # 512 experts top-10 is the real geometry; a test may shrink the store (experts, top_k).
+    L, E, k = args.layers, getattr(args, "experts", 512), getattr(args, "top_k", 10)
+    if min(rows_list) < k or max(rows_list) > L * E:
+        raise UsageError("--rows", f"arena rows must be in [{k}, {L * E}] for --stack decode")
+    stack = Stack(bs, args.store, L, E, k, args.gen_tokens, 8)
+    # Routes and hinted sets, recorded once (they do not depend on the arena).
+    routes, _ = stack.record("off")
+    preds: Dict[str, np.ndarray] = {}
+    for m in modes:
+        if S.prefetch_kind(m)[0] == "ahead":
+            r, preds[m] = stack.record(m)
+            if not np.array_equal(r, routes):
+                raise UsageError("--stack", f"routes differ between prefetch off and {m}")
+    from_profile = None if args.fresh_probe else machine_probe_from_profile(stack)
+    # Each run starts cold: the replay warms on token 0 and counts tokens 1.. (as the timing).
+    warm, topk = routes[:1], routes[1:]
+    configs = [(r, m) for r in rows_list for m in modes]
+    reps = {}
+    for r, m in configs:
+        reps[r, m] = S.replay(topk, E, r, "clock", m, warm, predicted=preds.get(m))
+    geom = S.ModelGeometry("bench_stream --decode", L, E, k, stack.rec)
+    # A round: per arena size, its compute run (every record cached, same rows) next to its
+    # streamed runs; sizes and runs in reverse order every other round (A B B A).
+    hot_rows = {r: max(r, L * k) for r in rows_list}  # a hot token needs its L x k records resident
+    rounds = []
+    for rnd in range(args.repeats):
+        got = {"pre": stack.pre_router(max(rows_list[0], L * k))}
+        # The disk drifts on a shared machine: without a profile's probe, each round probes it.
+        got["probe"] = from_profile or (quick_probe(stack), "probed in this round on the stack's store")
+        order = [(r, m) for r in rows_list for m in ["hot"] + modes]
+        for r, m in (order if rnd % 2 == 0 else order[::-1]):
+            if m == "hot":
+                got[r, "hot"] = stack.hot(hot_rows[r])
+            else:
+                times, rts, c = stack.run(m, r)
+                if not np.array_equal(rts, routes):
+                    raise UsageError("--stack", "a streamed run's routes differ from the recorded ones")
+                got[r, m] = (statistics.mean(times[1:]), c)
+            if not args.quiet:
+                print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", flush=True)
+        rounds.append(got)
+    out = []
+    for r, m in configs:
+        rep = reps[r, m]
+        ratios, pred_s, meas_s = [], [], []
+        for got in rounds:
+            hot, pre = got[r, "hot"], got["pre"]
+            mach = machine_from_probe(got["probe"][0], hot / L, pre, 8, got["probe"][1])
+            p = S.project(mach, geom, rep, cache_gb=r * stack.rec / S.GIB, capacity=r, policy="clock", prefetch=m)
+            t, _ = got[r, m]
+            pred_s.append(p.tok_s)
+            meas_s.append(1.0 / t)
+            ratios.append(p.tok_s * t)
+        c = rounds[0][r, m][1]
+        T = len(topk)
+        lookups = c["hits"] + c["joins"] + c["misses"]
+        need = c["predicted_hits"] + c["predicted_joins"] + c["exact_misses"]
+        out.append({"config": f"rows={r},prefetch={m}", "rows": r, "predicted_tok_s": statistics.median(pred_s),
+                    "measured_tok_s": statistics.median(meas_s),
+                    "spread": (max(meas_s) - min(meas_s)) / statistics.median(meas_s) if len(meas_s) > 1 else 0.0,
+                    "ratio": statistics.median(ratios), "ratios_by_round": ratios,
+                    "compute_ms_per_token": statistics.median(g[r, "hot"] for g in rounds) * 1e3,
+                    "predicted_hit_rate": rep.engine_hit_rate,
+                    "measured_hit_rate": (c["hits"] + c["joins"]) / lookups if lookups else None,
+                    "predicted_timely_recall": rep.timely_recall if m != "off" else None,
+                    "measured_timely_recall": c["predicted_hits"] / need if m != "off" and need else None,
+                    "predicted_precision": rep.precision,
+                    "measured_precision": ((c["predicted_hits"] + c["predicted_joins"]) / c["predicted_reads"]
+                                           if c["predicted_reads"] else None),
+                    "predicted_mb_per_token": p.bytes_per_token / 1e6,
+                    "measured_mb_per_token": (c["exact_bytes"] + c["predicted_bytes"]) / T / 1e6,
+                    "predicted_exposed_ms": p.exposed_ms,
+                    "measured_exposed_ms": c["exposed_wait_ns"] / T / 1e6})
+    hot = statistics.median(g[rows_list[0], "hot"] for g in rounds)
+    pre = statistics.median(g["pre"] for g in rounds)
+    probe = rounds[0]["probe"][0].copy()
+    probe["gbps_by_qd"] = {q: statistics.median(g["probe"][0]["gbps_by_qd"][q] for g in rounds)
+                           for q in probe["gbps_by_qd"]}
+    source = rounds[0]["probe"][1] + ("" if from_profile else " (median over rounds shown)")
+    machine = machine_from_probe(probe, hot / L, pre, 8, source)
+    return {"machine": machine.to_dict(), "probe": probe, "probe_source": source, "compute_ms_per_token": hot * 1e3,
+            "runs": out, "worst": max(abs(x["ratio"] - 1) for x in out), "repeats": args.repeats,
+            "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
+                     f"{args.gen_tokens} tokens per cold run, store {stack.path}"}
+
+
+def machine_probe_from_profile(stack):
+    """(probe, source) from the machine profile when it stands for this store (see
+    bench.machine.profile_probe), else None."""
+    from ..bench import machine as BM
+
+    return BM.profile_probe(stack.path, stack.rec)
+
+
+def quick_probe(stack) -> dict:
+    """The bench's SSD probe on the stack's records, short enough to run every round."""
+    from ..bench import machine as BM
+
+    return BM.ssd_probe(stack.path, stack.rec, [i * stack.rec for i in range(stack.n)], reads=64, trials=1)
