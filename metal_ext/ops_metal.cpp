@@ -60,13 +60,8 @@ namespace {
 
 // One dedicated CPU stream (an MLX scheduler thread) runs every host task,
 // in the order the ops were encoded; it never blocks the default CPU stream.
-std::atomic<bool> g_host_started{false};
-
 mx::Stream host_stream() {
-  static mx::Stream s = [] {
-    g_host_started = true;
-    return mx::new_stream(mx::Device::cpu);
-  }();
+  static mx::Stream s = mx::new_stream(mx::Device::cpu);
   return s;
 }
 
@@ -104,17 +99,18 @@ std::tuple<std::shared_ptr<Channel>, uint64_t, uint64_t> reserve(
   return {ch, wait_v, signal_v};
 }
 
-// Sets the host -> GPU value when the task ends, however it ends: a GPU
-// queue waiting on a value nobody sets would hang (and trip the watchdog).
-struct ReleaseGpu {
-  MTL::SharedEvent* event;
-  uint64_t value;
-  ~ReleaseGpu() {
-    if (value != 0) {
-      event->setSignaledValue(value);
-    }
+// The first host-task failure since the last check. Recorded before the
+// task releases the GPU, so once a step's outputs are ready on the host its
+// failure is visible to check_gpu_event_errors().
+std::mutex g_error_mtx;
+std::string g_error;
+
+void record_error(const char* what) {
+  std::lock_guard<std::mutex> lk(g_error_mtx);
+  if (g_error.empty()) {
+    g_error = what;
   }
-};
+}
 
 } // namespace
 
@@ -132,8 +128,13 @@ void set_gpu_events(bool on) {
 }
 
 void check_gpu_event_errors() {
-  if (g_host_started.load()) {
-    mx::scheduler::check_error(host_stream());
+  std::string msg;
+  {
+    std::lock_guard<std::mutex> lk(g_error_mtx);
+    msg.swap(g_error);
+  }
+  if (!msg.empty()) {
+    throw std::runtime_error(msg);
   }
 }
 
@@ -173,14 +174,24 @@ void eval_gpu_via_io(
       host_stream(),
       [ch = ch, wait_v = wait_v, signal_v = signal_v, work = std::move(host_work),
        keep = std::move(keep)]() {
-        ReleaseGpu release{ch->to_gpu.get(), signal_v};
-        ch->to_host->waitUntilSignaledValue(wait_v, UINT64_MAX);
-        if (ch->gpu_failed.load()) {
-          throw std::runtime_error(
-              "hebrus: a GPU command buffer failed before a streamed op's "
-              "inputs were ready");
+        try {
+          ch->to_host->waitUntilSignaledValue(wait_v, UINT64_MAX);
+          if (ch->gpu_failed.load()) {
+            throw std::runtime_error(
+                "hebrus: a GPU command buffer failed before a streamed op's "
+                "inputs were ready");
+          }
+          work();
+        } catch (const std::exception& e) {
+          record_error(e.what());
+        } catch (...) {
+          record_error("hebrus: unknown failure in a streamed op's host task");
         }
-        work();
+        // Released however the task ended: a GPU queue waiting on a value
+        // nobody sets would hang (and trip the watchdog).
+        if (signal_v != 0) {
+          ch->to_gpu->setSignaledValue(signal_v);
+        }
       });
   if (gpu_waits) {
     // The host can only see the signal once its buffer is committed; the

@@ -40,12 +40,14 @@ bool gpu_events_enabled();
 // a build without the path or without a Metal device.
 void set_gpu_events(bool on);
 
-// Host tasks run on one dedicated MLX CPU stream; a failure there is stored
-// by MLX's scheduler as that stream's error (first one wins). This raises
-// and clears it (as std::runtime_error with the task's what(), so a
-// StreamError's " [stream:<name>]" tag survives). No-op if nothing failed or
-// the path never ran. eval_gpu_via_io calls it first, and
-// hebrus_mlx.stream.engine.check_gpu_event_errors() after each step.
+// Host tasks run on one dedicated MLX CPU stream. The first failure of one
+// (process-wide) is recorded before the task releases the GPU; this raises
+// and clears it as std::runtime_error carrying the task's what() (so a
+// StreamError's " [stream:<name>]" tag survives for translate()). No-op if
+// nothing failed. eval_gpu_via_io calls it first; hebrus_mlx calls it after
+// every step (models/cache.py rollback_on_error), so a step whose host task
+// failed raises instead of returning a token computed from unwritten
+// records.
 void check_gpu_event_errors();
 
 // Encodes on `gpu`, in stream order: a signal the host task waits on (all
@@ -58,7 +60,7 @@ void check_gpu_event_errors();
 // `inputs` and `outputs` alive. `gpu_waits = false` is for pass-through ops
 // (release/mark): the GPU never waits for them and their signal rides with
 // the next commit. The GPU is released even when host_work throws, so it
-// never hangs; the exception is raised by check_gpu_event_errors().
+// never hangs; the failure is raised by check_gpu_event_errors().
 void eval_gpu_via_io(
     mx::Stream gpu,
     const std::vector<mx::array>& inputs,
