@@ -7,8 +7,8 @@
 // constructors and wait/signal live inside libmlx), so the events here are
 // plain MTL::SharedEvents (metal-cpp inline calls; the selectors are the
 // ones libmlx exports, as for MLX's own extension example) encoded through
-// the exported metal::CommandEncoder (end_encoding, get_command_buffer,
-// commit) and host tasks go through the exported scheduler::enqueue.
+// the exported metal::CommandEncoder (end_encoding, get_command_buffer) and
+// host tasks go through the exported scheduler::enqueue.
 #include "ops_metal.h"
 
 #include <atomic>
@@ -194,10 +194,13 @@ void eval_gpu_via_io(
         }
       });
   if (gpu_waits) {
-    // The host can only see the signal once its buffer is committed; the
-    // wait goes into the next buffer, ahead of every later GPU command.
-    enc.commit();
-    enc.get_command_buffer()->encodeWait(ch->to_gpu.get(), signal_v);
+    // Same buffer, after the signal: every later GPU command waits for the
+    // host. Not committed here: MLX's gpu::eval adds a completion handler to
+    // the buffer it read before calling eval_gpu, which must still be
+    // uncommitted then. MLX commits it (op-count threshold, or the end of
+    // the (async_)eval), and the host task starts when the GPU reaches the
+    // signal, as with MLX's own CPU-stream fences.
+    cbuf->encodeWait(ch->to_gpu.get(), signal_v);
   }
 }
 

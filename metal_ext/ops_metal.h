@@ -53,13 +53,13 @@ void check_gpu_event_errors();
 // Encodes on `gpu`, in stream order: a signal the host task waits on (all
 // earlier GPU work, including whatever produced `inputs`, is complete and
 // visible), then, if `gpu_waits`, a wait that holds every later GPU command
-// until `host_work` has run; the command buffer is committed so the host
-// can see the signal. `outputs` are allocated by the caller (MLX's Metal
-// allocator: shared storage, so host_work writes straight into the buffers
-// the GPU consumers read — no copy, no CPU-stream op). The task keeps
-// `inputs` and `outputs` alive. `gpu_waits = false` is for pass-through ops
-// (release/mark): the GPU never waits for them and their signal rides with
-// the next commit. The GPU is released even when host_work throws, so it
+// until `host_work` has run. Nothing is committed here: MLX commits the
+// buffer (committing inside eval_gpu would break gpu::eval). `outputs` are
+// allocated by the caller (MLX's Metal allocator: shared storage, so
+// host_work writes straight into the buffers the GPU consumers read - no
+// copy, no CPU-stream op). The task keeps `inputs` and `outputs` alive.
+// `gpu_waits = false` is for pass-through ops (release/mark): the GPU never
+// waits for them. The GPU is released even when host_work throws, so it
 // never hangs; the failure is raised by check_gpu_event_errors().
 void eval_gpu_via_io(
     mx::Stream gpu,
