@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from .errors import HebrusError
 
 SCHEMA = "hebrus-mlx/machine-profile/1"
+PASSED, FAILED = "passed", "failed"
+NOT_QUALIFIED = "not qualified on this machine"
+# What must match between the machine that wrote a profile and the one reading it: another Mac,
+# another macOS (its Metal compiler) or another MLX re-qualifies.
+IDENTITY = ("system", "release", "machine", "mlx")
 
 
 class ProfileError(HebrusError, ValueError):
@@ -44,5 +50,50 @@ def write_profile(profile: dict, path: Optional[Path] = None) -> Path:
 
     path = Path(path) if path else profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    publish_file(path, lambda w: w.write(json.dumps(profile, indent=1).encode()))
+    # JSON is produced before the temp exists; the synced temp is read back before the rename.
+    data = json.dumps(profile, indent=1).encode()
+    publish_file(path, lambda w: w.write(data), verify=read_profile)
     return path
+
+
+def this_machine() -> dict:
+    """The identity a profile is bound to, plus whether MLX sees a Metal device now."""
+    import mlx.core as mx
+
+    return {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
+            "mlx": mx.__version__, "metal": bool(hasattr(mx, "metal") and mx.metal.is_available())}
+
+
+def _entry(profile: Optional[dict], path) -> Optional[dict]:
+    node = profile
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def passed(profile: Optional[dict], *path: str) -> bool:
+    """True only if the entry at `path` (e.g. "kernels", "hc_mix") passed on a Metal device, in a
+    profile written on this machine (same OS release, architecture and MLX, AFN-013) and Metal is
+    present now. A claim failing any of these is ignored: the feature stays off."""
+    entry = _entry(profile, path)
+    if entry is None or entry.get("status") != PASSED or entry.get("device") != "metal":
+        return False
+    wrote = profile.get("machine") if isinstance(profile.get("machine"), dict) else {}
+    here = this_machine()
+    return bool(wrote.get("metal") and here["metal"] and all(wrote.get(k) == here[k] for k in IDENTITY))
+
+
+def claims(profile: Optional[dict]) -> Iterator[str]:
+    """Dotted paths of every entry the profile marks passed (whether or not it is honoured)."""
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            if node.get("status") == PASSED:
+                yield prefix
+            for k, v in node.items():
+                yield from walk(v, f"{prefix}.{k}" if prefix else k)
+    yield from walk(profile or {}, "")
+
+
+def ignored_claims(profile: Optional[dict]) -> list:
+    """Passed entries `passed()` will not honour here (another machine/MLX, no Metal, no device)."""
+    return [c for c in claims(profile) if not passed(profile, *c.split("."))]

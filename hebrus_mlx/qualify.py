@@ -1,14 +1,21 @@
 """`hebrus-mlx qualify`: measure what this machine can be trusted with and write a machine profile.
 
-`load()` reads the profile and switches on only what passed *on this machine* (AFN-013). Checks:
-- each Metal kernel against its ops path on the real device, and again under
-  MTL_SHADER_VALIDATION=1 (clean = exit 0, no validation report); the same sources through the MSL
-  emulator against a float64 oracle (everywhere; never counts as passed);
-- GPU-event streaming vs CPU-stream streaming (not built yet: always "not qualified");
-- MTLIO vs pread (only where the build has MTLIO; the A/B itself is benchmarks/bench_stream.py);
-- SSD cold-read probe: record-sized O_DIRECT/F_NOCACHE reads at queue depth 1/8/32 (C threads), and
-  the SHA-256 verify cost against that bandwidth.
-Without Metal every device check is "not qualified on this machine" — never "passed".
+`load()` reads the profile and switches on only what passed *on this machine* (AFN-013; see
+`profile.passed`: same OS release, architecture and MLX, Metal present). Sections:
+- kernels: each Metal kernel against its ops path on the real device, and again in a child under
+  MTL_SHADER_VALIDATION=1 (clean = exit 0, no validation report, same diffs); the same sources
+  through the MSL emulator against a float64 oracle (everywhere; never counts as passed);
+- streaming.gpu_event: GPU-event streaming vs CPU-stream streaming on the streamed demo model,
+  interleaved A/B/B/A: identical greedy tokens in every run, promoted only if its median tok/s
+  beats the CPU stream by MIN_GAIN;
+- io.mtlio_vs_pread: the MTLIO backend vs pread resolving the expert store's records into the
+  arena, A/B/B/A, fresh engine (cold arena) and unread records per run: identical arena bytes
+  (both digest-verified by the engine), kept only if its median GB/s wins by MIN_GAIN;
+- io.pread: SSD cold-read probe, record-sized reads at queue depth 1/8/32 with the page cache
+  bypassed (O_DIRECT / F_NOCACHE) or evicted first, and the SHA-256 verify cost against that
+  bandwidth (hashlib and the engine's own implementation).
+Without Metal every device section is "not qualified on this machine" — never "passed"; Linux runs
+the emulated kernels and the pread probe.
 
 The profile is JSON at $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json, published atomically.
 """
@@ -20,18 +27,19 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import UsageError
-from .profile import SCHEMA, write_profile
+from .profile import FAILED, NOT_QUALIFIED, PASSED, SCHEMA, this_machine, write_profile
 
-NOT_QUALIFIED = "not qualified on this machine"
-PASSED, FAILED = "passed", "failed"
+NO_GAIN = "no gain"  # correct, but not faster here: stays off
+MIN_GAIN = 1.02  # a promoted path must beat the default's median by 2% (noise must not promote)
 TOLERANCE = {"hc_mix": 1e-5, "ple_gather": 0.0, "qsa_attention": 1e-5}
 EMULATED_TOLERANCE = {"hc_mix": 1e-6, "ple_gather": 0.0, "qsa_attention": 2e-6}
 
@@ -155,13 +163,19 @@ def check_kernels_emulated() -> dict:
 
 
 def _shader_validation_clean() -> dict:
-    """Re-run the device kernel checks in a child with MTL_SHADER_VALIDATION=1."""
+    """Re-run the device kernel checks in a child with MTL_SHADER_VALIDATION=1: clean = exit 0, no
+    validation report on stderr, and every kernel still within its tolerance."""
     env = dict(os.environ, MTL_SHADER_VALIDATION="1")
     proc = subprocess.run([sys.executable, "-m", "hebrus_mlx.qualify", "--kernels-child"], env=env,
                           capture_output=True, text=True, timeout=600)
     reported = "validation" in proc.stderr.lower()
-    return {"clean": proc.returncode == 0 and not reported, "returncode": proc.returncode,
-            "stderr_tail": proc.stderr[-400:]}
+    try:
+        diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        diffs = {}
+    within = bool(diffs) and all(diffs.get(n, float("inf")) <= TOLERANCE[n] for n in TOLERANCE)
+    return {"clean": proc.returncode == 0 and not reported and within, "returncode": proc.returncode,
+            "max_abs_diff": diffs, "stderr_tail": proc.stderr[-400:]}
 
 
 def kernels_section(emulate: bool = True) -> dict:
@@ -193,11 +207,62 @@ def kernels_section(emulate: bool = True) -> dict:
     return section
 
 
+# ---- A/B/B/A decisions ---------------------------------------------------------------------------
+
+
+def ab_order(rounds: int) -> list:
+    """Interleaved A/B/B/A per round: drift (thermals, caches, other load) hits both arms alike."""
+    return ["A", "B", "B", "A"] * rounds
+
+
+def run_abba(measure_a: Callable, measure_b: Callable, rounds: int) -> dict:
+    """Each measure returns (value, output); value is a rate (higher is better), output what must be
+    identical between and within the arms (tokens, record digests)."""
+    vals, outs = {"A": [], "B": []}, {"A": [], "B": []}
+    for arm in ab_order(rounds):
+        v, o = (measure_a if arm == "A" else measure_b)()
+        vals[arm].append(v)
+        outs[arm].append(o)
+    first = outs["A"][0]
+    return {"a": vals["A"], "b": vals["B"], "identical": all(o == first for arm in "AB" for o in outs[arm])}
+
+
+def decide_ab(a: list, b: list, identical: bool, a_name: str, b_name: str, unit: str,
+              min_gain: float = MIN_GAIN) -> dict:
+    """The profile entry for "promote B over the default A": passed only if B's outputs are
+    identical to A's and B's median beats A's by `min_gain`."""
+    med_a, med_b = statistics.median(a), statistics.median(b)
+    ratio = med_b / med_a if med_a > 0 else float("inf") if med_b > 0 else 1.0
+    entry = {"device": "metal", "order": "ABBA", "rounds": len(a) // 2, f"{a_name}_{unit}": a,
+             f"{b_name}_{unit}": b, "median_ratio": ratio, "min_gain": min_gain, "identical": identical}
+    if not identical:
+        entry.update(status=FAILED, decision=a_name, reason=f"{b_name} output differs from {a_name}")
+    elif ratio >= min_gain:
+        entry.update(status=PASSED, decision=b_name, reason=f"identical, median {ratio:.3f}x {a_name}")
+    else:
+        entry.update(status=NO_GAIN, decision=a_name,
+                     reason=f"identical but median {ratio:.3f}x {a_name} < {min_gain}: {a_name} stays")
+    return entry
+
+
 # ---- I/O probes --------------------------------------------------------------------------------------
 
 
+def _evict(path: Path) -> str:
+    """Drop the file's clean pages from the page cache where the OS allows it; how (for the record)."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return "evicted (posix_fadvise DONTNEED)"
+        finally:
+            os.close(fd)
+    return "not evicted"
+
+
 def cold_read_probe(path: Path, record_bytes: int, reads: int = 64, depths=(1, 8, 32)) -> dict:
-    """Record-sized O_DIRECT (F_NOCACHE on macOS) random reads at each queue depth, GB/s."""
+    """Record-sized O_DIRECT (F_NOCACHE on macOS) random reads at each queue depth, GB/s. Where the
+    filesystem refuses O_DIRECT the file is evicted from the page cache before each depth."""
     import random
 
     import mlx.core  # noqa: F401 (loads libmlx before the extension)
@@ -213,72 +278,241 @@ def cold_read_probe(path: Path, record_bytes: int, reads: int = 64, depths=(1, 8
     rnd = random.Random(0)
     out = {"record_bytes": record, "file_bytes": size}
     for qd in depths:
+        evicted = _evict(path)
         offsets = [rnd.randrange(slots) * record for _ in range(max(reads, qd))]
         batches = [offsets[i : i + qd] for i in range(0, len(offsets), qd)]
         r = raw_pread(str(path), batches, record, threads=qd, direct=True)
         out[f"qd{qd}_GBps"] = r["bytes"] / r["elapsed_ns"]
         out["direct"] = bool(r["direct"])
+        out["page_cache"] = ("bypassed (O_DIRECT)" if r["direct"] and platform.system() == "Linux"
+                             else "bypassed (F_NOCACHE; pages cached before may still hit)" if r["direct"]
+                             else evicted)
     return out
 
 
 def sha256_cost(record_bytes: int, rounds: int = 32) -> dict:
+    """One-thread SHA-256 GB/s of hashlib and of the engine's own implementation (what verify runs)."""
     buf = os.urandom(record_bytes)
     t0 = time.perf_counter()
     for _ in range(rounds):
         hashlib.sha256(buf).digest()
-    return {"sha256_GBps_one_thread": record_bytes * rounds / (time.perf_counter() - t0) / 1e9}
-
-
-def io_section(probe_dir: Optional[str], record_bytes: int, probe_mib: int, store: Optional[str]) -> dict:
+    out = {"sha256_GBps_one_thread": record_bytes * rounds / (time.perf_counter() - t0) / 1e9}
     from .stream import engine
 
-    section = {}
-    if not engine.available():
-        return {"pread": {"status": NOT_QUALIFIED, "reason": engine.unavailable_reason()}}
+    if engine.available():
+        ext = engine._ext
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            ext.sha256(buf)
+        out["sha256_engine_GBps_one_thread"] = record_bytes * rounds / (time.perf_counter() - t0) / 1e9
+        out["sha256_engine_backend"] = ext.sha256_backend()
+    return out
+
+
+def _write_probe_file(probe_dir: Optional[str], mib: int) -> str:
+    fd, tmp = tempfile.mkstemp(prefix="hebrus-probe-", dir=probe_dir)
+    if platform.system() == "Darwin":
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)  # the written pages are not kept cached
+    with os.fdopen(fd, "wb") as f:
+        chunk = os.urandom(1 << 20)
+        for _ in range(mib):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def pread_probe(probe_dir: Optional[str], record_bytes: int, probe_mib: int, store: Optional[str]) -> dict:
+    """The `io.pread` entry (schema stable; `bench` reuses it as the machine's SSD record):
+    record_bytes, file_bytes, qd{1,8,32}_GBps, direct, page_cache, sha256_GBps_one_thread,
+    sha256_vs_qd32, sha256_engine_GBps_one_thread, sha256_engine_backend, sha256_engine_vs_qd32,
+    status "measured"."""
     tmp = None
     try:
-        if store:
-            path = Path(store)
-        else:
-            fd, tmp = tempfile.mkstemp(prefix="hebrus-probe-", dir=probe_dir)
-            with os.fdopen(fd, "wb") as f:
-                chunk = os.urandom(1 << 20)
-                for _ in range(probe_mib):
-                    f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            path = Path(tmp)
+        path = Path(store) if store else Path(tmp := _write_probe_file(probe_dir, probe_mib))
         probe = cold_read_probe(path, record_bytes)
-        sha = sha256_cost(probe["record_bytes"])
-        probe.update(sha)
-        probe["sha256_vs_qd32"] = sha["sha256_GBps_one_thread"] / probe["qd32_GBps"]
-        probe["status"] = "measured"
-        section["pread"] = probe
     finally:
         if tmp:
             os.unlink(tmp)
-    if "mtlio" in engine.backends():
-        section["mtlio_vs_pread"] = {"status": "not measured by qualify yet",
-                                     "how": "benchmarks/bench_stream.py A/B on this SSD; keep pread unless MTLIO wins"}
-    else:
-        section["mtlio_vs_pread"] = {"status": NOT_QUALIFIED, "reason": "this build has no MTLIO backend"}
-    return section
+    probe.update(sha256_cost(probe["record_bytes"]))
+    probe["sha256_vs_qd32"] = probe["sha256_GBps_one_thread"] / probe["qd32_GBps"]
+    if "sha256_engine_GBps_one_thread" in probe:
+        probe["sha256_engine_vs_qd32"] = probe["sha256_engine_GBps_one_thread"] / probe["qd32_GBps"]
+    probe["status"] = "measured"
+    return probe
 
 
-def qualify(probe_dir=None, record_bytes=2704 * 1024, probe_mib=128, store=None, emulate=True) -> dict:
+def _record_plan(artifact: str, per_run: int, runs: int, seed: int = 0):
+    """(layer, [experts]) batches, `per_run` records each (top-k distinct experts of one layer), no
+    record repeated across the runs while the store has enough; and whether any repeats."""
+    import random
+
+    from .admission import admit
+    from .utils import resolve_model_path
+
+    m = admit(str(resolve_model_path(artifact)))
+    L, E = m.family.num_hidden_layers, m.family.num_experts
+    k = min(per_run, E)
+    pairs = [(layer, e) for layer in range(L) for e in range(E)]
+    random.Random(seed).shuffle(pairs)
+    plan, i, reused = [], 0, False
+    for _ in range(runs):
+        by_layer: dict = {}
+        while sum(len(v) for v in by_layer.values()) < k:
+            if i == len(pairs):
+                i, reused = 0, True
+            layer, e = pairs[i]
+            i += 1
+            if e not in by_layer.setdefault(layer, []):
+                by_layer[layer].append(e)
+        plan.append(sorted(by_layer.items()))
+    return m, plan, reused
+
+
+def measure_resolve(manifest, batches, backend: str, rows: int) -> tuple:
+    """Resolve `batches` [(layer, experts)] into a fresh engine's arena with `backend` (cold arena,
+    every record digest-verified by the engine): (GB/s, SHA-256 of the resolved arena rows)."""
     import mlx.core as mx
+    import numpy as np
 
+    from .stream.engine import StreamEngine
+    from .stream.experts import StreamedExperts
+
+    eng = StreamEngine(cache_bytes=64 << 20, threads=8, backend=backend, nocache=platform.system() == "Darwin")
+    try:
+        from .artifact.expert_major import ExpertMajorReader
+
+        reader = ExpertMajorReader(manifest.file(manifest.experts), manifest.family, manifest.experts.codec)
+        try:
+            record = reader.geometry.record_bytes
+        finally:
+            reader.close()
+        ex = StreamedExperts.from_artifact(manifest, rows=rows, engine=eng)
+        digest, nbytes, elapsed = hashlib.sha256(), 0, 0.0
+        for layer, experts in batches:
+            t0 = time.perf_counter()
+            got, lease = ex.resolve(layer, mx.array(experts, dtype=mx.uint32))
+            mx.eval(got)
+            elapsed += time.perf_counter() - t0
+            for r in np.array(got).tolist():
+                for comp in sorted(ex.weights):
+                    for part in sorted(ex.weights[comp]):
+                        digest.update(np.array(ex.weights[comp][part][r]).tobytes())
+            mx.eval(eng.release_after(mx.array(0.0), lease))
+            nbytes += len(experts) * record
+        return nbytes / elapsed / 1e9, digest.hexdigest()
+    finally:
+        eng.close()
+
+
+def mtlio_section(artifact: str, rounds: int, measure: Optional[Callable] = None,
+                  reference: Optional[Callable] = None) -> dict:
+    """io.mtlio_vs_pread: promote MTLIO only if it wins here (public measurements found no
+    repeatable MTLIO win). Every run resolves records no earlier run read, so the arms compare
+    each run's arena bytes with a pread resolve of the same records made after the timed runs.
+    measure(run, backend) -> (GB/s, digest); reference(run) -> digest (injectable for tests)."""
     from . import kernels
+    from .stream import engine
 
+    if "mtlio" not in engine.backends():
+        return {"status": NOT_QUALIFIED, "reason": "this build has no MTLIO backend (macOS Metal builds only)"}
+    if not kernels.metal_available():
+        return {"status": NOT_QUALIFIED, "reason": "no Metal device"}
+    reused = None
+    if measure is None or reference is None:
+        m, plan, reused = _record_plan(artifact, per_run=10, runs=4 * rounds)
+        rows = max(len(e) for batch in plan for _, e in batch)
+        measure = measure or (lambda i, backend: measure_resolve(m, plan[i], backend, rows))
+        reference = reference or (lambda i: measure_resolve(m, plan[i], "pread", rows)[1])
+    digests = []
+
+    def arm(backend):
+        rate, digest = measure(len(digests), backend)
+        digests.append(digest)
+        return rate, None
+
+    res = run_abba(lambda: arm("pread"), lambda: arm("mtlio"), rounds)
+    identical = all(d == reference(i) for i, d in enumerate(digests))
+    entry = decide_ab(res["a"], res["b"], identical, "pread", "mtlio", "GBps")
+    entry.update(artifact=str(artifact), records_reused=reused)
+    return entry
+
+
+def io_section(probe_dir: Optional[str], record_bytes: int, probe_mib: int, store: Optional[str],
+               artifact: str = "demo", rounds: int = 2) -> dict:
+    from .stream import engine
+
+    if not engine.available():
+        reason = engine.unavailable_reason()
+        return {"pread": {"status": NOT_QUALIFIED, "reason": reason},
+                "mtlio_vs_pread": {"status": NOT_QUALIFIED, "reason": reason}}
+    return {"pread": pread_probe(probe_dir, record_bytes, probe_mib, store),
+            "mtlio_vs_pread": mtlio_section(artifact, rounds)}
+
+
+# ---- streaming: GPU events vs the CPU stream ---------------------------------------------------------
+
+
+def measure_streamed_decode(model, tokenizer, prompt, tokens: int, gpu_events: bool) -> tuple:
+    """Greedy decode on the streamed model with the streamed ops on the GPU stream (GPU events) or the
+    CPU stream: (tok/s, tokens)."""
+    from .generate import stream_generate
+    from .stream.engine import _ext
+
+    _ext.set_gpu_events(gpu_events)
+    try:
+        out, tps = [], 0.0
+        for r in stream_generate(model, tokenizer, prompt, max_tokens=tokens):
+            out.append(r.token)
+            tps = r.generation_tps
+        return tps, out
+    finally:
+        _ext.set_gpu_events(False)
+
+
+def _streamed_demo(artifact: str):
+    """(model, tokenizer) with every routed expert streamed through an arena that holds them all."""
+    from .utils import load, resolve_model_path
+
+    path = resolve_model_path(artifact)
+    experts = sum(p.stat().st_size for p in Path(path).glob("experts*.hbem"))
+    return load(str(path), expert_cache_gb=4 * experts / 2**30 + 0.01)
+
+
+def gpu_event_section(artifact: str, rounds: int, tokens: int, measure: Optional[Callable] = None) -> dict:
+    """streaming.gpu_event: identical greedy tokens and A/B/B/A tok/s against the CPU stream."""
+    from . import kernels
+    from .stream import engine
+
+    if not kernels.metal_available():
+        return {"status": NOT_QUALIFIED, "reason": "no Metal device: streamed ops run on the CPU stream"}
+    if not engine.gpu_events_compiled():
+        return {"status": NOT_QUALIFIED,
+                "reason": "this build has no GPU-event path (CMake -DHEBRUS_METAL_EVENTS=ON on a Mac)"}
+    if measure is None:
+        model, tok = _streamed_demo(artifact)
+        prompt = "The quick brown fox"
+        measure_streamed_decode(model, tok, prompt, tokens, False)  # warm the arena and the kernels
+
+        def measure(gpu):
+            return measure_streamed_decode(model, tok, prompt, tokens, gpu)
+    res = run_abba(lambda: measure(False), lambda: measure(True), rounds)
+    entry = decide_ab(res["a"], res["b"], res["identical"], "cpu_stream", "gpu_event", "tok_s")
+    entry.update(artifact=str(artifact), tokens=tokens)
+    return entry
+
+
+def qualify(probe_dir=None, record_bytes=2704 * 1024, probe_mib=128, store=None, emulate=True,
+            artifact="demo", rounds=2, tokens=32) -> dict:
     return {
         "schema": SCHEMA,
         "created_unix": int(time.time()),
-        "machine": {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-                    "mlx": mx.__version__, "metal": kernels.metal_available()},
+        "machine": this_machine(),
         "kernels": kernels_section(emulate),
-        "streaming": {"gpu_event": {"status": NOT_QUALIFIED,
-                                    "reason": "the GPU-event eval_gpu path is not built; streamed ops run on the CPU stream"}},
-        "io": io_section(probe_dir, record_bytes, probe_mib, store),
+        "streaming": {"gpu_event": gpu_event_section(artifact, rounds, tokens)},
+        "io": io_section(probe_dir, record_bytes, probe_mib, store, artifact, rounds),
     }
 
 
@@ -290,19 +524,26 @@ def main(argv=None):
     p.add_argument("--record-kib", type=int, default=2704, help="read size (default: one real expert record)")
     p.add_argument("--probe-mib", type=int, default=128)
     p.add_argument("--no-emulate", action="store_true")
+    p.add_argument("--artifact", default="demo",
+                   help="artifact whose expert store the MTLIO and GPU-event A/Bs stream (default: demo)")
+    p.add_argument("--rounds", type=int, default=2, help="A/B/B/A rounds of each device A/B (default 2)")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per GPU-event A/B run (default 32)")
     p.add_argument("--kernels-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.kernels_child:
         print(json.dumps(check_kernels_metal()))
         return 0
-    for field in ("record_kib", "probe_mib"):
+    for field in ("record_kib", "probe_mib", "rounds", "tokens"):
         if getattr(a, field) < 1:
             raise UsageError("--" + field.replace("_", "-"), f"must be >= 1, got {getattr(a, field)}")
     if a.probe_dir and not Path(a.probe_dir).is_dir():
         raise UsageError("--probe-dir", f"{a.probe_dir!r} is not a directory")
     if a.store and not Path(a.store).is_file():
         raise UsageError("--store", f"{a.store!r} is not a file")
-    profile = qualify(a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate)
+    if a.artifact != "demo" and not (Path(a.artifact) / "manifest.json").is_file():
+        raise UsageError("--artifact", f"{a.artifact!r} is not an artifact directory (no manifest.json)")
+    profile = qualify(a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate,
+                      a.artifact, a.rounds, a.tokens)
     path = write_profile(profile, a.out)
     print(json.dumps(profile, indent=1))
     print(f"profile written to {path}", file=sys.stderr)

@@ -122,13 +122,20 @@ def _apply_machine_profile():
     import warnings
 
     from . import kernels
-    from .profile import ProfileError, read_profile
+    from .profile import ProfileError, ignored_claims, read_profile
+    from .stream import engine as stream_engine
 
     try:
         profile = read_profile()
     except ProfileError as e:
         warnings.warn(f"{e}; optional kernels stay off (re-run `hebrus-mlx qualify`)", stacklevel=3)
         profile = None
+    ignored = ignored_claims(profile)
+    if ignored:
+        warnings.warn(f"machine profile: {', '.join(ignored)} marked passed but not honoured here (written on "
+                      "another machine, OS or MLX, or no Metal device); they stay off (re-run `hebrus-mlx qualify`)",
+                      stacklevel=3)
+    stream_engine.configure(profile)
     return kernels.configure(profile)
 
 

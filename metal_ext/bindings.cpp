@@ -12,6 +12,7 @@
 
 #include "io_mtlio.h"
 #include "ops.h"
+#include "ops_metal.h"
 #include "py_errors.h"
 #include "trace_ops.h"
 
@@ -427,6 +428,12 @@ NB_MODULE(_ext, m) {
       "lease"_a);
   m.def("sha256_backend", &hebrus::sha256_backend);
   m.def("backends", &hebrus::compiled_backends);
+  // GPU-event streaming path (ops_metal.h): off unless turned on, which
+  // hebrus_mlx does only for a machine profile where it passed.
+  m.def("gpu_events_compiled", &hebrus::gpu_events_compiled);
+  m.def("gpu_events_enabled", &hebrus::gpu_events_enabled);
+  m.def("set_gpu_events", &hebrus::set_gpu_events, "on"_a);
+  m.def("check_gpu_event_errors", &hebrus::check_gpu_event_errors);
   m.def(
       "mark_after",
       &hebrus::mark_after,

@@ -13,12 +13,6 @@ namespace hebrus {
 
 namespace {
 
-mx::Stream io_stream() {
-  // Unified memory on Apple silicon: a CPU-stream output is directly usable
-  // by GPU consumers; MLX orders the cross-stream dependency.
-  return mx::default_stream(mx::Device::cpu);
-}
-
 // engine.request(r), retrying while the cache is full: `make_room` frees
 // space (returns true) or has nothing to free (false); then the reads other
 // callers left in flight are awaited, and once the engine is idle the
@@ -103,11 +97,21 @@ mx::cpu::CommandEncoder& cpu_encoder(
   return enc;
 }
 
-mx::array index_input(const mx::array& indices) {
+// The indices as contiguous uint32 on `s` (the op's own stream, so a GPU
+// op's host task reads them once the GPU has produced them).
+mx::array index_input(const mx::array& indices, mx::Stream s) {
   if (!mx::issubdtype(indices.dtype(), mx::integer)) {
     throw StreamError(ErrorCode::kBadRequest, "indices: must be integers");
   }
-  return mx::contiguous(mx::astype(indices, mx::uint32, io_stream()), false, io_stream());
+  return mx::contiguous(mx::astype(indices, mx::uint32, s), false, s);
+}
+
+// Allocates each output: the prologue of every GPU-event eval_gpu (the host
+// task writes the buffers; MLX's Metal allocator makes them shared memory).
+void allocate(std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+  }
 }
 
 
@@ -165,7 +169,7 @@ mx::array load_tickets(
       shape,
       mx::uint8,
       std::make_shared<LoadTickets>(
-          io_stream(), std::move(engine), std::move(tickets), length),
+          op_stream(), std::move(engine), std::move(tickets), length),
       {});
 }
 
@@ -174,6 +178,22 @@ LoadTickets::~LoadTickets() {
   for (uint64_t t : tickets_) {
     engine_->release(t);
   }
+}
+
+// The host work of each op lives in one function shared by eval_cpu (a CPU
+// stream task) and eval_gpu (a GPU-event host task, ops_metal.h).
+static void load_tickets_host(
+    const std::shared_ptr<Engine>& engine,
+    const std::vector<uint64_t>& tickets,
+    uint64_t length,
+    uint8_t* dst) {
+  Waves waves(*engine, [&](size_t i, const Engine::View& v) {
+    engine->copy_out(v, dst + i * length);
+  });
+  for (size_t i = 0; i < tickets.size(); ++i) {
+    waves.adopt(i, tickets[i]);
+  }
+  waves.drain();
 }
 
 void LoadTickets::eval_cpu(
@@ -186,13 +206,7 @@ void LoadTickets::eval_cpu(
                 tickets = std::move(tickets_),
                 length = length_,
                 dst = out.data<uint8_t>()]() {
-    Waves waves(*engine, [&](size_t i, const Engine::View& v) {
-      engine->copy_out(v, dst + i * length);
-    });
-    for (size_t i = 0; i < tickets.size(); ++i) {
-      waves.adopt(i, tickets[i]);
-    }
-    waves.drain();
+    load_tickets_host(engine, tickets, length, dst);
   });
   tickets_.clear();
 }
@@ -200,7 +214,16 @@ void LoadTickets::eval_cpu(
 void LoadTickets::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  throw std::runtime_error("HebrusLoadTickets runs on the CPU stream only");
+  std::vector<mx::array> outs{out};
+  allocate(outs);
+  eval_gpu_via_io(
+      stream(), inputs, outs,
+      [engine = engine_, tickets = std::move(tickets_), length = length_,
+       dst = out.data<uint8_t>()]() {
+        load_tickets_host(engine, tickets, length, dst);
+      },
+      true);
+  tickets_.clear();
 }
 
 mx::array gather_records(
@@ -217,9 +240,34 @@ mx::array gather_records(
       shape,
       mx::uint8,
       std::make_shared<GatherRecords>(
-          io_stream(),
+          op_stream(),
           TableRead{std::move(engine), table, owner, generation, layer}),
-      {index_input(indices)});
+      {index_input(indices, op_stream())});
+}
+
+static void gather_records_host(
+    const TableRead& read,
+    const mx::array& idx,
+    uint8_t* dst) {
+  Engine& engine = *read.engine;
+  const Table& t = engine.table(read.table);
+  const uint32_t* ix = idx.data<uint32_t>();
+  const uint64_t length = t.uniform_length;
+  // Repeated indices join the same read.
+  Waves waves(engine, [&](size_t i, const Engine::View& v) {
+    engine.copy_out(v, dst + i * length);
+  });
+  for (size_t i = 0; i < idx.size(); ++i) {
+    if (ix[i] >= t.rows.size()) {
+      throw StreamError(
+          ErrorCode::kBadRequest,
+          "indices: " + std::to_string(ix[i]) + " out of range for table " +
+              std::to_string(read.table) + " with " +
+              std::to_string(t.rows.size()) + " rows");
+    }
+    waves.issue(i, read.row(t, ix[i]));
+  }
+  waves.drain();
 }
 
 void GatherRecords::eval_cpu(
@@ -227,32 +275,21 @@ void GatherRecords::eval_cpu(
     mx::array& out) {
   auto& enc = cpu_encoder(stream(), inputs, out);
   enc.dispatch([read = read_, idx = inputs[0], dst = out.data<uint8_t>()]() {
-    Engine& engine = *read.engine;
-    const Table& t = engine.table(read.table);
-    const uint32_t* ix = idx.data<uint32_t>();
-    const uint64_t length = t.uniform_length;
-    // Repeated indices join the same read.
-    Waves waves(engine, [&](size_t i, const Engine::View& v) {
-      engine.copy_out(v, dst + i * length);
-    });
-    for (size_t i = 0; i < idx.size(); ++i) {
-      if (ix[i] >= t.rows.size()) {
-        throw StreamError(
-            ErrorCode::kBadRequest,
-            "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                std::to_string(read.table) + " with " +
-                std::to_string(t.rows.size()) + " rows");
-      }
-      waves.issue(i, read.row(t, ix[i]));
-    }
-    waves.drain();
+    gather_records_host(read, idx, dst);
   });
 }
 
 void GatherRecords::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  throw std::runtime_error("HebrusGatherRecords runs on the CPU stream only");
+  std::vector<mx::array> outs{out};
+  allocate(outs);
+  eval_gpu_via_io(
+      stream(), inputs, outs,
+      [read = read_, idx = inputs[0], dst = out.data<uint8_t>()]() {
+        gather_records_host(read, idx, dst);
+      },
+      true);
 }
 
 mx::array prefetch_records(
@@ -274,12 +311,12 @@ mx::array prefetch_records(
       mx::Shape{},
       mx::uint32,
       std::make_shared<PrefetchRecords>(
-          io_stream(),
+          op_stream(),
           TableRead{std::move(engine), table, owner, generation, layer},
           priority,
           confidence,
           exact),
-      {index_input(indices)});
+      {index_input(indices, op_stream())});
 }
 
 // Issues the hints for `idx` and writes how many were issued: the host work of both eval paths.
@@ -321,13 +358,17 @@ void PrefetchRecords::eval_cpu(
 void PrefetchRecords::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  // GPU-event path (ops_metal.cpp; unbuilt/unverified): the host issues the
-  // hints once the GPU has produced the indices.
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  eval_gpu_via_io(stream(), {inputs[0], out}, [read = read_, priority = priority_, confidence = confidence_,
-                                               exact = exact_, idx = inputs[0], dst = out.data<uint32_t>()]() {
-    issue_hints(read, priority, confidence, exact, idx, dst);
-  });
+  // The host issues the hints once the GPU has produced the indices; the GPU
+  // waits for the (µs-scale) issue so the count it may read is written.
+  std::vector<mx::array> outs{out};
+  allocate(outs);
+  eval_gpu_via_io(
+      stream(), inputs, outs,
+      [read = read_, priority = priority_, confidence = confidence_,
+       exact = exact_, idx = inputs[0], dst = out.data<uint32_t>()]() {
+        issue_hints(read, priority, confidence, exact, idx, dst);
+      },
+      true);
 }
 
 mx::array gather_rows(
@@ -359,67 +400,82 @@ mx::array gather_rows(
       shape,
       mx::uint8,
       std::make_shared<GatherRows>(
-          io_stream(),
+          op_stream(),
           TableRead{std::move(engine), table, owner, generation, layer},
           rows_per_page,
           row_bytes,
           header_bytes),
-      {index_input(row_ids)});
+      {index_input(row_ids, op_stream())});
+}
+
+static void gather_rows_host(
+    const TableRead& read,
+    uint64_t rpp,
+    uint64_t row_bytes,
+    uint64_t header,
+    const mx::array& idx,
+    uint8_t* dst) {
+  Engine& engine = *read.engine;
+  const Table& t = engine.table(read.table);
+  const uint32_t* rows = idx.data<uint32_t>();
+  // Positions of each unique page's rows, pages in first-use order.
+  std::unordered_map<uint64_t, size_t> slot;
+  std::vector<uint64_t> pages;
+  std::vector<std::vector<size_t>> uses;
+  for (size_t i = 0; i < idx.size(); ++i) {
+    uint64_t page = rows[i] / rpp;
+    if (page >= t.rows.size()) {
+      throw StreamError(
+          ErrorCode::kBadRequest,
+          "row_ids: row " + std::to_string(rows[i]) + " is past page " +
+              std::to_string(t.rows.size() - 1));
+    }
+    auto [it, fresh] = slot.emplace(page, pages.size());
+    if (fresh) {
+      pages.push_back(page);
+      uses.emplace_back();
+    }
+    uses[it->second].push_back(i);
+  }
+  // One P0 ticket per unique page; rows are copied from that verified
+  // snapshot before the page is released. An empty wave waits for
+  // draining lookahead reads; only a single page larger than the cache is
+  // an error.
+  Waves waves(engine, [&](size_t page, const Engine::View& v) {
+    for (size_t i : uses[page]) {
+      std::memcpy(
+          dst + i * row_bytes,
+          v.data + header + (rows[i] % rpp) * row_bytes,
+          row_bytes);
+    }
+  });
+  for (size_t s = 0; s < pages.size(); ++s) {
+    Request r = read.row(t, pages[s]);
+    r.expert = -1; // a page, not an expert
+    waves.issue(s, r);
+  }
+  waves.drain();
 }
 
 void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = cpu_encoder(stream(), inputs, out);
-  enc.dispatch([read = read_,
-                rpp = rows_per_page_,
-                row_bytes = row_bytes_,
-                header = header_bytes_,
-                idx = inputs[0],
+  enc.dispatch([read = read_, rpp = rows_per_page_, row_bytes = row_bytes_,
+                header = header_bytes_, idx = inputs[0],
                 dst = out.data<uint8_t>()]() {
-    Engine& engine = *read.engine;
-    const Table& t = engine.table(read.table);
-    const uint32_t* rows = idx.data<uint32_t>();
-    // Positions of each unique page's rows, pages in first-use order.
-    std::unordered_map<uint64_t, size_t> slot;
-    std::vector<uint64_t> pages;
-    std::vector<std::vector<size_t>> uses;
-    for (size_t i = 0; i < idx.size(); ++i) {
-      uint64_t page = rows[i] / rpp;
-      if (page >= t.rows.size()) {
-        throw StreamError(
-            ErrorCode::kBadRequest,
-            "row_ids: row " + std::to_string(rows[i]) + " is past page " +
-                std::to_string(t.rows.size() - 1));
-      }
-      auto [it, fresh] = slot.emplace(page, pages.size());
-      if (fresh) {
-        pages.push_back(page);
-        uses.emplace_back();
-      }
-      uses[it->second].push_back(i);
-    }
-    // One P0 ticket per unique page; rows are copied from that verified
-    // snapshot before the page is released. An empty wave waits for
-    // draining lookahead reads; only a single page larger than the cache is
-    // an error.
-    Waves waves(engine, [&](size_t page, const Engine::View& v) {
-      for (size_t i : uses[page]) {
-        std::memcpy(
-            dst + i * row_bytes,
-            v.data + header + (rows[i] % rpp) * row_bytes,
-            row_bytes);
-      }
-    });
-    for (size_t s = 0; s < pages.size(); ++s) {
-      Request r = read.row(t, pages[s]);
-      r.expert = -1; // a page, not an expert
-      waves.issue(s, r);
-    }
-    waves.drain();
+    gather_rows_host(read, rpp, row_bytes, header, idx, dst);
   });
 }
 
 void GatherRows::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  throw std::runtime_error("HebrusGatherRows runs on the CPU stream only");
+  std::vector<mx::array> outs{out};
+  allocate(outs);
+  eval_gpu_via_io(
+      stream(), inputs, outs,
+      [read = read_, rpp = rows_per_page_, row_bytes = row_bytes_,
+       header = header_bytes_, idx = inputs[0], dst = out.data<uint8_t>()]() {
+        gather_rows_host(read, rpp, row_bytes, header, idx, dst);
+      },
+      true);
 }
 
 std::pair<uint8_t*, std::shared_ptr<void>> allocate_mlx_slab(uint64_t size) {
@@ -508,23 +564,64 @@ std::pair<mx::array, mx::array> resolve_records(
         ErrorCode::kBadRequest,
         "table " + std::to_string(table) + ": resolve needs an arena table");
   }
-  mx::array idx = index_input(indices);
+  mx::Stream s = op_stream();
+  mx::array idx = index_input(indices, s);
   auto outs = mx::array::make_arrays(
       {indices.shape(), mx::Shape{static_cast<int>(indices.size())}},
       {mx::uint32, mx::uint64},
       std::make_shared<ResolveRecords>(
-          io_stream(),
+          s,
           TableRead{std::move(engine), table, owner, generation, layer}),
       {idx});
   return {outs[0], outs[1]};
 }
 
+static void resolve_host(
+    const TableRead& read,
+    const mx::array& idx,
+    uint32_t* rows,
+    uint64_t* lease) {
+  const std::shared_ptr<Engine>& engine = read.engine;
+  // Ticket 0 never exists: if this task fails, release_after sees an
+  // empty lease instead of garbage ids.
+  std::memset(lease, 0, idx.size() * sizeof(uint64_t));
+  std::memset(rows, 0, idx.size() * sizeof(uint32_t));
+  const Table& t = engine->table(read.table);
+  const uint32_t* ix = idx.data<uint32_t>();
+  std::vector<uint64_t> tickets;
+  tickets.reserve(idx.size());
+  size_t waited = 0;
+  try {
+    // Every record must be pinned at once (the kernel reads them all), so
+    // a full arena is an error here rather than a wave boundary.
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (ix[i] >= t.rows.size()) {
+        throw StreamError(
+            ErrorCode::kBadRequest,
+            "indices: " + std::to_string(ix[i]) + " out of range for table " +
+                std::to_string(read.table));
+      }
+      // Rows held by draining prefetches free up; our own pins do not.
+      tickets.push_back(request_with_room(
+          *engine, read.row(t, ix[i]),
+          [] { return false; }));
+    }
+    for (; waited < tickets.size(); ++waited) {
+      rows[waited] = engine->wait(tickets[waited]).row;
+      lease[waited] = tickets[waited];
+    }
+  } catch (...) {
+    for (uint64_t tk : tickets) {
+      engine->cancel(tk);
+    }
+    throw;
+  }
+}
+
 void ResolveRecords::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-  }
+  allocate(outputs);
   auto& enc = mx::cpu::get_command_encoder(stream());
   enc.set_input_array(inputs[0]);
   enc.set_output_array(outputs[0]);
@@ -533,48 +630,23 @@ void ResolveRecords::eval_cpu(
                 idx = inputs[0],
                 rows = outputs[0].data<uint32_t>(),
                 lease = outputs[1].data<uint64_t>()]() {
-    const std::shared_ptr<Engine>& engine = read.engine;
-    // Ticket 0 never exists: if this task fails, release_after sees an
-    // empty lease instead of garbage ids.
-    std::memset(lease, 0, idx.size() * sizeof(uint64_t));
-    std::memset(rows, 0, idx.size() * sizeof(uint32_t));
-    const Table& t = engine->table(read.table);
-    const uint32_t* ix = idx.data<uint32_t>();
-    std::vector<uint64_t> tickets;
-    tickets.reserve(idx.size());
-    size_t waited = 0;
-    try {
-      // Every record must be pinned at once (the kernel reads them all), so
-      // a full arena is an error here rather than a wave boundary.
-      for (size_t i = 0; i < idx.size(); ++i) {
-        if (ix[i] >= t.rows.size()) {
-          throw StreamError(
-              ErrorCode::kBadRequest,
-              "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                  std::to_string(read.table));
-        }
-        // Rows held by draining prefetches free up; our own pins do not.
-        tickets.push_back(request_with_room(
-            *engine, read.row(t, ix[i]),
-            [] { return false; }));
-      }
-      for (; waited < tickets.size(); ++waited) {
-        rows[waited] = engine->wait(tickets[waited]).row;
-        lease[waited] = tickets[waited];
-      }
-    } catch (...) {
-      for (uint64_t tk : tickets) {
-        engine->cancel(tk);
-      }
-      throw;
-    }
+    resolve_host(read, idx, rows, lease);
   });
 }
 
 void ResolveRecords::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  throw std::runtime_error("HebrusResolveRecords runs on the CPU stream only");
+  // The records are already in the arena (MLX buffers the GPU reads in
+  // place); the host task only pins them and writes rows/lease.
+  allocate(outputs);
+  eval_gpu_via_io(
+      stream(), inputs, outputs,
+      [read = read_, idx = inputs[0], rows = outputs[0].data<uint32_t>(),
+       lease = outputs[1].data<uint64_t>()]() {
+        resolve_host(read, idx, rows, lease);
+      },
+      true);
 }
 
 mx::array release_after(
@@ -588,7 +660,7 @@ mx::array release_after(
   return mx::array(
       value.shape(),
       value.dtype(),
-      std::make_shared<ReleaseAfter>(io_stream(), std::move(engine)),
+      std::make_shared<ReleaseAfter>(op_stream(), std::move(engine)),
       {value, lease});
 }
 
@@ -616,12 +688,15 @@ void ReleaseAfter::eval_cpu(
 void ReleaseAfter::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  // GPU-event path (ops_metal.cpp; unbuilt/unverified): pins are released
-  // once the GPU has computed the value that read the records.
+  // Pins are released once the GPU has computed the value that read the
+  // records; the GPU itself never waits for that.
   out.copy_shared_buffer(inputs[0]);
-  eval_gpu_via_io(stream(), {inputs[0], inputs[1]}, [engine = engine_, lease = inputs[1]]() {
-    release_leases(*engine, lease);
-  });
+  eval_gpu_via_io(
+      stream(), inputs, {},
+      [engine = engine_, lease = inputs[1]]() {
+        release_leases(*engine, lease);
+      },
+      false);
 }
 
 } // namespace hebrus

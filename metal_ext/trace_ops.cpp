@@ -1,4 +1,5 @@
 #include "trace_ops.h"
+#include "ops_metal.h"
 
 #include "mlx/backend/cpu/encoder.h"
 
@@ -13,7 +14,7 @@ mx::array mark_after(
       value.shape(),
       value.dtype(),
       std::make_shared<MarkAfter>(
-          mx::default_stream(mx::Device::cpu), std::move(engine), layer, tag),
+          op_stream(), std::move(engine), layer, tag),
       {value});
 }
 
@@ -28,7 +29,13 @@ void MarkAfter::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 }
 
 void MarkAfter::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  throw std::runtime_error("HebrusMarkAfter runs on the CPU stream only");
+  // The mark is taken when the host sees the GPU past the value; the GPU
+  // never waits for it (ops_metal.h).
+  out.copy_shared_buffer(inputs[0]);
+  eval_gpu_via_io(
+      stream(), inputs, {},
+      [engine = engine_, layer = layer_, tag = tag_]() { engine->mark(layer, tag); },
+      false);
 }
 
 } // namespace hebrus

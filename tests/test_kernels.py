@@ -186,7 +186,12 @@ def test_qsa_attention_emulated_prefill_and_decode(name):
 
 
 def test_kernels_switch_on_only_when_the_profile_passed_them_on_metal(monkeypatch):
-    profile = {"kernels": {"hc_mix": {"status": "passed", "device": "metal"},
+    from hebrus_mlx import profile as prof
+
+    here = dict(prof.this_machine(), metal=True)  # a profile written on this machine, seen as a Mac
+    monkeypatch.setattr(prof, "this_machine", lambda: dict(here))
+    profile = {"machine": here,
+               "kernels": {"hc_mix": {"status": "passed", "device": "metal"},
                            "ple_gather": {"status": "passed", "device": "emulator"},
                            "qsa_attention": {"status": "failed", "device": "metal"}}}
     assert kernels.configure(profile) == {"hc_mix"}

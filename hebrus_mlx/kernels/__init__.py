@@ -32,11 +32,13 @@ def killed(name: str) -> bool:
 
 
 def configure(profile: Optional[dict]) -> set[str]:
-    """Switch on the kernels the machine profile says passed on this device; returns them."""
+    """Switch on the kernels the machine profile says passed on this device (`profile.passed`:
+    written on this machine, Metal present); returns them."""
+    from ..profile import passed
+
     _qualified.clear()
-    checks = (profile or {}).get("kernels", {})
     for name in KERNELS:
-        if checks.get(name, {}).get("status") == "passed" and checks[name].get("device") == "metal":
+        if passed(profile, "kernels", name):
             _qualified.add(name)
     return set(_qualified)
 

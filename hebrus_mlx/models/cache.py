@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import HebrusError
+from ..stream.engine import check_gpu_event_errors
 from ..stream.errors import translate
 
 _GROW = 256  # attention buffers grow in steps of this many tokens
@@ -228,6 +229,8 @@ def rollback_on_error(cache, snap):
     evaluation boundary untyped, is raised as its typed stream error."""
     try:
         yield
+        # A GPU-event host task that failed released the GPU over unwritten records: fail the step.
+        check_gpu_event_errors()
     except BaseException as e:
         if snap is not None:
             cache.restore(snap)

@@ -156,6 +156,50 @@ def backends() -> list:
     return [] if _ext is None else list(_ext.backends())
 
 
+# ---- what the machine profile switched on (AFN-013) ----------------------------------------------
+# "mtlio" only where `hebrus-mlx qualify` measured it beating pread on this machine.
+_profile_backend = "pread"
+
+
+def gpu_events_compiled() -> bool:
+    """The build has the GPU-event streaming path (Apple + Metal + HEBRUS_METAL_EVENTS only)."""
+    return _ext is not None and bool(_ext.gpu_events_compiled())
+
+
+def configure(profile: Optional[dict]) -> dict:
+    """Switch on the streaming features `profile.passed` honours for this machine, each only where
+    this build has it and its kill-switch (HEBRUS_GPU_EVENTS=0, HEBRUS_MTLIO=0) is not set:
+    - gpu_event: streamed ops on the GPU stream, the GPU waiting on the host's event (else the
+      CPU stream, the default);
+    - mtlio: the default read backend of new engines (else pread).
+    Returns {"gpu_event": bool, "backend": str}."""
+    import os
+
+    from ..profile import passed
+
+    global _profile_backend
+    gpu = (passed(profile, "streaming", "gpu_event") and gpu_events_compiled()
+           and os.environ.get("HEBRUS_GPU_EVENTS", "1") != "0")
+    mtlio = (passed(profile, "io", "mtlio_vs_pread") and "mtlio" in backends()
+             and os.environ.get("HEBRUS_MTLIO", "1") != "0")
+    if _ext is not None:
+        _ext.set_gpu_events(gpu)  # off is always accepted
+    _profile_backend = "mtlio" if mtlio else "pread"
+    return {"gpu_event": gpu, "backend": _profile_backend}
+
+
+def default_backend() -> str:
+    """The read backend engines get when none is named: pread unless the profile promoted mtlio."""
+    return _profile_backend
+
+
+def check_gpu_event_errors() -> None:
+    """Raise (once) the first failure of a GPU-event host task since the last check (the records
+    of that step were never written). A tagged RuntimeError, typed by `errors.translate`."""
+    if _ext is not None:
+        _ext.check_gpu_event_errors()
+
+
 class StreamEngine:
     """Thread-pool pread engine with a bounded, pinning slot cache.
 
@@ -167,9 +211,10 @@ class StreamEngine:
         policy: ``"lru"`` (control), ``"clock"`` (second chance, pinned
             records off the ring) or ``"score"`` (stall removed per byte).
         nocache / rdadvise: macOS ``F_NOCACHE`` / ``F_RDADVISE``.
-        backend: How bytes move: ``"pread"`` (default) or ``"mtlio"``
+        backend: How bytes move: ``"pread"`` or ``"mtlio"``
             (``MTLIOCommandQueue`` into arena rows; macOS Metal builds only,
-            not yet verified on hardware, so never chosen automatically).
+            not verified on hardware). None: :func:`default_backend`, i.e.
+            pread unless this machine's profile promoted mtlio.
             Anything else, or ``"mtlio"`` where :func:`backends` lacks it,
             raises :class:`StreamRequestError` naming ``backend``.
         testing: Enables fault injection, ``hold`` and read delays.
@@ -184,10 +229,12 @@ class StreamEngine:
         nocache: bool = False,
         rdadvise: bool = False,
         testing: bool = False,
-        backend: str = "pread",
+        backend: Optional[str] = None,
     ):
         if _ext is None:
             raise StreamUnavailableError(unavailable_reason())
+        if backend is None:
+            backend = default_backend()
         self._e = _ext.Engine(
             threads=threads,
             cache_bytes=cache_bytes,

@@ -15,7 +15,7 @@ struct RawReadResult {
   int64_t elapsed_ns = 0; // first batch issued -> last batch done
   uint64_t bytes = 0;
   uint64_t reads = 0;
-  bool direct = false; // O_DIRECT was used (else the page cache)
+  bool direct = false; // O_DIRECT (Linux) / F_NOCACHE (macOS) was used (else the page cache)
   std::vector<uint8_t> data; // with collect: every read, in batch order
 };
 

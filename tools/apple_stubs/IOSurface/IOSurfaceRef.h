@@ -1,0 +1,3 @@
+// Stub (declarations only) for a Linux syntax check; see ../README.md.
+#pragma once
+typedef struct __IOSurface* IOSurfaceRef;

@@ -1,0 +1,4 @@
+// Stub (declarations only) for a Linux syntax check; see ../README.md.
+#pragma once
+typedef struct dispatch_queue_s* dispatch_queue_t;
+typedef struct dispatch_data_s* dispatch_data_t;

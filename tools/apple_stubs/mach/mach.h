@@ -1,0 +1,5 @@
+// Stub (declarations only) for a Linux syntax check; see ../README.md.
+#pragma once
+typedef int kern_return_t;
+typedef unsigned int mach_port_t;
+typedef mach_port_t task_id_token_t;
