@@ -16,6 +16,7 @@ from .pipeline import launched as pipeline_launched
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .models.cache import rollback_on_error
 from .stream.predict import add_prefetch_argument, prefetch_from_args
+from .stream.sweep import add_sweep_argument, sweep_from_args
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
@@ -365,6 +366,9 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
             from .stream.engine import io_summary
 
             print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
+            sweep_line = model.streaming.sweep_summary()
+            if sweep_line:
+                print(sweep_line)
     return text
 
 
@@ -404,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ple-cache-gb", type=float, default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
     add_prefetch_argument(p)
+    add_sweep_argument(p)
     p.add_argument("--trace-out", default=None, metavar="DIR",
                    help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
     p.add_argument("--trace-features", type=int, default=0, metavar="N",
@@ -436,6 +441,7 @@ def _check_args(args):
     for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
         if value is not None and not (0 < value < float("inf")):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
+    sweep_from_args(args)  # a bad --prefill-sweep fails before the model loads
     if args.trace_features < 0:
         raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
     if args.num_draft_tokens is not None:
@@ -446,12 +452,12 @@ def _check_args(args):
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
-          prefetch=None, dtype="auto"):
+          prefetch=None, dtype="auto", prefill_sweep=None):
     from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
     from .utils import load
 
     return load(resolve_model(name), dtype=None if dtype == "stored" else dtype, expert_cache_gb=expert_cache_gb,
-                ple_cache_gb=ple_cache_gb, prefetch=prefetch)
+                ple_cache_gb=ple_cache_gb, prefetch=prefetch, prefill_sweep=prefill_sweep)
 
 
 def _trace_kwargs(args) -> dict:
@@ -487,7 +493,7 @@ def main(argv=None) -> int:
             return 0  # a serving rank: rank 0 prints
     else:
         model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
-                                 args.dtype)
+                                 args.dtype, prefill_sweep=sweep_from_args(args))
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:

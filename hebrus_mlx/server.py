@@ -40,6 +40,7 @@ from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .stream.predict import prefetch_from_args
+from .stream.sweep import sweep_from_args
 from .text.chat import ChatError
 from .text.tokenizer import TokenizerError
 
@@ -669,7 +670,8 @@ def _as_request_error(e) -> RequestError:
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
 USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
         "draft_model", "num_draft_tokens",
-        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold"}
+        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold",
+        "prefill_sweep"}
 
 
 def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
@@ -727,7 +729,8 @@ def main(argv=None) -> int:
             import mlx.core as mx
 
             mx.random.seed(args.seed)
-        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch)
+        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch,
+                         prefill_sweep=sweep_from_args(args))
 
     prefetch = prefetch_from_args(args)  # checked before the model loads
     worker = Worker(load, args.prompt_cache_bytes, defaults)

@@ -37,6 +37,7 @@ from ..models.qwen4exp import Model
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
 from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
+from ..stream.sweep import parse_mode as parse_sweep_mode
 from ..stream.ple import attach_ple
 from ..stream.streaming import Streaming
 from ..stream.switch import attach
@@ -271,7 +272,7 @@ def prune(model, stage):
 
 
 def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
-                        prefetch=None) -> Model:
+                        prefetch=None, prefill_sweep=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -300,6 +301,11 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     prefetch: the streamed experts' read-ahead (``stream.predict``: ``"off"``, ``"previous"``,
     ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: ``stream.predict.DEFAULT``. Naming one
     for a model whose experts are resident is a UsageError.
+
+    prefill_sweep: ``"auto"`` (None), ``"on"`` or ``"off"`` (``stream.sweep``): long prefill chunks
+    read each layer's whole expert extent into a two-layer ring. The ring must fit available memory
+    minus ``RESERVE_BYTES`` after the load: ``on`` is refused otherwise (SweepBudgetError), ``auto``
+    then stays off. ``on`` for resident experts is a UsageError.
     """
     # Admission raises before anything below allocates.
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
@@ -313,6 +319,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     prefetch = None if prefetch is None else parse_prefetch(prefetch)  # bad values fail before any buffer
     if prefetch is not None and prefetch.kind != "off" and rows is None:
         raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
+    sweep_mode = parse_sweep_mode(prefill_sweep)
+    if sweep_mode == "on" and rows is None:
+        raise UsageError("prefill_sweep", "only streamed routed experts are swept; this model's experts are resident")
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise UsageError("dtype", f"streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -359,6 +368,12 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         if prefetch is None and experts is not None:
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
         model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
+        if experts is not None:
+            try:
+                model.streaming.set_prefill_sweep(sweep_mode, budget=plan.available_memory() - RESERVE_BYTES)
+            except BaseException:
+                engine.close()
+                raise
     if stage is None:
         attach_mtp_head(model, _mtp_head(m, model.args, dtype))
     return model

@@ -15,11 +15,13 @@ def load_or_serve(path, args):
 
     from ..errors import UsageError
     from ..stream.predict import prefetch_from_args
+    from ..stream.sweep import sweep_from_args
 
     if args.dtype != "auto":
         raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
     pipe = load_pipeline(path, split=args.pipeline_split, expert_cache_gb=args.expert_cache_gb,
-                         ple_cache_gb=args.ple_cache_gb, prefetch=prefetch_from_args(args))
+                         ple_cache_gb=args.ple_cache_gb, prefetch=prefetch_from_args(args),
+                         prefill_sweep=sweep_from_args(args))
     if pipe.rank != 0:
         try:
             stats = pipe.serve()
