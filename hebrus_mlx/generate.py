@@ -161,9 +161,9 @@ def generate_step(
         return staged.arrays if staged is not None else []
 
     streaming = model.streaming
-    if streaming is not None and streaming.max_chunk_tokens is not None:
-        # A streamed chunk pins every expert it routes to in the arena at once.
-        prefill_step_size = min(prefill_step_size, streaming.max_chunk_tokens)
+    if streaming is not None and streaming.prefill_chunk_cap is not None:
+        # A streamed chunk pins every expert it routes to in the arena at once (unless swept).
+        prefill_step_size = min(prefill_step_size, streaming.prefill_chunk_cap)
     # AFN-010: a step whose evaluation fails (e.g. an SSD read error) must not leave half-applied
     # state. Snapshots are references (MLX arrays are values), so taking one per step is free, and
     # holding it also keeps the previous buffers from being donated to the update.

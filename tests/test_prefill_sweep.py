@@ -136,8 +136,32 @@ def test_auto_switches_at_the_crossover():
     assert st.sweep is None and not st.switches[0].sweeping(10_000)
 
 
+def test_generate_with_a_ring_prefills_in_resident_chunks():
+    """With a ring generate stops capping prefill chunks at the arena: the streamed prompt is
+    prefilled in prefill_step_size chunks (those past the arena swept, the others as auto decides)
+    and its tokens and logprobs equal the resident run's at the same prefill_step_size; without one
+    (off) the chunks stay capped at the arena."""
+    from hebrus_mlx.generate import generate_step
+
+    gb = _cache_gb(DEMO_DIR, 0.05)
+    auto, off = load_model(DEMO_DIR, expert_cache_gb=gb), load_model(DEMO_DIR, expert_cache_gb=gb, prefill_sweep="off")
+    assert auto.streaming.prefill_chunk_cap is None and auto.streaming.sweep.mode == "auto"
+    assert off.streaming.prefill_chunk_cap == off.streaming.max_chunk_tokens < 16
+    resident = load_model(DEMO_DIR)
+    prompt = mx.array(np.random.default_rng(2).integers(2, resident.args.vocab_size, 40).tolist())
+    kw = dict(effective_vocab_size=resident.args.vocab_size, max_tokens=6, prefill_step_size=16)
+    got = list(generate_step(prompt, auto, **kw))
+    want = list(generate_step(prompt, resident, **kw))
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    # 39 prompt tokens before the last: chunks of 16, 16 and 7 (all past the arena's 6), each swept
+    # layer by layer; decode steps never sweep.
+    assert auto.streaming.sweep.counters()["sweeps"] == 3 * auto.args.num_hidden_layers
+
+
 def test_ring_over_budget_is_refused_or_left_off():
-    model = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(DEMO_DIR, 0.05))
+    model = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(DEMO_DIR, 0.2))
     st = model.streaming
     need = S.ring_bytes(st.experts)
     assert need == 2 * model.args.num_experts * sum(

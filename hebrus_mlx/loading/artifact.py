@@ -369,6 +369,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
         model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
         if experts is not None:
+            model.streaming.sweep_lifts_cap = stage is None
             try:
                 model.streaming.set_prefill_sweep(sweep_mode, budget=plan.available_memory() - RESERVE_BYTES)
             except BaseException:

@@ -17,7 +17,7 @@ from ..errors import UsageError
 from .engine import StreamEngine
 from .experts import StreamedExperts
 from .predict import PrefetchSpec, Predictor, parse_prefetch
-from .sweep import PrefillSweep, SweepBudgetError, parse_mode
+from .sweep import CROSSOVER, PrefillSweep, SweepBudgetError, parse_mode
 from .switch import StreamedSwitchGLU
 
 
@@ -36,6 +36,9 @@ class Streaming:
         self._order = sorted(self._by_layer)  # streamed layers, in graph order
         self.sweep: Optional[PrefillSweep] = None
         self.sweep_note: Optional[str] = None  # why `auto` is not sweeping (the ring did not fit)
+        # With a ring, prefill chunks past the arena are swept, so generate need not cap them
+        # (False for a pipeline stage: every rank must take rank 0's chunks, rings or not).
+        self.sweep_lifts_cap = True
         if experts is not None and prefetch is None:
             prefetch = "previous" if experts.prefetch_previous else "off"
         if prefetch is not None:
@@ -58,7 +61,7 @@ class Streaming:
         self.engine.set_staging(e.arena, staging)
         self.prefetch = spec
 
-    def set_prefill_sweep(self, mode, budget: Optional[int] = None) -> None:
+    def set_prefill_sweep(self, mode, budget: Optional[int] = None, crossover: float = CROSSOVER) -> None:
         """``auto|on|off`` (stream.sweep). ``budget``: bytes the two-layer ring may take; a ring
         over it is refused for ``on`` (SweepBudgetError) and leaves ``auto`` off (``sweep_note``)."""
         mode = parse_mode(mode)
@@ -73,8 +76,9 @@ class Streaming:
             old.close()  # joins its reads before the ring's buffers go
         if mode == "off":
             return
+        e = self.experts
         try:
-            sweep = PrefillSweep(self.experts, mode, budget=budget, layers=self._order)
+            sweep = PrefillSweep(e, mode, budget=budget, crossover=crossover, layers=self._order)
         except SweepBudgetError as e:
             if mode == "on":
                 raise
@@ -94,7 +98,16 @@ class Streaming:
 
     @property
     def max_chunk_tokens(self) -> Optional[int]:
+        """Tokens per forward the slot path always takes (every expert of a chunk pinned at once)."""
         return None if self.experts is None else self.experts.max_chunk_tokens
+
+    @property
+    def prefill_chunk_cap(self) -> Optional[int]:
+        """What generate caps prefill chunks at: None (no cap) with a sweep ring, which takes any
+        chunk the arena cannot (PrefillSweep.active), else ``max_chunk_tokens``."""
+        if self.sweep is not None and self.sweep_lifts_cap:
+            return None
+        return self.max_chunk_tokens
 
     def layer_start(self, layer: int, x: mx.array) -> mx.array:
         switch = self._by_layer.get(layer)

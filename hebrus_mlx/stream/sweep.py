@@ -19,7 +19,11 @@ refused (``on``) or not used (``auto``).
 
 ``--prefill-sweep auto|on|off`` (default ``auto``): ``on`` sweeps every multi-token forward, ``auto``
 sweeps a chunk whose expected unique-expert fraction per layer, ``1 - (1 - k/E)^T`` for ``T`` tokens
-of top-``k`` routing over ``E`` experts, reaches :data:`CROSSOVER` (measured, see below).
+of top-``k`` routing over ``E`` experts, reaches :data:`CROSSOVER` (measured, see below), and every
+chunk larger than the slot arena can pin (``StreamedExperts.max_chunk_tokens``). With a ring, generate
+no longer caps prefill chunks at the arena (``Streaming.prefill_chunk_cap``): a long prompt is
+prefilled in ``prefill_step_size`` chunks, as the resident path does, instead of re-reading every
+layer once per arena-sized chunk.
 """
 
 from __future__ import annotations
@@ -118,8 +122,8 @@ class PrefillSweep:
         """Whether a forward of ``tokens`` positions sweeps (never for one token)."""
         if tokens <= 1 or self.mode == "off":
             return False
-        if self.mode == "on":
-            return True
+        if self.mode == "on" or tokens > self.experts.max_chunk_tokens:
+            return True  # (past the arena's chunk the slot path cannot take it whole)
         return expected_unique_fraction(tokens, self.top_k, self.num_experts) >= self.crossover
 
     def slot(self, layer: int) -> int:
