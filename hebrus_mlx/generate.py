@@ -365,10 +365,10 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         if model.streaming is not None:
             from .stream.engine import io_summary
 
-            print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
             sweep_line = model.streaming.sweep_summary()
             if sweep_line:
                 print(sweep_line)
+            print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
     return text
 
 
