@@ -81,6 +81,10 @@ class SyntheticExperts:
             self.weights.setdefault(comp, {})[part] = buf.view(dt).reshape(rows, *shape)
         self._p1 = P1
 
+    @property
+    def max_chunk_tokens(self):
+        return max(1, self.rows // self.top_k)
+
     def resolve(self, layer, indices, owner=0, generation=0):
         import mlx.core as mx
 
@@ -158,9 +162,16 @@ def run_stack(args):
     B.build_decode_store(path, n, rec)
     dig = digests(path, n, rec)
     mixers = B.make_mixers(args.layers)
-    chunk = args.chunk or args.rows // args.top_k
+    cap = args.chunk or args.rows // args.top_k
+    modes = args.modes.split(",")
+
+    def chunk_of(mode, length):
+        # off: generate caps chunks at the arena; on: the same chunks, swept (bit-identical to off);
+        # auto: with a ring generate prefills in --step chunks (past the arena: swept).
+        return min(args.step, length) if mode == "auto" else cap
 
     def one(mode, length):
+        chunk = chunk_of(mode, length)
         B.drop_cache(path)
         eng = se.StreamEngine(cache_bytes=rec, threads=args.threads, policy="clock")
         ex = SyntheticExperts(eng, path, args.layers, args.experts, args.top_k, args.rows, rec, dig)
@@ -173,29 +184,31 @@ def run_stack(args):
         sw = st.streaming.sweep.counters() if st.streaming.sweep is not None else None
         last = np.array(outs[-1])
         st.close()
+        print(f"    run {mode} {length} tokens: {dt:.1f} s", flush=True)
         return dt, c, sw, last
 
     print(f"(2) real-geometry prefill: {args.layers} layers x {args.experts} experts top-{args.top_k}, "
-          f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows, chunk {chunk} tokens, {args.threads} engine "
-          f"threads, {args.rounds} rounds A/B/B/A, cold store {path}")
+          f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows (chunk cap {cap} tokens), auto chunks "
+          f"{args.step}, {args.threads} engine threads, {args.rounds} rounds A/B/B/A, cold store {path}")
     for length in args.lengths:
-        res = {"off": [], "on": []}
+        res = {m: [] for m in modes}
         for r in range(args.rounds):
-            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
                 res[mode].append(one(mode, length))
-        same = all(np.array_equal(a[3], b[3]) for a in res["off"] for b in res["on"])
         t = {m: statistics.median(x[0] for x in v) for m, v in res.items()}
-        c_off, c_on, sw = res["off"][0][1], res["on"][0][1], res["on"][0][2]
-        lookups = c_off["hits"] + c_off["joins"] + c_off["misses"]
-        print(f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s (runs "
-              f"{' '.join(f'{length / x[0]:.1f}' for x in res['off'])}), on {length / t['on']:.1f} tok/s "
-              f"(runs {' '.join(f'{length / x[0]:.1f}' for x in res['on'])}), x{t['off'] / t['on']:.3f}; "
-              f"hidden states {'identical' if same else 'DIFFER'}")
-        print(f"      off: {c_off['exact_bytes'] / 1e9:.2f} GB read, hit rate "
-              f"{100 * (c_off['hits'] + c_off['joins']) / max(lookups, 1):.1f}%, exposed wait "
-              f"{c_off['exposed_wait_ns'] / 1e9:.2f} s; on: {sw['read_bytes'] / 1e9:.2f} GB swept in "
-              f"{sw['sweeps']} extents, exposed wait {sw['wait_ns'] / 1e9:.2f} s (+{c_on['exact_bytes'] / 1e9:.2f} GB "
-              f"slot reads)")
+        base = modes[0]
+        for m in modes:
+            c, sw = res[m][0][1], res[m][0][2]
+            lookups = c["hits"] + c["joins"] + c["misses"]
+            same = "" if m == base or chunk_of(m, length) != chunk_of(base, length) else (
+                "; hidden states " + ("identical" if all(np.array_equal(a[3], b[3]) for a in res[base] for b in res[m])
+                                      else "DIFFER") + f" to {base}")
+            swept = "" if sw is None else (f", {sw['read_bytes'] / 1e9:.2f} GB swept in {sw['sweeps']} extents "
+                                           f"(wait {sw['wait_ns'] / 1e9:.2f} s)")
+            print(f"  {length:5d} tokens {m:4s} (chunk {chunk_of(m, length)}): {length / t[m]:.2f} tok/s (runs "
+                  f"{' '.join(f'{length / x[0]:.2f}' for x in res[m])}), x{t[base] / t[m]:.2f} vs {base}; slot reads "
+                  f"{c['exact_bytes'] / 1e9:.2f} GB (hit rate {100 * (c['hits'] + c['joins']) / max(lookups, 1):.0f}%, "
+                  f"wait {c['exposed_wait_ns'] / 1e9:.2f} s){swept}{same}")
 
 
 def run_crossover(args):
@@ -325,6 +338,8 @@ def main():
     p.add_argument("--threads", type=int, default=8, help="engine reader threads")
     p.add_argument("--sweep-threads", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2, help="2 = A/B then B/A")
+    p.add_argument("--modes", default="off,on,auto", help="(2) --prefill-sweep modes timed A/B/B/A, first = control")
+    p.add_argument("--step", type=int, default=2048, help="(2) prefill_step_size of the auto runs (generate's default)")
     p.add_argument("--crossover", action="store_true", help="run (1) only")
     p.add_argument("--fractions", default="0.05,0.1,0.2,0.3,0.4,0.5,0.7,1.0")
     p.add_argument("--demo", action="store_true", help="run (3) only")

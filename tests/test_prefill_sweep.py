@@ -126,14 +126,20 @@ def test_auto_switches_at_the_crossover():
     model = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(DEMO_DIR, 0.2))
     st = model.streaming
     assert st.sweep is not None and st.sweep.mode == "auto"  # the default
-    top_k, n = model.args.num_experts_per_tok, model.args.num_experts
-    need = next(t for t in range(1, 10_000) if S.expected_unique_fraction(t, top_k, n) >= st.sweep.crossover)
+    assert st.sweep.crossover == S.CROSSOVER
+    top_k, n, cap = model.args.num_experts_per_tok, model.args.num_experts, st.max_chunk_tokens
+    st.set_prefill_sweep("auto", crossover=0.3)
+    need = next(t for t in range(1, 10_000) if S.expected_unique_fraction(t, top_k, n) >= 0.3)
+    assert 2 < need < cap
     assert not st.sweep.active(need - 1) and st.sweep.active(need)
+    st.set_prefill_sweep("auto", crossover=1.0)
+    # Below the crossover, chunks the arena takes stay on the slot path, larger ones are swept.
+    assert not st.sweep.active(cap) and st.sweep.active(cap + 1)
     for mode in ("auto", "on"):
         st.set_prefill_sweep(mode)
         assert not st.sweep.active(1)  # never for decode
     st.set_prefill_sweep("off")
-    assert st.sweep is None and not st.switches[0].sweeping(10_000)
+    assert st.sweep is None and not st.switches[0].sweeping(10_000) and st.prefill_chunk_cap == cap
 
 
 def test_generate_with_a_ring_prefills_in_resident_chunks():

@@ -76,13 +76,12 @@ class Streaming:
             old.close()  # joins its reads before the ring's buffers go
         if mode == "off":
             return
-        e = self.experts
         try:
-            sweep = PrefillSweep(e, mode, budget=budget, crossover=crossover, layers=self._order)
-        except SweepBudgetError as e:
+            sweep = PrefillSweep(self.experts, mode, budget=budget, crossover=crossover, layers=self._order)
+        except SweepBudgetError as err:
             if mode == "on":
                 raise
-            self.sweep_note = f"prefill sweep off: {e.message}"
+            self.sweep_note = f"prefill sweep off: {err.message}"
             return
         self.sweep = sweep
         for s in self.switches:

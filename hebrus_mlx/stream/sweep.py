@@ -38,10 +38,13 @@ from .engine import _ext
 
 MODES = ("auto", "on", "off")
 DEFAULT = "auto"
-# Unique-expert fraction above which reading the whole extent beats reading the misses one record at
-# a time: measured by `python benchmarks/bench_prefill.py --crossover` (cold store, real 2560x640
-# affine4 geometry, 512 experts, this Linux box; see its output) — re-measure on the target machine.
-CROSSOVER = 0.5
+# Unique-expert fraction above which reading a layer's whole extent beats reading its misses one
+# record at a time, for a chunk the arena could take. `python benchmarks/bench_prefill.py --crossover`
+# (cold store, real 2560x640 affine4 records, 512 per layer) on the Linux VM this was built on: the
+# sweep never won (slot path 0.35-0.46 GiB/s at every fraction, the sweep 0.35 GiB/s; f=1.0: sweep/slot
+# 1.12), so auto sweeps only the chunks the arena cannot take. Public Mac runs found the sequential
+# reads much faster there (unverified here, AFN-013): re-measure on the target machine.
+CROSSOVER = 1.0
 _MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
 
 
