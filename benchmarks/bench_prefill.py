@@ -302,27 +302,29 @@ def run_demo(args):
     rows = max(math.ceil(args.fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
     gb = (rows * record + record // 2) / plan.GIB
     exp = os.path.join(str(DEMO_DIR), "experts.hbem")
-    models = {mode: load_model(DEMO_DIR, expert_cache_gb=gb, prefill_sweep=mode) for mode in ("off", "on")}
+    models = {mode: load_model(DEMO_DIR, expert_cache_gb=gb, prefill_sweep=mode) for mode in ("off", "on", "auto")}
     chunk = models["off"].streaming.max_chunk_tokens
+    chunks = {"off": chunk, "on": chunk, "auto": args.step}  # auto: generate's chunks with a ring
     print(f"(3) demo streamed at {100 * args.fraction:.0f}% ({rows} arena rows), chunk {chunk} tokens "
           f"(generate's cap), {args.rounds} rounds A/B/B/A, cold store per run")
     for length in args.lengths:
         prompt = np.random.default_rng(length).integers(2, fam.vocab_size, length).tolist()
-        res = {"off": [], "on": []}
+        res = {"off": [], "on": [], "auto": []}
         for r in range(args.rounds):
-            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                model = models[mode]
+            for mode in (("off", "on", "auto") if r % 2 == 0 else ("auto", "on", "off")):
+                model, c = models[mode], chunks[mode]
                 B.drop_cache(exp)
                 cache = model.make_cache()
                 t0 = time.perf_counter()
-                for i in range(0, length, chunk):
-                    out = model(mx.array([prompt[i:i + chunk]]), cache)
+                for i in range(0, length, c):
+                    out = model(mx.array([prompt[i:i + c]]), cache)
                     mx.eval(out)
                 res[mode].append((time.perf_counter() - t0, np.array(out[0, -1])))
         same = all(np.array_equal(a[1], b[1]) for a in res["off"] for b in res["on"])
         t = {k: statistics.median(x[0] for x in v) for k, v in res.items()}
-        print(f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s, on {length / t['on']:.1f} tok/s, "
-              f"x{t['off'] / t['on']:.3f}; last logits {'identical' if same else 'DIFFER'}")
+        print(f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s, on (same chunks) {length / t['on']:.1f} "
+              f"tok/s x{t['off'] / t['on']:.2f}, last logits {'identical' if same else 'DIFFER'}; auto (chunks of "
+              f"{min(args.step, length)}) {length / t['auto']:.1f} tok/s x{t['off'] / t['auto']:.2f}")
 
 
 def main():
