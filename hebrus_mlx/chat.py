@@ -16,6 +16,7 @@ from .sample_utils import make_sampler
 from .server import USED, refuse_unused, share_generate_flags
 from .stream.errors import StreamError
 from .stream.predict import prefetch_from_args
+from .stream.sweep import sweep_from_args
 from .text.chat import ChatError
 from .text.tokenizer import TokenizerError
 
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
 
         mx.random.seed(args.seed)
     model, tok = gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
-                           expert_mirror=args.expert_mirror)
+                           expert_mirror=args.expert_mirror, prefill_sweep=sweep_from_args(args))
     if tok.chat_template is None:
         raise UsageError("--model", f"model {args.model!r} has no chat template")
 

@@ -16,6 +16,7 @@ from .pipeline import launched as pipeline_launched
 from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
 from .models.cache import rollback_on_error
 from .stream.predict import add_prefetch_argument, prefetch_from_args
+from .stream.sweep import add_sweep_argument, sweep_from_args
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
@@ -160,9 +161,9 @@ def generate_step(
         return staged.arrays if staged is not None else []
 
     streaming = model.streaming
-    if streaming is not None and streaming.max_chunk_tokens is not None:
-        # A streamed chunk pins every expert it routes to in the arena at once.
-        prefill_step_size = min(prefill_step_size, streaming.max_chunk_tokens)
+    if streaming is not None and streaming.prefill_chunk_cap is not None:
+        # A streamed chunk pins every expert it routes to in the arena at once (unless swept).
+        prefill_step_size = min(prefill_step_size, streaming.prefill_chunk_cap)
     # AFN-010: a step whose evaluation fails (e.g. an SSD read error) must not leave half-applied
     # state. Snapshots are references (MLX arrays are values), so taking one per step is free, and
     # holding it also keeps the previous buffers from being donated to the update.
@@ -364,6 +365,9 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         if model.streaming is not None:
             from .stream.engine import io_summary
 
+            sweep_line = model.streaming.sweep_summary()
+            if sweep_line:
+                print(sweep_line)
             print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
             experts = model.streaming.experts
             if experts is not None and experts.mirror is not None:
@@ -412,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-mirror", default=None, metavar="DIR",
                    help="a directory holding a copy of the expert store (e.g. on a second disk); streamed reads "
                         "alternate between the two (not verified on two disks here)")
+    add_sweep_argument(p)
     p.add_argument("--trace-out", default=None, metavar="DIR",
                    help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
     p.add_argument("--trace-features", type=int, default=0, metavar="N",
@@ -448,6 +453,7 @@ def _check_args(args):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
     if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
         raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
+    sweep_from_args(args)  # a bad --prefill-sweep fails before the model loads
     if args.trace_features < 0:
         raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
     if args.num_draft_tokens is not None:
@@ -458,12 +464,13 @@ def _check_args(args):
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
-          prefetch=None, dtype="auto", expert_mirror=None):
+          prefetch=None, dtype="auto", expert_mirror=None, prefill_sweep=None):
     from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
     from .utils import load
 
     return load(resolve_model(name), dtype=None if dtype == "stored" else dtype, expert_cache_gb=expert_cache_gb,
-                ple_cache_gb=ple_cache_gb, prefetch=prefetch, expert_mirror=expert_mirror)
+                ple_cache_gb=ple_cache_gb, prefetch=prefetch, expert_mirror=expert_mirror,
+                prefill_sweep=prefill_sweep)
 
 
 def _trace_kwargs(args) -> dict:
@@ -499,7 +506,7 @@ def main(argv=None) -> int:
             return 0  # a serving rank: rank 0 prints
     else:
         model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
-                                 args.dtype, args.expert_mirror)
+                                 args.dtype, args.expert_mirror, prefill_sweep=sweep_from_args(args))
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:

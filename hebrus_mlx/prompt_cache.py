@@ -115,8 +115,8 @@ class Usage:
 
 def _prefill(model, cache, ids: mx.array, step: int, cancelled: Callable[[], bool]):
     streaming = getattr(model, "streaming", None)
-    if streaming is not None and streaming.max_chunk_tokens is not None:
-        step = min(step, streaming.max_chunk_tokens)  # as generate_step: a chunk pins its experts
+    if streaming is not None and streaming.prefill_chunk_cap is not None:
+        step = min(step, streaming.prefill_chunk_cap)  # as generate_step: a chunk pins its experts
     while ids.size:
         if cancelled():
             return False

@@ -48,6 +48,7 @@ from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .stream.predict import prefetch_from_args
+from .stream.sweep import sweep_from_args
 from .text.chat import ChatError
 from .text.tokenizer import TokenizerError
 
@@ -708,7 +709,8 @@ def _as_request_error(e) -> RequestError:
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
 USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
         "draft_model", "num_draft_tokens", "pipeline_split", "pipeline_timeout",
-        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror"}
+        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror",
+        "prefill_sweep"}
 
 
 def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
@@ -784,7 +786,7 @@ def main(argv=None) -> int:
             pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
             return model, tokenizer
         return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch,
-                         expert_mirror=args.expert_mirror)
+                         expert_mirror=args.expert_mirror, prefill_sweep=sweep_from_args(args))
 
     worker = Worker(load, args.prompt_cache_bytes, defaults)
     if pipe is not None:

@@ -14,6 +14,7 @@
 #include "ops.h"
 #include "ops_metal.h"
 #include "py_errors.h"
+#include "sweep.h"
 #include "trace_ops.h"
 
 namespace nb = nanobind;
@@ -465,4 +466,25 @@ NB_MODULE(_ext, m) {
       "owner"_a = 0,
       "generation"_a = 0,
       "layer"_a = -1);
+
+  // Prefill sweep ring (sweep.h).
+  nb::class_<hebrus::SweepRing>(m, "SweepRing")
+      .def(
+          nb::init<std::shared_ptr<Engine>, int, const std::string&, std::vector<uint64_t>,
+                   std::vector<uint8_t>, uint32_t, uint32_t, int>(),
+          "engine"_a, "table"_a, "path"_a, "part_bytes"_a, "expand"_a, "span"_a,
+          "slots"_a = 2, "threads"_a = 4)
+      .def("parts", &hebrus::SweepRing::parts)
+      .def_prop_ro("bytes", &hebrus::SweepRing::bytes)
+      .def("counters", [](const hebrus::SweepRing& r) {
+        nb::dict d;
+        d["sweeps"] = r.sweeps();
+        d["read_bytes"] = r.read_bytes();
+        d["wait_ns"] = r.wait_ns();
+        return d;
+      })
+      .def("inject_digest_fault", &hebrus::SweepRing::inject_digest_fault, "count"_a = 1)
+      .def("close", &hebrus::SweepRing::close);
+  m.def("sweep_issue", &hebrus::sweep_issue, "ring"_a, "dep"_a, "slot"_a, "first"_a);
+  m.def("sweep_wait", &hebrus::sweep_wait, "ring"_a, "value"_a, "slot"_a, "first"_a);
 }

@@ -348,7 +348,8 @@ def test_cli_streamed_demo_prints_io_line_and_resident_text():
                         r"exposed wait [0-9.]+ s, hidden (n/a|-?\d+%), p50/p99 [0-9.]+/[0-9.]+ ms; "
                         rf"prefetch {re.escape(parse_prefetch(DEFAULT_PREFETCH).name)}: timely recall [0-9.]+%, "
                         r"precision [0-9.]+%", io_line), io_line
-    assert streamed[-2].startswith("Peak memory:")
+    # (The prefill sweep line, stream.sweep, sits between mlx_lm's stats and the I/O line.)
+    assert streamed[-3].startswith("Peak memory:") and streamed[-2].startswith("Prefill sweep auto: ")
     assert "; prefetch hyper-reuse: timely recall " in hyper[-1], hyper[-1]
     text = lambda out: out[1:out.index("=" * 10, 1)]  # noqa: E731
     assert text(streamed) == text(resident) == text(hyper)

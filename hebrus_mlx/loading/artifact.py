@@ -39,6 +39,7 @@ from ..models.qwen4exp import Model
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
 from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
+from ..stream.sweep import parse_mode as parse_sweep_mode
 from ..stream.ple import attach_ple
 from ..stream.streaming import Streaming
 from ..stream.switch import attach
@@ -313,7 +314,7 @@ def prune(model, stage):
 
 
 def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
-                        prefetch=None, expert_mirror=None) -> Model:
+                        prefetch=None, expert_mirror=None, prefill_sweep=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -346,6 +347,11 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     expert_mirror: a directory holding a byte-identical copy of the expert store (a second disk);
     streamed reads alternate between the two files (``admission.admit_mirror`` checks it first).
     Not verified on two disks here. Naming one for resident experts is a UsageError.
+
+    prefill_sweep: ``"auto"`` (None), ``"on"`` or ``"off"`` (``stream.sweep``): long prefill chunks
+    read each layer's whole expert extent into a two-layer ring. The ring must fit available memory
+    minus ``RESERVE_BYTES`` after the load: ``on`` is refused otherwise (SweepBudgetError), ``auto``
+    then stays off. ``on`` for resident experts is a UsageError.
     """
     # Admission raises before anything below allocates.
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
@@ -361,6 +367,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
     if expert_mirror is not None and rows is None:
         raise UsageError("expert-mirror", "only streamed routed experts read a mirror; this model's experts are resident")
+    sweep_mode = parse_sweep_mode(prefill_sweep)
+    if sweep_mode == "on" and rows is None:
+        raise UsageError("prefill_sweep", "only streamed routed experts are swept; this model's experts are resident")
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise UsageError("dtype", f"streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -404,6 +413,13 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         if prefetch is None and experts is not None:
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
         model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
+        if experts is not None:
+            model.streaming.sweep_lifts_cap = stage is None
+            try:
+                model.streaming.set_prefill_sweep(sweep_mode, budget=plan.available_memory() - RESERVE_BYTES)
+            except BaseException:
+                engine.close()
+                raise
     if stage is None or stage.heads:
         attach_mtp_head(model, _mtp_head(m, model.args, dtype))
     return model

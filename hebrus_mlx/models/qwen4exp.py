@@ -714,6 +714,7 @@ class Streaming(Protocol):
 
     engine: Any  # counters() for the I/O line
     max_chunk_tokens: Optional[int]  # a streamed chunk pins every expert it routes to
+    prefill_chunk_cap: Optional[int]  # generate's prefill chunk cap (None with a prefill sweep ring)
 
     def layer_start(self, layer: int, x: mx.array) -> mx.array: ...
 

@@ -62,7 +62,8 @@ class Pipeline:
 
 def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Optional[float] = None,
                   reserve_bytes: Optional[int] = None, expert_cache_gb: Optional[float] = None,
-                  ple_cache_gb: Optional[float] = None, prefetch=None, mtp: bool = False) -> Pipeline:
+                  ple_cache_gb: Optional[float] = None, prefetch=None, mtp: bool = False,
+                  prefill_sweep=None) -> Pipeline:
     """Admit the artifact on this rank, agree on the split with the other ranks (each rank's free
     memory, gathered over the group), load this rank's stage only — streaming its experts / PLE
     pages from its own SSD when its share does not fit or a cache size is given. `mtp`: rank 0
@@ -95,7 +96,7 @@ def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Option
                         streamable=streamable)
     stage = stages(counts, heads)[rank]
     model = load_artifact_model(manifest, stage=stage, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                                prefetch=prefetch)
+                                prefetch=prefetch, prefill_sweep=prefill_sweep)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if rank == 0:
         import threading

@@ -13,6 +13,7 @@ def load_or_serve(path, args):
     """(pipeline, model, tokenizer) on rank 0; (None, None, None) on a serving rank once done."""
     from ..errors import UsageError
     from ..stream.predict import prefetch_from_args
+    from ..stream.sweep import sweep_from_args
 
     if args.dtype != "auto":
         raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
@@ -20,7 +21,8 @@ def load_or_serve(path, args):
         raise UsageError("--expert-mirror", "pipeline stages do not read a mirror yet")
     pipe = load_pipeline(path, split=args.pipeline_split, timeout=args.pipeline_timeout,
                          expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,
-                         prefetch=prefetch_from_args(args), mtp=getattr(args, "draft_model", None) == "mtp")
+                         prefetch=prefetch_from_args(args), prefill_sweep=sweep_from_args(args),
+                         mtp=getattr(args, "draft_model", None) == "mtp")
     return serve_or_return(pipe, path)
 
 

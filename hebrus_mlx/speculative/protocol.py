@@ -186,8 +186,9 @@ def speculative_generate_step(
     stats = stats if stats is not None else SpeculativeStats()
     streaming = getattr(model, "streaming", None)
     if streaming is not None and streaming.max_chunk_tokens is not None:
-        # A streamed forward pins every expert of its chunk at once.
-        prefill_step_size = min(prefill_step_size, streaming.max_chunk_tokens)
+        # A streamed forward pins every expert of its chunk at once (a swept prefill chunk need not).
+        if streaming.prefill_chunk_cap is not None:
+            prefill_step_size = min(prefill_step_size, streaming.prefill_chunk_cap)
         limit = min(limit, streaming.max_chunk_tokens - 1)
     if governor == "auto":
         governor = Governor(limit)

@@ -57,6 +57,11 @@ class StreamedExperts:
         if self.bits is not None and self.bits >= 16:
             self.bits = self.group_size = None
         expand = [wide and d == "uint16" for _, _, d, *_ in g.layout]
+        # What a prefill sweep ring (stream.sweep) needs to lay out the same rows.
+        self.store_path = str(reader.path)
+        self.part_bytes = [n for *_, n in g.layout]
+        self.expand = expand
+        self.layout = [(comp, part, stored, tuple(shape)) for comp, part, stored, shape, *_ in g.layout]
         self.arena, parts = engine.create_arena(
             [n for *_, n in g.layout], rows, expand
         )

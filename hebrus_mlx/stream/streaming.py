@@ -17,6 +17,7 @@ from ..errors import UsageError
 from .engine import StreamEngine
 from .experts import StreamedExperts
 from .predict import PrefetchSpec, Predictor, parse_prefetch
+from .sweep import CROSSOVER, PrefillSweep, SweepBudgetError, parse_mode
 from .switch import StreamedSwitchGLU
 
 
@@ -32,6 +33,12 @@ class Streaming:
         self._by_layer = {s.layer: s for s in self.switches}
         self._predictor: Optional[Predictor] = None
         self.prefetch: Optional[PrefetchSpec] = None
+        self._order = sorted(self._by_layer)  # streamed layers, in graph order
+        self.sweep: Optional[PrefillSweep] = None
+        self.sweep_note: Optional[str] = None  # why `auto` is not sweeping (the ring did not fit)
+        # With a ring, prefill chunks past the arena are swept, so generate need not cap them
+        # (False for a pipeline stage: every rank must take rank 0's chunks, rings or not).
+        self.sweep_lifts_cap = True
         if experts is not None and prefetch is None:
             prefetch = "previous" if experts.prefetch_previous else "off"
         if prefetch is not None:
@@ -54,13 +61,68 @@ class Streaming:
         self.engine.set_staging(e.arena, staging)
         self.prefetch = spec
 
+    def set_prefill_sweep(self, mode, budget: Optional[int] = None, crossover: float = CROSSOVER) -> None:
+        """``auto|on|off`` (stream.sweep). ``budget``: bytes the two-layer ring may take; a ring
+        over it is refused for ``on`` (SweepBudgetError) and leaves ``auto`` off (``sweep_note``)."""
+        mode = parse_mode(mode)
+        if self.experts is None:
+            if mode == "on":
+                raise UsageError("prefill_sweep", "only streamed routed experts are swept; experts are resident")
+            return
+        old, self.sweep, self.sweep_note = self.sweep, None, None
+        for s in self.switches:
+            s._sweep = None
+        if old is not None:
+            old.close()  # joins its reads before the ring's buffers go
+        if mode == "off":
+            return
+        try:
+            sweep = PrefillSweep(self.experts, mode, budget=budget, crossover=crossover, layers=self._order)
+        except SweepBudgetError as err:
+            if mode == "on":
+                raise
+            self.sweep_note = f"prefill sweep off: {err.message}"
+            return
+        self.sweep = sweep
+        for s in self.switches:
+            s._sweep = sweep
+
+    def sweep_summary(self) -> Optional[str]:
+        """generate's stats line for the prefill sweep (None when it is off and nothing to say)."""
+        if self.sweep is None:
+            return self.sweep_note
+        c = self.sweep.counters()
+        return (f"Prefill sweep {self.sweep.mode}: {c['sweeps']} layer extents, {c['read_bytes'] / 1e9:.3f} GB read, "
+                f"exposed wait {c['wait_ns'] / 1e9:.3f} s, ring {self.sweep.bytes / 1e9:.3f} GB")
+
     @property
     def max_chunk_tokens(self) -> Optional[int]:
+        """Tokens per forward the slot path always takes (every expert of a chunk pinned at once)."""
         return None if self.experts is None else self.experts.max_chunk_tokens
+
+    @property
+    def prefill_chunk_cap(self) -> Optional[int]:
+        """What generate caps prefill chunks at: None (no cap) with a sweep ring, which takes any
+        chunk the arena cannot (PrefillSweep.active), else ``max_chunk_tokens``."""
+        if self.sweep is not None and self.sweep_lifts_cap:
+            return None
+        return self.max_chunk_tokens
 
     def layer_start(self, layer: int, x: mx.array) -> mx.array:
         switch = self._by_layer.get(layer)
-        return switch.layer_start(x) if switch is not None else x
+        if switch is None:
+            return x
+        if switch.sweeping(x.size // x.shape[-1]):
+            # Two-layer ring: the first streamed layer issues its own extent, every layer the next
+            # one's. ``x`` follows the previous layer's output, so the slot it shares with the next
+            # layer (two streamed layers back) is no longer read.
+            i = self._order.index(layer)
+            if i == 0:
+                x = self.sweep.issue(layer, x)
+            if i + 1 < len(self._order):
+                x = self.sweep.issue(self._order[i + 1], x)
+            return x
+        return switch.layer_start(x)
 
     def before_router(self, layer: int, streams: mx.array, x: mx.array) -> mx.array:
         """``x`` unchanged; queues this layer's prediction for a later layer (issued by the

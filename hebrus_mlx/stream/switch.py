@@ -49,15 +49,16 @@ class StreamedSwitchGLU(nn.Module):
         self.generation = 0
         self._prev: Optional[mx.array] = None
         self._ahead = None  # (target layer, candidates) set at this layer's router
+        self._sweep = None  # a stream.sweep.PrefillSweep, set by Streaming.set_prefill_sweep
 
     def predict_after_resolve(self, target: int, candidates: mx.array) -> None:
         """Issue ``candidates`` (expert ids of layer ``target``, most probable first) as P1 once
         this layer's exact reads are resolved, before its expert compute (predict.Predictor)."""
         self._ahead = (target, candidates)
 
-    def _project(self, name, x, rows, sorted_rows):
+    def _project(self, name, x, rows, sorted_rows, weights=None):
         e = self._experts
-        w = e.weights[name]
+        w = (e.weights if weights is None else weights)[name]
         if e.bits is not None:
             return mx.gather_qmm(
                 x, w["weight"], w["scales"], w["biases"], rhs_indices=rows,
@@ -78,8 +79,35 @@ class StreamedSwitchGLU(nn.Module):
             return x
         return mx.depends(x, self._experts.prefetch(self.layer, self._prev, P1))
 
+    def sweeping(self, tokens: int) -> bool:
+        """Whether a forward of ``tokens`` positions runs this layer over the prefill sweep ring."""
+        return self._sweep is not None and self._sweep.active(tokens)
+
+    def _matmuls(self, x, indices, rows, weights=None):
+        x = mx.expand_dims(x, (-2, -3))
+        # Same data movement as SwitchGLU: many tokens are grouped by
+        # expert (arena row) before the gathered matmuls.
+        do_sort = indices.size >= 64
+        inv_order = None
+        if do_sort:
+            x, rows, inv_order = _gather_sort(x, rows)
+        x_up = self._project("up", x, rows, do_sort, weights)
+        x_gate = self._project("gate", x, rows, do_sort, weights)
+        y = self._project("down", self.activation(x_up, x_gate), rows, do_sort, weights)
+        if do_sort:
+            y = _scatter_unsort(y, inv_order, indices.shape)
+        # The last position's routes predict the next token's.
+        self._prev = indices[..., -1, :] if indices.ndim > 1 else indices
+        return y.squeeze(-2)
+
     def __call__(self, x, indices) -> mx.array:
         indices = mx.stop_gradient(indices)
+        if self.sweeping(indices.size // indices.shape[-1]):
+            # The whole extent is (being) read into the ring: wait for it, no slot reads.
+            self._ahead = None
+            sweep = self._sweep
+            x = sweep.wait(self.layer, x)
+            return self._matmuls(x, indices, sweep.rows(self.layer, indices), sweep.weights)
         rows, lease = self._experts.resolve(
             self.layer, indices, self.owner, self.generation
         )
@@ -90,21 +118,7 @@ class StreamedSwitchGLU(nn.Module):
             # overlap the expert compute and the next layer's attention, never this layer's misses.
             issued = self._experts.prefetch(target, mx.depends(cands, rows), P1)
             x = mx.depends(x, issued)
-        x = mx.expand_dims(x, (-2, -3))
-        # Same data movement as SwitchGLU: many tokens are grouped by
-        # expert (arena row) before the gathered matmuls.
-        do_sort = indices.size >= 64
-        inv_order = None
-        if do_sort:
-            x, rows, inv_order = _gather_sort(x, rows)
-        x_up = self._project("up", x, rows, do_sort)
-        x_gate = self._project("gate", x, rows, do_sort)
-        y = self._project("down", self.activation(x_up, x_gate), rows, do_sort)
-        if do_sort:
-            y = _scatter_unsort(y, inv_order, indices.shape)
-        # The last position's routes predict the next token's.
-        self._prev = indices[..., -1, :] if indices.ndim > 1 else indices
-        return self._experts.engine.release_after(y.squeeze(-2), lease)
+        return self._experts.engine.release_after(self._matmuls(x, indices, rows), lease)
 
 
 def attach(moe_modules: Sequence[nn.Module], experts: StreamedExperts,
