@@ -86,10 +86,13 @@ def _group_norm_fn(group_size: int, eps: float):
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm scaled by (1 + weight); with group_size it normalises each group separately.
 
-    The checkpoint stores the zero-centred `weight`; the (1 + weight) scale is folded once per
-    weight array (in memory, re-derived whenever `weight` is replaced by a load) rather than on
-    every call. Stored weights and keys are unchanged.
+    `weight` holds what the weights came as: zero-centred (the checkpoint's convention; the scale
+    1 + weight is folded once per weight array, in memory, re-derived whenever `weight` is replaced
+    by a load) or, when `stored_folded` is set, already the scale. Only a loader that read the
+    convention from the artifact's metadata sets it (`set_norm_weights`); nothing guesses it.
     """
+
+    stored_folded = False  # plain attribute, never a parameter
 
     def __init__(self, dims: int, eps: float, group_size: Optional[int] = None):
         super().__init__()
@@ -99,6 +102,8 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     @property
     def scale(self):
+        if self.stored_folded:
+            return self.weight
         folded = self.__dict__.get("_folded")
         if folded is None or folded[0] is not self.weight:
             folded = (self.weight, 1.0 + self.weight)
@@ -109,6 +114,15 @@ class ZeroCenteredRMSNorm(nn.Module):
         if self.group_size is None:
             return mx.fast.rms_norm(x, self.scale, self.eps)
         return _group_norm_fn(self.group_size, self.eps)(x, self.scale)
+
+
+def set_norm_weights(module: nn.Module, folded: bool) -> None:
+    """Declare how every ZeroCenteredRMSNorm under `module` holds its loaded weights (folded: the
+    scale itself; else zero-centred) and fold the zero-centred ones now, once, at load."""
+    norms = [m for _, m in module.named_modules() if isinstance(m, ZeroCenteredRMSNorm)]
+    for m in norms:
+        m.stored_folded = folded
+    mx.eval([m.scale for m in norms])
 
 
 class GatedRMSNorm(nn.Module):
