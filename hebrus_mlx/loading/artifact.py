@@ -33,7 +33,7 @@ from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
 from ..errors import UsageError
 from ..models.mtp import MTPHead, attach_mtp_head
-from ..models.qwen4exp import Model, set_norm_weights
+from ..models.qwen4exp import Model, fuse_projections, set_norm_weights
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
 from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
@@ -357,6 +357,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     # The artifact's metadata says whether its norm weights are zero-centred (fold 1 + w here) or
     # already folded; admission validated the field.
     set_norm_weights(model, folded=m.norm_weights == "folded")
+    fuse_projections(model)
     model.eval()
     if engine is not None:
         if prefetch is None and experts is not None:
@@ -388,5 +389,6 @@ def _mtp_head(m: Manifest, args, dtype):
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
     set_norm_weights(head, folded=m.norm_weights == "folded")
+    fuse_projections(head)
     head.eval()
     return head
