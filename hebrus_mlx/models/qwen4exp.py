@@ -73,6 +73,10 @@ def _compiled(fn):
 
 
 FUSE = os.environ.get("HEBRUS_NO_FUSE") != "1"  # off: one matmul per Linear (A/B); same tokens
+# Joined projections pay off in decode and short verify blocks (fewer, dispatch-bound matmuls); in
+# prefill the split outputs are strided and copied downstream, measured slower (0.91-0.98x), so
+# longer inputs keep the per-Linear matmuls.
+FUSE_MAX_TOKENS = 16
 
 
 class _Fused:
@@ -107,7 +111,8 @@ def _project(owner: nn.Module, linears, x):
     """[m(x) for m in linears], as one matmul when `owner` fused exactly these weights. Bit-identical
     on this CPU (each output column is the same dot product; tests/test_graph_fast_paths.py)."""
     fused = owner.__dict__.get("_fused")
-    if fused is not None and all(m.weight is w for m, w in zip(linears, fused.parts)):
+    if (fused is not None and x.shape[-2] <= FUSE_MAX_TOKENS
+            and all(m.weight is w for m, w in zip(linears, fused.parts))):
         return mx.split(x @ fused.weight.T, fused.splits, axis=-1)
     return [m(x) for m in linears]
 
