@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hebrus_mlx.models.qwen4exp import Model, ModelArgs
+from hebrus_mlx.models.qwen4exp import Model, ModelArgs, fuse_projections
 
 
 def dims(a):
@@ -294,6 +294,7 @@ def main(argv=None):
     ours, theirs = hebrus_model(a), mlx_lm_model(a)
     init_weights(ours)
     init_weights(theirs)
+    fuse_projections(ours)  # what the loaders do once the weights are final
     print(f"dims: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} experts={a.experts} top-k={a.top_k}")
     results = {
         "decode": paired_decode([ours, theirs], prompt, a.decode)[0],

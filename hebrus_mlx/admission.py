@@ -40,6 +40,8 @@ _REQUIRED_KEYS = {
     "source": dict, "model_constants": dict, "codecs": dict, "stores": list,
     "tensors": dict, "policy": dict, "exclusions": dict, "conversion": dict,
 }
+# Optional in schema v1; absent means C.NORM_WEIGHTS_DEFAULT_V1 (see constants.NORM_WEIGHTS).
+_OPTIONAL_KEYS = {"norm_weights": str}
 
 
 class Report(dict):
@@ -74,11 +76,14 @@ class _Admission:
         for k, t in _REQUIRED_KEYS.items():
             if type(m.get(k)) is not t:
                 raise AdmissionError(f"manifest.{k}", f"must be {t.__name__}")
-        extra = sorted(set(m) - set(_REQUIRED_KEYS))
+        extra = sorted(set(m) - set(_REQUIRED_KEYS) - set(_OPTIONAL_KEYS))
         if extra:
             raise AdmissionError(f"manifest.{extra[0]}", "unknown manifest field")
         if m["schema"] != C.MANIFEST_SCHEMA or m["schema_version"] != C.MANIFEST_SCHEMA_VERSION:
             raise AdmissionError("manifest.schema_version", f"{m['schema']} v{m['schema_version']} unsupported")
+        norms = m.get("norm_weights", C.NORM_WEIGHTS_DEFAULT_V1)
+        if type(norms) is not str or norms not in C.NORM_WEIGHTS:
+            raise AdmissionError("manifest.norm_weights", f"{norms!r} is not one of {list(C.NORM_WEIGHTS)}")
         owned = {C.MANIFEST_NAME}
         for i, s in enumerate(m["stores"]):
             field = f"stores[{i}]"
@@ -431,6 +436,7 @@ class _Admission:
             args=self.args,
             report=self.report(),
             dense_digests={k: r["sha256"] for k, r in m["tensors"].items()} if self.dense_digests else None,
+            norm_weights=m.get("norm_weights", C.NORM_WEIGHTS_DEFAULT_V1),
         )
 
     def report(self):

@@ -58,7 +58,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     """
     # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
     from .models.checkpoint_keys import CheckpointKeyError
-    from .models.qwen4exp import Model, ModelArgs
+    from .models.qwen4exp import Model, ModelArgs, fuse_projections, set_norm_weights
 
     path = Path(path)
     args = ModelArgs.from_dict(load_config(path))  # config errors surface before any weight is read
@@ -80,6 +80,12 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
+    # HF checkpoints store the zero-centred norm weights (the format's convention): fold them now.
+    set_norm_weights(model, folded=False)
+    fuse_projections(model)
+    if head is not None:
+        set_norm_weights(head, folded=False)
+        fuse_projections(head)
     model.eval()
     attach_mtp_head(model, head)
     return model

@@ -181,6 +181,10 @@ def test_positive_artifact_is_admitted(artifact):
     assert r["admitted"] and r["family"] == "qwen4exp-tiny-test" and r["support"] == "unverified"
     assert r["expert_records"] == 4 * 8
     assert set(r["owners"]) == {"model.safetensors", "experts.hbem", "ple.0.hbpl"}
+    # The converter records the norm convention it copied (tests/test_norm_weights.py: the loader).
+    assert m.norm_weights == "zero_centered"
+    with open(os.path.join(artifact, "manifest.json")) as f:
+        assert json.load(f)["norm_weights"] == "zero_centered"
 
 
 @pytest.mark.parametrize("name,mutate,stage,field", NEGATIVE_FIXTURES, ids=[f[0] for f in NEGATIVE_FIXTURES])

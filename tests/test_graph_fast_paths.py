@@ -1,5 +1,6 @@
-"""The resident speed paths (compiled elementwise graphs, fused-SDPA dense QSA, mx.fast.rope, the
-folded norm scale) keep greedy tokens identical to the plain ops path (exactness is the product)."""
+"""The resident speed paths (compiled elementwise graphs, fused-SDPA dense QSA, mx.fast.rope / one
+shared rope table, joined same-input projections, the folded norm scale) keep greedy tokens identical
+to the plain ops path (exactness is the product)."""
 
 import json
 import os
@@ -36,7 +37,7 @@ def _greedy(**env):
 
 def test_fast_paths_keep_greedy_tokens_across_the_dense_to_sparse_boundary():
     # demo: budget 64, ratio 8 -> the dense regime ends at 71 tokens; 40 + 36 crosses it
-    plain = _greedy(HEBRUS_NO_COMPILE="1", HEBRUS_QSA_DENSE_SDPA="0")
+    plain = _greedy(HEBRUS_NO_COMPILE="1", HEBRUS_QSA_DENSE_SDPA="0", HEBRUS_NO_FUSE="1")
     fast = _greedy()
     assert fast["tokens"] == plain["tokens"]
     np.testing.assert_allclose(np.array(fast["last"]), np.array(plain["last"]), atol=1e-4)
@@ -61,3 +62,38 @@ def test_rope_at_offset_is_bit_identical_to_the_reference_tables():
     for offset in (0, 7, 40_000):
         cos, sin = rot.tables(offset + mx.arange(5))
         assert mx.array_equal(rot.at_offset(x, offset), rot.apply(x, cos, sin)).item()
+
+
+def _decode(model, ids, n):
+    cache = model.make_cache()
+    logits = [model(ids, cache=cache)[:, -1:]]
+    tokens = []
+    for _ in range(n):
+        tokens.append(mx.argmax(logits[-1], axis=-1).astype(mx.int32))
+        logits.append(model(tokens[-1], cache=cache))
+    mx.eval(logits, tokens)
+    return [t.item() for t in tokens], np.concatenate([np.array(x) for x in logits], axis=1)
+
+
+def test_joined_projections_match_the_per_linear_matmuls():
+    """A float32 checkpoint (sparse QSA from 11 tokens, chunked GDN prefill, PLE): the loader joins
+    every same-input projection group (used for decode steps and short blocks); reloading the same
+    values as fresh arrays makes every group fall back to per-Linear matmuls. Short-block prefill +
+    greedy decode agree (bit for bit on this CPU)."""
+    from mlx.utils import tree_flatten
+
+    from hebrus_mlx.utils import load_hf_model
+    from parity_fixtures import PARITY, capture
+
+    model = load_hf_model(PARITY / "tiny_a")
+    layers = model.layers
+    joined = [layers[0].linear_attn, layers[0].mlp, layers[0].attn_hyper_connection,
+              next(l.self_attn for l in layers if not l.is_linear), next(l.ple for l in layers if l.has_ple)]
+    assert all(m.__dict__.get("_fused") is not None for m in joined)
+    ids = mx.array(capture("tiny_a")["input_ids"]).reshape(1, -1)[:, :12]  # <= FUSE_MAX_TOKENS
+    fused_tokens, fused_logits = _decode(model, ids, 24)
+    model.load_weights([(k, mx.array(np.array(v))) for k, v in tree_flatten(model.parameters())])
+    plain_tokens, plain_logits = _decode(model, ids, 24)
+    assert fused_tokens == plain_tokens
+    np.testing.assert_allclose(fused_logits, plain_logits, rtol=0, atol=1e-5)
+    print("max |fused - per-linear| logit diff:", float(np.abs(fused_logits - plain_logits).max()))

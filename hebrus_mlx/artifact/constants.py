@@ -41,6 +41,15 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = "hebrus-mlx.artifact"
 MANIFEST_SCHEMA_VERSION = 1
 MANIFEST_MAX_BYTES = 16 << 20
+
+# manifest.norm_weights: how the stored ZeroCenteredRMSNorm weights relate to the scale the norm
+# applies. "zero_centered": stored as the checkpoint has them (scale = 1 + w; the loader folds once
+# at load); "folded": stored as the scale itself (the loader uses them as is). Schema v1 rule: a
+# manifest without the field means "zero_centered" -- every v1 writer before the field existed
+# copied the source's norm weights unchanged, and every accepted source layout (HF, HF fp8,
+# mlx-vlm) stores them zero-centred.
+NORM_WEIGHTS = ("zero_centered", "folded")
+NORM_WEIGHTS_DEFAULT_V1 = "zero_centered"
 SAFETENSORS_MAX_HEADER = 100 << 20
 
 # Source identity files copied into the artifact; their digests bind it.

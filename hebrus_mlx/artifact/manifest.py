@@ -28,6 +28,7 @@ from ..models.qwen4exp_config import (
 from .constants import (
     MANIFEST_SCHEMA,
     MANIFEST_SCHEMA_VERSION,
+    NORM_WEIGHTS_DEFAULT_V1,
     PROFILES,
     VERIFIED_PROFILES,
     FamilyDescriptor,
@@ -292,10 +293,13 @@ def support_status(profile):
 
 
 def build(*, family, profile, source_files, revision, repo, constants, stores, tensors,
-          exclusions, consumed, state="complete", mtp=False):
+          exclusions, consumed, state="complete", mtp=False, norm_weights="zero_centered"):
     """Assemble a manifest dict. `stores` entries: role, path, format,
-    codec, size, sha256 (+ table, layer, rows_per_page for PLE)."""
+    codec, size, sha256 (+ table, layer, rows_per_page for PLE). `norm_weights`
+    (constants.NORM_WEIGHTS) records how the dense and MTP stores hold the
+    ZeroCenteredRMSNorm weights; the converters copy them unchanged ("zero_centered")."""
     return {
+        "norm_weights": norm_weights,
         "schema": MANIFEST_SCHEMA,
         "schema_version": MANIFEST_SCHEMA_VERSION,
         "family": family,
@@ -359,6 +363,8 @@ class Manifest:
     # Stored dense name -> SHA-256 of its bytes (`tensors.<name>.sha256`), so a pipeline stage reads
     # and verifies only its own tensors; None for artifacts written before per-tensor digests.
     dense_digests: Optional[Mapping[str, str]] = None
+    # constants.NORM_WEIGHTS: "zero_centered" (the loader folds 1 + w) or "folded" (used as is)
+    norm_weights: str = NORM_WEIGHTS_DEFAULT_V1
 
     def file(self, store: Store) -> str:
         return os.path.join(self.directory, store.path)

@@ -35,7 +35,7 @@ from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
 from ..errors import UsageError
 from ..models.mtp import MTPHead, attach_mtp_head
-from ..models.qwen4exp import Model
+from ..models.qwen4exp import Model, fuse_projections, set_norm_weights
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
 from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
@@ -408,6 +408,10 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
             engine.close()
         raise
     mx.eval(model.parameters())
+    # The artifact's metadata says whether its norm weights are zero-centred (fold 1 + w here) or
+    # already folded; admission validated the field.
+    set_norm_weights(model, folded=m.norm_weights == "folded")
+    fuse_projections(model)
     model.eval()
     if engine is not None:
         if prefetch is None and experts is not None:
@@ -445,5 +449,7 @@ def _mtp_head(m: Manifest, args, dtype):
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
+    set_norm_weights(head, folded=m.norm_weights == "folded")
+    fuse_projections(head)
     head.eval()
     return head

@@ -72,6 +72,59 @@ def _compiled(fn):
     return call
 
 
+FUSE = os.environ.get("HEBRUS_NO_FUSE") != "1"  # off: one matmul per Linear (A/B); same tokens
+# Joined projections pay off in decode and short verify blocks (fewer, dispatch-bound matmuls); in
+# prefill the split outputs are strided and copied downstream, measured slower (0.91-0.98x), so
+# longer inputs keep the per-Linear matmuls.
+FUSE_MAX_TOKENS = 16
+
+
+class _Fused:
+    """One weight for several bias-free float Linears that read the same input (built at load by
+    `fuse_projections`). Each Linear's weight is re-pointed at its rows of the joint array (a view,
+    no second copy); the joint matmul is used only while every Linear still holds exactly that view,
+    so a later load, update or quantization of any part falls back to the per-Linear matmuls."""
+
+    def __init__(self, linears):
+        joint = mx.concatenate([m.weight for m in linears], axis=0)
+        mx.eval(joint)
+        ends = np.cumsum([m.weight.shape[0] for m in linears]).tolist()
+        for m, start, end in zip(linears, [0, *ends[:-1]], ends):
+            m.weight = joint[start:end]
+        mx.eval([m.weight for m in linears])
+        self.parts = tuple(m.weight for m in linears)
+        self.weight = joint
+        self.splits = ends[:-1]
+
+
+def _fusable(linears) -> bool:
+    return FUSE and all(type(m) is nn.Linear and "bias" not in m for m in linears) and len(
+        {m.weight.dtype for m in linears}
+    ) == 1
+
+
+def _fuse(owner: nn.Module, linears) -> None:
+    object.__setattr__(owner, "_fused", _Fused(linears) if _fusable(linears) else None)  # never a parameter
+
+
+def _project(owner: nn.Module, linears, x):
+    """[m(x) for m in linears], as one matmul when `owner` fused exactly these weights. Bit-identical
+    on this CPU (each output column is the same dot product; tests/test_graph_fast_paths.py)."""
+    fused = owner.__dict__.get("_fused")
+    if (fused is not None and x.shape[-2] <= FUSE_MAX_TOKENS
+            and all(m.weight is w for m, w in zip(linears, fused.parts))):
+        return mx.split(x @ fused.weight.T, fused.splits, axis=-1)
+    return [m(x) for m in linears]
+
+
+def fuse_projections(module: nn.Module) -> None:
+    """Join the same-input projections of every layer under `module` (the loaders call this once the
+    weights are final; see _Fused). A no-op for quantized parts and under HEBRUS_NO_FUSE=1."""
+    for _, m in module.named_modules():
+        if hasattr(type(m), "join_projections"):
+            m.join_projections()
+
+
 @lru_cache(maxsize=None)
 def _group_norm_fn(group_size: int, eps: float):
     @_compiled
@@ -86,10 +139,13 @@ def _group_norm_fn(group_size: int, eps: float):
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm scaled by (1 + weight); with group_size it normalises each group separately.
 
-    The checkpoint stores the zero-centred `weight`; the (1 + weight) scale is folded once per
-    weight array (in memory, re-derived whenever `weight` is replaced by a load) rather than on
-    every call. Stored weights and keys are unchanged.
+    `weight` holds what the weights came as: zero-centred (the checkpoint's convention; the scale
+    1 + weight is folded once per weight array, in memory, re-derived whenever `weight` is replaced
+    by a load) or, when `stored_folded` is set, already the scale. Only a loader that read the
+    convention from the artifact's metadata sets it (`set_norm_weights`); nothing guesses it.
     """
+
+    stored_folded = False  # plain attribute, never a parameter
 
     def __init__(self, dims: int, eps: float, group_size: Optional[int] = None):
         super().__init__()
@@ -99,6 +155,8 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     @property
     def scale(self):
+        if self.stored_folded:
+            return self.weight
         folded = self.__dict__.get("_folded")
         if folded is None or folded[0] is not self.weight:
             folded = (self.weight, 1.0 + self.weight)
@@ -109,6 +167,15 @@ class ZeroCenteredRMSNorm(nn.Module):
         if self.group_size is None:
             return mx.fast.rms_norm(x, self.scale, self.eps)
         return _group_norm_fn(self.group_size, self.eps)(x, self.scale)
+
+
+def set_norm_weights(module: nn.Module, folded: bool) -> None:
+    """Declare how every ZeroCenteredRMSNorm under `module` holds its loaded weights (folded: the
+    scale itself; else zero-centred) and fold the zero-centred ones now, once, at load."""
+    norms = [m for _, m in module.named_modules() if isinstance(m, ZeroCenteredRMSNorm)]
+    for m in norms:
+        m.stored_folded = folded
+    mx.eval([m.scale for m in norms])
 
 
 class GatedRMSNorm(nn.Module):
@@ -163,12 +230,25 @@ class Rotary:
 
     def apply(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
         """x: [..., L, D] with cos/sin [L, dims] broadcast over leading axes."""
-        d = self.dims
+        return _rope_apply_fn(self.dims)(x, cos, sin)
+
+
+@lru_cache(maxsize=None)
+def _rope_apply_fn(d: int):
+    @_compiled
+    def apply(x, cos, sin):
         rot, rest = x[..., :d], x[..., d:]
         half = d // 2
         rotated = mx.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
         out = rot * cos + rotated * sin
         return mx.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+    return apply
+
+
+# mx.fast.rope is a fused kernel on Metal; on the CPU backend it is a fallback that rebuilds the
+# cos/sin table on every call, so there one shared table (same values, bit for bit) is cheaper.
+_TABLE_ROPE = mx.default_device() == mx.cpu
 
 
 # ---- hyper-connections ---------------------------------------------------------------------------
@@ -188,19 +268,29 @@ class HyperConnection(nn.Module):
         if inject:
             self.block_inject_weight = nn.Linear(width, args.hc_count, bias=False)
 
-    def mix(self, streams):
+    def join_projections(self):
+        if "block_inject_weight" in self:
+            _fuse(self, [self.input_mix_weight_down, self.block_inject_weight])
+
+    def mix(self, streams, inject: bool = False):
+        """(mixed block input, normed streams[, inject logits when `inject`])."""
         fns = _hc_fns(self.hc_count, self.hidden_size)
         normed = self.hc_norm(streams)
-        weights = self.input_mix_weight_up(fns.activate(self.input_mix_weight_down(normed)))
+        if inject:
+            down, logits = _project(self, [self.input_mix_weight_down, self.block_inject_weight], normed)
+        else:
+            down = self.input_mix_weight_down(normed)
+        weights = self.input_mix_weight_up(fns.activate(down))
         if kernels.enabled("hc_mix"):  # qualified on this Metal device only (AFN-013)
-            return hc_mix.metal(weights, normed, self.hc_count, self.hidden_size), normed
-        return fns.mix(weights, normed), normed
+            mixed = hc_mix.metal(weights, normed, self.hc_count, self.hidden_size)
+        else:
+            mixed = fns.mix(weights, normed)
+        return (mixed, normed, logits) if inject else (mixed, normed)
 
     def __call__(self, streams, block):
         """Run `block` on the mixed input and add its output back into every stream."""
         fns = _hc_fns(self.hc_count, self.hidden_size)
-        mixed, normed = self.mix(streams)
-        inject = self.block_inject_weight(normed)
+        mixed, _, inject = self.mix(streams, inject=True)
         out = block(mixed)
         return fns.inject(streams, out, inject)
 
@@ -278,20 +368,22 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps, args.output_gate_type or args.hidden_act)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
+    def join_projections(self):
+        _fuse(self, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+
     def __call__(self, x, cache: LinearCache):
         B, L, _ = x.shape
         conv_state = cache.conv_state
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=x.dtype)
-        qkv, cache.conv_state = _causal_depthwise_conv(self.in_proj_qkv(x), conv_state, self.conv1d.weight)
+        qkv, z, b, a = _project(self, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], x)
+        qkv, cache.conv_state = _causal_depthwise_conv(qkv, conv_state, self.conv1d.weight)
         qkv = nn.silu(qkv)
         q, k, v = mx.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(B, L, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, L, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, L, self.num_v_heads, self.head_v_dim)
-        q, k, beta, g = _gdn_gates_fn(self.head_k_dim**-0.5)(
-            q, k, self.in_proj_b(x), self.in_proj_a(x), self.A_log, self.dt_bias
-        )
+        q, k, beta, g = _gdn_gates_fn(self.head_k_dim**-0.5)(q, k, b, a, self.A_log, self.dt_bias)
         state = cache.recurrent_state
         if state is None:
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
@@ -300,7 +392,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out, state = gated_delta.chunked(q, k, v, g, beta, state)
         cache.recurrent_state = state
-        z = self.in_proj_z(x).reshape(B, L, self.num_v_heads, self.head_v_dim)
+        z = z.reshape(B, L, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(B, L, -1))
 
@@ -394,11 +486,12 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def project(self, x, rotary: Rotary, cos=None, sin=None, *, offset: Optional[int] = None):
+    def project(self, x, rotary: Rotary, cos=None, sin=None, *, offset: Optional[int] = None, qk=None):
         """Index queries (rotated by the cos/sin tables, or at consecutive positions from `offset`)
-        and the raw keys."""
+        and the raw keys. `qk`: index_qk_proj(x) when the caller already has it (fused projection)."""
         B, L, _ = x.shape
-        qk = self.index_qk_proj(x)
+        if qk is None:
+            qk = self.index_qk_proj(x)
         q = qk[..., : self.n_heads * self.head_dim].reshape(B, L, self.n_heads, self.head_dim)
         raw_keys = qk[..., self.n_heads * self.head_dim :]
         q = self.q_layernorm(q).transpose(0, 2, 1, 3)  # [B, nh, L, Di]
@@ -474,19 +567,31 @@ class QSAAttention(nn.Module):
         self.indexer = QSAIndexer(args)
         self.rotary = Rotary(args.rotary_dim, args.rope_theta)
 
+    def join_projections(self):
+        _fuse(self, [self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj])
+
     def __call__(self, x, cache: AttentionCache, capture: Optional[Capture] = None, layer: int = -1):
         B, L, _ = x.shape
         first = cache.length  # cache index of the first new token
         offset = cache.start_position + first
 
-        q_all = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
+        q_all, k, v, index_qk = _project(self, [self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj], x)
+        q_all = q_all.reshape(B, L, self.n_heads, 2 * self.head_dim)
         queries, gate = q_all[..., : self.head_dim], q_all[..., self.head_dim :]
-        queries = self.rotary.at_offset(self.q_norm(queries).transpose(0, 2, 1, 3), offset)
-        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        keys = self.rotary.at_offset(keys, offset)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if _TABLE_ROPE:
+            # One cos/sin table for the three rotations (bit-identical to mx.fast.rope here, whose CPU
+            # path rebuilds it per call; tests/test_graph_fast_paths.py).
+            cos, sin = self.rotary.tables(offset + mx.arange(L))
+            rotate = lambda t: self.rotary.apply(t, cos, sin)  # noqa: E731
+            index_rope = {"cos": cos, "sin": sin}
+        else:
+            rotate = lambda t: self.rotary.at_offset(t, offset)  # noqa: E731
+            index_rope = {"offset": offset}
+        queries = rotate(self.q_norm(queries).transpose(0, 2, 1, 3))
+        keys = rotate(self.k_norm(k.reshape(B, L, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3))
+        values = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
 
-        index_q, raw_keys = self.indexer.project(x, self.rotary, offset=offset)
+        index_q, raw_keys = self.indexer.project(x, self.rotary, qk=index_qk, **index_rope)
         keys, values = cache.append(keys, values, raw_keys)
         new_groups = cache.pending_groups(self.indexer.ratio)
         if new_groups is not None:
@@ -614,13 +719,16 @@ class PLELayer(nn.Module):
         self.norm_conv = ZeroCenteredRMSNorm(width, eps, group_size=args.hidden_size)
         self.conv1d = nn.Conv1d(width, width, args.ple_conv_kernel_size, groups=width, bias=False)
 
+    def join_projections(self):
+        _fuse(self, [self.key_proj, self.value_proj])
+
     def __call__(self, streams, ids, cache: LinearCache):
         B, L, width = streams.shape
         emb = self.ple_embedding(ids, cache)
         split = (B, L, self.hc_count, self.hidden_size)
-        key = self.norm_key(self.key_proj(emb)).reshape(split)
+        key, value = _project(self, [self.key_proj, self.value_proj], emb)
+        key = self.norm_key(key).reshape(split)
         query = self.norm_query(streams).reshape(split)
-        value = self.value_proj(emb)
         gate = (key * query).sum(axis=-1, keepdims=True) / math.sqrt(self.hidden_size)
         gate = mx.sqrt(mx.maximum(mx.abs(gate), 1e-6)) * mx.sign(gate)
         gated = (mx.sigmoid(gate) * value[:, :, None, :]).reshape(B, L, width)
@@ -695,14 +803,24 @@ class SparseMoE(nn.Module):
         inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(self.gate(x))
         return inds, scores.astype(x.dtype)
 
+    def join_projections(self):
+        _fuse(self, self._same_input())
+
+    def _same_input(self):
+        se = self.shared_expert
+        return [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
+
     def __call__(self, x, capture: Optional[Capture] = None, layer: int = -1):
-        inds, scores = self.route(x)
+        logits, shared_logit, shared_gate, shared_up = _project(self, self._same_input(), x)
+        inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(logits)
+        scores = scores.astype(x.dtype)
         if capture is not None:
             capture.routes[layer] = inds
             capture.route_weights[layer] = scores
             if capture.router_inputs is not None:
                 capture.router_inputs[layer] = x  # post-hyper-connection MLP input
-        return _moe_combine(self.switch_mlp(x, inds), scores, self.shared_expert_gate(x), self.shared_expert(x))
+        shared = self.shared_expert.down_proj(_swiglu(shared_gate, shared_up))
+        return _moe_combine(self.switch_mlp(x, inds), scores, shared_logit, shared)
 
 
 # ---- layers and model ---------------------------------------------------------------------------------
