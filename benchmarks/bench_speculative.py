@@ -4,12 +4,16 @@ For each drafter (prompt lookup `ngram`; `mtp` when the build and the artifact h
 the `oracle` replaying plain decoding's own output: the acceptance upper bound) and block size 1..4 plus the governor (limit 4), resident and with routed
 experts streamed through a 5% cache, prints:
 
-- tokens per verify step (acceptance length incl. the bonus) and the acceptance rate;
-- tokens/s relative to plain decode, median of per-round ratios with the runs interleaved
-  A/B/B/A (plain, variants, variants reversed, plain) because this machine is shared and noisy;
-- routed expert bytes per generated token: unique experts per layer of every forward (verify,
-  re-run of an accepted prefix) x the record size, counted in a separate untimed pass; with a
-  streamed model also the bytes the engine actually read per token (cache misses).
+- tokens per step (acceptance length: committed tokens per verify or plain step, incl. the bonus)
+  and the acceptance rate of drafted tokens;
+- decode tokens/s (from the first token on; the prompt's prefill is the same for every variant)
+  relative to plain decode, median of per-round ratios with the runs interleaved A/B/B/A (plain,
+  variants, variants reversed, plain) because this machine is shared and noisy;
+- routed expert bytes per committed token (accepted drafts, bonus and plain tokens): unique
+  experts per layer of every forward (verify, re-run of an accepted prefix, plain step) x the
+  record size, counted in a separate untimed pass; with a streamed model also the bytes the
+  engine actually read per token (cache misses);
+- for the governor: how many steps it ran at each block size (B=0: plain, pipelined steps).
 
 Every variant's tokens are checked against plain decode (greedy); a mismatch aborts.
 
@@ -66,6 +70,13 @@ def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None):
             on_first()
         out.append(t)
     return out
+
+
+def decode_seconds(model, tok, ids, variant, n_tokens):
+    """Wall time from the first token to the last (decode only)."""
+    first = []
+    run(model, tok, ids, variant, n_tokens, on_first=lambda: first.append(time.perf_counter()))
+    return time.perf_counter() - first[0]
 
 
 class UniqueExperts:
@@ -128,7 +139,7 @@ def main():
         # Untimed pass: exactness, acceptance, routed bytes.
         info = {}
         for label in ["plain"] + list(variants):
-            tot, acc, dr, steps, eng = 0, 0, 0, 0, 0
+            tot, acc, dr, steps, eng, blocks = 0, 0, 0, 0, 0, {}
             for i, ids in enumerate(prompts):
                 st = SpeculativeStats()
                 with UniqueExperts() as ue:
@@ -145,31 +156,38 @@ def main():
                     c = engine.counters()
                     eng += c["exact_bytes"] + c["predicted_bytes"]
                 tot += ue.total
-                acc, dr, steps = acc + st.accepted, dr + st.drafted, steps + st.verify_steps
+                plain_steps = st.block_sizes.get(0, 0) if label != "plain" else args.tokens - 1
+                acc, dr, steps = acc + st.accepted, dr + st.drafted, steps + st.verify_steps + plain_steps
+                for b, c in st.block_sizes.items():
+                    blocks[b] = blocks.get(b, 0) + c
             n = (args.tokens - 1) * len(prompts)  # tokens after the first (which the prefill yields)
             info[label] = dict(bytes_tok=tot * rec / n, eng_tok=eng / n, acc=acc, dr=dr,
-                               per_step=n / steps if steps else 1.0)
+                               per_step=n / steps if steps else 1.0, blocks=blocks)
         # Timed, interleaved rounds.
         times = {label: [] for label in info}
         order = list(info)
         for r in range(args.rounds):
             for label in order + order[::-1]:
-                t0 = time.perf_counter()
-                for i, ids in enumerate(prompts):
-                    run(model, tok, ids, None if label == "plain" else make(*variants[label], i), args.tokens)
-                times[label].append(time.perf_counter() - t0)
+                times[label].append(sum(
+                    decode_seconds(model, tok, ids, None if label == "plain" else make(*variants[label], i),
+                                   args.tokens) for i, ids in enumerate(prompts)))
         plain_t = times["plain"]
-        print(f"\n== {setup}: demo model, {len(prompts)} code prompts x {args.tokens} tokens, {args.rounds} rounds ==")
-        print(f"{'variant':18s} {'tok/verify':>10s} {'accept':>8s} {'speed vs plain':>15s} "
-              f"{'routed KiB/tok':>15s}" + (f" {'read KiB/tok':>13s}" if engine is not None else ""))
+        n = (args.tokens - 1) * len(prompts)
+        print(f"\n== {setup}: demo model, {len(prompts)} code prompts x {args.tokens} tokens, {args.rounds} rounds; "
+              f"plain decode {n / statistics.median(plain_t):.1f} tok/s ==")
+        print(f"{'variant':18s} {'tok/step':>9s} {'accept':>7s} {'tok/s vs plain':>15s} "
+              f"{'routed KiB/tok':>15s}" + (f" {'read KiB/tok':>13s}" if engine is not None else "")
+              + "  steps per block size")
         for label, d in info.items():
             ratios = [p / t for p, t in zip(plain_t, times[label])]
             acc = f"{100 * d['acc'] / d['dr']:.0f}%" if d["dr"] else "-"
-            line = (f"{label:18s} {d['per_step']:10.2f} {acc:>8s} {statistics.median(ratios):14.2f}x "
+            line = (f"{label:18s} {d['per_step']:9.2f} {acc:>7s} {statistics.median(ratios):14.2f}x "
                     f"{d['bytes_tok'] / 1024:15.1f}")
             if engine is not None:
                 line += f" {d['eng_tok'] / 1024:13.1f}"
-            print(line)
+            if label.endswith("governor"):
+                line += "  " + " ".join(f"B{b}:{c}" for b, c in sorted(d["blocks"].items()))
+            print(line, flush=True)
         if engine is not None:
             engine.close()
 

@@ -37,7 +37,8 @@ The governor never touches the random state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -50,6 +51,7 @@ class CostModel:
     accept: Sequence[float]  # alpha_d for d = 1..max_block
     step_s: float  # a plain step, seconds per token (incl. its own exposed reads)
     token_s: float = 0.0  # extra verify compute seconds per extra token
+    verify_s: Optional[float] = None  # a verify forward's fixed cost (its first token; default step_s)
     draft_s: float = 0.0  # drafting seconds per drafted token
     unique: Sequence[float] = ()  # U(n), n = 1..max_block+1 (empty: no streamed experts)
     layers: int = 0  # streamed MoE layers
@@ -84,9 +86,11 @@ class CostModel:
         if b == 0:
             return self.step_s
         own_io = self.layers * (self.unique[0] if self.unique else 0.0) * self.miss_rate * self.read_s
-        step_compute = max(self.step_s - own_io, 0.0)
-        rerun = sum((self.reach(a) - self.reach(a + 1)) * (step_compute + a * self.token_s) for a in range(b))
-        return b * self.draft_s + self.step_s + b * self.token_s + self.io_s(b) + rerun
+        verify = self.step_s if self.verify_s is None else self.verify_s
+        # The re-run of an accepted prefix reads nothing new (the verify just read its experts).
+        rerun_compute = max(verify - own_io, 0.0)
+        rerun = sum((self.reach(a) - self.reach(a + 1)) * (rerun_compute + a * self.token_s) for a in range(b))
+        return b * self.draft_s + verify + b * self.token_s + self.io_s(b) + rerun
 
     def speed(self, b: int) -> float:
         """Expected committed tokens per second with blocks of b drafts."""
@@ -98,13 +102,24 @@ class CostModel:
         return max(range(self.max_block + 1), key=lambda b: (self.speed(b), -b))
 
 
-class _Ema:
-    def __init__(self, weight: float = 0.3):
-        self.value: Optional[float] = None
-        self.weight = weight
+class _Recent:
+    """Median of the last few samples: robust to the outliers of a shared machine, and it follows
+    drift (cache warmth, context length). `skip` first samples are dropped (the first forward of a
+    new shape pays for compiling it)."""
+
+    def __init__(self, size: int = 8, skip: int = 0):
+        self.samples: deque = deque(maxlen=size)
+        self.skip = skip
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        self.samples.append(x)
+
+    @property
+    def value(self) -> Optional[float]:
+        return float(np.median(self.samples)) if self.samples else None
 
 
 @dataclass
@@ -128,20 +143,20 @@ class Governor:
         self.alpha_prior = alpha_prior
         self.prior_weight = prior_weight
         self.depths = [_Depth() for _ in range(self.max_block)]
-        self.step = _Ema()  # plain step seconds per token
-        self.step_io = _Ema()  # exposed read seconds of a plain step
-        self.verify: dict = {}  # tokens fed -> _Ema of verify compute seconds (I/O removed)
-        self.draft = _Ema()
-        self.miss = _Ema()
-        self.read = _Ema()
-        self.unique: List[_Ema] = [_Ema() for _ in range(self.max_block + 1)]
+        self.step = _Recent()  # plain step seconds per token
+        self.step_io = _Recent()  # exposed read seconds of a plain step
+        self.verify: dict = {}  # tokens fed -> _Recent of verify compute seconds (I/O removed)
+        self.draft = _Recent()
+        self.miss = _Recent()
+        self.read = _Recent()
+        self.unique: List[_Recent] = [_Recent() for _ in range(self.max_block + 1)]
         self.layers = 0
         self._window: List[np.ndarray] = []  # per committed input: [layers, k] routes
         self.steps = 0
         self.block_sizes: dict = {}
-        # One short block (acceptance, verify cost), then two plain steps: the second is the first
-        # pipelined one, whose time is the plain cost (the decision after it is the first informed).
-        self._warmup = [1, 0, 0] if self.max_block > 0 else []
+        # One short block (acceptance at depth 1), then plain steps until a pipelined plain step
+        # was measured: no block is chosen before its cost can be compared with a plain step's.
+        self._warmup = [1] if self.max_block > 0 else []
         self._next_probe = explore_every
         self._probe_gap = explore_every
         self._probing = False
@@ -168,9 +183,18 @@ class Governor:
             out.append(n * k if u is None else u)
         return out
 
-    def _token_s(self, step_compute: float) -> float:
-        per = [max(0.0, (e.value - step_compute) / (n - 1)) for n, e in self.verify.items() if n > 1]
-        return sum(per) / len(per) if per else 0.0
+    def _verify_line(self, step_compute: float):
+        """(fixed, per extra token) verify compute seconds: a line through the measured lengths;
+        one length: anchored at a plain step's compute; none yet: a plain step, nothing per token."""
+        pts = [(n - 1, e.value) for n, e in sorted(self.verify.items()) if e.value is not None]
+        if len(pts) >= 2:
+            slope, fixed = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)
+            slope = max(float(slope), 0.0)
+            return max(float(fixed), 0.0), slope
+        if len(pts) == 1:
+            x, y = pts[0]
+            return step_compute, max(0.0, (y - step_compute) / x)
+        return step_compute, 0.0
 
     def model(self) -> Optional[CostModel]:
         """The CostModel of the current estimates (None before a plain step was measured)."""
@@ -178,13 +202,14 @@ class Governor:
             return None
         io1 = self.step_io.value or 0.0
         step_compute = max(self.step.value - io1, 0.0)
-        return CostModel(accept=self.alpha(), step_s=self.step.value, token_s=self._token_s(step_compute),
+        fixed, per_token = self._verify_line(step_compute)
+        return CostModel(accept=self.alpha(), step_s=self.step.value, token_s=per_token, verify_s=fixed + io1,
                          draft_s=self.draft.value or 0.0, unique=self._unique(), layers=self.layers,
                          miss_rate=self.miss.value or 0.0, read_s=self.read.value or 0.0)
 
     def best(self) -> int:
         m = self.model()
-        return self.max_block if m is None else m.best()
+        return 0 if m is None else m.best()
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -196,7 +221,11 @@ class Governor:
             b = self.best()
             if self.max_block > 0 and self.explore_every and self.steps >= self._next_probe:
                 nb = [x for x in (b + 1, b - 1) if 0 <= x <= self.max_block]
-                probe = nb[(self.steps // max(self.explore_every, 1)) % len(nb)] if b > 0 else 1
+                if b > 0:
+                    probe = nb[(self.steps // max(self.explore_every, 1)) % len(nb)]
+                else:  # the most promising block
+                    m = self.model()
+                    probe = 1 if m is None else max(range(1, self.max_block + 1), key=lambda x: (m.speed(x), -x))
                 self._probing = b == 0
                 self._next_probe = self.steps + self._probe_gap
                 b = probe
@@ -237,7 +266,7 @@ class Governor:
             self.step.add(seconds)
             self.step_io.add(exposed_s)
         else:
-            self.verify.setdefault(tokens, _Ema()).add(max(seconds - exposed_s, 0.0))
+            self.verify.setdefault(tokens, _Recent(skip=1)).add(max(seconds - exposed_s, 0.0))
         if drafted:
             self.draft.add(draft_seconds / drafted)
 
