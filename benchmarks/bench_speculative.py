@@ -53,15 +53,51 @@ def record_bytes():
     return sum(n for *_, n in em.record_layout(fam, s["codec"])), fam
 
 
-def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None):
-    """Tokens of one generation; on_first() runs once the prompt is consumed (first token out)."""
+class LoggedGovernor(Governor):
+    """The governor, recording the block size it chose at every step."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.log = []
+
+    def block_size(self):
+        self.log.append(super().block_size())
+        return self.log[-1]
+
+
+class Replay:
+    """Replays a recorded schedule of block sizes (the untimed byte count of a governed run)."""
+
+    def __init__(self, log):
+        self.log = iter(log)
+
+    def block_size(self):
+        return next(self.log, 0)
+
+    def observe_block(self, *a):
+        pass
+
+    def observe_step(self, *a, **k):
+        pass
+
+    def observe_routes(self, *a):
+        pass
+
+
+def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None, schedule=None, logs=None):
+    """Tokens of one generation; on_first() runs once the prompt is consumed (first token out).
+    A governed variant replays `schedule` when given, else appends its choices to `logs`."""
     V = tok.effective_vocab_size
     if variant is None:
         steps = ((t, None) for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=V,
                                                      max_tokens=n_tokens))
     else:
         drafter, block, governed = variant()
-        gov = Governor(block) if governed else None
+        gov = None
+        if governed:
+            gov = Replay(schedule) if schedule is not None else LoggedGovernor(block)
+            if logs is not None and schedule is None:
+                logs.append(gov.log)
         steps = speculative_generate_step(mx.array(ids), model, drafter, effective_vocab_size=V, max_tokens=n_tokens,
                                           num_draft_tokens=block, governor=gov, stats=stats)
     out = []
@@ -72,11 +108,14 @@ def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None):
     return out
 
 
-def decode_seconds(model, tok, ids, variant, n_tokens):
-    """Wall time from the first token to the last (decode only)."""
+def decode_seconds(model, tok, ids, variant, n_tokens, stats, logs, want):
+    """Wall time from the first token to the last (decode only); the tokens must be `want`."""
     first = []
-    run(model, tok, ids, variant, n_tokens, on_first=lambda: first.append(time.perf_counter()))
-    return time.perf_counter() - first[0]
+    out = run(model, tok, ids, variant, n_tokens, stats, lambda: first.append(time.perf_counter()), logs=logs)
+    t = time.perf_counter() - first[0]
+    if out != want:
+        raise SystemExit("tokens differ from plain decode")
+    return t
 
 
 class UniqueExperts:
@@ -136,43 +175,55 @@ def main():
 
             return build
 
-        # Untimed pass: exactness, acceptance, routed bytes.
+        labels = ["plain"] + list(variants)
+
+        def variant_of(label, i):
+            return None if label == "plain" else make(*variants[label], i)
+
+        # Timed, interleaved rounds (exactness checked, stats and the governor's choices kept).
+        times = {label: [] for label in labels}
+        stats = {label: [] for label in labels}
+        logs = {label: [] for label in labels}  # per run and prompt: the governor's block sizes
+        for r in range(args.rounds):
+            for label in labels + labels[::-1]:
+                total = 0.0
+                for i, ids in enumerate(prompts):
+                    st = SpeculativeStats()
+                    total += decode_seconds(model, tok, ids, variant_of(label, i), args.tokens, st, logs[label],
+                                            futures[i])
+                    stats[label].append(st)
+                times[label].append(total)
+        # Untimed pass: routed bytes (a sync per layer), the governor replaying its last timed choices.
         info = {}
-        for label in ["plain"] + list(variants):
-            tot, acc, dr, steps, eng, blocks = 0, 0, 0, 0, 0, {}
+        n = (args.tokens - 1) * len(prompts)  # tokens after the first (which the prefill yields)
+        for label in labels:
+            tot, eng = 0, 0
             for i, ids in enumerate(prompts):
-                st = SpeculativeStats()
+                sched = logs[label][-len(prompts) + i] if logs[label] else None
                 with UniqueExperts() as ue:
                     def decode_only():  # count decode, not the prompt's prefill
                         ue.total = 0
                         if engine is not None:
                             engine.reset_counters()
 
-                    out = run(model, tok, ids, None if label == "plain" else make(*variants[label], i), args.tokens,
-                              st, decode_only)
+                    out = run(model, tok, ids, variant_of(label, i), args.tokens, None, decode_only, schedule=sched)
                 if out != futures[i]:
                     raise SystemExit(f"{setup} {label}: tokens differ from plain decode")
                 if engine is not None:
                     c = engine.counters()
                     eng += c["exact_bytes"] + c["predicted_bytes"]
                 tot += ue.total
-                plain_steps = st.block_sizes.get(0, 0) if label != "plain" else args.tokens - 1
-                acc, dr, steps = acc + st.accepted, dr + st.drafted, steps + st.verify_steps + plain_steps
+            sts = stats[label]
+            acc, dr = sum(st.accepted for st in sts), sum(st.drafted for st in sts)
+            plain_steps = sum(st.block_sizes.get(0, 0) for st in sts) if label != "plain" else n * len(times[label])
+            steps = sum(st.verify_steps for st in sts) + plain_steps
+            blocks = {}
+            for st in sts:
                 for b, c in st.block_sizes.items():
                     blocks[b] = blocks.get(b, 0) + c
-            n = (args.tokens - 1) * len(prompts)  # tokens after the first (which the prefill yields)
             info[label] = dict(bytes_tok=tot * rec / n, eng_tok=eng / n, acc=acc, dr=dr,
-                               per_step=n / steps if steps else 1.0, blocks=blocks)
-        # Timed, interleaved rounds.
-        times = {label: [] for label in info}
-        order = list(info)
-        for r in range(args.rounds):
-            for label in order + order[::-1]:
-                times[label].append(sum(
-                    decode_seconds(model, tok, ids, None if label == "plain" else make(*variants[label], i),
-                                   args.tokens) for i, ids in enumerate(prompts)))
+                               per_step=n * len(times[label]) / steps if steps else 1.0, blocks=blocks)
         plain_t = times["plain"]
-        n = (args.tokens - 1) * len(prompts)
         print(f"\n== {setup}: demo model, {len(prompts)} code prompts x {args.tokens} tokens, {args.rounds} rounds; "
               f"plain decode {n / statistics.median(plain_t):.1f} tok/s ==")
         print(f"{'variant':18s} {'tok/step':>9s} {'accept':>7s} {'tok/s vs plain':>15s} "
@@ -185,7 +236,7 @@ def main():
                     f"{d['bytes_tok'] / 1024:15.1f}")
             if engine is not None:
                 line += f" {d['eng_tok'] / 1024:13.1f}"
-            if label.endswith("governor"):
+            if label.endswith("governor"):  # over all timed runs
                 line += "  " + " ".join(f"B{b}:{c}" for b, c in sorted(d["blocks"].items()))
             print(line, flush=True)
         if engine is not None:

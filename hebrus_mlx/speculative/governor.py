@@ -16,22 +16,26 @@ keeps the running estimates the runtime actually has and builds one per step:
 - I/O: the fraction of unique expert reads that missed the streamed cache (engine exact misses
   / unique expert-layers of the same forward) and the exposed seconds per missed record. A
   resident model has no misses: U_B then costs nothing in I/O and only compute matters.
-- compute: a plain step's seconds per token (pipelined, as generate_step runs it), the extra
-  compute seconds per extra verify token (verify time minus its exposed I/O minus a plain step's
-  compute, per extra token) and the drafting seconds per drafted token.
+- compute: a plain step's seconds per token (pipelined, as generate_step runs it); a verify's
+  compute (its time minus its exposed I/O) as a line over the block lengths measured, fixed +
+  token per extra token (one length measured: anchored at a plain step's compute); the drafting
+  seconds per drafted token. Samples are medians of the last few; the first sample of a new
+  verify length is dropped (it pays for compiling the shape).
 
     cost(0) = step                                                  (a plain step)
-    cost(B) = B*draft + step + B*token + layers*U_B*miss*read + E[re-run]
-    E[re-run] = sum_{a<B} P(exactly a accepted) * (step_compute + a*token)   (rejected suffix)
-    B* = argmax_B tau(B) / cost(B)
+    cost(B) = B*draft + verify + B*token + layers*U_B*miss*read + E[re-run]
+    E[re-run] = sum_{a<B} P(exactly a accepted) * (verify_compute + a*token)   (rejected suffix)
+    B* = argmax_B tau(B) / cost(B)          (verify defaults to step: then H7's form below)
 
 With everything exposed I/O (compute and drafting free, every draft accepted) this is H7's
 break-even exactly: a block pays iff U(B+1) < k*tau(B), i.e. U_B < k*(tau(B) - 1). Shortening a
 block never changes the output, so the governor may be wrong only about speed.
 
-Exploration: the estimates of depths never drafted cannot improve by themselves, so every
-`explore_every` steps a neighbour of the best length is tried (B=1 when the best is 0); while the
-probes keep losing the interval doubles (up to 16x), so a losing drafter costs close to nothing.
+Warmup: one block of 1, then plain steps until a pipelined plain step was measured. Exploration:
+the estimates of depths and lengths never run cannot improve by themselves, so every
+`explore_every` steps a neighbour of the best length is tried (the most promising block when the
+best is 0); while those probes keep losing the interval doubles (up to 16x), so a losing drafter
+costs close to nothing.
 The governor never touches the random state.
 """
 
@@ -110,16 +114,14 @@ class _Recent:
     def __init__(self, size: int = 8, skip: int = 0):
         self.samples: deque = deque(maxlen=size)
         self.skip = skip
+        self.value: Optional[float] = None
 
     def add(self, x: float) -> None:
         if self.skip > 0:
             self.skip -= 1
             return
         self.samples.append(x)
-
-    @property
-    def value(self) -> Optional[float]:
-        return float(np.median(self.samples)) if self.samples else None
+        self.value = float(np.median(self.samples))
 
 
 @dataclass
