@@ -19,8 +19,8 @@ keeps the running estimates the runtime actually has and builds one per step:
 - compute: a plain step's seconds per token (pipelined, as generate_step runs it); a verify's
   compute (its time minus its exposed I/O) as a line over the block lengths measured, fixed +
   token per extra token (one length measured: anchored at a plain step's compute); the drafting
-  seconds per drafted token. Samples are medians of the last few; the first sample of a new
-  verify length is dropped (it pays for compiling the shape).
+  seconds per drafted token. Samples are medians of the last few; the first verify of a length
+  in the process is dropped (it pays for compiling the shapes).
 
     cost(0) = step                                                  (a plain step)
     cost(B) = B*draft + verify + B*token + layers*U_B*miss*read + E[re-run]
@@ -31,11 +31,12 @@ With everything exposed I/O (compute and drafting free, every draft accepted) th
 break-even exactly: a block pays iff U(B+1) < k*tau(B), i.e. U_B < k*(tau(B) - 1). Shortening a
 block never changes the output, so the governor may be wrong only about speed.
 
-Warmup: one block of 1, then plain steps until a pipelined plain step was measured. Exploration:
+Start: plain steps (no block is chosen before a pipelined plain step was measured). Exploration:
 the estimates of depths and lengths never run cannot improve by themselves, so every
-`explore_every` steps a neighbour of the best length is tried (the most promising block when the
-best is 0); while those probes keep losing the interval doubles (up to 16x), so a losing drafter
-costs close to nothing.
+`explore_every` steps (the first after half of that) a neighbour of the best length is tried; when
+the best is 0, a block of 1 (the cheapest) until a verify was measured, then the most promising
+length. While those probes keep losing the interval doubles (up to 16x), so a losing drafter costs
+close to nothing over a long generation.
 The governor never touches the random state.
 """
 
@@ -106,6 +107,9 @@ class CostModel:
         return max(range(self.max_block + 1), key=lambda b: (self.speed(b), -b))
 
 
+_COMPILED: set = set()  # verify lengths this process has already run
+
+
 class _Recent:
     """Median of the last few samples: robust to the outliers of a shared machine, and it follows
     drift (cache warmth, context length). `skip` first samples are dropped (the first forward of a
@@ -156,10 +160,9 @@ class Governor:
         self._window: List[np.ndarray] = []  # per committed input: [layers, k] routes
         self.steps = 0
         self.block_sizes: dict = {}
-        # One short block (acceptance at depth 1), then plain steps until a pipelined plain step
-        # was measured: no block is chosen before its cost can be compared with a plain step's.
-        self._warmup = [1] if self.max_block > 0 else []
-        self._next_probe = explore_every
+        # Plain steps first (their pipelined cost is the reference); the first probe comes after
+        # half an exploration interval.
+        self._next_probe = max(explore_every // 2, 4)
         self._probe_gap = explore_every
         self._probing = False
         self._probe_sum = (0.0, 0.0)  # (tokens, seconds) since the probe
@@ -187,15 +190,16 @@ class Governor:
 
     def _verify_line(self, step_compute: float):
         """(fixed, per extra token) verify compute seconds: a line through the measured lengths;
-        one length: anchored at a plain step's compute; none yet: a plain step, nothing per token."""
+        one length: all fixed; none yet: a plain step, nothing per token."""
         pts = [(n - 1, e.value) for n, e in sorted(self.verify.items()) if e.value is not None]
         if len(pts) >= 2:
             slope, fixed = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)
             slope = max(float(slope), 0.0)
             return max(float(fixed), 0.0), slope
         if len(pts) == 1:
-            x, y = pts[0]
-            return step_compute, max(0.0, (y - step_compute) / x)
+            # One length: all of it counted as fixed (optimistic), so a drafter that is right gets
+            # a longer block tried and the line its second point.
+            return pts[0][1], 0.0
         return step_compute, 0.0
 
     def model(self) -> Optional[CostModel]:
@@ -217,27 +221,25 @@ class Governor:
 
     def block_size(self) -> int:
         self.steps += 1
-        if self.steps <= len(self._warmup):
-            b = self._warmup[self.steps - 1]
-        else:
-            b = self.best()
-            if self.max_block > 0 and self.explore_every and self.steps >= self._next_probe:
-                nb = [x for x in (b + 1, b - 1) if 0 <= x <= self.max_block]
-                if b > 0:
-                    probe = nb[(self.steps // max(self.explore_every, 1)) % len(nb)]
-                else:  # the most promising block
-                    m = self.model()
-                    probe = 1 if m is None else max(range(1, self.max_block + 1), key=lambda x: (m.speed(x), -x))
-                self._probing = b == 0
-                self._next_probe = self.steps + self._probe_gap
-                b = probe
-            elif b > 0:
-                self._probe_gap = self.explore_every  # speculation pays: keep probes frequent
-            elif self._probing:
-                # The probe did not make speculation pay: probe less often.
-                self._probing = False
-                self._probe_gap = min(self._probe_gap * 2, 16 * self.explore_every)
-                self._next_probe = self.steps + self._probe_gap
+        b = self.best()
+        if self.max_block > 0 and self.explore_every and self.steps >= self._next_probe:
+            nb = [x for x in (b + 1, b - 1) if 0 <= x <= self.max_block]
+            if b > 0:
+                probe = nb[(self.steps // max(self.explore_every, 1)) % len(nb)]
+            else:  # the shortest block first (cheapest), then the most promising one
+                m = self.model()
+                probe = 1 if m is None or not any(e.value for e in self.verify.values()) else \
+                    max(range(1, self.max_block + 1), key=lambda x: (m.speed(x), -x))
+            self._probing = b == 0
+            self._next_probe = self.steps + self._probe_gap
+            b = probe
+        elif b > 0:
+            self._probe_gap = self.explore_every  # speculation pays: keep probes frequent
+        elif self._probing:
+            # The probe did not make speculation pay: probe less often.
+            self._probing = False
+            self._probe_gap = min(self._probe_gap * 2, 16 * self.explore_every)
+            self._next_probe = self.steps + self._probe_gap
         self.block_sizes[b] = self.block_sizes.get(b, 0) + 1
         return b
 
@@ -268,7 +270,10 @@ class Governor:
             self.step.add(seconds)
             self.step_io.add(exposed_s)
         else:
-            self.verify.setdefault(tokens, _Recent(skip=1)).add(max(seconds - exposed_s, 0.0))
+            # The first verify of a length in this process pays for compiling its shapes.
+            est = self.verify.setdefault(tokens, _Recent(skip=0 if tokens in _COMPILED else 1))
+            _COMPILED.add(tokens)
+            est.add(max(seconds - exposed_s, 0.0))
         if drafted:
             self.draft.add(draft_seconds / drafted)
 

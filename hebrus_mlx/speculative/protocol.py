@@ -166,7 +166,10 @@ def speculative_generate_step(
     """Yield (token, logprobs, from_draft) like generate_step (plus whether the token was a
     drafted one the target accepted). num_draft_tokens: the block limit (default 3); governor:
     "auto" (default: choose the block per step, see governor.py), None (always the limit) or a
-    Governor."""
+    Governor (anything with its block_size / observe_block / observe_step / observe_routes).
+    Steps with no draft (B = 0, or a drafter with nothing to propose) run pipelined like
+    generate_step: the next plain step is queued before the current token is read whenever the
+    governor chooses B = 0 again."""
     from ..errors import GenerationError
     from ..generate import generation_stream
     from ..models.cache import rollback_on_error
