@@ -162,6 +162,7 @@ def speculative_generate_step(
     governor: Any = "auto",
     stats: Optional[SpeculativeStats] = None,
     trace: Optional[List[StepTrace]] = None,
+    stream: Optional[Any] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) like generate_step (plus whether the token was a
     drafted one the target accepted). num_draft_tokens: the block limit (default 3); governor:
@@ -169,9 +170,9 @@ def speculative_generate_step(
     Governor (anything with its block_size / observe_block / observe_step / observe_routes).
     Steps with no draft (B = 0, or a drafter with nothing to propose) run pipelined like
     generate_step: the next plain step is queued before the current token is read whenever the
-    governor chooses B = 0 again."""
+    governor chooses B = 0 again, on `stream` (generate passes its generation stream; None: the
+    default stream)."""
     from ..errors import GenerationError
-    from ..generate import generation_stream
     from ..models.cache import rollback_on_error
     from ..models.qwen4exp import Capture
     from .governor import Governor, unique_per_layer
@@ -197,6 +198,7 @@ def speculative_generate_step(
     if governor == "auto":
         governor = Governor(limit)
     need_h = bool(drafter.needs_hidden)
+    plain_stream = stream if stream is not None else mx.default_stream(mx.default_device())
     tickets = _ExpertTickets(model)
 
     engine = streaming.engine if streaming is not None and streaming.experts is not None else None
@@ -244,7 +246,7 @@ def speculative_generate_step(
         """One plain decode step on `tok` ([1], possibly not yet evaluated), queued with async_eval
         like generate_step's; returns its lazy token, log-probabilities, hidden row and routes."""
         snap = cache.snapshot()
-        with rollback_on_error(cache, snap), mx.stream(generation_stream()):
+        with rollback_on_error(cache, snap), mx.stream(plain_stream):
             cap = Capture(hidden=False) if track_routes else None
             out = model(tok[None], cache=cache, capture=cap, return_hidden=need_h)
             logits, h = out if need_h else (out, None)
