@@ -101,6 +101,15 @@ def projection():
     for tps in (12.0, 17.5, 25.0):
         print(f"  a token that takes {1e3 / tps:.0f} ms of compute ({tps:g} tok/s on one machine) -> "
               f"{1e3 / (1e3 / tps + link_ms):.1f} tok/s pipelined ({link_ms / (1e3 / tps) * 100:.1f}% link)")
+    # Speculative verify: a block of k drafts + 1 sends k+1 rows of hidden state and gets k+1 rows
+    # of logits back; drafting with the MTP head also gets the k+1 final pre-mixer rows back.
+    k = 3
+    hidden_rows = hc * hidden * 4
+    for name, extra in (("ngram / draft model", 0), ("mtp", hidden_rows)):
+        step = (k + 1) * (payload + logits + extra) + header
+        ms = ((messages + (1 if extra else 0)) * lat + step / bw) * 1e3
+        print(f"  a verify of {k} drafts ({name}): {step / 1024:.0f} KiB ({(k + 1) * extra / 1024:.0f} KiB of it "
+              f"final states) -> {ms:.2f} ms on the link per verify step")
 
 
 def main():

@@ -7,7 +7,11 @@ ms/token, exposed wait, timely recall, precision, wasted bytes, p99 issue->ready
 to the control; exits 1 if any predictor's tokens differ from the control's.
 
     python benchmarks/bench_prefetch.py [--fraction 0.05] [--tokens 48] [--rounds 4]
-        [--modes previous,off,router-reuse:1,router-reuse:2,hyper-reuse]
+        [--modes previous,off,router-reuse:1,router-reuse:2,hyper-reuse] [--mirror DIR]
+
+--mirror DIR (a copy of the demo's experts.hbem in DIR) adds each mode again reading through
+`--expert-mirror DIR` (labelled MODE+mirror) and prints how the reads split between the files.
+On one disk no gain is expected; two disks are not verified here.
 """
 
 import argparse
@@ -43,9 +47,13 @@ def drop_cache(path):
         os.close(fd)
 
 
-def run(mode, gb, store, prompt, tokens, chunk):
+def run(config, gb, store, prompt, tokens, chunk):
+    mode, _, mirror = config.partition("+")
+    mirror = mirror or None
     drop_cache(store)
-    model = load_model(DEMO_DIR, expert_cache_gb=gb, prefetch=mode)
+    if mirror is not None:
+        drop_cache(os.path.join(mirror, os.path.basename(store)))
+    model = load_model(DEMO_DIR, expert_cache_gb=gb, prefetch=mode, expert_mirror=mirror)
     st = model.streaming
     cache, out = model.make_cache(), None
     for i in range(0, len(prompt), chunk):
@@ -61,6 +69,7 @@ def run(mode, gb, store, prompt, tokens, chunk):
         mx.eval(out)
         times.append(time.perf_counter() - t0)
     c = st.engine.counters()
+    c["file_reads"] = st.engine.file_reads(st.experts.store)["reads"]
     st.engine.close()
     return statistics.median(times), toks, c
 
@@ -73,8 +82,11 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--modes", default="previous,off,router-reuse:1,router-reuse:2,hyper-reuse",
                    help="comma-separated --prefetch values; the first is the control")
+    p.add_argument("--mirror", default=None, metavar="DIR", help="also run every mode with --expert-mirror DIR")
     args = p.parse_args()
     modes = args.modes.split(",")
+    if args.mirror:
+        modes += [f"{m}+{args.mirror}" for m in modes]
     gb, rows, store = cache_gb(args.fraction)
     prompt = np.random.default_rng(7).integers(2, 4000, args.prompt_tokens).tolist()
     chunk = 4
@@ -98,14 +110,17 @@ def main():
         pre = [s["precision"] for s in st if s["precision"] is not None]
         # Paired per round (the modes of a round ran back to back): robust to the machine's phases.
         paired = statistics.median(c[0] / t for c, t in zip(res[ctrl], ts))
-        print(f"  {m:15s} {statistics.median(ts) * 1e3:7.2f} ms/token (paired x{paired:.3f} vs "
+        name = m if "+" not in m else m.split("+")[0] + "+mirror"
+        split = "/".join(str(n) for n in cs[0]["file_reads"])
+        print(f"  {name:15s} {statistics.median(ts) * 1e3:7.2f} ms/token (paired x{paired:.3f} vs "
               f"{ctrl}; runs {' '.join(f'{t * 1e3:.1f}' for t in ts)}), exposed wait "
               f"{med(lambda c: c['exposed_wait_ns']) / 1e6 / args.tokens:.3f} ms/token, "
               f"exact misses {med(lambda c: c['exact_misses']) / args.tokens:.1f}/token, "
               f"timely recall {100 * statistics.median(rec) if rec else float('nan'):.1f}%, "
               f"precision {100 * statistics.median(pre) if pre else float('nan'):.1f}%, "
               f"wasted {med(lambda c: c['wasted_bytes']) / 1e6:.2f} MB, "
-              f"p99 {med(lambda c: c['latency_p99_ns']) / 1e6:.2f} ms, tokens {'identical' if same else 'DIFFER'}")
+              f"p99 {med(lambda c: c['latency_p99_ns']) / 1e6:.2f} ms, reads per file {split}, "
+              f"tokens {'identical' if same else 'DIFFER'}")
     return 0 if ok else 1
 
 

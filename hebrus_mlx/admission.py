@@ -33,6 +33,7 @@ STAGES = (
     "tensors", "experts", "ple", "mtp", "policy", "ownership",
 )
 
+_TENSOR_FIELDS = {"dtype", "shape", "data_offsets", "codec", "sha256"}  # sha256: optional, all or none
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _REQUIRED_KEYS = {
     "schema": str, "schema_version": int, "family": str, "profile": str, "support": str,
@@ -235,6 +236,14 @@ class _Admission:
                 raise AdmissionError(f"manifest.tensors.{name}", "not in the expected tensor set")
             if type(rec) is not dict:
                 raise AdmissionError(f"manifest.tensors.{name}", "must be an object")
+            unknown = sorted(set(rec) - _TENSOR_FIELDS)
+            if unknown:
+                raise AdmissionError(f"manifest.tensors.{name}.{unknown[0]}", "unknown inventory field")
+            digest = rec.get("sha256")
+            if ("sha256" in rec) != ("sha256" in inv[min(inv)]):
+                raise AdmissionError(f"manifest.tensors.{name}.sha256", "per-tensor digests are all or none")
+            if "sha256" in rec and not _is_sha256(digest):
+                raise AdmissionError(f"manifest.tensors.{name}.sha256", "must be a lowercase hex SHA-256")
             offs = rec.get("data_offsets")
             if type(offs) is not list or len(offs) != 2:
                 raise AdmissionError(f"manifest.tensors.{name}.data_offsets", f"{offs!r} is not a [begin, end] pair")
@@ -253,6 +262,7 @@ class _Admission:
                 raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {offs}")
             if offs != e["data_offsets"]:
                 raise AdmissionError(f"tensors.{name}.length", f"{e['data_offsets']} != manifest {offs}")
+        self.dense_digests = bool(inv) and "sha256" in inv[min(inv)]
         base = 8 + n
         self.owners[self.dense_path] = [(0, base, "safetensors.header")] + [
             (base + e["data_offsets"][0], base + e["data_offsets"][1], f"tensor:{name}") for name, e in header.items()
@@ -420,6 +430,7 @@ class _Admission:
             sources=dict(self.sources),
             args=self.args,
             report=self.report(),
+            dense_digests={k: r["sha256"] for k, r in m["tensors"].items()} if self.dense_digests else None,
         )
 
     def report(self):
@@ -447,6 +458,10 @@ def _json(data, field):
         return json.loads(data)
     except (UnicodeDecodeError, ValueError) as e:
         raise AdmissionError(field, f"not JSON: {e}") from None
+
+
+def _is_sha256(x):
+    return type(x) is str and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 def _classify(name, args):
@@ -478,6 +493,39 @@ def admit(path) -> M.Manifest:
             err.stage = stage
             raise err from e
     return a.manifest()
+
+
+def admit_mirror(m: M.Manifest, directory) -> str:
+    """`--expert-mirror DIR`: DIR holds a byte-identical copy of the admitted manifest ``m``'s
+    expert store (e.g. on a second disk) under the same file name. Checked like the store itself
+    (header and record table, no payload read) and against it: same size as the manifest records,
+    same header, so the same payload and per-record SHA-256 digests. The engine verifies every
+    record it reads from the mirror against those digests (a bad record is re-read from the
+    store). Returns the mirror file's path; AdmissionError names ``expert-mirror`` otherwise."""
+    field = "expert-mirror"
+    d = os.path.abspath(str(directory))
+    if not os.path.isdir(d):
+        raise AdmissionError(field, f"{d} is not a directory")
+    store = m.experts
+    path = os.path.join(d, store.path)
+    if not os.path.isfile(path):
+        raise AdmissionError(field, f"{path} missing (copy {m.file(store)} there)")
+    if os.path.exists(m.file(store)) and os.path.samefile(path, m.file(store)):
+        raise AdmissionError(field, f"{path} is the expert store itself, not a copy")
+    size = os.path.getsize(path)
+    if size != store.size:
+        raise AdmissionError(f"{field}.size", f"{path} is {size} bytes, the store is {store.size}")
+    try:
+        with ExpertMajorReader(path, m.family, store.codec) as mirror, \
+                ExpertMajorReader(m.file(store), m.family, store.codec) as primary:
+            for k in ("payload_sha256", "table_sha256", "header_sha256"):
+                if mirror.header[k] != primary.header[k]:
+                    raise AdmissionError(f"{field}.{k}", f"{path} differs from {m.file(store)}")
+    except ArtifactError as e:
+        if e.field.startswith(field):
+            raise
+        raise AdmissionError(f"{field}.{e.field}", f"{path}: {e.message}") from None
+    return path
 
 
 def main(argv=None):

@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         import mlx.core as mx
 
         mx.random.seed(args.seed)
-    model, tok = gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args))
+    model, tok = gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
+                           expert_mirror=args.expert_mirror)
     if tok.chat_template is None:
         raise UsageError("--model", f"model {args.model!r} has no chat template")
 

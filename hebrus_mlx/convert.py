@@ -16,6 +16,7 @@ temp directory before the rename.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -63,9 +64,10 @@ def write_header(w, tensors):
     return header, 8 + len(raw)
 
 
-def write_dense(w, src, args, profile, progress):
+def write_dense(w, src, args, profile, progress, digests=None):
     """Stream the dense safetensors file: header first (all shapes are known),
-    then each tensor in header order."""
+    then each tensor in header order. `digests` (a dict) receives each stored tensor's SHA-256,
+    so a pipeline rank can verify the tensors it reads without reading the others."""
     stored = M.stored_tensors(args, profile)
     header, base = write_header(w, [(name, *stored[name]) for name in sorted(stored)])
     # Stored names are written in sorted order; an affine tensor's parts
@@ -90,6 +92,8 @@ def write_dense(w, src, args, profile, progress):
         assert (str(arr.dtype), tuple(arr.shape)) == ({"U32": "uint32", "BF16": "uint16", "F32": "float32"}[stored[name][0]], stored[name][1])
         data = np.ascontiguousarray(arr).tobytes()
         w.write(data)
+        if digests is not None:
+            digests[name] = hashlib.sha256(data).hexdigest()
         progress(len(data))
     return header, base
 
@@ -243,7 +247,7 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         result = {}
 
         def dense(w):
-            result["header"], result["base"] = write_dense(w, src, args, profile, p.update)
+            result["header"], result["base"] = write_dense(w, src, args, profile, p.update, result.setdefault("sha256", {}))
 
         atomic.publish_file(os.path.join(tmp, M.DENSE_PATH), dense)
         p.close()
@@ -282,7 +286,7 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         for name, e in result["header"].items():
             wkey = name if name in shapes else name.rsplit(".", 1)[0] + ".weight"
             tensors[name] = {"dtype": e["dtype"], "shape": e["shape"], "data_offsets": e["data_offsets"],
-                             "codec": M.dense_codec(wkey, shapes[wkey], profile)}
+                             "codec": M.dense_codec(wkey, shapes[wkey], profile), "sha256": result["sha256"][name]}
         man = M.build(family=fam.name, profile=profile, source_files=source_files, revision=revision,
                       repo=repo, constants=constants, stores=stores, tensors=tensors,
                       exclusions=counts["excluded"], consumed=counts["consumed"], mtp=mtp_report is not None)
@@ -334,6 +338,26 @@ def add_mtp(artifact, mtp_source, quiet=False):
         atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
 
     atomic.publish_dir(artifact, build, verify=admission.admit)
+    return admission.admit(artifact)
+
+
+def add_dense_digests(artifact):
+    """Give an older artifact's manifest the per-tensor digests of its dense store (what a pipeline
+    rank verifies instead of the whole file). Only manifest.json is republished (temp + fsync +
+    rename); the digests are taken from bytes whose whole-file digest matched first."""
+    m = admission.admit(artifact)
+    with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
+        man = json.loads(f.read())
+    with open(m.file(m.dense), "rb") as f:
+        raw = f.read()
+    if hashlib.sha256(raw).hexdigest() != m.dense.sha256:
+        raise ArtifactError(f"stores.{m.dense.path}.sha256", "dense store digest mismatch")
+    base = 8 + int.from_bytes(raw[:8], "little")
+    for name, rec in man["tensors"].items():
+        begin, end = rec["data_offsets"]
+        rec["sha256"] = hashlib.sha256(raw[base + begin : base + end]).hexdigest()
+    data = M.dumps(man)
+    atomic.publish_file(os.path.join(artifact, C.MANIFEST_NAME), lambda w: w.write(data))
     return admission.admit(artifact)
 
 

@@ -365,6 +365,11 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
             from .stream.engine import io_summary
 
             print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
+            experts = model.streaming.experts
+            if experts is not None and experts.mirror is not None:
+                from .stream.engine import mirror_summary
+
+                print(mirror_summary(model.streaming.engine.file_reads(experts.store)))
     return text
 
 
@@ -404,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ple-cache-gb", type=float, default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
     add_prefetch_argument(p)
+    p.add_argument("--expert-mirror", default=None, metavar="DIR",
+                   help="a directory holding a copy of the expert store (e.g. on a second disk); streamed reads "
+                        "alternate between the two (not verified on two disks here)")
     p.add_argument("--trace-out", default=None, metavar="DIR",
                    help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
     p.add_argument("--trace-features", type=int, default=0, metavar="N",
@@ -415,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float dtype to run in: auto = float32 on the CPU backend, the stored dtype on Metal")
     p.add_argument("--pipeline-split", default=None,
                    help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
+    p.add_argument("--pipeline-timeout", type=float, default=None,
+                   help="under mlx.launch: seconds a rank waits on another before the run ends with an error (default 60)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)")
     return p
@@ -436,6 +446,8 @@ def _check_args(args):
     for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
         if value is not None and not (0 < value < float("inf")):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
+    if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
+        raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
     if args.trace_features < 0:
         raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
     if args.num_draft_tokens is not None:
@@ -446,12 +458,12 @@ def _check_args(args):
 
 
 def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
-          prefetch=None, dtype="auto"):
+          prefetch=None, dtype="auto", expert_mirror=None):
     from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
     from .utils import load
 
     return load(resolve_model(name), dtype=None if dtype == "stored" else dtype, expert_cache_gb=expert_cache_gb,
-                ple_cache_gb=ple_cache_gb, prefetch=prefetch)
+                ple_cache_gb=ple_cache_gb, prefetch=prefetch, expert_mirror=expert_mirror)
 
 
 def _trace_kwargs(args) -> dict:
@@ -487,7 +499,7 @@ def main(argv=None) -> int:
             return 0  # a serving rank: rank 0 prints
     else:
         model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
-                                 args.dtype)
+                                 args.dtype, args.expert_mirror)
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:

@@ -10,6 +10,12 @@ engine generation per request), the last queued step is drained so no ticket sta
 the next request starts from clean state. Batched decode is not implemented. Prompts reuse the longest
 cached prefix (`PromptCache`, exact prefixes only; see prompt_cache.py).
 
+Under `mlx.launch` (pipeline parallel, see hebrus_mlx/pipeline) rank 0 serves HTTP and drives the
+pipeline; the other ranks run their layer ranges. Prefix snapshots are kept by every rank for its
+own layers (`--prompt-cache-bytes` bounds rank 0's share). A rank that dies fails the request with
+a 503 and every later one (the pipeline is down); a stalled rank gets the request a 503 within the
+pipeline timeout, then the server exits (MLX cannot interrupt a collective).
+
 Chat provenance (AFN-006): messages are rendered by the checkpoint's template and tokenized by
 provenance, so caller text never becomes a control token, whatever it spells. Bad requests get a
 4xx with an OpenAI-style error object naming the field and one log line; the server keeps serving.
@@ -36,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from .errors import HebrusError, UsageError
+from .pipeline import launched as pipeline_launched
+from .pipeline.stage import PipelineError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import check_sampling_args, make_sampler
 from .stream.errors import StreamError
@@ -250,6 +258,9 @@ class Worker:
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.model = self.tokenizer = None
         self.busy = False
+        self.current: Optional[Job] = None  # the running job (a stalled pipeline answers it)
+        self.broken: Optional[PipelineError] = None  # a pipeline rank died: every request fails
+        self.close = None  # run on the worker thread when it stops (a pipeline releases its ranks)
         self._switches = []
         self._generation = 0
         self._ready = threading.Event()
@@ -269,6 +280,8 @@ class Worker:
             self.model, self.tokenizer = load()
             if self.model.streaming is not None:
                 self._switches = self.model.streaming.switches
+            if hasattr(self.model, "on_stall"):
+                self.model.on_stall = self._on_stall
         except BaseException as e:  # reported by the constructor on the caller's thread
             self._load_error = e
             self._ready.set()
@@ -277,12 +290,21 @@ class Worker:
         while True:
             job = self.jobs.get()
             if job is None:
+                if self.close is not None and self.broken is None:
+                    self.close()
                 return
             if job.cancel.is_set():
                 continue
-            self.busy = True
+            if self.broken is not None:
+                self._emit(job, ("error", self.broken))
+                continue
+            self.busy, self.current = True, job
             try:
                 self._generate(job)
+            except PipelineError as e:
+                self.broken = e
+                log.error("pipeline down, refusing further requests: %s", e)
+                self._emit(job, ("error", e))
             except (StreamError, gen.GenerationError, ValueError) as e:
                 if job.cancel.is_set():  # its tickets were failed on purpose
                     log.info("cancelled request stopped: %s: %s", type(e).__name__, e)
@@ -292,8 +314,18 @@ class Worker:
                 log.error("generation failed: %s: %s", type(e).__name__, e)
                 self._emit(job, ("error", e))
             finally:
-                self._drain(job)
+                self.current = None
+                if self.broken is None:
+                    self._drain(job)
                 self.busy = False
+
+    def _on_stall(self, message: str):
+        # On the watchdog's thread, just before the process exits: answer the running request.
+        log.error("pipeline stalled: %s; failing the request, then exiting", message)
+        job = self.current
+        if job is not None and not job.finished:
+            self._emit(job, ("error", PipelineError(message)))
+            time.sleep(1.0)  # the event loop sends the error response meanwhile
 
     def _drain(self, job: Job):
         # A closed generator leaves its queued step in flight; finishing it here returns every
@@ -451,6 +483,11 @@ class App:
         if streaming is not None:
             mem = streaming.engine.memory()
             out["stream"] = {"tickets": mem.get("tickets"), "pinned_slots": mem.get("pinned_slots")}
+        stages = getattr(w.model, "all_stages", None)
+        if stages is not None:  # under mlx.launch: who holds which layers, and whether the pipeline is up
+            out["pipeline"] = {"ranks": [[st.start, st.stop - 1] for st in stages], "down": w.broken is not None}
+            if w.broken is not None:
+                out["status"] = "pipeline down"
         return self._json(out)
 
     async def models(self, request):
@@ -656,6 +693,8 @@ def _as_request_error(e) -> RequestError:
         return e
     if isinstance(e, (gen.GenerationError, ChatError, TokenizerError)):
         return RequestError(_text(e))
+    if isinstance(e, PipelineError):
+        return RequestError(f"PipelineError: {_text(e)}", None, 503, "server_error")
     # A streamed read that failed (StreamError) or anything unexpected: the request was fine.
     return RequestError(f"{type(e).__name__}: {e}", None, 500, "server_error")
 
@@ -668,8 +707,8 @@ def _as_request_error(e) -> RequestError:
 # until this verb uses it (never silently ignored).
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
 USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
-        "draft_model", "num_draft_tokens",
-        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold"}
+        "draft_model", "num_draft_tokens", "pipeline_split", "pipeline_timeout",
+        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror"}
 
 
 def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
@@ -715,7 +754,20 @@ def main(argv=None) -> int:
         raise UsageError("--prompt-cache-bytes", f"must be >= 0, got {args.prompt_cache_bytes}")
     if args.max_body_bytes < 1:
         raise UsageError("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
+    if args.pipeline_split is not None and not pipeline_launched():
+        raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prefetch = prefetch_from_args(args)  # checked before the model loads
+    pipe = None
+    if pipeline_launched():
+        import mlx.core as mx
+
+        from .hub import resolve_model
+        from .pipeline.cli import load_or_serve
+
+        if mx.distributed.init().rank() != 0:
+            load_or_serve(resolve_model(args.model), args)  # serves until rank 0 stops
+            return 0
     import uvicorn
 
     defaults = ServerDefaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -727,13 +779,22 @@ def main(argv=None) -> int:
             import mlx.core as mx
 
             mx.random.seed(args.seed)
-        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch)
+        if pipeline_launched():
+            nonlocal pipe
+            pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
+            return model, tokenizer
+        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch,
+                         expert_mirror=args.expert_mirror)
 
-    prefetch = prefetch_from_args(args)  # checked before the model loads
     worker = Worker(load, args.prompt_cache_bytes, defaults)
+    if pipe is not None:
+        from .pipeline.cli import finish
+
+        worker.close = lambda: finish(pipe.model)  # stops the serving ranks, prints one line per rank
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
+    sock.listen(2048)  # before the line below: a client may connect as soon as it reads it
     app = App(worker, args.model, args.api_key, args.max_body_bytes)
     host, port = sock.getsockname()[:2]
     print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
@@ -742,6 +803,8 @@ def main(argv=None) -> int:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         worker.stop()
+        if pipe is not None:
+            worker._thread.join(timeout=60)
     return 0
 
 

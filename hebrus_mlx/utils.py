@@ -86,7 +86,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
 
 
 def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
-               ple_cache_gb: Optional[float] = None, prefetch=None):
+               ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
     size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident.
@@ -97,10 +97,10 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
         from .loading.artifact import load_artifact_model  # admission runs before any graph buffer
 
         return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                                   prefetch=prefetch)
+                                   prefetch=prefetch, expert_mirror=expert_mirror)
     path = Path(path)
     for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb),
-                         ("prefetch", prefetch)):
+                         ("prefetch", prefetch), ("expert_mirror", expert_mirror)):
         if value is not None:
             raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype)
@@ -133,7 +133,7 @@ def _apply_machine_profile():
 
 
 def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = None,
-         ple_cache_gb: Optional[float] = None, prefetch=None):
+         ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None):
     """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir.
 
     dtype: "auto" (default_dtype(): float32 on CPU, the stored dtype on Metal), an mx.Dtype, or
@@ -142,7 +142,8 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
     expert_cache_gb: stream an artifact's routed experts through a cache of this many GiB
     (`--expert-cache-gb`); ple_cache_gb: its PLE table pages (`--ple-cache-gb`). None decides
     from available memory. prefetch: streamed experts' read-ahead (`--prefetch`, see
-    `stream.predict`); None: the default.
+    `stream.predict`); None: the default. expert_mirror: a directory with a copy of the expert
+    store that streamed reads alternate with (`--expert-mirror`; not verified on two disks here).
     """
     from .text.tokenizer import load_tokenizer
 
@@ -160,7 +161,7 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
         source = admit(str(path))
         sources = source.sources
     model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                       prefetch=prefetch)
+                       prefetch=prefetch, expert_mirror=expert_mirror)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources)
     model.source_path = path  # route traces pin the artifact by its digest
     return model, tokenizer

@@ -152,6 +152,19 @@ NB_MODULE(_ext, m) {
       .def_prop_ro(
           "backend", [](Engine& e) { return e.options().backend; })
       .def("add_store", &Engine::add_store, "path"_a, "digest_id"_a = "")
+      .def("add_mirror", &Engine::add_mirror, "store"_a, "path"_a)
+      .def(
+          "file_reads",
+          [](Engine& e, int store) {
+            auto r = e.file_reads(store);
+            nb::dict d;
+            d["paths"] = r.paths;
+            d["reads"] = r.reads;
+            d["bytes"] = r.bytes;
+            d["fallbacks"] = r.fallbacks;
+            return d;
+          },
+          "store"_a)
       .def(
           "register_table",
           [](Engine& e,

@@ -139,6 +139,14 @@ void Engine::close() {
         *fd = -1;
       }
     }
+    for (auto& mi : st.mirrors) {
+      for (int* fd : {&mi.fd, &mi.direct_fd}) {
+        if (*fd >= 0) {
+          ::close(*fd);
+          *fd = -1;
+        }
+      }
+    }
   }
   done_cv_.notify_all();
 }
@@ -188,8 +196,76 @@ int Engine::add_store(const std::string& path, const std::string& digest_id) {
   }
 #endif
   std::lock_guard<std::mutex> lk(mu_);
-  stores_.push_back(Store{path, digest_id, fd, direct_fd});
+  Store st;
+  st.path = path;
+  st.digest_id = digest_id;
+  st.fd = fd;
+  st.direct_fd = direct_fd;
+  stores_.push_back(std::move(st));
   return static_cast<int>(stores_.size()) - 1;
+}
+
+int Engine::add_mirror(int store, const std::string& path) {
+  if (opts_.backend != "pread") {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "mirror: only the pread backend reads mirrors, not '" + opts_.backend +
+            "'");
+  }
+  std::string primary;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) {
+      throw StreamError(ErrorCode::kClosed, "stream engine closed");
+    }
+    check_store_locked(store);
+    primary = stores_[store].path;
+  }
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "mirror path " + path + ": " + std::strerror(errno));
+  }
+  struct stat a, b;
+  if (::fstat(fd, &b) != 0 || ::stat(primary.c_str(), &a) != 0 ||
+      a.st_size != b.st_size) {
+    ::close(fd);
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "mirror " + path + ": size differs from the store " + primary);
+  }
+  int direct_fd = -1;
+#if defined(__linux__)
+  if (opts_.direct) {
+    direct_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  }
+#elif defined(__APPLE__)
+  if (opts_.nocache) {
+    fcntl(fd, F_NOCACHE, 1);
+  }
+#endif
+  std::lock_guard<std::mutex> lk(mu_);
+  Store& st = stores_[store];
+  st.mirrors.push_back(Mirror{path, fd, direct_fd});
+  st.file_reads.push_back(0);
+  st.file_bytes.push_back(0);
+  return static_cast<int>(st.mirrors.size()) - 1;
+}
+
+Engine::FileReads Engine::file_reads(int store) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_store_locked(store);
+  const Store& st = stores_[store];
+  FileReads out;
+  out.paths.push_back(st.path);
+  for (const auto& mi : st.mirrors) {
+    out.paths.push_back(mi.path);
+  }
+  out.reads = st.file_reads;
+  out.bytes = st.file_bytes;
+  out.fallbacks = st.fallbacks;
+  return out;
 }
 
 int Engine::register_table(int store, std::vector<TableRow> rows, int arena) {
@@ -712,9 +788,21 @@ void Engine::start_read_locked(
   s.stall_ns = 0;
   s.deadline_ns = req.deadline_ns;
   s.waiters = {id};
-  const Store& st = stores_[req.store];
+  Store& st = stores_[req.store];
   s.job = std::make_unique<Job>(Job{
       idx, s.gen, key, slab, now_ns(), req.priority, st.fd, st.direct_fd});
+  if (!st.mirrors.empty()) {
+    // Mirrors: alternate files read by read, so concurrent reads (reader
+    // threads, P0 next to P1) go to both disks.
+    int f = static_cast<int>(st.next_file++ % (st.mirrors.size() + 1));
+    s.job->file = f;
+    s.job->primary_fd = st.fd;
+    s.job->primary_direct_fd = st.direct_fd;
+    if (f > 0) {
+      s.job->fd = st.mirrors[f - 1].fd;
+      s.job->direct_fd = st.mirrors[f - 1].direct_fd;
+    }
+  }
   if (trace_) {
     trace_->pending[{idx, s.gen}] = TraceRing::Pending{
         s.job->issue_ns, 0, -1, req.layer, req.expert, req.exact, req.length};
@@ -1186,7 +1274,30 @@ void Engine::worker_loop() {
     lk.unlock();
     std::string msg;
     ErrorCode code = do_read(*job, msg, fault, delay);
+    bool fallback = false;
+    if (job->file > 0 &&
+        (code == ErrorCode::kIO || code == ErrorCode::kShortRead ||
+         code == ErrorCode::kDigest)) {
+      // The mirror could not give the verified bytes: the primary can.
+      Job primary = *job;
+      primary.file = 0;
+      primary.fd = job->primary_fd;
+      primary.direct_fd = job->primary_direct_fd;
+      msg.clear();
+      code = do_read(primary, msg, Fault::kNone, 0);
+      fallback = true;
+    }
     lk.lock();
+    {
+      Store& st = stores_[job->key.store];
+      st.file_reads[job->file]++;
+      st.file_bytes[job->file] += job->key.length;
+      if (fallback) {
+        st.fallbacks++;
+        st.file_reads[0]++;
+        st.file_bytes[0] += job->key.length;
+      }
+    }
     inflight_[job->priority]--;
     Slot& s = slots_[job->slot];
     if (trace_) {

@@ -255,6 +255,19 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   int add_store(const std::string& path, const std::string& digest_id);
+  // A byte-identical copy of `store` (e.g. on a second disk): reads then
+  // alternate between the files, one read at a time; a read that fails on a
+  // mirror (I/O, short read, digest) is redone from the primary and counted.
+  // Refuses a size mismatch and the mtlio backend. Not verified on two
+  // disks here (AFN-013): this machine has one.
+  int add_mirror(int store, const std::string& path);
+  struct FileReads {
+    std::vector<std::string> paths; // primary first, then the mirrors
+    std::vector<uint64_t> reads; // reads issued to each file
+    std::vector<uint64_t> bytes;
+    uint64_t fallbacks = 0; // mirror reads redone from the primary
+  };
+  FileReads file_reads(int store);
   int register_table(int store, std::vector<TableRow> rows, int arena = -1);
   int add_arena(
       std::vector<uint8_t*> parts,
@@ -375,6 +388,9 @@ class Engine {
     int priority;
     int fd;
     int direct_fd;
+    int file = 0; // 0: the primary, i: mirror i - 1 (fd/direct_fd are its)
+    int primary_fd = -1; // a failed mirror read is redone from these
+    int primary_direct_fd = -1;
   };
   enum class SlotState : int { kFree, kLoading, kReady };
   struct Slot {
@@ -428,11 +444,21 @@ class Engine {
       QueueItem,
       std::vector<QueueItem>,
       std::greater<QueueItem>>;
+  struct Mirror {
+    std::string path;
+    int fd = -1;
+    int direct_fd = -1;
+  };
   struct Store {
     std::string path;
     std::string digest_id;
     int fd = -1;
     int direct_fd = -1;
+    std::vector<Mirror> mirrors;
+    uint64_t next_file = 0; // round robin over primary + mirrors
+    std::vector<uint64_t> file_reads{0}; // per file, primary first
+    std::vector<uint64_t> file_bytes{0};
+    uint64_t fallbacks = 0;
   };
 
   void worker_loop();

@@ -8,6 +8,8 @@ generated; the other ranks serve. Modes:
   stall      rank 1 sleeps forever after 3 forwards (rank 0's watchdog must end the run)
   stream     as generate, each rank streaming its experts and PLE pages through a small cache;
              every rank also writes OUT.rank<r>.json: the layers its engine read records of
+  spec       greedy speculative decoding with each drafter in $DRAFT (comma-separated: ngram, mtp, a
+             directory) in turn on the prompt $PROMPT_IDS; OUT holds tokens, counters, state bytes each
 """
 
 import os
@@ -38,7 +40,7 @@ if mode in ("kill", "stall") and os.environ["MLX_RANK"] == "1":
     S._run_layers = faulty
 
 streamed = mode == "stream"
-pipe = load_pipeline(model_path, split=split, timeout=timeout,
+pipe = load_pipeline(model_path, split=split, timeout=timeout, mtp="mtp" in os.environ.get("DRAFT", "").split(","),
                      expert_cache_gb=0.0005 if streamed else None, ple_cache_gb=0.0005 if streamed else None)
 engine = pipe.model.streaming.engine if pipe.model.streaming is not None else None
 if streamed:
@@ -77,6 +79,25 @@ if mode == "restore":
     lc = model(c, cache, all_logits=True)
     model.stop()
     np.savez(out, a=np.array(la), b1=np.array(lb1), b2=np.array(lb2), c=np.array(lc))
+    sys.exit(0)
+
+if mode == "spec":
+    from hebrus_mlx.generate import stream_generate
+    from hebrus_mlx.speculative import SpeculativeStats
+    from hebrus_mlx.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_path, physical_vocab_size=vocab)
+    ids = [int(t) for t in os.environ["PROMPT_IDS"].split(",")]
+    saved = {}
+    for i, draft in enumerate(os.environ["DRAFT"].split(",")):
+        stats, hidden0 = SpeculativeStats(), model.hidden_bytes
+        toks = [r.token for r in stream_generate(model, tok, ids, max_tokens=int(os.environ.get("MAX_TOKENS", "24")),
+                                                 draft_model=draft, num_draft_tokens=3, governor=None,
+                                                 speculative_stats=stats)]
+        saved.update({f"tokens{i}": np.array(toks), f"stats{i}": np.array([stats.drafted, stats.accepted, stats.reruns]),
+                      f"hidden_bytes{i}": model.hidden_bytes - hidden0})
+    model.stop()
+    np.savez(out, **saved)
     sys.exit(0)
 
 prompt = mx.array([(7 * i + 3) % 97 + 4 for i in range(13)], dtype=mx.int32)

@@ -337,6 +337,8 @@ def test_cli_streamed_demo_prints_io_line_and_resident_text():
         assert p.returncode == 0, p.stderr
         return p.stdout.splitlines()
 
+    from hebrus_mlx.stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
+
     resident, streamed = run(), run("--expert-cache-gb", "0.0005")
     hyper = run("--expert-cache-gb", "0.0005", "--prefetch", "hyper-reuse")
     assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", resident[-1])
@@ -344,7 +346,8 @@ def test_cli_streamed_demo_prints_io_line_and_resident_text():
     io_line = streamed[-1]
     assert re.fullmatch(r"I/O: [0-9.]+ GB read \([0-9.]+ GB predicted, [0-9.]+ GB wasted\), hit rate [0-9.]+%, "
                         r"exposed wait [0-9.]+ s, hidden (n/a|-?\d+%), p50/p99 [0-9.]+/[0-9.]+ ms; "
-                        r"prefetch previous: timely recall [0-9.]+%, precision [0-9.]+%", io_line), io_line
+                        rf"prefetch {re.escape(parse_prefetch(DEFAULT_PREFETCH).name)}: timely recall [0-9.]+%, "
+                        r"precision [0-9.]+%", io_line), io_line
     assert streamed[-2].startswith("Peak memory:")
     assert "; prefetch hyper-reuse: timely recall " in hyper[-1], hyper[-1]
     text = lambda out: out[1:out.index("=" * 10, 1)]  # noqa: E731

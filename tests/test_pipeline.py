@@ -247,3 +247,335 @@ def test_cli_under_mlx_launch_prints_the_single_process_text():
     assert bad.stderr.count("hebrus-mlx generate: error: --pipeline-split: counts add up to 10, "
                             "the model has 8 layers") == 2, bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+# -- server under a distributed launch -------------------------------------------------------------
+
+def _server_ranks(tmp_path, n=2, extra=()):
+    """Start `hebrus-mlx server` as n ranks (rank 0 serves HTTP on a free port). Returns (procs, port)."""
+    hostfile = local_hostfile(tmp_path / "server-hosts.json", n)
+    procs = []
+    for rank in range(n):
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
+             "--log-level", "WARNING", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=open(tmp_path / f"server{rank}.err", "w"), text=True))
+    deadline, line = time.monotonic() + 90, ""
+    while time.monotonic() < deadline and "listening on" not in line:
+        line = procs[0].stdout.readline()
+        if not line and procs[0].poll() is not None:
+            raise AssertionError((tmp_path / "server0.err").read_text())
+    return procs, int(line.rsplit(":", 1)[1])
+
+
+def _post(port, body, timeout=60):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    status, data = r.status, r.read().decode()
+    conn.close()
+    if body.get("stream"):
+        events = [json.loads(x[6:]) for x in data.split("\n\n") if x.startswith("data: {")]
+        return status, events
+    return status, json.loads(data)
+
+
+def _get(port, path):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path)
+    data = json.loads(conn.getresponse().read())
+    conn.close()
+    return data
+
+
+def _reap(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+PROMPT = "def fibonacci(n):"
+
+
+def _single_text(max_tokens):
+    from hebrus_mlx import load, stream_generate
+
+    model, tok = load("demo")
+    return "".join(r.text for r in stream_generate(model, tok, tok.encode(PROMPT), max_tokens=max_tokens))
+
+
+def test_server_under_a_launch_equals_one_process_and_reuses_prefixes_across_ranks(tmp_path):
+    procs, port = _server_ranks(tmp_path, extra=("--pipeline-timeout", "30"))
+    try:
+        want = _single_text(12)
+        status, r = _post(port, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+        assert status == 200 and r["choices"][0]["text"] == want, r
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # The same prompt again, streamed: its prefix is restored on every rank, not recomputed.
+        status, events = _post(port, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True,
+                                      "stream_options": {"include_usage": True}})
+        assert status == 200 and "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # A longer prompt continues from the first reply's snapshot (prompt + 12 tokens), then
+        # differs: exact only if rank 1 restored its layers' share of that same snapshot.
+        longer = PROMPT + want + "\n"
+        from hebrus_mlx import load, stream_generate
+
+        model, tok = load("demo")
+        want2 = "".join(x.text for x in stream_generate(model, tok, tok.encode(longer), max_tokens=8))
+        status, r = _post(port, {"prompt": longer, "max_tokens": 8, "temperature": 0})
+        assert status == 200 and r["choices"][0]["text"] == want2, r
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(tok.encode(PROMPT)) + 12
+        # A dead rank: this request and the next end with a 503 naming the pipeline, no hang.
+        procs[1].kill()
+        procs[1].wait(10)
+        for _ in range(2):
+            t0 = time.monotonic()
+            status, r = _post(port, {"prompt": PROMPT, "max_tokens": 4})
+            assert status == 503 and r["error"]["message"].startswith("PipelineError: "), r
+            assert time.monotonic() - t0 < 30
+        assert procs[0].poll() is None  # still serving (errors), never hung
+        health = _get(port, "/health")
+        assert health["pipeline"] == {"ranks": [[0, 3], [4, 7]], "down": True}
+    finally:
+        _reap(procs)
+    assert "pipeline down" in (tmp_path / "server0.err").read_text()
+
+
+def test_server_with_a_stalled_rank_answers_503_then_exits(tmp_path):
+    import signal
+
+    procs, port = _server_ranks(tmp_path, extra=("--pipeline-timeout", "3"))
+    try:
+        status, _ = _post(port, {"prompt": PROMPT, "max_tokens": 2})
+        assert status == 200
+        os.kill(procs[1].pid, signal.SIGSTOP)  # alive but silent
+        t0 = time.monotonic()
+        status, r = _post(port, {"prompt": PROMPT, "max_tokens": 4})
+        assert status == 503 and "waited more than 3 s" in r["error"]["message"], r
+        assert time.monotonic() - t0 < 20
+        assert procs[0].wait(20) == 3
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+        _reap(procs)
+    err = (tmp_path / "server0.err").read_text()
+    assert "pipeline stalled" in err and "PipelineError: pipeline: rank 0 waited more than 3 s" in err
+
+
+def test_bench_under_a_launch_runs_the_harness_on_rank_0(tmp_path):
+    from hebrus_mlx import load, stream_generate
+    from hebrus_mlx.bench.harness import _NoStop, prompt_ids
+
+    hostfile = local_hostfile(tmp_path / "bench-hosts.json", 2)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hebrus_mlx.cli", "bench", "--model", "demo", "-p", "24", "-n", "10", "-r", "1",
+             "--warmup", "0", "--no-probe", "--no-plot", "--quiet", "--ab", "draft-model=none,ngram",
+             "--out", str(tmp_path / "out")], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    model, tok = load("demo")
+    want = [int(r.token) for r in stream_generate(model, _NoStop(tok), prompt_ids(tok, 24, 0), max_tokens=10)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[1][0] == ""  # only rank 0 prints
+    assert "Rank 0: layers 0-3" in outs[0][0] and "Rank 1: layers 4-7" in outs[0][0]
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    # Plain and prompt-lookup decoding through the pipeline: the single process's greedy tokens.
+    assert {r["config"] for r in result["runs"]} == {"draft-model=none", "draft-model=ngram"}
+    assert all(r["tokens"] == want for r in result["runs"]), (want, result["runs"])
+    assert [row["rank"] for row in result["pipeline"]] == [0, 1] and result["pipeline"][1]["forwards"] > 0
+
+
+# -- a rank reads (and verifies) only its own dense tensors ------------------------------------------
+
+def _copy_demo(tmp_path):
+    import shutil
+
+    dst = tmp_path / "demo"
+    shutil.copytree(DEMO_DIR, dst)
+    return dst
+
+
+def _tensor_range(path, name):
+    raw = (path / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def _flip(path, name):
+    begin, end = _tensor_range(path, name)
+    f = path / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[(begin + end) // 2] ^= 0x01
+    f.write_bytes(bytes(raw))
+
+
+def test_stage_reads_only_its_own_dense_ranges(monkeypatch):
+    import hashlib
+
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.loading import artifact as LA
+
+    m = admit(str(DEMO_DIR))
+    raw = (DEMO_DIR / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    # The shipped digests are the SHA-256 of each tensor's bytes (computed here independently).
+    for name, e in header.items():
+        b, c = e["data_offsets"]
+        assert m.dense_digests[name] == hashlib.sha256(raw[8 + header_len + b : 8 + header_len + c]).hexdigest()
+
+    dense = os.path.realpath(DEMO_DIR / "model.safetensors")
+    reads, real_pread = [], os.pread
+
+    def counting(fd, n, offset):
+        data = real_pread(fd, n, offset)
+        if os.path.realpath(f"/proc/self/fd/{fd}") == dense:
+            reads.append((offset, offset + len(data)))
+        return data
+
+    def whole(*a):
+        raise AssertionError("a stage read the whole dense file")
+
+    monkeypatch.setattr(os, "pread", counting)
+    monkeypatch.setattr(LA, "_load_hashed", whole)
+    base = 8 + header_len
+    for st in stages([3, 5]):
+        reads.clear()
+        model = LA.load_artifact_model(m, stage=st)
+        owned = sorted((base + e["data_offsets"][0], base + e["data_offsets"][1])
+                       for k, e in header.items() if st.owns(k))
+        assert sorted(reads) == sorted([(0, 8)] + owned)  # the length prefix, then its tensors, once each
+        assert sum(b - a for a, b in reads) < len(raw) - base  # the other rank's tensors stayed unread
+        assert model.model.layers[st.start] is not None
+
+
+def test_a_flipped_byte_fails_only_the_rank_that_owns_it(tmp_path, capsys):
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact.errors import DigestError
+    from hebrus_mlx.loading.artifact import load_artifact_model
+
+    first, last = stages([3, 5])
+    path = _copy_demo(tmp_path)
+    _flip(path, "lm_head.weight")  # the last rank's
+    m = admit(str(path))
+    clean = dict(tree_flatten_params(load_artifact_model(admit(str(DEMO_DIR)), stage=first)))
+    got = dict(tree_flatten_params(load_artifact_model(m, stage=first)))
+    assert got.keys() == clean.keys() and all(np.array_equal(np.array(got[k]), np.array(clean[k])) for k in got)
+    with pytest.raises(DigestError) as e:
+        load_artifact_model(m, stage=last)
+    assert str(e.value).splitlines() == ["tensors.lm_head.weight.sha256: digest mismatch in model.safetensors"]
+
+    _flip(path, "lm_head.weight")  # back
+    _flip(path, "model.layers.1.mlp.gate.weight")  # the first rank's
+    m = admit(str(path))
+    with pytest.raises(DigestError, match=r"^tensors\.model\.layers\.1\.mlp\.gate\.weight\.sha256: digest mismatch"):
+        load_artifact_model(m, stage=first)
+    load_artifact_model(m, stage=last)
+    # A single process checks the whole-file digest, as before.
+    with pytest.raises(DigestError, match="dense store digest mismatch"):
+        load_artifact_model(m)
+
+
+def tree_flatten_params(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+def test_older_artifact_without_digests_reads_the_whole_file_and_says_so(tmp_path, capsys):
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.loading.artifact import load_artifact_model
+
+    path = _copy_demo(tmp_path)
+    man = json.loads((path / "manifest.json").read_text())
+    for rec in man["tensors"].values():
+        del rec["sha256"]
+    (path / "manifest.json").write_text(json.dumps(man))
+    m = admit(str(path))
+    assert m.dense_digests is None
+    load_artifact_model(m, stage=stages([3, 5])[1])
+    assert "rank 1: model.safetensors has no per-tensor digests (an older artifact): this stage reads and " \
+           "verifies the whole file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit,field,message", [
+    (lambda t: t["lm_head.weight"].update(sha256="ab" * 31), "manifest.tensors.lm_head.weight.sha256", "hex SHA-256"),
+    (lambda t: t["lm_head.weight"].update(sha256="AB" * 32), "manifest.tensors.lm_head.weight.sha256", "hex SHA-256"),
+    (lambda t: t["lm_head.weight"].pop("sha256"), "manifest.tensors.lm_head.weight.sha256", "all or none"),
+    (lambda t: t["lm_head.weight"].update(crc=1), "manifest.tensors.lm_head.weight.crc", "unknown inventory field"),
+])
+def test_admission_checks_per_tensor_digests_strictly(tmp_path, edit, field, message):
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact.errors import AdmissionError
+
+    path = _copy_demo(tmp_path)
+    man = json.loads((path / "manifest.json").read_text())
+    edit(man["tensors"])
+    (path / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(AdmissionError) as e:
+        admit(str(path))
+    assert e.value.field == field and message in str(e.value)
+
+
+def test_converter_writes_per_tensor_digests(tiny_artifact_dir):
+    import hashlib
+
+    from hebrus_mlx.admission import admit
+
+    m = admit(str(tiny_artifact_dir))
+    raw = (Path(tiny_artifact_dir) / "model.safetensors").read_bytes()
+    base = 8 + int.from_bytes(raw[:8], "little")
+    assert m.dense_digests is not None and set(m.dense_digests) == set(m.tensors)
+    for name, rec in m.tensors.items():
+        b, e = rec["data_offsets"]
+        assert m.dense_digests[name] == hashlib.sha256(raw[base + b : base + e]).hexdigest()
+
+
+# -- speculative decoding through the pipeline ----------------------------------------------------------
+
+SPEC_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+             "def fibonacci(n):\n    if n < 2:")
+
+
+def test_speculative_decoding_through_two_ranks_equals_one_process(tmp_path):
+    from hebrus_mlx import load, stream_generate
+    from hebrus_mlx.speculative import SpeculativeStats
+
+    drafts = ["ngram", "mtp", str(DEMO_DIR)]  # prompt lookup, the MTP head, a draft model directory
+    model, tok = load("demo")
+    ids = tok.encode(SPEC_TEXT)
+    env = {"DRAFT": ",".join(drafts), "PROMPT_IDS": ",".join(map(str, ids)), "MAX_TOKENS": "24"}
+    out, results, _ = _launch(tmp_path, 2, DEMO_DIR, "spec", env_extra=env)
+    assert all(rc == 0 for rc, _, _ in results), results
+    got = np.load(out)
+    plain = [r.token for r in stream_generate(model, tok, ids, max_tokens=24)]
+    width = model.args.hc_count * model.args.hidden_size * 4
+    for i, draft in enumerate(drafts):
+        stats = SpeculativeStats()
+        single = [r.token for r in stream_generate(model, tok, ids, max_tokens=24, draft_model=draft,
+                                                   num_draft_tokens=3, governor=None, speculative_stats=stats)]
+        assert got[f"tokens{i}"].tolist() == plain == single, draft
+        # The same drafts (fixed block size: no timing-driven governor), accepted and rolled back
+        # alike: verify and rollback ran across the ranks.
+        assert got[f"stats{i}"].tolist() == [stats.drafted, stats.accepted, stats.reruns], draft
+        assert stats.drafted > 0
+        hidden = int(got[f"hidden_bytes{i}"])
+        if draft == "mtp":
+            # The final pre-mixer state of every row came back with the logits: 4 bytes x hc x hidden per row.
+            assert hidden > 0 and hidden % width == 0
+        else:
+            assert hidden == 0
+        if draft == "ngram":
+            assert stats.reruns > 0  # a rejected suffix was rolled back on both ranks

@@ -125,6 +125,57 @@ def test_every_predictor_is_bit_identical_to_resident(prefetch, fraction, reside
     assert f"prefetch {st.prefetch.name}: timely recall" in line and "precision" in line
 
 
+def test_default_predictor_is_bit_identical_to_off(resident_run):
+    """The loader's default read-ahead (no --prefetch) is stream.predict.DEFAULT, really predicts,
+    and gives the same tokens and logits as prefetch off (and as the resident run) at 5%."""
+    prompt, (want_tokens, want_logits) = resident_run
+    runs = {}
+    for prefetch in (None, "off"):
+        model = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(0.05), prefetch=prefetch)
+        st = model.streaming
+        runs[prefetch] = _greedy(model, prompt, 16, 4), st.prefetch.name, st.engine.counters()
+        st.engine.close()
+    (tokens, logits), name, c = runs[None]
+    assert name == P.parse_prefetch(P.DEFAULT).name and c["predicted_reads"] > 0
+    (off_tokens, off_logits), off_name, off_c = runs["off"]
+    assert off_name == "off" and off_c["predicted_reads"] == 0
+    assert tokens == off_tokens == want_tokens
+    for a, b in zip(logits, off_logits):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs /proc")
+@pytest.mark.parametrize("prefetch", ["router-reuse:1", "hyper-reuse"])
+def test_a_dropped_or_closed_predicting_model_leaves_no_thread(prefetch):
+    """The engine's reader threads go with the model: closed explicitly, or dropped after decoding
+    with a predictor - by reference counting alone (the cyclic GC is off here), so no reference
+    cycle through the predictor (which holds the decoder layers) keeps an engine and its threads
+    alive until some later collection."""
+    import gc
+    import os
+
+    tids = lambda: set(os.listdir("/proc/self/task"))  # noqa: E731
+    # MLX starts threads of its own on first use and keeps them for the process (the default
+    # stream's scheduler thread on the first eval, a 4-thread I/O pool on the first mx.load, which
+    # loading the dense weights does): start them before the baseline.
+    mx.eval(mx.load(str(DEMO_DIR / "model.safetensors")))
+    for close in (True, False):
+        before = tids()
+        gc.disable()
+        try:
+            model = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(0.05), prefetch=prefetch)
+            assert len(tids() - before) >= 8  # the engine's readers are running
+            _greedy(model, [5, 6, 7], 3, 4)
+            assert model.streaming.engine.counters()["predicted_reads"] > 0
+            if close:
+                model.streaming.engine.close()
+                assert tids() - before == set()
+            del model
+            assert tids() - before == set(), f"close={close}"
+        finally:
+            gc.enable()
+
+
 def test_router_reuse_predicts_the_target_layers_own_router(monkeypatch):
     """router-reuse:D issues, for layer l+D, the top-k of layer l+D's gate applied to layer l's
     MoE input (recomputed here with numpy from the captured input and the gate weights)."""

@@ -356,6 +356,9 @@ class Manifest:
     sources: Mapping[str, bytes]  # source identity file -> the digest-checked bytes (tokenizer, templates)
     args: ModelArgs
     report: Mapping[str, object]  # the JSON ownership report (`hebrus-mlx admit`)
+    # Stored dense name -> SHA-256 of its bytes (`tensors.<name>.sha256`), so a pipeline stage reads
+    # and verifies only its own tensors; None for artifacts written before per-tensor digests.
+    dense_digests: Optional[Mapping[str, str]] = None
 
     def file(self, store: Store) -> str:
         return os.path.join(self.directory, store.path)

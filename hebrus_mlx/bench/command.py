@@ -8,6 +8,10 @@ machine's drift hits all configurations alike; the table shows medians and the h
 Greedy tokens must be identical across configurations (every option claims exactness) and every
 configuration must run the same artifact, else the bench refuses to compare (exit 2).
 Writes OUT/bench.json, OUT/bench.md and OUT/bench.png (when matplotlib is installed).
+
+Under `mlx.launch` the configurations share one pipeline (rank 0 runs the harness, the other ranks
+their layers): they may differ in generation options (e.g. draft-model) but not in how the model
+loads; bench.json gains one row per rank (peak memory, link wait and bytes per forward).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import List
 
 from ..errors import UsageError
+from ..pipeline import launched as pipeline_launched
 from ..traces.command import positive_ints
 from . import harness as H
 from . import machine as M
@@ -48,6 +53,9 @@ def build_parser():
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--against", default=None, help="an earlier bench.json: refuse unless comparable")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--pipeline-split", default=None, help="under mlx.launch: layers per rank, e.g. 5,3")
+    p.add_argument("--pipeline-timeout", type=float, default=None,
+                   help="under mlx.launch: seconds a rank waits on another before the run ends with an error")
     return p
 
 
@@ -58,10 +66,38 @@ def _load(name, load_kwargs):
     return load(resolve_model(name), **load_kwargs)
 
 
+def _pipeline(model: str, configs: List[dict], split, timeout):
+    """Under mlx.launch: load this rank's stage of the one pipeline every configuration shares.
+    Rank 0 gets (pipeline, (model, tokenizer)); a serving rank serves, then gets (None, None)."""
+    from ..hub import resolve_model
+    from ..pipeline import load_pipeline
+    from ..pipeline.cli import serve_or_return
+
+    loads, mtp = set(), False
+    for c in configs:
+        c = dict(c)
+        name = c.pop("model", model)
+        sp = H.split_config(c)
+        loads.add((name, json.dumps(sp.load, sort_keys=True)))
+        mtp = mtp or sp.generate.get("draft_model") == "mtp"
+    if len(loads) > 1:
+        raise UsageError("--ab", "under mlx.launch every configuration shares one pipeline: compare options "
+                         "of generation (e.g. draft-model), not of loading or the model")
+    name, load = next(iter(loads))
+    load = json.loads(load)
+    for key in load:
+        if key not in ("expert_cache_gb", "ple_cache_gb", "prefetch"):
+            raise UsageError("--ab", f"{key.replace('_', '-')} is not supported under mlx.launch")
+    path = resolve_model(name)
+    pipe, mdl, tok = serve_or_return(load_pipeline(path, split=split, timeout=timeout, mtp=mtp, **load), path)
+    return pipe, (None if pipe is None else (mdl, tok))
+
+
 def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dict], repeats: int = 4,
               warmup: int = 1, seed: int = 0, probe: bool = True, progress: bool = False,
-              timeline: bool = True) -> dict:
-    """The whole bench as a dict (what bench.json holds)."""
+              timeline: bool = True, loaded_model=None) -> dict:
+    """The whole bench as a dict (what bench.json holds). `loaded_model`: (model, tokenizer) every
+    configuration runs (a pipeline's), instead of loading each configuration's."""
     from ..utils import resolve_model_path
 
     # Resolve every configuration before loading anything: a typo fails in a second.
@@ -77,7 +113,7 @@ def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dic
     for name, split in plans:
         key = (name, json.dumps(split.load, sort_keys=True))
         if key not in loaded:
-            loaded[key] = _load(name, split.load)
+            loaded[key] = loaded_model if loaded_model is not None else _load(name, split.load)
     cases = [(p, n) for p in prompts for n in gens]
 
     def go(i, case, trace=False):
@@ -153,8 +189,21 @@ def main(argv=None) -> int:
             against = json.loads(Path(args.against).read_text())
         except (OSError, ValueError) as e:
             raise UsageError("--against", f"cannot read {args.against}: {e}") from None
+    if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
+        raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
+    pipe = loaded = None
+    if pipeline_launched():
+        pipe, loaded = _pipeline(args.model, configs, args.pipeline_split, args.pipeline_timeout)
+        if pipe is None:
+            return 0  # a serving rank: rank 0 reports
+    elif args.pipeline_split is not None:
+        raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
     result = run_bench(args.model, prompts, gens, configs, repeats=args.repeats, warmup=args.warmup,
-                       seed=args.seed, probe=not args.no_probe, progress=not args.quiet)
+                       seed=args.seed, probe=not args.no_probe, progress=not args.quiet, loaded_model=loaded)
+    if pipe is not None:
+        from ..pipeline.cli import finish
+
+        result["pipeline"] = finish(pipe.model, release_ranks=False)  # one line per rank
     if against is not None:
         H.compare_results(against, result)
     out = Path(args.out)
@@ -171,6 +220,10 @@ def main(argv=None) -> int:
                   f"(pip install matplotlib, or the 'test' extra)")
     else:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}")
+    if pipe is not None:
+        from ..pipeline.cli import release
+
+        release(pipe.model)  # last: the launcher ends rank 0 once a peer exits
     return 0
 
 

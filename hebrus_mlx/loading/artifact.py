@@ -17,6 +17,8 @@ asks for it, :func:`plan_ple_residency`), served from the page stores by
 """
 
 import hashlib
+import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,7 +29,7 @@ from mlx.utils import tree_flatten
 from .. import admission
 from ..artifact import constants as C
 from ..artifact import expert_major as em
-from ..artifact.errors import AdmissionError, DigestError, GeometryError
+from ..artifact.errors import AdmissionError, DigestError, GeometryError, TruncatedError
 from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
@@ -100,11 +102,50 @@ def _load_hashed(m: Manifest, s, what: str):
         return mx.load(f, format="safetensors")
 
 
-def _dense(m: Manifest):
+def _dense(m: Manifest, stage=None):
+    """The dense tensors (a pipeline stage's only). A stage of an artifact with per-tensor
+    digests reads and verifies just its own tensors' byte ranges (it never reads another rank's
+    bytes); without them (older artifacts) it reads and verifies the whole file, and says so."""
+    if stage is not None and m.dense_digests is not None:
+        return _dense_ranges(m, [k for k in sorted(m.tensors) if stage.owns(k)])
+    if stage is not None:
+        print(f"hebrus-mlx: note: rank {stage.rank}: {m.dense.path} has no per-tensor digests (an older "
+              f"artifact): this stage reads and verifies the whole file", file=sys.stderr)
     weights = _load_hashed(m, m.dense, "dense")
     if set(weights) != set(m.tensors):
         raise AdmissionError("tensors", "dense file changed after admission")
+    if stage is not None:
+        weights = {k: v for k, v in weights.items() if stage.owns(k)}
     return weights
+
+
+_NP_DTYPES = {"U32": np.uint32, "BF16": np.uint16, "F32": np.float32}
+
+
+def _dense_ranges(m: Manifest, names):
+    """`names` from the dense store: each tensor's bytes read once (exact-length preads at its
+    admitted offsets) and checked against its manifest digest before it becomes an array."""
+    fd = os.open(m.file(m.dense), os.O_RDONLY)
+    try:
+        base = 8 + int.from_bytes(_pread(fd, 8, 0, "tensors.header"), "little")
+        out = {}
+        for name in names:
+            rec = m.tensors[name]
+            begin, end = rec["data_offsets"]
+            data = _pread(fd, end - begin, base + begin, f"tensors.{name}")
+            if hashlib.sha256(data).hexdigest() != m.dense_digests[name]:
+                raise DigestError(f"tensors.{name}.sha256", f"digest mismatch in {m.dense.path}")
+            out[name] = _to_mx(np.frombuffer(data, _NP_DTYPES[rec["dtype"]]).reshape(rec["shape"]))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _pread(fd, n, offset, field):
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise TruncatedError(field, f"read {len(data)} of {n} bytes at offset {offset}: file changed after admission")
+    return data
 
 
 def _experts(m: Manifest, layers=None):
@@ -156,7 +197,8 @@ def _dense_bytes(m: Manifest, stage=None):
     head is not loaded by stages)."""
     if stage is None:
         return _store_bytes(m, ("dense", "mtp"))
-    return sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in m.tensors.items() if stage.owns(k))
+    own = sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in m.tensors.items() if stage.owns(k))
+    return own + (_store_bytes(m, ("mtp",)) if stage.heads else 0)
 
 
 def plan_ple_residency(m: Manifest, dtype=mx.float32, ple_cache_gb=None, stage=None):
@@ -228,14 +270,14 @@ def _attach_ple(m: Manifest, model, engine, dtype, layers=None):
         raise GeometryError("ple", f"streamed PLE replaced {len(replaced)} tables, the artifact holds {len(want)}")
 
 
-def _attach_streamed(m: Manifest, model, rows, dtype, engine, layers=None):
+def _attach_streamed(m: Manifest, model, rows, dtype, engine, layers=None, mirror=None):
     """Swap every switch_mlp (of ``layers``) for a StreamedSwitchGLU over a
     ``rows``-record arena; the parameters removed must be exactly the
     routed-expert tensors the resident path would load from the store's
     layout."""
     fam = m.family
     layers = range(fam.num_hidden_layers) if layers is None else layers
-    experts = StreamedExperts.from_artifact(m, rows, dtype=dtype, engine=engine)
+    experts = StreamedExperts.from_artifact(m, rows, dtype=dtype, engine=engine, mirror=mirror)
     before = _routed_expert_keys(model)
     switches = attach([model.model.layers[i].mlp for i in layers], experts, layers)
     replaced = before - _routed_expert_keys(model)
@@ -264,14 +306,14 @@ def prune(model, stage):
             layers[i] = _Absent()
     if not stage.first:
         model.model.embed_tokens = _Absent()
-    if not stage.last:
+    if not (stage.last or stage.heads):
         model.model.hyper_connection_mixer = _Absent()
         model.lm_head = _Absent()
     return model
 
 
 def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
-                        prefetch=None) -> Model:
+                        prefetch=None, expert_mirror=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -291,15 +333,19 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     left out of the strict weight load.
 
     stage: a pipeline stage (:class:`hebrus_mlx.pipeline.split.Stage`): only its layers (and the
-    embedding on the first rank, mixer + lm_head on the last) are built and read — no expert
-    record or PLE page of another rank is touched; the other modules are pruned before any weight
-    is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
+    embedding on the first rank, mixer + lm_head on the last) are built and read — no dense
+    tensor (given per-tensor digests), expert record or PLE page of another rank is touched; the
+    other modules are pruned before any weight is evaluated. A stage streams its own experts / PLE pages through its own engine when its share
     does not fit (or a cache size is given), exactly as a whole model does. Stages leave out the
-    MTP head.
+    MTP head, except rank 0 of a pipeline that drafts with it (`stage.heads`).
 
     prefetch: the streamed experts' read-ahead (``stream.predict``: ``"off"``, ``"previous"``,
     ``"router-reuse:2"``, ``"hyper-reuse"`` or a PrefetchSpec); None: ``stream.predict.DEFAULT``. Naming one
     for a model whose experts are resident is a UsageError.
+
+    expert_mirror: a directory holding a byte-identical copy of the expert store (a second disk);
+    streamed reads alternate between the two files (``admission.admit_mirror`` checks it first).
+    Not verified on two disks here. Naming one for resident experts is a UsageError.
     """
     # Admission raises before anything below allocates.
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
@@ -313,6 +359,8 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     prefetch = None if prefetch is None else parse_prefetch(prefetch)  # bad values fail before any buffer
     if prefetch is not None and prefetch.kind != "off" and rows is None:
         raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
+    if expert_mirror is not None and rows is None:
+        raise UsageError("expert-mirror", "only streamed routed experts read a mirror; this model's experts are resident")
     if rows is not None and dtype is not None and dtype != mx.float32:
         raise UsageError("dtype", f"streamed experts run in float32 or the stored dtype (None), got {dtype}")
 
@@ -335,13 +383,10 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8, policy="clock")
     try:
         if rows is not None:
-            experts, switches = _attach_streamed(m, model, rows, dtype, engine, layers)
+            experts, switches = _attach_streamed(m, model, rows, dtype, engine, layers, expert_mirror)
         if ple_cache is not None:
             _attach_ple(m, model, engine, dtype, layers)
-        weights = _dense(m)
-        if stage is not None:
-            # The dense store has one file digest, so every rank reads it whole; it keeps its own.
-            weights = {k: v for k, v in weights.items() if stage.owns(k)}
+        weights = _dense(m, stage)
         if experts is None:
             weights.update(_experts(m, layers))
         if ple_cache is None:
@@ -359,7 +404,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         if prefetch is None and experts is not None:
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
         model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
-    if stage is None:
+    if stage is None or stage.heads:
         attach_mtp_head(model, _mtp_head(m, model.args, dtype))
     return model
 

@@ -52,19 +52,21 @@ class Pipeline:
     counts: list
     group: object
     model: object  # PipelineModel on rank 0, the pruned Model elsewhere
+    timeout: Optional[float] = None
 
     def serve(self) -> dict:
-        from .stage import serve
+        from .stage import DEFAULT_TIMEOUT_S, serve
 
-        return serve(self.model, self.stage, self.group)
+        return serve(self.model, self.stage, self.group, DEFAULT_TIMEOUT_S if self.timeout is None else self.timeout)
 
 
 def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Optional[float] = None,
                   reserve_bytes: Optional[int] = None, expert_cache_gb: Optional[float] = None,
-                  ple_cache_gb: Optional[float] = None, prefetch=None) -> Pipeline:
+                  ple_cache_gb: Optional[float] = None, prefetch=None, mtp: bool = False) -> Pipeline:
     """Admit the artifact on this rank, agree on the split with the other ranks (each rank's free
     memory, gathered over the group), load this rank's stage only — streaming its experts / PLE
-    pages from its own SSD when its share does not fit or a cache size is given."""
+    pages from its own SSD when its share does not fit or a cache size is given. `mtp`: rank 0
+    also loads the final mixer, lm_head and MTP head (when the artifact has one) to draft with it."""
     import mlx.core as mx
 
     from .. import admission
@@ -86,17 +88,23 @@ def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Option
     budgets = [int(b) << 20 for b in budgets.tolist()]
     per_layer, first, last, streamable = layer_bytes(manifest)
     n = manifest.family.num_hidden_layers
+    heads = mtp and manifest.mtp is not None and size > 1
+    if heads:  # rank 0 holds a copy of the last rank's heads and the MTP store
+        first += last + manifest.mtp.size
     counts = plan_split(per_layer, first, last, budgets, parse_split(split, n, size) if split else None,
                         streamable=streamable)
-    stage = stages(counts)[rank]
+    stage = stages(counts, heads)[rank]
     model = load_artifact_model(manifest, stage=stage, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
                                 prefetch=prefetch)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if rank == 0:
-        terminate_as_error()
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # the server loads on its worker thread
+            terminate_as_error()
         model = PipelineModel(model, stage, group, timeout=timeout)
-        model.all_stages = stages(counts)
-    return Pipeline(rank, size, stage, counts, group, model)
+        model.all_stages = stages(counts, heads)
+    return Pipeline(rank, size, stage, counts, group, model, timeout)
 
 
 def gather_stats(group, forwards: int, comm_seconds: float, comm_bytes: int) -> list:

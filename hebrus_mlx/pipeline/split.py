@@ -29,6 +29,9 @@ class Stage:
     size: int
     start: int  # first owned layer
     stop: int  # one past the last owned layer
+    # Rank 0 also holds the final mixer + lm_head (and the MTP head), to draft with MTP: the last
+    # rank then sends the final pre-mixer state back with the logits.
+    heads: bool = False
 
     @property
     def first(self) -> bool:
@@ -51,15 +54,15 @@ class Stage:
         if key.startswith(_FIRST):
             return self.first
         if key.startswith(_LAST):
-            return self.last
+            return self.last or self.heads
         raise PipelineSplitError("tensors", f"no pipeline owner for tensor {key!r}")
 
 
-def stages(counts: Sequence[int]) -> list:
-    """Layers per rank -> the ranks' stages."""
+def stages(counts: Sequence[int], heads: bool = False) -> list:
+    """Layers per rank -> the ranks' stages (`heads`: rank 0 also holds mixer, lm_head, MTP head)."""
     out, start = [], 0
     for rank, n in enumerate(counts):
-        out.append(Stage(rank, len(counts), start, start + n))
+        out.append(Stage(rank, len(counts), start, start + n, heads and rank == 0))
         start += n
     return out
 

@@ -4,9 +4,15 @@ backend `mlx.launch` sets up): each rank holds a contiguous range of decoder lay
 Rank 0 drives. Per forward it sends a fixed-size header, then one payload — the 4-stream
 hyper-connection state after its layers plus the token ids (PLE layers need them) — to rank 1,
 which runs its layers and passes both on; the last rank applies the final mixer and lm_head and
-sends the logits back to rank 0, which samples. Every rank keeps the caches of its own layers;
-snapshots (AFN-010 rollback, prefix reuse) are named by rank 0 and taken by the other ranks when
-the next forward's header reaches them, so a snapshot costs no message of its own.
+sends the logits back to rank 0, which samples (the last row's, unless every row is asked for, as
+a speculative verify does). To draft with the MTP head, rank 0 holds a copy of the mixer, lm_head
+and MTP head, and the last rank sends the final pre-mixer state of every row after the logits.
+
+Every rank keeps the caches of its own layers; snapshots (AFN-010 rollback) are named by rank 0
+and taken by the other ranks when the next forward's header reaches them, so a snapshot costs no
+message of its own. Detached snapshots
+(prefix reuse across requests: another sequence continues from them) are taken at once by a
+DETACH header, kept by every rank until rank 0 drops its handle, and restored into any sequence.
 
 Messages on one link are plain byte streams, so each send is evaluated before the next one is
 built: a header always precedes its payload.
@@ -29,8 +35,9 @@ from ..errors import HebrusError
 from ..models.cache import AttentionCache, LinearCache, SequenceCache
 from .split import Stage
 
-FORWARD, RESTORE, FREE, STOP = 1, 2, 3, 4
-HEADER = 8  # [cmd, batch, length, position (-1: none), all_logits, cache id, snapshot id (-1), oldest live snapshot]
+FORWARD, RESTORE, FREE, STOP, DETACH = 1, 2, 3, 4, 5
+HEADER = 8  # [cmd, batch, length, position (-1: none), flags, cache id, snapshot id (-1), oldest live snapshot]
+ALL_LOGITS, HIDDEN = 1, 2  # flags: every row's logits (else the last row's); the pre-mixer state too
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -47,6 +54,7 @@ class _Watchdog:
 
     def __init__(self, rank: int, timeout: float):
         self.rank, self.timeout = rank, timeout
+        self.on_stall = None  # called with the message before the exit (the server answers the request)
         self._deadline = None
         self._what = ""
         self._cv = threading.Condition()
@@ -62,8 +70,13 @@ class _Watchdog:
                 if left > 0:
                     self._cv.wait(left)
                     continue
-                sys.stderr.write(f"hebrus-mlx: error: PipelineError: pipeline: rank {self.rank} waited more than "
-                                 f"{self.timeout:g} s for {self._what}; a rank stalled\n")
+                message = f"rank {self.rank} waited more than {self.timeout:g} s for {self._what}; a rank stalled"
+                if self.on_stall is not None:
+                    try:
+                        self.on_stall(message)
+                    except Exception:
+                        pass
+                sys.stderr.write(f"hebrus-mlx: error: PipelineError: pipeline: {message}\n")
                 sys.stderr.flush()
                 os._exit(3)
 
@@ -146,6 +159,23 @@ class PipelineCache(SequenceCache):
         super().restore(snap.local)
         self.pipe._restore(self.cache_id, snap)
 
+    def detach(self):
+        return _Detached(self.pipe, self.cache_id, super().detach())
+
+
+class _Detached(list):
+    """A detached snapshot (see `SequenceCache.detach`) of every rank's share: rank 0's is the
+    list's one item (so the prompt cache counts its arrays); the others keep theirs under `id`
+    until this handle is dropped."""
+
+    def __init__(self, pipe, cache_id, local):
+        super().__init__([local])
+        self.local, self.id = local, pipe._next_snapshot
+        pipe._next_snapshot += 1
+        pipe._flush_frees()
+        pipe._send_header([DETACH, 0, 0, -1, 0, cache_id, self.id, -1])
+        weakref.finalize(self, pipe._pending_free_snaps.append, self.id)
+
 
 class _Snapshot:
     """A named point in a sequence's history. The other ranks take their half when the next
@@ -162,12 +192,16 @@ class _Snapshot:
 
 
 class PipelineModel:
-    """Rank 0's model: same call as `Model.__call__`, the other ranks' layers run remotely."""
+    """Rank 0's model: same call as `Model.__call__`, the other ranks' layers run remotely. Only
+    the last row's logits cross back unless `all_logits` (a prefill chunk needs one row)."""
+
+    last_row_logits = True
 
     def __init__(self, model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S):
         if not stage.first:
             raise PipelineError("PipelineModel runs on rank 0; the other ranks run serve()")
-        self.model, self.stage, self.group = model, stage, group
+        # `local`: this rank's pruned Model; `model` mirrors Model.model (the drafters use it).
+        self.local, self.stage, self.group = model, stage, group
         self.args = model.args
         self.streaming = model.streaming  # rank 0's own stage (generate caps chunks by it)
         self._watchdog = _Watchdog(0, timeout)
@@ -176,17 +210,39 @@ class PipelineModel:
         self._live = {}
         self._unsent = {}
         self._pending_free = []
+        self._pending_free_snaps = []
         self.comm_seconds = 0.0
         self.comm_bytes = 0
+        self.hidden_bytes = 0  # of comm_bytes: the final states sent back for MTP drafting
         self.forwards = 0
 
     @property
+    def model(self):
+        return self.local.model
+
+    @property
     def layers(self):
-        return self.model.layers
+        return self.local.layers
+
+    @property
+    def lm_head(self):
+        return self.local.lm_head  # rank 0's copy when it drafts with MTP, else a placeholder
+
+    @property
+    def mtp_head(self):
+        return self.local.mtp_head
+
+    @property
+    def on_stall(self):
+        return self._watchdog.on_stall
+
+    @on_stall.setter
+    def on_stall(self, fn):
+        self._watchdog.on_stall = fn
 
     def make_cache(self) -> PipelineCache:
         self._next_cache += 1
-        return PipelineCache(self, [_layer_cache(self.model.model.layers[i]) for i in self.stage.layers],
+        return PipelineCache(self, [_layer_cache(self.local.model.layers[i]) for i in self.stage.layers],
                              self._next_cache)
 
     def _send_header(self, header):
@@ -196,8 +252,14 @@ class PipelineModel:
     def _flush_frees(self):
         while self._pending_free:
             self._send_header([FREE, 0, 0, -1, 0, self._pending_free.pop(), -1, -1])
+        while self._pending_free_snaps:
+            self._send_header([FREE, 0, 0, -1, 0, -1, self._pending_free_snaps.pop(), -1])
 
     def _restore(self, cache_id, snap):
+        if isinstance(snap, _Detached):
+            self._flush_frees()
+            self._send_header([RESTORE, 0, 0, -1, 0, cache_id, snap.id, -1])
+            return
         if self._unsent.get(cache_id) is snap and not snap.sent:
             return  # never forwarded: the other ranks' state still equals it
         self._flush_frees()
@@ -207,9 +269,9 @@ class PipelineModel:
                  position: Optional[int] = None, all_logits: bool = False, return_hidden: bool = False):
         if capture is not None:
             raise PipelineError("capture", "route capture across pipeline ranks is not supported")
-        if return_hidden:
-            raise PipelineError("return_hidden", "the final pre-mixer state stays on the last rank "
-                                "(drafters that need it, e.g. mtp, are not supported across ranks)")
+        if return_hidden and not self.stage.heads:
+            raise PipelineError("return_hidden", "this pipeline was not loaded to draft with the MTP head "
+                                "(load_pipeline(..., mtp=True); the CLI does so for --draft-model mtp)")
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [batch, length], got shape {inputs.shape}")
         if cache is None:
@@ -223,12 +285,13 @@ class PipelineModel:
             snap.sent, snap_id = True, snap.id
         oldest = min(self._live) if self._live else -1
         tic = time.perf_counter()
-        self._send_header([FORWARD, batch, length, -1 if position is None else position, int(all_logits),
+        flags = (ALL_LOGITS if all_logits else 0) | (HIDDEN if return_hidden else 0)
+        self._send_header([FORWARD, batch, length, -1 if position is None else position, flags,
                            cache.cache_id, snap_id, oldest])
         ids = inputs.astype(mx.int32)
-        h = self.model.model.embed_tokens(ids)
+        h = self.local.model.embed_tokens(ids)
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
-        payload = _payload(_run_layers(self.model, self.stage, streams, ids, cache), ids)
+        payload = _payload(_run_layers(self.local, self.stage, streams, ids, cache), ids)
         mx.eval(payload)  # this rank's compute, kept out of the communication time
         tic_comm = time.perf_counter()
         self._watchdog.eval("rank 1 to take the hidden state", mx.distributed.send(payload, 1, group=self.group))
@@ -237,11 +300,17 @@ class PipelineModel:
         logits = mx.distributed.recv((batch, out_len, self.args.vocab_size), mx.float32,
                                      self.stage.size - 1, group=self.group)
         self._watchdog.eval(f"rank {self.stage.size - 1} to return the logits", logits)
+        hidden = None
+        if return_hidden:
+            hidden = mx.distributed.recv((batch, length, payload.shape[-1] - 1), mx.float32,
+                                         self.stage.size - 1, group=self.group)
+            self._watchdog.eval(f"rank {self.stage.size - 1} to return the final state", hidden)
+            self.hidden_bytes += hidden.nbytes
         self.comm_seconds += time.perf_counter() - tic_comm
-        self.comm_bytes += payload.nbytes + logits.nbytes + 4 * HEADER
+        self.comm_bytes += payload.nbytes + logits.nbytes + 4 * HEADER + (0 if hidden is None else hidden.nbytes)
         self.forwards += 1
         del tic
-        return logits
+        return logits if hidden is None else (logits, hidden)
 
     def stop(self):
         """Release the other ranks' serve() loops (idempotent)."""
@@ -261,7 +330,7 @@ def serve(model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S) -> dic
         raise PipelineError("serve() runs on ranks > 0")
     prev, nxt = stage.rank - 1, (stage.rank + 1) % stage.size
     watchdog = _Watchdog(stage.rank, timeout)
-    caches, snaps = {}, {}
+    caches, snaps, detached = {}, {}, {}
     stats = {"forwards": 0, "comm_seconds": 0.0, "comm_bytes": 0}
     while True:
         header = mx.distributed.recv((HEADER,), mx.int32, prev, group=group)
@@ -269,15 +338,28 @@ def serve(model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S) -> dic
             mx.eval(header)  # idle between requests: no deadline here; a dead rank 0 closes the link
         except RuntimeError as e:
             raise PipelineError(f"rank {stage.rank} lost its link to rank {prev}: {e}") from None
-        cmd, batch, length, position, all_logits, cache_id, snap_id, oldest = header.tolist()
+        cmd, batch, length, position, flags, cache_id, snap_id, oldest = header.tolist()
         if not stage.last:
             watchdog.eval(f"rank {nxt} to take a header", mx.distributed.send(header, nxt, group=group))
         if cmd == STOP:
             return stats
         if cmd == FREE:
+            if cache_id < 0:
+                detached.pop(snap_id, None)
+                continue
             caches.pop(cache_id, None)
             for k in [k for k, (cid, _) in snaps.items() if cid == cache_id]:
                 del snaps[k]
+            continue
+        if cmd == DETACH:
+            cache = caches.get(cache_id)
+            detached[snap_id] = (cache if cache is not None else _local_cache(model, stage)).detach()
+            continue
+        if cmd == RESTORE and snap_id in detached:
+            cache = caches.get(cache_id)
+            if cache is None:
+                cache = caches[cache_id] = _local_cache(model, stage)
+            cache.restore(detached[snap_id])
             continue
         if cmd == RESTORE:
             if snap_id not in snaps:
@@ -308,12 +390,16 @@ def serve(model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S) -> dic
             # The same ops over the same rows as one process (then sliced), so logits match bit for bit.
             mixed, _ = model.model.hyper_connection_mixer.mix(streams)
             out = model.lm_head(mixed).astype(mx.float32)
-            out = out if all_logits else out[:, -1:]
+            out = out if flags & ALL_LOGITS else out[:, -1:]
         else:
             out = _payload(streams, ids)
         mx.eval(out)
         tic = time.perf_counter()
         watchdog.eval(f"rank {nxt} to take the output", mx.distributed.send(out, nxt, group=group))
+        if stage.last and flags & HIDDEN:
+            final = streams.astype(mx.float32)
+            watchdog.eval(f"rank {nxt} to take the final state", mx.distributed.send(final, nxt, group=group))
+            stats["comm_bytes"] += final.nbytes
         stats["comm_seconds"] += time.perf_counter() - tic
         stats["comm_bytes"] += payload.nbytes + out.nbytes + 8 * HEADER
         stats["forwards"] += 1

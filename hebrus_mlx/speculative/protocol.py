@@ -202,11 +202,16 @@ def speculative_generate_step(
     tickets = _ExpertTickets(model)
 
     engine = streaming.engine if streaming is not None and streaming.experts is not None else None
-    track_routes = governor is not None and engine is not None  # U_B only matters when streamed
+    pipeline = getattr(model, "last_row_logits", False)  # rank 0 of a pipeline: no route capture
+    track_routes = governor is not None and engine is not None and not pipeline  # U_B: streamed only
     io_last = [None]  # engine counters at the previous plain token's read
 
-    def forward(ids: List[int], cap=None):
-        out = model(mx.array(ids, dtype=mx.int32)[None], cache=cache, capture=cap, return_hidden=need_h)
+    def forward(ids: List[int], cap=None, rows: bool = False):
+        # rows: every row's logits (a verify); a pipeline sends only the last row's unless asked.
+        kw = {"all_logits": True} if rows and pipeline else {}
+        if cap is not None:
+            kw["capture"] = cap
+        out = model(mx.array(ids, dtype=mx.int32)[None], cache=cache, return_hidden=need_h, **kw)
         return out if need_h else (out, None)
 
     def decide(done: int) -> int:
@@ -248,7 +253,7 @@ def speculative_generate_step(
         snap = cache.snapshot()
         with rollback_on_error(cache, snap), mx.stream(plain_stream):
             cap = Capture(hidden=False) if track_routes else None
-            out = model(tok[None], cache=cache, capture=cap, return_hidden=need_h)
+            out = model(tok[None], cache=cache, return_hidden=need_h, **({"capture": cap} if cap is not None else {}))
             logits, h = out if need_h else (out, None)
             logits = logits[:, -1, :]
             if processors:
@@ -353,7 +358,7 @@ def speculative_generate_step(
             io0 = io_counters()
             t1 = time.perf_counter()
             cap = Capture(hidden=False) if track_routes else None
-            logits, h = guarded(snap, lambda: forward(block, cap))
+            logits, h = guarded(snap, lambda: forward(block, cap, rows=True))
             routes = stack_routes(cap)
             lp = guarded(snap, lambda: rows_logprobs(logits[0], history + drafts))
             guarded(snap, lambda: mx.eval([lp] + ([h] if h is not None else []) + ([routes] if routes is not None

@@ -80,6 +80,13 @@ def io_summary(counters: dict, prefetch=None) -> str:
     ) + ("" if prefetch is None else "; " + _prefetch_summary(c, prefetch))
 
 
+def mirror_summary(files: dict) -> str:
+    """``mirror: reads 120 store / 118 mirror, 0 fallbacks`` from :meth:`StreamEngine.file_reads`."""
+    r = files["reads"]
+    return (f"mirror: reads {r[0]} store / {' / '.join(str(n) for n in r[1:])} mirror, "
+            f"{files['fallbacks']} fallbacks")
+
+
 def _prefetch_summary(c: dict, prefetch) -> str:
     s = prediction_stats(c)
     pct = lambda v: "n/a" if v is None else f"{100.0 * v:.1f}%"  # noqa: E731
@@ -205,6 +212,17 @@ class StreamEngine:
     # Stores and record tables -------------------------------------------
     def add_store(self, path: str, digest_id: str = "") -> int:
         return self._e.add_store(str(path), digest_id)
+
+    def add_mirror(self, store: int, path: str) -> int:
+        """A byte-identical copy of ``store`` (``--expert-mirror``): reads alternate between
+        the files; a read that fails on the mirror (I/O, short read, digest) is redone from the
+        store. Not verified on two disks here (AFN-013)."""
+        return self._e.add_mirror(int(store), str(path))
+
+    def file_reads(self, store: int) -> dict:
+        """``{"paths", "reads", "bytes"}`` per file of ``store`` (the store first, then its
+        mirrors) and ``fallbacks`` (mirror reads redone from the store)."""
+        return self._e.file_reads(int(store))
 
     def register_table(
         self,

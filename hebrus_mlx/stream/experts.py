@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
-from ..admission import admit
+from ..admission import admit, admit_mirror
 from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from .engine import P1, StreamEngine
@@ -34,10 +34,13 @@ class StreamedExperts:
         dtype: ``mx.float32`` (default, like ``load``) holds bf16 parts
             (affine scales/biases, bf16 weights) as fp32 in the arena, so
             results equal the resident loader's; None keeps them bf16.
+        mirror: the path of a byte-identical copy of the store file
+            (``admission.admit_mirror``) the engine alternates reads with
+            (``--expert-mirror``; not verified on two disks here).
     """
 
     def __init__(self, engine: StreamEngine, reader, rows: int,
-                 prefetch_previous: bool = True, dtype=mx.float32):
+                 prefetch_previous: bool = True, dtype=mx.float32, mirror: Optional[str] = None):
         wide = dtype is not None
         if wide and dtype != mx.float32:
             raise ValueError(f"dtype: must be mx.float32 or None, got {dtype}")
@@ -58,6 +61,10 @@ class StreamedExperts:
             [n for *_, n in g.layout], rows, expand
         )
         store = engine.add_store(reader.path, reader.header["payload_sha256"].hex())
+        self.store = store
+        self.mirror = mirror
+        if mirror is not None:  # admitted by admission.admit_mirror
+            engine.add_mirror(store, mirror)
         self.table = engine.register_table(
             store,
             [g.record_offset(i) for i in range(g.count)],
@@ -84,20 +91,23 @@ class StreamedExperts:
     def from_artifact(cls, artifact: Union[str, Manifest], rows: int, threads: int = 8,
                       prefetch_previous: bool = True,
                       dtype=mx.float32,
-                      engine: Optional[StreamEngine] = None) -> "StreamedExperts":
+                      engine: Optional[StreamEngine] = None,
+                      mirror: Optional[str] = None) -> "StreamedExperts":
         """Open an artifact's expert store (``artifact``: the admitted
         manifest, or a directory, which is admitted first) and stream it
         through a ``rows``-record arena (see ``loading.plan.plan_experts``).
         ``engine``: share one (e.g. with streamed PLE pages); by default a
-        new one."""
+        new one. ``mirror``: a directory holding a copy of the store (admitted here)."""
         m = artifact if isinstance(artifact, Manifest) else admit(artifact)  # admission: exactly one expert store
+        if mirror is not None:
+            mirror = admit_mirror(m, mirror)
         reader = ExpertMajorReader(m.file(m.experts), m.family, m.experts.codec)
         owned = None
         try:
             # The arena is the cache; the slab budget only backs copying ops.
             if engine is None:
                 engine = owned = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
-            return cls(engine, reader, rows, prefetch_previous, dtype)
+            return cls(engine, reader, rows, prefetch_previous, dtype, mirror)
         except BaseException:
             if owned is not None:
                 owned.close()  # joins its reader threads now, not at GC
