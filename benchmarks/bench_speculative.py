@@ -4,12 +4,16 @@ For each drafter (prompt lookup `ngram`; `mtp` when the build and the artifact h
 the `oracle` replaying plain decoding's own output: the acceptance upper bound) and block size 1..4 plus the governor (limit 4), resident and with routed
 experts streamed through a 5% cache, prints:
 
-- tokens per verify step (acceptance length incl. the bonus) and the acceptance rate;
-- tokens/s relative to plain decode, median of per-round ratios with the runs interleaved
-  A/B/B/A (plain, variants, variants reversed, plain) because this machine is shared and noisy;
-- routed expert bytes per generated token: unique experts per layer of every forward (verify,
-  re-run of an accepted prefix) x the record size, counted in a separate untimed pass; with a
-  streamed model also the bytes the engine actually read per token (cache misses).
+- tokens per step (acceptance length: committed tokens per verify or plain step, incl. the bonus)
+  and the acceptance rate of drafted tokens;
+- decode tokens/s (from the first token on; the prompt's prefill is the same for every variant)
+  relative to plain decode, median of per-round ratios with the runs interleaved A/B/B/A (plain,
+  variants, variants reversed, plain) because this machine is shared and noisy;
+- routed expert bytes per committed token (accepted drafts, bonus and plain tokens): unique
+  experts per layer of every forward (verify, re-run of an accepted prefix, plain step) x the
+  record size, counted in a separate untimed pass; with a streamed model also the bytes the
+  engine actually read per token (cache misses);
+- for the governor: how many steps it ran at each block size (B=0: plain, pipelined steps).
 
 Every variant's tokens are checked against plain decode (greedy); a mismatch aborts.
 
@@ -27,7 +31,7 @@ import mlx.core as mx
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
-from hebrus_mlx.generate import generate_step
+from hebrus_mlx.generate import generate_step, generation_stream
 from hebrus_mlx.models import qwen4exp
 from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter, speculative_generate_step
 from hebrus_mlx.speculative.drafters import OracleDrafter
@@ -49,23 +53,70 @@ def record_bytes():
     return sum(n for *_, n in em.record_layout(fam, s["codec"])), fam
 
 
-def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None):
-    """Tokens of one generation; on_first() runs once the prompt is consumed (first token out)."""
+class LoggedGovernor(Governor):
+    """The governor, recording the block size it chose at every step."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.log = []
+
+    def block_size(self):
+        self.log.append(super().block_size())
+        return self.log[-1]
+
+
+class Replay:
+    """Replays a recorded schedule of block sizes (the untimed byte count of a governed run)."""
+
+    def __init__(self, log):
+        self.log = iter(log)
+
+    def block_size(self):
+        return next(self.log, 0)
+
+    def observe_block(self, *a):
+        pass
+
+    def observe_step(self, *a, **k):
+        pass
+
+    def observe_routes(self, *a):
+        pass
+
+
+def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None, schedule=None, logs=None):
+    """Tokens of one generation; on_first() runs once the prompt is consumed (first token out).
+    A governed variant replays `schedule` when given, else appends its choices to `logs`."""
     V = tok.effective_vocab_size
     if variant is None:
         steps = ((t, None) for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=V,
                                                      max_tokens=n_tokens))
     else:
         drafter, block, governed = variant()
-        gov = Governor(block) if governed else None
+        gov = None
+        if governed:
+            gov = Replay(schedule) if schedule is not None else LoggedGovernor(block)
+            if logs is not None and schedule is None:
+                logs.append(gov.log)
         steps = speculative_generate_step(mx.array(ids), model, drafter, effective_vocab_size=V, max_tokens=n_tokens,
-                                          num_draft_tokens=block, governor=gov, stats=stats)
+                                          num_draft_tokens=block, governor=gov, stats=stats,
+                                          stream=generation_stream())  # as generate_step runs it
     out = []
     for t, *_ in steps:
         if not out and on_first is not None:
             on_first()
         out.append(t)
     return out
+
+
+def decode_seconds(model, tok, ids, variant, n_tokens, stats, logs, want):
+    """Wall time from the first token to the last (decode only); the tokens must be `want`."""
+    first = []
+    out = run(model, tok, ids, variant, n_tokens, stats, lambda: first.append(time.perf_counter()), logs=logs)
+    t = time.perf_counter() - first[0]
+    if out != want:
+        raise SystemExit("tokens differ from plain decode")
+    return t
 
 
 class UniqueExperts:
@@ -125,51 +176,70 @@ def main():
 
             return build
 
-        # Untimed pass: exactness, acceptance, routed bytes.
+        labels = ["plain"] + list(variants)
+
+        def variant_of(label, i):
+            return None if label == "plain" else make(*variants[label], i)
+
+        # Timed, interleaved rounds (exactness checked, stats and the governor's choices kept).
+        times = {label: [] for label in labels}
+        stats = {label: [] for label in labels}
+        logs = {label: [] for label in labels}  # per run and prompt: the governor's block sizes
+        for r in range(args.rounds):
+            for label in labels + labels[::-1]:
+                total = 0.0
+                for i, ids in enumerate(prompts):
+                    st = SpeculativeStats()
+                    total += decode_seconds(model, tok, ids, variant_of(label, i), args.tokens, st, logs[label],
+                                            futures[i])
+                    stats[label].append(st)
+                times[label].append(total)
+        # Untimed pass: routed bytes (a sync per layer), the governor replaying its last timed choices.
         info = {}
-        for label in ["plain"] + list(variants):
-            tot, acc, dr, steps, eng = 0, 0, 0, 0, 0
+        n = (args.tokens - 1) * len(prompts)  # tokens after the first (which the prefill yields)
+        for label in labels:
+            tot, eng = 0, 0
             for i, ids in enumerate(prompts):
-                st = SpeculativeStats()
+                sched = logs[label][-len(prompts) + i] if logs[label] else None
                 with UniqueExperts() as ue:
                     def decode_only():  # count decode, not the prompt's prefill
                         ue.total = 0
                         if engine is not None:
                             engine.reset_counters()
 
-                    out = run(model, tok, ids, None if label == "plain" else make(*variants[label], i), args.tokens,
-                              st, decode_only)
+                    out = run(model, tok, ids, variant_of(label, i), args.tokens, None, decode_only, schedule=sched)
                 if out != futures[i]:
                     raise SystemExit(f"{setup} {label}: tokens differ from plain decode")
                 if engine is not None:
                     c = engine.counters()
                     eng += c["exact_bytes"] + c["predicted_bytes"]
                 tot += ue.total
-                acc, dr, steps = acc + st.accepted, dr + st.drafted, steps + st.verify_steps
-            n = (args.tokens - 1) * len(prompts)  # tokens after the first (which the prefill yields)
+            sts = stats[label]
+            acc, dr = sum(st.accepted for st in sts), sum(st.drafted for st in sts)
+            plain_steps = sum(st.block_sizes.get(0, 0) for st in sts) if label != "plain" else n * len(times[label])
+            steps = sum(st.verify_steps for st in sts) + plain_steps
+            blocks = {}
+            for st in sts:
+                for b, c in st.block_sizes.items():
+                    blocks[b] = blocks.get(b, 0) + c
             info[label] = dict(bytes_tok=tot * rec / n, eng_tok=eng / n, acc=acc, dr=dr,
-                               per_step=n / steps if steps else 1.0)
-        # Timed, interleaved rounds.
-        times = {label: [] for label in info}
-        order = list(info)
-        for r in range(args.rounds):
-            for label in order + order[::-1]:
-                t0 = time.perf_counter()
-                for i, ids in enumerate(prompts):
-                    run(model, tok, ids, None if label == "plain" else make(*variants[label], i), args.tokens)
-                times[label].append(time.perf_counter() - t0)
+                               per_step=n * len(times[label]) / steps if steps else 1.0, blocks=blocks)
         plain_t = times["plain"]
-        print(f"\n== {setup}: demo model, {len(prompts)} code prompts x {args.tokens} tokens, {args.rounds} rounds ==")
-        print(f"{'variant':18s} {'tok/verify':>10s} {'accept':>8s} {'speed vs plain':>15s} "
-              f"{'routed KiB/tok':>15s}" + (f" {'read KiB/tok':>13s}" if engine is not None else ""))
+        print(f"\n== {setup}: demo model, {len(prompts)} code prompts x {args.tokens} tokens, {args.rounds} rounds; "
+              f"plain decode {n / statistics.median(plain_t):.1f} tok/s ==")
+        print(f"{'variant':18s} {'tok/step':>9s} {'accept':>7s} {'tok/s vs plain':>15s} "
+              f"{'routed KiB/tok':>15s}" + (f" {'read KiB/tok':>13s}" if engine is not None else "")
+              + "  steps per block size")
         for label, d in info.items():
             ratios = [p / t for p, t in zip(plain_t, times[label])]
             acc = f"{100 * d['acc'] / d['dr']:.0f}%" if d["dr"] else "-"
-            line = (f"{label:18s} {d['per_step']:10.2f} {acc:>8s} {statistics.median(ratios):14.2f}x "
+            line = (f"{label:18s} {d['per_step']:9.2f} {acc:>7s} {statistics.median(ratios):14.2f}x "
                     f"{d['bytes_tok'] / 1024:15.1f}")
             if engine is not None:
                 line += f" {d['eng_tok'] / 1024:13.1f}"
-            print(line)
+            if label.endswith("governor"):  # over all timed runs
+                line += "  " + " ".join(f"B{b}:{c}" for b, c in sorted(d["blocks"].items()))
+            print(line, flush=True)
         if engine is not None:
             engine.close()
 

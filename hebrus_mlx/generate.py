@@ -220,8 +220,8 @@ def _speculative(prompt, model, drafter, *, max_kv_size, prompt_cache, with_draf
     _check_max_kv_size(max_kv_size, "max_kv_size")
     if prompt_cache is None:
         prompt_cache = model.make_cache()
-    for token, logprobs, from_draft in speculative_generate_step(prompt, model, drafter,
-                                                                 prompt_cache=prompt_cache, **kwargs):
+    for token, logprobs, from_draft in speculative_generate_step(prompt, model, drafter, prompt_cache=prompt_cache,
+                                                                 stream=generation_stream(), **kwargs):
         yield (token, logprobs, from_draft) if with_draft_flag else (token, logprobs)
 
 

@@ -206,7 +206,8 @@ def test_speculative_option_plugs_in_and_reports_acceptance(tmp_path):
     its greedy tokens equal the plain run's (else the bench would refuse)."""
     from hebrus_mlx.bench import command as B
 
-    res = B.run_bench("demo", [8], [6], H.parse_ab(["draft-model=none,mtp"]), repeats=1, warmup=0, probe=False,
+    # 12 tokens: the block-size governor starts with plain steps and first drafts at its 8th step.
+    res = B.run_bench("demo", [8], [12], H.parse_ab(["draft-model=none,mtp"]), repeats=1, warmup=0, probe=False,
                       timeline=False)
     by = {s["config"]: s["metrics"] for s in res["summary"]}
     assert by["draft-model=none"]["acceptance"] is None

@@ -473,36 +473,220 @@ def test_cli_speculative_stats_and_errors(demo):
 # -- governor -----------------------------------------------------------------------------------------
 
 
-def _drive(gov, accept_rate, cost, steps=200):
-    """Feed the governor a synthetic world: each drafted position accepted with accept_rate (a fixed
-    pattern, no randomness), a step of B drafts costs cost(B) seconds. Returns the choices after warmup."""
-    choices, credit = [], 0.0
+def test_cost_model_is_h7_when_io_bound():
+    """All cost exposed I/O, every draft accepted: a block pays iff U(B+1) < k * tau(B) (AFN-019 H7),
+    so the choice follows the unique experts a block reads."""
+    from hebrus_mlx.speculative.governor import CostModel
+
+    k, layers, miss, read = 10, 8, 1.0, 1e-3
+
+    def model(unique):
+        return CostModel(accept=[1.0] * 4, step_s=layers * k * miss * read, unique=unique, layers=layers,
+                         miss_rate=miss, read_s=read)
+
+    # tau(B) = B + 1; speed ~ (B+1) / U(B+1): 1/10, 2/14, 3/30, 4/45, 5/60 -> B = 1.
+    m = model([10, 14, 30, 45, 60])
+    assert m.best() == 1
+    for b in range(1, 5):
+        assert (m.speed(b) > m.speed(0)) == (m.unique[b] < k * (b + 1)), b
+        assert m.extra_unique(b) == m.unique[b] - k
+    # More route overlap: 1/10, 2/12, 3/15, 4/18, 5/48 -> B = 3.
+    assert model([10, 12, 15, 18, 48]).best() == 3
+    # No overlap at all (every token reads k new experts): nothing pays, a plain step.
+    assert model([10, 20, 30, 40, 50]).best() == 0
+
+
+def test_cost_model_resident_vs_streamed_and_acceptance_flip():
+    """Resident: U_B costs no I/O, only compute; the same block at a cold cache does not pay; a
+    drafter that is rarely right backs off to B = 0 even resident."""
+    from hebrus_mlx.speculative.governor import CostModel
+
+    base = dict(accept=[0.8] * 4, step_s=0.010, token_s=0.001, unique=[10, 19, 28, 37, 46], layers=8)
+    resident = CostModel(**base)
+    assert resident.io_s(4) == 0.0
+    # tau(4) = 1+.8+.64+.512+.4096 = 3.36 in 0.010+0.004+rerun(<=0.0064) s vs 1 token in 0.010 s.
+    assert resident.best() == 4
+    # Streamed, half the unique reads miss at 2 ms each: one extra token's 9 experts x 8 layers
+    # cost 72 ms of reads, far more than the 10 ms a plain step takes.
+    streamed = CostModel(**base, miss_rate=0.5, read_s=0.002)
+    assert streamed.io_s(1) == pytest.approx(8 * 9 * 0.5 * 0.002)
+    assert streamed.best() == 0
+    # Warm cache (1% misses at 0.1 ms): speculation pays again.
+    assert CostModel(**base, miss_rate=0.01, read_s=1e-4).best() > 0
+    # Acceptance 0.05: tau barely above 1 never pays for the verify's extra compute.
+    assert CostModel(**{**base, "accept": [0.05] * 4}).best() == 0
+
+
+def _feed(gov, steps, accept, plain_s, verify_s, routes_of, misses_per_unique=0.0, read_s=0.0):
+    """Drive a Governor with synthetic observations: a step of B drafts accepts `accept(B)` of them,
+    a plain step takes plain_s, a verify of n tokens verify_s(n) plus its exposed reads; routes_of(t)
+    is token t's [layers, k] experts. Returns the choices."""
+    choices, t = [], 0
     for _ in range(steps):
         b = gov.block_size()
-        a = 0
-        while a < b:
-            credit += accept_rate
-            if credit < 1.0:
-                break
-            credit -= 1.0
-            a += 1
-        gov.observe(b, a, cost(b))
         choices.append(b)
-    return choices[20:]
+        n = b + 1
+        r = np.stack([routes_of(t + i) for i in range(n)], axis=1)  # [layers, n, k]
+        from hebrus_mlx.speculative.governor import unique_per_layer
+
+        unique_reads = r.shape[0] * unique_per_layer(r)
+        misses = int(round(misses_per_unique * unique_reads))
+        if b == 0:
+            gov.observe_step(1, plain_s, misses=misses, exposed_s=misses * read_s, unique_reads=unique_reads)
+            gov.observe_routes(r)
+            t += 1
+        else:
+            a = accept(b)
+            gov.observe_block(b, a)
+            gov.observe_step(n, verify_s(n) + misses * read_s, 0.0, b, misses, misses * read_s, unique_reads)
+            gov.observe_routes(r[:, : a + 1])
+            t += a + 1
+    return choices
 
 
-def test_governor_follows_acceptance_and_cost():
+def test_governor_estimates_pick_the_rule_and_flip_with_routes():
+    """From observations alone: drafts always right and cheap verify -> the longest block; the same
+    drafter with costly misses flips on the routes: shared experts across tokens (U_B = 0) keep
+    speculating, disjoint experts (U_B = k per extra token) fall back to plain steps."""
     from collections import Counter
 
     from hebrus_mlx.speculative import Governor
 
-    # Cheap verify, drafts always right: the longest block.
-    top = Counter(_drive(Governor(4), 1.0, lambda b: 1.0 + 0.1 * b)).most_common(1)[0][0]
-    assert top == 4
-    # Verify cost grows like the extra unique experts an SSD-bound block reads (~k per drafted
-    # token), acceptance 0.3: tau(B) = 1 + .3 + ... never pays for it, so plain steps.
-    top = Counter(_drive(Governor(4), 0.3, lambda b: 1.0 + 0.9 * b)).most_common(1)[0][0]
-    assert top == 0
-    # In between: depth 2 is the optimum of tau(B) / (1 + 0.2 B) at alpha 0.6 (1.40 vs 1.36 at 3).
-    top = Counter(_drive(Governor(4), 0.6, lambda b: 1.0 + 0.2 * b)).most_common(1)[0][0]
-    assert top == 2
+    layers, k = 4, 10
+    same = lambda t: np.tile(np.arange(k), (layers, 1))  # noqa: E731
+    disjoint = lambda t: np.tile(np.arange(k) + k * (t % 50), (layers, 1))  # noqa: E731
+    cheap = lambda n: 0.010 + 0.001 * (n - 1)  # noqa: E731
+    top = lambda c: Counter(c[10:]).most_common(1)[0][0]  # noqa: E731
+    # No misses (resident-like), drafts always right: the longest block.
+    assert top(_feed(Governor(4), 120, lambda b: b, 0.010, cheap, disjoint)) == 4
+    # Half the unique reads miss at 1 ms (a plain step: 10 ms compute + 20 ms reads), half the
+    # drafts right. Shared experts: a block reads nothing extra, tau(3) = 1.875 in ~42 ms beats
+    # 1 token in 30 ms. Disjoint experts: one extra token reads 20 ms more, tau(1) = 1.5 in ~56 ms.
+    costly = dict(misses_per_unique=0.5, read_s=0.001)
+    assert top(_feed(Governor(4), 160, _half(), 0.030, cheap, same, **costly)) > 0
+    assert top(_feed(Governor(4), 160, _half(), 0.030, cheap, disjoint, **costly)) == 0
+
+
+def _half():
+    """Each drafted position accepted every other time (a fixed pattern; a rejection ends the block)."""
+    state = {"n": 0}
+
+    def accept(b):
+        a = 0
+        while a < b:
+            state["n"] += 1
+            if state["n"] % 2:
+                break
+            a += 1
+        return a
+
+    return accept
+
+
+def test_governor_backs_off_from_a_losing_drafter():
+    """Every draft rejected: after warmup the governor plays B = 0, and its probes of B = 1 get rarer."""
+    from hebrus_mlx.speculative import Governor
+
+    gov = Governor(4, explore_every=8)
+    choices = _feed(gov, 400, lambda b: 0, 0.010, lambda n: 0.010 + 0.002 * (n - 1),
+                    lambda t: np.zeros((2, 4), dtype=np.int64))
+    late = choices[3:]
+    assert sum(b == 0 for b in late) >= 0.97 * len(late)
+    probes = [i for i, b in enumerate(choices) if i >= 3 and b > 0]
+    gaps = np.diff(probes)
+    assert len(probes) >= 3 and gaps[-1] > gaps[0]
+
+
+class Scripted:
+    """A governor replaying a fixed schedule of block sizes (forces B=0 <-> B>0 switches)."""
+
+    def __init__(self, schedule):
+        self.schedule, self.i = schedule, 0
+
+    def block_size(self):
+        self.i += 1
+        return self.schedule[(self.i - 1) % len(self.schedule)]
+
+    def observe_block(self, *a):
+        pass
+
+    def observe_step(self, *a, **k):
+        pass
+
+    def observe_routes(self, *a):
+        pass
+
+
+SCHEDULE = [2, 0, 0, 3, 0, 1, 0, 0, 0, 4, 1, 0]
+
+
+def _drafters(model, tok, want, draft_model=None):
+    """Every drafter kind; the draft model is `draft_model` (default: the target itself)."""
+    return [NGramDrafter(), OracleDrafter(want), Perturbed(want), Garbage(), make_drafter("mtp", model, tok),
+            DraftModelDrafter(draft_model or model, tok.effective_vocab_size)]
+
+
+def test_greedy_identical_across_plain_and_block_switches(demo, plain):
+    model, tok = demo
+    ids, want = plain
+    for drafter in _drafters(model, tok, want):
+        stats = SpeculativeStats()
+        got = [t for t, _, _ in P.speculative_generate_step(
+            mx.array(ids), model, drafter, effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
+            num_draft_tokens=4, governor=Scripted(SCHEDULE), stats=stats)]
+        assert got == want, drafter.name
+        assert stats.block_sizes.get(0, 0) > 0 and stats.verify_steps > 0, (drafter.name, stats.block_sizes)
+
+
+def test_plain_steps_are_pipelined(demo, plain):
+    """A B = 0 token is yielded with the next plain step already queued (the cache holds its input),
+    as generate_step does; a verify step's bonus is yielded before it is fed."""
+    model, tok = demo
+    ids, want = plain
+    cache = model.make_cache()
+    seen = []
+    for t, _, from_draft in P.speculative_generate_step(
+            mx.array(ids), model, Garbage(), effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
+            num_draft_tokens=3, governor=Scripted([0, 0, 0, 0, 2]), prompt_cache=cache):
+        seen.append(cache.next_position - len(ids) - len(seen))  # inputs fed past this token
+    # Token 0 comes from the prefill. Tokens 1..3 are plain with a plain successor: already fed (1);
+    # token 4 is plain but the next step is a block (0); the block's bonus token 5 is not fed (0).
+    assert seen[1:4] == [1, 1, 1] and seen[4] == 0 and seen[5] == 0, seen
+
+
+def test_governor_falls_back_on_the_demo(demo, plain):
+    """The real governor with a drafter that is always wrong: greedy identical, mostly plain steps."""
+    model, tok = demo
+    ids, want = plain
+    stats = SpeculativeStats()
+    got = [t for t, _, _ in P.speculative_generate_step(
+        mx.array(ids), model, Garbage(), effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
+        num_draft_tokens=4, stats=stats)]
+    assert got == want
+    assert stats.block_sizes.get(0, 0) >= 0.75 * N and stats.verify_steps <= 3, stats.block_sizes
+
+
+def test_streamed_5pct_greedy_identical_across_switches(demo, plain):
+    """Experts streamed through a 5% cache: every drafter, a forced B=0 <-> B>0 schedule and the real
+    governor (which reads the engine's misses and the routes) give plain decoding's tokens."""
+    from hebrus_mlx.stream import engine as se
+
+    if not se.available():
+        pytest.skip("extension not built")
+    from test_stream_model import _cache_gb
+
+    gb, _ = _cache_gb(str(DEMO_DIR))
+    model, tok = load("demo", expert_cache_gb=gb)
+    ids, want = plain
+    try:
+        # The draft model is a resident copy (a streamed target's arena is sized for its own steps).
+        for drafter in _drafters(model, tok, want, draft_model=demo[0]):
+            for gov in (Scripted(SCHEDULE), "auto"):
+                stats = SpeculativeStats()
+                got = [t for t, _, _ in P.speculative_generate_step(
+                    mx.array(ids), model, drafter, effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
+                    num_draft_tokens=4, governor=gov, stats=stats)]
+                assert got == want, (drafter.name, gov)
+                assert stats.block_sizes.get(0, 0) > 0, (drafter.name, stats.block_sizes)
+    finally:
+        model.streaming.engine.close()

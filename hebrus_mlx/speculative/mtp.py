@@ -4,9 +4,10 @@ Pair i of the head is (h_i, token i+1) at position i, where h_i is the target's 
 state after consuming token i; its output predicts token i+2 and its pre-mixer streams stand in
 for h_{i+1} when drafting further (autoregressive on the head's own streams, as mlx-vlm does).
 The head's one QSA layer keeps its own KV cache. Only pairs built from real target states stay in
-it: everything `propose` appends is rolled back at the next `commit`, which then feeds the pairs
-the newly verified states complete (so accepted drafts are re-encoded from the target's real
-states, not from the head's stand-ins).
+it: everything `propose` appends is rolled back at the next `commit`; the pairs the newly
+verified states complete are fed (so accepted drafts are re-encoded from the target's real
+states, not from the head's stand-ins) in one call when the next proposal needs them, so a run of
+plain steps (the governor's B=0) costs the head nothing per token.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class MTPDrafter(Drafter):
         self.cache = self.head.make_cache()
         self.tokens: list[int] = []
         self.n_states = 0  # target states known: h_0 .. h_{n_states-1}
-        self.pending = mx.zeros((0, self.width))  # known states not yet in a fed pair
+        self._pending = []  # known states not yet in a fed pair ([k, W] pieces, joined when fed)
         self.fed = 0  # pairs in the head's cache (all from real states)
         self.last = None  # (logits [1, 1, V], streams [1, 1, W]) of the last fed pair
         self.speculation = None  # cache snapshot taken by propose
@@ -55,8 +56,14 @@ class MTPDrafter(Drafter):
         if self.n_states + states.shape[0] > len(self.tokens):
             raise ValueError(f"hidden: {self.n_states + states.shape[0]} states for {len(self.tokens)} tokens")
         self.n_states += states.shape[0]
-        self.pending = mx.concatenate([self.pending, states.astype(self.pending.dtype)]) if states.shape[0] else self.pending
-        self._feed()
+        if states.shape[0]:
+            self._pending.append(states.astype(mx.float32))  # as the head was always fed
+
+    @property
+    def pending(self) -> mx.array:
+        if len(self._pending) != 1:
+            self._pending = [mx.concatenate(self._pending) if self._pending else mx.zeros((0, self.width))]
+        return self._pending[0]
 
     def _embed(self, tokens) -> mx.array:
         return self.model.model.embed_tokens(mx.array([tokens], dtype=mx.int32))
@@ -70,9 +77,10 @@ class MTPDrafter(Drafter):
         n = min(self.n_states, len(self.tokens) - 1) - self.fed
         if n <= 0:
             return
-        self.last = self._step(self.tokens[self.fed + 1 : self.fed + 1 + n], self.pending[None, :n])
+        pending = self.pending
+        self.last = self._step(self.tokens[self.fed + 1 : self.fed + 1 + n], pending[None, :n])
         mx.eval(self.last)
-        self.pending = self.pending[n:]
+        self._pending = [pending[n:]]
         self.fed += n
 
     def _rollback(self) -> None:
@@ -85,8 +93,15 @@ class MTPDrafter(Drafter):
         self.reset()
         self._add(prompt, hidden)
 
+    def flush(self) -> None:
+        """Feed every pair already known now (propose does it lazily, in one call)."""
+        self._rollback()
+        self._feed()
+
     def propose(self, n: int) -> Proposal:
         self._rollback()
+        if n > 0:
+            self._feed()
         T = len(self.tokens)
         if n <= 0 or self.n_states == 0:
             return Proposal(tokens=[])

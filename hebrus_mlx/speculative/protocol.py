@@ -162,14 +162,20 @@ def speculative_generate_step(
     governor: Any = "auto",
     stats: Optional[SpeculativeStats] = None,
     trace: Optional[List[StepTrace]] = None,
+    stream: Optional[Any] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) like generate_step (plus whether the token was a
     drafted one the target accepted). num_draft_tokens: the block limit (default 3); governor:
     "auto" (default: choose the block per step, see governor.py), None (always the limit) or a
-    Governor."""
+    Governor (anything with its block_size / observe_block / observe_step / observe_routes).
+    Steps with no draft (B = 0, or a drafter with nothing to propose) run pipelined like
+    generate_step: the next plain step is queued before the current token is read whenever the
+    governor chooses B = 0 again, on `stream` (generate passes its generation stream; None: the
+    default stream)."""
     from ..errors import GenerationError
     from ..models.cache import rollback_on_error
-    from .governor import Governor
+    from ..models.qwen4exp import Capture
+    from .governor import Governor, unique_per_layer
 
     if prompt.ndim != 1 or prompt.size == 0:
         raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
@@ -193,13 +199,74 @@ def speculative_generate_step(
     if governor == "auto":
         governor = Governor(limit)
     need_h = bool(drafter.needs_hidden)
+    plain_stream = stream if stream is not None else mx.default_stream(mx.default_device())
     tickets = _ExpertTickets(model)
 
-    def forward(ids: List[int], rows: bool = False):
+    engine = streaming.engine if streaming is not None and streaming.experts is not None else None
+    pipeline = getattr(model, "last_row_logits", False)  # rank 0 of a pipeline: no route capture
+    track_routes = governor is not None and engine is not None and not pipeline  # U_B: streamed only
+    io_last = [None]  # engine counters at the previous plain token's read
+
+    def forward(ids: List[int], cap=None, rows: bool = False):
         # rows: every row's logits (a verify); a pipeline sends only the last row's unless asked.
-        kw = {"all_logits": True} if rows and getattr(model, "last_row_logits", False) else {}
+        kw = {"all_logits": True} if rows and pipeline else {}
+        if cap is not None:
+            kw["capture"] = cap
         out = model(mx.array(ids, dtype=mx.int32)[None], cache=cache, return_hidden=need_h, **kw)
         return out if need_h else (out, None)
+
+    def decide(done: int) -> int:
+        """Draft length of the next step, `done` tokens produced before it."""
+        room = limit if max_tokens == -1 else min(limit, max_tokens - done - 1)
+        return room if governor is None else min(room, governor.block_size())
+
+    def stack_routes(cap):
+        """[layers, T, k] routes of a forward (lazy), None when not tracked."""
+        if cap is None or not cap.routes:
+            return None
+        return mx.stack([cap.routes[i][0] for i in sorted(cap.routes)])
+
+    def io_counters():
+        if engine is None:
+            return None
+        c = engine.counters()
+        return c["exact_misses"], c["exposed_wait_ns"]
+
+    def observe(tokens, seconds, routes, committed, io0=None, draft_s=0.0, drafted=0):
+        """Report a forward to the governor: time, engine misses / exposed wait, committed routes."""
+        io1 = io_counters()
+        if io0 is None:  # a plain step: since the previous plain read (pipelined)
+            io0, io_last[0] = io_last[0], io1
+        misses, exposed, unique_reads = 0, 0.0, 0.0
+        if routes is not None:
+            r = np.array(routes)
+            governor.observe_routes(r[:, :committed])
+            unique_reads = r.shape[0] * unique_per_layer(r)
+        if io0 is not None and io1 is not None:
+            misses, exposed = io1[0] - io0[0], (io1[1] - io0[1]) * 1e-9
+        elif tokens == 1:
+            unique_reads = 0.0  # no counter baseline yet
+        governor.observe_step(tokens, seconds, draft_s, drafted, misses, exposed, unique_reads)
+
+    def queue_plain(tok: mx.array):
+        """One plain decode step on `tok` ([1], possibly not yet evaluated), queued with async_eval
+        like generate_step's; returns its lazy token, log-probabilities, hidden row and routes."""
+        snap = cache.snapshot()
+        with rollback_on_error(cache, snap), mx.stream(plain_stream):
+            cap = Capture(hidden=False) if track_routes else None
+            out = model(tok[None], cache=cache, return_hidden=need_h, **({"capture": cap} if cap is not None else {}))
+            logits, h = out if need_h else (out, None)
+            logits = logits[:, -1, :]
+            if processors:
+                hist = mx.concatenate([mx.array(history, dtype=mx.int32), tok])
+                for proc in processors:
+                    logits = proc(hist, logits)
+            logits = apply_vocab_mask(logits, effective_vocab_size)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            nxt = sampler(logprobs)
+            routes = stack_routes(cap)
+            mx.async_eval(nxt, logprobs, *([h] if h is not None else []), *([routes] if routes is not None else []))
+        return {"y": nxt, "lp": logprobs[0], "h": None if h is None else h[0], "routes": routes, "snap": snap}
 
     def rows_logprobs(logits: mx.array, history: List[int]) -> mx.array:
         """[L, V] log-probabilities; processors see the history up to each row."""
@@ -243,20 +310,65 @@ def speculative_generate_step(
         produced = 1
         history.append(y)
         yield y, lp[0], False
+        decided = None  # a block size chosen while the last plain step was in flight
         while max_tokens == -1 or produced < max_tokens:
-            room = limit if max_tokens == -1 else min(limit, max_tokens - produced - 1)
-            n = room if governor is None else min(room, governor.block_size())
+            n = decide(produced) if decided is None else decided
+            decided = None
             t0 = time.perf_counter()
             proposal = drafter.propose(n) if n > 0 else Proposal([])
             proposal = proposal.truncate(n)
             drafts = proposal.tokens
+            t_draft = time.perf_counter() - t0
+            if not drafts:
+                # B = 0: plain steps, pipelined exactly like generate_step (the next step is queued
+                # before this one's token is read) for as long as the governor keeps choosing 0.
+                io_last[0] = io_counters()
+                cur = queue_plain(mx.array([y], dtype=mx.int32))
+                t_read, reads = time.perf_counter(), 0
+                while True:
+                    last = max_tokens != -1 and produced + 1 >= max_tokens
+                    nxt = None
+                    if not last:
+                        decided = decide(produced + 1)
+                        if decided == 0:
+                            # Until its token is read, the current step and the one queued on
+                            # top of it roll back together to the state before the current step.
+                            nxt = guarded(cur["snap"], lambda: queue_plain(cur["y"]))
+                            decided = None
+                    tok = guarded(cur["snap"], lambda: int(cur["y"].item()))
+                    now = time.perf_counter()
+                    if governor is not None:
+                        # Steady (pipelined) time per token: from the third read of a run on.
+                        observe(1, now - t_read if reads >= 2 else None, cur["routes"], 1)
+                    t_read, reads = now, reads + 1
+                    drafter.commit([tok], cur["h"])
+                    stats.block_sizes[0] = stats.block_sizes.get(0, 0) + 1
+                    history.append(tok)
+                    produced += 1
+                    yield tok, cur["lp"], False
+                    if last:
+                        return
+                    if nxt is None:
+                        y = tok
+                        break
+                    cur = nxt
+                continue
             block = [y] + drafts
             snap = cache.snapshot()
             position = cache.next_position
-            logits, h = guarded(snap, lambda: forward(block, rows=True))
+            io0 = io_counters()
+            t1 = time.perf_counter()
+            cap = Capture(hidden=False) if track_routes else None
+            logits, h = guarded(snap, lambda: forward(block, cap, rows=True))
+            routes = stack_routes(cap)
             lp = guarded(snap, lambda: rows_logprobs(logits[0], history + drafts))
-            guarded(snap, lambda: mx.eval([lp] + ([h] if h is not None else []) + cache.arrays))
+            guarded(snap, lambda: mx.eval([lp] + ([h] if h is not None else []) + ([routes] if routes is not None
+                                                                                   else []) + cache.arrays))
+            t_verify = time.perf_counter() - t1
             a, bonus, target = accept_block(lp, proposal, sampler)
+            if governor is not None:
+                governor.observe_block(len(drafts), a)
+                observe(len(block), t_verify, routes, a + 1, io0, t_draft, len(drafts))
             if a < len(drafts):
                 # Rejected suffix: back to the state before the block, then only the accepted prefix.
                 cache.restore(snap)
@@ -270,8 +382,6 @@ def speculative_generate_step(
             stats.verify_steps += 1
             stats.committed += len(committed)
             stats.block_sizes[len(drafts)] = stats.block_sizes.get(len(drafts), 0) + 1
-            if governor is not None:
-                governor.observe(len(drafts), a, time.perf_counter() - t0)
             if trace is not None:
                 trace.append(StepTrace(position, list(drafts), proposal.candidates, target, a, bonus))
             for i, tok in enumerate(committed):
