@@ -203,6 +203,9 @@ def generate_step(
             if staged is not None:
                 trace.commit(staged)  # the step that fed the previous token
             if n == max_tokens:
+                # The step queued on the last token is in flight: finish it before returning, so
+                # the cache and the streamed experts' leases are settled when the caller gets control.
+                mx.eval(y, logprobs, *_pending(staged))
                 break
             token = y.item()
         yield token, logprobs
