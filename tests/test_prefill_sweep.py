@@ -212,3 +212,39 @@ def test_corrupt_record_fails_typed_and_the_step_rolls_back(tmp_path):
     got = [t for t, _ in generate_step(prompt, model, **kw)]
     ref = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(DEMO_DIR, 0.05), prefill_sweep="off")
     assert got == [t for t, _ in generate_step(prompt, ref, **kw)]
+
+
+def test_auto_planned_arena_leaves_the_ring_its_room(monkeypatch):
+    """An arena sized from free memory used to take every byte, so `auto` found no room for the
+    ring and stayed off on exactly the models that stream by themselves. The loader now gives the
+    ring its two layers of records out of such an arena when that costs at most RING_SHARE of it;
+    a forced cache size (the user's budget) and `off` keep the arena as planned."""
+    import json
+
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact import constants as C
+    from hebrus_mlx.loading import artifact as A
+    from hebrus_mlx.loading import plan
+
+    m = admit(str(DEMO_DIR))
+    E = m.family.num_experts
+    assert A._make_room_for_ring(m, mx.float32, 100 * E, None, "auto") == 98 * E
+    assert A._make_room_for_ring(m, mx.float32, 8 * E, None, "auto") == 6 * E  # exactly the share
+    assert A._make_room_for_ring(m, mx.float32, 8 * E - 1, None, "auto") == 8 * E - 1
+    assert A._make_room_for_ring(m, mx.float32, 100 * E, 1.0, "auto") == 100 * E
+    assert A._make_room_for_ring(m, mx.float32, 100 * E, None, "off") == 100 * E
+    assert A._make_room_for_ring(m, mx.float32, None, None, "auto") is None
+
+    # End to end on the demo (8 layers: two layers are a quarter of the whole store, so let the
+    # ring take up to all of an arena planned from a small free-memory figure).
+    with open(DEMO_DIR / C.MANIFEST_NAME) as f:
+        other = sum(os.path.getsize(DEMO_DIR / s["path"]) for s in json.load(f)["stores"]
+                    if s["role"] != "experts")
+    st0 = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(DEMO_DIR, 0.2)).streaming
+    record = S.ring_bytes(st0.experts) // (2 * E)
+    monkeypatch.setattr(plan, "available_memory", lambda: plan.RESERVE_BYTES + other + 5 * E * record)
+    monkeypatch.setattr(A, "RING_SHARE", 1.0)
+    off = load_model(DEMO_DIR, prefill_sweep="off").streaming
+    auto = load_model(DEMO_DIR).streaming
+    assert off.experts.rows == 5 * E and off.sweep is None
+    assert auto.experts.rows == 3 * E and auto.sweep is not None, auto.sweep_note

@@ -251,6 +251,27 @@ def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, p
     )
 
 
+# The prefill sweep's ring may take at most this share of an arena planned from free memory.
+RING_SHARE = 0.25
+
+
+def _make_room_for_ring(m: Manifest, dtype, rows, expert_cache_gb, sweep_mode):
+    """When the arena was sized from free memory (no ``--expert-cache-gb``), it would take every
+    byte and leave the sweep's two-layer ring no room, so ``auto`` would always stay off: give the
+    ring its bytes out of the arena if that costs the arena at most RING_SHARE of its rows (and
+    still leaves top-k). A forced cache size is the user's budget and stays as asked."""
+    if rows is None or expert_cache_gb is not None or sweep_mode == "off":
+        return rows
+    fam = m.family
+    wide = dtype is not None and dtype == mx.float32
+    record = sum(2 * n if wide and d == "uint16" else n
+                 for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
+    ring_rows = 2 * fam.num_experts  # stream.sweep.ring_bytes: two layers, records laid out as rows
+    if ring_rows > RING_SHARE * rows or rows - ring_rows < fam.num_experts_per_tok:
+        return rows
+    return rows - ring_rows
+
+
 def _routed_expert_keys(model):
     return {k for k, _ in tree_flatten(model.parameters()) if ".mlp.switch_mlp." in k}
 
@@ -362,12 +383,13 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         layers = stage.layers
     ple_cache = plan_ple_residency(m, dtype, ple_cache_gb, stage)
     rows = plan_expert_residency(m, dtype, expert_cache_gb, ple_cache, stage)
+    sweep_mode = parse_sweep_mode(prefill_sweep)
+    rows = _make_room_for_ring(m, dtype, rows, expert_cache_gb, sweep_mode)
     prefetch = None if prefetch is None else parse_prefetch(prefetch)  # bad values fail before any buffer
     if prefetch is not None and prefetch.kind != "off" and rows is None:
         raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
     if expert_mirror is not None and rows is None:
         raise UsageError("expert-mirror", "only streamed routed experts read a mirror; this model's experts are resident")
-    sweep_mode = parse_sweep_mode(prefill_sweep)
     if sweep_mode == "on" and rows is None:
         raise UsageError("prefill_sweep", "only streamed routed experts are swept; this model's experts are resident")
     if rows is not None and dtype is not None and dtype != mx.float32:
