@@ -398,3 +398,39 @@ def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):
     C.print_validation(v)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(r"validation: worst \|predicted/measured - 1\| = [\d.]+% over 2 runs", last)
+
+
+def test_synthetic_predictions_have_the_stated_recall_and_only_wrong_fills():
+    routes = S.synthetic_routes(300, 3, 64, 4, reuse=0.5, skew=0.2, seed=1)
+    for recall in (0.0, 0.5, 1.0):
+        p = S.synthetic_predictions(routes, 64, recall, 6, seed=2)
+        assert p.shape == (300, 3, 6)
+        hits = total = 0
+        for t in range(300):
+            for l in range(3):
+                row = [int(e) for e in p[t, l]]
+                assert len(set(row)) == 6 and all(0 <= e < 64 for e in row)
+                true = set(int(e) for e in routes[t, l])
+                hits += len(true & set(row))
+                total += len(true)
+        assert abs(hits / total - recall) < 0.04, (recall, hits / total)
+
+
+def test_profile_ahead_predictors_are_projected_and_checked(tmp_path, capsys):
+    """A profile's synthetic_predictors add the ahead predictors to the sweep; a perfect one
+    hides more misses than previous-token hints, and a bad entry is refused naming it."""
+    d = C.load_profile("m5-pro-48gb")
+    d["synthetic_routes"].update(tokens=120, warm=60)
+    d["synthetic_predictors"] = {"router-reuse:1": 1.0}
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(d))
+    assert cli.main(["simulate", "--profile", str(p), "--cache-gb", "8", "--policies", "clock",
+                     "--draft-depths", "0", "--json", str(tmp_path / "o.json")]) == 0
+    rows = {r["prefetch"]: r for r in json.loads((tmp_path / "o.json").read_text())["rows"]}
+    assert set(rows) == {"off", "previous", "router-reuse:1"}
+    assert rows["router-reuse:1"]["exposed_ms"] < rows["previous"]["exposed_ms"]
+    d["synthetic_predictors"] = {"previous": 0.5}
+    p.write_text(json.dumps(d))
+    capsys.readouterr()
+    assert cli.main(["simulate", "--profile", str(p), "--cache-gb", "8"]) == 2
+    assert "synthetic_predictors.previous" in capsys.readouterr().err

@@ -174,6 +174,7 @@ def project_profile(args) -> dict:
         machine.verify_gbps = None
     fam = C.family(args.family, "--family")
     geom = S.geometry_of_family(fam, args.codec, float(prof.get("resident_gb", 0.0)))
+    predicted = {}
     if args.trace:
         topk = load_trace(args.trace, geom)
         half = len(topk) // 2
@@ -187,6 +188,13 @@ def project_profile(args) -> dict:
         w = int(sr.get("warm", 0))
         warm, topk = allr[:w], allr[w:]
         routes = f"SYNTHETIC routes (reuse {sr['reuse']}, skew {sr['skew']}; see the profile's assumptions)"
+        # Ahead predictors on synthetic routes: predicted sets of the profile's stated recall.
+        for name, recall in (prof.get("synthetic_predictors") or {}).items():
+            if S.prefetch_kind(name)[0] != "ahead" or not 0.0 <= float(recall) <= 1.0:
+                raise UsageError("--profile", f"synthetic_predictors.{name}: an ahead predictor with a recall "
+                                              f"in [0, 1], got {recall!r}")
+            predicted[name] = S.synthetic_predictions(allr, geom.num_experts, float(recall), geom.top_k,
+                                                      int(sr.get("seed", 0)) + 1)
     budget = (machine.memory_gb or 0) - float(prof.get("resident_gb", 0)) - float(prof.get("reserve_gb", 0))
     if args.cache_gb:
         caches = _list(args.cache_gb, float, "--cache-gb")
@@ -195,8 +203,9 @@ def project_profile(args) -> dict:
         if not caches:
             raise UsageError("--profile", f"no expert cache fits: budget {budget:.1f} GB")
     acceptance = args.acceptance if args.acceptance is not None else float(prof.get("acceptance", 0.0))
-    rows = S.sweep(machine, geom, topk, caches, _list(args.policies, str, "--policies"), S.PREFETCH,
-                   _list(args.draft_depths, int, "--draft-depths"), acceptance, warm)
+    rows = S.sweep(machine, geom, topk, caches, _list(args.policies, str, "--policies"),
+                   S.PREFETCH + tuple(predicted), _list(args.draft_depths, int, "--draft-depths"), acceptance,
+                   warm, predicted)
     best = S.best(rows)
     return {"profile": prof, "machine": machine.to_dict(), "geometry": geom.__dict__, "routes": routes,
             "cache_budget_gb": budget, "rows": [r.to_dict() for r in rows], "best": best.to_dict(),

@@ -464,10 +464,12 @@ def capacity_of(cache_gb: float, geom: ModelGeometry) -> int:
 def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Sequence[float],
           policies: Sequence[str] = ("lru",), prefetches: Sequence[str] = PREFETCH,
           draft_depths: Sequence[int] = (0,), acceptance: float = 0.0,
-          warm: Optional[np.ndarray] = None) -> List[Projection]:
+          warm: Optional[np.ndarray] = None, predicted: Optional[dict] = None) -> List[Projection]:
     """Every configuration (cache size x policy x prefetch x draft depth); the replay of each
-    (cache, policy, prefetch) is shared by the draft depths."""
+    (cache, policy, prefetch) is shared by the draft depths. `predicted`: prefetch name ->
+    [len(warm) + T, L, B] predicted sets for the ahead predictors (router-reuse:D, hyper-reuse)."""
     out = []
+    predicted = predicted or {}
     unions = {d: union_factor(topk, d) for d in draft_depths}
     for gb in cache_gbs:
         cap = capacity_of(gb, geom)
@@ -475,7 +477,7 @@ def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Se
             for pf in prefetches:
                 if pf != "off" and pol not in ("lru", "clock"):
                     continue
-                rep = replay(topk, geom.num_experts, cap, pol, pf, warm)
+                rep = replay(topk, geom.num_experts, cap, pol, pf, warm, predicted.get(pf))
                 for d in draft_depths:
                     out.append(project(machine, geom, rep, cache_gb=gb, capacity=cap, policy=pol, prefetch=pf,
                                        draft_depth=d, acceptance=acceptance if d else 0.0, union=unions[d]))
@@ -510,4 +512,28 @@ def synthetic_routes(tokens: int, num_layers: int, num_experts: int, top_k: int,
             row = list(chosen)
             out[t, l] = row
             prev = row
+    return out
+
+
+def synthetic_predictions(routes: np.ndarray, num_experts: int, recall: float, budget: int,
+                          seed: int = 0) -> np.ndarray:
+    """[T, L, budget] stand-in predicted sets for an ahead predictor on routes we only have
+    synthetically: each true expert of (t, l) is predicted with probability `recall`, the rest of
+    the budget is filled with experts the token does not use (wrong guesses that cost reads).
+    Precision is then recall x top_k / budget. Only for projections that say so."""
+    rng = np.random.default_rng(seed)
+    t, L, k = routes.shape
+    out = np.full((t, L, budget), -1, np.int64)
+    for i in range(t):
+        for l in range(L):
+            true = routes[i, l]
+            hit = [int(e) for e in true if rng.random() < recall][:budget]
+            taken = set(int(e) for e in true)
+            fill = []
+            while len(hit) + len(fill) < budget:
+                e = int(rng.integers(num_experts))
+                if e not in taken:
+                    taken.add(e)
+                    fill.append(e)
+            out[i, l, :budget] = hit + fill
     return out
