@@ -171,6 +171,24 @@ void Engine::check_store_locked(int store) const {
   }
 }
 
+int open_uncached(const std::string& path, int fd, const EngineOptions& opts) {
+  int direct_fd = -1;
+#if defined(__linux__)
+  if (opts.direct) {
+    // Filesystems without O_DIRECT (tmpfs) refuse it: the buffered fd serves.
+    direct_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  }
+#elif defined(__APPLE__)
+  if (opts.nocache) {
+    fcntl(fd, F_NOCACHE, 1);
+  }
+#endif
+  (void)path;
+  (void)fd;
+  (void)opts;
+  return direct_fd;
+}
+
 int Engine::add_store(const std::string& path, const std::string& digest_id) {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -184,17 +202,7 @@ int Engine::add_store(const std::string& path, const std::string& digest_id) {
         ErrorCode::kBadRequest,
         "store path " + path + ": " + std::strerror(errno));
   }
-  int direct_fd = -1;
-#if defined(__linux__)
-  if (opts_.direct) {
-    // Filesystems without O_DIRECT (tmpfs) refuse it: use the buffered fd.
-    direct_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  }
-#elif defined(__APPLE__)
-  if (opts_.nocache) {
-    fcntl(fd, F_NOCACHE, 1);
-  }
-#endif
+  int direct_fd = open_uncached(path, fd, opts_);
   std::lock_guard<std::mutex> lk(mu_);
   Store st;
   st.path = path;
@@ -235,16 +243,7 @@ int Engine::add_mirror(int store, const std::string& path) {
         ErrorCode::kBadRequest,
         "mirror " + path + ": size differs from the store " + primary);
   }
-  int direct_fd = -1;
-#if defined(__linux__)
-  if (opts_.direct) {
-    direct_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  }
-#elif defined(__APPLE__)
-  if (opts_.nocache) {
-    fcntl(fd, F_NOCACHE, 1);
-  }
-#endif
+  int direct_fd = open_uncached(path, fd, opts_);
   std::lock_guard<std::mutex> lk(mu_);
   Store& st = stores_[store];
   st.mirrors.push_back(Mirror{path, fd, direct_fd});
@@ -1107,16 +1106,7 @@ ErrorCode Engine::pread_into(
       break;
     }
     got += static_cast<uint64_t>(n);
-    for (uint64_t left = static_cast<uint64_t>(n); left > 0;) {
-      if (left >= iov[first].iov_len) {
-        left -= iov[first].iov_len;
-        first++;
-      } else {
-        iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
-        iov[first].iov_len -= left;
-        left = 0;
-      }
-    }
+    consume_iov(iov.data(), first, static_cast<uint64_t>(n));
   }
   return ErrorCode::kNone;
 }

@@ -247,6 +247,26 @@ struct Table {
   int arena; // -1: records go to the slab cache
 };
 
+// The descriptor O_DIRECT reads use for `path` (-1 without one: not Linux,
+// not asked, or a filesystem such as tmpfs that refuses it), and F_NOCACHE on
+// the buffered `fd` on macOS, as `opts` ask. Every reader of a store opens it so.
+int open_uncached(const std::string& path, int fd, const EngineOptions& opts);
+
+// After a preadv moved `n` bytes into iov[first..]: step `first` past the
+// entries filled and trim the partly filled one, so the next preadv resumes.
+inline void consume_iov(struct iovec* iov, size_t& first, uint64_t n) {
+  while (n > 0) {
+    if (n >= iov[first].iov_len) {
+      n -= iov[first].iov_len;
+      first++;
+    } else {
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + n;
+      iov[first].iov_len -= n;
+      n = 0;
+    }
+  }
+}
+
 class Engine {
  public:
   explicit Engine(const EngineOptions& options);

@@ -489,6 +489,24 @@ std::pair<uint8_t*, std::shared_ptr<void>> allocate_mlx_slab(uint64_t size) {
   return {data, std::move(owner)};
 }
 
+std::pair<mx::array, mx::array> aligned_rows(uint32_t rows, uint64_t row_bytes) {
+  uint64_t n = uint64_t(rows) * row_bytes;
+  // Over-allocate and slice to a kAlign-aligned start; the slice shares the buffer.
+  mx::array base = mx::zeros({static_cast<int>(n + kAlign)}, mx::uint8, io_stream());
+  base.eval();
+  auto addr = reinterpret_cast<uintptr_t>(base.data<uint8_t>());
+  int skip = static_cast<int>((kAlign - addr % kAlign) % kAlign);
+  mx::array part = mx::reshape(
+      mx::slice(base, {skip}, {skip + static_cast<int>(n)}, io_stream()),
+      {static_cast<int>(rows), static_cast<int>(row_bytes)},
+      io_stream());
+  part.eval();
+  if (part.data<uint8_t>() != base.data<uint8_t>() + skip) {
+    throw std::runtime_error("aligned rows are not a view of their buffer");
+  }
+  return {base, part};
+}
+
 std::pair<int, std::vector<mx::array>> create_arena(
     std::shared_ptr<Engine> engine,
     std::vector<uint64_t> part_bytes,
@@ -508,20 +526,7 @@ std::pair<int, std::vector<mx::array>> create_arena(
           ErrorCode::kBadRequest,
           "part_bytes: each part must be in [1, 2^31 / rows)");
     }
-    // Over-allocate and slice to a 4096-aligned start so O_DIRECT can
-    // target the part rows; the slice shares the buffer.
-    mx::array base = mx::zeros({static_cast<int>(n + kAlign)}, mx::uint8, io_stream());
-    base.eval();
-    auto addr = reinterpret_cast<uintptr_t>(base.data<uint8_t>());
-    int skip = static_cast<int>((kAlign - addr % kAlign) % kAlign);
-    mx::array part = mx::reshape(
-        mx::slice(base, {skip}, {skip + static_cast<int>(n)}, io_stream()),
-        {static_cast<int>(rows), static_cast<int>(pb)},
-        io_stream());
-    part.eval();
-    if (part.data<uint8_t>() != base.data<uint8_t>() + skip) {
-      throw std::runtime_error("arena part is not a view of its buffer");
-    }
+    auto [base, part] = aligned_rows(rows, pb);
     ptrs.push_back(part.data<uint8_t>());
 #if HEBRUS_MTLIO
     // Under MLX's Metal allocator every array's buffer is an MTL::Buffer;

@@ -50,6 +50,11 @@ mx::array prefetch_records(
 // graph can view a part as [rows, out, in] and index it with slot rows.
 // expand[p] (empty: none) marks a stored-bf16 part held as fp32 in the
 // arena: its rows are [rows, 2 * part_bytes[p]].
+// An MLX uint8 array [rows, row_bytes] whose first row starts kAlign-aligned
+// inside its own over-allocated buffer (O_DIRECT reads can target its rows);
+// returns (buffer, view). rows * row_bytes must stay below 2^31 - kAlign.
+std::pair<mx::array, mx::array> aligned_rows(uint32_t rows, uint64_t row_bytes);
+
 // Slab memory from MLX's allocator (EngineOptions::allocate_slab): a
 // kAlign-aligned block inside an MLX buffer, freed when the owner drops.
 std::pair<uint8_t*, std::shared_ptr<void>> allocate_mlx_slab(uint64_t size);

@@ -1,5 +1,8 @@
 #include "sweep.h"
 
+#include "ops.h"
+#include "ops_metal.h"
+
 #include <fcntl.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -23,10 +26,6 @@ namespace {
 constexpr uint64_t kBatchBytes = 32ull << 20;
 // A hole between records larger than this ends a batch (not an extent).
 constexpr uint64_t kMaxGap = 1ull << 20;
-
-mx::Stream io_stream() {
-  return mx::default_stream(mx::Device::cpu);
-}
 
 } // namespace
 
@@ -72,19 +71,7 @@ SweepRing::SweepRing(
           ErrorCode::kBadRequest,
           "part_bytes: each part must be in [1, 2^31 / rows) (even if expanded)");
     }
-    // 4096-aligned start inside an MLX buffer (O_DIRECT targets rows).
-    mx::array base = mx::zeros({static_cast<int>(n + kAlign)}, mx::uint8, io_stream());
-    base.eval();
-    auto addr = reinterpret_cast<uintptr_t>(base.data<uint8_t>());
-    int skip = static_cast<int>((kAlign - addr % kAlign) % kAlign);
-    mx::array part = mx::reshape(
-        mx::slice(base, {skip}, {skip + static_cast<int>(n)}, io_stream()),
-        {static_cast<int>(rows), static_cast<int>(pb)},
-        io_stream());
-    part.eval();
-    if (part.data<uint8_t>() != base.data<uint8_t>() + skip) {
-      throw std::runtime_error("sweep ring part is not a view of its buffer");
-    }
+    mx::array part = aligned_rows(rows, pb).second; // the view keeps its buffer
     ptrs_.push_back(part.data<uint8_t>());
     parts_.push_back(part);
     bytes_ += n + kAlign;
@@ -93,9 +80,7 @@ SweepRing::SweepRing(
   if (fd_ < 0) {
     throw StreamError(ErrorCode::kIO, "cannot open " + path + ": " + std::strerror(errno));
   }
-#if defined(O_DIRECT)
-  direct_fd_ = engine_->options().direct ? ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT) : -1;
-#endif
+  direct_fd_ = open_uncached(path, fd_, engine_->options());
   slots_.resize(slots);
 }
 
@@ -257,16 +242,7 @@ void SweepRing::read_span(uint32_t slot, uint32_t first, uint32_t a, uint32_t b)
         break;
       }
       got += uint64_t(n);
-      for (uint64_t left = uint64_t(n); left > 0;) {
-        if (left >= cur[k].iov_len) {
-          left -= cur[k].iov_len;
-          k++;
-        } else {
-          cur[k].iov_base = static_cast<uint8_t*>(cur[k].iov_base) + left;
-          cur[k].iov_len -= left;
-          left = 0;
-        }
-      }
+      consume_iov(cur.data(), k, uint64_t(n));
     }
     if (got < want) {
       fail(ErrorCode::kShortRead, "short read sweeping offset " + std::to_string(r0.offset) +

@@ -9,7 +9,6 @@ Corruption is one byte flipped in the expert store on disk after admission.
 """
 
 import argparse
-import math
 import os
 import shutil
 
@@ -23,6 +22,7 @@ from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import sweep as S
 from hebrus_mlx.stream.errors import DigestMismatchError
 from hebrus_mlx.utils import DEMO_DIR, load_model
+from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -49,15 +49,7 @@ def test_expected_unique_fraction():
 
 
 def _cache_gb(d, fraction):
-    from hebrus_mlx.admission import admit
-    from hebrus_mlx.artifact import expert_major as em
-    from hebrus_mlx.loading import plan
-
-    m = admit(str(d))
-    fam = m.family
-    record = sum(2 * n if dt == "uint16" else n for _, _, dt, _, _, n in em.record_layout(fam, m.experts.codec))
-    rows = max(math.ceil(fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
-    return (rows * record + record // 2) / plan.GIB
+    return cache_gb(d, fraction)[0]
 
 
 def _run(model, prompt, steps, chunk):

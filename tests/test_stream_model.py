@@ -12,7 +12,6 @@ profile. Cache sizes are contract controls (5% of the records).
 """
 
 import json
-import math
 import os
 
 import mlx.core as mx
@@ -29,6 +28,7 @@ from hebrus_mlx.stream import experts as SE
 from hebrus_mlx.stream.streaming import Streaming
 from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
 from hebrus_mlx.utils import DEMO_DIR, load_model
+from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -41,12 +41,7 @@ def _experts_store(art):
 
 
 def _cache_gb(art, fraction=0.05):
-    """GiB for ceil(fraction x records) arena rows (bf16 parts held as fp32),
-    at least one decode token's top-k; returns (gb, rows)."""
-    _, fam, codec = _experts_store(art)
-    record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, codec))
-    rows = max(math.ceil(fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
-    return (rows * record + record // 2) / plan.GIB, rows
+    return cache_gb(art, fraction)
 
 
 def _decode(model, prompt, steps, chunk):

@@ -11,7 +11,6 @@ synthetic bytes the test writes.
 
 import argparse
 import hashlib
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +21,7 @@ from hebrus_mlx.errors import UsageError
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import predict as P
 from hebrus_mlx.utils import DEMO_DIR, load_model
+from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -66,15 +66,7 @@ def test_candidates_are_top_budget_by_probability_with_threshold():
 
 
 def _cache_gb(model_rows_fraction):
-    from hebrus_mlx.artifact import expert_major as em
-    from hebrus_mlx.loading import plan
-    from hebrus_mlx.admission import admit
-
-    m = admit(str(DEMO_DIR))
-    fam = m.family
-    record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
-    rows = max(math.ceil(model_rows_fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
-    return (rows * record + record // 2) / plan.GIB
+    return cache_gb(DEMO_DIR, model_rows_fraction)[0]
 
 
 def _greedy(model, prompt, steps, chunk):
