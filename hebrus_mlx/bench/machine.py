@@ -139,30 +139,23 @@ def expert_store(model_dir) -> Optional[dict]:
             "record_payload_bytes": g.record_bytes}
 
 
-# What must match between the machine that wrote a profile and this one for its probe to stand
-# for this machine's disk (the same keys profile.passed() checks for kernel claims).
-_IDENTITY = ("system", "release", "machine", "mlx")
-
 
 def profile_probe(store_path, record_bytes: int, profile_path=None) -> Optional[tuple]:
     """(probe, source) from the machine profile `hebrus-mlx qualify` wrote, in ssd_probe's shape,
     when it stands for this store: written on this machine (same OS release, architecture, MLX),
     a measured pread probe of records of this size (4 KiB aligned) and, if the profile names the
     file it probed, this store's file system. None otherwise (then the caller probes)."""
-    import mlx.core as mx
-
+    from ..profile import IDENTITY, read_profile, this_machine
     from ..profile import profile_path as default_path
-    from ..profile import read_profile
 
     path = profile_path or default_path()
     prof = read_profile(path)
     if prof is None:
         return None
-    here = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-            "mlx": mx.__version__}
+    here = this_machine()  # the identity profile.passed() checks for kernel claims
     wrote = prof.get("machine") if isinstance(prof.get("machine"), dict) else {}
     pread = (prof.get("io") or {}).get("pread") if isinstance(prof.get("io"), dict) else None
-    if any(wrote.get(k) != here[k] for k in _IDENTITY) or not isinstance(pread, dict):
+    if any(wrote.get(k) != here[k] for k in IDENTITY) or not isinstance(pread, dict):
         return None
     # Record-sized reads: within 10% of this store's record the GB/s are the same reads (qualify
     # takes the size in whole KiB); a probe of another size (a demo's 16 KiB records) is not.
