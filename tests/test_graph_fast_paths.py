@@ -97,3 +97,27 @@ def test_joined_projections_match_the_per_linear_matmuls():
     assert fused_tokens == plain_tokens
     np.testing.assert_allclose(fused_logits, plain_logits, rtol=0, atol=1e-5)
     print("max |fused - per-linear| logit diff:", float(np.abs(fused_logits - plain_logits).max()))
+
+
+def test_in_major_weights_keep_logits_bit_identical():
+    """On the CPU backend the loaders re-store resident float weights [in, out] (TRANSPOSE); reloading
+    the same values as fresh [out, in] arrays undoes it (and the joined groups). Prefill (per-Linear
+    matmuls, chunked GDN, resident routed experts) and decode logits are equal bit for bit."""
+    from mlx.utils import tree_flatten
+
+    from hebrus_mlx.models import qwen4exp
+    from hebrus_mlx.utils import load_hf_model
+    from parity_fixtures import PARITY, capture
+
+    model = load_hf_model(PARITY / "tiny_a")
+    layer = model.layers[0]
+    stored = [layer.linear_attn.out_proj.weight, layer.mlp.switch_mlp.gate_proj.weight, model.lm_head.weight]
+    if qwen4exp.TRANSPOSE:
+        assert not any(np.array(w).flags["C_CONTIGUOUS"] for w in stored)
+    ids = mx.array(capture("tiny_a")["input_ids"]).reshape(1, -1)[:, :24]  # > FUSE_MAX_TOKENS
+    in_major_tokens, in_major_logits = _decode(model, ids, 8)
+    model.load_weights([(k, mx.array(np.ascontiguousarray(v))) for k, v in tree_flatten(model.parameters())])
+    assert all(np.array(w).flags["C_CONTIGUOUS"] for w in (layer.linear_attn.out_proj.weight, model.lm_head.weight))
+    plain_tokens, plain_logits = _decode(model, ids, 8)
+    assert in_major_tokens == plain_tokens
+    assert np.array_equal(in_major_logits, plain_logits)

@@ -16,7 +16,7 @@ from typing import Any, Optional, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
 from .. import kernels
 from ..kernels import hc_mix, ple_gather, qsa_attention
@@ -79,6 +79,20 @@ FUSE = os.environ.get("HEBRUS_NO_FUSE") != "1"  # off: one matmul per Linear (A/
 FUSE_MAX_TOKENS = 16
 
 
+# The CPU backend's BLAS (reference gemm) runs x @ W^T several tens of percent faster when W is
+# stored [in, out] instead of the checkpoint's [out, in] (an axpy inner loop it vectorises instead
+# of a dot-product reduction it cannot); both sum over `in` in the same order, so every output is
+# bit-identical (tests/test_graph_fast_paths.py). The loaders re-store resident float weights so
+# (`fuse_projections`); module code is unchanged: each weight stays an [out, in] array (a transposed
+# view). CPU only: Metal's gemv kernels are unmeasured here, so there the stored layout is kept.
+TRANSPOSE = mx.default_device() == mx.cpu and os.environ.get("HEBRUS_NO_TRANSPOSE") != "1"
+
+
+def _in_major(w: mx.array) -> mx.array:
+    """`w` [..., out, in] as an equal view whose storage is [..., in, out] (see TRANSPOSE)."""
+    return mx.contiguous(w.swapaxes(-1, -2)).swapaxes(-1, -2)
+
+
 class _Fused:
     """One weight for several bias-free float Linears that read the same input (built at load by
     `fuse_projections`). Each Linear's weight is re-pointed at its rows of the joint array (a view,
@@ -87,13 +101,15 @@ class _Fused:
 
     def __init__(self, linears):
         joint = mx.concatenate([m.weight for m in linears], axis=0)
+        if TRANSPOSE:
+            joint = _in_major(joint)
         mx.eval(joint)
         ends = np.cumsum([m.weight.shape[0] for m in linears]).tolist()
         for m, start, end in zip(linears, [0, *ends[:-1]], ends):
             m.weight = joint[start:end]
-        mx.eval([m.weight for m in linears])
+        self.rhs = joint.T  # evaluated once: no transpose node per call
+        mx.eval([m.weight for m in linears], self.rhs)
         self.parts = tuple(m.weight for m in linears)
-        self.weight = joint
         self.splits = ends[:-1]
 
 
@@ -113,16 +129,27 @@ def _project(owner: nn.Module, linears, x):
     fused = owner.__dict__.get("_fused")
     if (fused is not None and x.shape[-2] <= FUSE_MAX_TOKENS
             and all(m.weight is w for m, w in zip(linears, fused.parts))):
-        return mx.split(x @ fused.weight.T, fused.splits, axis=-1)
+        return mx.split(x @ fused.rhs, fused.splits, axis=-1)
     return [m(x) for m in linears]
 
 
 def fuse_projections(module: nn.Module) -> None:
-    """Join the same-input projections of every layer under `module` (the loaders call this once the
-    weights are final; see _Fused). A no-op for quantized parts and under HEBRUS_NO_FUSE=1."""
-    for _, m in module.named_modules():
+    """Join the same-input projections of every layer under `module` and re-store the other resident
+    float weights [in, out] (the loaders call this once the weights are final; see _Fused and
+    TRANSPOSE). Quantized and streamed parts are left alone; HEBRUS_NO_FUSE=1 / HEBRUS_NO_TRANSPOSE=1
+    turn either off."""
+    modules = [m for _, m in module.named_modules()]
+    for m in modules:
         if hasattr(type(m), "join_projections"):
             m.join_projections()
+    if not TRANSPOSE:
+        return
+    joined = {id(w) for m in modules if m.__dict__.get("_fused") is not None for w in m._fused.parts}
+    for m in modules:
+        if (type(m) in (nn.Linear, SwitchLinear) and id(m.weight) not in joined
+                and mx.issubdtype(m.weight.dtype, mx.floating)):
+            m.weight = _in_major(m.weight)
+            mx.eval(m.weight)
 
 
 @lru_cache(maxsize=None)
