@@ -157,7 +157,7 @@ def _group_norm_fn(group_size: int, eps: float):
     @_compiled
     def norm(x, scale):
         grouped = x.reshape(*x.shape[:-1], -1, group_size)
-        out = mx.fast.rms_norm(grouped, None, eps) * scale.reshape(-1, group_size)
+        out = mx.fast.rms_norm(grouped, None, eps) * scale  # scale: [groups, group_size]
         return out.reshape(x.shape)
 
     return norm
@@ -190,10 +190,22 @@ class ZeroCenteredRMSNorm(nn.Module):
             object.__setattr__(self, "_folded", folded)  # plain attribute: never a parameter
         return folded[1]
 
+    @property
+    def grouped_scale(self):
+        """`scale` as [groups, group_size], evaluated once per scale array (a view: no reshape node
+        per call)."""
+        scale = self.scale
+        grouped = self.__dict__.get("_grouped")
+        if grouped is None or grouped[0] is not scale:
+            grouped = (scale, scale.reshape(-1, self.group_size))
+            mx.eval(grouped[1])
+            object.__setattr__(self, "_grouped", grouped)  # plain attribute: never a parameter
+        return grouped[1]
+
     def __call__(self, x):
         if self.group_size is None:
             return mx.fast.rms_norm(x, self.scale, self.eps)
-        return _group_norm_fn(self.group_size, self.eps)(x, self.scale)
+        return _group_norm_fn(self.group_size, self.eps)(x, self.grouped_scale)
 
 
 def set_norm_weights(module: nn.Module, folded: bool) -> None:
@@ -299,9 +311,32 @@ class HyperConnection(nn.Module):
         if "block_inject_weight" in self:
             _fuse(self, [self.input_mix_weight_down, self.block_inject_weight])
 
+    def _decode_rhs(self, streams, inject: bool):
+        """(down, up) right-hand sides for the one-graph mix, or None where it does not apply: longer
+        inputs (see FUSE_MAX_TOKENS), quantized or replaced parts, a joined group no longer intact."""
+        if streams.shape[-2] > FUSE_MAX_TOKENS or kernels.enabled("hc_mix"):
+            return None
+        up = _rhs(self.input_mix_weight_up)
+        if inject:
+            fused = self.__dict__.get("_fused")
+            if fused is None or not all(m.weight is w for m, w in zip(
+                    (self.input_mix_weight_down, self.block_inject_weight), fused.parts)):
+                return None
+            down = fused.rhs
+        else:
+            down = _rhs(self.input_mix_weight_down)
+        return None if down is None or up is None else (down, up)
+
     def mix(self, streams, inject: bool = False):
         """(mixed block input, normed streams[, inject logits when `inject`])."""
         fns = _hc_fns(self.hc_count, self.hidden_size)
+        rhs = self._decode_rhs(streams, inject)
+        if rhs is not None:
+            # Decode steps and short blocks: the whole mix is one compiled graph over 2-D rows.
+            lowrank = self.input_mix_weight_up.weight.shape[-1]
+            return _hc_mix_fn(self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank, inject)(
+                streams, self.hc_norm.grouped_scale, *rhs
+            )
         normed = self.hc_norm(streams)
         if inject:
             down, logits = _project(self, [self.input_mix_weight_down, self.block_inject_weight], normed)
@@ -343,6 +378,42 @@ class _HCFns:
         self.activate, self.mix, self.inject = activate, mix, inject
 
 
+def _rhs(linear: nn.Module) -> Optional[mx.array]:
+    """A bias-free float Linear's weight.T, evaluated once per weight array (a view: no transpose node
+    per call); None for anything else (quantized, biased)."""
+    if type(linear) is not nn.Linear or "bias" in linear:
+        return None
+    cached = linear.__dict__.get("_rhs")
+    if cached is None or cached[0] is not linear.weight:
+        cached = (linear.weight, linear.weight.T)
+        mx.eval(cached[1])
+        object.__setattr__(linear, "_rhs", cached)  # plain attribute: never a parameter
+    return cached[1]
+
+
+@lru_cache(maxsize=None)
+def _hc_mix_fn(hc_count: int, hidden: int, eps: float, lowrank: int, inject: bool):
+    """HyperConnection.mix as one compiled graph on [rows, width] (no batch axes around the matmuls,
+    one fused sigmoid-product): the same ops in the same order as the per-part path."""
+    fns = _hc_fns(hc_count, hidden)
+
+    @_compiled
+    def mix(streams, scale, down_rhs, up_rhs):
+        lead = streams.shape[:-1]
+        grouped = streams.reshape(-1, hc_count, hidden)
+        normed = (mx.fast.rms_norm(grouped, None, eps) * scale).reshape(grouped.shape[0], -1)
+        down = normed @ down_rhs
+        if inject:
+            down, logits = mx.split(down, [lowrank], axis=-1)
+        up = fns.activate(down) @ up_rhs
+        mixed = (mx.sigmoid(up) * normed).reshape(grouped.shape).mean(axis=-2).reshape(*lead, hidden)
+        if inject:
+            return mixed, normed.reshape(streams.shape), logits.reshape(*lead, hc_count)
+        return mixed, normed.reshape(streams.shape)
+
+    return mix
+
+
 @lru_cache(maxsize=None)
 def _hc_fns(hc_count: int, hidden: int) -> _HCFns:
     return _HCFns(hc_count, hidden)
@@ -373,6 +444,27 @@ def _gdn_gates_fn(q_scale: float):
     return gates
 
 
+@lru_cache(maxsize=None)
+def _gdn_recurrent_fn(dims):
+    """The per-token GatedDeltaNet path after the projections (conv, gates, recurrence, gated norm),
+    as one compiled graph: the same ops as the chunked path's pieces, in the same order."""
+    n_k, d_k, n_v, d_v, eps, activation = dims
+    gates = _gdn_gates_fn(d_k**-0.5)
+    norm = _gated_norm_fn(activation, eps)
+
+    @_compiled
+    def step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, state, norm_w):
+        B, L, _ = qkv.shape
+        qkv, conv_state = _causal_depthwise_conv(qkv, conv_state, conv_w)
+        q, k, v = mx.split(nn.silu(qkv), [n_k * d_k, 2 * n_k * d_k], axis=-1)
+        q, k, beta, g = gates(q.reshape(B, L, n_k, d_k), k.reshape(B, L, n_k, d_k), b, a, A_log, dt_bias)
+        out, state = gated_delta.recurrent_step(q, k, v.reshape(B, L, n_v, d_v), g, beta, state)
+        out = norm(out.astype(qkv.dtype), norm_w, z.reshape(B, L, n_v, d_v))
+        return out.reshape(B, L, -1), conv_state, state
+
+    return step
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -398,12 +490,25 @@ class GatedDeltaNet(nn.Module):
     def join_projections(self):
         _fuse(self, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
+    def _dims(self):
+        return (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim, self.norm.eps,
+                self.norm.activation)
+
     def __call__(self, x, cache: LinearCache):
         B, L, _ = x.shape
         conv_state = cache.conv_state
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=x.dtype)
         qkv, z, b, a = _project(self, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], x)
+        state = cache.recurrent_state
+        if state is None:
+            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
+        if L <= gated_delta.RECURRENT_MAX_TOKENS and type(self.norm) is GatedRMSNorm:
+            # decode and speculative verify blocks: everything after the projections is one compiled graph
+            out, cache.conv_state, cache.recurrent_state = _gdn_recurrent_fn(self._dims())(
+                qkv, z, b, a, conv_state, self.conv1d.weight, self.A_log, self.dt_bias, state, self.norm.weight
+            )
+            return self.out_proj(out)
         qkv, cache.conv_state = _causal_depthwise_conv(qkv, conv_state, self.conv1d.weight)
         qkv = nn.silu(qkv)
         q, k, v = mx.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
@@ -411,13 +516,7 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(B, L, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, L, self.num_v_heads, self.head_v_dim)
         q, k, beta, g = _gdn_gates_fn(self.head_k_dim**-0.5)(q, k, b, a, self.A_log, self.dt_bias)
-        state = cache.recurrent_state
-        if state is None:
-            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
-        if L <= gated_delta.RECURRENT_MAX_TOKENS:  # decode and speculative verify blocks
-            out, state = gated_delta.recurrent_step(q, k, v, g, beta, state)
-        else:
-            out, state = gated_delta.chunked(q, k, v, g, beta, state)
+        out, state = gated_delta.chunked(q, k, v, g, beta, state)
         cache.recurrent_state = state
         z = z.reshape(B, L, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.astype(x.dtype), z)
