@@ -121,3 +121,37 @@ def test_in_major_weights_keep_logits_bit_identical():
     plain_tokens, plain_logits = _decode(model, ids, 8)
     assert in_major_tokens == plain_tokens
     assert np.array_equal(in_major_logits, plain_logits)
+
+
+def test_grouped_recurrence_is_bit_identical_to_mx_fast():
+    from hebrus_mlx.models import gated_delta
+
+    keys = iter(mx.random.split(mx.random.key(3), 6))
+    for T in (1, 3):
+        B, Hk, Hv, Dk, Dv = 2, 2, 4, 16, 8
+        q, k = (gated_delta.l2_normalize(mx.random.normal((B, T, Hk, Dk), key=next(keys))) for _ in range(2))
+        v = mx.random.normal((B, T, Hv, Dv), key=next(keys))
+        g = -mx.random.uniform(shape=(B, T, Hv), key=next(keys))
+        beta = mx.random.uniform(shape=(B, T, Hv), key=next(keys))
+        state = mx.random.normal((B, Hv, Dv, Dk), key=next(keys))
+        out, new_state = gated_delta._grouped_steps(q, k, v, mx.exp(g), beta, state)
+        ref_out, ref_state = mx.fast.gated_delta_update(q, k, v, mx.exp(g), beta, state)
+        assert mx.array_equal(out, ref_out).item() and mx.array_equal(new_state, ref_state).item()
+        keys = iter(mx.random.split(mx.random.key(4 + T), 6))
+
+
+def test_one_graph_hyper_connection_mix_is_bit_identical_to_the_per_part_path():
+    from hebrus_mlx.models.qwen4exp import FUSE, HyperConnection, ModelArgs, fuse_projections
+    from parity_fixtures import PARITY
+
+    args = ModelArgs.from_dict(json.loads((PARITY / "tiny_a" / "config.json").read_text()))
+    for inject in (True, False):
+        hc = HyperConnection(args, inject=inject)
+        hc.hc_norm.weight = mx.random.normal(hc.hc_norm.weight.shape, key=mx.random.key(8)) * 0.3
+        fuse_projections(hc)
+        streams = mx.random.normal((2, 3, args.hc_count * args.hidden_size), key=mx.random.key(9))
+        fast = hc.mix(streams, inject=inject)
+        assert not FUSE or hc._decode_rhs(streams, inject) is not None
+        hc._decode_rhs = lambda *a: None  # the per-part path
+        plain = hc.mix(streams, inject=inject)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(fast, plain))

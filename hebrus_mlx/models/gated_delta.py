@@ -20,9 +20,40 @@ def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
+# On the CPU backend mx.fast.gated_delta_update is an ops fallback with a view op around every
+# step; the same arithmetic on grouped-head views (no repeat of q/k, keepdims sums) is half the nodes
+# and bit-identical (tests/test_graph_fast_paths.py). Metal keeps the fused kernel.
+GROUPED_OPS = mx.default_device() == mx.cpu
+
+
 def recurrent_step(q, k, v, g, beta, state):
     """Token-by-token recurrence (the decode path). Shapes: q,k [B,T,Hk,Dk]; v [B,T,Hv,Dv]."""
+    if GROUPED_OPS:
+        return _grouped_steps(q, k, v, mx.exp(g), beta, state)
     return mx.fast.gated_delta_update(q, k, v, mx.exp(g), beta, state)
+
+
+def _grouped_steps(q, k, v, gamma, beta, state):
+    """The recurrence, per token: decay the state, read its memory of k, write the beta-scaled
+    correction, read q. Value heads share key heads in consecutive groups (as mx.repeat does)."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    r = Hv // Hk
+    s = state.reshape(B, Hk, r, Dv, Dk)
+
+    def at(x, t, *shape):  # token t of x as a [B, Hk, ...] view (one node for a single token)
+        return x.reshape(B, *shape) if T == 1 else x[:, t].reshape(B, *shape)
+
+    ys = []
+    for t in range(T):
+        kt = at(k, t, Hk, 1, 1, Dk)
+        s = s * at(gamma, t, Hk, r, 1, 1)
+        kv_mem = (s * kt).sum(axis=-1, keepdims=True)
+        delta = (at(v, t, Hk, r, Dv, 1) - kv_mem) * at(beta, t, Hk, r, 1, 1)
+        s = s + kt * delta
+        ys.append((s * at(q, t, Hk, 1, 1, Dk)).sum(axis=-1, keepdims=True).reshape(B, 1, Hv, Dv))
+    y = ys[0] if T == 1 else mx.concatenate(ys, axis=1)
+    return y.astype(v.dtype), s.reshape(B, Hv, Dv, Dk)
 
 
 def _unit_lower_inverse(m: mx.array) -> mx.array:
