@@ -8,6 +8,9 @@ qwen3_next at matched dims, one run.
 3. The QSA decode-step time at a long vs a short context (work bounded by the budget: AFN-016).
 
 Decode is paired token by token (A/B alternation), prefill takes the best of interleaved repeats.
+hebrus-mlx is measured twice in the same alternation: with its second CPU stream (half of the routed
+experts on another core, in prefill also projections and half of the logits; the default on a CPU
+with >= 2 cores) and on one stream, as the peers run; --cpu-streams 1 measures only the latter.
 Targets (issue 14): decode and prefill >= 1.0x mlx-vlm and >= 1.0x mlx-lm; QSA step at 32K <= 1.5x 4K.
 Run: python benchmarks/bench_graph.py [--layers 8 --hidden 512 ...] [--checkpoint DIR] [--skip-vlm]
 """
@@ -26,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from hebrus_mlx.models import cpu_streams
 from hebrus_mlx.models.qwen4exp import Model, ModelArgs, fuse_projections
 
 
@@ -99,6 +103,36 @@ def init_weights(model, seed=0):
     params = nn.utils.tree_flatten(model.parameters())
     model.update(nn.utils.tree_unflatten([(k, mx.random.normal(v.shape) * 0.02) for k, v in params]))
     mx.eval(model.parameters())
+
+
+class OnStreams:
+    """`model` built with `n` CPU streams (models/cpu_streams.py): the stream choice is made while the
+    graph is built, so it holds for the lazy evaluation that follows, alternating models or not."""
+
+    def __init__(self, model, n: int):
+        self.model, self.n = model, n
+
+    def make_cache(self):
+        return self.model.make_cache()
+
+    def __call__(self, x, cache=None):
+        previous = cpu_streams.set_cpu_streams(self.n)
+        try:
+            return self.model(x, cache=cache)
+        finally:
+            cpu_streams.set_cpu_streams(previous)
+
+
+def variants(model, streams):
+    """hebrus-mlx as measured: with the second CPU stream (the default on a CPU with >= 2 cores) and
+    on one stream, as the peers run."""
+    return [OnStreams(model, 2), OnStreams(model, 1)] if streams == 2 else [OnStreams(model, 1)]
+
+
+def ratio_line(kind, ours, peer_name, peer):
+    label = ["2 CPU streams", "1 CPU stream"][-len(ours):]
+    parts = [f"hebrus ({l}) {v:7.1f} tok/s {v / peer:.2f}x" for l, v in zip(label, ours)]
+    return f"{kind:8s} {peer_name} {peer:7.1f} tok/s   " + "   ".join(parts)
 
 
 def _logits(m, x, cache):
@@ -210,13 +244,15 @@ def vlm_comparison(a):
             return None
     prompt = mx.array(ids)
     parity = []
-    for m in (ours, peer):
+    models = [*variants(ours, a.cpu_streams), peer]
+    for m in models:
         parity.append(float(np.abs(np.array(_logits(m, prompt, m.make_cache())) - ref).max()))
-    (dh, dv), tokens = paired_decode([ours, peer], prompt, a.decode)
-    ph, pv = paired_prefill([ours, peer], prompt)
-    same = "identical" if tokens[0] == tokens[1] else "DIFFER"
-    return [("decode", dh, dv), ("prefill", ph, pv)], (
-        f"parity vs transformers (max |logit diff|, {n_prompt} tokens): hebrus {parity[0]:.2e}   mlx-vlm {parity[1]:.2e}; "
+    decode, tokens = paired_decode(models, prompt, a.decode)
+    prefill = paired_prefill(models, prompt)
+    same = "identical" if all(t == tokens[-1] for t in tokens) else "DIFFER"
+    return [("decode", decode[:-1], decode[-1]), ("prefill", prefill[:-1], prefill[-1])], (
+        f"parity vs transformers (max |logit diff|, {n_prompt} tokens): hebrus "
+        + " / ".join(f"{d:.2e}" for d in parity[:-1]) + f"   mlx-vlm {parity[-1]:.2e}; "
         f"greedy tokens over {a.decode} steps: {same}"
     )
 
@@ -275,6 +311,8 @@ def main(argv=None):
     p.add_argument("--long-context", type=int, default=32768)
     p.add_argument("--checkpoint", default=None, help="HF Qwen4Exp checkpoint dir for the mlx-vlm comparison "
                    "(default: one built at the bench dims)")
+    p.add_argument("--cpu-streams", type=int, choices=(1, 2), default=2,
+                   help="2: measure hebrus-mlx with its second CPU stream and without; 1: without only")
     p.add_argument("--skip-vlm", action="store_true")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--skip-qsa", action="store_true")
@@ -285,7 +323,7 @@ def main(argv=None):
         if out is not None:
             rows, parity = out
             for kind, h, v in rows:
-                print(f"{kind:8s} hebrus {h:8.1f} tok/s   mlx-vlm qwen4_exp {v:8.1f} tok/s   ratio {h / v:.2f}x")
+                print(ratio_line(kind, h, "mlx-vlm qwen4_exp", v))
             print(parity)
     if a.skip_mlx_lm:
         return
@@ -296,12 +334,12 @@ def main(argv=None):
     init_weights(theirs)
     fuse_projections(ours)  # what the loaders do once the weights are final
     print(f"dims: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} experts={a.experts} top-k={a.top_k}")
-    results = {
-        "decode": paired_decode([ours, theirs], prompt, a.decode)[0],
-        "prefill": paired_prefill([ours, theirs], prompt),
-    }
-    for kind, (h, m) in results.items():
-        print(f"{kind:8s} hebrus {h:8.1f} tok/s   mlx-lm qwen3_next {m:8.1f} tok/s   ratio {h / m:.2f}x")
+    models = [*variants(ours, a.cpu_streams), theirs]
+    decode, tokens = paired_decode(models, prompt, a.decode)
+    results = {"decode": decode, "prefill": paired_prefill(models, prompt)}
+    for kind, v in results.items():
+        print(ratio_line(kind, v[:-1], "mlx-lm qwen3_next", v[-1]))
+    print(f"hebrus greedy tokens on 2 vs 1 CPU streams: {'identical' if tokens[0] == tokens[-2] else 'DIFFER'}")
     if a.skip_qsa:
         return
     short, long = paired_qsa_steps(a, [a.short_context, a.long_context])

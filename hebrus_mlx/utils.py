@@ -10,6 +10,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .errors import HebrusError, UsageError
+from .models import cpu_streams
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
 
@@ -167,6 +168,7 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
             raise UsageError("dtype", f"expected one of {', '.join(DTYPES)}, an mlx dtype or None, got {dtype!r}")
         dtype = default_dtype() if dtype == "auto" else DTYPES[dtype]
     _apply_machine_profile()
+    cpu_streams.cpu_streams()  # a bad HEBRUS_CPU_STREAMS is refused before any work
     path = resolve_model_path(path_or_name)
     source, sources = path, None
     if is_artifact(path):

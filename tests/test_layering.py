@@ -24,7 +24,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
     (FORMAT, 0),
     (("hebrus_mlx.admission",), 1),
     (("hebrus_mlx.loading", "hebrus_mlx.loading.", "hebrus_mlx.models", "hebrus_mlx.models.qwen4exp",
-      "hebrus_mlx.models.cache", "hebrus_mlx.models.gated_delta", "hebrus_mlx.stream", "hebrus_mlx.stream.",
+      "hebrus_mlx.models.cache", "hebrus_mlx.models.gated_delta", "hebrus_mlx.models.cpu_streams", "hebrus_mlx.stream", "hebrus_mlx.stream.",
       "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.kernels.", "hebrus_mlx.profile", "hebrus_mlx.utils", "hebrus_mlx.hub",
       "hebrus_mlx.traces", "hebrus_mlx.traces.", "hebrus_mlx.models.mtp"), 2),
     (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.convert",

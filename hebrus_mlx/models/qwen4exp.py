@@ -20,7 +20,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
 from .. import kernels
 from ..kernels import hc_mix, ple_gather, qsa_attention
-from . import gated_delta
+from . import cpu_streams, gated_delta
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
 from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
 from .qwen4exp_config import (
@@ -77,6 +77,9 @@ FUSE = os.environ.get("HEBRUS_NO_FUSE") != "1"  # off: one matmul per Linear (A/
 # prefill the split outputs are strided and copied downstream, measured slower (0.91-0.98x), so
 # longer inputs keep the per-Linear matmuls.
 FUSE_MAX_TOKENS = 16
+# Below this many multiply-adds a projection stays on one CPU stream: the cross-stream event costs
+# more than half of it (models/cpu_streams.py).
+SIDE_MIN_MACS = 1 << 18
 
 
 # The CPU backend's BLAS (reference gemm) runs x @ W^T several tens of percent faster when W is
@@ -127,10 +130,22 @@ def _project(owner: nn.Module, linears, x):
     """[m(x) for m in linears], as one matmul when `owner` fused exactly these weights. Bit-identical
     on this CPU (each output column is the same dot product; tests/test_graph_fast_paths.py)."""
     fused = owner.__dict__.get("_fused")
+    side = cpu_streams.side_stream()
     if (fused is not None and x.shape[-2] <= FUSE_MAX_TOKENS
             and all(m.weight is w for m, w in zip(linears, fused.parts))):
         return mx.split(x @ fused.rhs, fused.splits, axis=-1)
-    return [m(x) for m in linears]
+    if side is None or len(linears) < 2 or x.size // x.shape[-1] * sum(m.weight.size for m in linears) < SIDE_MIN_MACS:
+        return [m(x) for m in linears]
+    # Split the Linears between the two CPU streams, the larger ones first to whichever has fewer rows.
+    load, on_side = [0, 0], set()
+    for i in sorted(range(len(linears)), key=lambda i: -linears[i].weight.shape[0]):
+        j = int(load[1] < load[0])
+        load[j] += linears[i].weight.shape[0]
+        if j:
+            on_side.add(i)
+    with mx.stream(side):
+        late = {i: linears[i](x) for i in on_side}
+    return [late[i] if i in on_side else m(x) for i, m in enumerate(linears)]
 
 
 def fuse_projections(module: nn.Module) -> None:
@@ -1001,8 +1016,18 @@ class SparseMoE(nn.Module):
             capture.route_weights[layer] = scores
             if capture.router_inputs is not None:
                 capture.router_inputs[layer] = x  # post-hyper-connection MLP input
+        side = cpu_streams.side_stream() if type(self.switch_mlp) is SwitchGLU else None
+        if side is not None and self.top_k > 1:
+            # Half of the routed experts on the second CPU stream, concurrently with the other half
+            # and the shared expert; each expert's output is the same matmul, combined as before.
+            half = self.top_k // 2
+            with mx.stream(side):
+                late = self.switch_mlp(x, inds[..., half:])
+            routed = mx.concatenate([self.switch_mlp(x, inds[..., :half]), late], axis=-2)
+        else:
+            routed = self.switch_mlp(x, inds)
         shared = self.shared_expert.down_proj(_swiglu(shared_gate, shared_up))
-        return _moe_combine(self.switch_mlp(x, inds), scores, shared_logit, shared)
+        return _moe_combine(routed, scores, shared_logit, shared)
 
 
 # ---- layers and model ---------------------------------------------------------------------------------
@@ -1123,8 +1148,19 @@ class Model(nn.Module):
         out = self.model(inputs, cache, capture, return_hidden)
         cache.advance(inputs.shape[1])
         if return_hidden:
-            return self.lm_head(out[0]), out[1]
-        return self.lm_head(out)
+            return self._logits(out[0]), out[1]
+        return self._logits(out)
+
+    def _logits(self, h):
+        side = cpu_streams.side_stream() if h.shape[-2] > 1 else None
+        if side is None:
+            return self.lm_head(h)
+        # Prefill and verify blocks: the positions in two halves, one per CPU stream (a column half
+        # of the weight would be a strided view, copied per call; row halves of `h` are contiguous).
+        half = h.shape[-2] // 2
+        with mx.stream(side):
+            late = self.lm_head(h[..., half:, :])
+        return mx.concatenate([self.lm_head(h[..., :half, :]), late], axis=-2)
 
     @property
     def streaming(self) -> Optional[Streaming]:
