@@ -51,6 +51,17 @@ def digests(path, n, rec):
     return out
 
 
+def store_of(args):
+    """(record bytes, path, digests) of the synthetic store: --store-layers layers (default --layers)
+    of which the bench uses the first --layers (so one 4-layer store serves 1-4 layer runs)."""
+    rec = B.record_bytes()
+    held = max(args.store_layers or args.layers, args.layers)
+    n = held * args.experts
+    path = args.store + f"_{held}x{args.experts}.bin"
+    B.build_decode_store(path, n, rec)
+    return rec, path, digests(path, n, rec)
+
+
 class SyntheticExperts:
     """What StreamedSwitchGLU / Streaming / PrefillSweep use of stream.experts.StreamedExperts, over
     the synthetic store: same arena (bf16 scales/biases widened to fp32 as the loader does), same
@@ -74,7 +85,7 @@ class SyntheticExperts:
         self.arena, parts = eng.create_arena(self.part_bytes, rows, self.expand)
         store = eng.add_store(path)
         n = layers * experts
-        self.table = eng.register_table(store, [i * rec for i in range(n)], [rec] * n, dig, arena=self.arena)
+        self.table = eng.register_table(store, [i * rec for i in range(n)], [rec] * n, dig[:n], arena=self.arena)
         self.weights = {}
         for buf, wide, (comp, part, stored, shape) in zip(parts, self.expand, self.layout):
             dt = mx.float32 if wide else mx.uint32
@@ -156,11 +167,7 @@ def run_stack(args):
 
     from hebrus_mlx.stream import engine as se
 
-    rec = B.record_bytes()
-    n = args.layers * args.experts
-    path = args.store + f"_{args.layers}x{args.experts}.bin"
-    B.build_decode_store(path, n, rec)
-    dig = digests(path, n, rec)
+    rec, path, dig = store_of(args)
     mixers = B.make_mixers(args.layers)
     cap = args.chunk or args.rows // args.top_k
     modes = args.modes.split(",")
@@ -212,78 +219,36 @@ def run_stack(args):
 
 
 def run_crossover(args):
-    """I/O only: slot-path resolve of f*E records of one layer vs the sweep of the whole extent."""
-    import mlx.core as mx
-
+    """I/O only: slot-path resolve of f*E records of one layer vs the sweep of the whole extent
+    (the measuring core is the package's, stream.crossover.measure, which `hebrus-mlx qualify` runs
+    on an artifact's store)."""
+    from hebrus_mlx.stream import crossover
     from hebrus_mlx.stream import engine as se
-    from hebrus_mlx.stream.sweep import PrefillSweep
 
-    rec = B.record_bytes()
-    n = args.layers * args.experts
-    path = args.store + f"_{args.layers}x{args.experts}.bin"
-    B.build_decode_store(path, n, rec)
-    dig = digests(path, n, rec)
-    rng = np.random.default_rng(0)
+    rec, path, dig = store_of(args)
     fractions = [float(f) for f in args.fractions.split(",")]
 
-    def engine():
+    def make(rows):
         eng = se.StreamEngine(cache_bytes=rec, threads=args.threads, policy="clock")
-        return eng, SyntheticExperts(eng, path, args.layers, args.experts, args.top_k, args.experts, rec, dig)
+        return eng, SyntheticExperts(eng, path, args.layers, args.experts, args.top_k, rows, rec, dig)
 
-    def slot(f, layer):
-        eng, ex = engine()
-        ids = rng.choice(args.experts, max(1, round(f * args.experts)), replace=False)
-        B.drop_cache(path)
-        t0 = time.perf_counter()
-        rows, lease = ex.resolve(layer, mx.array(ids.astype(np.uint32)))
-        mx.eval(eng.release_after(rows, lease))
-        dt = time.perf_counter() - t0
-        eng.close()
-        return dt
-
-    def sweep(layer):
-        eng, ex = engine()
-        sw = PrefillSweep(ex, "on", threads=args.sweep_threads, layers=range(args.layers))
-        B.drop_cache(path)
-        t0 = time.perf_counter()
-        mx.eval(sw.wait(layer, mx.array(0)))
-        dt = time.perf_counter() - t0
-        sw.close()
-        eng.close()
-        return dt
-
-    times = {f: [] for f in fractions}
-    full = []
-    for r in range(args.rounds):
-        layer = r % args.layers
-        order = fractions + ["sweep"]
-        for v in (order if r % 2 == 0 else order[::-1]):
-            if v == "sweep":
-                full.append(sweep(layer))
-            else:
-                times[v].append(slot(v, layer))
-    t_sweep = statistics.median(full)
+    r = crossover.measure(make, lambda: B.drop_cache(path), args.layers, fractions, passes=args.rounds,
+                          sweep_threads=args.sweep_threads)
+    t_sweep = r["sweep_ms_median"] / 1e3
     ext = args.experts * rec
     print(f"(1) crossover, I/O only, cold: one layer = {args.experts} records x {rec / 2**20:.3f} MiB = "
           f"{ext / 2**30:.2f} GiB; sweep {t_sweep * 1e3:.0f} ms ({ext / 2**30 / t_sweep:.2f} GiB/s, "
-          f"{args.sweep_threads} threads, runs {' '.join(f'{x * 1e3:.0f}' for x in full)}); "
-          f"slot path {args.threads} engine threads, {args.rounds} rounds A/B/B/A")
-    cross = None
-    prev = None
-    for f in fractions:
-        t = statistics.median(times[f])
+          f"{args.sweep_threads} threads, runs {' '.join(f'{x:.0f}' for x in r['sweep_ms'])}); "
+          f"slot path {args.threads} engine threads, {args.rounds} passes forward/backward")
+    for f, t in zip(r["fractions"], r["slot_ms_median"]):
+        t /= 1e3
         k = max(1, round(f * args.experts))
         print(f"  f={f:.2f} ({k:3d} records): slot {t * 1e3:7.0f} ms ({k * rec / 2**30 / t:.2f} GiB/s), "
               f"sweep/slot {t_sweep / t:.2f}")
-        if cross is None and t >= t_sweep:
-            if prev is None:
-                cross = f
-            else:  # linear between the neighbouring fractions
-                f0, t0 = prev
-                cross = f0 + (f - f0) * (t_sweep - t0) / (t - t0)
-        prev = (f, t)
-    print(f"  crossover unique-expert fraction: {'> ' + str(fractions[-1]) if cross is None else f'{cross:.2f}'} "
-          f"(the sweep reads the whole extent faster than the slot path reads this fraction of it)")
+    print(f"  crossover unique-expert fraction: {r['crossover']:.2f}" + (
+        " (from here on the sweep reads the whole extent faster than the slot path reads this fraction)"
+        if r["sweep_won"] else " (the slot path was faster at every fraction: auto sweeps only chunks the "
+        "arena cannot take)"))
 
 
 def run_demo(args):
@@ -332,6 +297,8 @@ def main():
     p.add_argument("--store", default="/tmp/hebrus_bench_prefill", help="store path stem")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--store-layers", type=int, default=None,
+                   help="layers the store holds (default --layers; the bench uses the first --layers)")
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--rows", type=int, default=512, help="slot arena rows (default: one layer's experts)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk tokens (default rows // top-k, "
@@ -339,11 +306,11 @@ def main():
     p.add_argument("--lengths", default=None, help="prompt lengths (default 512,2048,8192; demo 512,2048,4096)")
     p.add_argument("--threads", type=int, default=8, help="engine reader threads")
     p.add_argument("--sweep-threads", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="2 = A/B then B/A")
+    p.add_argument("--rounds", type=int, default=2, help="2 = A/B then B/A (--crossover: passes, forward then backward)")
     p.add_argument("--modes", default="off,on,auto", help="(2) --prefill-sweep modes timed A/B/B/A, first = control")
     p.add_argument("--step", type=int, default=2048, help="(2) prefill_step_size of the auto runs (generate's default)")
     p.add_argument("--crossover", action="store_true", help="run (1) only")
-    p.add_argument("--fractions", default="0.05,0.1,0.2,0.3,0.4,0.5,0.7,1.0")
+    p.add_argument("--fractions", default="0.05,0.1,0.2,0.3,0.4,0.5,0.7,1.0", help="(1) unique-expert fractions")
     p.add_argument("--demo", action="store_true", help="run (3) only")
     p.add_argument("--fraction", type=float, default=0.05, help="(3) cache fraction of the demo's records")
     args = p.parse_args()
