@@ -16,9 +16,15 @@
 (3) ``--demo``: the shipped demo artifact streamed at --fraction of its records (generate's chunk
     cap), prefill tok/s off vs on (A/B/B/A, medians), last logits bit-identical.
 
+(4) ``--demo --max-positions 16384``: the demo stops at 4,096 positions, so a random-weight model of
+    its geometry with a longer context is written by transformers (save_pretrained) and converted
+    by hebrus-mlx's converter (once, under --build-dir); off vs auto at 512/2K/8K, A/B/B/A, medians,
+    each mode's last logits bit-identical to the resident model's at that mode's chunking.
+
     python benchmarks/bench_prefill.py --crossover
     python benchmarks/bench_prefill.py [--layers 3] [--lengths 512,2048,8192] [--rounds 2]
     python benchmarks/bench_prefill.py --demo [--lengths 512,2048,4096]
+    python benchmarks/bench_prefill.py --demo --max-positions 16384 [--lengths 512,2048,8192]
 """
 
 import argparse
@@ -251,6 +257,44 @@ def run_crossover(args):
         "arena cannot take)"))
 
 
+def long_demo(root, max_positions):
+    """The demo's geometry with ``max_position_embeddings = max_positions``: a random-weight
+    checkpoint written by transformers' ``save_pretrained`` (seed 0, the demo's config.json otherwise
+    unchanged, its tokenizer files), converted with the project's converter (affine4-g64 like the
+    demo) under a family descriptor registered here. Built once under ``root``; returns the artifact."""
+    import dataclasses
+    import json
+    import shutil
+
+    from hebrus_mlx.artifact import constants as C
+    from hebrus_mlx.utils import DEMO_DIR
+
+    C.register_family(dataclasses.replace(C.QWEN4EXP_DEMO, name=f"qwen4exp-demo-{max_positions}",
+                                          family_id=0xDE70 + max_positions // 1024,
+                                          max_position_embeddings=max_positions))
+    out = os.path.join(root, f"demo{max_positions}")
+    art = os.path.join(out, "artifact")
+    if os.path.exists(os.path.join(art, "manifest.json")):
+        return art
+    import torch
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    from hebrus_mlx.convert import convert
+
+    with open(os.path.join(DEMO_DIR, "config.json")) as f:
+        cfg = json.load(f)
+    for k in ("architectures", "transformers_version", "model_type", "dtype"):
+        cfg.pop(k, None)
+    cfg["max_position_embeddings"] = max_positions
+    hf = os.path.join(out, "hf")
+    torch.manual_seed(0)
+    Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**cfg)).save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(os.path.join(DEMO_DIR, name), os.path.join(hf, name))
+    convert(hf, art, q_bits=4, quiet=True, mtp=False)
+    return art
+
+
 def run_demo(args):
     import math
 
@@ -261,6 +305,8 @@ def run_demo(args):
     from hebrus_mlx.loading import plan
     from hebrus_mlx.utils import DEMO_DIR, load_model
 
+    if args.max_positions:
+        return run_demo_long(args, long_demo(args.build_dir, args.max_positions))
     m = admit(str(DEMO_DIR))
     fam = m.family
     record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
@@ -292,6 +338,68 @@ def run_demo(args):
               f"{min(args.step, length)}) {length / t['auto']:.1f} tok/s x{t['off'] / t['auto']:.2f}")
 
 
+def run_demo_long(args, art):
+    """(4) the demo's geometry past 4,096 positions (``long_demo``), streamed at --fraction: off
+    (generate's chunks, capped at the arena) vs auto (--step chunks, swept past the arena), A/B/B/A,
+    cold store per run, medians. Exactness: each mode's last logits equal the resident model's at
+    that mode's chunking, bit for bit (the resident runs are untimed)."""
+    import math
+
+    import mlx.core as mx
+
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact import expert_major as em
+    from hebrus_mlx.loading import plan
+    from hebrus_mlx.utils import load_model
+
+    m = admit(art)
+    fam = m.family
+    record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
+    rows = max(math.ceil(args.fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
+    gb = (rows * record + record // 2) / plan.GIB
+    exp = os.path.join(art, "experts.hbem")
+    models = {mode: load_model(art, expert_cache_gb=gb, prefill_sweep=mode) for mode in ("off", "auto")}
+    cap = models["off"].streaming.max_chunk_tokens
+    assert models["auto"].streaming.sweep is not None, models["auto"].streaming.sweep_note
+    resident = load_model(art)
+
+    def prefill(model, prompt, chunk):
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        for i in range(0, len(prompt), chunk):
+            out = model(mx.array([prompt[i:i + chunk]]), cache)
+            mx.eval(out)
+        return time.perf_counter() - t0, np.array(out[0, -1])
+
+    print(f"(4) demo geometry, random weights (transformers save_pretrained, converted affine4-g64), "
+          f"max_position_embeddings {fam.max_position_embeddings}, streamed at {100 * args.fraction:.0f}% "
+          f"({rows} arena rows): off in chunks of {cap} (generate's cap) vs auto in chunks of {args.step} "
+          f"(crossover {models['auto'].streaming.crossover_source}), {args.rounds} rounds A/B/B/A, cold store per run")
+    for length in args.lengths:
+        prompt = np.random.default_rng(length).integers(2, fam.vocab_size, length).tolist()
+        chunks = {"off": cap, "auto": min(args.step, length)}
+        res = {"off": [], "auto": []}
+        for r in range(args.rounds):
+            for mode in (("off", "auto") if r % 2 == 0 else ("auto", "off")):
+                B.drop_cache(exp)
+                sw = models[mode].streaming.sweep
+                before = sw.counters()["sweeps"] if sw is not None else 0
+                dt, last = prefill(models[mode], prompt, chunks[mode])
+                swept = (sw.counters()["sweeps"] - before) if sw is not None else 0
+                res[mode].append((dt, last, swept))
+                print(f"    run {mode} {length}: {length / dt:.1f} tok/s, {swept} layer extents swept", flush=True)
+        same = {}
+        for mode in ("off", "auto"):
+            ref = prefill(resident, prompt, chunks[mode])[1]
+            same[mode] = all(np.array_equal(x[1], ref) for x in res[mode])
+        t = {k: statistics.median(x[0] for x in v) for k, v in res.items()}
+        print(f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s (runs "
+              f"{' '.join(f'{length / x[0]:.1f}' for x in res['off'])}), auto {length / t['auto']:.1f} tok/s (runs "
+              f"{' '.join(f'{length / x[0]:.1f}' for x in res['auto'])}) x{t['off'] / t['auto']:.2f}; last logits vs "
+              f"resident at the same chunks: off {'identical' if same['off'] else 'DIFFER'}, auto "
+              f"{'identical' if same['auto'] else 'DIFFER'}; auto swept {res['auto'][0][2]} layer extents")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", default="/tmp/hebrus_bench_prefill", help="store path stem")
@@ -313,8 +421,11 @@ def main():
     p.add_argument("--fractions", default="0.05,0.1,0.2,0.3,0.4,0.5,0.7,1.0", help="(1) unique-expert fractions")
     p.add_argument("--demo", action="store_true", help="run (3) only")
     p.add_argument("--fraction", type=float, default=0.05, help="(3) cache fraction of the demo's records")
+    p.add_argument("--max-positions", type=int, default=None, help="(4) with --demo: a random-weight model of "
+                   "the demo's geometry with this max_position_embeddings (e.g. 16384, for 8K prompts), off vs auto")
+    p.add_argument("--build-dir", default="/tmp/hebrus_bench_prefill_demo", help="(4) where that model is built once")
     args = p.parse_args()
-    default = "512,2048,4096" if args.demo else "512,2048,8192"
+    default = "512,2048,4096" if args.demo and not args.max_positions else "512,2048,8192"
     args.lengths = [int(x) for x in (args.lengths or default).split(",")]
     if args.crossover:
         return run_crossover(args)
