@@ -16,9 +16,15 @@
 (3) ``--demo``: the shipped demo artifact streamed at --fraction of its records (generate's chunk
     cap), prefill tok/s off vs on (A/B/B/A, medians), last logits bit-identical.
 
+(4) ``--demo --max-positions 16384``: the demo stops at 4,096 positions, so a random-weight model of
+    its geometry with a longer context is written by transformers (save_pretrained) and converted
+    by hebrus-mlx's converter (once, under --build-dir); off vs auto at 512/2K/8K, A/B/B/A, medians,
+    each mode's last logits bit-identical to the resident model's at that mode's chunking.
+
     python benchmarks/bench_prefill.py --crossover
     python benchmarks/bench_prefill.py [--layers 3] [--lengths 512,2048,8192] [--rounds 2]
     python benchmarks/bench_prefill.py --demo [--lengths 512,2048,4096]
+    python benchmarks/bench_prefill.py --demo --max-positions 16384 [--lengths 512,2048,8192]
 """
 
 import argparse
@@ -51,6 +57,17 @@ def digests(path, n, rec):
     return out
 
 
+def store_of(args):
+    """(record bytes, path, digests) of the synthetic store: --store-layers layers (default --layers)
+    of which the bench uses the first --layers (so one 4-layer store serves 1-4 layer runs)."""
+    rec = B.record_bytes()
+    held = max(args.store_layers or args.layers, args.layers)
+    n = held * args.experts
+    path = args.store + f"_{held}x{args.experts}.bin"
+    B.build_decode_store(path, n, rec)
+    return rec, path, digests(path, n, rec)
+
+
 class SyntheticExperts:
     """What StreamedSwitchGLU / Streaming / PrefillSweep use of stream.experts.StreamedExperts, over
     the synthetic store: same arena (bf16 scales/biases widened to fp32 as the loader does), same
@@ -74,7 +91,7 @@ class SyntheticExperts:
         self.arena, parts = eng.create_arena(self.part_bytes, rows, self.expand)
         store = eng.add_store(path)
         n = layers * experts
-        self.table = eng.register_table(store, [i * rec for i in range(n)], [rec] * n, dig, arena=self.arena)
+        self.table = eng.register_table(store, [i * rec for i in range(n)], [rec] * n, dig[:n], arena=self.arena)
         self.weights = {}
         for buf, wide, (comp, part, stored, shape) in zip(parts, self.expand, self.layout):
             dt = mx.float32 if wide else mx.uint32
@@ -156,11 +173,7 @@ def run_stack(args):
 
     from hebrus_mlx.stream import engine as se
 
-    rec = B.record_bytes()
-    n = args.layers * args.experts
-    path = args.store + f"_{args.layers}x{args.experts}.bin"
-    B.build_decode_store(path, n, rec)
-    dig = digests(path, n, rec)
+    rec, path, dig = store_of(args)
     mixers = B.make_mixers(args.layers)
     cap = args.chunk or args.rows // args.top_k
     modes = args.modes.split(",")
@@ -212,78 +225,74 @@ def run_stack(args):
 
 
 def run_crossover(args):
-    """I/O only: slot-path resolve of f*E records of one layer vs the sweep of the whole extent."""
-    import mlx.core as mx
-
+    """I/O only: slot-path resolve of f*E records of one layer vs the sweep of the whole extent
+    (the measuring core is the package's, stream.crossover.measure, which `hebrus-mlx qualify` runs
+    on an artifact's store)."""
+    from hebrus_mlx.stream import crossover
     from hebrus_mlx.stream import engine as se
-    from hebrus_mlx.stream.sweep import PrefillSweep
 
-    rec = B.record_bytes()
-    n = args.layers * args.experts
-    path = args.store + f"_{args.layers}x{args.experts}.bin"
-    B.build_decode_store(path, n, rec)
-    dig = digests(path, n, rec)
-    rng = np.random.default_rng(0)
+    rec, path, dig = store_of(args)
     fractions = [float(f) for f in args.fractions.split(",")]
 
-    def engine():
+    def make(rows):
         eng = se.StreamEngine(cache_bytes=rec, threads=args.threads, policy="clock")
-        return eng, SyntheticExperts(eng, path, args.layers, args.experts, args.top_k, args.experts, rec, dig)
+        return eng, SyntheticExperts(eng, path, args.layers, args.experts, args.top_k, rows, rec, dig)
 
-    def slot(f, layer):
-        eng, ex = engine()
-        ids = rng.choice(args.experts, max(1, round(f * args.experts)), replace=False)
-        B.drop_cache(path)
-        t0 = time.perf_counter()
-        rows, lease = ex.resolve(layer, mx.array(ids.astype(np.uint32)))
-        mx.eval(eng.release_after(rows, lease))
-        dt = time.perf_counter() - t0
-        eng.close()
-        return dt
-
-    def sweep(layer):
-        eng, ex = engine()
-        sw = PrefillSweep(ex, "on", threads=args.sweep_threads, layers=range(args.layers))
-        B.drop_cache(path)
-        t0 = time.perf_counter()
-        mx.eval(sw.wait(layer, mx.array(0)))
-        dt = time.perf_counter() - t0
-        sw.close()
-        eng.close()
-        return dt
-
-    times = {f: [] for f in fractions}
-    full = []
-    for r in range(args.rounds):
-        layer = r % args.layers
-        order = fractions + ["sweep"]
-        for v in (order if r % 2 == 0 else order[::-1]):
-            if v == "sweep":
-                full.append(sweep(layer))
-            else:
-                times[v].append(slot(v, layer))
-    t_sweep = statistics.median(full)
+    r = crossover.measure(make, lambda: B.drop_cache(path), args.layers, fractions, passes=args.rounds,
+                          sweep_threads=args.sweep_threads)
+    t_sweep = r["sweep_ms_median"] / 1e3
     ext = args.experts * rec
     print(f"(1) crossover, I/O only, cold: one layer = {args.experts} records x {rec / 2**20:.3f} MiB = "
           f"{ext / 2**30:.2f} GiB; sweep {t_sweep * 1e3:.0f} ms ({ext / 2**30 / t_sweep:.2f} GiB/s, "
-          f"{args.sweep_threads} threads, runs {' '.join(f'{x * 1e3:.0f}' for x in full)}); "
-          f"slot path {args.threads} engine threads, {args.rounds} rounds A/B/B/A")
-    cross = None
-    prev = None
-    for f in fractions:
-        t = statistics.median(times[f])
+          f"{args.sweep_threads} threads, runs {' '.join(f'{x:.0f}' for x in r['sweep_ms'])}); "
+          f"slot path {args.threads} engine threads, {args.rounds} passes forward/backward")
+    for f, t in zip(r["fractions"], r["slot_ms_median"]):
+        t /= 1e3
         k = max(1, round(f * args.experts))
         print(f"  f={f:.2f} ({k:3d} records): slot {t * 1e3:7.0f} ms ({k * rec / 2**30 / t:.2f} GiB/s), "
               f"sweep/slot {t_sweep / t:.2f}")
-        if cross is None and t >= t_sweep:
-            if prev is None:
-                cross = f
-            else:  # linear between the neighbouring fractions
-                f0, t0 = prev
-                cross = f0 + (f - f0) * (t_sweep - t0) / (t - t0)
-        prev = (f, t)
-    print(f"  crossover unique-expert fraction: {'> ' + str(fractions[-1]) if cross is None else f'{cross:.2f}'} "
-          f"(the sweep reads the whole extent faster than the slot path reads this fraction of it)")
+    print(f"  crossover unique-expert fraction: {r['crossover']:.2f}" + (
+        " (from here on the sweep reads the whole extent faster than the slot path reads this fraction)"
+        if r["sweep_won"] else " (the slot path was faster at every fraction: auto sweeps only chunks the "
+        "arena cannot take)"))
+
+
+def long_demo(root, max_positions):
+    """The demo's geometry with ``max_position_embeddings = max_positions``: a random-weight
+    checkpoint written by transformers' ``save_pretrained`` (seed 0, the demo's config.json otherwise
+    unchanged, its tokenizer files), converted with the project's converter (affine4-g64 like the
+    demo) under a family descriptor registered here. Built once under ``root``; returns the artifact."""
+    import dataclasses
+    import json
+    import shutil
+
+    from hebrus_mlx.artifact import constants as C
+    from hebrus_mlx.utils import DEMO_DIR
+
+    C.register_family(dataclasses.replace(C.QWEN4EXP_DEMO, name=f"qwen4exp-demo-{max_positions}",
+                                          family_id=0xDE70 + max_positions // 1024,
+                                          max_position_embeddings=max_positions))
+    out = os.path.join(root, f"demo{max_positions}")
+    art = os.path.join(out, "artifact")
+    if os.path.exists(os.path.join(art, "manifest.json")):
+        return art
+    import torch
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    from hebrus_mlx.convert import convert
+
+    with open(os.path.join(DEMO_DIR, "config.json")) as f:
+        cfg = json.load(f)
+    for k in ("architectures", "transformers_version", "model_type", "dtype"):
+        cfg.pop(k, None)
+    cfg["max_position_embeddings"] = max_positions
+    hf = os.path.join(out, "hf")
+    torch.manual_seed(0)
+    Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**cfg)).save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(os.path.join(DEMO_DIR, name), os.path.join(hf, name))
+    convert(hf, art, q_bits=4, quiet=True, mtp=False)
+    return art
 
 
 def run_demo(args):
@@ -296,6 +305,8 @@ def run_demo(args):
     from hebrus_mlx.loading import plan
     from hebrus_mlx.utils import DEMO_DIR, load_model
 
+    if args.max_positions:
+        return run_demo_long(args, long_demo(args.build_dir, args.max_positions))
     m = admit(str(DEMO_DIR))
     fam = m.family
     record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
@@ -327,11 +338,75 @@ def run_demo(args):
               f"{min(args.step, length)}) {length / t['auto']:.1f} tok/s x{t['off'] / t['auto']:.2f}")
 
 
+def run_demo_long(args, art):
+    """(4) the demo's geometry past 4,096 positions (``long_demo``), streamed at --fraction: off
+    (generate's chunks, capped at the arena) vs auto (--step chunks, swept past the arena), A/B/B/A,
+    cold store per run, medians. Exactness: each mode's last logits equal the resident model's at
+    that mode's chunking, bit for bit (the resident runs are untimed)."""
+    import math
+
+    import mlx.core as mx
+
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact import expert_major as em
+    from hebrus_mlx.loading import plan
+    from hebrus_mlx.utils import load_model
+
+    m = admit(art)
+    fam = m.family
+    record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
+    rows = max(math.ceil(args.fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
+    gb = (rows * record + record // 2) / plan.GIB
+    exp = os.path.join(art, "experts.hbem")
+    models = {mode: load_model(art, expert_cache_gb=gb, prefill_sweep=mode) for mode in ("off", "auto")}
+    cap = models["off"].streaming.max_chunk_tokens
+    assert models["auto"].streaming.sweep is not None, models["auto"].streaming.sweep_note
+    resident = load_model(art)
+
+    def prefill(model, prompt, chunk):
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        for i in range(0, len(prompt), chunk):
+            out = model(mx.array([prompt[i:i + chunk]]), cache)
+            mx.eval(out)
+        return time.perf_counter() - t0, np.array(out[0, -1])
+
+    print(f"(4) demo geometry, random weights (transformers save_pretrained, converted affine4-g64), "
+          f"max_position_embeddings {fam.max_position_embeddings}, streamed at {100 * args.fraction:.0f}% "
+          f"({rows} arena rows): off in chunks of {cap} (generate's cap) vs auto in chunks of {args.step} "
+          f"(crossover {models['auto'].streaming.crossover_source}), {args.rounds} rounds A/B/B/A, cold store per run")
+    for length in args.lengths:
+        prompt = np.random.default_rng(length).integers(2, fam.vocab_size, length).tolist()
+        chunks = {"off": cap, "auto": min(args.step, length)}
+        res = {"off": [], "auto": []}
+        for r in range(args.rounds):
+            for mode in (("off", "auto") if r % 2 == 0 else ("auto", "off")):
+                B.drop_cache(exp)
+                sw = models[mode].streaming.sweep
+                before = sw.counters()["sweeps"] if sw is not None else 0
+                dt, last = prefill(models[mode], prompt, chunks[mode])
+                swept = (sw.counters()["sweeps"] - before) if sw is not None else 0
+                res[mode].append((dt, last, swept))
+                print(f"    run {mode} {length}: {length / dt:.1f} tok/s, {swept} layer extents swept", flush=True)
+        same = {}
+        for mode in ("off", "auto"):
+            ref = prefill(resident, prompt, chunks[mode])[1]
+            same[mode] = all(np.array_equal(x[1], ref) for x in res[mode])
+        t = {k: statistics.median(x[0] for x in v) for k, v in res.items()}
+        print(f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s (runs "
+              f"{' '.join(f'{length / x[0]:.1f}' for x in res['off'])}), auto {length / t['auto']:.1f} tok/s (runs "
+              f"{' '.join(f'{length / x[0]:.1f}' for x in res['auto'])}) x{t['off'] / t['auto']:.2f}; last logits vs "
+              f"resident at the same chunks: off {'identical' if same['off'] else 'DIFFER'}, auto "
+              f"{'identical' if same['auto'] else 'DIFFER'}; auto swept {res['auto'][0][2]} layer extents")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", default="/tmp/hebrus_bench_prefill", help="store path stem")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--store-layers", type=int, default=None,
+                   help="layers the store holds (default --layers; the bench uses the first --layers)")
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--rows", type=int, default=512, help="slot arena rows (default: one layer's experts)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk tokens (default rows // top-k, "
@@ -339,15 +414,18 @@ def main():
     p.add_argument("--lengths", default=None, help="prompt lengths (default 512,2048,8192; demo 512,2048,4096)")
     p.add_argument("--threads", type=int, default=8, help="engine reader threads")
     p.add_argument("--sweep-threads", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="2 = A/B then B/A")
+    p.add_argument("--rounds", type=int, default=2, help="2 = A/B then B/A (--crossover: passes, forward then backward)")
     p.add_argument("--modes", default="off,on,auto", help="(2) --prefill-sweep modes timed A/B/B/A, first = control")
     p.add_argument("--step", type=int, default=2048, help="(2) prefill_step_size of the auto runs (generate's default)")
     p.add_argument("--crossover", action="store_true", help="run (1) only")
-    p.add_argument("--fractions", default="0.05,0.1,0.2,0.3,0.4,0.5,0.7,1.0")
+    p.add_argument("--fractions", default="0.05,0.1,0.2,0.3,0.4,0.5,0.7,1.0", help="(1) unique-expert fractions")
     p.add_argument("--demo", action="store_true", help="run (3) only")
     p.add_argument("--fraction", type=float, default=0.05, help="(3) cache fraction of the demo's records")
+    p.add_argument("--max-positions", type=int, default=None, help="(4) with --demo: a random-weight model of "
+                   "the demo's geometry with this max_position_embeddings (e.g. 16384, for 8K prompts), off vs auto")
+    p.add_argument("--build-dir", default="/tmp/hebrus_bench_prefill_demo", help="(4) where that model is built once")
     args = p.parse_args()
-    default = "512,2048,4096" if args.demo else "512,2048,8192"
+    default = "512,2048,4096" if args.demo and not args.max_positions else "512,2048,8192"
     args.lengths = [int(x) for x in (args.lengths or default).split(",")]
     if args.crossover:
         return run_crossover(args)

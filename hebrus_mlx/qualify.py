@@ -13,7 +13,11 @@
   (both digest-verified by the engine), kept only if its median GB/s wins by MIN_GAIN;
 - io.pread: SSD cold-read probe, record-sized reads at queue depth 1/8/32 with the page cache
   bypassed (O_DIRECT / F_NOCACHE) or evicted first, and the SHA-256 verify cost against that
-  bandwidth (hashlib and the engine's own implementation).
+  bandwidth (hashlib and the engine's own implementation);
+- io.sweep_crossover: the prefill sweep's crossover on the artifact's expert store (cold per-record
+  reads of a fraction of one layer vs the whole-extent sweep, stream.crossover), which the loader's
+  `--prefill-sweep auto` uses for stores of that geometry on that file system. A disk measurement:
+  it holds on Linux too.
 Without Metal every device section is "not qualified on this machine" — never "passed"; Linux runs
 the emulated kernels and the pread probe.
 
@@ -440,6 +444,43 @@ def mtlio_section(artifact: str, rounds: int, measure: Optional[Callable] = None
     return entry
 
 
+def sweep_crossover_section(artifact: str, rounds: int, fractions=None) -> dict:
+    """io.sweep_crossover: the unique-expert fraction of one layer above which the prefill sweep's
+    whole-extent read beats the slot path's per-record reads, on the artifact's own expert store,
+    cold (stream.crossover.measure: 2 * rounds passes, forward then backward, medians). The engine
+    and the sweep run as the loader builds them (8 reader threads, the sweep's 4). The loader
+    honours it for stores of this geometry on this file system (stream.crossover.from_profile)."""
+    from .admission import admit
+    from .stream import crossover
+    from .stream.engine import StreamEngine
+    from .stream.experts import StreamedExperts
+    from .utils import resolve_model_path
+
+    m = admit(str(resolve_model_path(artifact)))
+    store = Path(m.file(m.experts)).resolve()
+    how = []
+
+    def make(rows):
+        eng = StreamEngine(cache_bytes=64 << 20, threads=8, policy="clock", nocache=platform.system() == "Darwin")
+        try:
+            return eng, StreamedExperts.from_artifact(m, rows=rows, engine=eng)
+        except BaseException:
+            eng.close()
+            raise
+
+    def evict():
+        how.append(_evict(store))
+
+    entry = crossover.measure(make, evict, m.family.num_hidden_layers, fractions or crossover.FRACTIONS,
+                              passes=2 * rounds)
+    entry.update(status=crossover.MEASURED, store=str(store), artifact=str(artifact),
+                 page_cache=how[-1] if how else None,
+                 reason=("the sweep reads the whole extent faster than the slot path reads this fraction of it"
+                         if entry["sweep_won"] else "the slot path was faster at every fraction: auto sweeps only "
+                         "chunks the arena cannot take"))
+    return entry
+
+
 def io_section(probe_dir: Optional[str], record_bytes: int, probe_mib: int, store: Optional[str],
                artifact: str = "demo", rounds: int = 2) -> dict:
     from .stream import engine
@@ -447,9 +488,11 @@ def io_section(probe_dir: Optional[str], record_bytes: int, probe_mib: int, stor
     if not engine.available():
         reason = engine.unavailable_reason()
         return {"pread": {"status": NOT_QUALIFIED, "reason": reason},
-                "mtlio_vs_pread": {"status": NOT_QUALIFIED, "reason": reason}}
+                "mtlio_vs_pread": {"status": NOT_QUALIFIED, "reason": reason},
+                "sweep_crossover": {"status": NOT_QUALIFIED, "reason": reason}}
     return {"pread": pread_probe(probe_dir, record_bytes, probe_mib, store),
-            "mtlio_vs_pread": mtlio_section(artifact, rounds)}
+            "mtlio_vs_pread": mtlio_section(artifact, rounds),
+            "sweep_crossover": sweep_crossover_section(artifact, rounds)}
 
 
 # ---- streaming: GPU events vs the CPU stream ---------------------------------------------------------
@@ -525,7 +568,9 @@ def main(argv=None):
     p.add_argument("--probe-mib", type=int, default=128)
     p.add_argument("--no-emulate", action="store_true")
     p.add_argument("--artifact", default="demo",
-                   help="artifact whose expert store the MTLIO and GPU-event A/Bs stream (default: demo)")
+                   help="artifact whose expert store the MTLIO and GPU-event A/Bs stream and the prefill sweep's "
+                        "crossover is measured on (default: demo; the loader uses that crossover only for stores "
+                        "of the same record size on the same file system)")
     p.add_argument("--rounds", type=int, default=2, help="A/B/B/A rounds of each device A/B (default 2)")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per GPU-event A/B run (default 32)")
     p.add_argument("--kernels-child", action="store_true", help=argparse.SUPPRESS)

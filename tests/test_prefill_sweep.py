@@ -114,7 +114,8 @@ def test_tiny_converted_checkpoint_sweep_is_bit_identical(tiny_bf16):
     _check_swept_equals_slot_and_resident(tiny_bf16, 0.25, 13, 7)
 
 
-def test_auto_switches_at_the_crossover():
+def test_auto_switches_at_the_crossover(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "none.json"))  # no measured crossover: the built-in one
     model = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(DEMO_DIR, 0.2))
     st = model.streaming
     assert st.sweep is not None and st.sweep.mode == "auto"  # the default

@@ -37,6 +37,8 @@ def test_profile_on_this_machine_marks_nothing_passed_without_metal(tmp_path):
         assert all(pread[f"qd{q}_GBps"] > 0 for q in (1, 8, 32)) and pread["sha256_vs_qd32"] > 0
         assert pread["page_cache"].startswith(("bypassed", "evicted")), pread["page_cache"]
         assert pread["sha256_engine_vs_qd32"] > 0 and pread["sha256_engine_backend"]
+    cross = profile["io"]["sweep_crossover"]  # a disk measurement: on Linux too (stream.crossover)
+    assert cross["status"] == "measured" and 0 < cross["crossover"] <= 1 and cross["sweep_ms_median"] > 0
     assert not list(tmp_path.iterdir())  # the probe file is removed
     # round trip, and load() switches on exactly what passed on Metal
     path = write_profile(profile, tmp_path / "p.json")

@@ -39,6 +39,7 @@ from ..models.qwen4exp import Model, fuse_projections, set_norm_weights
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
 from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
+from ..stream import crossover as sweep_crossover
 from ..stream.sweep import parse_mode as parse_sweep_mode
 from ..stream.ple import attach_ple
 from ..stream.streaming import Streaming
@@ -372,7 +373,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     prefill_sweep: ``"auto"`` (None), ``"on"`` or ``"off"`` (``stream.sweep``): long prefill chunks
     read each layer's whole expert extent into a two-layer ring. The ring must fit available memory
     minus ``RESERVE_BYTES`` after the load: ``on`` is refused otherwise (SweepBudgetError), ``auto``
-    then stays off. ``on`` for resident experts is a UsageError.
+    then stays off. ``on`` for resident experts is a UsageError. ``auto`` switches at the crossover
+    the machine profile measured for this store's geometry and file system (``hebrus-mlx qualify``,
+    ``stream.crossover``), else at the built-in one; the sweep line names which.
     """
     # Admission raises before anything below allocates.
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
@@ -442,7 +445,12 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         if experts is not None:
             model.streaming.sweep_lifts_cap = stage is None
             try:
-                model.streaming.set_prefill_sweep(sweep_mode, budget=plan.available_memory() - RESERVE_BYTES)
+                kw = {}
+                if sweep_mode == "auto":  # the machine's measured crossover where the profile stands for it
+                    cross, source = sweep_crossover.for_store(experts.store_path, sum(experts.part_bytes),
+                                                              experts.num_experts)
+                    kw = dict(crossover=cross, crossover_source=source)
+                model.streaming.set_prefill_sweep(sweep_mode, budget=plan.available_memory() - RESERVE_BYTES, **kw)
             except BaseException:
                 engine.close()
                 raise

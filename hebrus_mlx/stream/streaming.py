@@ -36,6 +36,7 @@ class Streaming:
         self._order = sorted(self._by_layer)  # streamed layers, in graph order
         self.sweep: Optional[PrefillSweep] = None
         self.sweep_note: Optional[str] = None  # why `auto` is not sweeping (the ring did not fit)
+        self.crossover_source = f"built-in {CROSSOVER:.2f}"  # where auto's crossover came from (stream.crossover)
         # With a ring, prefill chunks past the arena are swept, so generate need not cap them
         # (False for a pipeline stage: every rank must take rank 0's chunks, rings or not).
         self.sweep_lifts_cap = True
@@ -61,10 +62,15 @@ class Streaming:
         self.engine.set_staging(e.arena, staging)
         self.prefetch = spec
 
-    def set_prefill_sweep(self, mode, budget: Optional[int] = None, crossover: float = CROSSOVER) -> None:
+    def set_prefill_sweep(self, mode, budget: Optional[int] = None, crossover: float = CROSSOVER,
+                          crossover_source: Optional[str] = None) -> None:
         """``auto|on|off`` (stream.sweep). ``budget``: bytes the two-layer ring may take; a ring
-        over it is refused for ``on`` (SweepBudgetError) and leaves ``auto`` off (``sweep_note``)."""
+        over it is refused for ``on`` (SweepBudgetError) and leaves ``auto`` off (``sweep_note``).
+        ``crossover``: auto's unique-expert fraction, ``crossover_source`` where it came from (the
+        sweep line prints it; stream.crossover.for_store gives both from the machine profile)."""
         mode = parse_mode(mode)
+        self.crossover_source = crossover_source or (
+            f"built-in {CROSSOVER:.2f}" if crossover == CROSSOVER else f"given {crossover:.2f}")
         if self.experts is None:
             if mode == "on":
                 raise UsageError("prefill_sweep", "only streamed routed experts are swept; experts are resident")
@@ -92,8 +98,9 @@ class Streaming:
         if self.sweep is None:
             return self.sweep_note
         c = self.sweep.counters()
+        how = f", crossover {self.crossover_source}" if self.sweep.mode == "auto" else ""
         return (f"Prefill sweep {self.sweep.mode}: {c['sweeps']} layer extents, {c['read_bytes'] / 1e9:.3f} GB read, "
-                f"exposed wait {c['wait_ns'] / 1e9:.3f} s, ring {self.sweep.bytes / 1e9:.3f} GB")
+                f"exposed wait {c['wait_ns'] / 1e9:.3f} s, ring {self.sweep.bytes / 1e9:.3f} GB{how}")
 
     @property
     def max_chunk_tokens(self) -> Optional[int]:

@@ -19,7 +19,9 @@ refused (``on``) or not used (``auto``).
 
 ``--prefill-sweep auto|on|off`` (default ``auto``): ``on`` sweeps every multi-token forward, ``auto``
 sweeps a chunk whose expected unique-expert fraction per layer, ``1 - (1 - k/E)^T`` for ``T`` tokens
-of top-``k`` routing over ``E`` experts, reaches :data:`CROSSOVER` (measured, see below), and every
+of top-``k`` routing over ``E`` experts, reaches the crossover (this machine's, measured by
+``hebrus-mlx qualify`` and read from the machine profile by ``stream.crossover``; else the built-in
+:data:`CROSSOVER`), and every
 chunk larger than the slot arena can pin (``StreamedExperts.max_chunk_tokens``). With a ring, generate
 no longer caps prefill chunks at the arena (``Streaming.prefill_chunk_cap``): a long prompt is
 prefilled in ``prefill_step_size`` chunks, as the resident path does, instead of re-reading every
@@ -42,8 +44,11 @@ DEFAULT = "auto"
 # record at a time, for a chunk the arena could take. `python benchmarks/bench_prefill.py --crossover`
 # (cold store, real 2560x640 affine4 records, 512 per layer) on the Linux VM this was built on: the
 # sweep never won (slot path 0.35-0.46 GiB/s at every fraction, the sweep 0.35 GiB/s; f=1.0: sweep/slot
-# 1.12), so auto sweeps only the chunks the arena cannot take. Public Mac runs found the sequential
-# reads much faster there (unverified here, AFN-013): re-measure on the target machine.
+# 1.12; session 5 on a faster day, 1.29 vs 1.35 GiB/s, f=1.0: 1.04), so auto sweeps only the chunks
+# the arena cannot take. Public Mac runs found the sequential
+# reads much faster there (unverified here, AFN-013): `hebrus-mlx qualify` measures it on the target
+# machine and the loader uses that value where the profile stands for the store (stream.crossover);
+# this one is the fallback.
 CROSSOVER = 1.0
 _MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
 
