@@ -12,7 +12,7 @@ hebrus-mlx is measured twice in the same alternation: with its second CPU stream
 experts on another core, in prefill also projections and half of the logits; the default on a CPU
 with >= 2 cores) and on one stream, as the peers run; --cpu-streams 1 measures only the latter.
 Targets (issue 14): decode and prefill >= 1.0x mlx-vlm and >= 1.0x mlx-lm; QSA step at 32K <= 1.5x 4K.
-Run: python benchmarks/bench_graph.py [--layers 8 --hidden 512 ...] [--checkpoint DIR] [--skip-vlm]
+Run: python benchmarks/bench_graph.py [--layers 8 --hidden 512 ...] [--checkpoint DIR] [--skip-vlm] [--split-ablation]
 """
 
 from __future__ import annotations
@@ -127,6 +127,42 @@ def variants(model, streams):
     """hebrus-mlx as measured: with the second CPU stream (the default on a CPU with >= 2 cores) and
     on one stream, as the peers run."""
     return [OnStreams(model, 2), OnStreams(model, 1)] if streams == 2 else [OnStreams(model, 1)]
+
+
+class Splits(OnStreams):
+    """Two CPU streams with only some split sites (the --split-ablation rows): `proj` the prefill
+    projections, `head` the logits by positions; the routed-expert halves are always on."""
+
+    def __init__(self, model, proj: bool, head: bool):
+        super().__init__(model, 2)
+        self.proj, self.head = proj, head
+
+    def __call__(self, x, cache=None):
+        from hebrus_mlx.models import qwen4exp
+
+        floor, logits = qwen4exp.SIDE_MIN_MACS, qwen4exp.Model._logits
+        if not self.proj:
+            qwen4exp.SIDE_MIN_MACS = 1 << 62
+        if not self.head:
+            qwen4exp.Model._logits = lambda m, h: m.lm_head(h)
+        try:
+            return super().__call__(x, cache)
+        finally:
+            qwen4exp.SIDE_MIN_MACS, qwen4exp.Model._logits = floor, logits
+
+
+def split_ablation(a):
+    model = hebrus_model(a)
+    init_weights(model)
+    fuse_projections(model)
+    prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
+    rows = [("1 CPU stream", OnStreams(model, 1)), ("2: routed-expert halves", Splits(model, False, False)),
+            ("2: + logits by positions", Splits(model, False, True)), ("2: + prefill projections", OnStreams(model, 2))]
+    decode, tokens = paired_decode([m for _, m in rows], prompt, a.decode)
+    prefill = paired_prefill([m for _, m in rows], prompt)
+    for (name, _), d, pf in zip(rows, decode, prefill):
+        print(f"{name:26s} decode {d:7.1f} tok/s {d / decode[0]:.2f}x   prefill {pf:7.1f} tok/s {pf / prefill[0]:.2f}x")
+    print(f"greedy tokens: {'identical' if all(t == tokens[0] for t in tokens) else 'DIFFER'}")
 
 
 def ratio_line(kind, ours, peer_name, peer):
@@ -313,10 +349,14 @@ def main(argv=None):
                    "(default: one built at the bench dims)")
     p.add_argument("--cpu-streams", type=int, choices=(1, 2), default=2,
                    help="2: measure hebrus-mlx with its second CPU stream and without; 1: without only")
+    p.add_argument("--split-ablation", action="store_true",
+                   help="only: hebrus on 1 vs 2 CPU streams with the split sites switched on one by one")
     p.add_argument("--skip-vlm", action="store_true")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--skip-qsa", action="store_true")
     a = p.parse_args(argv)
+    if a.split_ablation:
+        return split_ablation(a)
 
     if not a.skip_vlm:
         out = vlm_comparison(a)
