@@ -140,15 +140,28 @@ class Splits(OnStreams):
     def __call__(self, x, cache=None):
         from hebrus_mlx.models import qwen4exp
 
-        floor, logits = qwen4exp.SIDE_MIN_MACS, qwen4exp.Model._logits
+        project, logits = qwen4exp._project, qwen4exp.Model._logits
         if not self.proj:
-            qwen4exp.SIDE_MIN_MACS = 1 << 62
+            qwen4exp._project = _one_stream(project)
         if not self.head:
-            qwen4exp.Model._logits = lambda m, h: m.lm_head(h)
+            qwen4exp.Model._logits = _one_stream(logits)
         try:
             return super().__call__(x, cache)
         finally:
-            qwen4exp.SIDE_MIN_MACS, qwen4exp.Model._logits = floor, logits
+            qwen4exp._project, qwen4exp.Model._logits = project, logits
+
+
+def _one_stream(fn):
+    """`fn` building its part of the graph on one CPU stream (the stream is chosen while building)."""
+
+    def call(*args):
+        previous = cpu_streams.set_cpu_streams(1)
+        try:
+            return fn(*args)
+        finally:
+            cpu_streams.set_cpu_streams(previous)
+
+    return call
 
 
 def split_ablation(a):

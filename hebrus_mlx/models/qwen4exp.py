@@ -77,9 +77,10 @@ FUSE = os.environ.get("HEBRUS_NO_FUSE") != "1"  # off: one matmul per Linear (A/
 # prefill the split outputs are strided and copied downstream, measured slower (0.91-0.98x), so
 # longer inputs keep the per-Linear matmuls.
 FUSE_MAX_TOKENS = 16
-# Below this many multiply-adds a projection stays on one CPU stream: the cross-stream event costs
-# more than half of it (models/cpu_streams.py).
-SIDE_MIN_MACS = 1 << 18
+# Below this many multiply-adds a split site stays on one CPU stream: the cross-stream events cost
+# about what half of it saves (models/cpu_streams.py; the demo's 1-token MoE, 0.1M, ran 12% slower
+# split; the bench model's, 3.1M, 1.2x faster).
+SIDE_MIN_MACS = 1 << 20
 
 
 # The CPU backend's BLAS (reference gemm) runs x @ W^T several tens of percent faster when W is
@@ -1017,7 +1018,8 @@ class SparseMoE(nn.Module):
             if capture.router_inputs is not None:
                 capture.router_inputs[layer] = x  # post-hyper-connection MLP input
         side = cpu_streams.side_stream() if type(self.switch_mlp) is SwitchGLU else None
-        if side is not None and self.top_k > 1:
+        if side is not None and self.top_k > 1 and (
+                x.size // x.shape[-1] * self.top_k * 3 * self.switch_mlp.gate_proj.weight[0].size >= SIDE_MIN_MACS):
             # Half of the routed experts on the second CPU stream, concurrently with the other half
             # and the shared expert; each expert's output is the same matmul, combined as before.
             half = self.top_k // 2
@@ -1152,7 +1154,7 @@ class Model(nn.Module):
         return self._logits(out)
 
     def _logits(self, h):
-        side = cpu_streams.side_stream() if h.shape[-2] > 1 else None
+        side = cpu_streams.side_stream() if h.shape[-2] > 1 and h.size * self.lm_head.weight.shape[0] >= SIDE_MIN_MACS else None
         if side is None:
             return self.lm_head(h)
         # Prefill and verify blocks: the positions in two halves, one per CPU stream (a column half
