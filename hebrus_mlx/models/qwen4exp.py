@@ -92,6 +92,18 @@ SIDE_MIN_MACS = 1 << 20
 TRANSPOSE = mx.default_device() == mx.cpu and os.environ.get("HEBRUS_NO_TRANSPOSE") != "1"
 
 
+def _derived(owner: nn.Module, key: str, source: mx.array, make, evaluate: bool = True) -> mx.array:
+    """`make(source)`, kept on `owner` as a plain attribute (never a parameter) and made again only
+    when `source` is another array (a load, update or quantization replaced it)."""
+    cached = owner.__dict__.get(key)
+    if cached is None or cached[0] is not source:
+        cached = (source, make(source))
+        if evaluate:  # once here, not per call
+            mx.eval(cached[1])
+        object.__setattr__(owner, key, cached)
+    return cached[1]
+
+
 def _in_major(w: mx.array) -> mx.array:
     """`w` [..., out, in] as an equal view whose storage is [..., in, out] (see TRANSPOSE)."""
     return mx.contiguous(w.swapaxes(-1, -2)).swapaxes(-1, -2)
@@ -131,10 +143,10 @@ def _project(owner: nn.Module, linears, x):
     """[m(x) for m in linears], as one matmul when `owner` fused exactly these weights. Bit-identical
     on this CPU (each output column is the same dot product; tests/test_graph_fast_paths.py)."""
     fused = owner.__dict__.get("_fused")
-    side = cpu_streams.side_stream()
     if (fused is not None and x.shape[-2] <= FUSE_MAX_TOKENS
             and all(m.weight is w for m, w in zip(linears, fused.parts))):
         return mx.split(x @ fused.rhs, fused.splits, axis=-1)
+    side = cpu_streams.side_stream()
     if side is None or len(linears) < 2 or x.size // x.shape[-1] * sum(m.weight.size for m in linears) < SIDE_MIN_MACS:
         return [m(x) for m in linears]
     # Split the Linears between the two CPU streams, the larger ones first to whichever has fewer rows.
@@ -210,23 +222,13 @@ class ZeroCenteredRMSNorm(nn.Module):
     def scale(self):
         if self.stored_folded:
             return self.weight
-        folded = self.__dict__.get("_folded")
-        if folded is None or folded[0] is not self.weight:
-            folded = (self.weight, 1.0 + self.weight)
-            object.__setattr__(self, "_folded", folded)  # plain attribute: never a parameter
-        return folded[1]
+        return _derived(self, "_folded", self.weight, lambda w: 1.0 + w, evaluate=False)
 
     @property
     def grouped_scale(self):
         """`scale` as [groups, group_size], evaluated once per scale array (a view: no reshape node
         per call)."""
-        scale = self.scale
-        grouped = self.__dict__.get("_grouped")
-        if grouped is None or grouped[0] is not scale:
-            grouped = (scale, scale.reshape(-1, self.group_size))
-            mx.eval(grouped[1])
-            object.__setattr__(self, "_grouped", grouped)  # plain attribute: never a parameter
-        return grouped[1]
+        return _derived(self, "_grouped", self.scale, lambda s: s.reshape(-1, self.group_size))
 
     def __call__(self, x):
         if self.group_size is None:
@@ -416,12 +418,7 @@ def _rhs(linear: nn.Module) -> Optional[mx.array]:
     per call); None for anything else (quantized, biased)."""
     if type(linear) is not nn.Linear or "bias" in linear:
         return None
-    cached = linear.__dict__.get("_rhs")
-    if cached is None or cached[0] is not linear.weight:
-        cached = (linear.weight, linear.weight.T)
-        mx.eval(cached[1])
-        object.__setattr__(linear, "_rhs", cached)  # plain attribute: never a parameter
-    return cached[1]
+    return _derived(linear, "_rhs", linear.weight, lambda w: w.T)
 
 
 @lru_cache(maxsize=None)
@@ -1004,6 +1001,11 @@ class SparseMoE(nn.Module):
     def join_projections(self):
         _fuse(self, self._same_input())
 
+    def _expert_size(self):
+        """Multiply-adds of one routed expert's projection per token (hidden x intermediate)."""
+        w = self.switch_mlp.gate_proj.weight
+        return w.size // w.shape[0]
+
     def _same_input(self):
         se = self.shared_expert
         return [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
@@ -1019,7 +1021,7 @@ class SparseMoE(nn.Module):
                 capture.router_inputs[layer] = x  # post-hyper-connection MLP input
         side = cpu_streams.side_stream() if type(self.switch_mlp) is SwitchGLU else None
         if side is not None and self.top_k > 1 and (
-                x.size // x.shape[-1] * self.top_k * 3 * self.switch_mlp.gate_proj.weight[0].size >= SIDE_MIN_MACS):
+                x.size // x.shape[-1] * self.top_k * 3 * self._expert_size() >= SIDE_MIN_MACS):
             # Half of the routed experts on the second CPU stream, concurrently with the other half
             # and the shared expert; each expert's output is the same matmul, combined as before.
             half = self.top_k // 2
@@ -1154,7 +1156,8 @@ class Model(nn.Module):
         return self._logits(out)
 
     def _logits(self, h):
-        side = cpu_streams.side_stream() if h.shape[-2] > 1 and h.size * self.lm_head.weight.shape[0] >= SIDE_MIN_MACS else None
+        big = h.shape[-2] > 1 and h.size * self.lm_head.weight.shape[0] >= SIDE_MIN_MACS
+        side = cpu_streams.side_stream() if big else None
         if side is None:
             return self.lm_head(h)
         # Prefill and verify blocks: the positions in two halves, one per CPU stream (a column half

@@ -45,10 +45,9 @@ DEFAULT = "auto"
 # (cold store, real 2560x640 affine4 records, 512 per layer) on the Linux VM this was built on: the
 # sweep never won (slot path 0.35-0.46 GiB/s at every fraction, the sweep 0.35 GiB/s; f=1.0: sweep/slot
 # 1.12; session 5 on a faster day, 1.29 vs 1.35 GiB/s, f=1.0: 1.04), so auto sweeps only the chunks
-# the arena cannot take. Public Mac runs found the sequential
-# reads much faster there (unverified here, AFN-013): `hebrus-mlx qualify` measures it on the target
-# machine and the loader uses that value where the profile stands for the store (stream.crossover);
-# this one is the fallback.
+# the arena cannot take. Public Mac runs found the sequential reads much faster there (unverified
+# here, AFN-013): `hebrus-mlx qualify` measures it on the target machine and the loader uses that
+# value where the profile stands for the store (stream.crossover); this one is the fallback.
 CROSSOVER = 1.0
 _MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
 
