@@ -21,6 +21,7 @@ import sys
 
 from .artifact import constants as C
 from .artifact import manifest as M
+from .artifact import untrusted as U
 from .artifact.errors import AdmissionError, ArtifactError
 from .artifact.expert_major import ExpertMajorReader
 from .artifact.ple_pages import PleReader
@@ -64,13 +65,10 @@ class _Admission:
     def bounds(self):
         if not os.path.isdir(self.dir):
             raise AdmissionError("path", f"{self.dir} is not a directory")
-        mpath = self.file(C.MANIFEST_NAME)
-        if not os.path.isfile(mpath):
-            raise AdmissionError("manifest", "manifest.json missing")
-        size = os.path.getsize(mpath)
-        if size > C.MANIFEST_MAX_BYTES:
-            raise AdmissionError("manifest", f"{size} bytes exceeds {C.MANIFEST_MAX_BYTES}")
-        m = _json(_read(mpath), "manifest")
+        try:  # a regular file of the directory (no symlink), size-capped before it is read
+            m = U.loads(U.read_bytes(self.dir, C.MANIFEST_NAME, "manifest", field="manifest"), "manifest")
+        except FileNotFoundError:
+            raise AdmissionError("manifest", "manifest.json missing") from None
         if type(m) is not dict:
             raise AdmissionError("manifest", "must be a JSON object")
         for k, t in _REQUIRED_KEYS.items():
@@ -132,9 +130,10 @@ class _Admission:
             if required:
                 raise AdmissionError(field, "missing")
             return False
-        if not os.path.isfile(self.file(name)):
-            raise AdmissionError(field, "listed but absent")
-        data = _read(self.file(name))
+        try:  # regular, inside the directory, bounded (untrusted.LIMITS) before it is read
+            data = U.read_bytes(self.dir, name, field=field)
+        except FileNotFoundError:
+            raise AdmissionError(field, "listed but absent") from None
         if hashlib.sha256(data).hexdigest() != files[name]:
             raise AdmissionError(field, "digest mismatch")
         self.sources[name] = data
@@ -454,16 +453,9 @@ class _Admission:
         )
 
 
-def _read(path):
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def _json(data, field):
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise AdmissionError(field, f"not JSON: {e}") from None
+    # Strict: no duplicate keys, bounded nesting (untrusted.loads).
+    return U.loads(data, field)
 
 
 def _is_sha256(x):

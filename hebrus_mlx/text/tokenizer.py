@@ -8,13 +8,13 @@ Caller text and template text are tokenized by provenance (AFN-006): DATA never 
 special/added tokens, TRUSTED_CONTROL may.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from tokenizers import Tokenizer
 
+from ..artifact import untrusted
 from ..errors import HebrusError
 from .chat import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
 
@@ -284,13 +284,13 @@ def _reader(model_dir: Path, sources):
         return sources.get
 
     def read(name):
-        path = model_dir / name
-        if not path.is_file():
-            return None
+        # Regular, inside the directory, size-capped before it is read (artifact.untrusted).
         try:
-            return path.read_bytes()
+            return untrusted.read_bytes(str(model_dir), name, field=str(model_dir / name), links=True)
+        except FileNotFoundError:
+            return None
         except OSError as e:
-            raise TokenizerError(f"{path}: cannot read ({e})") from None
+            raise TokenizerError(f"{model_dir / name}: cannot read ({e})") from None
 
     return read
 
@@ -298,10 +298,10 @@ def _reader(model_dir: Path, sources):
 def _read_json(data: Optional[bytes], path: Path) -> Optional[dict]:
     if data is None:
         return None
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read JSON ({e})") from None
+    try:  # no duplicate keys, bounded nesting
+        doc = untrusted.loads(data, str(path))
+    except untrusted.UntrustedFileError as e:
+        raise TokenizerError(f"{path}: cannot read JSON ({e.message})") from None
     if not isinstance(doc, dict):
         raise TokenizerError(f"{path}: expected a JSON object")
     return doc
