@@ -13,12 +13,12 @@ No stage reads a sparse payload, and this module imports no MLX at all
 `admit()` before it allocates a single graph buffer.
 """
 
-import argparse
 import hashlib
 import json
 import os
 import sys
 
+from . import flags
 from .artifact import constants as C
 from .artifact import manifest as M
 from .artifact import untrusted as U
@@ -527,7 +527,7 @@ def admit_mirror(m: M.Manifest, directory) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
+    p = flags.Parser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
     p.add_argument("path", help="artifact directory")
     args = p.parse_args(argv)
     print(admit(args.path).report.to_json())  # a rejection is one line on stderr (cli.run)

@@ -15,7 +15,6 @@ The whole directory is published atomically and admitted (CPU-only) from the
 temp directory before the rename.
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -24,7 +23,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from . import admission, hub
+from . import admission, flags, hub
 from .artifact import atomic
 from .artifact import constants as C
 from .artifact import expert_major, manifest as M, ple_pages, untrusted
@@ -410,17 +409,22 @@ def _store(tmp, role, path, fmt, codec_name):
             "size": os.path.getsize(full), "sha256": M.sha256_file(full)}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="hebrus-mlx convert", description="Convert a Qwen4Exp HF checkpoint")
+def build_parser():
+    p = flags.Parser(prog="hebrus-mlx convert", description="Convert a Qwen4Exp HF checkpoint")
     p.add_argument("--hf-path", required=True, help="local directory or Hugging Face repo id")
     p.add_argument("--out", required=True, help="artifact directory to publish")
-    p.add_argument("--q-bits", type=int, help="default 4 (an MLX-quantized source keeps its own)")
-    p.add_argument("--q-group-size", type=int, help="default 64 (an MLX-quantized source keeps its own)")
+    p.add_argument("--q-bits", type=flags.integer(1, 16), help="default 4 (an MLX-quantized source keeps its own)")
+    p.add_argument("--q-group-size", type=flags.integer(1, 1 << 16), help="default 64 (an MLX-quantized source keeps its own)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store unquantized instead")
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out when it is an earlier hebrus-mlx artifact (never anything else)")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
     report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision,
                      mtp=not a.no_mtp, overwrite=a.overwrite).report  # errors: cli.run

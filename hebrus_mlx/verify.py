@@ -7,13 +7,13 @@ once: the record and page checks feed the whole-file digest as they go.
 Progress bars (tqdm) show on a terminal only.
 """
 
-import argparse
 import hashlib
 import json
 import sys
 
 from tqdm import tqdm
 
+from . import flags
 from .admission import admit
 from .artifact.errors import DigestError
 from .artifact.expert_major import ExpertMajorReader
@@ -55,7 +55,7 @@ def verify(path, stream=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="hebrus-mlx verify", description="verify every artifact digest")
+    p = flags.Parser(prog="hebrus-mlx verify", description="verify every artifact digest")
     p.add_argument("path")
     a = p.parse_args(argv)
     _, checked = verify(a.path)  # a failure is one line on stderr (cli.run)

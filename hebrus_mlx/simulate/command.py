@@ -30,15 +30,15 @@ from typing import List, Optional
 
 import numpy as np
 
+from .. import flags
 from ..errors import UsageError
 from . import model as S
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError("arguments", message)
+class _Parser(flags.Parser):
+    pass
 
 
 def build_parser():
@@ -46,14 +46,14 @@ def build_parser():
     p.add_argument("--profile", default="m5-pro-48gb",
                    help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
                         "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
-    p.add_argument("--layer-ms", type=float, default=None, help="with --profile machine: decode compute per layer")
+    p.add_argument("--layer-ms", type=flags.number(0, 1e6), default=None, help="with --profile machine: decode compute per layer")
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
     p.add_argument("--codec", default="affine4-g64", help="expert codec (record size)")
     p.add_argument("--trace", default=None, help="a route trace directory or export (hebrus-mlx traces)")
     p.add_argument("--cache-gb", default=None, help="cache sizes to sweep (default: up to the memory budget)")
     p.add_argument("--policies", default="lru,clock,lfu,belady")
     p.add_argument("--draft-depths", default="0,1,2,3")
-    p.add_argument("--acceptance", type=float, default=None, help="speculative acceptance per drafted token")
+    p.add_argument("--acceptance", type=flags.number(0, 1, hi_open=True), default=None, help="speculative acceptance per drafted token")
     p.add_argument("--no-verify", action="store_true", help="project without SHA-256 checks of streamed records")
     p.add_argument("--json", default=None, help="write the projection/validation as JSON")
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
@@ -61,14 +61,14 @@ def build_parser():
     p.add_argument("--stack", default=None, choices=["decode"],
                    help="with --validate: instead of --model, the real-geometry decode stack of "
                         "benchmarks/bench_stream.py --decode (I/O-bound; needs a source checkout)")
-    p.add_argument("--layers", type=int, default=4, help="with --stack decode: decoder layers")
+    p.add_argument("--layers", type=flags.integer(1, 1 << 12), default=4, help="with --stack decode: decoder layers")
     p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
                    help="with --stack decode: store path stem (bench_stream's; built on first use)")
     p.add_argument("--fresh-probe", action="store_true",
                    help="with --stack decode: probe the SSD now even when the machine profile has a probe")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=None, help="decode tokens per run (demo 48, decode stack 16)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=flags.integer(1, 1 << 24), default=32)
+    p.add_argument("--gen-tokens", type=flags.integer(1, 1 << 24), default=None, help="decode tokens per run (demo 48, decode stack 16)")
+    p.add_argument("--repeats", type=flags.integer(1, 1 << 20), default=3)
     p.add_argument("--rows", default=None,
                    help="with --validate: expert cache sizes in stored records (demo default 8,16,64,192; the "
                         "in-memory arena may get more rows of the same GB, the table shows the rows it got; "
@@ -83,8 +83,8 @@ def build_parser():
 def _list(s: str, conv, flag: str) -> list:
     try:
         v = [conv(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(flag, f"bad list {s!r}") from None
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise UsageError(flag, f"bad list {s!r}: {e}") from None
     if not v:
         raise UsageError(flag, "is empty")
     return v
@@ -197,14 +197,14 @@ def project_profile(args) -> dict:
                                                       int(sr.get("seed", 0)) + 1)
     budget = (machine.memory_gb or 0) - float(prof.get("resident_gb", 0)) - float(prof.get("reserve_gb", 0))
     if args.cache_gb:
-        caches = _list(args.cache_gb, float, "--cache-gb")
+        caches = _list(args.cache_gb, flags.gib(), "--cache-gb")
     else:
         caches = [g for g in (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96) if g <= budget]
         if not caches:
             raise UsageError("--profile", f"no expert cache fits: budget {budget:.1f} GB")
     acceptance = args.acceptance if args.acceptance is not None else float(prof.get("acceptance", 0.0))
     rows = S.sweep(machine, geom, topk, caches, _list(args.policies, str, "--policies"),
-                   S.PREFETCH + tuple(predicted), _list(args.draft_depths, int, "--draft-depths"), acceptance,
+                   S.PREFETCH + tuple(predicted), _list(args.draft_depths, flags.integer(0, 64), "--draft-depths"), acceptance,
                    warm, predicted)
     best = S.best(rows)
     return {"profile": prof, "machine": machine.to_dict(), "geometry": geom.__dict__, "routes": routes,
@@ -312,7 +312,7 @@ def validate(args) -> dict:
     from ..utils import load, resolve_model_path
 
     path = resolve_model_path(args.model)
-    rows = _list(args.rows or "8,16,64,192", int, "--rows")
+    rows = _list(args.rows or "8,16,64,192", flags.integer(1), "--rows")
     model, tok = load(str(path))
     if model.streaming is not None:
         raise UsageError("--model", "validation records routes on the resident model; this one streams")
@@ -458,7 +458,7 @@ def main(argv=None) -> int:
 
             if args.gen_tokens < 2:
                 raise UsageError("--gen-tokens", "the decode stack times tokens 1.. of a cold run: give >= 2")
-            args.rows = ",".join(str(x) for x in _list(args.rows or "20,40,80,160", int, "--rows"))
+            args.rows = ",".join(str(x) for x in _list(args.rows or "20,40,80,160", flags.integer(1), "--rows"))
             res = validate_decode(args)
         else:
             res = validate(args)
