@@ -265,7 +265,12 @@ def _suffix(body, name, vocab=None):
 _COMMON = {
     "model": _string,
     "user": _string,
-    "max_tokens": None, "temperature": None, "top_p": None, "top_k": None, "min_p": None,  # parse_sampling
+    # Honoured sampling fields: range-checked here, read by server.parse_sampling.
+    "max_tokens": lambda b, n, v=None: _integer(b, n, 1),
+    "temperature": lambda b, n, v=None: _number(b, n, 0, 1e6),
+    "top_p": lambda b, n, v=None: _number(b, n, 0, 1),
+    "top_k": lambda b, n, v=None: _integer(b, n, 0),
+    "min_p": lambda b, n, v=None: _number(b, n, 0, 1),
     "seed": _seed,
     "stop": _stop,
     "stream": None,
@@ -281,7 +286,7 @@ _COMMON = {
 }
 CHAT_FIELDS = {**_COMMON, **{
     "messages": None,  # the chat renderer checks every message
-    "max_completion_tokens": None,
+    "max_completion_tokens": lambda b, n, v=None: _integer(b, n, 1),
     "tools": _tools,
     "tool_choice": _tool_choice,
     "parallel_tool_calls": _no_op_bool(True),
