@@ -32,7 +32,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify",
       "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli", "hebrus_mlx.bench",
       "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate."), 3),
-    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.chat"), 4),
+    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.api_fields", "hebrus_mlx.chat"), 4),
 ]
 
 
