@@ -189,3 +189,20 @@ def test_stale_file_temps_of_every_publisher(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["bench.json", ".other.json.tmp-0123456789ab", ".bench.json.tmp-aaaaaaaaaaaa", ".bench.json.tmp-bbbbbbbbbbbb"])
     assert atomic.clean_stale(target) == [str(held)]  # its writer has gone now
+
+
+def test_traces_export_out_refuses_what_it_did_not_write(tmp_path):
+    """The same rule for `hebrus-mlx traces export --out`: checked before the traces are read."""
+    from hebrus_mlx.errors import UsageError
+    from hebrus_mlx.traces.export import export
+
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    afile = tmp_path / "file.txt"
+    afile.write_text("keep")
+    for out in (user, afile, tmp_path):
+        with pytest.raises(UsageError) as e:
+            export(str(tmp_path / "traces"), str(out))
+        assert e.value.field == "--out", e.value
+    assert (user / "notes.txt").read_text() == "keep" and afile.read_text() == "keep"
