@@ -41,6 +41,7 @@ def main():
         first = _snapshot(out)
         rng = random.Random(a.seed)
         killed = intact = 0
+        after = []  # temporaries present after each kill (each run removes its predecessors' first)
         for _ in range(a.kills):
             proc = _start_and_wait_for_temp(src, out, rng)
             proc.send_signal(signal.SIGKILL)
@@ -48,12 +49,14 @@ def main():
             proc.stderr.close()
             killed += proc.returncode == -signal.SIGKILL
             intact += _snapshot(out) == first
+            after.append(len(_temps(out)))
         stale = _temps(out)
         stale_bytes = sum(_size(os.path.join(tmp, t)) for t in stale)
         r = _convert(["--hf-path", src, "--out", out, "--overwrite"])
         removed = r.stderr.count("removed ")
         print(f"kills: {a.kills} started, {killed} killed mid-conversion; artifact intact after {intact}/{a.kills}")
-        print(f"stale temporaries left: {len(stale)} ({stale_bytes} bytes)")
+        print(f"temporaries present after each kill: min {min(after)} max {max(after)} (the killed run's own)")
+        print(f"stale temporaries left at the end: {len(stale)} ({stale_bytes} bytes)")
         print(f"next conversion: exit {r.returncode}, removed {removed}, left {len(_temps(out))}, "
               f"artifact identical: {_snapshot(out) == first}")
 
