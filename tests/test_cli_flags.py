@@ -8,8 +8,8 @@ declared bounds.
 """
 
 import importlib
-import math
 import io
+import math
 import os
 import signal
 import subprocess
