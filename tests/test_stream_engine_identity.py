@@ -12,6 +12,7 @@ import hashlib
 
 import pytest
 
+from fault_injection import FaultyEngine
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import DigestMismatchError
 
@@ -28,7 +29,7 @@ def store(tmp_path):
 def make():
     # direct=False: the corrupted-store case must read what the test wrote
     # through the page cache, on any filesystem.
-    return se.StreamEngine(cache_bytes=8 * REC, threads=1, direct=False, testing=True)
+    return FaultyEngine(cache_bytes=8 * REC, threads=1, direct=False)
 
 
 def corrupt(path, offset):
