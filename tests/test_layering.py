@@ -27,7 +27,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.models.cache", "hebrus_mlx.models.gated_delta", "hebrus_mlx.models.cpu_streams", "hebrus_mlx.stream", "hebrus_mlx.stream.",
       "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.kernels.", "hebrus_mlx.profile", "hebrus_mlx.utils", "hebrus_mlx.hub",
       "hebrus_mlx.traces", "hebrus_mlx.traces.", "hebrus_mlx.models.mtp"), 2),
-    (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.convert",
+    (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.upgrade", "hebrus_mlx.convert",
       "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.prompt_cache",
       "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify",
       "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli", "hebrus_mlx.bench",

@@ -186,12 +186,13 @@ def write(w, family, codec_name, records, progress=None):
     return geom
 
 
-def publish(path, family, codec_name, records, faults=None, progress=None):
-    """Atomically publish a store, verifying every record before rename."""
+def publish(path, family, codec_name, records, faults=None, progress=None, fast=None):
+    """Atomically publish a store, verifying every record before rename. `fast`
+    (fast_check.Collector) gets each record's bytes from that verify pass."""
     return atomic.publish_file(
         path,
         lambda w: write(w, family, codec_name, records, progress),
-        verify=lambda tmp: ExpertMajorReader(tmp, family, codec_name).verify_all(),
+        verify=lambda tmp: ExpertMajorReader(tmp, family, codec_name).verify_all(fast=fast),
         faults=faults,
     )
 
@@ -263,14 +264,18 @@ class ExpertMajorReader(StoreFile):
             out.setdefault(comp, {})[part] = np.frombuffer(data, dtype=dtype, count=n // DTYPE_BYTES[dtype], offset=off).reshape(shape)
         return out
 
-    def verify_all(self, progress=None, file_hash=None):
-        """Every record digest plus the whole-payload digest (separate checks)."""
+    def verify_all(self, progress=None, file_hash=None, fast=None):
+        """Every record digest plus the whole-payload digest (separate checks). `fast(bytes)`,
+        if given, is called with each record once its SHA-256 matched (the fast check's digests
+        are taken from verified bytes)."""
         g = self.geometry
 
         def record(i):
             data = self._pread(g.record_stride, g.record_offset(i), f"experts.record[{i}]")
             if hashlib.sha256(data[: g.record_bytes]).digest() != self.digests[i]:
                 raise DigestError(f"experts.record[{i}]", "record digest mismatch")
+            if fast is not None:
+                fast(data[: g.record_bytes])
             return data
 
         self._verify_payload(g.payload_offset, g.count, record, self.header["payload_sha256"], "experts",

@@ -195,13 +195,15 @@ def write(w, family, table, codec_name, chunks, rows_per_page=None, progress=Non
     return g
 
 
-def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=None, progress=None):
+def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=None, progress=None,
+            fast=None):
     """Atomically publish a PLE store; every page and the payload are
-    verified through the reader before the rename."""
+    verified through the reader before the rename. `fast` (fast_check.Collector)
+    gets each page's bytes from that verify pass."""
     return atomic.publish_file(
         path,
         lambda w: write(w, family, table, codec_name, chunks, rows_per_page, progress),
-        verify=lambda tmp: PleReader(tmp, family, codec_name).verify_all(),
+        verify=lambda tmp: PleReader(tmp, family, codec_name).verify_all(fast=fast),
         faults=faults,
     )
 
@@ -302,10 +304,18 @@ class PleReader(StoreFile):
                 raw[i] = np.frombuffer(data, np.uint8, g.row_bytes, off)
         return out
 
-    def verify_all(self, progress=None, file_hash=None):
-        """Every page (header + digest), then the whole-payload digest."""
+    def verify_all(self, progress=None, file_hash=None, fast=None):
+        """Every page (header + digest), then the whole-payload digest. `fast(bytes)`, if given,
+        is called with each page once it verified."""
         g = self.geometry
-        self._verify_payload(g.payload_offset, g.num_pages, self.read_page, self.payload_sha, "ple",
+
+        def page(i):
+            data = self.read_page(i)
+            if fast is not None:
+                fast(data)
+            return data
+
+        self._verify_payload(g.payload_offset, g.num_pages, page, self.payload_sha, "ple",
                              progress, file_hash)
 
     def extents(self):

@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 from .. import admission
 from ..artifact import constants as C
 from ..artifact import expert_major as em
+from ..artifact import fast_check
 from ..artifact.errors import AdmissionError, DigestError, GeometryError, TruncatedError
 from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
@@ -93,13 +94,23 @@ def _to_mx(a):
 
 def _load_hashed(m: Manifest, s, what: str):
     """A whole safetensors store: admission checked its metadata, not its bytes, so it is hashed
-    and loaded through one open descriptor (the bytes loaded are the bytes whose digest matched)."""
+    and loaded through one open descriptor (the bytes loaded are the bytes whose digest matched).
+    A store with a fast check (the MTP head of a new artifact) is checked chunk by chunk against
+    its XXH3-128 table, any other against its whole-file SHA-256."""
+    table, xxh3 = m.fast_table(s), fast_check.xxh3_128()
     with open(m.file(s), "rb") as f:
-        digest = hashlib.sha256()
-        while b := f.read(8 << 20):
-            digest.update(b)
-        if digest.hexdigest() != s.sha256:
-            raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
+        if table is not None and xxh3 is not None:
+            for i, want in enumerate(table):
+                if xxh3(f.read(fast_check.MTP_UNIT_BYTES)) != want:
+                    raise DigestError(f"stores.{s.path}.fast_check", f"{what} store chunk {i} XXH3-128 mismatch")
+            if f.read(1):
+                raise DigestError(f"stores.{s.path}.size", f"{what} store grew after admission")
+        else:
+            digest = hashlib.sha256()
+            while b := f.read(8 << 20):
+                digest.update(b)
+            if digest.hexdigest() != s.sha256:
+                raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
         f.seek(0)
         return mx.load(f, format="safetensors")
 
