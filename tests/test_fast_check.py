@@ -154,6 +154,22 @@ def test_a_flipped_expert_record_is_refused_by_its_domain(domain, new, old):
 
 
 @pytest.mark.parametrize("domain", ["new", "old"])
+def test_resident_loads_check_records_and_pages_by_their_domain(domain, new, old):
+    """The resident loader reads each record and page once, through the same check."""
+    d = new if domain == "new" else old
+    g = _geometry(d)
+    _flip(d, "experts.hbem", g.record_offset(g.index(3, 1)) + 9)
+    with pytest.raises(DigestError, match=("XXH3-128 mismatch" if domain == "new" else "digest mismatch")) as e:
+        load_model(d)
+    assert e.value.field == f"experts.record[{g.index(3, 1)}]"
+    shutil.copy(DEMO_DIR / "experts.hbem", os.path.join(d, "experts.hbem"))
+    _flip(d, "ple.1.hbpl", os.path.getsize(os.path.join(d, "ple.1.hbpl")) - 70)
+    with pytest.raises(DigestError, match=("XXH3-128" if domain == "new" else "page digest mismatch")) as e:
+        load_model(d)
+    assert e.value.field.startswith("ple.page[")
+
+
+@pytest.mark.parametrize("domain", ["new", "old"])
 def test_a_flipped_ple_page_and_mtp_chunk_are_refused_by_their_domain(domain, new, old):
     d = new if domain == "new" else old
     m = admit(d)

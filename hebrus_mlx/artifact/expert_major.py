@@ -22,6 +22,7 @@ import struct
 import numpy as np
 
 from . import atomic
+from . import fast_check
 from .constants import (
     AFFINE_PARTS,
     ALIGNMENT,
@@ -201,9 +202,12 @@ class ExpertMajorReader(StoreFile):
     """Validate an untrusted store on open (header + table, no payload read).
 
     family / codec_name: if given, the header must name exactly these.
+    fast: the admitted per-record XXH3-128 digests (Manifest.fast_table): record reads are then
+    checked by the fast check instead of SHA-256 (verify_all always checks SHA-256).
     """
 
-    def __init__(self, path, family=None, codec_name=None):
+    def __init__(self, path, family=None, codec_name=None, fast=None):
+        self._fast = fast_check.checker(fast)
         super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
@@ -246,7 +250,10 @@ class ExpertMajorReader(StoreFile):
         g = self.geometry
         i = g.index(layer, expert)
         data = self._pread(g.record_bytes, g.record_offset(i), f"experts.record[{i}]")
-        if hashlib.sha256(data).digest() != self.digests[i]:
+        if self._fast is not None:
+            if not self._fast(i, data):
+                raise DigestError(f"experts.record[{i}]", f"XXH3-128 mismatch for (layer {layer}, expert {expert})")
+        elif hashlib.sha256(data).digest() != self.digests[i]:
             raise DigestError(f"experts.record[{i}]", f"digest mismatch for (layer {layer}, expert {expert})")
         return data
 

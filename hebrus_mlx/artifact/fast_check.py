@@ -84,6 +84,15 @@ def scan_file(path, field):
     return sha.hexdigest(), fast
 
 
+def checker(table):
+    """`check(i, data) -> bool` against unit i of a digest list (Manifest.fast_table), or None
+    when there is none or the extension is not built (then callers check SHA-256)."""
+    xxh3 = xxh3_128() if table is not None else None
+    if xxh3 is None:
+        return None
+    return lambda i, data: xxh3(bytes(data)) == table[i]
+
+
 def entry(store_path, table):
     """The manifest's `fast_check` object for a store whose digest table is `table`."""
     return {"algorithm": ALGORITHM, "path": table_path(store_path), "size": len(table),

@@ -23,6 +23,7 @@ import struct
 import numpy as np
 
 from . import atomic
+from . import fast_check
 from .constants import (
     ALIGNMENT,
     OFF_T_MAX,
@@ -209,9 +210,12 @@ def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=
 
 
 class PleReader(StoreFile):
-    """Open validates the manifest (no row payload is read)."""
+    """Open validates the manifest (no row payload is read). fast: the admitted per-page XXH3-128
+    digests (Manifest.fast_table): page reads are then checked by the fast check instead of
+    SHA-256 (verify_all always checks SHA-256)."""
 
-    def __init__(self, path, family=None, codec_name=None):
+    def __init__(self, path, family=None, codec_name=None, fast=None):
+        self._fast = fast_check.checker(fast)
         super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
@@ -253,7 +257,7 @@ class PleReader(StoreFile):
         self.payload_sha = payload_sha
         self.digests = rest[: SHA256_BYTES * g.num_pages]
 
-    def _check_page(self, page, data):
+    def _check_page(self, page, data, sha=False):
         g = self.geometry
         vals = dict(zip(_PAGE_FIELDS, _PAGE.unpack_from(data)))
         for name, want in g.page_values(page).items():
@@ -261,16 +265,19 @@ class PleReader(StoreFile):
                 raise GeometryError(f"ple.page[{page}].{name}", f"page header says {vals[name]}, expected {want}")
         if data[_PAGE.size : PLE_PAGE_HEADER_BYTES] != bytes(PLE_PAGE_HEADER_BYTES - _PAGE.size):
             raise HeaderError(f"ple.page[{page}].reserved", "reserved page header bytes are not zero")
-        if hashlib.sha256(data).digest() != self.digests[page * 32 : page * 32 + 32]:
+        if self._fast is not None and not sha:
+            if not self._fast(page, data):
+                raise DigestError(f"ple.page[{page}]", "page XXH3-128 mismatch")
+        elif hashlib.sha256(data).digest() != self.digests[page * 32 : page * 32 + 32]:
             raise DigestError(f"ple.page[{page}]", "page digest mismatch")
 
-    def read_page(self, page):
-        """One verified page snapshot."""
+    def read_page(self, page, sha=False):
+        """One verified page snapshot (sha: by its SHA-256 even where a fast table was given)."""
         g = self.geometry
         if not 0 <= page < g.num_pages:
             raise GeometryError("ple.page", f"page {page} outside [0, {g.num_pages})")
         data = self._pread(g.page_stride, g.payload_offset + page * g.page_stride, f"ple.page[{page}]")
-        self._check_page(page, data)
+        self._check_page(page, data, sha)
         return data
 
     def verify_page(self, page):
@@ -310,7 +317,7 @@ class PleReader(StoreFile):
         g = self.geometry
 
         def page(i):
-            data = self.read_page(i)
+            data = self.read_page(i, sha=True)
             if fast is not None:
                 fast(data)
             return data

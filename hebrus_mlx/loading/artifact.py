@@ -166,7 +166,7 @@ def _experts(m: Manifest, layers=None):
     all; a pipeline stage reads only its own records)."""
     s, fam = m.experts, m.family
     out = {}
-    with ExpertMajorReader(m.file(s), fam, s.codec) as r:
+    with ExpertMajorReader(m.file(s), fam, s.codec, fast=m.fast_table(s)) as r:
         layout = r.geometry.layout
         for layer in (range(fam.num_hidden_layers) if layers is None else layers):
             stacks = {(comp, part): np.empty((fam.num_experts,) + shape, dtype)
@@ -184,7 +184,7 @@ def _ple(m: Manifest, layers=None):
     """Resident PLE tables (of `layers`, default all): every page read through its digest check."""
     out = {}
     for s in _ple_stores(m, layers):
-        with PleReader(m.file(s), m.family, s.codec) as r:
+        with PleReader(m.file(s), m.family, s.codec, fast=m.fast_table(s)) as r:
             g = r.geometry
             raw = np.empty((g.total_rows, g.row_bytes), np.uint8)
             for page in range(g.num_pages):
