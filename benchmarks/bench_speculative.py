@@ -31,9 +31,9 @@ import mlx.core as mx
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
-from hebrus_mlx.generate import generate_step, generation_stream
+from hebrus_mlx.generate import generate_step, speculative_generate_step
 from hebrus_mlx.models import qwen4exp
-from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter, speculative_generate_step
+from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter
 from hebrus_mlx.speculative.drafters import OracleDrafter
 from hebrus_mlx.utils import DEMO_DIR, load
 
@@ -99,8 +99,7 @@ def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None, schedule=
             if logs is not None and schedule is None:
                 logs.append(gov.log)
         steps = speculative_generate_step(mx.array(ids), model, drafter, effective_vocab_size=V, max_tokens=n_tokens,
-                                          num_draft_tokens=block, governor=gov, stats=stats,
-                                          stream=generation_stream())  # as generate_step runs it
+                                          num_draft_tokens=block, governor=gov, stats=stats)
     out = []
     for t, *_ in steps:
         if not out and on_first is not None:
