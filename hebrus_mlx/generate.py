@@ -1,5 +1,12 @@
-"""Text generation with the feel of `mlx_lm.generate`: `generate_step`, `stream_generate`,
-`generate` and the `hebrus-mlx generate` / `python -m hebrus_mlx.generate` command."""
+"""Text generation with the feel of `mlx_lm.generate`: `generate_step`, `speculative_generate_step`,
+`stream_generate`, `generate` and the `hebrus-mlx generate` / `python -m hebrus_mlx.generate` command.
+
+One loop serves every path: `prefill_chunks` / `prefill` feed a prompt chunk by chunk (the chunk
+cap, rollback, evaluation), `DecodeStep` turns one forward into log-probabilities and a token, and
+the pipelined decode queues the next step before reading the current token; speculative decoding is
+a strategy that loop calls (speculative/protocol.py). The prompt cache and trace replay use the
+same prefill. The CLI helpers chat and server share are public here: `build_parser`, `check_args`,
+`load_from_args`, `context_limit` (and `cli_args`)."""
 
 import argparse
 import sys

@@ -479,7 +479,7 @@ class App:
                                 "hits": w.prompt_cache.hits, "misses": w.prompt_cache.misses}}
         streaming = getattr(w.model, "streaming", None)
         if streaming is not None:
-            mem = streaming.engine.memory()
+            mem = streaming.memory()
             out["stream"] = {"tickets": mem.get("tickets"), "pinned_slots": mem.get("pinned_slots")}
         stages = getattr(w.model, "all_stages", None)
         if stages is not None:  # under mlx.launch: who holds which layers, and whether the pipeline is up

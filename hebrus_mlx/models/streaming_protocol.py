@@ -52,6 +52,9 @@ class Streaming(Protocol):
     def counters(self) -> dict:
         """The engine's counters (exact misses, exposed wait, bytes, ...)."""
 
+    def memory(self) -> dict:
+        """Open tickets and pinned slots (the server's health endpoint)."""
+
     def summary(self) -> List[str]:
         """Stats lines (prefill sweep, I/O, mirror) for generate's verbose output."""
 

@@ -126,7 +126,8 @@ class Speculation:
 
     num_draft_tokens: the block limit (default 3); governor: "auto" (choose the block per step,
     see governor.py), None (always the limit) or a Governor (anything with its block_size /
-    observe_block / observe_step / observe_routes); trace: a list receiving a StepTrace per verify."""
+    observe_block / observe_step / observe_routes); trace: a list receiving a StepTrace per verify;
+    tickets: the request's ticket scope (Streaming.request(); None when nothing streams)."""
 
     def __init__(self, model, drafter: Drafter, cache, sampler: Callable, tickets, *,
                  num_draft_tokens: Optional[int] = None, governor: Any = "auto",

@@ -176,6 +176,10 @@ class Streaming:
         """The engine's counters (StreamEngine.counters)."""
         return self.engine.counters()
 
+    def memory(self) -> dict:
+        """The engine's memory view (open tickets, pinned slots; StreamEngine.memory)."""
+        return self.engine.memory()
+
     @property
     def streams_experts(self) -> bool:
         """Routed experts stream (else only PLE pages do)."""
