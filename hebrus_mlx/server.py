@@ -6,7 +6,7 @@ and `stream_options.include_usage`), GET /v1/models, GET /health. Starlette on u
 One worker thread owns the model (MLX streams belong to the thread that built the graph, and the
 streaming extension's ops too): requests queue in FIFO order and run one at a time. A client that
 disconnects cancels its request, queued or running: its pending expert reads fail at once (one
-engine generation per request), the last queued step is drained so no ticket stays pinned, and
+ticket scope per request, `Model.streaming.request()`, speculative reads included), the last queued step is drained so no ticket stays pinned, and
 the next request starts from clean state. Batched decode is not implemented. Prompts reuse the longest
 cached prefix (`PromptCache`, exact prefixes only; see prompt_cache.py).
 
@@ -728,7 +728,7 @@ def refuse_unused(args, actions, used, verb):
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="hebrus-mlx server", description="OpenAI-compatible HTTP server (like mlx_lm.server).",
-                    conflict_handler="resolve")
+                       conflict_handler="resolve")
     p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on start)")
