@@ -7,8 +7,9 @@ One worker thread owns the model (MLX streams belong to the thread that built th
 streaming extension's ops too): requests queue in FIFO order and run one at a time. A client that
 disconnects cancels its request, queued or running: its pending expert reads fail at once (one
 ticket scope per request, `Model.streaming.request()`, speculative reads included), the last
-queued step is drained so no ticket stays pinned, and the next request starts from clean state. Batched decode is not implemented. Prompts reuse the longest
-cached prefix (`PromptCache`, exact prefixes only; see prompt_cache.py).
+queued step is drained so no ticket stays pinned, and the next request starts from clean state.
+Batched decode is not implemented. Prompts reuse the longest cached prefix (`PromptCache`, exact
+prefixes only; see prompt_cache.py).
 
 Under `mlx.launch` (pipeline parallel, see hebrus_mlx/pipeline) rank 0 serves HTTP and drives the
 pipeline; the other ranks run their layer ranges. Prefix snapshots are kept by every rank for its
