@@ -19,7 +19,6 @@ both side by side. `--stack decode` does the same on the I/O-heavy real-geometry
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -30,19 +29,15 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from . import model as S
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError("arguments", message)
-
-
 def build_parser():
-    p = _Parser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="m5-pro-48gb",
                    help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
                         "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
