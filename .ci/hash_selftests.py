@@ -23,6 +23,18 @@ def selftests():
     return sorted(p for p in (ROOT / "tools").glob("check_*.py") if re.search(r"""["']--arch["']""", p.read_text()))
 
 
+def _fast_check_backend():
+    """The XXH3 backend the installed extension picked, or None in a build without the fast check."""
+    for module, fn in (("hebrus_mlx._hash", "xxh3_backend"), ("hebrus_mlx._ext", "xxh3_backend")):
+        try:
+            mod = __import__(module, fromlist=[fn])
+        except ImportError:
+            continue
+        if hasattr(mod, fn):
+            return str(getattr(mod, fn)())
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--require-arm64", action="store_true",
@@ -47,6 +59,11 @@ def main(argv=None) -> int:
         print(f"{platform.machine()}: installed extension's SHA-256 backend {backend}")
         if platform.machine() not in ("arm64", "aarch64") or backend != "armv8":
             failed.append(f"engine SHA-256 backend {backend} on {platform.machine()} (want armv8 on arm64)")
+        fast = _fast_check_backend()
+        if fast is not None:  # the per-read fast check (XXH3-128), where this build has it
+            print(f"installed extension's fast-check backend {fast}")
+            if "neon" not in fast.lower():
+                failed.append(f"fast-check backend {fast} on arm64 (want the NEON path)")
     if failed:
         print("FAILED: " + "; ".join(failed), file=sys.stderr)
         return 1

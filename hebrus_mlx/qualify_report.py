@@ -200,18 +200,20 @@ def ssd_section(store: str, record_bytes: int, reads: int = 64) -> dict:
 
 
 def fast_check_rates(record_bytes: int) -> dict:
-    """The fast per-record check's one-thread rate, from qualify's `fast_check_cost` where this
-    build has it (issue 23 adds it), else said so."""
-    from . import qualify
+    """The fast per-record check's one-thread rate (`bench.machine.fast_check_rate`, issue 23's
+    XXH3-128) where this build has it, else said so."""
+    from .bench import machine
 
-    fn = getattr(qualify, "fast_check_cost", None)
+    fn = getattr(machine, "fast_check_rate", None)
     if fn is None:
         return {"status": NOT_AVAILABLE}
     try:
         got = fn(record_bytes)
     except Exception as e:  # noqa: BLE001  (a build without the C++ side says so, the report goes on)
         return {"status": NOT_AVAILABLE, "reason": f"{type(e).__name__}: {e}"}
-    return dict(got, status="measured") if isinstance(got, dict) else {"status": "measured", "GBps_one_thread": got}
+    if not isinstance(got, dict) or not got:
+        return {"status": NOT_AVAILABLE}
+    return dict(got, status="measured")
 
 
 def hash_section(record_bytes: int, qd32_gbps: Optional[float]) -> dict:
@@ -269,6 +271,9 @@ def artifact_facts(artifact: str) -> dict:
             "num_layers": fam.num_hidden_layers, "num_experts": fam.num_experts, "top_k": fam.num_experts_per_tok,
             "record_bytes": g.record_stride, "record_payload_bytes": g.record_bytes,
             "expert_store_bytes": experts, "other_bytes": sum(s.size for s in m.stores if s.role != "experts"),
+            # What streaming checks each record read with: the fast check (XXH3-128) where the
+            # artifact carries its table (issue 23), else SHA-256.
+            "read_check": "xxh3-128" if getattr(m.experts, "fast_check", None) else "sha256",
             "_store": m.file(m.experts)}
 
 

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from hebrus_mlx import qualify
 from hebrus_mlx import qualify_report as QR
 from hebrus_mlx.profile import NOT_QUALIFIED
 from hebrus_mlx.stream import engine as se
@@ -154,7 +153,9 @@ def test_scrub_replaces_paths_and_whole_names_only():
 
 
 def test_fast_check_section_reads_the_rate_where_the_build_has_it(monkeypatch):
-    monkeypatch.delattr(qualify, "fast_check_cost", raising=False)
+    from hebrus_mlx.bench import machine
+
+    monkeypatch.delattr(machine, "fast_check_rate", raising=False)
     assert QR.fast_check_rates(4096) == {"status": QR.NOT_AVAILABLE}
-    monkeypatch.setattr(qualify, "fast_check_cost", lambda n: {"xxh3_GBps_one_thread": 9.5}, raising=False)
-    assert QR.fast_check_rates(4096) == {"xxh3_GBps_one_thread": 9.5, "status": "measured"}
+    monkeypatch.setattr(machine, "fast_check_rate", lambda n: {"xxh3_128_GBps_one_thread": 9.5}, raising=False)
+    assert QR.fast_check_rates(4096) == {"xxh3_128_GBps_one_thread": 9.5, "status": "measured"}
