@@ -61,7 +61,7 @@ esac
 site="$lane/site"
 step "installing $(basename "$mlxb") and the pinned wheels into $site (offline)"
 rm -rf "$site"
-$py -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile --target "$site" \
+$py -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-index --no-deps --no-compile --target "$site" \
   "$wheels"/mlx-0.32.4-*.whl "$mlxb" "$wheels"/mlx_lm-0.32.2-*.whl "$wheels"/transformers-5.24.0-*.whl \
   "$wheels"/tokenizers-*.whl "$wheels"/nanobind-*.whl
 export PYTHONPATH="$site:$PWD"
