@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
                    help="also write the qualify report (JSON, and a .md summary beside it) to attach to an issue")
     p.add_argument("--report-cache-gb", default=None, metavar="A,B",
                    help="with --report: the two expert-cache sizes (GiB) of the streamed decodes "
-                        f"(default {' and '.join(f'{f:.0%}' for f in CACHE_FRACTIONS)} of the expert store)")
+                        f"(default {' and '.join(f'{f:.0%}%' for f in CACHE_FRACTIONS)} of the expert store)")
 
 
 def check_arguments(a) -> None:

@@ -145,6 +145,12 @@ def test_bad_report_input_exits_2_naming_the_field(tmp_path, args, field):
     assert not (tmp_path / "p.json").exists() and not (tmp_path / "r.json").exists()
 
 
+def test_help_lists_the_report_flags():
+    for verb in ("qualify", "simulate"):
+        proc = _cli(verb, "--help")
+        assert proc.returncode == 0 and "--report" in proc.stdout, proc.stderr[-500:]
+
+
 def test_scrub_replaces_paths_and_whole_names_only():
     words = QR.secrets(["/data/alice/models/x"])
     got = QR.scrub({"a": "read /data/alice/models/x/experts.hbem", "/data/alice/models/x": 1,
