@@ -62,7 +62,7 @@ def _metal_device_opens() -> bool:
     import mlx.core as mx
 
     try:
-        return bool(mx.metal.device_info())
+        return bool(mx.device_info(mx.gpu))
     except RuntimeError:  # MLX's Metal build on a Mac (or VM) with no Metal device
         return False
 

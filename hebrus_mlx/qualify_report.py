@@ -149,7 +149,7 @@ def identity() -> dict:
              "hebrus_mlx": _version(metadata), "backend": compute_backend(), "default_device": str(mx.default_device()),
              "metal_build": bool(hasattr(mx, "metal") and mx.metal.is_available())}
     if metal_device():
-        info = mx.metal.device_info()
+        info = mx.device_info(mx.gpu)
         ident["metal_device"] = _pick(info, ("device_name", "architecture", "memory_size",
                                              "max_recommended_working_set_size"))
     build = {"extension": engine.available()}

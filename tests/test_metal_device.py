@@ -17,13 +17,17 @@ def metal_build(monkeypatch):
     """MLX as a macOS build reports itself: Metal compiled; the device and default device as set."""
     state = {"default": mx.gpu, "opens": True}
 
-    def device_info():
+    real_info = mx.device_info
+
+    def device_info(device=None):
+        if device is not None and device != mx.gpu:
+            return real_info(device)
         if not state["opens"]:
             raise RuntimeError("[metal::Device] Failed to load device")
         return {"device_name": "Apple M-test", "architecture": "applegpu_test"}
 
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
-    monkeypatch.setattr(mx.metal, "device_info", device_info)
+    monkeypatch.setattr(mx, "device_info", device_info)
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(state["default"]))
     prof._metal_device_opens.cache_clear()
     yield state
