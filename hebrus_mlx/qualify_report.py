@@ -277,6 +277,12 @@ def artifact_facts(artifact: str) -> dict:
             "_store": m.file(m.experts)}
 
 
+def _by_round(runs, config):
+    """A configuration's per-token-median tok/s in schedule order (one per round: every round runs
+    every configuration once, so round i of two configurations ran side by side)."""
+    return [r["decode_tok_s_p50"] for r in runs if r["config"] == config]
+
+
 def _median(summary, config, key):
     for s in summary:
         if s["config"] == config:
@@ -347,6 +353,7 @@ def decode_section(artifact: str, gen_tokens: int, repeats: int, cache_gb: Optio
             label = H.label(configs[1])
             tps = _median(summary, label, "decode_tok_s_p50")
             out["all_cached"] = {"cache_gb": all_gb, "decode_tok_s_p50": tps, "layer_ms": 1e3 / tps / L,
+                                 "decode_tok_s_p50_by_round": _by_round(runs, label),
                                  "exposed_wait_ms_per_token": _median(summary, label, "exposed_wait_ms_per_token"),
                                  "hit_rate": _median(summary, label, "hit_rate"),
                                  "what": "streamed with every record cached: the streamed path's compute"}
@@ -360,6 +367,7 @@ def decode_section(artifact: str, gen_tokens: int, repeats: int, cache_gb: Optio
         run = next(r for r in runs if r["config"] == label)
         entry = {key: _median(summary, label, key) for key in keys}
         entry.update(cache_gb=g, cache_fraction=g * 2**30 / (total_rows * R), arena_rows=run.get("arena_rows"),
+                     decode_tok_s_p50_by_round=_by_round(runs, label),
                      prefetch="off", policy="clock")
         streamed.append(entry)
     out["streamed"] = streamed
