@@ -102,6 +102,7 @@ def test_simulate_validate_replays_the_reported_runs(report):
         assert run["predicted_tok_s"] > 0 and run["measured_tok_s"] > 0
         assert abs(run["predicted_hit_rate"] - run["measured_hit_rate"]) < 0.1, run
     assert v["runs"][0]["predicted_hit_rate"] < v["runs"][1]["predicted_hit_rate"]
+    assert all(len(run["ratios_by_round"]) == 2 for run in v["runs"])  # paired with its round's compute
 
 
 def test_simulate_profile_projects_from_the_report(report):
