@@ -49,7 +49,9 @@ def generation_stream():
 def wired_limit(model):
     """Wire the model's weights while generating when they are a large part of the Metal working set
     (mlx-lm's rule); a no-op without Metal (this machine: not exercised)."""
-    if not (hasattr(mx, "metal") and mx.metal.is_available()):
+    from .profile import metal_device
+
+    if not metal_device():
         yield
         return
     from mlx.utils import tree_reduce
