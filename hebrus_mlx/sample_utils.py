@@ -58,6 +58,9 @@ def make_sampler(
         x = x - mx.logsumexp(x, axis=-1, keepdims=True)
         return inner(x)
 
+    # generate's decode step masks and normalises once and calls this (AFN-005 holds: its input is
+    # -inf past the effective vocabulary and renormalised over the valid rows).
+    sampler.from_logprobs = inner
     # The distribution the sampler draws from, for speculative rejection sampling; None = argmax.
     sampler.distribution = None if temp == 0 else _make_distribution(
         effective_vocab_size, temp, top_p, min_p, min_tokens_to_keep, top_k)
