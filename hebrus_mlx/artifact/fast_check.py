@@ -140,7 +140,10 @@ def admit_table(directory, field, store, units):
     path = os.path.join(directory, fc["path"])
     if not os.path.isfile(path) or os.path.islink(path):
         raise AdmissionError(f"{field}.fast_check.path", f"{fc['path']!r} missing or not a regular file")
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # never through a link
+    except OSError as e:
+        raise AdmissionError(f"{field}.fast_check.path", f"{fc['path']!r}: {e.strerror}") from None
     try:
         size = os.fstat(fd).st_size
         if size != fc["size"]:
