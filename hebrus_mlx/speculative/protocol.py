@@ -187,7 +187,7 @@ def speculative_generate_step(
     cache = model.make_cache() if prompt_cache is None else prompt_cache
     if not hasattr(cache, "snapshot"):
         raise GenerationError("speculative decoding needs a SequenceCache (snapshot/restore)")
-    sampler = sampler or make_sampler(effective_vocab_size)
+    sampler = sampler or make_sampler()  # the loop masks the vocabulary before sampling
     processors = logits_processors or []
     stats = stats if stats is not None else SpeculativeStats()
     streaming = getattr(model, "streaming", None)
@@ -438,7 +438,7 @@ def replay_step(model, cache, y: int, proposal: Proposal, effective_vocab_size: 
     """One protocol step against the native target outside the generator (golden replay):
     verify [y] + path in one forward, decide, roll the rejected suffix back. Returns
     (accepted, bonus, committed)."""
-    sampler = sampler or make_sampler(effective_vocab_size)
+    sampler = sampler or make_sampler()  # the loop masks the vocabulary before sampling
     block = [int(y)] + proposal.tokens
     snap = cache.snapshot()
     logits = model(mx.array(block, dtype=mx.int32)[None], cache=cache)[0]
