@@ -134,13 +134,16 @@ class TextTokenizer:
         return self._renderer.render(messages, tools, add_generation_prompt, enable_thinking)
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=True,
-                            enable_thinking=None, **kwargs):
+                            enable_thinking=None, return_dict=False, **kwargs):
         """mlx-lm / transformers call shape: token IDs (`tokenize=True`) or the rendered string.
 
         The IDs are tokenized by provenance (AFN-006): caller text stays DATA. The string is for
         display; re-encoding it with `encode` would turn the template's control spellings into
-        plain text, so use the IDs for generation.
+        plain text, so use the IDs for generation. `return_dict=False` is what mlx-lm's
+        TokenizerWrapper passes; True (transformers' BatchEncoding) is refused.
         """
+        if return_dict:
+            raise TokenizerError("apply_chat_template: return_dict=True is not supported (the IDs are a list)")
         if kwargs:
             # transformers' extras (return_dict, continue_final_message, ...) change the output.
             raise TokenizerError(f"apply_chat_template: unsupported argument {sorted(kwargs)[0]!r}")
@@ -163,8 +166,35 @@ class TextTokenizer:
         return min(self.stop_token_ids) if self.stop_token_ids else None
 
     @property
+    def eos_token(self) -> Optional[str]:
+        return self.special_tokens_map.get("eos_token")
+
+    @property
+    def bos_token(self) -> Optional[str]:
+        """None for Qwen (no BOS): mlx-lm's stream_generate then encodes a string prompt as is."""
+        return self.special_tokens_map.get("bos_token")
+
+    @property
+    def bos_token_id(self) -> Optional[int]:
+        return self.added_tokens.get(self.bos_token) if self.bos_token is not None else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    @has_chat_template.setter
+    def has_chat_template(self, _value):
+        # mlx-lm's TokenizerWrapper forwards its own `has_chat_template = ...` to the tokenizer it
+        # wraps (True for any tokenizer with its own apply_chat_template); the answer stays derived
+        # from this tokenizer's template, which the wrapper then reads back.
+        pass
+
+    @property
     def vocab_size(self) -> int:
         return self.effective_vocab_size
+
+    def __len__(self) -> int:
+        return self.effective_vocab_size  # transformers' len(tokenizer): every assigned ID
 
     def get_vocab(self) -> dict:
         return self._tok.get_vocab(with_added_tokens=True)
@@ -201,6 +231,14 @@ class TextTokenizer:
     @property
     def detokenizer(self) -> "StreamingDetokenizer":
         return StreamingDetokenizer(self)
+
+    def to_mlx_lm(self):
+        """An `mlx_lm.tokenizer_utils.TokenizerWrapper` over this tokenizer that stops on the whole
+        stop set and streams text with this detokenizer. mlx-lm wraps any other tokenizer itself,
+        and that wrapper stops on `eos_token_id` alone."""
+        from mlx_lm.tokenizer_utils import TokenizerWrapper  # slow import (transformers): only here
+
+        return TokenizerWrapper(self, StreamingDetokenizer, eos_token_ids=sorted(self.stop_token_ids))
 
 
 class StreamingDetokenizer:
