@@ -393,11 +393,18 @@ def _special_tokens_map(tcfg: Optional[dict]) -> dict:
     return out
 
 
-def load_tokenizer(model_dir, physical_vocab_size: int, sources=None) -> TextTokenizer:
+def load_tokenizer(model_dir, physical_vocab_size: int, sources=None, *, eos_token: Optional[str] = None,
+                   chat_template: Optional[str] = None) -> TextTokenizer:
     """Load tokenizer.json, tokenizer_config.json, chat template and generation_config.json.
     `sources` ({file name: bytes}, e.g. an admitted artifact's `Manifest.sources`): use exactly
-    these bytes instead of reading the files again."""
+    these bytes instead of reading the files again.
+
+    mlx-lm's `tokenizer_config` overrides: `eos_token` (a token string) becomes the eos token and
+    joins the stop set; `chat_template` (Jinja source) replaces the checkpoint's template."""
     model_dir = Path(model_dir)
+    for field, value in (("eos_token", eos_token), ("chat_template", chat_template)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise TokenizerError(f"tokenizer_config.{field}", f"must be a non-empty string, got {value!r}")
     files = _find_files(model_dir, sources)
     # Small files are checked before the large one is loaded.
     eos = _eos_ids(files.generation_config, model_dir / "generation_config.json")
@@ -406,5 +413,12 @@ def load_tokenizer(model_dir, physical_vocab_size: int, sources=None) -> TextTok
         tok = Tokenizer.from_str(files.tokenizer_bytes.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise TokenizerError(f"{files.tokenizer_json}: cannot load ({e})") from None
-    return TextTokenizer(tok, physical_vocab_size, eos_token_ids=eos, chat_template=files.chat_template,
+    if eos_token is not None:
+        eos_id = tok.token_to_id(eos_token)
+        if eos_id is None:
+            raise TokenizerError("tokenizer_config.eos_token", f"{eos_token!r} is not one token of this tokenizer")
+        special["eos_token"] = eos_token
+        eos = [*eos, eos_id]
+    return TextTokenizer(tok, physical_vocab_size, eos_token_ids=eos,
+                         chat_template=files.chat_template if chat_template is None else chat_template,
                          special_tokens_map=special)
