@@ -32,16 +32,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import importlib
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from .errors import HebrusError
 from .models.cache import AttentionCache, CacheHoleError, CacheStateError, LinearCache, SequenceCache, rollback_on_error
 
 _gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
-
-
-def _snapshot_arrays(snap) -> List[mx.array]:
-    return [a for _, a in tree_flatten(snap) if isinstance(a, mx.array)]
 
 
 @dataclass
@@ -93,9 +89,8 @@ class PromptCache:
             self._entries.move_to_end(key)
             return True
         snap = cache.detach()
-        arrays = _snapshot_arrays(snap)
-        mx.eval(arrays)
-        nbytes = sum(a.nbytes for a in arrays)
+        mx.eval(snap)  # a tree of arrays and counters
+        nbytes = cache.nbytes  # the live rows the detached snapshot holds (mlx-lm's protocol)
         if nbytes > self.max_bytes:
             return False
         self._entries[key] = _Entry(snap, nbytes)
