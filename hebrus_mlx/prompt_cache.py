@@ -35,7 +35,7 @@ import mlx.core as mx
 from mlx.utils import tree_unflatten
 
 from .errors import HebrusError
-from .models.cache import AttentionCache, CacheHoleError, CacheStateError, LinearCache, SequenceCache, rollback_on_error
+from .models.cache import AttentionCache, CacheHoleError, CacheStateError, LinearCache, SequenceCache
 
 _gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -114,20 +114,6 @@ class Usage:
     generation_seconds: float = 0.0
 
 
-def _prefill(model, cache, ids: mx.array, step: int, cancelled: Callable[[], bool]):
-    streaming = getattr(model, "streaming", None)
-    if streaming is not None and streaming.prefill_chunk_cap is not None:
-        step = min(step, streaming.prefill_chunk_cap)  # as generate_step: a chunk pins its experts
-    while ids.size:
-        if cancelled():
-            return False
-        chunk, ids = ids[:step], ids[step:]
-        with rollback_on_error(cache, cache.snapshot()):
-            out = model(chunk[None], cache=cache)
-            _gen._eval_cache(cache, out)
-    return True
-
-
 def stream_with_cache(
     model,
     tokenizer,
@@ -147,7 +133,7 @@ def stream_with_cache(
     sees the tokens from the last cached position on, so a prompt-lookup drafter finds fewer
     matches after a long cached prefix; the tokens are the same either way)."""
     ids = list(ids)
-    limit = _gen._context_limit(model)
+    limit = _gen.context_limit(model)
     if not ids:
         raise _gen.GenerationError("prompt is empty")
     if limit is not None and len(ids) + max_tokens > limit:
@@ -160,7 +146,8 @@ def stream_with_cache(
         cache, n = model.make_cache(), 0
     if usage is not None:
         usage.prompt_tokens, usage.cached_tokens = len(ids), n
-    if not _prefill(model, cache, mx.array(ids[n:-1], dtype=mx.int32), prefill_step_size, cancelled):
+    # generate's prefill (chunk cap, rollback); the last token is the decode loop's first input.
+    if not _gen.prefill(model, mx.array(ids[n:-1], dtype=mx.int32), cache, prefill_step_size, cancelled):
         return
     if prompt_cache is not None and len(ids) - 1 > n:
         prompt_cache.insert(ids[:-1], cache)

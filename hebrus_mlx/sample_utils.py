@@ -11,6 +11,7 @@ The filters follow mlx-lm 0.32.2's `sample_utils` rules (same order: top-p, min-
 a categorical draw at `temp`); no code is taken from it and nothing here imports `mlx_lm`.
 """
 
+import functools
 import math
 from numbers import Real
 from typing import Callable, Dict, List, Optional
@@ -153,10 +154,11 @@ def make_sampler(
     if effective_vocab_size is not None and (not _is_int(effective_vocab_size) or effective_vocab_size < 1):
         raise SamplingError("effective_vocab_size", f"must be an int >= 1, got {effective_vocab_size!r}")
     if temp == 0:
-        def greedy(logprobs: mx.array) -> mx.array:
-            return mx.argmax(_renormalised(logprobs, effective_vocab_size), axis=-1)
+        def greedy(logprobs: mx.array, vocab=effective_vocab_size) -> mx.array:
+            return mx.argmax(_renormalised(logprobs, vocab), axis=-1)
 
         greedy.distribution = None
+        greedy.from_logprobs = functools.partial(greedy, vocab=None)
         return greedy
 
     special = list(xtc_special_tokens or [])
@@ -171,19 +173,21 @@ def make_sampler(
         chain.append(lambda x: _top_k(x, top_k))
     scale = 1.0 / temp
 
-    def filtered(logprobs):
-        x = _renormalised(logprobs, effective_vocab_size)
+    def filtered(logprobs, vocab):
+        x = _renormalised(logprobs, vocab)
         for f in chain:
             x = f(x)
         return x
 
-    def sampler(logprobs: mx.array) -> mx.array:
-        return mx.random.categorical(filtered(logprobs) * scale)
+    def sampler(logprobs: mx.array, vocab=effective_vocab_size) -> mx.array:
+        return mx.random.categorical(filtered(logprobs, vocab) * scale)
 
+    # A loop that masked and renormalised already (generate's decode step) draws through this.
+    sampler.from_logprobs = functools.partial(sampler, vocab=None)
     if xtc_probability == 0.0:
         def distribution(logprobs: mx.array) -> mx.array:
             """float32 probabilities of the token `sampler` draws from these log-probabilities."""
-            return mx.softmax(filtered(logprobs.astype(mx.float32)) * scale, axis=-1)
+            return mx.softmax(filtered(logprobs.astype(mx.float32), effective_vocab_size) * scale, axis=-1)
 
         sampler.distribution = distribution
     return sampler

@@ -14,15 +14,12 @@ carries the counters too and `meta_state` is the same counters as strings.
 from __future__ import annotations
 
 import hashlib
-from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import HebrusError
-from ..stream.engine import check_gpu_event_errors
-from ..stream.errors import translate
 
 _GROW = 256  # attention buffers grow in steps of this many tokens
 
@@ -427,21 +424,3 @@ class SequenceCache(list):
             h.update(str(a.shape).encode())
             h.update(np.asarray(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a).tobytes())
         return h.hexdigest()
-
-
-@contextmanager
-def rollback_on_error(cache, snap):
-    """AFN-010: an evaluation that fails inside the block restores `cache` to `snap` (a step's
-    failure leaves no half-applied state), and a streamed read's failure, which crosses MLX's
-    evaluation boundary untyped, is raised as its typed stream error."""
-    try:
-        yield
-        # A GPU-event host task that failed released the GPU over unwritten records: fail the step.
-        check_gpu_event_errors()
-    except BaseException as e:
-        if snap is not None:
-            cache.restore(snap)
-        typed = translate(e)
-        if typed is e:
-            raise
-        raise typed from e

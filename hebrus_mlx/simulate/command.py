@@ -19,7 +19,6 @@ both side by side. `--stack decode` does the same on the I/O-heavy real-geometry
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -30,19 +29,16 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from . import model as S
+from . import report as R
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError("arguments", message)
-
-
 def build_parser():
-    p = _Parser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="m5-pro-48gb",
                    help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
                         "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
@@ -76,6 +72,9 @@ def build_parser():
     p.add_argument("--prefetch-modes", default=None,
                    help="with --validate: the predictors to run at each cache size (demo default "
                         "off,previous,router-reuse:1,hyper-reuse; decode stack off,previous,router-reuse:1)")
+    p.add_argument("--report", default=None,
+                   help="with --validate: a qualify report (hebrus-mlx qualify --report FILE) whose streamed runs "
+                        "are predicted and compared (nothing is measured here)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -137,6 +136,8 @@ def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
         raise UsageError("--profile", f"{path}: not JSON: {e}") from None
     if not isinstance(d, dict):
         raise UsageError("--profile", f"{path}: not a JSON object")
+    if R.is_report(d):
+        return R.machine_profile(d, str(path), layer_ms)
     return d
 
 
@@ -173,6 +174,7 @@ def project_profile(args) -> dict:
     if args.no_verify:
         machine.verify_gbps = None
     fam = C.family(args.family, "--family")
+    R.check_family(prof, fam.name)
     geom = S.geometry_of_family(fam, args.codec, float(prof.get("resident_gb", 0.0)))
     predicted = {}
     if args.trace:
@@ -434,7 +436,12 @@ def print_validation(v: dict) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.validate:
+    if args.report is not None and not args.validate:
+        raise UsageError("--report", "goes with --validate (to project from a report: --profile FILE)")
+    if args.validate and args.report is not None:
+        res = R.validate_report(args)
+        R.print_validation(res)
+    elif args.validate:
         if args.trace:
             raise UsageError("--trace", "--validate records its own routes")
         if args.gen_tokens is None:
