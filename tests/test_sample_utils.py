@@ -125,3 +125,17 @@ def test_more_bad_sampling_args_are_typed_and_name_the_field(kwargs, field):
     with pytest.raises(HebrusError) as e:
         make_sampler(**kwargs)
     assert e.value.field == field
+
+
+def test_from_logprobs_draws_the_same_chain_on_masked_input():
+    """generate's decode step masks and renormalises once, then calls `from_logprobs`: on input
+    already masked it draws exactly what the sampler itself draws."""
+    x = apply_vocab_mask(dominant_invalid_logits(2), EFFECTIVE)
+    x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    for kwargs in ({}, {"temp": 1.0, "top_k": 5}, {"temp": 0.7, "top_p": 0.9, "min_p": 0.01}):
+        s = make_sampler(**kwargs, effective_vocab_size=EFFECTIVE)
+        mx.random.seed(11)
+        a = [s(x).tolist() for _ in range(3)]
+        mx.random.seed(11)
+        b = [s.from_logprobs(x).tolist() for _ in range(3)]
+        assert a == b
