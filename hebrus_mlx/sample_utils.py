@@ -78,11 +78,15 @@ def check_sampling_args(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_k
 
 
 # -- filters: log-probabilities [..., V] in, the same with dropped rows at -inf -------------------------
+# Compiled once per argument values (mlx-lm does the same): the elementwise tails fuse. The random
+# ones take and advance MLX's global random state, so a seed reproduces their draws.
+_compiled = functools.partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
 
 def _neg_inf(x):
     return mx.array(-mx.inf, dtype=x.dtype)
 
 
+@_compiled
 def _top_p(x: mx.array, top_p: float) -> mx.array:
     # Keep, from the most probable down, every token whose more-probable predecessors hold less
     # than top_p of the mass; the least probable kept one sets the threshold (ties at it stay).
@@ -94,6 +98,7 @@ def _top_p(x: mx.array, top_p: float) -> mx.array:
     return mx.where(x < threshold, _neg_inf(x), x)
 
 
+@_compiled
 def _min_p(x: mx.array, min_p: float, min_tokens_to_keep: int) -> mx.array:
     # Drop tokens less probable than min_p times the best one, but never the best `min_tokens_to_keep`.
     drop = x < mx.max(x, axis=-1, keepdims=True) + math.log(min_p)
@@ -103,6 +108,7 @@ def _min_p(x: mx.array, min_p: float, min_tokens_to_keep: int) -> mx.array:
     return mx.where(drop, _neg_inf(x), x)
 
 
+@_compiled
 def _top_k(x: mx.array, top_k: int) -> mx.array:
     if top_k >= x.shape[-1]:
         return x
@@ -110,6 +116,7 @@ def _top_k(x: mx.array, top_k: int) -> mx.array:
     return mx.put_along_axis(x, rest, _neg_inf(x), axis=-1)
 
 
+@_compiled
 def _xtc(x: mx.array, probability: float, threshold: float, special: List[int]) -> mx.array:
     # "Exclude top choices": with the given probability, drop every token above `threshold` except
     # the least probable of them; special tokens (e.g. EOS) are never dropped.
@@ -120,6 +127,11 @@ def _xtc(x: mx.array, probability: float, threshold: float, special: List[int]) 
         drop[..., special] = False
     apply = mx.random.uniform(0, 1) <= probability
     return mx.where(apply & drop, _neg_inf(x), x)
+
+
+@_compiled
+def _categorical(x: mx.array, temp: float) -> mx.array:
+    return mx.random.categorical(x * (1.0 / temp))
 
 
 def _renormalised(x: mx.array, effective_vocab_size: Optional[int]) -> mx.array:
@@ -180,7 +192,7 @@ def make_sampler(
         return x
 
     def sampler(logprobs: mx.array, vocab=effective_vocab_size) -> mx.array:
-        return mx.random.categorical(filtered(logprobs, vocab) * scale)
+        return _categorical(filtered(logprobs, vocab), temp)
 
     # A loop that masked and renormalised already (generate's decode step) draws through this.
     sampler.from_logprobs = functools.partial(sampler, vocab=None)
