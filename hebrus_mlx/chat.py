@@ -61,8 +61,7 @@ def main(argv=None) -> int:
     if tok.chat_template is None:
         raise UsageError("--model", f"model {args.model!r} has no chat template")
 
-    sampler = make_sampler(tok.effective_vocab_size, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-                           top_k=args.top_k)
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     cache = PromptCache(args.prompt_cache_bytes)
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
     messages = list(system)

@@ -21,7 +21,7 @@ import mlx.core as mx
 from .cli_args import ArgumentParser, str2bool
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
-from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
+from .sample_utils import SamplingError, apply_vocab_mask, check_sampling_args, make_sampler
 from .stream.predict import add_prefetch_argument, prefetch_from_args
 from .stream.rollback import rollback_on_error
 from .stream.sweep import add_sweep_argument, sweep_from_args
@@ -366,7 +366,7 @@ def _generate(prompt, model, *, effective_vocab_size, max_tokens=256, sampler=No
         raise GenerationError("prefill_step_size", f"must be >= 1, got {prefill_step_size}")
     _check_max_kv_size(max_kv_size, "max_kv_size")
     cache = model.make_cache() if prompt_cache is None else prompt_cache
-    sampler = sampler or make_sampler(effective_vocab_size)
+    sampler = sampler or make_sampler()  # the vocabulary mask is this loop's (DecodeStep)
     streaming = getattr(model, "streaming", None)
     # Every streamed read of the sequence carries its request's ticket scope (a server request's
     # own, or one opened here): speculation retires generations in it, a cancel fails them all.
@@ -627,9 +627,8 @@ def check_args(args) -> None:
         raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
     try:
         check_sampling_args(args.temp, args.top_p, args.min_p, args.top_k)
-    except ValueError as e:  # "top_p must be in (0, 1], got 1.5": name the flag
-        name, _, message = str(e).partition(" ")
-        raise UsageError("--" + name.replace("_", "-"), message) from None
+    except SamplingError as e:  # name the flag
+        raise UsageError("--" + e.field.replace("_", "-"), e.message) from None
     if args.prefill_step_size < 1:
         raise UsageError("--prefill-step-size", f"must be >= 1, got {args.prefill_step_size}")
     if args.max_kv_size is not None and args.max_kv_size < 1:
@@ -701,8 +700,7 @@ def main(argv=None) -> int:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
-                           min_p=args.min_p, top_k=args.top_k)
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
                     sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args))
     if not args.verbose:

@@ -47,7 +47,7 @@ from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
-from .sample_utils import check_sampling_args, make_sampler
+from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .stream.predict import prefetch_from_args
 from .text.chat import ChatError
@@ -132,9 +132,9 @@ def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
     )
     try:
         check_sampling_args(s.temperature, s.top_p, s.min_p, s.top_k)
-    except ValueError as e:
-        name = str(e).split(" ", 1)[0]
-        raise RequestError(str(e).replace("temp ", "temperature ", 1), "temperature" if name == "temp" else name) from None
+    except SamplingError as e:
+        name = "temperature" if e.field == "temp" else e.field
+        raise RequestError(f"{name} {e.message}", name) from None
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -362,8 +362,7 @@ class Worker:
         s = job.sampling
         if s.seed is not None:
             mx.random.seed(s.seed)
-        sampler = make_sampler(self.tokenizer.effective_vocab_size, temp=s.temperature, top_p=s.top_p,
-                               min_p=s.min_p, top_k=s.top_k)
+        sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
         finish = None
         for r in stream_with_cache(self.model, self.tokenizer, job.ids, self.prompt_cache, job.max_tokens,
                                    sampler=sampler, prefill_step_size=self.defaults.prefill_step_size,

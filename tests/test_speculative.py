@@ -286,8 +286,8 @@ def test_rejection_sampling_keeps_target_distribution():
     V = model.args.vocab_size
     lp = model(mx.array([[5, 17, 33]]), cache=model.make_cache())[0]
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    target = make_sampler(V, temp=1.0, top_k=5)
-    draft = make_sampler(V, temp=0.4, top_k=8).distribution
+    target = make_sampler(temp=1.0, top_k=5, effective_vocab_size=V)
+    draft = make_sampler(temp=0.4, top_k=8, effective_vocab_size=V).distribution
     q_rows = draft(lp[:2])  # over-confident in p's top tokens: min(p, q) is far from a multiple of p
     p0 = np.array(target.distribution(lp[:1]))[0]
     mx.random.seed(0)
@@ -322,8 +322,8 @@ def test_sampled_generation_follows_target_end_to_end():
 
     model = tiny("tiny_a")
     V = model.args.vocab_size
-    target = make_sampler(V, temp=1.0, top_k=2)  # 2 x 2 x 2 cells: power from few runs
-    qdist = make_sampler(V, temp=0.4, top_k=3).distribution  # over-confident draft
+    target = make_sampler(temp=1.0, top_k=2, effective_vocab_size=V)  # 2 x 2 x 2 cells: power from few runs
+    qdist = make_sampler(temp=0.4, top_k=3, effective_vocab_size=V).distribution  # over-confident draft
     prompt = [5, 17, 33]
 
     def probs(seq):

@@ -310,7 +310,7 @@ def replay_step(model, cache, y: int, proposal: Proposal, effective_vocab_size: 
     """One protocol step against the native target outside the generator (golden replay):
     verify [y] + path in one forward, decide, roll the rejected suffix back. Returns
     (accepted, bonus, committed)."""
-    sampler = sampler or make_sampler(effective_vocab_size)
+    sampler = sampler or make_sampler()  # the logits below are masked before it samples
     block = [int(y)] + proposal.tokens
     snap = cache.snapshot()
     logits = model(mx.array(block, dtype=mx.int32)[None], cache=cache)[0]
