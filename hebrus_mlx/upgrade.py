@@ -8,7 +8,8 @@ directory - the same store files (hard links, no copy; copies where the file sys
 one `.xxh3` table per streamed store and the new manifest - is admitted, then swapped in for DIR
 atomically (temp + fsync + exchange, artifact/atomic.py). Any failure before that leaves DIR as
 it was; upgrade replaces nothing it did not write (DIR changing meanwhile aborts it). An artifact
-that already has fast checks is left alone.
+that already has fast checks is left alone, unless `--refresh` asks for its tables to be taken
+again from the SHA-256-verified bytes (e.g. after its stores were rebuilt).
 """
 
 import argparse
@@ -65,18 +66,20 @@ def _link_or_copy(src, dst):
         atomic.publish_file(dst, copy)
 
 
-def upgrade(path, stream=None):
+def upgrade(path, stream=None, refresh=False):
     """(the admitted upgraded manifest, summary) or the first typed error; DIR is unchanged on
-    any error. `stream`: where progress goes (a terminal only)."""
+    any error. `stream`: where progress goes (a terminal only). refresh: recompute the tables of
+    an artifact that has them."""
     if os.path.islink(os.path.abspath(path)):
         raise ArtifactError("path", f"{path} is a symbolic link: upgrade the directory it names")
     m = admit(path)
-    if m.fast_digests:
+    if m.fast_digests and not refresh:
         return m, {"upgraded": False, "reason": "the artifact already has fast checks"}
     if FC.xxh3_128() is None:
         raise ArtifactError("upgrade", "the XXH3-128 check needs the compiled extension (hebrus_mlx._hash)")
     d = m.directory
     files = sorted(os.listdir(d))  # exactly the files admission found owned
+    old_tables = {s.fast_check["path"] for s in m.stores if s.fast_check}
     with open(os.path.join(d, C.MANIFEST_NAME), "rb") as f:
         man = json.loads(f.read())
     if [(s["path"], s["size"], s["sha256"]) for s in man["stores"]] != [(s.path, s.size, s.sha256) for s in m.stores]:
@@ -88,7 +91,7 @@ def upgrade(path, stream=None):
 
     def build(tmp):
         for name in files:
-            if name != C.MANIFEST_NAME:
+            if name != C.MANIFEST_NAME and name not in old_tables:
                 _link_or_copy(os.path.join(d, name), os.path.join(tmp, name))
         for store, table in tables.items():
             atomic.publish_file(os.path.join(tmp, FC.table_path(store)), lambda w, t=table: w.write(t))
@@ -105,8 +108,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="hebrus-mlx upgrade",
                                 description="add the fast per-read check (XXH3-128 tables) to an older artifact")
     p.add_argument("path", help="artifact directory (replaced atomically)")
+    p.add_argument("--refresh", action="store_true",
+                   help="recompute the tables of an artifact that has them (from SHA-256-verified bytes)")
     a = p.parse_args(argv)
-    _, summary = upgrade(a.path)  # a failure is one line on stderr (cli.run)
+    _, summary = upgrade(a.path, refresh=a.refresh)  # a failure is one line on stderr (cli.run)
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -296,6 +296,48 @@ def test_upgrade_adds_the_oracle_tables_and_keeps_every_store_byte(old):
     assert upgrade(old, stream=QUIET)[1] == {"upgraded": False, "reason": "the artifact already has fast checks"}
 
 
+def test_upgrade_refresh_retakes_stale_tables_from_verified_bytes(new):
+    """After a store is rebuilt (here: one record's bytes and the store's SHA-256 tables rewritten
+    as a rebuild would), the old fast table is stale and the record fails its fast check;
+    `upgrade --refresh` takes the tables again from the SHA-256-verified bytes."""
+    g = _geometry(new)
+    i = g.index(1, 4)
+    m = admit(new)
+    with ExpertMajorReader(m.file(m.experts), m.family, m.experts.codec) as r:
+        record = bytearray(r.read_record(1, 4))
+    record[5] ^= 0x10
+    _rewrite_record(new, g, i, bytes(record))
+    with pytest.raises(DigestError, match="XXH3-128"):
+        load_model(new)
+    r = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "upgrade", "--refresh", new], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr
+    m = admit(new)
+    assert m.fast_table(m.experts)[i] == xxhash.xxh3_128(bytes(record)).digest()
+    assert verify(new, stream=QUIET)[1]["fast_checks"] == 531
+    load_model(new)
+
+
+def _rewrite_record(d, g, i, data):
+    """Replace record i and every SHA-256 that covers it (record table, table digest, payload and
+    header digests, the manifest's whole-file digest): a consistent rebuilt store."""
+    from hebrus_mlx.artifact import expert_major as em
+
+    p = os.path.join(d, "experts.hbem")
+    raw = bytearray(open(p, "rb").read())
+    raw[g.record_offset(i):g.record_offset(i) + g.record_bytes] = data
+    entry = g.table_offset + i * em.EXPERT_MAJOR_ENTRY_BYTES
+    raw[entry + em.EXPERT_MAJOR_ENTRY_BYTES - 32:entry + em.EXPERT_MAJOR_ENTRY_BYTES] = hashlib.sha256(data).digest()
+    h = dict(zip(em._HEADER_FIELDS, em._HEADER.unpack_from(raw)))
+    table_sha = hashlib.sha256(raw[g.table_offset:g.table_offset + g.table_bytes]).digest()
+    payload_sha = hashlib.sha256(raw[g.payload_offset:g.payload_offset + g.payload_bytes]).digest()
+    raw[:em.EXPERT_MAJOR_HEADER_BYTES] = em._pack_header(h, table_sha, payload_sha)
+    open(p, "wb").write(bytes(raw))
+    m = load_manifest(d)
+    m["stores"][1]["sha256"] = hashlib.sha256(raw).hexdigest()
+    save_manifest(d, m)
+
+
 def _siblings(d):
     return sorted(n for n in os.listdir(os.path.dirname(d)) if os.path.basename(d) in n)
 
