@@ -1,5 +1,7 @@
 """Build hook: compile metal_ext/ with CMake into hebrus_mlx/_ext (the
-runtime module) and hebrus_mlx/_bench (benchmark helpers).
+runtime module), hebrus_mlx/_hash (record digests without MLX, for the
+artifact writers), hebrus_mlx/_bench (benchmark helpers) and
+hebrus_mlx/_testing (the engine's fault injection, imported only by tests).
 
 Project metadata lives in pyproject.toml; this file only adds the CMake
 extensions so that ``pip install -e .`` and ``pip install .`` both build them.
@@ -62,6 +64,8 @@ setup(
     ext_modules=[
         CMakeExtension("hebrus_mlx._ext", ROOT / "metal_ext"),
         CMakeExtension("hebrus_mlx._bench", ROOT / "metal_ext"),
+        CMakeExtension("hebrus_mlx._hash", ROOT / "metal_ext"),
+        CMakeExtension("hebrus_mlx._testing", ROOT / "metal_ext"),
     ],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -13,6 +13,7 @@ VERBS = {
     "convert": "hebrus_mlx.convert",
     "admit": "hebrus_mlx.admission",
     "verify": "hebrus_mlx.verify",
+    "upgrade": "hebrus_mlx.upgrade",
     "server": "hebrus_mlx.server",
     "chat": "hebrus_mlx.chat",
     "traces": "hebrus_mlx.traces.command",

@@ -23,7 +23,8 @@ from .errors import HebrusError
 
 # What a text checkpoint needs (weights, configs, tokenizer, chat template),
 # and a published hebrus-mlx artifact's stores.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.hbem", "*.hbpl"]
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.hbem", "*.hbpl",
+                  "*.xxh3"]  # a published artifact's fast-check digest tables (artifact/fast_check.py)
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 

@@ -332,6 +332,7 @@ def pread_probe(probe_dir: Optional[str], record_bytes: int, probe_mib: int, sto
     """The `io.pread` entry (schema stable; `bench` reuses it as the machine's SSD record):
     record_bytes, file_bytes, qd{1,8,32}_GBps, direct, page_cache, sha256_GBps_one_thread,
     sha256_vs_qd32, sha256_engine_GBps_one_thread, sha256_engine_backend, sha256_engine_vs_qd32,
+    xxh3_128_GBps_one_thread, xxh3_128_backend, xxh3_128_scalar_GBps_one_thread, xxh3_128_vs_qd32,
     status "measured"."""
     tmp = None
     try:
@@ -342,6 +343,11 @@ def pread_probe(probe_dir: Optional[str], record_bytes: int, probe_mib: int, sto
             os.unlink(tmp)
     probe.update(sha256_cost(probe["record_bytes"]))
     probe["sha256_vs_qd32"] = probe["sha256_GBps_one_thread"] / probe["qd32_GBps"]
+    from .bench.machine import fast_check_rate  # the per-read fast check (XXH3-128), beside SHA-256
+
+    probe.update(fast_check_rate(probe["record_bytes"]))
+    if "xxh3_128_GBps_one_thread" in probe:
+        probe["xxh3_128_vs_qd32"] = probe["xxh3_128_GBps_one_thread"] / probe["qd32_GBps"]
     if "sha256_engine_GBps_one_thread" in probe:
         probe["sha256_engine_vs_qd32"] = probe["sha256_engine_GBps_one_thread"] / probe["qd32_GBps"]
     probe["status"] = "measured"

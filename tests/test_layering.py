@@ -31,7 +31,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.models.streaming_protocol", "hebrus_mlx.cli_args"), 2),
     # Replay prefills through generate's loop; the traces verb and eval sit on replay.
     (("hebrus_mlx.generate", "hebrus_mlx.traces.replay", "hebrus_mlx.traces.eval", "hebrus_mlx.traces.command",
-      "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.convert",
+      "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.upgrade", "hebrus_mlx.convert",
       "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.prompt_cache",
       "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify", "hebrus_mlx.qualify_report",
       "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli", "hebrus_mlx.bench",

@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 
+from fault_injection import FaultyEngine
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.simulate import command as C
@@ -119,7 +120,7 @@ def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
     rec = 4096
     path = tmp_path / "store.bin"
     path.write_bytes(bytes(L * E * rec))
-    eng = se.StreamEngine(cache_bytes=rec, threads=2, policy=policy, testing=True)
+    eng = FaultyEngine(cache_bytes=rec, threads=2, policy=policy)
     # Reads take 1 ms, so the hints of one prefetch op are all still in flight while it issues
     # them (not evictable), as the replay assumes; without the delay that is a race.
     eng.set_read_delay_us(1000)

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from fault_injection import FaultyEngine
 from hebrus_mlx import kernels
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import ShortReadError, StreamRequestError
@@ -113,7 +114,7 @@ def test_pread_fault_path_unchanged(store):
     """AFN-019: with the byte-moving step factored out, a short arena read
     still fails typed, publishes nothing, and the next read succeeds."""
     path, data = store
-    eng = se.StreamEngine(cache_bytes=8 * REC, threads=2, backend="pread", testing=True)
+    eng = FaultyEngine(cache_bytes=8 * REC, threads=2, backend="pread")
     sid = eng.add_store(path)
     arena, _ = eng.create_arena(PARTS, rows=2)
     eng.inject_fault("short_read")
