@@ -239,12 +239,12 @@ def test_shipped_profiles_cite_their_figures_and_say_what_is_assumed():
 
 
 def test_projection_on_a_profile_runs_and_picks_the_best(capsys):
-    rc = cli.main(["simulate", "--profile", "m5-pro-64gb", "--cache-gb", "8,28", "--policies", "lru",
-                   "--draft-depths", "0"])
+    rc = cli.main(["simulate", "--profile", "m5-pro-64gb", "--cache-gb", "8,28", "--policies", "clock",
+                   "--draft-depths", "0", "--quiet"])
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("PROJECTION for M5 Pro 64 GB")
-    best = re.search(r"best: ([\d.]+) tok/s with a (\d+) GB cache", out)
-    assert best and best.group(2) == "28"  # a larger cache with the same compute cannot be slower here
+    best = re.search(r"recommended: --expert-cache-gb (\d+) --prefetch \S+ -> ([\d.]+) tok/s", out)
+    assert best and best.group(1) == "28"  # a larger cache with the same compute cannot be slower here
     assert "SYNTHETIC routes" in out and "ASSUMPTION" in out
 
 
@@ -424,13 +424,13 @@ def test_profile_ahead_predictors_are_projected_and_checked(tmp_path, capsys):
     d["synthetic_predictors"] = {"router-reuse:1": 1.0}
     p = tmp_path / "p.json"
     p.write_text(json.dumps(d))
-    assert cli.main(["simulate", "--profile", str(p), "--cache-gb", "8", "--policies", "clock",
-                     "--draft-depths", "0", "--json", str(tmp_path / "o.json")]) == 0
+    assert cli.main(["simulate", "--profile", str(p), "--cache-gb", "8", "--policies", "clock", "--predictors",
+                     "synthetic", "--draft-depths", "0", "--json", str(tmp_path / "o.json")]) == 0
     rows = {r["prefetch"]: r for r in json.loads((tmp_path / "o.json").read_text())["rows"]}
     assert set(rows) == {"off", "previous", "router-reuse:1"}
     assert rows["router-reuse:1"]["exposed_ms"] < rows["previous"]["exposed_ms"]
     d["synthetic_predictors"] = {"previous": 0.5}
     p.write_text(json.dumps(d))
     capsys.readouterr()
-    assert cli.main(["simulate", "--profile", str(p), "--cache-gb", "8"]) == 2
+    assert cli.main(["simulate", "--profile", str(p), "--cache-gb", "8", "--predictors", "synthetic"]) == 2
     assert "synthetic_predictors.previous" in capsys.readouterr().err

@@ -31,6 +31,7 @@ from typing import List, Optional
 import numpy as np
 
 from ..errors import UsageError
+from ..traces import cachesim
 from . import model as S
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -48,13 +49,26 @@ def build_parser():
                         "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
     p.add_argument("--layer-ms", type=float, default=None, help="with --profile machine: decode compute per layer")
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
-    p.add_argument("--codec", default="affine4-g64", help="expert codec (record size)")
+    p.add_argument("--codec", default="affine4-g64",
+                   help="expert codec(s), comma-separated: one projection per width (record size), e.g. "
+                        "affine4-g64,affine3-g64,affine2-g64")
     p.add_argument("--trace", default=None, help="a route trace directory or export (hebrus-mlx traces)")
     p.add_argument("--cache-gb", default=None, help="cache sizes to sweep (default: up to the memory budget)")
-    p.add_argument("--policies", default="lru,clock,lfu,belady")
+    p.add_argument("--policies", default="clock",
+                   help="arena policies to sweep: clock (the loader's; the only one recommended), lru, and the "
+                        "simulator's lfu / belady (a bound) as comparisons")
     p.add_argument("--draft-depths", default="0,1,2,3")
     p.add_argument("--acceptance", type=float, default=None, help="speculative acceptance per drafted token")
-    p.add_argument("--no-verify", action="store_true", help="project without SHA-256 checks of streamed records")
+    p.add_argument("--check", default="fast", choices=["fast", "sha256", "off"],
+                   help="the check every streamed record pays: fast (XXH3-128, artifacts that carry it; the "
+                        "profile's fast_check_gbps), sha256 (older artifacts; verify_gbps), off")
+    p.add_argument("--no-verify", action="store_true", help="the same as --check off")
+    p.add_argument("--predictors", default="peer", choices=["peer", "synthetic"],
+                   help="what the ahead predictors are credited with: peer (the profile's `predictors`: gains and "
+                        "recalls public runtimes measured) or synthetic (`synthetic_predictors`: assumed recalls)")
+    p.add_argument("--table", default=None, metavar="FILE",
+                   help="write the projection table of every shipped profile x expert width x check (markdown, "
+                        "e.g. docs/PROJECTION.md) and print it")
     p.add_argument("--json", default=None, help="write the projection/validation as JSON")
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
@@ -112,14 +126,30 @@ def qualify_machine(layer_ms: Optional[float]) -> dict:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)) if isinstance(when, (int, float)) else "unknown"
     return {"name": "this machine (qualify profile)", "memory_gb": memory_bytes() / 1e9, "ssd_gbps": ssd,
             "threads": 8, "layer_ms": layer_ms, "pre_router": 0.5, "verify_gbps": pread.get("sha256_GBps_one_thread"),
+            **_qualify_fast_check(pread, base),
             "resident_gb": base["resident_gb"], "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
             "synthetic_routes": base["synthetic_routes"],
             "status": "projection from this machine's qualify probe and a given compute per layer",
             "sources": [f"SSD and SHA-256: machine profile {profile_path()} (hebrus-mlx qualify, written {stamp}; "
                         f"{pread.get('record_bytes')} B O_DIRECT reads)", f"compute: --layer-ms {layer_ms}"],
             "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads",
+                            f"fast check {_qualify_fast_check(pread, base)['fast_check_gbps']} GB/s per core: "
+                            + _qualify_fast_check(pread, base)["fast_check_source"],
                             "ASSUMPTION: resident/reserve GB, acceptance and synthetic routes of the shipped "
                             "m5-pro-48gb profile"] + [a for a in base["assumptions"] if "synthetic" in a]}
+
+
+FAST_CHECK_KEYS = ("fast_check_GBps_one_thread", "xxh3_GBps_one_thread")  # what qualify may name its measurement
+
+
+def _qualify_fast_check(pread: dict, base: dict) -> dict:
+    """The fast read check's per-core rate: qualify's measurement when the profile has one, else
+    the shipped profile's public figure (said so in the assumptions)."""
+    got = next((pread[k] for k in FAST_CHECK_KEYS if isinstance(pread.get(k), (int, float)) and pread[k] > 0), None)
+    if got is not None:
+        return {"fast_check_gbps": float(got), "fast_check_source": "measured by hebrus-mlx qualify"}
+    return {"fast_check_gbps": base.get("fast_check_gbps"),
+            "fast_check_source": "ASSUMPTION: fast check rate of the shipped m5-pro-48gb profile (qualify measured none)"}
 
 
 def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
@@ -156,78 +186,167 @@ def load_trace(path: str, geom: S.ModelGeometry) -> np.ndarray:
     return topk.astype(np.int64)
 
 
-def _table(rows: List[S.Projection]) -> str:
-    lines = ["| cache GB | policy | prefetch | draft | tok/s | ms/token | exposed ms | hit rate | MB/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for p in rows:
-        lines.append(f"| {p.cache_gb:g} | {p.policy} | {p.prefetch} | {p.draft_depth} | {p.tok_s:.2f} | "
-                     f"{p.token_ms:.1f} | {p.exposed_ms:.1f} | {p.hit_rate:.1%} | {p.bytes_per_token / 1e6:.0f} |")
-    return "\n".join(lines)
+def _trace_routes(args, fam):
+    """[T, L, k] routes of --trace (None without one), checked against the family's geometry."""
+    if not args.trace:
+        return None
+    return load_trace(args.trace, S.geometry_of_family(fam))
 
 
-def project_profile(args) -> dict:
+def project_profile(args, memo=None, progress=True) -> dict:
+    """One profile's projection at each --codec (expert width); see `projection`."""
     from ..artifact import constants as C
+    from . import projection as P
 
     prof = load_profile(args.profile, args.layer_ms)
-    machine = S.Machine.from_dict(prof, f"profile {args.profile}")
-    if args.no_verify:
-        machine.verify_gbps = None
+    where = f"profile {args.profile}"
+    check = "off" if args.no_verify else args.check
     fam = C.family(args.family, "--family")
-    geom = S.geometry_of_family(fam, args.codec, float(prof.get("resident_gb", 0.0)))
-    predicted = {}
-    if args.trace:
-        topk = load_trace(args.trace, geom)
-        half = len(topk) // 2
-        warm, topk, routes = topk[:half], topk[half:], f"trace {args.trace}"
-    else:
-        sr = prof.get("synthetic_routes")
-        if not sr:
-            raise UsageError("--trace", "the profile has no synthetic_routes: give a route trace")
-        allr = S.synthetic_routes(int(sr["tokens"]), geom.num_layers, geom.num_experts, geom.top_k,
-                                  float(sr["reuse"]), float(sr["skew"]), int(sr.get("seed", 0)))
-        w = int(sr.get("warm", 0))
-        warm, topk = allr[:w], allr[w:]
-        routes = f"SYNTHETIC routes (reuse {sr['reuse']}, skew {sr['skew']}; see the profile's assumptions)"
-        # Ahead predictors on synthetic routes: predicted sets of the profile's stated recall.
-        for name, recall in (prof.get("synthetic_predictors") or {}).items():
-            if S.prefetch_kind(name)[0] != "ahead" or not 0.0 <= float(recall) <= 1.0:
-                raise UsageError("--profile", f"synthetic_predictors.{name}: an ahead predictor with a recall "
-                                              f"in [0, 1], got {recall!r}")
-            predicted[name] = S.synthetic_predictions(allr, geom.num_experts, float(recall), geom.top_k,
-                                                      int(sr.get("seed", 0)) + 1)
-    budget = (machine.memory_gb or 0) - float(prof.get("resident_gb", 0)) - float(prof.get("reserve_gb", 0))
-    if args.cache_gb:
-        caches = _list(args.cache_gb, float, "--cache-gb")
-    else:
-        caches = [g for g in (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96) if g <= budget]
-        if not caches:
-            raise UsageError("--profile", f"no expert cache fits: budget {budget:.1f} GB")
+    codecs = [C.codec(c, "--codec").name for c in _list(args.codec, str, "--codec")]
+    memo = memo or P.Memo()
+    resident = float(prof.get("resident_gb", 0.0))
+    machine = P.machine_of(prof, where, check)
+    budget = (machine.memory_gb or 0) - resident - float(prof.get("reserve_gb", 0))
+    given = _list(args.cache_gb, float, "--cache-gb") if args.cache_gb else None
     acceptance = args.acceptance if args.acceptance is not None else float(prof.get("acceptance", 0.0))
-    rows = S.sweep(machine, geom, topk, caches, _list(args.policies, str, "--policies"),
-                   S.PREFETCH + tuple(predicted), _list(args.draft_depths, int, "--draft-depths"), acceptance,
-                   warm, predicted)
-    best = S.best(rows)
-    return {"profile": prof, "machine": machine.to_dict(), "geometry": geom.__dict__, "routes": routes,
-            "cache_budget_gb": budget, "rows": [r.to_dict() for r in rows], "best": best.to_dict(),
-            "status": "PROJECTION (not a measurement)"}
+    policies = _list(args.policies, str, "--policies")
+    for pol in policies:  # before any replay starts (and its progress bar)
+        if pol not in cachesim.POLICIES:
+            raise UsageError("policy", f"unknown {pol!r}; choose from {', '.join(cachesim.POLICIES)}")
+    depths = _list(args.draft_depths, int, "--draft-depths")
+    if min(depths) < 0:
+        raise UsageError("--draft-depths", f"must be >= 0, got {min(depths)}")
+    trace = _trace_routes(args, fam)
+    plans = []
+    for codec in codecs:
+        geom = S.geometry_of_family(fam, codec, resident)
+        inp = P.inputs_of(prof, geom, args.predictors, memo, trace, args.trace or "")
+        pfs = list(S.PREFETCH) + list(inp.predicted) + list(inp.gains)
+        plans.append((codec, geom, inp, P.cache_sizes(budget, given, geom), pfs))
+    total = sum(S.replays_needed(c, policies, pfs, inp.gains, depths) for _, _, inp, c, pfs in plans)
+    bar = None
+    if progress and not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"simulate {args.profile}", unit="replay", file=sys.stderr)
+    out = []
+    try:
+        for codec, geom, inp, caches, pfs in plans:
+            run = lambda chk: P.project_one(prof, where, geom, codec, chk, inp, caches, policies, pfs,  # noqa: E731
+                                            depths, acceptance, memo, bar.update if bar else None)
+            rows = run(check)
+            unchecked = {(r.cache_gb, r.policy, r.prefetch, r.draft_depth): r for r in
+                         (rows if check == "off" else run("off"))}
+            out.append(_codec_result(P, codec, geom, inp, rows, unchecked, budget))
+    finally:
+        if bar:
+            bar.close()
+    first = out[0]
+    return {"profile": prof, "machine": machine.to_dict(), "geometry": first["geometry"], "routes": plans[0][2].routes,
+            "cache_budget_gb": budget, "check": check, "predictors": args.predictors, "rows": first["rows"],
+            "best": first["best"], "by_codec": out, "status": "PROJECTION (not a measurement)"}
+
+
+def _codec_result(P, codec, geom, inp, rows, unchecked, budget) -> dict:
+    if not P.exposed_settings(rows):  # no recommendation without the loader's own policy
+        best = S.best(rows)
+        return {"codec": codec, "geometry": geom.__dict__, "rows": [r.to_dict() for r in rows],
+                "best": best.to_dict(), "best_flags": None, "default": None, "notes": inp.notes}
+    best = P.recommend(rows)
+    default = P.default_setting(rows, budget)
+
+    def check_ms(p):
+        u = unchecked[(p.cache_gb, p.policy, p.prefetch, p.draft_depth)]
+        return max(p.exposed_ms - u.exposed_ms, 0.0)
+
+    return {"codec": codec, "geometry": geom.__dict__, "rows": [r.to_dict() for r in rows], "best": best.to_dict(),
+            "best_flags": P.flags(best), "best_limit": P.limiting_term(best, check_ms(best)),
+            "default": None if default is None else default.to_dict(),
+            "default_flags": None if default is None else P.flags(default),
+            "default_limit": None if default is None else P.limiting_term(default, check_ms(default)),
+            "notes": inp.notes}
 
 
 def print_projection(res: dict) -> None:
-    rows = [S.Projection(**r) for r in res["rows"]]
-    best = S.Projection(**res["best"])
-    g = res["geometry"]
-    print(f"PROJECTION for {res['machine']['name']} - {g['name']} ({g['num_layers']} layers, {g['num_experts']} "
-          f"experts top-{g['top_k']}, {g['record_bytes']:,} B records); routes: {res['routes']}")
-    per_cache = {}
-    for r in rows:  # the best configuration at each cache size, then the overall best
-        if r.policy != "belady" and (r.cache_gb not in per_cache or r.tok_s > per_cache[r.cache_gb].tok_s):
-            per_cache[r.cache_gb] = r
-    print(_table(list(per_cache.values())))
-    print(f"best: {best.tok_s:.2f} tok/s with a {best.cache_gb:g} GB cache, {best.policy}, prefetch {best.prefetch}, "
-          f"draft depth {best.draft_depth} (hit rate {best.hit_rate:.1%}, {best.bytes_per_token / 1e6:.0f} MB/token, "
-          f"exposed wait {best.exposed_ms:.1f} ms/token)")
-    for a in res["machine"]["assumptions"]:
+    from . import projection as P
+
+    m = res["machine"]
+    rate = {"fast": m.get("fast_check_gbps"), "sha256": m.get("verify_gbps")}.get(res["check"])
+    print(f"PROJECTION for {m['name']} (not a measurement); routes: {res['routes']}; record check: "
+          f"{P.CHECK_NAMES[res['check']]}" + (f" at {rate:g} GB/s per reader core" if rate else "")
+          + f"; predictors: {res['predictors']}; expert cache budget {res['cache_budget_gb']:.1f} GB")
+    for c in res["by_codec"]:
+        g = c["geometry"]
+        rows = [S.Projection(**r) for r in c["rows"]]
+        print(f"\n{g['name']} ({g['num_layers']} layers, {g['num_experts']} experts top-{g['top_k']}, "
+              f"{g['record_bytes']:,} B records) with {c['codec']} experts; the fastest configuration at each "
+              "cache size:")
+        per_cache = {}
+        for r in rows:  # the best configuration at each cache size (Belady, a bound, excluded)
+            if r.policy != "belady" and (r.cache_gb not in per_cache or r.tok_s > per_cache[r.cache_gb].tok_s):
+                per_cache[r.cache_gb] = r
+        print(P.table(list(per_cache.values())))
+        bounds = [r for r in rows if r.policy != P.RUNTIME_POLICY]
+        if bounds:
+            b = max(bounds, key=lambda r: r.tok_s)
+            print(f"comparison only (no flag selects policy {b.policy}): {b.tok_s:.2f} tok/s at {b.cache_gb:g} GB")
+        if c["default"]:
+            d = S.Projection(**c["default"])
+            print(f"runtime defaults ({c['default_flags']}, no draft model): {d.tok_s:.2f} tok/s; limited by "
+                  f"{c['default_limit']}")
+        b = S.Projection(**c["best"])
+        if not c["best_flags"]:
+            print(f"no recommendation: the loader's arena policy ({P.RUNTIME_POLICY}) was not swept (--policies); "
+                  f"fastest swept: {b.tok_s:.2f} tok/s at {b.cache_gb:g} GB with {b.policy}")
+            continue
+        print(f"recommended: {c['best_flags']} -> {b.tok_s:.2f} tok/s (hit rate {b.hit_rate:.1%}, "
+              f"{b.bytes_per_token / 1e6:.0f} MB/token, exposed reads {b.exposed_ms:.1f} ms/token; {b.basis}); "
+              f"limited by {c['best_limit']}")
+    for n in res["by_codec"][0]["notes"]:
+        print(f"  - predictor {n}")
+    for a in m["assumptions"]:
         print(f"  - {a}")
+
+
+TABLE_CODECS = ("affine4-g64", "affine3-g64", "affine2-g64")  # the expert widths of the table (those the format has)
+TABLE_CHECKS = ("fast", "sha256", "off")
+
+
+def table_results(args, profiles=None, codecs=None) -> List[dict]:
+    """Every (profile, check) projection of the table, all expert widths in each; replays shared."""
+    from ..artifact import constants as C
+    from . import projection as P
+
+    profiles = profiles or sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
+    codecs = codecs or [c for c in TABLE_CODECS if c in C.CODECS]
+    memo = P.Memo()
+    out = []
+    for name in profiles:
+        for check in TABLE_CHECKS:
+            a = argparse.Namespace(**dict(vars(args), profile=name, codec=",".join(codecs), check=check,
+                                          no_verify=False, trace=None))
+            if not args.quiet:
+                print(f"{name}, check {check} ...", file=sys.stderr, flush=True)
+            out.append({"profile_name": name, "check": check, "result": project_profile(a, memo)})
+    return out
+
+
+def write_table(args) -> dict:
+    """`simulate --table FILE`: the markdown table of every shipped profile x width x check."""
+    from ..bench.report import write_text_atomic
+    from . import projection as P
+
+    if args.trace or args.cache_gb or args.profile != "m5-pro-48gb" or args.no_verify or args.check != "fast":
+        raise UsageError("--table", "tabulates every shipped profile, width and check with their defaults: give no "
+                                    "--profile/--trace/--cache-gb/--check")
+    results = table_results(args)
+    text = P.render_doc(results, TABLE_COMMAND + ("" if args.predictors == "peer" else " --predictors synthetic"))
+    write_text_atomic(args.table, text)
+    print(text, end="")
+    return {"table": args.table, "results": results}
+
+
+TABLE_COMMAND = "hebrus-mlx simulate --table docs/PROJECTION.md"
 
 
 # ---- validation on this machine ------------------------------------------------------------------
@@ -466,8 +585,11 @@ def main(argv=None) -> int:
     else:
         if args.acceptance is not None and not 0 <= args.acceptance < 1:
             raise UsageError("--acceptance", f"must be in [0, 1), got {args.acceptance}")
-        res = project_profile(args)
-        print_projection(res)
+        if args.table:
+            res = write_table(args)
+        else:
+            res = project_profile(args)
+            print_projection(res)
     if args.json:
         from ..bench.report import write_json
 
