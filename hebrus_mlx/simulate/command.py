@@ -78,8 +78,6 @@ def build_parser():
     p.add_argument("--layers", type=int, default=4, help="with --stack decode: decoder layers")
     p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
                    help="with --stack decode: store path stem (bench_stream's; built on first use)")
-    p.add_argument("--fresh-probe", action="store_true",
-                   help="with --stack decode: probe the SSD now even when the machine profile has a probe")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--gen-tokens", type=int, default=None, help="decode tokens per run (demo 48, decode stack 16)")
     p.add_argument("--repeats", type=int, default=3)
@@ -429,7 +427,9 @@ def validate(args) -> dict:
     from ..bench import command as B
     from ..bench import harness as H
     from ..utils import load, resolve_model_path
+    from . import calibrate as K
 
+    load0 = K.load_average()
     path = resolve_model_path(args.model)
     rows = _list(args.rows or "8,16,64,192", int, "--rows")
     model, tok = load(str(path))
@@ -450,7 +450,11 @@ def validate(args) -> dict:
     if min(rows) < k or max(rows) > total:
         raise UsageError("--rows", f"arena rows must be in [{k}, {total}]")
     gb = lambda r: r * st["record_bytes"] / S.GIB  # noqa: E731
-    configs = [{"expert-cache-gb": f"{gb(total):.9f}", "prefetch": "off"}]  # every record cached: compute
+    # Compute: every record cached, once per predictor (an ahead predictor's extra router / mix
+    # per layer is compute the streamed run pays too).
+    hot = {pf: {"expert-cache-gb": f"{gb(total):.9f}", "prefetch": pf} for pf in ["off"] + [m for m in modes
+                                                                                          if m != "off"]}
+    configs = list(hot.values())
     for r in rows:
         for pf in modes:
             configs.append({"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf})
@@ -459,15 +463,20 @@ def validate(args) -> dict:
     bench_tokens = bench["runs"][0]["tokens"]
     if bench_tokens != toks:
         raise H.NotComparableError("tokens", "the recorded routes' greedy tokens differ from the bench's")
-    probe = bench["machine"]["ssd_probe"]
+    # The disk as the engine reads this store (its arena layout decides O_DIRECT or buffered, its
+    # readers check every record), probed next to the runs, once before and once after them.
+    probes = [bench_probe(path, st, L, E, seed) for seed in (0, 1)]
+    probe = _median_probe(probes)
     med = {s["config"]: s["metrics"] for s in bench["summary"]}
     # Per-token medians on both sides (robust to other processes on a shared machine).
     compute_s = 1.0 / med[H.label(configs[0])]["decode_tok_s_p50"]["median"]
     machine = S.Machine(
         name="this machine (measured)", ssd_gbps={int(q): v for q, v in probe["gbps_by_qd"].items()},
-        layer_s=compute_s / L, threads=8, verify_gbps=probe["sha256_gbps_per_core"],
-        assumptions=["compute: streamed decode stack with every record cached (measured in the same "
-                     "interleaved run)", "pre_router 0.5 (assumption)"])
+        layer_s=compute_s / L, threads=8, verify_gbps=None, read_cpu_us=probe["cpu_us_per_record"], check="off",
+        assumptions=["compute: the same model with every record cached, per predictor, measured in the same "
+                     "interleaved rounds", "pre_router 0.5 (assumption)",
+                     f"reads: {probe['source']} (its record checks included)",
+                     "reader CPU time taken from compute (the CPU backend computes on every core)"])
     geom = S.ModelGeometry(str(args.model), L, E, k, st["record_bytes"])
     # The arena persists across the bench's runs: before a timed run come the warm-up and earlier
     # runs of the same tokens; the replay sees the prompt and one earlier run of this config.
@@ -478,10 +487,10 @@ def validate(args) -> dict:
     # prediction and the measurement together; the per-configuration ratio is the median over rounds.
     n = len(configs)
     rounds = [bench["runs"][i:i + n] for i in range(0, len(bench["runs"]), n)]
-    base = H.label(configs[0])
     out = []
-    for c in configs[1:]:
+    for c in configs[len(hot):]:
         label = H.label(c)
+        base = H.label(hot[c["prefetch"]])
         cap = _arena_rows(bench, label)
         pred = preds.get(c["prefetch"])
         if pred is not None:  # the prompt's forward predicts nothing (one-token forwards only)
@@ -493,29 +502,49 @@ def validate(args) -> dict:
             run = next(r for r in rnd if r["config"] == label)["decode_tok_s_p50"]
             mach = dataclasses.replace(machine, layer_s=1.0 / comp / L)
             p = S.project(mach, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
-                          prefetch=c["prefetch"])
+                          prefetch="off" if c["prefetch"] == "off" else c["prefetch"])
             preds_s.append(p.tok_s)
             meas.append(run)
             ratios.append(p.tok_s / run)
-        p = S.project(machine, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
-                      prefetch=c["prefetch"])
+        comp = 1.0 / med[base]["decode_tok_s_p50"]["median"]
+        p = S.project(dataclasses.replace(machine, layer_s=comp / L), geom, rep,
+                      cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock", prefetch=c["prefetch"])
         m = med[label]
-        out.append({"config": label, "rows": cap, "predicted_tok_s": statistics.median(preds_s),
-                    "measured_tok_s": statistics.median(meas), "spread": m["decode_tok_s_p50"]["spread"],
-                    "ratio": statistics.median(ratios), "ratios_by_round": ratios,
-                    "measured_tok_s_whole_run": m["decode_tok_s"]["median"],
-                    "predicted_hit_rate": rep.engine_hit_rate, "exact_hit_rate": p.hit_rate,
-                    "measured_hit_rate": (m["hit_rate"] or {}).get("median"),
-                    "predicted_timely_recall": rep.timely_recall if c["prefetch"] != "off" else None,
-                    "measured_timely_recall": (m.get("timely_recall") or {}).get("median"),
-                    "predicted_precision": rep.precision,
-                    "predicted_mb_per_token": p.bytes_per_token / 1e6,
-                    "measured_mb_per_token": ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6,
-                    "predicted_exposed_ms": p.exposed_ms,
-                    "measured_exposed_ms": (m["exposed_wait_ms_per_token"] or {}).get("median")})
-    worst = max(abs(r["ratio"] - 1) for r in out)
+        cnt = _median_counters([r for r in bench["runs"] if r["config"] == label], len(decode) - 1)
+        out.append(K.validation_row(label, cap, preds_s, meas, ratios, rep, p, m["decode_tok_s_p50"]["spread"],
+                                    cnt, c["prefetch"], comp, (m["hit_rate"] or {}).get("median"),
+                                    ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6))
+    load1 = K.load_average()
     return {"machine": machine.to_dict(), "bench_machine": bench["machine"], "compute_ms_per_token": compute_s * 1e3,
-            "runs": out, "worst": worst, "repeats": args.repeats, "stack": f"model {args.model}"}
+            "probe": probe, "probe_source": probe["source"], "runs": out, "worst": max(abs(r["ratio"] - 1) for r in out),
+            "repeats": args.repeats, "stack": f"model {args.model}", "load_average": [load0, load1],
+            "command": K.command_line(args)}
+
+
+def bench_probe(path, st, L, E, seed) -> dict:
+    """engine_probe on the artifact's store through a loader-laid-out arena of 16 rows."""
+    from . import calibrate as K
+
+    resolve, close = K.artifact_resolver(path, 16)
+    try:
+        return K.engine_probe(resolve, L, E, st["record_bytes"], batches=6, seed=seed)
+    finally:
+        close()
+
+
+def _median_probe(probes: List[dict]) -> dict:
+    out = dict(probes[0])
+    out["gbps_by_qd"] = {q: statistics.median(p["gbps_by_qd"][q] for p in probes) for q in probes[0]["gbps_by_qd"]}
+    out["cpu_us_per_record"] = statistics.median(p["cpu_us_per_record"] for p in probes)
+    out["source"] = probes[0]["source"] + f" (median of {len(probes)} probes, before and after the runs)"
+    return out
+
+
+def _median_counters(runs: List[dict], tokens: int) -> dict:
+    """Per-token medians over a configuration's runs of the engine counters the replay predicts."""
+    keys = ("exact_misses", "predicted_reads", "predicted_hits", "predicted_joins", "exposed_wait_ns")
+    got = [r.get("engine_counters") or {} for r in runs]
+    return {k: statistics.median(g.get(k, 0) for g in got) / max(tokens, 1) for k in keys}
 
 
 def _arena_rows(bench, label):
@@ -524,31 +553,49 @@ def _arena_rows(bench, label):
 
 
 def print_validation(v: dict) -> None:
+    from . import calibrate as K
+
     m = v["machine"]
-    print(f"validation on this machine ({v.get('stack', '')}): compute {v['compute_ms_per_token']:.2f} ms/token "
-          f"(all records cached; {m['pre_router']:.0%} of a layer before its router), SSD {', '.join(f'QD{q} {g:.2f}' for q, g in m['ssd_gbps'].items())} GB/s"
-          + (f", SHA-256 {m['verify_gbps']:.2f} GB/s" if m.get("verify_gbps") else "")
-          + (f" [{v['probe_source']}]" if v.get("probe_source") else "")
-          + f"; {v['repeats']} interleaved rounds; tok/s = 1 / the median inter-token time; each run predicted "
-          "from its own round's compute run, pred/meas = the median over rounds")
     pct = lambda x: "n/a" if x is None else f"{x:.0%}"  # noqa: E731
-    num = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
-    print("| configuration | rows | predicted tok/s | measured tok/s (spread) | pred/meas | "
-          "hit rate pred/meas | timely recall pred (read by a prediction, landed or not)/meas | MB/token pred/meas | "
-          "exposed ms pred/meas |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    num = lambda x, f=".2f": "n/a" if x is None else format(x, f)  # noqa: E731
+    print(f"simulate --validate: the model's prediction of runs on THIS machine next to their measurement "
+          f"({v.get('stack', '')})")
+    if v.get("command"):
+        print(f"command: {v['command']}")
+    if v.get("load_average"):
+        print(K.quiet_note(*v["load_average"]))
+    print(f"inputs measured here: compute {v['compute_ms_per_token']:.2f} ms/token with every record cached "
+          f"(per predictor, in the same rounds); {m['pre_router']:.0%} of a layer before its router; reads "
+          + ", ".join(f"QD{q} {g:.3f}" for q, g in m["ssd_gbps"].items()) + " GB/s"
+          + (f", reader CPU {m['read_cpu_us']:.0f} us per record taken from compute" if m.get("read_cpu_us") else "")
+          + (f" [{v['probe_source']}]" if v.get("probe_source") else ""))
+    print(f"method: {v['repeats']} interleaved rounds; tok/s = 1 / the median inter-token time; each run predicted "
+          "from its own round's compute run; pred/meas = the median over rounds (their range in brackets); counters "
+          "per decode token from the engine (stream.engine.counters), medians over the rounds")
+    cols = ["configuration", "arena rows", "tok/s pred", "tok/s meas (spread)", "pred/meas [rounds]",
+            "exact misses/token pred / meas", "reads ahead/token pred / meas", "timely recall pred / meas",
+            "late recall pred / meas", "hit rate pred / meas", "MB read/token pred / meas",
+            "exposed wait ms/token pred / meas"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
     for r in v["runs"]:
+        lo, hi = K.ratio_spread(r.get("ratios_by_round") or [r["ratio"]])
         print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.2f} | {r['measured_tok_s']:.2f} "
-              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} | {pct(r['predicted_hit_rate'])} / "
-              f"{pct(r['measured_hit_rate'])} | {pct(r.get('predicted_timely_recall'))} / "
-              f"{pct(r.get('measured_timely_recall'))} | {num(r.get('predicted_mb_per_token'), '.1f')} / "
-              f"{num(r.get('measured_mb_per_token'), '.1f')} | {r['predicted_exposed_ms']:.2f} / "
-              f"{num(r['measured_exposed_ms'], '.2f')} |")
-    by_rows = {r["rows"]: r["compute_ms_per_token"] for r in v["runs"] if "compute_ms_per_token" in r}
-    if by_rows:
-        print("compute ms/token with every record cached, by arena rows (measured in each round next to the "
-              "runs): " + ", ".join(f"{r}: {c:.0f}" for r, c in by_rows.items()))
-    print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs")
+              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} [{lo:.2f}-{hi:.2f}] | "
+              f"{num(r.get('predicted_exact_misses'), '.1f')} / {num(r.get('measured_exact_misses'), '.1f')} | "
+              f"{num(r.get('predicted_reads_ahead'), '.1f')} / {num(r.get('measured_reads_ahead'), '.1f')} | "
+              f"{pct(r.get('predicted_timely_recall'))} / {pct(r.get('measured_timely_recall'))} | "
+              f"{pct(r.get('predicted_late_recall'))} / {pct(r.get('measured_late_recall'))} | "
+              f"{pct(r['predicted_hit_rate'])} / {pct(r['measured_hit_rate'])} | "
+              f"{num(r.get('predicted_mb_per_token'), '.1f')} / {num(r.get('measured_mb_per_token'), '.1f')} | "
+              f"{r['predicted_exposed_ms']:.2f} / {num(r['measured_exposed_ms'])} |")
+    ratios = [x for r in v["runs"] for x in (r.get("ratios_by_round") or [r["ratio"]])]
+    lo, hi = K.ratio_spread(ratios)
+    spread = statistics.median(r["spread"] for r in v["runs"])
+    load = v.get("load_average") or [None, None]
+    loads = "unknown" if None in load else f"{load[0][0]:.1f} -> {load[1][0]:.1f}"
+    print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs "
+          f"(per-round pred/meas {lo:.2f}-{hi:.2f}, median measured spread ±{spread:.0%}, load average {loads})")
 
 
 def main(argv=None) -> int:

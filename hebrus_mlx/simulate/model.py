@@ -65,6 +65,10 @@ class Machine:
     # Extra decode compute of an ahead predictor (its extra router / mix per layer), as a
     # fraction of compute_s; measured by --validate, assumed in the profiles.
     predictor_overhead: Dict[str, float] = field(default_factory=dict)
+    # CPU time the readers spend per record (pread, copy/widen, check, wake-ups) that the compute
+    # loses: on the CPU backend compute already takes every core (validation on this machine
+    # measures it); 0 where the readers use cores the compute leaves idle (a Mac's GPU decodes).
+    read_cpu_us: float = 0.0
 
     @property
     def check_gbps(self) -> Optional[float]:
@@ -98,7 +102,8 @@ class Machine:
                     verify_extra=float(d.get("verify_extra", 0.15)), memory_gb=opt("memory_gb"),
                     sources=list(d.get("sources", [])), assumptions=list(d.get("assumptions", [])),
                     fast_check_gbps=opt("fast_check_gbps"),
-                    predictor_overhead={str(k): float(v) for k, v in (d.get("predictor_overhead") or {}).items()})
+                    predictor_overhead={str(k): float(v) for k, v in (d.get("predictor_overhead") or {}).items()},
+                    read_cpu_us=float(d.get("read_cpu_us", 0.0)))
         except KeyError as e:
             raise UsageError(f"{where}.{e.args[0]}", "missing") from None
         except (TypeError, ValueError, AttributeError) as e:
@@ -120,7 +125,8 @@ class Machine:
                 "layer_ms": self.layer_s * 1e3, "other_ms": self.other_s * 1e3, "pre_router": self.pre_router,
                 "threads": self.threads, "verify_gbps": self.verify_gbps, "fast_check_gbps": self.fast_check_gbps,
                 "check": self.check, "verify_extra": self.verify_extra, "memory_gb": self.memory_gb,
-                "predictor_overhead": dict(self.predictor_overhead), "sources": self.sources,
+                "predictor_overhead": dict(self.predictor_overhead), "read_cpu_us": self.read_cpu_us,
+                "sources": self.sources,
                 "assumptions": self.assumptions}
 
 
@@ -472,6 +478,7 @@ class Projection:
     codec: str = ""
     check: str = ""
     basis: str = "replay"  # how the predictor's effect was obtained (replay, or a peer's measured gain)
+    read_cpu_ms: float = 0.0  # reader CPU time taken from the compute, per token (Machine.read_cpu_us)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -507,7 +514,9 @@ def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: flo
         exposed += max(machine.io_time(d, R), machine.io_time(d + p, R) - window)
         if p > 0 and rep.predicted_used[l] > 0:
             late += rep.predicted_used[l] * (1.0 - landed_fraction(machine, p, R, window))
-    step = compute * (1 + machine.verify_extra * draft_depth) + exposed
+    # The readers' CPU time taken from the compute (0 on a Mac, see Machine.read_cpu_us).
+    steal = rep.reads_per_token() * w * union * machine.read_cpu_us * 1e-6
+    step = compute * (1 + machine.verify_extra * draft_depth) + exposed + steal
     if draft_depth and acceptance > 0:
         a = min(acceptance, 0.999999)
         per_step = (1 - a ** w) / (1 - a)
@@ -520,7 +529,7 @@ def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: flo
     timely, late_r = (None, None) if kind == "off" or not need else ((rep.predicted_hits - late) / need, late / need)
     return Projection(cache_gb, capacity, policy, prefetch, draft_depth, acceptance, 1.0 / token, token * 1e3,
                       compute * 1e3, exposed * 1e3 / per_step, rep.hit_rate, reads * R, timely, late_r, codec,
-                      machine.check)
+                      machine.check, read_cpu_ms=steal * 1e3 / per_step)
 
 
 def with_gain(base: Projection, prefetch: str, gain: float, source: str) -> Projection:
