@@ -238,6 +238,7 @@ def project_profile(args, memo=None, progress=True) -> dict:
             out.append(_codec_result(P, codec, geom, inp, rows, unchecked, budget))
     finally:
         if bar:
+            bar.update(max(bar.total - bar.n, 0))  # replays shared with an earlier projection were not rerun
             bar.close()
     first = out[0]
     return {"profile": prof, "machine": machine.to_dict(), "geometry": first["geometry"], "routes": plans[0][2].routes,

@@ -362,6 +362,7 @@ def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: st
     if staging is None:
         staging = 0 if kind == "off" else min(budget * max(depth, 1), capacity // 4)
     arena = _Arena(capacity, staging, policy)
+    slots, clock = arena.slots, policy == "clock"
     demand, used, reads = np.zeros(L), np.zeros(L), np.zeros(L)
     hint_lookups = hint_hits = promoted = 0
     for i in range(len(ids)):
@@ -392,7 +393,13 @@ def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: st
             if kind == "previous" and i > 0:
                 hint(l, ids[i - 1][l])
             for e in ids[i][l]:
-                res, tag = arena.lookup(base + e, True)
+                x = base + e
+                s = slots.get(x)
+                if s is not None and s[0] and clock:  # the common case, inlined: a CLOCK hit on an exact row
+                    s[3] = True
+                    s[4] += 1
+                    continue
+                res, tag = arena.lookup(x, True)
                 if count:
                     demand[l] += res == "miss"
                     promoted += tag is not None
@@ -400,7 +407,9 @@ def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: st
             if kind == "ahead" and l + depth < L:
                 hint(l + depth, pred[i][l + depth])
             for e in ids[i][l]:
-                arena.unpin(base + e)
+                s = slots.get(base + e)
+                if s is not None and s[4]:
+                    s[4] -= 1
     n = max(t, 1)
     return Replay(t, demand / n, used / n, reads / n, L * k, hint_lookups / n, hint_hits / n,
                   float(np.sum(reads) - np.sum(used)) / n, promoted / n)

@@ -97,7 +97,9 @@ def inputs_of(prof: dict, geom: S.ModelGeometry, predictors: str, memo: Memo, tr
         allr = memo.routes[key]
         seed = key[-1]
         routes = f"SYNTHETIC routes (reuse {sr['reuse']}, skew {sr['skew']}; see the profile's assumptions)"
-    inp = Inputs(allr[:warm_n], allr[warm_n:], routes)
+    # The same view objects for the same routes: the replay memo is keyed by them.
+    views = memo.routes.setdefault(("views", id(allr), warm_n), (allr[:warm_n], allr[warm_n:], allr))
+    inp = Inputs(views[0], views[1], routes)
     table = prof.get("predictors" if predictors == "peer" else "synthetic_predictors") or {}
     field_name = "predictors" if predictors == "peer" else "synthetic_predictors"
     for name, spec in table.items():
