@@ -24,7 +24,7 @@ def _rows():
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and cells[1].startswith(("affine", "bf16", "f32")):
+        if len(cells) == 9 and cells[1].startswith(("affine", "bf16", "f32")):
             rows[(cells[0], cells[1])] = cells
     return rows
 
@@ -48,10 +48,10 @@ def test_the_doc_row_is_what_simulate_prints():
     cells = _rows()[("M5 Pro 48 GB", "affine4-g64")]
     budget = float(cells[3])
     default = [x.strip() for x in cells[4].split("/")]
-    best = [x.strip() for x in cells[5].split("/")]
+    best = [x.strip() for x in cells[6].split("/")]
     m = re.fullmatch(r"`--expert-cache-gb ([\d.]+) --prefetch (\S+)(?: --draft-model mtp --num-draft-tokens (\d))?`",
-                     cells[6])
-    assert m, cells[6]
+                     cells[7])
+    assert m, cells[7]
     cache, prefetch, depth = float(m.group(1)), m.group(2), int(m.group(3) or 0)
     got = {}
     for check in ("fast", "sha256", "off"):
@@ -60,6 +60,7 @@ def test_the_doc_row_is_what_simulate_prints():
         c = res["by_codec"][0]
         got[check] = (f"{c['default']['tok_s']:.1f}", c)
     assert [got[x][0] for x in ("fast", "sha256", "off")] == default
+    assert cells[5] == f"x{got['fast'][1]['default_gain']:.2f}"
     rows = [S.Projection(**r) for r in got["fast"][1]["rows"]]
     named = next(r for r in rows if r.cache_gb == cache and r.prefetch == prefetch and r.draft_depth == depth
                  and r.policy == P.RUNTIME_POLICY)

@@ -253,6 +253,8 @@ def _codec_result(P, codec, geom, inp, rows, unchecked, budget) -> dict:
                 "best": best.to_dict(), "best_flags": None, "default": None, "notes": inp.notes}
     best = P.recommend(rows)
     default = P.default_setting(rows, budget)
+    off = None if default is None else next((r for r in rows if (r.cache_gb, r.policy, r.prefetch, r.draft_depth)
+                                             == (default.cache_gb, default.policy, "off", 0)), None)
 
     def check_ms(p):
         u = unchecked[(p.cache_gb, p.policy, p.prefetch, p.draft_depth)]
@@ -263,7 +265,7 @@ def _codec_result(P, codec, geom, inp, rows, unchecked, budget) -> dict:
             "default": None if default is None else default.to_dict(),
             "default_flags": None if default is None else P.flags(default),
             "default_limit": None if default is None else P.limiting_term(default, check_ms(default)),
-            "notes": inp.notes}
+            "default_gain": None if off is None else default.tok_s / off.tok_s, "notes": inp.notes}
 
 
 def print_projection(res: dict) -> None:
@@ -291,7 +293,8 @@ def print_projection(res: dict) -> None:
             print(f"comparison only (no flag selects policy {b.policy}): {b.tok_s:.2f} tok/s at {b.cache_gb:g} GB")
         if c["default"]:
             d = S.Projection(**c["default"])
-            print(f"runtime defaults ({c['default_flags']}, no draft model): {d.tok_s:.2f} tok/s; limited by "
+            gain = "" if c.get("default_gain") is None else f" (x{c['default_gain']:.2f} over --prefetch off)"
+            print(f"runtime defaults ({c['default_flags']}, no draft model): {d.tok_s:.2f} tok/s{gain}; limited by "
                   f"{c['default_limit']}")
         b = S.Projection(**c["best"])
         if not c["best_flags"]:
