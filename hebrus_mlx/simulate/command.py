@@ -1,20 +1,24 @@
 """`hebrus-mlx simulate`: projected decode speed on a machine that is not this one.
 
     hebrus-mlx simulate --profile m5-pro-48gb                 # Qwen3.8-Flash-Next, shipped profile
+    hebrus-mlx simulate --profile m5-pro-48gb --codec affine4-g64,affine2-g64 --check sha256
     hebrus-mlx simulate --profile my-mac.json --trace DIR     # a recorded route trace / export
+    hebrus-mlx simulate --table docs/PROJECTION.md            # every shipped profile x width x check
     hebrus-mlx simulate --validate --model demo               # predicted vs measured, on this machine
     hebrus-mlx simulate --validate --stack decode             # ... on bench_stream's real-geometry stack
     hebrus-mlx simulate --profile machine --layer-ms 0.8      # this machine's SSD from `hebrus-mlx qualify`
 
 A projection combines a route trace (replayed through the expert arena: hit rate, reads per
-token), the model geometry (layers, experts, top-k, record bytes from the artifact format) and a
-machine (SSD GB/s by queue depth, compute per layer, verify speed, memory). See
-`hebrus_mlx.simulate.model` for the equations. `--validate` measures this machine (its disk with
-the bench's SSD probe, its compute with every record cached), records the demo's routes for the
-bench's own prompt (and the hinted sets of the engine's own Predictor), predicts the bench's runs
-at several cache sizes for each predictor (--prefetch-modes), runs them (interleaved) and prints
-both side by side. `--stack decode` does the same on the I/O-heavy real-geometry decode stack
-(`hebrus_mlx.simulate.decode_stack`).
+token), the model geometry (layers, experts, top-k, record bytes from the artifact format, per
+--codec) and a machine (SSD GB/s by queue depth, compute per layer, the record checks' rates,
+memory); see `hebrus_mlx.simulate.model` for the equations, `projection` for the profile's
+predictors and the recommendation (runtime flags only), docs/SIMULATE.md for the profile fields.
+`--validate` measures this machine (compute with every record cached, per predictor; reads
+through the engine, `calibrate`), records the demo's routes for the bench's own prompt (and the
+hinted sets of the engine's own Predictor), predicts the bench's runs at several cache sizes for
+each predictor (--prefetch-modes), runs them (interleaved) and prints both sides of every engine
+counter the model predicts. `--stack decode` does the same on the I/O-heavy real-geometry decode
+stack (`hebrus_mlx.simulate.decode_stack`).
 """
 
 from __future__ import annotations

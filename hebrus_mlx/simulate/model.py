@@ -4,13 +4,23 @@ One decode token runs the layers in order. Layer l computes for ``layer_s`` seco
 runs after ``pre_router`` of that time (attention/GDN first), and the layer then waits for the
 records of its top-k experts that are not in the arena. A miss costs ``io_time(n)``: n records
 read at queue depth min(n, threads) from the machine's bandwidth-by-queue-depth table, plus the
-digest check. A prediction hints records ahead of the exact (P0) reads: ``previous`` (the
-previous token's top-k) when the layer starts, ``window = pre_router * layer_s`` before its
-router; ``router-reuse:D`` / ``hyper-reuse`` right after layer l - D's exact reads,
+record check the readers run (``check``: the fast XXH3-128 check, SHA-256, or none). A
+prediction hints records ahead of the exact (P0) reads: ``previous`` (the previous token's
+top-k) when the layer starts, ``window = pre_router * layer_s`` before its router;
+``router-reuse:D`` / ``hyper-reuse`` right after layer l - D's exact reads,
 ``window = D * layer_s``. The disk serves the layer's predicted reads (used or wasted) too:
 
     exposed_l = max(io(demand_l), io(demand_l + predicted_reads_l) - window_l)
-    token_s   = compute_s + sum_l exposed_l
+    landed_l  = min(1, window_l / io(predicted_reads_l))      (timely; the rest joins late)
+    token_s   = compute_s * (1 + predictor_overhead) + sum_l exposed_l + reads * read_cpu_us
+
+The engine counts an exact lookup a prediction served as a predicted hit (landed) or join (in
+flight); `landed` splits the replay's predicted hits the same way (Projection.timely_recall /
+late_recall). `read_cpu_us` is the readers' CPU time the compute loses (the CPU backend computes
+on every core; 0 on a Mac). A predictor taken from a peer's measurement instead of a replay
+multiplies the prefetch-off projection by its gain, capped at its exposed read time
+(`with_gain`). The runtime predicts only in one-token forwards, so with a draft depth an ahead
+predictor reads like prefetch off.
 
 Speculative decoding with draft depth d and per-token acceptance a verifies d+1 tokens per step:
 tokens/step = (1 - a^(d+1)) / (1 - a); a step costs compute_s * (1 + verify_extra * d) plus the
