@@ -234,9 +234,12 @@ def project_profile(args, memo=None, progress=True) -> dict:
     out = []
     try:
         for codec, geom, inp, caches, pfs in plans:
-            run = lambda chk: P.project_one(prof, where, geom, codec, chk, inp, caches, policies, pfs,  # noqa: E731
-                                            depths, acceptance, memo, bar.update if bar else None)
+            def run(chk, geom=geom, codec=codec, inp=inp, caches=caches, pfs=pfs):
+                return P.project_one(prof, where, geom, codec, chk, inp, caches, policies, pfs, depths, acceptance,
+                                     memo, bar.update if bar else None)
+
             rows = run(check)
+            # The same configurations unchecked: what the record check costs in each.
             unchecked = {(r.cache_gb, r.policy, r.prefetch, r.draft_depth): r for r in
                          (rows if check == "off" else run("off"))}
             out.append(_codec_result(P, codec, geom, inp, rows, unchecked, budget))

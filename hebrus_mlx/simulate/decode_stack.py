@@ -14,7 +14,6 @@ It needs a source checkout (the benchmark is not part of the installed package).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import statistics
 import time

@@ -243,7 +243,7 @@ class _Arena:
         found = None
         slots = self.slots
         while h:
-            key, x, ver = h[0]
+            _, x, ver = h[0]
             s = slots.get(x)
             if s is None or s[5] != ver:
                 heapq.heappop(h)
