@@ -580,7 +580,8 @@ def print_validation(v: dict) -> None:
           + ", ".join(f"QD{q} {g:.3f}" for q, g in m["ssd_gbps"].items()) + " GB/s"
           + (f", reader CPU {m['read_cpu_us']:.0f} us per record taken from compute" if m.get("read_cpu_us") else "")
           + (f" [{v['probe_source']}]" if v.get("probe_source") else ""))
-    print(f"method: {v['repeats']} interleaved rounds; tok/s = 1 / the median inter-token time; each run predicted "
+    timing = v.get("timing", "tok/s = 1 / the median inter-token time")
+    print(f"method: {v['repeats']} interleaved rounds; {timing}; each run predicted "
           "from its own round's compute run; pred/meas = the median over rounds (their range in brackets); counters "
           "per decode token from the engine (stream.engine.counters), medians over the rounds")
     cols = ["configuration", "arena rows", "tok/s pred", "tok/s meas (spread)", "pred/meas [rounds]",

@@ -281,4 +281,5 @@ def validate_decode(args) -> dict:
             "runs": out, "worst": max(abs(x["ratio"] - 1) for x in out), "repeats": args.repeats,
             "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
                      f"{args.gen_tokens} tokens per cold run, store {stack.path}",
-            "load_average": [load0, load1], "command": K.command_line(args)}
+            "load_average": [load0, load1], "command": K.command_line(args),
+            "timing": "tok/s = 1 / the mean time of tokens 1.. of each cold run (token 0 fills the empty arena)"}
