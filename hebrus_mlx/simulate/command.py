@@ -289,11 +289,13 @@ def print_projection(res: dict) -> None:
         print(f"\n{g['name']} ({g['num_layers']} layers, {g['num_experts']} experts top-{g['top_k']}, "
               f"{g['record_bytes']:,} B records) with {c['codec']} experts; the fastest configuration at each "
               "cache size:")
-        per_cache = {}
-        for r in rows:  # the best configuration at each cache size (Belady, a bound, excluded)
-            if r.policy != "belady" and (r.cache_gb not in per_cache or r.tok_s > per_cache[r.cache_gb].tok_s):
-                per_cache[r.cache_gb] = r
-        print(P.table(list(per_cache.values())))
+        per_cache = []
+        for gb in sorted({r.cache_gb for r in rows}):  # the best configuration at each cache size, as recommended
+            at = [r for r in rows if r.cache_gb == gb]
+            per_cache.append(P.recommend(at) if P.exposed_settings(at) else
+                             max((r for r in at if r.policy != "belady"), key=lambda r: r.tok_s,
+                                 default=max(at, key=lambda r: r.tok_s)))
+        print(P.table(per_cache))
         bounds = [r for r in rows if r.policy != P.RUNTIME_POLICY]
         if bounds:
             b = max(bounds, key=lambda r: r.tok_s)
