@@ -282,7 +282,7 @@ def print_projection(res: dict) -> None:
     rate = {"fast": m.get("fast_check_gbps"), "sha256": m.get("verify_gbps")}.get(res["check"])
     print(f"PROJECTION for {m['name']} (not a measurement); routes: {res['routes']}; record check: "
           f"{P.CHECK_NAMES[res['check']]}" + (f" at {rate:g} GB/s per reader core" if rate else "")
-          + f"; predictors: {res['predictors']}; expert cache budget {res['cache_budget_gb']:.1f} GB")
+          + f"; predictors: {res['predictors']}; expert cache budget {res['cache_budget_gb']:.1f} GiB")
     for c in res["by_codec"]:
         g = c["geometry"]
         rows = [S.Projection(**r) for r in c["rows"]]

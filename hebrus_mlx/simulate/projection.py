@@ -202,7 +202,7 @@ def limiting_term(p: S.Projection, check_ms: float) -> str:
             f"exposed reads {disk:.1f}, checks {check_ms:.1f})")
 
 
-COLUMNS = ("| expert codec | cache (GB) | policy | --prefetch | MTP draft depth | tok/s | ms/token | "
+COLUMNS = ("| expert codec | cache (GiB) | policy | --prefetch | MTP draft depth | tok/s | ms/token | "
            "compute ms/token | exposed read ms/token | hit rate | expert MB read/token | "
            "timely / late recall | predictor basis |")
 
@@ -217,7 +217,7 @@ def table(rows: Sequence[S.Projection]) -> str:
     return "\n".join(lines)
 
 
-DOC_COLUMNS = ("| profile | expert codec | record bytes | cache budget (GB) | default settings, tok/s: fast check / "
+DOC_COLUMNS = ("| profile | expert codec | record bytes | cache budget (GiB) | default settings, tok/s: fast check / "
                "SHA-256 / no check | default read-ahead vs --prefetch off (fast check) | best, tok/s: fast check / "
                "SHA-256 / no check | best flags (fast check) | what limits the default (fast check) |")
 
