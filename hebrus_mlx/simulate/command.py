@@ -299,7 +299,7 @@ def print_projection(res: dict) -> None:
         bounds = [r for r in rows if r.policy != P.RUNTIME_POLICY]
         if bounds:
             b = max(bounds, key=lambda r: r.tok_s)
-            print(f"comparison only (no flag selects policy {b.policy}): {b.tok_s:.2f} tok/s at {b.cache_gb:g} GB")
+            print(f"comparison only (no flag selects policy {b.policy}): {b.tok_s:.2f} tok/s at {b.cache_gb:g} GiB")
         if c["default"]:
             d = S.Projection(**c["default"])
             gain = "" if c.get("default_gain") is None else f" (x{c['default_gain']:.2f} over --prefetch off)"
@@ -308,7 +308,7 @@ def print_projection(res: dict) -> None:
         b = S.Projection(**c["best"])
         if not c["best_flags"]:
             print(f"no recommendation: the loader's arena policy ({P.RUNTIME_POLICY}) was not swept (--policies); "
-                  f"fastest swept: {b.tok_s:.2f} tok/s at {b.cache_gb:g} GB with {b.policy}")
+                  f"fastest swept: {b.tok_s:.2f} tok/s at {b.cache_gb:g} GiB with {b.policy}")
             continue
         print(f"recommended: {c['best_flags']} -> {b.tok_s:.2f} tok/s (hit rate {b.hit_rate:.1%}, "
               f"{b.bytes_per_token / 1e6:.0f} MB/token, exposed reads {b.exposed_ms:.1f} ms/token; {b.basis}); "

@@ -147,7 +147,7 @@ def cache_sizes(budget: float, given: Optional[Sequence[float]], geom: S.ModelGe
     caches = [g for g in GRID_GB if g < top]
     caches.append(math.floor(top * 2) / 2)  # the default: the whole budget, to 0.5 GB
     if caches[-1] <= 0:
-        raise UsageError("--profile", f"no expert cache fits: budget {budget:.1f} GB")
+        raise UsageError("--profile", f"no expert cache fits: budget {budget:.1f} GiB")
     return sorted(set(caches))
 
 
