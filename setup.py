@@ -13,6 +13,7 @@ configure/build/rpath lines below.
 """
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,9 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
         ]
+        # Extra configure options, the usual pip-build convention (the self-hosted Metal CI job
+        # builds the GPU-event path with CMAKE_ARGS=-DHEBRUS_METAL_EVENTS=ON).
+        configure += shlex.split(os.environ.get("CMAKE_ARGS", ""))
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
         subprocess.run(configure, check=True)
         subprocess.run(

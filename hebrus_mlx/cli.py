@@ -16,7 +16,7 @@ VERBS = {
     "server": "hebrus_mlx.server",
     "chat": "hebrus_mlx.chat",
     "traces": "hebrus_mlx.traces.command",
-    "qualify": "hebrus_mlx.qualify",
+    "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
     "bench": "hebrus_mlx.bench.command",
     "simulate": "hebrus_mlx.simulate.command",
 }

@@ -559,7 +559,9 @@ def qualify(probe_dir=None, record_bytes=2704 * 1024, probe_mib=128, store=None,
     }
 
 
-def main(argv=None):
+def main(argv=None, hooks=None):
+    """`hooks` (hebrus_mlx.qualify_report, the verb's entry) adds flags (add_arguments), checks
+    them before anything is measured (check_arguments) and runs after the profile is written (run)."""
     p = argparse.ArgumentParser(prog="hebrus-mlx qualify", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)")
     p.add_argument("--probe-dir", default=None, help="directory on the SSD the model lives on (probe file)")
@@ -574,6 +576,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="A/B/B/A rounds of each device A/B (default 2)")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per GPU-event A/B run (default 32)")
     p.add_argument("--kernels-child", action="store_true", help=argparse.SUPPRESS)
+    if hooks is not None:
+        hooks.add_arguments(p)
     a = p.parse_args(argv)
     if a.kernels_child:
         print(json.dumps(check_kernels_metal()))
@@ -587,11 +591,15 @@ def main(argv=None):
         raise UsageError("--store", f"{a.store!r} is not a file")
     if a.artifact != "demo" and not (Path(a.artifact) / "manifest.json").is_file():
         raise UsageError("--artifact", f"{a.artifact!r} is not an artifact directory (no manifest.json)")
+    if hooks is not None:
+        hooks.check_arguments(a)
     profile = qualify(a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate,
                       a.artifact, a.rounds, a.tokens)
     path = write_profile(profile, a.out)
     print(json.dumps(profile, indent=1))
     print(f"profile written to {path}", file=sys.stderr)
+    if hooks is not None:
+        hooks.run(a, profile)
     return 0
 
 

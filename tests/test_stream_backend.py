@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from hebrus_mlx import kernels
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import ShortReadError, StreamRequestError
 from hebrus_mlx.stream.reference import ReferenceEngine
@@ -127,7 +128,10 @@ def test_pread_fault_path_unchanged(store):
     eng.close()
 
 
+@pytest.mark.metal
 @pytest.mark.skipif("mtlio" not in se.backends(), reason="MTLIO not compiled (macOS Metal only)")
+@pytest.mark.skipif(not kernels.metal_available(),
+                    reason="no Metal device (MTLIO reads through one; the hosted macOS job has none)")
 def test_mtlio_matches_pread_where_compiled(store):
     """AFN-013 private seam, AFN-019 publication: on a Metal build, an
     explicitly chosen MTLIO engine publishes arena rows byte-identical to the

@@ -312,7 +312,7 @@ def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     gb, rows = _cache_gb(str(DEMO_DIR))
     model, tok = load("demo", expert_cache_gb=gb)
     eng = _testing_experts(model, rows).engine
-    monkeypatch.setattr(gen, "_load", lambda *a, **k: (model, tok))
+    monkeypatch.setattr(gen, "load_from_args", lambda *a, **k: (model, tok))
     eng.inject_fault("short_read", 1)
     from hebrus_mlx.cli import main
 

@@ -16,12 +16,12 @@ loads; bench.json gains one row per rank (peak memory, link wait and bytes per f
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import List
 
+from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..pipeline import launched as pipeline_launched
 from ..traces.command import positive_ints
@@ -30,15 +30,8 @@ from . import machine as M
 from . import report as R
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError("arguments", message)
-
-
-
-
 def build_parser():
-    p = _Parser(prog="hebrus-mlx bench", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="hebrus-mlx bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", "-m", default="demo", help="'demo', an artifact or an HF checkpoint directory")
     p.add_argument("--prompt-tokens", "-p", default="128", help="prompt sizes, e.g. 512,2048")
     p.add_argument("--gen-tokens", "-n", default="64", help="generation lengths, e.g. 128")

@@ -47,8 +47,9 @@ def memory_bytes() -> int:
 def mlx_info() -> dict:
     import mlx.core as mx
 
-    metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
-    return {"mlx_version": mx.__version__, "backend": "metal" if metal else "cpu",
+    from ..profile import compute_backend
+
+    return {"mlx_version": mx.__version__, "backend": compute_backend(),
             "default_device": str(mx.default_device())}
 
 

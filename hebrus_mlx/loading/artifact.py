@@ -441,9 +441,10 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     if engine is not None:
         if prefetch is None and experts is not None:
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
-        model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
+        # A pipeline stage takes rank 0's chunks whether or not it has a sweep ring.
+        model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers,
+                                    sweep_lifts_cap=stage is None)
         if experts is not None:
-            model.streaming.sweep_lifts_cap = stage is None
             try:
                 kw = {}
                 if sweep_mode == "auto":  # the machine's measured crossover where the profile stands for it

@@ -23,7 +23,6 @@ stack (`hebrus_mlx.simulate.decode_stack`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -34,20 +33,17 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..traces import cachesim
 from . import model as S
+from . import report as R
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError("arguments", message)
-
-
 def build_parser():
-    p = _Parser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="m5-pro-48gb",
                    help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
                         "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
@@ -92,6 +88,9 @@ def build_parser():
     p.add_argument("--prefetch-modes", default=None,
                    help="with --validate: the predictors to run at each cache size (demo default "
                         "off,previous,router-reuse:1,hyper-reuse; decode stack off,previous,router-reuse:1)")
+    p.add_argument("--report", default=None,
+                   help="with --validate: a qualify report (hebrus-mlx qualify --report FILE) whose streamed runs "
+                        "are predicted and compared (nothing is measured here)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -169,6 +168,8 @@ def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
         raise UsageError("--profile", f"{path}: not JSON: {e}") from None
     if not isinstance(d, dict):
         raise UsageError("--profile", f"{path}: not a JSON object")
+    if R.is_report(d):
+        return R.machine_profile(d, str(path), layer_ms)
     return d
 
 
@@ -204,6 +205,7 @@ def project_profile(args, memo=None, progress=True) -> dict:
     where = f"profile {args.profile}"
     check = "off" if args.no_verify else args.check
     fam = C.family(args.family, "--family")
+    R.check_family(prof, fam.name)
     codecs = [C.codec(c, "--codec").name for c in _list(args.codec, str, "--codec")]
     memo = memo or P.Memo()
     resident = float(prof.get("resident_gb", 0.0))
@@ -614,7 +616,12 @@ def print_validation(v: dict) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.validate:
+    if args.report is not None and not args.validate:
+        raise UsageError("--report", "goes with --validate (to project from a report: --profile FILE)")
+    if args.validate and args.report is not None:
+        res = R.validate_report(args)
+        R.print_validation(res)
+    elif args.validate:
         if args.trace:
             raise UsageError("--trace", "--validate records its own routes")
         if args.gen_tokens is None:

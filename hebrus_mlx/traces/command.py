@@ -10,20 +10,15 @@ Exit status: 0 ok; 1 replay parity failed; 2 bad input (one line on stderr, noth
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from ..cli_args import ArgumentParser
 from ..errors import UsageError
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError("arguments", message)
-
-
 def build_parser():
-    p = _Parser(prog="hebrus-mlx traces", description="Route traces: replay, export, eval.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p = ArgumentParser(prog="hebrus-mlx traces", description="Route traces: replay, export, eval.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=ArgumentParser)
     r = sub.add_parser("replay", help="recompute routes by causal prefill and check exact parity")
     r.add_argument("trace_dir")
     r.add_argument("--model", default="demo")
