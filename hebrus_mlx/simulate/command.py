@@ -23,6 +23,7 @@ stack (`hebrus_mlx.simulate.decode_stack`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
