@@ -72,6 +72,17 @@ def _verify_gbps(d: dict) -> Optional[float]:
     return h.get("sha256_engine_GBps_one_thread") or h.get("sha256_GBps_one_thread")
 
 
+def _sha256_gbps(d: dict) -> Optional[float]:
+    h = d.get("hashes") or {}
+    return h.get("sha256_engine_GBps_one_thread") or h.get("sha256_GBps_one_thread")
+
+
+def _fast_gbps(d: dict) -> Optional[float]:
+    """The fast read check's rate (XXH3-128, one thread) where the report measured it."""
+    v = ((d.get("hashes") or {}).get("fast_check") or {}).get("xxh3_128_GBps_one_thread")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
 def compute_layer_ms(d: dict, flag: str) -> tuple:
     """(ms per layer, where it comes from): the streamed path with every record cached where the
     report has it, else its resident decode, else the value derived from its largest cache."""
@@ -104,12 +115,15 @@ def machine_profile(d: dict, where: str, layer_ms: Optional[float] = None) -> di
         "threads": 8,
         "layer_ms": float(layer_ms) if given else measured,
         "pre_router": 0.5,
-        "verify_gbps": _verify_gbps(d),
+        # SHA-256 for artifacts without fast digests, the fast check for those with (simulate --check).
+        "verify_gbps": _sha256_gbps(d),
+        "fast_check_gbps": _fast_gbps(d) or base.get("fast_check_gbps"),
         # Dense weights, PLE and MTP of the report's artifact stay in memory beside the expert cache.
         "resident_gb": float(art.get("other_bytes") or 0) / 1e9 or base["resident_gb"],
         "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
         "synthetic_routes": base["synthetic_routes"],
         "synthetic_predictors": base.get("synthetic_predictors", {}),
+        "predictors": base.get("predictors", {}), "predictor_overhead": base.get("predictor_overhead", {}),
         "report_family": art.get("family"),
         "layer_ms_given": given,
         "status": "projection from a qualify report's measurements and the stated assumptions",
@@ -118,7 +132,9 @@ def machine_profile(d: dict, where: str, layer_ms: Optional[float] = None) -> di
                     f"{d['ssd'].get('record_bytes')} B reads, page cache {d['ssd'].get('page_cache')})",
                     f"compute: --layer-ms {layer_ms}" if given else
                     f"compute: {measured:.4f} ms per layer on the report's {art.get('family')} ({how})"],
-        "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads (the loader's)",
+        "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads (the loader's)"]
+        + ([] if _fast_gbps(d) else ["ASSUMPTION: fast check rate of the shipped m5-pro-48gb profile (the report "
+                                     "measured none)"]) + [
                         "ASSUMPTION: resident_gb = the report's artifact less its expert store; reserve GB, "
                         "acceptance, synthetic routes and predictor recalls of the shipped m5-pro-48gb profile"] + [a for a in base["assumptions"] if "synthetic" in a],
     }
