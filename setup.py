@@ -1,5 +1,7 @@
 """Build hook: compile metal_ext/ with CMake into hebrus_mlx/_ext (the
-runtime module) and hebrus_mlx/_bench (benchmark helpers).
+runtime module), hebrus_mlx/_hash (record digests without MLX, for the
+artifact writers), hebrus_mlx/_bench (benchmark helpers) and
+hebrus_mlx/_testing (the engine's fault injection, imported only by tests).
 
 Project metadata lives in pyproject.toml; this file only adds the CMake
 extensions so that ``pip install -e .`` and ``pip install .`` both build them.
@@ -13,6 +15,7 @@ configure/build/rpath lines below.
 """
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +48,9 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
         ]
+        # Extra configure options, the usual pip-build convention (the self-hosted Metal CI job
+        # builds the GPU-event path with CMAKE_ARGS=-DHEBRUS_METAL_EVENTS=ON).
+        configure += shlex.split(os.environ.get("CMAKE_ARGS", ""))
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
         subprocess.run(configure, check=True)
         subprocess.run(
@@ -58,6 +64,8 @@ setup(
     ext_modules=[
         CMakeExtension("hebrus_mlx._ext", ROOT / "metal_ext"),
         CMakeExtension("hebrus_mlx._bench", ROOT / "metal_ext"),
+        CMakeExtension("hebrus_mlx._hash", ROOT / "metal_ext"),
+        CMakeExtension("hebrus_mlx._testing", ROOT / "metal_ext"),
     ],
     cmdclass={"build_ext": CMakeBuild},
 )

@@ -31,9 +31,10 @@ import mlx.core as mx
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
-from hebrus_mlx.generate import generate_step, generation_stream
+from hebrus_mlx.generate import generate_step, speculative_generate_step
 from hebrus_mlx.models import qwen4exp
-from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter, speculative_generate_step
+from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter
+from hebrus_mlx.speculative.governor import FixedSchedule
 from hebrus_mlx.speculative.drafters import OracleDrafter
 from hebrus_mlx.utils import DEMO_DIR, load
 
@@ -65,25 +66,6 @@ class LoggedGovernor(Governor):
         return self.log[-1]
 
 
-class Replay:
-    """Replays a recorded schedule of block sizes (the untimed byte count of a governed run)."""
-
-    def __init__(self, log):
-        self.log = iter(log)
-
-    def block_size(self):
-        return next(self.log, 0)
-
-    def observe_block(self, *a):
-        pass
-
-    def observe_step(self, *a, **k):
-        pass
-
-    def observe_routes(self, *a):
-        pass
-
-
 def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None, schedule=None, logs=None):
     """Tokens of one generation; on_first() runs once the prompt is consumed (first token out).
     A governed variant replays `schedule` when given, else appends its choices to `logs`."""
@@ -95,12 +77,11 @@ def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None, schedule=
         drafter, block, governed = variant()
         gov = None
         if governed:
-            gov = Replay(schedule) if schedule is not None else LoggedGovernor(block)
+            gov = FixedSchedule(schedule) if schedule is not None else LoggedGovernor(block)
             if logs is not None and schedule is None:
                 logs.append(gov.log)
         steps = speculative_generate_step(mx.array(ids), model, drafter, effective_vocab_size=V, max_tokens=n_tokens,
-                                          num_draft_tokens=block, governor=gov, stats=stats,
-                                          stream=generation_stream())  # as generate_step runs it
+                                          num_draft_tokens=block, governor=gov, stats=stats)
     out = []
     for t, *_ in steps:
         if not out and on_first is not None:

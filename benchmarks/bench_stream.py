@@ -11,7 +11,8 @@ k known at once) from a cold store (posix_fadvise DONTNEED before each run):
   (a') raw_py the same reads from a Python ThreadPoolExecutor (for comparison)
   (b) engine  StreamEngine request/wait/release, same batches
   (b2) op     StreamEngine.gather() MLX op evaluated per layer (graph path)
-  (b3) sha    (b) with SHA-256 verification of every record
+  (b3) sha    (b) with SHA-256 verification of every record (artifacts without fast digests)
+  (b3') fast  (b) with the fast check, XXH3-128, of every record (what new artifacts use)
   (b4) resolve  zero-copy resolve() into a slot arena + release_after
   (c') glu    resolve + a SwitchGLU (gather_qmm gate/up/down, fp32 x, one
               token) over the arena per layer: streamed MoE layers without
@@ -112,11 +113,12 @@ def run_raw_py(path, batches, rec, threads):
         os.close(fd)
 
 
-def run_engine(eng, store, batches, rec, digests=None):
+def run_engine(eng, store, batches, rec, digests=None, fast_digests=None):
     for batch in batches:
         tickets = [
             eng.request(store, off, rec,
-                        digest=None if digests is None else digests[off // rec])
+                        digest=None if digests is None else digests[off // rec],
+                        fast_digest=None if fast_digests is None else fast_digests[off // rec])
             for off in batch
         ]
         for t in tickets:
@@ -139,6 +141,16 @@ def sha_rates(rec, repeats=7):
             times[portable].append(time.perf_counter() - t0)
     rate = {p: rec / 2**30 / statistics.median(t) for p, t in times.items()}
     return _ext.sha256_backend(), rate[False], rate[True]
+
+
+def fast_rates(rec):
+    """(backend, GiB/s of the picked XXH3-128 SIMD path, GiB/s of its scalar path), one record
+    in cache (hebrus_mlx.bench.machine.fast_check_rate, what qualify records)."""
+    from hebrus_mlx.bench.machine import fast_check_rate
+
+    r = fast_check_rate(rec)
+    return (r["xxh3_128_backend"], r["xxh3_128_GBps_one_thread"] * 1e9 / 2**30,
+            r["xxh3_128_scalar_GBps_one_thread"] * 1e9 / 2**30)
 
 
 def run_gather_op(eng, table, batches, rec):
@@ -626,7 +638,8 @@ def main():
     p.add_argument("--tokens", type=int, default=4, help="decode steps per run")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--sha", action="store_true", help="also time SHA-256 verify")
+    p.add_argument("--sha", action="store_true",
+                   help="also time the engine's reads checked by SHA-256 and by the fast check (XXH3-128)")
     p.add_argument("--decode", action="store_true", help="run part (c), streamed decode")
     p.add_argument("--rows", type=int, default=None, help="(c) arena rows (default layers*top_k/2)")
     p.add_argument("--prefetch-modes", default="previous,off",
@@ -669,13 +682,17 @@ def main():
     total = sum(len(b) for b in batches) * rec
     cache = 4 * args.top_k * rec
 
-    digests = None
+    digests = fast = None
     if args.sha:
+        from hebrus_mlx import _hash
+
         with open(args.store, "rb") as f:
-            digests = {}
+            digests, fast = {}, {}
             for off in sorted(o for b in batches for o in b):
                 f.seek(off)
-                digests[off // rec] = hashlib.sha256(f.read(rec)).digest()
+                data = f.read(rec)
+                digests[off // rec] = hashlib.sha256(data).digest()
+                fast[off // rec] = _hash.xxh3_128(data)
 
     pb = part_bytes()
     assert sum(pb) == rec, (pb, rec)
@@ -707,7 +724,8 @@ def main():
         if kind == "op":
             run_gather_op(eng, table, batches, rec)
         else:
-            run_engine(eng, s, batches, rec, digests if kind == "sha" else None)
+            run_engine(eng, s, batches, rec, digests if kind == "sha" else None,
+                       fast if kind == "fast" else None)
         dt = time.perf_counter() - t0
         c = eng.counters()
         eng.close()
@@ -716,10 +734,11 @@ def main():
     # Each round runs the variants back to back, A/B/B/A; the disk here
     # drifts by tens of percent within a minute, so the ratios below are
     # medians of per-round ratios and engine sits next to raw.
-    variants = ["raw", "engine"] + (["sha"] if args.sha else [])
+    variants = ["raw", "engine"] + (["sha", "fast"] if args.sha else [])
     variants += ["raw_py", "mmap", "op", "resolve", "glu", "glu_pf", "glu_hot"]
     times = {v: [] for v in variants}
     last = {}
+    load_before = os.getloadavg()
     for r in range(args.rounds):
         order = variants if r % 2 == 0 else variants[::-1]  # A/B/B/A
         for v in order:
@@ -739,6 +758,7 @@ def main():
             times[v].append(dt)
 
     gib = total / 2**30
+    load_after = os.getloadavg()
     print(f"record {rec} B ({rec / 2**20:.3f} MiB), {total // rec} cold reads "
           f"in batches of <= {args.top_k}, {args.threads} threads, "
           f"{args.rounds} rounds, backend {args.backend}, store {args.store}")
@@ -769,10 +789,17 @@ def main():
           f"I/O roofline alone {med['raw'] / med['glu_pf']:.3f}x")
     if args.sha:
         backend, hw, portable = sha_rates(rec)
-        print(f"  verified/unverified {ratio('engine', 'sha'):.3f}x   (engine reads with "
-              f"SHA-256 vs the same reads without; 1.0 = verification is free)")
+        fb, fhw, fport = fast_rates(rec)
+        print(f"  verified/unverified: SHA-256 {ratio('engine', 'sha'):.3f}x, fast check (XXH3-128) "
+              f"{ratio('engine', 'fast'):.3f}x   (engine reads checked vs the same reads unchecked, "
+              f"median of per-round ratios; target >= 0.95; 1.0 = the check is free)")
+        print(f"  load average (1/5/15 min) {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f} "
+              f"before, {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} after; "
+              f"{os.cpu_count()} CPUs")
         print(f"  SHA-256 alone on one record (in cache): {backend} {hw:.2f} GiB/s, "
               f"portable rounds {portable:.2f} GiB/s ({hw / portable:.1f}x)")
+        print(f"  XXH3-128 alone on one record (in cache): {fb} {fhw:.2f} GiB/s, "
+              f"scalar {fport:.2f} GiB/s ({fhw / fport:.1f}x)")
     c = last["engine"]
     print(f"  engine latency p50/p95/p99 ms: {c['latency_p50_ns'] / 1e6:.2f} / "
           f"{c['latency_p95_ns'] / 1e6:.2f} / {c['latency_p99_ns'] / 1e6:.2f}; "

@@ -68,7 +68,7 @@ def capture(args):
                 import mlx.core as mx
 
                 mx.random.seed(seed)
-                kw["sampler"] = make_sampler(tok.effective_vocab_size, temp=temp)
+                kw["sampler"] = make_sampler(temp=temp)
             for _ in stream_generate(model, tok, ids, max_tokens=args.decode_only_tokens, trace_out=work / "decode",
                                      trace_owner=f.name, trace_sampling={"temp": temp, "seed": seed}, **kw):
                 pass

@@ -20,6 +20,7 @@ import sys
 
 from . import flags
 from .artifact import constants as C
+from .artifact import fast_check as FC
 from .artifact import manifest as M
 from .artifact import untrusted as U
 from .artifact.errors import AdmissionError, ArtifactError
@@ -57,6 +58,7 @@ class _Admission:
         self.dir = os.path.abspath(path)
         self.owners = {}  # file -> [(start, end, owner)]
         self.sources = {}  # source identity file -> the bytes whose digest was checked
+        self.fast = {}  # store path -> its admitted XXH3-128 digest table (artifact/fast_check.py)
 
     def file(self, name):
         return os.path.join(self.dir, name)
@@ -100,6 +102,9 @@ class _Admission:
             if type(s.get("sha256")) is not str or len(s["sha256"]) != 64:
                 raise AdmissionError(f"{field}.sha256", "must be a hex SHA-256")
             owned.add(p)
+            table = FC.claim(field, s, owned)
+            if table is not None:
+                owned.add(table)
         files = m["source"].get("files")
         if type(files) is not dict:
             raise AdmissionError("source.files", "must be an object")
@@ -286,6 +291,7 @@ class _Admission:
         with ExpertMajorReader(self.file(s["path"]), self.fam, s["codec"]) as r:
             self.owners[s["path"]] = r.extents()
             self.expert_records = r.geometry.count
+        self._fast(i, s, self.expert_records)
 
     # 8 ------------------------------------------------------------------
     def ple(self):
@@ -318,6 +324,7 @@ class _Admission:
                 if s.get("rows_per_page") != h["rows_per_page"]:
                     raise AdmissionError(f"stores[{i}].rows_per_page", f"{s.get('rows_per_page')!r} != store {h['rows_per_page']}")
                 self.owners[s["path"]] = r.extents()
+                self._fast(i, s, r.geometry.num_pages)
 
     # 9 ------------------------------------------------------------------
     def mtp(self):
@@ -376,15 +383,26 @@ class _Admission:
         allowed = {len(keys.expected_mtp_keys(self.args, layout)) for layout in ("unfused", "fused")}
         if type(s.get("source_tensors")) is not int or s["source_tensors"] not in allowed:
             raise AdmissionError(f"{field}.source_tensors", f"{s.get('source_tensors')!r} not in the MTP key-table counts {sorted(allowed)}")
+        self._fast(i, s, FC.mtp_units(s["size"]))
         base = 8 + n
         self.mtp_path = s["path"]
         self.owners[s["path"]] = [(0, base, "safetensors.header")] + [
             (base + e["data_offsets"][0], base + e["data_offsets"][1], f"mtp:{name}") for name, e in header.items()
         ]
 
+    def _fast(self, i, s, units):
+        if "fast_check" in s:
+            self.fast[s["path"]] = FC.admit_table(self.dir, f"stores[{i}]", s, units)
+
     # 10 -----------------------------------------------------------------
     def policy(self):
         m = self.m
+        # Fast checks: every per-unit store or none (an artifact from before the check); never
+        # on a store that is not read per unit.
+        for i, s in enumerate(m["stores"]):
+            if ("fast_check" in s) != (s.get("role") in FC.ROLES and bool(self.fast)):
+                why = "not read per unit" if "fast_check" in s else "missing (other stores carry fast checks: all or none)"
+                raise AdmissionError(f"stores[{i}].fast_check", why)
         mode = "included" if self.mtp_path else "excluded"
         if m["policy"] != {"modalities": ["text"], "mtp": mode}:
             field = "policy.mtp" if type(m["policy"]) is dict and m["policy"].get("modalities") == ["text"] else "policy"
@@ -435,6 +453,7 @@ class _Admission:
             args=self.args,
             report=self.report(),
             dense_digests={k: r["sha256"] for k, r in m["tensors"].items()} if self.dense_digests else None,
+            fast_digests=dict(self.fast) or None,
             norm_weights=m.get("norm_weights", C.NORM_WEIGHTS_DEFAULT_V1),
         )
 

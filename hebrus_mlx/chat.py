@@ -11,13 +11,12 @@ import importlib
 import sys
 
 from . import flags
+from .cli_args import ArgumentParser, str2bool
 from .errors import UsageError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import make_sampler
 from .server import USED, refuse_unused, share_generate_flags
 from .stream.errors import StreamError
-from .stream.predict import prefetch_from_args
-from .stream.sweep import sweep_from_args
 from .text.chat import ChatError
 from .text.tokenizer import TokenizerError
 
@@ -28,11 +27,11 @@ _NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = gen._Parser(prog="hebrus-mlx chat", description="Chat with a hebrus-mlx model in the terminal.",
-                    conflict_handler="resolve")
+    p = ArgumentParser(prog="hebrus-mlx chat", description="Chat with a hebrus-mlx model in the terminal.",
+                       conflict_handler="resolve")
     # generate's model, cache and sampling flags (incl. --system-prompt), so the verbs cannot drift.
     p.shared = share_generate_flags(p, _NOT_SHARED)
-    p.add_argument("--verbose", type=gen._str2bool, default=True, help="print a stats line after each reply")
+    p.add_argument("--verbose", type=str2bool, default=True, help="print a stats line after each reply")
     p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=1 << 30,
                    help="byte limit of cached prefix snapshots (0: prefill the whole conversation every turn)")
     p.set_defaults(max_tokens=256)
@@ -51,7 +50,7 @@ def main(argv=None) -> int:
     """`hebrus-mlx chat`; typed errors propagate to `cli.run` (one line, exit 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    gen._check_args(args)
+    gen.check_args(args)
     refuse_unused(args, parser.shared, USED | {"system_prompt"}, "chat")
     if args.prompt_cache_bytes < 0:
         raise UsageError("--prompt-cache-bytes", f"must be >= 0, got {args.prompt_cache_bytes}")
@@ -59,17 +58,15 @@ def main(argv=None) -> int:
         import mlx.core as mx
 
         mx.random.seed(args.seed)
-    model, tok = gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
-                           expert_mirror=args.expert_mirror, prefill_sweep=sweep_from_args(args))
+    model, tok = gen.load_from_args(args)
     if tok.chat_template is None:
         raise UsageError("--model", f"model {args.model!r} has no chat template")
 
-    sampler = make_sampler(tok.effective_vocab_size, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-                           top_k=args.top_k)
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     cache = PromptCache(args.prompt_cache_bytes)
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
     messages = list(system)
-    limit = gen._context_limit(model)
+    limit = gen.context_limit(model)
     print(f"[INFO] Chatting with {args.model}. {HELP}", flush=True)
     while True:
         try:

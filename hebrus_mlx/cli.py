@@ -13,10 +13,11 @@ VERBS = {
     "convert": "hebrus_mlx.convert",
     "admit": "hebrus_mlx.admission",
     "verify": "hebrus_mlx.verify",
+    "upgrade": "hebrus_mlx.upgrade",
     "server": "hebrus_mlx.server",
     "chat": "hebrus_mlx.chat",
     "traces": "hebrus_mlx.traces.command",
-    "qualify": "hebrus_mlx.qualify",
+    "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
     "bench": "hebrus_mlx.bench.command",
     "simulate": "hebrus_mlx.simulate.command",
 }

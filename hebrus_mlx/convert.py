@@ -26,7 +26,7 @@ from tqdm import tqdm
 from . import admission, flags, hub
 from .artifact import atomic
 from .artifact import constants as C
-from .artifact import expert_major, manifest as M, ple_pages, untrusted
+from .artifact import expert_major, fast_check as FC, manifest as M, ple_pages, untrusted
 from .artifact.errors import ArtifactError, GeometryError
 from .models import checkpoint_keys as keys
 from .models.qwen4exp_config import mtp_layer_args
@@ -148,9 +148,11 @@ def write_mtp(w, src, args, fam, profile, report, progress=None):
     return header
 
 
-def mtp_store(tmp, header, args, profile, consumed):
-    """Manifest entry of the MTP store; its inventory records every stored tensor's codec."""
-    s = _store(tmp, "mtp", M.MTP_PATH, "safetensors", C.PROFILES[profile]["dense"])
+def mtp_store(tmp, header, args, profile, consumed, fast=False):
+    """Manifest entry of the MTP store; its inventory records every stored tensor's codec.
+    fast: also publish its XXH3-128 chunk table (artifact/fast_check.py)."""
+    chunks = FC.scan_file(os.path.join(tmp, M.MTP_PATH), M.MTP_PATH)[1] if fast else None
+    s = _store(tmp, "mtp", M.MTP_PATH, "safetensors", C.PROFILES[profile]["dense"], chunks)
     stored = M.mtp_stored_tensors(args, profile)
     s["tensors"] = {name: dict(e, codec=stored[name][2]) for name, e in sorted(header.items())}
     s["source_tensors"] = consumed
@@ -290,18 +292,21 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
 
         g = expert_major.Geometry(fam, codecs["experts"])
         p = bar("experts", g.payload_bytes)
+        fast = _collector(g.count, M.EXPERTS_PATH)
         expert_major.publish(os.path.join(tmp, M.EXPERTS_PATH), fam, codecs["experts"],
-                             expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]), progress=p.update)
+                             expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]), progress=p.update,
+                             fast=fast)
         p.close()
-        stores.append(_store(tmp, "experts", M.EXPERTS_PATH, "expert_major.v2", codecs["experts"]))
+        stores.append(_store(tmp, "experts", M.EXPERTS_PATH, "expert_major.v2", codecs["experts"], fast))
 
         for t, layer_id in enumerate(args.ple_layer_ids):
             g = ple_pages.Geometry(fam, t, codecs["ple"])
             p = bar(f"ple[{t}]", g.payload_bytes)
+            fast = _collector(g.num_pages, M.ple_path(t))
             ple_pages.publish(os.path.join(tmp, M.ple_path(t)), fam, t, codecs["ple"],
-                              src.ple_chunks(args, layer_id - 1, codecs["ple"]), progress=p.update)
+                              src.ple_chunks(args, layer_id - 1, codecs["ple"]), progress=p.update, fast=fast)
             p.close()
-            s = _store(tmp, "ple", M.ple_path(t), "ple_pages.v1", codecs["ple"])
+            s = _store(tmp, "ple", M.ple_path(t), "ple_pages.v1", codecs["ple"], fast)
             s.update(table=t, layer=layer_id - 1, rows_per_page=g.rows_per_page)
             stores.append(s)
 
@@ -314,7 +319,7 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
 
             atomic.publish_file(os.path.join(tmp, M.MTP_PATH), write)
             p.close()
-            stores.append(mtp_store(tmp, mtp_header, args, profile, mtp_report["consumed"]))
+            stores.append(mtp_store(tmp, mtp_header, args, profile, mtp_report["consumed"], fast=FC.xxh3_128() is not None))
 
         tensors = {}
         shapes = M.dense_shapes(args)
@@ -354,10 +359,13 @@ def add_mtp(artifact, mtp_source, quiet=False):
         raise ArtifactError(f"mtp_source.{extra[0]}", "not an MTP tensor")
     profile = man["profile"]
 
+    fast = any("fast_check" in s for s in man["stores"])
+
     def build(tmp):
         for s in man["stores"]:
             if s["role"] != "mtp":
-                atomic.publish_file(os.path.join(tmp, s["path"]), lambda w, p=os.path.join(artifact, s["path"]): _copy(p, w))
+                for name in [s["path"]] + ([s["fast_check"]["path"]] if "fast_check" in s else []):
+                    atomic.publish_file(os.path.join(tmp, name), lambda w, p=os.path.join(artifact, name): _copy(p, w))
         for name in man["source"]["files"]:
             atomic.publish_file(os.path.join(tmp, name), lambda w, p=os.path.join(artifact, name): _copy(p, w))
         p = tqdm(total=sum(M.shape_bytes(d, sh) for d, sh, _ in M.mtp_stored_tensors(args, profile).values()),
@@ -366,7 +374,7 @@ def add_mtp(artifact, mtp_source, quiet=False):
         atomic.publish_file(os.path.join(tmp, M.MTP_PATH),
                             lambda w: header.update(write_mtp(w, src, args, fam, profile, report, p.update)))
         p.close()
-        new = dict(man, stores=[s for s in man["stores"] if s["role"] != "mtp"] + [mtp_store(tmp, header, args, profile, report["consumed"])],
+        new = dict(man, stores=[s for s in man["stores"] if s["role"] != "mtp"] + [mtp_store(tmp, header, args, profile, report["consumed"], fast)],
                    policy=dict(man["policy"], mtp="included"), exclusions=dict(man["exclusions"], mtp=0))
         data = M.dumps(new)
         atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
@@ -403,10 +411,23 @@ def _copy(path, w):
             w.write(b)
 
 
-def _store(tmp, role, path, fmt, codec_name):
+def _store(tmp, role, path, fmt, codec_name, fast=None):
+    """A store's manifest entry; `fast` (a fast_check.Collector fed by the store's verify pass):
+    its XXH3-128 digest table is published beside it and named in the entry."""
     full = os.path.join(tmp, path)
-    return {"role": role, "path": path, "format": fmt, "codec": codec_name,
-            "size": os.path.getsize(full), "sha256": M.sha256_file(full)}
+    s = {"role": role, "path": path, "format": fmt, "codec": codec_name,
+         "size": os.path.getsize(full), "sha256": M.sha256_file(full)}
+    if fast is not None:
+        table = fast.table()
+        atomic.publish_file(os.path.join(tmp, FC.table_path(path)), lambda w: w.write(table))
+        s["fast_check"] = FC.entry(path, table)
+    return s
+
+
+def _collector(units, path):
+    """What the verify pass of a new store feeds its records/pages to, for the fast check;
+    None without the compiled extension (the artifact then checks reads by SHA-256)."""
+    return FC.Collector(units, path) if FC.xxh3_128() is not None else None
 
 
 def build_parser():

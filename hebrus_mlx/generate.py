@@ -1,5 +1,12 @@
-"""Text generation with the feel of `mlx_lm.generate`: `generate_step`, `stream_generate`,
-`generate` and the `hebrus-mlx generate` / `python -m hebrus_mlx.generate` command."""
+"""Text generation with the feel of `mlx_lm.generate`: `generate_step`, `speculative_generate_step`,
+`stream_generate`, `generate` and the `hebrus-mlx generate` / `python -m hebrus_mlx.generate` command.
+
+One loop serves every path: `prefill_chunks` / `prefill` feed a prompt chunk by chunk (the chunk
+cap, rollback, evaluation), `DecodeStep` turns one forward into log-probabilities and a token, and
+the pipelined decode queues the next step before reading the current token; speculative decoding is
+a strategy that loop calls (speculative/protocol.py). The prompt cache and trace replay use the
+same prefill. The CLI helpers chat and server share are public here: `build_parser`, `check_args`,
+`load_from_args`, `context_limit` (and `cli_args`)."""
 
 import argparse
 import sys
@@ -12,11 +19,12 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 
 from . import flags
+from .cli_args import ArgumentParser, str2bool
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
-from .sample_utils import apply_vocab_mask, check_sampling_args, make_sampler
-from .models.cache import rollback_on_error
+from .sample_utils import SamplingError, apply_vocab_mask, check_sampling_args, make_sampler
 from .stream.predict import add_prefetch_argument, prefetch_from_args
+from .stream.rollback import rollback_on_error
 from .stream.sweep import add_sweep_argument, sweep_from_args
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
@@ -43,7 +51,9 @@ def generation_stream():
 def wired_limit(model):
     """Wire the model's weights while generating when they are a large part of the Metal working set
     (mlx-lm's rule); a no-op without Metal (this machine: not exercised)."""
-    if not (hasattr(mx, "metal") and mx.metal.is_available()):
+    from .profile import metal_device
+
+    if not metal_device():
         yield
         return
     from mlx.utils import tree_reduce
@@ -73,12 +83,6 @@ class GenerationResponse:
     from_draft: bool = False  # a drafted token the target accepted (speculative decoding)
 
 
-def _eval_cache(cache, fallback, extra=()):
-    states = cache.arrays
-    # Evaluating the cache alone leaves the chunk's vocabulary projection unevaluated.
-    mx.eval(*(states if states else [fallback]), *extra)
-
-
 # mlx-lm's --max-kv-size keeps a rotating window of the last N keys. Qwen4Exp's QSA layers select
 # keys from the whole context by the indexer's scores, and GDN layers carry a fixed-size state, so a
 # window would silently change which keys QSA can pick: the flag is refused, not approximated.
@@ -89,6 +93,200 @@ MAX_KV_SIZE_UNSUPPORTED = ("not supported by Qwen4Exp (QSA selects keys from the
 def _check_max_kv_size(max_kv_size, field):
     if max_kv_size is not None:
         raise UsageError(field, MAX_KV_SIZE_UNSUPPORTED)
+
+
+def context_limit(model) -> Optional[int]:
+    """The most positions a sequence of `model` may hold (None: unbounded)."""
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None)
+
+
+# -- the pieces of one sequence's generation: prefill and the decode step ----------------------------
+
+
+def _snapshot(cache):
+    # AFN-010: MLX arrays are values, so a snapshot is references (free); holding one also keeps the
+    # previous buffers from being donated to the update. A cache without snapshots cannot roll back.
+    snapshot = getattr(cache, "snapshot", None)
+    return None if snapshot is None else snapshot()
+
+
+@contextmanager
+def _guarded(cache, snap):
+    """Evaluation on the generation stream that, failing, leaves `cache` at `snap` (typed)."""
+    with rollback_on_error(cache, snap), mx.stream(generation_stream()):
+        yield
+
+
+def _eval_cache(cache, fallback, extra=()):
+    states = cache.arrays
+    # Evaluating the cache alone leaves the chunk's vocabulary projection unevaluated.
+    mx.eval(*(states if states else [fallback]), *extra)
+
+
+def prefill_chunk_size(model, prefill_step_size: int) -> int:
+    """Tokens per prefill chunk: `prefill_step_size`, capped where a streamed model needs it (a
+    streamed chunk pins every expert it routes to in the arena at once, unless swept)."""
+    streaming = getattr(model, "streaming", None)
+    cap = None if streaming is None else streaming.prefill_chunk_cap
+    return prefill_step_size if cap is None else min(prefill_step_size, cap)
+
+
+def prefill_chunks(model, tokens: mx.array, cache, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+                   forward: Optional[Callable] = None) -> Generator[Tuple[mx.array, Any], None, None]:
+    """Feed `tokens` ([T] int32) into `cache` chunk by chunk (chunks of `prefill_chunk_size`), each
+    chunk evaluated before the next is built and rolled back if that fails (AFN-010); yields
+    (chunk, extra) once the chunk is in the cache.
+
+    forward(chunk) -> (out, pending, extra): the model call of one chunk (default
+    `model(chunk[None], cache=cache)`), arrays to evaluate with it (captures, hidden rows) and what
+    to yield back; the chunk's logits are not evaluated (prefill needs the state only)."""
+    if prefill_step_size < 1:
+        raise GenerationError("prefill_step_size", f"must be >= 1, got {prefill_step_size}")
+    if forward is None:
+        forward = lambda chunk: (model(chunk[None], cache=cache), (), None)  # noqa: E731
+    step = prefill_chunk_size(model, prefill_step_size)
+    for start in range(0, tokens.size, step):
+        chunk = tokens[start:start + step]
+        with _guarded(cache, _snapshot(cache)):
+            out, pending, extra = forward(chunk)
+            _eval_cache(cache, out, pending)
+        yield chunk, extra
+
+
+def prefill(model, tokens: mx.array, cache, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+            cancelled: Callable[[], bool] = lambda: False) -> bool:
+    """`prefill_chunks` run through; False (the cache holding the chunks before) when `cancelled()`
+    turned true between chunks."""
+    if cancelled():
+        return False
+    for _ in prefill_chunks(model, tokens, cache, prefill_step_size):
+        if cancelled():
+            return False
+    return True
+
+
+@dataclass
+class PendingStep:
+    """A queued decode step; its token and log-probabilities are lazy until read."""
+
+    y: mx.array  # [1] int32
+    logprobs: mx.array  # [V]
+    snap: Any  # the cache before the step: where a failure of this step (or one queued on it) returns
+    staged: Any = None  # the trace record of the token it fed
+    hidden: Optional[mx.array] = None  # [1, D] state after the fed token (drafters that ask for it)
+    routes: Optional[mx.array] = None  # [layers, 1, k] (the speculative governor's unique experts)
+
+    def arrays(self) -> list:
+        extra = [] if self.staged is None else list(self.staged.arrays)
+        return extra + [a for a in (self.hidden, self.routes) if a is not None]
+
+
+class DecodeStep:
+    """One sequence's forward and logits -> log-probabilities -> token: logits processors, the
+    vocabulary mask and the log-softmax once (AFN-005), then the sampler. The plain decode, the
+    speculative verify and prefill all feed the model through it.
+
+    hidden: forwards also return the pre-mixer state rows (drafters that need them); routes:
+    forwards asked for them capture the routed experts (not across a pipeline)."""
+
+    def __init__(self, model, cache, *, effective_vocab_size: int, sampler: Callable,
+                 logits_processors: Optional[List[Callable]] = None, trace=None, hidden: bool = False,
+                 routes: bool = False):
+        self.model, self.cache = model, cache
+        self.effective_vocab_size = effective_vocab_size
+        self.sampler = sampler
+        # A hebrus-mlx sampler masks and normalises its input; here that ran already.
+        self._sample = getattr(sampler, "from_logprobs", sampler)
+        self.processors = list(logits_processors or [])
+        self.trace = trace
+        self.hidden = hidden
+        self.pipeline = getattr(model, "last_row_logits", False)  # rank 0 of a pipeline: no route capture
+        self.routes = routes and not self.pipeline
+        self.history: Optional[mx.array] = None  # every token fed (kept for logits processors)
+
+    def guard(self, snap):
+        return _guarded(self.cache, snap)
+
+    def forward(self, ids: mx.array, kind: int = KIND_DECODE, rows: bool = False, routes: bool = False):
+        """Feed `ids` ([T] int32): (logits [T, V] (a pipeline: the last row unless `rows`),
+        hidden [T, D] or None, the trace record or None, routes [layers, T, k] or None), lazy."""
+        kw = {}
+        cap = None
+        if self.trace is not None:
+            cap = self.trace.capture()
+        elif routes and self.routes:
+            from .models.qwen4exp import Capture  # the model module is imported by whoever built `model`
+
+            cap = Capture(hidden=False)
+        if cap is not None:
+            kw["capture"] = cap
+        if self.hidden:
+            kw["return_hidden"] = True
+        if rows and self.pipeline:
+            kw["all_logits"] = True
+        out = self.model(ids[None], cache=self.cache, **kw)
+        logits, hidden = out if self.hidden else (out, None)
+        staged = None if self.trace is None else self.trace.stage(cap, ids, kind)
+        stacked = None
+        if cap is not None and self.trace is None and cap.routes:
+            stacked = mx.stack([cap.routes[i][0] for i in sorted(cap.routes)])
+        return logits[0], None if hidden is None else hidden[0], staged, stacked
+
+    def fed(self, ids: mx.array) -> None:
+        """`ids` entered the sequence (the processors' history)."""
+        if self.processors:
+            self.history = ids if self.history is None else mx.concatenate([self.history, ids])
+
+    def logprobs(self, logits: mx.array, fed: mx.array) -> mx.array:
+        """[L, V] logits of the forward that fed `fed` -> [L, V] log-probabilities, -inf past the
+        effective vocabulary; each row's processors see the history through that row's input."""
+        if self.processors:
+            out = []
+            for i in range(logits.shape[0]):
+                seen = fed[: fed.size - logits.shape[0] + i + 1]
+                history = seen if self.history is None else mx.concatenate([self.history, seen])
+                row = logits[i:i + 1]
+                for proc in self.processors:
+                    row = proc(history, row)
+                out.append(row)
+            logits = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+        logits = apply_vocab_mask(logits, self.effective_vocab_size)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def prefill_forward(self, chunk: mx.array):
+        """`prefill_chunks`' forward: the chunk's trace record and hidden rows come back."""
+        out, hidden, staged, _ = self.forward(chunk, KIND_PREFILL)
+        self.fed(chunk)
+        pending = ([] if staged is None else list(staged.arrays)) + ([] if hidden is None else [hidden])
+        return out, pending, (staged, hidden)
+
+    def queue(self, y: mx.array) -> PendingStep:
+        """Build the step feeding `y` ([1], possibly not yet evaluated) and start evaluating it."""
+        snap = _snapshot(self.cache)
+        with self.guard(snap):
+            logits, hidden, staged, routes = self.forward(y, KIND_DECODE, routes=True)
+            logprobs = self.logprobs(logits[-1:], y)
+            step = PendingStep(self._sample(logprobs), logprobs[0], snap, staged, hidden, routes)
+            self.fed(y)
+            mx.async_eval(step.y, logprobs, *step.arrays())
+        return step
+
+    def read(self, step: PendingStep) -> int:
+        """The step's token (waits for it); its trace record is committed first."""
+        if step.staged is not None:
+            self.trace.commit(step.staged)
+        return step.y.item()
+
+    def finish(self, step: PendingStep) -> None:
+        """Evaluate a step nobody reads (queued on the last token), so the cache and the streamed
+        experts' leases are settled when the caller gets control."""
+        if step.staged is not None:
+            self.trace.commit(step.staged)
+        mx.eval(step.y, step.logprobs, *step.arrays())
+
+
+# -- the generation loop --------------------------------------------------------------------------------
 
 
 def generate_step(
@@ -114,120 +312,134 @@ def generate_step(
 
     `draft_model` (a hebrus_mlx.speculative Drafter) decodes speculatively with blocks of up to
     `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling)."""
-    if draft_model is not None:
-        if trace is not None:
-            raise UsageError("trace", "route capture of speculative decoding is not supported (only "
-                             "verified tokens may enter a clean-path trace, AFN-021)")
-        yield from _speculative(prompt, model, draft_model, effective_vocab_size=effective_vocab_size,
-                                max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
-                                prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
-                                max_kv_size=max_kv_size, num_draft_tokens=num_draft_tokens)
-        return
+    for token, logprobs, _ in _generate(
+            prompt, model, effective_vocab_size=effective_vocab_size, max_tokens=max_tokens, sampler=sampler,
+            logits_processors=logits_processors, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+            max_kv_size=max_kv_size, trace=trace, draft_model=draft_model, num_draft_tokens=num_draft_tokens):
+        yield token, logprobs
+
+
+def speculative_generate_step(
+    prompt: mx.array,
+    model,
+    draft_model,
+    *,
+    effective_vocab_size: int,
+    max_tokens: int = 256,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
+    prompt_cache: Optional[Any] = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    max_kv_size: Optional[int] = None,
+    num_draft_tokens: Optional[int] = None,
+    governor: Any = "auto",
+    stats=None,
+    trace: Optional[list] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """generate_step with a Drafter (hebrus_mlx.speculative), yielding (token, logprobs, from_draft)
+    like mlx-lm's: from_draft marks a drafted token the target accepted. num_draft_tokens: the
+    block limit (default 3); governor: "auto" (default: choose the block per step, see
+    speculative/governor.py), None (always the limit) or a Governor; stats: a SpeculativeStats to
+    fill; trace: a list that receives a speculative.protocol.StepTrace per verify step (golden
+    replay). Steps with no draft run pipelined exactly as generate_step's."""
+    yield from _generate(
+        prompt, model, effective_vocab_size=effective_vocab_size, max_tokens=max_tokens, sampler=sampler,
+        logits_processors=logits_processors, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+        max_kv_size=max_kv_size, draft_model=draft_model, num_draft_tokens=num_draft_tokens, governor=governor,
+        stats=stats, step_trace=trace)
+
+
+@contextmanager
+def _no_tickets():
+    yield None
+
+
+def _generate(prompt, model, *, effective_vocab_size, max_tokens=256, sampler=None, logits_processors=None,
+              prompt_cache=None, prefill_step_size=DEFAULT_PREFILL_STEP_SIZE, max_kv_size=None, trace=None,
+              draft_model=None, num_draft_tokens=None, governor="auto", stats=None, step_trace=None):
+    """The one loop: prefill all but the last prompt token, then the pipelined decode, with the
+    speculative blocks a drafter's strategy chooses in between. Yields (token, logprobs, from_draft)."""
+    if draft_model is not None and trace is not None:
+        raise UsageError("trace", "route capture of speculative decoding is not supported (only "
+                         "verified tokens may enter a clean-path trace, AFN-021)")
     if prompt.ndim != 1 or prompt.size == 0:
         raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
     if prefill_step_size < 1:
         raise GenerationError("prefill_step_size", f"must be >= 1, got {prefill_step_size}")
     _check_max_kv_size(max_kv_size, "max_kv_size")
-    if prompt_cache is None:
-        prompt_cache = model.make_cache()
-    sampler = sampler or make_sampler(effective_vocab_size)
-    logits_processors = logits_processors or []
-    tokens = None
-    if trace is not None:
-        trace.begin(getattr(prompt_cache, "next_position", 0))
+    cache = model.make_cache() if prompt_cache is None else prompt_cache
+    sampler = sampler or make_sampler()  # the vocabulary mask is this loop's (DecodeStep)
+    streaming = getattr(model, "streaming", None)
+    # Every streamed read of the sequence carries its request's ticket scope (a server request's
+    # own, or one opened here): speculation retires generations in it, a cancel fails them all.
+    with (_no_tickets() if streaming is None else streaming.request()) as tickets:
+        spec = None
+        if draft_model is not None:
+            from .speculative.protocol import Speculation
 
-    def _forward(x, kind):
-        if trace is None:
-            return model(x[None], cache=prompt_cache), None
-        cap = trace.capture()
-        out = model(x[None], cache=prompt_cache, capture=cap)
-        return out, trace.stage(cap, x, kind)
+            spec = Speculation(model, draft_model, cache, sampler, tickets, num_draft_tokens=num_draft_tokens,
+                               governor=governor, stats=stats, max_tokens=max_tokens, trace=step_trace)
+        step = DecodeStep(model, cache, effective_vocab_size=effective_vocab_size, sampler=sampler,
+                          logits_processors=logits_processors, trace=trace,
+                          hidden=spec is not None and spec.needs_hidden, routes=spec is not None and spec.track_routes)
+        if trace is not None:
+            trace.begin(getattr(cache, "next_position", 0))
+        y = prompt.astype(mx.int32)
+        hidden = []
+        for _, (staged, h) in prefill_chunks(model, y[:-1], cache, prefill_step_size, step.prefill_forward):
+            if staged is not None:
+                trace.commit(staged)
+            if h is not None:
+                hidden.append(h)
+        if spec is not None:
+            spec.begin(y.tolist(), hidden)
+        yield from _decode(step, spec, y[-1:], max_tokens)
 
-    def _step(y):
-        with mx.stream(generation_stream()):
-            return _step_on_stream(y)
 
-    def _step_on_stream(y):
-        nonlocal tokens
-        logits, staged = _forward(y, KIND_DECODE)
-        logits = logits[:, -1, :]
-        if logits_processors:
-            tokens = y if tokens is None else mx.concatenate([tokens, y])
-            for proc in logits_processors:
-                logits = proc(tokens, logits)
-        logits = apply_vocab_mask(logits, effective_vocab_size)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs.squeeze(0), staged
-
-    def _pending(staged):
-        return staged.arrays if staged is not None else []
-
-    streaming = model.streaming
-    if streaming is not None and streaming.prefill_chunk_cap is not None:
-        # A streamed chunk pins every expert it routes to in the arena at once (unless swept).
-        prefill_step_size = min(prefill_step_size, streaming.prefill_chunk_cap)
-    # AFN-010: a step whose evaluation fails (e.g. an SSD read error) must not leave half-applied
-    # state. Snapshots are references (MLX arrays are values), so taking one per step is free, and
-    # holding it also keeps the previous buffers from being donated to the update.
-    snapshot = getattr(prompt_cache, "snapshot", lambda: None)
-
-    def rollback_to(snap):
-        return rollback_on_error(prompt_cache, snap)
-
-    y = prompt.astype(mx.int32)
-    # Chunked prefill: all but the last prompt token, the cache evaluated chunk by chunk.
-    while y.size > 1:
-        n = min(prefill_step_size, y.size - 1)
-        chunk = y[:n]
-        with rollback_to(snapshot()), mx.stream(generation_stream()):
-            out, staged = _forward(chunk, KIND_PREFILL)
-            _eval_cache(prompt_cache, out, _pending(staged))
-        if staged is not None:
-            trace.commit(staged)
-        if logits_processors:
-            tokens = chunk if tokens is None else mx.concatenate([tokens, chunk])
-        y = y[n:]
-
-    snap = snapshot()
-    with rollback_to(snap):
-        y, logprobs, staged = _step(y)
-        mx.async_eval(y, logprobs, *_pending(staged))
-    n = 0
+def _decode(step: DecodeStep, spec, y: mx.array, max_tokens: int):
+    """Plain steps are pipelined: the next one is queued before the current token is read, so the
+    host never idles the device. `spec` (None: plain decoding) picks a draft length while a step is
+    in flight; a length > 0 skips queueing, and once the token is read a verify block continues."""
+    if spec is not None:
+        spec.start_plain()
+    pending = step.queue(y)
+    produced = 0
     while True:
         # Until its token is read, the current step and the one queued on top of it roll back
         # together to the state before the current step.
-        with rollback_to(snap):
-            if n != max_tokens:
-                # Queue the next step before reading this one, so the host never idles the device.
-                next_snap = snapshot()
-                next_y, next_logprobs, next_staged = _step(y)
-                mx.async_eval(next_y, next_logprobs, *_pending(next_staged))
-            if staged is not None:
-                trace.commit(staged)  # the step that fed the previous token
-            if n == max_tokens:
-                # The step queued on the last token is in flight: finish it before returning, so
-                # the cache and the streamed experts' leases are settled when the caller gets control.
-                mx.eval(y, logprobs, *_pending(staged))
-                break
-            token = y.item()
-        yield token, logprobs
-        y, logprobs, snap, staged = next_y, next_logprobs, next_snap, next_staged
-        n += 1
-        if n % CLEAR_CACHE_EVERY == 0:
+        with step.guard(pending.snap):
+            if produced == max_tokens:  # plain: the step queued on the last token is in flight
+                step.finish(pending)
+                return
+            last = produced + 1 == max_tokens
+            block = 0 if spec is None or last else spec.block_size(produced + 1)
+            # Plain decoding feeds every token it hands out (the prompt cache continues from them);
+            # speculation stops at the last one.
+            nxt = step.queue(pending.y) if block == 0 and (spec is None or not last) else None
+            token = step.read(pending)
+        if spec is not None:
+            spec.plain(token, pending)
+        yield token, pending.logprobs, False
+        produced += 1
+        if produced % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-
-
-def _speculative(prompt, model, drafter, *, max_kv_size, prompt_cache, with_draft_flag=False, **kwargs):
-    from .speculative import speculative_generate_step
-    from .speculative.protocol import check_drafter
-
-    check_drafter(drafter)  # names and directories resolve in stream_generate (they need the tokenizer)
-    _check_max_kv_size(max_kv_size, "max_kv_size")
-    if prompt_cache is None:
-        prompt_cache = model.make_cache()
-    for token, logprobs, from_draft in speculative_generate_step(prompt, model, drafter, prompt_cache=prompt_cache,
-                                                                 stream=generation_stream(), **kwargs):
-        yield (token, logprobs, from_draft) if with_draft_flag else (token, logprobs)
+        if nxt is not None:
+            pending = nxt
+            continue
+        if last:
+            return
+        while block > 0:  # verify blocks from `token` while the strategy keeps choosing them
+            proposal = spec.propose(block)
+            if not proposal.tokens:
+                break  # nothing to verify: a plain step
+            for token, logprobs, from_draft in spec.verify(step, token, proposal):
+                yield token, logprobs, from_draft
+                produced += 1
+                if produced == max_tokens:
+                    return
+            block = spec.block_size(produced)
+        spec.start_plain()
+        pending = step.queue(mx.array([token], dtype=mx.int32))
 
 
 def _prompt_ids(tokenizer, prompt) -> mx.array:
@@ -246,17 +458,15 @@ def _prompt_ids(tokenizer, prompt) -> mx.array:
     return mx.array(ids, dtype=mx.int32)
 
 
-def _context_limit(model) -> Optional[int]:
-    args = getattr(model, "args", None)
-    return getattr(args, "max_position_embeddings", None)
-
-
 def stream_generate(
     model,
     tokenizer,
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
     *,
+    draft_model=None,
+    num_draft_tokens: Optional[int] = None,
+    speculative_stats=None,
     trace_out=None,
     trace_features: int = 0,
     trace_owner: str = "local",
@@ -265,12 +475,17 @@ def stream_generate(
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate, yielding a GenerationResponse per token; stops on the tokenizer's stop set.
+    `kwargs` go to generate_step (sampler, logits_processors, prompt_cache, prefill_step_size, ...).
+
+    draft_model: decode speculatively with a name (ngram, mtp), a draft model directory or a
+    Drafter, resolved here (names and directories need the tokenizer); speculative_stats: a
+    SpeculativeStats to fill.
 
     trace_out: record a route trace of this sequence into that directory (off by default; token
     IDs are sensitive). trace_features=N also records the router input of every Nth position;
     trace_owner/trace_generation are opaque labels; trace_sampling describes the sampler."""
     ids = _prompt_ids(tokenizer, prompt)
-    limit = _context_limit(model)
+    limit = context_limit(model)
     if limit is not None and ids.size > limit:
         raise GenerationError(f"prompt has {ids.size} tokens; the model context is {limit}")
     if max_tokens != -1 and max_tokens < 1:
@@ -278,43 +493,34 @@ def stream_generate(
     if limit is not None:
         room = limit - ids.size
         max_tokens = room if max_tokens == -1 else min(max_tokens, room)
+    if draft_model is not None:
+        if trace_out is not None or kwargs.get("trace") is not None:
+            raise UsageError("trace", "route capture of speculative decoding is not supported (only "
+                             "verified tokens may enter a clean-path trace, AFN-021)")
+        from .speculative import make_drafter
 
+        draft_model = make_drafter(draft_model, model, tokenizer, kwargs.get("sampler"), num_draft_tokens)
     if trace_out is not None:
-        # The same loop with a recorder, closed (remaining observations published) however it ends.
+        # A recorder on the same loop, closed (remaining observations published) however it ends.
         from .traces.capture import TraceRecorder
 
         if trace_sampling is None:
             trace_sampling = {"sampler": "greedy" if kwargs.get("sampler") is None else "caller"}
-        recorder = TraceRecorder.for_model(trace_out, model, tokenizer, owner=trace_owner,
-                                           generation=trace_generation, sampling=trace_sampling,
-                                           feature_every=trace_features)
-        try:
-            yield from stream_generate(model, tokenizer, ids, max_tokens, trace=recorder, **kwargs)
-        finally:
-            recorder.close()
-        return
-
-    detok = tokenizer.detokenizer
-    stops = tokenizer.stop_token_ids
-    draft_model = kwargs.pop("draft_model", None)
-    num_draft_tokens = kwargs.pop("num_draft_tokens", None)
-    speculative_stats = kwargs.pop("speculative_stats", None)
-    mx.reset_peak_memory()
-    tic = time.perf_counter()
-    if draft_model is None:
-        steps = ((t, lp, False) for t, lp in generate_step(
-            ids, model, effective_vocab_size=tokenizer.effective_vocab_size, max_tokens=max_tokens, **kwargs))
-    else:
-        # Speculative decoding: a name (ngram, mtp), a draft model directory or a Drafter.
-        from .speculative import make_drafter
-
-        drafter = make_drafter(draft_model, model, tokenizer, kwargs.get("sampler"), num_draft_tokens)
-        steps = _speculative(ids, model, drafter, effective_vocab_size=tokenizer.effective_vocab_size,
-                             max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, stats=speculative_stats,
-                             with_draft_flag=True, prompt_cache=kwargs.pop("prompt_cache", None),
-                             max_kv_size=kwargs.pop("max_kv_size", None), **kwargs)
-    with wired_limit(model):
-        yield from _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic)
+        kwargs["trace"] = TraceRecorder.for_model(trace_out, model, tokenizer, owner=trace_owner,
+                                                  generation=trace_generation, sampling=trace_sampling,
+                                                  feature_every=trace_features)
+    try:
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        steps = _generate(ids, model, effective_vocab_size=tokenizer.effective_vocab_size, max_tokens=max_tokens,
+                          draft_model=draft_model, num_draft_tokens=num_draft_tokens, stats=speculative_stats,
+                          **kwargs)
+        with wired_limit(model):
+            yield from _responses(steps, ids, tokenizer, tokenizer.detokenizer, tokenizer.stop_token_ids,
+                                  max_tokens, tic)
+    finally:
+        if trace_out is not None:
+            kwargs["trace"].close()
 
 
 def _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic):
@@ -342,21 +548,18 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     """Generate a complete response; with `verbose`, stream it and print mlx_lm-style stats."""
     text = ""
     response = None
-    if kwargs.get("draft_model") is not None:
-        from .speculative import SpeculativeStats, make_drafter
+    if kwargs.get("draft_model") is not None and kwargs.get("speculative_stats") is None:
+        from .speculative import SpeculativeStats
 
-        # Resolved before anything is printed: a bad --draft-model is one line on stderr.
-        kwargs["draft_model"] = make_drafter(kwargs["draft_model"], model, tokenizer, kwargs.get("sampler"),
-                                             kwargs.get("num_draft_tokens"))
-        if kwargs.get("speculative_stats") is None:
-            kwargs["speculative_stats"] = SpeculativeStats()
-    if verbose:
-        print("=" * 10)
+        kwargs["speculative_stats"] = SpeculativeStats()
     for response in stream_generate(model, tokenizer, prompt, **kwargs):
         if verbose:
-            print(response.text, end="", flush=True)
+            # After the first token: a bad prompt or --draft-model is one line on stderr, alone.
+            print(("=" * 10 + "\n" if response.generation_tokens == 1 else "") + response.text, end="", flush=True)
         text += response.text
     if verbose:
+        if response is None:
+            print("=" * 10)
         print()
         print("=" * 10)
         if response is None:
@@ -368,37 +571,18 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         if kwargs.get("speculative_stats") is not None:
             print(kwargs["speculative_stats"].summary())
         if model.streaming is not None:
-            from .stream.engine import io_summary
-
-            sweep_line = model.streaming.sweep_summary()
-            if sweep_line:
-                print(sweep_line)
-            print(io_summary(model.streaming.engine.counters(), model.streaming.prefetch))
-            experts = model.streaming.experts
-            if experts is not None and experts.mirror is not None:
-                from .stream.engine import mirror_summary
-
-                print(mirror_summary(model.streaming.engine.file_reads(experts.store)))
+            for line in model.streaming.summary():
+                print(line)
     return text
 
 
 # -- command line -------------------------------------------------------------------------------------
-
-
-class _Parser(flags.Parser):
-    """The verbs' parser: a bad flag is a UsageError naming it (flags.Parser)."""
-
-
-def _str2bool(s):
-    if s.lower() in ("true", "t", "1", "yes"):
-        return True
-    if s.lower() in ("false", "f", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+# generate's flags are the model, cache and sampling flags of every generating verb: chat and server
+# take them from `build_parser`, validate them with `check_args` and load with `load_from_args`.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hebrus-mlx generate", description="Generate text with a hebrus-mlx model.")
+    p = ArgumentParser(prog="hebrus-mlx generate", description="Generate text with a hebrus-mlx model.")
     p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="message to send; '-' reads stdin")
     p.add_argument("--system-prompt", default=None)
@@ -409,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=flags.number(0, 1), default=0.0)
     p.add_argument("--seed", type=flags.seed(), default=None)
     p.add_argument("--ignore-chat-template", action="store_true", help="tokenize the prompt as plain text")
-    p.add_argument("--verbose", type=_str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
+    p.add_argument("--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
     p.add_argument("--prefill-step-size", type=flags.integer(1), default=DEFAULT_PREFILL_STEP_SIZE)
     p.add_argument("--max-kv-size", type=flags.integer(1), default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED)
     p.add_argument("--expert-cache-gb", type=flags.gib(), default=None,
@@ -439,14 +623,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_args(args):
+def check_args(args) -> None:
+    """Refuse bad values of generate's flags (UsageError naming the flag) before the model loads."""
     if args.max_tokens < 1:
         raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
     try:
         check_sampling_args(args.temp, args.top_p, args.min_p, args.top_k)
-    except ValueError as e:  # "top_p must be in (0, 1], got 1.5": name the flag
-        name, _, message = str(e).partition(" ")
-        raise UsageError("--" + name.replace("_", "-"), message) from None
+    except SamplingError as e:  # name the flag
+        raise UsageError("--" + e.field.replace("_", "-"), e.message) from None
     if args.prefill_step_size < 1:
         raise UsageError("--prefill-step-size", f"must be >= 1, got {args.prefill_step_size}")
     if args.max_kv_size is not None and args.max_kv_size < 1:
@@ -467,14 +651,16 @@ def _check_args(args):
             raise UsageError("--num-draft-tokens", f"must be >= 1, got {args.num_draft_tokens}")
 
 
-def _load(name: str, expert_cache_gb: Optional[float] = None, ple_cache_gb: Optional[float] = None,
-          prefetch=None, dtype="auto", expert_mirror=None, prefill_sweep=None):
-    from .hub import resolve_model  # demo -> local dir -> Hub repo id (downloaded after a disk check)
+def load_from_args(args):
+    """(model, tokenizer) named by generate's model and cache flags (`--model`: demo, a local
+    directory or a Hub repo id, downloaded after a disk check)."""
+    from .hub import resolve_model
     from .utils import load
 
-    return load(resolve_model(name), dtype=None if dtype == "stored" else dtype, expert_cache_gb=expert_cache_gb,
-                ple_cache_gb=ple_cache_gb, prefetch=prefetch, expert_mirror=expert_mirror,
-                prefill_sweep=prefill_sweep)
+    return load(resolve_model(args.model), dtype=None if args.dtype == "stored" else args.dtype,
+                expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,
+                prefetch=prefetch_from_args(args), expert_mirror=args.expert_mirror,
+                prefill_sweep=sweep_from_args(args))
 
 
 def _trace_kwargs(args) -> dict:
@@ -495,7 +681,7 @@ def main(argv=None) -> int:
     """`hebrus-mlx generate`; typed errors propagate to `cli.run` (one line, exit 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_args(args)
+    check_args(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise UsageError("--prompt", "the prompt is empty")
@@ -509,16 +695,14 @@ def main(argv=None) -> int:
         if pipe is None:
             return 0  # a serving rank: rank 0 prints
     else:
-        model, tokenizer = _load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch_from_args(args),
-                                 args.dtype, args.expert_mirror, prefill_sweep=sweep_from_args(args))
+        model, tokenizer = load_from_args(args)
     if args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    sampler = make_sampler(tokenizer.effective_vocab_size, temp=args.temp, top_p=args.top_p,
-                           min_p=args.min_p, top_k=args.top_k)
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
                     sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args))
     if not args.verbose:

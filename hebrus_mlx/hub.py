@@ -19,12 +19,40 @@ import shutil
 from pathlib import Path
 
 from .artifact.errors import ArtifactError
+from .errors import HebrusError
 
 # What a text checkpoint needs (weights, configs, tokenizer, chat template),
 # and a published hebrus-mlx artifact's stores.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.hbem", "*.hbpl"]
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.hbem", "*.hbpl",
+                  "*.xxh3"]  # a published artifact's fast-check digest tables (artifact/fast_check.py)
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
+
+
+class ModelNotFoundError(HebrusError, FileNotFoundError):
+    """No model at the given name; the message lists every place that was looked at."""
+
+    default_field = "model"
+
+
+def resolve_model_path(name: str) -> Path:
+    """`demo` -> the shipped demo model; otherwise an artifact dir or an HF checkpoint dir."""
+    looked = []
+    if name == "demo":
+        candidates = [DEMO_DIR]
+    else:
+        candidates = [Path(name).expanduser()]
+    for path in candidates:
+        looked.append(str(path / "manifest.json"))
+        if (path / "manifest.json").is_file():
+            return path
+        looked.append(str(path / "config.json"))
+        if (path / "config.json").is_file():
+            return path
+    raise ModelNotFoundError(f"no model {name!r}: looked for " + ", ".join(looked))
 
 
 class HubError(ArtifactError, ValueError):
@@ -133,8 +161,6 @@ def download(repo_id, revision=None, allow_patterns=ALLOW_PATTERNS, cache_dir=No
 
 def resolve_model(name, revision=None):
     """Local path of `demo`, an existing directory, or a downloaded repo."""
-    from .utils import resolve_model_path
-
     if name == "demo" or Path(name).expanduser().exists() or not is_repo_id(name):
         return resolve_model_path(name)
     return resolve_model_path(str(download(name, revision)))

@@ -3,6 +3,7 @@ this machine is switched on, nothing else. Read and written here, below both."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -56,12 +57,45 @@ def write_profile(profile: dict, path: Optional[Path] = None) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=1)
+def _metal_device_opens() -> bool:
+    import mlx.core as mx
+
+    try:
+        return bool(mx.device_info(mx.gpu))
+    except RuntimeError:  # MLX's Metal build on a Mac (or VM) with no Metal device
+        return False
+
+
+def metal_device() -> bool:
+    """MLX computes on a Metal device here. `mx.metal.is_available()` only says MLX was built with
+    Metal (it is True on every Mac, a VM without a GPU too); a run whose default device is the CPU
+    (`mx.set_default_device(mx.cpu)`, as the hosted macOS CI job sets) has no Metal path either."""
+    import mlx.core as mx
+
+    if not (hasattr(mx, "metal") and mx.metal.is_available()) or mx.default_device() != mx.gpu:
+        return False
+    return _metal_device_opens()
+
+
+def compute_backend() -> str:
+    """Which MLX backend computes the default device's work: "metal", "cuda" or "cpu"."""
+    import mlx.core as mx
+
+    if metal_device():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu:
+        return "cuda"
+    return "cpu"
+
+
 def this_machine() -> dict:
-    """The identity a profile is bound to, plus whether MLX sees a Metal device now."""
+    """The identity a profile is bound to, plus whether MLX computes on a Metal device now."""
     import mlx.core as mx
 
     return {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-            "mlx": mx.__version__, "metal": bool(hasattr(mx, "metal") and mx.metal.is_available())}
+            "mlx": mx.__version__, "metal": metal_device()}
 
 
 def _entry(profile: Optional[dict], path) -> Optional[dict]:

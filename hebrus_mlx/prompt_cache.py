@@ -6,36 +6,38 @@ snapshot taken after `key` tokens serves any later prompt that starts with `key`
 Two boundaries are kept per request: the prompt minus its last token (the next turn of a chat
 re-sends it) and prompt + generated tokens (the next turn continues from the reply when the
 client sends it back verbatim). Entries are evicted least recently used by bytes.
+
+`save_prompt_cache` / `load_prompt_cache` keep one sequence's state in mlx-lm's prompt-cache file
+(written by `mlx_lm.models.cache.save_prompt_cache`: every layer's protocol `state`), bound to the
+artifact it was computed with: a file from another model, dtype or layer layout is refused with a
+typed error, never restored. mlx-lm's own `load_prompt_cache` rebuilds only classes defined in
+mlx-lm, so the reader is ours; it maps the two recorded class names to hebrus's layer caches and
+nothing else (a file names no code to run).
+
+mlx-lm's `LRUPromptCache` is not used: it trims entries to shorter prefixes, which recurrent state
+cannot do, deep-copies whole caches, and cannot see a pipeline's remote layers (`detach` does).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import importlib
 
 import mlx.core as mx
+from mlx.utils import tree_unflatten
 
-from .models.cache import rollback_on_error
+from .errors import HebrusError
+from .models.cache import AttentionCache, CacheHoleError, CacheStateError, LinearCache, SequenceCache
 
 _gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
-
-
-def _snapshot_arrays(snap) -> List[mx.array]:
-    out = []
-
-    def walk(x):
-        if isinstance(x, mx.array):
-            out.append(x)
-        elif isinstance(x, (tuple, list)):
-            for v in x:
-                walk(v)
-
-    walk(snap)
-    return out
 
 
 @dataclass
@@ -87,9 +89,8 @@ class PromptCache:
             self._entries.move_to_end(key)
             return True
         snap = cache.detach()
-        arrays = _snapshot_arrays(snap)
-        mx.eval(arrays)
-        nbytes = sum(a.nbytes for a in arrays)
+        mx.eval(snap)  # a tree of arrays and counters
+        nbytes = cache.nbytes  # the live rows the detached snapshot holds (mlx-lm's protocol)
         if nbytes > self.max_bytes:
             return False
         self._entries[key] = _Entry(snap, nbytes)
@@ -113,20 +114,6 @@ class Usage:
     generation_seconds: float = 0.0
 
 
-def _prefill(model, cache, ids: mx.array, step: int, cancelled: Callable[[], bool]):
-    streaming = getattr(model, "streaming", None)
-    if streaming is not None and streaming.prefill_chunk_cap is not None:
-        step = min(step, streaming.prefill_chunk_cap)  # as generate_step: a chunk pins its experts
-    while ids.size:
-        if cancelled():
-            return False
-        chunk, ids = ids[:step], ids[step:]
-        with rollback_on_error(cache, cache.snapshot()):
-            out = model(chunk[None], cache=cache)
-            _gen._eval_cache(cache, out)
-    return True
-
-
 def stream_with_cache(
     model,
     tokenizer,
@@ -146,7 +133,7 @@ def stream_with_cache(
     sees the tokens from the last cached position on, so a prompt-lookup drafter finds fewer
     matches after a long cached prefix; the tokens are the same either way)."""
     ids = list(ids)
-    limit = _gen._context_limit(model)
+    limit = _gen.context_limit(model)
     if not ids:
         raise _gen.GenerationError("prompt is empty")
     if limit is not None and len(ids) + max_tokens > limit:
@@ -159,7 +146,8 @@ def stream_with_cache(
         cache, n = model.make_cache(), 0
     if usage is not None:
         usage.prompt_tokens, usage.cached_tokens = len(ids), n
-    if not _prefill(model, cache, mx.array(ids[n:-1], dtype=mx.int32), prefill_step_size, cancelled):
+    # generate's prefill (chunk cap, rollback); the last token is the decode loop's first input.
+    if not _gen.prefill(model, mx.array(ids[n:-1], dtype=mx.int32), cache, prefill_step_size, cancelled):
         return
     if prompt_cache is not None and len(ids) - 1 > n:
         prompt_cache.insert(ids[:-1], cache)
@@ -188,3 +176,168 @@ def stream_with_cache(
         if prompt_cache is not None and (finished or not cancelled()) and cache.offset == len(ids) + len(tokens):
             mx.eval(cache.arrays)
             prompt_cache.insert(ids + tokens, cache)
+
+
+# -- one sequence on disk, in mlx-lm's prompt-cache layout ---------------------------------------------
+
+FORMAT = "hebrus-mlx/prompt-cache/1"
+_LAYERS = {"LinearCache": LinearCache, "AttentionCache": AttentionCache}  # the only names a file may use
+_RESERVED = ("format", "artifact_digest", "dtype", "offset", "start_position", "tokens")
+
+
+class PromptCacheFileError(HebrusError, ValueError):
+    """A prompt-cache file that cannot be written, read, or does not belong to this model."""
+
+    default_field = "prompt_cache_file"
+
+
+def _artifact_digest(model) -> str:
+    from .traces.schema import artifact_digest
+
+    source = getattr(model, "source_path", None)
+    if source is None:
+        raise PromptCacheFileError("model", "has no source_path: load it with hebrus_mlx.load so the file can "
+                                            "name the artifact it belongs to")
+    return artifact_digest(source)
+
+
+def _runtime_dtype(model) -> str:
+    # The dtype the model computes in (float32 on CPU by default, the stored one on Metal): the state
+    # of one run does not continue another.
+    return str(model.model.embed_tokens(mx.array([[0]])).dtype)
+
+
+def prompt_cache_metadata(model, cache: SequenceCache, tokens: Optional[Sequence[int]] = None,
+                          metadata: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The metadata that binds a saved `cache` to `model` (pass it to mlx-lm's
+    `save_prompt_cache(file, cache, metadata=...)`, or use `save_prompt_cache` here). `tokens`: the
+    IDs the cache holds, recorded so a later run can match its prompt against them."""
+    out = {}
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise PromptCacheFileError("metadata", f"keys and values must be strings, got {k!r}: {v!r}")
+        if k in _RESERVED:
+            raise PromptCacheFileError("metadata", f"{k!r} is written by hebrus-mlx itself")
+        out[k] = v
+    out.update(format=FORMAT, artifact_digest=_artifact_digest(model), dtype=_runtime_dtype(model),
+               offset=str(cache.offset), start_position=str(cache.start_position))
+    if tokens is not None:
+        tokens = [int(t) for t in tokens]
+        if len(tokens) != cache.offset:
+            raise PromptCacheFileError("tokens", f"{len(tokens)} IDs given, the cache holds {cache.offset} tokens")
+        out["tokens"] = json.dumps(tokens)
+    return out
+
+
+def save_prompt_cache(path, cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
+                      metadata: Optional[Dict[str, str]] = None) -> Path:
+    """Write `cache` (one single-process sequence of `model`) to `path` with mlx-lm's
+    `save_prompt_cache`, atomically (a sibling temp renamed over `path`; a failure leaves `path` as
+    it was). Returns the path."""
+    if type(cache) is not SequenceCache:  # a pipeline's cache keeps other ranks' layers elsewhere
+        raise PromptCacheFileError("cache", f"expected a SequenceCache of one process, got {type(cache).__name__}")
+    meta = prompt_cache_metadata(model, cache, tokens, metadata)
+    from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save  # slow import: only when saving
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}.safetensors")  # mlx names it .safetensors
+    mx.eval(cache.arrays)
+    try:
+        mlx_lm_save(str(tmp), cache, meta)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise PromptCacheFileError(f"{path}: cannot write ({e.strerror or e})") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _decode_scalars(arrays: dict, scalars) -> dict:
+    """Undo mlx-lm's encoding of non-array state items (ints, strings and None as small arrays)."""
+    for entry in scalars[1:]:  # the first entry is mlx-lm's placeholder
+        if not isinstance(entry, list) or len(entry) != 2 or entry[0] not in arrays:
+            raise PromptCacheFileError(f"unreadable scalar entry {entry!r}")
+        key, kind = entry
+        a = arrays[key]
+        if kind == "scalar":
+            arrays[key] = a.item()
+        elif kind == "none":
+            arrays[key] = None
+        elif kind == "string":
+            arrays[key] = "".join(chr(c) for c in a.tolist())
+        else:
+            raise PromptCacheFileError(f"unknown scalar kind {kind!r}")
+    return arrays
+
+
+def _read(path: Path):
+    try:
+        arrays, flat_meta = mx.load(str(path), format="safetensors", return_metadata=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise PromptCacheFileError(f"{path}: not a readable safetensors file ({e})") from None
+    meta = tree_unflatten(list(flat_meta.items()))
+    if not (isinstance(meta, list) and len(meta) == 3 and isinstance(meta[0], dict) and isinstance(meta[1], list)
+            and isinstance(meta[2], list)):
+        raise PromptCacheFileError(f"{path}: not an mlx-lm prompt-cache file (metadata, classes, scalars)")
+    user, classes, scalars = meta
+    states = tree_unflatten(list(_decode_scalars(dict(arrays), scalars).items())) if arrays else []
+    return user, classes, states
+
+
+def _int_field(meta, key) -> int:
+    try:
+        value = int(meta[key])
+    except (KeyError, ValueError):
+        raise PromptCacheFileError(f"prompt_cache_file.{key}", f"missing or not an integer: {meta.get(key)!r}") from None
+    if value < 0:
+        raise PromptCacheFileError(f"prompt_cache_file.{key}", f"must be >= 0, got {value}")
+    return value
+
+
+def load_prompt_cache(path, model, return_metadata: bool = False):
+    """The `SequenceCache` saved in `path`, ready to continue generation on `model`; with
+    `return_metadata`, also the file's metadata (`tokens`, when recorded, decoded to a list).
+
+    Refused with PromptCacheFileError naming the field: a file not bound to this artifact
+    (`artifact_digest`), computed in another dtype (`dtype`), with another layer layout (`layers`)
+    or with state that does not describe a layer cache."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptCacheFileError(f"{path}: no such file")
+    meta, classes, states = _read(path)
+    if meta.get("format") != FORMAT:
+        raise PromptCacheFileError("prompt_cache_file.format", f"expected {FORMAT!r}, got {meta.get('format')!r} "
+                                   "(write it with hebrus_mlx.prompt_cache.save_prompt_cache or its metadata)")
+    for key, want in (("artifact_digest", _artifact_digest(model)), ("dtype", _runtime_dtype(model))):
+        if meta.get(key) != want:
+            raise PromptCacheFileError(f"prompt_cache_file.{key}", f"the file was computed with {meta.get(key)!r}, "
+                                       f"this model is {want!r}")
+    expected = [type(layer).__name__ for layer in model.make_cache()]
+    if classes != expected or len(states) != len(expected):
+        raise PromptCacheFileError("prompt_cache_file.layers", f"the file holds {classes}, the model has {expected}")
+    layers = []
+    for i, (name, state) in enumerate(zip(classes, states)):
+        try:
+            layers.append(_LAYERS[name].from_state(state))
+        except CacheStateError as e:
+            raise PromptCacheFileError(f"prompt_cache_file.layers.{i}", e.message) from None
+    try:
+        cache = SequenceCache.from_layers(layers, _int_field(meta, "offset"), _int_field(meta, "start_position"))
+    except CacheHoleError as e:
+        raise PromptCacheFileError(f"prompt_cache_file.{e.field}", e.message) from None
+    if not return_metadata:
+        return cache
+    out = dict(meta)
+    if "tokens" in out:
+        try:
+            tokens = json.loads(out["tokens"])
+        except ValueError:
+            tokens = None
+        if not isinstance(tokens, list) or len(tokens) != cache.offset or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            raise PromptCacheFileError("prompt_cache_file.tokens", f"must be a JSON list of {cache.offset} token IDs")
+        out["tokens"] = tokens
+    return cache, out

@@ -333,6 +333,7 @@ def pread_probe(probe_dir: Optional[str], record_bytes: int, probe_mib: int, sto
     """The `io.pread` entry (schema stable; `bench` reuses it as the machine's SSD record):
     record_bytes, file_bytes, qd{1,8,32}_GBps, direct, page_cache, sha256_GBps_one_thread,
     sha256_vs_qd32, sha256_engine_GBps_one_thread, sha256_engine_backend, sha256_engine_vs_qd32,
+    xxh3_128_GBps_one_thread, xxh3_128_backend, xxh3_128_scalar_GBps_one_thread, xxh3_128_vs_qd32,
     status "measured"."""
     tmp = None
     try:
@@ -343,6 +344,11 @@ def pread_probe(probe_dir: Optional[str], record_bytes: int, probe_mib: int, sto
             os.unlink(tmp)
     probe.update(sha256_cost(probe["record_bytes"]))
     probe["sha256_vs_qd32"] = probe["sha256_GBps_one_thread"] / probe["qd32_GBps"]
+    from .bench.machine import fast_check_rate  # the per-read fast check (XXH3-128), beside SHA-256
+
+    probe.update(fast_check_rate(probe["record_bytes"]))
+    if "xxh3_128_GBps_one_thread" in probe:
+        probe["xxh3_128_vs_qd32"] = probe["xxh3_128_GBps_one_thread"] / probe["qd32_GBps"]
     if "sha256_engine_GBps_one_thread" in probe:
         probe["sha256_engine_vs_qd32"] = probe["sha256_engine_GBps_one_thread"] / probe["qd32_GBps"]
     probe["status"] = "measured"
@@ -578,8 +584,12 @@ def build_parser():
     return p
 
 
-def main(argv=None):
+def main(argv=None, hooks=None):
+    """`hooks` (hebrus_mlx.qualify_report, the verb's entry) adds flags (add_arguments), checks
+    them before anything is measured (check_arguments) and runs after the profile is written (run)."""
     p = build_parser()
+    if hooks is not None:
+        hooks.add_arguments(p)
     a = p.parse_args(argv)
     if a.kernels_child:
         print(json.dumps(check_kernels_metal()))
@@ -593,11 +603,15 @@ def main(argv=None):
         raise UsageError("--store", f"{a.store!r} is not a file")
     if a.artifact != "demo" and not (Path(a.artifact) / "manifest.json").is_file():
         raise UsageError("--artifact", f"{a.artifact!r} is not an artifact directory (no manifest.json)")
+    if hooks is not None:
+        hooks.check_arguments(a)
     profile = qualify(a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate,
                       a.artifact, a.rounds, a.tokens)
     path = write_profile(profile, a.out)
     print(json.dumps(profile, indent=1))
     print(f"profile written to {path}", file=sys.stderr)
+    if hooks is not None:
+        hooks.run(a, profile)
     return 0
 
 

@@ -6,9 +6,10 @@ and `stream_options.include_usage`), GET /v1/models, GET /health. Starlette on u
 One worker thread owns the model (MLX streams belong to the thread that built the graph, and the
 streaming extension's ops too): requests queue in FIFO order and run one at a time. A client that
 disconnects cancels its request, queued or running: its pending expert reads fail at once (one
-engine generation per request), the last queued step is drained so no ticket stays pinned, and
-the next request starts from clean state. Batched decode is not implemented. Prompts reuse the longest
-cached prefix (`PromptCache`, exact prefixes only; see prompt_cache.py).
+ticket scope per request, `Model.streaming.request()`, speculative reads included), the last
+queued step is drained so no ticket stays pinned, and the next request starts from clean state.
+Batched decode is not implemented. Prompts reuse the longest cached prefix (`PromptCache`, exact
+prefixes only; see prompt_cache.py).
 
 Under `mlx.launch` (pipeline parallel, see hebrus_mlx/pipeline) rank 0 serves HTTP and drives the
 pipeline; the other ranks run their layer ranges. Prefix snapshots are kept by every rank for its
@@ -43,14 +44,14 @@ from typing import Any, List, Optional
 
 from . import api_fields, flags
 from .api_fields import RequestError
+from .cli_args import ArgumentParser
 from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
-from .sample_utils import check_sampling_args, make_sampler
+from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .stream.predict import prefetch_from_args
-from .stream.sweep import sweep_from_args
 from .text.chat import ChatError
 from .text.tokenizer import TokenizerError
 
@@ -126,9 +127,9 @@ def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
     )
     try:
         check_sampling_args(s.temperature, s.top_p, s.min_p, s.top_k)
-    except ValueError as e:
-        name = str(e).split(" ", 1)[0]
-        raise RequestError(str(e).replace("temp ", "temperature ", 1), "temperature" if name == "temp" else name) from None
+    except SamplingError as e:
+        name = "temperature" if e.field == "temp" else e.field
+        raise RequestError(f"{name} {e.message}", name) from None
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -236,13 +237,8 @@ class Job:
     events: Any  # asyncio.Queue, filled from the worker thread
     cancel: threading.Event = field(default_factory=threading.Event)
     usage: Usage = field(default_factory=lambda: Usage(0, 0))
-    generation: Optional[int] = None  # the engine generation its expert tickets carry
+    tickets: Any = None  # its ticket scope (Streaming.request()) while it runs: a cancel fails its reads
     finished: bool = False
-
-
-# Expert tickets of server requests carry this owner and one generation per request, so a
-# cancelled request's pending reads can be failed at once (StreamEngine.advance_generation).
-TICKET_OWNER = 0x5E4E
 
 
 class Worker:
@@ -257,8 +253,6 @@ class Worker:
         self.current: Optional[Job] = None  # the running job (a stalled pipeline answers it)
         self.broken: Optional[PipelineError] = None  # a pipeline rank died: every request fails
         self.close = None  # run on the worker thread when it stops (a pipeline releases its ranks)
-        self._switches = []
-        self._generation = 0
         self._ready = threading.Event()
         self._load_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, args=(load,), name="hebrus-worker", daemon=True)
@@ -269,13 +263,11 @@ class Worker:
 
     @property
     def context(self) -> Optional[int]:
-        return gen._context_limit(self.model)
+        return gen.context_limit(self.model)
 
     def _run(self, load):
         try:
             self.model, self.tokenizer = load()
-            if self.model.streaming is not None:
-                self._switches = self.model.streaming.switches
             if hasattr(self.model, "on_stall"):
                 self.model.on_stall = self._on_stall
         except BaseException as e:  # reported by the constructor on the caller's thread
@@ -340,26 +332,32 @@ class Worker:
         # The P1 hint of the next step hangs on this job's last routes, which may come from a
         # step that failed (cancelled tickets): the next job must not evaluate them. (Another
         # conversation's routes are a poor hint anyway.)
-        for m in self._switches:
-            m.forget_routes()
+        if self.model.streaming is not None:
+            self.model.streaming.reset()
 
     @staticmethod
     def _emit(job: Job, event):
         job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
     def _generate(self, job: Job):
+        streaming = self.model.streaming
+        if streaming is None:
+            return self._decode(job)
+        # One ticket scope per request: a speculative run inside retires generations of it, so a
+        # cancel from the event loop fails every pending read of the request, drafted or not.
+        with streaming.request() as tickets:
+            job.tickets = tickets
+            if job.cancel.is_set():  # cancelled before its scope existed
+                tickets.cancel()
+            self._decode(job)
+
+    def _decode(self, job: Job):
         import mlx.core as mx
 
         s = job.sampling
-        if self._switches:
-            self._generation += 1
-            job.generation = self._generation
-            for m in self._switches:  # read when each step's graph is built
-                m.owner, m.generation = TICKET_OWNER, job.generation
         if s.seed is not None:
             mx.random.seed(s.seed)
-        sampler = make_sampler(self.tokenizer.effective_vocab_size, temp=s.temperature, top_p=s.top_p,
-                               min_p=s.min_p, top_k=s.top_k)
+        sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
         finish = None
         for r in stream_with_cache(self.model, self.tokenizer, job.ids, self.prompt_cache, job.max_tokens,
                                    sampler=sampler, prefill_step_size=self.defaults.prefill_step_size,
@@ -375,10 +373,9 @@ class Worker:
         """From any thread: stop `job` (queued or running) and fail its pending expert reads, so
         a step blocked on the SSD ends now instead of after its reads."""
         job.cancel.set()
-        streaming = getattr(self.model, "streaming", None)
-        engine = streaming.engine if streaming is not None and streaming.experts is not None else None
-        if job.generation is not None and not job.finished and engine is not None:
-            engine.advance_generation(TICKET_OWNER, job.generation + 1)
+        tickets = job.tickets
+        if tickets is not None and not job.finished:
+            tickets.cancel()
 
     def stop(self):
         self.jobs.put(None)
@@ -507,7 +504,7 @@ class App:
                                 "hits": w.prompt_cache.hits, "misses": w.prompt_cache.misses}}
         streaming = getattr(w.model, "streaming", None)
         if streaming is not None:
-            mem = streaming.engine.memory()
+            mem = streaming.memory()
             out["stream"] = {"tickets": mem.get("tickets"), "pinned_slots": mem.get("pinned_slots")}
         stages = getattr(w.model, "all_stages", None)
         if stages is not None:  # under mlx.launch: who holds which layers, and whether the pipeline is up
@@ -776,8 +773,8 @@ def refuse_unused(args, actions, used, verb):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = gen._Parser(prog="hebrus-mlx server", description="OpenAI-compatible HTTP server (like mlx_lm.server).",
-                    conflict_handler="resolve")
+    p = ArgumentParser(prog="hebrus-mlx server", description="OpenAI-compatible HTTP server (like mlx_lm.server).",
+                       conflict_handler="resolve")
     p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=flags.integer(0, 65535), default=8080, help="0 picks a free port (printed on start)")
@@ -863,7 +860,7 @@ def main(argv=None) -> int:
     """`hebrus-mlx server`; typed errors propagate to `cli.run` (one line, exit 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    gen._check_args(args)
+    gen.check_args(args)
     api_key = api_key_from(args)
     refuse_unused(args, parser.shared, USED, "server")
     if not 0 <= args.port <= 65535:
@@ -875,7 +872,7 @@ def main(argv=None) -> int:
     if args.pipeline_split is not None and not pipeline_launched():
         raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    prefetch = prefetch_from_args(args)  # checked before the model loads
+    prefetch_from_args(args)  # checked before the model loads
     pipe = None
     if pipeline_launched():
         import mlx.core as mx
@@ -901,8 +898,7 @@ def main(argv=None) -> int:
             nonlocal pipe
             pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
             return model, tokenizer
-        return gen._load(args.model, args.expert_cache_gb, args.ple_cache_gb, prefetch,
-                         expert_mirror=args.expert_mirror, prefill_sweep=sweep_from_args(args))
+        return gen.load_from_args(args)
 
     worker = Worker(load, args.prompt_cache_bytes, defaults)
     if pipe is not None:

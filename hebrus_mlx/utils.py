@@ -8,34 +8,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .errors import HebrusError, UsageError
+from .errors import UsageError
+# Model names resolve in hub.py (demo -> local dir -> Hub repo id); re-exported for load's callers.
+from .hub import DEMO_DIR, ModelNotFoundError, is_repo_id, resolve_model, resolve_model_path  # noqa: F401
 from .models import cpu_streams
-
-DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
-
-
-class ModelNotFoundError(HebrusError, FileNotFoundError):
-    """No model at the given name; the message lists every place that was looked at."""
-
-    default_field = "model"
-
-
-def resolve_model_path(name: str) -> Path:
-    """`demo` -> the shipped demo model; otherwise an artifact dir or an HF checkpoint dir."""
-    looked = []
-    if name == "demo":
-        candidates = [DEMO_DIR]
-    else:
-        candidates = [Path(name).expanduser()]
-    for path in candidates:
-        looked.append(str(path / "manifest.json"))
-        if (path / "manifest.json").is_file():
-            return path
-        looked.append(str(path / "config.json"))
-        if (path / "config.json").is_file():
-            return path
-    raise ModelNotFoundError(f"no model {name!r}: looked for " + ", ".join(looked))
-
 
 def is_artifact(path: Path) -> bool:
     return (Path(path) / "manifest.json").is_file()
@@ -150,9 +126,63 @@ def _apply_machine_profile():
     return kernels.configure(profile)
 
 
+# mlx_lm.load's keywords that have no meaning here, and why (the value that changes nothing is accepted).
+_REFUSED = {
+    "adapter_path": (None, "LoRA adapters are not supported by hebrus-mlx"),
+    "lazy": (False, "not supported: admission reads and checks the dense weights at load, and routed experts "
+                    "that do not fit are already streamed from the SSD on demand"),
+    "trust_remote_code": (False, "hebrus-mlx runs no code from a checkpoint"),
+}
+TOKENIZER_CONFIG_KEYS = ("eos_token", "chat_template", "trust_remote_code")
+
+
+def _check_mlx_lm_kwargs(tokenizer_config, model_config, unknown, **refusable) -> dict:
+    """Typed errors naming the argument for what load() cannot honour; the tokenizer overrides."""
+    if unknown:
+        raise UsageError(sorted(unknown)[0], "not an argument of hebrus_mlx.load (see its docstring for "
+                                             "mlx_lm.load's arguments that apply here)")
+    for name, value in refusable.items():
+        accepted, why = _REFUSED[name]
+        if value is not accepted and value != accepted:
+            raise UsageError(name, why)
+    if model_config:
+        if not isinstance(model_config, dict):
+            raise UsageError("model_config", f"must be a dict, got {type(model_config).__name__}")
+        raise UsageError(f"model_config.{sorted(model_config)[0]}",
+                         "not supported: the model's config is the checkpoint's (an artifact's is pinned by its "
+                         "manifest); convert a checkpoint with the changed config.json instead")
+    if tokenizer_config is None:
+        return {}
+    if not isinstance(tokenizer_config, dict):
+        raise UsageError("tokenizer_config", f"must be a dict, got {type(tokenizer_config).__name__}")
+    for key in tokenizer_config:
+        if key not in TOKENIZER_CONFIG_KEYS:
+            raise UsageError(f"tokenizer_config.{key}", f"not supported (supported: {', '.join(TOKENIZER_CONFIG_KEYS)})")
+    if tokenizer_config.get("trust_remote_code", False) is not False:
+        raise UsageError("tokenizer_config.trust_remote_code", _REFUSED["trust_remote_code"][1])
+    return {k: tokenizer_config[k] for k in ("eos_token", "chat_template") if tokenizer_config.get(k) is not None}
+
+
+def _resolve(path_or_name, revision) -> Path:
+    """demo -> a local directory -> a Hub repo id, as the CLI's --model (downloaded after a free-disk
+    check; HF_HUB_OFFLINE uses the cache only)."""
+    name = str(path_or_name)
+    local = name == "demo" or Path(name).expanduser().exists() or not is_repo_id(name)
+    if revision is not None:
+        if not isinstance(revision, str) or not revision:
+            raise UsageError("revision", f"must be a non-empty string, got {revision!r}")
+        if local:
+            raise UsageError("revision", f"applies to a Hub repo id (ORG/NAME); {name!r} is not one")
+    return resolve_model(name, revision)
+
+
 def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = None,
-         ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None, prefill_sweep=None):
-    """Load (model, tokenizer) from `demo`, an artifact dir or an HF checkpoint dir.
+         ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None, prefill_sweep=None, *,
+         tokenizer_config: Optional[dict] = None, model_config: Optional[dict] = None, adapter_path=None,
+         lazy: bool = False, return_config: bool = False, revision: Optional[str] = None,
+         trust_remote_code: bool = False, **unknown):
+    """Load (model, tokenizer) from `demo`, an artifact dir, an HF checkpoint dir or a Hub repo id
+    (`ORG/NAME`, resolved as the CLI's `--model`: a local directory of that name wins).
 
     dtype: "auto" (default_dtype(): float32 on CPU, the stored dtype on Metal), an mx.Dtype, or
     None for the stored dtype.
@@ -163,16 +193,23 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
     `stream.predict`); None: the default. expert_mirror: a directory with a copy of the expert
     store that streamed reads alternate with (`--expert-mirror`; not verified on two disks here).
     prefill_sweep: `auto|on|off` (`--prefill-sweep`, see `stream.sweep`); None: auto.
+
+    mlx_lm.load's keywords: `tokenizer_config` ({"eos_token": str, "chat_template": str}),
+    `return_config` (also return config.json as a dict), `revision` (of a Hub repo id). Refused
+    with a UsageError naming the argument: `adapter_path`, `lazy=True`, `trust_remote_code=True`,
+    any `model_config` key, and any argument load does not know.
     """
     from .text.tokenizer import load_tokenizer
 
+    tokenizer_overrides = _check_mlx_lm_kwargs(tokenizer_config, model_config, unknown, adapter_path=adapter_path,
+                                               lazy=lazy, trust_remote_code=trust_remote_code)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise UsageError("dtype", f"expected one of {', '.join(DTYPES)}, an mlx dtype or None, got {dtype!r}")
         dtype = default_dtype() if dtype == "auto" else DTYPES[dtype]
     _apply_machine_profile()
     cpu_streams.cpu_streams()  # a bad HEBRUS_CPU_STREAMS is refused before any work
-    path = resolve_model_path(path_or_name)
+    path = _resolve(path_or_name, revision)
     source, sources = path, None
     if is_artifact(path):
         from .admission import admit
@@ -182,6 +219,10 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
         sources = source.sources
     model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
                        prefetch=prefetch, expert_mirror=expert_mirror, prefill_sweep=prefill_sweep)
-    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources)
+    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources,
+                               **tokenizer_overrides)
     model.source_path = path  # route traces pin the artifact by its digest
+    if return_config:
+        config = dict(source.config) if sources is not None else load_config(path)
+        return model, tokenizer, config
     return model, tokenizer

@@ -44,6 +44,47 @@ const char* error_name(ErrorCode code) {
   return "unknown";
 }
 
+const char* check_name(Check kind) {
+  switch (kind) {
+    case Check::kNone:
+      return "none";
+    case Check::kSha256:
+      return "sha256";
+    case Check::kXxh3:
+      return "xxh3-128";
+  }
+  return "unknown";
+}
+
+bool check_matches(
+    const RecordCheck& check,
+    const struct iovec* segs,
+    size_t nsegs,
+    uint64_t length) {
+  if (check.kind == Check::kNone) {
+    return true;
+  }
+  auto each = [&](auto&& update) {
+    uint64_t left = length;
+    for (size_t i = 0; i < nsegs && left > 0; ++i) {
+      uint64_t n = std::min<uint64_t>(left, segs[i].iov_len);
+      update(static_cast<const uint8_t*>(segs[i].iov_base), n);
+      left -= n;
+    }
+  };
+  if (check.kind == Check::kXxh3) {
+    Xxh3_128 h;
+    each([&](const uint8_t* p, uint64_t n) { h.update(p, n); });
+    Xxh3Digest d = h.finish();
+    return std::equal(d.begin(), d.end(), check.digest.begin()) &&
+        std::all_of(check.digest.begin() + d.size(), check.digest.end(),
+                    [](uint8_t b) { return b == 0; });
+  }
+  Sha256 h;
+  each([&](const uint8_t* p, uint64_t n) { h.update(p, n); });
+  return h.finish() == check.digest;
+}
+
 std::string trace_outcome_name(const TraceEvent& e) {
   static const char* names[] = {
       "published", "stale", "dropped", "failed", "timeout", "cancelled"};
@@ -115,7 +156,6 @@ void Engine::close() {
       return;
     }
     stop_ = true;
-    hold_ = false;
   }
   work_cv_.notify_all();
   for (auto& t : workers_) {
@@ -1001,15 +1041,14 @@ bool Engine::set_hint(
     uint64_t length,
     double p,
     int arena,
-    const Digest* digest) {
+    const RecordCheck& check) {
   std::lock_guard<std::mutex> lk(mu_);
   Request r;
   r.store = store;
   r.offset = offset;
   r.length = length;
   r.arena = arena;
-  r.has_digest = digest != nullptr;
-  r.digest = digest ? *digest : Digest{};
+  r.check = check;
   auto it = index_.find(key_of(r));
   if (it == index_.end()) {
     return false;
@@ -1114,22 +1153,13 @@ ErrorCode Engine::pread_into(
 ErrorCode Engine::do_read(
     const Job& job,
     std::string& msg,
-    Fault fault,
-    int64_t delay_us) {
+    ReadHooks* hooks) {
   auto where = [&] {
     std::ostringstream os;
     os << "store " << job.key.store << " offset " << job.key.offset
        << " length " << job.key.length;
     return os.str();
   };
-  if (delay_us > 0) {
-    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-  }
-  if (fault == Fault::kEIO) {
-    msg = "I/O error reading " + where() + ": " + std::strerror(EIO) +
-        " (injected)";
-    return ErrorCode::kIO;
-  }
   // Destination segments: one slab, or one row of every arena part.
   // Expanded parts are read into the first half of their row and widened
   // in place once verified.
@@ -1189,33 +1219,29 @@ ErrorCode Engine::do_read(
   {
     moved = pread_into(job, segs, got, detail);
   }
+  if (hooks) {
+    ReadOutcome r{moved, got, detail, static_cast<uint8_t*>(segs[0].iov_base),
+                  job.key.check.kind != Check::kNone};
+    hooks->after_read(r);
+    moved = r.code;
+    got = r.got;
+    detail = r.detail;
+  }
   if (moved != ErrorCode::kNone) {
     msg = "I/O error reading " + where() + ": " + detail;
     return moved;
-  }
-  if (fault == Fault::kShortRead) {
-    got = job.key.length / 2;
   }
   if (got < job.key.length) {
     msg = "short read of " + where() + ": got " + std::to_string(got) +
         " bytes";
     return ErrorCode::kShortRead;
   }
-  if (job.key.has_digest) {
-    if (fault == Fault::kDigest) {
-      static_cast<uint8_t*>(segs[0].iov_base)[0] ^= 0xff;
-    }
-    Sha256 h;
-    uint64_t left = job.key.length;
-    for (auto& v : segs) {
-      uint64_t n = std::min<uint64_t>(left, v.iov_len);
-      h.update(static_cast<const uint8_t*>(v.iov_base), n);
-      left -= n;
-    }
-    if (h.finish() != job.key.digest) {
-      msg = "SHA-256 mismatch for " + where();
-      return ErrorCode::kDigest;
-    }
+  // The reading thread checks its own record (the other readers keep
+  // their reads in flight meanwhile), on the bytes it will publish.
+  if (!check_matches(job.key.check, segs.data(), segs.size(), job.key.length)) {
+    msg = std::string(job.key.check.kind == Check::kXxh3 ? "XXH3-128" : "SHA-256") +
+        " mismatch for " + where();
+    return ErrorCode::kDigest;
   }
   // bf16 -> fp32 is a 16-bit left shift. Backwards, so element i (bytes
   // 4i..4i+3) never overwrites a 16-bit input j < i (bytes 2j..2j+1). The
@@ -1242,18 +1268,11 @@ void Engine::worker_loop() {
       return;
     }
     std::unique_ptr<Job> job;
-    if (hold_ || !pick_job_locked(job)) {
+    if ((hooks_ && hooks_->held()) || !pick_job_locked(job)) {
       work_cv_.wait(lk);
       continue;
     }
-    Fault fault = Fault::kNone;
-    if (fault_count_ > 0 && (fault_ != Fault::kDigest || job->key.has_digest)) {
-      fault = fault_;
-      if (--fault_count_ == 0) {
-        fault_ = Fault::kNone;
-      }
-    }
-    int64_t delay = read_delay_us_;
+    std::shared_ptr<ReadHooks> hooks = hooks_;
     if (trace_) {
       auto p = trace_->pending.find({job->slot, job->gen});
       if (p != trace_->pending.end()) {
@@ -1263,7 +1282,7 @@ void Engine::worker_loop() {
     }
     lk.unlock();
     std::string msg;
-    ErrorCode code = do_read(*job, msg, fault, delay);
+    ErrorCode code = do_read(*job, msg, hooks.get());
     bool fallback = false;
     if (job->file > 0 &&
         (code == ErrorCode::kIO || code == ErrorCode::kShortRead ||
@@ -1274,7 +1293,7 @@ void Engine::worker_loop() {
       primary.fd = job->primary_fd;
       primary.direct_fd = job->primary_direct_fd;
       msg.clear();
-      code = do_read(primary, msg, Fault::kNone, 0);
+      code = do_read(primary, msg, nullptr);
       fallback = true;
     }
     lk.lock();
@@ -1500,34 +1519,22 @@ void Engine::mark(int layer, int tag) {
   }
 }
 
-void Engine::require_testing(const char* hook) const {
-  if (!opts_.testing) {
-    throw StreamError(
-        ErrorCode::kBadRequest,
-        std::string(hook) + " needs Engine(testing=True)");
-  }
-}
-
-void Engine::inject_fault(Fault fault, int count) {
-  require_testing("fault injection");
-  std::lock_guard<std::mutex> lk(mu_);
-  fault_ = fault;
-  fault_count_ = count;
-}
-
-void Engine::hold(bool on) {
-  require_testing("hold()");
+void Engine::set_read_hooks(std::shared_ptr<ReadHooks> hooks) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    hold_ = on;
+    hooks_ = std::move(hooks);
   }
   work_cv_.notify_all();
 }
 
-void Engine::set_read_delay_us(int64_t us) {
-  require_testing("read delay");
+std::shared_ptr<ReadHooks> Engine::read_hooks() {
   std::lock_guard<std::mutex> lk(mu_);
-  read_delay_us_ = us;
+  return hooks_;
+}
+
+void Engine::wake_workers() {
+  { std::lock_guard<std::mutex> lk(mu_); }
+  work_cv_.notify_all();
 }
 
 } // namespace hebrus

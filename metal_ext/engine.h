@@ -2,8 +2,9 @@
 //
 // A request names (store, offset, length) plus scheduling metadata and gets a
 // ticket. Records live in a bounded slot cache; a slot publishes its bytes
-// only after the whole read (and optional SHA-256) succeeded, and only if the
-// slot generation the read was issued for is still current (AFN-019).
+// only after the whole read (and its optional digest check: XXH3-128 or
+// SHA-256) succeeded, and only if the slot generation the read was issued
+// for is still current (AFN-019).
 #pragma once
 
 #include <sys/uio.h>
@@ -28,6 +29,7 @@
 
 #include "sha256.h"
 #include "trace.h"
+#include "xxh3.h"
 
 namespace hebrus {
 
@@ -79,6 +81,34 @@ struct StreamError : std::runtime_error {
 // P0 exact critical, P1 near-term predicted, P2 speculative.
 constexpr int kNumPriorities = 3;
 
+// What a read is checked against before it is published (the digest
+// domains of docs/INTEGRITY.md): nothing, its SHA-256 (the publication
+// digest; what artifacts without fast digests check per read) or its
+// XXH3-128 (the fast per-read check).
+enum class Check : uint8_t { kNone = 0, kSha256 = 1, kXxh3 = 2 };
+
+// "none", "sha256" or "xxh3-128".
+const char* check_name(Check kind);
+
+// The digest one record must have: 32 bytes of SHA-256, or the 16 canonical
+// bytes of XXH3-128 followed by zeros. Part of a slot's identity (Key).
+struct RecordCheck {
+  Check kind = Check::kNone;
+  Digest digest{};
+  bool operator==(const RecordCheck& o) const {
+    return kind == o.kind && (kind == Check::kNone || digest == o.digest);
+  }
+};
+
+// Whether the first `length` bytes of the segments (one record, scattered
+// over arena parts or in one slab) have the digest `check` names (true
+// for Check::kNone). The bytes are hashed where they lie, once.
+bool check_matches(
+    const RecordCheck& check,
+    const struct iovec* segs,
+    size_t nsegs,
+    uint64_t length);
+
 struct Request {
   int store = 0;
   uint64_t offset = 0;
@@ -92,8 +122,7 @@ struct Request {
   // Absolute steady-clock ns; within a class, earlier deadlines go first.
   int64_t deadline_ns = INT64_MAX;
   double confidence = 1.0;
-  bool has_digest = false;
-  Digest digest{};
+  RecordCheck check; // verified before publication unless kNone
   int arena = -1; // destination: -1 slab cache, else an arena row
 };
 
@@ -168,7 +197,6 @@ struct EngineOptions {
   // How bytes move: "pread" (default, everywhere) or "mtlio" (Apple Metal
   // builds only, arena rows only, unverified: AFN-013; see io_mtlio.h).
   std::string backend = "pread";
-  bool testing = false; // enables fault injection and hold()
   // Slab memory. Set by the MLX bindings to allocate through MLX's
   // allocator (counted by mx.get_active_memory, unified memory on Apple);
   // must return kAlign-aligned memory kept alive by the returned owner.
@@ -185,7 +213,27 @@ struct DevicePart {
   uint64_t offset = 0;
 };
 
-enum class Fault : int { kNone = 0, kEIO = 1, kShortRead = 2, kDigest = 3 };
+// A finished read as the engine is about to check it (ReadHooks).
+struct ReadOutcome {
+  ErrorCode code; // kNone: the bytes moved
+  uint64_t got; // bytes moved
+  std::string detail; // why, when code is an error
+  uint8_t* first; // the record's first byte in its destination
+  bool checked; // the record will be checked against a digest
+};
+
+// Test seam: the test build's fault injector (metal_ext/testing/, the
+// hebrus_mlx._testing module the runtime never imports) is the only
+// implementation. A release engine has none installed and pays one pointer
+// test per read.
+struct ReadHooks {
+  virtual ~ReadHooks() = default;
+  // While true, workers leave queued reads alone.
+  virtual bool held() const = 0;
+  // Called by the worker after the bytes moved, before the short-read and
+  // digest checks; may change the outcome or the bytes.
+  virtual void after_read(ReadOutcome& r) = 0;
+};
 
 // An aligned buffer owned by exactly one of: the pool, a slot, a read job.
 // In arena mode `data` is null and the bytes are row `row` of every part
@@ -236,8 +284,7 @@ void check_arena_spec(
 struct TableRow {
   uint64_t offset;
   uint64_t length;
-  bool has_digest;
-  Digest digest;
+  RecordCheck check;
 };
 
 struct Table {
@@ -337,7 +384,7 @@ class Engine {
       uint64_t length,
       double p_use,
       int arena = -1,
-      const Digest* digest = nullptr);
+      const RecordCheck& check = RecordCheck{});
 
   // Blocks until some read finishes (returns true) or returns false at once
   // if none is queued or in flight: lets a caller refused with kCacheFull
@@ -358,51 +405,53 @@ class Engine {
   // A caller's timestamp (e.g. when a layer's compute finished).
   void mark(int layer, int tag);
 
-  // Test hooks (only with options.testing).
-  void inject_fault(Fault fault, int count);
-  void hold(bool on);
-  void set_read_delay_us(int64_t us);
+  // The test seam (ReadHooks): installed by the test build only.
+  void set_read_hooks(std::shared_ptr<ReadHooks> hooks);
+  std::shared_ptr<ReadHooks> read_hooks();
+  // Wakes idle workers (after a hook stopped holding them).
+  void wake_workers();
 
   const EngineOptions& options() const {
     return opts_;
   }
 
  private:
-  // A slot's identity: which bytes, where they go, and the SHA-256 they must
-  // have. The digest is part of it so a slot is one verified snapshot: a
-  // request with a digest never hits or joins a slot published without that
-  // digest (a digest-less read, or one expecting other bytes); it reads and
-  // verifies its own. Requests that agree share one read, as before.
+  // A slot's identity: which bytes, where they go, and the digest they must
+  // have (kind and value). The check is part of it so a slot is one verified
+  // snapshot: a request with a digest never hits or joins a slot published
+  // without that digest (a digest-less read, one checked in the other digest
+  // domain, or one expecting other bytes); it reads and verifies its own.
+  // Requests that agree share one read, as before.
   struct Key {
     int store;
     uint64_t offset;
     uint64_t length;
     int arena;
-    bool has_digest;
-    Digest digest;
+    RecordCheck check;
     bool operator==(const Key& o) const {
       return store == o.store && offset == o.offset && length == o.length &&
-          arena == o.arena && has_digest == o.has_digest &&
-          (!has_digest || digest == o.digest);
+          arena == o.arena && check == o.check;
     }
   };
   static Key key_of(const Request& r) {
-    return Key{
-        r.store, r.offset, r.length, r.arena, r.has_digest,
-        r.has_digest ? r.digest : Digest{}};
+    Key k{r.store, r.offset, r.length, r.arena, r.check};
+    if (k.check.kind == Check::kNone) {
+      k.check.digest = Digest{};
+    }
+    return k;
   }
   struct KeyHash {
     size_t operator()(const Key& k) const {
       uint64_t d = 0;
-      std::memcpy(&d, k.digest.data(), sizeof(d));
+      std::memcpy(&d, k.check.digest.data(), sizeof(d));
       return std::hash<uint64_t>()(k.offset * 1000003ull ^ k.length ^ d) ^
-          std::hash<int>()(k.store * 131 + k.arena);
+          std::hash<int>()(k.store * 131 + k.arena + 7 * int(k.check.kind));
     }
   };
   struct Job {
     uint32_t slot;
     uint64_t gen;
-    Key key; // key.has_digest: verify before publishing
+    Key key; // key.check: verify before publishing
     Slab slab;
     int64_t issue_ns;
     int priority;
@@ -501,14 +550,13 @@ class Engine {
   uint32_t alloc_slot_locked();
   bool drop_ticket_locked(uint64_t ticket, bool cancel);
   void free_slab(Slab& slab);
-  ErrorCode do_read(const Job& job, std::string& msg, Fault fault, int64_t delay_us);
+  ErrorCode do_read(const Job& job, std::string& msg, ReadHooks* hooks);
   ErrorCode pread_into(
       const Job& job,
       const std::vector<struct iovec>& segs,
       uint64_t& got,
       std::string& msg);
   double eviction_key(const Slot& s) const;
-  void require_testing(const char* hook) const; // the test hooks' guard
   void check_store_locked(int store) const;
 
   EngineOptions opts_;
@@ -545,10 +593,7 @@ class Engine {
   uint64_t allocated_ = 0;
   double stall_ewma_ns_ = 0.0;
   bool stop_ = false;
-  bool hold_ = false;
-  Fault fault_ = Fault::kNone;
-  int fault_count_ = 0;
-  int64_t read_delay_us_ = 0;
+  std::shared_ptr<ReadHooks> hooks_; // null outside the test build
   Counters counters_;
   std::vector<int64_t> latencies_;
   size_t latency_pos_ = 0;

@@ -138,8 +138,7 @@ Request TableRead::row(const Table& t, uint32_t id) const {
   r.generation = generation;
   r.layer = layer;
   r.expert = static_cast<int>(id);
-  r.has_digest = row.has_digest;
-  r.digest = row.digest;
+  r.check = row.check;
   r.arena = t.arena;
   return r;
 }

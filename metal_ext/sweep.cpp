@@ -171,6 +171,7 @@ void SweepRing::wait(uint32_t slot, uint32_t first) {
 
 void SweepRing::read_span(uint32_t slot, uint32_t first, uint32_t a, uint32_t b) {
   const Table& t = engine_->table(table_);
+  std::shared_ptr<ReadHooks> hooks = engine_->read_hooks(); // test build only
   const size_t np = part_bytes_.size();
   auto fail = [&](ErrorCode code, const std::string& msg) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -256,28 +257,30 @@ void SweepRing::read_span(uint32_t slot, uint32_t first, uint32_t a, uint32_t b)
     for (uint32_t q = i; q < j; ++q) {
       const TableRow& r = t.rows[first + q];
       uint32_t row = slot * span_ + q;
-      bool flip = false;
-      if (r.has_digest) {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (digest_faults_ > 0) {
-          digest_faults_--;
-          flip = true;
-        }
+      std::vector<struct iovec> segs(np);
+      for (size_t p = 0; p < np; ++p) {
+        uint64_t rb = expand_[p] ? 2 * part_bytes_[p] : part_bytes_[p];
+        segs[p] = {ptrs_[p] + uint64_t(row) * rb, part_bytes_[p]};
       }
-      if (flip) {
-        ptrs_[0][uint64_t(row) * (expand_[0] ? 2 * part_bytes_[0] : part_bytes_[0])] ^= 0xff;
-      }
-      if (r.has_digest) {
-        Sha256 h;
-        for (size_t p = 0; p < np; ++p) {
-          uint64_t rb = expand_[p] ? 2 * part_bytes_[p] : part_bytes_[p];
-          h.update(ptrs_[p] + uint64_t(row) * rb, part_bytes_[p]);
-        }
-        if (h.finish() != r.digest) {
-          fail(ErrorCode::kDigest, "SHA-256 mismatch for record " + std::to_string(first + q) +
-               " (offset " + std::to_string(r.offset) + ") in a prefill sweep");
+      if (hooks) {
+        ReadOutcome o{ErrorCode::kNone, r.length, "",
+                      static_cast<uint8_t*>(segs[0].iov_base), r.check.kind != Check::kNone};
+        hooks->after_read(o);
+        if (o.code != ErrorCode::kNone || o.got < r.length) {
+          fail(o.code != ErrorCode::kNone ? o.code : ErrorCode::kShortRead,
+               "read of record " + std::to_string(first + q) + " failed in a prefill sweep: " +
+                   (o.detail.empty() ? "short read" : o.detail));
           return;
         }
+      }
+      // This sweep thread checks the records it read while the slot's other
+      // threads keep reading theirs.
+      if (!check_matches(r.check, segs.data(), segs.size(), r.length)) {
+        fail(ErrorCode::kDigest,
+             std::string(r.check.kind == Check::kXxh3 ? "XXH3-128" : "SHA-256") +
+                 " mismatch for record " + std::to_string(first + q) + " (offset " +
+                 std::to_string(r.offset) + ") in a prefill sweep");
+        return;
       }
       // bf16 -> fp32 after the check, backwards in place (as the arena).
       for (size_t p = 0; p < np; ++p) {
@@ -309,14 +312,6 @@ uint64_t SweepRing::wait_ns() const {
   std::lock_guard<std::mutex> lk(mu_);
   return wait_ns_;
 }
-void SweepRing::inject_digest_fault(int count) {
-  if (!engine_->options().testing) {
-    throw StreamError(ErrorCode::kBadRequest, "inject_digest_fault needs Engine(testing=True)");
-  }
-  std::lock_guard<std::mutex> lk(mu_);
-  digest_faults_ = count;
-}
-
 static mx::array sweep_op(std::shared_ptr<SweepRing> ring, const mx::array& value,
                           uint32_t slot, uint32_t first, bool wait) {
   return mx::array(

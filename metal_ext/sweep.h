@@ -2,8 +2,9 @@
 // experts are routed to, so instead of one arena-slot read per missed
 // record, a layer's whole expert extent is read with large sequential
 // preadv's into one slot of a two-slot ring (layer l+1's extent is read in
-// the background while layer l computes). Every record is SHA-256 checked
-// against its table digest before the slot is marked ready; a failed or
+// the background while layer l computes). Every record is checked against
+// its table digest (XXH3-128, or SHA-256 for artifacts without fast digests)
+// before the slot is marked ready; a failed or
 // unverified slot is never handed to the graph (sweep_wait throws the
 // typed StreamError). Bf16 parts are widened to fp32 after the check,
 // exactly as the arena does, so the grouped matmuls over the ring compute
@@ -60,8 +61,6 @@ class SweepRing {
   uint64_t sweeps() const;
   uint64_t read_bytes() const;
   uint64_t wait_ns() const;
-  // Test hook: flip a byte of the next record read before its check.
-  void inject_digest_fault(int count);
   void close();
 
  private:
@@ -91,7 +90,6 @@ class SweepRing {
   uint64_t sweeps_ = 0;
   uint64_t read_bytes_ = 0;
   uint64_t wait_ns_ = 0;
-  int digest_faults_ = 0;
 };
 
 // Graph op: `dep` unchanged; when evaluated, issues records

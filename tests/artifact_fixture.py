@@ -85,13 +85,47 @@ def edit_manifest(d, fn):
 
 
 def refresh_store(d, path):
-    """Re-record a store's size/digest after it was edited on purpose."""
+    """Re-record a store's size/digest after it was edited on purpose (and its fast check's
+    XXH3-128 table, where the artifact has one: recomputed here with the `xxhash` package)."""
     m = load_manifest(d)
     for s in m["stores"]:
         if s["path"] == path:
             s["size"] = os.path.getsize(os.path.join(d, path))
             s["sha256"] = sha(os.path.join(d, path))
+            if "fast_check" in s:
+                table = b"".join(_xxh3(u) for u in _units(d, s))
+                with open(os.path.join(d, s["fast_check"]["path"]), "wb") as f:
+                    f.write(table)
+                s["fast_check"].update(size=len(table), sha256=hashlib.sha256(table).hexdigest())
     save_manifest(d, m)
+
+
+def _xxh3(data):
+    import xxhash
+
+    return xxhash.xxh3_128(data).digest()
+
+
+def _units(d, s):
+    """The bytes of every unit a store's fast check covers, as they are on disk now."""
+    from hebrus_mlx.artifact import fast_check
+    from hebrus_mlx.artifact.expert_major import ExpertMajorReader
+    from hebrus_mlx.artifact.ple_pages import PleReader
+
+    p = os.path.join(d, s["path"])
+    with open(p, "rb") as f:
+        data = f.read()
+    if s["role"] == "experts":
+        with ExpertMajorReader(p) as r:
+            g = r.geometry
+            return [data[g.record_offset(i):g.record_offset(i) + g.record_bytes] for i in range(g.count)]
+    if s["role"] == "ple":
+        with PleReader(p) as r:
+            g = r.geometry
+            return [data[g.payload_offset + i * g.page_stride:g.payload_offset + (i + 1) * g.page_stride]
+                    for i in range(g.num_pages)]
+    n = fast_check.MTP_UNIT_BYTES
+    return [data[i:i + n] for i in range(0, max(len(data), 1), n)]
 
 
 def edit_source_file(d, name, fn, refresh_digest=True):

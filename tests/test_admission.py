@@ -89,7 +89,8 @@ def _second_experts_store(d):
     import shutil
 
     shutil.copy(os.path.join(d, "experts.hbem"), os.path.join(d, "experts2.hbem"))
-    edit_manifest(d, lambda m: m["stores"].append({**m["stores"][1], "path": "experts2.hbem"}))
+    edit_manifest(d, lambda m: m["stores"].append({**{k: v for k, v in m["stores"][1].items() if k != "fast_check"},
+                                                    "path": "experts2.hbem"}))
 
 
 def _foreign_mtp_store(d):

@@ -93,15 +93,20 @@ def test_refuses_different_artifacts_and_incomparable_results():
 
 def test_io_metrics_from_counter_deltas():
     before = dict(hits=10, joins=0, misses=5, exact_bytes=1000, predicted_bytes=0, exposed_wait_ns=0,
-                  exact_read_ns=0, predicted_hits=0, predicted_joins=0)
+                  exact_read_ns=0, predicted_hits=0, predicted_joins=0, exact_misses=2, predicted_reads=0)
     after = dict(hits=40, joins=10, misses=15, exact_bytes=5000, predicted_bytes=1000, exposed_wait_ns=8_000_000,
-                 exact_read_ns=32_000_000, predicted_hits=10, predicted_joins=2)
+                 exact_read_ns=32_000_000, predicted_hits=10, predicted_joins=2, exact_misses=10, predicted_reads=16)
     m = H.io_metrics(before, after, tokens=4, record_bytes=None)
     assert m["expert_bytes_per_token"] == (4000 + 1000) / 4
     assert m["hit_rate"] == pytest.approx(40 / 50)  # (30 hits + 10 joins) / (30 + 10 + 10)
     assert m["exposed_wait_ms_per_token"] == pytest.approx(2.0)
     assert m["hidden_fraction"] == pytest.approx(0.75)
-    assert m["timely_recall"] == pytest.approx(10 / (10 + 10 + 10))
+    # The engine's definition (stream.engine.prediction_stats): predicted hits over predicted hits +
+    # predicted joins + exact misses; a predicted read's own miss is not in the denominator.
+    assert m["timely_recall"] == pytest.approx(10 / (10 + 2 + 8))
+    assert m["late_recall"] == pytest.approx(2 / (10 + 2 + 8))
+    assert m["precision"] == pytest.approx(12 / 16)
+    assert m["engine_counters"]["exact_misses"] == 8
     resident = H.io_metrics(None, None, 4, None)
     assert resident["expert_bytes_per_token"] == 0.0 and resident["hit_rate"] is None
 

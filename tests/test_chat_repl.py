@@ -22,7 +22,7 @@ def demo():
 
 
 def _run(monkeypatch, capsys, demo, stdin, *argv):
-    monkeypatch.setattr(gen, "_load", lambda *a, **k: demo)
+    monkeypatch.setattr(gen, "load_from_args", lambda *a, **k: demo)
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
     assert chat.main(["--model", "demo", *argv]) == 0
     return capsys.readouterr().out

@@ -131,6 +131,6 @@ def test_a_bug_is_not_turned_into_a_one_line_error(monkeypatch):
     def bug(*a, **k):
         raise KeyError("planted bug")
 
-    monkeypatch.setattr(gen, "_load", bug)
+    monkeypatch.setattr(gen, "load_from_args", bug)
     with pytest.raises(KeyError, match="planted bug"):
         main(["generate", "-p", "hi"])

@@ -120,6 +120,8 @@ def _run(argv):
     (["simulate", "--draft-depths", "-1"], "--draft-depths"),
     (["bench", "--prompt-tokens", str(2**70)], "--prompt-tokens"),
     (["bench", "--gen-tokens", "nan"], "--gen-tokens"),
+    (["qualify", "--report-cache-gb", "nan,4"], "--report-cache-gb"),
+    (["qualify", "--report-cache-gb", "4,inf"], "--report-cache-gb"),
 ])
 def test_numeric_lists_refuse_hostile_items(argv, flag):
     rc, out, err = _run(argv)

@@ -78,3 +78,32 @@ def test_bench_code_is_a_separate_module():
 
     assert hasattr(_bench, "raw_pread") and not hasattr(_ext, "raw_pread")
     assert _ext.error_codes()[0] == "ok"
+
+
+def test_fault_injection_is_compiled_only_into_the_test_module():
+    """Issue 26 §5: the engine's test hooks (fault injection, hold, read delays) are built only
+    into hebrus_mlx._testing, which the same install builds beside _ext: the runtime module has
+    neither the entry points nor the injector's code, and a streamed generation never imports
+    the test module."""
+    from hebrus_mlx import _ext, _testing
+
+    hooks = ("inject_fault", "hold", "set_read_delay_us", "inject_digest_fault")
+    assert not [h for h in hooks for obj in (_ext, _ext.Engine, _ext.SweepRing) if hasattr(obj, h)]
+    assert all(hasattr(_testing, h) for h in hooks[:3])
+    release, test = (Path(m.__file__).read_bytes() for m in (_ext, _testing))
+    for marker in (b"FaultInjector", b"inject_fault", b"set_read_delay_us"):
+        assert marker not in release and marker in test, marker
+    code = textwrap.dedent(
+        """
+        import sys
+        import mlx.core as mx
+        from hebrus_mlx.utils import DEMO_DIR, load_model
+        model = load_model(DEMO_DIR, expert_cache_gb=0.004, ple_cache_gb=4 * 65536 / 2**30)
+        mx.eval(model(mx.array([[5, 6, 7]]), model.make_cache()))
+        assert model.streaming.engine.counters()["misses"] > 0
+        print(sorted(m for m in sys.modules if m.startswith("hebrus_mlx._")))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "hebrus_mlx._testing" not in r.stdout and "hebrus_mlx._ext" in r.stdout

@@ -223,7 +223,7 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     model.prompt_len = len(ids)
     from hebrus_mlx.cli import main
 
-    monkeypatch.setattr(gen, "_load", lambda *a, **k: (model, tok))
+    monkeypatch.setattr(gen, "load_from_args", lambda *a, **k: (model, tok))
     assert main(["generate", "-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
     assert capsys.readouterr().out == "ok\n"
     model.args.max_position_embeddings = 4

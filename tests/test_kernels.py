@@ -16,7 +16,12 @@ from hebrus_mlx.models.qwen4exp import Capture, QSAAttention
 from parity_fixtures import capture, model
 
 needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")), reason="no C++ compiler")
-needs_metal = pytest.mark.skipif(not kernels.metal_available(), reason="no Metal device (not verifiable here)")
+
+
+def needs_metal(fn):
+    """Runs only on a Metal device; marked `metal` (the self-hosted Apple-silicon CI job's -m metal)."""
+    return pytest.mark.metal(pytest.mark.skipif(not kernels.metal_available(),
+                                                reason="no Metal device (not verifiable here)")(fn))
 
 
 # ---- harness -------------------------------------------------------------------------------------

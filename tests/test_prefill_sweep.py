@@ -197,7 +197,7 @@ def test_corrupt_record_fails_typed_and_the_step_rolls_back(tmp_path):
         f.write(bytes([good[0] ^ 0xFF]))
     prompt = mx.array(np.random.default_rng(1).integers(2, 4000, 12).tolist())
     kw = dict(effective_vocab_size=model.args.vocab_size, max_tokens=2, prefill_step_size=6)
-    with pytest.raises(DigestMismatchError, match="SHA-256 mismatch .* in a prefill sweep"):
+    with pytest.raises(DigestMismatchError, match="XXH3-128 mismatch .* in a prefill sweep"):
         list(generate_step(prompt, model, **kw))
     with open(path, "r+b") as f:
         f.seek(victim)

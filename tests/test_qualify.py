@@ -255,7 +255,7 @@ def test_mtlio_section_runs_the_real_resolve_measurement(monkeypatch):
 def test_a_failed_gpu_event_host_task_fails_and_rolls_back_the_step(monkeypatch):
     """rollback_on_error checks the GPU-event error slot after the step: a task's failure (tagged
     in C++) rolls the cache back and is raised typed, even though evaluation itself returned."""
-    from hebrus_mlx.models.cache import rollback_on_error
+    from hebrus_mlx.stream.rollback import rollback_on_error
     from hebrus_mlx.stream.errors import ShortReadError
 
     class Slot:

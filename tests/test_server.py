@@ -304,10 +304,13 @@ def test_parse_tool_calls_as_template_writes_them():
     assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
 
 
-def test_cancel_fails_pending_expert_tickets(reference):
+@pytest.mark.parametrize("draft_model", [None, "ngram"])
+def test_cancel_fails_pending_expert_tickets(reference, draft_model):
     """AFN-019: cancelling a running request fails its pending expert reads at once (a step
     blocked on the SSD does not finish first); nothing stays pinned or open and the next request
-    gives the in-process reference text. Reads are held so the step is provably blocked."""
+    gives the in-process reference text. Reads are held so the step is provably blocked.
+    With --draft-model (issue 26 §3) the speculative protocol's reads run in the request's ticket
+    scope, so the cancel reaches them too (before, they carried an owner of their own)."""
     import asyncio
 
     from hebrus_mlx import load
@@ -321,7 +324,7 @@ def test_cancel_fails_pending_expert_tickets(reference):
         _testing_experts(model, 26)  # 26 of 512 records: every step misses
         return model, t
 
-    worker = Worker(load_streamed, 1 << 30, ServerDefaults())
+    worker = Worker(load_streamed, 1 << 30, ServerDefaults(draft_model=draft_model, num_draft_tokens=2))
     eng = worker.model.streaming.engine
     sampling = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False)
     ids = tok.encode("def main():\n")

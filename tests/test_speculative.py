@@ -17,11 +17,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx.generate import generate_step, stream_generate
+from hebrus_mlx.generate import generate_step, speculative_generate_step, stream_generate
 from hebrus_mlx.sample_utils import make_sampler
 from hebrus_mlx.speculative import DRAFTERS, CompatibilityError, DrafterError, Proposal, SpeculativeStats, make_drafter
 from hebrus_mlx.speculative import protocol as P
 from hebrus_mlx.speculative.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter, load_draft_model
+from hebrus_mlx.speculative.governor import FixedSchedule
 from hebrus_mlx.utils import DEMO_DIR, load
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a"
@@ -63,7 +64,7 @@ class Garbage(NGramDrafter):
 
 def _spec(model, tok, ids, drafter, n, **kw):
     stats = SpeculativeStats()
-    out = [t for t, _, _ in P.speculative_generate_step(
+    out = [t for t, _, _ in speculative_generate_step(
         mx.array(ids), model, drafter, effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
         num_draft_tokens=n, stats=stats, **kw)]
     return out, stats
@@ -241,11 +242,13 @@ def test_streamed_5pct_greedy_identical_and_tickets_retired(plain):
     got, stats = _spec(model, tok, ids, Perturbed(want), 3, governor=None)
     assert got == want and stats.reruns > 0
     owner = seen[-1][0]
-    assert owner != 0 and {g for o, g in seen if o == owner} == set(range(stats.reruns + 1))
-    assert (sw.owner, sw.generation) == (0, 0)  # the plain path's identity is restored
+    # The run's ticket scope: one fresh generation per rejected suffix.
+    gens = sorted({g for o, g in seen if o == owner})
+    assert owner != 0 and gens == list(range(gens[0], gens[0] + stats.reruns + 1))
+    assert (sw.owner, sw.generation) == (0, 0)  # the idle identity is restored
     # A read of a retired generation is refused: a late speculative read cannot publish.
     with pytest.raises(Exception) as info:
-        rows, lease = model.streaming.experts.resolve(0, mx.array([[1, 2, 3, 4]]), owner, 0)
+        rows, lease = model.streaming.experts.resolve(0, mx.array([[1, 2, 3, 4]]), owner, gens[0])
         mx.eval(rows)
     typed = translate(info.value)
     assert isinstance(typed, StreamError) and "stale" in str(typed)
@@ -283,8 +286,8 @@ def test_rejection_sampling_keeps_target_distribution():
     V = model.args.vocab_size
     lp = model(mx.array([[5, 17, 33]]), cache=model.make_cache())[0]
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    target = make_sampler(V, temp=1.0, top_k=5)
-    draft = make_sampler(V, temp=0.4, top_k=8).distribution
+    target = make_sampler(temp=1.0, top_k=5, effective_vocab_size=V)
+    draft = make_sampler(temp=0.4, top_k=8, effective_vocab_size=V).distribution
     q_rows = draft(lp[:2])  # over-confident in p's top tokens: min(p, q) is far from a multiple of p
     p0 = np.array(target.distribution(lp[:1]))[0]
     mx.random.seed(0)
@@ -319,8 +322,8 @@ def test_sampled_generation_follows_target_end_to_end():
 
     model = tiny("tiny_a")
     V = model.args.vocab_size
-    target = make_sampler(V, temp=1.0, top_k=2)  # 2 x 2 x 2 cells: power from few runs
-    qdist = make_sampler(V, temp=0.4, top_k=3).distribution  # over-confident draft
+    target = make_sampler(temp=1.0, top_k=2, effective_vocab_size=V)  # 2 x 2 x 2 cells: power from few runs
+    qdist = make_sampler(temp=0.4, top_k=3, effective_vocab_size=V).distribution  # over-confident draft
     prompt = [5, 17, 33]
 
     def probs(seq):
@@ -341,7 +344,7 @@ def test_sampled_generation_follows_target_end_to_end():
     runs = 150
     for _ in range(runs):
         drafter = DraftModelDrafter(model, V, qdist)
-        out = [t for t, _, _ in P.speculative_generate_step(
+        out = [t for t, _, _ in speculative_generate_step(
             mx.array(prompt), model, drafter, effective_vocab_size=V, max_tokens=3, sampler=target,
             num_draft_tokens=2, governor=None)]
         counts[tuple(out)] += 1
@@ -597,26 +600,6 @@ def test_governor_backs_off_from_a_losing_drafter():
     assert len(probes) >= 3 and gaps[-1] > gaps[0]
 
 
-class Scripted:
-    """A governor replaying a fixed schedule of block sizes (forces B=0 <-> B>0 switches)."""
-
-    def __init__(self, schedule):
-        self.schedule, self.i = schedule, 0
-
-    def block_size(self):
-        self.i += 1
-        return self.schedule[(self.i - 1) % len(self.schedule)]
-
-    def observe_block(self, *a):
-        pass
-
-    def observe_step(self, *a, **k):
-        pass
-
-    def observe_routes(self, *a):
-        pass
-
-
 SCHEDULE = [2, 0, 0, 3, 0, 1, 0, 0, 0, 4, 1, 0]
 
 
@@ -631,9 +614,9 @@ def test_greedy_identical_across_plain_and_block_switches(demo, plain):
     ids, want = plain
     for drafter in _drafters(model, tok, want):
         stats = SpeculativeStats()
-        got = [t for t, _, _ in P.speculative_generate_step(
+        got = [t for t, _, _ in speculative_generate_step(
             mx.array(ids), model, drafter, effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
-            num_draft_tokens=4, governor=Scripted(SCHEDULE), stats=stats)]
+            num_draft_tokens=4, governor=FixedSchedule(SCHEDULE, repeat=True), stats=stats)]
         assert got == want, drafter.name
         assert stats.block_sizes.get(0, 0) > 0 and stats.verify_steps > 0, (drafter.name, stats.block_sizes)
 
@@ -645,9 +628,9 @@ def test_plain_steps_are_pipelined(demo, plain):
     ids, want = plain
     cache = model.make_cache()
     seen = []
-    for t, _, from_draft in P.speculative_generate_step(
+    for t, _, from_draft in speculative_generate_step(
             mx.array(ids), model, Garbage(), effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
-            num_draft_tokens=3, governor=Scripted([0, 0, 0, 0, 2]), prompt_cache=cache):
+            num_draft_tokens=3, governor=FixedSchedule([0, 0, 0, 0, 2], repeat=True), prompt_cache=cache):
         seen.append(cache.next_position - len(ids) - len(seen))  # inputs fed past this token
     # Token 0 comes from the prefill. Tokens 1..3 are plain with a plain successor: already fed (1);
     # token 4 is plain but the next step is a block (0); the block's bonus token 5 is not fed (0).
@@ -659,7 +642,7 @@ def test_governor_falls_back_on_the_demo(demo, plain):
     model, tok = demo
     ids, want = plain
     stats = SpeculativeStats()
-    got = [t for t, _, _ in P.speculative_generate_step(
+    got = [t for t, _, _ in speculative_generate_step(
         mx.array(ids), model, Garbage(), effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
         num_draft_tokens=4, stats=stats)]
     assert got == want
@@ -681,9 +664,9 @@ def test_streamed_5pct_greedy_identical_across_switches(demo, plain):
     try:
         # The draft model is a resident copy (a streamed target's arena is sized for its own steps).
         for drafter in _drafters(model, tok, want, draft_model=demo[0]):
-            for gov in (Scripted(SCHEDULE), "auto"):
+            for gov in (FixedSchedule(SCHEDULE, repeat=True), "auto"):
                 stats = SpeculativeStats()
-                got = [t for t, _, _ in P.speculative_generate_step(
+                got = [t for t, _, _ in speculative_generate_step(
                     mx.array(ids), model, drafter, effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
                     num_draft_tokens=4, governor=gov, stats=stats)]
                 assert got == want, (drafter.name, gov)

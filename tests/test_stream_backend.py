@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from fault_injection import FaultyEngine
+from hebrus_mlx import kernels
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import ShortReadError, StreamRequestError
 from hebrus_mlx.stream.reference import ReferenceEngine
@@ -112,7 +114,7 @@ def test_pread_fault_path_unchanged(store):
     """AFN-019: with the byte-moving step factored out, a short arena read
     still fails typed, publishes nothing, and the next read succeeds."""
     path, data = store
-    eng = se.StreamEngine(cache_bytes=8 * REC, threads=2, backend="pread", testing=True)
+    eng = FaultyEngine(cache_bytes=8 * REC, threads=2, backend="pread")
     sid = eng.add_store(path)
     arena, _ = eng.create_arena(PARTS, rows=2)
     eng.inject_fault("short_read")
@@ -127,7 +129,10 @@ def test_pread_fault_path_unchanged(store):
     eng.close()
 
 
+@pytest.mark.metal
 @pytest.mark.skipif("mtlio" not in se.backends(), reason="MTLIO not compiled (macOS Metal only)")
+@pytest.mark.skipif(not kernels.metal_available(),
+                    reason="no Metal device (MTLIO reads through one; the hosted macOS job has none)")
 def test_mtlio_matches_pread_where_compiled(store):
     """AFN-013 private seam, AFN-019 publication: on a Metal build, an
     explicitly chosen MTLIO engine publishes arena rows byte-identical to the

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from fault_injection import FaultyEngine
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors
 from hebrus_mlx.stream.errors import DigestMismatchError  # noqa: F401
@@ -74,7 +75,7 @@ def arena_weights(parts, arena_parts, rows):
 
 def open_arena(experts, rows, digests=True, **kw):
     path, part_bytes, parts, resident, offsets, record, dig = experts
-    eng = se.StreamEngine(cache_bytes=1 << 20, threads=2, testing=True, **kw)
+    eng = FaultyEngine(cache_bytes=1 << 20, threads=2, **kw)
     aid, arena_parts = eng.create_arena(part_bytes, rows)
     table = eng.register_table(eng.add_store(path), offsets, [record] * E,
                                dig if digests else None, arena=aid)
@@ -154,7 +155,7 @@ def test_expanded_parts_hold_fp32_and_read_back_stored_bytes(experts):
     expand = [a.dtype == mx.bfloat16 for _, a in parts]
     assert sum(expand) == 6
     rows = 3
-    eng = se.StreamEngine(cache_bytes=1 << 20, threads=2, testing=True)
+    eng = FaultyEngine(cache_bytes=1 << 20, threads=2)
     aid, arena_parts = eng.create_arena(part_bytes, rows, expand)
     assert [p.shape[1] for p in arena_parts] == [
         n * (2 if w else 1) for n, w in zip(part_bytes, expand)]

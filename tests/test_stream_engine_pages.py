@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from fault_injection import FaultyEngine
 from hebrus_mlx.stream import engine as se
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -37,7 +38,7 @@ def expected_row(data, r):
 
 def open_pages(pages, **kw):
     path, _, digests = pages
-    eng = se.StreamEngine(cache_bytes=8 * PAGE, threads=2, testing=True, **kw)
+    eng = FaultyEngine(cache_bytes=8 * PAGE, threads=2, **kw)
     table = eng.register_table(eng.add_store(path), [p * PAGE for p in range(PAGES)],
                                [PAGE] * PAGES, digests)
     return eng, table

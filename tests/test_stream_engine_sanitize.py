@@ -21,13 +21,14 @@ def test_engine_stress_under_sanitizers(tmp_path):
     """AFN-019: concurrent cancellation and stale generations never deliver
     wrong bytes, leak a pin, race (TSan) or touch freed memory (ASan+UBSan)."""
     sources = [str(EXT / "tests" / "engine_stress.cpp"), str(EXT / "engine.cpp"),
-               str(EXT / "sha256.cpp"), str(EXT / "sha256_armv8.cpp")]
+               str(EXT / "sha256.cpp"), str(EXT / "sha256_armv8.cpp"), str(EXT / "xxh3.cpp"),
+               str(EXT / "testing" / "faults.cpp")]
     builds = {}
     # Both builds at once: the compile dominates this test's time.
     for name, flags in (("thread", ["-O1"]), ("address,undefined", ["-O0"])):
         exe = tmp_path / ("stress_" + name.replace(",", "_"))
         cmd = [CXX, "-std=c++20", *flags, f"-fsanitize={name}",
-               "-fno-sanitize-recover=all", f"-I{EXT}", *sources, "-o", str(exe),
+               "-fno-sanitize-recover=all", "-DHEBRUS_TESTING=1", f"-I{EXT}", *sources, "-o", str(exe),
                "-lpthread"]
         builds[name] = (exe, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
     for name, (exe, proc) in builds.items():

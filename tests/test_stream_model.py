@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from fault_injection import FaultyEngine
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
@@ -136,7 +137,7 @@ def _testing_experts(model, rows):
     prefetch, so an injected fault lands on an exact read."""
     path, fam, codec = _experts_store(str(DEMO_DIR))
     with em.ExpertMajorReader(path, fam, codec) as reader:
-        eng = se.StreamEngine(cache_bytes=1 << 16, threads=2, testing=True)
+        eng = FaultyEngine(cache_bytes=1 << 16, threads=2)
         experts = SE.StreamedExperts(eng, reader, rows, prefetch_previous=False)
     switches = attach([layer.mlp for layer in model.model.layers], experts)
     model.streaming = Streaming(eng, experts, switches)
@@ -312,7 +313,7 @@ def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     gb, rows = _cache_gb(str(DEMO_DIR))
     model, tok = load("demo", expert_cache_gb=gb)
     eng = _testing_experts(model, rows).engine
-    monkeypatch.setattr(gen, "_load", lambda *a, **k: (model, tok))
+    monkeypatch.setattr(gen, "load_from_args", lambda *a, **k: (model, tok))
     eng.inject_fault("short_read", 1)
     from hebrus_mlx.cli import main
 

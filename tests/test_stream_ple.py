@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from fault_injection import FaultyEngine
 from hebrus_mlx.artifact import ple_pages
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loading.plan import plan_ple
@@ -60,10 +61,10 @@ def test_corrupt_ple_page_fails_cleanly():
     ids = [5, 77, 300, 9]
     want = _run(load_model(DEMO_DIR), ids, 4)
     model = load_model(DEMO_DIR)
-    eng = attach_ple(model, str(DEMO_DIR), se.StreamEngine(cache_bytes=1 << 22, threads=2, testing=True))
+    eng = attach_ple(model, str(DEMO_DIR), FaultyEngine(cache_bytes=1 << 22, threads=2))
     # Every read fails (the lookahead read alone may absorb a single fault).
     eng.inject_fault("digest", 1000)
-    with pytest.raises(RuntimeError, match="SHA-256 mismatch"):
+    with pytest.raises(RuntimeError, match="XXH3-128 mismatch"):  # the demo's pages carry fast checks
         _run(model, ids, 4)
     eng.inject_fault("digest", 0)
     assert eng.memory()["pinned_slots"] == 0 and eng.counters()["errors"] >= 1

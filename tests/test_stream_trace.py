@@ -17,6 +17,7 @@ import time
 import mlx.core as mx
 import pytest
 
+from fault_injection import FaultyEngine
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors
 from hebrus_mlx.stream.errors import StreamRequestError
@@ -32,7 +33,7 @@ def store(tmp_path):
 
 
 def make(path, threads=2, capacity=16 * REC):
-    eng = se.StreamEngine(cache_bytes=capacity, threads=threads, testing=True)
+    eng = FaultyEngine(cache_bytes=capacity, threads=threads)
     return eng, eng.add_store(path)
 
 

@@ -53,7 +53,7 @@ def decoded(demo, tmp_path_factory):
     d = tmp_path_factory.mktemp("decoded")
     toks, _ = _run(model, tok, PROMPT, 24, d, owner="a")
     mx.random.seed(3)
-    stoks, _ = _run(model, tok, PROMPT[:7], 24, d, sampler=make_sampler(tok.effective_vocab_size, temp=0.8), owner="b")
+    stoks, _ = _run(model, tok, PROMPT[:7], 24, d, sampler=make_sampler(temp=0.8), owner="b")
     return d, (toks, stoks)
 
 

@@ -22,6 +22,7 @@ import struct
 import numpy as np
 
 from . import atomic
+from . import fast_check
 from .constants import (
     AFFINE_PARTS,
     ALIGNMENT,
@@ -186,12 +187,13 @@ def write(w, family, codec_name, records, progress=None):
     return geom
 
 
-def publish(path, family, codec_name, records, faults=None, progress=None):
-    """Atomically publish a store, verifying every record before rename."""
+def publish(path, family, codec_name, records, faults=None, progress=None, fast=None):
+    """Atomically publish a store, verifying every record before rename. `fast`
+    (fast_check.Collector) gets each record's bytes from that verify pass."""
     return atomic.publish_file(
         path,
         lambda w: write(w, family, codec_name, records, progress),
-        verify=lambda tmp: ExpertMajorReader(tmp, family, codec_name).verify_all(),
+        verify=lambda tmp: ExpertMajorReader(tmp, family, codec_name).verify_all(fast=fast),
         faults=faults,
     )
 
@@ -200,9 +202,12 @@ class ExpertMajorReader(StoreFile):
     """Validate an untrusted store on open (header + table, no payload read).
 
     family / codec_name: if given, the header must name exactly these.
+    fast: the admitted per-record XXH3-128 digests (Manifest.fast_table): record reads are then
+    checked by the fast check instead of SHA-256 (verify_all always checks SHA-256).
     """
 
-    def __init__(self, path, family=None, codec_name=None):
+    def __init__(self, path, family=None, codec_name=None, fast=None):
+        self._fast = fast_check.checker(fast)
         super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
@@ -245,7 +250,10 @@ class ExpertMajorReader(StoreFile):
         g = self.geometry
         i = g.index(layer, expert)
         data = self._pread(g.record_bytes, g.record_offset(i), f"experts.record[{i}]")
-        if hashlib.sha256(data).digest() != self.digests[i]:
+        if self._fast is not None:
+            if not self._fast(i, data):
+                raise DigestError(f"experts.record[{i}]", f"XXH3-128 mismatch for (layer {layer}, expert {expert})")
+        elif hashlib.sha256(data).digest() != self.digests[i]:
             raise DigestError(f"experts.record[{i}]", f"digest mismatch for (layer {layer}, expert {expert})")
         return data
 
@@ -263,14 +271,18 @@ class ExpertMajorReader(StoreFile):
             out.setdefault(comp, {})[part] = np.frombuffer(data, dtype=dtype, count=n // DTYPE_BYTES[dtype], offset=off).reshape(shape)
         return out
 
-    def verify_all(self, progress=None, file_hash=None):
-        """Every record digest plus the whole-payload digest (separate checks)."""
+    def verify_all(self, progress=None, file_hash=None, fast=None):
+        """Every record digest plus the whole-payload digest (separate checks). `fast(bytes)`,
+        if given, is called with each record once its SHA-256 matched (the fast check's digests
+        are taken from verified bytes)."""
         g = self.geometry
 
         def record(i):
             data = self._pread(g.record_stride, g.record_offset(i), f"experts.record[{i}]")
             if hashlib.sha256(data[: g.record_bytes]).digest() != self.digests[i]:
                 raise DigestError(f"experts.record[{i}]", "record digest mismatch")
+            if fast is not None:
+                fast(data[: g.record_bytes])
             return data
 
         self._verify_payload(g.payload_offset, g.count, record, self.header["payload_sha256"], "experts",

@@ -34,6 +34,7 @@ from .constants import (
     FamilyDescriptor,
     codec,
 )
+from . import fast_check
 from .errors import AdmissionError
 
 EXPERTS_PATH = "experts.hbem"
@@ -340,6 +341,9 @@ class Store:
     rows_per_page: Optional[int] = None  # PLE only
     tensors: Optional[Mapping[str, Mapping]] = None  # MTP only: the head's tensor inventory
     source_tensors: Optional[int] = None  # MTP only: source tensors consumed
+    # experts/ple/mtp: the XXH3-128 digest table's entry (artifact/fast_check.py); None in
+    # artifacts from before the fast check (their reads are checked by SHA-256).
+    fast_check: Optional[Mapping] = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +369,14 @@ class Manifest:
     dense_digests: Optional[Mapping[str, str]] = None
     # constants.NORM_WEIGHTS: "zero_centered" (the loader folds 1 + w) or "folded" (used as is)
     norm_weights: str = NORM_WEIGHTS_DEFAULT_V1
+    # Store path -> its admitted XXH3-128 digest table (16 bytes per unit, artifact/fast_check.py):
+    # what streaming checks each read against. None: SHA-256 per read (an older artifact).
+    fast_digests: Optional[Mapping[str, bytes]] = None
+
+    def fast_table(self, store: Store) -> Optional[list]:
+        """The per-unit XXH3-128 digests of `store`, or None (check reads by SHA-256)."""
+        table = (self.fast_digests or {}).get(store.path)
+        return None if table is None else fast_check.digests(table)
 
     def file(self, store: Store) -> str:
         return os.path.join(self.directory, store.path)

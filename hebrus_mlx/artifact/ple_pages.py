@@ -23,6 +23,7 @@ import struct
 import numpy as np
 
 from . import atomic
+from . import fast_check
 from .constants import (
     ALIGNMENT,
     OFF_T_MAX,
@@ -195,21 +196,26 @@ def write(w, family, table, codec_name, chunks, rows_per_page=None, progress=Non
     return g
 
 
-def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=None, progress=None):
+def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=None, progress=None,
+            fast=None):
     """Atomically publish a PLE store; every page and the payload are
-    verified through the reader before the rename."""
+    verified through the reader before the rename. `fast` (fast_check.Collector)
+    gets each page's bytes from that verify pass."""
     return atomic.publish_file(
         path,
         lambda w: write(w, family, table, codec_name, chunks, rows_per_page, progress),
-        verify=lambda tmp: PleReader(tmp, family, codec_name).verify_all(),
+        verify=lambda tmp: PleReader(tmp, family, codec_name).verify_all(fast=fast),
         faults=faults,
     )
 
 
 class PleReader(StoreFile):
-    """Open validates the manifest (no row payload is read)."""
+    """Open validates the manifest (no row payload is read). fast: the admitted per-page XXH3-128
+    digests (Manifest.fast_table): page reads are then checked by the fast check instead of
+    SHA-256 (verify_all always checks SHA-256)."""
 
-    def __init__(self, path, family=None, codec_name=None):
+    def __init__(self, path, family=None, codec_name=None, fast=None):
+        self._fast = fast_check.checker(fast)
         super().__init__(path, family, codec_name)
 
     def _open(self, family, codec_name):
@@ -251,7 +257,7 @@ class PleReader(StoreFile):
         self.payload_sha = payload_sha
         self.digests = rest[: SHA256_BYTES * g.num_pages]
 
-    def _check_page(self, page, data):
+    def _check_page(self, page, data, sha=False):
         g = self.geometry
         vals = dict(zip(_PAGE_FIELDS, _PAGE.unpack_from(data)))
         for name, want in g.page_values(page).items():
@@ -259,16 +265,19 @@ class PleReader(StoreFile):
                 raise GeometryError(f"ple.page[{page}].{name}", f"page header says {vals[name]}, expected {want}")
         if data[_PAGE.size : PLE_PAGE_HEADER_BYTES] != bytes(PLE_PAGE_HEADER_BYTES - _PAGE.size):
             raise HeaderError(f"ple.page[{page}].reserved", "reserved page header bytes are not zero")
-        if hashlib.sha256(data).digest() != self.digests[page * 32 : page * 32 + 32]:
+        if self._fast is not None and not sha:
+            if not self._fast(page, data):
+                raise DigestError(f"ple.page[{page}]", "page XXH3-128 mismatch")
+        elif hashlib.sha256(data).digest() != self.digests[page * 32 : page * 32 + 32]:
             raise DigestError(f"ple.page[{page}]", "page digest mismatch")
 
-    def read_page(self, page):
-        """One verified page snapshot."""
+    def read_page(self, page, sha=False):
+        """One verified page snapshot (sha: by its SHA-256 even where a fast table was given)."""
         g = self.geometry
         if not 0 <= page < g.num_pages:
             raise GeometryError("ple.page", f"page {page} outside [0, {g.num_pages})")
         data = self._pread(g.page_stride, g.payload_offset + page * g.page_stride, f"ple.page[{page}]")
-        self._check_page(page, data)
+        self._check_page(page, data, sha)
         return data
 
     def verify_page(self, page):
@@ -302,10 +311,18 @@ class PleReader(StoreFile):
                 raw[i] = np.frombuffer(data, np.uint8, g.row_bytes, off)
         return out
 
-    def verify_all(self, progress=None, file_hash=None):
-        """Every page (header + digest), then the whole-payload digest."""
+    def verify_all(self, progress=None, file_hash=None, fast=None):
+        """Every page (header + digest), then the whole-payload digest. `fast(bytes)`, if given,
+        is called with each page once it verified."""
         g = self.geometry
-        self._verify_payload(g.payload_offset, g.num_pages, self.read_page, self.payload_sha, "ple",
+
+        def page(i):
+            data = self.read_page(i, sha=True)
+            if fast is not None:
+                fast(data)
+            return data
+
+        self._verify_payload(g.payload_offset, g.num_pages, page, self.payload_sha, "ple",
                              progress, file_hash)
 
     def extents(self):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import List
 
 from .. import flags
+from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..pipeline import launched as pipeline_launched
 from ..traces.command import positive_ints
@@ -30,14 +31,8 @@ from . import machine as M
 from . import report as R
 
 
-class _Parser(flags.Parser):
-    pass
-
-
-
-
 def build_parser():
-    p = _Parser(prog="hebrus-mlx bench", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="hebrus-mlx bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", "-m", default="demo", help="'demo', an artifact or an HF checkpoint directory")
     p.add_argument("--prompt-tokens", "-p", default="128", help="prompt sizes, e.g. 512,2048")
     p.add_argument("--gen-tokens", "-n", default="64", help="generation lengths, e.g. 128")

@@ -181,23 +181,31 @@ def _delta(after: dict, before: dict, key: str) -> float:
 
 
 def io_metrics(before: Optional[dict], after: Optional[dict], tokens: int, record_bytes: Optional[int]) -> dict:
-    """Engine counter deltas over the decode phase -> per-token I/O metrics (None when resident)."""
+    """Engine counter deltas over the decode phase -> per-token I/O metrics (None when resident).
+    ``engine_counters`` keeps every scalar counter's delta (simulate --validate compares its
+    replay with them)."""
     if before is None or after is None:
         return {"expert_bytes_per_token": 0.0 if before is None else None, "hit_rate": None,
-                "exposed_wait_ms_per_token": 0.0, "hidden_fraction": None, "timely_recall": None}
-    d = {k: _delta(after, before, k) for k in ("hits", "joins", "misses", "exact_bytes", "predicted_bytes",
-                                                "exposed_wait_ns", "exact_read_ns", "predicted_hits",
-                                                "predicted_joins")}
+                "exposed_wait_ms_per_token": 0.0, "hidden_fraction": None, "timely_recall": None,
+                "late_recall": None, "precision": None}
+    keys = [k for k, v in after.items() if isinstance(v, (int, float)) and not k.startswith("latency_")
+            and k != "hidden_fraction"]
+    d = {k: _delta(after, before, k) for k in keys}
     lookups = d["hits"] + d["joins"] + d["misses"]
-    # Exact lookups served by a predicted read that had already landed (timely) over all lookups
-    # that were not plain cache hits (the records a perfect predictor would have had to bring).
-    needed = d["misses"] + d["joins"] + d["predicted_hits"]
+    # The engine's own read-ahead measures (stream.engine.prediction_stats): exact lookups served by
+    # a predicted read that had already landed (timely) or was still in flight (late), over the
+    # exact lookups nothing exact had cached (those plus the exact misses).
+    need = d.get("predicted_hits", 0) + d.get("predicted_joins", 0) + d.get("exact_misses", 0)
+    reads = d.get("predicted_reads", 0)
     return {
         "expert_bytes_per_token": (d["exact_bytes"] + d["predicted_bytes"]) / max(tokens, 1),
         "hit_rate": (d["hits"] + d["joins"]) / lookups if lookups else None,
         "exposed_wait_ms_per_token": d["exposed_wait_ns"] / 1e6 / max(tokens, 1),
         "hidden_fraction": 1.0 - d["exposed_wait_ns"] / d["exact_read_ns"] if d["exact_read_ns"] > 0 else None,
-        "timely_recall": d["predicted_hits"] / needed if needed else None,
+        "timely_recall": d["predicted_hits"] / need if need else None,
+        "late_recall": d["predicted_joins"] / need if need else None,
+        "precision": (d["predicted_hits"] + d["predicted_joins"]) / reads if reads else None,
+        "engine_counters": d,
     }
 
 
@@ -279,7 +287,8 @@ def timeline(events, stamps_ns: List[int], t0_ns: int) -> List[dict]:
 # ---- statistics and honesty ----------------------------------------------------------------------
 
 METRICS = ("decode_tok_s", "decode_tok_s_p50", "prefill_tok_s", "ttft_s", "peak_memory_gb", "expert_bytes_per_token", "hit_rate",
-           "exposed_wait_ms_per_token", "hidden_fraction", "timely_recall", "acceptance", "tokens_per_step")
+           "exposed_wait_ms_per_token", "hidden_fraction", "timely_recall", "late_recall", "precision", "acceptance",
+           "tokens_per_step")
 
 
 def summarize(values: Sequence[Optional[float]]) -> Optional[dict]:

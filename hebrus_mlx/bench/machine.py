@@ -47,8 +47,9 @@ def memory_bytes() -> int:
 def mlx_info() -> dict:
     import mlx.core as mx
 
-    metal = bool(getattr(mx, "metal", None) and mx.metal.is_available())
-    return {"mlx_version": mx.__version__, "backend": "metal" if metal else "cpu",
+    from ..profile import compute_backend
+
+    return {"mlx_version": mx.__version__, "backend": compute_backend(),
             "default_device": str(mx.default_device())}
 
 
@@ -66,11 +67,34 @@ def _open_direct(path: str):
     return fd, False
 
 
+def fast_check_rate(record_bytes: int = 2_764_800, repeats: int = 9) -> Dict[str, object]:
+    """GB/s of one core running the per-read fast check (XXH3-128, metal_ext/xxh3.cpp) over one
+    record in cache: the picked SIMD backend and the portable scalar one, medians of interleaved
+    runs. `qualify` records it beside its SHA-256 figure; {} without the compiled extension."""
+    import statistics
+
+    try:
+        from .. import _hash
+    except ImportError:
+        return {}
+    buf = os.urandom(record_bytes)
+    times: Dict[str, list] = {"auto": [], "scalar": []}
+    for _ in range(repeats):
+        for backend, t in times.items():
+            t0 = time.perf_counter()
+            _hash.xxh3_128(buf, backend=backend)
+            t.append(time.perf_counter() - t0)
+    rate = {b: record_bytes / statistics.median(t) / 1e9 for b, t in times.items()}
+    return {"xxh3_128_GBps_one_thread": rate["auto"], "xxh3_128_backend": _hash.xxh3_backend(),
+            "xxh3_128_scalar_GBps_one_thread": rate["scalar"]}
+
+
 def ssd_probe(path: str, record_bytes: int, offsets: Sequence[int], queue_depths=(1, 2, 4, 8), reads: int = 256,
               trials: int = 3, seed: int = 0) -> dict:
     """GB/s of random record reads (from `offsets`) per queue depth: qd threads, each with one read
     in flight, `reads` reads per trial, the median of `trials` (the machine is shared and noisy);
-    plus SHA-256 GB/s of one core (the engine verifies every record). Reads are O_DIRECT when the
+    plus SHA-256 and XXH3-128 GB/s of one core (the engine checks every record by one of them:
+    the fast check where the artifact has it). Reads are O_DIRECT when the
     filesystem allows it (recorded as `direct`); a store small enough for the device's cache reads
     faster than a large one would."""
     import statistics
@@ -115,6 +139,10 @@ def ssd_probe(path: str, record_bytes: int, offsets: Sequence[int], queue_depths
         hashlib.sha256(block).digest()
         rates.append(len(block) / (time.perf_counter() - t0) / 1e9)
     result["sha256_gbps_per_core"] = statistics.median(rates)
+    fast = fast_check_rate(len(block))
+    if fast:
+        result["xxh3_128_gbps_per_core"] = fast["xxh3_128_GBps_one_thread"]
+        result["xxh3_128_backend"] = fast["xxh3_128_backend"]
     return result
 
 
@@ -176,7 +204,8 @@ def profile_probe(store_path, record_bytes: int, profile_path=None) -> Optional[
     source = f"machine profile {path} (hebrus-mlx qualify, written {stamp})"
     probe = {"path": probed or "(qualify's probe file)", "record_bytes": int(pread["record_bytes"]),
              "direct": bool(pread.get("direct")), "gbps_by_qd": dict(sorted(qd.items(), key=lambda x: int(x[0]))),
-             "sha256_gbps_per_core": pread.get("sha256_GBps_one_thread"), "source": source,
+             "sha256_gbps_per_core": pread.get("sha256_GBps_one_thread"),
+             "xxh3_128_gbps_per_core": pread.get("xxh3_128_GBps_one_thread"), "source": source,
              "profile_created_unix": when}
     return probe, source
 

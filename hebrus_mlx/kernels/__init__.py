@@ -24,7 +24,10 @@ _qualified: set[str] = set()
 
 
 def metal_available() -> bool:
-    return bool(hasattr(mx, "metal") and mx.metal.is_available())
+    """A Metal device computes here (`profile.metal_device`: not merely MLX's Metal build)."""
+    from ..profile import metal_device
+
+    return metal_device()
 
 
 def killed(name: str) -> bool:

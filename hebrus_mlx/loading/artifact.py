@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 from .. import admission
 from ..artifact import constants as C
 from ..artifact import expert_major as em
+from ..artifact import fast_check
 from ..artifact.errors import AdmissionError, DigestError, GeometryError, TruncatedError
 from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
@@ -93,13 +94,23 @@ def _to_mx(a):
 
 def _load_hashed(m: Manifest, s, what: str):
     """A whole safetensors store: admission checked its metadata, not its bytes, so it is hashed
-    and loaded through one open descriptor (the bytes loaded are the bytes whose digest matched)."""
+    and loaded through one open descriptor (the bytes loaded are the bytes whose digest matched).
+    A store with a fast check (the MTP head of a new artifact) is checked chunk by chunk against
+    its XXH3-128 table, any other against its whole-file SHA-256."""
+    table, xxh3 = m.fast_table(s), fast_check.xxh3_128()
     with open(m.file(s), "rb") as f:
-        digest = hashlib.sha256()
-        while b := f.read(8 << 20):
-            digest.update(b)
-        if digest.hexdigest() != s.sha256:
-            raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
+        if table is not None and xxh3 is not None:
+            for i, want in enumerate(table):
+                if xxh3(f.read(fast_check.MTP_UNIT_BYTES)) != want:
+                    raise DigestError(f"stores.{s.path}.fast_check", f"{what} store chunk {i} XXH3-128 mismatch")
+            if f.read(1):
+                raise DigestError(f"stores.{s.path}.size", f"{what} store grew after admission")
+        else:
+            digest = hashlib.sha256()
+            while b := f.read(8 << 20):
+                digest.update(b)
+            if digest.hexdigest() != s.sha256:
+                raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
         f.seek(0)
         return mx.load(f, format="safetensors")
 
@@ -155,7 +166,7 @@ def _experts(m: Manifest, layers=None):
     all; a pipeline stage reads only its own records)."""
     s, fam = m.experts, m.family
     out = {}
-    with ExpertMajorReader(m.file(s), fam, s.codec) as r:
+    with ExpertMajorReader(m.file(s), fam, s.codec, fast=m.fast_table(s)) as r:
         layout = r.geometry.layout
         for layer in (range(fam.num_hidden_layers) if layers is None else layers):
             stacks = {(comp, part): np.empty((fam.num_experts,) + shape, dtype)
@@ -173,7 +184,7 @@ def _ple(m: Manifest, layers=None):
     """Resident PLE tables (of `layers`, default all): every page read through its digest check."""
     out = {}
     for s in _ple_stores(m, layers):
-        with PleReader(m.file(s), m.family, s.codec) as r:
+        with PleReader(m.file(s), m.family, s.codec, fast=m.fast_table(s)) as r:
             g = r.geometry
             raw = np.empty((g.total_rows, g.row_bytes), np.uint8)
             for page in range(g.num_pages):
@@ -441,9 +452,10 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     if engine is not None:
         if prefetch is None and experts is not None:
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
-        model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers)
+        # A pipeline stage takes rank 0's chunks whether or not it has a sweep ring.
+        model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers,
+                                    sweep_lifts_cap=stage is None)
         if experts is not None:
-            model.streaming.sweep_lifts_cap = stage is None
             try:
                 kw = {}
                 if sweep_mode == "auto":  # the machine's measured crossover where the profile stands for it

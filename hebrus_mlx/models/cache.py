@@ -3,20 +3,23 @@
 Recurrent state (DeltaNet, PLE convolution tail, n-gram context) cannot be trimmed, so rollback is
 by `snapshot()` / `restore()` of the whole sequence. MLX arrays are immutable values, so a snapshot
 is a set of references plus host counters: taking one copies nothing.
+
+Each layer cache also speaks mlx-lm's cache protocol (`state`, `meta_state`, `from_state`,
+`is_trimmable`, `trim`, `size`, `empty`, `nbytes`), so `mlx_lm.models.cache.save_prompt_cache`,
+`can_trim_prompt_cache` and `trim_prompt_cache` work on a `SequenceCache` (see docs/MLX_LM.md).
+mlx-lm 0.32.2 keeps a cache's scalars in `state` (it serialises ints and None itself), so `state`
+carries the counters too and `meta_state` is the same counters as strings.
 """
 
 from __future__ import annotations
 
 import hashlib
-from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import HebrusError
-from ..stream.engine import check_gpu_event_errors
-from ..stream.errors import translate
 
 _GROW = 256  # attention buffers grow in steps of this many tokens
 
@@ -31,6 +34,38 @@ class CacheHoleError(HebrusError, ValueError):
     """An append does not continue the cached position run, or layers disagree (AFN-018)."""
 
     default_field = "position"
+
+
+class CacheTrimError(HebrusError, ValueError):
+    """A trim the state cannot honour: Gated DeltaNet and PLE state fold every token in."""
+
+    default_field = "trim"
+
+
+class CacheStateError(HebrusError, ValueError):
+    """A `state` / `meta_state` that does not describe this kind of layer cache."""
+
+    default_field = "state"
+
+
+def _counters(meta_state, n, cls):
+    try:
+        values = tuple(None if v in ("None", "") else int(v) for v in meta_state)
+    except (TypeError, ValueError):
+        values = ()
+    if len(values) != n:
+        raise CacheStateError(f"{cls.__name__}.meta_state must be {n} integers as strings, got {meta_state!r}")
+    return values
+
+
+def _check_state(state, n, cls):
+    if not isinstance(state, (list, tuple)) or len(state) != n:
+        raise CacheStateError(f"{cls.__name__}.state must be a sequence of {n} items, got {type(state).__name__}"
+                              f"{'' if not isinstance(state, (list, tuple)) else f' of {len(state)}'}")
+    for v in state:
+        if v is not None and not isinstance(v, (mx.array, int)):
+            raise CacheStateError(f"{cls.__name__}.state holds a {type(v).__name__}; expected arrays, ints or None")
+    return list(state)
 
 
 class LinearCache:
@@ -55,6 +90,55 @@ class LinearCache:
         for f, value in zip(self.fields, snap):
             setattr(self, f, value)
 
+    # -- mlx-lm's cache protocol ---------------------------------------------------------------------
+    @property
+    def state(self):
+        return [getattr(self, f) for f in self.fields]
+
+    @state.setter
+    def state(self, v):
+        v = _check_state(v, len(self.fields), type(self))
+        if any(isinstance(a, int) for a in v):
+            raise CacheStateError("LinearCache.state holds arrays or None only")
+        for f, value in zip(self.fields, v):
+            setattr(self, f, value)
+
+    @property
+    def meta_state(self):
+        return ()
+
+    @meta_state.setter
+    def meta_state(self, v):
+        if v:
+            raise CacheStateError(f"LinearCache has no meta_state, got {v!r}")
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        obj = cls()
+        obj.state = state
+        if meta_state:
+            obj.meta_state = meta_state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return False  # the recurrent state and conv tails fold every token in; nothing to cut off
+
+    def trim(self, n: int) -> int:
+        if n == 0:
+            return 0
+        raise CacheTrimError("a Gated DeltaNet / PLE layer's state cannot be trimmed (it folds every token in); "
+                             "roll back with SequenceCache.snapshot() / restore()")
+
+    def size(self) -> int:
+        return 0  # this layer does not count tokens (mlx-lm's convention); SequenceCache.offset does
+
+    def empty(self) -> bool:
+        return all(getattr(self, f) is None for f in self.fields)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
 
 class AttentionCache:
     """QSA layer state: rotated K/V, raw index keys, and pooled block keys of complete groups."""
@@ -67,6 +151,7 @@ class AttentionCache:
         self.length = 0
         self.n_groups = 0
         self.start_position = 0
+        self.ratio = None  # tokens per indexer group, known once a group completes (for trim)
 
     @staticmethod
     def _grow(buf, needed, axis, like):
@@ -98,6 +183,7 @@ class AttentionCache:
 
     def pending_groups(self, ratio):
         """(first new group, raw keys of the newly completed groups) or None."""
+        self.ratio = ratio
         complete = self.length // ratio
         if complete <= self.n_groups:
             return None
@@ -145,6 +231,76 @@ class AttentionCache:
             None if not g else self.block_keys[:, :g],
             n, g, self.start_position,
         )
+
+    # -- mlx-lm's cache protocol ---------------------------------------------------------------------
+    _STATE_ARRAYS = 4  # keys, values, raw_keys, block_keys; then length, n_groups, start_position, ratio
+
+    @property
+    def offset(self) -> int:
+        return self.length
+
+    @property
+    def state(self):
+        """The live rows (views, no copy) and the counters; a cache rebuilt from it has no spare
+        capacity, so its first append copies and never writes into this one's buffers."""
+        return [*self.detach()[:4], self.length, self.n_groups, self.start_position, self.ratio]
+
+    @state.setter
+    def state(self, v):
+        v = _check_state(v, self._STATE_ARRAYS + 4, type(self))
+        arrays, (length, n_groups, start, ratio) = v[:4], v[4:]
+        if not all(isinstance(c, int) and c >= 0 for c in (length, n_groups, start)) or not (
+                ratio is None or (isinstance(ratio, int) and ratio > 0)):
+            raise CacheStateError(f"AttentionCache.state counters must be ints >= 0, got {v[4:]!r}")
+        if (arrays[0] is None) != (length == 0) or (arrays[3] is None) != (n_groups == 0) or (
+                n_groups and ratio is None):
+            raise CacheStateError(f"AttentionCache.state: arrays do not match length={length}, n_groups={n_groups}")
+        for a, axis, n in zip(arrays, (2, 2, 1, 1), (length, length, length, n_groups)):
+            if a is not None and (not isinstance(a, mx.array) or a.ndim <= axis or a.shape[axis] < n):
+                raise CacheStateError(f"AttentionCache.state: an array holds fewer than {n} rows")
+        self.keys, self.values, self.raw_keys, self.block_keys = arrays
+        self.length, self.n_groups, self.start_position, self.ratio = length, n_groups, start, ratio
+
+    @property
+    def meta_state(self):
+        return tuple(str(c) for c in (self.length, self.n_groups, self.start_position, self.ratio))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.length, self.n_groups, self.start_position, self.ratio = _counters(v, 4, type(self))
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        obj = cls()
+        obj.state = state
+        if meta_state:
+            obj.meta_state = meta_state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens (at most all); returns how many were dropped. Rows past `length`
+        are rewritten by the next append; block keys of groups no longer complete are dropped
+        (each group's key depends on its own rows only)."""
+        if not isinstance(n, int) or n < 0:
+            raise CacheTrimError(f"must trim an int >= 0 tokens, got {n!r}")
+        n = min(n, self.length)
+        self.length -= n
+        if self.n_groups:
+            self.n_groups = min(self.n_groups, self.length // self.ratio)
+        return n
+
+    def size(self) -> int:
+        return self.length
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
 
 
 class SequenceCache(list):
@@ -211,6 +367,54 @@ class SequenceCache(list):
     def arrays(self):
         return [a for layer in self for a in layer.arrays]
 
+    # -- mlx-lm's protocol, for the sequence as a whole ----------------------------------------------
+    def is_trimmable(self) -> bool:
+        return all(layer.is_trimmable() for layer in self)
+
+    def trim(self, n: int) -> int:
+        """Refused with a typed error when any layer is recurrent (Qwen4Exp's are): mlx-lm's
+        `trim_prompt_cache` sees `is_trimmable()` False and leaves the cache as it is instead."""
+        fixed = [i for i, layer in enumerate(self) if not layer.is_trimmable()]
+        if fixed and n:
+            raise CacheTrimError(f"layers {fixed} hold Gated DeltaNet / PLE state, which cannot be trimmed; "
+                                 "roll back with snapshot() / restore()")
+        trimmed = [layer.trim(n) for layer in self]
+        n = trimmed[0] if trimmed else 0
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self)
+
+    @classmethod
+    def from_layers(cls, layers, offset: Optional[int] = None, start_position: Optional[int] = None):
+        """A sequence over `layers` (e.g. a list rebuilt by `from_state`), its position run read from
+        the attention layers (as mlx-lm reads a model's offset from its KV caches); `offset` and
+        `start_position`, when given, must agree with them."""
+        seq = cls(layers)
+        attention = [layer for layer in layers if isinstance(layer, AttentionCache)]
+        runs = {(a.length, a.start_position) for a in attention}
+        if len(runs) > 1:
+            raise CacheHoleError(f"attention layers disagree on the cached run: {sorted(runs)}")
+        if runs:
+            (length, start), = runs
+            for name, want, have in (("offset", offset, length), ("start_position", start_position, start)):
+                if want is not None and want != have:
+                    raise CacheHoleError(name, f"given {want}, the attention layers hold {have}")
+        elif offset is None:
+            raise CacheHoleError("offset", "no attention layer records the cached length; pass offset")
+        else:
+            length, start = offset, start_position or 0
+        seq.offset, seq.start_position = length, start
+        return seq
+
+    def copy(self) -> "SequenceCache":
+        """An independent sequence continuing from this one's state (what `restore(detach())` into a
+        fresh cache gives), built through the protocol."""
+        return SequenceCache.from_layers([type(layer).from_state(layer.state) for layer in self],
+                                         self.offset, self.start_position)
+
     def digest(self) -> str:
         """SHA-256 over every live state array and the position counters (for equality tests)."""
         h = hashlib.sha256(f"{self.offset}:{self.start_position}".encode())
@@ -220,21 +424,3 @@ class SequenceCache(list):
             h.update(str(a.shape).encode())
             h.update(np.asarray(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a).tobytes())
         return h.hexdigest()
-
-
-@contextmanager
-def rollback_on_error(cache, snap):
-    """AFN-010: an evaluation that fails inside the block restores `cache` to `snap` (a step's
-    failure leaves no half-applied state), and a streamed read's failure, which crosses MLX's
-    evaluation boundary untyped, is raised as its typed stream error."""
-    try:
-        yield
-        # A GPU-event host task that failed released the GPU over unwritten records: fail the step.
-        check_gpu_event_errors()
-    except BaseException as e:
-        if snap is not None:
-            cache.restore(snap)
-        typed = translate(e)
-        if typed is e:
-            raise
-        raise typed from e

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
-from typing import Any, Optional, Protocol
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +23,7 @@ from ..kernels import hc_mix, ple_gather, qsa_attention
 from . import cpu_streams, gated_delta
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
 from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
+from .streaming_protocol import Streaming
 from .qwen4exp_config import (
     ConfigError,
     ModelArgs,
@@ -1037,19 +1038,6 @@ class SparseMoE(nn.Module):
 # ---- layers and model ---------------------------------------------------------------------------------
 
 
-class Streaming(Protocol):
-    """What the graph and generate use of streamed weights (implemented by
-    hebrus_mlx.stream.streaming.Streaming; the model holds None when everything is resident)."""
-
-    engine: Any  # counters() for the I/O line
-    max_chunk_tokens: Optional[int]  # a streamed chunk pins every expert it routes to
-    prefill_chunk_cap: Optional[int]  # generate's prefill chunk cap (None with a prefill sweep ring)
-
-    def layer_start(self, layer: int, x: mx.array) -> mx.array: ...
-
-    def before_router(self, layer: int, streams: mx.array, x: mx.array) -> mx.array: ...
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -1106,7 +1094,7 @@ class TextModel(nn.Module):
             if capture is not None:
                 if capture.hidden is not None:
                     capture.hidden.append(streams)
-            elif self.streaming is None or self.streaming.experts is None:
+            elif self.streaming is None or not self.streaming.streams_experts:
                 # Resident layers: compute this layer while the next one's graph is built. Streamed
                 # layers keep their own ordering (their reads are issued from inside the graph).
                 mx.async_eval(streams)

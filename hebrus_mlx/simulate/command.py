@@ -1,20 +1,24 @@
 """`hebrus-mlx simulate`: projected decode speed on a machine that is not this one.
 
     hebrus-mlx simulate --profile m5-pro-48gb                 # Qwen3.8-Flash-Next, shipped profile
+    hebrus-mlx simulate --profile m5-pro-48gb --codec affine4-g64,affine2-g64 --check sha256
     hebrus-mlx simulate --profile my-mac.json --trace DIR     # a recorded route trace / export
+    hebrus-mlx simulate --table docs/PROJECTION.md            # every shipped profile x width x check
     hebrus-mlx simulate --validate --model demo               # predicted vs measured, on this machine
     hebrus-mlx simulate --validate --stack decode             # ... on bench_stream's real-geometry stack
     hebrus-mlx simulate --profile machine --layer-ms 0.8      # this machine's SSD from `hebrus-mlx qualify`
 
 A projection combines a route trace (replayed through the expert arena: hit rate, reads per
-token), the model geometry (layers, experts, top-k, record bytes from the artifact format) and a
-machine (SSD GB/s by queue depth, compute per layer, verify speed, memory). See
-`hebrus_mlx.simulate.model` for the equations. `--validate` measures this machine (its disk with
-the bench's SSD probe, its compute with every record cached), records the demo's routes for the
-bench's own prompt (and the hinted sets of the engine's own Predictor), predicts the bench's runs
-at several cache sizes for each predictor (--prefetch-modes), runs them (interleaved) and prints
-both side by side. `--stack decode` does the same on the I/O-heavy real-geometry decode stack
-(`hebrus_mlx.simulate.decode_stack`).
+token), the model geometry (layers, experts, top-k, record bytes from the artifact format, per
+--codec) and a machine (SSD GB/s by queue depth, compute per layer, the record checks' rates,
+memory); see `hebrus_mlx.simulate.model` for the equations, `projection` for the profile's
+predictors and the recommendation (runtime flags only), docs/SIMULATE.md for the profile fields.
+`--validate` measures this machine (compute with every record cached, per predictor; reads
+through the engine, `calibrate`), records the demo's routes for the bench's own prompt (and the
+hinted sets of the engine's own Predictor), predicts the bench's runs at several cache sizes for
+each predictor (--prefetch-modes), runs them (interleaved) and prints both sides of every engine
+counter the model predicts. `--stack decode` does the same on the I/O-heavy real-geometry decode
+stack (`hebrus_mlx.simulate.decode_stack`).
 """
 
 from __future__ import annotations
@@ -31,30 +35,42 @@ from typing import List, Optional
 import numpy as np
 
 from .. import flags
+from ..cli_args import ArgumentParser
 from ..errors import UsageError
+from ..traces import cachesim
 from . import model as S
+from . import report as R
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
-class _Parser(flags.Parser):
-    pass
-
-
 def build_parser():
-    p = _Parser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="m5-pro-48gb",
                    help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
                         "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
     p.add_argument("--layer-ms", type=flags.number(0, 1e6), default=None, help="with --profile machine: decode compute per layer")
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
-    p.add_argument("--codec", default="affine4-g64", help="expert codec (record size)")
+    p.add_argument("--codec", default="affine4-g64",
+                   help="expert codec(s), comma-separated: one projection per width (record size), e.g. "
+                        "affine4-g64,affine3-g64,affine2-g64")
     p.add_argument("--trace", default=None, help="a route trace directory or export (hebrus-mlx traces)")
     p.add_argument("--cache-gb", default=None, help="cache sizes to sweep (default: up to the memory budget)")
-    p.add_argument("--policies", default="lru,clock,lfu,belady")
+    p.add_argument("--policies", default="clock",
+                   help="arena policies to sweep: clock (the loader's; the only one recommended), lru, and the "
+                        "simulator's lfu / belady (a bound) as comparisons")
     p.add_argument("--draft-depths", default="0,1,2,3")
     p.add_argument("--acceptance", type=flags.number(0, 1, hi_open=True), default=None, help="speculative acceptance per drafted token")
-    p.add_argument("--no-verify", action="store_true", help="project without SHA-256 checks of streamed records")
+    p.add_argument("--check", default="fast", choices=["fast", "sha256", "off"],
+                   help="the check every streamed record pays: fast (XXH3-128, artifacts that carry it; the "
+                        "profile's fast_check_gbps), sha256 (older artifacts; verify_gbps), off")
+    p.add_argument("--no-verify", action="store_true", help="the same as --check off")
+    p.add_argument("--predictors", default="peer", choices=["peer", "synthetic"],
+                   help="what the ahead predictors are credited with: peer (the profile's `predictors`: gains and "
+                        "recalls public runtimes measured) or synthetic (`synthetic_predictors`: assumed recalls)")
+    p.add_argument("--table", default=None, metavar="FILE",
+                   help="write the projection table of every shipped profile x expert width x check (markdown, "
+                        "e.g. docs/PROJECTION.md) and print it")
     p.add_argument("--json", default=None, help="write the projection/validation as JSON")
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
@@ -64,8 +80,6 @@ def build_parser():
     p.add_argument("--layers", type=flags.integer(1, 1 << 12), default=4, help="with --stack decode: decoder layers")
     p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
                    help="with --stack decode: store path stem (bench_stream's; built on first use)")
-    p.add_argument("--fresh-probe", action="store_true",
-                   help="with --stack decode: probe the SSD now even when the machine profile has a probe")
     p.add_argument("--prompt-tokens", type=flags.integer(1, 1 << 24), default=32)
     p.add_argument("--gen-tokens", type=flags.integer(1, 1 << 24), default=None, help="decode tokens per run (demo 48, decode stack 16)")
     p.add_argument("--repeats", type=flags.integer(1, 1 << 20), default=3)
@@ -76,6 +90,9 @@ def build_parser():
     p.add_argument("--prefetch-modes", default=None,
                    help="with --validate: the predictors to run at each cache size (demo default "
                         "off,previous,router-reuse:1,hyper-reuse; decode stack off,previous,router-reuse:1)")
+    p.add_argument("--report", default=None,
+                   help="with --validate: a qualify report (hebrus-mlx qualify --report FILE) whose streamed runs "
+                        "are predicted and compared (nothing is measured here)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -112,14 +129,30 @@ def qualify_machine(layer_ms: Optional[float]) -> dict:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)) if isinstance(when, (int, float)) else "unknown"
     return {"name": "this machine (qualify profile)", "memory_gb": memory_bytes() / 1e9, "ssd_gbps": ssd,
             "threads": 8, "layer_ms": layer_ms, "pre_router": 0.5, "verify_gbps": pread.get("sha256_GBps_one_thread"),
+            **_qualify_fast_check(pread, base),
             "resident_gb": base["resident_gb"], "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
             "synthetic_routes": base["synthetic_routes"],
             "status": "projection from this machine's qualify probe and a given compute per layer",
             "sources": [f"SSD and SHA-256: machine profile {profile_path()} (hebrus-mlx qualify, written {stamp}; "
                         f"{pread.get('record_bytes')} B O_DIRECT reads)", f"compute: --layer-ms {layer_ms}"],
             "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads",
+                            f"fast check {_qualify_fast_check(pread, base)['fast_check_gbps']} GB/s per core: "
+                            + _qualify_fast_check(pread, base)["fast_check_source"],
                             "ASSUMPTION: resident/reserve GB, acceptance and synthetic routes of the shipped "
                             "m5-pro-48gb profile"] + [a for a in base["assumptions"] if "synthetic" in a]}
+
+
+FAST_CHECK_KEYS = ("xxh3_128_GBps_one_thread", "fast_check_GBps_one_thread", "xxh3_GBps_one_thread")  # what qualify may name its measurement
+
+
+def _qualify_fast_check(pread: dict, base: dict) -> dict:
+    """The fast read check's per-core rate: qualify's measurement when the profile has one, else
+    the shipped profile's public figure (said so in the assumptions)."""
+    got = next((pread[k] for k in FAST_CHECK_KEYS if isinstance(pread.get(k), (int, float)) and pread[k] > 0), None)
+    if got is not None:
+        return {"fast_check_gbps": float(got), "fast_check_source": "measured by hebrus-mlx qualify"}
+    return {"fast_check_gbps": base.get("fast_check_gbps"),
+            "fast_check_source": "ASSUMPTION: fast check rate of the shipped m5-pro-48gb profile (qualify measured none)"}
 
 
 def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
@@ -137,6 +170,8 @@ def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
         raise UsageError("--profile", f"{path}: not JSON: {e}") from None
     if not isinstance(d, dict):
         raise UsageError("--profile", f"{path}: not a JSON object")
+    if R.is_report(d):
+        return R.machine_profile(d, str(path), layer_ms)
     return d
 
 
@@ -156,78 +191,177 @@ def load_trace(path: str, geom: S.ModelGeometry) -> np.ndarray:
     return topk.astype(np.int64)
 
 
-def _table(rows: List[S.Projection]) -> str:
-    lines = ["| cache GB | policy | prefetch | draft | tok/s | ms/token | exposed ms | hit rate | MB/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for p in rows:
-        lines.append(f"| {p.cache_gb:g} | {p.policy} | {p.prefetch} | {p.draft_depth} | {p.tok_s:.2f} | "
-                     f"{p.token_ms:.1f} | {p.exposed_ms:.1f} | {p.hit_rate:.1%} | {p.bytes_per_token / 1e6:.0f} |")
-    return "\n".join(lines)
+def _trace_routes(args, fam):
+    """[T, L, k] routes of --trace (None without one), checked against the family's geometry."""
+    if not args.trace:
+        return None
+    return load_trace(args.trace, S.geometry_of_family(fam))
 
 
-def project_profile(args) -> dict:
+def project_profile(args, memo=None, progress=True) -> dict:
+    """One profile's projection at each --codec (expert width); see `projection`."""
     from ..artifact import constants as C
+    from . import projection as P
 
     prof = load_profile(args.profile, args.layer_ms)
-    machine = S.Machine.from_dict(prof, f"profile {args.profile}")
-    if args.no_verify:
-        machine.verify_gbps = None
+    where = f"profile {args.profile}"
+    check = "off" if args.no_verify else args.check
     fam = C.family(args.family, "--family")
-    geom = S.geometry_of_family(fam, args.codec, float(prof.get("resident_gb", 0.0)))
-    predicted = {}
-    if args.trace:
-        topk = load_trace(args.trace, geom)
-        half = len(topk) // 2
-        warm, topk, routes = topk[:half], topk[half:], f"trace {args.trace}"
-    else:
-        sr = prof.get("synthetic_routes")
-        if not sr:
-            raise UsageError("--trace", "the profile has no synthetic_routes: give a route trace")
-        allr = S.synthetic_routes(int(sr["tokens"]), geom.num_layers, geom.num_experts, geom.top_k,
-                                  float(sr["reuse"]), float(sr["skew"]), int(sr.get("seed", 0)))
-        w = int(sr.get("warm", 0))
-        warm, topk = allr[:w], allr[w:]
-        routes = f"SYNTHETIC routes (reuse {sr['reuse']}, skew {sr['skew']}; see the profile's assumptions)"
-        # Ahead predictors on synthetic routes: predicted sets of the profile's stated recall.
-        for name, recall in (prof.get("synthetic_predictors") or {}).items():
-            if S.prefetch_kind(name)[0] != "ahead" or not 0.0 <= float(recall) <= 1.0:
-                raise UsageError("--profile", f"synthetic_predictors.{name}: an ahead predictor with a recall "
-                                              f"in [0, 1], got {recall!r}")
-            predicted[name] = S.synthetic_predictions(allr, geom.num_experts, float(recall), geom.top_k,
-                                                      int(sr.get("seed", 0)) + 1)
-    budget = (machine.memory_gb or 0) - float(prof.get("resident_gb", 0)) - float(prof.get("reserve_gb", 0))
-    if args.cache_gb:
-        caches = _list(args.cache_gb, flags.gib(), "--cache-gb")
-    else:
-        caches = [g for g in (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96) if g <= budget]
-        if not caches:
-            raise UsageError("--profile", f"no expert cache fits: budget {budget:.1f} GB")
+    R.check_family(prof, fam.name)
+    codecs = [C.codec(c, "--codec").name for c in _list(args.codec, str, "--codec")]
+    memo = memo or P.Memo()
+    resident = float(prof.get("resident_gb", 0.0))
+    machine = P.machine_of(prof, where, check)
+    budget = (machine.memory_gb or 0) - resident - float(prof.get("reserve_gb", 0))
+    given = _list(args.cache_gb, flags.gib(), "--cache-gb") if args.cache_gb else None
     acceptance = args.acceptance if args.acceptance is not None else float(prof.get("acceptance", 0.0))
-    rows = S.sweep(machine, geom, topk, caches, _list(args.policies, str, "--policies"),
-                   S.PREFETCH + tuple(predicted), _list(args.draft_depths, flags.integer(0, 64), "--draft-depths"), acceptance,
-                   warm, predicted)
-    best = S.best(rows)
-    return {"profile": prof, "machine": machine.to_dict(), "geometry": geom.__dict__, "routes": routes,
-            "cache_budget_gb": budget, "rows": [r.to_dict() for r in rows], "best": best.to_dict(),
-            "status": "PROJECTION (not a measurement)"}
+    policies = _list(args.policies, str, "--policies")
+    for pol in policies:  # before any replay starts (and its progress bar)
+        if pol not in cachesim.POLICIES:
+            raise UsageError("policy", f"unknown {pol!r}; choose from {', '.join(cachesim.POLICIES)}")
+    depths = _list(args.draft_depths, flags.integer(0, 64), "--draft-depths")
+    if min(depths) < 0:
+        raise UsageError("--draft-depths", f"must be >= 0, got {min(depths)}")
+    trace = _trace_routes(args, fam)
+    plans = []
+    for codec in codecs:
+        geom = S.geometry_of_family(fam, codec, resident)
+        inp = P.inputs_of(prof, geom, args.predictors, memo, trace, args.trace or "")
+        pfs = list(S.PREFETCH) + list(inp.predicted) + list(inp.gains)
+        plans.append((codec, geom, inp, P.cache_sizes(budget, given, geom), pfs))
+    total = sum(S.replays_needed(c, policies, pfs, inp.gains, depths) for _, _, inp, c, pfs in plans)
+    bar = None
+    if progress and not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"simulate {args.profile}", unit="replay", file=sys.stderr)
+    out = []
+    try:
+        for codec, geom, inp, caches, pfs in plans:
+            def run(chk, geom=geom, codec=codec, inp=inp, caches=caches, pfs=pfs):
+                return P.project_one(prof, where, geom, codec, chk, inp, caches, policies, pfs, depths, acceptance,
+                                     memo, bar.update if bar else None)
+
+            rows = run(check)
+            # The same configurations unchecked: what the record check costs in each.
+            unchecked = {(r.cache_gb, r.policy, r.prefetch, r.draft_depth): r for r in
+                         (rows if check == "off" else run("off"))}
+            out.append(_codec_result(P, codec, geom, inp, rows, unchecked, budget))
+    finally:
+        if bar:
+            bar.update(max(bar.total - bar.n, 0))  # replays shared with an earlier projection were not rerun
+            bar.close()
+    first = out[0]
+    return {"profile": prof, "machine": machine.to_dict(), "geometry": first["geometry"], "routes": plans[0][2].routes,
+            "cache_budget_gb": budget, "check": check, "predictors": args.predictors, "rows": first["rows"],
+            "best": first["best"], "by_codec": out, "status": "PROJECTION (not a measurement)"}
+
+
+def _codec_result(P, codec, geom, inp, rows, unchecked, budget) -> dict:
+    if not P.exposed_settings(rows):  # no recommendation without the loader's own policy
+        best = S.best(rows)
+        return {"codec": codec, "geometry": geom.__dict__, "rows": [r.to_dict() for r in rows],
+                "best": best.to_dict(), "best_flags": None, "default": None, "notes": inp.notes}
+    best = P.recommend(rows)
+    default = P.default_setting(rows, budget)
+    off = None if default is None else next((r for r in rows if (r.cache_gb, r.policy, r.prefetch, r.draft_depth)
+                                             == (default.cache_gb, default.policy, "off", 0)), None)
+
+    def check_ms(p):
+        u = unchecked[(p.cache_gb, p.policy, p.prefetch, p.draft_depth)]
+        return max(p.exposed_ms - u.exposed_ms, 0.0)
+
+    return {"codec": codec, "geometry": geom.__dict__, "rows": [r.to_dict() for r in rows], "best": best.to_dict(),
+            "best_flags": P.flags(best), "best_limit": P.limiting_term(best, check_ms(best)),
+            "default": None if default is None else default.to_dict(),
+            "default_flags": None if default is None else P.flags(default),
+            "default_limit": None if default is None else P.limiting_term(default, check_ms(default)),
+            "default_gain": None if off is None else default.tok_s / off.tok_s, "notes": inp.notes}
 
 
 def print_projection(res: dict) -> None:
-    rows = [S.Projection(**r) for r in res["rows"]]
-    best = S.Projection(**res["best"])
-    g = res["geometry"]
-    print(f"PROJECTION for {res['machine']['name']} - {g['name']} ({g['num_layers']} layers, {g['num_experts']} "
-          f"experts top-{g['top_k']}, {g['record_bytes']:,} B records); routes: {res['routes']}")
-    per_cache = {}
-    for r in rows:  # the best configuration at each cache size, then the overall best
-        if r.policy != "belady" and (r.cache_gb not in per_cache or r.tok_s > per_cache[r.cache_gb].tok_s):
-            per_cache[r.cache_gb] = r
-    print(_table(list(per_cache.values())))
-    print(f"best: {best.tok_s:.2f} tok/s with a {best.cache_gb:g} GB cache, {best.policy}, prefetch {best.prefetch}, "
-          f"draft depth {best.draft_depth} (hit rate {best.hit_rate:.1%}, {best.bytes_per_token / 1e6:.0f} MB/token, "
-          f"exposed wait {best.exposed_ms:.1f} ms/token)")
-    for a in res["machine"]["assumptions"]:
+    from . import projection as P
+
+    m = res["machine"]
+    rate = {"fast": m.get("fast_check_gbps"), "sha256": m.get("verify_gbps")}.get(res["check"])
+    print(f"PROJECTION for {m['name']} (not a measurement); routes: {res['routes']}; record check: "
+          f"{P.CHECK_NAMES[res['check']]}" + (f" at {rate:g} GB/s per reader core" if rate else "")
+          + f"; predictors: {res['predictors']}; expert cache budget {res['cache_budget_gb']:.1f} GiB")
+    for c in res["by_codec"]:
+        g = c["geometry"]
+        rows = [S.Projection(**r) for r in c["rows"]]
+        print(f"\n{g['name']} ({g['num_layers']} layers, {g['num_experts']} experts top-{g['top_k']}, "
+              f"{g['record_bytes']:,} B records) with {c['codec']} experts; the fastest configuration at each "
+              "cache size:")
+        per_cache = []
+        for gb in sorted({r.cache_gb for r in rows}):  # the best configuration at each cache size, as recommended
+            at = [r for r in rows if r.cache_gb == gb]
+            per_cache.append(P.recommend(at) if P.exposed_settings(at) else
+                             max((r for r in at if r.policy != "belady"), key=lambda r: r.tok_s,
+                                 default=max(at, key=lambda r: r.tok_s)))
+        print(P.table(per_cache))
+        bounds = [r for r in rows if r.policy != P.RUNTIME_POLICY]
+        if bounds:
+            b = max(bounds, key=lambda r: r.tok_s)
+            print(f"comparison only (no flag selects policy {b.policy}): {b.tok_s:.2f} tok/s at {b.cache_gb:g} GiB")
+        if c["default"]:
+            d = S.Projection(**c["default"])
+            gain = "" if c.get("default_gain") is None else f" (x{c['default_gain']:.2f} over --prefetch off)"
+            print(f"runtime defaults ({c['default_flags']}, no draft model): {d.tok_s:.2f} tok/s{gain}; limited by "
+                  f"{c['default_limit']}")
+        b = S.Projection(**c["best"])
+        if not c["best_flags"]:
+            print(f"no recommendation: the loader's arena policy ({P.RUNTIME_POLICY}) was not swept (--policies); "
+                  f"fastest swept: {b.tok_s:.2f} tok/s at {b.cache_gb:g} GiB with {b.policy}")
+            continue
+        print(f"recommended: {c['best_flags']} -> {b.tok_s:.2f} tok/s (hit rate {b.hit_rate:.1%}, "
+              f"{b.bytes_per_token / 1e6:.0f} MB/token, exposed reads {b.exposed_ms:.1f} ms/token; {b.basis}); "
+              f"limited by {c['best_limit']}")
+    for n in res["by_codec"][0]["notes"]:
+        print(f"  - predictor {n}")
+    for a in m["assumptions"]:
         print(f"  - {a}")
+
+
+TABLE_CODECS = ("affine4-g64", "affine3-g64", "affine2-g64")  # the expert widths of the table (those the format has)
+TABLE_CHECKS = ("fast", "sha256", "off")
+
+
+def table_results(args, profiles=None, codecs=None) -> List[dict]:
+    """Every (profile, check) projection of the table, all expert widths in each; replays shared."""
+    from ..artifact import constants as C
+    from . import projection as P
+
+    profiles = profiles or sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
+    codecs = codecs or [c for c in TABLE_CODECS if c in C.CODECS]
+    memo = P.Memo()
+    out = []
+    for name in profiles:
+        for check in TABLE_CHECKS:
+            a = argparse.Namespace(**dict(vars(args), profile=name, codec=",".join(codecs), check=check,
+                                          no_verify=False, trace=None))
+            if not args.quiet:
+                print(f"{name}, check {check} ...", file=sys.stderr, flush=True)
+            out.append({"profile_name": name, "check": check, "result": project_profile(a, memo)})
+    return out
+
+
+def write_table(args) -> dict:
+    """`simulate --table FILE`: the markdown table of every shipped profile x width x check."""
+    from ..bench.report import write_text_atomic
+    from . import projection as P
+
+    if args.trace or args.cache_gb or args.profile != "m5-pro-48gb" or args.no_verify or args.check != "fast":
+        raise UsageError("--table", "tabulates every shipped profile, width and check with their defaults: give no "
+                                    "--profile/--trace/--cache-gb/--check")
+    results = table_results(args)
+    text = P.render_doc(results, TABLE_COMMAND + ("" if args.predictors == "peer" else " --predictors synthetic"))
+    write_text_atomic(args.table, text)
+    print(text, end="")
+    return {"table": args.table, "results": results}
+
+
+TABLE_COMMAND = "hebrus-mlx simulate --table docs/PROJECTION.md"
 
 
 # ---- validation on this machine ------------------------------------------------------------------
@@ -310,7 +444,9 @@ def validate(args) -> dict:
     from ..bench import command as B
     from ..bench import harness as H
     from ..utils import load, resolve_model_path
+    from . import calibrate as K
 
+    load0 = K.load_average()
     path = resolve_model_path(args.model)
     rows = _list(args.rows or "8,16,64,192", flags.integer(1), "--rows")
     model, tok = load(str(path))
@@ -331,7 +467,11 @@ def validate(args) -> dict:
     if min(rows) < k or max(rows) > total:
         raise UsageError("--rows", f"arena rows must be in [{k}, {total}]")
     gb = lambda r: r * st["record_bytes"] / S.GIB  # noqa: E731
-    configs = [{"expert-cache-gb": f"{gb(total):.9f}", "prefetch": "off"}]  # every record cached: compute
+    # Compute: every record cached, once per predictor (an ahead predictor's extra router / mix
+    # per layer is compute the streamed run pays too).
+    hot = {pf: {"expert-cache-gb": f"{gb(total):.9f}", "prefetch": pf} for pf in ["off"] + [m for m in modes
+                                                                                          if m != "off"]}
+    configs = list(hot.values())
     for r in rows:
         for pf in modes:
             configs.append({"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf})
@@ -340,15 +480,20 @@ def validate(args) -> dict:
     bench_tokens = bench["runs"][0]["tokens"]
     if bench_tokens != toks:
         raise H.NotComparableError("tokens", "the recorded routes' greedy tokens differ from the bench's")
-    probe = bench["machine"]["ssd_probe"]
+    # The disk as the engine reads this store (its arena layout decides O_DIRECT or buffered, its
+    # readers check every record), probed next to the runs, once before and once after them.
+    probes = [bench_probe(path, st, L, E, seed) for seed in (0, 1)]
+    probe = _median_probe(probes)
     med = {s["config"]: s["metrics"] for s in bench["summary"]}
     # Per-token medians on both sides (robust to other processes on a shared machine).
     compute_s = 1.0 / med[H.label(configs[0])]["decode_tok_s_p50"]["median"]
     machine = S.Machine(
         name="this machine (measured)", ssd_gbps={int(q): v for q, v in probe["gbps_by_qd"].items()},
-        layer_s=compute_s / L, threads=8, verify_gbps=probe["sha256_gbps_per_core"],
-        assumptions=["compute: streamed decode stack with every record cached (measured in the same "
-                     "interleaved run)", "pre_router 0.5 (assumption)"])
+        layer_s=compute_s / L, threads=8, verify_gbps=None, read_cpu_us=probe["cpu_us_per_record"], check="off",
+        assumptions=["compute: the same model with every record cached, per predictor, measured in the same "
+                     "interleaved rounds", "pre_router 0.5 (assumption)",
+                     f"reads: {probe['source']} (its record checks included)",
+                     "reader CPU time taken from compute (the CPU backend computes on every core)"])
     geom = S.ModelGeometry(str(args.model), L, E, k, st["record_bytes"])
     # The arena persists across the bench's runs: before a timed run come the warm-up and earlier
     # runs of the same tokens; the replay sees the prompt and one earlier run of this config.
@@ -359,10 +504,10 @@ def validate(args) -> dict:
     # prediction and the measurement together; the per-configuration ratio is the median over rounds.
     n = len(configs)
     rounds = [bench["runs"][i:i + n] for i in range(0, len(bench["runs"]), n)]
-    base = H.label(configs[0])
     out = []
-    for c in configs[1:]:
+    for c in configs[len(hot):]:
         label = H.label(c)
+        base = H.label(hot[c["prefetch"]])
         cap = _arena_rows(bench, label)
         pred = preds.get(c["prefetch"])
         if pred is not None:  # the prompt's forward predicts nothing (one-token forwards only)
@@ -374,29 +519,49 @@ def validate(args) -> dict:
             run = next(r for r in rnd if r["config"] == label)["decode_tok_s_p50"]
             mach = dataclasses.replace(machine, layer_s=1.0 / comp / L)
             p = S.project(mach, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
-                          prefetch=c["prefetch"])
+                          prefetch="off" if c["prefetch"] == "off" else c["prefetch"])
             preds_s.append(p.tok_s)
             meas.append(run)
             ratios.append(p.tok_s / run)
-        p = S.project(machine, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
-                      prefetch=c["prefetch"])
+        comp = 1.0 / med[base]["decode_tok_s_p50"]["median"]
+        p = S.project(dataclasses.replace(machine, layer_s=comp / L), geom, rep,
+                      cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock", prefetch=c["prefetch"])
         m = med[label]
-        out.append({"config": label, "rows": cap, "predicted_tok_s": statistics.median(preds_s),
-                    "measured_tok_s": statistics.median(meas), "spread": m["decode_tok_s_p50"]["spread"],
-                    "ratio": statistics.median(ratios), "ratios_by_round": ratios,
-                    "measured_tok_s_whole_run": m["decode_tok_s"]["median"],
-                    "predicted_hit_rate": rep.engine_hit_rate, "exact_hit_rate": p.hit_rate,
-                    "measured_hit_rate": (m["hit_rate"] or {}).get("median"),
-                    "predicted_timely_recall": rep.timely_recall if c["prefetch"] != "off" else None,
-                    "measured_timely_recall": (m.get("timely_recall") or {}).get("median"),
-                    "predicted_precision": rep.precision,
-                    "predicted_mb_per_token": p.bytes_per_token / 1e6,
-                    "measured_mb_per_token": ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6,
-                    "predicted_exposed_ms": p.exposed_ms,
-                    "measured_exposed_ms": (m["exposed_wait_ms_per_token"] or {}).get("median")})
-    worst = max(abs(r["ratio"] - 1) for r in out)
+        cnt = _median_counters([r for r in bench["runs"] if r["config"] == label], len(decode) - 1)
+        out.append(K.validation_row(label, cap, preds_s, meas, ratios, rep, p, m["decode_tok_s_p50"]["spread"],
+                                    cnt, c["prefetch"], comp, (m["hit_rate"] or {}).get("median"),
+                                    ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6))
+    load1 = K.load_average()
     return {"machine": machine.to_dict(), "bench_machine": bench["machine"], "compute_ms_per_token": compute_s * 1e3,
-            "runs": out, "worst": worst, "repeats": args.repeats, "stack": f"model {args.model}"}
+            "probe": probe, "probe_source": probe["source"], "runs": out, "worst": max(abs(r["ratio"] - 1) for r in out),
+            "repeats": args.repeats, "stack": f"model {args.model}", "load_average": [load0, load1],
+            "command": K.command_line(args)}
+
+
+def bench_probe(path, st, L, E, seed) -> dict:
+    """engine_probe on the artifact's store through a loader-laid-out arena of 16 rows."""
+    from . import calibrate as K
+
+    resolve, close = K.artifact_resolver(path, 16)
+    try:
+        return K.engine_probe(resolve, L, E, st["record_bytes"], batches=6, seed=seed)
+    finally:
+        close()
+
+
+def _median_probe(probes: List[dict]) -> dict:
+    out = dict(probes[0])
+    out["gbps_by_qd"] = {q: statistics.median(p["gbps_by_qd"][q] for p in probes) for q in probes[0]["gbps_by_qd"]}
+    out["cpu_us_per_record"] = statistics.median(p["cpu_us_per_record"] for p in probes)
+    out["source"] = probes[0]["source"] + f" (median of {len(probes)} probes, before and after the runs)"
+    return out
+
+
+def _median_counters(runs: List[dict], tokens: int) -> dict:
+    """Per-token medians over a configuration's runs of the engine counters the replay predicts."""
+    keys = ("exact_misses", "predicted_reads", "predicted_hits", "predicted_joins", "exposed_wait_ns")
+    got = [r.get("engine_counters") or {} for r in runs]
+    return {k: statistics.median(g.get(k, 0) for g in got) / max(tokens, 1) for k in keys}
 
 
 def _arena_rows(bench, label):
@@ -405,36 +570,60 @@ def _arena_rows(bench, label):
 
 
 def print_validation(v: dict) -> None:
+    from . import calibrate as K
+
     m = v["machine"]
-    print(f"validation on this machine ({v.get('stack', '')}): compute {v['compute_ms_per_token']:.2f} ms/token "
-          f"(all records cached; {m['pre_router']:.0%} of a layer before its router), SSD {', '.join(f'QD{q} {g:.2f}' for q, g in m['ssd_gbps'].items())} GB/s"
-          + (f", SHA-256 {m['verify_gbps']:.2f} GB/s" if m.get("verify_gbps") else "")
-          + (f" [{v['probe_source']}]" if v.get("probe_source") else "")
-          + f"; {v['repeats']} interleaved rounds; tok/s = 1 / the median inter-token time; each run predicted "
-          "from its own round's compute run, pred/meas = the median over rounds")
     pct = lambda x: "n/a" if x is None else f"{x:.0%}"  # noqa: E731
-    num = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
-    print("| configuration | rows | predicted tok/s | measured tok/s (spread) | pred/meas | "
-          "hit rate pred/meas | timely recall pred (read by a prediction, landed or not)/meas | MB/token pred/meas | "
-          "exposed ms pred/meas |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    num = lambda x, f=".2f": "n/a" if x is None else format(x, f)  # noqa: E731
+    print(f"simulate --validate: the model's prediction of runs on THIS machine next to their measurement "
+          f"({v.get('stack', '')})")
+    if v.get("command"):
+        print(f"command: {v['command']}")
+    if v.get("load_average"):
+        print(K.quiet_note(*v["load_average"]))
+    print(f"inputs measured here: compute {v['compute_ms_per_token']:.2f} ms/token with every record cached "
+          f"(per predictor, in the same rounds); {m['pre_router']:.0%} of a layer before its router; reads "
+          + ", ".join(f"QD{q} {g:.3f}" for q, g in m["ssd_gbps"].items()) + " GB/s"
+          + (f", reader CPU {m['read_cpu_us']:.0f} us per record taken from compute" if m.get("read_cpu_us") else "")
+          + (f" [{v['probe_source']}]" if v.get("probe_source") else ""))
+    timing = v.get("timing", "tok/s = 1 / the median inter-token time")
+    print(f"method: {v['repeats']} interleaved rounds; {timing}; each run predicted "
+          "from its own round's compute run; pred/meas = the median over rounds (their range in brackets); counters "
+          "per decode token from the engine (stream.engine.counters), medians over the rounds")
+    cols = ["configuration", "arena rows", "tok/s pred", "tok/s meas (spread)", "pred/meas [rounds]",
+            "exact misses/token pred / meas", "reads ahead/token pred / meas", "timely recall pred / meas",
+            "late recall pred / meas", "hit rate pred / meas", "MB read/token pred / meas",
+            "exposed wait ms/token pred / meas"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
     for r in v["runs"]:
+        lo, hi = K.ratio_spread(r.get("ratios_by_round") or [r["ratio"]])
         print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.2f} | {r['measured_tok_s']:.2f} "
-              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} | {pct(r['predicted_hit_rate'])} / "
-              f"{pct(r['measured_hit_rate'])} | {pct(r.get('predicted_timely_recall'))} / "
-              f"{pct(r.get('measured_timely_recall'))} | {num(r.get('predicted_mb_per_token'), '.1f')} / "
-              f"{num(r.get('measured_mb_per_token'), '.1f')} | {r['predicted_exposed_ms']:.2f} / "
-              f"{num(r['measured_exposed_ms'], '.2f')} |")
-    by_rows = {r["rows"]: r["compute_ms_per_token"] for r in v["runs"] if "compute_ms_per_token" in r}
-    if by_rows:
-        print("compute ms/token with every record cached, by arena rows (measured in each round next to the "
-              "runs): " + ", ".join(f"{r}: {c:.0f}" for r, c in by_rows.items()))
-    print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs")
+              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} [{lo:.2f}-{hi:.2f}] | "
+              f"{num(r.get('predicted_exact_misses'), '.1f')} / {num(r.get('measured_exact_misses'), '.1f')} | "
+              f"{num(r.get('predicted_reads_ahead'), '.1f')} / {num(r.get('measured_reads_ahead'), '.1f')} | "
+              f"{pct(r.get('predicted_timely_recall'))} / {pct(r.get('measured_timely_recall'))} | "
+              f"{pct(r.get('predicted_late_recall'))} / {pct(r.get('measured_late_recall'))} | "
+              f"{pct(r['predicted_hit_rate'])} / {pct(r['measured_hit_rate'])} | "
+              f"{num(r.get('predicted_mb_per_token'), '.1f')} / {num(r.get('measured_mb_per_token'), '.1f')} | "
+              f"{r['predicted_exposed_ms']:.2f} / {num(r['measured_exposed_ms'])} |")
+    ratios = [x for r in v["runs"] for x in (r.get("ratios_by_round") or [r["ratio"]])]
+    lo, hi = K.ratio_spread(ratios)
+    spread = statistics.median(r["spread"] for r in v["runs"])
+    load = v.get("load_average") or [None, None]
+    loads = "unknown" if None in load else f"{load[0][0]:.1f} -> {load[1][0]:.1f}"
+    print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs "
+          f"(per-round pred/meas {lo:.2f}-{hi:.2f}, median measured spread ±{spread:.0%}, load average {loads})")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.validate:
+    if args.report is not None and not args.validate:
+        raise UsageError("--report", "goes with --validate (to project from a report: --profile FILE)")
+    if args.validate and args.report is not None:
+        res = R.validate_report(args)
+        R.print_validation(res)
+    elif args.validate:
         if args.trace:
             raise UsageError("--trace", "--validate records its own routes")
         if args.gen_tokens is None:
@@ -466,8 +655,11 @@ def main(argv=None) -> int:
     else:
         if args.acceptance is not None and not 0 <= args.acceptance < 1:
             raise UsageError("--acceptance", f"must be in [0, 1), got {args.acceptance}")
-        res = project_profile(args)
-        print_projection(res)
+        if args.table:
+            res = write_table(args)
+        else:
+            res = project_profile(args)
+            print_projection(res)
     if args.json:
         from ..bench.report import write_json
 

@@ -14,7 +14,6 @@ It needs a source checkout (the benchmark is not part of the installed package).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import statistics
 import time
@@ -148,11 +147,12 @@ class Stack:
             st.eng.close()
         return statistics.median(fr[1:])
 
-    def hot(self, rows: int, tokens: int = 4) -> float:
+    def hot(self, rows: int, tokens: int = 4, prefetch: str = "off") -> float:
         """bench_stream's hot(): each token twice, the second pass timed with every record of it
         already in an arena of `rows` rows (gather_qmm's cost on the CPU grows with the arena's
-        rows, so compute is measured at the run's size); mean over tokens 1..tokens-1."""
-        st = self.make("off", rows)
+        rows, so compute is measured at the run's size; an ahead predictor's router per layer is
+        compute too); mean over tokens 1..tokens-1."""
+        st = self.make(prefetch, rows)
         times = []
         try:
             for h in self.hs[:tokens]:
@@ -167,14 +167,38 @@ class Stack:
         return statistics.mean(times[1:])
 
 
+    def probe(self, seed: int) -> dict:
+        """calibrate.engine_probe on this store through the stack's own engine and arena layout."""
+        import mlx.core as mx
+
+        from . import calibrate as K
+
+        st = self.make("off", 16)
+
+        def resolve(layer, ids):
+            rows_, lease = st.eng.resolve(st.table, mx.array((np.asarray(ids) + layer * self.experts)
+                                                             .astype(np.uint32)), layer=layer)
+            mx.eval(st.eng.release_after(rows_, lease))
+
+        try:
+            return K.engine_probe(resolve, self.layers, self.experts, self.rec, batches=4, seed=seed,
+                                  drop=lambda: self.bs.drop_cache(self.path))
+        finally:
+            st.eng.close()
+
+
 def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: int, source: str) -> S.Machine:
     return S.Machine(name="this machine (measured)", ssd_gbps={int(q): float(v) for q, v in probe["gbps_by_qd"].items()},
-                     layer_s=layer_s, pre_router=pre_router, threads=threads, verify_gbps=None,
-                     assumptions=[f"SSD: {source}", "compute: the stack with every record cached, same rounds",
-                                  "no SHA-256 on this stack (its table has no digests)"])
+                     layer_s=layer_s, pre_router=pre_router, threads=threads, verify_gbps=None, check="off",
+                     read_cpu_us=float(probe.get("cpu_us_per_record", 0.0)),
+                     assumptions=[f"reads: {source}", "compute: the stack with every record cached, same rounds",
+                                  "no record checks on this stack (its table has no digests)"])
 
 
 def validate_decode(args) -> dict:
+    from . import calibrate as K
+
+    load0 = K.load_average()
     bs = bench_stream()
     rows_list = [int(x) for x in args.rows.split(",")]
     modes = [m.strip() for m in args.prefetch_modes.split(",") if m.strip()]
@@ -195,7 +219,6 @@ def validate_decode(args) -> dict:
             r, preds[m] = stack.record(m)
             if not np.array_equal(r, routes):
                 raise UsageError("--stack", f"routes differ between prefetch off and {m}")
-    from_profile = None if args.fresh_probe else machine_probe_from_profile(stack)
     # Each run starts cold: the replay warms on token 0 and counts tokens 1.. (as the timing).
     warm, topk = routes[:1], routes[1:]
     configs = [(r, m) for r in rows_list for m in modes]
@@ -203,18 +226,17 @@ def validate_decode(args) -> dict:
     for r, m in configs:
         reps[r, m] = S.replay(topk, E, r, "clock", m, warm, predicted=preds.get(m))
     geom = S.ModelGeometry("bench_stream --decode", L, E, k, stack.rec)
-    # A round: per arena size, its compute run (every record cached, same rows) next to its
-    # streamed runs; sizes and runs in reverse order every other round (A B B A).
+    # A round: the reads probed through the engine, then per arena size its compute runs (every
+    # record cached, same rows, per predictor) next to its streamed runs; sizes and runs in
+    # reverse order every other round (A B B A).
     hot_rows = {r: max(r, L * k) for r in rows_list}  # a hot token needs its L x k records resident
     rounds = []
     for rnd in range(args.repeats):
-        got = {"pre": stack.pre_router(max(rows_list[0], L * k))}
-        # The disk drifts on a shared machine: without a profile's probe, each round probes it.
-        got["probe"] = from_profile or (quick_probe(stack), "probed in this round on the stack's store")
-        order = [(r, m) for r in rows_list for m in ["hot"] + modes]
+        got = {"pre": stack.pre_router(max(rows_list[0], L * k)), "probe": stack.probe(rnd)}
+        order = [(r, m) for r in rows_list for m in [f"hot:{x}" for x in modes] + modes]
         for r, m in (order if rnd % 2 == 0 else order[::-1]):
-            if m == "hot":
-                got[r, "hot"] = stack.hot(hot_rows[r])
+            if m.startswith("hot:"):
+                got[r, m] = stack.hot(hot_rows[r], prefetch=m[4:])
             else:
                 times, rts, c = stack.run(m, r)
                 if not np.array_equal(rts, routes):
@@ -224,60 +246,40 @@ def validate_decode(args) -> dict:
                 print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", flush=True)
         rounds.append(got)
     out = []
+    T = len(topk)
+    source = rounds[0]["probe"]["source"] + " (probed in each round; the median shown)"
     for r, m in configs:
         rep = reps[r, m]
         ratios, pred_s, meas_s = [], [], []
         for got in rounds:
-            hot, pre = got[r, "hot"], got["pre"]
-            mach = machine_from_probe(got["probe"][0], hot / L, pre, 8, got["probe"][1])
+            hot, pre = got[r, f"hot:{m}"], got["pre"]
+            mach = machine_from_probe(got["probe"], hot / L, pre, 8, source)
             p = S.project(mach, geom, rep, cache_gb=r * stack.rec / S.GIB, capacity=r, policy="clock", prefetch=m)
             t, _ = got[r, m]
             pred_s.append(p.tok_s)
             meas_s.append(1.0 / t)
             ratios.append(p.tok_s * t)
-        c = rounds[0][r, m][1]
-        T = len(topk)
-        lookups = c["hits"] + c["joins"] + c["misses"]
-        need = c["predicted_hits"] + c["predicted_joins"] + c["exact_misses"]
-        out.append({"config": f"rows={r},prefetch={m}", "rows": r, "predicted_tok_s": statistics.median(pred_s),
-                    "measured_tok_s": statistics.median(meas_s),
-                    "spread": (max(meas_s) - min(meas_s)) / statistics.median(meas_s) if len(meas_s) > 1 else 0.0,
-                    "ratio": statistics.median(ratios), "ratios_by_round": ratios,
-                    "compute_ms_per_token": statistics.median(g[r, "hot"] for g in rounds) * 1e3,
-                    "predicted_hit_rate": rep.engine_hit_rate,
-                    "measured_hit_rate": (c["hits"] + c["joins"]) / lookups if lookups else None,
-                    "predicted_timely_recall": rep.timely_recall if m != "off" else None,
-                    "measured_timely_recall": c["predicted_hits"] / need if m != "off" and need else None,
-                    "predicted_precision": rep.precision,
-                    "measured_precision": ((c["predicted_hits"] + c["predicted_joins"]) / c["predicted_reads"]
-                                           if c["predicted_reads"] else None),
-                    "predicted_mb_per_token": p.bytes_per_token / 1e6,
-                    "measured_mb_per_token": (c["exact_bytes"] + c["predicted_bytes"]) / T / 1e6,
-                    "predicted_exposed_ms": p.exposed_ms,
-                    "measured_exposed_ms": c["exposed_wait_ns"] / T / 1e6})
-    hot = statistics.median(g[rows_list[0], "hot"] for g in rounds)
+        cs = [g[r, m][1] for g in rounds]
+        cnt = {x: statistics.median(c[x] for c in cs) / T for x in
+               ("exact_misses", "predicted_reads", "predicted_hits", "predicted_joins", "exposed_wait_ns")}
+        lookups = [c["hits"] + c["joins"] + c["misses"] for c in cs]
+        hit = statistics.median((c["hits"] + c["joins"]) / n for c, n in zip(cs, lookups) if n) if any(lookups) else None
+        mb = statistics.median((c["exact_bytes"] + c["predicted_bytes"]) for c in cs) / T / 1e6
+        spread = (max(meas_s) - min(meas_s)) / 2 / statistics.median(meas_s) if len(meas_s) > 1 else 0.0
+        comp = statistics.median(g[r, f"hot:{m}"] for g in rounds)
+        out.append(K.validation_row(f"rows={r},prefetch={m}", r, pred_s, meas_s, ratios, rep, p, spread, cnt, m,
+                                    comp, hit, mb))
+    hot = statistics.median(g[rows_list[0], f"hot:{modes[0]}"] for g in rounds)
     pre = statistics.median(g["pre"] for g in rounds)
-    probe = rounds[0]["probe"][0].copy()
-    probe["gbps_by_qd"] = {q: statistics.median(g["probe"][0]["gbps_by_qd"][q] for g in rounds)
+    probe = dict(rounds[0]["probe"])
+    probe["gbps_by_qd"] = {q: statistics.median(g["probe"]["gbps_by_qd"][q] for g in rounds)
                            for q in probe["gbps_by_qd"]}
-    source = rounds[0]["probe"][1] + ("" if from_profile else " (median over rounds shown)")
+    probe["cpu_us_per_record"] = statistics.median(g["probe"]["cpu_us_per_record"] for g in rounds)
     machine = machine_from_probe(probe, hot / L, pre, 8, source)
+    load1 = K.load_average()
     return {"machine": machine.to_dict(), "probe": probe, "probe_source": source, "compute_ms_per_token": hot * 1e3,
             "runs": out, "worst": max(abs(x["ratio"] - 1) for x in out), "repeats": args.repeats,
             "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
-                     f"{args.gen_tokens} tokens per cold run, store {stack.path}"}
-
-
-def machine_probe_from_profile(stack):
-    """(probe, source) from the machine profile when it stands for this store (see
-    bench.machine.profile_probe), else None."""
-    from ..bench import machine as BM
-
-    return BM.profile_probe(stack.path, stack.rec)
-
-
-def quick_probe(stack) -> dict:
-    """The bench's SSD probe on the stack's records, short enough to run every round."""
-    from ..bench import machine as BM
-
-    return BM.ssd_probe(stack.path, stack.rec, [i * stack.rec for i in range(stack.n)], reads=64, trials=1)
+                     f"{args.gen_tokens} tokens per cold run, store {stack.path}",
+            "load_average": [load0, load1], "command": K.command_line(args),
+            "timing": "tok/s = 1 / the mean time of tokens 1.. of each cold run (token 0 fills the empty arena)"}

@@ -4,13 +4,23 @@ One decode token runs the layers in order. Layer l computes for ``layer_s`` seco
 runs after ``pre_router`` of that time (attention/GDN first), and the layer then waits for the
 records of its top-k experts that are not in the arena. A miss costs ``io_time(n)``: n records
 read at queue depth min(n, threads) from the machine's bandwidth-by-queue-depth table, plus the
-digest check. A prediction hints records ahead of the exact (P0) reads: ``previous`` (the
-previous token's top-k) when the layer starts, ``window = pre_router * layer_s`` before its
-router; ``router-reuse:D`` / ``hyper-reuse`` right after layer l - D's exact reads,
+record check the readers run (``check``: the fast XXH3-128 check, SHA-256, or none). A
+prediction hints records ahead of the exact (P0) reads: ``previous`` (the previous token's
+top-k) when the layer starts, ``window = pre_router * layer_s`` before its router;
+``router-reuse:D`` / ``hyper-reuse`` right after layer l - D's exact reads,
 ``window = D * layer_s``. The disk serves the layer's predicted reads (used or wasted) too:
 
     exposed_l = max(io(demand_l), io(demand_l + predicted_reads_l) - window_l)
-    token_s   = compute_s + sum_l exposed_l
+    landed_l  = min(1, window_l / io(predicted_reads_l))      (timely; the rest joins late)
+    token_s   = compute_s * (1 + predictor_overhead) + sum_l exposed_l + reads * read_cpu_us
+
+The engine counts an exact lookup a prediction served as a predicted hit (landed) or join (in
+flight); `landed` splits the replay's predicted hits the same way (Projection.timely_recall /
+late_recall). `read_cpu_us` is the readers' CPU time the compute loses (the CPU backend computes
+on every core; 0 on a Mac). A predictor taken from a peer's measurement instead of a replay
+multiplies the prefetch-off projection by its gain, capped at its exposed read time
+(`with_gain`). The runtime predicts only in one-token forwards, so with a draft depth an ahead
+predictor reads like prefetch off.
 
 Speculative decoding with draft depth d and per-token acceptance a verifies d+1 tokens per step:
 tokens/step = (1 - a^(d+1)) / (1 - a); a step costs compute_s * (1 + verify_extra * d) plus the
@@ -24,6 +34,7 @@ engine's counters) for lru/clock, and through `traces.cachesim` demand paging fo
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -38,9 +49,12 @@ PREFETCH = ("off", "previous")  # what synthetic routes support
 PREDICTORS = ("off", "previous", "router-reuse:1", "router-reuse:2", "hyper-reuse")
 
 
+CHECKS = ("fast", "sha256", "off")  # what every streamed record is checked with on the read path
+
+
 @dataclass
 class Machine:
-    """What a machine costs: SSD bandwidth by queue depth, compute per decode token, verify speed."""
+    """What a machine costs: SSD bandwidth by queue depth, compute per decode token, check speed."""
 
     name: str
     ssd_gbps: Dict[int, float]  # queue depth -> GB/s (1e9 bytes/s) of record-sized random reads
@@ -48,11 +62,29 @@ class Machine:
     other_s: float = 0.0  # per token outside the layers (embedding, head, sampling)
     pre_router: float = 0.5  # fraction of a layer's compute before its router (the prefetch window)
     threads: int = 8  # reader threads (the engine's queue depth)
-    verify_gbps: Optional[float] = None  # SHA-256 throughput of the readers (None: not on the path)
+    verify_gbps: Optional[float] = None  # SHA-256 GB/s of one reader core (None: not on the path)
     verify_extra: float = 0.15  # cost of each extra verified token relative to one decode token
     memory_gb: Optional[float] = None
     sources: List[str] = field(default_factory=list)
     assumptions: List[str] = field(default_factory=list)
+    # The fast per-read check (XXH3-128 of each record beside its SHA-256, stream.engine): GB/s
+    # of one reader core. `check` picks what the readers pay per record: the fast check
+    # (artifacts that carry it), SHA-256 (artifacts without it) or nothing.
+    fast_check_gbps: Optional[float] = None
+    check: str = "sha256"
+    # Extra decode compute of an ahead predictor (its extra router / mix per layer), as a
+    # fraction of compute_s; measured by --validate, assumed in the profiles.
+    predictor_overhead: Dict[str, float] = field(default_factory=dict)
+    # CPU time the readers spend per record (pread, copy/widen, check, wake-ups) that the compute
+    # loses: on the CPU backend compute already takes every core (validation on this machine
+    # measures it); 0 where the readers use cores the compute leaves idle (a Mac's GPU decodes).
+    read_cpu_us: float = 0.0
+
+    @property
+    def check_gbps(self) -> Optional[float]:
+        if self.check not in CHECKS:
+            raise UsageError("check", f"must be one of {', '.join(CHECKS)}, got {self.check!r}")
+        return {"fast": self.fast_check_gbps, "sha256": self.verify_gbps, "off": None}[self.check]
 
     def bandwidth(self, qd: float) -> float:
         """Bytes/s at queue depth qd: linear between table points, flat beyond them."""
@@ -60,25 +92,28 @@ class Machine:
         return float(np.interp(qd, qs, [self.ssd_gbps[q] for q in qs])) * 1e9
 
     def io_time(self, n: float, record_bytes: int) -> float:
-        """Seconds to read (and verify) n records issued together."""
+        """Seconds to read (and check) n records issued together."""
         if n <= 0:
             return 0.0
         t = n * record_bytes / self.bandwidth(min(max(n, 1.0), self.threads))
-        if self.verify_gbps:
-            t += n * record_bytes / (self.verify_gbps * 1e9) / min(max(n, 1.0), self.threads)
+        gbps = self.check_gbps
+        if gbps:
+            t += n * record_bytes / (gbps * 1e9) / min(max(n, 1.0), self.threads)
         return t
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "profile") -> "Machine":
+        opt = lambda k: None if d.get(k) is None else float(d[k])  # noqa: E731
         try:
             ssd = {int(k): float(v) for k, v in d["ssd_gbps"].items()}
             m = cls(name=str(d["name"]), ssd_gbps=ssd, layer_s=float(d["layer_ms"]) / 1e3,
                     other_s=float(d.get("other_ms", 0.0)) / 1e3, pre_router=float(d.get("pre_router", 0.5)),
-                    threads=int(d.get("threads", 8)),
-                    verify_gbps=None if d.get("verify_gbps") is None else float(d["verify_gbps"]),
-                    verify_extra=float(d.get("verify_extra", 0.15)),
-                    memory_gb=None if d.get("memory_gb") is None else float(d["memory_gb"]),
-                    sources=list(d.get("sources", [])), assumptions=list(d.get("assumptions", [])))
+                    threads=int(d.get("threads", 8)), verify_gbps=opt("verify_gbps"),
+                    verify_extra=float(d.get("verify_extra", 0.15)), memory_gb=opt("memory_gb"),
+                    sources=list(d.get("sources", [])), assumptions=list(d.get("assumptions", [])),
+                    fast_check_gbps=opt("fast_check_gbps"),
+                    predictor_overhead={str(k): float(v) for k, v in (d.get("predictor_overhead") or {}).items()},
+                    read_cpu_us=float(d.get("read_cpu_us", 0.0)))
         except KeyError as e:
             raise UsageError(f"{where}.{e.args[0]}", "missing") from None
         except (TypeError, ValueError, AttributeError) as e:
@@ -87,13 +122,22 @@ class Machine:
             raise UsageError(f"{where}.ssd_gbps", "needs positive GB/s at queue depths >= 1")
         if m.layer_s < 0 or not 0 <= m.pre_router <= 1 or m.threads < 1:
             raise UsageError(where, "layer_ms >= 0, 0 <= pre_router <= 1 and threads >= 1 are required")
+        for k in ("verify_gbps", "fast_check_gbps"):
+            if getattr(m, k) is not None and getattr(m, k) <= 0:
+                raise UsageError(f"{where}.{k}", f"must be > 0 GB/s, got {getattr(m, k)}")
+        for k, v in m.predictor_overhead.items():
+            if not 0 <= v < 1:
+                raise UsageError(f"{where}.predictor_overhead.{k}", f"must be in [0, 1), got {v}")
         return m
 
     def to_dict(self) -> dict:
         return {"name": self.name, "ssd_gbps": {str(k): v for k, v in sorted(self.ssd_gbps.items())},
                 "layer_ms": self.layer_s * 1e3, "other_ms": self.other_s * 1e3, "pre_router": self.pre_router,
-                "threads": self.threads, "verify_gbps": self.verify_gbps, "verify_extra": self.verify_extra,
-                "memory_gb": self.memory_gb, "sources": self.sources, "assumptions": self.assumptions}
+                "threads": self.threads, "verify_gbps": self.verify_gbps, "fast_check_gbps": self.fast_check_gbps,
+                "check": self.check, "verify_extra": self.verify_extra, "memory_gb": self.memory_gb,
+                "predictor_overhead": dict(self.predictor_overhead), "read_cpu_us": self.read_cpu_us,
+                "sources": self.sources,
+                "assumptions": self.assumptions}
 
 
 @dataclass(frozen=True)
@@ -172,44 +216,53 @@ class _Arena:
     read and gives a referenced record one more pass (its bit set by any later lookup), LRU by the
     last lookup; the records of the layer being computed are pinned; with `staging` rows kept
     for predictions, exact records hold at most rows - staging while one of theirs can be
-    recycled, and a prediction only ever displaces another prediction (else it is dropped)."""
+    recycled, and a prediction only ever displaces another prediction (else it is dropped).
+
+    One heap entry per (record, key): a CLOCK hit only sets the bit, a pin only counts, so a
+    replay pushes about once per read (the eviction scan sets pinned entries aside)."""
 
     def __init__(self, rows: int, staging: int, policy: str):
-        self.rows, self.staging, self.policy = rows, staging, policy
+        self.rows, self.staging, self.lru_order = rows, staging, policy == "lru"
         self.slots: Dict[int, list] = {}  # item -> [exact, clock_pos, lru, ref, pins, ver, issued]
-        self.heaps = ([], [])  # bucket 0 exact, 1 predicted: (key, lru, item, ver)
+        self.heaps = ([], [])  # bucket 0 exact, 1 predicted: (key, item, ver)
         self.tick = 0
         self.ver = 0
         self.exact_rows = 0
         self.wasted = 0
 
-    def _index(self, x):
+    def _push(self, x, s):
         # Versions are drawn from one counter, so a stale heap entry of an evicted
-        # incarnation never matches the record's next one.
-        s = self.slots[x]
+        # incarnation (or of an old key or bucket) never matches the record's current one.
         self.ver += 1
         s[5] = self.ver
-        if s[4] == 0:
-            key = s[1] if self.policy == "clock" else s[2]
-            heapq.heappush(self.heaps[0 if s[0] else 1], (key, s[2], x, s[5]))
+        heapq.heappush(self.heaps[0 if s[0] else 1], (s[2] if self.lru_order else s[1], x, self.ver))
 
     def _peek(self, b):
         h = self.heaps[b]
+        held = []
+        found = None
+        slots = self.slots
         while h:
-            key, lru, x, ver = h[0]
-            s = self.slots.get(x)
-            if s is None or s[5] != ver or s[4] or (0 if s[0] else 1) != b:
+            _, x, ver = h[0]
+            s = slots.get(x)
+            if s is None or s[5] != ver:
                 heapq.heappop(h)
                 continue
-            if self.policy == "clock" and s[3]:  # second chance: clear the bit, behind the hand
+            if s[4]:  # pinned: not evictable now, keeps its place
+                held.append(heapq.heappop(h))
+                continue
+            if not self.lru_order and s[3]:  # second chance: clear the bit, behind the hand
                 heapq.heappop(h)
                 s[3] = False
                 self.tick += 1
                 s[1] = self.tick
-                self._index(x)
+                self._push(x, s)
                 continue
-            return h[0]
-        return None
+            found = x
+            break
+        for e in held:
+            heapq.heappush(h, e)
+        return found
 
     def _evict(self, x):
         s = self.slots.pop(x)
@@ -218,22 +271,28 @@ class _Arena:
         else:
             self.wasted += 1
 
+    def _victim(self, exact: bool):
+        if not exact:
+            return self._peek(1)
+        e, p = self._peek(0), self._peek(1)
+        if e is None or p is None:
+            return p if e is None else e
+        se, sp = self.slots[e], self.slots[p]
+        k = 2 if self.lru_order else 1
+        return e if se[k] <= sp[k] else p
+
     def _reserve(self, exact: bool) -> bool:
         if exact:
             while self.staging and self.exact_rows >= self.rows - self.staging:
                 v = self._peek(0)
                 if v is None:
                     break
-                self._evict(v[2])
+                self._evict(v)
         while len(self.slots) >= self.rows:
-            if exact:
-                e, p = self._peek(0), self._peek(1)
-                v = p if e is None else e if p is None else min(e, p)
-            else:
-                v = self._peek(1)
+            v = self._victim(exact)
             if v is None:
                 return False
-            self._evict(v[2])
+            self._evict(v)
         return True
 
     def lookup(self, x: int, exact: bool, issued=None):
@@ -245,33 +304,33 @@ class _Arena:
             s[2] = self.tick
             s[3] = True
             tag = None
+            moved = self.lru_order
             if exact:
                 s[4] += 1
                 if not s[0]:
                     s[0] = True
                     self.exact_rows += 1
                     tag = s[6]
-            self._index(x)
+                    moved = True
+            if moved:
+                self._push(x, s)
             return "hit", tag
         if not self._reserve(exact):
             return "dropped", None
         self.tick += 1
-        self.slots[x] = [exact, self.tick, self.tick, False, 1 if exact else 0, 0, issued]
+        s = self.slots[x] = [exact, self.tick, self.tick, False, 1 if exact else 0, 0, issued]
         if exact:
             self.exact_rows += 1
-        self._index(x)
+        self._push(x, s)
         return "miss", None
 
     def pin(self, x: int):
         self.slots[x][4] += 1
-        self.ver += 1
-        self.slots[x][5] = self.ver  # off the evictable index
 
     def unpin(self, x: int):
         s = self.slots.get(x)
         if s is not None and s[4]:
             s[4] -= 1
-            self._index(x)
 
 
 def prefetch_kind(prefetch: str) -> Tuple[str, int]:
@@ -313,6 +372,7 @@ def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: st
     if staging is None:
         staging = 0 if kind == "off" else min(budget * max(depth, 1), capacity // 4)
     arena = _Arena(capacity, staging, policy)
+    slots, clock = arena.slots, policy == "clock"
     demand, used, reads = np.zeros(L), np.zeros(L), np.zeros(L)
     hint_lookups = hint_hits = promoted = 0
     for i in range(len(ids)):
@@ -343,7 +403,13 @@ def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: st
             if kind == "previous" and i > 0:
                 hint(l, ids[i - 1][l])
             for e in ids[i][l]:
-                res, tag = arena.lookup(base + e, True)
+                x = base + e
+                s = slots.get(x)
+                if s is not None and s[0] and clock:  # the common case, inlined: a CLOCK hit on an exact row
+                    s[3] = True
+                    s[4] += 1
+                    continue
+                res, tag = arena.lookup(x, True)
                 if count:
                     demand[l] += res == "miss"
                     promoted += tag is not None
@@ -351,7 +417,9 @@ def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: st
             if kind == "ahead" and l + depth < L:
                 hint(l + depth, pred[i][l + depth])
             for e in ids[i][l]:
-                arena.unpin(base + e)
+                s = slots.get(base + e)
+                if s is not None and s[4]:
+                    s[4] -= 1
     n = max(t, 1)
     return Replay(t, demand / n, used / n, reads / n, L * k, hint_lookups / n, hint_hits / n,
                   float(np.sum(reads) - np.sum(used)) / n, promoted / n)
@@ -421,23 +489,41 @@ class Projection:
     exposed_ms: float
     hit_rate: float
     bytes_per_token: float
-    timely_recall: float
+    # As the engine counts them (stream.engine.prediction_stats): exact lookups a prediction had
+    # brought in and that had landed (timely) or were still being read (late), over those plus
+    # the exact misses.
+    timely_recall: Optional[float] = None
+    late_recall: Optional[float] = None
+    codec: str = ""
+    check: str = ""
+    basis: str = "replay"  # how the predictor's effect was obtained (replay, or a peer's measured gain)
+    read_cpu_ms: float = 0.0  # reader CPU time taken from the compute, per token (Machine.read_cpu_us)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
+def landed_fraction(machine: Machine, n: float, record_bytes: int, window: float) -> float:
+    """Of n predicted reads issued together `window` seconds before their layer's router, the
+    fraction read and checked by then: completions spread evenly over io_time(n) (the readers
+    share the disk; a record lands once its last byte is read and checked)."""
+    t = machine.io_time(n, record_bytes)
+    return 1.0 if t <= window else max(window, 0.0) / t
+
+
 def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: float, capacity: int, policy: str,
-            prefetch: str, draft_depth: int = 0, acceptance: float = 0.0, union: float = 1.0) -> Projection:
+            prefetch: str, draft_depth: int = 0, acceptance: float = 0.0, union: float = 1.0,
+            codec: str = "") -> Projection:
     """Tokens/s of one configuration from the replay's per-token misses and the machine's costs."""
     R = geom.record_bytes
     L = geom.num_layers
-    compute = L * machine.layer_s + machine.other_s
+    compute = (L * machine.layer_s + machine.other_s) * (1 + machine.predictor_overhead.get(prefetch, 0.0))
     kind, depth = prefetch_kind(prefetch)
     # How long before a layer's router its predicted reads were issued: at the layer's start
     # (previous), or right after layer l - D's exact reads (router-reuse:D / hyper-reuse).
     window = {"off": 0.0, "previous": machine.pre_router * machine.layer_s}.get(kind, depth * machine.layer_s)
     exposed = 0.0
+    late = 0.0
     w = draft_depth + 1
     for l in range(L):
         # A verify step routes w tokens; their distinct experts miss at the per-token rate. The
@@ -445,7 +531,11 @@ def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: flo
         d = rep.demand_misses[l] * w * union
         p = rep.predicted_reads[l] * w * union
         exposed += max(machine.io_time(d, R), machine.io_time(d + p, R) - window)
-    step = compute * (1 + machine.verify_extra * draft_depth) + exposed
+        if p > 0 and rep.predicted_used[l] > 0:
+            late += rep.predicted_used[l] * (1.0 - landed_fraction(machine, p, R, window))
+    # The readers' CPU time taken from the compute (0 on a Mac, see Machine.read_cpu_us).
+    steal = rep.reads_per_token() * w * union * machine.read_cpu_us * 1e-6
+    step = compute * (1 + machine.verify_extra * draft_depth) + exposed + steal
     if draft_depth and acceptance > 0:
         a = min(acceptance, 0.999999)
         per_step = (1 - a ** w) / (1 - a)
@@ -453,8 +543,22 @@ def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: flo
         per_step = 1.0
     token = step / per_step
     reads = rep.reads_per_token() * w * union / per_step
+    need = rep.predicted_hits + float(rep.demand_misses.sum())
+    late = min(late, rep.predicted_hits)
+    timely, late_r = (None, None) if kind == "off" or not need else ((rep.predicted_hits - late) / need, late / need)
     return Projection(cache_gb, capacity, policy, prefetch, draft_depth, acceptance, 1.0 / token, token * 1e3,
-                      compute * 1e3, exposed * 1e3 / per_step, rep.hit_rate, reads * R, rep.timely_recall)
+                      compute * 1e3, exposed * 1e3 / per_step, rep.hit_rate, reads * R, timely, late_r, codec,
+                      machine.check, read_cpu_ms=steal * 1e3 / per_step)
+
+
+def with_gain(base: Projection, prefetch: str, gain: float, source: str) -> Projection:
+    """`base` (the same configuration without read-ahead) sped up by a predictor's measured decode
+    gain; a gain cannot hide more than the exposed read time (then it is capped there)."""
+    token = max(base.token_ms / gain, base.token_ms - base.exposed_ms)
+    got = base.token_ms / token
+    basis = f"peer x{gain:.2f} over off ({source})" + ("" if got >= gain - 1e-9 else f", capped at x{got:.2f}")
+    return dataclasses.replace(base, prefetch=prefetch, tok_s=1e3 / token, token_ms=token,
+                               exposed_ms=base.exposed_ms - (base.token_ms - token), basis=basis)
 
 
 def capacity_of(cache_gb: float, geom: ModelGeometry) -> int:
@@ -462,26 +566,67 @@ def capacity_of(cache_gb: float, geom: ModelGeometry) -> int:
 
 
 def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Sequence[float],
-          policies: Sequence[str] = ("lru",), prefetches: Sequence[str] = PREFETCH,
+          policies: Sequence[str] = ("clock",), prefetches: Sequence[str] = PREFETCH,
           draft_depths: Sequence[int] = (0,), acceptance: float = 0.0,
-          warm: Optional[np.ndarray] = None, predicted: Optional[dict] = None) -> List[Projection]:
+          warm: Optional[np.ndarray] = None, predicted: Optional[dict] = None,
+          gains: Optional[Dict[str, Tuple[float, str]]] = None, codec: str = "",
+          replays: Optional[dict] = None, progress=None) -> List[Projection]:
     """Every configuration (cache size x policy x prefetch x draft depth); the replay of each
     (cache, policy, prefetch) is shared by the draft depths. `predicted`: prefetch name ->
-    [len(warm) + T, L, B] predicted sets for the ahead predictors (router-reuse:D, hyper-reuse)."""
+    [len(warm) + T, L, B] predicted sets for the ahead predictors replayed (router-reuse:D,
+    hyper-reuse); `gains`: prefetch name -> (measured decode gain, source) for predictors taken
+    from a peer's measurement instead (applied to the same configuration with prefetch off).
+    The runtime predicts ahead in one-token forwards only (stream.predict): with a draft depth
+    an ahead predictor's verify steps read like prefetch off.
+    `replays`: a dict reused across calls (keyed by routes, capacity, policy, prefetch: the same
+    routes at another machine or check need no new replay); `progress(n)`: called per replay."""
     out = []
     predicted = predicted or {}
+    gains = gains or {}
+    replays = {} if replays is None else replays
     unions = {d: union_factor(topk, d) for d in draft_depths}
+    need_off = any(prefetch_kind(p)[0] == "ahead" for p in prefetches) and (gains or any(draft_depths))
+    order = (["off"] if need_off and "off" not in prefetches else []) + list(prefetches)
     for gb in cache_gbs:
         cap = capacity_of(gb, geom)
         for pol in policies:
-            for pf in prefetches:
+            base = {}
+            for pf in order:
                 if pf != "off" and pol not in ("lru", "clock"):
                     continue
-                rep = replay(topk, geom.num_experts, cap, pol, pf, warm, predicted.get(pf))
+                ahead = prefetch_kind(pf)[0] == "ahead"
+                if pf not in gains and (not ahead or 0 in draft_depths):
+                    key = (id(topk), id(warm), cap, pol, pf, id(predicted.get(pf)))
+                    if key not in replays:
+                        replays[key] = (replay(topk, geom.num_experts, cap, pol, pf, warm, predicted.get(pf)),
+                                        topk, warm, predicted.get(pf))  # keeps the keyed arrays alive
+                        if progress:
+                            progress(1)
+                    rep = replays[key][0]
                 for d in draft_depths:
-                    out.append(project(machine, geom, rep, cache_gb=gb, capacity=cap, policy=pol, prefetch=pf,
-                                       draft_depth=d, acceptance=acceptance if d else 0.0, union=unions[d]))
+                    if pf in gains and d == 0:
+                        p = with_gain(base[d], pf, *gains[pf])
+                    elif ahead and d > 0:
+                        p = dataclasses.replace(base[d], prefetch=pf, basis="verify steps predict nothing "
+                                                                             "(multi-token forwards): as prefetch off")
+                    else:
+                        p = project(machine, geom, rep, cache_gb=gb, capacity=cap, policy=pol, prefetch=pf,
+                                    draft_depth=d, acceptance=acceptance if d else 0.0, union=unions[d],
+                                    codec=codec)
+                    if pf == "off":
+                        base[d] = p
+                    if pf in prefetches:
+                        out.append(p)
     return out
+
+
+def replays_needed(cache_gbs, policies, prefetches, gains=None, draft_depths=(0,)) -> int:
+    """How many replays `sweep` runs (for a progress bar)."""
+    gains = gains or {}
+    need_off = any(prefetch_kind(p)[0] == "ahead" for p in prefetches) and (gains or any(draft_depths))
+    pfs = (["off"] if need_off and "off" not in prefetches else []) + [
+        p for p in prefetches if p not in gains and (prefetch_kind(p)[0] != "ahead" or 0 in draft_depths)]
+    return len(cache_gbs) * sum(1 for pol in policies for pf in pfs if pf == "off" or pol in ("lru", "clock"))
 
 
 def best(projections: Sequence[Projection], exclude_bounds: bool = True) -> Projection:

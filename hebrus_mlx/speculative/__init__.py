@@ -1,4 +1,5 @@
-"""Speculative decoding: the protocol (protocol.py), the drafter interface (base.py), drafters
+"""Speculative decoding: the protocol (protocol.py: the strategy generate's decode loop calls, run by
+`hebrus_mlx.generate.speculative_generate_step`), the drafter interface (base.py), drafters
 (drafters.py; the MTP head lives in mtp.py when built), the block-size governor (governor.py).
 
 `DRAFTERS` maps a `--draft-model` name to `factory(model, args) -> Drafter`; any other value is a
@@ -16,10 +17,10 @@ from typing import Any, Callable, Dict, Optional
 
 from .base import CompatibilityError, Drafter, DrafterError, Proposal
 from .governor import Governor
-from .protocol import SpeculativeStats, speculative_generate_step
+from .protocol import Speculation, SpeculativeStats
 
 __all__ = ["DRAFTERS", "DraftArgs", "Drafter", "DrafterError", "CompatibilityError", "Governor", "Proposal",
-           "SpeculativeStats", "make_drafter", "speculative_generate_step"]
+           "Speculation", "SpeculativeStats", "make_drafter"]
 
 
 @dataclass

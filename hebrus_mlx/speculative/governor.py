@@ -296,3 +296,27 @@ def unique_per_layer(routes: np.ndarray) -> float:
     """Mean over layers of the distinct experts in routes [layers, T, k]."""
     flat = np.sort(routes.reshape(routes.shape[0], -1), axis=1)
     return 1.0 + float(np.mean(np.count_nonzero(np.diff(flat, axis=1), axis=1)))
+
+
+class FixedSchedule:
+    """A governor that replays given block sizes and observes nothing: cyclically with `repeat`,
+    else 0 (plain steps) once they are used up. Forces plain <-> block switches (tests) or replays
+    a governed run's recorded choices untimed (benchmarks)."""
+
+    def __init__(self, sizes, repeat: bool = False):
+        self.sizes, self.repeat, self.i = list(sizes), repeat, 0
+
+    def block_size(self) -> int:
+        self.i += 1
+        if self.repeat:
+            return self.sizes[(self.i - 1) % len(self.sizes)]
+        return self.sizes[self.i - 1] if self.i <= len(self.sizes) else 0
+
+    def observe_block(self, *a):
+        pass
+
+    def observe_step(self, *a, **k):
+        pass
+
+    def observe_routes(self, *a):
+        pass

@@ -4,7 +4,11 @@
     -> target verification of the whole block in one forward
     -> accepted prefix plus the target's bonus token committed
     -> rejected-suffix state restored exactly
-    -> speculative expert tickets retired (owner/generation)
+    -> speculative expert tickets retired (a fresh generation of the request's ticket scope)
+
+`Speculation` is that protocol as the strategy generate's one decode loop calls
+(`generate.speculative_generate_step`, or `generate_step(..., draft_model=...)`): prefill, the
+pipelined plain steps and the step guard are the loop's.
 
 State rollback is the simple exact one: the whole SequenceCache (GDN conv + recurrent state, QSA
 K/V, indexer keys and pooled block keys, PLE n-gram history and conv tail) is snapshotted before the
@@ -27,19 +31,16 @@ Acceptance:
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..sample_utils import apply_vocab_mask, make_sampler
 from .base import Drafter, DrafterError, Proposal
-
-_OWNERS = itertools.count(1 << 20)  # engine owners of speculative runs (0 is the plain path's)
 
 
 @dataclass
@@ -116,283 +117,154 @@ def accept_block(logprobs: mx.array, proposal: Proposal, sampler: Callable) -> T
     return a, bonus, drafts[:a] + [bonus]
 
 
-class _ExpertTickets:
-    """Owner/generation of a streamed model's expert reads during speculation (AFN-020): every
-    verify forward resolves under (owner, generation); after a rejection the generation advances,
-    so a read still in flight for the rejected suffix fails stale and can never be waited on by,
-    or publish into, the new state (a late completion may still fill an ordinary cache slot)."""
+class Speculation:
+    """The speculative strategy generate's decode loop calls (generate._decode): while a plain step
+    is in flight it asks `block_size`; a length > 0 means that, once the token is read, it
+    `propose`s a draft path and `verify`s it against the target in one forward, committing the
+    accepted prefix plus the bonus token (rejected-suffix state restored exactly, speculative
+    expert tickets retired in the request's scope). Plain tokens are reported with `plain`.
 
-    def __init__(self, model):
+    num_draft_tokens: the block limit (default 3); governor: "auto" (choose the block per step,
+    see governor.py), None (always the limit) or a Governor (anything with its block_size /
+    observe_block / observe_step / observe_routes); trace: a list receiving a StepTrace per verify;
+    tickets: the request's ticket scope (Streaming.request(); None when nothing streams)."""
+
+    def __init__(self, model, drafter: Drafter, cache, sampler: Callable, tickets, *,
+                 num_draft_tokens: Optional[int] = None, governor: Any = "auto",
+                 stats: Optional[SpeculativeStats] = None, max_tokens: int = 256,
+                 trace: Optional[List[StepTrace]] = None):
+        from ..errors import GenerationError
+        from .governor import Governor
+
+        check_drafter(drafter)  # names and directories resolve in stream_generate (they need the tokenizer)
+        limit = 3 if num_draft_tokens is None else num_draft_tokens
+        if not isinstance(limit, int) or limit < 0:
+            raise GenerationError("num_draft_tokens", f"must be an int >= 0, got {num_draft_tokens}")
+        if not hasattr(cache, "snapshot"):
+            raise GenerationError("speculative decoding needs a SequenceCache (snapshot/restore)")
         streaming = getattr(model, "streaming", None)
-        self.switches = list(streaming.switches) if streaming is not None else []
-        self.engine = streaming.engine if streaming is not None else None
-        self.owner = next(_OWNERS)
-        self.generation = 0
-        self.saved = [(s.owner, s.generation) for s in self.switches]
-        self._set()
+        if streaming is not None and streaming.max_chunk_tokens is not None:
+            limit = min(limit, streaming.max_chunk_tokens - 1)  # a verify pins every expert of its block
+        self.limit = limit
+        self.governor = Governor(limit) if governor == "auto" else governor
+        self.drafter, self.cache, self.sampler, self.tickets = drafter, cache, sampler, tickets
+        self.stats = stats if stats is not None else SpeculativeStats()
+        self.max_tokens, self.trace = max_tokens, trace
+        self.needs_hidden = bool(drafter.needs_hidden)
+        # The governor's I/O model and unique-expert estimate: streamed experts only.
+        self._io = streaming if streaming is not None and streaming.streams_experts else None
+        self.track_routes = self.governor is not None and self._io is not None
+        self._io_last = None  # engine counters at the previous plain token's read
+        self._t_read, self._reads, self._t_draft = 0.0, 0, 0.0
+        self._prompt = None
 
-    def _set(self):
-        for s in self.switches:
-            s.owner, s.generation = self.owner, self.generation
+    # -- what the loop calls ------------------------------------------------------------------
 
-    def retire(self):
-        if not self.switches or self.engine is None:
+    def begin(self, prompt: List[int], hidden_rows: List[mx.array]) -> None:
+        """After the prefill of all but the last prompt token (`hidden_rows`: their states); the
+        drafter begins once the first token's step gave the last one."""
+        self._prompt, self._prompt_hidden = list(prompt), hidden_rows
+
+    def block_size(self, done: int) -> int:
+        """Draft length of the next step, `done` tokens produced before it (0: a plain step)."""
+        room = self.limit if self.max_tokens == -1 else min(self.limit, self.max_tokens - done - 1)
+        return room if self.governor is None else min(room, self.governor.block_size())
+
+    def start_plain(self) -> None:
+        """A run of plain steps starts (their I/O is measured from here)."""
+        self._io_last = self._counters()
+        self._t_read, self._reads = time.perf_counter(), 0
+
+    def plain(self, token: int, step) -> None:
+        """A plain step's token was read (`step`: its generate.PendingStep)."""
+        now = time.perf_counter()
+        if self.governor is not None:
+            # Steady (pipelined) time per token: from the third read of a run on.
+            self._observe(1, now - self._t_read if self._reads >= 2 else None, step.routes, 1)
+        self._t_read, self._reads = now, self._reads + 1
+        if self._prompt is not None:
+            # The first token: h_{L-1} came with its step, the drafter gets the whole prompt's states.
+            rows = self._prompt_hidden + ([] if step.hidden is None else [step.hidden])
+            hidden = mx.concatenate(rows, axis=0) if self.needs_hidden else None
+            self.drafter.begin(self._prompt, hidden)
+            self.drafter.commit([token], None if hidden is None else hidden[:0])
+            self._prompt = self._prompt_hidden = None
             return
-        self.generation += 1
-        self.engine.advance_generation(self.owner, self.generation)
-        self._set()
+        self.drafter.commit([token], step.hidden)
+        self.stats.block_sizes[0] = self.stats.block_sizes.get(0, 0) + 1
 
-    def close(self):
-        for s, (o, g) in zip(self.switches, self.saved):
-            s.owner, s.generation = o, g
+    def propose(self, n: int) -> Proposal:
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(n).truncate(n)
+        self._t_draft = time.perf_counter() - t0
+        return proposal
 
+    def verify(self, step, y: int, proposal: Proposal) -> List[Tuple[int, mx.array, bool]]:
+        """Verify [y] + the draft path in one target forward (`step`: the loop's DecodeStep);
+        returns the committed (token, logprobs, from_draft): the accepted drafts, then the bonus."""
+        drafts = proposal.tokens
+        block = mx.array([y] + drafts, dtype=mx.int32)
+        cache = self.cache
+        snap = cache.snapshot()
+        position = cache.next_position
+        io0 = self._counters()
+        t1 = time.perf_counter()
+        with step.guard(snap):
+            logits, h, _, routes = step.forward(block, rows=True, routes=True)
+            lp = step.logprobs(logits, block)
+            mx.eval(lp, *(a for a in (h, routes) if a is not None), *cache.arrays)
+        t_verify = time.perf_counter() - t1
+        a, bonus, target = accept_block(lp, proposal, self.sampler)
+        if self.governor is not None:
+            self.governor.observe_block(len(drafts), a)
+            self._observe(len(drafts) + 1, t_verify, routes, a + 1, io0, self._t_draft, len(drafts))
+        if a < len(drafts):
+            # Rejected suffix: back to the state before the block, then only the accepted prefix.
+            cache.restore(snap)
+            if self.tickets is not None:  # streamed experts: reads for the rejected suffix fail stale
+                self.tickets.retire()
+            with step.guard(snap):
+                step.forward(block[: a + 1])
+                mx.eval(cache.arrays)
+            self.stats.reruns += 1
+        step.fed(block[: a + 1])
+        committed = drafts[:a] + [bonus]
+        self.drafter.commit(committed, None if h is None else h[: a + 1])
+        s = self.stats
+        s.drafted += len(drafts)
+        s.accepted += a
+        s.verify_steps += 1
+        s.committed += len(committed)
+        s.block_sizes[len(drafts)] = s.block_sizes.get(len(drafts), 0) + 1
+        if self.trace is not None:
+            self.trace.append(StepTrace(position, list(drafts), proposal.candidates, target, a, bonus))
+        return [(tok, lp[i], i < a) for i, tok in enumerate(committed)]
 
-def speculative_generate_step(
-    prompt: mx.array,
-    model,
-    drafter: Drafter,
-    *,
-    effective_vocab_size: int,
-    max_tokens: int = 256,
-    sampler: Optional[Callable[[mx.array], mx.array]] = None,
-    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
-    prompt_cache: Optional[Any] = None,
-    prefill_step_size: int = 2048,
-    num_draft_tokens: Optional[int] = None,
-    governor: Any = "auto",
-    stats: Optional[SpeculativeStats] = None,
-    trace: Optional[List[StepTrace]] = None,
-    stream: Optional[Any] = None,
-) -> Generator[Tuple[int, mx.array, bool], None, None]:
-    """Yield (token, logprobs, from_draft) like generate_step (plus whether the token was a
-    drafted one the target accepted). num_draft_tokens: the block limit (default 3); governor:
-    "auto" (default: choose the block per step, see governor.py), None (always the limit) or a
-    Governor (anything with its block_size / observe_block / observe_step / observe_routes).
-    Steps with no draft (B = 0, or a drafter with nothing to propose) run pipelined like
-    generate_step: the next plain step is queued before the current token is read whenever the
-    governor chooses B = 0 again, on `stream` (generate passes its generation stream; None: the
-    default stream)."""
-    from ..errors import GenerationError
-    from ..models.cache import rollback_on_error
-    from ..models.qwen4exp import Capture
-    from .governor import Governor, unique_per_layer
+    # -- the governor's measurements ------------------------------------------------------------
 
-    if prompt.ndim != 1 or prompt.size == 0:
-        raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
-    if prefill_step_size < 1:
-        raise GenerationError("prefill_step_size", f"must be >= 1, got {prefill_step_size}")
-    limit = 3 if num_draft_tokens is None else num_draft_tokens
-    if not isinstance(limit, int) or limit < 0:
-        raise GenerationError("num_draft_tokens", f"must be an int >= 0, got {num_draft_tokens}")
-    cache = model.make_cache() if prompt_cache is None else prompt_cache
-    if not hasattr(cache, "snapshot"):
-        raise GenerationError("speculative decoding needs a SequenceCache (snapshot/restore)")
-    sampler = sampler or make_sampler(effective_vocab_size)
-    processors = logits_processors or []
-    stats = stats if stats is not None else SpeculativeStats()
-    streaming = getattr(model, "streaming", None)
-    if streaming is not None and streaming.max_chunk_tokens is not None:
-        # A streamed forward pins every expert of its chunk at once (a swept prefill chunk need not).
-        if streaming.prefill_chunk_cap is not None:
-            prefill_step_size = min(prefill_step_size, streaming.prefill_chunk_cap)
-        limit = min(limit, streaming.max_chunk_tokens - 1)
-    if governor == "auto":
-        governor = Governor(limit)
-    need_h = bool(drafter.needs_hidden)
-    plain_stream = stream if stream is not None else mx.default_stream(mx.default_device())
-    tickets = _ExpertTickets(model)
-
-    engine = streaming.engine if streaming is not None and streaming.experts is not None else None
-    pipeline = getattr(model, "last_row_logits", False)  # rank 0 of a pipeline: no route capture
-    track_routes = governor is not None and engine is not None and not pipeline  # U_B: streamed only
-    io_last = [None]  # engine counters at the previous plain token's read
-
-    def forward(ids: List[int], cap=None, rows: bool = False):
-        # rows: every row's logits (a verify); a pipeline sends only the last row's unless asked.
-        kw = {"all_logits": True} if rows and pipeline else {}
-        if cap is not None:
-            kw["capture"] = cap
-        out = model(mx.array(ids, dtype=mx.int32)[None], cache=cache, return_hidden=need_h, **kw)
-        return out if need_h else (out, None)
-
-    def decide(done: int) -> int:
-        """Draft length of the next step, `done` tokens produced before it."""
-        room = limit if max_tokens == -1 else min(limit, max_tokens - done - 1)
-        return room if governor is None else min(room, governor.block_size())
-
-    def stack_routes(cap):
-        """[layers, T, k] routes of a forward (lazy), None when not tracked."""
-        if cap is None or not cap.routes:
+    def _counters(self):
+        if self._io is None:
             return None
-        return mx.stack([cap.routes[i][0] for i in sorted(cap.routes)])
-
-    def io_counters():
-        if engine is None:
-            return None
-        c = engine.counters()
+        c = self._io.counters()
         return c["exact_misses"], c["exposed_wait_ns"]
 
-    def observe(tokens, seconds, routes, committed, io0=None, draft_s=0.0, drafted=0):
+    def _observe(self, tokens, seconds, routes, committed, io0=None, draft_s=0.0, drafted=0):
         """Report a forward to the governor: time, engine misses / exposed wait, committed routes."""
-        io1 = io_counters()
+        from .governor import unique_per_layer
+
+        io1 = self._counters()
         if io0 is None:  # a plain step: since the previous plain read (pipelined)
-            io0, io_last[0] = io_last[0], io1
+            io0, self._io_last = self._io_last, io1
         misses, exposed, unique_reads = 0, 0.0, 0.0
         if routes is not None:
             r = np.array(routes)
-            governor.observe_routes(r[:, :committed])
+            self.governor.observe_routes(r[:, :committed])
             unique_reads = r.shape[0] * unique_per_layer(r)
         if io0 is not None and io1 is not None:
             misses, exposed = io1[0] - io0[0], (io1[1] - io0[1]) * 1e-9
         elif tokens == 1:
             unique_reads = 0.0  # no counter baseline yet
-        governor.observe_step(tokens, seconds, draft_s, drafted, misses, exposed, unique_reads)
-
-    def queue_plain(tok: mx.array):
-        """One plain decode step on `tok` ([1], possibly not yet evaluated), queued with async_eval
-        like generate_step's; returns its lazy token, log-probabilities, hidden row and routes."""
-        snap = cache.snapshot()
-        with rollback_on_error(cache, snap), mx.stream(plain_stream):
-            cap = Capture(hidden=False) if track_routes else None
-            out = model(tok[None], cache=cache, return_hidden=need_h, **({"capture": cap} if cap is not None else {}))
-            logits, h = out if need_h else (out, None)
-            logits = logits[:, -1, :]
-            if processors:
-                hist = mx.concatenate([mx.array(history, dtype=mx.int32), tok])
-                for proc in processors:
-                    logits = proc(hist, logits)
-            logits = apply_vocab_mask(logits, effective_vocab_size)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            nxt = sampler(logprobs)
-            routes = stack_routes(cap)
-            mx.async_eval(nxt, logprobs, *([h] if h is not None else []), *([routes] if routes is not None else []))
-        return {"y": nxt, "lp": logprobs[0], "h": None if h is None else h[0], "routes": routes, "snap": snap}
-
-    def rows_logprobs(logits: mx.array, history: List[int]) -> mx.array:
-        """[L, V] log-probabilities; processors see the history up to each row."""
-        if processors:
-            out = []
-            for i in range(logits.shape[0]):
-                row = logits[i:i + 1]
-                hist = mx.array(history[: len(history) - logits.shape[0] + i + 1], dtype=mx.int32)
-                for proc in processors:
-                    row = proc(hist, row)
-                out.append(row)
-            logits = mx.concatenate(out, axis=0)
-        logits = apply_vocab_mask(logits.astype(mx.float32), effective_vocab_size)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-    def guarded(snap, fn):
-        with rollback_on_error(cache, snap):
-            return fn()
-
-    if max_tokens == 0:
-        return
-    try:
-        ids = prompt.astype(mx.int32).tolist()
-        history = list(ids)
-        hidden_rows = []
-        # Prefill the whole prompt; its last row gives the first token.
-        start = 0
-        while start < len(ids):
-            chunk = ids[start:start + prefill_step_size]
-            snap = cache.snapshot()
-            logits, h = guarded(snap, lambda: forward(chunk))
-            guarded(snap, lambda: mx.eval([logits] + ([h] if h is not None else []) + cache.arrays))
-            if h is not None:
-                hidden_rows.append(h[0])
-            start += len(chunk)
-        hidden = mx.concatenate(hidden_rows, axis=0) if need_h else None
-        lp = rows_logprobs(logits[0, -1:], history)
-        y = int(sampler(lp).reshape(-1)[0].item())
-        drafter.begin(ids, hidden)
-        drafter.commit([y], None if hidden is None else hidden[:0])  # h_{L-1} came with begin
-        produced = 1
-        history.append(y)
-        yield y, lp[0], False
-        decided = None  # a block size chosen while the last plain step was in flight
-        while max_tokens == -1 or produced < max_tokens:
-            n = decide(produced) if decided is None else decided
-            decided = None
-            t0 = time.perf_counter()
-            proposal = drafter.propose(n) if n > 0 else Proposal([])
-            proposal = proposal.truncate(n)
-            drafts = proposal.tokens
-            t_draft = time.perf_counter() - t0
-            if not drafts:
-                # B = 0: plain steps, pipelined exactly like generate_step (the next step is queued
-                # before this one's token is read) for as long as the governor keeps choosing 0.
-                io_last[0] = io_counters()
-                cur = queue_plain(mx.array([y], dtype=mx.int32))
-                t_read, reads = time.perf_counter(), 0
-                while True:
-                    last = max_tokens != -1 and produced + 1 >= max_tokens
-                    nxt = None
-                    if not last:
-                        decided = decide(produced + 1)
-                        if decided == 0:
-                            # Until its token is read, the current step and the one queued on
-                            # top of it roll back together to the state before the current step.
-                            nxt = guarded(cur["snap"], lambda: queue_plain(cur["y"]))
-                            decided = None
-                    tok = guarded(cur["snap"], lambda: int(cur["y"].item()))
-                    now = time.perf_counter()
-                    if governor is not None:
-                        # Steady (pipelined) time per token: from the third read of a run on.
-                        observe(1, now - t_read if reads >= 2 else None, cur["routes"], 1)
-                    t_read, reads = now, reads + 1
-                    drafter.commit([tok], cur["h"])
-                    stats.block_sizes[0] = stats.block_sizes.get(0, 0) + 1
-                    history.append(tok)
-                    produced += 1
-                    yield tok, cur["lp"], False
-                    if last:
-                        return
-                    if nxt is None:
-                        y = tok
-                        break
-                    cur = nxt
-                continue
-            block = [y] + drafts
-            snap = cache.snapshot()
-            position = cache.next_position
-            io0 = io_counters()
-            t1 = time.perf_counter()
-            cap = Capture(hidden=False) if track_routes else None
-            logits, h = guarded(snap, lambda: forward(block, cap, rows=True))
-            routes = stack_routes(cap)
-            lp = guarded(snap, lambda: rows_logprobs(logits[0], history + drafts))
-            guarded(snap, lambda: mx.eval([lp] + ([h] if h is not None else []) + ([routes] if routes is not None
-                                                                                   else []) + cache.arrays))
-            t_verify = time.perf_counter() - t1
-            a, bonus, target = accept_block(lp, proposal, sampler)
-            if governor is not None:
-                governor.observe_block(len(drafts), a)
-                observe(len(block), t_verify, routes, a + 1, io0, t_draft, len(drafts))
-            if a < len(drafts):
-                # Rejected suffix: back to the state before the block, then only the accepted prefix.
-                cache.restore(snap)
-                tickets.retire()
-                guarded(snap, lambda: mx.eval(forward(block[: a + 1])[0], cache.arrays))
-                stats.reruns += 1
-            committed = drafts[:a] + [bonus]
-            drafter.commit(committed, None if h is None else h[0, : a + 1])
-            stats.drafted += len(drafts)
-            stats.accepted += a
-            stats.verify_steps += 1
-            stats.committed += len(committed)
-            stats.block_sizes[len(drafts)] = stats.block_sizes.get(len(drafts), 0) + 1
-            if trace is not None:
-                trace.append(StepTrace(position, list(drafts), proposal.candidates, target, a, bonus))
-            for i, tok in enumerate(committed):
-                history.append(tok)
-                produced += 1
-                yield tok, lp[i], i < a
-                if max_tokens != -1 and produced >= max_tokens:
-                    return
-            y = bonus
-    finally:
-        tickets.close()
+        self.governor.observe_step(tokens, seconds, draft_s, drafted, misses, exposed, unique_reads)
 
 
 # -- golden replay ------------------------------------------------------------------------------------
@@ -438,7 +310,7 @@ def replay_step(model, cache, y: int, proposal: Proposal, effective_vocab_size: 
     """One protocol step against the native target outside the generator (golden replay):
     verify [y] + path in one forward, decide, roll the rejected suffix back. Returns
     (accepted, bonus, committed)."""
-    sampler = sampler or make_sampler(effective_vocab_size)
+    sampler = sampler or make_sampler()  # the logits below are masked before it samples
     block = [int(y)] + proposal.tokens
     snap = cache.snapshot()
     logits = model(mx.array(block, dtype=mx.int32)[None], cache=cache)[0]

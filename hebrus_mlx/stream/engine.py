@@ -2,7 +2,9 @@
 
 A request names bytes in a store: ``(store, offset, length)`` plus scheduling
 metadata (priority, exact vs predicted, owner/generation, layer, expert,
-deadline, digest). It returns an integer ticket. The record
+deadline, and the digest the bytes must have: ``fast_digest`` (XXH3-128, the
+per-read check) or ``digest`` (SHA-256, for artifacts without fast digests)).
+It returns an integer ticket. The record
 lands in a bounded slot cache; ``wait``/``read`` block until it is published,
 ``release``/``cancel`` drop the ticket's ownership exactly once.
 
@@ -217,7 +219,11 @@ class StreamEngine:
             pread unless this machine's profile promoted mtlio.
             Anything else, or ``"mtlio"`` where :func:`backends` lacks it,
             raises :class:`StreamRequestError` naming ``backend``.
-        testing: Enables fault injection, ``hold`` and read delays.
+
+    Every read is checked before it is published against the digest its
+    request (or table row) names, by the reader thread that read it, on the
+    bytes it publishes (one snapshot). Fault injection is not part of this
+    class: tests attach it from the test-only ``hebrus_mlx._testing`` module.
     """
 
     def __init__(
@@ -228,7 +234,6 @@ class StreamEngine:
         policy: str = "lru",
         nocache: bool = False,
         rdadvise: bool = False,
-        testing: bool = False,
         backend: Optional[str] = None,
     ):
         if _ext is None:
@@ -243,7 +248,6 @@ class StreamEngine:
             rdadvise=rdadvise,
             policy=policy,
             backend=backend,
-            testing=testing,
         )
         self._threads = threads
 
@@ -278,14 +282,18 @@ class StreamEngine:
         lengths: Sequence[int],
         digests: Optional[Sequence[bytes]] = None,
         arena: int = -1,
+        fast_digests: Optional[Sequence[bytes]] = None,
     ) -> int:
         """Record table for the graph ops: row i is (offsets[i], lengths[i]),
-        read into ``arena`` rows if given (lengths must equal its record)."""
+        read into ``arena`` rows if given (lengths must equal its record),
+        checked on every read against ``fast_digests[i]`` (XXH3-128, 16
+        bytes) or ``digests[i]`` (SHA-256, 32 bytes); at most one of the two."""
         return self._e.register_table(
             store,
             [int(o) for o in offsets],
             [int(n) for n in lengths],
             None if digests is None else [bytes(d) for d in digests],
+            None if fast_digests is None else [bytes(d) for d in fast_digests],
             arena,
         )
 
@@ -325,12 +333,15 @@ class StreamEngine:
         confidence: float = 1.0,
         digest: Optional[bytes] = None,
         arena: int = -1,
+        fast_digest: Optional[bytes] = None,
     ) -> int:
         """Issue a read; never blocks on I/O. ``deadline_ns`` is in
-        ``time.monotonic_ns()`` units. Requests share a slot (one read,
-        one snapshot) only if they name the same bytes and the same
-        ``digest`` (or both none): a digest-carrying request is never served
-        bytes that were not checked against its digest."""
+        ``time.monotonic_ns()`` units. ``fast_digest`` (XXH3-128) or
+        ``digest`` (SHA-256): what the bytes are checked against. Requests
+        share a slot (one read, one snapshot) only if they name the same
+        bytes and the same check, domain and value (or both none): a
+        digest-carrying request is never served bytes that were not checked
+        against its own digest."""
         return self._e.request(
             store,
             offset,
@@ -344,6 +355,7 @@ class StreamEngine:
             deadline_ns=deadline_ns,
             confidence=confidence,
             digest=digest,
+            fast_digest=fast_digest,
             arena=arena,
         )
 
@@ -371,11 +383,11 @@ class StreamEngine:
 
     def set_hint(
         self, store: int, offset: int, length: int, p_use: float, arena: int = -1,
-        digest: Optional[bytes] = None,
+        digest: Optional[bytes] = None, fast_digest: Optional[bytes] = None,
     ) -> bool:
         """Scored policy: P(use before eviction) of a cached record (named
-        as its requests named it, ``digest`` included)."""
-        return self._e.set_hint(store, offset, length, p_use, arena, digest)
+        as its requests named it, ``digest``/``fast_digest`` included)."""
+        return self._e.set_hint(store, offset, length, p_use, arena, digest, fast_digest)
 
     def ticket_info(self, ticket: int) -> dict:
         return self._e.ticket_info(ticket)
@@ -515,13 +527,3 @@ class StreamEngine:
 
     def __exit__(self, *exc):
         self.close()
-
-    # Test hooks (Engine(testing=True) only) --------------------------------
-    def inject_fault(self, kind: str, count: int = 1) -> None:
-        self._e.inject_fault(kind, count)
-
-    def hold(self, on: bool) -> None:
-        self._e.hold(on)
-
-    def set_read_delay_us(self, us: int) -> None:
-        self._e.set_read_delay_us(us)

@@ -1,7 +1,9 @@
 """Routed experts of an ExpertMajor store, streamed into a slot arena.
 
 Glue between the artifact reader (record table: offsets, lengths, SHA-256
-per record, part layout) and the engine: one arena part per record part, so
+per record, part layout), the admitted manifest's fast digests (XXH3-128 per
+record, what every read is checked against when the artifact has them) and
+the engine: one arena part per record part, so
 each part is a zero-copy ``[rows, *shape]`` view that ``gather_qmm`` indexes
 with the slot rows ``resolve`` returns. The reader is only consulted here, at
 construction; the engine itself knows nothing of the store format.
@@ -37,10 +39,14 @@ class StreamedExperts:
         mirror: the path of a byte-identical copy of the store file
             (``admission.admit_mirror``) the engine alternates reads with
             (``--expert-mirror``; not verified on two disks here).
+        fast_digests: one XXH3-128 digest per record (``Manifest.fast_table``):
+            every read is checked against it; None checks each read against
+            the record's SHA-256 (artifacts without fast digests).
     """
 
     def __init__(self, engine: StreamEngine, reader, rows: int,
-                 prefetch_previous: bool = True, dtype=mx.float32, mirror: Optional[str] = None):
+                 prefetch_previous: bool = True, dtype=mx.float32, mirror: Optional[str] = None,
+                 fast_digests: Optional[list] = None):
         wide = dtype is not None
         if wide and dtype != mx.float32:
             raise ValueError(f"dtype: must be mx.float32 or None, got {dtype}")
@@ -74,9 +80,11 @@ class StreamedExperts:
             store,
             [g.record_offset(i) for i in range(g.count)],
             [g.record_bytes] * g.count,
-            reader.digests,
+            None if fast_digests is not None else reader.digests,
             arena=self.arena,
+            fast_digests=fast_digests,
         )
+        self.check = "xxh3-128" if fast_digests is not None else "sha256"
         # weights[component][part]: [rows, *shape] views of the arena.
         self.weights = {}
         for part_bytes, wide, (comp, part, stored, shape, _, _) in zip(
@@ -112,7 +120,7 @@ class StreamedExperts:
             # The arena is the cache; the slab budget only backs copying ops.
             if engine is None:
                 engine = owned = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
-            return cls(engine, reader, rows, prefetch_previous, dtype, mirror)
+            return cls(engine, reader, rows, prefetch_previous, dtype, mirror, m.fast_table(m.experts))
         except BaseException:
             if owned is not None:
                 owned.close()  # joins its reader threads now, not at GC

@@ -33,9 +33,11 @@ class StreamedNGramTable(nn.Module):
         reader: an open ``PleReader`` (validated header and page digests).
         dtype: rows are cast to it (like the resident loader); None keeps
             the stored dtype.
+        fast_digests: one XXH3-128 digest per page (``Manifest.fast_table``),
+            what each page read is checked against; None: its SHA-256.
     """
 
-    def __init__(self, engine: StreamEngine, reader, dtype=mx.float32):
+    def __init__(self, engine: StreamEngine, reader, dtype=mx.float32, fast_digests=None):
         super().__init__()
         g = reader.geometry
         self._engine = engine
@@ -44,7 +46,8 @@ class StreamedNGramTable(nn.Module):
             store,
             [g.payload_offset + p * g.page_stride for p in range(g.num_pages)],
             [g.page_stride] * g.num_pages,
-            [reader.digests[32 * p: 32 * p + 32] for p in range(g.num_pages)],
+            None if fast_digests is not None else [reader.digests[32 * p: 32 * p + 32] for p in range(g.num_pages)],
+            fast_digests=fast_digests,
         )
         self.rows_per_page = g.rows_per_page
         self.row_bytes = g.row_bytes
@@ -83,7 +86,7 @@ def attach_ple(model, artifact: Union[str, Manifest], engine: Optional[StreamEng
             engine = StreamEngine(cache_bytes=256 * page, threads=threads)
         for s, r in zip(stores, readers):
             emb = model.model.layers[s.layer].ple.ple_embedding
-            emb.ngram_embedding = StreamedNGramTable(engine, r, dtype)
+            emb.ngram_embedding = StreamedNGramTable(engine, r, dtype, m.fast_table(s))
     finally:
         for r in readers:
             r.close()

@@ -1,32 +1,92 @@
-"""`Model.streaming`: the declared run-time face of a model whose routed experts and/or PLE pages
-stream from the artifact (None when everything is resident).
+"""`Model.streaming`: the run-time face of a model whose routed experts and/or PLE pages stream
+from the artifact (None when everything is resident). It implements the interface the model
+declares (`models.streaming_protocol.Streaming`); the graph, generation, the server and pipeline
+stages reach streaming only through it:
 
-The graph calls `layer_start(layer, x)` as each decoder layer starts (the previous-token P1 hint,
-AFN-019) and `before_router(layer, streams, x)` at each MoE input (the cross-layer predictors of
-``predict``); generate reads `max_chunk_tokens` (a streamed chunk pins every expert it routes to),
-`engine` and `prefetch` (the I/O line).
+- the graph calls `layer_start(layer, x)` as each decoder layer starts (the previous-token P1
+  hint, AFN-019) and `before_router(layer, streams, x)` at each MoE input (the cross-layer
+  predictors of ``predict``);
+- generation caps prefill chunks at `prefill_chunk_cap` and verify blocks by `max_chunk_tokens`,
+  runs each request in a ticket scope (`request()`: retire after a rejected speculative suffix,
+  cancel from any thread), `reset()`s between sequences and prints `summary()`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import threading
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..errors import UsageError
-from .engine import StreamEngine
+from .engine import StreamEngine, io_summary, mirror_summary
 from .experts import StreamedExperts
 from .predict import PrefetchSpec, Predictor, parse_prefetch
 from .sweep import CROSSOVER, PrefillSweep, SweepBudgetError, parse_mode
 from .switch import StreamedSwitchGLU
 
 
+# Streamed reads outside any request carry (IDLE_OWNER, 0); requests carry REQUEST_OWNER and a
+# generation of their own, increasing over the Streaming's life (the engine keeps one entry).
+IDLE_OWNER, REQUEST_OWNER = 0, 1
+
+
+class TicketScope:
+    """The expert-ticket identity of one request (AFN-019/020): every streamed read its steps issue
+    carries (owner, generation). ``retire()`` (speculation, after a rejected suffix) moves the
+    request to a fresh generation, so a read still in flight for the rejected tokens fails stale and
+    can never be waited on by, or publish into, the new state; ``cancel()`` (from any thread: a
+    client disconnect) fails every pending read of the request at once, and every later one."""
+
+    def __init__(self, streaming: Optional["Streaming"], owner: int, generation: int):
+        self._streaming = streaming
+        self.owner, self.generation = owner, generation
+        self.cancelled = False
+
+    def retire(self) -> None:
+        if self._streaming is not None:
+            self._streaming._retire(self)
+
+    def cancel(self) -> None:
+        if self._streaming is not None:
+            self._streaming._cancel(self)
+
+
+class _Request:
+    """``Streaming.request()``: opens a scope, or shares the one already open (a speculative run
+    inside a server request retires the request's own generations, so its cancel reaches them)."""
+
+    def __init__(self, streaming: "Streaming"):
+        self._streaming, self._opened = streaming, False
+
+    def __enter__(self) -> TicketScope:
+        st = self._streaming
+        with st._lock:
+            if st._scope is None:
+                st._generation += 1
+                st._scope = TicketScope(st, REQUEST_OWNER, st._generation)
+                st._set_identity(st._scope)
+                self._opened = True
+            return st._scope
+
+    def __exit__(self, *exc):
+        st = self._streaming
+        if self._opened:
+            with st._lock:
+                st._scope = None
+                st._set_identity(None)
+        return False
+
+
 class Streaming:
     """``prefetch`` (a PrefetchSpec or its text) with ``layers`` (the decoder layers, whose routers
-    and hyper-connections the predictors reuse); None keeps ``experts.prefetch_previous``."""
+    and hyper-connections the predictors reuse); None keeps ``experts.prefetch_previous``.
+    ``sweep_lifts_cap``: with a ring, prefill chunks past the arena are swept, so generation need
+    not cap them (False for a pipeline stage: every rank must take rank 0's chunks, rings or not)."""
 
     def __init__(self, engine: StreamEngine, experts: Optional[StreamedExperts] = None,
-                 switches: Sequence[StreamedSwitchGLU] = (), prefetch=None, layers=None):
+                 switches: Sequence[StreamedSwitchGLU] = (), prefetch=None, layers=None,
+                 sweep_lifts_cap: bool = True):
         self.engine = engine
         self.experts = experts  # None when only PLE pages stream
         self.switches = list(switches)  # one per streamed layer (a pipeline stage: its own)
@@ -37,9 +97,10 @@ class Streaming:
         self.sweep: Optional[PrefillSweep] = None
         self.sweep_note: Optional[str] = None  # why `auto` is not sweeping (the ring did not fit)
         self.crossover_source = f"built-in {CROSSOVER:.2f}"  # where auto's crossover came from (stream.crossover)
-        # With a ring, prefill chunks past the arena are swept, so generate need not cap them
-        # (False for a pipeline stage: every rank must take rank 0's chunks, rings or not).
-        self.sweep_lifts_cap = True
+        self.sweep_lifts_cap = sweep_lifts_cap
+        self._lock = threading.Lock()  # ticket identity: the worker retires, any thread cancels
+        self._scope: Optional[TicketScope] = None
+        self._generation = 0
         if experts is not None and prefetch is None:
             prefetch = "previous" if experts.prefetch_previous else "off"
         if prefetch is not None:
@@ -101,6 +162,72 @@ class Streaming:
         how = f", crossover {self.crossover_source}" if self.sweep.mode == "auto" else ""
         return (f"Prefill sweep {self.sweep.mode}: {c['sweeps']} layer extents, {c['read_bytes'] / 1e9:.3f} GB read, "
                 f"exposed wait {c['wait_ns'] / 1e9:.3f} s, ring {self.sweep.bytes / 1e9:.3f} GB{how}")
+
+    def summary(self) -> List[str]:
+        """generate's stats lines: the prefill sweep (when there is something to say), the I/O line
+        and, with a mirror, its read split."""
+        lines = [] if self.sweep_summary() is None else [self.sweep_summary()]
+        lines.append(io_summary(self.engine.counters(), self.prefetch))
+        if self.experts is not None and self.experts.mirror is not None:
+            lines.append(mirror_summary(self.engine.file_reads(self.experts.store)))
+        return lines
+
+    def counters(self) -> dict:
+        """The engine's counters (StreamEngine.counters)."""
+        return self.engine.counters()
+
+    def memory(self) -> dict:
+        """The engine's memory view (open tickets, pinned slots; StreamEngine.memory)."""
+        return self.engine.memory()
+
+    @property
+    def streams_experts(self) -> bool:
+        """Routed experts stream (else only PLE pages do)."""
+        return self.experts is not None
+
+    # -- tickets and sequences ------------------------------------------------------------------
+
+    def request(self) -> _Request:
+        """``with streaming.request() as scope:`` one request's ticket scope (TicketScope)."""
+        return _Request(self)
+
+    def _set_identity(self, scope: Optional[TicketScope]) -> None:
+        owner, generation = (IDLE_OWNER, 0) if scope is None else (scope.owner, scope.generation)
+        for s in self.switches:  # read when each step's graph is built
+            s.owner, s.generation = owner, generation
+
+    def _retire(self, scope: TicketScope) -> None:
+        with self._lock:
+            if scope.cancelled or not self.streams_experts:
+                return  # a cancelled request keeps its stale generation: its later reads fail too
+            self._generation += 1
+            scope.generation = self._generation
+            self.engine.advance_generation(scope.owner, scope.generation)
+            if scope is self._scope:
+                self._set_identity(scope)
+
+    def _cancel(self, scope: TicketScope) -> None:
+        with self._lock:
+            if scope.cancelled:
+                return
+            scope.cancelled = True
+            # Later scopes start past this one's failed generation.
+            self._generation = max(self._generation, scope.generation + 1)
+            if self.streams_experts:
+                self.engine.advance_generation(scope.owner, scope.generation + 1)
+
+    def reset(self) -> None:
+        """Forget what the last sequence left for the next one's lookahead: the P1 hint hangs on
+        its last routes, which may come from a step that failed (e.g. a cancelled request's)."""
+        for s in self.switches:
+            s.forget_routes()
+
+    def close(self) -> None:
+        """Join the sweep's reads, then close the engine."""
+        if self.sweep is not None:
+            self.sweep.close()
+            self.sweep = None
+        self.engine.close()
 
     @property
     def max_chunk_tokens(self) -> Optional[int]:

@@ -155,9 +155,5 @@ class PrefillSweep:
     def counters(self) -> dict:
         return self._ring.counters()
 
-    def inject_digest_fault(self, count: int = 1) -> None:
-        """Test hook (engine built with ``testing=True``)."""
-        self._ring.inject_digest_fault(count)
-
     def close(self) -> None:
         self._ring.close()

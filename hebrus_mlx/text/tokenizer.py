@@ -139,13 +139,16 @@ class TextTokenizer:
         return self._renderer.render(messages, tools, add_generation_prompt, enable_thinking)
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=True,
-                            enable_thinking=None, **kwargs):
+                            enable_thinking=None, return_dict=False, **kwargs):
         """mlx-lm / transformers call shape: token IDs (`tokenize=True`) or the rendered string.
 
         The IDs are tokenized by provenance (AFN-006): caller text stays DATA. The string is for
         display; re-encoding it with `encode` would turn the template's control spellings into
-        plain text, so use the IDs for generation.
+        plain text, so use the IDs for generation. `return_dict=False` is what mlx-lm's
+        TokenizerWrapper passes; True (transformers' BatchEncoding) is refused.
         """
+        if return_dict:
+            raise TokenizerError("apply_chat_template: return_dict=True is not supported (the IDs are a list)")
         if kwargs:
             # transformers' extras (return_dict, continue_final_message, ...) change the output.
             raise TokenizerError(f"apply_chat_template: unsupported argument {sorted(kwargs)[0]!r}")
@@ -168,8 +171,35 @@ class TextTokenizer:
         return min(self.stop_token_ids) if self.stop_token_ids else None
 
     @property
+    def eos_token(self) -> Optional[str]:
+        return self.special_tokens_map.get("eos_token")
+
+    @property
+    def bos_token(self) -> Optional[str]:
+        """None for Qwen (no BOS): mlx-lm's stream_generate then encodes a string prompt as is."""
+        return self.special_tokens_map.get("bos_token")
+
+    @property
+    def bos_token_id(self) -> Optional[int]:
+        return self.added_tokens.get(self.bos_token) if self.bos_token is not None else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    @has_chat_template.setter
+    def has_chat_template(self, _value):
+        # mlx-lm's TokenizerWrapper forwards its own `has_chat_template = ...` to the tokenizer it
+        # wraps (True for any tokenizer with its own apply_chat_template); the answer stays derived
+        # from this tokenizer's template, which the wrapper then reads back.
+        pass
+
+    @property
     def vocab_size(self) -> int:
         return self.effective_vocab_size
+
+    def __len__(self) -> int:
+        return self.effective_vocab_size  # transformers' len(tokenizer): every assigned ID
 
     def get_vocab(self) -> dict:
         return self._tok.get_vocab(with_added_tokens=True)
@@ -206,6 +236,14 @@ class TextTokenizer:
     @property
     def detokenizer(self) -> "StreamingDetokenizer":
         return StreamingDetokenizer(self)
+
+    def to_mlx_lm(self):
+        """An `mlx_lm.tokenizer_utils.TokenizerWrapper` over this tokenizer that stops on the whole
+        stop set and streams text with this detokenizer. mlx-lm wraps any other tokenizer itself,
+        and that wrapper stops on `eos_token_id` alone."""
+        from mlx_lm.tokenizer_utils import TokenizerWrapper  # slow import (transformers): only here
+
+        return TokenizerWrapper(self, StreamingDetokenizer, eos_token_ids=sorted(self.stop_token_ids))
 
 
 class StreamingDetokenizer:
@@ -391,11 +429,18 @@ def _special_tokens_map(tcfg: Optional[dict]) -> dict:
     return out
 
 
-def load_tokenizer(model_dir, physical_vocab_size: int, sources=None) -> TextTokenizer:
+def load_tokenizer(model_dir, physical_vocab_size: int, sources=None, *, eos_token: Optional[str] = None,
+                   chat_template: Optional[str] = None) -> TextTokenizer:
     """Load tokenizer.json, tokenizer_config.json, chat template and generation_config.json.
     `sources` ({file name: bytes}, e.g. an admitted artifact's `Manifest.sources`): use exactly
-    these bytes instead of reading the files again."""
+    these bytes instead of reading the files again.
+
+    mlx-lm's `tokenizer_config` overrides: `eos_token` (a token string) becomes the eos token and
+    joins the stop set; `chat_template` (Jinja source) replaces the checkpoint's template."""
     model_dir = Path(model_dir)
+    for field, value in (("eos_token", eos_token), ("chat_template", chat_template)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise TokenizerError(f"tokenizer_config.{field}", f"must be a non-empty string, got {value!r}")
     files = _find_files(model_dir, sources)
     # Small files are checked before the large one is loaded.
     eos = _eos_ids(files.generation_config, model_dir / "generation_config.json")
@@ -404,5 +449,12 @@ def load_tokenizer(model_dir, physical_vocab_size: int, sources=None) -> TextTok
         tok = Tokenizer.from_str(files.tokenizer_bytes.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise TokenizerError(f"{files.tokenizer_json}: cannot load ({e})") from None
-    return TextTokenizer(tok, physical_vocab_size, eos_token_ids=eos, chat_template=files.chat_template,
+    if eos_token is not None:
+        eos_id = tok.token_to_id(eos_token)
+        if eos_id is None:
+            raise TokenizerError("tokenizer_config.eos_token", f"{eos_token!r} is not one token of this tokenizer")
+        special["eos_token"] = eos_token
+        eos = [*eos, eos_id]
+    return TextTokenizer(tok, physical_vocab_size, eos_token_ids=eos,
+                         chat_template=files.chat_template if chat_template is None else chat_template,
                          special_tokens_map=special)

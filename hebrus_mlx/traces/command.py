@@ -14,16 +14,13 @@ import argparse
 import sys
 
 from .. import flags
+from ..cli_args import ArgumentParser
 from ..errors import UsageError
 
 
-class _Parser(flags.Parser):
-    pass
-
-
 def build_parser():
-    p = _Parser(prog="hebrus-mlx traces", description="Route traces: replay, export, eval.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p = ArgumentParser(prog="hebrus-mlx traces", description="Route traces: replay, export, eval.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=ArgumentParser)
     r = sub.add_parser("replay", help="recompute routes by causal prefill and check exact parity")
     r.add_argument("trace_dir")
     r.add_argument("--model", default="demo")

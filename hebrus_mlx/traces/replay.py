@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from ..generate import prefill_chunks
 from ..models.qwen4exp import Capture
 from .capture import stack_capture
 from .schema import TraceError, model_identity
@@ -43,18 +44,19 @@ class Recomputed:
 
 
 def recompute(model, token_ids, chunk: int, on_chunk: Optional[Callable] = None) -> Recomputed:
-    """Causal prefill of `token_ids` on a fresh cache, `chunk` tokens at a time; one readback per
-    chunk. `on_chunk(start, capture)` may add device work per chunk (it sees router inputs)."""
+    """Causal prefill of `token_ids` on a fresh cache by generate's prefill (chunks of `chunk`
+    tokens, capped as a streamed model needs); one readback per chunk. `on_chunk(start, capture)`
+    may add device work per chunk (it sees router inputs)."""
     if chunk < 1:
         raise TraceError("prefill_step_size", f"must be >= 1, got {chunk}")
     a = model.args
     L, k = a.num_hidden_layers, a.num_experts_per_tok
     cache = model.make_cache()
-    ids = np.asarray(token_ids, dtype=np.int32)
-    parts = []
-    for s in range(0, len(ids), chunk):
+    start = [0]
+
+    def forward(ids):
         cap = Capture(hidden=on_chunk is not None and getattr(on_chunk, "wants_hidden", False), router_inputs=True)
-        out = model(mx.array(ids[None, s:s + chunk]), cache=cache, capture=cap)
+        out = model(ids[None], cache=cache, capture=cap)
         topk, w = stack_capture(cap, L)
         ranked_i, ranked_p = [], []
         for layer in range(L):
@@ -64,9 +66,14 @@ def recompute(model, token_ids, chunk: int, on_chunk: Optional[Callable] = None)
             ranked_i.append(order)
             ranked_p.append(mx.take_along_axis(probs, order, axis=-1))
         ri, rp = mx.stack(ranked_i, axis=-2)[0], mx.stack(ranked_p, axis=-2)[0]
-        extra = on_chunk(s, cap) if on_chunk is not None else []
-        mx.eval(out, cache.arrays, topk, w, ri, rp, *extra)
-        parts.append((np.array(topk[0]), np.array(w[0]), np.array(ri).astype(np.int32), np.array(rp)))
+        extra = on_chunk(start[0], cap) if on_chunk is not None else []
+        start[0] += ids.size
+        rows = [topk[0], w[0], ri, rp]
+        return out, rows + list(extra), rows
+
+    parts = [(np.array(t), np.array(w), np.array(ri).astype(np.int32), np.array(rp))
+             for _, (t, w, ri, rp) in prefill_chunks(model, mx.array(np.asarray(token_ids, dtype=np.int32)), cache,
+                                                     chunk, forward)]
     cols = list(zip(*parts))
     return Recomputed(*(np.concatenate(c) for c in cols))
 

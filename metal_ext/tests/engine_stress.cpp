@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "testing/faults.h"
 
 using namespace hebrus;
 
@@ -38,10 +39,9 @@ int main(int argc, char** argv) {
   EngineOptions o;
   o.threads = 3;
   o.cache_bytes = 6 * rec;
-  o.testing = true;
   Engine e(o);
   int store = e.add_store(argv[1], "");
-  e.set_read_delay_us(100);
+  testing::injector(e)->set_delay_us(100);
   std::atomic<int> wrong{0}, delivered{0};
 
   auto worker = [&](uint64_t owner, unsigned seed) {
@@ -57,9 +57,15 @@ int main(int argc, char** argv) {
       q.generation = gen;
       q.priority = r() % 3;
       q.exact = r() % 2;
+      // Both digest domains: a fast-checked and a SHA-256-checked request for
+      // one record never share a slot (Engine::Key), so both race here.
       if (r() % 5 == 0) {
-        q.has_digest = true;
-        q.digest = sha256(&data[k * rec], rec);
+        q.check.kind = Check::kSha256;
+        q.check.digest = sha256(&data[k * rec], rec);
+      } else if (r() % 4 == 0) {
+        q.check.kind = Check::kXxh3;
+        Xxh3Digest d = xxh3_128(&data[k * rec], rec);
+        std::copy(d.begin(), d.end(), q.check.digest.begin());
       }
       uint64_t t;
       try {
