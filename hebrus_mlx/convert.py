@@ -219,6 +219,9 @@ def replaceable_artifact(path):
     for s in man.get("stores") if type(man.get("stores")) is list else ():
         if type(s) is dict and type(s.get("path")) is str:
             owned.add(s["path"])
+        fc = s.get("fast_check") if type(s) is dict else None  # the store's digest table file
+        if type(fc) is dict and type(fc.get("path")) is str:
+            owned.add(fc["path"])
     source = man.get("source") if type(man.get("source")) is dict else {}
     if type(source.get("files")) is dict:
         owned |= set(source["files"])
