@@ -13,15 +13,16 @@ No stage reads a sparse payload, and this module imports no MLX at all
 `admit()` before it allocates a single graph buffer.
 """
 
-import argparse
 import hashlib
 import json
 import os
 import sys
 
+from . import flags
 from .artifact import constants as C
 from .artifact import fast_check as FC
 from .artifact import manifest as M
+from .artifact import untrusted as U
 from .artifact.errors import AdmissionError, ArtifactError
 from .artifact.expert_major import ExpertMajorReader
 from .artifact.ple_pages import PleReader
@@ -66,13 +67,10 @@ class _Admission:
     def bounds(self):
         if not os.path.isdir(self.dir):
             raise AdmissionError("path", f"{self.dir} is not a directory")
-        mpath = self.file(C.MANIFEST_NAME)
-        if not os.path.isfile(mpath):
-            raise AdmissionError("manifest", "manifest.json missing")
-        size = os.path.getsize(mpath)
-        if size > C.MANIFEST_MAX_BYTES:
-            raise AdmissionError("manifest", f"{size} bytes exceeds {C.MANIFEST_MAX_BYTES}")
-        m = _json(_read(mpath), "manifest")
+        try:  # a regular file of the directory (no symlink), size-capped before it is read
+            m = U.loads(U.read_bytes(self.dir, C.MANIFEST_NAME, "manifest", field="manifest"), "manifest")
+        except FileNotFoundError:
+            raise AdmissionError("manifest", "manifest.json missing") from None
         if type(m) is not dict:
             raise AdmissionError("manifest", "must be a JSON object")
         for k, t in _REQUIRED_KEYS.items():
@@ -137,9 +135,10 @@ class _Admission:
             if required:
                 raise AdmissionError(field, "missing")
             return False
-        if not os.path.isfile(self.file(name)):
-            raise AdmissionError(field, "listed but absent")
-        data = _read(self.file(name))
+        try:  # regular, inside the directory, bounded (untrusted.LIMITS) before it is read
+            data = U.read_bytes(self.dir, name, field=field)
+        except FileNotFoundError:
+            raise AdmissionError(field, "listed but absent") from None
         if hashlib.sha256(data).hexdigest() != files[name]:
             raise AdmissionError(field, "digest mismatch")
         self.sources[name] = data
@@ -473,16 +472,9 @@ class _Admission:
         )
 
 
-def _read(path):
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def _json(data, field):
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise AdmissionError(field, f"not JSON: {e}") from None
+    # Strict: no duplicate keys, bounded nesting (untrusted.loads).
+    return U.loads(data, field)
 
 
 def _is_sha256(x):
@@ -554,7 +546,7 @@ def admit_mirror(m: M.Manifest, directory) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
+    p = flags.Parser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
     p.add_argument("path", help="artifact directory")
     args = p.parse_args(argv)
     print(admit(args.path).report.to_json())  # a rejection is one line on stderr (cli.run)

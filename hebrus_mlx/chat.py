@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from . import flags
 from .cli_args import ArgumentParser, str2bool
 from .errors import UsageError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     # generate's model, cache and sampling flags (incl. --system-prompt), so the verbs cannot drift.
     p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--verbose", type=str2bool, default=True, help="print a stats line after each reply")
-    p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
+    p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=1 << 30,
                    help="byte limit of cached prefix snapshots (0: prefill the whole conversation every turn)")
     p.set_defaults(max_tokens=256)
     return p
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     while True:
         try:
             line = input(">> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: a clean exit
             print()
             return 0
         text = line.strip()

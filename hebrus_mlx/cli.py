@@ -50,9 +50,13 @@ def describe(e: BaseException) -> str:
 
 def run(verb: str, main, argv=None) -> int:
     """main(argv) of one verb; a typed error ends as ``hebrus-mlx VERB: error: FIELD: MESSAGE`` on
-    stderr and exit 2. Any other exception is a bug and propagates with its traceback."""
+    stderr and exit 2. Ctrl-C ends the verb quietly with 130 (atomic publishers drop their
+    temporaries on the way out). Any other exception is a bug and propagates with its traceback."""
     try:
         return main(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # past the ^C echo
+        return 130
     except _typed() as e:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             traceback.print_exc()

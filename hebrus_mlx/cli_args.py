@@ -5,16 +5,14 @@ the loader they feed are `generate.build_parser`, `generate.check_args` and `gen
 
 import argparse
 
-from .errors import UsageError
+from .flags import Parser
 
 __all__ = ["ArgumentParser", "str2bool"]
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors raise UsageError("arguments", message) instead of exiting."""
-
-    def error(self, message):
-        raise UsageError("arguments", message)
+class ArgumentParser(Parser):
+    """argparse whose usage errors raise a UsageError naming the flag (flags.Parser) instead of
+    exiting; numeric flags take their types from `hebrus_mlx.flags`."""
 
 
 def str2bool(s: str) -> bool:

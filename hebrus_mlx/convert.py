@@ -15,7 +15,6 @@ The whole directory is published atomically and admitted (CPU-only) from the
 temp directory before the rename.
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -24,10 +23,10 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from . import admission, hub
+from . import admission, flags, hub
 from .artifact import atomic
 from .artifact import constants as C
-from .artifact import expert_major, fast_check as FC, manifest as M, ple_pages
+from .artifact import expert_major, fast_check as FC, manifest as M, ple_pages, untrusted
 from .artifact.errors import ArtifactError, GeometryError
 from .models import checkpoint_keys as keys
 from .models.qwen4exp_config import mtp_layer_args
@@ -205,10 +204,49 @@ def plan(config, q_bits=None, q_group_size=None, dtype=None):
     return profile, M.model_args(config), constants, detect_family(constants)
 
 
+def replaceable_artifact(path):
+    """None when directory `path` is a hebrus-mlx artifact whose manifest owns every entry in it
+    (replacing it loses nothing the user put there), else the reason it is not."""
+    try:
+        man = untrusted.read_json(path, C.MANIFEST_NAME, "manifest")
+    except FileNotFoundError:
+        return "no manifest.json"
+    except (OSError, ArtifactError) as e:
+        return f"manifest.json: {getattr(e, 'message', e)}"
+    if type(man) is not dict or man.get("schema") != C.MANIFEST_SCHEMA:
+        return "manifest.json is not a hebrus-mlx manifest"
+    owned = {C.MANIFEST_NAME}
+    for s in man.get("stores") if type(man.get("stores")) is list else ():
+        if type(s) is dict and type(s.get("path")) is str:
+            owned.add(s["path"])
+        fc = s.get("fast_check") if type(s) is dict else None  # the store's digest table file
+        if type(fc) is dict and type(fc.get("path")) is str:
+            owned.add(fc["path"])
+    source = man.get("source") if type(man.get("source")) is dict else {}
+    if type(source.get("files")) is dict:
+        owned |= set(source["files"])
+    extra = sorted(set(os.listdir(path)) - owned)
+    if extra:
+        return f"{extra[0]!r} is not a file of its manifest"
+    return None
+
+
+def check_out(out, overwrite, source=None):
+    """`--out` may be new, an empty directory, or (with overwrite) an earlier artifact; never the
+    source, a parent of it, the working directory, a file or a symlink (atomic.check_replaceable)."""
+    atomic.check_replaceable(out, overwrite=overwrite, is_ours=replaceable_artifact, protect=(source,),
+                             what="artifact", field="--out")
+
+
 def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False,
-            mtp=True):
+            mtp=True, overwrite=False):
     """mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
-    store; False excludes it (counted under the "mtp" exclusion rule)."""
+    store; False excludes it (counted under the "mtp" exclusion rule). overwrite: `out` may be an
+    earlier artifact, replaced once the new one is admitted (`check_out`)."""
+    check_out(out, overwrite, hf_path if os.path.exists(hf_path) else None)
+    for t in atomic.clean_stale(out):  # a killed run's temporaries (flock-free: their writer is gone)
+        if not quiet:
+            print(f"hebrus-mlx convert: removed {t} (left by an interrupted conversion)", file=sys.stderr)
     if not os.path.isdir(hf_path):
         # A path-like name that is not a directory is a typo, not a Hub repo id.
         if os.path.isabs(hf_path) or hf_path.startswith((".", "~")) or os.path.exists(hf_path):
@@ -218,8 +256,8 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         repo = hf_path
         profile, args, _, fam = plan(hub.read_config(repo, revision), q_bits, q_group_size, dtype)
         hf_path = str(hub.download(repo, revision, also=(artifact_bytes(args, fam, profile), out)))
-    with open(os.path.join(hf_path, "config.json"), "rb") as f:
-        config = json.loads(f.read())
+        check_out(out, overwrite, hf_path)  # never the HF cache that holds the download
+    config = untrusted.read_json(hf_path, "config.json", links=True)
     profile, args, constants, fam = plan(config, q_bits, q_group_size, dtype)
     codecs = C.PROFILES[profile]
     src = open_source(hf_path, config)
@@ -298,7 +336,8 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         data = M.dumps(man)
         atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
 
-    atomic.publish_dir(out, build, verify=admission.admit)
+    # Checked again at the swap: the conversion may have taken hours.
+    atomic.publish_dir(out, build, verify=admission.admit, replace=lambda t: check_out(t, overwrite, hf_path))
     return admission.admit(out)
 
 
@@ -310,10 +349,8 @@ def add_mtp(artifact, mtp_source, quiet=False):
     from .models.qwen4exp_config import ModelArgs
 
     admission.admit(artifact)
-    with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
-        man = json.loads(f.read())
-    with open(os.path.join(artifact, "config.json"), "rb") as f:
-        args = ModelArgs.from_dict(json.loads(f.read()))
+    man = untrusted.read_json(artifact, C.MANIFEST_NAME, "manifest")
+    args = ModelArgs.from_dict(untrusted.read_json(artifact, "config.json"))
     mtp_layer_args(args)
     fam = C.family(man["family"])
     src = Source(mtp_source)
@@ -354,8 +391,7 @@ def add_dense_digests(artifact):
     rank verifies instead of the whole file). Only manifest.json is republished (temp + fsync +
     rename); the digests are taken from bytes whose whole-file digest matched first."""
     m = admission.admit(artifact)
-    with open(os.path.join(artifact, C.MANIFEST_NAME), "rb") as f:
-        man = json.loads(f.read())
+    man = untrusted.read_json(artifact, C.MANIFEST_NAME, "manifest")
     with open(m.file(m.dense), "rb") as f:
         raw = f.read()
     if hashlib.sha256(raw).hexdigest() != m.dense.sha256:
@@ -397,18 +433,25 @@ def _collector(units, path):
     return FC.Collector(units, path) if FC.xxh3_128() is not None else None
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="hebrus-mlx convert", description="Convert a Qwen4Exp HF checkpoint")
+def build_parser():
+    p = flags.Parser(prog="hebrus-mlx convert", description="Convert a Qwen4Exp HF checkpoint")
     p.add_argument("--hf-path", required=True, help="local directory or Hugging Face repo id")
     p.add_argument("--out", required=True, help="artifact directory to publish")
-    p.add_argument("--q-bits", type=int, help="default 4 (an MLX-quantized source keeps its own)")
-    p.add_argument("--q-group-size", type=int, help="default 64 (an MLX-quantized source keeps its own)")
+    p.add_argument("--q-bits", type=flags.integer(1, 16), help="default 4 (an MLX-quantized source keeps its own)")
+    p.add_argument("--q-group-size", type=flags.integer(1, 1 << 16), help="default 64 (an MLX-quantized source keeps its own)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store unquantized instead")
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out when it is an earlier hebrus-mlx artifact (never anything else)")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
     report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision,
-                     mtp=not a.no_mtp).report  # errors: cli.run
+                     mtp=not a.no_mtp, overwrite=a.overwrite).report  # errors: cli.run
     print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
     return 0
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 
 import mlx.core as mx
 
+from . import flags
 from .cli_args import ArgumentParser, str2bool
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
@@ -30,6 +31,7 @@ from .traces.schema import KIND_DECODE, KIND_PREFILL
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP_SIZE = 2048
+MAX_DRAFT_TOKENS = 64  # a verify block of more drafted tokens only wastes work (1e11 hung the run)
 CLEAR_CACHE_EVERY = 256  # tokens; as mlx-lm's generate, so the buffer cache does not grow unbounded
 
 # One stream for the model's work, as mlx-lm: host-side work on the default stream does not queue
@@ -584,19 +586,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="message to send; '-' reads stdin")
     p.add_argument("--system-prompt", default=None)
-    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", "-m", type=flags.integer(1), default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--temp", type=flags.number(0, 1e6), default=0.0)
+    p.add_argument("--top-p", type=flags.number(0, 1), default=1.0)
+    p.add_argument("--top-k", type=flags.integer(0), default=0)
+    p.add_argument("--min-p", type=flags.number(0, 1), default=0.0)
+    p.add_argument("--seed", type=flags.seed(), default=None)
     p.add_argument("--ignore-chat-template", action="store_true", help="tokenize the prompt as plain text")
     p.add_argument("--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
-    p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP_SIZE)
-    p.add_argument("--max-kv-size", type=int, default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED)
-    p.add_argument("--expert-cache-gb", type=float, default=None,
+    p.add_argument("--prefill-step-size", type=flags.integer(1), default=DEFAULT_PREFILL_STEP_SIZE)
+    p.add_argument("--max-kv-size", type=flags.integer(1), default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED)
+    p.add_argument("--expert-cache-gb", type=flags.gib(), default=None,
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
-    p.add_argument("--ple-cache-gb", type=float, default=None,
+    p.add_argument("--ple-cache-gb", type=flags.gib(), default=None,
                    help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
     add_prefetch_argument(p)
     p.add_argument("--expert-mirror", default=None, metavar="DIR",
@@ -605,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_argument(p)
     p.add_argument("--trace-out", default=None, metavar="DIR",
                    help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
-    p.add_argument("--trace-features", type=int, default=0, metavar="N",
+    p.add_argument("--trace-features", type=flags.integer(0), default=0, metavar="N",
                    help="with --trace-out, also record the router input of every Nth position (0 = off)")
     p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
     p.add_argument("--draft-model", default=None,
@@ -614,9 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float dtype to run in: auto = float32 on the CPU backend, the stored dtype on Metal")
     p.add_argument("--pipeline-split", default=None,
                    help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
-    p.add_argument("--pipeline-timeout", type=float, default=None,
+    p.add_argument("--pipeline-timeout", type=flags.seconds(), default=None,
                    help="under mlx.launch: seconds a rank waits on another before the run ends with an error (default 60)")
-    p.add_argument("--num-draft-tokens", type=int, default=None,
+    p.add_argument("--num-draft-tokens", type=flags.integer(1, MAX_DRAFT_TOKENS), default=None,
                    help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)")
     return p
 

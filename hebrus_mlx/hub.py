@@ -117,16 +117,15 @@ def bytes_to_download(repo_id, revision=None, allow_patterns=ALLOW_PATTERNS, cac
 
 def read_config(repo_id, revision=None, cache_dir=None):
     """config.json of a repo (one small download, or the cache when offline)."""
-    import json
-
     from huggingface_hub import hf_hub_download
+
+    from .artifact import untrusted
 
     if not is_repo_id(repo_id):
         raise HubError("model", f"{repo_id!r} is neither a local directory nor a Hub repo id (ORG/NAME)")
     try:
         path = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
-        with open(path, "rb") as f:
-            return json.loads(f.read())
+        return untrusted.read_json_path(path, "config")
     except Exception as e:  # offline cache miss, network, auth, bad JSON: version-dependent types
         raise HubError("model", f"{repo_id}: cannot read config.json ({type(e).__name__}: {_first_line(e)})") from None
 

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import flags
 from .errors import UsageError
 from .profile import FAILED, NOT_QUALIFIED, PASSED, SCHEMA, this_machine, write_profile
 
@@ -565,23 +566,28 @@ def qualify(probe_dir=None, record_bytes=2704 * 1024, probe_mib=128, store=None,
     }
 
 
-def main(argv=None, hooks=None):
-    """`hooks` (hebrus_mlx.qualify_report, the verb's entry) adds flags (add_arguments), checks
-    them before anything is measured (check_arguments) and runs after the profile is written (run)."""
-    p = argparse.ArgumentParser(prog="hebrus-mlx qualify", description=__doc__.splitlines()[0])
+def build_parser():
+    p = flags.Parser(prog="hebrus-mlx qualify", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)")
     p.add_argument("--probe-dir", default=None, help="directory on the SSD the model lives on (probe file)")
     p.add_argument("--store", default=None, help="read an existing file (e.g. an artifact's experts.hbem) instead")
-    p.add_argument("--record-kib", type=int, default=2704, help="read size (default: one real expert record)")
-    p.add_argument("--probe-mib", type=int, default=128)
+    p.add_argument("--record-kib", type=flags.integer(1, 1 << 20), default=2704, help="read size (default: one real expert record)")
+    p.add_argument("--probe-mib", type=flags.integer(1, 1 << 20), default=128)
     p.add_argument("--no-emulate", action="store_true")
     p.add_argument("--artifact", default="demo",
                    help="artifact whose expert store the MTLIO and GPU-event A/Bs stream and the prefill sweep's "
                         "crossover is measured on (default: demo; the loader uses that crossover only for stores "
                         "of the same record size on the same file system)")
-    p.add_argument("--rounds", type=int, default=2, help="A/B/B/A rounds of each device A/B (default 2)")
-    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per GPU-event A/B run (default 32)")
+    p.add_argument("--rounds", type=flags.integer(1, 1000), default=2, help="A/B/B/A rounds of each device A/B (default 2)")
+    p.add_argument("--tokens", type=flags.integer(1, 1 << 20), default=32, help="greedy tokens per GPU-event A/B run (default 32)")
     p.add_argument("--kernels-child", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None, hooks=None):
+    """`hooks` (hebrus_mlx.qualify_report, the verb's entry) adds flags (add_arguments), checks
+    them before anything is measured (check_arguments) and runs after the profile is written (run)."""
+    p = build_parser()
     if hooks is not None:
         hooks.add_arguments(p)
     a = p.parse_args(argv)

@@ -67,12 +67,10 @@ def check_arguments(a) -> None:
 
 
 def parse_caches(s: str) -> List[float]:
+    from . import flags
     from .errors import UsageError
 
-    try:
-        v = [float(x) for x in s.split(",")]
-    except ValueError:
-        raise UsageError("--report-cache-gb", f"expected two sizes in GiB like 4,16, got {s!r}") from None
+    v = flags.items(s, "--report-cache-gb", flags.gib())  # NaN, inf and 1e300 refused too
     if len(v) != 2 or min(v) <= 0 or v[0] == v[1]:
         raise UsageError("--report-cache-gb", f"expected two different positive sizes, got {s!r}")
     return sorted(v)

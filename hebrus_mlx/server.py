@@ -42,6 +42,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from . import api_fields, flags
+from .api_fields import RequestError
 from .cli_args import ArgumentParser
 from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
@@ -59,16 +61,9 @@ log = logging.getLogger("hebrus_mlx.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+API_KEY_ENV = "HEBRUS_MLX_API_KEY"  # the key without a command line that `ps` shows
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-
-
-class RequestError(ValueError):
-    """A request the server refuses; becomes an OpenAI-style error object."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.param, self.status, self.kind = param, status, kind
 
 
 # -- request parsing (no MLX) ---------------------------------------------------------------------
@@ -142,7 +137,7 @@ def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
         if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
             raise RequestError("stop must be a non-empty string or a list of them", "stop")
         s.stop = stop
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise RequestError("stream must be a boolean", "stream")
     s.stream = stream
@@ -154,7 +149,7 @@ def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
         if not isinstance(inc, bool):
             raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
         s.include_usage = inc
-    n = body.get("n", 1)
+    n = 1 if body.get("n") is None else body["n"]
     if n != 1 or not _is_int(n):
         raise RequestError("only n=1 is supported", "n")
     if body.get("logprobs") not in (None, False):
@@ -393,14 +388,28 @@ def _error_body(e: RequestError) -> dict:
     return {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": None}}
 
 
+class _Disconnected(Exception):
+    """The client went away before its request body arrived."""
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
 class App:
     def __init__(self, worker: Worker, model_id: str, api_key: Optional[str] = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        from concurrent.futures import ThreadPoolExecutor
+
         from starlette.applications import Starlette
         from starlette.routing import Route
 
         self.worker, self.model_id, self.api_key, self.max_body_bytes = worker, model_id, api_key, max_body_bytes
         self.created = int(time.time())
+        # JSON parsing, template rendering and tokenization run here, off the event loop, so a
+        # 4 MB request never stalls /health or other clients' streams (two at a time).
+        self.prep = ThreadPoolExecutor(2, thread_name_prefix="hebrus-prep")
+        self.live: dict = {}  # id -> job with a waiting response (cancelled on shutdown)
+        self.stopping = False
         tmpl = worker.tokenizer.chat_template or ""
         added = worker.tokenizer.added_tokens
         # Tool calls are parsed only where the template writes them in this format.
@@ -434,7 +443,14 @@ class App:
         async def endpoint(request):
             try:
                 self._authorize(request)
+                if self.stopping:
+                    raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
                 return await handler(request)
+            except _Disconnected:
+                from starlette.responses import Response
+
+                log.info("%s %s: client disconnected before sending its body", request.method, request.url.path)
+                return Response(status_code=400)  # nobody reads it
             except RequestError as e:
                 return self._refuse(request, e)
             except (ChatError, TokenizerError, gen.GenerationError) as e:
@@ -445,36 +461,45 @@ class App:
 
         return endpoint
 
-    def _authorize(self, request):
+    def _authorized(self, request) -> bool:
         if self.api_key is None:
-            return
+            return True
         got = request.headers.get("authorization", "")
         want = "Bearer " + self.api_key
-        if not hmac.compare_digest(got.encode(), want.encode()):
+        return hmac.compare_digest(got.encode(), want.encode())
+
+    def _authorize(self, request):
+        if not self._authorized(request):
             raise RequestError("missing or wrong API key (Authorization: Bearer ...)", None, 401, "authentication_error")
 
+    async def _off_loop(self, fn, *args, **kwargs):
+        import functools
+
+        return await asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args, **kwargs))
+
     async def _body(self, request) -> dict:
+        from starlette.requests import ClientDisconnect
+
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             raise RequestError(f"request body over {self.max_body_bytes} bytes", None, 413)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise RequestError(f"request body over {self.max_body_bytes} bytes", None, 413)
-            chunks.append(chunk)
         try:
-            body = json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RequestError(f"invalid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise RequestError(f"request body over {self.max_body_bytes} bytes", None, 413)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise _Disconnected() from None
+        return await self._off_loop(api_fields.parse_body, b"".join(chunks))
 
     # Endpoints ------------------------------------------------------------------------------
     async def health(self, request):
+        if not self._authorized(request):  # alive, nothing more, without the key
+            return self._json({"status": "stopping" if self.stopping else "ok"})
         w = self.worker
-        out = {"status": "ok", "queued": w.jobs.qsize(), "busy": w.busy,
+        out = {"status": "stopping" if self.stopping else "ok", "queued": w.jobs.qsize(), "busy": w.busy,
                "prompt_cache": {"entries": len(w.prompt_cache), "bytes": w.prompt_cache.nbytes,
                                 "hits": w.prompt_cache.hits, "misses": w.prompt_cache.misses}}
         streaming = getattr(w.model, "streaming", None)
@@ -505,17 +530,18 @@ class App:
 
     async def chat(self, request):
         body = await self._body(request)
+        tok = self.worker.tokenizer
+        options = api_fields.check_fields(body, True, tok.effective_vocab_size)
         s = parse_sampling(body, self.worker.defaults)
-        if "messages" not in body:
+        if body.get("messages") is None:
             raise RequestError("messages is required", "messages")
         tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RequestError("tools must be a list", "tools")
-        tok = self.worker.tokenizer
         if tok.chat_template is None:
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
         # Provenance-safe: rendered by the template, caller strings tokenized as DATA (AFN-006).
-        ids = tok.apply_chat_template(body["messages"], tools=tools or None, add_generation_prompt=True)
+        # Off the event loop: rendering and tokenizing megabytes takes seconds.
+        ids = await self._off_loop(tok.apply_chat_template, body["messages"], tools=tools or None,
+                                   add_generation_prompt=True, **options)
         max_tokens = self._max_tokens(s, len(ids), "messages")
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
         return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
@@ -523,13 +549,14 @@ class App:
 
     async def completions(self, request):
         body = await self._body(request)
+        tok = self.worker.tokenizer
+        api_fields.check_fields(body, False, tok.effective_vocab_size)
         s = parse_sampling(body, self.worker.defaults)
         prompt = body.get("prompt")
-        tok = self.worker.tokenizer
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = tok.encode(prompt)  # caller text: DATA
+            ids = await self._off_loop(tok.encode, prompt)  # caller text: DATA
         elif isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
             bad = [i for i in prompt if not 0 <= i < tok.effective_vocab_size]
             if bad:
@@ -556,20 +583,36 @@ class App:
             job.events.put_nowait(("disconnected", None))
 
         watcher = asyncio.create_task(watch())
+        if self.stopping:
+            raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
+        self.live[id(job)] = job
         self.worker.jobs.put(job)
         try:
             while True:
                 event = await job.events.get()
                 if event[0] == "disconnected":
                     return
+                if event[0] == "shutdown":
+                    job.finished = True
+                    raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
                 if event[0] in ("done", "error"):
                     job.finished = True
                 yield event
                 if job.finished:
                     return
         finally:
+            self.live.pop(id(job), None)
             watcher.cancel()
             self.worker.cancel(job)
+
+    def begin_shutdown(self):
+        """On SIGTERM/SIGINT (the event loop's thread): refuse new requests, cancel every waiting
+        one (queued or running: its expert reads fail at once) and answer it 503."""
+        self.stopping = True
+        for job in list(self.live.values()):
+            self.worker.cancel(job)
+            job.events.put_nowait(("shutdown", None))
+        self.prep.shutdown(wait=False, cancel_futures=True)
 
     async def _respond(self, request, job: Job, chat: bool, parse_tools: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
@@ -682,6 +725,9 @@ def _text(e) -> str:
 
 
 def _param_of(e) -> Optional[str]:
+    field = getattr(e, "field", "")
+    if re.match(r"(messages|tools)(\[\d+\]|\.)", field):  # a typed error naming its JSON path
+        return field
     m = re.match(r"(messages|tools)(\[\d+\])?(\.\w+(\[\d+\])?)*", _text(e))
     return m.group(0) if m else ("messages" if isinstance(e, ChatError) else None)
 
@@ -731,14 +777,83 @@ def build_parser() -> argparse.ArgumentParser:
                        conflict_handler="resolve")
     p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on start)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES,
+    p.add_argument("--port", type=flags.integer(0, 65535), default=8080, help="0 picks a free port (printed on start)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or "
+                        f"${API_KEY_ENV})")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from PATH (one line)")
+    p.add_argument("--shutdown-timeout", type=flags.seconds(), default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM/SIGINT: seconds to let cancelled requests finish before exiting "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
+    p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=DEFAULT_PROMPT_CACHE_BYTES,
                    help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(max_tokens=512)
     return p
+
+
+def api_key_from(args, environ=None) -> Optional[str]:
+    """The key from exactly one of --api-key, --api-key-file or $HEBRUS_MLX_API_KEY (None: no key)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    given = [(f, v) for f, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
+                                 (API_KEY_ENV, environ.get(API_KEY_ENV))) if v is not None]
+    if len(given) > 1:
+        raise UsageError(given[1][0], f"the API key is also given by {given[0][0]}; give it once")
+    if not given:
+        return None
+    field, value = given[0]
+    if field == "--api-key-file":
+        from .artifact import untrusted
+
+        path = os.path.abspath(os.path.expanduser(value))
+        try:
+            data = untrusted.read_path(untrusted.resolve(os.path.dirname(path), os.path.basename(path),
+                                                         field, links=True), "api_key", field)
+        except OSError as e:
+            raise UsageError(field, f"{value}: {e.strerror or e}") from None
+        except untrusted.UntrustedFileError as e:
+            raise UsageError(field, e.message) from None
+        try:
+            value = data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise UsageError(field, f"{value}: not UTF-8") from None
+    if not value or any(c.isspace() or not c.isprintable() for c in value):
+        raise UsageError(field, "the API key must be one non-empty word of printable characters")
+    return value
+
+
+class _Server:
+    """uvicorn's server, stopped our way: the first SIGTERM/SIGINT cancels every in-flight
+    generation (App.begin_shutdown) and uvicorn stops accepting and waits at most
+    --shutdown-timeout for the responses; main() then exits 0 (uvicorn's re-raise of the
+    signal after its shutdown is absorbed)."""
+
+    @staticmethod
+    def run(app: "App", config, sock):
+        import signal
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                first = not self.should_exit
+                super().handle_exit(sig, frame)
+                if first:
+                    log.warning("signal %d: stopping (cancelling %d request(s))", sig, len(app.live))
+                    app.begin_shutdown()
+
+        # uvicorn restores these and raises the caught signal again once it has shut down: make
+        # that a no-op so the worker is stopped and the process exits normally.
+        previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            Server(config).run(sockets=[sock])
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def main(argv=None) -> int:
@@ -746,6 +861,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     gen.check_args(args)
+    api_key = api_key_from(args)
     refuse_unused(args, parser.shared, USED, "server")
     if not 0 <= args.port <= 65535:
         raise UsageError("--port", f"must be in [0, 65535], got {args.port}")
@@ -793,17 +909,32 @@ def main(argv=None) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     sock.listen(2048)  # before the line below: a client may connect as soon as it reads it
-    app = App(worker, args.model, args.api_key, args.max_body_bytes)
+    app = App(worker, args.model, api_key, args.max_body_bytes)
     host, port = sock.getsockname()[:2]
     print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
-    config = uvicorn.Config(app.app, log_level=args.log_level.lower(), access_log=False, lifespan="off")
+    config = uvicorn.Config(app.app, log_level=args.log_level.lower(), access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _Server.run(app, config, sock)
     finally:
         worker.stop()
-        if pipe is not None:
-            worker._thread.join(timeout=60)
-    return 0
+        # The worker drains its cancelled step (its expert reads already failed); a pipeline also
+        # stops its ranks. A worker still busy past the grace period is left to the process exit.
+        worker._thread.join(timeout=60 if pipe is not None else args.shutdown_timeout)
+    if worker._thread.is_alive() or any(t.is_alive() for t in app.prep._threads):
+        log.warning("exiting with work still running (past --shutdown-timeout)")
+    else:
+        log.info("stopped")
+    # Leave without interpreter finalization: the worker thread's MLX thread-locals (its compile
+    # cache holds Python objects) are destroyed when the OS thread exits, which can be after
+    # join() returns; overlapping finalization, CPython aborts the process (SIGABRT in about 1 of
+    # 6 shutdowns with streamed experts, seen under gdb). Everything is stopped by now.
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import admission
 from .artifact import constants as C
+from .artifact import untrusted
 from .artifact.errors import ArtifactError, GeometryError
 from .convert_fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
 from .models import checkpoint_keys as keys
@@ -26,7 +27,8 @@ class Source:
         for name in sorted(os.listdir(path)):
             if not name.endswith(".safetensors"):
                 continue
-            full = os.path.join(path, name)
+            # Inside the checkpoint (a HF cache snapshot's links into its blobs/ included).
+            full = untrusted.resolve(path, name, f"source.{name}", links=True)
             n, header, _ = admission.read_safetensors_header(full)
             for key, e in header.items():
                 if key in self.index:

@@ -12,7 +12,6 @@ that already has fast checks is left alone, unless `--refresh` asks for its tabl
 again from the SHA-256-verified bytes (e.g. after its stores were rebuilt).
 """
 
-import argparse
 import errno
 import hashlib
 import json
@@ -21,6 +20,7 @@ import sys
 
 from tqdm import tqdm
 
+from . import flags
 from .admission import admit
 from .artifact import atomic
 from .artifact import constants as C
@@ -105,7 +105,7 @@ def upgrade(path, stream=None, refresh=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="hebrus-mlx upgrade",
+    p = flags.Parser(prog="hebrus-mlx upgrade",
                                 description="add the fast per-read check (XXH3-128 tables) to an older artifact")
     p.add_argument("path", help="artifact directory (replaced atomically)")
     p.add_argument("--refresh", action="store_true",

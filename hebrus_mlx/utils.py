@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import glob
-import json
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 
-from .errors import HebrusError, UsageError
+from .errors import UsageError
 # Model names resolve in hub.py (demo -> local dir -> Hub repo id); re-exported for load's callers.
 from .hub import DEMO_DIR, ModelNotFoundError, is_repo_id, resolve_model, resolve_model_path  # noqa: F401
 from .models import cpu_streams
@@ -19,11 +18,10 @@ def is_artifact(path: Path) -> bool:
 
 
 def load_config(path: Path) -> dict:
-    try:
-        with open(Path(path) / "config.json", "rb") as f:
-            return json.loads(f.read())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise HebrusError("config.json", f"not JSON: {e}") from None
+    # A regular file inside the directory, size-capped, strict JSON (artifact.untrusted).
+    from .artifact import untrusted
+
+    return untrusted.read_json(str(path), "config.json", links=True)
 
 
 def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
@@ -44,6 +42,11 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
         raise ModelNotFoundError(f"no *.safetensors in {path}")
     weights = {}
     for file in files:
+        # Inside the directory, and its header bounded before MLX parses it (artifact.untrusted).
+        from .artifact import untrusted
+        from .artifact.safetensors import read_safetensors_header
+
+        read_safetensors_header(untrusted.resolve(str(path), Path(file).name, links=True))
         for key, value in mx.load(file).items():
             if key in weights:
                 raise CheckpointKeyError(f"tensor {key!r} appears in more than one shard")

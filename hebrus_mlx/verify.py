@@ -10,13 +10,13 @@ verified bytes in the same pass, so a verified artifact streams without a
 false alarm. Progress bars (tqdm) show on a terminal only.
 """
 
-import argparse
 import hashlib
 import json
 import sys
 
 from tqdm import tqdm
 
+from . import flags
 from .admission import admit
 from .artifact import fast_check
 from .artifact.errors import DigestError
@@ -87,7 +87,7 @@ def verify(path, stream=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="hebrus-mlx verify", description="verify every artifact digest")
+    p = flags.Parser(prog="hebrus-mlx verify", description="verify every artifact digest")
     p.add_argument("path")
     a = p.parse_args(argv)
     _, checked = verify(a.path)  # a failure is one line on stderr (cli.run)

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "hebrus_mlx"
 
-FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.models.qwen4exp_config",
+FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.flags", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.models.qwen4exp_config",
           "hebrus_mlx.models.checkpoint_keys", "hebrus_mlx.pipeline.split")
 RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one module
     (FORMAT, 0),
@@ -36,7 +36,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify", "hebrus_mlx.qualify_report",
       "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli", "hebrus_mlx.bench",
       "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate."), 3),
-    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.chat"), 4),
+    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.api_fields", "hebrus_mlx.chat"), 4),
 ]
 
 

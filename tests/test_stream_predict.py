@@ -9,7 +9,6 @@ of router probabilities the test computes from the model's own gate weights. Eng
 synthetic bytes the test writes.
 """
 
-import argparse
 import hashlib
 
 import mlx.core as mx
@@ -39,12 +38,14 @@ def test_parse_prefetch_and_typed_errors():
         assert e.value.field == field, bad
     with pytest.raises(UsageError, match="prefetch-budget"):
         P.parse_prefetch("hyper-reuse", budget=0)
-    p = argparse.ArgumentParser()
+    from hebrus_mlx.flags import Parser
+
+    p = Parser()
     P.add_prefetch_argument(p)
     assert P.prefetch_from_args(p.parse_args([])) is None
     assert P.prefetch_from_args(p.parse_args(["--prefetch", "router-reuse:2"])).depth == 2
-    with pytest.raises(UsageError) as e:
-        P.prefetch_from_args(p.parse_args(["--prefetch-threshold", "1.5"]))
+    with pytest.raises(UsageError) as e:  # refused by the flag's type (hebrus_mlx.flags)
+        p.parse_args(["--prefetch-threshold", "1.5"])
     assert e.value.field == "--prefetch-threshold"
 
 

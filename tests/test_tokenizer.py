@@ -7,6 +7,7 @@ contract controls. Recompute with tests/fixtures/text/capture_text_cases.py.
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,8 @@ def test_bad_eos_ids_are_rejected(backend, eos):
 
 def test_generation_config_is_read(qwen_dir, tmp_path):
     """load_tokenizer takes eos_token_id (int or list) from generation_config.json."""
-    (tmp_path / "tokenizer.json").symlink_to(qwen_dir / "tokenizer.json")
+    # A copy: a symlink out of the directory is refused (tests/test_untrusted_files.py).
+    shutil.copy(qwen_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 248076}))
     assert load_tokenizer(tmp_path, PHYSICAL_VOCAB).stop_token_ids == {EOT, IM_END, 248076}
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))

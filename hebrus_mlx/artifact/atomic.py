@@ -11,18 +11,36 @@ the new, complete target is already visible.
 
 `Faults` injects the failures tests need: fsync failure, short write, ENOSPC
 and rename failure.
+
+Temporaries are siblings named `.NAME.tmp-HEX` (files) and `.NAME.tmpdir-HEX` (directories). The
+writer holds an exclusive flock on each until it is renamed, so a process killed mid-write (kill -9
+included: the kernel drops the lock) leaves a temp nobody holds. Every publish of NAME first
+removes such stale temporaries of NAME (`clean_stale`); a temp whose lock is held belongs to a live
+writer and is never touched.
+
+`check_replaceable` is the rule for publishing over a path the caller did not write (`convert
+--out`, `traces export --out`): never a file, a symlink, the source, a parent of the source or of
+the working directory; an existing non-empty directory only with overwrite and only when the
+caller recognises it as its own earlier output.
 """
 
 import ctypes
 import ctypes.util
 import enum
 import errno
+import fcntl
+import logging
 import os
+import re
 import shutil
 import sys
 import uuid
 
+from ..errors import UsageError
 from .errors import ArtifactError, PublishError
+
+log = logging.getLogger("hebrus_mlx.atomic")
+_TEMP_KINDS = ("tmp", "tmpdir")
 
 
 class State(enum.Enum):
@@ -101,6 +119,110 @@ def _sibling(target, kind):
     return os.path.join(d, f".{name}.{kind}-{uuid.uuid4().hex[:12]}")
 
 
+def _try_lock(fd):
+    """Exclusive, non-blocking flock; False when another open file holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _locked_temp(target, kind, create):
+    """(path, fd) of a fresh temp that this process holds the lock of. `create(path)` makes it and
+    returns an fd. A cleaner that took the lock first (or unlinked the name) makes us retry."""
+    for _ in range(8):
+        tmp = _sibling(target, kind)
+        fd = create(tmp)
+        try:
+            if _try_lock(fd) and os.path.samestat(os.fstat(fd), os.lstat(tmp)):
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise PublishError(os.path.basename(target), "could not lock a fresh temporary (another process removes them)")
+
+
+def _temp_pattern(target):
+    name = os.path.basename(os.path.abspath(target))
+    return re.compile(r"\." + re.escape(name) + r"\.(tmp|tmpdir)-[0-9a-f]{12}\Z")
+
+
+def _open_temp(path):
+    # Never follows a symlink: a link with a temp's name is not ours.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
+    try:
+        return os.open(path, flags)
+    except OSError:
+        return None
+
+
+def clean_stale(target):
+    """Remove the temporaries of `target` left by killed writers; returns the removed paths.
+    Each is removed while this process holds its lock, so a writer that starts meanwhile cannot
+    adopt it; a temp whose lock is held (a live writer) is left alone."""
+    parent = os.path.dirname(os.path.abspath(target))
+    pattern = _temp_pattern(target)
+    try:
+        names = sorted(e.name for e in os.scandir(parent) if pattern.match(e.name))
+    except OSError:  # no parent yet: nothing stale; an unusable one fails the publish itself
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(parent, name)
+        fd = _open_temp(path)
+        if fd is None:
+            continue
+        try:
+            if not _try_lock(fd) or not os.path.samestat(os.fstat(fd), os.lstat(path)):
+                continue
+            _remove(path)
+            removed.append(path)
+            log.info("removed stale temporary %s (left by an interrupted run)", path)
+        except FileNotFoundError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _inside(path, root):
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_replaceable(target, *, overwrite, is_ours, protect=(), what="output", field="--out"):
+    """Refuse (UsageError naming `field`) to publish a directory at `target` over anything the
+    caller did not write. Never: a path that is or contains one of `protect` (the source), the
+    working directory or a parent of it, a symlink, a non-directory. An existing non-empty
+    directory only with `overwrite` and only when `is_ours(path)` returns None (else the reason it
+    is not ours). An empty directory holds nothing to lose."""
+    p = os.path.abspath(target)
+    real = os.path.realpath(p)
+    for src in protect:
+        if src is not None and _inside(os.path.realpath(src), real):
+            rel = "is" if os.path.realpath(src) == real else "contains"
+            raise UsageError(field, f"{target} {rel} the source {src}; refusing to replace it")
+    cwd = os.path.realpath(os.getcwd())
+    if _inside(cwd, real):
+        raise UsageError(field, f"{target} is the working directory or one of its parents; refusing to replace it")
+    if not os.path.lexists(p):
+        return
+    if os.path.islink(p):
+        raise UsageError(field, f"{target} is a symlink; refusing to replace it")
+    if not os.path.isdir(p):
+        raise UsageError(field, f"{target} exists and is not a directory; refusing to replace it")
+    if not os.listdir(p):
+        return
+    if not overwrite:
+        raise UsageError(field, f"{target} exists and is not empty; pass --overwrite to replace an earlier {what}")
+    reason = is_ours(p)
+    if reason is not None:
+        raise UsageError(field, f"{target} is not a hebrus-mlx {what} ({reason}); refusing to replace it, "
+                                "even with --overwrite")
+
+
 class _Machine:
     def __init__(self, target, faults):
         self.target = os.path.abspath(target)
@@ -135,7 +257,8 @@ class _Machine:
 
 def _abort(m, tmp, e):
     """Remove the temp, record the abort, and surface OS errors as PublishError naming the state."""
-    _remove(tmp)
+    if tmp is not None:
+        _remove(tmp)
     m.to(State.ABORTED)
     if isinstance(e, OSError) and not isinstance(e, ArtifactError):
         raise PublishError(os.path.basename(m.target), f"{m.trace[-2].value}: {e}") from e
@@ -158,16 +281,15 @@ def publish_file(target, write, verify=None, faults=None):
     any disagreement. Returns the state trace.
     """
     m = _Machine(target, faults)
-    tmp = _sibling(m.target, "tmp")
-    fd = None
+    clean_stale(m.target)
+    tmp, fd = None, None
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # Locked until renamed: a later run's clean_stale leaves it alone while we live.
+        tmp, fd = _locked_temp(m.target, "tmp", lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         m.to(State.TEMP)
         write(AtomicWriter(fd, m.faults))
         m.to(State.WRITTEN)
         m.fsync(fd)
-        os.close(fd)
-        fd = None
         _verify_synced(m, tmp, verify)
         m.rename(tmp, m.target)
         m.to(State.RENAMED)
@@ -176,34 +298,42 @@ def publish_file(target, write, verify=None, faults=None):
             os.close(fd)
         _abort(m, tmp, e)
         raise
+    os.close(fd)
     _commit(m)
     return m.trace
 
 
-def publish_dir(target, build, verify=None, faults=None):
+def _mkdir_open(path):
+    os.mkdir(path, 0o755)
+    return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def publish_dir(target, build, verify=None, faults=None, replace=None):
     """Build a whole directory in a sibling temp and swap it into place.
 
     build(tmpdir): creates the files (each normally via publish_file).
     verify(tmpdir): admits the finished directory through the real reader.
+    replace(target): called right before an existing target is swapped out; raises to refuse
+    (e.g. `check_replaceable`, again after a conversion of hours).
     An existing target is exchanged atomically (renameat2 RENAME_EXCHANGE on
     Linux, renamex_np RENAME_SWAP on macOS) and the old tree removed after the
     commit point.
     """
     m = _Machine(target, faults)
-    tmp = _sibling(m.target, "tmpdir")
+    clean_stale(m.target)
+    tmp, dfd = None, None
     old = None
     try:
-        os.mkdir(tmp, 0o755)
+        # Locked until renamed (see the module doc); the lock is on the directory itself.
+        tmp, dfd = _locked_temp(m.target, "tmpdir", _mkdir_open)
         m.to(State.TEMP)
         build(tmp)
         m.to(State.WRITTEN)
-        dfd = os.open(tmp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            m.fsync(dfd)
-        finally:
-            os.close(dfd)
+        m.fsync(dfd)
         _verify_synced(m, tmp, verify)
         if os.path.lexists(m.target):
+            if replace is not None:
+                replace(m.target)
             if m.faults.rename:
                 m.faults.rename = False
                 raise OSError(errno.EXDEV, "injected rename failure")
@@ -213,8 +343,11 @@ def publish_dir(target, build, verify=None, faults=None):
             m.rename(tmp, m.target)
         m.to(State.RENAMED)
     except BaseException as e:
+        if dfd is not None:
+            os.close(dfd)
         _abort(m, tmp, e)
         raise
+    os.close(dfd)
     try:
         _commit(m)
     finally:

@@ -40,7 +40,6 @@ OFF_T_MAX = (1 << 63) - 1
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = "hebrus-mlx.artifact"
 MANIFEST_SCHEMA_VERSION = 1
-MANIFEST_MAX_BYTES = 16 << 20
 
 # manifest.norm_weights: how the stored ZeroCenteredRMSNorm weights relate to the scale the norm
 # applies. "zero_centered": stored as the checkpoint has them (scale = 1 + w; the loader folds once
@@ -50,7 +49,6 @@ MANIFEST_MAX_BYTES = 16 << 20
 # mlx-vlm) stores them zero-centred.
 NORM_WEIGHTS = ("zero_centered", "folded")
 NORM_WEIGHTS_DEFAULT_V1 = "zero_centered"
-SAFETENSORS_MAX_HEADER = 100 << 20
 
 # Source identity files copied into the artifact; their digests bind it.
 SOURCE_FILES = (

@@ -1,12 +1,10 @@
 """The safetensors header of an untrusted file: every bound checked before anything is allocated
 (format layer; no MLX)."""
 
-import json
 import math
-import os
 import struct
 
-from . import constants as C
+from . import untrusted as U
 from .errors import AdmissionError
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "F8_E4M3": 1,
@@ -15,20 +13,30 @@ _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32":
 
 def read_safetensors_header(path):
     """(header_len, {name: entry}, metadata) with every bound checked before
-    the header is allocated; offsets are relative to the data region."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
+    the header is allocated; offsets are relative to the data region. The caps (header bytes,
+    entries) are untrusted.LIMITS["safetensors_header"] and untrusted.SAFETENSORS_MAX_ENTRIES."""
+    cap = U.LIMITS["safetensors_header"]
+    f, size = U.open_regular(path, "tensors.header")
+    with f:
+        raw = U.read_exact(f, 8)
         if len(raw) != 8:
             raise AdmissionError("tensors.header", f"{size}-byte file has no safetensors header length")
         (n,) = struct.unpack("<Q", raw)
-        if n > C.SAFETENSORS_MAX_HEADER or 8 + n > size:
-            raise AdmissionError("tensors.header", f"header length {n} exceeds cap or file size {size}")
-        body = f.read(n)
+        if n > cap or 8 + n > size:
+            raise AdmissionError("tensors.header", f"header length {n} exceeds the cap of {cap} bytes "
+                                                   f"(untrusted.LIMITS['safetensors_header']) or file size {size}")
+        body = U.read_exact(f, n)
+    if len(body) != n:
+        raise AdmissionError("tensors.header", f"file shrank while reading its {n}-byte header")
+    # Every entry carries "data_offsets": an upper bound on the entry count, before any parse.
+    entries = body.count(b'"data_offsets"')
+    if entries > U.SAFETENSORS_MAX_ENTRIES:
+        raise AdmissionError("tensors.header", f"{entries} entries exceed the cap of {U.SAFETENSORS_MAX_ENTRIES} "
+                                               "(untrusted.SAFETENSORS_MAX_ENTRIES)")
     try:
-        header = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise AdmissionError("tensors.header", f"not JSON: {e}") from None
+        header = U.loads(body, "tensors.header")
+    except U.UntrustedFileError as e:
+        raise AdmissionError("tensors.header", e.message) from None
     if type(header) is not dict:
         raise AdmissionError("tensors.header", "must be a JSON object")
     meta = header.pop("__metadata__", None)

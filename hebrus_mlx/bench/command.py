@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import List
 
+from .. import flags
 from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..pipeline import launched as pipeline_launched
@@ -35,13 +36,13 @@ def build_parser():
     p.add_argument("--model", "-m", default="demo", help="'demo', an artifact or an HF checkpoint directory")
     p.add_argument("--prompt-tokens", "-p", default="128", help="prompt sizes, e.g. 512,2048")
     p.add_argument("--gen-tokens", "-n", default="64", help="generation lengths, e.g. 128")
-    p.add_argument("--repeats", "-r", type=int, default=4, help="timed runs per configuration and size")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration first")
+    p.add_argument("--repeats", "-r", type=flags.integer(1, 1 << 20), default=4, help="timed runs per configuration and size")
+    p.add_argument("--warmup", type=flags.integer(0, 1 << 20), default=1, help="untimed runs per configuration first")
     p.add_argument("--ab", action="append", default=[], metavar="KEY=V1,V2",
                    help="configurations to compare (repeatable: the cross product), e.g. expert-cache-gb=8,16, "
                         "draft-model=none,mtp, prefetch=off,previous")
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
-    p.add_argument("--seed", type=int, default=0, help="prompt token seed")
+    p.add_argument("--seed", type=flags.seed(), default=0, help="prompt token seed")
     p.add_argument("--no-probe", action="store_true", help="skip the SSD read probe")
     p.add_argument("--fresh-probe", action="store_true",
                    help="probe the SSD now even when the machine profile (hebrus-mlx qualify) has a matching probe")
@@ -49,7 +50,7 @@ def build_parser():
     p.add_argument("--against", default=None, help="an earlier bench.json: refuse unless comparable")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--pipeline-split", default=None, help="under mlx.launch: layers per rank, e.g. 5,3")
-    p.add_argument("--pipeline-timeout", type=float, default=None,
+    p.add_argument("--pipeline-timeout", type=flags.seconds(), default=None,
                    help="under mlx.launch: seconds a rank waits on another before the run ends with an error")
     return p
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from .. import flags
 from ..errors import UsageError
 
 GIB = 1 << 30
@@ -43,8 +44,8 @@ def plan_stream(resident_bytes: int, unit_bytes: int, units: int, available: int
             return None
         field = "available memory"
     else:
-        if not cache_gb > 0:
-            raise UsageError(cache_field, f"must be > 0, got {cache_gb}")
+        if not 0 < cache_gb <= flags.MAX_CACHE_GB:  # NaN, inf and 1e300 (overflows the byte count) too
+            raise UsageError(cache_field, f"must be in (0, {flags.MAX_CACHE_GB:g}] GiB, got {cache_gb}")
         budget = int(cache_gb * GIB)
         field = cache_field
     n = min(budget // unit_bytes, units)

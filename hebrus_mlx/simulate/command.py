@@ -34,6 +34,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from .. import flags
 from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..traces import cachesim
@@ -48,7 +49,7 @@ def build_parser():
     p.add_argument("--profile", default="m5-pro-48gb",
                    help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
                         "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
-    p.add_argument("--layer-ms", type=float, default=None, help="with --profile machine: decode compute per layer")
+    p.add_argument("--layer-ms", type=flags.number(0, 1e6), default=None, help="with --profile machine: decode compute per layer")
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
     p.add_argument("--codec", default="affine4-g64",
                    help="expert codec(s), comma-separated: one projection per width (record size), e.g. "
@@ -59,7 +60,7 @@ def build_parser():
                    help="arena policies to sweep: clock (the loader's; the only one recommended), lru, and the "
                         "simulator's lfu / belady (a bound) as comparisons")
     p.add_argument("--draft-depths", default="0,1,2,3")
-    p.add_argument("--acceptance", type=float, default=None, help="speculative acceptance per drafted token")
+    p.add_argument("--acceptance", type=flags.number(0, 1, hi_open=True), default=None, help="speculative acceptance per drafted token")
     p.add_argument("--check", default="fast", choices=["fast", "sha256", "off"],
                    help="the check every streamed record pays: fast (XXH3-128, artifacts that carry it; the "
                         "profile's fast_check_gbps), sha256 (older artifacts; verify_gbps), off")
@@ -76,12 +77,12 @@ def build_parser():
     p.add_argument("--stack", default=None, choices=["decode"],
                    help="with --validate: instead of --model, the real-geometry decode stack of "
                         "benchmarks/bench_stream.py --decode (I/O-bound; needs a source checkout)")
-    p.add_argument("--layers", type=int, default=4, help="with --stack decode: decoder layers")
+    p.add_argument("--layers", type=flags.integer(1, 1 << 12), default=4, help="with --stack decode: decoder layers")
     p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
                    help="with --stack decode: store path stem (bench_stream's; built on first use)")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=None, help="decode tokens per run (demo 48, decode stack 16)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=flags.integer(1, 1 << 24), default=32)
+    p.add_argument("--gen-tokens", type=flags.integer(1, 1 << 24), default=None, help="decode tokens per run (demo 48, decode stack 16)")
+    p.add_argument("--repeats", type=flags.integer(1, 1 << 20), default=3)
     p.add_argument("--rows", default=None,
                    help="with --validate: expert cache sizes in stored records (demo default 8,16,64,192; the "
                         "in-memory arena may get more rows of the same GB, the table shows the rows it got; "
@@ -99,8 +100,8 @@ def build_parser():
 def _list(s: str, conv, flag: str) -> list:
     try:
         v = [conv(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(flag, f"bad list {s!r}") from None
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise UsageError(flag, f"bad list {s!r}: {e}") from None
     if not v:
         raise UsageError(flag, "is empty")
     return v
@@ -212,13 +213,13 @@ def project_profile(args, memo=None, progress=True) -> dict:
     resident = float(prof.get("resident_gb", 0.0))
     machine = P.machine_of(prof, where, check)
     budget = (machine.memory_gb or 0) - resident - float(prof.get("reserve_gb", 0))
-    given = _list(args.cache_gb, float, "--cache-gb") if args.cache_gb else None
+    given = _list(args.cache_gb, flags.gib(), "--cache-gb") if args.cache_gb else None
     acceptance = args.acceptance if args.acceptance is not None else float(prof.get("acceptance", 0.0))
     policies = _list(args.policies, str, "--policies")
     for pol in policies:  # before any replay starts (and its progress bar)
         if pol not in cachesim.POLICIES:
             raise UsageError("policy", f"unknown {pol!r}; choose from {', '.join(cachesim.POLICIES)}")
-    depths = _list(args.draft_depths, int, "--draft-depths")
+    depths = _list(args.draft_depths, flags.integer(0, 64), "--draft-depths")
     if min(depths) < 0:
         raise UsageError("--draft-depths", f"must be >= 0, got {min(depths)}")
     trace = _trace_routes(args, fam)
@@ -447,7 +448,7 @@ def validate(args) -> dict:
 
     load0 = K.load_average()
     path = resolve_model_path(args.model)
-    rows = _list(args.rows or "8,16,64,192", int, "--rows")
+    rows = _list(args.rows or "8,16,64,192", flags.integer(1), "--rows")
     model, tok = load(str(path))
     if model.streaming is not None:
         raise UsageError("--model", "validation records routes on the resident model; this one streams")
@@ -646,7 +647,7 @@ def main(argv=None) -> int:
 
             if args.gen_tokens < 2:
                 raise UsageError("--gen-tokens", "the decode stack times tokens 1.. of a cold run: give >= 2")
-            args.rows = ",".join(str(x) for x in _list(args.rows or "20,40,80,160", int, "--rows"))
+            args.rows = ",".join(str(x) for x in _list(args.rows or "20,40,80,160", flags.integer(1), "--rows"))
             res = validate_decode(args)
         else:
             res = validate(args)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from ..artifact import untrusted
 from ..sample_utils import apply_vocab_mask
 from .base import CompatibilityError, Drafter, DrafterError, Proposal
 
@@ -225,9 +225,9 @@ def _is_hebrus_dir(path: Path) -> bool:
     if (path / "manifest.json").is_file():
         return True
     try:
-        with open(path / "config.json", encoding="utf-8") as f:
-            return str(json.load(f).get("model_type", "")).startswith("qwen4_exp")
-    except (OSError, ValueError):
+        cfg = untrusted.read_json(str(path), "config.json", links=True)
+        return isinstance(cfg, dict) and str(cfg.get("model_type", "")).startswith("qwen4_exp")
+    except (OSError, ValueError, untrusted.UntrustedFileError):
         return False
 
 
@@ -242,13 +242,13 @@ def load_draft_model(path, target_tokenizer, target_vocab: int, distribution=Non
     if _is_hebrus_dir(p):
         from ..utils import load_model
 
-        cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        cfg = untrusted.read_json(str(p), "config.json", links=True)
         draft_vocab = int(cfg["vocab_size"])
         draft_tok = load_tokenizer(p, physical_vocab_size=draft_vocab)
         check_compatible(target_tokenizer, target_vocab, draft_tok, draft_vocab)  # before any weight
         model = load_model(p)
     else:
-        cfg = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        cfg = untrusted.read_json(str(p), "config.json", links=True)
         draft_vocab = cfg.get("vocab_size", cfg.get("text_config", {}).get("vocab_size"))
         if draft_vocab is None:
             raise CompatibilityError("draft_model: config.json has no vocab_size")

@@ -26,6 +26,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .. import flags
 from ..errors import UsageError
 
 KINDS = ("off", "previous", "router-reuse", "hyper-reuse")
@@ -94,9 +95,9 @@ def add_prefetch_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch", default=None,
                         help="streamed-expert read-ahead: off | previous | router-reuse[:1|2] | hyper-reuse "
                              f"(default {DEFAULT})")
-    parser.add_argument("--prefetch-budget", type=int, default=None,
+    parser.add_argument("--prefetch-budget", type=flags.integer(1), default=None,
                         help="predicted experts per layer, most probable first (default: the model's top-k)")
-    parser.add_argument("--prefetch-threshold", type=float, default=0.0,
+    parser.add_argument("--prefetch-threshold", type=flags.number(0, 1, hi_open=True), default=0.0,
                         help="skip predicted experts whose router probability is below this")
 
 

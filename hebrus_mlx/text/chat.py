@@ -17,14 +17,19 @@ Jinja's `trim` filter is; it also applies across a caller/template boundary, e.g
 import json
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.runtime
+import jinja2.visitor
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..artifact import untrusted
 from ..errors import HebrusError
 
 DATA = "DATA"
@@ -56,6 +61,8 @@ class ToolArgumentsError(ChatError):
 
 class TemplateError(ChatError):
     """The template raised or failed to render."""
+
+    default_field = "chat_template"
 
 
 class ProvenanceError(ChatError):
@@ -273,15 +280,176 @@ def _tojson_plain(x, ensure_ascii=False, indent=None, separators=None, sort_keys
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# -- limits (issue 22) ------------------------------------------------------------------------------
+#
+# A checkpoint's template is untrusted code. Jinja's sandbox stops attribute escapes, not work: a
+# digest-valid template with nested loops grew `generate` past 4 GB and hung. Every render gets a
+# budget: steps (loop iterations, calls, operators, filters), wall time, and a size cap on the
+# output and on every value it builds. Operations that multiply size are checked before they run
+# (sequence * n, str.replace / center / ljust / expandtabs / indent, join, %-widths, int ** int), and
+# every string a call, filter, operator or `~` returns is checked after. Anything the template
+# raises (OverflowError, RecursionError, TypeError, ...) becomes a TemplateError.
+
+
+@dataclass(frozen=True)
+class TemplateLimits:
+    """Bounds of one chat-template render."""
+
+    max_chars: int = 16 << 20  # output and any one value it builds; at least 4x the caller text
+    max_steps: int = 1_000_000  # loop iterations + calls + operators + filters
+    max_seconds: float = 5.0
+
+
+DEFAULT_LIMITS = TemplateLimits()
+
+
+class TemplateLimitError(TemplateError):
+    """The template exceeded its render budget (`TemplateLimits`)."""
+
+
+class _Limit(Exception):
+    pass
+
+
+class _Budget:
+    def __init__(self, limits: TemplateLimits, caller_chars: int):
+        self.limits = limits
+        self.max_chars = max(limits.max_chars, 4 * caller_chars)
+        self.steps = 0
+        self.deadline = time.monotonic() + limits.max_seconds
+
+    def step(self, n=1):
+        self.steps += n
+        if self.steps > self.limits.max_steps:
+            raise _Limit(f"more than {self.limits.max_steps} steps (loop iterations, calls, operators)")
+        if time.monotonic() > self.deadline:
+            raise _Limit(f"rendering took more than {self.limits.max_seconds} s")
+
+    def chars(self, n, what):
+        if n > self.max_chars:
+            raise _Limit(f"{what} would hold {n} characters, over the cap of {self.max_chars}")
+
+    def value(self, v, what="a value"):
+        if isinstance(v, (str, list, tuple)):
+            self.chars(len(v), what)
+        return v
+
+    def rendered(self, v, what):
+        """Upper estimate of len(str(v)) for containers, walked without recursion, stopping past the cap."""
+        total, stack = 0, [v]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, str):
+                total += len(x)
+            elif isinstance(x, (list, tuple, set, frozenset)):
+                total += 2 + 2 * len(x)
+                stack.extend(x)
+            elif isinstance(x, dict):
+                total += 2 + 4 * len(x)
+                stack.extend(x.keys())
+                stack.extend(x.values())
+            elif isinstance(x, int):
+                total += x.bit_length() // 3 + 2
+            else:
+                total += 24
+            if total > self.max_chars:
+                self.chars(total, what)
+        return v
+
+    def int_arg(self, x, what):
+        if isinstance(x, int) and not isinstance(x, bool) and abs(x) > self.max_chars:
+            raise _Limit(f"{what}: argument {x} is over the size cap of {self.max_chars}")
+
+
+_PCT_WIDTH = re.compile(r"%[#0 +-]*(\d+|\*)?(?:\.(\d+|\*))?")
+_FMT_WIDTH = re.compile(r"\{[^{}]*:[^{}]*?(\d+)")
+
+
+def _check_format(budget, fmt, args, what, percent):
+    for m in (_PCT_WIDTH if percent else _FMT_WIDTH).finditer(fmt):
+        for g in m.groups():
+            if g and g.isdigit():
+                budget.int_arg(int(g), what)
+    for a in args if isinstance(args, (tuple, list)) else (args,):
+        budget.int_arg(a, what)
+
+
+# Filters that only restructure or measure their input (no stringification of a container).
+_STRUCTURAL_FILTERS = frozenset((
+    "length", "count", "first", "last", "selectattr", "rejectattr", "map", "select", "reject", "list",
+    "items", "dictsort", "sort", "reverse", "unique", "min", "max", "sum", "default", "d", "attr", "batch",
+    "slice", "groupby", "random", "abs", "int", "float", "bool", "round", "safe", "lower", "upper",
+    "capitalize", "title", "trim", "truncate", "wordcount", "filesizeformat", "striptags",
+))
+
+
+def _bounded_filter(name, fn, env):
+    import functools
+
+    @functools.wraps(fn)  # keeps jinja's pass_* marker
+    def bounded(*args, **kwargs):
+        b = env.budget
+        if b is None:
+            return fn(*args, **kwargs)
+        b.step()
+        vals = [a for a in list(args) + list(kwargs.values())
+                if not isinstance(a, (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment))]
+        for i, a in enumerate(vals):
+            if i:  # widths, counts, indents; the input itself may be any number
+                b.int_arg(a, f"filter {name}")
+            if name not in _STRUCTURAL_FILTERS:
+                b.rendered(a, f"the input of filter {name}")
+        if name == "replace" and len(vals) >= 3 and all(isinstance(v, str) for v in vals[:3]):
+            s, old, new = vals[:3]
+            b.chars(len(s) + (s.count(old) if old else len(s) + 1) * max(len(new) - len(old), 0), "replace")
+        if name in ("indent", "center") and vals and isinstance(vals[0], str):
+            width = next((v for v in vals[1:] if isinstance(v, int) and not isinstance(v, bool)), 4)
+            b.chars(len(vals[0]) + (vals[0].count("\n") + 1) * width, name)
+        if name == "format" and vals and isinstance(vals[0], str):
+            _check_format(b, vals[0], vals[1:], "filter format", True)
+        return b.value(fn(*args, **kwargs), f"the output of filter {name}")
+
+    return bounded
+
+
+def _bounded_str_call(b, owner, name, args, kwargs):
+    """Pre-checks of the str methods whose output can outgrow their input."""
+    ints = list(args) + list(kwargs.values())
+    if name in ("center", "ljust", "rjust", "zfill", "expandtabs"):
+        for a in ints:
+            b.int_arg(a, f"str.{name}")
+        if name == "expandtabs":
+            tab = ints[0] if ints and isinstance(ints[0], int) else 8
+            b.chars(len(owner) + owner.count("\t") * tab, "str.expandtabs")
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        old, new = args[0], args[1]
+        b.chars(len(owner) + (owner.count(old) if old else len(owner) + 1) * max(len(new) - len(old), 0),
+                "str.replace")
+    elif name == "join" and args:
+        items = args[0]
+        if isinstance(items, (list, tuple)):
+            b.chars(sum(len(x) if isinstance(x, str) else 24 for x in items) + len(owner) * len(items), "str.join")
+        else:
+            b.rendered(items, "str.join")
+
+
 class _Env(ImmutableSandboxedEnvironment):
-    """Sandbox that keeps caller-text provenance through strip calls on composite strings."""
+    """Sandbox that keeps caller-text provenance through strip calls on composite strings, and
+    bounds the work of a render (`budget`, see TemplateLimits)."""
 
     registry: Optional[_Registry] = None
+    budget: Optional[_Budget] = None
+    intercepted_binops = frozenset(("+", "-", "*", "/", "//", "%", "**"))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
         reg = __self.registry
         owner = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", None)
+        b = __self.budget
+        if b is not None:
+            b.step()
+            if type(owner) is str or isinstance(owner, _DataRef):
+                _bounded_str_call(b, owner, name, args, kwargs)
         if (
             reg is not None
             and type(owner) is str
@@ -290,15 +458,93 @@ class _Env(ImmutableSandboxedEnvironment):
         ):
             chars = args[0] if args else kwargs.get("chars")
             return _strip_composite(reg, owner, _real(chars), name != "rstrip", name != "lstrip")
-        return super().call(__context, __obj, *args, **kwargs)
+        out = super().call(__context, __obj, *args, **kwargs)
+        return out if b is None else b.value(out, f"the result of {name or 'a call'}()")
+
+    def getattr(self, obj, attribute):
+        value = super().getattr(obj, attribute)
+        if self.budget is not None and isinstance(obj, str) and attribute in ("format", "format_map"):
+            inner, b = value, self.budget
+
+            def format_checked(*args, **kwargs):
+                _check_format(b, str.__str__(obj), list(args) + list(kwargs.values()), "str.format", False)
+                return inner(*args, **kwargs)
+
+            return format_checked
+        return value
+
+    def call_binop(self, context, operator, left, right):
+        b = self.budget
+        if b is not None:
+            b.step()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        b.chars(len(seq) * max(n, 0), "a repeated sequence")
+                if isinstance(left, int) and isinstance(right, int):
+                    if left.bit_length() + right.bit_length() > 1 << 16:
+                        raise _Limit("an integer product over 65536 bits")
+            elif operator == "**" and isinstance(left, int) and isinstance(right, int):
+                if abs(left) > 1 and right > 0 and right * left.bit_length() > 1 << 16:
+                    raise _Limit(f"{left} ** {right} is over 65536 bits")
+            elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                b.chars(len(left) + len(right), "a sum of sequences")
+            elif operator == "%" and isinstance(left, str):
+                _check_format(b, str.__str__(left), right, "% formatting", True)
+        out = super().call_binop(context, operator, left, right)
+        return out if b is None else b.value(out, f"the result of {operator}")
+
+    def _parse(self, source, name, filename):
+        # Every for-loop's iterable steps the budget per item; every `~` result is size-checked.
+        return _Bounder().visit(super()._parse(source, name, filename))
+
+    def bounded_iter(self, iterable):
+        b = self.budget
+        for x in iterable:
+            if b is not None:
+                b.step()
+            yield x
+
+    def bounded_value(self, v):
+        return v if self.budget is None else self.budget.value(v, "a ~ concatenation")
+
+    def bounded_concat(self, parts):
+        # Output, macro bodies, {% set %} and {% filter %} blocks are joined here.
+        parts = list(parts)
+        if self.budget is not None:
+            self.budget.chars(sum(len(p) for p in parts), "the rendered text")
+        return "".join(parts)
+
+    def bounded_finalize(self, value):
+        if self.budget is not None and not isinstance(value, str):
+            self.budget.rendered(value, "an output expression")
+        return value
 
 
-def _make_env(registry: Optional[_Registry]) -> _Env:
+class _Bounder(jinja2.visitor.NodeTransformer):
+    def _call(self, attr, node):
+        return jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute(attr), [node], [], None, None, lineno=node.lineno)
+
+    def visit_For(self, node):
+        node = self.generic_visit(node)
+        node.iter = self._call("bounded_iter", node.iter)
+        return node
+
+    def visit_Concat(self, node):
+        return self._call("bounded_value", self.generic_visit(node))
+
+
+def _make_env(registry: Optional[_Registry], budget: Optional[_Budget] = None) -> _Env:
     env = _Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.finalize = env.bounded_finalize
+    env.concat = env.bounded_concat
     env.registry = registry
+    env.budget = budget
     env.globals["raise_exception"] = _raise_exception
+    env.globals.pop("lipsum", None)  # generates text from a number: not a chat template's business
     if registry is None:
         env.filters["tojson"] = _tojson_plain
+        _bound_filters(env)
         return env
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -316,7 +562,13 @@ def _make_env(registry: Optional[_Registry]) -> _Env:
 
     env.filters["tojson"] = tojson
     env.filters["trim"] = trim
+    _bound_filters(env)
     return env
+
+
+def _bound_filters(env):
+    for name, fn in list(env.filters.items()):
+        env.filters[name] = _bounded_filter(name, fn, env)
 
 
 # -- request validation ---------------------------------------------------------------------------
@@ -364,9 +616,9 @@ def _check_tool_call(call, where):
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError as e:
-            raise ToolArgumentsError(f"{where}.function.arguments is not valid JSON: {e}") from None
+            args = untrusted.loads(args, f"{where}.function.arguments", root=f"{where}.function.arguments")
+        except untrusted.UntrustedFileError as e:
+            raise ToolArgumentsError(f"{where}.function.arguments is not valid JSON: {e.message}") from None
     if not isinstance(args, dict):
         raise ToolArgumentsError(f"{where}.function.arguments must be a JSON object, got {type(args).__name__}")
     _check_json_value(args, f"{where}.function.arguments")
@@ -471,39 +723,57 @@ def _strings(obj, acc):
 
 
 class ChatRenderer:
-    def __init__(self, template: str, special_tokens_map: Optional[dict] = None):
+    def __init__(self, template: str, special_tokens_map: Optional[dict] = None,
+                 limits: TemplateLimits = DEFAULT_LIMITS):
         if not isinstance(template, str) or not template:
             raise ChatError("chat template must be a non-empty string")
         self.template = template
         self.special_tokens_map = dict(special_tokens_map or {})
+        self.limits = limits
         try:
             _make_env(None).from_string(template)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template does not compile: {e}") from None
+        except (RecursionError, MemoryError, OverflowError) as e:  # a pathological parse
+            raise TemplateError(f"chat template does not compile: {type(e).__name__}") from None
 
-    def _run(self, registry, messages, tools, add_generation_prompt, enable_thinking) -> str:
-        env = _make_env(registry)
+    def _run(self, registry, messages, tools, add_generation_prompt, enable_thinking, caller_chars=0) -> str:
+        budget = _Budget(self.limits, caller_chars + len(self.template))
+        env = _make_env(registry, budget)
         kwargs = dict(self.special_tokens_map)
         kwargs.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
         try:
             return env.from_string(self.template).render(**kwargs)
+        except _Limit as e:
+            raise TemplateLimitError(f"chat template stopped: {e} (TemplateLimits)") from None
+        except ChatError:
+            raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
+        except Exception as e:  # the template is untrusted code: whatever it raises is its failure
+            raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
 
     def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> Rendered:
+        try:  # bounded nesting, valid Unicode: no RecursionError in the checks and copies below
+            untrusted.check_tree(messages, "messages", root="messages")
+            untrusted.check_tree(tools, "tools", root="tools")
+        except untrusted.UntrustedFileError as e:
+            raise ChatError(e.field, e.message) from None
         msgs = _check_messages(messages)
         tools = _check_tools(tools)
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
             raise ChatError(f"enable_thinking must be a bool, got {enable_thinking!r}")
 
-        authoritative = self._run(None, msgs, tools, add_generation_prompt, enable_thinking)
+        caller = _strings([msgs, tools], [])
+        caller_chars = sum(map(len, caller))
+        authoritative = self._run(None, msgs, tools, add_generation_prompt, enable_thinking, caller_chars)
 
-        reg = _Registry(_strings([msgs, tools, self.template], []))
+        reg = _Registry(caller + [self.template])
         w_msgs = [_wrap_message(m, reg) for m in msgs]
         w_tools = None if tools is None else _wrap(tools, reg, keys=True)
-        marked = self._run(reg, w_msgs, w_tools, add_generation_prompt, enable_thinking)
+        marked = self._run(reg, w_msgs, w_tools, add_generation_prompt, enable_thinking, caller_chars)
 
         pieces: List[List] = []
         for p in reg.split(marked):

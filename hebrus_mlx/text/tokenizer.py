@@ -8,13 +8,13 @@ Caller text and template text are tokenized by provenance (AFN-006): DATA never 
 special/added tokens, TRUSTED_CONTROL may.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from tokenizers import Tokenizer
 
+from ..artifact import untrusted
 from ..errors import HebrusError
 from .chat import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
 
@@ -85,12 +85,17 @@ class TextTokenizer:
     def _encode_data(self, text: str) -> List[int]:
         # Normaliser, pre-tokenizer and model straight from the file, skipping the added-token
         # matcher: a literal "<|im_end|>" in caller text is ordinary text.
+        # Long text goes in chunks (`_chunked`): each tokenizers call holds the GIL throughout, and
+        # 4 MB in one call stalled every other thread (the server's event loop) for 10 s.
         tok = self._tok
         if tok.normalizer is not None:
-            text = tok.normalizer.normalize_str(text)
-        pieces = tok.pre_tokenizer.pre_tokenize_str(text) if tok.pre_tokenizer is not None else [(text, None)]
+            text = "".join(_chunked(text, lambda s: [tok.normalizer.normalize_str(s)], joined=True))
+        if tok.pre_tokenizer is not None:
+            pieces = _chunked(text, lambda s: [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(s)])
+        else:
+            pieces = [text]
         out = []
-        for piece, _ in pieces:
+        for piece in pieces:
             out.extend(t.id for t in tok.model.tokenize(piece))
         return out
 
@@ -287,6 +292,37 @@ class StreamingDetokenizer:
         return seg
 
 
+CHUNK_CHARS = 4096  # one tokenizers call on this much text holds the GIL ~10-50 ms
+_WINDOW = 256
+
+
+def _chunked(text: str, pieces, chunk: int = CHUNK_CHARS, joined: bool = False) -> List[str]:
+    """`pieces(text)` (a list of strings) computed chunk by chunk. Text is cut only before a
+    single space between two non-space characters, and only where `pieces` of a window around
+    the cut equals `pieces` of its two halves (their concatenation when `joined`, as for a
+    normaliser): the split made there is local. With no such cut the rest goes in one call.
+    tests/test_tokenizer_chunks.py checks the result equals one call's on the Qwen tokenizer."""
+    same = (lambda a, b: "".join(a) == "".join(b)) if joined else (lambda a, b: a == b)
+    if len(text) <= chunk:
+        return pieces(text)
+    out, start = [], 0
+    while len(text) - start > chunk:
+        cut = None
+        p = text.rfind(" ", start + chunk // 2, start + chunk)
+        while p > start + chunk // 4:
+            if not text[p - 1].isspace() and not text[p + 1].isspace():
+                lo, hi = max(start, p - _WINDOW), min(len(text), p + _WINDOW)
+                if same(pieces(text[lo:hi]), pieces(text[lo:p]) + pieces(text[p:hi])):
+                    cut = p
+                    break
+            p = text.rfind(" ", start + chunk // 4, p)
+        if cut is None:
+            break
+        out += pieces(text[start:cut])
+        start = cut
+    return out + pieces(text[start:])
+
+
 def _segment_pieces(segments) -> List[Tuple[str, str]]:
     if isinstance(segments, Rendered):
         return segments.pieces()
@@ -322,13 +358,13 @@ def _reader(model_dir: Path, sources):
         return sources.get
 
     def read(name):
-        path = model_dir / name
-        if not path.is_file():
-            return None
+        # Regular, inside the directory, size-capped before it is read (artifact.untrusted).
         try:
-            return path.read_bytes()
+            return untrusted.read_bytes(str(model_dir), name, field=str(model_dir / name), links=True)
+        except FileNotFoundError:
+            return None
         except OSError as e:
-            raise TokenizerError(f"{path}: cannot read ({e})") from None
+            raise TokenizerError(f"{model_dir / name}: cannot read ({e})") from None
 
     return read
 
@@ -336,10 +372,10 @@ def _reader(model_dir: Path, sources):
 def _read_json(data: Optional[bytes], path: Path) -> Optional[dict]:
     if data is None:
         return None
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read JSON ({e})") from None
+    try:  # no duplicate keys, bounded nesting
+        doc = untrusted.loads(data, str(path))
+    except untrusted.UntrustedFileError as e:
+        raise TokenizerError(f"{path}: cannot read JSON ({e.message})") from None
     if not isinstance(doc, dict):
         raise TokenizerError(f"{path}: expected a JSON object")
     return doc

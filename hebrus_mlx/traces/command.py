@@ -10,8 +10,10 @@ Exit status: 0 ok; 1 replay parity failed; 2 bad input (one line on stderr, noth
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+from .. import flags
 from ..cli_args import ArgumentParser
 from ..errors import UsageError
 
@@ -22,14 +24,14 @@ def build_parser():
     r = sub.add_parser("replay", help="recompute routes by causal prefill and check exact parity")
     r.add_argument("trace_dir")
     r.add_argument("--model", default="demo")
-    r.add_argument("--prefill-step-size", type=int, default=2048)
+    r.add_argument("--prefill-step-size", type=flags.integer(1), default=2048)
     r.add_argument("--json", default=None, help="write the per-sequence parity report here")
     e = sub.add_parser("export", help="write a safetensors dataset + manifest.json for external trainers")
     e.add_argument("trace_dir")
     e.add_argument("--out", required=True)
     e.add_argument("--split-by", choices=("sequence", "owner"), default="sequence")
     e.add_argument("--fractions", default="0.8,0.1,0.1", help="train,validation,test")
-    e.add_argument("--shard-tokens", type=int, default=65536)
+    e.add_argument("--shard-tokens", type=flags.integer(1), default=65536)
     e.add_argument("--id-dtype", choices=("int16", "int32"), default="int16")
     e.add_argument("--weight-dtype", choices=("float16", "float32"), default="float32")
     v = sub.add_parser("eval", help="history/router-reuse controls and the expert-cache simulator")
@@ -37,21 +39,18 @@ def build_parser():
     v.add_argument("--model", default=None, help="recompute router inputs by replay for the router-reuse controls")
     v.add_argument("--budgets", default=None, help="candidates per layer, e.g. 4,8,16 (default k,2k,4k)")
     v.add_argument("--split", default="test", help="evaluate on this split (exports; frequency is fit on train)")
-    v.add_argument("--prefill-step-size", type=int, default=512)
+    v.add_argument("--prefill-step-size", type=flags.integer(1), default=512)
     v.add_argument("--json", default=None)
     v.add_argument("--plot", default=None)
     v.add_argument("--cache-sim", action="store_true")
     v.add_argument("--cache-sizes", default="5,10,20,30,50", help="percent of the expert store")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=flags.seed(), default=0)
     return p
 
 
 def positive_ints(s, flag):
     """`--flag 4,8,16` -> [4, 8, 16]; a typed error naming the flag otherwise."""
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(flag, f"expected comma-separated integers, got {s!r}") from None
+    out = flags.items(s, flag, flags.integer(1))
     if not out or min(out) < 1:
         raise UsageError(flag, f"expected integers >= 1, got {s!r}")
     return out
@@ -96,8 +95,8 @@ def _export(args) -> int:
 
     fr = args.fractions.split(",")
     try:
-        fractions = [float(x) for x in fr]
-    except ValueError:
+        fractions = [flags.number(0, 1)(x) for x in fr]
+    except argparse.ArgumentTypeError:
         raise UsageError("--fractions", f"expected three numbers, got {args.fractions!r}") from None
     if len(fractions) != 3 or min(fractions) < 0 or abs(sum(fractions) - 1) > 1e-6:
         raise UsageError("--fractions", f"expected three non-negative numbers summing to 1, got {args.fractions!r}")

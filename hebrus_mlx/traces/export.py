@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -55,6 +56,13 @@ def export(trace_dir, out, *, split_by="sequence", fractions=(0.8, 0.1, 0.1), sh
            id_dtype="int16", weight_dtype="float32") -> dict:
     from safetensors.numpy import save
 
+    from ..artifact.atomic import check_replaceable
+
+    def replaceable(path):  # OUT may be new, empty or an earlier export; never anything else
+        check_replaceable(path, overwrite=True, is_ours=_earlier_export, protect=(trace_dir,),
+                          what="trace export", field="--out")
+
+    replaceable(out)
     traces = read_trace(trace_dir)
     ident = traces.identity
     if id_dtype == "int16" and ident.num_experts > np.iinfo(np.int16).max:
@@ -120,8 +128,23 @@ def export(trace_dir, out, *, split_by="sequence", fractions=(0.8, 0.1, 0.1), sh
                            "sha256": hashlib.sha256(data).hexdigest()})
         write_json(os.path.join(tmp, "manifest.json"), manifest)
 
-    publish_dir(str(out), build, verify=read_export)
+    publish_dir(str(out), build, verify=read_export, replace=replaceable)
     return manifest
+
+
+def _earlier_export(path) -> Optional[str]:
+    """None when directory `path` is a trace export whose manifest owns every entry in it."""
+    from ..artifact import untrusted
+
+    try:
+        m = untrusted.read_json(str(path), "manifest.json")
+    except (OSError, untrusted.UntrustedFileError) as e:
+        return f"manifest.json: {getattr(e, 'message', e)}"
+    if not isinstance(m, dict) or m.get("schema") != EXPORT_SCHEMA:
+        return "manifest.json is not a trace export manifest"
+    owned = {"manifest.json"} | {s.get("file") for s in m.get("shards") or [] if isinstance(s, dict)}
+    extra = sorted(set(os.listdir(path)) - owned)
+    return f"{extra[0]!r} is not a file of its manifest" if extra else None
 
 
 def read_export(out, verify_digests: bool = True) -> dict:

@@ -1,0 +1,323 @@
+"""The HTTP server's request fields (issue 22 §3): every field of a request is honoured or refused
+with a 4xx naming it, never silently ignored.
+
+Each field of /v1/chat/completions and /v1/completions is in exactly one of three sets:
+
+- HONOURED: validated (type and range) and used;
+- NOT YET: validated, accepted at its no-op value (``frequency_penalty: 0``, ``logit_bias: {}``,
+  ``logprobs: false``, ...) and otherwise refused with "not supported by this server yet" (the
+  logits processors and logprobs land later, issue 24);
+- anything else: refused as an unknown field. Clients built on the `openai` package send only the
+  parameters their caller passes (plus `model`), so strictness does not break them; a misspelt
+  or unsupported option is an error instead of a silently different generation.
+
+The body itself is strict JSON (artifact.untrusted.loads: no duplicate keys, nesting bounded, no
+lone surrogates), parsed off the event loop by the server. No MLX here.
+"""
+
+import math
+from typing import Optional
+
+from .artifact import untrusted
+from .flags import INT32_MAX, SEED_MAX
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024
+MAX_TOOLS = 512
+MAX_TOOL_NAME_CHARS = 256
+
+
+class RequestError(ValueError):
+    """A request the server refuses; becomes an OpenAI-style error object."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+def parse_body(data: bytes) -> dict:
+    """The request body as strict JSON; RequestError naming the offending JSON path."""
+    try:
+        body = untrusted.loads(data, "body", root="")
+    except untrusted.UntrustedFileError as e:
+        raise RequestError(f"invalid JSON: {e.message}", None if e.field in ("body", "") else e.field) from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _show(v):
+    import json
+
+    text = json.dumps(v, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _number(body, name, lo=None, hi=None):
+    v = body[name]
+    if not _is_number(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (f" >= {lo}" if lo is not None else "")
+        raise RequestError(f"{name} must be a finite number{rng}, got {_show(v)}", name)
+    return v
+
+
+def _integer(body, name, lo=None, hi=INT32_MAX):
+    v = body[name]
+    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise RequestError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}", name)
+    return v
+
+
+def _type(body, name, types, what):
+    v = body[name]
+    if not isinstance(v, types) or (bool not in (types if isinstance(types, tuple) else (types,))
+                                    and isinstance(v, bool)):
+        raise RequestError(f"{name} must be {what}, got {_show(v)}", name)
+    return v
+
+
+def _not_yet(name, value):
+    raise RequestError(f"{name}={_show(value)} is not supported by this server yet "
+                       "(only its default is accepted)", name)
+
+
+# -- the fields -----------------------------------------------------------------------------------
+# Honoured fields whose type/range parse_sampling (server.py) checks are listed here too; these
+# checks run first so every field is checked the same way.
+
+
+def _seed(body, name, vocab=None):
+    v = body[name]
+    if not _is_int(v) or not 0 <= v <= SEED_MAX:
+        raise RequestError(f"seed must be an integer in [0, 2**64 - 1], got {_show(v)}", name)
+
+
+def _stop(body, name, vocab=None):
+    v = body[name]
+    stops = [v] if isinstance(v, str) else v
+    if (not isinstance(stops, list) or not stops or len(stops) > MAX_STOP_SEQUENCES
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)):
+        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} of them "
+                           f"(each at most {MAX_STOP_CHARS} characters)", name)
+
+
+def _stream_options(body, name, vocab=None):
+    v = _type(body, name, dict, "an object")
+    for k in v:
+        if k != "include_usage":
+            raise RequestError(f"stream_options.{k} is not a known option (only include_usage)", f"stream_options.{k}")
+    if not isinstance(v.get("include_usage", False), bool):
+        raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+
+
+def _tools(body, name, vocab=None):
+    v = body[name]
+    if not isinstance(v, list) or len(v) > MAX_TOOLS:
+        raise RequestError(f"tools must be a list of at most {MAX_TOOLS} tool objects", name)
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise RequestError(f"{where} must be an object", where)
+        for k in t:
+            if k not in ("type", "function"):
+                raise RequestError(f"{where}.{k} is not a tool field (type, function)", f"{where}.{k}")
+        if t.get("type") != "function":
+            raise RequestError(f"{where}.type must be \"function\", got {_show(t.get('type'))}", f"{where}.type")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise RequestError(f"{where}.function must be an object", f"{where}.function")
+        for k in fn:
+            if k not in ("name", "description", "parameters", "strict"):
+                raise RequestError(f"{where}.function.{k} is not a function field", f"{where}.function.{k}")
+        fname = fn.get("name")
+        if not isinstance(fname, str) or not 0 < len(fname) <= MAX_TOOL_NAME_CHARS:
+            raise RequestError(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise RequestError(f"{where}.function.description must be a string", f"{where}.function.description")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise RequestError(f"{where}.function.parameters must be a JSON Schema object", f"{where}.function.parameters")
+        if "strict" in fn and fn["strict"] not in (False, None):
+            _not_yet(f"{where}.function.strict", fn["strict"])
+
+
+def _tool_choice(body, name, vocab=None):
+    v = body[name]
+    if v in ("none", "auto"):
+        return
+    if v == "required" or isinstance(v, dict):
+        _not_yet(name, v)
+    raise RequestError(f"tool_choice must be \"none\", \"auto\", \"required\" or a function object, got {_show(v)}", name)
+
+
+def _logit_bias(body, name, vocab=None):
+    v = body[name]
+    if not isinstance(v, dict):
+        raise RequestError(f"logit_bias must be an object of token ID -> bias, got {_show(v)}", name)
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and (vocab is None or int(k) < vocab)):
+            raise RequestError(f"logit_bias key {k!r} is not a token ID in [0, {vocab})", name)
+        if not _is_number(b) or not -100 <= b <= 100:
+            raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {_show(b)}", name)
+    if v:
+        _not_yet(name, v)
+
+
+def _no_op_number(default, lo=None, hi=None, lo_open=False):
+    def check(body, name, vocab=None):
+        v = body[name]
+        if v is None:
+            return
+        if not _is_number(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+            rng = f"in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
+            raise RequestError(f"{name} must be a finite number {rng}, got {_show(v)}", name)
+        if v != default:
+            _not_yet(name, v)
+
+    return check
+
+
+def _no_op_int(default, lo, hi):
+    def check(body, name, vocab=None):
+        v = body[name]
+        if v is None:
+            return
+        if not _is_int(v) or not lo <= v <= hi:
+            raise RequestError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}", name)
+        if v != default:
+            _not_yet(name, v)
+
+    return check
+
+
+def _no_op_bool(default):
+    def check(body, name, vocab=None):
+        v = body[name]
+        if v is None:
+            return
+        if not isinstance(v, bool):
+            raise RequestError(f"{name} must be a boolean, got {_show(v)}", name)
+        if v != default:
+            _not_yet(name, v)
+
+    return check
+
+
+def _repetition_context_size(body, name, vocab=None):
+    v = body[name]
+    if v is None:
+        return
+    if not _is_int(v) or not 0 <= v <= INT32_MAX:
+        raise RequestError(f"{name} must be an integer >= 0, got {_show(v)}", name)
+    # Accepted alone: it only sizes repetition_penalty's window (refused unless 1).
+
+
+def _response_format(body, name, vocab=None):
+    v = body[name]
+    if v is None:
+        return
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError(f"response_format must be an object with type text, json_object or json_schema, "
+                           f"got {_show(v)}", name)
+    if v["type"] != "text" or set(v) != {"type"}:
+        _not_yet(name, v)
+
+
+def _chat_template_kwargs(body, name, vocab=None):
+    v = _type(body, name, dict, "an object")
+    for k, x in v.items():
+        if k != "enable_thinking":
+            raise RequestError(f"chat_template_kwargs.{k} is not supported (only enable_thinking)", f"{name}.{k}")
+        if not isinstance(x, bool):
+            raise RequestError(f"{name}.enable_thinking must be a boolean", f"{name}.enable_thinking")
+
+
+def _string(body, name, vocab=None):
+    _type(body, name, str, "a string")
+
+
+def _completions_logprobs(body, name, vocab=None):
+    v = body[name]
+    if v is None:
+        return
+    if not _is_int(v) or not 0 <= v <= 20:
+        raise RequestError(f"logprobs must be an integer in [0, 20], got {_show(v)}", name)
+    if v:
+        _not_yet(name, v)
+
+
+def _suffix(body, name, vocab=None):
+    v = body[name]
+    if v not in (None, ""):
+        if not isinstance(v, str):
+            raise RequestError(f"suffix must be a string, got {_show(v)}", name)
+        _not_yet(name, v)
+
+
+_COMMON = {
+    "model": _string,
+    "user": _string,
+    # Honoured sampling fields: range-checked here, read by server.parse_sampling.
+    "max_tokens": lambda b, n, v=None: _integer(b, n, 1),
+    "temperature": lambda b, n, v=None: _number(b, n, 0, 1e6),
+    "top_p": lambda b, n, v=None: _number(b, n, 0, 1),
+    "top_k": lambda b, n, v=None: _integer(b, n, 0),
+    "min_p": lambda b, n, v=None: _number(b, n, 0, 1),
+    "seed": _seed,
+    "stop": _stop,
+    "stream": None,
+    "stream_options": _stream_options,
+    "n": None,
+    "frequency_penalty": _no_op_number(0, -2, 2),
+    "presence_penalty": _no_op_number(0, -2, 2),
+    "repetition_penalty": _no_op_number(1, 0, 1e6, lo_open=True),
+    "repetition_context_size": _repetition_context_size,
+    "xtc_probability": _no_op_number(0, 0, 1),
+    "xtc_threshold": _no_op_number(0, 0, 0.5),
+    "logit_bias": _logit_bias,
+}
+CHAT_FIELDS = {**_COMMON, **{
+    "messages": None,  # the chat renderer checks every message
+    "max_completion_tokens": lambda b, n, v=None: _integer(b, n, 1),
+    "tools": _tools,
+    "tool_choice": _tool_choice,
+    "parallel_tool_calls": _no_op_bool(True),
+    "logprobs": _no_op_bool(False),
+    "top_logprobs": _no_op_int(0, 0, 20),
+    "response_format": _response_format,
+    "chat_template_kwargs": _chat_template_kwargs,
+}}
+COMPLETION_FIELDS = {**_COMMON, **{
+    "prompt": None,  # checked by the endpoint (string or token IDs)
+    "logprobs": _completions_logprobs,
+    "echo": _no_op_bool(False),
+    "best_of": _no_op_int(1, 1, 1),
+    "suffix": _suffix,
+}}
+
+
+def check_fields(body: dict, chat: bool, vocab: int) -> dict:
+    """Refuse unknown fields and validate every known one (see the module doc); returns the
+    renderer options the body asks for (``enable_thinking``)."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in known:
+            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+            raise RequestError(f"unknown field {name!r} for {endpoint}", name)
+    for name, check in known.items():
+        if check is not None and body.get(name) is not None:  # null is the field's absence
+            check(body, name, vocab)
+    options = {}
+    kwargs = body.get("chat_template_kwargs") or {}
+    if "enable_thinking" in kwargs:
+        options["enable_thinking"] = kwargs["enable_thinking"]
+    return options
+

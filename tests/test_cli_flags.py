@@ -1,0 +1,168 @@
+"""Issue 22 §4: every numeric flag of every verb refuses NaN, infinities, negatives and huge values
+in one line naming the flag (exit 2) before any work; Ctrl-C in `hebrus-mlx chat` is a clean exit.
+
+The named cases (`--seed -1`, `--seed 2**70`, `--expert-cache-gb 1e300`, `--temp inf`) run as real
+CLI subprocesses; the class is checked over every parser: no bare int/float flag is left, and each
+typed flag, given each hostile value, either names itself in a UsageError or parses within its
+declared bounds.
+"""
+
+import importlib
+import io
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from hebrus_mlx.cli import main
+from hebrus_mlx.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+HOSTILE = ["nan", "NaN", "inf", "-inf", "-1", "-0.5", "1e300", "-1e300", str(2**70), "-" + str(2**70), "x", ""]
+# verb -> (module, argv prefix needed to reach the flags: required args, sub-command)
+PARSERS = {
+    "generate": ("hebrus_mlx.generate", []),
+    "server": ("hebrus_mlx.server", []),
+    "chat": ("hebrus_mlx.chat", []),
+    "convert": ("hebrus_mlx.convert", ["--hf-path", "h", "--out", "o"]),
+    "qualify": ("hebrus_mlx.qualify", []),
+    "bench": ("hebrus_mlx.bench.command", []),
+    "simulate": ("hebrus_mlx.simulate.command", []),
+    "traces replay": ("hebrus_mlx.traces.command", ["replay", "d"]),
+    "traces export": ("hebrus_mlx.traces.command", ["export", "d", "--out", "o"]),
+    "traces eval": ("hebrus_mlx.traces.command", ["eval", "d"]),
+}
+
+
+def _parser_and_actions(verb):
+    module, prefix = PARSERS[verb]
+    parser = importlib.import_module(module).build_parser()
+    actions = parser._actions
+    if verb.startswith("traces "):
+        sub = next(a for a in parser._actions if a.dest == "cmd").choices[verb.split()[1]]
+        actions = sub._actions
+    return parser, prefix, [a for a in actions if a.option_strings and a.nargs is None and a.const is None]
+
+
+def _numeric(action):
+    return getattr(action.type, "bounds", None) is not None
+
+
+@pytest.mark.parametrize("verb", sorted(PARSERS))
+def test_no_numeric_flag_is_a_bare_int_or_float(verb):
+    _, _, actions = _parser_and_actions(verb)
+    bare = [a.option_strings[0] for a in actions if a.type in (int, float)]
+    assert bare == [], f"{verb}: {bare} take int/float without range checks (use hebrus_mlx.flags)"
+
+
+@pytest.mark.parametrize("verb", sorted(PARSERS))
+def test_every_numeric_flag_refuses_hostile_values_naming_itself(verb):
+    parser, prefix, actions = _parser_and_actions(verb)
+    numeric = [a for a in actions if _numeric(a)]
+    assert numeric, verb
+    for a in numeric:
+        flag = a.option_strings[0] if a.option_strings[0].startswith("--") else a.option_strings[-1]
+        lo, hi = a.type.bounds
+        for v in HOSTILE:
+            try:
+                got = getattr(parser.parse_args(prefix + [flag, v]), a.dest)
+            except UsageError as e:
+                assert e.field in a.option_strings, (verb, flag, v, e)
+                continue
+            assert math.isfinite(got), (verb, flag, v, got)
+            assert (lo is None or got >= lo) and (hi is None or got <= hi), (verb, flag, v, got)
+
+
+def _cli(*argv, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.parametrize("flag,value", [("--seed", "-1"), ("--seed", str(2**70)), ("--expert-cache-gb", "1e300"),
+                                        ("--temp", "inf"), ("--num-draft-tokens", "100000000000")])
+def test_named_cases_are_one_line_naming_the_flag(flag, value):
+    """Today: tracebacks (seed, cache), exit 0 with empty text (temp inf), a hang (draft tokens)."""
+    r = _cli("generate", "-p", "hi", "-m", "2", "--verbose", "false", "--draft-model", "ngram", flag, value)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.startswith(f"hebrus-mlx generate: error: {flag}: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_cache_sizes_are_bounded_in_the_api_too():
+    """bench --ab expert-cache-gb=1e300 reaches the loader, not the flag: refused there too."""
+    from hebrus_mlx.utils import DEMO_DIR, load_model
+
+    for bad in (1e300, float("inf"), float("nan"), -1.0):
+        with pytest.raises(UsageError) as e:
+            load_model(DEMO_DIR, expert_cache_gb=bad)
+        assert e.value.field == "expert_cache_gb", e.value
+
+
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["traces", "export", "d", "--out", "o", "--fractions", "nan,0.5,0.5"], "--fractions"),
+    (["traces", "export", "d", "--out", "o", "--fractions", "inf,-inf,1"], "--fractions"),
+    (["traces", "eval", "d", "--budgets", str(2**70)], "--budgets"),
+    (["traces", "eval", "d", "--cache-sizes", "nan"], "--cache-sizes"),
+    (["simulate", "--cache-gb", "nan"], "--cache-gb"),
+    (["simulate", "--cache-gb", "1e300"], "--cache-gb"),
+    (["simulate", "--draft-depths", "-1"], "--draft-depths"),
+    (["bench", "--prompt-tokens", str(2**70)], "--prompt-tokens"),
+    (["bench", "--gen-tokens", "nan"], "--gen-tokens"),
+    (["qualify", "--report-cache-gb", "nan,4"], "--report-cache-gb"),
+    (["qualify", "--report-cache-gb", "4,inf"], "--report-cache-gb"),
+])
+def test_numeric_lists_refuse_hostile_items(argv, flag):
+    rc, out, err = _run(argv)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, (rc, out, err)
+    assert f": error: {flag}: " in err, err
+
+
+def _chat_proc():
+    p = subprocess.Popen([sys.executable, "-m", "hebrus_mlx.cli", "chat", "--max-tokens", "2000", "--verbose", "false"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    line = p.stdout.readline()
+    assert line.startswith(b"[INFO] Chatting"), (line, p.stderr.read() if p.poll() is not None else b"")
+    return p
+
+
+def _read_until(stream, needle, timeout=60):
+    os.set_blocking(stream.fileno(), False)
+    seen, deadline = b"", time.monotonic() + timeout
+    while needle not in seen:
+        assert time.monotonic() < deadline, seen
+        chunk = stream.read()
+        seen += chunk or b""
+        time.sleep(0.02)
+    return seen
+
+
+def test_ctrl_c_in_chat_is_a_clean_exit():
+    """At the prompt: exit 0; during a reply: exit 130. Neither prints a traceback."""
+    p = _chat_proc()
+    _read_until(p.stdout, b">> ")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and b"Traceback" not in err and b"KeyboardInterrupt" not in err, err
+    p = _chat_proc()
+    p.stdin.write(b"Write a very long story about a lighthouse.\n")
+    p.stdin.flush()
+    seen = _read_until(p.stdout, b">> ")
+    while len(seen) < 40:  # a few tokens of the reply
+        seen += p.stdout.read() or b""
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and b"Traceback" not in err and b"KeyboardInterrupt" not in err, err
