@@ -120,10 +120,11 @@ NB_MODULE(_ext, m) {
   });
 
   nb::class_<Engine>(m, "Engine")
+      // Made by make_shared, never in place: every shared_ptr<Engine> the ops
+      // get then shares this C++ owner (enable_shared_from_this), not a
+      // per-call one whose deleter takes the GIL on an MLX stream thread.
       .def(
-          "__init__",
-          [](Engine* self,
-             int threads,
+          nb::new_([](int threads,
              uint64_t cache_bytes,
              bool direct,
              bool nocache,
@@ -141,8 +142,8 @@ NB_MODULE(_ext, m) {
             o.backend = backend;
             o.testing = testing;
             o.allocate_slab = hebrus::allocate_mlx_slab;
-            new (self) Engine(o);
-          },
+            return std::make_shared<Engine>(o);
+          }),
           "threads"_a = 4,
           "cache_bytes"_a = uint64_t(1) << 30,
           "direct"_a = true,
@@ -470,8 +471,13 @@ NB_MODULE(_ext, m) {
   // Prefill sweep ring (sweep.h).
   nb::class_<hebrus::SweepRing>(m, "SweepRing")
       .def(
-          nb::init<std::shared_ptr<Engine>, int, const std::string&, std::vector<uint64_t>,
-                   std::vector<uint8_t>, uint32_t, uint32_t, int>(),
+          nb::new_([](std::shared_ptr<Engine> engine, int table, const std::string& path,
+                      std::vector<uint64_t> part_bytes, std::vector<uint8_t> expand,
+                      uint32_t span, uint32_t slots, int threads) {
+            return std::make_shared<hebrus::SweepRing>(
+                std::move(engine), table, path, std::move(part_bytes),
+                std::move(expand), span, slots, threads);
+          }),
           "engine"_a, "table"_a, "path"_a, "part_bytes"_a, "expand"_a, "span"_a,
           "slots"_a = 2, "threads"_a = 4)
       .def("parts", &hebrus::SweepRing::parts)
