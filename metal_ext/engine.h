@@ -314,7 +314,11 @@ inline void consume_iov(struct iovec* iov, size_t& first, uint64_t n) {
   }
 }
 
-class Engine {
+// Always owned by a C++ shared_ptr (the bindings make it with make_shared):
+// graph ops and their CPU tasks hold that owner, so dropping the last one on
+// an MLX stream thread never needs Python's GIL (a nanobind-made shared_ptr
+// would take the GIL in its deleter and deadlock mx.clear_cache()).
+class Engine : public std::enable_shared_from_this<Engine> {
  public:
   explicit Engine(const EngineOptions& options);
   ~Engine();

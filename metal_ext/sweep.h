@@ -25,7 +25,8 @@
 namespace hebrus {
 namespace mx = mlx::core;
 
-class SweepRing {
+// Owned by a C++ shared_ptr, as Engine (engine.h): its ops drop refs on MLX stream threads.
+class SweepRing : public std::enable_shared_from_this<SweepRing> {
  public:
   // `table`: the engine's record table (offsets, lengths, digests) of the
   // store at `path`; a slot holds `span` consecutive records (one layer).

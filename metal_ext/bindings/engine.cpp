@@ -145,10 +145,11 @@ void register_errors(nb::module_& m) {
 
 nb::class_<Engine> register_engine(nb::module_& m) {
   nb::class_<Engine> cls(m, "Engine");
+  // Made by make_shared, never in place: every shared_ptr<Engine> the ops get
+  // then shares this C++ owner (enable_shared_from_this), not a per-call one
+  // whose deleter takes the GIL on an MLX stream thread (a clear_cache deadlock).
   cls.def(
-         "__init__",
-         [](Engine* self,
-            int threads,
+         nb::new_([](int threads,
             uint64_t cache_bytes,
             bool direct,
             bool nocache,
@@ -164,8 +165,8 @@ nb::class_<Engine> register_engine(nb::module_& m) {
            o.policy = policy;
            o.backend = backend;
            o.allocate_slab = allocate_mlx_slab;
-           new (self) Engine(o);
-         },
+           return std::make_shared<Engine>(o);
+         }),
          "threads"_a = 4,
          "cache_bytes"_a = uint64_t(1) << 30,
          "direct"_a = true,

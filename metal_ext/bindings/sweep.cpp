@@ -13,8 +13,14 @@ using namespace nb::literals;
 void register_sweep(nb::module_& m) {
   nb::class_<SweepRing>(m, "SweepRing")
       .def(
-          nb::init<std::shared_ptr<Engine>, int, const std::string&, std::vector<uint64_t>,
-                   std::vector<uint8_t>, uint32_t, uint32_t, int>(),
+          // make_shared for the same reason as Engine (bindings/engine.cpp).
+          nb::new_([](std::shared_ptr<Engine> engine, int table, const std::string& path,
+                      std::vector<uint64_t> part_bytes, std::vector<uint8_t> expand,
+                      uint32_t span, uint32_t slots, int threads) {
+            return std::make_shared<SweepRing>(std::move(engine), table, path,
+                                               std::move(part_bytes), std::move(expand),
+                                               span, slots, threads);
+          }),
           "engine"_a, "table"_a, "path"_a, "part_bytes"_a, "expand"_a, "span"_a,
           "slots"_a = 2, "threads"_a = 4)
       .def("parts", &SweepRing::parts)
