@@ -115,9 +115,11 @@ def test_simulate_profile_projects_from_the_report(report):
     m = proj["machine"]
     assert m["ssd_gbps"] == {str(q): r["ssd"][f"qd{q}_GBps"] for q in (1, 8, 32)}
     assert m["layer_ms"] == pytest.approx(r["decode"]["all_cached"]["layer_ms"])
-    # The check the demo streams with sets the rate: the fast check (XXH3-128) since the demo carries it.
+    # Both measured check rates reach the profile: SHA-256 (older artifacts, --check sha256) and the
+    # fast check (XXH3-128), which the demo streams with.
     assert r["artifact"]["read_check"] == "xxh3-128"
-    assert m["verify_gbps"] == pytest.approx(r["hashes"]["fast_check"]["xxh3_128_GBps_one_thread"])
+    assert m["fast_check_gbps"] == pytest.approx(r["hashes"]["fast_check"]["xxh3_128_GBps_one_thread"])
+    assert m["verify_gbps"] == pytest.approx(r["hashes"]["sha256_engine_GBps_one_thread"])
     # The compute was measured on the demo: the real family's projection needs its own.
     proc = _cli("simulate", "--profile", str(out))
     assert proc.returncode == 2 and "--family" in proc.stderr and "Traceback" not in proc.stderr
