@@ -123,7 +123,7 @@ def test_projection_prints_labelled_columns_and_runtime_flags(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, field", [
     (["--check", "fast", "--profile", "PROFILE_NO_FAST"], "--check"),
-    (["--predictors", "oracle"], "arguments"),
+    (["--predictors", "oracle"], "--predictors"),
     (["--table", "/tmp/x.md", "--profile", "m5-pro-64gb"], "--table"),
     (["--draft-depths", "-1", "--cache-gb", "8"], "--draft-depths"),
     (["--codec", "affine5-g64", "--cache-gb", "8"], "--codec"),
@@ -146,12 +146,12 @@ def test_the_engine_probe_times_the_engines_own_reads(tmp_path):
     ~4x that; hits are subtracted, every probed record was a miss."""
     import mlx.core as mx
 
-    from hebrus_mlx.stream import engine as se
+    from fault_injection import FaultyEngine
 
     L, E, rec = 2, 24, 4096
     path = tmp_path / "store.bin"
     path.write_bytes(bytes(L * E * rec))
-    eng = se.StreamEngine(cache_bytes=rec, threads=8, testing=True)
+    eng = FaultyEngine(cache_bytes=rec, threads=8)
     eng.set_read_delay_us(20000)
     st = eng.add_store(str(path))
     aid, _ = eng.create_arena([rec], 16)
