@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,19 +238,19 @@ def save_prompt_cache(path, cache: SequenceCache, model, tokens: Optional[Sequen
     meta = prompt_cache_metadata(model, cache, tokens, metadata)
     from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save  # slow import: only when saving
 
+    from .artifact.atomic import publish_file_by_path
+    from .artifact.errors import PublishError
+
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}.safetensors")  # mlx names it .safetensors
     mx.eval(cache.arrays)
     try:
-        mlx_lm_save(str(tmp), cache, meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # The one publisher (temp + fsync + rename, locked while written): a later save cleans the
+        # temporaries a killed save left (AFN-010, issue 22), never a live writer's.
+        publish_file_by_path(path, lambda tmp: mlx_lm_save(tmp, cache, meta), suffix=".safetensors")
     except OSError as e:
         raise PromptCacheFileError(f"{path}: cannot write ({e.strerror or e})") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    except PublishError as e:
+        raise PromptCacheFileError(f"{path}: cannot write ({e.message})") from None
     return path
 
 

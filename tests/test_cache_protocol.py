@@ -233,3 +233,32 @@ def test_state_round_trip_of_each_layer_kind(demo, prefix):
     bad = [c for c in cache if isinstance(c, AttentionCache)][0].state
     with pytest.raises(HebrusError, match="AttentionCache.state"):
         AttentionCache.from_state(bad[:3])
+
+
+def test_save_cleans_stale_temps_of_a_killed_save_never_a_live_one(demo, prefix, tmp_path):
+    """Issue 22 §1 (AFN-010): a save killed mid-write leaves `.NAME.tmp-HEX.safetensors`; the next
+    save of NAME removes it (and the plain `.NAME.tmp-HEX` form), never another file's temps and
+    never a temp whose writer still holds its lock."""
+    import fcntl
+    import os
+
+    model, _ = demo
+    head, _ = prefix
+    cache = model.make_cache()
+    _feed(model, cache, [head])
+    path = tmp_path / "turn1.cache"
+    stale = [tmp_path / ".turn1.cache.tmp-0123456789ab.safetensors", tmp_path / ".turn1.cache.tmp-0123456789ac"]
+    for s in stale:
+        s.write_bytes(b"half a cache")
+    other = tmp_path / ".other.cache.tmp-0123456789ab.safetensors"
+    other.write_bytes(b"not this target's")
+    held = tmp_path / ".turn1.cache.tmp-aaaaaaaaaaaa.safetensors"
+    held.write_bytes(b"a live save")
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        save_prompt_cache(path, cache, model, tokens=head)
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["turn1.cache", other.name, held.name])
+    assert load_prompt_cache(path, model).digest() == cache.digest()
