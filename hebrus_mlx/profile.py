@@ -44,13 +44,16 @@ def read_profile(path: Optional[Path] = None) -> Optional[dict]:
     return profile
 
 
-def write_profile(profile: dict, path: Optional[Path] = None) -> Path:
+def write_profile(profile: dict, path: Optional[Path] = None, overwrite: bool = False) -> Path:
     """Publish the profile atomically; an existing one is replaced by the rename, never removed
-    first (a reader sees the old profile or the new one)."""
-    from .artifact.atomic import publish_file
+    first (a reader sees the old profile or the new one), and never a file hebrus-mlx did not
+    write unless `overwrite` (qualify --out, issue 22)."""
+    from .artifact.atomic import check_output_file, publish_file
 
     path = Path(path) if path else profile_path()
+    check_output_file(path, overwrite=overwrite, field="--out")
     path.parent.mkdir(parents=True, exist_ok=True)
+    profile = {"schema": profile.get("schema"), **profile}  # first: how a later run recognises it
     # JSON is produced before the temp exists; the synced temp is read back before the rename.
     data = json.dumps(profile, indent=1).encode()
     publish_file(path, lambda w: w.write(data), verify=read_profile)

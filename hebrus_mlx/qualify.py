@@ -569,6 +569,8 @@ def qualify(probe_dir=None, record_bytes=2704 * 1024, probe_mib=128, store=None,
 def build_parser():
     p = flags.Parser(prog="hebrus-mlx qualify", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --out/--report replace a file hebrus-mlx did not write")
     p.add_argument("--probe-dir", default=None, help="directory on the SSD the model lives on (probe file)")
     p.add_argument("--store", default=None, help="read an existing file (e.g. an artifact's experts.hbem) instead")
     p.add_argument("--record-kib", type=flags.integer(1, 1 << 20), default=2704, help="read size (default: one real expert record)")
@@ -603,11 +605,15 @@ def main(argv=None, hooks=None):
         raise UsageError("--store", f"{a.store!r} is not a file")
     if a.artifact != "demo" and not (Path(a.artifact) / "manifest.json").is_file():
         raise UsageError("--artifact", f"{a.artifact!r} is not an artifact directory (no manifest.json)")
+    from .artifact.atomic import check_output_file
+    from .profile import profile_path
+
+    check_output_file(a.out or profile_path(), overwrite=a.overwrite, field="--out")  # before the probes
     if hooks is not None:
         hooks.check_arguments(a)
     profile = qualify(a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate,
                       a.artifact, a.rounds, a.tokens)
-    path = write_profile(profile, a.out)
+    path = write_profile(profile, a.out, overwrite=a.overwrite)
     print(json.dumps(profile, indent=1))
     print(f"profile written to {path}", file=sys.stderr)
     if hooks is not None:

@@ -64,6 +64,10 @@ def check_arguments(a) -> None:
         raise UsageError("--report", f"the directory of {a.report!r} does not exist")
     if a.report_cache_gb is not None:
         parse_caches(a.report_cache_gb)
+    from .artifact.atomic import check_output_file
+
+    for out in (Path(a.report).expanduser(), summary_path(Path(a.report).expanduser())):  # before the runs
+        check_output_file(out, overwrite=a.overwrite, field="--report")
 
 
 def parse_caches(s: str) -> List[float]:
@@ -470,13 +474,13 @@ def summary_path(path) -> Path:
     return p.with_suffix(".md") if p.suffix != ".md" else p.with_name(p.name + ".summary.md")
 
 
-def write_report(report: dict, path) -> tuple:
+def write_report(report: dict, path, overwrite: bool = False) -> tuple:
     from .bench.report import write_text_atomic
 
     p = Path(path).expanduser()
-    write_text_atomic(p, json.dumps(report, indent=1) + "\n")
+    write_text_atomic(p, json.dumps(report, indent=1) + "\n", field="--report", overwrite=overwrite)
     md = summary_path(p)
-    write_text_atomic(md, markdown(report))
+    write_text_atomic(md, markdown(report), field="--report", overwrite=overwrite)
     return p, md
 
 
@@ -488,7 +492,7 @@ def run(a, profile: dict) -> None:
     extra = [a.probe_dir or "", a.store or "", str(Path(a.report).expanduser().resolve().parent)]
     report = build_report(profile, a.artifact, gen_tokens=max(a.tokens, 2), repeats=2 * a.rounds, cache_gb=caches,
                           extra_secrets=extra)
-    p, md = write_report(report, a.report)
+    p, md = write_report(report, a.report, overwrite=a.overwrite)
     print(f"qualify report written to {p} (summary {md.name}): attach both to an issue", file=sys.stderr)
 
 

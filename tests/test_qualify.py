@@ -156,7 +156,7 @@ def test_bad_profile_is_typed_and_load_keeps_kernels_off(tmp_path, monkeypatch, 
 
     with pytest.warns(UserWarning, match="kernels stay off"):
         assert _apply_machine_profile() == set()
-    write_profile(_claiming(metal_mac, passed=["kernels.hc_mix"]), bad)
+    write_profile(_claiming(metal_mac, passed=["kernels.hc_mix"]), bad, overwrite=True)  # not ours: issue 22
     assert _apply_machine_profile() == {"hc_mix"}
     assert kernels.enabled("hc_mix") == kernels.metal_available()
     kernels.configure(None)

@@ -42,6 +42,8 @@ def build_parser():
                    help="configurations to compare (repeatable: the cross product), e.g. expert-cache-gb=8,16, "
                         "draft-model=none,mtp, prefetch=off,previous")
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace bench.json/.md/.png in --out even if hebrus-mlx did not write them")
     p.add_argument("--seed", type=flags.seed(), default=0, help="prompt token seed")
     p.add_argument("--no-probe", action="store_true", help="skip the SSD read probe")
     p.add_argument("--fresh-probe", action="store_true",
@@ -179,6 +181,10 @@ def main(argv=None) -> int:
     if args.warmup < 0:
         raise UsageError("--warmup", f"must be >= 0, got {args.warmup}")
     configs = H.parse_ab(args.ab)
+    from ..artifact.atomic import check_output_file
+
+    for name in ("bench.json", "bench.md", "bench.png"):  # before a run of minutes, and again at publish
+        check_output_file(Path(args.out) / name, overwrite=args.overwrite, field="--out")
     against = None
     if args.against is not None:
         try:
@@ -204,13 +210,13 @@ def main(argv=None) -> int:
     if against is not None:
         H.compare_results(against, result)
     out = Path(args.out)
-    R.write_json(out / "bench.json", result)
+    R.write_json(out / "bench.json", result, overwrite=args.overwrite)
     md = R.markdown(result)
-    R.write_text_atomic(out / "bench.md", md)
+    R.write_text_atomic(out / "bench.md", md, overwrite=args.overwrite)
     print(md, end="")
     if not args.no_plot:
         if R.have_matplotlib():
-            R.plot(result, out / "bench.png")
+            R.plot(result, out / "bench.png", overwrite=args.overwrite)
             print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
         else:
             print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}; no PNG: matplotlib is not installed "

@@ -72,6 +72,8 @@ def build_parser():
                    help="write the projection table of every shipped profile x expert width x check (markdown, "
                         "e.g. docs/PROJECTION.md) and print it")
     p.add_argument("--json", default=None, help="write the projection/validation as JSON")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --table/--json replace a file hebrus-mlx did not write")
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
     p.add_argument("--stack", default=None, choices=["decode"],
@@ -356,7 +358,7 @@ def write_table(args) -> dict:
                                     "--profile/--trace/--cache-gb/--check")
     results = table_results(args)
     text = P.render_doc(results, TABLE_COMMAND + ("" if args.predictors == "peer" else " --predictors synthetic"))
-    write_text_atomic(args.table, text)
+    write_text_atomic(args.table, text, field="--table", overwrite=args.overwrite)
     print(text, end="")
     return {"table": args.table, "results": results}
 
@@ -618,6 +620,11 @@ def print_validation(v: dict) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from ..artifact.atomic import check_output_file
+
+    for flag, out in (("--table", args.table), ("--json", args.json)):  # before minutes of simulation
+        if out is not None:
+            check_output_file(out, overwrite=args.overwrite, field=flag)
     if args.report is not None and not args.validate:
         raise UsageError("--report", "goes with --validate (to project from a report: --profile FILE)")
     if args.validate and args.report is not None:
@@ -663,7 +670,7 @@ def main(argv=None) -> int:
     if args.json:
         from ..bench.report import write_json
 
-        write_json(args.json, res)
+        write_json(args.json, res, field="--json", overwrite=args.overwrite, schema="hebrus-mlx.simulate")
     return 0
 
 

@@ -34,6 +34,13 @@ def write_json(path, obj) -> None:
     publish_file(str(path), lambda w: w.write(data))
 
 
+def write_report_json(path, obj, *, field: str, overwrite: bool, schema: str) -> None:
+    """A user-named report (replay/eval --json): never over a file hebrus-mlx did not write."""
+    from ..bench.report import json_bytes, write_bytes_atomic
+
+    write_bytes_atomic(path, json_bytes(obj, schema, sort_keys=True), field=field, overwrite=overwrite)
+
+
 def split_of(key: str, fractions) -> str:
     u = int(hashlib.sha256(key.encode()).hexdigest()[:16], 16) / 2.0**64
     acc = 0.0
