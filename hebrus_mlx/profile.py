@@ -35,9 +35,13 @@ def read_profile(path: Optional[Path] = None) -> Optional[dict]:
     path = Path(path) if path else profile_path()
     if not path.exists():
         return None
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    from .artifact.untrusted import UntrustedFileError, read_json_path
+
+    try:  # bounded: size cap, nesting, duplicate keys (issue 22; a profile may be handed to us)
+        profile = read_json_path(path, "json", field=str(path))
+    except UntrustedFileError as e:
+        raise ProfileError(str(path), f"unreadable ({e.message})") from None
+    except OSError as e:
         raise ProfileError(str(path), f"unreadable ({e})") from e
     if not isinstance(profile, dict) or profile.get("schema") != SCHEMA:
         raise ProfileError("profile.schema", f"expected {SCHEMA!r} in {path}")

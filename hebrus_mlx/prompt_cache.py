@@ -331,9 +331,11 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
         return cache
     out = dict(meta)
     if "tokens" in out:
-        try:
-            tokens = json.loads(out["tokens"])
-        except ValueError:
+        from .artifact.untrusted import UntrustedFileError, loads
+
+        try:  # strict and bounded: a cache file may be handed to us (issue 22)
+            tokens = loads(out["tokens"], "prompt_cache_file.tokens")
+        except UntrustedFileError:
             tokens = None
         if not isinstance(tokens, list) or len(tokens) != cache.offset or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):

@@ -44,6 +44,8 @@ from typing import Any, List, Optional
 
 from . import api_fields, flags
 from .api_fields import RequestError
+from .artifact.untrusted import UntrustedFileError
+from .artifact.untrusted import loads as untrusted_loads
 from .cli_args import ArgumentParser
 from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
@@ -197,9 +199,9 @@ def parse_tool_calls(text: str):
     calls, content, pos = [], [], 0
     pattern = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
     for m in pattern.finditer(text):
-        try:
-            obj = json.loads(m.group(1).strip())
-        except json.JSONDecodeError:
+        try:  # the model's text is untrusted too: bounded nesting, no duplicate keys (issue 22)
+            obj = untrusted_loads(m.group(1).strip(), "tool_call")
+        except UntrustedFileError:
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue

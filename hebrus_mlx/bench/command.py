@@ -187,8 +187,12 @@ def main(argv=None) -> int:
         check_output_file(Path(args.out) / name, overwrite=args.overwrite, field="--out")
     against = None
     if args.against is not None:
-        try:
-            against = json.loads(Path(args.against).read_text())
+        from ..artifact.untrusted import UntrustedFileError, read_json_path
+
+        try:  # bounded, strict: a bench.json may come from another machine (issue 22)
+            against = read_json_path(args.against, "json", field=str(args.against))
+        except UntrustedFileError as e:
+            raise UsageError("--against", f"cannot read {args.against}: {e.message}") from None
         except (OSError, ValueError) as e:
             raise UsageError("--against", f"cannot read {args.against}: {e}") from None
     if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):

@@ -148,7 +148,6 @@ def ssd_probe(path: str, record_bytes: int, offsets: Sequence[int], queue_depths
 
 def expert_store(model_dir) -> Optional[dict]:
     """The artifact's expert store: path, record stride and record offsets (None: not an artifact)."""
-    import json
     from pathlib import Path
 
     from ..artifact import constants as C
@@ -157,7 +156,9 @@ def expert_store(model_dir) -> Optional[dict]:
     man = Path(model_dir) / C.MANIFEST_NAME
     if not man.is_file():
         return None
-    m = json.loads(man.read_text())
+    from ..artifact import untrusted
+
+    m = untrusted.read_json(str(model_dir), C.MANIFEST_NAME)  # bounded, strict, no symlink (issue 22)
     store = next((s for s in m.get("stores", []) if s.get("role") == "experts"), None)
     if store is None:
         return None

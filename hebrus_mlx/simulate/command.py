@@ -166,10 +166,14 @@ def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
     if not path.is_file():
         known = ", ".join(sorted(x.stem for x in PROFILES_DIR.glob("*.json")))
         raise UsageError("--profile", f"no profile {name!r} (shipped: {known}; or a JSON file)")
-    try:
-        d = json.loads(path.read_text())
-    except ValueError as e:
-        raise UsageError("--profile", f"{path}: not JSON: {e}") from None
+    from ..artifact.untrusted import UntrustedFileError, read_json_path
+
+    try:  # bounded and strict: a profile or report file may come from anyone (issue 22)
+        d = read_json_path(path, "json", field=str(path))
+    except UntrustedFileError as e:
+        raise UsageError("--profile", f"{path}: {e.message}") from None
+    except OSError as e:
+        raise UsageError("--profile", f"{path}: unreadable: {e}") from None
     if not isinstance(d, dict):
         raise UsageError("--profile", f"{path}: not a JSON object")
     if R.is_report(d):

@@ -178,15 +178,15 @@ def score(ranking, truth, budgets) -> dict:
 
 
 def _record_bytes(model_path) -> Optional[int]:
-    import json
-
     from ..artifact import constants as C
     from ..artifact import expert_major as em
+
+    from ..artifact import untrusted
 
     mp = Path(model_path) / "manifest.json"
     if not mp.is_file():
         return None
-    m = json.loads(mp.read_text())
+    m = untrusted.read_json(str(model_path), "manifest.json")  # bounded, strict (issue 22)
     store = next(s for s in m["stores"] if s["role"] == "experts")
     return int(sum(n for *_, n in em.record_layout(C.family(m["family"]), store["codec"])))
 
