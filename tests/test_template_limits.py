@@ -102,3 +102,45 @@ def test_generate_with_a_digest_valid_hostile_template_is_one_line(tmp_path, nam
     assert rc == "2" and len(err) == 1 and "Traceback" not in r.stdout, r.stdout
     assert err[0].startswith("hebrus-mlx generate: error: chat_template: chat template "), err
     assert int(rss_kib) < 2 << 20  # < 2 GiB (the model and MLX included)
+
+
+# -- the template's size cap, wherever the template comes from (issue 22 §2, audit) ----------------
+
+
+def _checkpoint(tmp_path, **files):
+    d = tmp_path / "ckpt"
+    d.mkdir(parents=True)
+    shutil.copy(DEMO_DIR / "tokenizer.json", d / "tokenizer.json")
+    for name, data in files.items():
+        (d / name.replace("__", ".")).write_bytes(data if isinstance(data, bytes) else json.dumps(data).encode())
+    return d
+
+
+BIG = "{# " + "x" * (2 << 20) + " #}hi"  # 2 MiB: over the 1 MiB template cap, under tokenizer_config's 16 MiB
+
+
+@pytest.mark.parametrize("form", ["string", "named_list"])
+def test_template_inside_tokenizer_config_has_the_template_cap(tmp_path, form):
+    """Embedded in tokenizer_config.json a template escaped the template cap (only the 16 MiB cap of
+    its container applied): now it is refused naming the field and the cap, before any render."""
+    from hebrus_mlx.text.tokenizer import TokenizerError, load_tokenizer
+
+    tpl = BIG if form == "string" else [{"name": "default", "template": BIG}]
+    d = _checkpoint(tmp_path, tokenizer_config__json={"chat_template": tpl})
+    with pytest.raises(TokenizerError) as e:
+        load_tokenizer(d, 1 << 20)
+    assert e.value.field.endswith("tokenizer_config.json.chat_template"), e.value.field
+    assert "template cap of 1 MiB" in e.value.message
+
+
+def test_template_file_and_override_have_the_template_cap(tmp_path):
+    from hebrus_mlx.artifact.untrusted import UntrustedFileError
+    from hebrus_mlx.text.tokenizer import TokenizerError, load_tokenizer
+
+    d = _checkpoint(tmp_path, chat_template__jinja=BIG.encode())
+    with pytest.raises(UntrustedFileError, match="template cap of 1 MiB"):
+        load_tokenizer(d, 1 << 20)
+    d2 = _checkpoint(tmp_path / "2", tokenizer_config__json={"chat_template": "{{ 'ok' }}"})
+    with pytest.raises(TokenizerError, match="template cap of 1 MiB"):
+        load_tokenizer(d2, 1 << 20, chat_template=BIG)
+    assert load_tokenizer(d2, 1 << 20).chat_template == "{{ 'ok' }}"  # a small one still loads
