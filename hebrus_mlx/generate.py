@@ -51,7 +51,7 @@ def generation_stream():
 def wired_limit(model):
     """Wire the model's weights while generating when they are a large part of the Metal working set
     (mlx-lm's rule); a no-op without Metal (this machine: not exercised)."""
-    from .profile import metal_device
+    from .machine_profile import metal_device
 
     if not metal_device():
         yield
@@ -655,7 +655,7 @@ def load_from_args(args):
     """(model, tokenizer) named by generate's model and cache flags (`--model`: demo, a local
     directory or a Hub repo id, downloaded after a disk check)."""
     from .hub import resolve_model
-    from .utils import load
+    from .loader import load
 
     return load(resolve_model(args.model), dtype=None if args.dtype == "stored" else args.dtype,
                 expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,

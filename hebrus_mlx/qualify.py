@@ -41,7 +41,7 @@ from typing import Callable, Optional
 
 from . import flags
 from .errors import UsageError
-from .profile import FAILED, NOT_QUALIFIED, PASSED, SCHEMA, this_machine, write_profile
+from .machine_profile import FAILED, NOT_QUALIFIED, PASSED, SCHEMA, this_machine, write_profile
 
 NO_GAIN = "no gain"  # correct, but not faster here: stays off
 MIN_GAIN = 1.02  # a promoted path must beat the default's median by 2% (noise must not promote)
@@ -361,7 +361,7 @@ def _record_plan(artifact: str, per_run: int, runs: int, seed: int = 0):
     import random
 
     from .admission import admit
-    from .utils import resolve_model_path
+    from .loader import resolve_model_path
 
     m = admit(str(resolve_model_path(artifact)))
     L, E = m.family.num_hidden_layers, m.family.num_experts
@@ -461,7 +461,7 @@ def sweep_crossover_section(artifact: str, rounds: int, fractions=None) -> dict:
     from .stream import crossover
     from .stream.engine import StreamEngine
     from .stream.experts import StreamedExperts
-    from .utils import resolve_model_path
+    from .loader import resolve_model_path
 
     m = admit(str(resolve_model_path(artifact)))
     store = Path(m.file(m.experts)).resolve()
@@ -524,7 +524,7 @@ def measure_streamed_decode(model, tokenizer, prompt, tokens: int, gpu_events: b
 
 def _streamed_demo(artifact: str):
     """(model, tokenizer) with every routed expert streamed through an arena that holds them all."""
-    from .utils import load, resolve_model_path
+    from .loader import load, resolve_model_path
 
     path = resolve_model_path(artifact)
     experts = sum(p.stat().st_size for p in Path(path).glob("experts*.hbem"))

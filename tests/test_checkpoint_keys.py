@@ -134,7 +134,7 @@ def test_live_conditional_generation_checkpoint_matches_reference(tmp_path):
     pytest.importorskip("transformers")
     import torch
 
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     ref = _build_cg(tmp_path)
     ids = capture("tiny_a")["input_ids"]

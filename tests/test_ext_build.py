@@ -97,7 +97,7 @@ def test_fault_injection_is_compiled_only_into_the_test_module():
         """
         import sys
         import mlx.core as mx
-        from hebrus_mlx.utils import DEMO_DIR, load_model
+        from hebrus_mlx.loader import DEMO_DIR, load_model
         model = load_model(DEMO_DIR, expert_cache_gb=0.004, ple_cache_gb=4 * 65536 / 2**30)
         mx.eval(model(mx.array([[5, 6, 7]]), model.make_cache()))
         assert model.streaming.engine.counters()["misses"] > 0

@@ -191,7 +191,7 @@ def test_qsa_attention_emulated_prefill_and_decode(name):
 
 
 def test_kernels_switch_on_only_when_the_profile_passed_them_on_metal(monkeypatch):
-    from hebrus_mlx import profile as prof
+    from hebrus_mlx import machine_profile as prof
 
     here = dict(prof.this_machine(), metal=True)  # a profile written on this machine, seen as a Mac
     monkeypatch.setattr(prof, "this_machine", lambda: dict(here))

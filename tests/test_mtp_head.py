@@ -8,7 +8,7 @@ import pytest
 
 from hebrus_mlx.models.checkpoint_keys import CheckpointKeyError, check_mtp_key_set
 from hebrus_mlx.models.qwen4exp import Capture
-from hebrus_mlx.utils import load_hf_model
+from hebrus_mlx.loader import load_hf_model
 from mtp_fixture import mlx_vlm_available, mlx_vlm_drafter, mtp_checkpoint, mtp_tensors
 from parity_fixtures import capture
 

@@ -21,7 +21,7 @@ from hebrus_mlx.errors import UsageError
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import sweep as S
 from hebrus_mlx.stream.errors import DigestMismatchError
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -216,7 +216,7 @@ def test_auto_planned_arena_leaves_the_ring_its_room(monkeypatch):
 
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import constants as C
-    from hebrus_mlx.loading import artifact as A
+    from hebrus_mlx.loading import build_model as A
     from hebrus_mlx.loading import plan
 
     m = admit(str(DEMO_DIR))

@@ -25,7 +25,7 @@ _qualified: set[str] = set()
 
 def metal_available() -> bool:
     """A Metal device computes here (`profile.metal_device`: not merely MLX's Metal build)."""
-    from ..profile import metal_device
+    from ..machine_profile import metal_device
 
     return metal_device()
 
@@ -37,7 +37,7 @@ def killed(name: str) -> bool:
 def configure(profile: Optional[dict]) -> set[str]:
     """Switch on the kernels the machine profile says passed on this device (`profile.passed`:
     written on this machine, Metal present); returns them."""
-    from ..profile import passed
+    from ..machine_profile import passed
 
     _qualified.clear()
     for name in KERNELS:

@@ -1103,7 +1103,7 @@ class TextModel(nn.Module):
 
 
 class Model(nn.Module):
-    # The checkpoint's optional MTP head (models/mtp.py), set by the loaders; not a child module.
+    # The checkpoint's optional MTP head (models/mtp_head.py), set by the loaders; not a child module.
     mtp_head = None
 
     def __init__(self, args: ModelArgs):

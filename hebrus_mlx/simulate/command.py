@@ -113,7 +113,7 @@ def qualify_machine(layer_ms: Optional[float]) -> dict:
     --layer-ms (qualify does not measure the model); the shipped M5 Pro 48 GB profile's synthetic
     routes and memory reserve (said so in the assumptions)."""
     from ..bench.machine import memory_bytes
-    from ..profile import profile_path, read_profile
+    from ..machine_profile import profile_path, read_profile
 
     prof = read_profile()
     pread = ((prof or {}).get("io") or {}).get("pread") if isinstance((prof or {}).get("io"), dict) else None
@@ -443,7 +443,7 @@ def record_routes(model, prompt: List[int], n: int, kinds=()):
 def validate(args) -> dict:
     from ..bench import command as B
     from ..bench import harness as H
-    from ..utils import load, resolve_model_path
+    from ..loader import load, resolve_model_path
     from . import calibrate as K
 
     load0 = K.load_average()

@@ -240,7 +240,7 @@ def load_draft_model(path, target_tokenizer, target_vocab: int, distribution=Non
     if not (p / "config.json").is_file() and not (p / "manifest.json").is_file():
         raise DrafterError(f"draft_model: {path!r} is not 'mtp', 'ngram' or a model directory (no config.json)")
     if _is_hebrus_dir(p):
-        from ..utils import load_model
+        from ..loader import load_model
 
         cfg = untrusted.read_json(str(p), "config.json", links=True)
         draft_vocab = int(cfg["vocab_size"])
