@@ -277,7 +277,7 @@ def make_mixers(layers):
     import mlx.nn as nn
 
     from hebrus_mlx.models.qwen4exp import GatedDeltaNet, SharedExpert
-    from hebrus_mlx.models.qwen4exp_config import ModelArgs
+    from hebrus_mlx.format.qwen4exp_config import ModelArgs
 
     args = ModelArgs.from_dict(dict(
         model_type="qwen4_exp_text", hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=256,

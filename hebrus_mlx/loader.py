@@ -32,7 +32,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     `model.mtp_head` (None without one).
     """
     # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
-    from .models.checkpoint_keys import CheckpointKeyError
+    from .format.checkpoint_keys import CheckpointKeyError
     from .models.qwen4exp import Model, ModelArgs, fuse_projections, set_norm_weights
 
     path = Path(path)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx.models.checkpoint_keys import CheckpointKeyError, check_key_set
+from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_key_set
 from hebrus_mlx.models.qwen4exp import Model, ModelArgs
 from parity_fixtures import PARITY, capture, model
 

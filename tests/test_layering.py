@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "hebrus_mlx"
 
-FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.flags", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.models.qwen4exp_config",
-          "hebrus_mlx.models.checkpoint_keys", "hebrus_mlx.pipeline.split")
+FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.flags", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.format",
+          "hebrus_mlx.format.", "hebrus_mlx.pipeline.split")
 RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one module
     (FORMAT, 0),
     (("hebrus_mlx.admission",), 1),

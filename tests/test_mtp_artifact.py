@@ -14,7 +14,7 @@ from artifact_fixture import copy_artifact, edit_manifest, edit_safetensors_head
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact.errors import ArtifactError
 from hebrus_mlx.convert import add_mtp, convert
-from hebrus_mlx.models import checkpoint_keys as keys
+from hebrus_mlx.format import checkpoint_keys as keys
 from hebrus_mlx.models.qwen4exp import Capture
 from hebrus_mlx.loader import load_hf_model, load_model
 from mtp_fixture import add_mtp_tensors

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hebrus_mlx.models.qwen4exp_config import ConfigError, ModelArgs
+from hebrus_mlx.format.qwen4exp_config import ConfigError, ModelArgs
 from parity_fixtures import PARITY
 
 

@@ -22,9 +22,9 @@ from .. import kernels
 from ..kernels import hc_mix, ple_gather, qsa_attention
 from . import cpu_streams, gated_delta
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
-from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
+from ..format.checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
 from .streaming_protocol import Streaming
-from .qwen4exp_config import (
+from ..format.qwen4exp_config import (
     ConfigError,
     ModelArgs,
     ple_constants,
