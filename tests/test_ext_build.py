@@ -50,7 +50,7 @@ def test_package_works_without_the_extension():
         import sys, os, tempfile
         sys.modules["hebrus_mlx._ext"] = None  # simulate a missing build
         from hebrus_mlx.stream import engine as se
-        from hebrus_mlx.stream.reference import ReferenceEngine
+        from hebrus_mlx.testing.stream_reference import ReferenceEngine
         assert not se.available() and "could not be imported" in se.unavailable_reason()
         try:
             se.StreamEngine(cache_bytes=1 << 20)

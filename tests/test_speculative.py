@@ -21,7 +21,8 @@ from hebrus_mlx.generate import generate_step, speculative_generate_step, stream
 from hebrus_mlx.sample_utils import make_sampler
 from hebrus_mlx.speculative import DRAFTERS, CompatibilityError, DrafterError, Proposal, SpeculativeStats, make_drafter
 from hebrus_mlx.speculative import protocol as P
-from hebrus_mlx.speculative.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter, load_draft_model
+from hebrus_mlx.speculative.drafters import DraftModelDrafter, NGramDrafter, load_draft_model
+from hebrus_mlx.testing.drafters import OracleDrafter
 from hebrus_mlx.speculative.governor import FixedSchedule
 from hebrus_mlx.loader import DEMO_DIR, load
 

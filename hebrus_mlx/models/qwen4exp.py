@@ -34,11 +34,7 @@ from ..format.qwen4exp_config import (
     ple_table_rows,
 )
 
-__all__ = ["ModelArgs", "Model", "ConfigError", "ContextLengthError", "CacheHoleError", "DenseOracleLimitError"]
-
-
-class DenseOracleLimitError(ValueError):
-    """The dense QSA oracle was asked for more keys than a sparse query can ever see (AFN-011)."""
+__all__ = ["ModelArgs", "Model", "ConfigError", "ContextLengthError", "CacheHoleError"]
 
 
 class Capture:
@@ -608,27 +604,6 @@ def _online_softmax_attention(q, k, v, ok, scale, tile: int = 512):
             acc = acc * correction + p @ vt
         m = new_m
     return acc / l
-
-
-def dense_qsa_oracle(q, k, v, scale, window: int, n_visible: int):
-    """Dense masked attention for contexts where every visible key is selected anyway.
-
-    Only a bounded correctness oracle (AFN-011): it refuses more than `window` visible keys before
-    allocating anything. q: [B, H, Q, D] for the last Q positions; k, v: [B, Hkv, T, D].
-    """
-    if n_visible > window:
-        raise DenseOracleLimitError(
-            f"dense QSA oracle accepts at most {window} visible keys (budget + ratio - 1), got {n_visible}"
-        )
-    B, H, Q, D = q.shape
-    T = k.shape[2]
-    rep = H // k.shape[1]
-    k = mx.repeat(k, rep, axis=1)
-    v = mx.repeat(v, rep, axis=1)
-    scores = (q @ k.swapaxes(-1, -2)) * scale
-    query_pos = mx.arange(T - Q, T)[:, None]
-    scores = mx.where(mx.arange(T)[None, :] <= query_pos, scores, -np.inf)
-    return mx.softmax(scores, axis=-1) @ v
 
 
 class QSAIndexer(nn.Module):
