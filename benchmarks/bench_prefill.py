@@ -31,13 +31,11 @@ import argparse
 import hashlib
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_stream as B  # noqa: E402  (store builder, stack pieces, cold-cache helper)
+from hebrus_mlx.simulate import synthetic_stack as B  # (store builder, stack pieces, cold-cache helper)
 
 
 def digests(path, n, rec):

@@ -76,7 +76,7 @@ def build_parser():
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
     p.add_argument("--stack", default=None, choices=["decode"],
                    help="with --validate: instead of --model, the real-geometry decode stack of "
-                        "benchmarks/bench_stream.py --decode (I/O-bound; needs a source checkout)")
+                        "benchmarks/bench_stream.py --decode (I/O-bound)")
     p.add_argument("--layers", type=flags.integer(1, 1 << 12), default=4, help="with --stack decode: decoder layers")
     p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
                    help="with --stack decode: store path stem (bench_stream's; built on first use)")
