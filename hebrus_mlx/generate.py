@@ -19,13 +19,12 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 
 from . import flags
-from .cli_args import ArgumentParser, str2bool
+from .cli_args import (ArgumentParser, add_prefetch_argument, add_sweep_argument, prefetch_from_args, str2bool,
+                       sweep_from_args)
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
 from .sample_utils import SamplingError, apply_vocab_mask, check_sampling_args, make_sampler
-from .stream.predict import add_prefetch_argument, prefetch_from_args
 from .stream.rollback import rollback_on_error
-from .stream.sweep import add_sweep_argument, sweep_from_args
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
