@@ -274,7 +274,7 @@ def vlm_comparison(a):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from peer_mlx_vlm import PeerUnavailable, from_hebrus
 
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     with tempfile.TemporaryDirectory(prefix="bench-graph-") as tmp:
         checkpoint = Path(a.checkpoint) if a.checkpoint else Path(tmp)

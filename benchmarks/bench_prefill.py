@@ -31,13 +31,11 @@ import argparse
 import hashlib
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_stream as B  # noqa: E402  (store builder, stack pieces, cold-cache helper)
+from hebrus_mlx.simulate import synthetic_stack as B  # (store builder, stack pieces, cold-cache helper)
 
 
 def digests(path, n, rec):
@@ -267,7 +265,7 @@ def long_demo(root, max_positions):
     import shutil
 
     from hebrus_mlx.artifact import constants as C
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     C.register_family(dataclasses.replace(C.QWEN4EXP_DEMO, name=f"qwen4exp-demo-{max_positions}",
                                           family_id=0xDE70 + max_positions // 1024,
@@ -303,7 +301,7 @@ def run_demo(args):
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import expert_major as em
     from hebrus_mlx.loading import plan
-    from hebrus_mlx.utils import DEMO_DIR, load_model
+    from hebrus_mlx.loader import DEMO_DIR, load_model
 
     if args.max_positions:
         return run_demo_long(args, long_demo(args.build_dir, args.max_positions))
@@ -350,7 +348,7 @@ def run_demo_long(args, art):
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import expert_major as em
     from hebrus_mlx.loading import plan
-    from hebrus_mlx.utils import load_model
+    from hebrus_mlx.loader import load_model
 
     m = admit(art)
     fam = m.family

@@ -27,8 +27,8 @@ from .artifact.errors import AdmissionError, ArtifactError
 from .artifact.expert_major import ExpertMajorReader
 from .artifact.ple_pages import PleReader
 from .artifact.safetensors import read_safetensors_header
-from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import ConfigError, mtp_layer_args
+from .format import checkpoint_keys as keys
+from .format.qwen4exp_config import ConfigError, mtp_layer_args
 
 STAGES = (
     "bounds", "family", "source", "constants", "tokenizer",

@@ -15,9 +15,9 @@ from .cli_args import ArgumentParser, str2bool
 from .errors import UsageError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import make_sampler
-from .server import USED, refuse_unused, share_generate_flags
+from .verb_flags import USED, refuse_unused, share_generate_flags
 from .stream.errors import StreamError
-from .text.chat import ChatError
+from .text.chat_template import ChatError
 from .text.tokenizer import TokenizerError
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function

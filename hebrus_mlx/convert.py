@@ -7,7 +7,7 @@ imported without requantizing, `convert_mlx`), or a Hub repo id (`hub`).
 Tensors are read one at a time straight from the safetensors shards (pread of
 one tensor's bytes), so peak memory is about the largest tensor plus a
 constant, independent of checkpoint size. Every source key is classified by
-the explicit key tables (`models/checkpoint_keys.py`): consumed into the dense
+the explicit key tables (`format/checkpoint_keys.py`): consumed into the dense
 file, the ExpertMajor store or a PLE page store, checked as a PLE constant, or
 excluded by a named rule; the counts are asserted and recorded.
 
@@ -28,8 +28,8 @@ from .artifact import atomic
 from .artifact import constants as C
 from .artifact import expert_major, fast_check as FC, manifest as M, ple_pages, untrusted
 from .artifact.errors import ArtifactError, GeometryError
-from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import mtp_layer_args
+from .format import checkpoint_keys as keys
+from .format.qwen4exp_config import mtp_layer_args
 from .sources import _COMPONENT, Source, encode
 
 
@@ -346,7 +346,7 @@ def add_mtp(artifact, mtp_source, quiet=False):
     holding exactly the `mtp.*` tensors, e.g. a trained head), encoded with the artifact's own
     profile codecs. Every other file is copied byte for byte; the new directory is admitted before
     it atomically replaces the old one. Replaces an MTP store already present."""
-    from .models.qwen4exp_config import ModelArgs
+    from .format.qwen4exp_config import ModelArgs
 
     admission.admit(artifact)
     man = untrusted.read_json(artifact, C.MANIFEST_NAME, "manifest")

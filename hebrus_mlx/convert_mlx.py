@@ -32,8 +32,8 @@ import numpy as np
 from . import sources as _sources
 from .artifact import constants as C
 from .artifact.errors import ArtifactError, CodecError, GeometryError
-from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import ple_constants
+from .format import checkpoint_keys as keys
+from .format.qwen4exp_config import ple_constants
 
 PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 EXCLUDED = (("vision", "vision_tower."), ("mtp", "mtp."))

@@ -19,13 +19,12 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 
 from . import flags
-from .cli_args import ArgumentParser, str2bool
+from .cli_args import (ArgumentParser, add_prefetch_argument, add_sweep_argument, prefetch_from_args, str2bool,
+                       sweep_from_args)
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
 from .sample_utils import SamplingError, apply_vocab_mask, check_sampling_args, make_sampler
-from .stream.predict import add_prefetch_argument, prefetch_from_args
 from .stream.rollback import rollback_on_error
-from .stream.sweep import add_sweep_argument, sweep_from_args
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
@@ -51,7 +50,7 @@ def generation_stream():
 def wired_limit(model):
     """Wire the model's weights while generating when they are a large part of the Metal working set
     (mlx-lm's rule); a no-op without Metal (this machine: not exercised)."""
-    from .profile import metal_device
+    from .machine_profile import metal_device
 
     if not metal_device():
         yield
@@ -655,7 +654,7 @@ def load_from_args(args):
     """(model, tokenizer) named by generate's model and cache flags (`--model`: demo, a local
     directory or a Hub repo id, downloaded after a disk check)."""
     from .hub import resolve_model
-    from .utils import load
+    from .loader import load
 
     return load(resolve_model(args.model), dtype=None if args.dtype == "stored" else args.dtype,
                 expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,

@@ -142,7 +142,7 @@ def identity() -> dict:
     import mlx.core as mx
 
     from .bench.machine import chip, memory_bytes
-    from .profile import compute_backend, metal_device
+    from .machine_profile import compute_backend, metal_device
     from .stream import engine
 
     ident = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
@@ -263,7 +263,7 @@ def artifact_facts(artifact: str) -> dict:
     the bytes of its expert store and of everything else."""
     from .admission import admit
     from .artifact.expert_major import Geometry
-    from .utils import resolve_model_path
+    from .loader import resolve_model_path
 
     m = admit(str(resolve_model_path(artifact)))
     fam = m.family
@@ -303,7 +303,7 @@ def decode_section(artifact: str, gen_tokens: int, repeats: int, cache_gb: Optio
     from .bench import harness as H
     from .bench.machine import memory_bytes
     from .stream import engine
-    from .utils import load
+    from .loader import load
 
     f = facts or artifact_facts(artifact)
     if not engine.available():

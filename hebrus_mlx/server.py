@@ -46,15 +46,15 @@ from . import api_fields, flags
 from .api_fields import RequestError
 from .artifact.untrusted import UntrustedFileError
 from .artifact.untrusted import loads as untrusted_loads
-from .cli_args import ArgumentParser
+from .cli_args import ArgumentParser, prefetch_from_args
+from .verb_flags import USED, refuse_unused, share_generate_flags
 from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
-from .stream.predict import prefetch_from_args
-from .text.chat import ChatError
+from .text.chat_template import ChatError
 from .text.tokenizer import TokenizerError
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
@@ -748,30 +748,7 @@ def _as_request_error(e) -> RequestError:
 # -- command line ---------------------------------------------------------------------------------
 
 
-# generate's flags that describe the model, its caches and sampling defaults; taken from its parser
-# so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
-# until this verb uses it (never silently ignored).
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
-USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
-        "draft_model", "num_draft_tokens", "pipeline_split", "pipeline_timeout",
-        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror",
-        "prefill_sweep"}
-
-
-def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
-    """Add generate's flags (but `exclude`) to `p`; returns the added actions."""
-    added = []
-    for action in gen.build_parser()._actions:
-        if action.dest not in exclude:
-            p._add_action(action)
-            added.append(action)
-    return added
-
-
-def refuse_unused(args, actions, used, verb):
-    for a in actions:
-        if a.dest not in used and getattr(args, a.dest) != a.default:
-            raise UsageError(a.option_strings[0], f"not supported by `hebrus-mlx {verb}` yet")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -163,7 +163,7 @@ def test_bench_end_to_end_writes_json_markdown_png(tmp_path, capsys):
 
 
 def test_bench_refuses_two_artifacts_before_loading(tmp_path, capsys):
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     other = tmp_path / "other"
     shutil.copytree(DEMO_DIR, other)

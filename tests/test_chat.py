@@ -1,4 +1,4 @@
-"""hebrus_mlx.text.chat: rendering with provenance (AFN-006) and Python trimming (AFN-007).
+"""hebrus_mlx.text.chat_template: rendering with provenance (AFN-006) and Python trimming (AFN-007).
 
 Rendered bytes are checked against transformers' own chat-template renderer on the shipped
 template (upstream capture, tests/fixtures/text/chat_cases.json); segment kinds and token IDs are
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hebrus_mlx.text.chat import (
+from hebrus_mlx.text.chat_template import (
     DATA,
     TRUSTED_CONTROL,
     ChatError,

@@ -95,7 +95,7 @@ def test_named_cases_are_one_line_naming_the_flag(flag, value):
 
 def test_cache_sizes_are_bounded_in_the_api_too():
     """bench --ab expert-cache-gb=1e300 reaches the loader, not the flag: refused there too."""
-    from hebrus_mlx.utils import DEMO_DIR, load_model
+    from hebrus_mlx.loader import DEMO_DIR, load_model
 
     for bad in (1e300, float("inf"), float("nan"), -1.0):
         with pytest.raises(UsageError) as e:

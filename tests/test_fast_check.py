@@ -28,7 +28,7 @@ from hebrus_mlx.artifact.expert_major import ExpertMajorReader
 from hebrus_mlx.artifact.ple_pages import PleReader
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.upgrade import upgrade
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.verify import verify
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GREEDY = """
 import json, sys
 import mlx.core as mx
-from hebrus_mlx.utils import load_model, resolve_model_path
+from hebrus_mlx.loader import load_model, resolve_model_path
 from hebrus_mlx.generate import generate_step
 model = load_model(resolve_model_path("demo"), dtype=mx.float32)
 prompt = mx.array(list(range(5, 45)), dtype=mx.int32)
@@ -82,7 +82,7 @@ def test_joined_projections_match_the_per_linear_matmuls():
     greedy decode agree (bit for bit on this CPU)."""
     from mlx.utils import tree_flatten
 
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
     from parity_fixtures import PARITY, capture
 
     model = load_hf_model(PARITY / "tiny_a")
@@ -106,7 +106,7 @@ def test_in_major_weights_keep_logits_bit_identical():
     from mlx.utils import tree_flatten
 
     from hebrus_mlx.models import qwen4exp
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
     from parity_fixtures import PARITY, capture
 
     model = load_hf_model(PARITY / "tiny_a")

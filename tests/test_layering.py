@@ -18,16 +18,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "hebrus_mlx"
 
-FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.flags", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.models.qwen4exp_config",
-          "hebrus_mlx.models.checkpoint_keys", "hebrus_mlx.pipeline.split")
+FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.flags", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.format",
+          "hebrus_mlx.format.", "hebrus_mlx.pipeline.split")
 RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one module
     (FORMAT, 0),
     (("hebrus_mlx.admission",), 1),
     (("hebrus_mlx.loading", "hebrus_mlx.loading.", "hebrus_mlx.models", "hebrus_mlx.models.qwen4exp",
       "hebrus_mlx.models.cache", "hebrus_mlx.models.gated_delta", "hebrus_mlx.models.cpu_streams", "hebrus_mlx.stream", "hebrus_mlx.stream.",
-      "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.kernels.", "hebrus_mlx.profile", "hebrus_mlx.utils", "hebrus_mlx.hub",
+      "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.kernels.", "hebrus_mlx.machine_profile", "hebrus_mlx.loader", "hebrus_mlx.hub",
       "hebrus_mlx.traces", "hebrus_mlx.traces.schema", "hebrus_mlx.traces.capture", "hebrus_mlx.traces.shards",
-      "hebrus_mlx.traces.export", "hebrus_mlx.traces.cachesim", "hebrus_mlx.models.mtp",
+      "hebrus_mlx.traces.export", "hebrus_mlx.traces.cachesim", "hebrus_mlx.models.mtp_head",
       "hebrus_mlx.models.streaming_protocol", "hebrus_mlx.cli_args"), 2),
     # Replay prefills through generate's loop; the traces verb and eval sit on replay.
     (("hebrus_mlx.generate", "hebrus_mlx.traces.replay", "hebrus_mlx.traces.eval", "hebrus_mlx.traces.command",
@@ -95,7 +95,7 @@ def _rank(module):
 
 def test_no_import_cycles_even_through_function_local_imports():
     graph = import_graph()
-    assert {"hebrus_mlx.admission", "hebrus_mlx.loading.artifact", "hebrus_mlx.stream.experts"} <= set(graph)
+    assert {"hebrus_mlx.admission", "hebrus_mlx.loading.build_model", "hebrus_mlx.stream.experts"} <= set(graph)
     index, low, stack, on, cycles = {}, {}, [], set(), []
 
     def visit(v):  # Tarjan's strongly connected components
@@ -128,14 +128,14 @@ def test_no_import_cycles_even_through_function_local_imports():
 def test_the_scan_sees_a_planted_cycle(tmp_path, monkeypatch):
     """Control: the scan is not vacuous - a function-local import back up is a cycle."""
     graph = import_graph()
-    graph["hebrus_mlx.artifact.constants"] = graph["hebrus_mlx.artifact.constants"] | {"hebrus_mlx.loading.artifact"}
-    reach, todo = set(), ["hebrus_mlx.loading.artifact"]
+    graph["hebrus_mlx.artifact.constants"] = graph["hebrus_mlx.artifact.constants"] | {"hebrus_mlx.loading.build_model"}
+    reach, todo = set(), ["hebrus_mlx.loading.build_model"]
     while todo:
         for w in graph.get(todo.pop(), ()):
             if w not in reach:
                 reach.add(w)
                 todo.append(w)
-    assert "hebrus_mlx.loading.artifact" in reach
+    assert "hebrus_mlx.loading.build_model" in reach
 
 
 def test_layers_point_one_way():
@@ -179,7 +179,7 @@ def _opened(monkeypatch):
 def test_load_reads_manifest_and_config_once(monkeypatch):
     """The loader, the streamed experts and PLE use admission's Manifest object: manifest.json and
     config.json are opened once each (by admission), even with experts and PLE streamed."""
-    from hebrus_mlx.utils import DEMO_DIR, load_model
+    from hebrus_mlx.loader import DEMO_DIR, load_model
 
     seen = _opened(monkeypatch)
     model = load_model(DEMO_DIR, expert_cache_gb=0.001, ple_cache_gb=2 * 65536 / 2**30)
@@ -196,7 +196,7 @@ def _rchar():
 def test_verify_reads_each_store_once():
     """verify's record/page checks feed the whole-file digest: the bytes read are about one pass over
     the stores (two passes were 1.7x on the demo)."""
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
     from hebrus_mlx.verify import verify
 
     total = sum(p.stat().st_size for p in DEMO_DIR.iterdir())
@@ -233,7 +233,7 @@ def test_register_family_refuses_a_clash():
 def test_load_reads_every_source_file_once(monkeypatch):
     """load("demo"): admission reads each source identity file once and checks its digest; the
     graph and the tokenizer use those bytes (no check-then-use window on tokenizer files either)."""
-    from hebrus_mlx.utils import load
+    from hebrus_mlx.loader import load
 
     seen = _opened(monkeypatch)
     model, tok = load("demo")

@@ -19,9 +19,10 @@ import pytest
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.stream import engine as se
+from hebrus_mlx import cli_args
 from hebrus_mlx.stream import sweep as S
 from hebrus_mlx.stream.errors import DigestMismatchError
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -33,9 +34,9 @@ def test_modes_flag_and_typed_errors(capsys):
         S.parse_mode("always")
     assert e.value.field == "prefill_sweep"
     p = argparse.ArgumentParser()
-    S.add_sweep_argument(p)
-    assert S.sweep_from_args(p.parse_args([])) is None
-    assert S.sweep_from_args(p.parse_args(["--prefill-sweep", "off"])) == "off"
+    cli_args.add_sweep_argument(p)
+    assert cli_args.sweep_from_args(p.parse_args([])) is None
+    assert cli_args.sweep_from_args(p.parse_args(["--prefill-sweep", "off"])) == "off"
     assert cli.main(["generate", "--prefill-sweep", "sometimes", "-m", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prefill-sweep" in err[0]
@@ -216,7 +217,7 @@ def test_auto_planned_arena_leaves_the_ring_its_room(monkeypatch):
 
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import constants as C
-    from hebrus_mlx.loading import artifact as A
+    from hebrus_mlx.loading import build_model as A
     from hebrus_mlx.loading import plan
 
     m = admit(str(DEMO_DIR))

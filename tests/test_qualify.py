@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from hebrus_mlx import kernels
-from hebrus_mlx import profile as prof
+from hebrus_mlx import machine_profile as prof
 from hebrus_mlx import qualify as q
-from hebrus_mlx.profile import SCHEMA, ProfileError, read_profile, write_profile
+from hebrus_mlx.machine_profile import SCHEMA, ProfileError, read_profile, write_profile
 from hebrus_mlx.qualify import FAILED, NO_GAIN, NOT_QUALIFIED, PASSED, qualify
 from hebrus_mlx.stream import engine as se
 
@@ -112,7 +112,7 @@ def test_load_refuses_a_profile_claiming_what_this_machine_has_not_qualified(tmp
     claim = _claiming(prof.this_machine(), passed=["kernels.hc_mix", "streaming.gpu_event", "io.mtlio_vs_pread"])
     path = write_profile(claim, tmp_path / "p.json")
     monkeypatch.setenv("HEBRUS_PROFILE", str(path))
-    from hebrus_mlx.utils import _apply_machine_profile
+    from hebrus_mlx.loader import _apply_machine_profile
 
     with pytest.warns(UserWarning, match="not honoured"):
         assert _apply_machine_profile() == set()
@@ -152,7 +152,7 @@ def test_bad_profile_is_typed_and_load_keeps_kernels_off(tmp_path, monkeypatch, 
     with pytest.raises(ProfileError, match="profile.schema"):
         read_profile(bad)
     monkeypatch.setenv("HEBRUS_PROFILE", str(bad))
-    from hebrus_mlx.utils import _apply_machine_profile
+    from hebrus_mlx.loader import _apply_machine_profile
 
     with pytest.warns(UserWarning, match="kernels stay off"):
         assert _apply_machine_profile() == set()

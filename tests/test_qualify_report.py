@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from hebrus_mlx import qualify_report as QR
-from hebrus_mlx.profile import NOT_QUALIFIED
+from hebrus_mlx.machine_profile import NOT_QUALIFIED
 from hebrus_mlx.stream import engine as se
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -37,7 +37,7 @@ def report(tmp_path_factory):
 
 def _prompt_text():
     from hebrus_mlx.bench.harness import prompt_ids
-    from hebrus_mlx.utils import load
+    from hebrus_mlx.loader import load
 
     _, tok = load("demo")
     return tok.decode(prompt_ids(tok, QR.PROMPT_TOKENS, 0))

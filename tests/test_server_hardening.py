@@ -400,7 +400,7 @@ def test_hostile_template_at_the_server_is_a_4xx_quickly():
     from hebrus_mlx.prompt_cache import PromptCache
     from hebrus_mlx.server import App, ServerDefaults, Worker
     from hebrus_mlx.text.tokenizer import load_tokenizer
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     tok = load_tokenizer(DEMO_DIR, 4224)
     tok.chat_template = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"

@@ -316,7 +316,7 @@ def _qualify_profile(tmp_path, monkeypatch, record_bytes, **machine):
 
     import mlx.core as mx
 
-    from hebrus_mlx import profile, qualify
+    from hebrus_mlx import machine_profile as profile, qualify
 
     path = tmp_path / "profile.json"
     monkeypatch.setenv("HEBRUS_PROFILE", str(path))

@@ -25,7 +25,7 @@ from hebrus_mlx.stream.errors import (
     StreamRequestError,
     TicketCancelledError,
 )
-from hebrus_mlx.stream.reference import ReferenceEngine
+from hebrus_mlx.testing.stream_reference import ReferenceEngine
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 

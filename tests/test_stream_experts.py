@@ -176,7 +176,7 @@ def test_failed_construction_releases_reader_and_engine():
     descriptor or reader thread outlives the error, even while the error
     (and its traceback) is still held."""
     from hebrus_mlx.stream.errors import StreamRequestError
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     # The arena is evaluated on MLX's default CPU stream, whose scheduler thread MLX starts on
     # first use and keeps for the process: start it first so it is not counted as ours.
@@ -210,7 +210,7 @@ def test_artifact_without_expert_store_is_a_typed_error(tmp_path):
     import shutil
 
     from hebrus_mlx.artifact.errors import ArtifactError
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     art = tmp_path / "a"
     shutil.copytree(DEMO_DIR, art)

@@ -1,6 +1,6 @@
 """Issue 22 §2: a chat template is untrusted code; every render is bounded in steps (loop
 iterations, calls, operators), time, and the size of its output and of every value it builds
-(text/chat.py TemplateLimits). A hostile template ends in a TemplateError naming the limit, at the
+(text/chat_template.py TemplateLimits). A hostile template ends in a TemplateError naming the limit, at the
 CLI in one line (exit 2), never a hang, a memory blow-up or a traceback (the OverflowError of
 Jinja's range guard included).
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from hebrus_mlx.text.chat import ChatRenderer, TemplateError, qwen_template
-from hebrus_mlx.utils import DEMO_DIR
+from hebrus_mlx.text.chat_template import ChatRenderer, TemplateError, qwen_template
+from hebrus_mlx.loader import DEMO_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 M = [{"role": "user", "content": "hi"}]

@@ -23,7 +23,7 @@ import pytest
 from hebrus_mlx.artifact.errors import AdmissionError
 from hebrus_mlx.artifact.safetensors import read_safetensors_header
 from hebrus_mlx.cli import main
-from hebrus_mlx.utils import DEMO_DIR
+from hebrus_mlx.loader import DEMO_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGV = ["-p", "hi", "--ignore-chat-template", "-m", "2", "--verbose", "false"]

@@ -8,7 +8,7 @@ registered descriptor field for field. Nothing here accepts "any geometry".
 from dataclasses import dataclass, field, fields
 from typing import Tuple
 
-from ..models.qwen4exp_config import ngram_head_primes, padded_rows, ple_head_offsets
+from ..format.qwen4exp_config import ngram_head_primes, padded_rows, ple_head_offsets
 from .errors import CodecError, FamilyError
 
 # ---------------------------------------------------------------- layout ---

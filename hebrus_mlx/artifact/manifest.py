@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Tuple
 
-from ..models import checkpoint_keys as keys
-from ..models.qwen4exp_config import (
+from ..format import checkpoint_keys as keys
+from ..format.qwen4exp_config import (
     ModelArgs,
     mtp_layer_args,
     ple_head_offsets,

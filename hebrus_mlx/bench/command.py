@@ -59,7 +59,7 @@ def build_parser():
 
 def _load(name, load_kwargs):
     from ..hub import resolve_model
-    from ..utils import load
+    from ..loader import load
 
     return load(resolve_model(name), **load_kwargs)
 
@@ -96,7 +96,7 @@ def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dic
               timeline: bool = True, loaded_model=None, reuse_profile: bool = True) -> dict:
     """The whole bench as a dict (what bench.json holds). `loaded_model`: (model, tokenizer) every
     configuration runs (a pipeline's), instead of loading each configuration's."""
-    from ..utils import resolve_model_path
+    from ..loader import resolve_model_path
 
     # Resolve every configuration before loading anything: a typo fails in a second.
     plans = []

@@ -47,7 +47,7 @@ def memory_bytes() -> int:
 def mlx_info() -> dict:
     import mlx.core as mx
 
-    from ..profile import compute_backend
+    from ..machine_profile import compute_backend
 
     return {"mlx_version": mx.__version__, "backend": compute_backend(),
             "default_device": str(mx.default_device())}
@@ -174,8 +174,8 @@ def profile_probe(store_path, record_bytes: int, profile_path=None) -> Optional[
     when it stands for this store: written on this machine (same OS release, architecture, MLX),
     a measured pread probe of records of this size (4 KiB aligned) and, if the profile names the
     file it probed, this store's file system. None otherwise (then the caller probes)."""
-    from ..profile import IDENTITY, read_profile, this_machine
-    from ..profile import profile_path as default_path
+    from ..machine_profile import IDENTITY, read_profile, this_machine
+    from ..machine_profile import profile_path as default_path
 
     path = profile_path or default_path()
     prof = read_profile(path)

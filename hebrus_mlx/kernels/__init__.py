@@ -2,7 +2,8 @@
 
 Each kernel module has: SOURCE (the body passed to `mx.fast.metal_kernel`), `launch(...)` (grid,
 threadgroup, template for a call), `ops(...)` (the fallback, which is the graph's own path), `metal(...)`
-(the kernel on a Metal device) and `emulate(...)` (the same source through `msl_emulator` on numpy).
+(the kernel on a Metal device). The same sources run through the MSL emulator on numpy in
+`hebrus_mlx.testing.kernel_emulation` (a test oracle; no kernel module imports it).
 
 A kernel runs in the graph only when all hold (AFN-013: code is not a feature until qualified):
 - MLX has a Metal device (`kernel_object()` is None otherwise — this machine: always None);
@@ -25,7 +26,7 @@ _qualified: set[str] = set()
 
 def metal_available() -> bool:
     """A Metal device computes here (`profile.metal_device`: not merely MLX's Metal build)."""
-    from ..profile import metal_device
+    from ..machine_profile import metal_device
 
     return metal_device()
 
@@ -37,7 +38,7 @@ def killed(name: str) -> bool:
 def configure(profile: Optional[dict]) -> set[str]:
     """Switch on the kernels the machine profile says passed on this device (`profile.passed`:
     written on this machine, Metal present); returns them."""
-    from ..profile import passed
+    from ..machine_profile import passed
 
     _qualified.clear()
     for name in KERNELS:

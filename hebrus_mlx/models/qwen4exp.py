@@ -22,9 +22,9 @@ from .. import kernels
 from ..kernels import hc_mix, ple_gather, qsa_attention
 from . import cpu_streams, gated_delta
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
-from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
+from ..format.checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
 from .streaming_protocol import Streaming
-from .qwen4exp_config import (
+from ..format.qwen4exp_config import (
     ConfigError,
     ModelArgs,
     ple_constants,
@@ -34,11 +34,7 @@ from .qwen4exp_config import (
     ple_table_rows,
 )
 
-__all__ = ["ModelArgs", "Model", "ConfigError", "ContextLengthError", "CacheHoleError", "DenseOracleLimitError"]
-
-
-class DenseOracleLimitError(ValueError):
-    """The dense QSA oracle was asked for more keys than a sparse query can ever see (AFN-011)."""
+__all__ = ["ModelArgs", "Model", "ConfigError", "ContextLengthError", "CacheHoleError"]
 
 
 class Capture:
@@ -610,27 +606,6 @@ def _online_softmax_attention(q, k, v, ok, scale, tile: int = 512):
     return acc / l
 
 
-def dense_qsa_oracle(q, k, v, scale, window: int, n_visible: int):
-    """Dense masked attention for contexts where every visible key is selected anyway.
-
-    Only a bounded correctness oracle (AFN-011): it refuses more than `window` visible keys before
-    allocating anything. q: [B, H, Q, D] for the last Q positions; k, v: [B, Hkv, T, D].
-    """
-    if n_visible > window:
-        raise DenseOracleLimitError(
-            f"dense QSA oracle accepts at most {window} visible keys (budget + ratio - 1), got {n_visible}"
-        )
-    B, H, Q, D = q.shape
-    T = k.shape[2]
-    rep = H // k.shape[1]
-    k = mx.repeat(k, rep, axis=1)
-    v = mx.repeat(v, rep, axis=1)
-    scores = (q @ k.swapaxes(-1, -2)) * scale
-    query_pos = mx.arange(T - Q, T)[:, None]
-    scores = mx.where(mx.arange(T)[None, :] <= query_pos, scores, -np.inf)
-    return mx.softmax(scores, axis=-1) @ v
-
-
 class QSAIndexer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -1103,7 +1078,7 @@ class TextModel(nn.Module):
 
 
 class Model(nn.Module):
-    # The checkpoint's optional MTP head (models/mtp.py), set by the loaders; not a child module.
+    # The checkpoint's optional MTP head (models/mtp_head.py), set by the loaders; not a child module.
     mtp_head = None
 
     def __init__(self, args: ModelArgs):

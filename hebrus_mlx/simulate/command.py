@@ -78,7 +78,7 @@ def build_parser():
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
     p.add_argument("--stack", default=None, choices=["decode"],
                    help="with --validate: instead of --model, the real-geometry decode stack of "
-                        "benchmarks/bench_stream.py --decode (I/O-bound; needs a source checkout)")
+                        "benchmarks/bench_stream.py --decode (I/O-bound)")
     p.add_argument("--layers", type=flags.integer(1, 1 << 12), default=4, help="with --stack decode: decoder layers")
     p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
                    help="with --stack decode: store path stem (bench_stream's; built on first use)")
@@ -115,7 +115,7 @@ def qualify_machine(layer_ms: Optional[float]) -> dict:
     --layer-ms (qualify does not measure the model); the shipped M5 Pro 48 GB profile's synthetic
     routes and memory reserve (said so in the assumptions)."""
     from ..bench.machine import memory_bytes
-    from ..profile import profile_path, read_profile
+    from ..machine_profile import profile_path, read_profile
 
     prof = read_profile()
     pread = ((prof or {}).get("io") or {}).get("pread") if isinstance((prof or {}).get("io"), dict) else None
@@ -449,7 +449,7 @@ def record_routes(model, prompt: List[int], n: int, kinds=()):
 def validate(args) -> dict:
     from ..bench import command as B
     from ..bench import harness as H
-    from ..utils import load, resolve_model_path
+    from ..loader import load, resolve_model_path
     from . import calibrate as K
 
     load0 = K.load_average()

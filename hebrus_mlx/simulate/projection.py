@@ -30,7 +30,7 @@ from ..errors import UsageError
 from . import model as S
 
 GRID_GB = (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96)
-RUNTIME_POLICY = "clock"  # the loader's arena policy (loading/artifact.py); no flag selects another
+RUNTIME_POLICY = "clock"  # the loader's arena policy (loading/build_model.py); no flag selects another
 RUNTIME_PREFETCH = ("off", "previous", "router-reuse:1", "router-reuse:2", "hyper-reuse")  # --prefetch values
 DEFAULT_PREFETCH = "router-reuse:1"  # stream.predict.DEFAULT (not imported: that module needs MLX)
 PREDICTOR_SOURCES = ("peer", "synthetic")

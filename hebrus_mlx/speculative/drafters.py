@@ -1,9 +1,9 @@
-"""Drafters behind the one interface of base.py: prompt lookup (n-gram), a draft model, an oracle."""
+"""Drafters behind the one interface of base.py: prompt lookup (n-gram), a draft model."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -66,36 +66,6 @@ class NGramDrafter(Drafter):
                 cands.append(c)
             return Proposal(tokens, cands)
         return Proposal([])
-
-
-class OracleDrafter(Drafter):
-    """Replays a recorded future (e.g. plain decoding's output): the acceptance upper bound. It
-    proposes the recording's next tokens while the sequence still follows the recording."""
-
-    name = "oracle"
-
-    def __init__(self, future: Sequence[int]):
-        self.future = [int(t) for t in future]
-        self.done: List[int] = []
-        self.on_track = True
-
-    def begin(self, prompt, hidden):
-        self.done, self.on_track = [], True
-
-    def commit(self, accepted, hidden):
-        for t in accepted:
-            i = len(self.done)
-            self.on_track = self.on_track and i < len(self.future) and self.future[i] == int(t)
-            self.done.append(int(t))
-
-    def reset(self):
-        self.done, self.on_track = [], True
-
-    def propose(self, n):
-        if not self.on_track or n <= 0:
-            return Proposal([])
-        i = len(self.done)
-        return Proposal(self.future[i:i + n])
 
 
 # -- draft model ------------------------------------------------------------------------------------------
@@ -240,7 +210,7 @@ def load_draft_model(path, target_tokenizer, target_vocab: int, distribution=Non
     if not (p / "config.json").is_file() and not (p / "manifest.json").is_file():
         raise DrafterError(f"draft_model: {path!r} is not 'mtp', 'ngram' or a model directory (no config.json)")
     if _is_hebrus_dir(p):
-        from ..utils import load_model
+        from ..loader import load_model
 
         cfg = untrusted.read_json(str(p), "config.json", links=True)
         draft_vocab = int(cfg["vocab_size"])

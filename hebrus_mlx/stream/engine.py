@@ -177,7 +177,7 @@ def configure(profile: Optional[dict]) -> dict:
     Returns {"gpu_event": bool, "backend": str}."""
     import os
 
-    from ..profile import passed
+    from ..machine_profile import passed
 
     global _profile_backend
     gpu = (passed(profile, "streaming", "gpu_event") and gpu_events_compiled()

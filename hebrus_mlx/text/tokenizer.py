@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from ..artifact import untrusted
 from ..errors import HebrusError
-from .chat import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
+from .chat_template import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
 
 # Tokens that end a chat turn or a document when the tokenizer defines them.
 STOP_TOKEN_STRINGS = ("<|endoftext|>", "<|im_end|>")

@@ -59,7 +59,7 @@ def positive_ints(s, flag):
 
 
 def _replay(args) -> int:
-    from ..utils import load
+    from ..loader import load
     from .replay import replay
     from .shards import read_trace
 

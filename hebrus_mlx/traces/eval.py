@@ -210,7 +210,7 @@ def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache
     record_bytes, parity = None, None
     if model is not None:
         from ..traces.schema import model_identity
-        from ..utils import load, resolve_model_path
+        from ..loader import load, resolve_model_path
 
         mdl, tok = load(model)
         diff = ident.mismatch(model_identity(mdl, tok))

@@ -35,7 +35,7 @@ from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
 from ..errors import UsageError
-from ..models.mtp import MTPHead, attach_mtp_head
+from ..models.mtp_head import MTPHead, attach_mtp_head
 from ..models.qwen4exp import Model, fuse_projections, set_norm_weights
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts

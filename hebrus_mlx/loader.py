@@ -32,7 +32,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     `model.mtp_head` (None without one).
     """
     # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
-    from .models.checkpoint_keys import CheckpointKeyError
+    from .format.checkpoint_keys import CheckpointKeyError
     from .models.qwen4exp import Model, ModelArgs, fuse_projections, set_norm_weights
 
     path = Path(path)
@@ -52,7 +52,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
                 raise CheckpointKeyError(f"tensor {key!r} appears in more than one shard")
             weights[key] = value
     model = Model(args)
-    from .models.mtp import attach_mtp_head, load_mtp_head
+    from .models.mtp_head import attach_mtp_head, load_mtp_head
 
     head = load_mtp_head(weights, args, dtype)  # the `mtp.*` tensors the text sanitize excludes
     weights = model.sanitize(weights)
@@ -80,7 +80,7 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
     from .artifact.manifest import Manifest
 
     if isinstance(path, Manifest) or is_artifact(path):
-        from .loading.artifact import load_artifact_model  # admission runs before any graph buffer
+        from .loading.build_model import load_artifact_model  # admission runs before any graph buffer
 
         return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
                                    prefetch=prefetch, expert_mirror=expert_mirror, prefill_sweep=prefill_sweep)
@@ -109,7 +109,7 @@ def _apply_machine_profile():
     import warnings
 
     from . import kernels
-    from .profile import ProfileError, ignored_claims, read_profile
+    from .machine_profile import ProfileError, ignored_claims, read_profile
     from .stream import engine as stream_engine
 
     try:

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .errors import (
+from ..stream.errors import (
     DigestMismatchError,
     ShortReadError,
     StaleGenerationError,
