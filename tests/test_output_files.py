@@ -97,7 +97,7 @@ def _png():
 
 def _writers(tmp_path):
     """Each user-named output writer, called as its verb calls it, twice in a row must work."""
-    from hebrus_mlx import profile
+    from hebrus_mlx import machine_profile as profile
     from hebrus_mlx.bench import report as R
     from hebrus_mlx.traces.export import write_report_json
 

@@ -238,7 +238,7 @@ DUPLICATE = '{"schema": "hebrus-mlx/machine-profile/1", "machine": {}, "machine"
 def test_machine_profile_is_read_strictly(tmp_path, text, needle):
     """read_profile (every load reads it; qualify/bench write it): a typed ProfileError naming
     the file, never a RecursionError, and a duplicate key is not resolved last-wins."""
-    from hebrus_mlx.profile import ProfileError, read_profile
+    from hebrus_mlx.machine_profile import ProfileError, read_profile
 
     p = tmp_path / "profile.json"
     p.write_text(text)
