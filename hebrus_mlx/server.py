@@ -411,7 +411,9 @@ class App:
         # 4 MB request never stalls /health or other clients' streams (two at a time).
         self.prep = ThreadPoolExecutor(2, thread_name_prefix="hebrus-prep")
         self.live: dict = {}  # id -> job with a waiting response (cancelled on shutdown)
+        self.preparing: set = set()  # futures of off-loop work a request awaits (answered 503 on shutdown)
         self.stopping = False
+        self.stop_started: Optional[float] = None  # time.monotonic() of the first SIGTERM/SIGINT
         tmpl = worker.tokenizer.chat_template or ""
         added = worker.tokenizer.added_tokens
         # Tool calls are parsed only where the template writes them in this format.
@@ -477,7 +479,20 @@ class App:
     async def _off_loop(self, fn, *args, **kwargs):
         import functools
 
-        return await asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args, **kwargs))
+        if self.stopping:
+            raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
+        fut = asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args, **kwargs))
+        self.preparing.add(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # begin_shutdown cancelled the wait (the thread may still be rendering): answer now, so
+            # uvicorn's grace period is not spent waiting on a request that will never be served.
+            if self.stopping and fut.cancelled():
+                raise RequestError(SHUTTING_DOWN, None, 503, "server_error") from None
+            raise
+        finally:
+            self.preparing.discard(fut)
 
     async def _body(self, request) -> dict:
         from starlette.requests import ClientDisconnect
@@ -611,10 +626,21 @@ class App:
         """On SIGTERM/SIGINT (the event loop's thread): refuse new requests, cancel every waiting
         one (queued or running: its expert reads fail at once) and answer it 503."""
         self.stopping = True
+        if self.stop_started is None:
+            self.stop_started = time.monotonic()
         for job in list(self.live.values()):
             self.worker.cancel(job)
             job.events.put_nowait(("shutdown", None))
+        for fut in list(self.preparing):
+            fut.cancel()
         self.prep.shutdown(wait=False, cancel_futures=True)
+
+    def grace_left(self, timeout: float) -> float:
+        """Seconds of --shutdown-timeout left: one grace period from the signal for everything
+        (uvicorn's wait for responses and the worker's join together, not one each)."""
+        if self.stop_started is None:
+            return timeout
+        return max(0.0, self.stop_started + timeout - time.monotonic())
 
     async def _respond(self, request, job: Job, chat: bool, parse_tools: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
@@ -899,7 +925,7 @@ def main(argv=None) -> int:
         worker.stop()
         # The worker drains its cancelled step (its expert reads already failed); a pipeline also
         # stops its ranks. A worker still busy past the grace period is left to the process exit.
-        worker._thread.join(timeout=60 if pipe is not None else args.shutdown_timeout)
+        worker._thread.join(timeout=60 if pipe is not None else app.grace_left(args.shutdown_timeout))
     if worker._thread.is_alive() or any(t.is_alive() for t in app.prep._threads):
         log.warning("exiting with work still running (past --shutdown-timeout)")
     else:

@@ -144,3 +144,45 @@ def test_template_file_and_override_have_the_template_cap(tmp_path):
     with pytest.raises(TokenizerError, match="template cap of 1 MiB"):
         load_tokenizer(d2, 1 << 20, chat_template=BIG)
     assert load_tokenizer(d2, 1 << 20).chat_template == "{{ 'ok' }}"  # a small one still loads
+
+
+# -- the time budget holds inside one costly filter call (issue 22 §2, audit) ----------------------
+
+COSTLY = {
+    "wordwrap_4mb": "{% set s = 'a b ' * 1000000 %}{{ s|wordwrap(3)|length }}",
+    "wordwrap_loop": "{% set s = 'a b ' * 50000 %}{% for i in range(100) %}{{ s|wordwrap(3)|length }}{% endfor %}",
+    "urlize_loop": "{% set s = 'ab ' * 30000 %}{% for i in range(1000) %}{{ s|urlize|length }}{% endfor %}",
+    "striptags": "{% set s = '<a>b ' * 200000 %}{{ s|striptags|length }}",
+    "sort_chars": "{% set s = 'ab ' * 1000000 %}{{ s|sort|length }}",
+    "title_loop": "{% set s = 'ab ' * 300000 %}{% for i in range(100) %}{{ s|title|length }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(COSTLY))
+def test_costly_filters_stay_inside_the_time_budget(name):
+    """`wordwrap` on a 4 MB string ran ~16 s in one call, past the 5 s budget (checked only between
+    steps). Now such a call is charged per element and refused before it would pass the deadline;
+    the bound is relative to the budget: within max_seconds plus half a second of slack."""
+    from hebrus_mlx.text.chat import TemplateLimitError, TemplateLimits
+
+    limits = TemplateLimits(max_seconds=1.0)
+    tic = time.monotonic()
+    with pytest.raises(TemplateLimitError):
+        ChatRenderer(COSTLY[name], limits=limits).render(M)
+    assert time.monotonic() - tic < limits.max_seconds + 0.5
+
+
+def test_both_render_passes_share_one_time_budget():
+    """render() runs the template twice (plain and provenance-tracked): the budget covers both, so
+    a template taking 0.7 of it per pass is stopped rather than taking 1.4 budgets."""
+    from hebrus_mlx.text.chat import TemplateLimitError, TemplateLimits
+
+    probe = "{% set s = 'a b ' * 20000 %}{% for i in range(N) %}{{ s|wordwrap(3)|length }}{% endfor %}"
+    tic = time.monotonic()
+    ChatRenderer(probe.replace("N", "5"), limits=TemplateLimits(max_seconds=60)).render(M)
+    per_call = (time.monotonic() - tic) / 10  # 5 calls per pass, 2 passes
+    n = max(2, int(0.7 / per_call))  # one pass: ~0.7 s of a 1 s budget
+    tic = time.monotonic()
+    with pytest.raises(TemplateLimitError):
+        ChatRenderer(probe.replace("N", str(n)), limits=TemplateLimits(max_seconds=1.0)).render(M)
+    assert time.monotonic() - tic < 1.5
