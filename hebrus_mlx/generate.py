@@ -431,7 +431,7 @@ def _decode(step: DecodeStep, spec, y: mx.array, max_tokens: int):
             proposal = spec.propose(block)
             if not proposal.tokens:
                 break  # nothing to verify: a plain step
-            for token, logprobs, from_draft in spec.verify(step, token, proposal):
+            for token, logprobs, from_draft in spec.verify(step, token, proposal):  # noqa: B020 (next block from the last)
                 yield token, logprobs, from_draft
                 produced += 1
                 if produced == max_tokens:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import random
 import shutil
 import struct
