@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .errors import HebrusError
 
-__all__ = ["apply_vocab_mask", "make_sampler", "check_sampling_args", "make_logits_processors",
+__all__ = ["apply_vocab_mask", "masked_logprobs", "make_sampler", "check_sampling_args", "make_logits_processors",
            "make_repetition_penalty", "make_presence_penalty", "make_frequency_penalty", "SamplingError"]
 
 Sampler = Callable[[mx.array], mx.array]
@@ -40,6 +40,13 @@ def apply_vocab_mask(logits: mx.array, effective_vocab_size: int) -> mx.array:
         return logits
     valid = mx.arange(width) < effective_vocab_size
     return mx.where(valid, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def masked_logprobs(logits: mx.array, effective_vocab_size: int) -> mx.array:
+    """Log-probabilities over the effective vocabulary (last axis): columns past it are -inf, the
+    rest renormalised. The one mask + log-softmax of every loop (plain, speculative, drafters)."""
+    logits = apply_vocab_mask(logits, effective_vocab_size)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _is_number(x) -> bool:
@@ -137,8 +144,7 @@ def _categorical(x: mx.array, temp: float) -> mx.array:
 def _renormalised(x: mx.array, effective_vocab_size: Optional[int]) -> mx.array:
     if effective_vocab_size is None:
         return x
-    x = apply_vocab_mask(x, effective_vocab_size)
-    return x - mx.logsumexp(x, axis=-1, keepdims=True)  # top-p/min-p see the valid rows' mass only
+    return masked_logprobs(x, effective_vocab_size)  # top-p/min-p see the valid rows' mass only
 
 
 def make_sampler(
