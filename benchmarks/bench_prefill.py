@@ -91,7 +91,7 @@ class SyntheticExperts:
         n = layers * experts
         self.table = eng.register_table(store, [i * rec for i in range(n)], [rec] * n, dig[:n], arena=self.arena)
         self.weights = {}
-        for buf, wide, (comp, part, stored, shape) in zip(parts, self.expand, self.layout):
+        for buf, wide, (comp, part, _stored, shape) in zip(parts, self.expand, self.layout):
             dt = mx.float32 if wide else mx.uint32
             self.weights.setdefault(comp, {})[part] = buf.view(dt).reshape(rows, *shape)
         self._p1 = P1
@@ -167,7 +167,6 @@ def prompt_inputs(n, rho=0.9, seed=5):
 
 
 def run_stack(args):
-    import mlx.core as mx
 
     from hebrus_mlx.stream import engine as se
 

@@ -166,7 +166,7 @@ def main():
         times = {label: [] for label in labels}
         stats = {label: [] for label in labels}
         logs = {label: [] for label in labels}  # per run and prompt: the governor's block sizes
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             for label in labels + labels[::-1]:
                 total = 0.0
                 for i, ids in enumerate(prompts):

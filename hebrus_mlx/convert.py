@@ -397,7 +397,7 @@ def add_dense_digests(artifact):
     if hashlib.sha256(raw).hexdigest() != m.dense.sha256:
         raise ArtifactError(f"stores.{m.dense.path}.sha256", "dense store digest mismatch")
     base = 8 + int.from_bytes(raw[:8], "little")
-    for name, rec in man["tensors"].items():
+    for rec in man["tensors"].values():
         begin, end = rec["data_offsets"]
         rec["sha256"] = hashlib.sha256(raw[base + begin : base + end]).hexdigest()
     data = M.dumps(man)

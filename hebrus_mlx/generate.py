@@ -23,7 +23,7 @@ from .cli_args import (ArgumentParser, add_prefetch_argument, add_sweep_argument
                        sweep_from_args)
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
-from .sample_utils import SamplingError, apply_vocab_mask, check_sampling_args, make_sampler
+from .sample_utils import SamplingError, check_sampling_args, make_sampler, masked_logprobs
 from .stream.rollback import rollback_on_error
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
@@ -250,8 +250,7 @@ class DecodeStep:
                     row = proc(history, row)
                 out.append(row)
             logits = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
-        logits = apply_vocab_mask(logits, self.effective_vocab_size)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return masked_logprobs(logits, self.effective_vocab_size)
 
     def prefill_forward(self, chunk: mx.array):
         """`prefill_chunks`' forward: the chunk's trace record and hidden rows come back."""
@@ -431,7 +430,7 @@ def _decode(step: DecodeStep, spec, y: mx.array, max_tokens: int):
             proposal = spec.propose(block)
             if not proposal.tokens:
                 break  # nothing to verify: a plain step
-            for token, logprobs, from_draft in spec.verify(step, token, proposal):
+            for token, logprobs, from_draft in spec.verify(step, token, proposal):  # noqa: B020 (next block from the last)
                 yield token, logprobs, from_draft
                 produced += 1
                 if produced == max_tokens:

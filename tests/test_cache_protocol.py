@@ -21,13 +21,6 @@ TEXT = ("import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the argumen
         "    for name in sorted(os.listdir(argv[1])):\n        print(name)\n    return 0\n") * 4
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from hebrus_mlx import load
-
-    return load("demo")
-
-
 def _feed(model, cache, parts):
     out = None
     for p in parts:

@@ -193,7 +193,7 @@ def test_template_cannot_launder_caller_text_into_control():
     """AFN-006: the sandbox hides the placeholder's internals, so a template cannot print caller
     text as template text."""
     for attr in ("_text", "_reg", "real"):
-        tpl = "{{ messages[0].content.%s }}" % attr
+        tpl = f"{{{{ messages[0].content.{attr} }}}}"
         try:
             r = render([{"role": "user", "content": "secret"}], chat_template=tpl)
         except TemplateError:

@@ -125,7 +125,6 @@ def test_generate_step_matches_uncached_reference(step):
 def test_max_kv_size_is_refused_before_any_work():
     """mlx-lm's --max-kv-size has no exact meaning for QSA: refused as a typed one-liner, before the
     model is loaded (a nonexistent model path must not be what the user hears about)."""
-    from hebrus_mlx.cli import main
     from hebrus_mlx.errors import UsageError
 
     m = HistoryModel()

@@ -3,7 +3,6 @@ without it, the same codecs as the text model, and malformed MTP stores rejected
 with the field named. Checkpoint: transformers `save_pretrained` tiny model (artifact_fixture)
 plus random `mtp.*` tensors in the released per-expert layout (mtp_fixture, contract control)."""
 
-import json
 import os
 
 import mlx.core as mx

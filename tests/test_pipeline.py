@@ -138,7 +138,7 @@ def _launch(tmp_path, n, model, mode, split=None, timeout=60, env_extra=None, wa
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"a rank hung past {wait}s")
+            raise AssertionError(f"a rank hung past {wait}s") from None
         results.append((p.returncode, o, e))
     return out, results, time.monotonic() - t0
 

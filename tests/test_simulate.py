@@ -114,8 +114,6 @@ def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
 
     import mlx.core as mx
 
-    from hebrus_mlx.stream import engine as se
-
     T, L, k = topk.shape
     rec = 4096
     path = tmp_path / "store.bin"

@@ -629,7 +629,7 @@ def test_plain_steps_are_pipelined(demo, plain):
     ids, want = plain
     cache = model.make_cache()
     seen = []
-    for t, _, from_draft in speculative_generate_step(
+    for _t, _, _from_draft in speculative_generate_step(
             mx.array(ids), model, Garbage(), effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
             num_draft_tokens=3, governor=FixedSchedule([0, 0, 0, 0, 2], repeat=True), prompt_cache=cache):
         seen.append(cache.next_position - len(ids) - len(seen))  # inputs fed past this token

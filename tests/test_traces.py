@@ -7,9 +7,7 @@ prefill (replay), hand-built shards (faults), brute-force optimal paging (Belady
 rankings (scores). Models: the shipped demo artifact (8 layers, 64 experts top-4).
 """
 
-import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -423,7 +421,7 @@ def test_cache_simulator_policies():
     assert cachesim.simulate("lru", s, 3).hits == 4  # 1 | 1 | 2 | 1
     assert cachesim.simulate("lfu", s, 3).hits == 4
     rng = np.random.default_rng(0)
-    for trial in range(20):
+    for _ in range(20):
         st = rng.integers(0, 6, 14)
         cap = int(rng.integers(1, 5))
         opt = cachesim.simulate("belady", st, cap).hits

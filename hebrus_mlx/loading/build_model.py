@@ -275,9 +275,6 @@ def _make_room_for_ring(m: Manifest, dtype, rows, expert_cache_gb, sweep_mode):
     if rows is None or expert_cache_gb is not None or sweep_mode == "off":
         return rows
     fam = m.family
-    wide = dtype is not None and dtype == mx.float32
-    record = sum(2 * n if wide and d == "uint16" else n
-                 for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
     ring_rows = 2 * fam.num_experts  # stream.sweep.ring_bytes: two layers, records laid out as rows
     if ring_rows > RING_SHARE * rows or rows - ring_rows < fam.num_experts_per_tok:
         return rows

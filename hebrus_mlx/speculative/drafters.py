@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..artifact import untrusted
-from ..sample_utils import apply_vocab_mask
+from ..sample_utils import masked_logprobs
 from .base import CompatibilityError, Drafter, DrafterError, Proposal
 
 
@@ -173,8 +173,7 @@ class DraftModelDrafter(Drafter):
         self.base = self._snapshot()
         tokens, cands, probs = [], [], []
         for i in range(n):
-            row = apply_vocab_mask(logits[0, -1:].astype(mx.float32), self.effective_vocab_size)
-            row = row - mx.logsumexp(row, axis=-1, keepdims=True)
+            row = masked_logprobs(logits[0, -1:].astype(mx.float32), self.effective_vocab_size)
             if self.distribution is None:
                 order = mx.argsort(-row[0])[: self.num_candidates]
                 c = np.array(order).tolist()
