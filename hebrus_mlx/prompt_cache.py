@@ -126,12 +126,15 @@ def stream_with_cache(
     usage: Optional[Usage] = None,
     draft_model=None,
     num_draft_tokens: Optional[int] = None,
+    logits_processors: Optional[list] = None,
 ) -> Iterator[_gen.GenerationResponse]:
     """`stream_generate` over a prompt whose longest cached prefix is restored instead of
     prefilled. Fills `usage` as it goes. Stops early (no error) when `cancelled()` turns true.
     `draft_model` / `num_draft_tokens` decode speculatively as `stream_generate` does (the drafter
     sees the tokens from the last cached position on, so a prompt-lookup drafter finds fewer
-    matches after a long cached prefix; the tokens are the same either way)."""
+    matches after a long cached prefix; the tokens are the same either way). `logits_processors`
+    see the whole prompt then the generated tokens, as in `generate_step` over the full prompt
+    (the restored and prefilled prefix is prepended to the history the decode loop keeps)."""
     ids = list(ids)
     limit = _gen.context_limit(model)
     if not ids:
@@ -152,6 +155,8 @@ def stream_with_cache(
     if prompt_cache is not None and len(ids) - 1 > n:
         prompt_cache.insert(ids[:-1], cache)
     draft = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
+    if logits_processors:
+        draft["logits_processors"] = _with_prefix(logits_processors, ids[:-1])
     steps = _gen.stream_generate(model, tokenizer, ids[-1:], max_tokens=max_tokens, sampler=sampler,
                                  prompt_cache=cache, prefill_step_size=prefill_step_size, **draft)
     tokens: List[int] = []
@@ -176,6 +181,18 @@ def stream_with_cache(
         if prompt_cache is not None and (finished or not cancelled()) and cache.offset == len(ids) + len(tokens):
             mx.eval(cache.arrays)
             prompt_cache.insert(ids + tokens, cache)
+
+
+def _with_prefix(processors, prefix: Sequence[int]) -> list:
+    """`processors` seeing `prefix` before the history the decode loop passes them."""
+    if not prefix:
+        return list(processors)
+    head = mx.array(list(prefix), dtype=mx.int32)
+
+    def wrap(proc):
+        return lambda tokens, logits: proc(mx.concatenate([head, tokens.astype(mx.int32)]), logits)
+
+    return [wrap(p) for p in processors]
 
 
 # -- one sequence on disk, in mlx-lm's prompt-cache layout ---------------------------------------------
