@@ -154,11 +154,11 @@ def stream_with_cache(
         return
     if prompt_cache is not None and len(ids) - 1 > n:
         prompt_cache.insert(ids[:-1], cache)
-    draft = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
+    extra = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
     if logits_processors:
-        draft["logits_processors"] = _with_prefix(logits_processors, ids[:-1])
+        extra["logits_processors"] = _with_prefix(logits_processors, ids[:-1])
     steps = _gen.stream_generate(model, tokenizer, ids[-1:], max_tokens=max_tokens, sampler=sampler,
-                                 prompt_cache=cache, prefill_step_size=prefill_step_size, **draft)
+                                 prompt_cache=cache, prefill_step_size=prefill_step_size, **extra)
     tokens: List[int] = []
     finished = False
     try:
