@@ -42,7 +42,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
-from . import api_fields, flags
+from . import api_fields, flags, responses_api
 from .api_fields import RequestError
 from .cli_args import ArgumentParser
 from .errors import HebrusError, UsageError
@@ -524,6 +524,7 @@ class App:
         self.think_ids = None
         if THINK_OPEN in tmpl and THINK_OPEN in added and THINK_CLOSE in added:
             self.think_ids = tuple(worker.tokenizer.convert_tokens_to_ids([THINK_OPEN, THINK_CLOSE]))
+        self.stored = responses_api.ResponseStore()  # previous_response_id
         # CORS (--allowed-origins): none by default, so a web page cannot drive a local server.
         middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                                  allow_headers=["*"])] if allowed_origins else []
@@ -532,6 +533,8 @@ class App:
             Route("/chat/completions", self._wrap(self.chat), methods=["POST"]),
             Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/completions", self._wrap(self.completions), methods=["POST"]),
+            Route("/v1/responses", self._wrap(self.responses), methods=["POST"]),
+            Route("/v1/responses/{response_id}", self._wrap(self.stored_response), methods=["GET"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
             Route("/v1/models/{model_id:path}", self._wrap(self.model), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -693,6 +696,85 @@ class App:
         max_tokens = self._max_tokens(s, len(ids), "prompt")
         return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
                                    chat=False, parse_tools=False)
+
+    async def responses(self, request):
+        """POST /v1/responses (see responses_api.py)."""
+        body = await self._body(request)
+        tok = self.worker.tokenizer
+        sampling, options = responses_api.check_fields(body, tok.effective_vocab_size)
+        s = parse_sampling(sampling, self.worker.defaults)
+        if body.get("input") is None:
+            raise RequestError("input is required", "input")
+        history = []
+        if body.get("previous_response_id") is not None:
+            stored = self.stored.get(body["previous_response_id"])
+            if stored is None:
+                raise RequestError(f"previous response {body['previous_response_id']!r} not found (not stored, "
+                                   "evicted or expired)", "previous_response_id")
+            history = stored["messages"]
+        conversation = history + responses_api.to_messages(body["input"])
+        tools = responses_api.chat_tools(body.get("tools"))
+        if tok.chat_template is None:
+            raise RequestError("this model has no chat template", "input")
+        ids = await self._off_loop(tok.apply_chat_template,
+                                   responses_api.with_instructions(body.get("instructions"), conversation),
+                                   tools=tools, add_generation_prompt=True, **options)
+        job = Job(ids, s, self._max_tokens(s, len(ids), "input"), asyncio.get_running_loop(), asyncio.Queue())
+        parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
+        think = self._think_state(ids)
+        builder = responses_api.ResponseBuilder(body, self.model_id, body.get("tools"))
+
+        def usage():
+            u = job.usage
+            return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                    "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+        async def events():
+            for e in builder.start():
+                yield e
+            async with aclosing(self._outputs(request, job, parse_tools, think)) as parts:
+                async for part in parts:
+                    if part[0] == "end":
+                        out = builder.finish(part[1], part[2], usage())
+                    else:
+                        out = builder.add("reasoning" if part[0] == "reasoning" else "message", part[1])
+                    for e in out:
+                        yield e
+            if body.get("store") is not False:
+                self.stored.put(builder.id, conversation + builder.messages(), builder.final)
+
+        if not s.stream:
+            try:
+                async with aclosing(events()) as it:
+                    async for _ in it:
+                        pass
+            except Exception as e:
+                raise _as_request_error(e) from None
+            return self._json(builder.final)
+
+        from starlette.responses import StreamingResponse
+
+        async def sse():
+            try:
+                async with aclosing(events()) as it:
+                    async for e in it:
+                        yield e
+            except Exception as e:  # the response has started: an error event, never a traceback
+                err = _as_request_error(e)
+                log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
+                yield builder._event("error", code=err.kind, message=str(err), param=err.param)
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stored_response(self, request):
+        rid = request.path_params["response_id"]
+        stored = self.stored.get(rid)
+        if stored is None:
+            raise RequestError(f"response {rid!r} not found (not stored, evicted or expired)", "response_id", 404,
+                               "not_found_error")
+        return self._json(stored["response"])
 
     # Generation -----------------------------------------------------------------------------
     async def _events(self, request, job: Job):
