@@ -21,9 +21,7 @@ cannot do, deep-copies whole caches, and cannot see a pipeline's remote layers (
 from __future__ import annotations
 
 import json
-import os
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +55,7 @@ class PromptCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
+        self.disk = None  # a prompt_cache_disk.DiskPromptCache: snapshots that survive restarts
 
     def __len__(self):
         return len(self._entries)
@@ -69,6 +68,13 @@ class PromptCache:
         for key in self._entries:
             if len(key) < len(ids) and (best is None or len(key) > len(best)) and ids[: len(key)] == key:
                 best = key
+        if self.disk is not None:
+            on_disk = self.disk.longest(ids, len(best) if best is not None else 0)
+            loaded = None if on_disk is None else self.disk.load(on_disk)
+            if loaded is not None:  # longer than any in memory: keep it here too
+                self.hits += 1
+                self._remember(on_disk, loaded)
+                return loaded, len(on_disk)
         cache = model.make_cache()
         if best is None:
             self.misses += 1
@@ -79,12 +85,20 @@ class PromptCache:
         return cache, len(best)
 
     def insert(self, ids: Sequence[int], cache) -> bool:
-        """Store a detached snapshot of `cache`, which must hold exactly `ids`."""
+        """Store a detached snapshot of `cache`, which must hold exactly `ids` (and publish it to
+        the disk tier, when there is one)."""
         key = tuple(ids)
-        if self.max_bytes == 0 or not key or not hasattr(cache, "detach"):
+        if not key or not hasattr(cache, "detach") or (self.max_bytes == 0 and self.disk is None):
             return False
         if getattr(cache, "offset", None) != len(key):
             raise ValueError(f"cache holds {getattr(cache, 'offset', None)} tokens, key has {len(key)}")
+        if self.disk is not None:
+            self.disk.save(key, cache)
+        return self._remember(key, cache)
+
+    def _remember(self, key: Tuple[int, ...], cache) -> bool:
+        if self.max_bytes == 0:
+            return False
         if key in self._entries:
             self._entries.move_to_end(key)
             return True
@@ -246,29 +260,37 @@ def prompt_cache_metadata(model, cache: SequenceCache, tokens: Optional[Sequence
     return out
 
 
-def save_prompt_cache(path, cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
-                      metadata: Optional[Dict[str, str]] = None) -> Path:
-    """Write `cache` (one single-process sequence of `model`) to `path` with mlx-lm's
-    `save_prompt_cache`, atomically (a sibling temp renamed over `path`; a failure leaves `path` as
-    it was). Returns the path."""
+def serialize_prompt_cache(cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
+                           metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """`cache` (one single-process sequence of `model`) as the bytes of a prompt-cache file (mlx-lm's
+    `save_prompt_cache` layout, bound to the artifact by `prompt_cache_metadata`)."""
     if type(cache) is not SequenceCache:  # a pipeline's cache keeps other ranks' layers elsewhere
         raise PromptCacheFileError("cache", f"expected a SequenceCache of one process, got {type(cache).__name__}")
     meta = prompt_cache_metadata(model, cache, tokens, metadata)
+    import io
+
     from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save  # slow import: only when saving
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}.safetensors")  # mlx names it .safetensors
     mx.eval(cache.arrays)
+    buf = io.BytesIO()
+    mlx_lm_save(buf, cache, meta)
+    return buf.getvalue()
+
+
+def save_prompt_cache(path, cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
+                      metadata: Optional[Dict[str, str]] = None) -> Path:
+    """Write `cache` (one single-process sequence of `model`) to `path` in mlx-lm's layout,
+    published atomically (artifact.atomic: temp + fsync + rename; a failure leaves `path` as it
+    was). Returns the path."""
+    from .artifact.atomic import publish_file
+    from .artifact.errors import PublishError
+
+    payload = serialize_prompt_cache(cache, model, tokens, metadata)
+    path = Path(path)
     try:
-        mlx_lm_save(str(tmp), cache, meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise PromptCacheFileError(f"{path}: cannot write ({e.strerror or e})") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        publish_file(str(path), lambda w: w.write(payload))
+    except (OSError, PublishError) as e:
+        raise PromptCacheFileError(f"{path}: cannot write ({e})") from None
     return path
 
 

@@ -49,6 +49,7 @@ from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
+from .prompt_cache_disk import DEFAULT_DIR_BYTES
 from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .stream.predict import prefetch_from_args
@@ -326,6 +327,8 @@ class ServerDefaults:
     prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE
     draft_model: Optional[str] = None  # speculative decoding: 'ngram', 'mtp' or a draft model dir
     num_draft_tokens: Optional[int] = None
+    prompt_cache_dir: Optional[str] = None  # prefix snapshots on disk (prompt_cache_disk.py)
+    prompt_cache_dir_bytes: int = 8 << 30
 
 
 @dataclass
@@ -368,6 +371,11 @@ class Worker:
     def _run(self, load):
         try:
             self.model, self.tokenizer = load()
+            if self.defaults.prompt_cache_dir is not None:
+                from .prompt_cache_disk import DiskPromptCache
+
+                self.prompt_cache.disk = DiskPromptCache(self.defaults.prompt_cache_dir,
+                                                         self.defaults.prompt_cache_dir_bytes, self.model)
             if hasattr(self.model, "on_stall"):
                 self.model.on_stall = self._on_stall
         except BaseException as e:  # reported by the constructor on the caller's thread
@@ -1024,6 +1032,29 @@ def refuse_unused(args, actions, used, verb):
             raise UsageError(a.option_strings[0], f"not supported by `hebrus-mlx {verb}` yet")
 
 
+def add_prompt_cache_dir_arguments(p):
+    """--prompt-cache-dir and its bound (server and chat)."""
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix snapshots in DIR across restarts (keyed by the artifact and the tokens; "
+                        "foreign, stale or corrupted entries are refused and recomputed)")
+    p.add_argument("--prompt-cache-dir-bytes", type=flags.integer(1, flags.INT64_MAX), default=DEFAULT_DIR_BYTES,
+                   metavar="N", help=f"byte limit of this model's snapshots in --prompt-cache-dir, LRU "
+                                     f"(default {DEFAULT_DIR_BYTES >> 30} GiB)")
+
+
+def check_prompt_cache_dir(args):
+    if args.prompt_cache_dir is None:
+        if args.prompt_cache_dir_bytes != DEFAULT_DIR_BYTES:
+            raise UsageError("--prompt-cache-dir-bytes", "needs --prompt-cache-dir")
+        return
+    if pipeline_launched():
+        raise UsageError("--prompt-cache-dir", "not supported under mlx.launch (each rank holds its own layers)")
+    import os
+
+    if os.path.exists(args.prompt_cache_dir) and not os.path.isdir(args.prompt_cache_dir):
+        raise UsageError("--prompt-cache-dir", f"{args.prompt_cache_dir}: not a directory")
+
+
 def _origins(value: str) -> List[str]:
     origins = [o.strip() for o in value.split(",") if o.strip()]
     for o in origins:
@@ -1050,6 +1081,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=DEFAULT_PROMPT_CACHE_BYTES,
                    help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)")
+    add_prompt_cache_dir_arguments(p)
     p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--allowed-origins", type=_origins, default=[], metavar="ORIGINS",
                    help="comma-separated origins browsers may call from (CORS), '*' for any "
@@ -1136,6 +1168,7 @@ def main(argv=None) -> int:
         raise UsageError("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
     if args.pipeline_split is not None and not pipeline_launched():
         raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
+    check_prompt_cache_dir(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prefetch_from_args(args)  # checked before the model loads
     pipe = None
@@ -1152,7 +1185,8 @@ def main(argv=None) -> int:
 
     defaults = ServerDefaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
-                              draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
+                              draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
+                              prompt_cache_dir=args.prompt_cache_dir, prompt_cache_dir_bytes=args.prompt_cache_dir_bytes)
 
     def load():
         if args.seed is not None:  # on the worker thread, which samples
