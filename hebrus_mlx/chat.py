@@ -23,7 +23,7 @@ from .text.tokenizer import TokenizerError
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
 HELP = "Type a message. /reset clears the conversation, /help shows this, /exit or q quits."
-_NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose"}
+_NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose", "prompt_cache_file"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1009,7 +1009,7 @@ def _as_request_error(e) -> RequestError:
 # generate's flags that describe the model, its caches and sampling defaults; taken from its parser
 # so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
 # until this verb uses it (never silently ignored).
-_NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
+_NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose", "prompt_cache_file"}
 USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
         "draft_model", "num_draft_tokens", "pipeline_split", "pipeline_timeout",
         "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror",
