@@ -17,6 +17,7 @@ VERBS = {
     "upgrade": "hebrus_mlx.upgrade",
     "server": "hebrus_mlx.server",
     "chat": "hebrus_mlx.chat",
+    "cache-prompt": "hebrus_mlx.cache_prompt",
     "traces": "hebrus_mlx.traces.command",
     "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
     "bench": "hebrus_mlx.bench.command",

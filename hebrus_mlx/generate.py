@@ -594,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
     p.add_argument("--prefill-step-size", type=flags.integer(1), default=DEFAULT_PREFILL_STEP_SIZE)
     p.add_argument("--max-kv-size", type=flags.integer(1), default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED)
+    p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
+                   help="continue from a state saved by `hebrus-mlx cache-prompt`: --prompt is the rest of its message")
     p.add_argument("--expert-cache-gb", type=flags.gib(), default=None,
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
     p.add_argument("--ple-cache-gb", type=flags.gib(), default=None,
@@ -640,6 +642,8 @@ def check_args(args) -> None:
     if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
         raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
     sweep_from_args(args)  # a bad --prefill-sweep fails before the model loads
+    if args.prompt_cache_file is not None and pipeline_launched():
+        raise UsageError("--prompt-cache-file", "not supported under mlx.launch (each rank holds its own layers)")
     if args.trace_features < 0:
         raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
     if args.num_draft_tokens is not None:
@@ -694,7 +698,21 @@ def main(argv=None) -> int:
             return 0  # a serving rank: rank 0 prints
     else:
         model, tokenizer = load_from_args(args)
-    if args.ignore_chat_template or tokenizer.chat_template is None:
+    extra = {}
+    if args.prompt_cache_file is not None:
+        from .cache_prompt import load_for_generate
+
+        if args.system_prompt is not None:
+            raise UsageError("--system-prompt", "with --prompt-cache-file the system prompt is in the file "
+                             "(give it to cache-prompt)")
+        extra["prompt_cache"], ids = load_for_generate(args.prompt_cache_file, model, tokenizer, prompt,
+                                                       args.ignore_chat_template)
+        limit = context_limit(model)
+        held = extra["prompt_cache"].offset
+        if limit is not None and held + len(ids) + args.max_tokens > limit:
+            raise UsageError("--max-tokens", f"{held} cached + {len(ids)} prompt + {args.max_tokens} tokens exceed "
+                             f"the model context {limit}")
+    elif args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
@@ -702,7 +720,8 @@ def main(argv=None) -> int:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
-                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args))
+                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args),
+                    **extra)
     if not args.verbose:
         print(text, flush=True)
     if pipeline_launched():

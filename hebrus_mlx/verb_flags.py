@@ -4,7 +4,10 @@ verbs cannot drift, and refused while a verb does not use them (never silently i
 import argparse
 import importlib
 
+from . import flags
 from .errors import UsageError
+from .pipeline import launched as pipeline_launched
+from .prompt_cache_disk import DEFAULT_DIR_BYTES
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -31,3 +34,26 @@ def refuse_unused(args, actions, used, verb):
     for a in actions:
         if a.dest not in used and getattr(args, a.dest) != a.default:
             raise UsageError(a.option_strings[0], f"not supported by `hebrus-mlx {verb}` yet")
+
+
+def add_prompt_cache_dir_arguments(p):
+    """--prompt-cache-dir and its bound (server and chat)."""
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix snapshots in DIR across restarts (keyed by the artifact and the tokens; "
+                        "foreign, stale or corrupted entries are refused and recomputed)")
+    p.add_argument("--prompt-cache-dir-bytes", type=flags.integer(1, flags.INT64_MAX), default=DEFAULT_DIR_BYTES,
+                   metavar="N", help=f"byte limit of this model's snapshots in --prompt-cache-dir, LRU "
+                                     f"(default {DEFAULT_DIR_BYTES >> 30} GiB)")
+
+
+def check_prompt_cache_dir(args):
+    if args.prompt_cache_dir is None:
+        if args.prompt_cache_dir_bytes != DEFAULT_DIR_BYTES:
+            raise UsageError("--prompt-cache-dir-bytes", "needs --prompt-cache-dir")
+        return
+    if pipeline_launched():
+        raise UsageError("--prompt-cache-dir", "not supported under mlx.launch (each rank holds its own layers)")
+    import os
+
+    if os.path.exists(args.prompt_cache_dir) and not os.path.isdir(args.prompt_cache_dir):
+        raise UsageError("--prompt-cache-dir", f"{args.prompt_cache_dir}: not a directory")
