@@ -22,7 +22,7 @@ from hebrus_mlx.artifact.errors import AdmissionError, ArtifactError
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.convert import convert
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.utils import load_model
+from hebrus_mlx.loader import load_model
 
 from artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
 from stream_store import cache_gb
