@@ -608,7 +608,7 @@ def main(argv=None, hooks=None):
     if a.artifact != "demo" and not (Path(a.artifact) / "manifest.json").is_file():
         raise UsageError("--artifact", f"{a.artifact!r} is not an artifact directory (no manifest.json)")
     from .artifact.atomic import check_output_file
-    from .profile import profile_path
+    from .machine_profile import profile_path
 
     check_output_file(a.out or profile_path(), overwrite=a.overwrite, field="--out")  # before the probes
     if hooks is not None:
