@@ -20,6 +20,7 @@ VERBS = {
     "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
     "bench": "hebrus_mlx.bench.command",
     "simulate": "hebrus_mlx.simulate.command",
+    "perplexity": "hebrus_mlx.perplexity",
 }
 
 # HEBRUS_TRACEBACK=1 also prints the traceback of a typed error (for debugging; bugs always show it).
