@@ -22,6 +22,7 @@ VERBS = {
     "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
     "bench": "hebrus_mlx.bench.command",
     "simulate": "hebrus_mlx.simulate.command",
+    "perplexity": "hebrus_mlx.perplexity",
 }
 
 SUMMARY = {  # one line per verb for `hebrus-mlx --help`; each verb's own --help has the flags

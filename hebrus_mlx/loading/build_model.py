@@ -17,6 +17,7 @@ asks for it, :func:`plan_ple_residency`), served from the page stores by
 """
 
 import hashlib
+import io
 import os
 import sys
 from pathlib import Path
@@ -93,26 +94,25 @@ def _to_mx(a):
 
 
 def _load_hashed(m: Manifest, s, what: str):
-    """A whole safetensors store: admission checked its metadata, not its bytes, so it is hashed
-    and loaded through one open descriptor (the bytes loaded are the bytes whose digest matched).
-    A store with a fast check (the MTP head of a new artifact) is checked chunk by chunk against
-    its XXH3-128 table, any other against its whole-file SHA-256."""
+    """A whole safetensors store: admission checked its metadata, not its bytes, so it is read
+    once into memory, checked there, and parsed from that same buffer (never re-read from disk
+    after its check: a write between check and use cannot reach the weights). A store with a
+    fast check (the MTP head of a new artifact) is checked chunk by chunk against its XXH3-128
+    table, any other against its whole-file SHA-256. Costs one store-sized buffer while loading."""
     table, xxh3 = m.fast_table(s), fast_check.xxh3_128()
     with open(m.file(s), "rb") as f:
-        if table is not None and xxh3 is not None:
-            for i, want in enumerate(table):
-                if xxh3(f.read(fast_check.MTP_UNIT_BYTES)) != want:
-                    raise DigestError(f"stores.{s.path}.fast_check", f"{what} store chunk {i} XXH3-128 mismatch")
-            if f.read(1):
-                raise DigestError(f"stores.{s.path}.size", f"{what} store grew after admission")
-        else:
-            digest = hashlib.sha256()
-            while b := f.read(8 << 20):
-                digest.update(b)
-            if digest.hexdigest() != s.sha256:
-                raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
-        f.seek(0)
-        return mx.load(f, format="safetensors")
+        data = f.read(s.size + 1)  # one byte more than admitted: a store that grew is refused
+    if len(data) != s.size:
+        raise DigestError(f"stores.{s.path}.size", f"{what} store is {len(data)}{'+' if len(data) > s.size else ''} "
+                                                   f"bytes, admitted {s.size}: changed after admission")
+    if table is not None and xxh3 is not None:
+        unit = fast_check.MTP_UNIT_BYTES
+        for i, want in enumerate(table):
+            if xxh3(data[i * unit:(i + 1) * unit]) != want:  # bytes only (a copy of one chunk)
+                raise DigestError(f"stores.{s.path}.fast_check", f"{what} store chunk {i} XXH3-128 mismatch")
+    elif hashlib.sha256(data).hexdigest() != s.sha256:
+        raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
+    return mx.load(io.BytesIO(data), format="safetensors")
 
 
 def _dense(m: Manifest, stage=None):
