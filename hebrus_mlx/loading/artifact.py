@@ -7,7 +7,7 @@ manifest's per-tensor codec and the store codecs, never inferred from key
 names or shapes.
 
 Routed experts are either copied out of the ExpertMajor store into the
-resident SwitchGLU (affine codecs become mlx_lm QuantizedSwitchLinear) or,
+resident SwitchGLU (affine codecs become models/switch_layers.QuantizedSwitchLinear) or,
 when they do not fit (or ``expert_cache_gb`` asks for it), left on disk and
 streamed through the engine's arena by ``StreamedSwitchGLU``
 (:func:`plan_expert_residency`). PLE tables are read page by page into

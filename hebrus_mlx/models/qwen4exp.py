@@ -16,7 +16,6 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
 from .. import kernels
 from ..kernels import hc_mix, ple_gather, qsa_attention
@@ -24,6 +23,7 @@ from . import cpu_streams, gated_delta
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
 from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
 from .streaming_protocol import Streaming
+from .switch_layers import SwitchGLU, SwitchLinear
 from .qwen4exp_config import (
     ConfigError,
     ModelArgs,
