@@ -129,6 +129,16 @@ def _apply_machine_profile(options=None):
     return kernels.configure(profile)
 
 
+def _say_if_compiling(options) -> None:
+    import sys
+
+    from .models.options import GraphOptions, jit_notice
+
+    notice = jit_notice(options or GraphOptions())
+    if notice is not None:
+        print(notice, file=sys.stderr, flush=True)
+
+
 # mlx_lm.load's keywords that have no meaning here, and why (the value that changes nothing is accepted).
 _REFUSED = {
     "adapter_path": (None, "LoRA adapters are not supported by hebrus-mlx"),
@@ -213,6 +223,7 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
             raise UsageError("dtype", f"expected one of {', '.join(DTYPES)}, an mlx dtype or None, got {dtype!r}")
         dtype = default_dtype() if dtype == "auto" else DTYPES[dtype]
     _apply_machine_profile(options)
+    _say_if_compiling(options)
     path = _resolve(path_or_name, revision)
     source, sources = path, None
     if is_artifact(path):

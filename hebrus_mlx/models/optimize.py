@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import cpu_streams
+from .activations import silu
 from . import qwen4exp as q
 from .options import GraphOptions
 from .switch_layers import SwitchGLU, SwitchLinear
@@ -231,7 +232,7 @@ def _ple_mix_fn(hc_count: int, hidden: int, eps: float, dilation: int):
         split = (*streams.shape[:-1], hc_count, hidden)
         gated = q._ple_gate(norm(key, key_scale).reshape(split), norm(streams, query_scale).reshape(split), value)
         conv, state = q._causal_depthwise_conv(norm(gated, conv_scale), state, conv_w, dilation=dilation)
-        return gated + nn.silu(conv), state
+        return gated + silu(conv), state
 
     return mix
 

@@ -15,7 +15,9 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -117,6 +119,24 @@ def _parse_value(key: str, raw: str, auto: bool):
     if raw in ("off", "false", "0", "no"):
         return False
     raise UsageError(f"--graph {key}", f"expected on or off{' or auto' if auto else ''}, got {raw!r}")
+
+
+def jit_cache_dir() -> Path:
+    """Where MLX's CPU backend keeps the kernels it compiles for mx.compile'd graphs."""
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+
+
+def jit_notice(options: GraphOptions) -> Optional[str]:
+    """One line for stderr when this run will JIT-compile kernels with a C++ compiler before its first
+    token (compiled regions on the CPU backend, nothing compiled yet on this machine), else None: so
+    a cold first run says what it is doing instead of staying silent."""
+    if not options.resolved().compile or mx.default_device() != mx.cpu:
+        return None
+    cache = jit_cache_dir()
+    if cache.is_dir() and any(cache.glob("*.so")):
+        return None
+    return (f"hebrus-mlx: first run with compiled regions on this machine: MLX compiles its CPU kernels into "
+            f"{cache} (up to a minute or more, once; --graph compile=off skips it)")
 
 
 _active: contextvars.ContextVar[Optional[GraphOptions]] = contextvars.ContextVar("graph_options", default=None)

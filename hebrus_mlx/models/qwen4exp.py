@@ -17,6 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import gated_delta
+from .activations import silu, softplus
 from . import options as graph_options
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
 from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
@@ -161,7 +162,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps = eps
-        self.activation = nn.silu if activation == "silu" else mx.sigmoid
+        self.activation = silu if activation == "silu" else mx.sigmoid
 
     def __call__(self, x, gate):
         return _gated_norm_fn(self.activation, self.eps)(x, self.weight, gate)
@@ -275,7 +276,7 @@ class _HCFns:
     def __init__(self, hc_count: int, hidden: int):
         @_compiled
         def activate(down):
-            return nn.silu(down / hc_count)
+            return silu(down / hc_count)
 
         @_compiled
         def mix(up, normed):
@@ -316,7 +317,7 @@ def _gdn_gates_fn(q_scale: float):
         q = gated_delta.l2_normalize(q) * q_scale
         k = gated_delta.l2_normalize(k)
         beta = mx.sigmoid(b)
-        g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
+        g = -mx.exp(A_log.astype(mx.float32)) * softplus(a + dt_bias)
         return q, k, beta, g
 
     return gates
@@ -334,7 +335,7 @@ def _gdn_recurrent_fn(dims):
     def step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, state, norm_w):
         B, L, _ = qkv.shape
         qkv, conv_state = _causal_depthwise_conv(qkv, conv_state, conv_w)
-        q, k, v = mx.split(nn.silu(qkv), [n_k * d_k, 2 * n_k * d_k], axis=-1)
+        q, k, v = mx.split(silu(qkv), [n_k * d_k, 2 * n_k * d_k], axis=-1)
         q, k, beta, g = gates(q.reshape(B, L, n_k, d_k), k.reshape(B, L, n_k, d_k), b, a, A_log, dt_bias)
         out, state = gated_delta.recurrent_step(q, k, v.reshape(B, L, n_v, d_v), g, beta, state)
         out = norm(out.astype(qkv.dtype), norm_w, z.reshape(B, L, n_v, d_v))
@@ -389,7 +390,7 @@ class GatedDeltaNet(nn.Module):
             )
             return self.out_proj(out)
         qkv, cache.conv_state = _causal_depthwise_conv(qkv, conv_state, self.conv1d.weight)
-        qkv = nn.silu(qkv)
+        qkv = silu(qkv)
         q, k, v = mx.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(B, L, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, L, self.num_k_heads, self.head_k_dim)
@@ -744,7 +745,7 @@ class PLELayer(nn.Module):
         query = self.norm_query(streams).reshape(split)
         gated = _ple_gate(key, query, value)
         conv, state = _causal_depthwise_conv(self.norm_conv(gated), state, self.conv1d.weight, dilation=self.dilation)
-        return gated + nn.silu(conv), state
+        return gated + silu(conv), state
 
 
 def _ple_gate(key, query, value):
@@ -760,7 +761,7 @@ def _ple_gate(key, query, value):
 
 @_compiled
 def _swiglu(gate, up):
-    return nn.silu(gate) * up
+    return silu(gate) * up
 
 
 @_compiled

@@ -14,6 +14,9 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import options as graph_options
+from .activations import silu
+
 # Below this many (token, expert) pairs the gathers are left in token order; above it the rows are
 # grouped by expert first so each expert's weight is read once per call (sorted_indices).
 SORT_MIN_PAIRS = 64
@@ -33,9 +36,16 @@ def unsort(y, restore, shape):
     return mx.unflatten(y[restore], 0, shape)
 
 
-@mx.compile
+def _swiglu(gate, up):
+    return silu(gate) * up
+
+
+_swiglu_compiled = mx.compile(_swiglu)
+
+
 def swiglu(gate, up):
-    return nn.silu(gate) * up
+    """silu(gate) * up, compiled while the active GraphOptions say so (models/options.py)."""
+    return (_swiglu_compiled if graph_options.active().compile else _swiglu)(gate, up)
 
 
 class SwitchLinear(nn.Module):
