@@ -20,7 +20,7 @@ import time
 from .cli_args import ArgumentParser
 from .errors import UsageError
 from .prompt_cache import PromptCacheFileError, load_prompt_cache, save_prompt_cache
-from .text.chat import DATA
+from .text.chat_template import DATA
 
 TEMPLATE_KEY = "chat_template"  # "1": the cached prompt opens a user message; "0": plain text
 

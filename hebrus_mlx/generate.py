@@ -605,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a directory holding a copy of the expert store (e.g. on a second disk); streamed reads "
                         "alternate between the two (not verified on two disks here)")
     add_sweep_argument(p)
+    p.add_argument("--graph", default=None, metavar="KEY=VALUE,...",
+                   help="how the graph is built (models/options.py GraphOptions), e.g. compile=on,cpu_streams=1 or plain; "
+                        "every choice keeps tokens identical (default: measured per backend)")
     p.add_argument("--trace-out", default=None, metavar="DIR",
                    help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
     p.add_argument("--trace-features", type=flags.integer(0), default=0, metavar="N",
@@ -644,6 +647,7 @@ def check_args(args) -> None:
     sweep_from_args(args)  # a bad --prefill-sweep fails before the model loads
     if args.prompt_cache_file is not None and pipeline_launched():
         raise UsageError("--prompt-cache-file", "not supported under mlx.launch (each rank holds its own layers)")
+    graph_options_from_args(args)
     if args.trace_features < 0:
         raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
     if args.num_draft_tokens is not None:
@@ -662,7 +666,14 @@ def load_from_args(args):
     return load(resolve_model(args.model), dtype=None if args.dtype == "stored" else args.dtype,
                 expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,
                 prefetch=prefetch_from_args(args), expert_mirror=args.expert_mirror,
-                prefill_sweep=sweep_from_args(args))
+                prefill_sweep=sweep_from_args(args), options=graph_options_from_args(args))
+
+
+def graph_options_from_args(args):
+    """`--graph` as a GraphOptions (None: the defaults); a bad key or value is a UsageError."""
+    from .models.options import GraphOptions
+
+    return None if getattr(args, "graph", None) is None else GraphOptions.parse(args.graph)
 
 
 def _trace_kwargs(args) -> dict:

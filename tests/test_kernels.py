@@ -4,6 +4,7 @@ oracles and the graph's ops paths; kernel vs ops on a real Metal device (skipped
 The emulator checks indexing, reductions, barriers and masking — not Apple's compiler
 (see hebrus_mlx/testing/msl_emulator.py)."""
 
+import json
 import shutil
 
 import mlx.core as mx
@@ -203,9 +204,18 @@ def test_kernels_switch_on_only_when_the_profile_passed_them_on_metal(monkeypatc
                            "qsa_attention": {"status": "failed", "device": "metal"}}}
     assert kernels.configure(profile) == {"hc_mix"}
     assert kernels.enabled("hc_mix") == kernels.metal_available()
-    monkeypatch.setenv("HEBRUS_KERNEL_HC_MIX", "0")
-    assert not kernels.enabled("hc_mix")
-    assert kernels.make_kernel("hc_mix", ["a"], ["b"], "") is None
+    # The load-time pass swaps a qualified kernel in, unless the options switch Metal kernels off.
+    from hebrus_mlx.models import optimize
+    from hebrus_mlx.models.options import GraphOptions
+    from hebrus_mlx.models.qwen4exp import HyperConnection, ModelArgs
+    from parity_fixtures import PARITY
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    args = ModelArgs.from_dict(json.loads((PARITY / "tiny_a" / "config.json").read_text()))
+    for allowed, cls in ((True, optimize.MetalHyperConnection), (False, optimize.OneGraphHyperConnection)):
+        hc = HyperConnection(args)
+        optimize.apply(hc, GraphOptions(metal_kernels=allowed, cpu_streams=1))
+        assert type(hc) is cls
     kernels.configure(None)
     assert not any(kernels.enabled(k) for k in kernels.KERNELS)
 

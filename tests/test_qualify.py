@@ -123,8 +123,8 @@ def test_load_refuses_a_profile_claiming_what_this_machine_has_not_qualified(tmp
 @pytest.mark.parametrize("compiled,backends,env,want", [
     (True, ["pread", "mtlio"], {}, {"gpu_event": True, "backend": "mtlio"}),
     (False, ["pread"], {}, {"gpu_event": False, "backend": "pread"}),  # the build lacks both
-    (True, ["pread", "mtlio"], {"HEBRUS_GPU_EVENTS": "0", "HEBRUS_MTLIO": "0"},
-     {"gpu_event": False, "backend": "pread"}),                          # kill-switches
+    (True, ["pread", "mtlio"], {"gpu_events": False, "mtlio": False},
+     {"gpu_event": False, "backend": "pread"}),                          # switched off by GraphOptions
 ])
 def test_stream_configure_switches_on_only_qualified_built_features(metal_mac, monkeypatch, compiled, backends,
                                                                     env, want):
@@ -132,11 +132,11 @@ def test_stream_configure_switches_on_only_qualified_built_features(metal_mac, m
     monkeypatch.setattr(se, "_ext", fake)
     monkeypatch.setattr(se, "gpu_events_compiled", lambda: compiled)
     monkeypatch.setattr(se, "backends", lambda: backends)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    from hebrus_mlx.models.options import GraphOptions
+
     try:
         p = _claiming(metal_mac, passed=["streaming.gpu_event", "io.mtlio_vs_pread"])
-        assert se.configure(p) == want and fake.gpu_events is want["gpu_event"]
+        assert se.configure(p, GraphOptions(**env)) == want and fake.gpu_events is want["gpu_event"]
         assert se.default_backend() == want["backend"]
         # a profile from another MLX promotes nothing
         assert se.configure(_claiming(dict(metal_mac, mlx="0.0.1"), passed=["streaming.gpu_event"])) == \

@@ -163,7 +163,7 @@ def test_costly_filters_stay_inside_the_time_budget(name):
     """`wordwrap` on a 4 MB string ran ~16 s in one call, past the 5 s budget (checked only between
     steps). Now such a call is charged per element and refused before it would pass the deadline;
     the bound is relative to the budget: within max_seconds plus half a second of slack."""
-    from hebrus_mlx.text.chat import TemplateLimitError, TemplateLimits
+    from hebrus_mlx.text.chat_template import TemplateLimitError, TemplateLimits
 
     limits = TemplateLimits(max_seconds=1.0)
     tic = time.monotonic()
@@ -175,7 +175,7 @@ def test_costly_filters_stay_inside_the_time_budget(name):
 def test_both_render_passes_share_one_time_budget():
     """render() runs the template twice (plain and provenance-tracked): the budget covers both, so
     a template taking 0.7 of it per pass is stopped rather than taking 1.4 budgets."""
-    from hebrus_mlx.text.chat import TemplateLimitError, TemplateLimits
+    from hebrus_mlx.text.chat_template import TemplateLimitError, TemplateLimits
 
     probe = "{% set s = 'a b ' * 20000 %}{% for i in range(N) %}{{ s|wordwrap(3)|length }}{% endfor %}"
     tic = time.monotonic()

@@ -7,14 +7,13 @@ threadgroup, template for a call), `ops(...)` (the fallback, which is the graph'
 
 A kernel runs in the graph only when all hold (AFN-013: code is not a feature until qualified):
 - MLX has a Metal device (`kernel_object()` is None otherwise — this machine: always None);
-- its kill-switch `HEBRUS_KERNEL_<NAME>=0` is not set;
+- `GraphOptions.metal_kernels` is not False (models/optimize.apply swaps them in at load);
 - the machine profile written by `hebrus-mlx qualify` on this device marks it passed
   (`configure(profile)`, called by `load()`).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import mlx.core as mx
@@ -31,10 +30,6 @@ def metal_available() -> bool:
     return metal_device()
 
 
-def killed(name: str) -> bool:
-    return os.environ.get(f"HEBRUS_KERNEL_{name.upper()}", "1") == "0"
-
-
 def configure(profile: Optional[dict]) -> set[str]:
     """Switch on the kernels the machine profile says passed on this device (`profile.passed`:
     written on this machine, Metal present); returns them."""
@@ -48,12 +43,12 @@ def configure(profile: Optional[dict]) -> set[str]:
 
 
 def enabled(name: str) -> bool:
-    return name in _qualified and metal_available() and not killed(name)
+    return name in _qualified and metal_available()
 
 
 def make_kernel(name: str, input_names, output_names, source: str, header: str = ""):
-    """`mx.fast.metal_kernel` for a kernel module, or None where Metal is absent or it is killed."""
-    if not metal_available() or killed(name):
+    """`mx.fast.metal_kernel` for a kernel module, or None where Metal is absent."""
+    if not metal_available():
         return None
     return mx.fast.metal_kernel(
         name=f"hebrus_{name}", input_names=list(input_names), output_names=list(output_names),

@@ -7,7 +7,7 @@ manifest's per-tensor codec and the store codecs, never inferred from key
 names or shapes.
 
 Routed experts are either copied out of the ExpertMajor store into the
-resident SwitchGLU (affine codecs become mlx_lm QuantizedSwitchLinear) or,
+resident SwitchGLU (affine codecs become models/switch_layers.QuantizedSwitchLinear) or,
 when they do not fit (or ``expert_cache_gb`` asks for it), left on disk and
 streamed through the engine's arena by ``StreamedSwitchGLU``
 (:func:`plan_expert_residency`). PLE tables are read page by page into
@@ -36,8 +36,9 @@ from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
 from ..errors import UsageError
+from ..models import optimize
 from ..models.mtp_head import MTPHead, attach_mtp_head
-from ..models.qwen4exp import Model, fuse_projections, set_norm_weights
+from ..models.qwen4exp import Model, set_norm_weights
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
 from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
@@ -344,7 +345,7 @@ def prune(model, stage):
 
 
 def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
-                        prefetch=None, expert_mirror=None, prefill_sweep=None) -> Model:
+                        prefetch=None, expert_mirror=None, prefill_sweep=None, options=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -444,7 +445,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     # The artifact's metadata says whether its norm weights are zero-centred (fold 1 + w here) or
     # already folded; admission validated the field.
     set_norm_weights(model, folded=m.norm_weights == "folded")
-    fuse_projections(model)
+    options = optimize.apply(model, options)  # GraphOptions (models/options.py)
     model.eval()
     if engine is not None:
         if prefetch is None and experts is not None:
@@ -464,11 +465,11 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
                 engine.close()
                 raise
     if stage is None or stage.heads:
-        attach_mtp_head(model, _mtp_head(m, model.args, dtype))
+        attach_mtp_head(model, _mtp_head(m, model.args, dtype, options))
     return model
 
 
-def _mtp_head(m: Manifest, args, dtype):
+def _mtp_head(m: Manifest, args, dtype, options=None):
     """The optional MTP head, resident (one layer), built from its store's recorded codecs; None
     when the artifact has no MTP store. Hashed and loaded through one open file, like the dense
     store."""
@@ -489,6 +490,6 @@ def _mtp_head(m: Manifest, args, dtype):
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
     set_norm_weights(head, folded=m.norm_weights == "folded")
-    fuse_projections(head)
+    optimize.apply(head, options)
     head.eval()
     return head

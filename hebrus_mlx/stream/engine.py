@@ -168,22 +168,23 @@ def gpu_events_compiled() -> bool:
     return _ext is not None and bool(_ext.gpu_events_compiled())
 
 
-def configure(profile: Optional[dict]) -> dict:
+def configure(profile: Optional[dict], options=None) -> dict:
     """Switch on the streaming features `profile.passed` honours for this machine, each only where
-    this build has it and its kill-switch (HEBRUS_GPU_EVENTS=0, HEBRUS_MTLIO=0) is not set:
+    this build has it and `options` (a GraphOptions) does not switch it off (gpu_events, mtlio):
     - gpu_event: streamed ops on the GPU stream, the GPU waiting on the host's event (else the
       CPU stream, the default);
     - mtlio: the default read backend of new engines (else pread).
     Returns {"gpu_event": bool, "backend": str}."""
-    import os
-
     from ..machine_profile import passed
+    from ..models.options import GraphOptions
+
+    options = options or GraphOptions()
 
     global _profile_backend
     gpu = (passed(profile, "streaming", "gpu_event") and gpu_events_compiled()
-           and os.environ.get("HEBRUS_GPU_EVENTS", "1") != "0")
+           and options.gpu_events)
     mtlio = (passed(profile, "io", "mtlio_vs_pread") and "mtlio" in backends()
-             and os.environ.get("HEBRUS_MTLIO", "1") != "0")
+             and options.mtlio)
     if _ext is not None:
         _ext.set_gpu_events(gpu)  # off is always accepted
     _profile_backend = "mtlio" if mtlio else "pread"
