@@ -53,7 +53,14 @@ def build_parser():
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
     p.add_argument("--codec", default="affine4-g64",
                    help="expert codec(s), comma-separated: one projection per width (record size), e.g. "
-                        "affine4-g64,affine3-g64,affine2-g64")
+                        "affine4-g64,affine3-g64,affine2-g64 (widths the format does not register yet are sized from "
+                        "MLX's affine layout)")
+    p.add_argument("--expert-bits", default=None, metavar="N[,N...]",
+                   help="routed-expert width(s) in bits (2, 3, 4, 5, 6, 8; affine, group 64): the same as "
+                        "--codec affineN-g64; record size, cache capacity and compute follow the width")
+    p.add_argument("--dense-bits", type=flags.integer(2, 8), default=None, metavar="N",
+                   help="dense-weight width in bits (affine, group 64; default 4, the width the profile's compute "
+                        "was measured at): resident memory and compute follow it")
     p.add_argument("--trace", default=None, help="a route trace directory or export (hebrus-mlx traces)")
     p.add_argument("--cache-gb", default=None, help="cache sizes to sweep (default: up to the memory budget)")
     p.add_argument("--policies", default="clock",
@@ -109,6 +116,30 @@ def _list(s: str, conv, flag: str) -> list:
     return v
 
 
+def expert_codecs(args) -> List[str]:
+    """The expert widths to project: --expert-bits N[,N...] (affineN-g64) or --codec."""
+    bits = getattr(args, "expert_bits", None)
+    if bits is None:
+        return [S.expert_codec(c, "--codec").name for c in _list(args.codec, str, "--codec")]
+    if args.codec != "affine4-g64":
+        raise UsageError("--expert-bits", "give --expert-bits or --codec, not both")
+    out = []
+    for b in _list(str(bits), int, "--expert-bits"):
+        if b not in S.AFFINE_BITS:
+            raise UsageError("--expert-bits", f"{b}: MLX's affine widths are {', '.join(map(str, S.AFFINE_BITS))}")
+        out.append(f"affine{b}-g64")
+    return out
+
+
+def dense_codec(args) -> str:
+    b = getattr(args, "dense_bits", None)
+    if b is None:
+        return S.ANCHOR_CODEC
+    if b not in S.AFFINE_BITS:
+        raise UsageError("--dense-bits", f"{b}: MLX's affine widths are {', '.join(map(str, S.AFFINE_BITS))}")
+    return f"affine{b}-g64"
+
+
 def qualify_machine(layer_ms: Optional[float]) -> dict:
     """A machine description from the profile `hebrus-mlx qualify` wrote on this machine: its SSD
     probe by queue depth and SHA-256 speed, this machine's memory; compute per layer from
@@ -132,7 +163,7 @@ def qualify_machine(layer_ms: Optional[float]) -> dict:
     return {"name": "this machine (qualify profile)", "memory_gb": memory_bytes() / 1e9, "ssd_gbps": ssd,
             "threads": 8, "layer_ms": layer_ms, "pre_router": 0.5, "verify_gbps": pread.get("sha256_GBps_one_thread"),
             **_qualify_fast_check(pread, base),
-            "resident_gb": base["resident_gb"], "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
+            "resident_gb": base["resident_gb"], "dense_gb": base.get("dense_gb"), "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
             "synthetic_routes": base["synthetic_routes"],
             "status": "projection from this machine's qualify probe and a given compute per layer",
             "sources": [f"SSD and SHA-256: machine profile {profile_path()} (hebrus-mlx qualify, written {stamp}; "
@@ -214,9 +245,14 @@ def project_profile(args, memo=None, progress=True) -> dict:
     check = "off" if args.no_verify else args.check
     fam = C.family(args.family, "--family")
     R.check_family(prof, fam.name)
-    codecs = [C.codec(c, "--codec").name for c in _list(args.codec, str, "--codec")]
+    codecs = expert_codecs(args)
+    dense = dense_codec(args)
     memo = memo or P.Memo()
+    dense_gb = P.dense_gb(prof, where)
+    # The dense weights at --dense-bits take their share of the resident memory at that width.
     resident = float(prof.get("resident_gb", 0.0))
+    if dense_gb is not None:
+        resident += dense_gb * (S.bits_per_weight(dense) / S.bits_per_weight(S.ANCHOR_CODEC) - 1)
     machine = P.machine_of(prof, where, check)
     budget = (machine.memory_gb or 0) - resident - float(prof.get("reserve_gb", 0))
     given = _list(args.cache_gb, flags.gib(), "--cache-gb") if args.cache_gb else None
@@ -234,8 +270,9 @@ def project_profile(args, memo=None, progress=True) -> dict:
         geom = S.geometry_of_family(fam, codec, resident)
         inp = P.inputs_of(prof, geom, args.predictors, memo, trace, args.trace or "")
         pfs = list(S.PREFETCH) + list(inp.predicted) + list(inp.gains)
-        plans.append((codec, geom, inp, P.cache_sizes(budget, given, geom), pfs))
-    total = sum(S.replays_needed(c, policies, pfs, inp.gains, depths) for _, _, inp, c, pfs in plans)
+        plans.append((codec, geom, inp, P.cache_sizes(budget, given, geom), pfs,
+                      S.compute_scale(fam, dense_gb, codec, dense)))
+    total = sum(S.replays_needed(c, policies, pfs, inp.gains, depths) for _, _, inp, c, pfs, _ in plans)
     bar = None
     if progress and not args.quiet:
         from tqdm import tqdm
@@ -243,24 +280,54 @@ def project_profile(args, memo=None, progress=True) -> dict:
         bar = tqdm(total=total, desc=f"simulate {args.profile}", unit="replay", file=sys.stderr)
     out = []
     try:
-        for codec, geom, inp, caches, pfs in plans:
-            def run(chk, geom=geom, codec=codec, inp=inp, caches=caches, pfs=pfs):
+        for codec, geom, inp, caches, pfs, scale in plans:
+            def run(chk, geom=geom, codec=codec, inp=inp, caches=caches, pfs=pfs, scale=scale):
                 return P.project_one(prof, where, geom, codec, chk, inp, caches, policies, pfs, depths, acceptance,
-                                     memo, bar.update if bar else None)
+                                     memo, bar.update if bar else None, compute_scale=scale)
 
             rows = run(check)
             # The same configurations unchecked: what the record check costs in each.
             unchecked = {(r.cache_gb, r.policy, r.prefetch, r.draft_depth): r for r in
                          (rows if check == "off" else run("off"))}
             out.append(_codec_result(P, codec, geom, inp, rows, unchecked, budget))
+            out[-1].update(P.width_note(prof, machine, fam, codec, dense, scale))
     finally:
         if bar:
             bar.update(max(bar.total - bar.n, 0))  # replays shared with an earlier projection were not rerun
             bar.close()
     first = out[0]
     return {"profile": prof, "machine": machine.to_dict(), "geometry": first["geometry"], "routes": plans[0][2].routes,
-            "cache_budget_gb": budget, "check": check, "predictors": args.predictors, "rows": first["rows"],
+            "cache_budget_gb": budget, "dense_codec": dense, "resident_gb": resident, "check": check, "predictors": args.predictors, "rows": first["rows"],
             "best": first["best"], "by_codec": out, "status": "PROJECTION (not a measurement)"}
+
+
+def project_widths(profile: str = "m5-pro-48gb", expert_bits=(4,), dense_bits: Optional[int] = None,
+                   check: str = "fast", predictors: str = "peer", cache_gb: Optional[str] = None,
+                   draft_depths: str = "0,1,2,3", memo=None, progress: bool = False) -> List[dict]:
+    """The projection of `simulate --profile P --expert-bits N[,N...]` as one flat dict per width
+    (for scripts such as benchmarks/bench_widths.py): the defaults' and the recommended
+    configuration's tok/s, flags and limiting term, and what the width did to the record size,
+    the cache budget and compute. A PROJECTION, not a measurement."""
+    argv = ["--profile", profile, "--expert-bits", ",".join(str(int(b)) for b in expert_bits), "--check", check,
+            "--predictors", predictors, "--draft-depths", draft_depths] + ([] if progress else ["--quiet"])
+    if dense_bits is not None:
+        argv += ["--dense-bits", str(int(dense_bits))]
+    if cache_gb is not None:
+        argv += ["--cache-gb", str(cache_gb)]
+    res = project_profile(build_parser().parse_args(argv), memo=memo, progress=progress)
+    out = []
+    for b, c in zip(expert_bits, res["by_codec"]):
+        d, best = c.get("default") or {}, c["best"]
+        out.append({"expert_bits": int(b), "codec": c["codec"], "dense_codec": res["dense_codec"],
+                    "profile": res["machine"]["name"], "check": check, "predictors": predictors,
+                    "record_bytes": c["geometry"]["record_bytes"], "cache_budget_gb": res["cache_budget_gb"],
+                    "default_tok_s": d.get("tok_s"), "default_flags": c.get("default_flags"),
+                    "default_limit": c.get("default_limit"), "default_hit_rate": d.get("hit_rate"),
+                    "default_mb_per_token": None if not d else d["bytes_per_token"] / 1e6,
+                    "best_tok_s": best["tok_s"], "best_flags": c.get("best_flags"), "best_limit": c.get("best_limit"),
+                    "compute_ms_per_token": None if not d else d["compute_ms"], "compute_scale": c.get("compute_scale"),
+                    "compute_note": c.get("compute_note"), "status": res["status"]})
+    return out
 
 
 def _codec_result(P, codec, geom, inp, rows, unchecked, budget) -> dict:
@@ -306,6 +373,8 @@ def print_projection(res: dict) -> None:
                              max((r for r in at if r.policy != "belady"), key=lambda r: r.tok_s,
                                  default=max(at, key=lambda r: r.tok_s)))
         print(P.table(per_cache))
+        if c.get("compute_note"):
+            print(c["compute_note"])
         bounds = [r for r in rows if r.policy != P.RUNTIME_POLICY]
         if bounds:
             b = max(bounds, key=lambda r: r.tok_s)

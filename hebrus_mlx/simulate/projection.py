@@ -20,6 +20,7 @@ policies (``--policies lru,lfu,belady``) are printed as comparisons, never recom
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -153,11 +154,41 @@ def cache_sizes(budget: float, given: Optional[Sequence[float]], geom: S.ModelGe
 
 def project_one(prof: dict, where: str, geom: S.ModelGeometry, codec: str, check: str, inp: Inputs,
                 caches: Sequence[float], policies: Sequence[str], prefetches: Sequence[str],
-                draft_depths: Sequence[int], acceptance: float, memo: Memo, progress=None) -> List[S.Projection]:
+                draft_depths: Sequence[int], acceptance: float, memo: Memo, progress=None,
+                compute_scale: Optional[float] = None) -> List[S.Projection]:
     machine = machine_of(prof, where, check)
+    if compute_scale is not None:  # compute follows the weight bytes a token reads (S.compute_scale)
+        machine = dataclasses.replace(machine, layer_s=machine.layer_s * compute_scale,
+                                      other_s=machine.other_s * compute_scale)
     pfs = [p for p in prefetches if p in S.PREFETCH or p in inp.predicted or p in inp.gains]
     return S.sweep(machine, geom, inp.topk, caches, policies, pfs, draft_depths, acceptance, inp.warm,
                    inp.predicted, inp.gains, codec, memo.replays, progress)
+
+
+def dense_gb(prof: dict, where: str) -> Optional[float]:
+    """The profile's dense weight bytes at the anchor width (GB), or None (compute then does not
+    follow the widths)."""
+    v = prof.get("dense_gb")
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+        raise UsageError(f"{where}.dense_gb", f"GB of dense weights >= 0, got {v!r}")
+    return float(v)
+
+
+def width_note(prof: dict, machine: S.Machine, family, codec: str, dense: str, scale: Optional[float]) -> dict:
+    """What the widths did to compute, in words (printed with each width's projection)."""
+    base = (machine.layer_s * family.num_hidden_layers + machine.other_s) * 1e3
+    rec, _ = S.expert_record_bytes(family, codec)
+    if scale is None:
+        return {"compute_scale": None, "compute_note": f"compute {base:.1f} ms/token resident, NOT scaled with the "
+                                                       "width (the profile gives no dense_gb)"}
+    return {"compute_scale": scale,
+            "compute_note": f"compute {base * scale:.1f} ms/token resident = {base:.1f} ms at {S.ANCHOR_CODEC} x "
+                            f"{scale:.3f}: dense {float(prof['dense_gb']) * S.bits_per_weight(dense) / S.bits_per_weight(S.ANCHOR_CODEC):.2f} GB "
+                            f"at {dense} + {family.num_hidden_layers} x {family.num_experts_per_tok} expert records "
+                            f"of {rec / 1e6:.2f} MB at {codec} per token (ASSUMPTION: memory-bandwidth-bound decode, "
+                            f"anchored at the 4-bit measurement)"}
 
 
 def exposed_settings(rows: Sequence[S.Projection]) -> List[S.Projection]:
@@ -196,9 +227,11 @@ def flags(p: S.Projection) -> str:
 def limiting_term(p: S.Projection, check_ms: float) -> str:
     """What a token's time is mostly made of: compute, the SSD, or the record check."""
     disk = p.exposed_ms - check_ms
-    terms = {"compute": p.compute_ms, "SSD reads": disk, "record checks": check_ms}
+    # Per token: with a draft model a step's compute (and its verify cost) is shared by its tokens.
+    compute = p.token_ms - p.exposed_ms - p.read_cpu_ms if p.draft_depth else p.compute_ms
+    terms = {"compute": compute, "SSD reads": disk, "record checks": check_ms}
     name = max(terms, key=terms.get)
-    return (f"{name} ({terms[name]:.1f} of {p.token_ms:.1f} ms/token; compute {p.compute_ms:.1f}, "
+    return (f"{name} ({terms[name]:.1f} of {p.token_ms:.1f} ms/token; compute {compute:.1f}, "
             f"exposed reads {disk:.1f}, checks {check_ms:.1f})")
 
 
