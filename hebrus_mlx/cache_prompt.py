@@ -76,7 +76,7 @@ def load_for_generate(path, model, tok, prompt: str, ignore_chat_template: bool)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .server import share_generate_flags
+    from .verb_flags import share_generate_flags
 
     p = ArgumentParser(prog="hebrus-mlx cache-prompt",
                        description="Prefill a prompt and save its state for `generate --prompt-cache-file`.",
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     """`hebrus-mlx cache-prompt`; typed errors propagate to `cli.run` (one line, exit 2)."""
     import importlib
 
-    from .server import refuse_unused
+    from .verb_flags import refuse_unused
 
     gen = importlib.import_module("hebrus_mlx.generate")
     parser = build_parser()

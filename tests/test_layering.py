@@ -35,14 +35,14 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.text."), LOAD_R),
     # Replay prefills through generate's loop; the traces verb and eval sit on replay.
     (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.prompt_cache", "hebrus_mlx.cli_args",
-      "hebrus_mlx.prompt_cache_disk", "hebrus_mlx.cache_prompt", "hebrus_mlx.perplexity",
+      "hebrus_mlx.prompt_cache_disk", "hebrus_mlx.perplexity", "hebrus_mlx.cache_prompt", "hebrus_mlx.verb_flags",
       "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.traces", "hebrus_mlx.traces.",
       "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli",
       "hebrus_mlx.verify", "hebrus_mlx.upgrade", "hebrus_mlx.convert", "hebrus_mlx.convert_fp8",
       "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.qualify", "hebrus_mlx.qualify_report",
       "hebrus_mlx.bench", "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate."), GENERATION_R),
     (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.api_fields", "hebrus_mlx.chat",
-      "hebrus_mlx.verb_flags", "hebrus_mlx.responses_api"), SERVING_R),
+      "hebrus_mlx.responses_api"), SERVING_R),
     (("hebrus_mlx.testing", "hebrus_mlx.testing."), TESTING_R),
 ]
 # The one product use of the oracles: `hebrus-mlx qualify` runs the shipped MSL sources through the
