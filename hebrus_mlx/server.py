@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import importlib
 import json
@@ -272,6 +273,10 @@ class Worker:
             self.model, self.tokenizer = load()
             if hasattr(self.model, "on_stall"):
                 self.model.on_stall = self._on_stall
+            # The loaded model, tokenizer and modules never die: out of the collector's reach, a
+            # collection that a big request's allocations trigger (on a prep thread, holding the
+            # GIL) walks only the request's objects, not ~200k startup objects.
+            gc.freeze()
         except BaseException as e:  # reported by the constructor on the caller's thread
             self._load_error = e
             self._ready.set()
@@ -395,6 +400,7 @@ class _Disconnected(Exception):
 
 
 SHUTTING_DOWN = "the server is shutting down"
+SWITCH_INTERVAL_S = 0.001  # the GIL hand-off interval while serving (CPython's default: 0.005)
 
 
 class App:
@@ -938,6 +944,10 @@ def main(argv=None) -> int:
     sock.bind((args.host, args.port))
     sock.listen(2048)  # before the line below: a client may connect as soon as it reads it
     app = App(worker, args.model, api_key, args.max_body_bytes)
+    # Rendering and tokenizing a big request on a prep thread is Python-heavy: every time the
+    # event loop gives up the GIL for I/O it waits for the prep thread's next switch (5 ms by
+    # default, several times per /health). 1 ms keeps that wait small (benchmarks/bench_server_stall.py).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     host, port = sock.getsockname()[:2]
     print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
     config = uvicorn.Config(app.app, log_level=args.log_level.lower(), access_log=False, lifespan="off",
