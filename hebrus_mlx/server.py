@@ -822,8 +822,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=DEFAULT_PROMPT_CACHE_BYTES,
                    help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)")
-    p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies are a 413, refused from the declared length (default %(default)s)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="server log level (default INFO)")
     p.set_defaults(max_tokens=512)
     return p
 
