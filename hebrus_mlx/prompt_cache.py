@@ -21,7 +21,6 @@ cannot do, deep-copies whole caches, and cannot see a pipeline's remote layers (
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
