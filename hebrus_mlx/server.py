@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import importlib
 import json
@@ -379,6 +380,10 @@ class Worker:
                                                          self.defaults.prompt_cache_dir_bytes, self.model)
             if hasattr(self.model, "on_stall"):
                 self.model.on_stall = self._on_stall
+            # The loaded model, tokenizer and modules never die: out of the collector's reach, a
+            # collection that a big request's allocations trigger (on a prep thread, holding the
+            # GIL) walks only the request's objects, not ~200k startup objects.
+            gc.freeze()
         except BaseException as e:  # reported by the constructor on the caller's thread
             self._load_error = e
             self._ready.set()
@@ -506,6 +511,7 @@ class _Disconnected(Exception):
 
 
 SHUTTING_DOWN = "the server is shutting down"
+SWITCH_INTERVAL_S = 0.001  # the GIL hand-off interval while serving (CPython's default: 0.005)
 
 
 class App:
@@ -1063,11 +1069,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=DEFAULT_PROMPT_CACHE_BYTES,
                    help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)")
     add_prompt_cache_dir_arguments(p)
-    p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies are a 413, refused from the declared length (default %(default)s)")
     p.add_argument("--allowed-origins", type=_origins, default=[], metavar="ORIGINS",
                    help="comma-separated origins browsers may call from (CORS), '*' for any "
                         "(default: none; mlx-lm's default is '*')")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="server log level (default INFO)")
     p.set_defaults(max_tokens=512)
     return p
 
@@ -1190,6 +1198,10 @@ def main(argv=None) -> int:
     sock.bind((args.host, args.port))
     sock.listen(2048)  # before the line below: a client may connect as soon as it reads it
     app = App(worker, args.model, api_key, args.max_body_bytes, args.allowed_origins)
+    # Rendering and tokenizing a big request on a prep thread is Python-heavy: every time the
+    # event loop gives up the GIL for I/O it waits for the prep thread's next switch (5 ms by
+    # default, several times per /health). 1 ms keeps that wait small (benchmarks/bench_server_stall.py).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     host, port = sock.getsockname()[:2]
     print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
     config = uvicorn.Config(app.app, log_level=args.log_level.lower(), access_log=False, lifespan="off",

@@ -211,6 +211,42 @@ def test_a_deliberate_edit_that_rewrites_the_fast_digest_is_caught_by_verify(new
         verify(new, stream=QUIET)
 
 
+def _resolve_one(d, layer, expert):
+    from hebrus_mlx.stream.experts import StreamedExperts
+
+    ex = StreamedExperts.from_artifact(d, rows=4)
+    try:
+        rows, lease = ex.resolve(layer, mx.array([expert]))
+        mx.eval(rows)
+        mx.eval(ex.engine.release_after(rows, lease))
+    finally:
+        ex.engine.close()
+
+
+@pytest.mark.parametrize("damage", ["torn", "misplaced"])
+def test_torn_and_misplaced_records_are_refused_by_the_fast_check(damage, new):
+    """The rest of the README's threat model (issue 23 §1): a torn record (its second half from
+    another record, as a write interrupted between two sectors leaves it) and a misplaced one (a
+    whole, valid record written at another record's offset) both fail the record's XXH3-128 on the
+    streamed read; the control (no damage) streams."""
+    g = _geometry(new)
+    i, j = g.index(2, 5), g.index(2, 6)
+    _resolve_one(new, 2, 5)  # the undamaged control
+    n = g.record_bytes
+    p = os.path.join(new, "experts.hbem")
+    with open(p, "r+b") as f:
+        f.seek(g.record_offset(j))
+        other = f.read(n)
+        if damage == "torn":
+            f.seek(g.record_offset(i) + n // 2)
+            f.write(other[n // 2:])
+        else:
+            f.seek(g.record_offset(i))
+            f.write(other)
+    with pytest.raises(RuntimeError, match="XXH3-128 mismatch"):
+        _resolve_one(new, 2, 5)
+
+
 # ---- admission: strict, typed, naming the field ---------------------------------------------------
 def _fc(i, fn):
     return lambda d: edit_manifest(d, lambda m: fn(m["stores"][i]["fast_check"]))
