@@ -75,7 +75,7 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
                ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None, prefill_sweep=None):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
-    size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident.
+    size (see `loading.build_model.load_artifact_model`). HF checkpoint dirs always load resident.
     `path`: a directory, or an artifact's admitted Manifest."""
     from .artifact.manifest import Manifest
 
