@@ -29,6 +29,14 @@ def _feed(model, cache, parts):
     return out
 
 
+def _fed(demo, prefix):
+    """(model, a fresh cache that has been fed the prefix's head)."""
+    model, _ = demo
+    cache = model.make_cache()
+    _feed(model, cache, [prefix[0]])
+    return model, cache
+
+
 def _continue(model, tok, cache, ids, n=8):
     from hebrus_mlx.generate import generate_step
 
@@ -114,11 +122,8 @@ def _rewrite(src, dst, **changes):
     ({"tokens": json.dumps([1, 2, 3])}, "prompt_cache_file.tokens"),
 ])
 def test_foreign_or_inconsistent_files_are_refused_by_field(demo, prefix, tmp_path, changes, field):
-    model, _ = demo
-    head, _ = prefix
-    cache = model.make_cache()
-    _feed(model, cache, [head])
-    good = save_prompt_cache(tmp_path / "good.safetensors", cache, model, tokens=head)
+    model, cache = _fed(demo, prefix)
+    good = save_prompt_cache(tmp_path / "good.safetensors", cache, model, tokens=prefix[0])
     bad = _rewrite(good, tmp_path / "bad.safetensors", **changes)
     with pytest.raises(PromptCacheFileError) as e:
         load_prompt_cache(bad, model, return_metadata=True)
@@ -126,10 +131,7 @@ def test_foreign_or_inconsistent_files_are_refused_by_field(demo, prefix, tmp_pa
 
 
 def test_unbound_or_broken_files_are_refused(demo, prefix, tmp_path):
-    model, _ = demo
-    head, _ = prefix
-    cache = model.make_cache()
-    _feed(model, cache, [head])
+    model, cache = _fed(demo, prefix)
     plain = tmp_path / "plain.safetensors"
     mlx_lm_save(str(plain), cache)  # mlx-lm's file without hebrus's binding
     with pytest.raises(PromptCacheFileError, match="format"):
@@ -171,14 +173,11 @@ def test_save_needs_a_bound_model_and_a_plain_sequence(demo, tmp_path):
 # -- trimming -------------------------------------------------------------------------------------------
 
 def test_sequence_cache_is_not_trimmable_and_mlx_lm_leaves_it_alone(demo, prefix):
-    model, _ = demo
-    head, _ = prefix
-    cache = model.make_cache()
-    _feed(model, cache, [head])
+    model, cache = _fed(demo, prefix)
     before = cache.digest()
     assert can_trim_prompt_cache(cache) is False
     assert trim_prompt_cache(cache, 5) == 0  # mlx-lm's contract for caches it cannot trim
-    assert cache.digest() == before and cache.offset == len(head)
+    assert cache.digest() == before and cache.offset == len(prefix[0])
     with pytest.raises(CacheTrimError, match="Gated DeltaNet"):
         cache.trim(5)
     linear = next(c for c in cache if isinstance(c, LinearCache))
@@ -214,10 +213,7 @@ def test_qsa_layers_trim_exactly(demo, prefix):
 
 
 def test_state_round_trip_of_each_layer_kind(demo, prefix):
-    model, _ = demo
-    head, _ = prefix
-    cache = model.make_cache()
-    _feed(model, cache, [head])
+    model, cache = _fed(demo, prefix)
     copy = cache.copy()
     assert type(copy) is SequenceCache and copy.digest() == cache.digest()
     for c in cache:

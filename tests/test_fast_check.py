@@ -30,6 +30,7 @@ from hebrus_mlx.stream import engine as se
 from hebrus_mlx.upgrade import upgrade
 from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.verify import verify
+from stream_store import flip_byte
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -122,12 +123,7 @@ def test_new_artifacts_stream_through_the_fast_check_old_ones_through_sha256(new
 
 
 def _flip(d, store, offset):
-    p = os.path.join(d, store)
-    with open(p, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(os.path.join(d, store), offset, 0x40)
 
 
 def _geometry(d):

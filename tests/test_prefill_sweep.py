@@ -19,6 +19,7 @@ import pytest
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.stream import engine as se
+from chunked_greedy import chunked_greedy
 from hebrus_mlx import cli_args
 from hebrus_mlx.stream import sweep as S
 from hebrus_mlx.stream.errors import DigestMismatchError
@@ -55,19 +56,11 @@ def _cache_gb(d, fraction):
 
 def _run(model, prompt, steps, chunk):
     """Chunked prefill then greedy decode; every position's prefill logits and each step's."""
-    cache, tokens, logits = model.make_cache(), list(prompt), []
-    for i in range(0, len(prompt), chunk):
-        out = model(mx.array([prompt[i:i + chunk]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out[0]))
-    after_prefill = None if model.streaming is None or model.streaming.sweep is None \
-        else model.streaming.sweep.counters()["sweeps"]
-    for _ in range(steps):
-        tokens.append(int(logits[-1][-1].argmax()))
-        out = model(mx.array([tokens[-1:]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out[0]))
-    return tokens, logits, after_prefill
+    sweep = None if model.streaming is None else model.streaming.sweep
+    after = []
+    tokens, logits = chunked_greedy(model, prompt, steps, chunk,
+                                    lambda: after.append(None if sweep is None else sweep.counters()["sweeps"]))
+    return tokens, logits, after[0]
 
 
 def _assert_same(a, b):

@@ -393,52 +393,25 @@ def test_api_key_sources_are_exclusive_and_checked(tmp_path):
 def test_hostile_template_at_the_server_is_a_4xx_quickly():
     """The digest-valid nested-loop template behind the real App: a 400 naming the template's
     limit within seconds, and the server keeps answering."""
-    import queue as _queue
-
-    import uvicorn
-
-    from hebrus_mlx.prompt_cache import PromptCache
-    from hebrus_mlx.server import App, ServerDefaults, Worker
-    from hebrus_mlx.text.tokenizer import load_tokenizer
     from hebrus_mlx.loader import DEMO_DIR
+    from hebrus_mlx.server import Worker
+    from hebrus_mlx.text.tokenizer import load_tokenizer
+    from scripted_server import scripted_worker, serving
 
     tok = load_tokenizer(DEMO_DIR, 4224)
     tok.chat_template = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
 
-    class ScriptWorker:
-        def __init__(self):
-            self.tokenizer, self.defaults, self.context = tok, ServerDefaults(), 4096
-            self.jobs, self.prompt_cache, self.model, self.busy = _queue.Queue(), PromptCache(0), None, False
-            threading.Thread(target=self._run, daemon=True).start()
+    def emit(job):
+        Worker._emit(job, ("text", "ok"))
+        Worker._emit(job, ("done", "stop"))
 
-        def _run(self):
-            while (job := self.jobs.get()) is not None:
-                Worker._emit(job, ("text", "ok"))
-                Worker._emit(job, ("done", "stop"))
-
-        def cancel(self, job):
-            job.cancel.set()
-
-    worker = ScriptWorker()
-    app = App(worker, "scripted")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app.app, log_level="warning", lifespan="off"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    try:
-        while not srv.started:
-            time.sleep(0.02)
-        where = {"port": sock.getsockname()[1]}
+    with serving(scripted_worker(tok, emit)) as port:
+        where = {"port": port}
         tic = time.monotonic()
         status, err = _chat(where, {"messages": MSG}, key=None)
         assert status == 400 and "TemplateLimits" in err["error"]["message"], err
         assert time.monotonic() - tic < 30
         assert _request(where, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}, key=None)[0] == 200
-    finally:
-        srv.should_exit = True
-        th.join(10)
-        worker.jobs.put(None)
 
 
 def test_sigterm_with_requests_in_prep_and_generation_exits_within_one_grace_period(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.stream import engine as se
+from chunked_greedy import chunked_greedy
 from hebrus_mlx import cli_args
 from hebrus_mlx.stream import predict as P
 from hebrus_mlx.loader import DEMO_DIR, load_model
@@ -72,17 +73,9 @@ def _cache_gb(model_rows_fraction):
 
 
 def _greedy(model, prompt, steps, chunk):
-    cache, tokens, logits = model.make_cache(), list(prompt), []
-    for i in range(0, len(prompt), chunk):
-        out = model(mx.array([prompt[i:i + chunk]]), cache)
-        mx.eval(out)
-    logits.append(np.array(out[0, -1]))
-    for _ in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        out = model(mx.array([tokens[-1:]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out[0, -1]))
-    return tokens, logits
+    """(tokens, last-row logits of the prefill and of each step)."""
+    tokens, logits = chunked_greedy(model, prompt, steps, chunk)
+    return tokens, [out[-1] for out in logits[len(logits) - steps - 1:]]
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,8 @@ build (AFN-013).
 from __future__ import annotations
 
 import random
-import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -100,12 +98,7 @@ def check(arch: str, seed: int = 0, require_oracle: bool = False):
     if oracle is None and require_oracle:
         raise ModuleNotFoundError("the xxhash package (pip install xxhash) is the oracle")
     msgs = cases(seed)
-    with tempfile.TemporaryDirectory(prefix="xxh3-kat-") as d:
-        cmd = build(arch, Path(d))
-        rec = Path(d) / "records.bin"
-        rec.write_bytes(b"".join(struct.pack("<I", len(m)) + m for m in msgs))
-        out = subprocess.run(cmd + [str(rec)], capture_output=True, text=True,
-                             check=True).stdout.split("\n")
+    out = kat_toolchain.run_kat(build, arch, msgs, "xxh3-kat-")
     backends, lines = out[0].split(","), out[1:1 + len(msgs)]
     bad, oracled = [], 0
     for i, (m, line) in enumerate(zip(msgs, lines)):

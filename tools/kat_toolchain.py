@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import struct
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 EXT = Path(__file__).resolve().parents[1] / "metal_ext"
@@ -29,6 +32,16 @@ def toolchain(arch: str):
     if cxx is None or qemu is None:
         raise ToolchainMissing("needs aarch64-linux-gnu-g++ and qemu-aarch64")
     return cxx, [qemu, "-L", SYSROOT]
+
+
+def run_kat(build, arch: str, msgs, prefix: str):
+    """Build the driver (`build(arch, out_dir)` -> command), feed it `msgs` as length-prefixed
+    records and return its output lines (a header line, then one line per message)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        cmd = build(arch, Path(d))
+        rec = Path(d) / "records.bin"
+        rec.write_bytes(b"".join(struct.pack("<I", len(m)) + m for m in msgs))
+        return subprocess.run(cmd + [str(rec)], capture_output=True, text=True, check=True).stdout.split("\n")
 
 
 def main(doc: str, argv, check, report) -> int:
