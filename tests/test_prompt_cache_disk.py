@@ -158,3 +158,45 @@ def test_cli_flags(capsys):
     assert "--prompt-cache-dir-bytes: needs --prompt-cache-dir" in capsys.readouterr().err
     assert cli_main(["chat", "--prompt-cache-dir", os.devnull]) == 2
     assert "--prompt-cache-dir" in capsys.readouterr().err
+
+
+def test_server_worker_restores_across_a_restart(demo, tmp_path):
+    """The server's worker with --prompt-cache-dir: a second worker (the restarted server) restores
+    the first one's prefix from disk and gives the same text as the in-process run."""
+    import asyncio
+
+    from hebrus_mlx import load, stream_generate
+    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+
+    model, tok = demo
+    ids = tok.encode("class Reader:\n    def __init__(self, path):\n")
+
+    def complete(worker, prompt):
+        async def go():
+            job = Job(prompt, Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False), 6,
+                      asyncio.get_running_loop(), asyncio.Queue())
+            worker.jobs.put(job)
+            text = ""
+            while True:
+                kind, value = await asyncio.wait_for(job.events.get(), 60)
+                if kind != "text":
+                    assert kind == "done", value
+                    return text, job.usage
+                text += value
+
+        return asyncio.run(go())
+
+    defaults = ServerDefaults(prompt_cache_dir=str(tmp_path))
+    w1 = Worker(lambda: load("demo"), 1 << 30, defaults)
+    try:
+        complete(w1, ids)
+    finally:
+        w1.stop()
+    w2 = Worker(lambda: load("demo"), 1 << 30, defaults)
+    longer = ids + tok.encode("        self.path = path\n")
+    try:
+        text, usage = complete(w2, longer)
+    finally:
+        w2.stop()
+    assert usage.cached_tokens == len(ids) - 1
+    assert text == "".join(r.text for r in stream_generate(model, tok, longer, max_tokens=6))
