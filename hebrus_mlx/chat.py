@@ -70,6 +70,9 @@ def main(argv=None) -> int:
         from .prompt_cache_disk import DiskPromptCache
 
         cache.disk = DiskPromptCache(args.prompt_cache_dir, args.prompt_cache_dir_bytes, model)
+        import atexit
+
+        atexit.register(cache.disk.flush, 60)  # the writer thread publishes the last turn's snapshots
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
     messages = list(system)
     limit = gen.context_limit(model)

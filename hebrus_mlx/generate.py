@@ -645,7 +645,7 @@ def check_args(args) -> None:
     if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
         raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
     sweep_from_args(args)  # a bad --prefill-sweep fails before the model loads
-    if args.prompt_cache_file is not None and pipeline_launched():
+    if getattr(args, "prompt_cache_file", None) is not None and pipeline_launched():  # generate, cache-prompt
         raise UsageError("--prompt-cache-file", "not supported under mlx.launch (each rank holds its own layers)")
     graph_options_from_args(args)
     if args.trace_features < 0:

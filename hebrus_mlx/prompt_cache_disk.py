@@ -8,7 +8,10 @@ derived from the artifact digest, the runtime dtype and the tokens:
 - `KEY.json`: the index record (format, artifact digest, dtype, tokens, bytes, SHA-256 of the
   data file), written second: it is the entry's commit point.
 
-Both are published with `artifact.atomic.publish_file` (temp + fsync + rename). The directory is
+Both are published with `artifact.atomic.publish_file` (temp + fsync + rename) by a writer thread:
+the generating thread only serializes the state (a memory copy), so a snapshot never delays a
+token by its disk write; `flush()` waits for the writes (the server and chat call it on exit). The
+directory is
 bounded in bytes: least recently used entries of this artifact are removed (a hit touches the data
 file's mtime, so the order survives restarts). An entry whose index is unreadable or of another
 format version (stale), whose data fails its checksum (corrupted), or whose data belongs to another
@@ -23,7 +26,9 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
@@ -70,7 +75,11 @@ class DiskPromptCache:
         self.entries: Dict[Tuple[int, ...], dict] = {}  # tokens -> {"key", "bytes", "used", "sha256"}
         self.nbytes = 0
         self.hits = self.saves = self.refused = 0
+        self._lock = threading.RLock()  # entries, nbytes: the generating thread and the writer
+        self._pending = set()  # tokens queued for the writer
+        self._writes: "queue.Queue" = queue.Queue(maxsize=4)  # a full queue holds the generating thread back
         self._scan()
+        threading.Thread(target=self._writer, name="hebrus-prompt-cache-writer", daemon=True).start()
 
     # -- keys and files ------------------------------------------------------------------------
     def key(self, tokens: Sequence[int]) -> str:
@@ -92,10 +101,11 @@ class DiskPromptCache:
 
     def _refuse(self, key: str, why: str, tokens=None):
         log.warning("prompt cache %s: refused (%s); removed, the prefix is recomputed", self._paths(key)[0], why)
-        self.refused += 1
-        if tokens is not None and tokens in self.entries:
-            self.nbytes -= self.entries.pop(tokens)["bytes"]
-        self._remove(key)
+        with self._lock:
+            self.refused += 1
+            if tokens is not None and tokens in self.entries:
+                self.nbytes -= self.entries.pop(tokens)["bytes"]
+            self._remove(key)
 
     # -- startup -------------------------------------------------------------------------------
     def _scan(self):
@@ -112,7 +122,8 @@ class DiskPromptCache:
                         pass
                 continue
             self._index(key)
-        self._evict()
+        with self._lock:
+            self._evict()
 
     def _index(self, key: str):
         data, index = self._paths(key)
@@ -146,7 +157,9 @@ class DiskPromptCache:
         """The longest stored prefix of `ids` shorter than `ids` and longer than `longer_than`."""
         ids = tuple(ids)
         best = None
-        for tokens in self.entries:
+        with self._lock:
+            stored = list(self.entries)
+        for tokens in stored:
             n = len(tokens)
             if longer_than < n < len(ids) and (best is None or n > len(best)) and ids[:n] == tokens:
                 best = tokens
@@ -154,7 +167,10 @@ class DiskPromptCache:
 
     def load(self, tokens: Tuple[int, ...]):
         """The stored `SequenceCache` after `tokens`, or None (refused: logged and removed)."""
-        e = self.entries[tokens]
+        with self._lock:
+            e = self.entries.get(tokens)
+        if e is None:  # evicted meanwhile
+            return None
         data, _ = self._paths(e["key"])
         try:
             if _sha256(data) != e["sha256"]:
@@ -167,7 +183,8 @@ class DiskPromptCache:
         if meta.get("tokens") != list(tokens) or cache.offset != len(tokens):
             return self._refuse(e["key"], "corrupted: its tokens differ from its index record", tokens)
         now = time.time()
-        e["used"] = now
+        with self._lock:
+            e["used"] = now
         try:
             os.utime(data, (now, now))  # the LRU order survives restarts
         except OSError:
@@ -177,14 +194,46 @@ class DiskPromptCache:
 
     # -- writes --------------------------------------------------------------------------------
     def save(self, tokens: Sequence[int], cache) -> bool:
-        """Publish `cache` (holding exactly `tokens`); False when it cannot fit the bound."""
+        """Queue `cache` (holding exactly `tokens`) for publication; False when it cannot fit the
+        bound. The state is serialized here (the caller's thread owns its arrays)."""
         tokens = tuple(int(t) for t in tokens)
-        if tokens in self.entries:
-            self.entries[tokens]["used"] = time.time()
-            return True
+        with self._lock:
+            if tokens in self.entries:
+                self.entries[tokens]["used"] = time.time()
+                return True
+            if tokens in self._pending:
+                return True
+            self._pending.add(tokens)
         payload = serialize_prompt_cache(cache, self.model, tokens)
         if len(payload) > self.max_bytes:
+            with self._lock:
+                self._pending.discard(tokens)
             return False
+        self._writes.put((tokens, payload))
+        return True
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued snapshot is published (False: `timeout` seconds passed first)."""
+        done = threading.Event()
+        self._writes.put(done)
+        return done.wait(timeout)
+
+    def _writer(self):
+        while True:
+            item = self._writes.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            tokens, payload = item
+            try:
+                self._publish(tokens, payload)
+            except Exception as e:  # never kills the writer: the prefix is recomputed next time
+                log.warning("prompt cache: snapshot of %d tokens not saved (%s: %s)", len(tokens), type(e).__name__, e)
+            finally:
+                with self._lock:
+                    self._pending.discard(tokens)
+
+    def _publish(self, tokens: Tuple[int, ...], payload: bytes):
         key = self.key(tokens)
         data, index = self._paths(key)
         rec = {"format": INDEX_FORMAT, "artifact_digest": self.digest, "dtype": self.dtype, "tokens": list(tokens),
@@ -195,14 +244,14 @@ class DiskPromptCache:
         except (OSError, PublishError) as e:
             log.warning("prompt cache %s: not saved (%s)", data, e)
             self._remove(key)
-            return False
-        self.entries[tokens] = {"key": key, "bytes": len(payload), "used": time.time(), "sha256": rec["sha256"]}
-        self.nbytes += len(payload)
-        self.saves += 1
-        self._evict()
-        return True
+            return
+        with self._lock:
+            self.entries[tokens] = {"key": key, "bytes": len(payload), "used": time.time(), "sha256": rec["sha256"]}
+            self.nbytes += len(payload)
+            self.saves += 1
+            self._evict()
 
-    def _evict(self):
+    def _evict(self):  # under the lock
         while self.nbytes > self.max_bytes and self.entries:
             tokens = min(self.entries, key=lambda t: self.entries[t]["used"])
             e = self.entries.pop(tokens)

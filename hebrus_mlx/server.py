@@ -1213,6 +1213,9 @@ def main(argv=None) -> int:
         # The worker drains its cancelled step (its expert reads already failed); a pipeline also
         # stops its ranks. A worker still busy past the grace period is left to the process exit.
         worker._thread.join(timeout=60 if pipe is not None else app.grace_left(args.shutdown_timeout))
+        disk = worker.prompt_cache.disk
+        if disk is not None and not disk.flush(timeout=max(1.0, app.grace_left(args.shutdown_timeout))):
+            log.warning("prompt cache: snapshots still being written at exit are lost")
     if worker._thread.is_alive() or any(t.is_alive() for t in app.prep._threads):
         log.warning("exiting with work still running (past --shutdown-timeout)")
     else:

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx.prompt_cache import PromptCache, Usage, stream_with_cache
+from hebrus_mlx.prompt_cache import PromptCache, Usage
 from hebrus_mlx.prompt_cache_disk import DiskPromptCache
 from hebrus_mlx.sample_utils import apply_vocab_mask
 from test_prompt_cache import _feed, _greedy
@@ -40,6 +40,7 @@ def test_restored_from_disk_is_bitwise_a_fresh_run_with_the_same_partition(demo,
     pc.disk = DiskPromptCache(tmp_path, 1 << 30, model)
     a = tok.apply_chat_template([{"role": "user", "content": "Open a file."}])
     a_tokens, _ = _greedy(model, tok, a, pc, 6)
+    assert pc.disk.flush(60)
     assert pc.disk.saves == 2 and len(list(tmp_path.glob("*.json"))) == 2  # a[:-1] and a + reply
     model2, tok2, pc2 = _restart(tmp_path)
     assert len(pc2.disk.entries) == 2
@@ -61,6 +62,7 @@ def _one_entry(model, tok, directory, text="def read(path):\n"):
     pc.disk = DiskPromptCache(directory, 1 << 30, model)
     ids = tok.encode(text)
     _greedy(model, tok, ids, pc, 1)
+    assert pc.disk.flush(60)
     return ids
 
 
@@ -119,6 +121,7 @@ def test_foreign_stale_or_corrupted_is_refused_with_one_line_and_recomputed(demo
     longer = ids + tok.encode("    return open(path).read()\n")
     u = Usage(0, 0)
     tokens, _ = _greedy(model2, tok2, longer, pc2, 4, u)
+    assert pc2.disk.flush(60)
     assert u.cached_tokens == 0  # recomputed, not restored
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(lines) == n and all(why in line for line in lines), lines
@@ -143,6 +146,7 @@ def test_bounded_in_bytes_lru_and_other_artifacts_left_alone(demo, tmp_path):
     pc.disk = DiskPromptCache(d, int(per * 2.5), model)
     for text in ["a = 1\n", "b = 2\n", "c = 3\n"]:
         _greedy(model, tok, tok.encode(text), pc, 1)
+        assert pc.disk.flush(60)
     assert pc.disk.nbytes <= int(per * 2.5) and len(pc.disk.entries) == 2
     assert sum(p.stat().st_size for p in d.glob("*.safetensors")) == pc.disk.nbytes
     c = tuple(tok.encode("c = 3\n"))
@@ -158,3 +162,46 @@ def test_cli_flags(capsys):
     assert "--prompt-cache-dir-bytes: needs --prompt-cache-dir" in capsys.readouterr().err
     assert cli_main(["chat", "--prompt-cache-dir", os.devnull]) == 2
     assert "--prompt-cache-dir" in capsys.readouterr().err
+
+
+def test_server_worker_restores_across_a_restart(demo, tmp_path):
+    """The server's worker with --prompt-cache-dir: a second worker (the restarted server) restores
+    the first one's prefix from disk and gives the same text as the in-process run."""
+    import asyncio
+
+    from hebrus_mlx import load, stream_generate
+    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+
+    model, tok = demo
+    ids = tok.encode("class Reader:\n    def __init__(self, path):\n")
+
+    def complete(worker, prompt):
+        async def go():
+            job = Job(prompt, Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False), 6,
+                      asyncio.get_running_loop(), asyncio.Queue())
+            worker.jobs.put(job)
+            text = ""
+            while True:
+                kind, value = await asyncio.wait_for(job.events.get(), 60)
+                if kind != "text":
+                    assert kind == "done", value
+                    return text, job.usage
+                text += value
+
+        return asyncio.run(go())
+
+    defaults = ServerDefaults(prompt_cache_dir=str(tmp_path))
+    w1 = Worker(lambda: load("demo"), 1 << 30, defaults)
+    try:
+        complete(w1, ids)
+    finally:
+        w1.stop()
+    assert w1.prompt_cache.disk.flush(60)
+    w2 = Worker(lambda: load("demo"), 1 << 30, defaults)
+    longer = ids + tok.encode("        self.path = path\n")
+    try:
+        text, usage = complete(w2, longer)
+    finally:
+        w2.stop()
+    assert usage.cached_tokens == len(ids) - 1
+    assert text == "".join(r.text for r in stream_generate(model, tok, longer, max_tokens=6))
