@@ -13,8 +13,8 @@ shipped demo artifact holds 4-bit weights only) once per expert width, dense wei
 
 Then the real model's (qwen3.8-flash-next) expert store size and MB per token at each width.
 
-    python benchmarks/bench_widths.py --hf-path DEMO_HF [--widths 8,6,4,3,2] [--q-bits 4]
-        [--tokens 32] [--cache-fraction 0.05] [--profile m5-pro-48gb] [--json FILE]
+    python benchmarks/bench_widths.py [--hf-path DEMO_HF] [--widths 8,6,4,3,2] [--q-bits 4]
+        [--tokens 32] [--rounds 4] [--cache-fraction 0.05] [--profile m5-pro-48gb] [--keep DIR] [--json FILE]
 """
 
 import argparse
@@ -157,6 +157,7 @@ def main(argv=None):
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per streamed run")
     p.add_argument("--cache-fraction", type=float, default=0.05)
+    p.add_argument("--rounds", type=int, default=4, help="streamed decode runs per width, interleaved")
     p.add_argument("--ppl-seq-len", type=int, default=256)
     p.add_argument("--profile", default="m5-pro-48gb")
     p.add_argument("--keep", default=None, help="keep the artifacts in this directory")
@@ -167,27 +168,41 @@ def main(argv=None):
     rows = []
     try:
         hf = a.hf_path or demo_float_checkpoint(str(DEMO_DIR), os.path.join(root, "hf"))
+        arts = {}
         for b in widths:
-            art = os.path.join(root, f"e{b}")
-            if not os.path.exists(art):
-                convert(hf, art, q_bits=a.q_bits, q_group_size=a.group_size, expert_bits=b,
+            arts[b] = os.path.join(root, f"e{b}")
+            if not os.path.exists(arts[b]):
+                convert(hf, arts[b], q_bits=a.q_bits, q_group_size=a.group_size, expert_bits=b,
                         expert_group_size=a.group_size, quiet=True, mtp=False)
-            m = admit(art)
+        streamed, want = {}, {}
+        for b in widths:
+            m = admit(arts[b])
             fam, g = m.family, Geometry(m.family, m.experts.codec)
-            resident, tok = load(art)
+            resident, tok = load(arts[b])
             data = PPL.load_data(tok, PPL.DEFAULT_DATA, -1, a.ppl_seq_len, 123)
             ppl, se, n = PPL.perplexity(resident, data, batch_size=4)
             ids = tok.encode(PROMPT)
-            want, _ = decode(resident, ids, a.tokens)
+            want[b], _ = decode(resident, ids, a.tokens)
             gb, arena = cache_gb(m, a.cache_fraction)
-            streamed, _ = load(art, expert_cache_gb=gb)
-            got, dt = decode(streamed, ids, a.tokens)
-            streamed.streaming.close()
+            streamed[b] = load(arts[b], expert_cache_gb=gb)[0]
             rows.append({"expert_bits": b, "codec": m.experts.codec, "ppl": ppl, "ppl_se": se, "ppl_tokens": n,
                          "record_bytes": g.record_bytes, "store_mb": m.experts.size / 1e6,
                          "mb_per_token": fam.num_experts_per_tok * fam.num_hidden_layers * g.record_stride / 1e6,
-                         "arena_rows": arena, "stream_tok_s": a.tokens / dt, "tokens_equal_resident": got == want})
-            print(f"e{b}: ppl {ppl:.3f} ± {se:.3f}, {rows[-1]['stream_tok_s']:.1f} tok/s streamed", file=sys.stderr)
+                         "arena_rows": arena, "tok_s": [], "tokens_equal_resident": True})
+            print(f"e{b}: ppl {ppl:.3f} ± {se:.3f}", file=sys.stderr)
+        # Decode speed side by side: rounds interleave the widths (forward, then backward order),
+        # each run a fresh cache over the model's warm-or-cold arena as the previous round left it.
+        by = {r["expert_bits"]: r for r in rows}
+        for rnd in range(a.rounds):
+            for b in (widths if rnd % 2 == 0 else widths[::-1]):
+                got, dt = decode(streamed[b], ids, a.tokens)
+                by[b]["tok_s"].append(a.tokens / dt)
+                by[b]["tokens_equal_resident"] &= got == want[b]
+        for r in rows:
+            r["stream_tok_s"] = float(np.median(r["tok_s"]))
+            r["stream_tok_s_range"] = [min(r["tok_s"]), max(r["tok_s"])]
+        for model in streamed.values():
+            model.streaming.close()
         proj = projection(widths, a.profile)
     finally:
         if a.keep is None:
@@ -196,7 +211,8 @@ def main(argv=None):
     print(f"Demo geometry ({C.QWEN4EXP_DEMO.num_hidden_layers} layers x {C.QWEN4EXP_DEMO.num_experts} experts, "
           f"top-{C.QWEN4EXP_DEMO.num_experts_per_tok}), dense affine{a.q_bits}-g{a.group_size}, "
           f"held-out text {os.path.basename(PPL.DEFAULT_DATA)} ({rows[0]['ppl_tokens']} tokens scored), "
-          f"streamed at {a.cache_fraction:.0%} of the expert records, {a.tokens} greedy tokens; "
+          f"streamed at {a.cache_fraction:.0%} of the expert records, {a.tokens} greedy tokens, median of {a.rounds} "
+          f"interleaved runs (range); "
           f"simulator: {a.profile}, PROJECTION")
     print()
     print("| expert width | perplexity | expert store MB | expert MB/token (cold) | streamed tok/s | vs 4-bit "
@@ -207,7 +223,8 @@ def main(argv=None):
             "n/a" if r["expert_bits"] not in proj else
             f"{proj[r['expert_bits']][0] or float('nan'):.1f} / {proj[r['expert_bits']][1]:.1f}")
         print(f"| {r['codec']} | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | {r['store_mb']:.2f} | {r['mb_per_token']:.3f} "
-              f"| {r['stream_tok_s']:.1f} | {r['stream_tok_s'] / base['stream_tok_s']:.2f}x "
+              f"| {r['stream_tok_s']:.1f} ({r['stream_tok_s_range'][0]:.1f}–{r['stream_tok_s_range'][1]:.1f}) "
+              f"| {r['stream_tok_s'] / base['stream_tok_s']:.2f}x "
               f"| {'yes' if r['tokens_equal_resident'] else 'NO'} | {pr} |")
     print()
     print(f"Real geometry ({C.QWEN38_FLASH_NEXT.name}: {C.QWEN38_FLASH_NEXT.num_hidden_layers} layers x "
