@@ -15,16 +15,19 @@ The layout, as mlx-vlm 0.7.10 writes it for `qwen4_exp` (`convert` ->
   ...ple.ple_embedding.ngram_embedding.shards.{s}.weight   PLE row shards
   vision_tower.*   excluded (text-only artifact)
 
-What is copied, never re-quantized: every tensor quantized with the profile's
-codec (affine4-g64 or affine8-g64, bf16 scales) goes into the artifact byte
-for byte (experts into the ExpertMajor records, dense tensors into the dense
+What is copied, never re-quantized: every tensor quantized with its component's
+codec (affine 2/3/4/6/8 bits at group 32/64/128, bf16 scales: the dense codec
+from the global `quantization`, the expert codec from the routed-expert modules'
+entries, which mlx-lm's mixed configs write per module) goes into the artifact
+byte for byte (experts into the ExpertMajor records, dense tensors into the dense
 file). Two kinds of tensor are decoded because the artifact has no codec for
 them, both exactly: dense tensors the profile keeps float (routers,
 hyper-connection mixers, decay inputs) are `mx.dequantize`d in float32, and
 affine PLE rows are `mx.dequantize`d in their scales' dtype (bf16), which is
 bit for bit the row mlx-vlm's QuantizedEmbedding returns. Anything else (a
 group size or bit width the artifact has no codec for, another quantization
-mode, fp16/fp32 scales) is refused with a typed error naming the tensor.
+mode, fp16/fp32 scales, routed experts at different widths per layer) is
+refused with a typed error naming the tensor or the `quantization` entry.
 """
 
 import re

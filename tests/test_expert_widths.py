@@ -188,3 +188,23 @@ def test_streamed_equals_resident_at_each_width(artifacts, bits):
         np.testing.assert_array_equal(a, b)
     c = e.engine.counters()
     assert c["misses"] > 0 and c["evictions"] > 0 and c["errors"] == 0
+
+
+def test_mtp_head_experts_take_the_expert_width(hf, tmp_path):
+    """The MTP head's routed experts are stored at the expert width, its dense tensors at the
+    dense one; the artifact admits and the head loads at those widths."""
+    from mtp_fixture import add_mtp_tensors
+
+    src = add_mtp_tensors(shutil.copytree(hf, tmp_path / "hf"), seed=5)
+    art = str(tmp_path / "art")
+    convert(str(src), art, q_bits=4, expert_bits=2, quiet=True)
+    m = admit(art)
+    inv = m.mtp.tensors
+    assert inv["mtp.layers.0.mlp.switch_mlp.down_proj.weight"]["codec"] == "affine2-g64"
+    assert inv["mtp.layers.0.self_attn.q_proj.weight"]["codec"] == "affine4-g64"
+    assert {r["codec"] for k, r in inv.items() if ".switch_mlp." not in k} <= {"affine4-g64", "f32"}
+    model = load_model(art)
+    assert model.mtp_head is not None
+    sw = model.mtp_head.layers[0].mlp.switch_mlp if hasattr(model.mtp_head, "layers") else None
+    if sw is not None:
+        assert sw.down_proj.bits == 2
