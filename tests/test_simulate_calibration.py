@@ -176,3 +176,24 @@ def test_the_engine_probe_times_the_engines_own_reads(tmp_path):
 def test_the_quiet_note_says_busy():
     assert "BUSY" in K.quiet_note((9.0, 0, 0), (8.0, 0, 0), cores=2)
     assert ": quiet" in K.quiet_note((0.3, 0, 0), (0.9, 0, 0), cores=2)
+
+
+def test_every_recommendable_setting_is_a_flag_generate_accepts():
+    """Issue 23 §3: simulate recommends only settings the runtime exposes: each --prefetch value it
+    may print, each draft depth and cache size parse through `hebrus-mlx generate`'s own parser
+    and prefetch spec; the policies no flag selects are never in a recommendation."""
+    import shlex
+
+    from hebrus_mlx.generate import build_parser
+    from hebrus_mlx.stream.predict import prefetch_from_args
+
+    parser = build_parser()
+    for pf in P.RUNTIME_PREFETCH:
+        for d in (0, 1, 3):
+            p = S.Projection(30.5, 10, P.RUNTIME_POLICY, pf, d, 0.5, 1.0, 1.0, 1, 1, 0.5, 1)
+            args = parser.parse_args(["--model", "demo", "-p", "x"] + shlex.split(P.flags(p)))
+            assert args.expert_cache_gb == pytest.approx(30.5) and prefetch_from_args(args).name == pf
+            assert (args.draft_model, args.num_draft_tokens) == (("mtp", d) if d else (None, None))
+    rows = [S.Projection(8, 10, pol, "off", 0, 0.0, tok, 1e3 / tok, 1, 1, 0.5, 1)
+            for pol, tok in (("lru", 50.0), ("lfu", 60.0), ("belady", 70.0), ("clock", 10.0))]
+    assert P.recommend(rows).policy == "clock" and P.exposed_settings(rows) == [rows[-1]]

@@ -348,6 +348,7 @@ def _codec_result(P, codec, geom, inp, rows, unchecked, budget) -> dict:
             "default": None if default is None else default.to_dict(),
             "default_flags": None if default is None else P.flags(default),
             "default_limit": None if default is None else P.limiting_term(default, check_ms(default)),
+            "default_check_ms": None if default is None else check_ms(default),
             "default_gain": None if off is None else default.tok_s / off.tok_s, "notes": inp.notes}
 
 
@@ -397,7 +398,10 @@ def print_projection(res: dict) -> None:
         print(f"  - {a}")
 
 
-TABLE_CODECS = ("affine4-g64", "affine3-g64", "affine2-g64")  # the expert widths of the table (those the format has)
+# The expert widths of the table: the default (4-bit) and the narrow widths recommended for 48-64 GB Macs
+# (sized from MLX's affine layout where the format does not register them yet).
+TABLE_CODECS = ("affine4-g64", "affine3-g64", "affine2-g64")
+WHATIF_DENSE = "affine3-g64"  # the goal section's "what would move it": dense weights at 3 bits too
 TABLE_CHECKS = ("fast", "sha256", "off")
 
 
@@ -407,7 +411,7 @@ def table_results(args, profiles=None, codecs=None) -> List[dict]:
     from . import projection as P
 
     profiles = profiles or sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
-    codecs = codecs or [c for c in TABLE_CODECS if c in C.CODECS]
+    codecs = codecs or list(TABLE_CODECS)
     memo = P.Memo()
     out = []
     for name in profiles:
@@ -420,19 +424,39 @@ def table_results(args, profiles=None, codecs=None) -> List[dict]:
     return out
 
 
+def whatif_results(args, profiles=None, codecs=None) -> List[dict]:
+    """The goal profiles with their dense weights at 3 bits as well (fast check): what less
+    compute per token would give (the table's own rows keep the dense weights at 4 bits)."""
+    from . import projection as P
+
+    out = []
+    memo = P.Memo()
+    for name in profiles or sorted(P.GOALS):
+        a = argparse.Namespace(**dict(vars(args), profile=name, codec=",".join(codecs or TABLE_CODECS), check="fast",
+                                      no_verify=False, trace=None, expert_bits=None,
+                                      dense_bits=int(WHATIF_DENSE[6:WHATIF_DENSE.index("-")])))
+        if not args.quiet:
+            print(f"{name}, dense {WHATIF_DENSE}, check fast ...", file=sys.stderr, flush=True)
+        out.append({"profile_name": name, "check": "fast", "result": project_profile(a, memo)})
+    return out
+
+
 def write_table(args) -> dict:
     """`simulate --table FILE`: the markdown table of every shipped profile x width x check."""
     from ..bench.report import write_text_atomic
     from . import projection as P
 
-    if args.trace or args.cache_gb or args.profile != "m5-pro-48gb" or args.no_verify or args.check != "fast":
+    if (args.trace or args.cache_gb or args.profile != "m5-pro-48gb" or args.no_verify or args.check != "fast"
+            or args.expert_bits is not None or args.dense_bits is not None or args.codec != "affine4-g64"):
         raise UsageError("--table", "tabulates every shipped profile, width and check with their defaults: give no "
-                                    "--profile/--trace/--cache-gb/--check")
+                                    "--profile/--trace/--cache-gb/--check/--codec/--expert-bits/--dense-bits")
     results = table_results(args)
-    text = P.render_doc(results, TABLE_COMMAND + ("" if args.predictors == "peer" else " --predictors synthetic"))
+    whatif = whatif_results(args)
+    text = P.render_doc(results, TABLE_COMMAND + ("" if args.predictors == "peer" else " --predictors synthetic"),
+                        whatif)
     write_text_atomic(args.table, text, field="--table", overwrite=args.overwrite)
     print(text, end="")
-    return {"table": args.table, "results": results}
+    return {"table": args.table, "results": results, "whatif": whatif}
 
 
 TABLE_COMMAND = "hebrus-mlx simulate --table docs/PROJECTION.md"
@@ -686,8 +710,11 @@ def print_validation(v: dict) -> None:
     spread = statistics.median(r["spread"] for r in v["runs"])
     load = v.get("load_average") or [None, None]
     loads = "unknown" if None in load else f"{load[0][0]:.1f} -> {load[1][0]:.1f}"
+    per = K.min_median_max([r["ratio"] for r in v["runs"]])
+    rnd = K.min_median_max(ratios)
     print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs "
-          f"(per-round pred/meas {lo:.2f}-{hi:.2f}, median measured spread ±{spread:.0%}, load average {loads})")
+          f"(pred/meas min/median/max: per run {per}, per round {rnd}; median measured spread ±{spread:.0%}, "
+          f"load average {loads})")
 
 
 def main(argv=None) -> int:

@@ -274,7 +274,89 @@ def doc_rows(results: Sequence[dict]) -> List[dict]:
     return list(rows.values())
 
 
-def render_doc(results: Sequence[dict], command: str) -> str:
+# Issue 23's goal: tok/s with default settings and the (fast) read check on.
+GOALS = {"m5-pro-48gb": 25.0, "m5-pro-64gb": 30.0}
+
+GOAL_COLUMNS = ("| profile | goal (tok/s) | expert width | default settings, tok/s (fast check) | ms/token: compute + "
+                "exposed reads + checks | compute the goal leaves (ms/token) | dense weights at 3 bits too, tok/s | "
+                "best flags, tok/s |")
+
+
+def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> List[str]:
+    """Where each goal profile stands at each expert width, which term limits it and what moves it."""
+    fast = {item["profile_name"]: item["result"] for item in results if item["check"] == "fast"}
+    alt = {item["profile_name"]: item["result"] for item in whatif or ()}
+    lines = ["## The goal: M5 Pro 48 GB >= 25 tok/s, M5 Pro 64 GB >= 30 tok/s (default settings, fast check on)", "",
+             GOAL_COLUMNS, "|" + "---|" * (GOAL_COLUMNS.count("|") - 1)]
+    verdicts = []
+    for name, goal in sorted(GOALS.items()):
+        res = fast.get(name)
+        if res is None:
+            continue
+        budget = 1e3 / goal
+        meets, rows = [], []
+        for c in res["by_codec"]:
+            d = c["default"]
+            if not d:
+                continue
+            chk = c.get("default_check_ms") or 0.0
+            reads = d["exposed_ms"] - chk
+            w = next((x for x in (alt.get(name) or {}).get("by_codec", []) if x["codec"] == c["codec"]), None)
+            wtok = (w or {}).get("default") or {}
+            rows.append((c, d, reads, chk, budget - reads - chk, wtok.get("tok_s")))
+            lines.append(f"| {res['machine']['name']} | {goal:g} | {c['codec']} | {d['tok_s']:.1f} | "
+                         f"{d['token_ms']:.1f} = {d['compute_ms']:.1f} + {reads:.1f} + {chk:.1f} | "
+                         f"{budget - reads - chk:.1f} (assumed {d['compute_ms']:.1f}) | "
+                         + ("n/a" if wtok.get("tok_s") is None else f"{wtok['tok_s']:.1f}") + " | "
+                         f"{c['best']['tok_s']:.1f} (`{c.get('best_flags')}`) |")
+            if d["tok_s"] >= goal:
+                meets.append((c["codec"], d["tok_s"]))
+        if not rows:
+            continue
+        first = rows[0]
+        label = res["machine"]["name"]
+        fc, fd, freads, fchk = first[0], first[1], first[2], first[3]
+        at_default = (f"at the default {fc['codec']} it projects {fd['tok_s']:.1f} tok/s, a token being "
+                      f"{fd['token_ms']:.1f} ms: compute {fd['compute_ms']:.1f}, exposed reads {freads:.1f}, checks "
+                      f"{fchk:.1f} (compute alone allows {1e3 / fd['compute_ms']:.1f} tok/s)")
+        if meets:
+            widest = meets[0]  # the table lists the widest (least lossy) width first
+            head = (f"**{label}: meets {goal:g} tok/s at {widest[0]} experts ({widest[1]:.1f} tok/s projected)**; "
+                    f"{at_default}.")
+        else:
+            best = max(rows, key=lambda r: r[1]["tok_s"])
+            head = (f"**{label}: below {goal:g} tok/s at every width** (best default {best[1]['tok_s']:.1f} tok/s at "
+                    f"{best[0]['codec']}); {at_default}.")
+        # Which term limits the fastest width, and what would move it.
+        c, d, reads, chk, left, wt = max(rows, key=lambda r: r[1]["tok_s"])
+        if d["tok_s"] >= goal:
+            verdicts.append(head + f" At {c['codec']} a token is {d['token_ms']:.1f} ms: compute {d['compute_ms']:.1f}, "
+                            f"exposed reads {reads:.1f}, checks {chk:.1f}; the margin is {budget - d['token_ms']:.1f} ms.")
+            continue
+        if d["compute_ms"] >= budget:
+            why = (f"Compute limits it: at {c['codec']} compute alone is {d['compute_ms']:.1f} ms/token against the "
+                   f"{budget:.1f} ms that {goal:g} tok/s allows, so no read-side change reaches it.")
+        else:
+            why = (f"Reads limit it: compute {d['compute_ms']:.1f} ms leaves {budget - d['compute_ms']:.1f} ms for "
+                   f"reads and checks, the projection exposes {reads + chk:.1f} ms.")
+        moves = [f"dense weights at 3 bits too ({'n/a' if wt is None else f'{wt:.1f}'} tok/s; quality not measured here)",
+                 f"a draft model (best {c['best']['tok_s']:.1f} tok/s with `{c.get('best_flags')}`, at the assumed "
+                 "MTP acceptance 0.5)",
+                 f"an M5 Pro that decodes faster than the assumed 0.6x an M4 Max: the goal needs compute <= "
+                 f"{left:.1f} ms/token at {c['codec']} with these reads"]
+        verdicts.append(head + " " + why + " What would move it: " + "; ".join(moves) + ".")
+    lines += [""] + [f"- {v}" for v in verdicts]
+    lines += ["", "What the goal rows rest on (each printed in full per profile below): compute = 0.6x an M4 Max's "
+              "measured 21.2 ms/token (memory-bandwidth ratio, assumed), scaled with the weight bytes a token reads "
+              "at each width (ASSUMPTION: memory-bandwidth-bound decode, anchored at the 4-bit measurement); SSD "
+              "9.5 GB/s at QD1, 17.3 at QD8 (slotstream's M5 Pro); synthetic routes tuned to ~75% hits at 28 GiB; "
+              "read-ahead credited with what public runtimes measured; the fast check at XXH3's public 36 GB/s "
+              "per core; 8 GB kept for the OS and apps. The quality of 2- and 3-bit experts is not part of a "
+              "projection (`benchmarks/bench_widths.py` measures perplexity on the demo).", ""]
+    return lines
+
+
+def render_doc(results: Sequence[dict], command: str, whatif: Sequence[dict] = ()) -> str:
     first = results[0]["result"]
     g = first["geometry"]
     num = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
@@ -307,7 +389,8 @@ def render_doc(results: Sequence[dict], command: str) -> str:
                      + ("n/a" if r.get("default_gain") is None else f"x{r['default_gain']:.2f}") + " | "
                      f"{num(b.get('fast'))} / {num(b.get('sha256'))} / {num(b.get('off'))} | "
                      f"`{r.get('best_flags', '')}` | {r.get('default_limit', '')} |")
-    lines += ["", "## Assumptions and sources, per profile", ""]
+    lines += [""] + goal_section(results, whatif)
+    lines += ["## Assumptions and sources, per profile", ""]
     seen = set()
     for item in results:
         res = item["result"]
