@@ -108,3 +108,186 @@ def test_batch_forward_matches_solo_streamed():
     _assert_rows_match(got, want)
     eng = model.streaming.engine
     assert eng.memory()["pinned_slots"] == 0
+
+
+# ---- the scheduler: BatchGenerator / batch_generate -------------------------------------------------
+
+from hebrus_mlx import errors as herrors  # noqa: E402
+from hebrus_mlx.batch_generate import BatchGenerator, BatchStepError, batch_generate  # noqa: E402
+from hebrus_mlx.errors import GenerationError, UsageError  # noqa: E402
+from hebrus_mlx.generate import generate_step  # noqa: E402
+from hebrus_mlx.prompt_cache import PromptCache  # noqa: E402
+
+VOCAB = 4105  # the demo tokenizer's effective vocabulary
+
+
+def _solo_tokens(model, prompt, n, prefill_step_size=2048):
+    """generate_step's greedy tokens and log-probabilities (the one-at-a-time path; the same
+    prefill chunks as the batched run, since a different partition rounds differently)."""
+    out = list(generate_step(mx.array(prompt), model, effective_vocab_size=VOCAB, max_tokens=n,
+                             prefill_step_size=prefill_step_size))
+    return [t for t, _ in out], [np.array(lp) for _, lp in out]
+
+
+def _run(g, uids, until=None):
+    """Rounds until every uid finished (or `until(round, got)` says stop); tokens and logprobs."""
+    got = {u: [] for u in uids}
+    lps = {u: [] for u in uids}
+    rounds = 0
+    while len(g):
+        if until is not None and until(rounds, got):
+            break
+        for r in g.next():
+            got[r.uid].append(r.token)
+            lps[r.uid].append(np.array(r.logprobs))
+        rounds += 1
+    return got, lps
+
+
+def test_generator_matches_solo_with_joins_and_leaves(resident):
+    """4 requests, per-request max_tokens, 2 decode places: the later ones join as the earlier
+    finish, prefill in 16-token chunks between decode steps; each request's tokens and
+    log-probabilities equal its generate_step run bit for bit."""
+    max_tokens = [6, 9, 3, 12]
+    want = [_solo_tokens(resident, p, n, 16) for p, n in zip(PROMPTS, max_tokens)]
+    g = BatchGenerator(resident, effective_vocab_size=VOCAB, decode_concurrency=2, prefill_step_size=16)
+    uids = g.insert(PROMPTS, max_tokens=max_tokens)
+    got, lps = _run(g, uids)
+    for u, (tokens, logprobs) in zip(uids, want):
+        assert got[u] == tokens
+        np.testing.assert_array_equal(np.stack(lps[u]), np.stack(logprobs))
+    assert g.steps < sum(max_tokens)  # rows did share steps
+
+
+def test_prefill_interleaves_with_running_decodes(resident):
+    """A long prompt arriving mid-run prefills a chunk per round while the running request keeps
+    producing a token every round."""
+    g = BatchGenerator(resident, effective_vocab_size=VOCAB, decode_concurrency=4, prefill_step_size=8)
+    (a,) = g.insert([PROMPTS[0]], max_tokens=[30])
+    g.next()
+    (b,) = g.insert([PROMPTS[2]], max_tokens=[2])  # 100 tokens: 13 chunks of 8
+    per_round = []
+    for _ in range(8):
+        per_round.append({r.uid for r in g.next()})
+    assert all(rnd == {a} for rnd in per_round[:8])  # b still prefilling, a never waits
+    got, _ = _run(g, [a, b])
+    assert len(got[b]) == 2
+
+
+def test_cancel_and_stop_are_per_request(resident):
+    solo = [_solo_tokens(resident, p, 10)[0] for p in PROMPTS]
+    stop_at = solo[0][3]
+    g = BatchGenerator(resident, effective_vocab_size=VOCAB, decode_concurrency=4)
+    uids = g.insert(PROMPTS, max_tokens=[10] * 4, stop_tokens=[[stop_at], None, None, None])
+    got, _ = _run(g, uids, until=lambda r, got: r == 4)
+    g.remove([uids[1]])  # cancel mid-run
+    cut = list(got[uids[1]])
+    rest, _ = _run(g, uids)
+    assert rest[uids[1]] == [] and 0 < len(cut) < 10 and cut == solo[1][:len(cut)]
+    for u in uids:
+        got[u] += rest[u]
+    assert got[uids[0]] == solo[0][:solo[0].index(stop_at) + 1]
+    assert got[uids[2]] == solo[2] and got[uids[3]] == solo[3]
+
+
+def test_prefix_cache_serves_each_sequence(resident):
+    """A shared PromptCache: the second batch restores each sequence's stored prefix (cached
+    tokens reported) and still gives the solo tokens."""
+    pc = PromptCache(1 << 30)
+    base = [list(range(40, 70)), list(range(80, 95))]
+    first = batch_generate(resident, _Tok(), base, max_tokens=4, prompt_cache=pc)
+    turn2 = [b + t + [9, 8] for b, t in zip(base, first.token_ids)]
+    g = BatchGenerator(resident, effective_vocab_size=VOCAB, prompt_cache=pc, prompt_concurrency=2)
+    uids = g.insert(turn2, max_tokens=[5, 5])
+    g.next()
+    assert [g.cached_tokens(u) for u in uids] == [len(b) + 3 for b in base]
+    got, _ = _run(g, uids)
+    for u, p in zip(uids, turn2):
+        assert got[u] == _solo_tokens(resident, p, 5)[0]
+
+
+class _Tok:
+    """The bits of a tokenizer batch_generate uses (token-id prompts, no stop tokens)."""
+
+    effective_vocab_size = VOCAB
+    stop_token_ids = frozenset()
+
+    def check_ids(self, ids):
+        return ids
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_batch_generate_greedy_equals_solo(resident):
+    res = batch_generate(resident, _Tok(), PROMPTS, max_tokens=[5, 7, 4, 6], decode_concurrency=3)
+    for p, n, toks, fin in zip(PROMPTS, [5, 7, 4, 6], res.token_ids, res.finish_reasons):
+        assert toks == _solo_tokens(resident, p, n)[0] and fin == "length"
+    assert res.stats["decode_steps"] < 22
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(resident):
+    from hebrus_mlx.sample_utils import make_sampler
+
+    def run(prompts):
+        g = BatchGenerator(resident, effective_vocab_size=VOCAB, sampler=make_sampler(temp=1.0))
+        uids = g.insert(prompts, max_tokens=[8] * len(prompts), seeds=[11] * len(prompts))
+        return _run(g, uids)[0][uids[0]]
+
+    alone = run(PROMPTS[:1])
+    assert run(PROMPTS) == alone and run(PROMPTS[:1]) == alone
+
+
+def test_bad_requests_are_refused_naming_the_field(resident):
+    with pytest.raises(UsageError, match="decode_concurrency"):
+        BatchGenerator(resident, effective_vocab_size=VOCAB, decode_concurrency=0)
+    g = BatchGenerator(resident, effective_vocab_size=VOCAB)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(GenerationError) as e:
+            g.insert([[1, 2]], max_tokens=[bad])
+        assert e.value.field == "max_tokens"
+    with pytest.raises(GenerationError, match="context"):
+        g.insert([[1, 2]], max_tokens=[5000])
+    with pytest.raises(GenerationError, match="empty"):
+        g.insert([[]])
+    with pytest.raises(UsageError, match="one entry per prompt"):
+        g.insert([[1], [2]], max_tokens=[3])
+    assert len(g) == 0
+
+
+@pytest.mark.skipif(not se.available(), reason="extension not built")
+def test_streamed_generator_matches_resident_and_read_failure_is_clean(resident):
+    """8 requests through a 5% expert cache (26 rows: steps of at most 6 rows): every request's
+    tokens equal the resident solo run. An I/O error in a batched step raises BatchStepError
+    naming the step's requests with the typed cause, leaves no slot pinned, and the next round
+    continues them exactly (each rolled back to before the failed step)."""
+    from fault_injection import FaultyEngine
+    from hebrus_mlx.stream import errors as stream_errors
+    from hebrus_mlx.stream.streaming import Streaming
+    from test_stream_model import _testing_experts
+
+    gb, rows = cache_gb(str(DEMO_DIR), 0.05)
+    model = load_model(DEMO_DIR, expert_cache_gb=gb)
+    eng = _testing_experts(model, rows).engine
+    assert isinstance(eng, FaultyEngine) and isinstance(model.streaming, Streaming)
+    # Prompts of at most 7 tokens: each prefills in one capped chunk, so the fault lands in a
+    # batched decode step. (A prefill chunk's failure is the solo path's, rolled back by
+    # generate.prefill_chunks; retrying it on the same cache can hit a full arena: a known
+    # engine limitation reported with this branch, seen without batching too.)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [1, 2, 3, 4, 5, 6, 7],
+               [3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [2, 7, 1, 8]]
+    want = [_solo_tokens(resident, p, 6)[0] for p in prompts]
+    g = BatchGenerator(model, effective_vocab_size=VOCAB, decode_concurrency=8, prompt_concurrency=8)
+    assert g.rows_per_step == model.streaming.max_chunk_tokens == 6
+    uids = g.insert(prompts, max_tokens=[6] * 8)
+    got, _ = _run(g, uids, until=lambda r, got: r == 3)
+    eng.inject_fault("eio", 1)
+    with pytest.raises(BatchStepError) as info:
+        g.next()
+    assert type(info.value.cause) is stream_errors.StreamIOError
+    assert len(info.value.uids) == 6 and set(info.value.uids) < set(uids)  # the first 6-row step
+    assert eng.memory()["pinned_slots"] == 0
+    rest, _ = _run(g, uids)
+    for u, w in zip(uids, want):
+        assert got[u] + rest[u] == w
+    assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
