@@ -275,14 +275,27 @@ class BatchGenerator:
         try:
             with _rolled_back(rows, snaps):
                 logits = batch_forward(self.model, [s.y for s in rows], [s.cache for s in rows])
-                picks = []
+                picks = [None] * len(rows)
+                # Rows without processors or a seed that share a sampler: one mask, log-softmax and
+                # draw over their rows (each a row-wise op: the same values as one row at a time).
+                shared: Dict[int, List[int]] = {}
                 for b, s in enumerate(rows):
+                    if not s.processors and s.seed is None:
+                        shared.setdefault(id(s.sampler), []).append(b)
+                        continue
                     y = mx.array([s.y], dtype=mx.int32)
                     logprobs = s.step.logprobs(logits[b:b + 1], y)
                     with _own_key(s):
                         token = s.step._sample(logprobs)
                     s.step.fed(y)
-                    picks.append((token, logprobs[0]))
+                    picks[b] = (token, logprobs[0])
+                for group in shared.values():
+                    first = rows[group[0]].step
+                    part = logits if len(group) == len(rows) else logits[mx.array(group)]
+                    logprobs = first.logprobs(part, None)
+                    tokens = first._sample(logprobs)
+                    for j, b in enumerate(group):
+                        picks[b] = (tokens[j:j + 1], logprobs[j])
                 mx.eval([p for pair in picks for p in pair])
         except Exception as e:
             raise BatchStepError(e, [s.uid for s in rows]) from e
