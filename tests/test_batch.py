@@ -291,3 +291,77 @@ def test_streamed_generator_matches_resident_and_read_failure_is_clean(resident)
     for u, w in zip(uids, want):
         assert got[u] + rest[u] == w
     assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
+
+
+# ---- the server's worker under --decode-concurrency ---------------------------------------------------
+
+
+def _serve(worker, requests, cancel_after=None):
+    """Submit (ids, max_tokens) jobs at once; their texts (a cancelled one: what it got)."""
+    import asyncio
+
+    from hebrus_mlx.server import Job, Sampling
+
+    sampling = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False)
+
+    async def one(i, ids, n):
+        job = Job(ids, sampling, n, asyncio.get_running_loop(), asyncio.Queue())
+        worker.jobs.put(job)
+        text, chunks = "", 0
+        while True:
+            kind, value = await asyncio.wait_for(job.events.get(), 120)
+            if kind == "error":
+                raise value
+            if kind == "done":
+                return text, value, job.usage
+            text += value
+            chunks += 1
+            if cancel_after is not None and cancel_after[0] == i and chunks == cancel_after[1]:
+                worker.cancel(job)
+                return text, "cancelled", job.usage
+
+    async def all_of():
+        return await asyncio.gather(*(one(i, ids, n) for i, (ids, n) in enumerate(requests)))
+
+    return asyncio.run(all_of())
+
+
+def test_server_worker_batches_and_keeps_each_text():
+    """Worker with decode_concurrency=4, prompt_concurrency=2: five concurrent requests (one
+    cancelled after 3 tokens) each get the text of its one-at-a-time run; the prefix cache
+    serves a second turn (cached tokens reported)."""
+    from hebrus_mlx import load, stream_generate
+    from hebrus_mlx.server import ServerDefaults, Worker
+
+    model, tok = load("demo")
+    prompts = ["def fibonacci(n):", "import json\n", "for i in range(10):", "class Stack:", "x = [1, 2"]
+    ids = [tok.encode(p) for p in prompts]
+    lengths = [12, 7, 10, 5, 9]
+    want = ["".join(r.text for r in stream_generate(model, tok, i, max_tokens=n)) for i, n in zip(ids, lengths)]
+    worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults(decode_concurrency=4, prompt_concurrency=2))
+    try:
+        got = _serve(worker, list(zip(ids, lengths)), cancel_after=(1, 3))
+        turn2 = ids[0] + tok.encode(got[0][0]) + tok.encode("\n# next")
+        (again,) = _serve(worker, [(turn2, 6)])
+        assert not worker.busy and worker.jobs.qsize() == 0
+    finally:
+        worker.stop()
+    for i, (text, finish, usage) in enumerate(got):
+        if i == 1:
+            assert finish == "cancelled" and want[1].startswith(text)
+        else:
+            assert text == want[i] and usage.completion_tokens == lengths[i] and usage.prompt_tokens == len(ids[i])
+    assert again[0] == "".join(r.text for r in stream_generate(model, tok, turn2, max_tokens=6))
+    assert again[2].cached_tokens >= len(ids[0])
+
+
+def test_server_flags_for_batching(capsys):
+    from hebrus_mlx.cli import main as cli_main
+
+    for argv, flag in [(["--decode-concurrency", "0"], "--decode-concurrency"),
+                       (["--prompt-concurrency", "x"], "--prompt-concurrency"),
+                       (["--decode-concurrency", "2", "--draft-model", "ngram"], "--decode-concurrency"),
+                       (["--decode-concurrency", "2", "--prompt-concurrency", "3"], "--prompt-concurrency")]:
+        assert cli_main(["server", *argv]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
