@@ -27,6 +27,7 @@ refuses `--draft-model` with `--decode-concurrency` > 1).
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -38,9 +39,11 @@ import mlx.core as mx
 from .batch import batch_forward, max_batch_rows
 from .errors import GenerationError, HebrusError, UsageError
 from .sample_utils import make_sampler
+from .stream.errors import translate
 from .stream.rollback import rollback_on_error
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+log = logging.getLogger("hebrus_mlx.batch")
 
 __all__ = ["BatchGenerator", "BatchResponse", "BatchStepError", "Response", "batch_generate"]
 
@@ -66,7 +69,7 @@ class Response:
     finish_reason: Optional[str]  # "stop", "length" or None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is itself
 class _Seq:
     uid: int
     ids: List[int]
@@ -81,6 +84,7 @@ class _Seq:
     step: Any = None  # generate.DecodeStep (processors, mask, sampler)
     y: int = 0  # the next input token
     tokens: List[int] = field(default_factory=list)
+    drawn: int = 0  # decode steps built for it (its seeded draws' index)
 
 
 def _stop_set(tokenizer) -> frozenset:
@@ -121,7 +125,8 @@ class BatchGenerator:
         self._prefilling: List[_Seq] = []
         self._decoding: List[_Seq] = []
         self._uid = 0
-        self._carry: List[Response] = []  # responses of a round that failed part way (next round's)
+        self._carry: List[Response] = []
+        self._inflight: Optional[_Step] = None  # the queued decode step not yet read  # responses of a round that failed part way (next round's)
         self.steps = 0  # decode forwards run
         self.rows = 0  # decode rows fed (tokens generated)
 
@@ -174,6 +179,10 @@ class BatchGenerator:
                 s.chunks.close()
         self._prefilling = [s for s in self._prefilling if s.uid not in gone]
         self._decoding = [s for s in self._decoding if s.uid not in gone]
+        step = self._inflight
+        if step is not None and not any(s in self._decoding for s in step.rows):
+            self._inflight = None
+            _settle_quietly(step)  # nobody reads it: settle it now (streamed leases returned)
 
     def __len__(self) -> int:
         return len(self._queued) + len(self._prefilling) + len(self._decoding)
@@ -246,6 +255,9 @@ class BatchGenerator:
             history = s.step.history
             try:
                 next(s.chunks)
+                if s.cache.offset >= len(s.ids) - 1:  # the last chunk is in: join this round's step
+                    s.chunks.close()
+                    done.append(s)
             except StopIteration:
                 done.append(s)
             except Exception as e:  # prefill_chunks rolled the chunk back and typed the error
@@ -260,49 +272,97 @@ class BatchGenerator:
             self._decoding.append(s)
 
     def _decode_round(self) -> List[Response]:
-        out: List[Response] = []
+        """One decode step over every decoding request. Pipelined as generate's loop: the step is
+        built on the previous step's (still lazy) tokens and started before those are read, so the
+        host builds while the device computes. Where a streamed arena splits the rows into several
+        steps (more rows than `rows_per_step`), the steps run one after the other instead."""
         rows = list(self._decoding)
-        for start in range(0, len(rows), self.rows_per_step):
-            try:
-                out += self._decode_step(rows[start:start + self.rows_per_step])
-            except BatchStepError:
-                self._carry = out  # the steps before the failed one stand: handed out next round
-                raise
+        if len(rows) > self.rows_per_step:
+            out = self._settle()
+            rows = list(self._decoding)
+            for start in range(0, len(rows), self.rows_per_step):
+                step = self._build(rows[start:start + self.rows_per_step], None)
+                try:
+                    out += self._read(step, None)
+                except BatchStepError:
+                    self._carry = out  # the steps before the failed one stand: handed out next round
+                    raise
+            return out
+        prev, self._inflight = self._inflight, None
+        step = self._build(rows, prev) if rows else None
+        out = [] if prev is None else self._read(prev, step)
+        if step is not None and any(s in self._decoding for s in step.rows):
+            self._inflight = step
+        elif step is not None:
+            _settle_quietly(step)  # every row of it finished: its work is not wanted
         return out
 
-    def _decode_step(self, rows: List[_Seq]) -> List[Response]:
-        snaps = [(s.cache.snapshot(), s.step.history) for s in rows]
+    def _settle(self) -> List[Response]:
+        prev, self._inflight = self._inflight, None
+        return [] if prev is None else self._read(prev, None)
+
+    def _build(self, rows: List[_Seq], prev: Optional["_Step"]) -> "_Step":
+        """Queue one batched step for `rows`; a row in `prev` feeds prev's token (lazy)."""
+        carried = {} if prev is None else {id(s): j for j, s in enumerate(prev.rows)}
+        inputs = [prev.picks[carried[id(s)]][0] if id(s) in carried else mx.array([s.y], dtype=mx.int32)
+                  for s in rows]
+        snaps = [(s.cache.snapshot(), s.step.history, s.drawn) for s in rows]
+        step = _Step(rows, [None] * len(rows), snaps)
         try:
-            with _rolled_back(rows, snaps):
-                logits = batch_forward(self.model, [s.y for s in rows], [s.cache for s in rows])
-                picks = [None] * len(rows)
-                # Rows without processors or a seed that share a sampler: one mask, log-softmax and
-                # draw over their rows (each a row-wise op: the same values as one row at a time).
-                shared: Dict[int, List[int]] = {}
-                for b, s in enumerate(rows):
-                    if not s.processors and s.seed is None:
-                        shared.setdefault(id(s.sampler), []).append(b)
-                        continue
-                    y = mx.array([s.y], dtype=mx.int32)
-                    logprobs = s.step.logprobs(logits[b:b + 1], y)
-                    with _own_key(s):
-                        token = s.step._sample(logprobs)
-                    s.step.fed(y)
-                    picks[b] = (token, logprobs[0])
-                for group in shared.values():
-                    first = rows[group[0]].step
-                    part = logits if len(group) == len(rows) else logits[mx.array(group)]
-                    logprobs = first.logprobs(part, None)
-                    tokens = first._sample(logprobs)
-                    for j, b in enumerate(group):
-                        picks[b] = (tokens[j:j + 1], logprobs[j])
-                mx.eval([p for pair in picks for p in pair])
+            ys = mx.concatenate(inputs) if len(inputs) > 1 else inputs[0]
+            logits = batch_forward(self.model, ys, [s.cache for s in rows])
+            # Rows without processors or a seed that share a sampler: one mask, log-softmax and
+            # draw over their rows (each a row-wise op: the same values as one row at a time).
+            shared: Dict[int, List[int]] = {}
+            for b, s in enumerate(rows):
+                if not s.processors and s.seed is None:
+                    shared.setdefault(id(s.sampler), []).append(b)
+                    continue
+                logprobs = s.step.logprobs(logits[b:b + 1], inputs[b])
+                with _own_key(s):
+                    token = s.step._sample(logprobs)
+                s.step.fed(inputs[b])
+                step.picks[b] = (token, logprobs[0])
+            for group in shared.values():
+                first = rows[group[0]].step
+                part = logits if len(group) == len(rows) else logits[mx.array(group)]
+                logprobs = first.logprobs(part, None)
+                tokens = first._sample(logprobs)
+                for j, b in enumerate(group):
+                    step.picks[b] = (tokens[j:j + 1], logprobs[j])
+            for s in rows:
+                s.drawn += 1
+            mx.async_eval([p for pair in step.picks for p in pair])
+        except Exception as e:  # refused (e.g. the context), or a read failed as it started
+            _restore(rows, snaps)
+            touched = list(rows)
+            if prev is not None:
+                _settle_quietly(prev)
+                _restore(prev.rows, prev.snaps)
+                touched += [s for s in prev.rows if s not in rows]
+            raise BatchStepError(translate(e), [s.uid for s in touched]) from e
+        return step
+
+    def _read(self, step: "_Step", following: Optional["_Step"]) -> List[Response]:
+        """Wait for `step`'s tokens and hand them out. A failure rolls its rows back to before it,
+        and `following` (queued on it) with them; BatchStepError names every row touched."""
+        try:
+            with rollback_on_error(None, None):
+                mx.eval([p for pair in step.picks for p in pair])
         except Exception as e:
-            raise BatchStepError(e, [s.uid for s in rows]) from e
+            touched = list(step.rows)
+            if following is not None:
+                _settle_quietly(following)
+                _restore(following.rows, following.snaps)
+                touched += [s for s in following.rows if s not in step.rows]
+            _restore(step.rows, step.snaps)
+            raise BatchStepError(e, [s.uid for s in touched]) from e
         self.steps += 1
-        self.rows += len(rows)
+        self.rows += len(step.rows)
         out = []
-        for s, (token, logprobs) in zip(rows, picks):
+        for s, (token, logprobs) in zip(step.rows, step.picks):
+            if s not in self._decoding:
+                continue  # cancelled while its step was in flight
             token = token.item()
             s.tokens.append(token)
             finish = "stop" if token in s.stops else ("length" if len(s.tokens) == s.max_tokens else None)
@@ -310,29 +370,50 @@ class BatchGenerator:
             s.y = token
             if finish is not None:
                 self._finish(s)
-        if self.rows % gen.CLEAR_CACHE_EVERY < len(rows):
+        if self.rows % gen.CLEAR_CACHE_EVERY < len(step.rows):
             mx.clear_cache()
         return out
 
     def _finish(self, s: _Seq):
         self._decoding.remove(s)
-        # The cache holds the prompt and every token but the last (not fed: nothing follows it).
-        held = s.ids + s.tokens[:-1]
-        if self.prompt_cache is not None and s.cache.offset == len(held):
-            self.prompt_cache.insert(held, s.cache)
+        if self.prompt_cache is None:
+            return
+        # The cache holds the prompt and every token (pipelined: the last one is fed by the step
+        # queued on it, as generate's loop) or every token but the last (steps run one by one).
+        for held in (s.ids + s.tokens, s.ids + s.tokens[:-1]):
+            if s.cache.offset == len(held):
+                try:
+                    self.prompt_cache.insert(held, s.cache)
+                except Exception as e:  # the step feeding it failed: that surfaces when it is read
+                    log.info("prefix not stored: %s", e)
+                return
 
 
-@contextmanager
-def _rolled_back(rows, snaps):
-    """AFN-010 for a batched step: a failure restores every row's cache (typed error raised)."""
+@dataclass
+class _Step:
+    """One queued batched decode step: its rows, their lazy (token [1], logprobs [V]) and each
+    row's state before it (cache snapshot, processors' history, draws)."""
+
+    rows: List[_Seq]
+    picks: List[Any]
+    snaps: List[Any]
+
+
+def _restore(rows, snaps):
+    """AFN-010 for a batched step: each row back to its state before the step."""
+    for s, (snap, history, drawn) in zip(rows, snaps):
+        s.cache.restore(snap)
+        s.step.history = history
+        s.drawn = drawn
+
+
+def _settle_quietly(step: _Step):
+    """Evaluate a step nobody reads, so its streamed leases are returned; its error (if any) is
+    the step's it was queued on, reported there."""
     try:
-        with rollback_on_error(None, None):
-            yield
-    except BaseException:
-        for s, (snap, history) in zip(rows, snaps):
-            s.cache.restore(snap)
-            s.step.history = history  # the processors' history: the fed token is not in
-        raise
+        mx.eval([p for pair in step.picks for p in pair])
+    except Exception as e:
+        log.info("discarded step failed: %s", e)
 
 
 @contextmanager
@@ -341,7 +422,7 @@ def _own_key(s: _Seq):
     do not depend on what else shares the step (MLX's global PRNG cannot be handed a
     per-request key: docs/GENERATION.md)."""
     if s.seed is not None:
-        mx.random.seed(hash((s.seed, len(s.tokens))) & 0xFFFFFFFFFFFF)
+        mx.random.seed(hash((s.seed, s.drawn)) & 0xFFFFFFFFFFFF)
     yield
 
 

@@ -200,7 +200,8 @@ def test_prefix_cache_serves_each_sequence(resident):
     g = BatchGenerator(resident, effective_vocab_size=VOCAB, prompt_cache=pc, prompt_concurrency=2)
     uids = g.insert(turn2, max_tokens=[5, 5])
     g.next()
-    assert [g.cached_tokens(u) for u in uids] == [len(b) + 3 for b in base]
+    # The prompt and all 4 tokens (the last one fed by the step queued on it, as generate_step)
+    assert [g.cached_tokens(u) for u in uids] == [len(b) + 4 for b in base]
     got, _ = _run(g, uids)
     for u, p in zip(uids, turn2):
         assert got[u] == _solo_tokens(resident, p, 5)[0]
@@ -365,3 +366,29 @@ def test_server_flags_for_batching(capsys):
         assert cli_main(["server", *argv]) == 2
         err = capsys.readouterr().err
         assert flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not se.available(), reason="extension not built")
+def test_streamed_pipelined_step_failure_rolls_back_both_steps(resident):
+    """4 rows (one step each round, pipelined: a step is queued on the unread one): an I/O error
+    rolls back the failed step and the one queued on it; the rounds after continue every request
+    exactly, and nothing stays pinned."""
+    from test_stream_model import _testing_experts
+    from hebrus_mlx.stream import errors as stream_errors
+
+    gb, rows = cache_gb(str(DEMO_DIR), 0.05)
+    model = load_model(DEMO_DIR, expert_cache_gb=gb)
+    eng = _testing_experts(model, rows).engine
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [1, 2, 3, 4, 5, 6, 7]]
+    want = [_solo_tokens(resident, p, 8)[0] for p in prompts]
+    g = BatchGenerator(model, effective_vocab_size=VOCAB, decode_concurrency=4, prompt_concurrency=4)
+    uids = g.insert(prompts, max_tokens=[8] * 4)
+    got, _ = _run(g, uids, until=lambda r, got: r == 3)
+    eng.inject_fault("eio", 1)
+    with pytest.raises(BatchStepError) as info:
+        g.next()
+    assert type(info.value.cause) is stream_errors.StreamIOError and sorted(info.value.uids) == sorted(uids)
+    rest, _ = _run(g, uids)
+    for u, w in zip(uids, want):
+        assert got[u] + rest[u] == w
+    assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
