@@ -8,7 +8,9 @@ streaming extension's ops too): requests queue in FIFO order and run one at a ti
 disconnects cancels its request, queued or running: its pending expert reads fail at once (one
 ticket scope per request, `Model.streaming.request()`, speculative reads included), the last
 queued step is drained so no ticket stays pinned, and the next request starts from clean state.
-Batched decode is not implemented. Prompts reuse the longest cached prefix (`PromptCache`, exact
+With `--decode-concurrency N` > 1 the worker batches instead (batch_generate.BatchGenerator): up
+to N requests share each decode step and new prompts prefill between steps; a cancel drops the
+request at the next step boundary. Prompts reuse the longest cached prefix (`PromptCache`, exact
 prefixes only; see prompt_cache.py).
 
 Under `mlx.launch` (pipeline parallel, see hebrus_mlx/pipeline) rank 0 serves HTTP and drives the
@@ -331,6 +333,8 @@ class ServerDefaults:
     num_draft_tokens: Optional[int] = None
     prompt_cache_dir: Optional[str] = None  # prefix snapshots on disk (prompt_cache_disk.py)
     prompt_cache_dir_bytes: int = 8 << 30
+    decode_concurrency: int = 1  # > 1: requests share decode steps (batch_generate.BatchGenerator)
+    prompt_concurrency: int = 1  # requests prefilling at once, a chunk per round, under batching
 
 
 @dataclass
@@ -389,6 +393,8 @@ class Worker:
             self._ready.set()
             return
         self._ready.set()
+        if self.defaults.decode_concurrency > 1:
+            return self._run_batched()
         while True:
             job = self.jobs.get()
             if job is None:
@@ -420,6 +426,102 @@ class Worker:
                 if self.broken is None:
                     self._drain(job)
                 self.busy = False
+
+    def _run_batched(self):
+        """--decode-concurrency > 1: up to N requests share each decode step, new prompts prefill a
+        chunk per round between steps (BatchGenerator). A cancel (disconnect, stop string,
+        shutdown) drops the request at the next round boundary; a failed round fails the requests
+        it touched (their state is discarded) and the others go on."""
+        from .batch_generate import BatchGenerator, BatchStepError
+
+        tok = self.tokenizer
+        d = self.defaults
+        g = BatchGenerator(self.model, effective_vocab_size=tok.effective_vocab_size,
+                           stop_tokens=tok.stop_token_ids, decode_concurrency=d.decode_concurrency,
+                           prompt_concurrency=d.prompt_concurrency, prefill_step_size=d.prefill_step_size,
+                           prompt_cache=self.prompt_cache)
+        live = {}  # uid -> [job, detokenizer, start time, first-token time]
+        stopping = False
+        while True:
+            while not stopping:  # take every waiting job; block only when there is nothing to run
+                try:
+                    job = self.jobs.get(block=not len(g))
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                elif not job.cancel.is_set():
+                    self._admit(g, job, live)
+            for uid, entry in list(live.items()):
+                if entry[0].cancel.is_set():
+                    g.remove([uid])
+                    del live[uid]
+            if stopping and not live:
+                if self.model.streaming is not None:
+                    self.model.streaming.reset()
+                return
+            self.busy = bool(len(g))
+            if not len(g):
+                continue
+            try:
+                responses = g.next()
+            except BatchStepError as e:
+                for uid in e.uids:
+                    job = live.pop(uid)[0]
+                    g.remove([uid])
+                    if job.cancel.is_set():
+                        log.info("cancelled request stopped: %s", e)
+                    else:
+                        log.error("generation failed: %s: %s", type(e.cause).__name__, e.cause)
+                        self._emit(job, ("error", e.cause))
+                if self.model.streaming is not None:
+                    self.model.streaming.reset()  # the next step's P1 hint must not hang on failed routes
+                continue
+            except Exception as e:  # never a traceback to the client; the requests in flight fail
+                log.error("generation failed: %s: %s", type(e).__name__, e)
+                for uid, (job, *_) in list(live.items()):
+                    g.remove([uid])
+                    self._emit(job, ("error", e))
+                live.clear()
+                continue
+            self.busy = bool(len(g))  # before the last "done" goes out
+            for r in responses:
+                entry = live.get(r.uid)
+                if entry is None:
+                    continue
+                job, detok, tic, first = entry
+                now = time.perf_counter()
+                u = job.usage
+                if first is None:
+                    entry[3] = first = now
+                    u.prompt_seconds = now - tic
+                    u.cached_tokens = g.cached_tokens(r.uid) or 0
+                u.completion_tokens += 1
+                u.generation_seconds = now - first
+                if r.finish_reason != "stop":
+                    detok.add_token(r.token)
+                if r.finish_reason is not None:
+                    detok.finalize()
+                self._emit(job, ("text", detok.last_segment))
+                if r.finish_reason is not None:
+                    del live[r.uid]
+                    self._emit(job, ("done", r.finish_reason))
+
+    def _admit(self, g, job: Job, live: dict):
+        """Queue `job` in the batch generator (its sampler, seed and max_tokens)."""
+        if self.broken is not None:
+            self._emit(job, ("error", self.broken))
+            return
+        s = job.sampling
+        try:
+            sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+            (uid,) = g.insert([job.ids], max_tokens=[job.max_tokens], samplers=[sampler],
+                              seeds=[None if s.seed is None else s.seed])
+        except (gen.GenerationError, ValueError) as e:
+            self._emit(job, ("error", e))
+            return
+        job.usage.prompt_tokens = len(job.ids)
+        live[uid] = [job, self.tokenizer.detokenizer, time.perf_counter(), None]
 
     def _on_stall(self, message: str):
         # On the watchdog's thread, just before the process exits: answer the running request.
@@ -1068,6 +1170,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=DEFAULT_PROMPT_CACHE_BYTES,
                    help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)")
+    p.add_argument("--decode-concurrency", type=flags.integer(1), default=1,
+                   help="requests that share each decode step (continuous batching; default 1: one at a time)")
+    p.add_argument("--prompt-concurrency", type=flags.integer(1), default=1,
+                   help="requests prefilling at once under --decode-concurrency > 1, a chunk per decode step")
     add_prompt_cache_dir_arguments(p)
     p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies are a 413, refused from the declared length (default %(default)s)")
@@ -1158,6 +1264,14 @@ def main(argv=None) -> int:
     if args.pipeline_split is not None and not pipeline_launched():
         raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
     check_prompt_cache_dir(args)
+    if args.decode_concurrency > 1 and args.draft_model is not None:
+        raise UsageError("--decode-concurrency", "speculative drafting (--draft-model) runs one request at a time; "
+                         "give --decode-concurrency 1 or drop --draft-model")
+    if args.decode_concurrency > 1 and pipeline_launched():
+        raise UsageError("--decode-concurrency", "a pipeline (mlx.launch) serves one request at a time")
+    if args.prompt_concurrency > args.decode_concurrency:
+        raise UsageError("--prompt-concurrency", f"must be <= --decode-concurrency ({args.decode_concurrency}), "
+                         f"got {args.prompt_concurrency}")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prefetch_from_args(args)  # checked before the model loads
     pipe = None
@@ -1175,7 +1289,8 @@ def main(argv=None) -> int:
     defaults = ServerDefaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
                               draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-                              prompt_cache_dir=args.prompt_cache_dir, prompt_cache_dir_bytes=args.prompt_cache_dir_bytes)
+                              prompt_cache_dir=args.prompt_cache_dir, prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
+                              decode_concurrency=args.decode_concurrency, prompt_concurrency=args.prompt_concurrency)
 
     def load():
         if args.seed is not None:  # on the worker thread, which samples

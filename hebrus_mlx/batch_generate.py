@@ -1,0 +1,467 @@
+"""Continuous batching: `BatchGenerator` (the scheduler) and `batch_generate` (the one-call API),
+in the shape of mlx-lm's.
+
+Each round (`BatchGenerator.next()`):
+1. queued requests are admitted while fewer than `prompt_concurrency` are prefilling and fewer
+   than `decode_concurrency` hold a place (prefilling or decoding);
+2. every prefilling request feeds one chunk of its prompt (generate's `prefill_chunks`: the same
+   chunk cap, rollback and evaluation as a solo run), so a long prompt interleaves with running
+   decodes instead of stalling them; a request whose prompt is in joins the decode set;
+3. one decode step feeds every decoding request's last token through `batch.batch_forward`
+   (split into steps of at most `batch.max_batch_rows` rows where a streamed arena bounds them),
+   and each row's logits go through that request's own logits processors, vocabulary mask,
+   log-softmax and sampler (generate's `DecodeStep`), so its tokens are its solo run's.
+
+Stop tokens, `max_tokens`, the sampler (and its seed), logits processors and cancel (`remove`) are
+per request. A `PromptCache` given to the generator serves each request's longest cached prefix
+and stores each prompt and each finished sequence, as the one-at-a-time server does.
+
+A failed round (a streamed read's I/O error, a bad digest) rolls every sequence it touched back to
+its state before the round and raises `BatchStepError` naming their uids: the caller removes them
+(the server fails those requests) or calls `next()` again, which continues them exactly.
+
+Speculative drafting is not run inside a batch: `BatchGenerator` takes no drafter (the server
+refuses `--draft-model` with `--decode-concurrency` > 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .batch import batch_forward, max_batch_rows
+from .errors import GenerationError, HebrusError, UsageError
+from .sample_utils import make_sampler
+from .stream.errors import translate
+from .stream.rollback import rollback_on_error
+
+gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+log = logging.getLogger("hebrus_mlx.batch")
+
+__all__ = ["BatchGenerator", "BatchResponse", "BatchStepError", "Response", "batch_generate"]
+
+
+class BatchStepError(HebrusError, RuntimeError):
+    """A batched round failed; `uids` are the requests it touched (rolled back to before it) and
+    `cause` the typed error (e.g. a StreamIOError)."""
+
+    default_field = "batch"
+
+    def __init__(self, cause: BaseException, uids: Sequence[int]):
+        super().__init__(str(cause))
+        self.cause, self.uids = cause, list(uids)
+
+
+@dataclass
+class Response:
+    """One generated token of one request."""
+
+    uid: int
+    token: int
+    logprobs: mx.array  # [V] log-probabilities (-inf past the effective vocabulary)
+    finish_reason: Optional[str]  # "stop", "length" or None
+
+
+@dataclass(eq=False)  # identity: a request is itself
+class _Seq:
+    uid: int
+    ids: List[int]
+    max_tokens: int
+    sampler: Callable
+    processors: List[Callable]
+    stops: frozenset
+    seed: Optional[int]  # seeded draws, independent of the other requests (_own_key)
+    cache: Any = None
+    cached_tokens: int = 0
+    chunks: Any = None  # the prefill_chunks generator while prefilling
+    step: Any = None  # generate.DecodeStep (processors, mask, sampler)
+    y: int = 0  # the next input token
+    tokens: List[int] = field(default_factory=list)
+    drawn: int = 0  # decode steps built for it (its seeded draws' index)
+
+
+def _stop_set(tokenizer) -> frozenset:
+    return frozenset(getattr(tokenizer, "stop_token_ids", None) or getattr(tokenizer, "eos_token_ids", None) or ())
+
+
+class BatchGenerator:
+    """Up to `decode_concurrency` sequences share each decode step; `prompt_concurrency` of them
+    prefill (a chunk per round) at a time. `insert` returns uids; `next()` runs one round and
+    returns that round's `Response`s; `remove(uids)` cancels at the next round boundary.
+
+    effective_vocab_size: the tokenizer's (AFN-005); stop_tokens: the default stop set (the
+    tokenizer's); sampler / logits_processors: the defaults for requests that give none."""
+
+    def __init__(self, model, *, effective_vocab_size: int, max_tokens: int = 256,
+                 stop_tokens: Optional[Sequence[int]] = None, sampler: Optional[Callable] = None,
+                 logits_processors: Optional[List[Callable]] = None, decode_concurrency: int = 8,
+                 prompt_concurrency: int = 1, prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE,
+                 prompt_cache=None):
+        for name, value in (("decode_concurrency", decode_concurrency), ("prompt_concurrency", prompt_concurrency),
+                            ("prefill_step_size", prefill_step_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(name, f"must be an int >= 1, got {value!r}")
+        self.model = model
+        self.effective_vocab_size = effective_vocab_size
+        self.max_tokens = max_tokens
+        self.stop_tokens = frozenset(stop_tokens or ())
+        self.sampler = sampler or make_sampler()
+        self.logits_processors = list(logits_processors or [])
+        self.decode_concurrency = decode_concurrency
+        self.prompt_concurrency = prompt_concurrency
+        self.prefill_step_size = prefill_step_size
+        self.prompt_cache = prompt_cache
+        # A streamed arena pins every expert one step routes to: steps take at most this many rows.
+        cap = max_batch_rows(model)
+        self.rows_per_step = decode_concurrency if cap is None else max(1, min(decode_concurrency, cap))
+        self._queued: "deque[_Seq]" = deque()
+        self._prefilling: List[_Seq] = []
+        self._decoding: List[_Seq] = []
+        self._uid = 0
+        self._carry: List[Response] = []
+        self._inflight: Optional[_Step] = None  # the queued decode step not yet read  # responses of a round that failed part way (next round's)
+        self.steps = 0  # decode forwards run
+        self.rows = 0  # decode rows fed (tokens generated)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def insert(self, prompts: Sequence[Sequence[int]], max_tokens=None, samplers=None, logits_processors=None,
+               stop_tokens=None, seeds=None) -> List[int]:
+        """Queue requests; per-request lists (or None: the defaults). `seeds[i]` seeds request i's
+        draws on their own, so they do not depend on what else runs. Returns their uids."""
+        n = len(prompts)
+
+        def each(values, name):
+            if values is None:
+                return [None] * n
+            if len(values) != n:
+                raise UsageError(name, f"needs one entry per prompt ({n}), got {len(values)}")
+            return list(values)
+
+        limit = gen.context_limit(self.model)
+        seqs = []
+        for ids, mt, smp, procs, stops, seed in zip(
+                prompts, each(max_tokens, "max_tokens"), each(samplers, "samplers"),
+                each(logits_processors, "logits_processors"), each(stop_tokens, "stop_tokens"), each(seeds, "seeds")):
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise GenerationError("prompt is empty")
+            mt = self.max_tokens if mt is None else mt
+            if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+                raise GenerationError("max_tokens", f"must be an int >= 1, got {mt!r}")
+            if limit is not None and len(ids) + mt > limit:
+                raise GenerationError("max_tokens", f"max_tokens {mt} + prompt {len(ids)} tokens exceeds the model "
+                                      f"context {limit}")
+            seqs.append(_Seq(uid=-1, ids=ids, max_tokens=mt, sampler=smp or self.sampler,
+                             processors=list(self.logits_processors if procs is None else procs),
+                             stops=self.stop_tokens if stops is None else frozenset(stops),
+                             seed=seed))
+        uids = []
+        for s in seqs:
+            s.uid = self._uid
+            self._uid += 1
+            self._queued.append(s)
+            uids.append(s.uid)
+        return uids
+
+    def remove(self, uids) -> None:
+        """Drop requests (queued, prefilling or decoding); their state is discarded."""
+        gone = set(uids)
+        self._queued = deque(s for s in self._queued if s.uid not in gone)
+        for s in self._prefilling:
+            if s.uid in gone and s.chunks is not None:
+                s.chunks.close()
+        self._prefilling = [s for s in self._prefilling if s.uid not in gone]
+        self._decoding = [s for s in self._decoding if s.uid not in gone]
+        step = self._inflight
+        if step is not None and not any(s in self._decoding for s in step.rows):
+            self._inflight = None
+            _settle_quietly(step)  # nobody reads it: settle it now (streamed leases returned)
+
+    def __len__(self) -> int:
+        return len(self._queued) + len(self._prefilling) + len(self._decoding)
+
+    @property
+    def active(self) -> int:
+        """Requests holding a place (prefilling or decoding)."""
+        return len(self._prefilling) + len(self._decoding)
+
+    def cached_tokens(self, uid: int) -> Optional[int]:
+        """Prompt tokens served from the prefix cache (None until admitted)."""
+        for s in self._prefilling + self._decoding:
+            if s.uid == uid:
+                return s.cached_tokens
+        return None
+
+    # -- rounds --------------------------------------------------------------------------------------
+    def next(self) -> List[Response]:
+        """One round: admissions, a prefill chunk per prefilling request, one decode step."""
+        with mx.stream(gen.generation_stream()), self._tickets():
+            self._admit()
+            self._prefill_round()
+            out, self._carry = self._carry, []
+            return out + self._decode_round()
+
+    @contextmanager
+    def _tickets(self):
+        # One ticket scope per round: its reads carry it; a cancel (interrupt) fails them all.
+        streaming = getattr(self.model, "streaming", None)
+        if streaming is None:
+            yield
+            return
+        with streaming.request() as scope:
+            self.scope = scope
+            try:
+                yield
+            finally:
+                self.scope = None
+
+    scope = None
+
+    def interrupt(self) -> None:
+        """From any thread: fail the current round's pending expert reads at once (shutdown)."""
+        scope = self.scope
+        if scope is not None:
+            scope.cancel()
+
+    def _admit(self):
+        while self._queued and len(self._prefilling) < self.prompt_concurrency and self.active < self.decode_concurrency:
+            s = self._queued.popleft()
+            if self.prompt_cache is not None:
+                s.cache, s.cached_tokens = self.prompt_cache.fetch(self.model, s.ids)
+            else:
+                s.cache = self.model.make_cache()
+            s.step = gen.DecodeStep(self.model, s.cache, effective_vocab_size=self.effective_vocab_size,
+                                    sampler=s.sampler, logits_processors=s.processors)
+            # The last prompt token is the first decode input (as generate's loop).
+            self._start_prefill(s)
+            s.y = s.ids[-1]
+            self._prefilling.append(s)
+
+    def _start_prefill(self, s: _Seq):
+        """Prefill chunks from where the cache stands (its start, or a failed chunk's rollback)."""
+        s.chunks = gen.prefill_chunks(self.model, mx.array(s.ids[s.cache.offset:-1], dtype=mx.int32), s.cache,
+                                      self.prefill_step_size, s.step.prefill_forward)
+
+    def _prefill_round(self):
+        done = []
+        for s in list(self._prefilling):
+            history = s.step.history
+            try:
+                next(s.chunks)
+                if s.cache.offset >= len(s.ids) - 1:  # the last chunk is in: join this round's step
+                    s.chunks.close()
+                    done.append(s)
+            except StopIteration:
+                done.append(s)
+            except Exception as e:  # prefill_chunks rolled the chunk back and typed the error
+                s.step.history = history
+                self._start_prefill(s)  # a failed generator is spent: resume from the cache
+                raise BatchStepError(e, [s.uid]) from e
+        for s in done:
+            s.chunks = None
+            self._prefilling.remove(s)
+            if self.prompt_cache is not None and len(s.ids) - 1 > s.cached_tokens:
+                self.prompt_cache.insert(s.ids[:-1], s.cache)
+            self._decoding.append(s)
+
+    def _decode_round(self) -> List[Response]:
+        """One decode step over every decoding request. Pipelined as generate's loop: the step is
+        built on the previous step's (still lazy) tokens and started before those are read, so the
+        host builds while the device computes. Where a streamed arena splits the rows into several
+        steps (more rows than `rows_per_step`), the steps run one after the other instead."""
+        rows = list(self._decoding)
+        if len(rows) > self.rows_per_step:
+            out = self._settle()
+            rows = list(self._decoding)
+            for start in range(0, len(rows), self.rows_per_step):
+                step = self._build(rows[start:start + self.rows_per_step], None)
+                try:
+                    out += self._read(step, None)
+                except BatchStepError:
+                    self._carry = out  # the steps before the failed one stand: handed out next round
+                    raise
+            return out
+        prev, self._inflight = self._inflight, None
+        step = self._build(rows, prev) if rows else None
+        out = [] if prev is None else self._read(prev, step)
+        if step is not None and any(s in self._decoding for s in step.rows):
+            self._inflight = step
+        elif step is not None:
+            _settle_quietly(step)  # every row of it finished: its work is not wanted
+        return out
+
+    def _settle(self) -> List[Response]:
+        prev, self._inflight = self._inflight, None
+        return [] if prev is None else self._read(prev, None)
+
+    def _build(self, rows: List[_Seq], prev: Optional["_Step"]) -> "_Step":
+        """Queue one batched step for `rows`; a row in `prev` feeds prev's token (lazy)."""
+        carried = {} if prev is None else {id(s): j for j, s in enumerate(prev.rows)}
+        inputs = [prev.picks[carried[id(s)]][0] if id(s) in carried else mx.array([s.y], dtype=mx.int32)
+                  for s in rows]
+        snaps = [(s.cache.snapshot(), s.step.history, s.drawn) for s in rows]
+        step = _Step(rows, [None] * len(rows), snaps)
+        try:
+            ys = mx.concatenate(inputs) if len(inputs) > 1 else inputs[0]
+            logits = batch_forward(self.model, ys, [s.cache for s in rows])
+            # Rows without processors or a seed that share a sampler: one mask, log-softmax and
+            # draw over their rows (each a row-wise op: the same values as one row at a time).
+            shared: Dict[int, List[int]] = {}
+            for b, s in enumerate(rows):
+                if not s.processors and s.seed is None:
+                    shared.setdefault(id(s.sampler), []).append(b)
+                    continue
+                logprobs = s.step.logprobs(logits[b:b + 1], inputs[b])
+                with _own_key(s):
+                    token = s.step._sample(logprobs)
+                s.step.fed(inputs[b])
+                step.picks[b] = (token, logprobs[0])
+            for group in shared.values():
+                first = rows[group[0]].step
+                part = logits if len(group) == len(rows) else logits[mx.array(group)]
+                logprobs = first.logprobs(part, None)
+                tokens = first._sample(logprobs)
+                for j, b in enumerate(group):
+                    step.picks[b] = (tokens[j:j + 1], logprobs[j])
+            for s in rows:
+                s.drawn += 1
+            mx.async_eval([p for pair in step.picks for p in pair])
+        except Exception as e:  # refused (e.g. the context), or a read failed as it started
+            _restore(rows, snaps)
+            touched = list(rows)
+            if prev is not None:
+                _settle_quietly(prev)
+                _restore(prev.rows, prev.snaps)
+                touched += [s for s in prev.rows if s not in rows]
+            raise BatchStepError(translate(e), [s.uid for s in touched]) from e
+        return step
+
+    def _read(self, step: "_Step", following: Optional["_Step"]) -> List[Response]:
+        """Wait for `step`'s tokens and hand them out. A failure rolls its rows back to before it,
+        and `following` (queued on it) with them; BatchStepError names every row touched."""
+        try:
+            with rollback_on_error(None, None):
+                mx.eval([p for pair in step.picks for p in pair])
+        except Exception as e:
+            touched = list(step.rows)
+            if following is not None:
+                _settle_quietly(following)
+                _restore(following.rows, following.snaps)
+                touched += [s for s in following.rows if s not in step.rows]
+            _restore(step.rows, step.snaps)
+            raise BatchStepError(e, [s.uid for s in touched]) from e
+        self.steps += 1
+        self.rows += len(step.rows)
+        out = []
+        for s, (token, logprobs) in zip(step.rows, step.picks):
+            if s not in self._decoding:
+                continue  # cancelled while its step was in flight
+            token = token.item()
+            s.tokens.append(token)
+            finish = "stop" if token in s.stops else ("length" if len(s.tokens) == s.max_tokens else None)
+            out.append(Response(s.uid, token, logprobs, finish))
+            s.y = token
+            if finish is not None:
+                self._finish(s)
+        if self.rows % gen.CLEAR_CACHE_EVERY < len(step.rows):
+            mx.clear_cache()
+        return out
+
+    def _finish(self, s: _Seq):
+        self._decoding.remove(s)
+        if self.prompt_cache is None:
+            return
+        # The cache holds the prompt and every token (pipelined: the last one is fed by the step
+        # queued on it, as generate's loop) or every token but the last (steps run one by one).
+        for held in (s.ids + s.tokens, s.ids + s.tokens[:-1]):
+            if s.cache.offset == len(held):
+                try:
+                    self.prompt_cache.insert(held, s.cache)
+                except Exception as e:  # the step feeding it failed: that surfaces when it is read
+                    log.info("prefix not stored: %s", e)
+                return
+
+
+@dataclass
+class _Step:
+    """One queued batched decode step: its rows, their lazy (token [1], logprobs [V]) and each
+    row's state before it (cache snapshot, processors' history, draws)."""
+
+    rows: List[_Seq]
+    picks: List[Any]
+    snaps: List[Any]
+
+
+def _restore(rows, snaps):
+    """AFN-010 for a batched step: each row back to its state before the step."""
+    for s, (snap, history, drawn) in zip(rows, snaps):
+        s.cache.restore(snap)
+        s.step.history = history
+        s.drawn = drawn
+
+
+def _settle_quietly(step: _Step):
+    """Evaluate a step nobody reads, so its streamed leases are returned; its error (if any) is
+    the step's it was queued on, reported there."""
+    try:
+        mx.eval([p for pair in step.picks for p in pair])
+    except Exception as e:
+        log.info("discarded step failed: %s", e)
+
+
+@contextmanager
+def _own_key(s: _Seq):
+    """Seeded requests draw from a generator seeded by (seed, token index) alone, so their tokens
+    do not depend on what else shares the step (MLX's global PRNG cannot be handed a
+    per-request key: docs/GENERATION.md)."""
+    if s.seed is not None:
+        mx.random.seed(hash((s.seed, s.drawn)) & 0xFFFFFFFFFFFF)
+    yield
+
+
+@dataclass
+class BatchResponse:
+    texts: List[str]
+    token_ids: List[List[int]]
+    finish_reasons: List[Optional[str]]
+    stats: Dict[str, float]
+
+
+def batch_generate(model, tokenizer, prompts: Sequence, max_tokens=256, *, verbose: bool = False,
+                   sampler=None, logits_processors=None, decode_concurrency: int = 8, prompt_concurrency: int = 1,
+                   prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE, prompt_cache=None) -> BatchResponse:
+    """Generate for several prompts at once (strings are encoded as data, or token id lists);
+    `max_tokens` an int or one per prompt. Each sequence's tokens are its solo run's (greedy: the
+    same tokens; docs/GENERATION.md)."""
+    ids = [gen._prompt_ids(tokenizer, p).tolist() for p in prompts]
+    per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(ids)
+    g = BatchGenerator(model, effective_vocab_size=tokenizer.effective_vocab_size, stop_tokens=_stop_set(tokenizer),
+                       sampler=sampler, logits_processors=logits_processors, decode_concurrency=decode_concurrency,
+                       prompt_concurrency=prompt_concurrency, prefill_step_size=prefill_step_size,
+                       prompt_cache=prompt_cache)
+    uids = g.insert(ids, max_tokens=per)
+    tokens = {u: [] for u in uids}
+    finish: Dict[int, Optional[str]] = {u: None for u in uids}
+    tic = time.perf_counter()
+    while len(g):
+        for r in g.next():
+            if r.finish_reason != "stop":
+                tokens[r.uid].append(r.token)
+            finish[r.uid] = r.finish_reason
+    elapsed = time.perf_counter() - tic
+    texts = [tokenizer.decode(tokens[u]) for u in uids]
+    n = sum(len(t) for t in tokens.values())
+    stats = {"generation_tokens": n, "seconds": elapsed, "tokens_per_second": n / max(elapsed, 1e-9),
+             "decode_steps": g.steps}
+    if verbose:
+        for i, t in enumerate(texts):
+            print(f"[{i}] {t}")
+        print(f"Generation: {n} tokens, {stats['tokens_per_second']:.3f} tokens-per-sec ({g.steps} steps)")
+    return BatchResponse(texts, [tokens[u] for u in uids], [finish[u] for u in uids], stats)
