@@ -49,14 +49,15 @@ def build_parser():
     p.add_argument("--profile", default="m5-pro-48gb",
                    help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
                         "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
-    p.add_argument("--layer-ms", type=flags.number(0, 1e6), default=None, help="with --profile machine: decode compute per layer")
+    p.add_argument("--layer-ms", type=flags.number(0, 1e6), default=None, help="with --profile machine: decode compute per layer at 4-bit experts and dense weights (the anchor "
+                        "--expert-bits / --dense-bits scale from)")
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
     p.add_argument("--codec", default="affine4-g64",
                    help="expert codec(s), comma-separated: one projection per width (record size), e.g. "
                         "affine4-g64,affine3-g64,affine2-g64 (widths the format does not register yet are sized from "
                         "MLX's affine layout)")
     p.add_argument("--expert-bits", default=None, metavar="N[,N...]",
-                   help="routed-expert width(s) in bits (2, 3, 4, 5, 6, 8; affine, group 64): the same as "
+                   help="routed-expert width(s) in bits (2, 3, 4, 6, 8; affine, group 64): the same as "
                         "--codec affineN-g64; record size, cache capacity and compute follow the width")
     p.add_argument("--dense-bits", type=flags.integer(2, 8), default=None, metavar="N",
                    help="dense-weight width in bits (affine, group 64; default 4, the width the profile's compute "
