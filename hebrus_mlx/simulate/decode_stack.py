@@ -279,6 +279,7 @@ def validate_decode(args) -> dict:
     load1 = K.load_average()
     return {"machine": machine.to_dict(), "probe": probe, "probe_source": source, "compute_ms_per_token": hot * 1e3,
             "runs": out, "worst": max(abs(x["ratio"] - 1) for x in out), "repeats": args.repeats,
+            "token_records": L * k,
             "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
                      f"{args.gen_tokens} tokens per cold run, store {stack.path}",
             "load_average": [load0, load1], "command": K.command_line(args),
