@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -243,7 +244,7 @@ def validate_decode(args) -> dict:
                     raise UsageError("--stack", "a streamed run's routes differ from the recorded ones")
                 got[r, m] = (statistics.mean(times[1:]), c)
             if not args.quiet:
-                print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", flush=True)
+                print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", file=sys.stderr, flush=True)
         rounds.append(got)
     out = []
     T = len(topk)
