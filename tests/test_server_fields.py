@@ -156,6 +156,11 @@ def test_completions_logprobs_legacy_shape(served):
     assert all(math.isclose(a, x.logprobs[x.token].item(), abs_tol=1e-5) for a, x in zip(lp.token_logprobs, ref))
     assert all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(c.completions.create(model="demo", prompt="class Stack:", max_tokens=6, temperature=0, logprobs=2,
+                                       stream=True))
+    got = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    offsets = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.text_offset]
+    assert got == lp.token_logprobs and offsets == lp.text_offset
 
 
 BAD = [
