@@ -991,11 +991,12 @@ class App:
                         if hit == TOOL_CALL_OPEN:
                             tool_text, matcher.buf = matcher.buf, ""
                         elif hit is not None:
-                            finish, pending = "stop", []  # tokens past a stop sequence are not reported
+                            finish = "stop"
                         if out:
                             yield ("content", out, pending)
                             pending = []
                         if finish is not None:
+                            pending = []  # tokens past a stop sequence are not reported
                             break
                 if finish is not None:
                     break

@@ -161,6 +161,13 @@ def test_completions_logprobs_legacy_shape(served):
     got = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
     offsets = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.text_offset]
     assert got == lp.token_logprobs and offsets == lp.text_offset
+    # A stop sequence: the tokens up to the one it starts in are reported, none after.
+    text = r.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text[: text.index(stop)]
+    r = c.completions.create(model="demo", prompt="class Stack:", max_tokens=6, temperature=0, logprobs=0, stop=[stop])
+    joined = "".join(r.choices[0].logprobs.tokens)
+    assert r.choices[0].text == cut and joined.startswith(cut) and text.startswith(joined) and len(joined) > len(cut)
 
 
 BAD = [
