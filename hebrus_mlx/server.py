@@ -500,6 +500,9 @@ class Worker:
                 u.generation_seconds = now - first
                 if r.finish_reason != "stop":
                     detok.add_token(r.token)
+                    if job.sampling.logprobs:  # the stop token is not part of the text
+                        self._emit(job, ("logprob", token_logprob(self.tokenizer, r.logprobs, r.token,
+                                                                  job.sampling.top_logprobs)))
                 if r.finish_reason is not None:
                     detok.finalize()
                 self._emit(job, ("text", detok.last_segment))
@@ -516,6 +519,7 @@ class Worker:
         try:
             sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
             (uid,) = g.insert([job.ids], max_tokens=[job.max_tokens], samplers=[sampler],
+                              logits_processors=[s.logits_processors(self.tokenizer.effective_vocab_size)],
                               seeds=[None if s.seed is None else s.seed])
         except (gen.GenerationError, ValueError) as e:
             self._emit(job, ("error", e))
@@ -991,11 +995,12 @@ class App:
                         if hit == TOOL_CALL_OPEN:
                             tool_text, matcher.buf = matcher.buf, ""
                         elif hit is not None:
-                            finish, pending = "stop", []  # tokens past a stop sequence are not reported
+                            finish = "stop"
                         if out:
                             yield ("content", out, pending)
                             pending = []
                         if finish is not None:
+                            pending = []  # tokens past a stop sequence are not reported
                             break
                 if finish is not None:
                     break
