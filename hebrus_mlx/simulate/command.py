@@ -407,7 +407,6 @@ TABLE_CHECKS = ("fast", "sha256", "off")
 
 def table_results(args, profiles=None, codecs=None) -> List[dict]:
     """Every (profile, check) projection of the table, all expert widths in each; replays shared."""
-    from ..artifact import constants as C
     from . import projection as P
 
     profiles = profiles or sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
