@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 
-import mlx.core as mx
 
 from hebrus_mlx.batch_generate import BatchGenerator
 from hebrus_mlx.prompt_cache import stream_with_cache

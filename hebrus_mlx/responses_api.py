@@ -251,7 +251,7 @@ def to_messages(items, where: str = "input") -> List[dict]:
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             parts = (item.get("content") or []) + (item.get("summary") or [])
-            for j, p in enumerate(parts):
+            for p in parts:
                 if not isinstance(p, dict) or not isinstance(p.get("text"), str):
                     raise RequestError(f"{at}: reasoning parts must be objects with text", at)
             reasoning.append("".join(p["text"] for p in (item.get("content") or item.get("summary") or [])))

@@ -112,7 +112,6 @@ def test_batch_forward_matches_solo_streamed():
 
 # ---- the scheduler: BatchGenerator / batch_generate -------------------------------------------------
 
-from hebrus_mlx import errors as herrors  # noqa: E402
 from hebrus_mlx.batch_generate import BatchGenerator, BatchStepError, batch_generate  # noqa: E402
 from hebrus_mlx.errors import GenerationError, UsageError  # noqa: E402
 from hebrus_mlx.generate import generate_step  # noqa: E402

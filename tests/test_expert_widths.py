@@ -8,7 +8,6 @@ the whole stacked expert tensors), and the record sizes are derived here from ML
 `mx.quantize` output shapes, not from the product's codec table.
 """
 
-import json
 import os
 import shutil
 

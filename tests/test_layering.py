@@ -35,7 +35,8 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.text."), LOAD_R),
     # Replay prefills through generate's loop; the traces verb and eval sit on replay.
     (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.prompt_cache", "hebrus_mlx.cli_args",
-      "hebrus_mlx.prompt_cache_disk", "hebrus_mlx.perplexity", "hebrus_mlx.batch", "hebrus_mlx.batch_generate", "hebrus_mlx.cache_prompt", "hebrus_mlx.verb_flags",
+      "hebrus_mlx.batch", "hebrus_mlx.batch_generate",
+      "hebrus_mlx.prompt_cache_disk", "hebrus_mlx.perplexity", "hebrus_mlx.cache_prompt", "hebrus_mlx.verb_flags",
       "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.traces", "hebrus_mlx.traces.",
       "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli",
       "hebrus_mlx.verify", "hebrus_mlx.upgrade", "hebrus_mlx.convert", "hebrus_mlx.convert_fp8",

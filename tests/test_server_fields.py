@@ -252,38 +252,23 @@ def test_enable_thinking_reaches_the_template(served):
     assert r.usage.prompt_tokens == len(off)
 
 
-class ScriptWorker:
+def ScriptWorker(tok, script):
     """The worker boundary scripted: each job gets `script`'s text pieces (the demo never thinks
     or calls tools on its own); everything from the HTTP request to the response is real."""
+    from hebrus_mlx.server import Worker
+    from scripted_server import scripted_worker
 
-    def __init__(self, tok, script):
-        import queue
+    def emit(job):
+        job.usage.prompt_tokens = len(job.ids)
+        pieces = script(job) if callable(script) else script
+        for piece in pieces:
+            Worker._emit(job, ("text", piece))
+        job.usage.completion_tokens = len(pieces)
+        Worker._emit(job, ("done", "stop"))
 
-        from hebrus_mlx.prompt_cache import PromptCache
-        from hebrus_mlx.server import ServerDefaults
-
-        self.tokenizer, self.defaults, self.context, self.script = tok, ServerDefaults(), 4096, script
-        self.jobs, self.prompt_cache, self.model, self.busy = queue.Queue(), PromptCache(0), None, False
-        self.seen = []
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self):
-        from hebrus_mlx.server import Worker
-
-        while (job := self.jobs.get()) is not None:
-            self.seen.append(job.ids)
-            job.usage.prompt_tokens = len(job.ids)
-            script = self.script(job) if callable(self.script) else self.script
-            for piece in script:
-                Worker._emit(job, ("text", piece))
-            job.usage.completion_tokens = len(script)
-            Worker._emit(job, ("done", "stop"))
-
-    def cancel(self, job):
-        job.cancel.set()
-
-    def stop(self):
-        self.jobs.put(None)
+    worker = scripted_worker(tok, emit)
+    worker.stop = lambda: worker.jobs.put(None)
+    return worker
 
 
 def test_reasoning_field_from_think_blocks(served):

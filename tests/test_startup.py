@@ -17,7 +17,7 @@ import hebrus_mlx.cli, hebrus_mlx.generate, hebrus_mlx.loader, hebrus_mlx.models
 import hebrus_mlx.stream.switch, hebrus_mlx.loading.build_model
 from hebrus_mlx.loader import load_model, resolve_model_path
 model = load_model(resolve_model_path("demo"))
-mx.eval(model(mx.array([[1, 2, 3]]))) 
+mx.eval(model(mx.array([[1, 2, 3]])))
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("mlx_lm", "transformers", "torch"))))
 """
 

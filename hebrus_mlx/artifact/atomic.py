@@ -286,27 +286,7 @@ def publish_file(target, write, verify=None, faults=None):
     verify(path): reopens the synced temp through the real reader; raises on
     any disagreement. Returns the state trace.
     """
-    m = _Machine(target, faults)
-    clean_stale(m.target)
-    tmp, fd = None, None
-    try:
-        # Locked until renamed: a later run's clean_stale leaves it alone while we live.
-        tmp, fd = _locked_temp(m.target, "tmp", lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        m.to(State.TEMP)
-        write(AtomicWriter(fd, m.faults))
-        m.to(State.WRITTEN)
-        m.fsync(fd)
-        _verify_synced(m, tmp, verify)
-        m.rename(tmp, m.target)
-        m.to(State.RENAMED)
-    except BaseException as e:
-        if fd is not None:
-            os.close(fd)
-        _abort(m, tmp, e)
-        raise
-    os.close(fd)
-    _commit(m)
-    return m.trace
+    return _publish_file(target, faults, "", lambda m, tmp, fd: write(AtomicWriter(fd, m.faults)), verify)
 
 
 def publish_file_by_path(target, write_path, verify=None, suffix=""):
@@ -314,16 +294,26 @@ def publish_file_by_path(target, write_path, verify=None, suffix=""):
     save_prompt_cache): it writes into our locked temp by path. Writing by name keeps the temp's
     inode (the library opens it with O_TRUNC), so our lock still covers it; a writer that replaced
     the inode is refused. Stale temps of `target` are cleaned first, as by every publisher."""
-    m = _Machine(target, None)
-    clean_stale(m.target)
-    tmp, fd = None, None
-    try:
-        tmp, fd = _locked_temp(m.target, "tmp", lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644),
-                               suffix)
-        m.to(State.TEMP)
+
+    def fill(m, tmp, fd):
         write_path(tmp)
         if not os.path.samestat(os.fstat(fd), os.lstat(tmp)):
             raise PublishError(os.path.basename(target), "the writer replaced its temporary file")
+
+    return _publish_file(target, None, suffix, fill, verify)
+
+
+def _publish_file(target, faults, suffix, fill, verify):
+    """The one file publisher: locked temp, `fill(machine, tmp, fd)`, fsync, verify, rename, commit."""
+    m = _Machine(target, faults)
+    clean_stale(m.target)
+    tmp, fd = None, None
+    try:
+        # Locked until renamed: a later run's clean_stale leaves it alone while we live.
+        tmp, fd = _locked_temp(m.target, "tmp", lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644),
+                               suffix)
+        m.to(State.TEMP)
+        fill(m, tmp, fd)
         m.to(State.WRITTEN)
         m.fsync(fd)
         _verify_synced(m, tmp, verify)
