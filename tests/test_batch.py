@@ -221,6 +221,9 @@ class _Tok:
 
 
 def test_batch_generate_greedy_equals_solo(resident):
+    import hebrus_mlx
+
+    assert hebrus_mlx.batch_generate is batch_generate  # mlx-lm's top-level name
     res = batch_generate(resident, _Tok(), PROMPTS, max_tokens=[5, 7, 4, 6], decode_concurrency=3)
     for p, n, toks, fin in zip(PROMPTS, [5, 7, 4, 6], res.token_ids, res.finish_reasons):
         assert toks == _solo_tokens(resident, p, n)[0] and fin == "length"

@@ -35,7 +35,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.prompt_cache",
       "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify", "hebrus_mlx.qualify_report",
       "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli", "hebrus_mlx.bench",
-      "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate."), 3),
+      "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate.", "hebrus_mlx.batch", "hebrus_mlx.batch_generate"), 3),
     (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.api_fields", "hebrus_mlx.chat"), 4),
 ]
 
