@@ -5,7 +5,7 @@ build still reports `mx.metal.is_available()` and would compute on it by default
 .pth start-up hook into the environment's site-packages that calls `mx.set_default_device(mx.cpu)`
 before any program runs, so the suite, and every `python -m hebrus_mlx.cli` it starts (whatever
 PYTHONPATH they are given), computes on the CPU backend and sees no Metal device
-(`hebrus_mlx.profile.metal_device`). CI only: nothing in hebrus_mlx reads it.
+(`hebrus_mlx.machine_profile.metal_device`). CI only: nothing in hebrus_mlx reads it.
 
     python .ci/cpu_backend.py install | check | remove
 """
@@ -25,7 +25,7 @@ except ImportError:  # before mlx is installed: nothing to switch
 else:
     _mx.set_default_device(_mx.cpu)
 """
-CHECK = ("import json, mlx.core as mx; from hebrus_mlx.profile import metal_device; "
+CHECK = ("import json, mlx.core as mx; from hebrus_mlx.machine_profile import metal_device; "
          "print(json.dumps([str(mx.default_device()), metal_device()]))")
 
 

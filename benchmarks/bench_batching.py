@@ -25,11 +25,10 @@ import statistics
 import sys
 import time
 
-import mlx.core as mx
 
 from hebrus_mlx.batch_generate import BatchGenerator
 from hebrus_mlx.prompt_cache import stream_with_cache
-from hebrus_mlx.utils import load
+from hebrus_mlx.loader import load
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -139,7 +138,7 @@ def main(argv=None):
         from hebrus_mlx.admission import admit
         from hebrus_mlx.artifact import expert_major as em
         from hebrus_mlx.loading import plan
-        from hebrus_mlx.utils import DEMO_DIR
+        from hebrus_mlx.loader import DEMO_DIR
 
         path = str(DEMO_DIR) if args.model == "demo" else args.model
         m = admit(path)

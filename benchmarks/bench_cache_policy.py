@@ -22,12 +22,12 @@ import numpy as np
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import expert_major as em
-from hebrus_mlx.loading import artifact as artifact_loading
+from hebrus_mlx.loading import build_model as artifact_loading
 from hebrus_mlx.loading import plan
 from hebrus_mlx.models.qwen4exp import Capture
 from hebrus_mlx.stream.engine import StreamEngine
 from hebrus_mlx.traces import cachesim
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 
 ENGINE_POLICIES = ("lru", "clock", "score")
 

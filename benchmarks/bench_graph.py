@@ -12,7 +12,7 @@ hebrus-mlx is measured twice in the same alternation: with its second CPU stream
 experts on another core, in prefill also projections and half of the logits; the default on a CPU
 with >= 2 cores) and on one stream, as the peers run; --cpu-streams 1 measures only the latter.
 Targets (issue 14): decode and prefill >= 1.0x mlx-vlm and >= 1.0x mlx-lm; QSA step at 32K <= 1.5x 4K.
-Run: python benchmarks/bench_graph.py [--layers 8 --hidden 512 ...] [--checkpoint DIR] [--skip-vlm] [--split-ablation]
+Run: python benchmarks/bench_graph.py [--layers 8 --hidden 512 ...] [--checkpoint DIR] [--skip-vlm] [--split-ablation | --options-ablation]
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from hebrus_mlx.models import cpu_streams
-from hebrus_mlx.models.qwen4exp import Model, ModelArgs, fuse_projections
+from hebrus_mlx.models import optimize
+from hebrus_mlx.models.options import GraphOptions
+from hebrus_mlx.models.qwen4exp import Model, ModelArgs
 
 
 def dims(a):
@@ -105,22 +106,27 @@ def init_weights(model, seed=0):
     mx.eval(model.parameters())
 
 
-class OnStreams:
-    """`model` built with `n` CPU streams (models/cpu_streams.py): the stream choice is made while the
-    graph is built, so it holds for the lazy evaluation that follows, alternating models or not."""
+class Variant:
+    """`model` run with some GraphOptions changed: the options are read while each graph is built, so
+    they hold for the lazy evaluation that follows, alternating models or not."""
 
-    def __init__(self, model, n: int):
-        self.model, self.n = model, n
+    def __init__(self, model, **changes):
+        self.model, self.changes = model, changes
 
     def make_cache(self):
         return self.model.make_cache()
 
     def __call__(self, x, cache=None):
-        previous = cpu_streams.set_cpu_streams(self.n)
+        saved = self.model.options
+        self.model.options = saved.replace(**self.changes)
         try:
             return self.model(x, cache=cache)
         finally:
-            cpu_streams.set_cpu_streams(previous)
+            self.model.options = saved
+
+
+def OnStreams(model, n: int):
+    return Variant(model, cpu_streams=n)
 
 
 def variants(model, streams):
@@ -129,45 +135,48 @@ def variants(model, streams):
     return [OnStreams(model, 2), OnStreams(model, 1)] if streams == 2 else [OnStreams(model, 1)]
 
 
-class Splits(OnStreams):
+class Splits(Variant):
     """Two CPU streams with only some split sites (the --split-ablation rows): `proj` the prefill
     projections, `head` the logits by positions; the routed-expert halves are always on."""
 
     def __init__(self, model, proj: bool, head: bool):
-        super().__init__(model, 2)
+        super().__init__(model, cpu_streams=2)
         self.proj, self.head = proj, head
 
     def __call__(self, x, cache=None):
-        from hebrus_mlx.models import qwen4exp
-
-        project, logits = qwen4exp._project, qwen4exp.Model._logits
+        project, logits = optimize.Projector.__call__, optimize.SplitLogitsModel._logits
         if not self.proj:
-            qwen4exp._project = _one_stream(project)
+            optimize.Projector.__call__ = _one_stream(project)
         if not self.head:
-            qwen4exp.Model._logits = _one_stream(logits)
+            optimize.SplitLogitsModel._logits = _one_stream(logits)
         try:
             return super().__call__(x, cache)
         finally:
-            qwen4exp._project, qwen4exp.Model._logits = project, logits
+            optimize.Projector.__call__, optimize.SplitLogitsModel._logits = project, logits
 
 
 def _one_stream(fn):
     """`fn` building its part of the graph on one CPU stream (the stream is chosen while building)."""
+    from hebrus_mlx.models import options
 
     def call(*args):
-        previous = cpu_streams.set_cpu_streams(1)
-        try:
+        with options.use(options.active().replace(cpu_streams=1)):
             return fn(*args)
-        finally:
-            cpu_streams.set_cpu_streams(previous)
 
     return call
 
 
-def split_ablation(a):
+def built(a, **options):
+    """The bench model with random weights, through the load-time pass with `options` (the default:
+    what the loaders do)."""
     model = hebrus_model(a)
     init_weights(model)
-    fuse_projections(model)
+    optimize.apply(model, GraphOptions(cpu_streams=2, **options))
+    return model
+
+
+def split_ablation(a):
+    model = built(a)
     prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
     rows = [("1 CPU stream", OnStreams(model, 1)), ("2: routed-expert halves", Splits(model, False, False)),
             ("2: + logits by positions", Splits(model, False, True)), ("2: + prefill projections", OnStreams(model, 2))]
@@ -176,6 +185,32 @@ def split_ablation(a):
     for (name, _), d, pf in zip(rows, decode, prefill):
         print(f"{name:26s} decode {d:7.1f} tok/s {d / decode[0]:.2f}x   prefill {pf:7.1f} tok/s {pf / prefill[0]:.2f}x")
     print(f"greedy tokens: {'identical' if all(t == tokens[0] for t in tokens) else 'DIFFER'}")
+
+
+def options_ablation(a):
+    """Each GraphOptions alternative against the defaults with only it switched, paired in one run
+    (one CPU stream throughout, so the rows measure the option, not the second core)."""
+    base = built(a)
+    rows = [("defaults (1 CPU stream)", Variant(base, cpu_streams=1)),
+            ("compile=on", Variant(base, cpu_streams=1, compile=True)),
+            ("compile=off", Variant(base, cpu_streams=1, compile=False)),
+            ("rope_tables=off", Variant(base, cpu_streams=1, rope_tables=False)),
+            ("dense_sdpa=off", Variant(base, cpu_streams=1, dense_sdpa=False)),
+            ("join_projections=off", Variant(built(a, join_projections=False), cpu_streams=1)),
+            ("in_major=off", Variant(built(a, in_major=False), cpu_streams=1)),
+            ("plain (every option off)", Variant(built(a, **_plain()), cpu_streams=1))]
+    prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
+    decode, tokens = paired_decode([m for _, m in rows], prompt, a.decode)
+    prefill = paired_prefill([m for _, m in rows], prompt)
+    for (name, _), d, pf in zip(rows, decode, prefill):
+        print(f"{name:26s} decode {d:7.1f} tok/s {d / decode[0]:.2f}x   prefill {pf:7.1f} tok/s {pf / prefill[0]:.2f}x")
+    print(f"greedy tokens: {'identical' if all(t == tokens[0] for t in tokens) else 'DIFFER'}")
+
+
+def _plain():
+    plain = GraphOptions.plain()
+    return {k: getattr(plain, k) for k in ("compile", "join_projections", "in_major", "rope_tables", "dense_sdpa",
+                                           "metal_kernels")}
 
 
 def ratio_line(kind, ours, peer_name, peer):
@@ -274,7 +309,7 @@ def vlm_comparison(a):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from peer_mlx_vlm import PeerUnavailable, from_hebrus
 
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     with tempfile.TemporaryDirectory(prefix="bench-graph-") as tmp:
         checkpoint = Path(a.checkpoint) if a.checkpoint else Path(tmp)
@@ -364,12 +399,16 @@ def main(argv=None):
                    help="2: measure hebrus-mlx with its second CPU stream and without; 1: without only")
     p.add_argument("--split-ablation", action="store_true",
                    help="only: hebrus on 1 vs 2 CPU streams with the split sites switched on one by one")
+    p.add_argument("--options-ablation", action="store_true",
+                   help="only: hebrus with each GraphOptions alternative switched against the defaults")
     p.add_argument("--skip-vlm", action="store_true")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--skip-qsa", action="store_true")
     a = p.parse_args(argv)
     if a.split_ablation:
         return split_ablation(a)
+    if a.options_ablation:
+        return options_ablation(a)
 
     if not a.skip_vlm:
         out = vlm_comparison(a)
@@ -382,10 +421,8 @@ def main(argv=None):
         return
 
     prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
-    ours, theirs = hebrus_model(a), mlx_lm_model(a)
-    init_weights(ours)
+    ours, theirs = built(a), mlx_lm_model(a)
     init_weights(theirs)
-    fuse_projections(ours)  # what the loaders do once the weights are final
     print(f"dims: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} experts={a.experts} top-k={a.top_k}")
     models = [*variants(ours, a.cpu_streams), theirs]
     decode, tokens = paired_decode(models, prompt, a.decode)

@@ -26,8 +26,8 @@ def main(argv=None):
 
     from tokenizers import Tokenizer
 
-    from hebrus_mlx.speculative.mtp import MTPDrafter
-    from hebrus_mlx.utils import load_model
+    from hebrus_mlx.speculative.mtp_drafter import MTPDrafter
+    from hebrus_mlx.loader import load_model
     from spec_loop import plain_greedy, speculative_greedy
     from train_demo import DEFAULT_CORPUS, list_corpus, read_text, split_files
 

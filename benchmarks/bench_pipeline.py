@@ -27,7 +27,7 @@ def _rank_main(model, tokens, out):
     from hebrus_mlx.generate import generate_step
     from hebrus_mlx.pipeline import gather_stats, load_pipeline
     from hebrus_mlx.text.tokenizer import load_tokenizer
-    from hebrus_mlx.utils import load_model, resolve_model_path
+    from hebrus_mlx.loader import load_model, resolve_model_path
 
     path = resolve_model_path(model)
     if os.environ.get("MLX_RANK") is None:

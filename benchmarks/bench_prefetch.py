@@ -28,7 +28,7 @@ from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.loading import plan
 from hebrus_mlx.stream.engine import prediction_stats
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 
 
 def cache_gb(fraction):

@@ -31,13 +31,11 @@ import argparse
 import hashlib
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_stream as B  # noqa: E402  (store builder, stack pieces, cold-cache helper)
+from hebrus_mlx.simulate import synthetic_stack as B  # (store builder, stack pieces, cold-cache helper)
 
 
 def digests(path, n, rec):
@@ -93,7 +91,7 @@ class SyntheticExperts:
         n = layers * experts
         self.table = eng.register_table(store, [i * rec for i in range(n)], [rec] * n, dig[:n], arena=self.arena)
         self.weights = {}
-        for buf, wide, (comp, part, stored, shape) in zip(parts, self.expand, self.layout):
+        for buf, wide, (comp, part, _stored, shape) in zip(parts, self.expand, self.layout):
             dt = mx.float32 if wide else mx.uint32
             self.weights.setdefault(comp, {})[part] = buf.view(dt).reshape(rows, *shape)
         self._p1 = P1
@@ -169,7 +167,6 @@ def prompt_inputs(n, rho=0.9, seed=5):
 
 
 def run_stack(args):
-    import mlx.core as mx
 
     from hebrus_mlx.stream import engine as se
 
@@ -267,7 +264,7 @@ def long_demo(root, max_positions):
     import shutil
 
     from hebrus_mlx.artifact import constants as C
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     C.register_family(dataclasses.replace(C.QWEN4EXP_DEMO, name=f"qwen4exp-demo-{max_positions}",
                                           family_id=0xDE70 + max_positions // 1024,
@@ -303,7 +300,7 @@ def run_demo(args):
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import expert_major as em
     from hebrus_mlx.loading import plan
-    from hebrus_mlx.utils import DEMO_DIR, load_model
+    from hebrus_mlx.loader import DEMO_DIR, load_model
 
     if args.max_positions:
         return run_demo_long(args, long_demo(args.build_dir, args.max_positions))
@@ -350,7 +347,7 @@ def run_demo_long(args, art):
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import expert_major as em
     from hebrus_mlx.loading import plan
-    from hebrus_mlx.utils import load_model
+    from hebrus_mlx.loader import load_model
 
     m = admit(art)
     fam = m.family

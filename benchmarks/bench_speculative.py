@@ -35,8 +35,8 @@ from hebrus_mlx.generate import generate_step, speculative_generate_step
 from hebrus_mlx.models import qwen4exp
 from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter
 from hebrus_mlx.speculative.governor import FixedSchedule
-from hebrus_mlx.speculative.drafters import OracleDrafter
-from hebrus_mlx.utils import DEMO_DIR, load
+from hebrus_mlx.testing.drafters import OracleDrafter
+from hebrus_mlx.loader import DEMO_DIR, load
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
@@ -166,7 +166,7 @@ def main():
         times = {label: [] for label in labels}
         stats = {label: [] for label in labels}
         logs = {label: [] for label in labels}  # per run and prompt: the governor's block sizes
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             for label in labels + labels[::-1]:
                 total = 0.0
                 for i, ids in enumerate(prompts):

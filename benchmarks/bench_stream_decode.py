@@ -33,7 +33,7 @@ from hebrus_mlx.stream.experts import StreamedExperts
 from hebrus_mlx.stream.ple import attach_ple
 from hebrus_mlx.stream.streaming import Streaming
 from hebrus_mlx.stream.switch import attach
-from hebrus_mlx.utils import load_model
+from hebrus_mlx.loader import load_model
 
 
 def rss_mib():

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -86,7 +85,7 @@ def _peak_gb():
 def environment() -> dict:
     import mlx.core as mx
 
-    from hebrus_mlx.profile import compute_backend
+    from hebrus_mlx.machine_profile import compute_backend
     from hebrus_mlx.stream import engine
 
     out = {"python": platform.python_version(), "machine": platform.machine(), "mlx": mx.__version__,
@@ -159,7 +158,7 @@ def parity(dims: dict, workdir: Path, skip_vlm: bool) -> dict:
     import torch
 
     import bench_graph as G
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     a = dims_namespace(dims)
     ckpt = workdir / "checkpoint"
@@ -216,7 +215,7 @@ def speed(dims: dict, workdir: Path, skip_vlm: bool) -> dict:
     import numpy as np
 
     import bench_graph as G
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     a = dims_namespace(dims)
     ckpt = workdir / "checkpoint"
@@ -261,7 +260,7 @@ def speed(dims: dict, workdir: Path, skip_vlm: bool) -> dict:
 def streamed(dims: dict, fraction: float = 0.05) -> dict:
     from hebrus_mlx.admission import admit
     from hebrus_mlx.bench import harness as H
-    from hebrus_mlx.utils import DEMO_DIR, load
+    from hebrus_mlx.loader import DEMO_DIR, load
 
     m = admit(str(DEMO_DIR))
     store = m.experts.size

@@ -83,7 +83,7 @@ def from_hebrus(model, hf_config: dict, root: str | None = None):
             if ours[key].shape != value.shape:
                 raise ValueError(f"{key}: hebrus {ours[key].shape} vs mlx-vlm {value.shape}")
             # A row-major copy: the layout mlx-vlm's own loader holds (ours may be re-stored [in, out]
-            # by fuse_projections on the CPU backend; sharing it would hand the peer that speed-up).
+            # by models/optimize.apply on the CPU backend; sharing it would hand the peer that speed-up).
             weights.append((key, mx.contiguous(ours[key])))
         elif ".ngram_embedding.shards." in key:
             # mlx-vlm keeps the PLE table in row shards; slice ours the same way.

@@ -16,7 +16,6 @@ benchmarks/out/traces_report.{md,json,png} with the exact commands and their out
 """
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -60,7 +59,7 @@ def capture(args):
                 pass
             n_tok += len(chunk) + args.decode_tokens - 1
         print(f"  {f.name}: {n_tok} tokens so far, {time.time() - t0:.0f} s", flush=True)
-    for i, f in enumerate(held[: args.decode_prompts]):
+    for f in held[: args.decode_prompts]:
         ids = tok.encode(f.read_text(encoding="utf-8", errors="replace"))[:24]
         for temp, seed in ((0.0, None), (0.8, 7)):
             kw = {}

@@ -13,7 +13,7 @@ import types
 
 __version__ = "0.1.0"
 
-_API = {"load": "hebrus_mlx.utils", "generate": "hebrus_mlx.generate", "stream_generate": "hebrus_mlx.generate",
+_API = {"load": "hebrus_mlx.loader", "generate": "hebrus_mlx.generate", "stream_generate": "hebrus_mlx.generate",
         "batch_generate": "hebrus_mlx.batch_generate"}
 
 

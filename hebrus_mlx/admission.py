@@ -27,8 +27,8 @@ from .artifact.errors import AdmissionError, ArtifactError
 from .artifact.expert_major import ExpertMajorReader
 from .artifact.ple_pages import PleReader
 from .artifact.safetensors import read_safetensors_header
-from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import ConfigError, mtp_layer_args
+from .format import checkpoint_keys as keys
+from .format.qwen4exp_config import ConfigError, mtp_layer_args
 
 STAGES = (
     "bounds", "family", "source", "constants", "tokenizer",
@@ -118,10 +118,13 @@ class _Admission:
     def family(self):
         m = self.m
         self.fam = C.family(m["family"], "family")
-        if m["profile"] not in C.PROFILES:
-            raise AdmissionError("profile", f"unknown profile {m['profile']!r}; known: {sorted(C.PROFILES)}")
-        if m["codecs"] != C.PROFILES[m["profile"]]:
-            raise AdmissionError("codecs", f"{m['codecs']} != profile {m['profile']} {C.PROFILES[m['profile']]}")
+        try:  # a named profile, or the canonical mixed name of known per-component codecs
+            want = C.profile_codecs(m["profile"], "profile")
+        except ArtifactError as e:
+            raise AdmissionError(e.field, e.message) from None
+        for comp in sorted(set(m["codecs"]) | set(want)):
+            if m["codecs"].get(comp) != want.get(comp):
+                raise AdmissionError(f"codecs.{comp}", f"{m['codecs'].get(comp)!r} != profile {m['profile']} {want.get(comp)!r}")
         if m["support"] != M.support_status(m["profile"]):
             raise AdmissionError("support", f"{m['support']!r}: profile {m['profile']} has not passed its parity gate")
 

@@ -3,10 +3,12 @@ with a 4xx naming it, never silently ignored.
 
 Each field of /v1/chat/completions and /v1/completions is in exactly one of three sets:
 
-- HONOURED: validated (type and range) and used;
-- NOT YET: validated, accepted at its no-op value (``frequency_penalty: 0``, ``logit_bias: {}``,
-  ``logprobs: false``, ...) and otherwise refused with "not supported by this server yet" (the
-  logits processors and logprobs land later, issue 24);
+- HONOURED: validated (type and range) and used. Since issue 24 that includes the logits
+  processors (logit_bias, repetition/presence/frequency penalties and their context sizes),
+  logprobs/top_logprobs and chat_template_kwargs;
+- NOT YET: validated, accepted at its no-op value (``xtc_probability: 0``, ``echo: false``,
+  ``response_format: {"type": "text"}``, ...) and otherwise refused with "not supported by this
+  server yet";
 - anything else: refused as an unknown field. Clients built on the `openai` package send only the
   parameters their caller passes (plus `model`), so strictness does not break them; a misspelt
   or unsupported option is an error instead of a silently different generation.
@@ -25,6 +27,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
 MAX_TOOLS = 512
 MAX_TOOL_NAME_CHARS = 256
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(ValueError):
@@ -167,8 +170,6 @@ def _logit_bias(body, name, vocab=None):
             raise RequestError(f"logit_bias key {k!r} is not a token ID in [0, {vocab})", name)
         if not _is_number(b) or not -100 <= b <= 100:
             raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {_show(b)}", name)
-    if v:
-        _not_yet(name, v)
 
 
 def _no_op_number(default, lo=None, hi=None, lo_open=False):
@@ -211,13 +212,11 @@ def _no_op_bool(default):
     return check
 
 
-def _repetition_context_size(body, name, vocab=None):
+def _context_size(body, name, vocab=None):
+    # The window of the matching penalty (mlx-lm's default 20); accepted alone, it changes nothing.
     v = body[name]
-    if v is None:
-        return
-    if not _is_int(v) or not 0 <= v <= INT32_MAX:
-        raise RequestError(f"{name} must be an integer >= 0, got {_show(v)}", name)
-    # Accepted alone: it only sizes repetition_penalty's window (refused unless 1).
+    if not _is_int(v) or not 1 <= v <= INT32_MAX:
+        raise RequestError(f"{name} must be an integer >= 1, got {_show(v)}", name)
 
 
 def _response_format(body, name, vocab=None):
@@ -245,13 +244,18 @@ def _string(body, name, vocab=None):
 
 
 def _completions_logprobs(body, name, vocab=None):
-    v = body[name]
-    if v is None:
-        return
-    if not _is_int(v) or not 0 <= v <= 20:
-        raise RequestError(f"logprobs must be an integer in [0, 20], got {_show(v)}", name)
-    if v:
-        _not_yet(name, v)
+    # The legacy API's logprobs: how many alternatives per position (0: the chosen token's only).
+    _integer(body, name, 0, MAX_TOP_LOGPROBS)
+
+
+def _logprobs(body, name, vocab=None):
+    _type(body, name, bool, "a boolean")
+
+
+def _top_logprobs(body, name, vocab=None):
+    v = _integer(body, name, 0, MAX_TOP_LOGPROBS)
+    if v and body.get("logprobs") is not True:  # OpenAI's rule: alternatives come with logprobs
+        raise RequestError("top_logprobs needs logprobs: true", name)
 
 
 def _suffix(body, name, vocab=None):
@@ -276,10 +280,14 @@ _COMMON = {
     "stream": None,
     "stream_options": _stream_options,
     "n": None,
-    "frequency_penalty": _no_op_number(0, -2, 2),
-    "presence_penalty": _no_op_number(0, -2, 2),
-    "repetition_penalty": _no_op_number(1, 0, 1e6, lo_open=True),
-    "repetition_context_size": _repetition_context_size,
+    # Logits processors (sample_utils.make_logits_processors), in mlx-lm's order: logit_bias, then
+    # the repetition, presence and frequency penalties; 0 (and repetition 1) is off.
+    "frequency_penalty": lambda b, n, v=None: _number(b, n, -2, 2),
+    "presence_penalty": lambda b, n, v=None: _number(b, n, -2, 2),
+    "repetition_penalty": lambda b, n, v=None: _number(b, n, 0, 1e6),
+    "repetition_context_size": _context_size,
+    "presence_context_size": _context_size,
+    "frequency_context_size": _context_size,
     "xtc_probability": _no_op_number(0, 0, 1),
     "xtc_threshold": _no_op_number(0, 0, 0.5),
     "logit_bias": _logit_bias,
@@ -290,8 +298,8 @@ CHAT_FIELDS = {**_COMMON, **{
     "tools": _tools,
     "tool_choice": _tool_choice,
     "parallel_tool_calls": _no_op_bool(True),
-    "logprobs": _no_op_bool(False),
-    "top_logprobs": _no_op_int(0, 0, 20),
+    "logprobs": _logprobs,
+    "top_logprobs": _top_logprobs,
     "response_format": _response_format,
     "chat_template_kwargs": _chat_template_kwargs,
 }}

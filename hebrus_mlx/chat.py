@@ -15,15 +15,15 @@ from .cli_args import ArgumentParser, str2bool
 from .errors import UsageError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import make_sampler
-from .server import USED, refuse_unused, share_generate_flags
+from .verb_flags import USED, add_prompt_cache_dir_arguments, check_prompt_cache_dir, refuse_unused, share_generate_flags
 from .stream.errors import StreamError
-from .text.chat import ChatError
+from .text.chat_template import ChatError
 from .text.tokenizer import TokenizerError
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
 HELP = "Type a message. /reset clears the conversation, /help shows this, /exit or q quits."
-_NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose"}
+_NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose", "prompt_cache_file"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", type=str2bool, default=True, help="print a stats line after each reply")
     p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=1 << 30,
                    help="byte limit of cached prefix snapshots (0: prefill the whole conversation every turn)")
+    add_prompt_cache_dir_arguments(p)
     p.set_defaults(max_tokens=256)
     return p
 
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
     refuse_unused(args, parser.shared, USED | {"system_prompt"}, "chat")
     if args.prompt_cache_bytes < 0:
         raise UsageError("--prompt-cache-bytes", f"must be >= 0, got {args.prompt_cache_bytes}")
+    check_prompt_cache_dir(args)
     if args.seed is not None:
         import mlx.core as mx
 
@@ -64,6 +66,13 @@ def main(argv=None) -> int:
 
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     cache = PromptCache(args.prompt_cache_bytes)
+    if args.prompt_cache_dir is not None:  # earlier sessions' prefixes (e.g. a long system prompt)
+        from .prompt_cache_disk import DiskPromptCache
+
+        cache.disk = DiskPromptCache(args.prompt_cache_dir, args.prompt_cache_dir_bytes, model)
+        import atexit
+
+        atexit.register(cache.disk.flush, 60)  # the writer thread publishes the last turn's snapshots
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
     messages = list(system)
     limit = gen.context_limit(model)

@@ -6,6 +6,7 @@ import os
 import sys
 import traceback
 
+from . import __version__
 from .errors import HebrusError
 
 VERBS = {
@@ -16,11 +17,37 @@ VERBS = {
     "upgrade": "hebrus_mlx.upgrade",
     "server": "hebrus_mlx.server",
     "chat": "hebrus_mlx.chat",
+    "cache-prompt": "hebrus_mlx.cache_prompt",
     "traces": "hebrus_mlx.traces.command",
     "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
     "bench": "hebrus_mlx.bench.command",
     "simulate": "hebrus_mlx.simulate.command",
+    "perplexity": "hebrus_mlx.perplexity",
 }
+
+SUMMARY = {  # one line per verb for `hebrus-mlx --help`; each verb's own --help has the flags
+    "generate": "generate text from a prompt (like mlx_lm.generate)",
+    "convert": "convert a Hugging Face checkpoint into a hebrus-mlx artifact",
+    "admit": "check an artifact's manifest, config and stores without loading it (no MLX)",
+    "verify": "verify every digest of an artifact",
+    "upgrade": "give an older artifact the fast per-read check tables (replaced atomically)",
+    "server": "OpenAI-compatible HTTP server (like mlx_lm.server)",
+    "chat": "interactive chat in the terminal (like mlx_lm.chat)",
+    "traces": "replay, export and evaluate expert-route traces",
+    "qualify": "check kernels and I/O on this machine; write the profile load() reads (--report FILE)",
+    "bench": "measure this model on this machine and recommend settings",
+    "simulate": "project decode speed on a machine that is not this one",
+}
+
+
+def usage() -> str:
+    width = max(map(len, VERBS))
+    lines = [f"usage: hebrus-mlx {{{','.join(VERBS)}}} [args...]", "", "MLX-native runtime for Qwen4Exp with "
+             "SSD-streamed experts.", "", "commands:"]
+    lines += [f"  {verb:<{width}}  {SUMMARY[verb]}" for verb in VERBS]
+    lines += ["", "`hebrus-mlx VERB --help` lists a command's flags; `hebrus-mlx --version` prints the version."]
+    return "\n".join(lines)
+
 
 # HEBRUS_TRACEBACK=1 also prints the traceback of a typed error (for debugging; bugs always show it).
 TRACEBACK_ENV = "HEBRUS_TRACEBACK"
@@ -67,8 +94,11 @@ def run(verb: str, main, argv=None) -> int:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hebrus-mlx {" + ",".join(VERBS) + "} [args...]")
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"hebrus-mlx {__version__}")
+        return 0
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:
         print(f"hebrus-mlx: unknown command {verb!r}; choose from {', '.join(VERBS)}", file=sys.stderr)

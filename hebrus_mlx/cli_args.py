@@ -1,13 +1,17 @@
 """Command-line pieces every verb shares: a parser whose errors are typed (one line, exit 2 at
-`cli.run`) and the boolean flag type. generate's model, cache and sampling flags, their checks and
+`cli.run`), the boolean flag type and the streaming flags (--prefetch*, --prefill-sweep) with their
+conversion into what the loader takes. generate's model, cache and sampling flags, their checks and
 the loader they feed are `generate.build_parser`, `generate.check_args` and `generate.load_from_args`
 (chat and server reuse them)."""
 
 import argparse
 
+from . import flags
+from .errors import UsageError
 from .flags import Parser
 
-__all__ = ["ArgumentParser", "str2bool"]
+__all__ = ["ArgumentParser", "str2bool", "add_prefetch_argument", "prefetch_from_args", "add_sweep_argument",
+           "sweep_from_args"]
 
 
 class ArgumentParser(Parser):
@@ -22,3 +26,52 @@ def str2bool(s: str) -> bool:
     if s.lower() in ("false", "f", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def add_prefetch_argument(parser: argparse.ArgumentParser) -> None:
+    """``--prefetch`` (+ ``--prefetch-budget``, ``--prefetch-threshold``) for generate/server/bench;
+    turn the parsed namespace into a spec with :func:`prefetch_from_args`."""
+    from .stream.predict import DEFAULT as PREFETCH_DEFAULT  # streaming (MLX) only once a parser is built
+
+    parser.add_argument("--prefetch", default=None,
+                        help="streamed-expert read-ahead: off | previous | router-reuse[:1|2] | hyper-reuse "
+                             f"(default {PREFETCH_DEFAULT})")
+    parser.add_argument("--prefetch-budget", type=flags.integer(1), default=None,
+                        help="predicted experts per layer, most probable first (default: the model's top-k)")
+    parser.add_argument("--prefetch-threshold", type=flags.number(0, 1, hi_open=True), default=0.0,
+                        help="skip predicted experts whose router probability is below this")
+
+
+def prefetch_from_args(args):
+    """The stream.predict.PrefetchSpec the flags name; None when none was given (the loader's default)."""
+    from .stream.predict import DEFAULT as PREFETCH_DEFAULT
+    from .stream.predict import parse_prefetch
+
+    if args.prefetch is None and args.prefetch_budget is None and not args.prefetch_threshold:
+        return None
+    try:
+        return parse_prefetch(args.prefetch or PREFETCH_DEFAULT, args.prefetch_budget, args.prefetch_threshold)
+    except UsageError as e:
+        raise UsageError("--" + e.field, e.message) from None
+
+
+def add_sweep_argument(parser: argparse.ArgumentParser) -> None:
+    """``--prefill-sweep`` for generate/server/chat/bench (wherever ``--prefetch`` is)."""
+    from .stream.sweep import DEFAULT as SWEEP_DEFAULT
+
+    parser.add_argument("--prefill-sweep", default=None, metavar="auto|on|off",
+                        help="read a layer's whole expert extent for long prefill chunks (streamed experts): "
+                             f"auto switches at the measured crossover (default {SWEEP_DEFAULT})")
+
+
+def sweep_from_args(args):
+    """The mode the flag names; None when not given (the loader's default)."""
+    from .stream.sweep import parse_mode
+
+    value = getattr(args, "prefill_sweep", None)
+    if value is None:
+        return None
+    try:
+        return parse_mode(value)
+    except UsageError as e:
+        raise UsageError("--prefill-sweep", e.message) from None

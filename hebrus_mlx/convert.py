@@ -7,7 +7,7 @@ imported without requantizing, `convert_mlx`), or a Hub repo id (`hub`).
 Tensors are read one at a time straight from the safetensors shards (pread of
 one tensor's bytes), so peak memory is about the largest tensor plus a
 constant, independent of checkpoint size. Every source key is classified by
-the explicit key tables (`models/checkpoint_keys.py`): consumed into the dense
+the explicit key tables (`format/checkpoint_keys.py`): consumed into the dense
 file, the ExpertMajor store or a PLE page store, checked as a PLE constant, or
 excluded by a named rule; the counts are asserted and recorded.
 
@@ -28,19 +28,34 @@ from .artifact import atomic
 from .artifact import constants as C
 from .artifact import expert_major, fast_check as FC, manifest as M, ple_pages, untrusted
 from .artifact.errors import ArtifactError, GeometryError
-from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import mtp_layer_args
+from .format import checkpoint_keys as keys
+from .format.qwen4exp_config import mtp_layer_args
 from .sources import _COMPONENT, Source, encode
 
 
 
-def profile_for(q_bits, q_group_size, dtype):
-    if dtype is not None:
-        return {"bfloat16": "text-bf16", "float32": "text-f32"}[dtype]
-    name = f"text-affine{q_bits}-g{q_group_size}"
-    if name not in C.PROFILES:
-        raise ArtifactError("quantization", f"no codec for bits={q_bits} group={q_group_size}; known {sorted(C.PROFILES)}")
-    return name
+def profile_for(q_bits, q_group_size, dtype, expert_bits=None, expert_group_size=None, ple_dtype=None):
+    """The profile of per-component widths: dense at q_bits/q_group_size (or `dtype`), routed
+    experts at expert_bits/expert_group_size (default: the dense width, or `dtype`'s when the
+    dense store is float), the PLE table at ple_dtype (default bf16, f32 under --dtype float32)."""
+    floats = {"bfloat16": "bf16", "float32": "f32"}
+
+    def affine(bits, group, field):
+        name = C.affine_name(bits, group)
+        if name not in C.CODECS or not C.CODECS[name].affine:
+            raise ArtifactError(field, f"no codec for bits={bits} group={group}; affine bits {list(C.AFFINE_BITS)}, "
+                                       f"groups {list(C.AFFINE_GROUPS)}")
+        return name
+
+    dense = floats[dtype] if dtype is not None else affine(q_bits, q_group_size, "q_bits")
+    if expert_bits is None and expert_group_size is None:
+        experts = dense
+    else:
+        bits = expert_bits if expert_bits is not None else (q_bits if dtype is None else 4)
+        group = expert_group_size if expert_group_size is not None else (q_group_size if dtype is None else 64)
+        experts = affine(bits, group, "expert_bits" if expert_bits is not None else "expert_group_size")
+    ple = floats[ple_dtype] if ple_dtype is not None else ("f32" if dtype == "float32" else "bf16")
+    return C.profile_name({"dense": dense, "experts": experts, "ple": ple}, "quantization")
 
 
 def _dense_items(args, profile):
@@ -152,7 +167,7 @@ def mtp_store(tmp, header, args, profile, consumed, fast=False):
     """Manifest entry of the MTP store; its inventory records every stored tensor's codec.
     fast: also publish its XXH3-128 chunk table (artifact/fast_check.py)."""
     chunks = FC.scan_file(os.path.join(tmp, M.MTP_PATH), M.MTP_PATH)[1] if fast else None
-    s = _store(tmp, "mtp", M.MTP_PATH, "safetensors", C.PROFILES[profile]["dense"], chunks)
+    s = _store(tmp, "mtp", M.MTP_PATH, "safetensors", C.profile_codecs(profile)["dense"], chunks)
     stored = M.mtp_stored_tensors(args, profile)
     s["tensors"] = {name: dict(e, codec=stored[name][2]) for name, e in sorted(header.items())}
     s["source_tensors"] = consumed
@@ -173,7 +188,7 @@ def detect_family(constants):
 
 def artifact_bytes(args, fam, profile):
     """Bytes the stores of `profile` will take (source files excluded: small)."""
-    codecs = C.PROFILES[profile]
+    codecs = C.profile_codecs(profile)
     n = sum(M.shape_bytes(d, s) for d, s in M.stored_tensors(args, profile).values())
     n += expert_major.Geometry(fam, codecs["experts"]).file_bytes
     n += sum(ple_pages.Geometry(fam, t, codecs["ple"]).file_bytes for t in range(len(args.ple_layer_ids)))
@@ -190,16 +205,19 @@ def open_source(path, config):
     return Source(path, config)
 
 
-def plan(config, q_bits=None, q_group_size=None, dtype=None):
+def plan(config, q_bits=None, q_group_size=None, dtype=None, expert_bits=None, expert_group_size=None,
+         ple_dtype=None):
     """(profile, args, constants, family) of a source config; q_bits and
-    q_group_size default to 4/64 for float sources, an MLX-quantized source
-    imports into the profile of its own quantization."""
+    q_group_size default to 4/64 for float sources, experts to the dense width;
+    an MLX-quantized source imports into the profile of its own quantization."""
     from . import convert_mlx
 
     if convert_mlx.is_mlx_config(config):
-        profile = convert_mlx.source_profile(config, q_bits, q_group_size, dtype)
+        profile = convert_mlx.source_profile(config, q_bits, q_group_size, dtype, expert_bits, expert_group_size,
+                                             ple_dtype)
     else:
-        profile = profile_for(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size, dtype)
+        profile = profile_for(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size, dtype,
+                              expert_bits, expert_group_size, ple_dtype)
     constants = M.model_constants(config)
     return profile, M.model_args(config), constants, detect_family(constants)
 
@@ -239,10 +257,12 @@ def check_out(out, overwrite, source=None):
 
 
 def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False,
-            mtp=True, overwrite=False):
-    """mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
+            mtp=True, overwrite=False, expert_bits=None, expert_group_size=None, ple_dtype=None):
+    """expert_bits / expert_group_size: the routed experts' own affine width (default: the dense
+    one); ple_dtype: the PLE table's ("bfloat16" or "float32"). mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
     store; False excludes it (counted under the "mtp" exclusion rule). overwrite: `out` may be an
     earlier artifact, replaced once the new one is admitted (`check_out`)."""
+    widths = (expert_bits, expert_group_size, ple_dtype)
     check_out(out, overwrite, hf_path if os.path.exists(hf_path) else None)
     for t in atomic.clean_stale(out):  # a killed run's temporaries (flock-free: their writer is gone)
         if not quiet:
@@ -254,12 +274,12 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         # Plan from the repo's config.json first, so one disk check covers the
         # download and the artifact before either starts.
         repo = hf_path
-        profile, args, _, fam = plan(hub.read_config(repo, revision), q_bits, q_group_size, dtype)
+        profile, args, _, fam = plan(hub.read_config(repo, revision), q_bits, q_group_size, dtype, *widths)
         hf_path = str(hub.download(repo, revision, also=(artifact_bytes(args, fam, profile), out)))
         check_out(out, overwrite, hf_path)  # never the HF cache that holds the download
     config = untrusted.read_json(hf_path, "config.json", links=True)
-    profile, args, constants, fam = plan(config, q_bits, q_group_size, dtype)
-    codecs = C.PROFILES[profile]
+    profile, args, constants, fam = plan(config, q_bits, q_group_size, dtype, *widths)
+    codecs = C.profile_codecs(profile)
     src = open_source(hf_path, config)
     counts = src.check(args)
     mtp_report = keys.check_mtp_key_set(list(src.index), args) if mtp else None
@@ -346,7 +366,7 @@ def add_mtp(artifact, mtp_source, quiet=False):
     holding exactly the `mtp.*` tensors, e.g. a trained head), encoded with the artifact's own
     profile codecs. Every other file is copied byte for byte; the new directory is admitted before
     it atomically replaces the old one. Replaces an MTP store already present."""
-    from .models.qwen4exp_config import ModelArgs
+    from .format.qwen4exp_config import ModelArgs
 
     admission.admit(artifact)
     man = untrusted.read_json(artifact, C.MANIFEST_NAME, "manifest")
@@ -397,7 +417,7 @@ def add_dense_digests(artifact):
     if hashlib.sha256(raw).hexdigest() != m.dense.sha256:
         raise ArtifactError(f"stores.{m.dense.path}.sha256", "dense store digest mismatch")
     base = 8 + int.from_bytes(raw[:8], "little")
-    for name, rec in man["tensors"].items():
+    for rec in man["tensors"].values():
         begin, end = rec["data_offsets"]
         rec["sha256"] = hashlib.sha256(raw[base + begin : base + end]).hexdigest()
     data = M.dumps(man)
@@ -439,7 +459,13 @@ def build_parser():
     p.add_argument("--out", required=True, help="artifact directory to publish")
     p.add_argument("--q-bits", type=flags.integer(1, 16), help="default 4 (an MLX-quantized source keeps its own)")
     p.add_argument("--q-group-size", type=flags.integer(1, 1 << 16), help="default 64 (an MLX-quantized source keeps its own)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store unquantized instead")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store the dense weights unquantized instead")
+    p.add_argument("--expert-bits", type=flags.integer(1, 16),
+                   help=f"routed experts' affine width, one of {list(C.AFFINE_BITS)} (default: the dense width)")
+    p.add_argument("--expert-group-size", type=flags.integer(1, 1 << 16),
+                   help=f"routed experts' group size, one of {list(C.AFFINE_GROUPS)} (default: the dense one)")
+    p.add_argument("--ple-dtype", choices=("bfloat16", "float32"),
+                   help="the PLE table's row dtype (default bfloat16; float32 under --dtype float32)")
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")
     p.add_argument("--overwrite", action="store_true",
@@ -451,7 +477,8 @@ def main(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
     report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision,
-                     mtp=not a.no_mtp, overwrite=a.overwrite).report  # errors: cli.run
+                     mtp=not a.no_mtp, overwrite=a.overwrite, expert_bits=a.expert_bits,
+                     expert_group_size=a.expert_group_size, ple_dtype=a.ple_dtype).report  # errors: cli.run
     print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
     return 0
 

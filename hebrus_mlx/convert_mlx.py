@@ -15,25 +15,31 @@ The layout, as mlx-vlm 0.7.10 writes it for `qwen4_exp` (`convert` ->
   ...ple.ple_embedding.ngram_embedding.shards.{s}.weight   PLE row shards
   vision_tower.*   excluded (text-only artifact)
 
-What is copied, never re-quantized: every tensor quantized with the profile's
-codec (affine4-g64 or affine8-g64, bf16 scales) goes into the artifact byte
-for byte (experts into the ExpertMajor records, dense tensors into the dense
+What is copied, never re-quantized: every tensor quantized with its component's
+codec (affine 2/3/4/6/8 bits at group 32/64/128, bf16 scales: the dense codec
+from the global `quantization`, the expert codec from the routed-expert modules'
+entries, which mlx-lm's mixed configs write per module) goes into the artifact
+byte for byte (experts into the ExpertMajor records, dense tensors into the dense
 file). Two kinds of tensor are decoded because the artifact has no codec for
 them, both exactly: dense tensors the profile keeps float (routers,
 hyper-connection mixers, decay inputs) are `mx.dequantize`d in float32, and
 affine PLE rows are `mx.dequantize`d in their scales' dtype (bf16), which is
 bit for bit the row mlx-vlm's QuantizedEmbedding returns. Anything else (a
 group size or bit width the artifact has no codec for, another quantization
-mode, fp16/fp32 scales) is refused with a typed error naming the tensor.
+mode, fp16/fp32 scales, routed experts at different widths per layer) is
+refused with a typed error naming the tensor or the `quantization` entry.
 """
+
+import re
 
 import numpy as np
 
 from . import sources as _sources
 from .artifact import constants as C
+from .artifact import manifest as M
 from .artifact.errors import ArtifactError, CodecError, GeometryError
-from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import ple_constants
+from .format import checkpoint_keys as keys
+from .format.qwen4exp_config import ple_constants
 
 PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 EXCLUDED = (("vision", "vision_tower."), ("mtp", "mtp."))
@@ -49,27 +55,58 @@ def is_mlx_config(config):
     return isinstance(config.get("quantization"), dict)
 
 
-def source_profile(config, q_bits=None, q_group_size=None, dtype=None):
-    """Artifact profile of the source's global quantization, or a typed
-    refusal. Explicit --q-bits/--q-group-size must agree; --dtype would mean
-    dequantizing and is refused."""
-    q = config["quantization"]
+_EXPERT_MODULE = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.mlp\.switch_mlp\.(gate|up|down)_proj$")
+
+
+def _affine_params(q, field):
+    if type(q) is not dict:
+        raise MlxSourceError(field, f"{q!r} is not a {{bits, group_size}} object")
     mode = q.get("mode", "affine")
     if mode != "affine":
-        raise MlxSourceError("quantization.mode", f"{mode!r}; only affine MLX quantization imports as is")
+        raise MlxSourceError(f"{field}.mode", f"{mode!r}; only affine MLX quantization imports as is")
     bits, group = q.get("bits"), q.get("group_size")
+    name = C.affine_name(bits, group)
+    if name not in C.CODECS:
+        raise MlxSourceError(field, f"bits={bits} group_size={group} has no artifact codec (affine bits "
+                                    f"{list(C.AFFINE_BITS)}, groups {list(C.AFFINE_GROUPS)}); refusing to requantize")
+    return bits, group, name
+
+
+def source_profile(config, q_bits=None, q_group_size=None, dtype=None, expert_bits=None, expert_group_size=None,
+                   ple_dtype=None):
+    """Artifact profile of the source's quantization, or a typed refusal. The dense store takes
+    the global width; the routed experts take the width their modules carry (a per-module
+    override in the `quantization` block, mlx-lm's mixed configs, or the global one), which
+    must be one width for every layer and projection: the ExpertMajor store holds one codec.
+    Explicit width flags must agree; --dtype would mean dequantizing and is refused."""
+    q = config["quantization"]
+    bits, group, dense = _affine_params(q, "quantization")
     if dtype is not None:
         raise MlxSourceError("dtype", f"the source is already quantized (bits={bits} group={group}); "
                              f"it imports into its own affine profile, not {dtype}")
-    for flag, want, got in (("q_bits", bits, q_bits), ("q_group_size", group, q_group_size)):
+    overrides = {k: v for k, v in q.items() if _EXPERT_MODULE.match(k)}
+    first, experts = None, dense
+    for path in sorted(overrides, key=lambda k: tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k))):
+        if overrides[path] is False:
+            raise MlxSourceError(f"quantization.{path}", "routed experts left unquantized while the rest is "
+                                                         "quantized; the ExpertMajor store holds one codec")
+        name = _affine_params(overrides[path], f"quantization.{path}")[2]
+        if first is None:
+            first, experts = path, name
+        elif name != experts:
+            raise MlxSourceError(f"quantization.{path}", f"{name} but {first} is {experts}: the ExpertMajor store "
+                                 "holds one width for every routed expert; refusing to requantize")
+    if overrides and len(overrides) != 3 * M.model_args(config).num_hidden_layers and experts != dense:
+        # Some expert modules fall back to the global width, others override it.
+        raise MlxSourceError("quantization", f"routed experts mix {experts} ({first}) and the global {dense}: the "
+                             "ExpertMajor store holds one width for every routed expert; refusing to requantize")
+    e = C.codec(experts)
+    for flag, want, got in (("q_bits", bits, q_bits), ("q_group_size", group, q_group_size),
+                            ("expert_bits", e.bits, expert_bits), ("expert_group_size", e.group_size, expert_group_size)):
         if got is not None and got != want:
             raise MlxSourceError(flag, f"{got} but the source is quantized with {want}; refusing to requantize")
-    name = f"text-affine{bits}-g{group}"
-    if name not in C.PROFILES:
-        known = sorted(p for p in C.PROFILES if "affine" in p)
-        raise MlxSourceError("quantization", f"bits={bits} group_size={group} has no artifact codec "
-                             f"(known: {known}); refusing to requantize")
-    return name
+    ple = {"float32": "f32", "bfloat16": "bf16", None: "bf16"}[ple_dtype]
+    return C.profile_name({"dense": dense, "experts": experts, "ple": ple}, "quantization")
 
 
 def _text_key(raw):

@@ -19,13 +19,12 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 
 from . import flags
-from .cli_args import ArgumentParser, str2bool
+from .cli_args import (ArgumentParser, add_prefetch_argument, add_sweep_argument, prefetch_from_args, str2bool,
+                       sweep_from_args)
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
-from .sample_utils import SamplingError, apply_vocab_mask, check_sampling_args, make_sampler
-from .stream.predict import add_prefetch_argument, prefetch_from_args
+from .sample_utils import SamplingError, check_sampling_args, make_sampler, masked_logprobs
 from .stream.rollback import rollback_on_error
-from .stream.sweep import add_sweep_argument, sweep_from_args
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
 DEFAULT_PROMPT = "hello"
@@ -51,7 +50,7 @@ def generation_stream():
 def wired_limit(model):
     """Wire the model's weights while generating when they are a large part of the Metal working set
     (mlx-lm's rule); a no-op without Metal (this machine: not exercised)."""
-    from .profile import metal_device
+    from .machine_profile import metal_device
 
     if not metal_device():
         yield
@@ -251,8 +250,7 @@ class DecodeStep:
                     row = proc(history, row)
                 out.append(row)
             logits = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
-        logits = apply_vocab_mask(logits, self.effective_vocab_size)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return masked_logprobs(logits, self.effective_vocab_size)
 
     def prefill_forward(self, chunk: mx.array):
         """`prefill_chunks`' forward: the chunk's trace record and hidden rows come back."""
@@ -432,7 +430,7 @@ def _decode(step: DecodeStep, spec, y: mx.array, max_tokens: int):
             proposal = spec.propose(block)
             if not proposal.tokens:
                 break  # nothing to verify: a plain step
-            for token, logprobs, from_draft in spec.verify(step, token, proposal):
+            for token, logprobs, from_draft in spec.verify(step, token, proposal):  # noqa: B020 (next block from the last)
                 yield token, logprobs, from_draft
                 produced += 1
                 if produced == max_tokens:
@@ -596,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
     p.add_argument("--prefill-step-size", type=flags.integer(1), default=DEFAULT_PREFILL_STEP_SIZE)
     p.add_argument("--max-kv-size", type=flags.integer(1), default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED)
+    p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
+                   help="continue from a state saved by `hebrus-mlx cache-prompt`: --prompt is the rest of its message")
     p.add_argument("--expert-cache-gb", type=flags.gib(), default=None,
                    help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
     p.add_argument("--ple-cache-gb", type=flags.gib(), default=None,
@@ -605,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a directory holding a copy of the expert store (e.g. on a second disk); streamed reads "
                         "alternate between the two (not verified on two disks here)")
     add_sweep_argument(p)
+    p.add_argument("--graph", default=None, metavar="KEY=VALUE,...",
+                   help="how the graph is built (models/options.py GraphOptions), e.g. compile=on,cpu_streams=1 or plain; "
+                        "every choice keeps tokens identical (default: measured per backend)")
     p.add_argument("--trace-out", default=None, metavar="DIR",
                    help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
     p.add_argument("--trace-features", type=flags.integer(0), default=0, metavar="N",
@@ -642,6 +645,9 @@ def check_args(args) -> None:
     if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
         raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
     sweep_from_args(args)  # a bad --prefill-sweep fails before the model loads
+    if getattr(args, "prompt_cache_file", None) is not None and pipeline_launched():  # generate, cache-prompt
+        raise UsageError("--prompt-cache-file", "not supported under mlx.launch (each rank holds its own layers)")
+    graph_options_from_args(args)
     if args.trace_features < 0:
         raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
     if args.num_draft_tokens is not None:
@@ -655,12 +661,19 @@ def load_from_args(args):
     """(model, tokenizer) named by generate's model and cache flags (`--model`: demo, a local
     directory or a Hub repo id, downloaded after a disk check)."""
     from .hub import resolve_model
-    from .utils import load
+    from .loader import load
 
     return load(resolve_model(args.model), dtype=None if args.dtype == "stored" else args.dtype,
                 expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,
                 prefetch=prefetch_from_args(args), expert_mirror=args.expert_mirror,
-                prefill_sweep=sweep_from_args(args))
+                prefill_sweep=sweep_from_args(args), options=graph_options_from_args(args))
+
+
+def graph_options_from_args(args):
+    """`--graph` as a GraphOptions (None: the defaults); a bad key or value is a UsageError."""
+    from .models.options import GraphOptions
+
+    return None if getattr(args, "graph", None) is None else GraphOptions.parse(args.graph)
 
 
 def _trace_kwargs(args) -> dict:
@@ -696,7 +709,21 @@ def main(argv=None) -> int:
             return 0  # a serving rank: rank 0 prints
     else:
         model, tokenizer = load_from_args(args)
-    if args.ignore_chat_template or tokenizer.chat_template is None:
+    extra = {}
+    if args.prompt_cache_file is not None:
+        from .cache_prompt import load_for_generate
+
+        if args.system_prompt is not None:
+            raise UsageError("--system-prompt", "with --prompt-cache-file the system prompt is in the file "
+                             "(give it to cache-prompt)")
+        extra["prompt_cache"], ids = load_for_generate(args.prompt_cache_file, model, tokenizer, prompt,
+                                                       args.ignore_chat_template)
+        limit = context_limit(model)
+        held = extra["prompt_cache"].offset
+        if limit is not None and held + len(ids) + args.max_tokens > limit:
+            raise UsageError("--max-tokens", f"{held} cached + {len(ids)} prompt + {args.max_tokens} tokens exceed "
+                             f"the model context {limit}")
+    elif args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
@@ -704,7 +731,8 @@ def main(argv=None) -> int:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
-                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args))
+                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args),
+                    **extra)
     if not args.verbose:
         print(text, flush=True)
     if pipeline_launched():

@@ -21,9 +21,7 @@ cannot do, deep-copies whole caches, and cannot see a pipeline's remote layers (
 from __future__ import annotations
 
 import json
-import os
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +55,7 @@ class PromptCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
+        self.disk = None  # a prompt_cache_disk.DiskPromptCache: snapshots that survive restarts
 
     def __len__(self):
         return len(self._entries)
@@ -69,6 +68,13 @@ class PromptCache:
         for key in self._entries:
             if len(key) < len(ids) and (best is None or len(key) > len(best)) and ids[: len(key)] == key:
                 best = key
+        if self.disk is not None:
+            on_disk = self.disk.longest(ids, len(best) if best is not None else 0)
+            loaded = None if on_disk is None else self.disk.load(on_disk)
+            if loaded is not None:  # longer than any in memory: keep it here too
+                self.hits += 1
+                self._remember(on_disk, loaded)
+                return loaded, len(on_disk)
         cache = model.make_cache()
         if best is None:
             self.misses += 1
@@ -79,12 +85,20 @@ class PromptCache:
         return cache, len(best)
 
     def insert(self, ids: Sequence[int], cache) -> bool:
-        """Store a detached snapshot of `cache`, which must hold exactly `ids`."""
+        """Store a detached snapshot of `cache`, which must hold exactly `ids` (and publish it to
+        the disk tier, when there is one)."""
         key = tuple(ids)
-        if self.max_bytes == 0 or not key or not hasattr(cache, "detach"):
+        if not key or not hasattr(cache, "detach") or (self.max_bytes == 0 and self.disk is None):
             return False
         if getattr(cache, "offset", None) != len(key):
             raise ValueError(f"cache holds {getattr(cache, 'offset', None)} tokens, key has {len(key)}")
+        if self.disk is not None:
+            self.disk.save(key, cache)
+        return self._remember(key, cache)
+
+    def _remember(self, key: Tuple[int, ...], cache) -> bool:
+        if self.max_bytes == 0:
+            return False
         if key in self._entries:
             self._entries.move_to_end(key)
             return True
@@ -126,12 +140,15 @@ def stream_with_cache(
     usage: Optional[Usage] = None,
     draft_model=None,
     num_draft_tokens: Optional[int] = None,
+    logits_processors: Optional[list] = None,
 ) -> Iterator[_gen.GenerationResponse]:
     """`stream_generate` over a prompt whose longest cached prefix is restored instead of
     prefilled. Fills `usage` as it goes. Stops early (no error) when `cancelled()` turns true.
     `draft_model` / `num_draft_tokens` decode speculatively as `stream_generate` does (the drafter
     sees the tokens from the last cached position on, so a prompt-lookup drafter finds fewer
-    matches after a long cached prefix; the tokens are the same either way)."""
+    matches after a long cached prefix; the tokens are the same either way). `logits_processors`
+    see the whole prompt then the generated tokens, as in `generate_step` over the full prompt
+    (the restored and prefilled prefix is prepended to the history the decode loop keeps)."""
     ids = list(ids)
     limit = _gen.context_limit(model)
     if not ids:
@@ -151,9 +168,11 @@ def stream_with_cache(
         return
     if prompt_cache is not None and len(ids) - 1 > n:
         prompt_cache.insert(ids[:-1], cache)
-    draft = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
+    extra = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
+    if logits_processors:
+        extra["logits_processors"] = _with_prefix(logits_processors, ids[:-1])
     steps = _gen.stream_generate(model, tokenizer, ids[-1:], max_tokens=max_tokens, sampler=sampler,
-                                 prompt_cache=cache, prefill_step_size=prefill_step_size, **draft)
+                                 prompt_cache=cache, prefill_step_size=prefill_step_size, **extra)
     tokens: List[int] = []
     finished = False
     try:
@@ -176,6 +195,18 @@ def stream_with_cache(
         if prompt_cache is not None and (finished or not cancelled()) and cache.offset == len(ids) + len(tokens):
             mx.eval(cache.arrays)
             prompt_cache.insert(ids + tokens, cache)
+
+
+def _with_prefix(processors, prefix: Sequence[int]) -> list:
+    """`processors` seeing `prefix` before the history the decode loop passes them."""
+    if not prefix:
+        return list(processors)
+    head = mx.array(list(prefix), dtype=mx.int32)
+
+    def wrap(proc):
+        return lambda tokens, logits: proc(mx.concatenate([head, tokens.astype(mx.int32)]), logits)
+
+    return [wrap(p) for p in processors]
 
 
 # -- one sequence on disk, in mlx-lm's prompt-cache layout ---------------------------------------------
@@ -229,29 +260,47 @@ def prompt_cache_metadata(model, cache: SequenceCache, tokens: Optional[Sequence
     return out
 
 
-def save_prompt_cache(path, cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
-                      metadata: Optional[Dict[str, str]] = None) -> Path:
-    """Write `cache` (one single-process sequence of `model`) to `path` with mlx-lm's
-    `save_prompt_cache`, atomically (a sibling temp renamed over `path`; a failure leaves `path` as
-    it was). Returns the path."""
+def serialize_prompt_cache(cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
+                           metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """`cache` (one single-process sequence of `model`) as the bytes of a prompt-cache file (mlx-lm's
+    `save_prompt_cache` layout, bound to the artifact by `prompt_cache_metadata`)."""
     if type(cache) is not SequenceCache:  # a pipeline's cache keeps other ranks' layers elsewhere
         raise PromptCacheFileError("cache", f"expected a SequenceCache of one process, got {type(cache).__name__}")
     meta = prompt_cache_metadata(model, cache, tokens, metadata)
+    import io
+
     from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save  # slow import: only when saving
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}.safetensors")  # mlx names it .safetensors
     mx.eval(cache.arrays)
+    buf = io.BytesIO()
+    mlx_lm_save(buf, cache, meta)
+    return buf.getvalue()
+
+
+def save_prompt_cache(path, cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
+                      metadata: Optional[Dict[str, str]] = None) -> Path:
+    """Write `cache` (one single-process sequence of `model`) to `path` in mlx-lm's layout,
+    published atomically (artifact.atomic: temp + fsync + rename; a failure leaves `path` as it
+    was). Returns the path."""
+    from .artifact.atomic import publish_file_by_path
+    from .artifact.errors import PublishError
+
+    payload = serialize_prompt_cache(cache, model, tokens, metadata)
+    path = Path(path)
+
+    def write(tmp):
+        with open(tmp, "r+b") as f:  # our locked temp, written in place (its inode is kept)
+            f.truncate(0)
+            f.write(payload)
+
     try:
-        mlx_lm_save(str(tmp), cache, meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # The one publisher (temp + fsync + rename, locked while written): a later save cleans the
+        # temporaries a killed save left (AFN-010, issue 22), never a live writer's.
+        publish_file_by_path(path, write, suffix=".safetensors")
     except OSError as e:
         raise PromptCacheFileError(f"{path}: cannot write ({e.strerror or e})") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    except PublishError as e:
+        raise PromptCacheFileError(f"{path}: cannot write ({e.message})") from None
     return path
 
 
@@ -332,9 +381,11 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
         return cache
     out = dict(meta)
     if "tokens" in out:
-        try:
-            tokens = json.loads(out["tokens"])
-        except ValueError:
+        from .artifact.untrusted import UntrustedFileError, loads
+
+        try:  # strict and bounded: a cache file may be handed to us (issue 22)
+            tokens = loads(out["tokens"], "prompt_cache_file.tokens")
+        except UntrustedFileError:
             tokens = None
         if not isinstance(tokens, list) or len(tokens) != cache.offset or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):

@@ -41,7 +41,7 @@ from typing import Callable, Optional
 
 from . import flags
 from .errors import UsageError
-from .profile import FAILED, NOT_QUALIFIED, PASSED, SCHEMA, this_machine, write_profile
+from .machine_profile import FAILED, NOT_QUALIFIED, PASSED, SCHEMA, this_machine, write_profile
 
 NO_GAIN = "no gain"  # correct, but not faster here: stays off
 MIN_GAIN = 1.02  # a promoted path must beat the default's median by 2% (noise must not promote)
@@ -140,13 +140,15 @@ def check_kernels_emulated() -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from .kernels import hc_mix, ple_gather, qsa_attention
+    from .kernels import ple_gather
+    # The one product use of the test oracles: qualify's opt-in check of the shipped MSL sources.
+    from .testing import kernel_emulation as emu
 
     rng = np.random.default_rng(0)
     up, normed, hc, hidden = _hc_case(rng)
     u = up.astype(np.float64)
     oracle = ((1 / (1 + np.exp(-u))).reshape(1, 7, hc, hidden) * normed.reshape(1, 7, hc, hidden)).mean(-2)
-    out = {"hc_mix": float(np.abs(hc_mix.emulate(up, normed, hc, hidden) - oracle).max())}
+    out = {"hc_mix": float(np.abs(emu.hc_mix(up, normed, hc, hidden) - oracle).max())}
     q, k, v, idx, ok, scale = _qsa_case(rng)
     rep = q.shape[0] // k.shape[0]
     want = np.zeros((q.shape[1], q.shape[0] * q.shape[2]))
@@ -156,12 +158,12 @@ def check_kernels_emulated() -> dict:
             s = k[h // rep, sel].astype(np.float64) @ q[h, i].astype(np.float64) * scale
             p = np.exp(s - s.max())
             want[i, h * q.shape[2]:(h + 1) * q.shape[2]] = p / p.sum() @ v[h // rep, sel].astype(np.float64)
-    out["qsa_attention"] = float(np.abs(qsa_attention.emulate(q, k, v, idx, ok, scale) - want).max())
+    out["qsa_attention"] = float(np.abs(emu.qsa_attention(q, k, v, idx, ok, scale) - want).max())
     emb, history, n = _ple_embedding()
     ref_rows, ref = ple_gather.ops(emb, history, n)
-    rows, e = ple_gather.emulate(np.array(history[0]), np.array(emb._multipliers), np.array(emb._head_sizes),
-                                 np.array(emb._head_offsets), np.array(emb.ngram_embedding.weight), n,
-                                 emb.heads_per_ngram, emb.eos)
+    rows, e = emu.ple_gather(np.array(history[0]), np.array(emb._multipliers), np.array(emb._head_sizes),
+                             np.array(emb._head_offsets), np.array(emb.ngram_embedding.weight), n,
+                             emb.heads_per_ngram, emb.eos)
     out["ple_gather"] = float(max(np.abs(rows - np.array(ref_rows[0])).max(), np.abs(e - np.array(ref[0])).max()))
     del mx
     return out
@@ -361,7 +363,7 @@ def _record_plan(artifact: str, per_run: int, runs: int, seed: int = 0):
     import random
 
     from .admission import admit
-    from .utils import resolve_model_path
+    from .loader import resolve_model_path
 
     m = admit(str(resolve_model_path(artifact)))
     L, E = m.family.num_hidden_layers, m.family.num_experts
@@ -461,7 +463,7 @@ def sweep_crossover_section(artifact: str, rounds: int, fractions=None) -> dict:
     from .stream import crossover
     from .stream.engine import StreamEngine
     from .stream.experts import StreamedExperts
-    from .utils import resolve_model_path
+    from .loader import resolve_model_path
 
     m = admit(str(resolve_model_path(artifact)))
     store = Path(m.file(m.experts)).resolve()
@@ -524,7 +526,7 @@ def measure_streamed_decode(model, tokenizer, prompt, tokens: int, gpu_events: b
 
 def _streamed_demo(artifact: str):
     """(model, tokenizer) with every routed expert streamed through an arena that holds them all."""
-    from .utils import load, resolve_model_path
+    from .loader import load, resolve_model_path
 
     path = resolve_model_path(artifact)
     experts = sum(p.stat().st_size for p in Path(path).glob("experts*.hbem"))
@@ -569,6 +571,8 @@ def qualify(probe_dir=None, record_bytes=2704 * 1024, probe_mib=128, store=None,
 def build_parser():
     p = flags.Parser(prog="hebrus-mlx qualify", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --out/--report replace a file hebrus-mlx did not write")
     p.add_argument("--probe-dir", default=None, help="directory on the SSD the model lives on (probe file)")
     p.add_argument("--store", default=None, help="read an existing file (e.g. an artifact's experts.hbem) instead")
     p.add_argument("--record-kib", type=flags.integer(1, 1 << 20), default=2704, help="read size (default: one real expert record)")
@@ -603,11 +607,15 @@ def main(argv=None, hooks=None):
         raise UsageError("--store", f"{a.store!r} is not a file")
     if a.artifact != "demo" and not (Path(a.artifact) / "manifest.json").is_file():
         raise UsageError("--artifact", f"{a.artifact!r} is not an artifact directory (no manifest.json)")
+    from .artifact.atomic import check_output_file
+    from .machine_profile import profile_path
+
+    check_output_file(a.out or profile_path(), overwrite=a.overwrite, field="--out")  # before the probes
     if hooks is not None:
         hooks.check_arguments(a)
     profile = qualify(a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate,
                       a.artifact, a.rounds, a.tokens)
-    path = write_profile(profile, a.out)
+    path = write_profile(profile, a.out, overwrite=a.overwrite)
     print(json.dumps(profile, indent=1))
     print(f"profile written to {path}", file=sys.stderr)
     if hooks is not None:

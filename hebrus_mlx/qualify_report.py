@@ -64,6 +64,10 @@ def check_arguments(a) -> None:
         raise UsageError("--report", f"the directory of {a.report!r} does not exist")
     if a.report_cache_gb is not None:
         parse_caches(a.report_cache_gb)
+    from .artifact.atomic import check_output_file
+
+    for out in (Path(a.report).expanduser(), summary_path(Path(a.report).expanduser())):  # before the runs
+        check_output_file(out, overwrite=a.overwrite, field="--report")
 
 
 def parse_caches(s: str) -> List[float]:
@@ -138,7 +142,7 @@ def identity() -> dict:
     import mlx.core as mx
 
     from .bench.machine import chip, memory_bytes
-    from .profile import compute_backend, metal_device
+    from .machine_profile import compute_backend, metal_device
     from .stream import engine
 
     ident = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
@@ -259,7 +263,7 @@ def artifact_facts(artifact: str) -> dict:
     the bytes of its expert store and of everything else."""
     from .admission import admit
     from .artifact.expert_major import Geometry
-    from .utils import resolve_model_path
+    from .loader import resolve_model_path
 
     m = admit(str(resolve_model_path(artifact)))
     fam = m.family
@@ -299,7 +303,7 @@ def decode_section(artifact: str, gen_tokens: int, repeats: int, cache_gb: Optio
     from .bench import harness as H
     from .bench.machine import memory_bytes
     from .stream import engine
-    from .utils import load
+    from .loader import load
 
     f = facts or artifact_facts(artifact)
     if not engine.available():
@@ -470,13 +474,13 @@ def summary_path(path) -> Path:
     return p.with_suffix(".md") if p.suffix != ".md" else p.with_name(p.name + ".summary.md")
 
 
-def write_report(report: dict, path) -> tuple:
+def write_report(report: dict, path, overwrite: bool = False) -> tuple:
     from .bench.report import write_text_atomic
 
     p = Path(path).expanduser()
-    write_text_atomic(p, json.dumps(report, indent=1) + "\n")
+    write_text_atomic(p, json.dumps(report, indent=1) + "\n", field="--report", overwrite=overwrite)
     md = summary_path(p)
-    write_text_atomic(md, markdown(report))
+    write_text_atomic(md, markdown(report), field="--report", overwrite=overwrite)
     return p, md
 
 
@@ -488,7 +492,7 @@ def run(a, profile: dict) -> None:
     extra = [a.probe_dir or "", a.store or "", str(Path(a.report).expanduser().resolve().parent)]
     report = build_report(profile, a.artifact, gen_tokens=max(a.tokens, 2), repeats=2 * a.rounds, cache_gb=caches,
                           extra_secrets=extra)
-    p, md = write_report(report, a.report)
+    p, md = write_report(report, a.report, overwrite=a.overwrite)
     print(f"qualify report written to {p} (summary {md.name}): attach both to an issue", file=sys.stderr)
 
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .errors import HebrusError
 
-__all__ = ["apply_vocab_mask", "make_sampler", "check_sampling_args", "make_logits_processors",
+__all__ = ["apply_vocab_mask", "masked_logprobs", "make_sampler", "check_sampling_args", "make_logits_processors",
            "make_repetition_penalty", "make_presence_penalty", "make_frequency_penalty", "SamplingError"]
 
 Sampler = Callable[[mx.array], mx.array]
@@ -40,6 +40,13 @@ def apply_vocab_mask(logits: mx.array, effective_vocab_size: int) -> mx.array:
         return logits
     valid = mx.arange(width) < effective_vocab_size
     return mx.where(valid, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def masked_logprobs(logits: mx.array, effective_vocab_size: int) -> mx.array:
+    """Log-probabilities over the effective vocabulary (last axis): columns past it are -inf, the
+    rest renormalised. The one mask + log-softmax of every loop (plain, speculative, drafters)."""
+    logits = apply_vocab_mask(logits, effective_vocab_size)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _is_number(x) -> bool:
@@ -137,8 +144,7 @@ def _categorical(x: mx.array, temp: float) -> mx.array:
 def _renormalised(x: mx.array, effective_vocab_size: Optional[int]) -> mx.array:
     if effective_vocab_size is None:
         return x
-    x = apply_vocab_mask(x, effective_vocab_size)
-    return x - mx.logsumexp(x, axis=-1, keepdims=True)  # top-p/min-p see the valid rows' mass only
+    return masked_logprobs(x, effective_vocab_size)  # top-p/min-p see the valid rows' mass only
 
 
 def make_sampler(
@@ -222,48 +228,37 @@ def _context_size(field, value):
         raise SamplingError(field, f"must be an int >= 1, got {value!r}")
 
 
+def _count_penalty(context_size: int, penalise) -> LogitsProcessor:
+    """A processor applying `penalise(logits, counts)` where an ID occurs in the last `context_size`."""
+
+    def processor(tokens, logits):
+        counts = _recent_counts(tokens, context_size, logits.shape[-1])
+        return logits if counts is None else penalise(logits, counts)
+
+    return processor
+
+
 def make_repetition_penalty(penalty: float, context_size: int = 20) -> LogitsProcessor:
     """Sign-aware multiplicative penalty on each ID seen in the last `context_size` tokens: a positive
     logit is divided by `penalty`, a negative one multiplied (CTRL, arXiv:1909.05858)."""
     _number("repetition_penalty", penalty, 0.0, low_open=True)
     _context_size("repetition_context_size", context_size)
-
-    def repetition_penalty(tokens, logits):
-        counts = _recent_counts(tokens, context_size, logits.shape[-1])
-        if counts is None:
-            return logits
-        penalised = mx.where(logits < 0, logits * penalty, logits / penalty)
-        return mx.where(counts > 0, penalised, logits)
-
-    return repetition_penalty
+    return _count_penalty(context_size, lambda logits, counts: mx.where(
+        counts > 0, mx.where(logits < 0, logits * penalty, logits / penalty), logits))
 
 
 def make_presence_penalty(penalty: float, context_size: int = 20) -> LogitsProcessor:
     """OpenAI's presence penalty: `penalty` off each ID seen at least once in the last `context_size`."""
     _number("presence_penalty", penalty)
     _context_size("presence_context_size", context_size)
-
-    def presence_penalty(tokens, logits):
-        counts = _recent_counts(tokens, context_size, logits.shape[-1])
-        if counts is None:
-            return logits
-        return mx.where(counts > 0, logits - penalty, logits)
-
-    return presence_penalty
+    return _count_penalty(context_size, lambda logits, counts: mx.where(counts > 0, logits - penalty, logits))
 
 
 def make_frequency_penalty(penalty: float, context_size: int = 20) -> LogitsProcessor:
     """OpenAI's frequency penalty: `penalty` off each ID once per occurrence in the last `context_size`."""
     _number("frequency_penalty", penalty)
     _context_size("frequency_context_size", context_size)
-
-    def frequency_penalty(tokens, logits):
-        counts = _recent_counts(tokens, context_size, logits.shape[-1])
-        if counts is None:
-            return logits
-        return logits - (counts * penalty).astype(logits.dtype)
-
-    return frequency_penalty
+    return _count_penalty(context_size, lambda logits, counts: logits - (counts * penalty).astype(logits.dtype))
 
 
 def _make_logit_bias(logit_bias: Dict[int, float], vocab_size: Optional[int]) -> LogitsProcessor:

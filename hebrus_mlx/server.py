@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import importlib
 import json
@@ -42,19 +43,21 @@ import threading
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
-from . import api_fields, flags
+from . import api_fields, flags, responses_api
 from .api_fields import RequestError
-from .cli_args import ArgumentParser
+from .artifact.untrusted import UntrustedFileError
+from .artifact.untrusted import loads as untrusted_loads
+from .cli_args import ArgumentParser, prefetch_from_args
+from .verb_flags import USED, add_prompt_cache_dir_arguments, check_prompt_cache_dir, refuse_unused, share_generate_flags
 from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
-from .stream.predict import prefetch_from_args
-from .text.chat import ChatError
+from .text.chat_template import ChatError
 from .text.tokenizer import TokenizerError
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
@@ -66,6 +69,7 @@ DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 API_KEY_ENV = "HEBRUS_MLX_API_KEY"  # the key without a command line that `ps` shows
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 # -- request parsing (no MLX) ---------------------------------------------------------------------
@@ -90,6 +94,23 @@ class Sampling:
     stop: List[str]
     stream: bool
     include_usage: bool
+    # Issue 24: the logits processors (make_logits_processors' arguments) and what to report.
+    logit_bias: Optional[dict] = None  # token ID -> bias
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None
+    presence_context_size: int = 20
+    frequency_penalty: Optional[float] = None
+    frequency_context_size: int = 20
+    logprobs: bool = False  # report each token's log-probability
+    top_logprobs: int = 0  # and this many alternatives
+
+    def logits_processors(self, vocab_size: int) -> list:
+        from .sample_utils import make_logits_processors
+
+        return make_logits_processors(
+            self.logit_bias, self.repetition_penalty, self.repetition_context_size, self.presence_penalty,
+            self.presence_context_size, self.frequency_penalty, self.frequency_context_size, vocab_size=vocab_size)
 
 
 def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
@@ -154,9 +175,47 @@ def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
     n = 1 if body.get("n") is None else body["n"]
     if n != 1 or not _is_int(n):
         raise RequestError("only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False):
-        raise RequestError("logprobs are not supported by this server", "logprobs")
+    # Ranges and types were checked by api_fields.check_fields.
+    if body.get("logit_bias"):
+        s.logit_bias = {int(k): float(v) for k, v in body["logit_bias"].items()}
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if body.get(name) is not None:
+            setattr(s, name, float(body[name]))
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        if body.get(name) is not None:
+            setattr(s, name, body[name])
+    logprobs = body.get("logprobs")
+    if _is_int(logprobs):  # /v1/completions: the number of alternatives
+        s.logprobs, s.top_logprobs = True, logprobs
+    else:
+        s.logprobs, s.top_logprobs = logprobs is True, body.get("top_logprobs") or 0
     return s
+
+
+def token_logprob(tokenizer, logprobs, token: int, top: int) -> dict:
+    """One generated token's report: its log-probability under the distribution it was drawn from
+    (the log-softmax of the processed logits, as mlx-lm reports) and the `top` most likely tokens."""
+    import mlx.core as mx
+
+    def finite(v):  # JSON has no -inf; OpenAI reports -9999.0 for an impossible token
+        return v if math.isfinite(v) else -9999.0
+
+    entry = {"id": token, "token": tokenizer.decode([token]), "logprob": finite(logprobs[token].item()), "top": []}
+    if top:
+        best = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        values = logprobs[best]
+        order = mx.argsort(-values)  # most likely first
+        for i, v in zip(best[order].tolist(), values[order].tolist()):
+            entry["top"].append({"id": i, "token": tokenizer.decode([i]), "logprob": finite(v)})
+    return entry
+
+
+def developer_as_system(messages):
+    """OpenAI's `developer` role is the system role of newer clients (as mlx-lm maps it)."""
+    if not isinstance(messages, list):
+        return messages
+    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+            for m in messages]
 
 
 class StopMatcher:
@@ -199,9 +258,9 @@ def parse_tool_calls(text: str):
     calls, content, pos = [], [], 0
     pattern = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
     for m in pattern.finditer(text):
-        try:
-            obj = json.loads(m.group(1).strip())
-        except json.JSONDecodeError:
+        try:  # the model's text is untrusted too: bounded nesting, no duplicate keys (issue 22)
+            obj = untrusted_loads(m.group(1).strip(), "tool_call")
+        except UntrustedFileError:
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue
@@ -213,6 +272,50 @@ def parse_tool_calls(text: str):
                                    "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
     content.append(text[pos:])
     return "".join(content).strip() if calls else text, calls
+
+
+class ThinkSplitter:
+    """Splits model text into reasoning (inside <think>...</think>) and content, holding back a
+    tail that may still become a tag; the leading newlines of each part are dropped."""
+
+    def __init__(self, reasoning: bool):
+        self.reasoning = reasoning
+        self.matcher = StopMatcher([], [THINK_OPEN, THINK_CLOSE])
+        self.fresh = True  # at the start of a part
+
+    def feed(self, text: str, final: bool = False):
+        parts = []
+        out, hit = self.matcher.feed(text, final)
+        while True:
+            if self.fresh:
+                out = out.lstrip("\n")
+            if out:
+                self.fresh = False
+                parts.append(("reasoning" if self.reasoning else "content", out))
+            if hit is None:
+                return parts
+            self.matcher.buf = self.matcher.buf[len(hit):]
+            self.reasoning, self.fresh = hit == THINK_OPEN, True
+            out, hit = self.matcher.feed("", final)
+
+
+def chat_logprob(e: dict) -> dict:
+    """A token_logprob entry in the chat API's shape."""
+    def one(x):
+        return {"token": x["token"], "logprob": x["logprob"], "bytes": list(x["token"].encode("utf-8"))}
+
+    return {**one(e), "top_logprobs": [one(x) for x in e["top"]]}
+
+
+def completion_logprobs(entries: List[dict], offset: int) -> dict:
+    """token_logprob entries in the legacy completions API's shape (text_offset from `offset`)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{x["token"]: x["logprob"] for x in e["top"]} if e["top"] else None for e in entries],
+            "text_offset": offsets}
 
 
 # -- the worker: owns the model -------------------------------------------------------------------
@@ -228,6 +331,8 @@ class ServerDefaults:
     prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE
     draft_model: Optional[str] = None  # speculative decoding: 'ngram', 'mtp' or a draft model dir
     num_draft_tokens: Optional[int] = None
+    prompt_cache_dir: Optional[str] = None  # prefix snapshots on disk (prompt_cache_disk.py)
+    prompt_cache_dir_bytes: int = 8 << 30
     decode_concurrency: int = 1  # > 1: requests share decode steps (batch_generate.BatchGenerator)
     prompt_concurrency: int = 1  # requests prefilling at once, a chunk per round, under batching
 
@@ -273,8 +378,17 @@ class Worker:
     def _run(self, load):
         try:
             self.model, self.tokenizer = load()
+            if self.defaults.prompt_cache_dir is not None:
+                from .prompt_cache_disk import DiskPromptCache
+
+                self.prompt_cache.disk = DiskPromptCache(self.defaults.prompt_cache_dir,
+                                                         self.defaults.prompt_cache_dir_bytes, self.model)
             if hasattr(self.model, "on_stall"):
                 self.model.on_stall = self._on_stall
+            # The loaded model, tokenizer and modules never die: out of the collector's reach, a
+            # collection that a big request's allocations trigger (on a prep thread, holding the
+            # GIL) walks only the request's objects, not ~200k startup objects.
+            gc.freeze()
         except BaseException as e:  # reported by the constructor on the caller's thread
             self._load_error = e
             self._ready.set()
@@ -388,6 +502,9 @@ class Worker:
                 u.generation_seconds = now - first
                 if r.finish_reason != "stop":
                     detok.add_token(r.token)
+                    if job.sampling.logprobs:  # the stop token is not part of the text
+                        self._emit(job, ("logprob", token_logprob(self.tokenizer, r.logprobs, r.token,
+                                                                  job.sampling.top_logprobs)))
                 if r.finish_reason is not None:
                     detok.finalize()
                 self._emit(job, ("text", detok.last_segment))
@@ -404,6 +521,7 @@ class Worker:
         try:
             sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
             (uid,) = g.insert([job.ids], max_tokens=[job.max_tokens], samplers=[sampler],
+                              logits_processors=[s.logits_processors(self.tokenizer.effective_vocab_size)],
                               seeds=[None if s.seed is None else s.seed])
         except (gen.GenerationError, ValueError) as e:
             self._emit(job, ("error", e))
@@ -462,13 +580,17 @@ class Worker:
         if s.seed is not None:
             mx.random.seed(s.seed)
         sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+        processors = s.logits_processors(self.tokenizer.effective_vocab_size)
         finish = None
         for r in stream_with_cache(self.model, self.tokenizer, job.ids, self.prompt_cache, job.max_tokens,
                                    sampler=sampler, prefill_step_size=self.defaults.prefill_step_size,
                                    cancelled=job.cancel.is_set, usage=job.usage,
                                    draft_model=self.defaults.draft_model,
-                                   num_draft_tokens=self.defaults.num_draft_tokens):
+                                   num_draft_tokens=self.defaults.num_draft_tokens,
+                                   logits_processors=processors):
             finish = r.finish_reason
+            if s.logprobs and finish != "stop":  # the stop token is not part of the text
+                self._emit(job, ("logprob", token_logprob(self.tokenizer, r.logprobs, r.token, s.top_logprobs)))
             self._emit(job, ("text", r.text))
         if not job.cancel.is_set():
             self._emit(job, ("done", finish or "stop"))
@@ -497,14 +619,17 @@ class _Disconnected(Exception):
 
 
 SHUTTING_DOWN = "the server is shutting down"
+SWITCH_INTERVAL_S = 0.001  # the GIL hand-off interval while serving (CPython's default: 0.005)
 
 
 class App:
     def __init__(self, worker: Worker, model_id: str, api_key: Optional[str] = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = ()):
         from concurrent.futures import ThreadPoolExecutor
 
         from starlette.applications import Starlette
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
         from starlette.routing import Route
 
         self.worker, self.model_id, self.api_key, self.max_body_bytes = worker, model_id, api_key, max_body_bytes
@@ -513,19 +638,32 @@ class App:
         # 4 MB request never stalls /health or other clients' streams (two at a time).
         self.prep = ThreadPoolExecutor(2, thread_name_prefix="hebrus-prep")
         self.live: dict = {}  # id -> job with a waiting response (cancelled on shutdown)
+        self.preparing: set = set()  # futures of off-loop work a request awaits (answered 503 on shutdown)
         self.stopping = False
+        self.stop_started: Optional[float] = None  # time.monotonic() of the first SIGTERM/SIGINT
         tmpl = worker.tokenizer.chat_template or ""
         added = worker.tokenizer.added_tokens
         # Tool calls are parsed only where the template writes them in this format.
         self.tool_markers = TOOL_CALL_OPEN in tmpl and TOOL_CALL_OPEN in added and TOOL_CALL_CLOSE in added
+        # Thinking is split out (the `reasoning` field) where the template writes <think> blocks.
+        self.think_ids = None
+        if THINK_OPEN in tmpl and THINK_OPEN in added and THINK_CLOSE in added:
+            self.think_ids = tuple(worker.tokenizer.convert_tokens_to_ids([THINK_OPEN, THINK_CLOSE]))
+        self.stored = responses_api.ResponseStore()  # previous_response_id
+        # CORS (--allowed-origins): none by default, so a web page cannot drive a local server.
+        middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                 allow_headers=["*"])] if allowed_origins else []
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self._wrap(self.chat), methods=["POST"]),
             Route("/chat/completions", self._wrap(self.chat), methods=["POST"]),
             Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/completions", self._wrap(self.completions), methods=["POST"]),
+            Route("/v1/responses", self._wrap(self.responses), methods=["POST"]),
+            Route("/v1/responses/{response_id}", self._wrap(self.stored_response), methods=["GET"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self._wrap(self.model), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+        ], middleware=middleware, exception_handlers={404: self._not_found, 405: self._not_allowed})
 
     # Errors ---------------------------------------------------------------------------------
     def _json(self, obj, status=200):
@@ -579,7 +717,20 @@ class App:
     async def _off_loop(self, fn, *args, **kwargs):
         import functools
 
-        return await asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args, **kwargs))
+        if self.stopping:
+            raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
+        fut = asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args, **kwargs))
+        self.preparing.add(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # begin_shutdown cancelled the wait (the thread may still be rendering): answer now, so
+            # uvicorn's grace period is not spent waiting on a request that will never be served.
+            if self.stopping and fut.cancelled():
+                raise RequestError(SHUTTING_DOWN, None, 503, "server_error") from None
+            raise
+        finally:
+            self.preparing.discard(fut)
 
     async def _body(self, request) -> dict:
         from starlette.requests import ClientDisconnect
@@ -621,9 +772,19 @@ class App:
                 out["status"] = "pipeline down"
         return self._json(out)
 
+    def _model_object(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "hebrus-mlx"}
+
     async def models(self, request):
-        return self._json({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "hebrus-mlx"}]})
+        return self._json({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request):
+        """GET /v1/models/{id}: this server's one model, or 404 naming the field."""
+        want = request.path_params["model_id"]
+        if want != self.model_id:
+            raise RequestError(f"model {want!r} is not served here (this server serves {self.model_id!r})",
+                               "model", 404, "not_found_error")
+        return self._json(self._model_object())
 
     def _max_tokens(self, s: Sampling, n_prompt: int, where: str) -> int:
         room = None if self.worker.context is None else self.worker.context - n_prompt
@@ -648,12 +809,12 @@ class App:
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
         # Provenance-safe: rendered by the template, caller strings tokenized as DATA (AFN-006).
         # Off the event loop: rendering and tokenizing megabytes takes seconds.
-        ids = await self._off_loop(tok.apply_chat_template, body["messages"], tools=tools or None,
-                                   add_generation_prompt=True, **options)
+        ids = await self._off_loop(tok.apply_chat_template, developer_as_system(body["messages"]),
+                                   tools=tools or None, add_generation_prompt=True, **options)
         max_tokens = self._max_tokens(s, len(ids), "messages")
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
         return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
-                                   chat=True, parse_tools=parse_tools)
+                                   chat=True, parse_tools=parse_tools, think=self._think_state(ids))
 
     async def completions(self, request):
         body = await self._body(request)
@@ -677,6 +838,85 @@ class App:
         max_tokens = self._max_tokens(s, len(ids), "prompt")
         return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
                                    chat=False, parse_tools=False)
+
+    async def responses(self, request):
+        """POST /v1/responses (see responses_api.py)."""
+        body = await self._body(request)
+        tok = self.worker.tokenizer
+        sampling, options = responses_api.check_fields(body, tok.effective_vocab_size)
+        s = parse_sampling(sampling, self.worker.defaults)
+        if body.get("input") is None:
+            raise RequestError("input is required", "input")
+        history = []
+        if body.get("previous_response_id") is not None:
+            stored = self.stored.get(body["previous_response_id"])
+            if stored is None:
+                raise RequestError(f"previous response {body['previous_response_id']!r} not found (not stored, "
+                                   "evicted or expired)", "previous_response_id")
+            history = stored["messages"]
+        conversation = history + responses_api.to_messages(body["input"])
+        tools = responses_api.chat_tools(body.get("tools"))
+        if tok.chat_template is None:
+            raise RequestError("this model has no chat template", "input")
+        ids = await self._off_loop(tok.apply_chat_template,
+                                   responses_api.with_instructions(body.get("instructions"), conversation),
+                                   tools=tools, add_generation_prompt=True, **options)
+        job = Job(ids, s, self._max_tokens(s, len(ids), "input"), asyncio.get_running_loop(), asyncio.Queue())
+        parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
+        think = self._think_state(ids)
+        builder = responses_api.ResponseBuilder(body, self.model_id, body.get("tools"))
+
+        def usage():
+            u = job.usage
+            return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                    "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+        async def events():
+            for e in builder.start():
+                yield e
+            async with aclosing(self._outputs(request, job, parse_tools, think)) as parts:
+                async for part in parts:
+                    if part[0] == "end":
+                        out = builder.finish(part[1], part[2], usage())
+                    else:
+                        out = builder.add("reasoning" if part[0] == "reasoning" else "message", part[1])
+                    for e in out:
+                        yield e
+            if body.get("store") is not False:
+                self.stored.put(builder.id, conversation + builder.messages(), builder.final)
+
+        if not s.stream:
+            try:
+                async with aclosing(events()) as it:
+                    async for _ in it:
+                        pass
+            except Exception as e:
+                raise _as_request_error(e) from None
+            return self._json(builder.final)
+
+        from starlette.responses import StreamingResponse
+
+        async def sse():
+            try:
+                async with aclosing(events()) as it:
+                    async for e in it:
+                        yield e
+            except Exception as e:  # the response has started: an error event, never a traceback
+                err = _as_request_error(e)
+                log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
+                yield builder._event("error", code=err.kind, message=str(err), param=err.param)
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stored_response(self, request):
+        rid = request.path_params["response_id"]
+        stored = self.stored.get(rid)
+        if stored is None:
+            raise RequestError(f"response {rid!r} not found (not stored, evicted or expired)", "response_id", 404,
+                               "not_found_error")
+        return self._json(stored["response"])
 
     # Generation -----------------------------------------------------------------------------
     async def _events(self, request, job: Job):
@@ -717,110 +957,168 @@ class App:
         """On SIGTERM/SIGINT (the event loop's thread): refuse new requests, cancel every waiting
         one (queued or running: its expert reads fail at once) and answer it 503."""
         self.stopping = True
+        if self.stop_started is None:
+            self.stop_started = time.monotonic()
         for job in list(self.live.values()):
             self.worker.cancel(job)
             job.events.put_nowait(("shutdown", None))
+        for fut in list(self.preparing):
+            fut.cancel()
         self.prep.shutdown(wait=False, cancel_futures=True)
 
-    async def _respond(self, request, job: Job, chat: bool, parse_tools: bool):
+    def grace_left(self, timeout: float) -> float:
+        """Seconds of --shutdown-timeout left: one grace period from the signal for everything
+        (uvicorn's wait for responses and the worker's join together, not one each)."""
+        if self.stop_started is None:
+            return timeout
+        return max(0.0, self.stop_started + timeout - time.monotonic())
+
+    async def _outputs(self, request, job: Job, parse_tools: bool, think: Optional[bool]):
+        """The job's output as parts: ("reasoning", text), ("content", text, logprob entries) and
+        last ("end", finish_reason, tool calls, logprob entries not yet given). `think`: None when
+        the template does not separate thinking, else whether the output starts inside it.
+        Stop sequences apply to the content; tool calls are withheld until they parse."""
+        matcher = StopMatcher(job.sampling.stop, [TOOL_CALL_OPEN] if parse_tools else [])
+        splitter = None if think is None else ThinkSplitter(think)
+        tool_text, finish, pending = None, None, []
+        async with aclosing(self._events(request, job)) as events:
+            async for kind, value in events:
+                if kind == "error":
+                    raise value
+                if kind == "logprob":
+                    pending.append(value)
+                    continue
+                final = kind == "done"
+                text = value if kind == "text" else ""
+                parts = [("content", text)] if splitter is None else splitter.feed(text, final)
+                for part, piece in parts:
+                    if part == "reasoning":
+                        yield ("reasoning", piece)
+                    elif tool_text is not None:  # inside tool calls: withheld until the end
+                        tool_text += piece
+                    else:
+                        out, hit = matcher.feed(piece)
+                        if hit == TOOL_CALL_OPEN:
+                            tool_text, matcher.buf = matcher.buf, ""
+                        elif hit is not None:
+                            finish = "stop"
+                        if out:
+                            yield ("content", out, pending)
+                            pending = []
+                        if finish is not None:
+                            pending = []  # tokens past a stop sequence are not reported
+                            break
+                if finish is not None:
+                    break
+                if final:
+                    out, hit = matcher.feed("", final=True) if tool_text is None else ("", None)
+                    if out:
+                        yield ("content", out, pending)
+                        pending = []
+                    finish = "stop" if hit is not None else value
+                    break
+        calls = []
+        if tool_text is not None:
+            extra, calls = parse_tool_calls(tool_text)
+            if not calls and extra:  # not a call after all: plain text
+                yield ("content", extra, pending)
+                pending = []
+        yield ("end", "tool_calls" if calls else (finish or "stop"), calls, pending)
+
+    def _think_state(self, ids: List[int]) -> Optional[bool]:
+        """None when the template does not separate thinking, else whether the prompt leaves the
+        reply inside a <think> block (a template that opens it for the model)."""
+        if self.think_ids is None:
+            return None
+        opened, closed = self.think_ids
+        last = {t: i for i, t in enumerate(ids) if t in (opened, closed)}
+        return last.get(opened, -1) > last.get(closed, -1)
+
+    @staticmethod
+    def _usage(job: Job) -> dict:
+        u = job.usage
+        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+    async def _respond(self, request, job: Job, chat: bool, parse_tools: bool, think: Optional[bool] = None):
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        markers = [TOOL_CALL_OPEN] if parse_tools else []
-        matcher = StopMatcher(job.sampling.stop, markers)
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_id}
-        state = {"tool_text": None, "finish": None}
+        want_logprobs = job.sampling.logprobs
+        offset = [0]  # the legacy API's text_offset
 
-        def take(event):
-            """Text to publish for one worker event, updating the finish state."""
-            kind, value = event
-            if kind == "error":
-                raise value
-            if state["tool_text"] is not None:  # inside tool calls: withheld until the end
-                if kind == "text":
-                    state["tool_text"] += value
-                else:
-                    state["finish"] = value
-                return ""
-            out, hit = matcher.feed(value if kind == "text" else "", final=kind == "done")
-            if hit == TOOL_CALL_OPEN:
-                state["tool_text"] = matcher.buf
-                matcher.buf = ""
-            elif hit is not None:
-                state["finish"] = "stop"
-            elif kind == "done":
-                state["finish"] = value
+        def logprobs(entries):
+            if not want_logprobs:
+                return None
+            if chat:
+                return {"content": [chat_logprob(e) for e in entries]}
+            out = completion_logprobs(entries, offset[0])
+            offset[0] += sum(len(e["token"]) for e in entries)
             return out
 
-        def usage():
-            u = job.usage
-            return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                    "total_tokens": u.prompt_tokens + u.completion_tokens,
-                    "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-        def tool_calls():
-            if state["tool_text"] is None:
-                return "", []
-            content, calls = parse_tool_calls(state["tool_text"])
-            return ("" if calls else content), calls
-
         if not job.sampling.stream:
-            text = ""
+            text, reasoning, entries, calls, finish = "", "", [], [], "stop"
             try:
-                async with aclosing(self._events(request, job)) as events:
-                    async for event in events:
-                        text += take(event)
-                        if state["finish"] is not None:
-                            break
+                async with aclosing(self._outputs(request, job, parse_tools, think)) as parts:
+                    async for part in parts:
+                        if part[0] == "reasoning":
+                            reasoning += part[1]
+                        elif part[0] == "content":
+                            text += part[1]
+                            entries += part[2]
+                        else:
+                            _, finish, calls, rest = part
+                            entries += rest
             except Exception as e:
                 raise _as_request_error(e) from None
-            extra, calls = tool_calls()
-            text += extra
-            finish = "tool_calls" if calls else (state["finish"] or "stop")
             if chat:
-                msg = {"role": "assistant", "content": text.strip() if calls else text}
+                msg = {"role": "assistant", "content": text.strip() if calls or reasoning else text}
+                if reasoning:
+                    msg["reasoning"] = reasoning.strip()
                 if calls:
                     msg["tool_calls"] = calls
-                choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": logprobs(entries)}
             else:
-                choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            return self._json({**head, "choices": [choice], "usage": usage()})
+                choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs(entries)}
+            return self._json({**head, "choices": [choice], "usage": self._usage(job)})
 
         from starlette.responses import StreamingResponse
 
         chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_or_text, finish=None):
+        def chunk(delta_or_text, finish=None, entries=None):
+            lp = logprobs(entries) if entries else None
             if chat:
-                choice = {"index": 0, "delta": delta_or_text, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta_or_text, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta_or_text, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta_or_text, "finish_reason": finish, "logprobs": lp}
             return "data: " + json.dumps({**head, "object": chunk_object, "choices": [choice]}) + "\n\n"
 
         async def sse():
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
             try:
-                async with aclosing(self._events(request, job)) as events:
-                    async for event in events:
-                        out = take(event)
-                        if out:
-                            yield chunk({"content": out} if chat else out)
-                        if state["finish"] is not None:
-                            break
+                async with aclosing(self._outputs(request, job, parse_tools, think)) as parts:
+                    async for part in parts:
+                        if part[0] == "reasoning":
+                            if chat:  # the legacy API has no place for it
+                                yield chunk({"reasoning": part[1]})
+                        elif part[0] == "content":
+                            yield chunk({"content": part[1]} if chat else part[1], None, part[2])
+                        else:
+                            _, finish, calls, rest = part
             except Exception as e:  # the response has started: an error event, never a traceback
                 err = _as_request_error(e)
                 log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
                 yield "data: " + json.dumps(_error_body(err)) + "\n\n"
                 return
-            extra, calls = tool_calls()
-            if extra:
-                yield chunk({"content": extra} if chat else extra)
-            finish = "tool_calls" if calls else (state["finish"] or "stop")
             if calls:
                 yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-            yield chunk({} if chat else "", finish)
+            yield chunk({} if chat else "", finish, rest)
             if job.sampling.include_usage:
-                yield "data: " + json.dumps({**head, "object": chunk_object, "choices": [], "usage": usage()}) + "\n\n"
+                yield ("data: " + json.dumps({**head, "object": chunk_object, "choices": [], "usage": self._usage(job)})
+                       + "\n\n")
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream",
@@ -854,30 +1152,17 @@ def _as_request_error(e) -> RequestError:
 # -- command line ---------------------------------------------------------------------------------
 
 
-# generate's flags that describe the model, its caches and sampling defaults; taken from its parser
-# so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
-# until this verb uses it (never silently ignored).
-_NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose"}
-USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
-        "draft_model", "num_draft_tokens", "pipeline_split", "pipeline_timeout",
-        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror",
-        "prefill_sweep"}
+_NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose", "prompt_cache_file"}
 
 
-def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
-    """Add generate's flags (but `exclude`) to `p`; returns the added actions."""
-    added = []
-    for action in gen.build_parser()._actions:
-        if action.dest not in exclude:
-            p._add_action(action)
-            added.append(action)
-    return added
-
-
-def refuse_unused(args, actions, used, verb):
-    for a in actions:
-        if a.dest not in used and getattr(args, a.dest) != a.default:
-            raise UsageError(a.option_strings[0], f"not supported by `hebrus-mlx {verb}` yet")
+def _origins(value: str) -> List[str]:
+    origins = [o.strip() for o in value.split(",") if o.strip()]
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s,]+", o):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin (scheme://host[:port]) or '*'")
+    if not origins:
+        raise argparse.ArgumentTypeError("no origin given")
+    return origins
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -900,8 +1185,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that share each decode step (continuous batching; default 1: one at a time)")
     p.add_argument("--prompt-concurrency", type=flags.integer(1), default=1,
                    help="requests prefilling at once under --decode-concurrency > 1, a chunk per decode step")
-    p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_prompt_cache_dir_arguments(p)
+    p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies are a 413, refused from the declared length (default %(default)s)")
+    p.add_argument("--allowed-origins", type=_origins, default=[], metavar="ORIGINS",
+                   help="comma-separated origins browsers may call from (CORS), '*' for any "
+                        "(default: none; mlx-lm's default is '*')")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="server log level (default INFO)")
     p.set_defaults(max_tokens=512)
     return p
 
@@ -983,6 +1274,7 @@ def main(argv=None) -> int:
         raise UsageError("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
     if args.pipeline_split is not None and not pipeline_launched():
         raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
+    check_prompt_cache_dir(args)
     if args.decode_concurrency > 1 and args.draft_model is not None:
         raise UsageError("--decode-concurrency", "speculative drafting (--draft-model) runs one request at a time; "
                          "give --decode-concurrency 1 or drop --draft-model")
@@ -1008,6 +1300,7 @@ def main(argv=None) -> int:
     defaults = ServerDefaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
                               draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
+                              prompt_cache_dir=args.prompt_cache_dir, prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
                               decode_concurrency=args.decode_concurrency, prompt_concurrency=args.prompt_concurrency)
 
     def load():
@@ -1030,7 +1323,11 @@ def main(argv=None) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     sock.listen(2048)  # before the line below: a client may connect as soon as it reads it
-    app = App(worker, args.model, api_key, args.max_body_bytes)
+    app = App(worker, args.model, api_key, args.max_body_bytes, args.allowed_origins)
+    # Rendering and tokenizing a big request on a prep thread is Python-heavy: every time the
+    # event loop gives up the GIL for I/O it waits for the prep thread's next switch (5 ms by
+    # default, several times per /health). 1 ms keeps that wait small (benchmarks/bench_server_stall.py).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     host, port = sock.getsockname()[:2]
     print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
     config = uvicorn.Config(app.app, log_level=args.log_level.lower(), access_log=False, lifespan="off",
@@ -1041,7 +1338,10 @@ def main(argv=None) -> int:
         worker.stop()
         # The worker drains its cancelled step (its expert reads already failed); a pipeline also
         # stops its ranks. A worker still busy past the grace period is left to the process exit.
-        worker._thread.join(timeout=60 if pipe is not None else args.shutdown_timeout)
+        worker._thread.join(timeout=60 if pipe is not None else app.grace_left(args.shutdown_timeout))
+        disk = worker.prompt_cache.disk
+        if disk is not None and not disk.flush(timeout=max(1.0, app.grace_left(args.shutdown_timeout))):
+            log.warning("prompt cache: snapshots still being written at exit are lost")
     if worker._thread.is_alive() or any(t.is_alive() for t in app.prep._threads):
         log.warning("exiting with work still running (past --shutdown-timeout)")
     else:

@@ -12,8 +12,8 @@ from .artifact import constants as C
 from .artifact import untrusted
 from .artifact.errors import ArtifactError, GeometryError
 from .convert_fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
-from .models import checkpoint_keys as keys
-from .models.qwen4exp_config import ple_constants
+from .format import checkpoint_keys as keys
+from .format.qwen4exp_config import ple_constants
 
 _COMPONENT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 

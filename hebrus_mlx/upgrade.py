@@ -24,6 +24,7 @@ from . import flags
 from .admission import admit
 from .artifact import atomic
 from .artifact import constants as C
+from .artifact import untrusted
 from .artifact import fast_check as FC
 from .artifact import manifest as M
 from .artifact.errors import ArtifactError, DigestError
@@ -80,8 +81,7 @@ def upgrade(path, stream=None, refresh=False):
     d = m.directory
     files = sorted(os.listdir(d))  # exactly the files admission found owned
     old_tables = {s.fast_check["path"] for s in m.stores if s.fast_check}
-    with open(os.path.join(d, C.MANIFEST_NAME), "rb") as f:
-        man = json.loads(f.read())
+    man = untrusted.read_json(d, C.MANIFEST_NAME)  # the same bounded, strict reader admission used
     if [(s["path"], s["size"], s["sha256"]) for s in man["stores"]] != [(s.path, s.size, s.sha256) for s in m.stores]:
         raise ArtifactError("manifest", "changed since admission; nothing replaced")
     tables = {s["path"]: _table(m, s, i, stream) for i, s in enumerate(man["stores"]) if s["role"] in FC.ROLES}

@@ -57,9 +57,7 @@ const char* check_name(Check kind) {
 }
 
 bool check_matches(
-    const RecordCheck& check,
-    const struct iovec* segs,
-    size_t nsegs,
+    const RecordCheck& check, const struct iovec* segs, size_t nsegs,
     uint64_t length) {
   if (check.kind == Check::kNone) {
     return true;
@@ -340,11 +338,8 @@ int Engine::register_table(int store, std::vector<TableRow> rows, int arena) {
 }
 
 int Engine::add_arena(
-    std::vector<uint8_t*> parts,
-    std::vector<uint64_t> part_bytes,
-    std::vector<uint8_t> expand,
-    uint32_t rows,
-    std::shared_ptr<void> keepalive,
+    std::vector<uint8_t*> parts, std::vector<uint64_t> part_bytes,
+    std::vector<uint8_t> expand, uint32_t rows, std::shared_ptr<void> keepalive,
     std::vector<DevicePart> device) {
   check_arena_spec(part_bytes, rows, expand);
   if (parts.size() != part_bytes.size()) {
@@ -381,8 +376,7 @@ int Engine::add_arena(
 }
 
 void check_arena_spec(
-    const std::vector<uint64_t>& part_bytes,
-    uint32_t rows,
+    const std::vector<uint64_t>& part_bytes, uint32_t rows,
     std::vector<uint8_t>& expand) {
   if (part_bytes.empty() || rows == 0) {
     throw StreamError(
@@ -500,9 +494,7 @@ void Engine::retire_slot_locked(uint32_t idx) {
 }
 
 void Engine::fail_slot_locked(
-    uint32_t idx,
-    ErrorCode code,
-    const std::string& msg) {
+    uint32_t idx, ErrorCode code, const std::string& msg) {
   Slot& s = slots_[idx];
   for (uint64_t id : s.waiters) {
     auto it = tickets_.find(id);
@@ -760,10 +752,7 @@ void Engine::validate_locked(const Request& req) const {
 }
 
 void Engine::join_locked(
-    uint32_t idx,
-    const Request& req,
-    uint64_t id,
-    Ticket& t) {
+    uint32_t idx, const Request& req, uint64_t id, Ticket& t) {
   Slot& s = slots_[idx];
   s.pins++;
   s.used = true;
@@ -800,10 +789,7 @@ void Engine::join_locked(
 }
 
 void Engine::start_read_locked(
-    const Key& key,
-    const Request& req,
-    uint64_t id,
-    Ticket& t) {
+    const Key& key, const Request& req, uint64_t id, Ticket& t) {
   // Reserve before touching any state: a full cache leaves nothing behind.
   Slab slab = req.arena >= 0 ? reserve_row_locked(req.arena, req.exact)
                              : reserve_slab_locked(round_up(req.length, kAlign));
@@ -1036,11 +1022,7 @@ int Engine::advance_generation(uint64_t owner, uint64_t generation) {
 }
 
 bool Engine::set_hint(
-    int store,
-    uint64_t offset,
-    uint64_t length,
-    double p,
-    int arena,
+    int store, uint64_t offset, uint64_t length, double p, int arena,
     const RecordCheck& check) {
   std::lock_guard<std::mutex> lk(mu_);
   Request r;
@@ -1093,9 +1075,7 @@ bool Engine::pick_job_locked(std::unique_ptr<Job>& job) {
 }
 
 ErrorCode Engine::pread_into(
-    const Job& job,
-    const std::vector<struct iovec>& segs,
-    uint64_t& got,
+    const Job& job, const std::vector<struct iovec>& segs, uint64_t& got,
     std::string& msg) {
   // O_DIRECT needs block-aligned file offset, buffers and lengths; a slab
   // read is padded to 4096 (the slab is), arena parts must align exactly.
@@ -1150,10 +1130,7 @@ ErrorCode Engine::pread_into(
   return ErrorCode::kNone;
 }
 
-ErrorCode Engine::do_read(
-    const Job& job,
-    std::string& msg,
-    ReadHooks* hooks) {
+ErrorCode Engine::do_read(const Job& job, std::string& msg, ReadHooks* hooks) {
   auto where = [&] {
     std::ostringstream os;
     os << "store " << job.key.store << " offset " << job.key.offset
@@ -1469,9 +1446,7 @@ MemoryInfo Engine::memory() {
 }
 
 void Engine::trace_read_end_locked(
-    uint32_t slot,
-    uint64_t gen,
-    uint8_t outcome) {
+    uint32_t slot, uint64_t gen, uint8_t outcome) {
   auto it = trace_->pending.find({slot, gen});
   if (it == trace_->pending.end()) {
     return; // issued before tracing was enabled

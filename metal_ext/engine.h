@@ -104,9 +104,7 @@ struct RecordCheck {
 // over arena parts or in one slab) have the digest `check` names (true
 // for Check::kNone). The bytes are hashed where they lie, once.
 bool check_matches(
-    const RecordCheck& check,
-    const struct iovec* segs,
-    size_t nsegs,
+    const RecordCheck& check, const struct iovec* segs, size_t nsegs,
     uint64_t length);
 
 struct Request {
@@ -277,8 +275,7 @@ struct Arena {
 // Refuses an arena without parts or rows, or with an expand flag list of
 // another length; an empty `expand` becomes "no part expanded".
 void check_arena_spec(
-    const std::vector<uint64_t>& part_bytes,
-    uint32_t rows,
+    const std::vector<uint64_t>& part_bytes, uint32_t rows,
     std::vector<uint8_t>& expand);
 
 struct TableRow {
@@ -556,9 +553,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void free_slab(Slab& slab);
   ErrorCode do_read(const Job& job, std::string& msg, ReadHooks* hooks);
   ErrorCode pread_into(
-      const Job& job,
-      const std::vector<struct iovec>& segs,
-      uint64_t& got,
+      const Job& job, const std::vector<struct iovec>& segs, uint64_t& got,
       std::string& msg);
   double eviction_key(const Slot& s) const;
   void check_store_locked(int store) const;

@@ -112,12 +112,8 @@ MtlioReader::MtlioReader(int max_in_flight) : impl_(std::make_unique<Impl>()) {
 MtlioReader::~MtlioReader() = default;
 
 ErrorCode MtlioReader::load(
-    int store,
-    const std::string& path,
-    uint64_t file_offset,
-    const std::vector<IoTarget>& targets,
-    bool urgent,
-    std::string& msg) {
+    int store, const std::string& path, uint64_t file_offset,
+    const std::vector<IoTarget>& targets, bool urgent, std::string& msg) {
   PoolScope pool;
   MTL::IOFileHandle* handle = nullptr;
   {

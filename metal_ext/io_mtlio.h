@@ -60,12 +60,8 @@ class MtlioReader {
   // blocks until it completes. kIO with the NSError text in `msg` on
   // failure. `urgent` picks the high-priority queue (P0).
   ErrorCode load(
-      int store,
-      const std::string& path,
-      uint64_t file_offset,
-      const std::vector<IoTarget>& targets,
-      bool urgent,
-      std::string& msg);
+      int store, const std::string& path, uint64_t file_offset,
+      const std::vector<IoTarget>& targets, bool urgent, std::string& msg);
 
  private:
   struct Impl;

@@ -85,8 +85,7 @@ class Waves {
 // Allocates `out` and returns the CPU encoder with `inputs` and `out`
 // registered: the prologue of every copying op here.
 mx::cpu::CommandEncoder& cpu_encoder(
-    const mx::Stream& stream,
-    const std::vector<mx::array>& inputs,
+    const mx::Stream& stream, const std::vector<mx::array>& inputs,
     mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream);
@@ -182,10 +181,8 @@ LoadTickets::~LoadTickets() {
 // The host work of each op lives in one function shared by eval_cpu (a CPU
 // stream task) and eval_gpu (a GPU-event host task, ops_metal.h).
 static void load_tickets_host(
-    const std::shared_ptr<Engine>& engine,
-    const std::vector<uint64_t>& tickets,
-    uint64_t length,
-    uint8_t* dst) {
+    const std::shared_ptr<Engine>& engine, const std::vector<uint64_t>& tickets,
+    uint64_t length, uint8_t* dst) {
   Waves waves(*engine, [&](size_t i, const Engine::View& v) {
     engine->copy_out(v, dst + i * length);
   });
@@ -226,12 +223,8 @@ void LoadTickets::eval_gpu(
 }
 
 mx::array gather_records(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const mx::array& indices,
-    uint64_t owner,
-    uint64_t generation,
-    int layer) {
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    uint64_t owner, uint64_t generation, int layer) {
   uint64_t length = table_length(*engine, table);
   mx::Shape shape = indices.shape();
   shape.push_back(static_cast<int>(length));
@@ -245,9 +238,7 @@ mx::array gather_records(
 }
 
 static void gather_records_host(
-    const TableRead& read,
-    const mx::array& idx,
-    uint8_t* dst) {
+    const TableRead& read, const mx::array& idx, uint8_t* dst) {
   Engine& engine = *read.engine;
   const Table& t = engine.table(read.table);
   const uint32_t* ix = idx.data<uint32_t>();
@@ -292,15 +283,9 @@ void GatherRecords::eval_gpu(
 }
 
 mx::array prefetch_records(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const mx::array& indices,
-    int priority,
-    double confidence,
-    bool exact,
-    uint64_t owner,
-    uint64_t generation,
-    int layer) {
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    int priority, double confidence, bool exact, uint64_t owner,
+    uint64_t generation, int layer) {
   engine->table(table); // validates the id now, not at eval time
   if (priority < 0 || priority >= kNumPriorities) {
     throw StreamError(
@@ -371,15 +356,9 @@ void PrefetchRecords::eval_gpu(
 }
 
 mx::array gather_rows(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const mx::array& row_ids,
-    uint64_t rows_per_page,
-    uint64_t row_bytes,
-    uint64_t header_bytes,
-    uint64_t owner,
-    uint64_t generation,
-    int layer) {
+    std::shared_ptr<Engine> engine, int table, const mx::array& row_ids,
+    uint64_t rows_per_page, uint64_t row_bytes, uint64_t header_bytes,
+    uint64_t owner, uint64_t generation, int layer) {
   const Table& t = engine->table(table);
   if (t.arena >= 0 || t.uniform_length == 0) {
     throw StreamError(
@@ -408,12 +387,8 @@ mx::array gather_rows(
 }
 
 static void gather_rows_host(
-    const TableRead& read,
-    uint64_t rpp,
-    uint64_t row_bytes,
-    uint64_t header,
-    const mx::array& idx,
-    uint8_t* dst) {
+    const TableRead& read, uint64_t rpp, uint64_t row_bytes, uint64_t header,
+    const mx::array& idx, uint8_t* dst) {
   Engine& engine = *read.engine;
   const Table& t = engine.table(read.table);
   const uint32_t* rows = idx.data<uint32_t>();
@@ -507,10 +482,8 @@ std::pair<mx::array, mx::array> aligned_rows(uint32_t rows, uint64_t row_bytes) 
 }
 
 std::pair<int, std::vector<mx::array>> create_arena(
-    std::shared_ptr<Engine> engine,
-    std::vector<uint64_t> part_bytes,
-    uint32_t rows,
-    std::vector<uint8_t> expand) {
+    std::shared_ptr<Engine> engine, std::vector<uint64_t> part_bytes,
+    uint32_t rows, std::vector<uint8_t> expand) {
   check_arena_spec(part_bytes, rows, expand);
   auto owned = std::make_shared<std::vector<mx::array>>();
   std::vector<mx::array> parts;
@@ -556,12 +529,8 @@ std::pair<int, std::vector<mx::array>> create_arena(
 }
 
 std::pair<mx::array, mx::array> resolve_records(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const mx::array& indices,
-    uint64_t owner,
-    uint64_t generation,
-    int layer) {
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    uint64_t owner, uint64_t generation, int layer) {
   const Table& t = engine->table(table);
   if (t.arena < 0) {
     throw StreamError(
@@ -581,9 +550,7 @@ std::pair<mx::array, mx::array> resolve_records(
 }
 
 static void resolve_host(
-    const TableRead& read,
-    const mx::array& idx,
-    uint32_t* rows,
+    const TableRead& read, const mx::array& idx, uint32_t* rows,
     uint64_t* lease) {
   const std::shared_ptr<Engine>& engine = read.engine;
   // Ticket 0 never exists: if this task fails, release_after sees an
@@ -654,8 +621,7 @@ void ResolveRecords::eval_gpu(
 }
 
 mx::array release_after(
-    std::shared_ptr<Engine> engine,
-    const mx::array& value,
+    std::shared_ptr<Engine> engine, const mx::array& value,
     const mx::array& lease) {
   if (lease.dtype() != mx::uint64) {
     throw StreamError(

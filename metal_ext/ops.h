@@ -23,27 +23,17 @@ mx::array load_tickets(
 // Streamed gather: uint8 [*indices.shape, length], row i = table[indices[i]].
 // Requests are issued as P0 exact when the indices are evaluated.
 mx::array gather_records(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const mx::array& indices,
-    uint64_t owner,
-    uint64_t generation,
-    int layer);
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    uint64_t owner, uint64_t generation, int layer);
 
 // Non-blocking: issues table[indices] at `priority` and returns at once; the
 // reads stay as cache candidates. `exact` marks known-needed records issued
 // early (PLE pages once token ids are known) rather than predictions. The
 // uint32 scalar output is the number of requests issued.
 mx::array prefetch_records(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const mx::array& indices,
-    int priority,
-    double confidence,
-    bool exact,
-    uint64_t owner,
-    uint64_t generation,
-    int layer);
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    int priority, double confidence, bool exact, uint64_t owner,
+    uint64_t generation, int layer);
 
 // Fixed-row arena for one record geometry: part p is an MLX-allocated uint8
 // array [rows, part_bytes[p]] (e.g. gate weight | gate scales | ...), so the
@@ -70,17 +60,12 @@ std::pair<int, std::vector<mx::array>> create_arena(
 // arena parts (e.g. gather_qmm rhs_indices); the lease must reach
 // release_after once the consumer of the rows has been computed.
 std::pair<mx::array, mx::array> resolve_records(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const mx::array& indices,
-    uint64_t owner,
-    uint64_t generation,
-    int layer);
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    uint64_t owner, uint64_t generation, int layer);
 
 // Identity on `value` that, when evaluated, releases the lease's pins.
 mx::array release_after(
-    std::shared_ptr<Engine> engine,
-    const mx::array& value,
+    std::shared_ptr<Engine> engine, const mx::array& value,
     const mx::array& lease);
 
 // PLE-style fixed pages: row r is page r / rows_per_page at byte
@@ -88,15 +73,9 @@ mx::array release_after(
 // (P0, digest-verified as one snapshot) and rows copied out of that same
 // snapshot. Output uint8 [*row_ids.shape, row_bytes].
 mx::array gather_rows(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const mx::array& row_ids,
-    uint64_t rows_per_page,
-    uint64_t row_bytes,
-    uint64_t header_bytes,
-    uint64_t owner,
-    uint64_t generation,
-    int layer);
+    std::shared_ptr<Engine> engine, int table, const mx::array& row_ids,
+    uint64_t rows_per_page, uint64_t row_bytes, uint64_t header_bytes,
+    uint64_t owner, uint64_t generation, int layer);
 
 // What a table op reads and for whom: the engine, the record table, the
 // owner/generation its requests carry, and the layer that labels them for
@@ -114,10 +93,7 @@ struct TableRead {
 class GatherRows : public mx::UnaryPrimitive {
  public:
   GatherRows(
-      mx::Stream s,
-      TableRead read,
-      uint64_t rows_per_page,
-      uint64_t row_bytes,
+      mx::Stream s, TableRead read, uint64_t rows_per_page, uint64_t row_bytes,
       uint64_t header_bytes)
       : mx::UnaryPrimitive(s),
         read_(std::move(read)),
@@ -172,10 +148,8 @@ class ReleaseAfter : public mx::UnaryPrimitive {
 class LoadTickets : public mx::UnaryPrimitive {
  public:
   LoadTickets(
-      mx::Stream s,
-      std::shared_ptr<Engine> engine,
-      std::vector<uint64_t> tickets,
-      uint64_t length)
+      mx::Stream s, std::shared_ptr<Engine> engine,
+      std::vector<uint64_t> tickets, uint64_t length)
       : mx::UnaryPrimitive(s),
         engine_(std::move(engine)),
         tickets_(std::move(tickets)),
@@ -210,11 +184,7 @@ class GatherRecords : public mx::UnaryPrimitive {
 class PrefetchRecords : public mx::UnaryPrimitive {
  public:
   PrefetchRecords(
-      mx::Stream s,
-      TableRead read,
-      int priority,
-      double confidence,
-      bool exact)
+      mx::Stream s, TableRead read, int priority, double confidence, bool exact)
       : mx::UnaryPrimitive(s),
         read_(std::move(read)),
         priority_(priority),

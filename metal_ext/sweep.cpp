@@ -30,14 +30,9 @@ constexpr uint64_t kMaxGap = 1ull << 20;
 } // namespace
 
 SweepRing::SweepRing(
-    std::shared_ptr<Engine> engine,
-    int table,
-    const std::string& path,
-    std::vector<uint64_t> part_bytes,
-    std::vector<uint8_t> expand,
-    uint32_t span,
-    uint32_t slots,
-    int threads)
+    std::shared_ptr<Engine> engine, int table, const std::string& path,
+    std::vector<uint64_t> part_bytes, std::vector<uint8_t> expand,
+    uint32_t span, uint32_t slots, int threads)
     : engine_(std::move(engine)),
       table_(table),
       span_(span),

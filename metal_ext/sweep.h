@@ -33,14 +33,9 @@ class SweepRing : public std::enable_shared_from_this<SweepRing> {
   // The ring's part buffers (uint8 [slots * span, row_bytes(p)]) are
   // allocated here; `parts()` returns them for the graph to view.
   SweepRing(
-      std::shared_ptr<Engine> engine,
-      int table,
-      const std::string& path,
-      std::vector<uint64_t> part_bytes,
-      std::vector<uint8_t> expand,
-      uint32_t span,
-      uint32_t slots,
-      int threads);
+      std::shared_ptr<Engine> engine, int table, const std::string& path,
+      std::vector<uint64_t> part_bytes, std::vector<uint8_t> expand,
+      uint32_t span, uint32_t slots, int threads);
   ~SweepRing();
   SweepRing(const SweepRing&) = delete;
   SweepRing& operator=(const SweepRing&) = delete;
@@ -96,17 +91,13 @@ class SweepRing : public std::enable_shared_from_this<SweepRing> {
 // Graph op: `dep` unchanged; when evaluated, issues records
 // [first, first + span) into `slot` (non-blocking).
 mx::array sweep_issue(
-    std::shared_ptr<SweepRing> ring,
-    const mx::array& dep,
-    uint32_t slot,
+    std::shared_ptr<SweepRing> ring, const mx::array& dep, uint32_t slot,
     uint32_t first);
 // Graph op: `value` unchanged; when evaluated, blocks until the slot holds
 // records [first, first + span) verified. Consumers of the ring views must
 // depend on its output.
 mx::array sweep_wait(
-    std::shared_ptr<SweepRing> ring,
-    const mx::array& value,
-    uint32_t slot,
+    std::shared_ptr<SweepRing> ring, const mx::array& value, uint32_t slot,
     uint32_t first);
 
 class SweepOp : public mx::UnaryPrimitive {

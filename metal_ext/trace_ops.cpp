@@ -6,9 +6,7 @@
 namespace hebrus {
 
 mx::array mark_after(
-    std::shared_ptr<Engine> engine,
-    const mx::array& value,
-    int layer,
+    std::shared_ptr<Engine> engine, const mx::array& value, int layer,
     int tag) {
   return mx::array(
       value.shape(),

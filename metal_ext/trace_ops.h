@@ -17,10 +17,7 @@ namespace mx = mlx::core;
 // (layer, tag) to the engine trace. No cost beyond one branch if the trace
 // is off.
 mx::array mark_after(
-    std::shared_ptr<Engine> engine,
-    const mx::array& value,
-    int layer,
-    int tag);
+    std::shared_ptr<Engine> engine, const mx::array& value, int layer, int tag);
 
 class MarkAfter : public mx::UnaryPrimitive {
  public:

@@ -55,9 +55,7 @@ class Xxh3_128 {
 };
 
 Xxh3Digest xxh3_128(
-    const uint8_t* data,
-    size_t size,
-    Xxh3Backend backend = Xxh3Backend::kAuto);
+    const uint8_t* data, size_t size, Xxh3Backend backend = Xxh3Backend::kAuto);
 
 // "avx2", "sse2", "neon" or "scalar": what kAuto picks on this CPU.
 const char* xxh3_backend();

@@ -4,6 +4,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import families  # noqa: F401  (registers the test checkpoints' family descriptors)
 
 # The independent MLX oracle (mlx-vlm 0.7.10) is unpacked, never installed (its package __init__
@@ -32,3 +34,11 @@ def _provide_mlx_vlm():
 
 
 _provide_mlx_vlm()
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """(model, tokenizer) of the shipped demo, once per test module (a module may define its own)."""
+    from hebrus_mlx import load
+
+    return load("demo")

@@ -70,8 +70,8 @@ def bulk_checkpoint(d, seed=0):
     from safetensors.numpy import save_file
 
     from hebrus_mlx.artifact import manifest as M
-    from hebrus_mlx.models import checkpoint_keys as keys
-    from hebrus_mlx.models.qwen4exp_config import (
+    from hebrus_mlx.format import checkpoint_keys as keys
+    from hebrus_mlx.format.qwen4exp_config import (
         ModelArgs, ple_constants, ple_table_rows,
     )
 

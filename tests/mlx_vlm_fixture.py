@@ -89,9 +89,11 @@ def build_model(config):
     return q4.Model(q4.ModelConfig.from_dict(copy.deepcopy(config)))
 
 
-def mlx_vlm_checkpoint(hf_dir, out_dir, bits=4, group_size=64):
+def mlx_vlm_checkpoint(hf_dir, out_dir, bits=4, group_size=64, expert_bits=None, expert_layers=None):
     """Quantize the HF checkpoint at `hf_dir` with mlx-vlm into `out_dir`;
-    returns the quantized mlx-vlm model (bf16, as saved)."""
+    returns the quantized mlx-vlm model (bf16, as saved). expert_bits: the routed experts
+    (`switch_mlp` projections; of `expert_layers` only, default all) at their own width,
+    recorded per module in the config's `quantization` block as mlx-lm's mixed recipes do."""
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
 
@@ -111,6 +113,9 @@ def mlx_vlm_checkpoint(hf_dir, out_dir, bits=4, group_size=64):
     def base_quant_predicate(path, module):  # mlx_vlm.convert's, verbatim in behaviour
         if utils.skip_multimodal_module(path):
             return False
+        if expert_bits is not None and ".switch_mlp." in path and (
+                expert_layers is None or int(path.split(".layers.")[1].split(".")[0]) in expert_layers):
+            return {"group_size": group_size, "bits": expert_bits, "mode": "affine"}
         return model_predicate(path, module)
 
     model, qconfig = quant_utils.quantize_model(model, config, group_size, bits,

@@ -28,8 +28,8 @@ MLX_VLM = Path(os.environ.get("MLX_VLM_ROOT", "/work/pkgs/mlx_vlm_0710"))  # .ci
 
 def mtp_tensors(config: dict, seed: int = 0, layout: str = "unfused", scale: float = 0.1) -> dict:
     from hebrus_mlx.artifact import manifest as M
-    from hebrus_mlx.models import checkpoint_keys as keys
-    from hebrus_mlx.models.qwen4exp_config import ModelArgs, mtp_layer_args
+    from hebrus_mlx.format import checkpoint_keys as keys
+    from hebrus_mlx.format.qwen4exp_config import ModelArgs, mtp_layer_args
 
     args = ModelArgs.from_dict(config)
     shapes = M.dense_shapes(mtp_layer_args(args))

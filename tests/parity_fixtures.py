@@ -17,6 +17,6 @@ def capture(name):
 
 @lru_cache(maxsize=None)
 def model(name):
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     return load_hf_model(PARITY / name)

@@ -28,3 +28,12 @@ def cache_gb(art, fraction):
     record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
     rows = max(math.ceil(fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok)
     return (rows * record + record // 2) / plan.GIB, rows
+
+
+def flip_byte(path, offset: int, mask: int = 0xFF):
+    """XOR one byte of a file in place (a corrupted record, page or header)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))

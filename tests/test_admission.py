@@ -121,7 +121,7 @@ NEGATIVE_FIXTURES = [
     ("stray-store-file", _stray_file, "bounds", "bounds.ple.9.hbpl"),
     ("family-unregistered", lambda d: edit_manifest(d, lambda m: m.__setitem__("family", "qwen9")), "family", "family"),
     ("family-other-geometry", lambda d: edit_manifest(d, lambda m: m.__setitem__("family", "qwen3.8-flash-next")), "constants", "family.vocab_size"),
-    ("profile", lambda d: edit_manifest(d, lambda m: m.__setitem__("profile", "text-affine3-g64")), "family", "profile"),
+    ("profile", lambda d: edit_manifest(d, lambda m: m.__setitem__("profile", "text-affine5-g64")), "family", "profile"),
     ("support-claim", lambda d: edit_manifest(d, lambda m: m.__setitem__("support", "verified")), "family", "support"),
     ("config-digest", _bytes_edit("config.json", lambda b: b + b" "), "source", "source.files.config.json"),
     ("generation-config-digest", _bytes_edit("generation_config.json", lambda b: b + b" "), "source", "source.files.generation_config.json"),
@@ -218,8 +218,8 @@ def test_admit_cli_imports_no_mlx(artifact, tmp_path):
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert last == {"rcs": [0, 2], "mlx": False}
     assert out.stderr.splitlines() == [
-        "hebrus-mlx admit: error: profile: unknown profile 'nope'; known: ['text-affine4-g64', 'text-affine8-g64', "
-        "'text-bf16', 'text-f32'] (admission stage family)"]
+        "hebrus-mlx admit: error: profile: unknown profile 'nope'; known: text-affine{2,3,4,6,8}-g{32,64,128}, "
+        "text-bf16, text-f32, text-mixed/dense=..,experts=..,ple=.. (admission stage family)"]
 
 
 # ---- malformed-but-parseable input: typed errors from explicit checks, never a relabelled bug ----

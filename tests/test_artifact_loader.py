@@ -22,11 +22,11 @@ import pytest
 
 from artifact_fixture import copy_artifact, edit_manifest, tiny_checkpoint
 from convert_fixture import parity_source
-from hebrus_mlx.loading import artifact as loader
+from hebrus_mlx.loading import build_model as loader
 from hebrus_mlx.artifact.errors import AdmissionError, DigestError
 from hebrus_mlx.convert import convert
 from hebrus_mlx.models import qwen4exp
-from hebrus_mlx.utils import load_hf_model, load_model
+from hebrus_mlx.loader import load_hf_model, load_model
 from parity_fixtures import CONFIG_NAMES, capture
 
 

@@ -12,7 +12,7 @@ import pytest
 from hebrus_mlx.batch import batch_forward
 from hebrus_mlx.generate import prefill
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
 
 # Rows at different positions: a 1-token prompt (fresh cache: its own group), short ones, and one
@@ -112,7 +112,6 @@ def test_batch_forward_matches_solo_streamed():
 
 # ---- the scheduler: BatchGenerator / batch_generate -------------------------------------------------
 
-from hebrus_mlx import errors as herrors  # noqa: E402
 from hebrus_mlx.batch_generate import BatchGenerator, BatchStepError, batch_generate  # noqa: E402
 from hebrus_mlx.errors import GenerationError, UsageError  # noqa: E402
 from hebrus_mlx.generate import generate_step  # noqa: E402

@@ -129,6 +129,32 @@ def test_machine_record_and_ssd_probe(tmp_path):
     assert rec["backend"] in ("cpu", "metal")
 
 
+def test_machine_record_carries_the_fast_check_rate(tmp_path, monkeypatch):
+    """Issue 23 §1: the bench machine record's SSD probe carries the per-read fast check's rate
+    (XXH3-128, one core) beside SHA-256, both when probed now and when taken from the machine
+    profile qualify wrote on this machine."""
+    from hebrus_mlx.artifact import fast_check as FC
+    from hebrus_mlx.machine_profile import this_machine
+
+    if FC.xxh3_128() is None:
+        pytest.skip("the build has no XXH3-128")
+    path = tmp_path / "store.bin"
+    path.write_bytes(os.urandom(16 * 8192))
+    r = M.ssd_probe(str(path), 8192, [i * 8192 for i in range(16)], queue_depths=(1,), reads=16, trials=1)
+    assert r["xxh3_128_gbps_per_core"] > 0 and r["xxh3_128_backend"] and r["sha256_gbps_per_core"] > 0
+    here = this_machine()
+    prof = {"machine": {k: here[k] for k in ("system", "release", "machine", "mlx")},
+            "io": {"pread": {"status": "measured", "record_bytes": 8192, "qd1_GBps": 1.0, "qd32_GBps": 2.0,
+                             "sha256_GBps_one_thread": 0.5, "xxh3_128_GBps_one_thread": 7.25}}}
+    from hebrus_mlx import machine_profile
+
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps(prof))
+    monkeypatch.setattr(machine_profile, "read_profile", lambda path=None: prof)
+    probe, _ = M.profile_probe(str(path), 8192, p)
+    assert probe["xxh3_128_gbps_per_core"] == 7.25 and probe["sha256_gbps_per_core"] == 0.5
+
+
 def test_bench_end_to_end_writes_json_markdown_png(tmp_path, capsys):
     """Two configurations (resident, streamed through a 32-record arena) interleaved A B B A: the
     streamed one reads expert bytes and reports a hit rate, the resident one reads none; tokens
@@ -163,7 +189,7 @@ def test_bench_end_to_end_writes_json_markdown_png(tmp_path, capsys):
 
 
 def test_bench_refuses_two_artifacts_before_loading(tmp_path, capsys):
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     other = tmp_path / "other"
     shutil.copytree(DEMO_DIR, other)

@@ -21,19 +21,20 @@ TEXT = ("import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the argumen
         "    for name in sorted(os.listdir(argv[1])):\n        print(name)\n    return 0\n") * 4
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from hebrus_mlx import load
-
-    return load("demo")
-
-
 def _feed(model, cache, parts):
     out = None
     for p in parts:
         out = model(mx.array([p], dtype=mx.int32), cache=cache)
     mx.eval(out)
     return out
+
+
+def _fed(demo, prefix):
+    """(model, a fresh cache that has been fed the prefix's head)."""
+    model, _ = demo
+    cache = model.make_cache()
+    _feed(model, cache, [prefix[0]])
+    return model, cache
 
 
 def _continue(model, tok, cache, ids, n=8):
@@ -121,11 +122,8 @@ def _rewrite(src, dst, **changes):
     ({"tokens": json.dumps([1, 2, 3])}, "prompt_cache_file.tokens"),
 ])
 def test_foreign_or_inconsistent_files_are_refused_by_field(demo, prefix, tmp_path, changes, field):
-    model, _ = demo
-    head, _ = prefix
-    cache = model.make_cache()
-    _feed(model, cache, [head])
-    good = save_prompt_cache(tmp_path / "good.safetensors", cache, model, tokens=head)
+    model, cache = _fed(demo, prefix)
+    good = save_prompt_cache(tmp_path / "good.safetensors", cache, model, tokens=prefix[0])
     bad = _rewrite(good, tmp_path / "bad.safetensors", **changes)
     with pytest.raises(PromptCacheFileError) as e:
         load_prompt_cache(bad, model, return_metadata=True)
@@ -133,10 +131,7 @@ def test_foreign_or_inconsistent_files_are_refused_by_field(demo, prefix, tmp_pa
 
 
 def test_unbound_or_broken_files_are_refused(demo, prefix, tmp_path):
-    model, _ = demo
-    head, _ = prefix
-    cache = model.make_cache()
-    _feed(model, cache, [head])
+    model, cache = _fed(demo, prefix)
     plain = tmp_path / "plain.safetensors"
     mlx_lm_save(str(plain), cache)  # mlx-lm's file without hebrus's binding
     with pytest.raises(PromptCacheFileError, match="format"):
@@ -178,14 +173,11 @@ def test_save_needs_a_bound_model_and_a_plain_sequence(demo, tmp_path):
 # -- trimming -------------------------------------------------------------------------------------------
 
 def test_sequence_cache_is_not_trimmable_and_mlx_lm_leaves_it_alone(demo, prefix):
-    model, _ = demo
-    head, _ = prefix
-    cache = model.make_cache()
-    _feed(model, cache, [head])
+    model, cache = _fed(demo, prefix)
     before = cache.digest()
     assert can_trim_prompt_cache(cache) is False
     assert trim_prompt_cache(cache, 5) == 0  # mlx-lm's contract for caches it cannot trim
-    assert cache.digest() == before and cache.offset == len(head)
+    assert cache.digest() == before and cache.offset == len(prefix[0])
     with pytest.raises(CacheTrimError, match="Gated DeltaNet"):
         cache.trim(5)
     linear = next(c for c in cache if isinstance(c, LinearCache))
@@ -221,10 +213,7 @@ def test_qsa_layers_trim_exactly(demo, prefix):
 
 
 def test_state_round_trip_of_each_layer_kind(demo, prefix):
-    model, _ = demo
-    head, _ = prefix
-    cache = model.make_cache()
-    _feed(model, cache, [head])
+    model, cache = _fed(demo, prefix)
     copy = cache.copy()
     assert type(copy) is SequenceCache and copy.digest() == cache.digest()
     for c in cache:
@@ -233,3 +222,32 @@ def test_state_round_trip_of_each_layer_kind(demo, prefix):
     bad = [c for c in cache if isinstance(c, AttentionCache)][0].state
     with pytest.raises(HebrusError, match="AttentionCache.state"):
         AttentionCache.from_state(bad[:3])
+
+
+def test_save_cleans_stale_temps_of_a_killed_save_never_a_live_one(demo, prefix, tmp_path):
+    """Issue 22 §1 (AFN-010): a save killed mid-write leaves `.NAME.tmp-HEX.safetensors`; the next
+    save of NAME removes it (and the plain `.NAME.tmp-HEX` form), never another file's temps and
+    never a temp whose writer still holds its lock."""
+    import fcntl
+    import os
+
+    model, _ = demo
+    head, _ = prefix
+    cache = model.make_cache()
+    _feed(model, cache, [head])
+    path = tmp_path / "turn1.cache"
+    stale = [tmp_path / ".turn1.cache.tmp-0123456789ab.safetensors", tmp_path / ".turn1.cache.tmp-0123456789ac"]
+    for s in stale:
+        s.write_bytes(b"half a cache")
+    other = tmp_path / ".other.cache.tmp-0123456789ab.safetensors"
+    other.write_bytes(b"not this target's")
+    held = tmp_path / ".turn1.cache.tmp-aaaaaaaaaaaa.safetensors"
+    held.write_bytes(b"a live save")
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        save_prompt_cache(path, cache, model, tokens=head)
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["turn1.cache", other.name, held.name])
+    assert load_prompt_cache(path, model).digest() == cache.digest()

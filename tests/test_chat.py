@@ -1,4 +1,4 @@
-"""hebrus_mlx.text.chat: rendering with provenance (AFN-006) and Python trimming (AFN-007).
+"""hebrus_mlx.text.chat_template: rendering with provenance (AFN-006) and Python trimming (AFN-007).
 
 Rendered bytes are checked against transformers' own chat-template renderer on the shipped
 template (upstream capture, tests/fixtures/text/chat_cases.json); segment kinds and token IDs are
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hebrus_mlx.text.chat import (
+from hebrus_mlx.text.chat_template import (
     DATA,
     TRUSTED_CONTROL,
     ChatError,
@@ -193,7 +193,7 @@ def test_template_cannot_launder_caller_text_into_control():
     """AFN-006: the sandbox hides the placeholder's internals, so a template cannot print caller
     text as template text."""
     for attr in ("_text", "_reg", "real"):
-        tpl = "{{ messages[0].content.%s }}" % attr
+        tpl = f"{{{{ messages[0].content.{attr} }}}}"
         try:
             r = render([{"role": "user", "content": "secret"}], chat_template=tpl)
         except TemplateError:

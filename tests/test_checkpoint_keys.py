@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx.models.checkpoint_keys import CheckpointKeyError, check_key_set
+from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_key_set
 from hebrus_mlx.models.qwen4exp import Model, ModelArgs
 from parity_fixtures import PARITY, capture, model
 
@@ -134,7 +134,7 @@ def test_live_conditional_generation_checkpoint_matches_reference(tmp_path):
     pytest.importorskip("transformers")
     import torch
 
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     ref = _build_cg(tmp_path)
     ids = capture("tiny_a")["input_ids"]

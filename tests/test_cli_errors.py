@@ -18,7 +18,7 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 
 from hebrus_mlx.cli import main
-from hebrus_mlx.utils import DEMO_DIR
+from hebrus_mlx.loader import DEMO_DIR
 
 ARGV = ["-p", "def fibonacci(n):", "--ignore-chat-template", "-m", "6", "--verbose", "false"]
 OFFSETS_PER_FILE = 5

@@ -95,7 +95,7 @@ def test_named_cases_are_one_line_naming_the_flag(flag, value):
 
 def test_cache_sizes_are_bounded_in_the_api_too():
     """bench --ab expert-cache-gb=1e300 reaches the loader, not the flag: refused there too."""
-    from hebrus_mlx.utils import DEMO_DIR, load_model
+    from hebrus_mlx.loader import DEMO_DIR, load_model
 
     for bad in (1e300, float("inf"), float("nan"), -1.0):
         with pytest.raises(UsageError) as e:
@@ -166,3 +166,24 @@ def test_ctrl_c_in_chat_is_a_clean_exit():
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=30)
     assert p.returncode == 130 and b"Traceback" not in err and b"KeyboardInterrupt" not in err, err
+
+
+def test_help_lists_each_verb_with_one_line(capsys):
+    """`hebrus-mlx --help`: every verb once, each with its one-line summary; no args is a usage error."""
+    from hebrus_mlx import cli
+
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split(None, 1) for line in out if line.startswith("  ")]
+    assert [r[0] for r in rows] == list(cli.VERBS) and all(len(r) == 2 and r[1].strip() for r in rows)
+    assert cli.main([]) == 2 and "commands:" in capsys.readouterr().err
+
+
+def test_version_prints_the_package_version(capsys):
+    import hebrus_mlx
+    from hebrus_mlx import cli
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"hebrus-mlx {hebrus_mlx.__version__}"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'\nversion = "{hebrus_mlx.__version__}"\n' in pyproject  # the one the package is built with

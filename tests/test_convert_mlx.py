@@ -185,17 +185,105 @@ def hf(tmp_path_factory):
     return tiny_checkpoint(str(tmp_path_factory.mktemp("mlxq-hf") / "hf"))
 
 
-def test_group_32_source_is_refused(hf, tmp_path, capsys):
-    """An mlx-vlm group-32 conversion: the artifact has no affine4-g32 codec;
-    refused (never requantized), one line at the CLI, nothing published."""
-    src = str(tmp_path / "g32")
-    V.mlx_vlm_checkpoint(hf, src, bits=4, group_size=32)
+def test_width_without_codec_is_refused(hf, tmp_path, capsys):
+    """An mlx-vlm 5-bit conversion: MLX runs it, the artifact has no affine5 codec (its widths
+    are 2/3/4/6/8); refused (never requantized), one line at the CLI, nothing published."""
+    src = str(tmp_path / "b5")
+    V.mlx_vlm_checkpoint(hf, src, bits=5, group_size=64)
     out = str(tmp_path / "out")
     capsys.readouterr()
     assert cli_main(["convert", "--hf-path", src, "--out", out]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "quantization: bits=4 group_size=32 has no artifact codec" in err
+    assert err.count("\n") == 1 and "quantization: bits=5 group_size=64 has no artifact codec" in err
     assert not os.path.exists(out)
+
+
+# At most indexer_budget + compress_ratio - 1 = 11 tokens: the QSA indexer keeps every key, so no
+# top-k selection runs. Past that, hebrus-mlx and mlx-vlm break exact ties between equal index
+# scores differently (seen at position 11 of IDS at 2/6/8-bit dense widths: one position's logits
+# differ by a routing flip, every other position bit for bit equal); the widths are not what differs.
+SHORT = IDS[0][:8]
+
+
+def _logits_vs_mlx_vlm(src, art):
+    """(mlx-vlm's logits on the source, hebrus-mlx's on the artifact) over SHORT, float32 activations."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    from hebrus_mlx import load
+
+    _, _, utils = V.import_mlx_vlm()
+    ref = utils.load_model(Path(src))
+    ref.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
+                        ref.parameters()))
+    ids = mx.array([SHORT])
+    return np.array(ref.language_model(ids).logits), np.array(load(art)[0](ids))
+
+
+def _greedy(forward, ids, n):
+    import mlx.core as mx
+
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(mx.argmax(forward(mx.array([ids]))[0, -1])))
+    return ids[-n:]
+
+
+@pytest.mark.parametrize("bits,group,expert_bits", [(2, 64, None), (3, 32, None), (6, 64, None), (8, 64, None),
+                                                    (4, 64, 2), (8, 32, 3)])
+def test_widths_and_mixed_import_as_is(hf, tmp_path, bits, group, expert_bits):
+    """MLX conversions at every artifact width (and mixed: dense at `bits`, the routed experts at
+    `expert_bits` through per-module entries of the `quantization` block) import without
+    requantizing: the profile records each component's width, the expert records are the
+    source's packed bytes, and the logits and greedy tokens equal mlx-vlm's own model on the
+    same weights."""
+    import mlx.core as mx
+
+    from hebrus_mlx import load
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact import constants as C
+    from hebrus_mlx.artifact.expert_major import ExpertMajorReader
+    from hebrus_mlx.convert import convert
+
+    src, art = str(tmp_path / "src"), str(tmp_path / "art")
+    V.mlx_vlm_checkpoint(hf, src, bits=bits, group_size=group, expert_bits=expert_bits)
+    if expert_bits is not None:  # the mixed config mlx-lm writes: one entry per expert module
+        q = json.load(open(os.path.join(src, "config.json")))["quantization"]
+        assert q["language_model.model.layers.1.mlp.switch_mlp.down_proj"]["bits"] == expert_bits and q["bits"] == bits
+    convert(src, art, quiet=True)
+    m = admit(art)
+    ew = bits if expert_bits is None else expert_bits
+    assert m.codecs == {"dense": C.affine_name(bits, group), "experts": C.affine_name(ew, group), "ple": "bf16"}
+    t = _source_tensors(src)
+    with ExpertMajorReader(m.file(m.experts), m.family, m.experts.codec) as r:
+        got = r.read_expert(1, 2)["down"]
+    stem = "language_model.model.layers.1.mlp.switch_mlp.down_proj"
+    for part in ("weight", "scales", "biases"):
+        assert np.array_equal(got[part], t[f"{stem}.{part}"][2]), part
+    want, mine = _logits_vs_mlx_vlm(src, art)
+    assert np.abs(want - mine).max() <= 1e-5, np.abs(want - mine).max()
+    _, _, utils = V.import_mlx_vlm()
+    ref = utils.load_model(Path(src))
+    from mlx.utils import tree_map
+
+    ref.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
+                        ref.parameters()))
+    model = load(art)[0]
+    assert _greedy(lambda x: ref.language_model(x).logits, SHORT, 3) == _greedy(model, SHORT, 3)
+
+
+def test_per_layer_mixed_expert_widths_are_refused_naming_the_module(hf, tmp_path):
+    """Routed experts at 2 bits in layer 1 only (the rest at the global 4): the ExpertMajor store
+    holds one width, so the import is refused naming the module, never requantized."""
+    from hebrus_mlx.convert import convert
+    from hebrus_mlx.convert_mlx import MlxSourceError
+
+    src = str(tmp_path / "src")
+    V.mlx_vlm_checkpoint(hf, src, bits=4, group_size=64, expert_bits=2, expert_layers={1})
+    with pytest.raises(MlxSourceError) as e:
+        convert(src, str(tmp_path / "out"), quiet=True)
+    assert e.value.field.startswith("quantization") and "one width" in str(e.value)
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_flags_that_would_requantize_are_refused(imported, tmp_path):

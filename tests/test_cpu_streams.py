@@ -11,9 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx.errors import UsageError
-from hebrus_mlx.models import cpu_streams
+from hebrus_mlx.models import cpu_streams, optimize
+from hebrus_mlx.models import options as graph_options
 from hebrus_mlx.models import qwen4exp as q
+from hebrus_mlx.models.options import GraphOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,29 +37,26 @@ def _model():
 
     flat = nn.utils.tree_flatten(model.parameters())
     model.update(nn.utils.tree_unflatten([(k, mx.random.normal(v.shape) * 0.2) for k, v in flat]))
-    q.fuse_projections(model)
+    optimize.apply(model, GraphOptions(cpu_streams=2))
     mx.eval(model.parameters())
     return model
 
 
 def _run(model, streams, ids, steps=5):
-    previous = cpu_streams.set_cpu_streams(streams)
-    try:
-        cache = model.make_cache()
-        out = [model(ids, cache=cache)]
-        for _ in range(steps):
-            out.append(model(mx.argmax(out[-1][:, -1:], axis=-1).astype(mx.int32), cache=cache))
-        mx.eval(out)
-        return out
-    finally:
-        cpu_streams.set_cpu_streams(previous)
+    model.options = model.options.replace(cpu_streams=streams)  # read while each graph is built
+    cache = model.make_cache()
+    out = [model(ids, cache=cache)]
+    for _ in range(steps):
+        out.append(model(mx.argmax(out[-1][:, -1:], axis=-1).astype(mx.int32), cache=cache))
+    mx.eval(out)
+    return out
 
 
 @pytest.fixture
 def sides(monkeypatch):
     """Every split site taken (no size floor), and the number of times the graph asked for the side
     stream while building (so a graph that silently stays on one stream fails)."""
-    monkeypatch.setattr(q, "SIDE_MIN_MACS", 0)
+    monkeypatch.setattr(optimize, "SIDE_MIN_MACS", 0)
     calls = []
     real = cpu_streams.side_stream
 
@@ -91,16 +89,15 @@ def test_each_split_site_matches_its_single_stream_op(sides):
     joined = [gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a]
     wide = mx.random.normal((1, 20, 64), key=mx.random.key(6))  # prefill: the per-Linear split
     for streams in (1, 2):
-        cpu_streams.set_cpu_streams(streams)
-        got = {
-            "moe": moe(x),
-            "project": q._project(gdn, joined, x) + q._project(gdn, joined, wide),
-            "logits": model._logits(wide),
-        }
+        with graph_options.use(model.options.replace(cpu_streams=streams)):
+            got = {
+                "moe": moe(x),
+                "project": q._project(gdn, joined, x) + q._project(gdn, joined, wide),
+                "logits": model._logits(wide),
+            }
         mx.eval(got)
         if streams == 1:
             ref = got
-    cpu_streams.set_cpu_streams(2)
     assert mx.array_equal(got["moe"], ref["moe"]).item()
     assert mx.array_equal(got["logits"], ref["logits"]).item()
     assert mx.array_equal(got["logits"], model.lm_head(wide)).item()
@@ -108,19 +105,17 @@ def test_each_split_site_matches_its_single_stream_op(sides):
         assert mx.array_equal(a, b).item()
 
 
-def test_bad_env_value_is_a_typed_error_naming_the_variable():
-    code = "import hebrus_mlx.models.cpu_streams as c; c.cpu_streams()"
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HEBRUS_CPU_STREAMS="3"),
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode != 0 and "HEBRUS_CPU_STREAMS" in proc.stderr
+def test_bad_cpu_streams_value_is_a_typed_error_naming_the_field():
+    from hebrus_mlx.errors import UsageError
+
     with pytest.raises(UsageError, match="cpu_streams"):
-        cpu_streams.set_cpu_streams(4)
+        GraphOptions(cpu_streams=4)
 
 
-def test_cli_refuses_a_bad_env_value_in_one_line():
+def test_cli_refuses_a_bad_graph_option_in_one_line():
     proc = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", "demo", "--prompt", "hi",
-                           "--max-tokens", "1"], env=dict(os.environ, HEBRUS_CPU_STREAMS="many"),
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+                           "--max-tokens", "1", "--graph", "cpu_streams=many"],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "hebrus-mlx generate: error: HEBRUS_CPU_STREAMS: must be auto, 1 or 2, got 'many'"]
+        "hebrus-mlx generate: error: --graph cpu_streams: expected an integer, got 'many'"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hebrus_mlx.models.qwen4exp import Capture
-from hebrus_mlx.utils import DEMO_DIR, load
+from hebrus_mlx.loader import DEMO_DIR, load
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_package_works_without_the_extension():
         import sys, os, tempfile
         sys.modules["hebrus_mlx._ext"] = None  # simulate a missing build
         from hebrus_mlx.stream import engine as se
-        from hebrus_mlx.stream.reference import ReferenceEngine
+        from hebrus_mlx.testing.stream_reference import ReferenceEngine
         assert not se.available() and "could not be imported" in se.unavailable_reason()
         try:
             se.StreamEngine(cache_bytes=1 << 20)
@@ -97,7 +97,7 @@ def test_fault_injection_is_compiled_only_into_the_test_module():
         """
         import sys
         import mlx.core as mx
-        from hebrus_mlx.utils import DEMO_DIR, load_model
+        from hebrus_mlx.loader import DEMO_DIR, load_model
         model = load_model(DEMO_DIR, expert_cache_gb=0.004, ple_cache_gb=4 * 65536 / 2**30)
         mx.eval(model(mx.array([[5, 6, 7]]), model.make_cache()))
         assert model.streaming.engine.counters()["misses"] > 0

@@ -28,8 +28,9 @@ from hebrus_mlx.artifact.expert_major import ExpertMajorReader
 from hebrus_mlx.artifact.ple_pages import PleReader
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.upgrade import upgrade
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.verify import verify
+from stream_store import flip_byte
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -122,12 +123,7 @@ def test_new_artifacts_stream_through_the_fast_check_old_ones_through_sha256(new
 
 
 def _flip(d, store, offset):
-    p = os.path.join(d, store)
-    with open(p, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(os.path.join(d, store), offset, 0x40)
 
 
 def _geometry(d):
@@ -209,6 +205,42 @@ def test_a_deliberate_edit_that_rewrites_the_fast_digest_is_caught_by_verify(new
     assert got != open(DEMO_DIR / "experts.hbem", "rb").read()[off:off + len(got)]  # the edit streams
     with pytest.raises(DigestError, match=rf"experts\.record\[{i}\]"):
         verify(new, stream=QUIET)
+
+
+def _resolve_one(d, layer, expert):
+    from hebrus_mlx.stream.experts import StreamedExperts
+
+    ex = StreamedExperts.from_artifact(d, rows=4)
+    try:
+        rows, lease = ex.resolve(layer, mx.array([expert]))
+        mx.eval(rows)
+        mx.eval(ex.engine.release_after(rows, lease))
+    finally:
+        ex.engine.close()
+
+
+@pytest.mark.parametrize("damage", ["torn", "misplaced"])
+def test_torn_and_misplaced_records_are_refused_by_the_fast_check(damage, new):
+    """The rest of the README's threat model (issue 23 §1): a torn record (its second half from
+    another record, as a write interrupted between two sectors leaves it) and a misplaced one (a
+    whole, valid record written at another record's offset) both fail the record's XXH3-128 on the
+    streamed read; the control (no damage) streams."""
+    g = _geometry(new)
+    i, j = g.index(2, 5), g.index(2, 6)
+    _resolve_one(new, 2, 5)  # the undamaged control
+    n = g.record_bytes
+    p = os.path.join(new, "experts.hbem")
+    with open(p, "r+b") as f:
+        f.seek(g.record_offset(j))
+        other = f.read(n)
+        if damage == "torn":
+            f.seek(g.record_offset(i) + n // 2)
+            f.write(other[n // 2:])
+        else:
+            f.seek(g.record_offset(i))
+            f.write(other)
+    with pytest.raises(RuntimeError, match="XXH3-128 mismatch"):
+        _resolve_one(new, 2, 5)
 
 
 # ---- admission: strict, typed, naming the field ---------------------------------------------------

@@ -125,7 +125,6 @@ def test_generate_step_matches_uncached_reference(step):
 def test_max_kv_size_is_refused_before_any_work():
     """mlx-lm's --max-kv-size has no exact meaning for QSA: refused as a typed one-liner, before the
     model is loaded (a nonexistent model path must not be what the user hears about)."""
-    from hebrus_mlx.cli import main
     from hebrus_mlx.errors import UsageError
 
     m = HistoryModel()
@@ -215,7 +214,7 @@ def test_generate_verbose_output_shape(tok):
 
 def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     """main() renders the chat template, generates and prints; context overflow exits 2."""
-    from hebrus_mlx.text.chat import qwen_template
+    from hebrus_mlx.text.chat_template import qwen_template
 
     tok.chat_template = qwen_template()
     model = ScriptModel(tok.encode("ok") + [IM_END])
@@ -273,7 +272,7 @@ GREEDY = json.loads((Path(__file__).parent / "fixtures" / "text" / "greedy_cases
 def test_greedy_matches_transformers_generate(case):
     """Issue 4 evidence: greedy generate_step (chunked prefill, cached decode) on the tiny
     reference checkpoints equals transformers' generate token for token (upstream capture)."""
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     model = load_hf_model(Path(__file__).parents[1] / case["checkpoint"])
     got = [t for t, _ in generate_step(mx.array(case["prompt"]), model, effective_vocab_size=model.args.vocab_size,
@@ -297,7 +296,7 @@ def _byte_tokenizer_checkpoint(dst, src):
     t.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     t.save(str(dst / "tokenizer.json"))
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 258]}))
-    from hebrus_mlx.text.chat import QWEN_TEMPLATE_PATH
+    from hebrus_mlx.text.chat_template import QWEN_TEMPLATE_PATH
 
     shutil.copy(QWEN_TEMPLATE_PATH, dst / "chat_template.jinja")
     return dst
@@ -306,7 +305,7 @@ def _byte_tokenizer_checkpoint(dst, src):
 def test_end_to_end_on_tiny_checkpoint(tmp_path):
     """load() + chat template + masked sampling on a real graph: 320 physical rows, 259 IDs;
     then the CLI as a subprocess prints mlx_lm's report shape."""
-    from hebrus_mlx.utils import load
+    from hebrus_mlx.loader import load
 
     d = _byte_tokenizer_checkpoint(tmp_path, Path(__file__).parents[1] / "tests" / "fixtures" / "parity" / "tiny_a")
     model, tok = load(str(d))
@@ -361,7 +360,7 @@ def test_dtype_flag_reaches_load_and_runs(monkeypatch, capsys):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    import hebrus_mlx.utils as U
+    import hebrus_mlx.loader as U
     from hebrus_mlx.cli import main as cli_main
 
     seen, real = [], U.load

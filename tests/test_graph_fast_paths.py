@@ -3,44 +3,53 @@ shared rope table, joined same-input projections, the folded norm scale) keep gr
 to the plain ops path (exactness is the product)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from hebrus_mlx.models.options import GraphOptions
 
-GREEDY = """
-import json, sys
-import mlx.core as mx
-from hebrus_mlx.utils import load_model, resolve_model_path
-from hebrus_mlx.generate import generate_step
-model = load_model(resolve_model_path("demo"), dtype=mx.float32)
-prompt = mx.array(list(range(5, 45)), dtype=mx.int32)
-tokens, last = [], None
-for tok, logprobs in generate_step(prompt, model, effective_vocab_size=model.args.vocab_size, max_tokens=36):
-    tokens.append(tok); last = logprobs
-print(json.dumps({"tokens": tokens, "last": last.tolist()}))
-"""
+# Every alternative on (compile too, whatever the backend default), against every one off.
+FAST = GraphOptions(compile=True, join_projections=True, in_major=True, rope_tables=True, dense_sdpa=True,
+                    cpu_streams=2)
 
 
-def _greedy(**env):
-    full = dict(os.environ, PYTHONPATH=str(ROOT), **env)
-    proc = subprocess.run([sys.executable, "-c", GREEDY], env=full, capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _greedy(options):
+    from hebrus_mlx.generate import generate_step
+    from hebrus_mlx.loader import load_model, resolve_model_path
+
+    model = load_model(resolve_model_path("demo"), dtype=mx.float32, options=options)
+    prompt = mx.array(list(range(5, 45)), dtype=mx.int32)
+    tokens, last = [], None
+    for tok, logprobs in generate_step(prompt, model, effective_vocab_size=model.args.vocab_size, max_tokens=36):
+        tokens.append(tok)
+        last = logprobs
+    return model, tokens, np.array(last)
 
 
 def test_fast_paths_keep_greedy_tokens_across_the_dense_to_sparse_boundary():
     # demo: budget 64, ratio 8 -> the dense regime ends at 71 tokens; 40 + 36 crosses it
-    plain = _greedy(HEBRUS_NO_COMPILE="1", HEBRUS_QSA_DENSE_SDPA="0", HEBRUS_NO_FUSE="1")
-    fast = _greedy()
-    assert fast["tokens"] == plain["tokens"]
-    np.testing.assert_allclose(np.array(fast["last"]), np.array(plain["last"]), atol=1e-4)
+    plain_model, plain, plain_last = _greedy(GraphOptions.plain())
+    fast_model, fast, fast_last = _greedy(FAST)
+    # the plain model kept every block's one implementation; the fast one had them swapped
+    swapped = [{type(m).__name__ for _, m in model.named_modules() if type(m).__module__.endswith(".optimize")}
+               for model in (plain_model, fast_model)]
+    assert swapped[0] == set() and plain_model.options == GraphOptions.plain()
+    assert swapped[1] == {"OneGraphHyperConnection", "OneGraphPLELayer", "FastQSAAttention", "SplitSparseMoE",
+                          "SplitLogitsModel"}
+    assert fast == plain
+    np.testing.assert_allclose(fast_last, plain_last, atol=1e-4)
+
+
+def test_options_refuse_a_bad_value_naming_the_field():
+    import pytest
+
+    from hebrus_mlx.errors import UsageError
+
+    with pytest.raises(UsageError, match="cpu_streams"):
+        GraphOptions(cpu_streams=3)
+    with pytest.raises(UsageError, match="compile"):
+        GraphOptions(compile="yes")
 
 
 def test_folded_norm_scale_follows_weight_replacement():
@@ -82,14 +91,14 @@ def test_joined_projections_match_the_per_linear_matmuls():
     greedy decode agree (bit for bit on this CPU)."""
     from mlx.utils import tree_flatten
 
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
     from parity_fixtures import PARITY, capture
 
-    model = load_hf_model(PARITY / "tiny_a")
+    model = load_hf_model(PARITY / "tiny_a", options=GraphOptions(join_projections=True, cpu_streams=1))
     layers = model.layers
     joined = [layers[0].linear_attn, layers[0].mlp, layers[0].attn_hyper_connection,
               next(l.self_attn for l in layers if not l.is_linear), next(l.ple for l in layers if l.has_ple)]
-    assert all(m.__dict__.get("_fused") is not None for m in joined)
+    assert all(m.__dict__["_projector"].joined is not None for m in joined)
     ids = mx.array(capture("tiny_a")["input_ids"]).reshape(1, -1)[:, :12]  # <= FUSE_MAX_TOKENS
     fused_tokens, fused_logits = _decode(model, ids, 24)
     model.load_weights([(k, mx.array(np.array(v))) for k, v in tree_flatten(model.parameters())])
@@ -100,20 +109,18 @@ def test_joined_projections_match_the_per_linear_matmuls():
 
 
 def test_in_major_weights_keep_logits_bit_identical():
-    """On the CPU backend the loaders re-store resident float weights [in, out] (TRANSPOSE); reloading
+    """With GraphOptions.in_major (the CPU default) the loaders re-store resident float weights [in, out]; reloading
     the same values as fresh [out, in] arrays undoes it (and the joined groups). Prefill (per-Linear
     matmuls, chunked GDN, resident routed experts) and decode logits are equal bit for bit."""
     from mlx.utils import tree_flatten
 
-    from hebrus_mlx.models import qwen4exp
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
     from parity_fixtures import PARITY, capture
 
-    model = load_hf_model(PARITY / "tiny_a")
+    model = load_hf_model(PARITY / "tiny_a", options=GraphOptions(in_major=True, cpu_streams=1))
     layer = model.layers[0]
     stored = [layer.linear_attn.out_proj.weight, layer.mlp.switch_mlp.gate_proj.weight, model.lm_head.weight]
-    if qwen4exp.TRANSPOSE:
-        assert not any(np.array(w).flags["C_CONTIGUOUS"] for w in stored)
+    assert not any(np.array(w).flags["C_CONTIGUOUS"] for w in stored)
     ids = mx.array(capture("tiny_a")["input_ids"]).reshape(1, -1)[:, :24]  # > FUSE_MAX_TOKENS
     in_major_tokens, in_major_logits = _decode(model, ids, 8)
     model.load_weights([(k, mx.array(np.ascontiguousarray(v))) for k, v in tree_flatten(model.parameters())])
@@ -141,17 +148,20 @@ def test_grouped_recurrence_is_bit_identical_to_mx_fast():
 
 
 def test_one_graph_hyper_connection_mix_is_bit_identical_to_the_per_part_path():
-    from hebrus_mlx.models.qwen4exp import FUSE, HyperConnection, ModelArgs, fuse_projections
+    from hebrus_mlx.models import optimize, options
+    from hebrus_mlx.models.qwen4exp import HyperConnection, ModelArgs
     from parity_fixtures import PARITY
 
     args = ModelArgs.from_dict(json.loads((PARITY / "tiny_a" / "config.json").read_text()))
-    for inject in (True, False):
-        hc = HyperConnection(args, inject=inject)
-        hc.hc_norm.weight = mx.random.normal(hc.hc_norm.weight.shape, key=mx.random.key(8)) * 0.3
-        fuse_projections(hc)
-        streams = mx.random.normal((2, 3, args.hc_count * args.hidden_size), key=mx.random.key(9))
-        fast = hc.mix(streams, inject=inject)
-        assert not FUSE or hc._decode_rhs(streams, inject) is not None
-        hc._decode_rhs = lambda *a: None  # the per-part path
-        plain = hc.mix(streams, inject=inject)
-        assert all(mx.array_equal(a, b).item() for a, b in zip(fast, plain))
+    for compiled in (False, True):
+        for inject in (True, False):
+            hc = HyperConnection(args, inject=inject)
+            hc.hc_norm.weight = mx.random.normal(hc.hc_norm.weight.shape, key=mx.random.key(8)) * 0.3
+            opts = optimize.apply(hc, GraphOptions(compile=compiled, cpu_streams=1))
+            assert type(hc) is optimize.OneGraphHyperConnection
+            streams = mx.random.normal((2, 3, args.hc_count * args.hidden_size), key=mx.random.key(9))
+            with options.use(opts):
+                assert hc._one_graph_rhs(streams, inject) is not None
+                fast = hc.mix(streams, inject=inject)
+                plain = HyperConnection.mix(hc, streams, inject=inject)  # the per-part path
+            assert all(mx.array_equal(a, b).item() for a, b in zip(fast, plain))

@@ -21,7 +21,7 @@ from hebrus_mlx.cli import main as cli_main
 from huggingface_hub import constants
 
 from hebrus_mlx import hub
-from hebrus_mlx.utils import DEMO_DIR
+from hebrus_mlx.loader import DEMO_DIR
 
 GB = 10 ** 9
 generate = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function

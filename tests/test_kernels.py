@@ -2,8 +2,9 @@
 oracles and the graph's ops paths; kernel vs ops on a real Metal device (skipped without Metal).
 
 The emulator checks indexing, reductions, barriers and masking — not Apple's compiler
-(see hebrus_mlx/kernels/msl_emulator.py)."""
+(see hebrus_mlx/testing/msl_emulator.py)."""
 
+import json
 import shutil
 
 import mlx.core as mx
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 from hebrus_mlx import kernels
-from hebrus_mlx.kernels import hc_mix, msl_emulator, ple_gather, qsa_attention
+from hebrus_mlx.kernels import hc_mix, ple_gather, qsa_attention
+from hebrus_mlx.testing import kernel_emulation as emu
+from hebrus_mlx.testing import msl_emulator
 from hebrus_mlx.models.qwen4exp import Capture, QSAAttention
 from parity_fixtures import capture, model
 
@@ -85,7 +88,7 @@ def _hc_inputs(rows=5, hc=4, hidden=64, seed=0):
 @pytest.mark.parametrize("hc,hidden", [(4, 64), (3, 48)])
 def test_hc_mix_emulated_matches_float64_and_ops(hc, hidden):
     up, normed = _hc_inputs(hc=hc, hidden=hidden)
-    got = hc_mix.emulate(up, normed, hc, hidden)
+    got = emu.hc_mix(up, normed, hc, hidden)
     u, n = up.astype(np.float64), normed.astype(np.float64)
     oracle = ((1 / (1 + np.exp(-u))).reshape(1, 5, hc, hidden) * n.reshape(1, 5, hc, hidden)).mean(-2)
     np.testing.assert_allclose(got, oracle, atol=1e-6)
@@ -111,7 +114,7 @@ def _ple_case(name):
 def test_ple_gather_emulated_matches_ops(name):
     emb, history, eos = _ple_case(name)
     n_new = len(history) - (emb.ngram_size - 1)
-    rows, got = ple_gather.emulate(
+    rows, got = emu.ple_gather(
         history, np.array(emb._multipliers), np.array(emb._head_sizes), np.array(emb._head_offsets),
         np.array(emb.ngram_embedding.weight), n_new, emb.heads_per_ngram, eos,
     )
@@ -171,7 +174,7 @@ def test_qsa_attention_emulated_prefill_and_decode(name):
     for scale, q, k, v, idx, ok, ops_out in calls:
         L = q.shape[2]
         kinds.add("prefill" if L > 1 else "decode")
-        got = qsa_attention.emulate(q[0], k[0], v[0], idx[0], ok[0], scale)
+        got = emu.qsa_attention(q[0], k[0], v[0], idx[0], ok[0], scale)
         oracle = _attention_oracle(q[0], k[0], v[0], idx[0], ok[0], scale)
         np.testing.assert_allclose(got, oracle, atol=2e-6)
         np.testing.assert_allclose(got, ops_out[0], atol=2e-6)
@@ -191,7 +194,7 @@ def test_qsa_attention_emulated_prefill_and_decode(name):
 
 
 def test_kernels_switch_on_only_when_the_profile_passed_them_on_metal(monkeypatch):
-    from hebrus_mlx import profile as prof
+    from hebrus_mlx import machine_profile as prof
 
     here = dict(prof.this_machine(), metal=True)  # a profile written on this machine, seen as a Mac
     monkeypatch.setattr(prof, "this_machine", lambda: dict(here))
@@ -201,9 +204,18 @@ def test_kernels_switch_on_only_when_the_profile_passed_them_on_metal(monkeypatc
                            "qsa_attention": {"status": "failed", "device": "metal"}}}
     assert kernels.configure(profile) == {"hc_mix"}
     assert kernels.enabled("hc_mix") == kernels.metal_available()
-    monkeypatch.setenv("HEBRUS_KERNEL_HC_MIX", "0")
-    assert not kernels.enabled("hc_mix")
-    assert kernels.make_kernel("hc_mix", ["a"], ["b"], "") is None
+    # The load-time pass swaps a qualified kernel in, unless the options switch Metal kernels off.
+    from hebrus_mlx.models import optimize
+    from hebrus_mlx.models.options import GraphOptions
+    from hebrus_mlx.models.qwen4exp import HyperConnection, ModelArgs
+    from parity_fixtures import PARITY
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    args = ModelArgs.from_dict(json.loads((PARITY / "tiny_a" / "config.json").read_text()))
+    for allowed, cls in ((True, optimize.MetalHyperConnection), (False, optimize.OneGraphHyperConnection)):
+        hc = HyperConnection(args)
+        optimize.apply(hc, GraphOptions(metal_kernels=allowed, cpu_streams=1))
+        assert type(hc) is cls
     kernels.configure(None)
     assert not any(kernels.enabled(k) for k in kernels.KERNELS)
 

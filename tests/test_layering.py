@@ -1,9 +1,13 @@
-"""Issue 10: one artifact model, read once; layers point one way.
+"""Issue 10 / 26: one artifact model, read once; layers point one way.
 
-format (errors, artifact/*, the MLX-free config and key tables) -> admission -> load (loading/*,
-the graph in models/, streaming in stream/, text/) -> generate and the verbs. Checked on the source
-(an AST scan that also sees function-local imports, where hidden cycles live) and by importing the
-lower layers in a fresh interpreter.
+format (errors, flags, artifact/*, format/*: the MLX-free config and key tables) -> admission ->
+graph (models/, kernels/, the machine profile) -> streaming (stream/) -> load (loading/*, loader,
+hub, text/) -> generation (generate, sampling, the prompt cache, speculative/, traces/, pipeline/,
+the shared CLI flags, and the verbs that sit on them: convert, verify, qualify, bench, simulate, ...)
+-> serving (server, chat, the CLI). The test oracles (testing/) sit above everything: no product
+module imports them (one named exception). Checked on the source (an AST scan that also sees
+function-local imports, where hidden cycles live) and by importing the lower layers in a fresh
+interpreter.
 """
 
 import ast
@@ -18,26 +22,33 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "hebrus_mlx"
 
-FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.flags", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.models.qwen4exp_config",
-          "hebrus_mlx.models.checkpoint_keys", "hebrus_mlx.pipeline.split")
+FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.flags", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.format",
+          "hebrus_mlx.format.", "hebrus_mlx.pipeline.split")
+FORMAT_R, ADMISSION_R, GRAPH_R, STREAMING_R, LOAD_R, GENERATION_R, SERVING_R, TESTING_R = range(8)
 RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one module
-    (FORMAT, 0),
-    (("hebrus_mlx.admission",), 1),
-    (("hebrus_mlx.loading", "hebrus_mlx.loading.", "hebrus_mlx.models", "hebrus_mlx.models.qwen4exp",
-      "hebrus_mlx.models.cache", "hebrus_mlx.models.gated_delta", "hebrus_mlx.models.cpu_streams", "hebrus_mlx.stream", "hebrus_mlx.stream.",
-      "hebrus_mlx.text", "hebrus_mlx.text.", "hebrus_mlx.kernels", "hebrus_mlx.kernels.", "hebrus_mlx.profile", "hebrus_mlx.utils", "hebrus_mlx.hub",
-      "hebrus_mlx.traces", "hebrus_mlx.traces.schema", "hebrus_mlx.traces.capture", "hebrus_mlx.traces.shards",
-      "hebrus_mlx.traces.export", "hebrus_mlx.traces.cachesim", "hebrus_mlx.models.mtp",
-      "hebrus_mlx.models.streaming_protocol", "hebrus_mlx.cli_args"), 2),
+    (FORMAT, FORMAT_R),
+    (("hebrus_mlx.admission",), ADMISSION_R),
+    (("hebrus_mlx.models", "hebrus_mlx.models.", "hebrus_mlx.kernels", "hebrus_mlx.kernels.",
+      "hebrus_mlx.machine_profile"), GRAPH_R),
+    (("hebrus_mlx.stream", "hebrus_mlx.stream."), STREAMING_R),
+    (("hebrus_mlx.loading", "hebrus_mlx.loading.", "hebrus_mlx.loader", "hebrus_mlx.hub", "hebrus_mlx.text",
+      "hebrus_mlx.text."), LOAD_R),
     # Replay prefills through generate's loop; the traces verb and eval sit on replay.
-    (("hebrus_mlx.generate", "hebrus_mlx.traces.replay", "hebrus_mlx.traces.eval", "hebrus_mlx.traces.command",
-      "hebrus_mlx.sample_utils", "hebrus_mlx.verify", "hebrus_mlx.upgrade", "hebrus_mlx.convert",
-      "hebrus_mlx.convert_fp8", "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.prompt_cache",
-      "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.qualify", "hebrus_mlx.qualify_report",
-      "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli", "hebrus_mlx.bench",
-      "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate.", "hebrus_mlx.batch", "hebrus_mlx.batch_generate"), 3),
-    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.api_fields", "hebrus_mlx.chat"), 4),
+    (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.prompt_cache", "hebrus_mlx.cli_args",
+      "hebrus_mlx.batch", "hebrus_mlx.batch_generate",
+      "hebrus_mlx.prompt_cache_disk", "hebrus_mlx.perplexity", "hebrus_mlx.cache_prompt", "hebrus_mlx.verb_flags",
+      "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.traces", "hebrus_mlx.traces.",
+      "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli",
+      "hebrus_mlx.verify", "hebrus_mlx.upgrade", "hebrus_mlx.convert", "hebrus_mlx.convert_fp8",
+      "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.qualify", "hebrus_mlx.qualify_report",
+      "hebrus_mlx.bench", "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate."), GENERATION_R),
+    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.api_fields", "hebrus_mlx.chat",
+      "hebrus_mlx.responses_api"), SERVING_R),
+    (("hebrus_mlx.testing", "hebrus_mlx.testing."), TESTING_R),
 ]
+# The one product use of the oracles: `hebrus-mlx qualify` runs the shipped MSL sources through the
+# emulator as an opt-in check (never counted as qualified).
+UP_ALLOWED = {("hebrus_mlx.qualify", "hebrus_mlx.testing.kernel_emulation")}
 
 
 def _modules():
@@ -95,7 +106,7 @@ def _rank(module):
 
 def test_no_import_cycles_even_through_function_local_imports():
     graph = import_graph()
-    assert {"hebrus_mlx.admission", "hebrus_mlx.loading.artifact", "hebrus_mlx.stream.experts"} <= set(graph)
+    assert {"hebrus_mlx.admission", "hebrus_mlx.loading.build_model", "hebrus_mlx.stream.experts"} <= set(graph)
     index, low, stack, on, cycles = {}, {}, [], set(), []
 
     def visit(v):  # Tarjan's strongly connected components
@@ -128,24 +139,86 @@ def test_no_import_cycles_even_through_function_local_imports():
 def test_the_scan_sees_a_planted_cycle(tmp_path, monkeypatch):
     """Control: the scan is not vacuous - a function-local import back up is a cycle."""
     graph = import_graph()
-    graph["hebrus_mlx.artifact.constants"] = graph["hebrus_mlx.artifact.constants"] | {"hebrus_mlx.loading.artifact"}
-    reach, todo = set(), ["hebrus_mlx.loading.artifact"]
+    graph["hebrus_mlx.artifact.constants"] = graph["hebrus_mlx.artifact.constants"] | {"hebrus_mlx.loading.build_model"}
+    reach, todo = set(), ["hebrus_mlx.loading.build_model"]
     while todo:
         for w in graph.get(todo.pop(), ()):
             if w not in reach:
                 reach.add(w)
                 todo.append(w)
-    assert "hebrus_mlx.loading.artifact" in reach
+    assert "hebrus_mlx.loading.build_model" in reach
+
+
+def _up_edges(graph):
+    return sorted((m, d) for m, deps in graph.items() for d in deps
+                  if d in MODULES and _rank(d) > _rank(m) and (m, d) not in UP_ALLOWED)
 
 
 def test_layers_point_one_way():
-    assert {_rank(m) for m in MODULES} == {0, 1, 2, 3, 4}  # every module has exactly one layer
-    up = sorted((m, d) for m, deps in import_graph().items() for d in deps
-                if d in MODULES and _rank(d) > _rank(m))
-    assert up == []
+    assert {_rank(m) for m in MODULES} == set(range(8))  # every module has exactly one layer
+    assert _up_edges(import_graph()) == []
 
 
-LOWER = ["hebrus_mlx.errors", "hebrus_mlx.cli", "hebrus_mlx.admission", "hebrus_mlx.verify",
+@pytest.mark.parametrize("importer, imported", [
+    ("hebrus_mlx.artifact.manifest", "hebrus_mlx.models.qwen4exp"),  # format reads the graph's config
+    ("hebrus_mlx.admission", "hebrus_mlx.models.cache"),  # admission reaches into the graph
+    ("hebrus_mlx.kernels.hc_mix", "hebrus_mlx.testing.msl_emulator"),  # a kernel imports the emulator
+    ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.testing.qsa_oracle"),  # the graph ships an oracle
+    ("hebrus_mlx.stream.streaming", "hebrus_mlx.testing.stream_reference"),
+    ("hebrus_mlx.speculative.drafters", "hebrus_mlx.testing.drafters"),
+    ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.stream.streaming"),  # the graph past its protocol
+    ("hebrus_mlx.stream.engine", "hebrus_mlx.loader"),  # streaming reaches up into load
+    ("hebrus_mlx.loader", "hebrus_mlx.generate"),  # load reaches up into generation
+    ("hebrus_mlx.generate", "hebrus_mlx.server"),  # generation reaches up into serving
+])
+def test_each_layer_violation_fails(importer, imported):
+    """Control: the ranks separate format, admission, graph, streaming, load, generation and serving,
+    so each of these imports (the boundaries issue 26 names) would be an upward edge."""
+    graph = import_graph()
+    graph[importer] = graph[importer] | {imported}
+    assert (importer, imported) in _up_edges(graph)
+
+
+def test_oracles_only_for_tests():
+    """No product module imports hebrus_mlx.testing (but qualify's opt-in emulation check)."""
+    users = sorted((m, d) for m, deps in import_graph().items() for d in deps
+                   if d.startswith("hebrus_mlx.testing") and not m.startswith("hebrus_mlx.testing"))
+    assert set(users) == UP_ALLOWED
+
+
+def _calls(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            yield f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+
+
+def test_no_flag_definitions_below_the_verbs():
+    """argparse flags are defined by the verbs and cli_args, never in graph, streaming or load."""
+    bad = []
+    for m, path in MODULES.items():
+        if _rank(m) in (GRAPH_R, STREAMING_R, LOAD_R):
+            tree = ast.parse(path.read_text())
+            names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            if "argparse" in names or "add_argument" in set(_calls(tree)):
+                bad.append(m)
+    assert bad == []
+
+
+def test_the_product_executes_no_source_file():
+    """Nothing in the package loads a script by path (simulate once exec'd benchmarks/bench_stream.py)."""
+    bad = [m for m, path in MODULES.items()
+           if {"spec_from_file_location", "exec_module", "run_path", "exec"} & set(_calls(ast.parse(path.read_text())))]
+    assert bad == []
+
+
+def test_verbs_chat_and_server_are_leaves():
+    """Nothing imports the chat or server verb modules (chat once took its flags from server)."""
+    users = sorted(m for m, deps in import_graph().items() if deps & {"hebrus_mlx.chat", "hebrus_mlx.server"})
+    assert users == []
+
+
+LOWER = ["hebrus_mlx.errors", "hebrus_mlx.cli", "hebrus_mlx.admission", "hebrus_mlx.verify", "hebrus_mlx.cli_args",
          "hebrus_mlx.loading.plan", "hebrus_mlx.stream.errors"] + sorted(m for m in MODULES if m.startswith(FORMAT))
 
 
@@ -179,7 +252,7 @@ def _opened(monkeypatch):
 def test_load_reads_manifest_and_config_once(monkeypatch):
     """The loader, the streamed experts and PLE use admission's Manifest object: manifest.json and
     config.json are opened once each (by admission), even with experts and PLE streamed."""
-    from hebrus_mlx.utils import DEMO_DIR, load_model
+    from hebrus_mlx.loader import DEMO_DIR, load_model
 
     seen = _opened(monkeypatch)
     model = load_model(DEMO_DIR, expert_cache_gb=0.001, ple_cache_gb=2 * 65536 / 2**30)
@@ -196,7 +269,7 @@ def _rchar():
 def test_verify_reads_each_store_once():
     """verify's record/page checks feed the whole-file digest: the bytes read are about one pass over
     the stores (two passes were 1.7x on the demo)."""
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
     from hebrus_mlx.verify import verify
 
     total = sum(p.stat().st_size for p in DEMO_DIR.iterdir())
@@ -233,7 +306,7 @@ def test_register_family_refuses_a_clash():
 def test_load_reads_every_source_file_once(monkeypatch):
     """load("demo"): admission reads each source identity file once and checks its digest; the
     graph and the tokenizer use those bytes (no check-then-use window on tokenizer files either)."""
-    from hebrus_mlx.utils import load
+    from hebrus_mlx.loader import load
 
     seen = _opened(monkeypatch)
     model, tok = load("demo")

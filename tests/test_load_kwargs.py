@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from hebrus_mlx import utils
+from hebrus_mlx import loader
 from hebrus_mlx.errors import HebrusError, UsageError
-from hebrus_mlx.utils import DEMO_DIR, load
+from hebrus_mlx.loader import DEMO_DIR, load
 
 
 def test_every_mlx_lm_load_keyword_is_a_parameter():
@@ -26,8 +26,8 @@ def nothing_is_read(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("load went past its argument checks")
 
-    monkeypatch.setattr(utils, "_apply_machine_profile", boom)
-    monkeypatch.setattr(utils, "load_model", boom)
+    monkeypatch.setattr(loader, "_apply_machine_profile", boom)
+    monkeypatch.setattr(loader, "load_model", boom)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -50,7 +50,7 @@ def test_unsupported_arguments_are_typed_errors_before_any_work(nothing_is_read,
 
 @pytest.mark.parametrize("name,revision", [("demo", "main"), (str(DEMO_DIR), "v1"), ("someorg/x", "")])
 def test_revision_needs_a_hub_repo_id(monkeypatch, name, revision):
-    monkeypatch.setattr(utils, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(UsageError) as e:
         load(name, revision=revision)
     assert e.value.field == "revision"

@@ -127,13 +127,6 @@ def test_bias_past_the_logits_width_fails_by_name():
 
 # -- wired into hebrus's generation loop ----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def demo():
-    from hebrus_mlx import load
-
-    return load("demo")
-
-
 def reference_tokens(model, tok, prompt, n, **rules):
     """Greedy with the numpy rules between plain model calls, fed in generate_step's partition
     (prompt[:-1], then one token per call), so the logits are bitwise the loop's."""

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from hebrus_mlx import kernels
-from hebrus_mlx import profile as prof
+from hebrus_mlx import machine_profile as prof
 
 
 @pytest.fixture

@@ -14,13 +14,6 @@ PROMPTS = ["def add(a, b):", "import os\n", "Once upon a time"]
 N = 24
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from hebrus_mlx import load
-
-    return load("demo")
-
-
 def _tokens(responses):
     return [r.token for r in responses]
 

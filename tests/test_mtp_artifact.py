@@ -3,7 +3,6 @@ without it, the same codecs as the text model, and malformed MTP stores rejected
 with the field named. Checkpoint: transformers `save_pretrained` tiny model (artifact_fixture)
 plus random `mtp.*` tensors in the released per-expert layout (mtp_fixture, contract control)."""
 
-import json
 import os
 
 import mlx.core as mx
@@ -14,9 +13,9 @@ from artifact_fixture import copy_artifact, edit_manifest, edit_safetensors_head
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact.errors import ArtifactError
 from hebrus_mlx.convert import add_mtp, convert
-from hebrus_mlx.models import checkpoint_keys as keys
+from hebrus_mlx.format import checkpoint_keys as keys
 from hebrus_mlx.models.qwen4exp import Capture
-from hebrus_mlx.utils import load_hf_model, load_model
+from hebrus_mlx.loader import load_hf_model, load_model
 from mtp_fixture import add_mtp_tensors
 
 IDS = mx.array([[5, 9, 3, 7, 11, 2, 4, 8, 13, 6, 7, 19, 3, 3, 4, 30, 2]])  # > QSA window (11)

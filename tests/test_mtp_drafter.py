@@ -9,8 +9,8 @@ import pytest
 
 from hebrus_mlx.models.qwen4exp import Capture
 from hebrus_mlx.speculative.base import Drafter, Proposal
-from hebrus_mlx.speculative.mtp import MTPDrafter
-from hebrus_mlx.utils import load_hf_model, load_model
+from hebrus_mlx.speculative.mtp_drafter import MTPDrafter
+from hebrus_mlx.loader import load_hf_model, load_model
 from mtp_fixture import mtp_checkpoint
 from parity_fixtures import PARITY, capture
 from spec_loop import plain_greedy, speculative_greedy
@@ -80,7 +80,7 @@ def test_demo_ships_a_trained_head_and_speculation_is_exact():
     """Demo: greedy with the MTP drafter == plain greedy, with a real (nonzero) acceptance."""
     from demo_reference import PROMPT_TEXT
     from hebrus_mlx.text.tokenizer import load_tokenizer
-    from hebrus_mlx.utils import resolve_model_path
+    from hebrus_mlx.loader import resolve_model_path
 
     path = resolve_model_path("demo")
     model = load_model(path)

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx.models.checkpoint_keys import CheckpointKeyError, check_mtp_key_set
+from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_mtp_key_set
 from hebrus_mlx.models.qwen4exp import Capture
-from hebrus_mlx.utils import load_hf_model
+from hebrus_mlx.loader import load_hf_model
 from mtp_fixture import mlx_vlm_available, mlx_vlm_drafter, mtp_checkpoint, mtp_tensors
 from parity_fixtures import capture
 
@@ -73,7 +73,7 @@ def test_checkpoint_without_mtp_has_no_head():
 def test_malformed_mtp_key_sets_are_named():
     import json
 
-    from hebrus_mlx.models.qwen4exp_config import ModelArgs
+    from hebrus_mlx.format.qwen4exp_config import ModelArgs
     from parity_fixtures import PARITY
 
     config = json.loads((PARITY / "tiny_a" / "config.json").read_text())

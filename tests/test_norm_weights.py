@@ -19,8 +19,8 @@ from artifact_fixture import copy_artifact, edit_manifest, load_manifest, refres
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact.errors import ArtifactError
 from hebrus_mlx.models.qwen4exp import Model, ZeroCenteredRMSNorm
-from hebrus_mlx.models.mtp import MTPHead
-from hebrus_mlx.utils import load_model
+from hebrus_mlx.models.mtp_head import MTPHead
+from hebrus_mlx.loader import load_model
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "hebrus_mlx", "demo", "model")
 

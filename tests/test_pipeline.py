@@ -15,7 +15,7 @@ import pytest
 
 from hebrus_mlx.pipeline import local_hostfile
 from hebrus_mlx.pipeline.split import PipelineSplitError, layer_bytes, parse_split, plan_split, stages
-from hebrus_mlx.utils import DEMO_DIR
+from hebrus_mlx.loader import DEMO_DIR
 
 SCRIPT = Path(__file__).with_name("pipeline_script.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def _launch(tmp_path, n, model, mode, split=None, timeout=60, env_extra=None, wa
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"a rank hung past {wait}s")
+            raise AssertionError(f"a rank hung past {wait}s") from None
         results.append((p.returncode, o, e))
     return out, results, time.monotonic() - t0
 
@@ -147,7 +147,7 @@ def _single(model, prompt_len=13, max_tokens=12):
     import mlx.core as mx
 
     from hebrus_mlx.generate import generate_step
-    from hebrus_mlx.utils import load_model
+    from hebrus_mlx.loader import load_model
 
     m = load_model(model)
     prompt = mx.array([(7 * i + 3) % 97 + 4 for i in range(prompt_len)], dtype=mx.int32)
@@ -192,7 +192,7 @@ def tiny_artifact_dir(tmp_path_factory):
 def test_tiny_checkpoint_pipeline_and_restore_equal_single_process(tmp_path, tiny_artifact_dir):
     import mlx.core as mx
 
-    from hebrus_mlx.utils import load_model
+    from hebrus_mlx.loader import load_model
 
     out, results, _ = _launch(tmp_path, 2, tiny_artifact_dir, "restore")
     assert all(rc == 0 for rc, _, _ in results), results
@@ -425,7 +425,7 @@ def test_stage_reads_only_its_own_dense_ranges(monkeypatch):
     import hashlib
 
     from hebrus_mlx.admission import admit
-    from hebrus_mlx.loading import artifact as LA
+    from hebrus_mlx.loading import build_model as LA
 
     m = admit(str(DEMO_DIR))
     raw = (DEMO_DIR / "model.safetensors").read_bytes()
@@ -464,7 +464,7 @@ def test_stage_reads_only_its_own_dense_ranges(monkeypatch):
 def test_a_flipped_byte_fails_only_the_rank_that_owns_it(tmp_path, capsys):
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact.errors import DigestError
-    from hebrus_mlx.loading.artifact import load_artifact_model
+    from hebrus_mlx.loading.build_model import load_artifact_model
 
     first, last = stages([3, 5])
     path = _copy_demo(tmp_path)
@@ -496,7 +496,7 @@ def tree_flatten_params(model):
 
 def test_older_artifact_without_digests_reads_the_whole_file_and_says_so(tmp_path, capsys):
     from hebrus_mlx.admission import admit
-    from hebrus_mlx.loading.artifact import load_artifact_model
+    from hebrus_mlx.loading.build_model import load_artifact_model
 
     path = _copy_demo(tmp_path)
     man = json.loads((path / "manifest.json").read_text())

@@ -19,9 +19,11 @@ import pytest
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.stream import engine as se
+from chunked_greedy import chunked_greedy
+from hebrus_mlx import cli_args
 from hebrus_mlx.stream import sweep as S
 from hebrus_mlx.stream.errors import DigestMismatchError
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -33,9 +35,9 @@ def test_modes_flag_and_typed_errors(capsys):
         S.parse_mode("always")
     assert e.value.field == "prefill_sweep"
     p = argparse.ArgumentParser()
-    S.add_sweep_argument(p)
-    assert S.sweep_from_args(p.parse_args([])) is None
-    assert S.sweep_from_args(p.parse_args(["--prefill-sweep", "off"])) == "off"
+    cli_args.add_sweep_argument(p)
+    assert cli_args.sweep_from_args(p.parse_args([])) is None
+    assert cli_args.sweep_from_args(p.parse_args(["--prefill-sweep", "off"])) == "off"
     assert cli.main(["generate", "--prefill-sweep", "sometimes", "-m", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prefill-sweep" in err[0]
@@ -54,19 +56,11 @@ def _cache_gb(d, fraction):
 
 def _run(model, prompt, steps, chunk):
     """Chunked prefill then greedy decode; every position's prefill logits and each step's."""
-    cache, tokens, logits = model.make_cache(), list(prompt), []
-    for i in range(0, len(prompt), chunk):
-        out = model(mx.array([prompt[i:i + chunk]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out[0]))
-    after_prefill = None if model.streaming is None or model.streaming.sweep is None \
-        else model.streaming.sweep.counters()["sweeps"]
-    for _ in range(steps):
-        tokens.append(int(logits[-1][-1].argmax()))
-        out = model(mx.array([tokens[-1:]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out[0]))
-    return tokens, logits, after_prefill
+    sweep = None if model.streaming is None else model.streaming.sweep
+    after = []
+    tokens, logits = chunked_greedy(model, prompt, steps, chunk,
+                                    lambda: after.append(None if sweep is None else sweep.counters()["sweeps"]))
+    return tokens, logits, after[0]
 
 
 def _assert_same(a, b):
@@ -216,7 +210,7 @@ def test_auto_planned_arena_leaves_the_ring_its_room(monkeypatch):
 
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import constants as C
-    from hebrus_mlx.loading import artifact as A
+    from hebrus_mlx.loading import build_model as A
     from hebrus_mlx.loading import plan
 
     m = admit(str(DEMO_DIR))

@@ -12,13 +12,6 @@ from hebrus_mlx.sample_utils import apply_vocab_mask
 from hebrus_mlx.prompt_cache import PromptCache, Usage, stream_with_cache
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from hebrus_mlx import load
-
-    return load("demo")
-
-
 def _feed(model, cache, parts):
     """Feed each part as one forward call; the last call's last-row logits."""
     out = None

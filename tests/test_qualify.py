@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from hebrus_mlx import kernels
-from hebrus_mlx import profile as prof
+from hebrus_mlx import machine_profile as prof
 from hebrus_mlx import qualify as q
-from hebrus_mlx.profile import SCHEMA, ProfileError, read_profile, write_profile
+from hebrus_mlx.machine_profile import SCHEMA, ProfileError, read_profile, write_profile
 from hebrus_mlx.qualify import FAILED, NO_GAIN, NOT_QUALIFIED, PASSED, qualify
 from hebrus_mlx.stream import engine as se
 
@@ -112,7 +112,7 @@ def test_load_refuses_a_profile_claiming_what_this_machine_has_not_qualified(tmp
     claim = _claiming(prof.this_machine(), passed=["kernels.hc_mix", "streaming.gpu_event", "io.mtlio_vs_pread"])
     path = write_profile(claim, tmp_path / "p.json")
     monkeypatch.setenv("HEBRUS_PROFILE", str(path))
-    from hebrus_mlx.utils import _apply_machine_profile
+    from hebrus_mlx.loader import _apply_machine_profile
 
     with pytest.warns(UserWarning, match="not honoured"):
         assert _apply_machine_profile() == set()
@@ -123,8 +123,8 @@ def test_load_refuses_a_profile_claiming_what_this_machine_has_not_qualified(tmp
 @pytest.mark.parametrize("compiled,backends,env,want", [
     (True, ["pread", "mtlio"], {}, {"gpu_event": True, "backend": "mtlio"}),
     (False, ["pread"], {}, {"gpu_event": False, "backend": "pread"}),  # the build lacks both
-    (True, ["pread", "mtlio"], {"HEBRUS_GPU_EVENTS": "0", "HEBRUS_MTLIO": "0"},
-     {"gpu_event": False, "backend": "pread"}),                          # kill-switches
+    (True, ["pread", "mtlio"], {"gpu_events": False, "mtlio": False},
+     {"gpu_event": False, "backend": "pread"}),                          # switched off by GraphOptions
 ])
 def test_stream_configure_switches_on_only_qualified_built_features(metal_mac, monkeypatch, compiled, backends,
                                                                     env, want):
@@ -132,11 +132,11 @@ def test_stream_configure_switches_on_only_qualified_built_features(metal_mac, m
     monkeypatch.setattr(se, "_ext", fake)
     monkeypatch.setattr(se, "gpu_events_compiled", lambda: compiled)
     monkeypatch.setattr(se, "backends", lambda: backends)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    from hebrus_mlx.models.options import GraphOptions
+
     try:
         p = _claiming(metal_mac, passed=["streaming.gpu_event", "io.mtlio_vs_pread"])
-        assert se.configure(p) == want and fake.gpu_events is want["gpu_event"]
+        assert se.configure(p, GraphOptions(**env)) == want and fake.gpu_events is want["gpu_event"]
         assert se.default_backend() == want["backend"]
         # a profile from another MLX promotes nothing
         assert se.configure(_claiming(dict(metal_mac, mlx="0.0.1"), passed=["streaming.gpu_event"])) == \
@@ -152,11 +152,11 @@ def test_bad_profile_is_typed_and_load_keeps_kernels_off(tmp_path, monkeypatch, 
     with pytest.raises(ProfileError, match="profile.schema"):
         read_profile(bad)
     monkeypatch.setenv("HEBRUS_PROFILE", str(bad))
-    from hebrus_mlx.utils import _apply_machine_profile
+    from hebrus_mlx.loader import _apply_machine_profile
 
     with pytest.warns(UserWarning, match="kernels stay off"):
         assert _apply_machine_profile() == set()
-    write_profile(_claiming(metal_mac, passed=["kernels.hc_mix"]), bad)
+    write_profile(_claiming(metal_mac, passed=["kernels.hc_mix"]), bad, overwrite=True)  # not ours: issue 22
     assert _apply_machine_profile() == {"hc_mix"}
     assert kernels.enabled("hc_mix") == kernels.metal_available()
     kernels.configure(None)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from hebrus_mlx import qualify_report as QR
-from hebrus_mlx.profile import NOT_QUALIFIED
+from hebrus_mlx.machine_profile import NOT_QUALIFIED
 from hebrus_mlx.stream import engine as se
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -37,7 +37,7 @@ def report(tmp_path_factory):
 
 def _prompt_text():
     from hebrus_mlx.bench.harness import prompt_ids
-    from hebrus_mlx.utils import load
+    from hebrus_mlx.loader import load
 
     _, tok = load("demo")
     return tok.decode(prompt_ids(tok, QR.PROMPT_TOKENS, 0))
@@ -170,3 +170,23 @@ def test_fast_check_section_reads_the_rate_where_the_build_has_it(monkeypatch):
     assert QR.fast_check_rates(4096) == {"status": QR.NOT_AVAILABLE}
     monkeypatch.setattr(machine, "fast_check_rate", lambda n: {"xxh3_128_GBps_one_thread": 9.5}, raising=False)
     assert QR.fast_check_rates(4096) == {"xxh3_128_GBps_one_thread": 9.5, "status": "measured"}
+
+
+def test_qualify_records_the_fast_check_rate_beside_sha256(report):
+    """Issue 23 §1: the per-read fast check's rate (XXH3-128, one core) goes into qualify's machine
+    profile (io.pread, beside SHA-256, against the probed read rate) and into the report's hashes,
+    measured whenever the build has the check."""
+    from hebrus_mlx.artifact import fast_check as FC
+
+    if FC.xxh3_128() is None:
+        pytest.skip("the build has no XXH3-128")
+    tmp, out = report
+    pread = json.loads((tmp / "p.json").read_text())["io"]["pread"]
+    assert pread["xxh3_128_GBps_one_thread"] > 0 and pread["xxh3_128_scalar_GBps_one_thread"] > 0
+    from hebrus_mlx import _hash
+
+    assert pread["xxh3_128_backend"] == _hash.xxh3_backend()
+    assert pread["xxh3_128_vs_qd32"] == pytest.approx(pread["xxh3_128_GBps_one_thread"] / pread["qd32_GBps"])
+    assert pread["sha256_GBps_one_thread"] > 0  # the publication digest's rate stays beside it
+    fc = json.loads(out.read_text())["hashes"]["fast_check"]
+    assert fc["status"] == "measured" and fc["xxh3_128_GBps_one_thread"] > 0 and fc["xxh3_128_backend"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hebrus_mlx.models.qwen4exp_config import ConfigError, ModelArgs
+from hebrus_mlx.format.qwen4exp_config import ConfigError, ModelArgs
 from parity_fixtures import PARITY
 
 
@@ -82,7 +82,7 @@ def test_full_attention_spelling_maps_to_indexed():
 
 def test_config_errors_come_before_weights(tmp_path):
     """load_hf_model reads config.json first: a bad config fails even with no weights present."""
-    from hebrus_mlx.utils import load_hf_model
+    from hebrus_mlx.loader import load_hf_model
 
     (tmp_path / "config.json").write_text(json.dumps(_mutate(("indexer_kv_heads",), 2)))
     with pytest.raises(ConfigError, match="indexer_kv_heads"):

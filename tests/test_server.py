@@ -376,46 +376,23 @@ def test_cancel_fails_pending_expert_tickets(reference, draft_model):
 def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
     """`tools`: calls the model writes in the template's format come back as `tool_calls`, in both
     modes (the marker split across tokens). The model is scripted here: the demo never calls."""
-    import queue as _queue
-
     import openai
-    import uvicorn
 
-    from hebrus_mlx.prompt_cache import PromptCache
-    from hebrus_mlx.server import App, ServerDefaults, Worker
+    from hebrus_mlx.server import Worker
+    from scripted_server import scripted_worker, serving
 
     tok, _ = reference
     script = ["Checking.", "\n\n<tool", "_call>\n{\"name\": \"get_", "weather\", \"arguments\": {\"city\": ",
               "\"Oslo\"}}\n</tool_call>"]
 
-    class ScriptWorker:
-        def __init__(self):
-            self.tokenizer, self.defaults, self.context = tok, ServerDefaults(), 4096
-            self.jobs, self.prompt_cache, self.model, self.busy = _queue.Queue(), PromptCache(0), None, False
-            self.seen = []
-            threading.Thread(target=self._run, daemon=True).start()
+    def emit(job):
+        for piece in script:
+            Worker._emit(job, ("text", piece))
+        Worker._emit(job, ("done", "stop"))
 
-        def _run(self):
-            while (job := self.jobs.get()) is not None:
-                self.seen.append(job.ids)
-                for piece in script:
-                    Worker._emit(job, ("text", piece))
-                Worker._emit(job, ("done", "stop"))
-
-        def cancel(self, job):
-            job.cancel.set()
-
-    worker = ScriptWorker()
-    app = App(worker, "scripted")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app.app, log_level="warning", lifespan="off"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    try:
-        while not srv.started:
-            time.sleep(0.02)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
+    worker = scripted_worker(tok, emit)
+    with serving(worker) as port:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
         msgs = [{"role": "user", "content": "Weather in Oslo?"}]
         r = c.chat.completions.create(model="scripted", messages=msgs, tools=tools)
@@ -433,10 +410,6 @@ def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
         # Without tools the same output is plain text.
         r = c.chat.completions.create(model="scripted", messages=msgs)
         assert r.choices[0].message.content == "".join(script) and not r.choices[0].message.tool_calls
-    finally:
-        srv.should_exit = True
-        th.join(10)
-        worker.jobs.put(None)
 
 
 def test_cli_flags(monkeypatch, capsys):

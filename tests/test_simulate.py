@@ -16,6 +16,7 @@ from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.simulate import command as C
 from hebrus_mlx.simulate import model as S
+from hebrus_mlx.simulate import projection as P
 from hebrus_mlx.traces import cachesim
 
 R = 1_000_000  # bytes per record in the hand cases
@@ -113,8 +114,6 @@ def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
     import time
 
     import mlx.core as mx
-
-    from hebrus_mlx.stream import engine as se
 
     T, L, k = topk.shape
     rec = 4096
@@ -227,6 +226,58 @@ def test_real_geometry_comes_from_the_artifact_format():
     assert (g.num_layers, g.num_experts, g.top_k, g.record_bytes) == (48, 512, 10, 3 * per) == (48, 512, 10, 2764800)
 
 
+def test_expert_width_sizes_records_like_the_format():
+    """Issue 23 §2/§3: a record at B bits is B*n/8 packed bytes plus a bf16 scale and bias per 64
+    weights; for the widths the format registers it is the format's own stride."""
+    from hebrus_mlx.artifact import constants as K
+    from hebrus_mlx.artifact.expert_major import Geometry
+
+    f = K.QWEN38_FLASH_NEXT
+    n = 3 * 640 * 2560
+    for b in (2, 3, 4, 6, 8):
+        rec, stride = S.expert_record_bytes(f, f"affine{b}-g64")
+        assert rec == n * b // 8 + n // 64 * 4 and stride % 4096 == 0 and stride - rec < 4096
+    for name in ("affine4-g64", "affine8-g64"):  # registered: the same as the artifact's layout
+        assert S.expert_record_bytes(f, name) == (Geometry(f, name).record_bytes, Geometry(f, name).record_stride)
+        assert S.expert_codec(name) is K.CODECS[name]
+    assert S.compute_scale(f, None, "affine2-g64") is None
+    assert S.compute_scale(f, 9.3, "affine4-g64") == pytest.approx(1.0)
+
+
+def test_projection_follows_the_expert_width():
+    """Fewer bits per expert: smaller records (more in the same cache, fewer MB read per token)
+    and less compute (bandwidth-bound decode): every width projects faster than the next wider
+    one; without the profile's dense_gb compute stays put (said so)."""
+    rows = C.project_widths("m5-pro-48gb", (2, 3, 4, 6, 8), cache_gb="8", draft_depths="0", memo=MEMO)
+    assert [r["expert_bits"] for r in rows] == [2, 3, 4, 6, 8]
+    for a, b in zip(rows, rows[1:]):
+        assert a["record_bytes"] < b["record_bytes"]
+        assert a["compute_ms_per_token"] < b["compute_ms_per_token"]
+        assert a["default_mb_per_token"] < b["default_mb_per_token"]
+        assert a["default_tok_s"] > b["default_tok_s"] and a["best_tok_s"] > b["best_tok_s"]
+    four = rows[2]
+    assert four["compute_scale"] == pytest.approx(1.0) and "ASSUMPTION: memory-bandwidth-bound" in four["compute_note"]
+    # Dense weights at 3 bits: less compute and more room for the cache than at 4.
+    d3 = C.project_widths("m5-pro-48gb", (4,), dense_bits=3, draft_depths="0", memo=MEMO)[0]
+    d4 = C.project_widths("m5-pro-48gb", (4,), draft_depths="0", memo=MEMO)[0]
+    assert d3["compute_ms_per_token"] < d4["compute_ms_per_token"] and d3["cache_budget_gb"] > d4["cache_budget_gb"]
+
+
+def test_a_profile_without_dense_gb_keeps_compute_and_says_so(tmp_path, capsys):
+    d = C.load_profile("m5-pro-48gb")
+    del d["dense_gb"]
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(d))
+    assert cli.main(["simulate", "--profile", str(p), "--expert-bits", "2,4", "--cache-gb", "8", "--draft-depths", "0",
+                     "--quiet", "--json", str(tmp_path / "o.json")]) == 0
+    assert "NOT scaled with the width" in capsys.readouterr().out
+    res = json.loads((tmp_path / "o.json").read_text())
+    assert len({c["rows"][0]["compute_ms"] for c in res["by_codec"]}) == 1
+
+
+MEMO = P.Memo()  # routes and replays shared by the width tests
+
+
 def test_shipped_profiles_cite_their_figures_and_say_what_is_assumed():
     names = sorted(p.stem for p in C.PROFILES_DIR.glob("*.json"))
     assert names == ["m5-max-128gb", "m5-pro-48gb", "m5-pro-64gb"]
@@ -256,6 +307,9 @@ def test_projection_on_a_profile_runs_and_picks_the_best(capsys):
     (["--validate", "--stack", "decode", "--prefetch-modes", "hyper-reuse"], "--prefetch-modes"),
     (["--validate", "--stack", "decode", "--gen-tokens", "1"], "--gen-tokens"),
     (["--profile", "machine", "--layer-ms", "1"], "--profile"),
+    (["--expert-bits", "7"], "--expert-bits"), (["--expert-bits", "2", "--codec", "affine2-g32"], "--expert-bits"),
+    (["--expert-bits", "two"], "--expert-bits"), (["--dense-bits", "9"], "--dense-bits"),
+    (["--codec", "affine7-g64"], "--codec"),
 ])
 def test_bad_simulate_input_is_one_typed_line(argv, field, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "no-profile.json"))
@@ -316,7 +370,7 @@ def _qualify_profile(tmp_path, monkeypatch, record_bytes, **machine):
 
     import mlx.core as mx
 
-    from hebrus_mlx import profile, qualify
+    from hebrus_mlx import machine_profile as profile, qualify
 
     path = tmp_path / "profile.json"
     monkeypatch.setenv("HEBRUS_PROFILE", str(path))

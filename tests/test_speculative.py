@@ -21,9 +21,10 @@ from hebrus_mlx.generate import generate_step, speculative_generate_step, stream
 from hebrus_mlx.sample_utils import make_sampler
 from hebrus_mlx.speculative import DRAFTERS, CompatibilityError, DrafterError, Proposal, SpeculativeStats, make_drafter
 from hebrus_mlx.speculative import protocol as P
-from hebrus_mlx.speculative.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter, load_draft_model
+from hebrus_mlx.speculative.drafters import DraftModelDrafter, NGramDrafter, load_draft_model
+from hebrus_mlx.testing.drafters import OracleDrafter
 from hebrus_mlx.speculative.governor import FixedSchedule
-from hebrus_mlx.utils import DEMO_DIR, load
+from hebrus_mlx.loader import DEMO_DIR, load
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a"
 N = 24
@@ -443,7 +444,7 @@ def test_draft_model_gate_names_the_field(demo, tmp_path):
 def test_drafter_registry_and_typed_errors(demo, monkeypatch):
     model, tok = demo
     assert isinstance(make_drafter("ngram", model, tok), NGramDrafter)
-    monkeypatch.setitem(sys.modules, "hebrus_mlx.speculative.mtp", None)  # the module is absent
+    monkeypatch.setitem(sys.modules, "hebrus_mlx.speculative.mtp_drafter", None)  # the module is absent
     with pytest.raises(DrafterError, match="draft_model: 'mtp'"):
         make_drafter("mtp", model, tok)
     with pytest.raises(DrafterError, match="draft_model"):
@@ -628,7 +629,7 @@ def test_plain_steps_are_pipelined(demo, plain):
     ids, want = plain
     cache = model.make_cache()
     seen = []
-    for t, _, from_draft in speculative_generate_step(
+    for _t, _, _from_draft in speculative_generate_step(
             mx.array(ids), model, Garbage(), effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
             num_draft_tokens=3, governor=FixedSchedule([0, 0, 0, 0, 2], repeat=True), prompt_cache=cache):
         seen.append(cache.next_position - len(ids) - len(seen))  # inputs fed past this token

@@ -17,7 +17,7 @@ from fault_injection import FaultyEngine
 from hebrus_mlx import kernels
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import ShortReadError, StreamRequestError
-from hebrus_mlx.stream.reference import ReferenceEngine
+from hebrus_mlx.testing.stream_reference import ReferenceEngine
 from stream_store import REC, random_store
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")

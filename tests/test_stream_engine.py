@@ -16,16 +16,9 @@ import pytest
 
 from fault_injection import FaultyEngine
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream.errors import (
-    CacheFullError,
-    DigestMismatchError,
-    ShortReadError,
-    StaleGenerationError,
-    StreamIOError,
-    StreamRequestError,
-    TicketCancelledError,
-)
-from hebrus_mlx.stream.reference import ReferenceEngine
+from hebrus_mlx.stream.errors import (CacheFullError, DigestMismatchError, ShortReadError, StaleGenerationError,
+                                     StreamIOError, StreamRequestError, TicketCancelledError)
+from hebrus_mlx.testing.stream_reference import ReferenceEngine
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 

@@ -16,7 +16,7 @@ from fault_injection import FaultyEngine
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import DigestMismatchError
 
-from stream_store import REC, random_store
+from stream_store import REC, flip_byte, random_store
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -33,11 +33,7 @@ def make():
 
 
 def corrupt(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path, offset)
 
 
 def test_digest_request_is_not_served_an_unverified_slot(store):

@@ -16,6 +16,7 @@ from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loading.plan import GIB, plan_experts
+from hebrus_mlx.simulate import synthetic_stack as S
 from hebrus_mlx.stream.experts import StreamedExperts
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -61,13 +62,8 @@ def resident_layer(reader, layer):
 
 
 def switch_glu(x, w, idx):
-    def proj(comp, h):
-        q, s, b = w[comp]
-        return mx.gather_qmm(h, q, s, b, rhs_indices=idx, transpose=True,
-                             group_size=GROUP, bits=BITS)
-
-    g = proj("gate", x)
-    return proj("down", g * mx.sigmoid(g) * proj("up", x))
+    assert (GROUP, BITS) == (S.GROUP, S.BITS)
+    return S.switch_glu(x, [w["gate"], w["up"], w["down"]], idx)
 
 
 def test_streamed_layers_equal_resident_reader(store):
@@ -176,7 +172,7 @@ def test_failed_construction_releases_reader_and_engine():
     descriptor or reader thread outlives the error, even while the error
     (and its traceback) is still held."""
     from hebrus_mlx.stream.errors import StreamRequestError
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     # The arena is evaluated on MLX's default CPU stream, whose scheduler thread MLX starts on
     # first use and keeps for the process: start it first so it is not counted as ours.
@@ -210,7 +206,7 @@ def test_artifact_without_expert_store_is_a_typed_error(tmp_path):
     import shutil
 
     from hebrus_mlx.artifact.errors import ArtifactError
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     art = tmp_path / "a"
     shutil.copytree(DEMO_DIR, art)

@@ -18,7 +18,7 @@ from hebrus_mlx.admission import admit, admit_mirror
 from hebrus_mlx.artifact.errors import AdmissionError
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import StreamRequestError
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 
 from stream_store import REC, random_store
 

@@ -1,5 +1,5 @@
 """Tests for the streamed model path: ``load(..., expert_cache_gb)`` / the
-resident-vs-streamed plan in hebrus_mlx/loading/artifact.py, wired to
+resident-vs-streamed plan in hebrus_mlx/loading/build_model.py, wired to
 hebrus_mlx/stream (engine, StreamedExperts, StreamedSwitchGLU).
 
 Provenance: the reference for every streamed run is the same artifact loaded
@@ -23,12 +23,12 @@ from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors
-from hebrus_mlx.loading import artifact as artifact_loading
+from hebrus_mlx.loading import build_model as artifact_loading
 from hebrus_mlx.loading import plan
 from hebrus_mlx.stream import experts as SE
 from hebrus_mlx.stream.streaming import Streaming
 from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -306,7 +306,7 @@ def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     naming the typed error and the store read, no traceback, and exits 2."""
     import importlib
 
-    from hebrus_mlx.utils import load
+    from hebrus_mlx.loader import load
 
     gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 

@@ -17,7 +17,7 @@ from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loading.plan import plan_ple
 from hebrus_mlx.stream.ple import StreamedNGramTable, attach_ple
 from hebrus_mlx.stream.switch import StreamedSwitchGLU
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 

@@ -18,8 +18,10 @@ import pytest
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.stream import engine as se
+from chunked_greedy import chunked_greedy
+from hebrus_mlx import cli_args
 from hebrus_mlx.stream import predict as P
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -41,9 +43,9 @@ def test_parse_prefetch_and_typed_errors():
     from hebrus_mlx.flags import Parser
 
     p = Parser()
-    P.add_prefetch_argument(p)
-    assert P.prefetch_from_args(p.parse_args([])) is None
-    assert P.prefetch_from_args(p.parse_args(["--prefetch", "router-reuse:2"])).depth == 2
+    cli_args.add_prefetch_argument(p)
+    assert cli_args.prefetch_from_args(p.parse_args([])) is None
+    assert cli_args.prefetch_from_args(p.parse_args(["--prefetch", "router-reuse:2"])).depth == 2
     with pytest.raises(UsageError) as e:  # refused by the flag's type (hebrus_mlx.flags)
         p.parse_args(["--prefetch-threshold", "1.5"])
     assert e.value.field == "--prefetch-threshold"
@@ -71,17 +73,9 @@ def _cache_gb(model_rows_fraction):
 
 
 def _greedy(model, prompt, steps, chunk):
-    cache, tokens, logits = model.make_cache(), list(prompt), []
-    for i in range(0, len(prompt), chunk):
-        out = model(mx.array([prompt[i:i + chunk]]), cache)
-        mx.eval(out)
-    logits.append(np.array(out[0, -1]))
-    for _ in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        out = model(mx.array([tokens[-1:]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out[0, -1]))
-    return tokens, logits
+    """(tokens, last-row logits of the prefill and of each step)."""
+    tokens, logits = chunked_greedy(model, prompt, steps, chunk)
+    return tokens, [out[-1] for out in logits[len(logits) - steps - 1:]]
 
 
 @pytest.fixture(scope="module")

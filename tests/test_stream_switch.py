@@ -117,7 +117,7 @@ def test_tiny_model_streamed_equals_resident(tmp_path):
     import os
 
     from artifact_fixture import tiny_artifact
-    from hebrus_mlx.utils import load_model
+    from hebrus_mlx.loader import load_model
 
     _, art = tiny_artifact(str(tmp_path), dtype="float32", q_bits=4)
     model = load_model(art)
@@ -195,7 +195,7 @@ def test_demo_hints_leave_layer_by_layer():
     reads, i.e. when the layer starts. The old scheme (every layer's hints
     at token start) puts all hints before layer 0's exact reads and fails.
     Contract control: engine timestamps, no timing thresholds."""
-    from hebrus_mlx.utils import DEMO_DIR, load_model
+    from hebrus_mlx.loader import DEMO_DIR, load_model
 
     model = load_model(DEMO_DIR)
     # 12 rows for 8 layers x top-4: the previous token's records are mostly

@@ -15,13 +15,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx import profile as prof
+from hebrus_mlx import machine_profile as prof
 from hebrus_mlx import qualify as q
-from hebrus_mlx.profile import SCHEMA, ProfileError, read_profile, write_profile
+from hebrus_mlx.machine_profile import SCHEMA, ProfileError, read_profile, write_profile
 from hebrus_mlx.stream import crossover as X
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import sweep as S
-from hebrus_mlx.utils import DEMO_DIR, load_model
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")

@@ -1,6 +1,6 @@
 """Issue 22 §2: a chat template is untrusted code; every render is bounded in steps (loop
 iterations, calls, operators), time, and the size of its output and of every value it builds
-(text/chat.py TemplateLimits). A hostile template ends in a TemplateError naming the limit, at the
+(text/chat_template.py TemplateLimits). A hostile template ends in a TemplateError naming the limit, at the
 CLI in one line (exit 2), never a hang, a memory blow-up or a traceback (the OverflowError of
 Jinja's range guard included).
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from hebrus_mlx.text.chat import ChatRenderer, TemplateError, qwen_template
-from hebrus_mlx.utils import DEMO_DIR
+from hebrus_mlx.text.chat_template import ChatRenderer, TemplateError, qwen_template
+from hebrus_mlx.loader import DEMO_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 M = [{"role": "user", "content": "hi"}]
@@ -102,3 +102,87 @@ def test_generate_with_a_digest_valid_hostile_template_is_one_line(tmp_path, nam
     assert rc == "2" and len(err) == 1 and "Traceback" not in r.stdout, r.stdout
     assert err[0].startswith("hebrus-mlx generate: error: chat_template: chat template "), err
     assert int(rss_kib) < 2 << 20  # < 2 GiB (the model and MLX included)
+
+
+# -- the template's size cap, wherever the template comes from (issue 22 §2, audit) ----------------
+
+
+def _checkpoint(tmp_path, **files):
+    d = tmp_path / "ckpt"
+    d.mkdir(parents=True)
+    shutil.copy(DEMO_DIR / "tokenizer.json", d / "tokenizer.json")
+    for name, data in files.items():
+        (d / name.replace("__", ".")).write_bytes(data if isinstance(data, bytes) else json.dumps(data).encode())
+    return d
+
+
+BIG = "{# " + "x" * (2 << 20) + " #}hi"  # 2 MiB: over the 1 MiB template cap, under tokenizer_config's 16 MiB
+
+
+@pytest.mark.parametrize("form", ["string", "named_list"])
+def test_template_inside_tokenizer_config_has_the_template_cap(tmp_path, form):
+    """Embedded in tokenizer_config.json a template escaped the template cap (only the 16 MiB cap of
+    its container applied): now it is refused naming the field and the cap, before any render."""
+    from hebrus_mlx.text.tokenizer import TokenizerError, load_tokenizer
+
+    tpl = BIG if form == "string" else [{"name": "default", "template": BIG}]
+    d = _checkpoint(tmp_path, tokenizer_config__json={"chat_template": tpl})
+    with pytest.raises(TokenizerError) as e:
+        load_tokenizer(d, 1 << 20)
+    assert e.value.field.endswith("tokenizer_config.json.chat_template"), e.value.field
+    assert "template cap of 1 MiB" in e.value.message
+
+
+def test_template_file_and_override_have_the_template_cap(tmp_path):
+    from hebrus_mlx.artifact.untrusted import UntrustedFileError
+    from hebrus_mlx.text.tokenizer import TokenizerError, load_tokenizer
+
+    d = _checkpoint(tmp_path, chat_template__jinja=BIG.encode())
+    with pytest.raises(UntrustedFileError, match="template cap of 1 MiB"):
+        load_tokenizer(d, 1 << 20)
+    d2 = _checkpoint(tmp_path / "2", tokenizer_config__json={"chat_template": "{{ 'ok' }}"})
+    with pytest.raises(TokenizerError, match="template cap of 1 MiB"):
+        load_tokenizer(d2, 1 << 20, chat_template=BIG)
+    assert load_tokenizer(d2, 1 << 20).chat_template == "{{ 'ok' }}"  # a small one still loads
+
+
+# -- the time budget holds inside one costly filter call (issue 22 §2, audit) ----------------------
+
+COSTLY = {
+    "wordwrap_4mb": "{% set s = 'a b ' * 1000000 %}{{ s|wordwrap(3)|length }}",
+    "wordwrap_loop": "{% set s = 'a b ' * 50000 %}{% for i in range(100) %}{{ s|wordwrap(3)|length }}{% endfor %}",
+    "urlize_loop": "{% set s = 'ab ' * 30000 %}{% for i in range(1000) %}{{ s|urlize|length }}{% endfor %}",
+    "striptags": "{% set s = '<a>b ' * 200000 %}{{ s|striptags|length }}",
+    "sort_chars": "{% set s = 'ab ' * 1000000 %}{{ s|sort|length }}",
+    "title_loop": "{% set s = 'ab ' * 300000 %}{% for i in range(100) %}{{ s|title|length }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(COSTLY))
+def test_costly_filters_stay_inside_the_time_budget(name):
+    """`wordwrap` on a 4 MB string ran ~16 s in one call, past the 5 s budget (checked only between
+    steps). Now such a call is charged per element and refused before it would pass the deadline;
+    the bound is relative to the budget: within max_seconds plus half a second of slack."""
+    from hebrus_mlx.text.chat_template import TemplateLimitError, TemplateLimits
+
+    limits = TemplateLimits(max_seconds=1.0)
+    tic = time.monotonic()
+    with pytest.raises(TemplateLimitError):
+        ChatRenderer(COSTLY[name], limits=limits).render(M)
+    assert time.monotonic() - tic < limits.max_seconds + 0.5
+
+
+def test_both_render_passes_share_one_time_budget():
+    """render() runs the template twice (plain and provenance-tracked): the budget covers both, so
+    a template taking 0.7 of it per pass is stopped rather than taking 1.4 budgets."""
+    from hebrus_mlx.text.chat_template import TemplateLimitError, TemplateLimits
+
+    probe = "{% set s = 'a b ' * 20000 %}{% for i in range(N) %}{{ s|wordwrap(3)|length }}{% endfor %}"
+    tic = time.monotonic()
+    ChatRenderer(probe.replace("N", "5"), limits=TemplateLimits(max_seconds=60)).render(M)
+    per_call = (time.monotonic() - tic) / 10  # 5 calls per pass, 2 passes
+    n = max(2, int(0.7 / per_call))  # one pass: ~0.7 s of a 1 s budget
+    tic = time.monotonic()
+    with pytest.raises(TemplateLimitError):
+        ChatRenderer(probe.replace("N", str(n)), limits=TemplateLimits(max_seconds=1.0)).render(M)
+    assert time.monotonic() - tic < 1.5

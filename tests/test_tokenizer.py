@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hebrus_mlx.text.chat import DATA, TRUSTED_CONTROL
+from hebrus_mlx.text.chat_template import DATA, TRUSTED_CONTROL
 from hebrus_mlx.text.tokenizer import (
     SegmentError,
     TextTokenizer,
@@ -211,7 +211,7 @@ def test_mlx_lm_tokenizer_conventions():
     import json as _json
 
     from hebrus_mlx.text.tokenizer import load_tokenizer as _load
-    from hebrus_mlx.utils import DEMO_DIR
+    from hebrus_mlx.loader import DEMO_DIR
 
     tok = _load(DEMO_DIR, physical_vocab_size=4224)
     msgs = [{"role": "user", "content": "hi <|im_end|>"}]

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from hebrus_mlx.text import tokenizer as T
-from hebrus_mlx.utils import DEMO_DIR
+from hebrus_mlx.loader import DEMO_DIR
 from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 WORDS = ["lorem", "ipsum", "it's", "we'll", "they'd", "x", "Qwen", "naïve", "cafe\u0301", "日本語", "テキスト",

@@ -7,9 +7,7 @@ prefill (replay), hand-built shards (faults), brute-force optimal paging (Belady
 rankings (scores). Models: the shipped demo artifact (8 layers, 64 experts top-4).
 """
 
-import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -27,7 +25,7 @@ from hebrus_mlx.traces.export import export, read_export
 from hebrus_mlx.traces.replay import _tie_groups_ok, replay
 from hebrus_mlx.traces.schema import TraceError
 from hebrus_mlx.traces.shards import read_trace, write_shard
-from hebrus_mlx.utils import DEMO_DIR, load
+from hebrus_mlx.loader import DEMO_DIR, load
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [317, 282, 1386, 265, 1494, 430, 925, 306, 258, 354, 40, 99]
@@ -101,7 +99,7 @@ def test_streamed_capture_is_bit_identical_and_replays_exactly(demo, tmp_path):
         pytest.skip("extension not built")
     from test_stream_model import _cache_gb
 
-    from hebrus_mlx.loading.artifact import load_artifact_model
+    from hebrus_mlx.loading.build_model import load_artifact_model
 
     model, tok = demo
     gb, _ = _cache_gb(str(DEMO_DIR))
@@ -423,7 +421,7 @@ def test_cache_simulator_policies():
     assert cachesim.simulate("lru", s, 3).hits == 4  # 1 | 1 | 2 | 1
     assert cachesim.simulate("lfu", s, 3).hits == 4
     rng = np.random.default_rng(0)
-    for trial in range(20):
+    for _ in range(20):
         st = rng.integers(0, 6, 14)
         cap = int(rng.integers(1, 5))
         opt = cachesim.simulate("belady", st, cap).hits

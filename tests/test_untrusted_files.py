@@ -23,7 +23,7 @@ import pytest
 from hebrus_mlx.artifact.errors import AdmissionError
 from hebrus_mlx.artifact.safetensors import read_safetensors_header
 from hebrus_mlx.cli import main
-from hebrus_mlx.utils import DEMO_DIR
+from hebrus_mlx.loader import DEMO_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGV = ["-p", "hi", "--ignore-chat-template", "-m", "2", "--verbose", "false"]
@@ -225,3 +225,88 @@ def test_lone_surrogate_and_duplicate_keys_in_tokenizer_config(demo):
     _refused("generate", ["--model", str(demo), *ARGV], "lone UTF-16 surrogate", "tokenizer_config.json")
     _set_source(demo, "tokenizer_config.json", b'{"a": 1, "a": 2}')
     _refused("generate", ["--model", str(demo), *ARGV], "duplicate JSON key 'a'")
+
+
+# -- every other JSON a user may be handed (issue 22 §2, audit: profile, reports, traces, bench) ----
+
+DEEP = "[" * 5000 + "]" * 5000
+DUPLICATE = '{"schema": "hebrus-mlx/machine-profile/1", "machine": {}, "machine": {}}'
+
+
+@pytest.mark.parametrize("text,needle", [(DEEP, "nested deeper than"), (DUPLICATE, "duplicate JSON key 'machine'")],
+                         ids=["deep", "duplicate"])
+def test_machine_profile_is_read_strictly(tmp_path, text, needle):
+    """read_profile (every load reads it; qualify/bench write it): a typed ProfileError naming
+    the file, never a RecursionError, and a duplicate key is not resolved last-wins."""
+    from hebrus_mlx.machine_profile import ProfileError, read_profile
+
+    p = tmp_path / "profile.json"
+    p.write_text(text)
+    with pytest.raises(ProfileError, match=re.escape(needle)):
+        read_profile(p)
+
+
+@pytest.mark.parametrize("text,needle", [(DEEP, "nested deeper than"),
+                                         ('{"schema": "x", "schema": "hebrus-mlx/qualify-report/1"}',
+                                          "duplicate JSON key 'schema'")], ids=["deep", "duplicate"])
+def test_simulate_profile_and_report_files_are_read_strictly(tmp_path, text, needle):
+    f = tmp_path / "report.json"
+    f.write_text(text)
+    _refused("simulate", ["--profile", str(f)], "--profile", needle)
+    _refused("simulate", ["--validate", "--report", str(f)], "--report", needle)
+
+
+def test_bench_against_is_read_strictly(tmp_path):
+    f = tmp_path / "bench.json"
+    f.write_text(DEEP)
+    _refused("bench", ["--model", "demo", "--against", str(f), "--out", str(tmp_path / "o")], "--against",
+             "nested deeper than")
+
+
+def test_traces_export_manifest_is_read_strictly(tmp_path):
+    """traces eval/export read an export's manifest.json: strict, bounded, no symlink."""
+    from hebrus_mlx.traces.export import read_export
+    from hebrus_mlx.traces.schema import TraceError
+
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "manifest.json").write_text(DEEP)
+    with pytest.raises(TraceError, match="nested deeper than"):
+        read_export(out)
+    (out / "manifest.json").write_text('{"schema": 1, "schema": 2}')
+    with pytest.raises(TraceError, match="duplicate JSON key 'schema'"):
+        read_export(out)
+    _refused("traces", ["eval", str(out)], "duplicate JSON key 'schema'")
+
+
+def test_trace_shard_header_is_read_strictly(tmp_path):
+    """A shard's header (JSON inside its safetensors metadata) is parsed strictly too."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    from hebrus_mlx.traces.schema import SCHEMA, SCHEMA_VERSION, TraceError
+    from hebrus_mlx.traces.shards import _read_one
+
+    p = tmp_path / "s.safetensors"
+    p.write_bytes(save({"token_ids": np.zeros(1, np.int32)},
+                       metadata={"schema": SCHEMA, "schema_version": str(SCHEMA_VERSION), "header": DEEP}))
+    with pytest.raises(TraceError, match="nested deeper than"):
+        _read_one(p)
+
+
+def test_bench_machine_record_reads_the_manifest_strictly(demo):
+    from hebrus_mlx.bench.machine import expert_store
+
+    (demo / "manifest.json").write_text(DEEP)
+    with pytest.raises(AdmissionError, match="nested deeper than"):
+        expert_store(demo)
+
+
+def test_deep_tool_call_in_model_output_stays_content():
+    """parse_tool_calls (the server's reading of the model's text): a deeply nested block is left
+    in the content, never a RecursionError (a 500)."""
+    import mlx.core  # noqa: F401  (the server module needs MLX first)
+    from hebrus_mlx.server import parse_tool_calls
+
+    text = "<tool_call>\n" + DEEP + "\n</tool_call>"
+    assert parse_tool_calls(text) == (text, [])

@@ -63,7 +63,7 @@ def byte_to_unicode():
 def read_ranks(path):
     ranks = {}
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
+        for line in f:
             if not line.strip():
                 continue
             tok, rank = line.split()

@@ -17,19 +17,15 @@ build (AFN-013).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import os
 import random
-import shutil
-import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-EXT = Path(__file__).resolve().parents[1] / "metal_ext"
-SYSROOT = "/usr/aarch64-linux-gnu"  # Debian's cross runtime (qemu -L)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kat_toolchain  # noqa: E402
+from kat_toolchain import EXT, ToolchainMissing  # noqa: E402, F401 (ToolchainMissing: the tests catch it here)
 
 # FIPS 180-2 appendix B (and the empty message).
 NIST = [
@@ -41,22 +37,10 @@ NIST = [
 ]
 
 
-class ToolchainMissing(RuntimeError):
-    pass
-
-
 def toolchain(arch: str):
     """(compiler, runner prefix, per-file flags of sha256_armv8.cpp)."""
-    if arch == "native":
-        cxx = shutil.which("g++") or shutil.which("clang++")
-        if cxx is None:
-            raise ToolchainMissing("no g++/clang++")
-        return cxx, [], []
-    cxx = shutil.which("aarch64-linux-gnu-g++")
-    qemu = shutil.which("qemu-aarch64")
-    if cxx is None or qemu is None:
-        raise ToolchainMissing("needs aarch64-linux-gnu-g++ and qemu-aarch64")
-    return cxx, [qemu, "-L", SYSROOT], ["-march=armv8-a+crypto"]
+    cxx, runner = kat_toolchain.toolchain(arch)
+    return cxx, runner, ([] if arch == "native" else ["-march=armv8-a+crypto"])
 
 
 def build(arch: str, out_dir: Path):
@@ -85,12 +69,7 @@ def check(arch: str, seed: int = 0):
     """(backend, mismatches): every case's three digests vs hashlib (and the
     NIST constants for those vectors)."""
     msgs = cases(seed)
-    with tempfile.TemporaryDirectory(prefix="sha256-kat-") as d:
-        cmd = build(arch, Path(d))
-        rec = Path(d) / "records.bin"
-        rec.write_bytes(b"".join(struct.pack("<I", len(m)) + m for m in msgs))
-        out = subprocess.run(cmd + [str(rec)], capture_output=True, text=True,
-                             check=True).stdout.split("\n")
+    out = kat_toolchain.run_kat(build, arch, msgs, "sha256-kat-")
     backend, lines = out[0], out[1:1 + len(msgs)]
     bad = []
     for i, (m, line) in enumerate(zip(msgs, lines)):
@@ -105,21 +84,12 @@ def check(arch: str, seed: int = 0):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", choices=["native", "aarch64"], default="aarch64")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    try:
-        backend, bad = check(args.arch, args.seed)
-    except ToolchainMissing as e:
-        print(f"skipped: {e}", file=sys.stderr)
-        return 2
-    n = len(cases(args.seed))
-    print(f"{args.arch}: backend={backend}, {n} messages x 3 digests, "
-          f"{len(bad)} mismatches")
-    for b in bad[:5]:
-        print("  mismatch:", b)
-    return 1 if bad else 0
+    def report(args, result):
+        backend, bad = result
+        print(f"{args.arch}: backend={backend}, {len(cases(args.seed))} messages x 3 digests, {len(bad)} mismatches")
+        return bad
+
+    return kat_toolchain.main(__doc__, argv, check, report)
 
 
 if __name__ == "__main__":

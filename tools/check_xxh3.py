@@ -20,17 +20,14 @@ build (AFN-013).
 
 from __future__ import annotations
 
-import argparse
 import random
-import shutil
-import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-EXT = Path(__file__).resolve().parents[1] / "metal_ext"
-SYSROOT = "/usr/aarch64-linux-gnu"  # Debian's cross runtime (qemu -L)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kat_toolchain  # noqa: E402
+from kat_toolchain import EXT, ToolchainMissing, toolchain  # noqa: E402, F401 (ToolchainMissing: the tests catch it here)
 
 # xxHash's sanity vectors for XXH3-128, seed 0: (length of the sanity buffer prefix, low64,
 # high64).
@@ -64,24 +61,6 @@ def sanity_buffer(n: int) -> bytes:
 
 def published_hex(low: int, high: int) -> str:
     return f"{high:016x}{low:016x}"  # canonical: high half first, big-endian
-
-
-class ToolchainMissing(RuntimeError):
-    pass
-
-
-def toolchain(arch: str):
-    """(compiler, runner prefix)."""
-    if arch == "native":
-        cxx = shutil.which("g++") or shutil.which("clang++")
-        if cxx is None:
-            raise ToolchainMissing("no g++/clang++")
-        return cxx, []
-    cxx = shutil.which("aarch64-linux-gnu-g++")
-    qemu = shutil.which("qemu-aarch64")
-    if cxx is None or qemu is None:
-        raise ToolchainMissing("needs aarch64-linux-gnu-g++ and qemu-aarch64")
-    return cxx, [qemu, "-L", SYSROOT]
 
 
 def build(arch: str, out_dir: Path):
@@ -119,12 +98,7 @@ def check(arch: str, seed: int = 0, require_oracle: bool = False):
     if oracle is None and require_oracle:
         raise ModuleNotFoundError("the xxhash package (pip install xxhash) is the oracle")
     msgs = cases(seed)
-    with tempfile.TemporaryDirectory(prefix="xxh3-kat-") as d:
-        cmd = build(arch, Path(d))
-        rec = Path(d) / "records.bin"
-        rec.write_bytes(b"".join(struct.pack("<I", len(m)) + m for m in msgs))
-        out = subprocess.run(cmd + [str(rec)], capture_output=True, text=True,
-                             check=True).stdout.split("\n")
+    out = kat_toolchain.run_kat(build, arch, msgs, "xxh3-kat-")
     backends, lines = out[0].split(","), out[1:1 + len(msgs)]
     bad, oracled = [], 0
     for i, (m, line) in enumerate(zip(msgs, lines)):
@@ -146,21 +120,14 @@ def check(arch: str, seed: int = 0, require_oracle: bool = False):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", choices=["native", "aarch64"], default="aarch64")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    try:
-        backends, bad, oracled = check(args.arch, args.seed)
-    except ToolchainMissing as e:
-        print(f"skipped: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.arch}: backends {','.join(backends)}; {len(PUBLISHED)} published vectors"
-          f" + {oracled} buffers vs the xxhash package, one-shot and streamed per backend;"
-          f" {len(bad)} mismatches")
-    for b in bad[:5]:
-        print("  mismatch:", b)
-    return 1 if bad else 0
+    def report(args, result):
+        backends, bad, oracled = result
+        print(f"{args.arch}: backends {','.join(backends)}; {len(PUBLISHED)} published vectors"
+              f" + {oracled} buffers vs the xxhash package, one-shot and streamed per backend;"
+              f" {len(bad)} mismatches")
+        return bad
+
+    return kat_toolchain.main(__doc__, argv, check, report)
 
 
 if __name__ == "__main__":

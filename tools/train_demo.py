@@ -707,9 +707,9 @@ def mtp_main(argv=None):
     from tokenizers import Tokenizer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from hebrus_mlx.models.mtp import MTPHead
+    from hebrus_mlx.models.mtp_head import MTPHead
     from hebrus_mlx.models.qwen4exp import Capture
-    from hebrus_mlx.utils import load_model
+    from hebrus_mlx.loader import load_model
 
     t_start = time.time()
     mx.random.seed(args.seed)

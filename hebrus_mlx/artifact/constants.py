@@ -8,7 +8,7 @@ registered descriptor field for field. Nothing here accepts "any geometry".
 from dataclasses import dataclass, field, fields
 from typing import Tuple
 
-from ..models.qwen4exp_config import ngram_head_primes, padded_rows, ple_head_offsets
+from ..format.qwen4exp_config import ngram_head_primes, padded_rows, ple_head_offsets
 from .errors import CodecError, FamilyError
 
 # ---------------------------------------------------------------- layout ---
@@ -108,17 +108,33 @@ class Codec:
 
 DTYPE_BYTES = {"uint32": 4, "uint16": 2, "float32": 4}
 
+# Affine widths and group sizes MLX's quantize / gather_qmm run (affine mode; bf16 scales and
+# biases). 4- and 8-bit at group 64 keep the ids of the first artifacts; every other pair gets
+# 0x100 | bits << 4 | group index, so an id names exactly one (bits, group).
+AFFINE_BITS = (2, 3, 4, 6, 8)
+AFFINE_GROUPS = (32, 64, 128)
+_LEGACY_AFFINE_IDS = {(4, 64): 1, (8, 64): 2}
+
+
+def affine_name(bits, group_size):
+    return f"affine{bits}-g{group_size}"
+
+
+def _affine_codecs():
+    for bits in AFFINE_BITS:
+        for g in AFFINE_GROUPS:
+            cid = _LEGACY_AFFINE_IDS.get((bits, g), 0x100 | bits << 4 | AFFINE_GROUPS.index(g))
+            yield Codec(affine_name(bits, g), cid, bits, g)
+
+
 CODECS = {
     c.name: c
-    for c in (
-        Codec("affine4-g64", 1, 4, 64),
-        Codec("affine8-g64", 2, 8, 64),
-        Codec("bf16", 3, 16, 0),
-        Codec("f32", 4, 32, 0),
-    )
+    for c in sorted((*_affine_codecs(), Codec("bf16", 3, 16, 0), Codec("f32", 4, 32, 0)), key=lambda c: c.codec_id)
 }
 CODECS_BY_ID = {c.codec_id: c for c in CODECS.values()}
+assert len(CODECS_BY_ID) == len(CODECS)
 PLE_CODECS = ("bf16", "f32")  # PLE row codecs; affine PLE is not qualified
+COMPONENTS = ("dense", "experts", "ple")  # what a profile gives a codec (manifest.codecs)
 
 
 def codec(name, field_name="codec"):
@@ -134,13 +150,55 @@ def codec_by_id(codec_id, field_name="codec_id"):
 
 
 # A profile binds one codec to each store. Dense: codec of the quantizable
-# linear weights (norms, biases and small vectors stay float).
+# linear weights (norms, biases and small vectors stay float). The named profiles
+# use one width everywhere; a profile with per-component widths (e.g. 4-bit dense,
+# 3-bit experts) is named by `profile_name` ("text-mixed/dense=..,experts=..,ple=..").
 PROFILES = {
-    "text-affine4-g64": {"dense": "affine4-g64", "experts": "affine4-g64", "ple": "bf16"},
-    "text-affine8-g64": {"dense": "affine8-g64", "experts": "affine8-g64", "ple": "bf16"},
+    **{f"text-{affine_name(b, g)}": {"dense": affine_name(b, g), "experts": affine_name(b, g), "ple": "bf16"}
+       for b in AFFINE_BITS for g in AFFINE_GROUPS},
     "text-bf16": {"dense": "bf16", "experts": "bf16", "ple": "bf16"},
     "text-f32": {"dense": "f32", "experts": "f32", "ple": "f32"},
 }
+MIXED_PREFIX = "text-mixed/"
+
+
+def profile_name(codecs, field_name="profile"):
+    """The one name of the profile giving `codecs` ({dense, experts, ple} -> codec name): a named
+    profile when one has exactly these codecs, else the canonical mixed name."""
+    if type(codecs) is not dict or sorted(codecs) != sorted(COMPONENTS):
+        raise CodecError(field_name, f"codecs must name exactly {list(COMPONENTS)}")
+    for comp in COMPONENTS:
+        codec(codecs[comp], f"{field_name}.{comp}")
+    if codecs["ple"] not in PLE_CODECS:
+        raise CodecError(f"{field_name}.ple", f"{codecs['ple']!r} is not a PLE row codec {PLE_CODECS}")
+    for name, c in PROFILES.items():
+        if c == codecs:
+            return name
+    return MIXED_PREFIX + ",".join(f"{comp}={codecs[comp]}" for comp in COMPONENTS)
+
+
+def profile_codecs(name, field_name="profile"):
+    """{dense, experts, ple} -> codec of profile `name`; a mixed name must be canonical (exactly
+    what `profile_name` writes for its codecs), anything else is refused naming the field."""
+    if type(name) is not str:
+        raise CodecError(field_name, f"must be a string, got {type(name).__name__}")
+    if name in PROFILES:
+        return dict(PROFILES[name])
+    if not name.startswith(MIXED_PREFIX):
+        raise CodecError(field_name, f"unknown profile {name!r}; known: text-affine{{{','.join(map(str, AFFINE_BITS))}}}"
+                                     f"-g{{{','.join(map(str, AFFINE_GROUPS))}}}, text-bf16, text-f32, "
+                                     f"{MIXED_PREFIX}dense=..,experts=..,ple=..")
+    codecs = {}
+    for item in name[len(MIXED_PREFIX):].split(","):
+        comp, eq, value = item.partition("=")
+        if not eq or comp not in COMPONENTS or comp in codecs:
+            raise CodecError(field_name, f"{name!r}: {item!r} is not one of dense=, experts=, ple= (once each)")
+        codecs[comp] = value
+    if profile_name(codecs, field_name) != name:
+        raise CodecError(field_name, f"{name!r} is not the canonical name of its codecs "
+                                     f"({profile_name(codecs, field_name)!r})")
+    return codecs
+
 
 # Profiles whose parity gate passed. Empty until a gate promotes one (AFN-013).
 VERIFIED_PROFILES = frozenset()

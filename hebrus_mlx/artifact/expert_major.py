@@ -213,12 +213,8 @@ class ExpertMajorReader(StoreFile):
     def _open(self, family, codec_name):
         size, raw = self._header(EXPERT_MAJOR_HEADER_BYTES, "experts")
         h = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(raw)))
-        if h["magic"] != EXPERT_MAJOR_MAGIC:
-            raise HeaderError("experts.magic", f"{h['magic']!r} is not an ExpertMajor store")
-        if h["version"] != EXPERT_MAJOR_VERSION:
-            raise HeaderError("experts.version", f"version {h['version']}, reader speaks {EXPERT_MAJOR_VERSION}")
-        if h["header_bytes"] != EXPERT_MAJOR_HEADER_BYTES:
-            raise HeaderError("experts.header_bytes", f"{h['header_bytes']} != {EXPERT_MAJOR_HEADER_BYTES}")
+        self._check_prelude(h, "experts", EXPERT_MAJOR_MAGIC, EXPERT_MAJOR_VERSION, EXPERT_MAJOR_HEADER_BYTES,
+                            "an ExpertMajor store")
         zeroed = raw[: _HEADER.size - 32] + _ZERO32 + raw[_HEADER.size :]
         if hashlib.sha256(zeroed).digest() != h["header_sha256"]:
             raise DigestError("experts.header_sha256", "header digest mismatch")

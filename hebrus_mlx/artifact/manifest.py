@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Tuple
 
-from ..models import checkpoint_keys as keys
-from ..models.qwen4exp_config import (
+from ..format import checkpoint_keys as keys
+from ..format.qwen4exp_config import (
     ModelArgs,
     mtp_layer_args,
     ple_head_offsets,
@@ -29,10 +29,10 @@ from .constants import (
     MANIFEST_SCHEMA,
     MANIFEST_SCHEMA_VERSION,
     NORM_WEIGHTS_DEFAULT_V1,
-    PROFILES,
     VERIFIED_PROFILES,
     FamilyDescriptor,
     codec,
+    profile_codecs,
 )
 from . import fast_check
 from .errors import AdmissionError
@@ -209,7 +209,7 @@ QUANTIZED_SUFFIXES = (
 
 def dense_codec(key, shape, profile):
     """Codec of one dense tensor under `profile`."""
-    name = PROFILES[profile]["dense"]
+    name = profile_codecs(profile)["dense"]
     c = codec(name)
     if not c.affine:
         return name
@@ -262,7 +262,7 @@ def mtp_weights(args, profile):
     out = [(k, s, dense_codec(k, s, profile), None) for k, s in sorted(mtp_dense_shapes(args).items())]
     m, H = args.moe_intermediate_size, args.hidden_size
     for comp, shape in (("gate", (m, H)), ("up", (m, H)), ("down", (H, m))):
-        out.append((f"mtp.layers.0.mlp.switch_mlp.{comp}_proj.weight", shape, PROFILES[profile]["experts"], comp))
+        out.append((f"mtp.layers.0.mlp.switch_mlp.{comp}_proj.weight", shape, profile_codecs(profile)["experts"], comp))
     return out
 
 
@@ -308,7 +308,7 @@ def build(*, family, profile, source_files, revision, repo, constants, stores, t
         "support": support_status(profile),
         "source": {"repo": repo, "revision": revision, "files": dict(sorted(source_files.items()))},
         "model_constants": constants,
-        "codecs": dict(PROFILES[profile]),
+        "codecs": profile_codecs(profile),
         "stores": stores,
         "tensors": tensors,
         "policy": {"modalities": ["text"], "mtp": "included" if mtp else "excluded"},

@@ -224,12 +224,7 @@ class PleReader(StoreFile):
         h = dict(zip(_FIELDS, vals))
         heads = vals[len(_FIELDS) : len(_FIELDS) + PLE_MAX_HEADS]
         payload_sha, manifest_sha = vals[-2], vals[-1]
-        if h["magic"] != PLE_MAGIC:
-            raise HeaderError("ple.magic", f"{h['magic']!r} is not a PLE page store")
-        if h["version"] != PLE_VERSION:
-            raise HeaderError("ple.version", f"version {h['version']}, reader speaks {PLE_VERSION}")
-        if h["header_bytes"] != PLE_HEADER_BYTES:
-            raise HeaderError("ple.header_bytes", f"{h['header_bytes']} != {PLE_HEADER_BYTES}")
+        self._check_prelude(h, "ple", PLE_MAGIC, PLE_VERSION, PLE_HEADER_BYTES, "a PLE page store")
         if raw[_HEADER.size :] != bytes(PLE_HEADER_BYTES - _HEADER.size):
             raise HeaderError("ple.reserved", "reserved header bytes are not zero")
         fam, cod = self._identity(h, "ple", family, codec_name)

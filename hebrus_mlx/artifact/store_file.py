@@ -4,7 +4,7 @@ import hashlib
 import os
 
 from .constants import codec_by_id, family_by_id
-from .errors import DigestError, GeometryError, TruncatedError
+from .errors import DigestError, GeometryError, HeaderError, TruncatedError
 
 
 class StoreFile:
@@ -40,6 +40,16 @@ class StoreFile:
         if size < nbytes:
             raise TruncatedError(f"{prefix}.header", f"file is {size} bytes, header needs {nbytes}")
         return size, self._pread(nbytes, 0, f"{prefix}.header")
+
+    @staticmethod
+    def _check_prelude(h, prefix, magic, version, header_bytes, what):
+        """The fields every store header opens with: its magic, format version and header size."""
+        if h["magic"] != magic:
+            raise HeaderError(f"{prefix}.magic", f"{h['magic']!r} is not {what}")
+        if h["version"] != version:
+            raise HeaderError(f"{prefix}.version", f"version {h['version']}, reader speaks {version}")
+        if h["header_bytes"] != header_bytes:
+            raise HeaderError(f"{prefix}.header_bytes", f"{h['header_bytes']} != {header_bytes}")
 
     @staticmethod
     def _identity(h, prefix, family, codec_name):

@@ -49,12 +49,24 @@ KINDS = {
     "tokenizer.json": "tokenizer",
     "tokenizer_config.json": "tokenizer_config",
     "chat_template.jinja": "template",
+    "chat_template.json": "template",  # HF's processor form {"chat_template": ...}: the template's cap
     "model.safetensors.index.json": "index",
 }
 
 
 class UntrustedFileError(AdmissionError):
     """An untrusted file (or JSON document) refused before or while it is read."""
+
+
+def check_template(text, field):
+    """A chat template from any source (chat_template.jinja, chat_template.json, the string inside
+    tokenizer_config.json, an override) is held to the template cap, not its container's."""
+    cap = _cap("template")
+    n = len(text.encode("utf-8", "surrogatepass"))
+    if n > cap:
+        raise UntrustedFileError(field, f"chat template of {n} bytes exceeds the template cap of {_describe(cap)} "
+                                        "(untrusted.LIMITS['template'])")
+    return text
 
 
 def kind_of(name):

@@ -42,6 +42,8 @@ def build_parser():
                    help="configurations to compare (repeatable: the cross product), e.g. expert-cache-gb=8,16, "
                         "draft-model=none,mtp, prefetch=off,previous")
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace bench.json/.md/.png in --out even if hebrus-mlx did not write them")
     p.add_argument("--seed", type=flags.seed(), default=0, help="prompt token seed")
     p.add_argument("--no-probe", action="store_true", help="skip the SSD read probe")
     p.add_argument("--fresh-probe", action="store_true",
@@ -57,7 +59,7 @@ def build_parser():
 
 def _load(name, load_kwargs):
     from ..hub import resolve_model
-    from ..utils import load
+    from ..loader import load
 
     return load(resolve_model(name), **load_kwargs)
 
@@ -94,7 +96,7 @@ def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dic
               timeline: bool = True, loaded_model=None, reuse_profile: bool = True) -> dict:
     """The whole bench as a dict (what bench.json holds). `loaded_model`: (model, tokenizer) every
     configuration runs (a pipeline's), instead of loading each configuration's."""
-    from ..utils import resolve_model_path
+    from ..loader import resolve_model_path
 
     # Resolve every configuration before loading anything: a typo fails in a second.
     plans = []
@@ -179,10 +181,18 @@ def main(argv=None) -> int:
     if args.warmup < 0:
         raise UsageError("--warmup", f"must be >= 0, got {args.warmup}")
     configs = H.parse_ab(args.ab)
+    from ..artifact.atomic import check_output_file
+
+    for name in ("bench.json", "bench.md", "bench.png"):  # before a run of minutes, and again at publish
+        check_output_file(Path(args.out) / name, overwrite=args.overwrite, field="--out")
     against = None
     if args.against is not None:
-        try:
-            against = json.loads(Path(args.against).read_text())
+        from ..artifact.untrusted import UntrustedFileError, read_json_path
+
+        try:  # bounded, strict: a bench.json may come from another machine (issue 22)
+            against = read_json_path(args.against, "json", field=str(args.against))
+        except UntrustedFileError as e:
+            raise UsageError("--against", f"cannot read {args.against}: {e.message}") from None
         except (OSError, ValueError) as e:
             raise UsageError("--against", f"cannot read {args.against}: {e}") from None
     if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
@@ -204,13 +214,13 @@ def main(argv=None) -> int:
     if against is not None:
         H.compare_results(against, result)
     out = Path(args.out)
-    R.write_json(out / "bench.json", result)
+    R.write_json(out / "bench.json", result, overwrite=args.overwrite)
     md = R.markdown(result)
-    R.write_text_atomic(out / "bench.md", md)
+    R.write_text_atomic(out / "bench.md", md, overwrite=args.overwrite)
     print(md, end="")
     if not args.no_plot:
         if R.have_matplotlib():
-            R.plot(result, out / "bench.png")
+            R.plot(result, out / "bench.png", overwrite=args.overwrite)
             print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
         else:
             print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}; no PNG: matplotlib is not installed "

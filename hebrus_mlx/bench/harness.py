@@ -102,7 +102,7 @@ class Split:
 def split_config(config: Dict[str, str], load_fn=None, generate_fns=None) -> Split:
     """Route each option to load / generate / an adapter by signature; refuse the rest."""
     if load_fn is None:
-        from ..utils import load as load_fn
+        from ..loader import load as load_fn
     if generate_fns is None:
         from ..generate import generate_step, stream_generate
 

@@ -47,7 +47,7 @@ def memory_bytes() -> int:
 def mlx_info() -> dict:
     import mlx.core as mx
 
-    from ..profile import compute_backend
+    from ..machine_profile import compute_backend
 
     return {"mlx_version": mx.__version__, "backend": compute_backend(),
             "default_device": str(mx.default_device())}
@@ -148,7 +148,6 @@ def ssd_probe(path: str, record_bytes: int, offsets: Sequence[int], queue_depths
 
 def expert_store(model_dir) -> Optional[dict]:
     """The artifact's expert store: path, record stride and record offsets (None: not an artifact)."""
-    import json
     from pathlib import Path
 
     from ..artifact import constants as C
@@ -157,7 +156,9 @@ def expert_store(model_dir) -> Optional[dict]:
     man = Path(model_dir) / C.MANIFEST_NAME
     if not man.is_file():
         return None
-    m = json.loads(man.read_text())
+    from ..artifact import untrusted
+
+    m = untrusted.read_json(str(model_dir), C.MANIFEST_NAME)  # bounded, strict, no symlink (issue 22)
     store = next((s for s in m.get("stores", []) if s.get("role") == "experts"), None)
     if store is None:
         return None
@@ -173,8 +174,8 @@ def profile_probe(store_path, record_bytes: int, profile_path=None) -> Optional[
     when it stands for this store: written on this machine (same OS release, architecture, MLX),
     a measured pread probe of records of this size (4 KiB aligned) and, if the profile names the
     file it probed, this store's file system. None otherwise (then the caller probes)."""
-    from ..profile import IDENTITY, read_profile, this_machine
-    from ..profile import profile_path as default_path
+    from ..machine_profile import IDENTITY, read_profile, this_machine
+    from ..machine_profile import profile_path as default_path
 
     path = profile_path or default_path()
     prof = read_profile(path)

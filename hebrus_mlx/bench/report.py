@@ -21,21 +21,34 @@ COLUMNS = [  # (metric, header, format, scale)
 ]
 
 
-def write_bytes_atomic(path, data: bytes) -> None:
-    """temp + fsync + rename + directory fsync (the project's one publisher)."""
-    from ..artifact.atomic import publish_file
+def write_bytes_atomic(path, data: bytes, *, field: str = "--out", overwrite: bool = False) -> None:
+    """temp + fsync + rename + directory fsync (the project's one publisher), never over a file
+    hebrus-mlx did not write unless `overwrite` (artifact.atomic.publish_output, issue 22)."""
+    from ..artifact.atomic import publish_output
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    publish_file(path, lambda w: w.write(data))
-
-
-def write_text_atomic(path, text: str) -> None:
-    write_bytes_atomic(path, text.encode())
+    publish_output(Path(path), data, field=field, overwrite=overwrite)
 
 
-def write_json(path, obj) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+def write_text_atomic(path, text: str, *, field: str = "--out", overwrite: bool = False) -> None:
+    write_bytes_atomic(path, text.encode(), field=field, overwrite=overwrite)
+
+
+def json_bytes(obj, schema: str, sort_keys: bool = False) -> bytes:
+    """JSON with a `schema` key first (how hebrus-mlx recognises its own output later)."""
+    if sort_keys:  # nested keys sorted, the schema still first
+        obj = json.loads(json.dumps(obj, sort_keys=True, default=float))
+    if not (isinstance(obj.get("schema"), str) and obj["schema"].startswith("hebrus-mlx")):
+        obj = {"schema": schema, **{k: v for k, v in obj.items() if k != "schema"}}
+    else:
+        obj = {"schema": obj["schema"], **obj}
+    return (json.dumps(obj, indent=1, sort_keys=False, default=float) + "\n").encode()
+
+
+def write_json(path, obj, *, field: str = "--out", overwrite: bool = False, schema: str = "hebrus-mlx.report") -> None:
+    write_bytes_atomic(path, json_bytes(obj, schema), field=field, overwrite=overwrite)
+
+
+PNG_METADATA = {"Software": "hebrus-mlx"}  # a tEXt chunk: how a later run recognises its own plot
 
 
 def _cell(stat, fmt, scale) -> str:
@@ -81,7 +94,7 @@ def have_matplotlib() -> bool:
     return True
 
 
-def plot(result: dict, path) -> None:
+def plot(result: dict, path, *, overwrite: bool = False) -> None:
     """Left: decode tok/s per configuration (median bar, min-max whisker) for each (prompt, n).
     Right: per-token wall time split into exposed I/O wait and the rest (compute), from the
     traced run of each streamed configuration."""
@@ -125,6 +138,6 @@ def plot(result: dict, path) -> None:
     import io
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, metadata=PNG_METADATA)
     plt.close(fig)
-    write_bytes_atomic(path, buf.getvalue())
+    write_bytes_atomic(path, buf.getvalue(), overwrite=overwrite)

@@ -2,18 +2,18 @@
 
 Each kernel module has: SOURCE (the body passed to `mx.fast.metal_kernel`), `launch(...)` (grid,
 threadgroup, template for a call), `ops(...)` (the fallback, which is the graph's own path), `metal(...)`
-(the kernel on a Metal device) and `emulate(...)` (the same source through `msl_emulator` on numpy).
+(the kernel on a Metal device). The same sources run through the MSL emulator on numpy in
+`hebrus_mlx.testing.kernel_emulation` (a test oracle; no kernel module imports it).
 
 A kernel runs in the graph only when all hold (AFN-013: code is not a feature until qualified):
 - MLX has a Metal device (`kernel_object()` is None otherwise — this machine: always None);
-- its kill-switch `HEBRUS_KERNEL_<NAME>=0` is not set;
+- `GraphOptions.metal_kernels` is not False (models/optimize.apply swaps them in at load);
 - the machine profile written by `hebrus-mlx qualify` on this device marks it passed
   (`configure(profile)`, called by `load()`).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import mlx.core as mx
@@ -25,19 +25,15 @@ _qualified: set[str] = set()
 
 def metal_available() -> bool:
     """A Metal device computes here (`profile.metal_device`: not merely MLX's Metal build)."""
-    from ..profile import metal_device
+    from ..machine_profile import metal_device
 
     return metal_device()
-
-
-def killed(name: str) -> bool:
-    return os.environ.get(f"HEBRUS_KERNEL_{name.upper()}", "1") == "0"
 
 
 def configure(profile: Optional[dict]) -> set[str]:
     """Switch on the kernels the machine profile says passed on this device (`profile.passed`:
     written on this machine, Metal present); returns them."""
-    from ..profile import passed
+    from ..machine_profile import passed
 
     _qualified.clear()
     for name in KERNELS:
@@ -47,12 +43,12 @@ def configure(profile: Optional[dict]) -> set[str]:
 
 
 def enabled(name: str) -> bool:
-    return name in _qualified and metal_available() and not killed(name)
+    return name in _qualified and metal_available()
 
 
 def make_kernel(name: str, input_names, output_names, source: str, header: str = ""):
-    """`mx.fast.metal_kernel` for a kernel module, or None where Metal is absent or it is killed."""
-    if not metal_available() or killed(name):
+    """`mx.fast.metal_kernel` for a kernel module, or None where Metal is absent."""
+    if not metal_available():
         return None
     return mx.fast.metal_kernel(
         name=f"hebrus_{name}", input_names=list(input_names), output_names=list(output_names),

@@ -12,7 +12,7 @@ from math import gcd
 import mlx.core as mx
 import numpy as np
 
-from . import make_kernel, msl_emulator
+from . import make_kernel
 
 NAME = "hc_mix"
 INPUTS = ("up", "normed")
@@ -56,13 +56,3 @@ def metal(up: mx.array, normed: mx.array, hc_count: int, hidden: int) -> mx.arra
         output_dtypes=[normed.dtype], **p,
     )
     return out.reshape(*lead, hidden)
-
-
-def emulate(up: np.ndarray, normed: np.ndarray, hc_count: int, hidden: int) -> np.ndarray:
-    n = normed.reshape(-1, hc_count * hidden).shape[0]
-    p = launch(n, hc_count, hidden, mx.float32)
-    (out,) = msl_emulator.run(
-        NAME, SOURCE, {"up": up.reshape(n, -1), "normed": normed.reshape(n, -1)},
-        {"mixed": ((n, hidden), normed.dtype)}, p["grid"], p["threadgroup"], p["template"],
-    )
-    return out.reshape(*normed.shape[:-1], hidden)

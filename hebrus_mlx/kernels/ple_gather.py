@@ -13,9 +13,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
-import numpy as np
 
-from . import make_kernel, msl_emulator
+from . import make_kernel
 
 NAME = "ple_gather"
 INPUTS = ("history", "multipliers", "sizes", "offsets", "table")
@@ -87,17 +86,3 @@ def metal(embedding, history: mx.array, n_new: int):
         rows.append(r)
         embs.append(e)
     return mx.stack(rows), mx.stack(embs)
-
-
-def emulate(history: np.ndarray, multipliers, sizes, offsets, table: np.ndarray, n_new: int, heads_per_ngram: int,
-            eos: int):
-    """One sequence: history [T] int64 -> (rows [n_new, heads] int64, emb [n_new, heads * dim])."""
-    heads, dim = len(sizes), table.shape[1]
-    p = launch(n_new, history.shape[0] - n_new, heads, heads_per_ngram, dim, eos, mx.float32)
-    return msl_emulator.run(
-        NAME, SOURCE,
-        {"history": history.astype(np.int64), "multipliers": np.asarray(multipliers, np.int64),
-         "sizes": np.asarray(sizes, np.int64), "offsets": np.asarray(offsets, np.int64), "table": table},
-        {"rows": ((n_new, heads), np.int64), "emb": ((n_new, heads * dim), table.dtype)},
-        p["grid"], p["threadgroup"], p["template"],
-    )

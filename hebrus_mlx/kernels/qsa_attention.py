@@ -12,9 +12,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
-import numpy as np
 
-from . import make_kernel, msl_emulator
+from . import make_kernel
 
 NAME = "qsa_attention"
 INPUTS = ("q", "k", "v", "idx", "ok", "scale")
@@ -98,19 +97,3 @@ def metal(queries, keys, values, idx, ok, scale: float):
         )
         outs.append(o)
     return mx.stack(outs)
-
-
-def emulate(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, idx: np.ndarray, ok: np.ndarray,
-            scale: float) -> np.ndarray:
-    """One sequence: queries [Hq, L, D]; keys/values [Hkv, S, D]; idx/ok [L, W] -> [L, Hq * D]."""
-    hq, L, D = queries.shape
-    hkv, S = keys.shape[:2]
-    W = idx.shape[-1]
-    p = launch(L, hq, hkv, S, W, D, mx.float32)
-    (out,) = msl_emulator.run(
-        NAME, SOURCE,
-        {"q": queries, "k": keys, "v": values, "idx": idx.astype(np.int32), "ok": ok.astype(np.bool_),
-         "scale": np.array([scale], np.float32)},
-        {"out": ((L, hq * D), queries.dtype)}, p["grid"], p["threadgroup"], p["template"],
-    )
-    return out

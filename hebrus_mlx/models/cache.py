@@ -68,7 +68,18 @@ def _check_state(state, n, cls):
     return list(state)
 
 
-class LinearCache:
+class _FromState:
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        """mlx-lm's load_prompt_cache builds each layer's cache this way."""
+        obj = cls()
+        obj.state = state
+        if meta_state:
+            obj.meta_state = meta_state
+        return obj
+
+
+class LinearCache(_FromState):
     """Gated DeltaNet conv + recurrent state; for PLE layers also the n-gram context and conv tail."""
 
     fields = ("conv_state", "recurrent_state", "ngram_context", "ple_conv_state")
@@ -112,14 +123,6 @@ class LinearCache:
         if v:
             raise CacheStateError(f"LinearCache has no meta_state, got {v!r}")
 
-    @classmethod
-    def from_state(cls, state, meta_state=None):
-        obj = cls()
-        obj.state = state
-        if meta_state:
-            obj.meta_state = meta_state
-        return obj
-
     def is_trimmable(self) -> bool:
         return False  # the recurrent state and conv tails fold every token in; nothing to cut off
 
@@ -140,7 +143,7 @@ class LinearCache:
         return sum(a.nbytes for a in self.arrays)
 
 
-class AttentionCache:
+class AttentionCache(_FromState):
     """QSA layer state: rotated K/V, raw index keys, and pooled block keys of complete groups."""
 
     def __init__(self):
@@ -268,14 +271,6 @@ class AttentionCache:
     @meta_state.setter
     def meta_state(self, v):
         self.length, self.n_groups, self.start_position, self.ratio = _counters(v, 4, type(self))
-
-    @classmethod
-    def from_state(cls, state, meta_state=None):
-        obj = cls()
-        obj.state = state
-        if meta_state:
-            obj.meta_state = meta_state
-        return obj
 
     def is_trimmable(self) -> bool:
         return True

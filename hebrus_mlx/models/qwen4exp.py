@@ -9,22 +9,21 @@ The pinned reference is transformers 5.24.0 `models/qwen4_exp`; tests compare ag
 from __future__ import annotations
 
 import math
-import os
 from functools import lru_cache
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
-from .. import kernels
-from ..kernels import hc_mix, ple_gather, qsa_attention
-from . import cpu_streams, gated_delta
+from . import gated_delta
+from .activations import silu, softplus
+from . import options as graph_options
 from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
-from .checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
+from ..format.checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
 from .streaming_protocol import Streaming
-from .qwen4exp_config import (
+from .switch_layers import SwitchGLU
+from ..format.qwen4exp_config import (
     ConfigError,
     ModelArgs,
     ple_constants,
@@ -34,11 +33,7 @@ from .qwen4exp_config import (
     ple_table_rows,
 )
 
-__all__ = ["ModelArgs", "Model", "ConfigError", "ContextLengthError", "CacheHoleError", "DenseOracleLimitError"]
-
-
-class DenseOracleLimitError(ValueError):
-    """The dense QSA oracle was asked for more keys than a sparse query can ever see (AFN-011)."""
+__all__ = ["ModelArgs", "Model", "ConfigError", "ContextLengthError", "CacheHoleError"]
 
 
 class Capture:
@@ -60,37 +55,14 @@ class Capture:
 # ---- norms -------------------------------------------------------------------------------------
 
 
-COMPILE = os.environ.get("HEBRUS_NO_COMPILE") != "1"  # off: plain ops (debugging, A/B); same tokens
-
-
 def _compiled(fn):
-    """mx.compile'd `fn`, or `fn` itself while COMPILE is off."""
+    """`fn`, run mx.compile'd while the active GraphOptions say so (models/options.py)."""
     compiled = mx.compile(fn)
 
     def call(*args):
-        return compiled(*args) if COMPILE else fn(*args)
+        return compiled(*args) if graph_options.active().compile else fn(*args)
 
     return call
-
-
-FUSE = os.environ.get("HEBRUS_NO_FUSE") != "1"  # off: one matmul per Linear (A/B); same tokens
-# Joined projections pay off in decode and short verify blocks (fewer, dispatch-bound matmuls); in
-# prefill the split outputs are strided and copied downstream, measured slower (0.91-0.98x), so
-# longer inputs keep the per-Linear matmuls.
-FUSE_MAX_TOKENS = 16
-# Below this many multiply-adds a split site stays on one CPU stream: the cross-stream events cost
-# about what half of it saves (models/cpu_streams.py; the demo's 1-token MoE, 0.1M, ran 12% slower
-# split; the bench model's, 3.1M, 1.2x faster).
-SIDE_MIN_MACS = 1 << 20
-
-
-# The CPU backend's BLAS (reference gemm) runs x @ W^T several tens of percent faster when W is
-# stored [in, out] instead of the checkpoint's [out, in] (an axpy inner loop it vectorises instead
-# of a dot-product reduction it cannot); both sum over `in` in the same order, so every output is
-# bit-identical (tests/test_graph_fast_paths.py). The loaders re-store resident float weights so
-# (`fuse_projections`); module code is unchanged: each weight stays an [out, in] array (a transposed
-# view). CPU only: Metal's gemv kernels are unmeasured here, so there the stored layout is kept.
-TRANSPOSE = mx.default_device() == mx.cpu and os.environ.get("HEBRUS_NO_TRANSPOSE") != "1"
 
 
 def _derived(owner: nn.Module, key: str, source: mx.array, make, evaluate: bool = True) -> mx.array:
@@ -105,80 +77,13 @@ def _derived(owner: nn.Module, key: str, source: mx.array, make, evaluate: bool 
     return cached[1]
 
 
-def _in_major(w: mx.array) -> mx.array:
-    """`w` [..., out, in] as an equal view whose storage is [..., in, out] (see TRANSPOSE)."""
-    return mx.contiguous(w.swapaxes(-1, -2)).swapaxes(-1, -2)
-
-
-class _Fused:
-    """One weight for several bias-free float Linears that read the same input (built at load by
-    `fuse_projections`). Each Linear's weight is re-pointed at its rows of the joint array (a view,
-    no second copy); the joint matmul is used only while every Linear still holds exactly that view,
-    so a later load, update or quantization of any part falls back to the per-Linear matmuls."""
-
-    def __init__(self, linears):
-        joint = mx.concatenate([m.weight for m in linears], axis=0)
-        if TRANSPOSE:
-            joint = _in_major(joint)
-        mx.eval(joint)
-        ends = np.cumsum([m.weight.shape[0] for m in linears]).tolist()
-        for m, start, end in zip(linears, [0, *ends[:-1]], ends):
-            m.weight = joint[start:end]
-        self.rhs = joint.T  # evaluated once: no transpose node per call
-        mx.eval([m.weight for m in linears], self.rhs)
-        self.parts = tuple(m.weight for m in linears)
-        self.splits = ends[:-1]
-
-
-def _fusable(linears) -> bool:
-    return FUSE and all(type(m) is nn.Linear and "bias" not in m for m in linears) and len(
-        {m.weight.dtype for m in linears}
-    ) == 1
-
-
-def _fuse(owner: nn.Module, linears) -> None:
-    object.__setattr__(owner, "_fused", _Fused(linears) if _fusable(linears) else None)  # never a parameter
-
-
 def _project(owner: nn.Module, linears, x):
-    """[m(x) for m in linears], as one matmul when `owner` fused exactly these weights. Bit-identical
-    on this CPU (each output column is the same dot product; tests/test_graph_fast_paths.py)."""
-    fused = owner.__dict__.get("_fused")
-    if (fused is not None and x.shape[-2] <= FUSE_MAX_TOKENS
-            and all(m.weight is w for m, w in zip(linears, fused.parts))):
-        return mx.split(x @ fused.rhs, fused.splits, axis=-1)
-    side = cpu_streams.side_stream()
-    if side is None or len(linears) < 2 or x.size // x.shape[-1] * sum(m.weight.size for m in linears) < SIDE_MIN_MACS:
-        return [m(x) for m in linears]
-    # Split the Linears between the two CPU streams, the larger ones first to whichever has fewer rows.
-    load, on_side = [0, 0], set()
-    for i in sorted(range(len(linears)), key=lambda i: -linears[i].weight.shape[0]):
-        j = int(load[1] < load[0])
-        load[j] += linears[i].weight.shape[0]
-        if j:
-            on_side.add(i)
-    with mx.stream(side):
-        late = {i: linears[i](x) for i in on_side}
-    return [late[i] if i in on_side else m(x) for i, m in enumerate(linears)]
-
-
-def fuse_projections(module: nn.Module) -> None:
-    """Join the same-input projections of every layer under `module` and re-store the other resident
-    float weights [in, out] (the loaders call this once the weights are final; see _Fused and
-    TRANSPOSE). Quantized and streamed parts are left alone; HEBRUS_NO_FUSE=1 / HEBRUS_NO_TRANSPOSE=1
-    turn either off."""
-    modules = [m for _, m in module.named_modules()]
-    for m in modules:
-        if hasattr(type(m), "join_projections"):
-            m.join_projections()
-    if not TRANSPOSE:
-        return
-    joined = {id(w) for m in modules if m.__dict__.get("_fused") is not None for w in m._fused.parts}
-    for m in modules:
-        if (type(m) in (nn.Linear, SwitchLinear) and id(m.weight) not in joined
-                and mx.issubdtype(m.weight.dtype, mx.floating)):
-            m.weight = _in_major(m.weight)
-            mx.eval(m.weight)
+    """[m(x) for m in linears]: the same-input projections of a block. `models/optimize.apply` may
+    give `owner` a projector that computes the same outputs as one matmul or across two CPU streams."""
+    projector = owner.__dict__.get("_projector")
+    if projector is not None:
+        return projector(linears, x)
+    return [m(x) for m in linears]
 
 
 @lru_cache(maxsize=None)
@@ -253,7 +158,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps = eps
-        self.activation = nn.silu if activation == "silu" else mx.sigmoid
+        self.activation = silu if activation == "silu" else mx.sigmoid
 
     def __call__(self, x, gate):
         return _gated_norm_fn(self.activation, self.eps)(x, self.weight, gate)
@@ -319,11 +224,6 @@ def _rope_apply_fn(d: int):
     return apply
 
 
-# mx.fast.rope is a fused kernel on Metal; on the CPU backend it is a fallback that rebuilds the
-# cos/sin table on every call, so there one shared table (same values, bit for bit) is cheaper.
-_TABLE_ROPE = mx.default_device() == mx.cpu
-
-
 # ---- hyper-connections ---------------------------------------------------------------------------
 
 
@@ -341,47 +241,22 @@ class HyperConnection(nn.Module):
         if inject:
             self.block_inject_weight = nn.Linear(width, args.hc_count, bias=False)
 
-    def join_projections(self):
-        if "block_inject_weight" in self:
-            _fuse(self, [self.input_mix_weight_down, self.block_inject_weight])
-
-    def _decode_rhs(self, streams, inject: bool):
-        """(down, up) right-hand sides for the one-graph mix, or None where it does not apply: longer
-        inputs (see FUSE_MAX_TOKENS), quantized or replaced parts, a joined group no longer intact."""
-        if streams.shape[-2] > FUSE_MAX_TOKENS or kernels.enabled("hc_mix"):
-            return None
-        up = _rhs(self.input_mix_weight_up)
-        if inject:
-            fused = self.__dict__.get("_fused")
-            if fused is None or not all(m.weight is w for m, w in zip(
-                    (self.input_mix_weight_down, self.block_inject_weight), fused.parts)):
-                return None
-            down = fused.rhs
-        else:
-            down = _rhs(self.input_mix_weight_down)
-        return None if down is None or up is None else (down, up)
+    def projections(self, inject: bool):
+        """The Linears that read the normed streams (joined into one matmul by models/optimize)."""
+        return [self.input_mix_weight_down, self.block_inject_weight] if inject else [self.input_mix_weight_down]
 
     def mix(self, streams, inject: bool = False):
         """(mixed block input, normed streams[, inject logits when `inject`])."""
         fns = _hc_fns(self.hc_count, self.hidden_size)
-        rhs = self._decode_rhs(streams, inject)
-        if rhs is not None:
-            # Decode steps and short blocks: the whole mix is one compiled graph over 2-D rows.
-            lowrank = self.input_mix_weight_up.weight.shape[-1]
-            return _hc_mix_fn(self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank, inject)(
-                streams, self.hc_norm.grouped_scale, *rhs
-            )
         normed = self.hc_norm(streams)
-        if inject:
-            down, logits = _project(self, [self.input_mix_weight_down, self.block_inject_weight], normed)
-        else:
-            down = self.input_mix_weight_down(normed)
+        down, *logits = _project(self, self.projections(inject), normed)
         weights = self.input_mix_weight_up(fns.activate(down))
-        if kernels.enabled("hc_mix"):  # qualified on this Metal device only (AFN-013)
-            mixed = hc_mix.metal(weights, normed, self.hc_count, self.hidden_size)
-        else:
-            mixed = fns.mix(weights, normed)
-        return (mixed, normed, logits) if inject else (mixed, normed)
+        mixed = self.combine(weights, normed)
+        return (mixed, normed, logits[0]) if inject else (mixed, normed)
+
+    def combine(self, weights, normed):
+        """The streams weighted by sigmoid(weights), averaged: [..., hc * hidden] -> [..., hidden]."""
+        return _hc_fns(self.hc_count, self.hidden_size).mix(weights, normed)
 
     def __call__(self, streams, block):
         """Run `block` on the mixed input and add its output back into every stream."""
@@ -397,7 +272,7 @@ class _HCFns:
     def __init__(self, hc_count: int, hidden: int):
         @_compiled
         def activate(down):
-            return nn.silu(down / hc_count)
+            return silu(down / hc_count)
 
         @_compiled
         def mix(up, normed):
@@ -412,37 +287,6 @@ class _HCFns:
             return (grouped + out[..., None, :] * gate[..., :, None]).reshape(streams.shape)
 
         self.activate, self.mix, self.inject = activate, mix, inject
-
-
-def _rhs(linear: nn.Module) -> Optional[mx.array]:
-    """A bias-free float Linear's weight.T, evaluated once per weight array (a view: no transpose node
-    per call); None for anything else (quantized, biased)."""
-    if type(linear) is not nn.Linear or "bias" in linear:
-        return None
-    return _derived(linear, "_rhs", linear.weight, lambda w: w.T)
-
-
-@lru_cache(maxsize=None)
-def _hc_mix_fn(hc_count: int, hidden: int, eps: float, lowrank: int, inject: bool):
-    """HyperConnection.mix as one compiled graph on [rows, width] (no batch axes around the matmuls,
-    one fused sigmoid-product): the same ops in the same order as the per-part path."""
-    fns = _hc_fns(hc_count, hidden)
-
-    @_compiled
-    def mix(streams, scale, down_rhs, up_rhs):
-        lead = streams.shape[:-1]
-        grouped = streams.reshape(-1, hc_count, hidden)
-        normed = (mx.fast.rms_norm(grouped, None, eps) * scale).reshape(grouped.shape[0], -1)
-        down = normed @ down_rhs
-        if inject:
-            down, logits = mx.split(down, [lowrank], axis=-1)
-        up = fns.activate(down) @ up_rhs
-        mixed = (mx.sigmoid(up) * normed).reshape(grouped.shape).mean(axis=-2).reshape(*lead, hidden)
-        if inject:
-            return mixed, normed.reshape(streams.shape), logits.reshape(*lead, hc_count)
-        return mixed, normed.reshape(streams.shape)
-
-    return mix
 
 
 @lru_cache(maxsize=None)
@@ -469,7 +313,7 @@ def _gdn_gates_fn(q_scale: float):
         q = gated_delta.l2_normalize(q) * q_scale
         k = gated_delta.l2_normalize(k)
         beta = mx.sigmoid(b)
-        g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
+        g = -mx.exp(A_log.astype(mx.float32)) * softplus(a + dt_bias)
         return q, k, beta, g
 
     return gates
@@ -487,7 +331,7 @@ def _gdn_recurrent_fn(dims):
     def step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, state, norm_w):
         B, L, _ = qkv.shape
         qkv, conv_state = _causal_depthwise_conv(qkv, conv_state, conv_w)
-        q, k, v = mx.split(nn.silu(qkv), [n_k * d_k, 2 * n_k * d_k], axis=-1)
+        q, k, v = mx.split(silu(qkv), [n_k * d_k, 2 * n_k * d_k], axis=-1)
         q, k, beta, g = gates(q.reshape(B, L, n_k, d_k), k.reshape(B, L, n_k, d_k), b, a, A_log, dt_bias)
         out, state = gated_delta.recurrent_step(q, k, v.reshape(B, L, n_v, d_v), g, beta, state)
         out = norm(out.astype(qkv.dtype), norm_w, z.reshape(B, L, n_v, d_v))
@@ -518,8 +362,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps, args.output_gate_type or args.hidden_act)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
-    def join_projections(self):
-        _fuse(self, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+    def projections(self):
+        """The Linears that read the layer input (joined into one matmul by models/optimize)."""
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
 
     def _dims(self):
         return (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim, self.norm.eps,
@@ -530,7 +375,7 @@ class GatedDeltaNet(nn.Module):
         conv_state = cache.conv_state
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=x.dtype)
-        qkv, z, b, a = _project(self, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], x)
+        qkv, z, b, a = _project(self, self.projections(), x)
         state = cache.recurrent_state
         if state is None:
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
@@ -541,7 +386,7 @@ class GatedDeltaNet(nn.Module):
             )
             return self.out_proj(out)
         qkv, cache.conv_state = _causal_depthwise_conv(qkv, conv_state, self.conv1d.weight)
-        qkv = nn.silu(qkv)
+        qkv = silu(qkv)
         q, k, v = mx.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(B, L, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, L, self.num_k_heads, self.head_k_dim)
@@ -608,27 +453,6 @@ def _online_softmax_attention(q, k, v, ok, scale, tile: int = 512):
             acc = acc * correction + p @ vt
         m = new_m
     return acc / l
-
-
-def dense_qsa_oracle(q, k, v, scale, window: int, n_visible: int):
-    """Dense masked attention for contexts where every visible key is selected anyway.
-
-    Only a bounded correctness oracle (AFN-011): it refuses more than `window` visible keys before
-    allocating anything. q: [B, H, Q, D] for the last Q positions; k, v: [B, Hkv, T, D].
-    """
-    if n_visible > window:
-        raise DenseOracleLimitError(
-            f"dense QSA oracle accepts at most {window} visible keys (budget + ratio - 1), got {n_visible}"
-        )
-    B, H, Q, D = q.shape
-    T = k.shape[2]
-    rep = H // k.shape[1]
-    k = mx.repeat(k, rep, axis=1)
-    v = mx.repeat(v, rep, axis=1)
-    scores = (q @ k.swapaxes(-1, -2)) * scale
-    query_pos = mx.arange(T - Q, T)[:, None]
-    scores = mx.where(mx.arange(T)[None, :] <= query_pos, scores, -np.inf)
-    return mx.softmax(scores, axis=-1) @ v
 
 
 class QSAIndexer(nn.Module):
@@ -703,10 +527,6 @@ class QSAIndexer(nn.Module):
         return mx.stack(all_idx), mx.stack(all_ok)
 
 
-def _dense_sdpa_enabled() -> bool:
-    return os.environ.get("HEBRUS_QSA_DENSE_SDPA", "1") != "0"
-
-
 class QSAAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -724,26 +544,19 @@ class QSAAttention(nn.Module):
         self.indexer = QSAIndexer(args)
         self.rotary = Rotary(args.rotary_dim, args.rope_theta)
 
-    def join_projections(self):
-        _fuse(self, [self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj])
+    def projections(self):
+        """The Linears that read the layer input (joined into one matmul by models/optimize)."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj]
 
     def __call__(self, x, cache: AttentionCache, capture: Optional[Capture] = None, layer: int = -1):
         B, L, _ = x.shape
         first = cache.length  # cache index of the first new token
         offset = cache.start_position + first
 
-        q_all, k, v, index_qk = _project(self, [self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj], x)
+        q_all, k, v, index_qk = _project(self, self.projections(), x)
         q_all = q_all.reshape(B, L, self.n_heads, 2 * self.head_dim)
         queries, gate = q_all[..., : self.head_dim], q_all[..., self.head_dim :]
-        if _TABLE_ROPE:
-            # One cos/sin table for the three rotations (bit-identical to mx.fast.rope here, whose CPU
-            # path rebuilds it per call; tests/test_graph_fast_paths.py).
-            cos, sin = self.rotary.tables(offset + mx.arange(L))
-            rotate = lambda t: self.rotary.apply(t, cos, sin)  # noqa: E731
-            index_rope = {"cos": cos, "sin": sin}
-        else:
-            rotate = lambda t: self.rotary.at_offset(t, offset)  # noqa: E731
-            index_rope = {"offset": offset}
+        rotate, index_rope = self.rotations(offset, L)
         queries = rotate(self.q_norm(queries).transpose(0, 2, 1, 3))
         keys = rotate(self.k_norm(k.reshape(B, L, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3))
         values = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
@@ -760,19 +573,17 @@ class QSAAttention(nn.Module):
         if capture is not None:
             capture.qsa_selected[layer] = (idx, ok)
 
-        if cache.length <= self.indexer.budget + self.indexer.ratio - 1 and _dense_sdpa_enabled():
-            # Every visible key is selected (the select above is the whole causal prefix), so this is
-            # the same attention through the fused kernel instead of a gather of all keys.
-            out = mx.fast.scaled_dot_product_attention(
-                queries, keys, values, scale=self.scale, mask="causal" if L > 1 else None
-            )
-            out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        elif kernels.enabled("qsa_attention"):  # qualified on this Metal device only (AFN-013)
-            out = qsa_attention.metal(queries, keys, values, idx, ok, self.scale)
-        else:
-            out = self._sparse_attention(queries, keys, values, idx, ok)
+        out = self.attend(queries, keys, values, idx, ok, cache.length)
         out = out * mx.sigmoid(gate.reshape(B, L, -1))
         return self.o_proj(out)
+
+    def rotations(self, offset: int, L: int):
+        """(rotate(t) for the L positions from `offset`, the indexer's rope keywords)."""
+        return (lambda t: self.rotary.at_offset(t, offset)), {"offset": offset}
+
+    def attend(self, queries, keys, values, idx, ok, n_tokens: int):
+        """Attention of each query over its selected keys (idx, ok) among the `n_tokens` cached."""
+        return self._sparse_attention(queries, keys, values, idx, ok)
 
     def _sparse_attention(self, queries, keys, values, idx, ok, gather_budget: int = 1 << 18):
         """Gather only the selected K/V rows, then online softmax over them (AFN-016).
@@ -860,15 +671,15 @@ class NGramEmbedding(nn.Module):
             context = mx.full((B, self.ngram_size - 1), self.eos, dtype=mx.int64)
         history = mx.concatenate([context, ids.astype(mx.int64)], axis=1)
         cache.ngram_context = history[:, -(self.ngram_size - 1):]
-        if kernels.enabled("ple_gather") and type(self.ngram_embedding) is nn.Embedding:
-            rows, emb = ple_gather.metal(self, history, L)  # resident table, qualified on this device
-            if capture_rows is not None:
-                capture_rows.append(rows)
-            return emb
-        rows = self.row_ids(history, L)
+        rows, emb = self.lookup(history, L)
         if capture_rows is not None:
             capture_rows.append(rows)
-        return self.ngram_embedding(rows).reshape(B, L, -1)
+        return emb
+
+    def lookup(self, history, n_new: int):
+        """(row ids [B, n_new, heads], their embeddings concatenated [B, n_new, ple_embed_dim])."""
+        rows = self.row_ids(history, n_new)
+        return rows, self.ngram_embedding(rows).reshape(history.shape[0], n_new, -1)
 
 
 class PLELayer(nn.Module):
@@ -888,30 +699,28 @@ class PLELayer(nn.Module):
         self.norm_conv = ZeroCenteredRMSNorm(width, eps, group_size=args.hidden_size)
         self.conv1d = nn.Conv1d(width, width, args.ple_conv_kernel_size, groups=width, bias=False)
 
-    def join_projections(self):
-        _fuse(self, [self.key_proj, self.value_proj])
+    def projections(self):
+        """The Linears that read the n-gram embedding (joined into one matmul by models/optimize)."""
+        return [self.key_proj, self.value_proj]
 
     def __call__(self, streams, ids, cache: LinearCache):
         B, L, width = streams.shape
         emb = self.ple_embedding(ids, cache)
-        split = (B, L, self.hc_count, self.hidden_size)
-        key, value = _project(self, [self.key_proj, self.value_proj], emb)
+        key, value = _project(self, self.projections(), emb)
         state = cache.ple_conv_state
         if state is None:
             state = mx.zeros((B, self.state_len, width), dtype=streams.dtype)
-        norms = (self.norm_key, self.norm_query, self.norm_conv)
-        if all(type(n) is ZeroCenteredRMSNorm for n in norms):
-            out, cache.ple_conv_state = _ple_mix_fn(self.hc_count, self.hidden_size, self.norm_key.eps, self.dilation)(
-                key, value, streams, state, self.conv1d.weight, *(n.grouped_scale for n in norms)
-            )
-            return out
+        out, cache.ple_conv_state = self.mix(key, value, streams, state)
+        return out
+
+    def mix(self, key, value, streams, state):
+        """After the projections: norms, gate and the dilated causal conv -> (output, conv state)."""
+        split = (*streams.shape[:-1], self.hc_count, self.hidden_size)
         key = self.norm_key(key).reshape(split)
         query = self.norm_query(streams).reshape(split)
         gated = _ple_gate(key, query, value)
-        conv, cache.ple_conv_state = _causal_depthwise_conv(
-            self.norm_conv(gated), state, self.conv1d.weight, dilation=self.dilation
-        )
-        return gated + nn.silu(conv)
+        conv, state = _causal_depthwise_conv(self.norm_conv(gated), state, self.conv1d.weight, dilation=self.dilation)
+        return gated + silu(conv), state
 
 
 def _ple_gate(key, query, value):
@@ -922,27 +731,12 @@ def _ple_gate(key, query, value):
     return (mx.sigmoid(gate) * value[:, :, None, :]).reshape(B, L, hc * hidden)
 
 
-@lru_cache(maxsize=None)
-def _ple_mix_fn(hc_count: int, hidden: int, eps: float, dilation: int):
-    """PLELayer after its projections (norms, gate, dilated conv) as one compiled graph."""
-    norm = _group_norm_fn(hidden, eps)
-
-    @_compiled
-    def mix(key, value, streams, state, conv_w, key_scale, query_scale, conv_scale):
-        split = (*streams.shape[:-1], hc_count, hidden)
-        gated = _ple_gate(norm(key, key_scale).reshape(split), norm(streams, query_scale).reshape(split), value)
-        conv, state = _causal_depthwise_conv(norm(gated, conv_scale), state, conv_w, dilation=dilation)
-        return gated + nn.silu(conv), state
-
-    return mix
-
-
 # ---- MoE ---------------------------------------------------------------------------------------------
 
 
 @_compiled
 def _swiglu(gate, up):
-    return nn.silu(gate) * up
+    return silu(gate) * up
 
 
 @_compiled
@@ -999,20 +793,13 @@ class SparseMoE(nn.Module):
         inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(self.gate(x))
         return inds, scores.astype(x.dtype)
 
-    def join_projections(self):
-        _fuse(self, self._same_input())
-
-    def _expert_size(self):
-        """Multiply-adds of one routed expert's projection per token (hidden x intermediate)."""
-        w = self.switch_mlp.gate_proj.weight
-        return w.size // w.shape[0]
-
-    def _same_input(self):
+    def projections(self):
+        """The Linears that read the MoE input (joined into one matmul by models/optimize)."""
         se = self.shared_expert
         return [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
 
     def __call__(self, x, capture: Optional[Capture] = None, layer: int = -1):
-        logits, shared_logit, shared_gate, shared_up = _project(self, self._same_input(), x)
+        logits, shared_logit, shared_gate, shared_up = _project(self, self.projections(), x)
         inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(logits)
         scores = scores.astype(x.dtype)
         if capture is not None:
@@ -1020,19 +807,13 @@ class SparseMoE(nn.Module):
             capture.route_weights[layer] = scores
             if capture.router_inputs is not None:
                 capture.router_inputs[layer] = x  # post-hyper-connection MLP input
-        side = cpu_streams.side_stream() if type(self.switch_mlp) is SwitchGLU else None
-        if side is not None and self.top_k > 1 and (
-                x.size // x.shape[-1] * self.top_k * 3 * self._expert_size() >= SIDE_MIN_MACS):
-            # Half of the routed experts on the second CPU stream, concurrently with the other half
-            # and the shared expert; each expert's output is the same matmul, combined as before.
-            half = self.top_k // 2
-            with mx.stream(side):
-                late = self.switch_mlp(x, inds[..., half:])
-            routed = mx.concatenate([self.switch_mlp(x, inds[..., :half]), late], axis=-2)
-        else:
-            routed = self.switch_mlp(x, inds)
+        routed = self.routed_experts(x, inds)
         shared = self.shared_expert.down_proj(_swiglu(shared_gate, shared_up))
         return _moe_combine(routed, scores, shared_logit, shared)
+
+    def routed_experts(self, x, inds):
+        """The routed experts' outputs [..., k, hidden] for the chosen expert ids `inds` [..., k]."""
+        return self.switch_mlp(x, inds)
 
 
 # ---- layers and model ---------------------------------------------------------------------------------
@@ -1103,8 +884,10 @@ class TextModel(nn.Module):
 
 
 class Model(nn.Module):
-    # The checkpoint's optional MTP head (models/mtp.py), set by the loaders; not a child module.
+    # The checkpoint's optional MTP head (models/mtp_head.py), set by the loaders; not a child module.
     mtp_head = None
+    # The GraphOptions models/optimize.apply built this model with; None: the active ones.
+    options: Optional[graph_options.GraphOptions] = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -1137,23 +920,16 @@ class Model(nn.Module):
         if cache is None:
             cache = self.make_cache()
         cache.check_append(inputs.shape[1], self.args.max_position_embeddings, position)
-        out = self.model(inputs, cache, capture, return_hidden)
-        cache.advance(inputs.shape[1])
-        if return_hidden:
-            return self._logits(out[0]), out[1]
-        return self._logits(out)
+        # The graph is built under this model's options (models/optimize.apply set them).
+        with graph_options.use(self.options or graph_options.active()):
+            out = self.model(inputs, cache, capture, return_hidden)
+            cache.advance(inputs.shape[1])
+            if return_hidden:
+                return self._logits(out[0]), out[1]
+            return self._logits(out)
 
     def _logits(self, h):
-        big = h.shape[-2] > 1 and h.size * self.lm_head.weight.shape[0] >= SIDE_MIN_MACS
-        side = cpu_streams.side_stream() if big else None
-        if side is None:
-            return self.lm_head(h)
-        # Prefill and verify blocks: the positions in two halves, one per CPU stream (a column half
-        # of the weight would be a strided view, copied per call; row halves of `h` are contiguous).
-        half = h.shape[-2] // 2
-        with mx.stream(side):
-            late = self.lm_head(h[..., half:, :])
-        return mx.concatenate([self.lm_head(h[..., :half, :]), late], axis=-2)
+        return self.lm_head(h)
 
     @property
     def streaming(self) -> Optional[Streaming]:

@@ -72,7 +72,7 @@ def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Option
 
     from .. import admission
     from ..artifact import constants as C
-    from ..loading.artifact import load_artifact_model
+    from ..loading.build_model import load_artifact_model
     from ..loading.plan import RESERVE_BYTES, available_memory
     from .stage import DEFAULT_TIMEOUT_S, PipelineModel, set_nodelay, terminate_as_error
 

@@ -12,8 +12,7 @@ from .stage import PipelineError
 def load_or_serve(path, args):
     """(pipeline, model, tokenizer) on rank 0; (None, None, None) on a serving rank once done."""
     from ..errors import UsageError
-    from ..stream.predict import prefetch_from_args
-    from ..stream.sweep import sweep_from_args
+    from ..cli_args import prefetch_from_args, sweep_from_args
 
     if args.dtype != "auto":
         raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")

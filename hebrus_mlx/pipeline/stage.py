@@ -131,10 +131,13 @@ def _local_cache(model, stage: Stage) -> SequenceCache:
 
 
 def _run_layers(model, stage: Stage, streams, ids, cache: SequenceCache):
-    for i, layer_cache in zip(stage.layers, cache):
-        if model.streaming is not None:
-            streams = model.streaming.layer_start(i, streams)  # this stage's lookahead reads
-        streams = model.model.layers[i](streams, ids, layer_cache)
+    from ..models import options as graph_options
+
+    with graph_options.use(model.options or graph_options.active()):  # as Model.__call__ builds its graph
+        for i, layer_cache in zip(stage.layers, cache):
+            if model.streaming is not None:
+                streams = model.streaming.layer_start(i, streams)  # this stage's lookahead reads
+            streams = model.model.layers[i](streams, ids, layer_cache)
     return streams
 
 

@@ -104,6 +104,13 @@ def ratio_spread(ratios: Sequence[float]) -> tuple:
     return (min(ratios), max(ratios)) if ratios else (float("nan"), float("nan"))
 
 
+def min_median_max(ratios: Sequence[float]) -> str:
+    """"min/median/max" of predicted/measured ratios (the spread a validation prints)."""
+    if not ratios:
+        return "n/a"
+    return f"{min(ratios):.2f}/{statistics.median(ratios):.2f}/{max(ratios):.2f}"
+
+
 def validation_row(label, cap, preds_s, meas, ratios, rep, p, spread, cnt, prefetch, compute_s, hit_rate,
                    mb_per_token) -> dict:
     """One validated configuration: tok/s and every engine counter the model predicts, both sides."""

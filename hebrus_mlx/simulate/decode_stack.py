@@ -1,7 +1,7 @@
 """`hebrus-mlx simulate --validate --stack decode`: the simulator against the real-geometry decode
-stack of `benchmarks/bench_stream.py --decode`, where I/O dominates a token.
+stack (`synthetic_stack.py`, the one `benchmarks/bench_stream.py --decode` times), where I/O dominates a token.
 
-The stack is bench_stream's own (DecodeStack: per layer a Gated DeltaNet with Qwen3.8-Flash-Next's
+The stack is synthetic_stack's (DecodeStack: per layer a Gated DeltaNet with Qwen3.8-Flash-Next's
 dimensions -> router over 512 experts -> top-10 -> resolve from a cold store of 2560x640 affine4
 records -> SwitchGLU + shared expert; one lazy graph per token). This module measures this
 machine (the SSD by queue depth on that store's records with the bench's probe, or the probe of
@@ -9,34 +9,19 @@ the machine profile `hebrus-mlx qualify` wrote; compute per layer and the part o
 router on the stack with every record cached), records the stack's routes and each predictor's
 hinted sets in a pass of their own, predicts every (arena rows x predictor) run, then times the
 runs (interleaved with a compute run, each from a cold store and an empty arena) and prints both.
-It needs a source checkout (the benchmark is not part of the installed package).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
+import sys
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
 
 from ..errors import UsageError
 from . import model as S
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stream.py"
-
-
-def bench_stream():
-    """benchmarks/bench_stream.py of this checkout, imported as a module."""
-    if not BENCH.is_file():
-        raise UsageError("--stack", f"decode needs a source checkout: {BENCH} is missing")
-    spec = importlib.util.spec_from_file_location("_hebrus_bench_stream", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 class _Recorder:
     """StreamEngine proxy that keeps the indices of every prefetch (the hinted sets)."""
@@ -199,7 +184,7 @@ def validate_decode(args) -> dict:
     from . import calibrate as K
 
     load0 = K.load_average()
-    bs = bench_stream()
+    from . import synthetic_stack as bs
     rows_list = [int(x) for x in args.rows.split(",")]
     modes = [m.strip() for m in args.prefetch_modes.split(",") if m.strip()]
     for m in modes:
@@ -243,7 +228,7 @@ def validate_decode(args) -> dict:
                     raise UsageError("--stack", "a streamed run's routes differ from the recorded ones")
                 got[r, m] = (statistics.mean(times[1:]), c)
             if not args.quiet:
-                print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", flush=True)
+                print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", file=sys.stderr, flush=True)
         rounds.append(got)
     out = []
     T = len(topk)
@@ -279,6 +264,7 @@ def validate_decode(args) -> dict:
     load1 = K.load_average()
     return {"machine": machine.to_dict(), "probe": probe, "probe_source": source, "compute_ms_per_token": hot * 1e3,
             "runs": out, "worst": max(abs(x["ratio"] - 1) for x in out), "repeats": args.repeats,
+            "token_records": L * k,
             "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
                      f"{args.gen_tokens} tokens per cold run, store {stack.path}",
             "load_average": [load0, load1], "command": K.command_line(args),

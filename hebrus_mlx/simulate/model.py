@@ -154,13 +154,67 @@ class ModelGeometry:
         return self.num_layers * self.num_experts * self.record_bytes
 
 
+AFFINE_BITS = (2, 3, 4, 6, 8)  # the expert widths issue 23 asks for (MLX affine modes gather_qmm runs)
+AFFINE_GROUPS = (32, 64, 128)
+ANCHOR_CODEC = "affine4-g64"  # the width the profiles' compute figure was measured at
+
+
+def expert_codec(name: str, field_name: str = "--codec"):
+    """The artifact's codec of that name, or an affine width the format does not register (yet):
+    `affineB-gG` with B in MLX's affine widths; record sizes follow from the same parts
+    (uint32 packed weights, bf16 scales and biases per group), so a projection can size them."""
+    import re
+
+    from ..artifact import constants as C
+
+    if name in C.CODECS:
+        return C.CODECS[name]
+    m = re.fullmatch(r"affine(\d+)-g(\d+)", name)
+    if not m or int(m.group(1)) not in AFFINE_BITS or int(m.group(2)) not in AFFINE_GROUPS:
+        raise UsageError(field_name, f"unknown expert codec {name!r}: affineB-gG with B in "
+                                     f"{'/'.join(map(str, AFFINE_BITS))} and G in {'/'.join(map(str, AFFINE_GROUPS))}, "
+                                     f"or one of {', '.join(sorted(C.CODECS))}")
+    return C.Codec(name, 0, int(m.group(1)), int(m.group(2)))
+
+
+def expert_record_bytes(family, codec: str) -> Tuple[int, int]:
+    """(record bytes, aligned stride) of one routed expert (gate, up, down) at `codec`."""
+    from ..artifact import constants as C
+
+    c = expert_codec(codec)
+    if codec in C.CODECS:  # the format's own layout
+        from ..artifact.expert_major import Geometry
+
+        g = Geometry(family, codec)
+        return g.record_bytes, g.record_stride
+    n = sum(c.nbytes(r, k, f"--codec {codec}") for r, k in family.component_shapes().values())
+    return n, C.align_up(n)
+
+
+def bits_per_weight(codec: str) -> float:
+    """Stored bits per weight of an affine codec: B plus a bf16 scale and bias per group."""
+    c = expert_codec(codec)
+    return c.bits + (32.0 / c.group_size if c.affine else 0.0)
+
+
 def geometry_of_family(family, codec: str = "affine4-g64", resident_gb: float = 0.0) -> ModelGeometry:
     """From the artifact format: ExpertMajor v2 record stride for (family, codec)."""
-    from ..artifact.expert_major import Geometry
-
-    g = Geometry(family, codec)
+    _, stride = expert_record_bytes(family, codec)
     return ModelGeometry(family.name, family.num_hidden_layers, family.num_experts,
-                         family.num_experts_per_tok, g.record_stride, resident_gb)
+                         family.num_experts_per_tok, stride, resident_gb)
+
+
+def compute_scale(family, dense_gb: Optional[float], expert: str, dense: str = ANCHOR_CODEC) -> Optional[float]:
+    """Decode compute at (dense width, expert width) over compute at the anchor (affine4-g64 for
+    both), taking decode on Apple GPUs as memory-bandwidth-bound: a token reads the dense weights
+    once and top_k expert records per layer, so its time scales with those bytes. None when the
+    profile gives no dense_gb (then compute does not follow the width)."""
+    if dense_gb is None:
+        return None
+    active = family.num_hidden_layers * family.num_experts_per_tok / 1e9
+    at = lambda d, e: dense_gb * bits_per_weight(d) / bits_per_weight(ANCHOR_CODEC) + active * expert_record_bytes(  # noqa: E731
+        family, e)[0]
+    return at(dense, expert) / at(ANCHOR_CODEC, ANCHOR_CODEC)
 
 
 # ---- the arena -----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ policies (``--policies lru,lfu,belady``) are printed as comparisons, never recom
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -30,7 +31,7 @@ from ..errors import UsageError
 from . import model as S
 
 GRID_GB = (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96)
-RUNTIME_POLICY = "clock"  # the loader's arena policy (loading/artifact.py); no flag selects another
+RUNTIME_POLICY = "clock"  # the loader's arena policy (loading/build_model.py); no flag selects another
 RUNTIME_PREFETCH = ("off", "previous", "router-reuse:1", "router-reuse:2", "hyper-reuse")  # --prefetch values
 DEFAULT_PREFETCH = "router-reuse:1"  # stream.predict.DEFAULT (not imported: that module needs MLX)
 PREDICTOR_SOURCES = ("peer", "synthetic")
@@ -153,11 +154,41 @@ def cache_sizes(budget: float, given: Optional[Sequence[float]], geom: S.ModelGe
 
 def project_one(prof: dict, where: str, geom: S.ModelGeometry, codec: str, check: str, inp: Inputs,
                 caches: Sequence[float], policies: Sequence[str], prefetches: Sequence[str],
-                draft_depths: Sequence[int], acceptance: float, memo: Memo, progress=None) -> List[S.Projection]:
+                draft_depths: Sequence[int], acceptance: float, memo: Memo, progress=None,
+                compute_scale: Optional[float] = None) -> List[S.Projection]:
     machine = machine_of(prof, where, check)
+    if compute_scale is not None:  # compute follows the weight bytes a token reads (S.compute_scale)
+        machine = dataclasses.replace(machine, layer_s=machine.layer_s * compute_scale,
+                                      other_s=machine.other_s * compute_scale)
     pfs = [p for p in prefetches if p in S.PREFETCH or p in inp.predicted or p in inp.gains]
     return S.sweep(machine, geom, inp.topk, caches, policies, pfs, draft_depths, acceptance, inp.warm,
                    inp.predicted, inp.gains, codec, memo.replays, progress)
+
+
+def dense_gb(prof: dict, where: str) -> Optional[float]:
+    """The profile's dense weight bytes at the anchor width (GB), or None (compute then does not
+    follow the widths)."""
+    v = prof.get("dense_gb")
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+        raise UsageError(f"{where}.dense_gb", f"GB of dense weights >= 0, got {v!r}")
+    return float(v)
+
+
+def width_note(prof: dict, machine: S.Machine, family, codec: str, dense: str, scale: Optional[float]) -> dict:
+    """What the widths did to compute, in words (printed with each width's projection)."""
+    base = (machine.layer_s * family.num_hidden_layers + machine.other_s) * 1e3
+    rec, _ = S.expert_record_bytes(family, codec)
+    if scale is None:
+        return {"compute_scale": None, "compute_note": f"compute {base:.1f} ms/token resident, NOT scaled with the "
+                                                       "width (the profile gives no dense_gb)"}
+    return {"compute_scale": scale,
+            "compute_note": f"compute {base * scale:.1f} ms/token resident = {base:.1f} ms at {S.ANCHOR_CODEC} x "
+                            f"{scale:.3f}: dense {float(prof['dense_gb']) * S.bits_per_weight(dense) / S.bits_per_weight(S.ANCHOR_CODEC):.2f} GB "
+                            f"at {dense} + {family.num_hidden_layers} x {family.num_experts_per_tok} expert records "
+                            f"of {rec / 1e6:.2f} MB at {codec} per token (ASSUMPTION: memory-bandwidth-bound decode, "
+                            f"anchored at the 4-bit measurement)"}
 
 
 def exposed_settings(rows: Sequence[S.Projection]) -> List[S.Projection]:
@@ -196,9 +227,11 @@ def flags(p: S.Projection) -> str:
 def limiting_term(p: S.Projection, check_ms: float) -> str:
     """What a token's time is mostly made of: compute, the SSD, or the record check."""
     disk = p.exposed_ms - check_ms
-    terms = {"compute": p.compute_ms, "SSD reads": disk, "record checks": check_ms}
+    # Per token: with a draft model a step's compute (and its verify cost) is shared by its tokens.
+    compute = p.token_ms - p.exposed_ms - p.read_cpu_ms if p.draft_depth else p.compute_ms
+    terms = {"compute": compute, "SSD reads": disk, "record checks": check_ms}
     name = max(terms, key=terms.get)
-    return (f"{name} ({terms[name]:.1f} of {p.token_ms:.1f} ms/token; compute {p.compute_ms:.1f}, "
+    return (f"{name} ({terms[name]:.1f} of {p.token_ms:.1f} ms/token; compute {compute:.1f}, "
             f"exposed reads {disk:.1f}, checks {check_ms:.1f})")
 
 
@@ -241,7 +274,89 @@ def doc_rows(results: Sequence[dict]) -> List[dict]:
     return list(rows.values())
 
 
-def render_doc(results: Sequence[dict], command: str) -> str:
+# Issue 23's goal: tok/s with default settings and the (fast) read check on.
+GOALS = {"m5-pro-48gb": 25.0, "m5-pro-64gb": 30.0}
+
+GOAL_COLUMNS = ("| profile | goal (tok/s) | expert width | default settings, tok/s (fast check) | ms/token: compute + "
+                "exposed reads + checks | compute the goal leaves (ms/token) | dense weights at 3 bits too, tok/s | "
+                "best flags, tok/s |")
+
+
+def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> List[str]:
+    """Where each goal profile stands at each expert width, which term limits it and what moves it."""
+    fast = {item["profile_name"]: item["result"] for item in results if item["check"] == "fast"}
+    alt = {item["profile_name"]: item["result"] for item in whatif or ()}
+    lines = ["## The goal: M5 Pro 48 GB >= 25 tok/s, M5 Pro 64 GB >= 30 tok/s (default settings, fast check on)", "",
+             GOAL_COLUMNS, "|" + "---|" * (GOAL_COLUMNS.count("|") - 1)]
+    verdicts = []
+    for name, goal in sorted(GOALS.items()):
+        res = fast.get(name)
+        if res is None:
+            continue
+        budget = 1e3 / goal
+        meets, rows = [], []
+        for c in res["by_codec"]:
+            d = c["default"]
+            if not d:
+                continue
+            chk = c.get("default_check_ms") or 0.0
+            reads = d["exposed_ms"] - chk
+            w = next((x for x in (alt.get(name) or {}).get("by_codec", []) if x["codec"] == c["codec"]), None)
+            wtok = (w or {}).get("default") or {}
+            rows.append((c, d, reads, chk, budget - reads - chk, wtok.get("tok_s")))
+            lines.append(f"| {res['machine']['name']} | {goal:g} | {c['codec']} | {d['tok_s']:.1f} | "
+                         f"{d['token_ms']:.1f} = {d['compute_ms']:.1f} + {reads:.1f} + {chk:.1f} | "
+                         f"{budget - reads - chk:.1f} (assumed {d['compute_ms']:.1f}) | "
+                         + ("n/a" if wtok.get("tok_s") is None else f"{wtok['tok_s']:.1f}") + " | "
+                         f"{c['best']['tok_s']:.1f} (`{c.get('best_flags')}`) |")
+            if d["tok_s"] >= goal:
+                meets.append((c["codec"], d["tok_s"]))
+        if not rows:
+            continue
+        first = rows[0]
+        label = res["machine"]["name"]
+        fc, fd, freads, fchk = first[0], first[1], first[2], first[3]
+        at_default = (f"at the default {fc['codec']} it projects {fd['tok_s']:.1f} tok/s, a token being "
+                      f"{fd['token_ms']:.1f} ms: compute {fd['compute_ms']:.1f}, exposed reads {freads:.1f}, checks "
+                      f"{fchk:.1f} (compute alone allows {1e3 / fd['compute_ms']:.1f} tok/s)")
+        if meets:
+            widest = meets[0]  # the table lists the widest (least lossy) width first
+            head = (f"**{label}: meets {goal:g} tok/s at {widest[0]} experts ({widest[1]:.1f} tok/s projected)**; "
+                    f"{at_default}.")
+        else:
+            best = max(rows, key=lambda r: r[1]["tok_s"])
+            head = (f"**{label}: below {goal:g} tok/s at every width** (best default {best[1]['tok_s']:.1f} tok/s at "
+                    f"{best[0]['codec']}); {at_default}.")
+        # Which term limits the fastest width, and what would move it.
+        c, d, reads, chk, left, wt = max(rows, key=lambda r: r[1]["tok_s"])
+        if d["tok_s"] >= goal:
+            verdicts.append(head + f" At {c['codec']} a token is {d['token_ms']:.1f} ms: compute {d['compute_ms']:.1f}, "
+                            f"exposed reads {reads:.1f}, checks {chk:.1f}; the margin is {budget - d['token_ms']:.1f} ms.")
+            continue
+        if d["compute_ms"] >= budget:
+            why = (f"Compute limits it: at {c['codec']} compute alone is {d['compute_ms']:.1f} ms/token against the "
+                   f"{budget:.1f} ms that {goal:g} tok/s allows, so no read-side change reaches it.")
+        else:
+            why = (f"Reads limit it: compute {d['compute_ms']:.1f} ms leaves {budget - d['compute_ms']:.1f} ms for "
+                   f"reads and checks, the projection exposes {reads + chk:.1f} ms.")
+        moves = [f"dense weights at 3 bits too ({'n/a' if wt is None else f'{wt:.1f}'} tok/s; quality not measured here)",
+                 f"a draft model (best {c['best']['tok_s']:.1f} tok/s with `{c.get('best_flags')}`, at the assumed "
+                 "MTP acceptance 0.5)",
+                 f"an M5 Pro that decodes faster than the assumed 0.6x an M4 Max: the goal needs compute <= "
+                 f"{left:.1f} ms/token at {c['codec']} with these reads"]
+        verdicts.append(head + " " + why + " What would move it: " + "; ".join(moves) + ".")
+    lines += [""] + [f"- {v}" for v in verdicts]
+    lines += ["", "What the goal rows rest on (each printed in full per profile below): compute = 0.6x an M4 Max's "
+              "measured 21.2 ms/token (memory-bandwidth ratio, assumed), scaled with the weight bytes a token reads "
+              "at each width (ASSUMPTION: memory-bandwidth-bound decode, anchored at the 4-bit measurement); SSD "
+              "9.5 GB/s at QD1, 17.3 at QD8 (slotstream's M5 Pro); synthetic routes tuned to ~75% hits at 28 GiB; "
+              "read-ahead credited with what public runtimes measured; the fast check at XXH3's public 36 GB/s "
+              "per core; 8 GB kept for the OS and apps. The quality of 2- and 3-bit experts is not part of a "
+              "projection (`benchmarks/bench_widths.py` measures perplexity on the demo).", ""]
+    return lines
+
+
+def render_doc(results: Sequence[dict], command: str, whatif: Sequence[dict] = ()) -> str:
     first = results[0]["result"]
     g = first["geometry"]
     num = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
@@ -274,7 +389,8 @@ def render_doc(results: Sequence[dict], command: str) -> str:
                      + ("n/a" if r.get("default_gain") is None else f"x{r['default_gain']:.2f}") + " | "
                      f"{num(b.get('fast'))} / {num(b.get('sha256'))} / {num(b.get('off'))} | "
                      f"`{r.get('best_flags', '')}` | {r.get('default_limit', '')} |")
-    lines += ["", "## Assumptions and sources, per profile", ""]
+    lines += [""] + goal_section(results, whatif)
+    lines += ["## Assumptions and sources, per profile", ""]
     seen = set()
     for item in results:
         res = item["result"]

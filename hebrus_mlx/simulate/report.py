@@ -34,9 +34,13 @@ def read_report(path: str, flag: str = "--report") -> dict:
     p = Path(path)
     if not p.is_file():
         raise UsageError(flag, f"{path!r} is not a file")
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
+    from ..artifact.untrusted import UntrustedFileError, read_json_path
+
+    try:  # a report is handed to us: bounded size and nesting, duplicate keys refused (issue 22)
+        d = read_json_path(p, "json", field=str(path))
+    except UntrustedFileError as e:
+        raise UsageError(flag, f"{path}: {e.message}") from None
+    except OSError as e:
         raise UsageError(flag, f"{path}: not JSON: {e}") from None
     if not is_report(d):
         raise UsageError(flag, f"{path}: not a qualify report (schema {SCHEMA!r}; write one with "

@@ -1,10 +1,10 @@
 """Speculative decoding: the protocol (protocol.py: the strategy generate's decode loop calls, run by
 `hebrus_mlx.generate.speculative_generate_step`), the drafter interface (base.py), drafters
-(drafters.py; the MTP head lives in mtp.py when built), the block-size governor (governor.py).
+(drafters.py; the MTP head lives in mtp_drafter.py when built), the block-size governor (governor.py).
 
 `DRAFTERS` maps a `--draft-model` name to `factory(model, args) -> Drafter`; any other value is a
 draft model directory. `args` is a DraftArgs. A module that provides a drafter registers it here;
-`mtp` resolves by importing `hebrus_mlx.speculative.mtp`, which exposes
+`mtp` resolves by importing `hebrus_mlx.speculative.mtp_drafter`, which exposes
 `make_drafter(model, args) -> Drafter` or `MTPDrafter(model, model.mtp_head)`; a missing module or
 head is a DrafterError (one line, exit 2 at the CLI).
 """
@@ -40,17 +40,17 @@ def _ngram(model, args):
 
 def _mtp(model, args):
     try:
-        mod = importlib.import_module("hebrus_mlx.speculative.mtp")
+        mod = importlib.import_module("hebrus_mlx.speculative.mtp_drafter")
     except ModuleNotFoundError as e:
-        if e.name != "hebrus_mlx.speculative.mtp":
+        if e.name != "hebrus_mlx.speculative.mtp_drafter":
             raise
-        raise DrafterError("draft_model: 'mtp' needs hebrus_mlx.speculative.mtp, which this build does not have") from None
+        raise DrafterError("draft_model: 'mtp' needs hebrus_mlx.speculative.mtp_drafter, which this build does not have") from None
     factory = getattr(mod, "make_drafter", None)
     if factory is None and hasattr(mod, "MTPDrafter"):
         # The MTP branch's drafter: MTPDrafter(model, model.mtp_head) (the loaders attach the head).
         factory = lambda m, a: mod.MTPDrafter(m, getattr(m, "mtp_head", None))  # noqa: E731
     if factory is None:
-        raise DrafterError("draft_model: hebrus_mlx.speculative.mtp has no make_drafter(model, args)")
+        raise DrafterError("draft_model: hebrus_mlx.speculative.mtp_drafter has no make_drafter(model, args)")
     try:
         return factory(model, args)
     except DrafterError:

@@ -1,15 +1,15 @@
-"""Drafters behind the one interface of base.py: prompt lookup (n-gram), a draft model, an oracle."""
+"""Drafters behind the one interface of base.py: prompt lookup (n-gram), a draft model."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..artifact import untrusted
-from ..sample_utils import apply_vocab_mask
+from ..sample_utils import masked_logprobs
 from .base import CompatibilityError, Drafter, DrafterError, Proposal
 
 
@@ -66,36 +66,6 @@ class NGramDrafter(Drafter):
                 cands.append(c)
             return Proposal(tokens, cands)
         return Proposal([])
-
-
-class OracleDrafter(Drafter):
-    """Replays a recorded future (e.g. plain decoding's output): the acceptance upper bound. It
-    proposes the recording's next tokens while the sequence still follows the recording."""
-
-    name = "oracle"
-
-    def __init__(self, future: Sequence[int]):
-        self.future = [int(t) for t in future]
-        self.done: List[int] = []
-        self.on_track = True
-
-    def begin(self, prompt, hidden):
-        self.done, self.on_track = [], True
-
-    def commit(self, accepted, hidden):
-        for t in accepted:
-            i = len(self.done)
-            self.on_track = self.on_track and i < len(self.future) and self.future[i] == int(t)
-            self.done.append(int(t))
-
-    def reset(self):
-        self.done, self.on_track = [], True
-
-    def propose(self, n):
-        if not self.on_track or n <= 0:
-            return Proposal([])
-        i = len(self.done)
-        return Proposal(self.future[i:i + n])
 
 
 # -- draft model ------------------------------------------------------------------------------------------
@@ -203,8 +173,7 @@ class DraftModelDrafter(Drafter):
         self.base = self._snapshot()
         tokens, cands, probs = [], [], []
         for i in range(n):
-            row = apply_vocab_mask(logits[0, -1:].astype(mx.float32), self.effective_vocab_size)
-            row = row - mx.logsumexp(row, axis=-1, keepdims=True)
+            row = masked_logprobs(logits[0, -1:].astype(mx.float32), self.effective_vocab_size)
             if self.distribution is None:
                 order = mx.argsort(-row[0])[: self.num_candidates]
                 c = np.array(order).tolist()
@@ -240,7 +209,7 @@ def load_draft_model(path, target_tokenizer, target_vocab: int, distribution=Non
     if not (p / "config.json").is_file() and not (p / "manifest.json").is_file():
         raise DrafterError(f"draft_model: {path!r} is not 'mtp', 'ngram' or a model directory (no config.json)")
     if _is_hebrus_dir(p):
-        from ..utils import load_model
+        from ..loader import load_model
 
         cfg = untrusted.read_json(str(p), "config.json", links=True)
         draft_vocab = int(cfg["vocab_size"])

@@ -39,7 +39,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..sample_utils import apply_vocab_mask, make_sampler
+from ..sample_utils import apply_vocab_mask, make_sampler, masked_logprobs
 from .base import Drafter, DrafterError, Proposal
 
 
@@ -314,8 +314,7 @@ def replay_step(model, cache, y: int, proposal: Proposal, effective_vocab_size: 
     block = [int(y)] + proposal.tokens
     snap = cache.snapshot()
     logits = model(mx.array(block, dtype=mx.int32)[None], cache=cache)[0]
-    logits = apply_vocab_mask(logits.astype(mx.float32), effective_vocab_size)
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    lp = masked_logprobs(logits.astype(mx.float32), effective_vocab_size)
     mx.eval(lp, cache.arrays)
     a, bonus, _ = accept_block(lp, proposal, sampler)
     if a < len(proposal.tokens):

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..profile import IDENTITY, ProfileError, profile_path, read_profile, this_machine
+from ..machine_profile import IDENTITY, ProfileError, profile_path, read_profile, this_machine
 from .sweep import CROSSOVER
 
 SECTION, NAME = "io", "sweep_crossover"

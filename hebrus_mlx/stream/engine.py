@@ -168,22 +168,23 @@ def gpu_events_compiled() -> bool:
     return _ext is not None and bool(_ext.gpu_events_compiled())
 
 
-def configure(profile: Optional[dict]) -> dict:
+def configure(profile: Optional[dict], options=None) -> dict:
     """Switch on the streaming features `profile.passed` honours for this machine, each only where
-    this build has it and its kill-switch (HEBRUS_GPU_EVENTS=0, HEBRUS_MTLIO=0) is not set:
+    this build has it and `options` (a GraphOptions) does not switch it off (gpu_events, mtlio):
     - gpu_event: streamed ops on the GPU stream, the GPU waiting on the host's event (else the
       CPU stream, the default);
     - mtlio: the default read backend of new engines (else pread).
     Returns {"gpu_event": bool, "backend": str}."""
-    import os
+    from ..machine_profile import passed
+    from ..models.options import GraphOptions
 
-    from ..profile import passed
+    options = options or GraphOptions()
 
     global _profile_backend
     gpu = (passed(profile, "streaming", "gpu_event") and gpu_events_compiled()
-           and os.environ.get("HEBRUS_GPU_EVENTS", "1") != "0")
+           and options.gpu_events)
     mtlio = (passed(profile, "io", "mtlio_vs_pread") and "mtlio" in backends()
-             and os.environ.get("HEBRUS_MTLIO", "1") != "0")
+             and options.mtlio)
     if _ext is not None:
         _ext.set_gpu_events(gpu)  # off is always accepted
     _profile_backend = "mtlio" if mtlio else "pread"
@@ -240,15 +241,8 @@ class StreamEngine:
             raise StreamUnavailableError(unavailable_reason())
         if backend is None:
             backend = default_backend()
-        self._e = _ext.Engine(
-            threads=threads,
-            cache_bytes=cache_bytes,
-            direct=direct,
-            nocache=nocache,
-            rdadvise=rdadvise,
-            policy=policy,
-            backend=backend,
-        )
+        self._e = _ext.Engine(threads=threads, cache_bytes=cache_bytes, direct=direct, nocache=nocache,
+                              rdadvise=rdadvise, policy=policy, backend=backend)
         self._threads = threads
 
     @property
@@ -275,15 +269,9 @@ class StreamEngine:
         mirrors) and ``fallbacks`` (mirror reads redone from the store)."""
         return self._e.file_reads(int(store))
 
-    def register_table(
-        self,
-        store: int,
-        offsets: Sequence[int],
-        lengths: Sequence[int],
-        digests: Optional[Sequence[bytes]] = None,
-        arena: int = -1,
-        fast_digests: Optional[Sequence[bytes]] = None,
-    ) -> int:
+    def register_table(self, store: int, offsets: Sequence[int], lengths: Sequence[int],
+                       digests: Optional[Sequence[bytes]] = None, arena: int = -1,
+                       fast_digests: Optional[Sequence[bytes]] = None) -> int:
         """Record table for the graph ops: row i is (offsets[i], lengths[i]),
         read into ``arena`` rows if given (lengths must equal its record),
         checked on every read against ``fast_digests[i]`` (XXH3-128, 16
@@ -317,24 +305,10 @@ class StreamEngine:
         )
 
     # Tickets --------------------------------------------------------------
-    def request(
-        self,
-        store: int,
-        offset: int,
-        length: int,
-        *,
-        priority: int = P0,
-        exact: bool = True,
-        owner: int = 0,
-        generation: int = 0,
-        layer: int = -1,
-        expert: int = -1,
-        deadline_ns: Optional[int] = None,
-        confidence: float = 1.0,
-        digest: Optional[bytes] = None,
-        arena: int = -1,
-        fast_digest: Optional[bytes] = None,
-    ) -> int:
+    def request(self, store: int, offset: int, length: int, *, priority: int = P0, exact: bool = True, owner: int = 0,
+                generation: int = 0, layer: int = -1, expert: int = -1, deadline_ns: Optional[int] = None,
+                confidence: float = 1.0, digest: Optional[bytes] = None, arena: int = -1,
+                fast_digest: Optional[bytes] = None) -> int:
         """Issue a read; never blocks on I/O. ``deadline_ns`` is in
         ``time.monotonic_ns()`` units. ``fast_digest`` (XXH3-128) or
         ``digest`` (SHA-256): what the bytes are checked against. Requests
@@ -342,22 +316,9 @@ class StreamEngine:
         bytes and the same check, domain and value (or both none): a
         digest-carrying request is never served bytes that were not checked
         against its own digest."""
-        return self._e.request(
-            store,
-            offset,
-            length,
-            priority=priority,
-            exact=exact,
-            owner=owner,
-            generation=generation,
-            layer=layer,
-            expert=expert,
-            deadline_ns=deadline_ns,
-            confidence=confidence,
-            digest=digest,
-            fast_digest=fast_digest,
-            arena=arena,
-        )
+        return self._e.request(store, offset, length, priority=priority, exact=exact, owner=owner,
+                               generation=generation, layer=layer, expert=expert, deadline_ns=deadline_ns,
+                               confidence=confidence, digest=digest, fast_digest=fast_digest, arena=arena)
 
     def wait(self, ticket: int, timeout: Optional[float] = None) -> int:
         return self._e.wait(ticket, -1.0 if timeout is None else timeout)
@@ -397,25 +358,11 @@ class StreamEngine:
         """uint8 [n, length]; the op owns the tickets and releases them."""
         return _ext.load_tickets(self._e, list(tickets))
 
-    def gather(
-        self,
-        table: int,
-        indices: mx.array,
-        owner: int = 0,
-        generation: int = 0,
-        layer: int = -1,
-    ) -> mx.array:
+    def gather(self, table: int, indices: mx.array, owner: int = 0, generation: int = 0, layer: int = -1) -> mx.array:
         """uint8 [*indices.shape, length] streamed during graph evaluation."""
         return _ext.gather_records(self._e, table, indices, owner, generation, layer)
 
-    def resolve(
-        self,
-        table: int,
-        indices: mx.array,
-        owner: int = 0,
-        generation: int = 0,
-        layer: int = -1,
-    ):
+    def resolve(self, table: int, indices: mx.array, owner: int = 0, generation: int = 0, layer: int = -1):
         """Graph op: wait for ``table[indices]`` in the table's arena and pin
         them. Returns ``(rows, lease)``; ``rows`` (uint32, shape of indices)
         index the arena parts, e.g. as ``gather_qmm(..., rhs_indices=rows)``.
@@ -427,17 +374,8 @@ class StreamEngine:
         been computed (so the rows stay valid while they are read)."""
         return _ext.release_after(self._e, value, lease)
 
-    def prefetch(
-        self,
-        table: int,
-        indices: mx.array,
-        priority: int = P1,
-        confidence: float = 1.0,
-        exact: bool = False,
-        owner: int = 0,
-        generation: int = 0,
-        layer: int = -1,
-    ) -> mx.array:
+    def prefetch(self, table: int, indices: mx.array, priority: int = P1, confidence: float = 1.0, exact: bool = False,
+                 owner: int = 0, generation: int = 0, layer: int = -1) -> mx.array:
         """Non-blocking reads; returns a uint32 scalar (requests issued).
 
         Predictions use P1/P2 with ``exact=False``; known-needed records
@@ -450,17 +388,8 @@ class StreamEngine:
             generation, layer,
         )
 
-    def gather_rows(
-        self,
-        table: int,
-        row_ids: mx.array,
-        rows_per_page: int,
-        row_bytes: int,
-        header_bytes: int = 0,
-        owner: int = 0,
-        generation: int = 0,
-        layer: int = -1,
-    ) -> mx.array:
+    def gather_rows(self, table: int, row_ids: mx.array, rows_per_page: int, row_bytes: int, header_bytes: int = 0,
+                    owner: int = 0, generation: int = 0, layer: int = -1) -> mx.array:
         """Graph op for fixed-page stores (PLE, AFN-003): row r is in page
         ``r // rows_per_page`` at ``header_bytes + (r % rows_per_page) *
         row_bytes``. Each unique page is read once at P0, verified, and rows

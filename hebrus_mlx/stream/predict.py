@@ -20,13 +20,11 @@ Prediction runs for one-token forwards (decode); a prefill chunk touches most ex
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
 
-from .. import flags
 from ..errors import UsageError
 
 KINDS = ("off", "previous", "router-reuse", "hyper-reuse")
@@ -87,28 +85,6 @@ def parse_prefetch(text, budget: Optional[int] = None, threshold: float = 0.0) -
     else:
         d = 1
     return PrefetchSpec(kind, d, budget, threshold)
-
-
-def add_prefetch_argument(parser: argparse.ArgumentParser) -> None:
-    """``--prefetch`` (+ ``--prefetch-budget``, ``--prefetch-threshold``) for generate/server/bench;
-    turn the parsed namespace into a spec with :func:`prefetch_from_args`."""
-    parser.add_argument("--prefetch", default=None,
-                        help="streamed-expert read-ahead: off | previous | router-reuse[:1|2] | hyper-reuse "
-                             f"(default {DEFAULT})")
-    parser.add_argument("--prefetch-budget", type=flags.integer(1), default=None,
-                        help="predicted experts per layer, most probable first (default: the model's top-k)")
-    parser.add_argument("--prefetch-threshold", type=flags.number(0, 1, hi_open=True), default=0.0,
-                        help="skip predicted experts whose router probability is below this")
-
-
-def prefetch_from_args(args) -> Optional[PrefetchSpec]:
-    """The spec the flags name; None when none was given (the loader's default)."""
-    if args.prefetch is None and args.prefetch_budget is None and not args.prefetch_threshold:
-        return None
-    try:
-        return parse_prefetch(args.prefetch or DEFAULT, args.prefetch_budget, args.prefetch_threshold)
-    except UsageError as e:
-        raise UsageError("--" + e.field, e.message) from None
 
 
 def candidates(probs: mx.array, budget: int, threshold: float) -> mx.array:

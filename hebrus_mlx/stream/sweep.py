@@ -30,7 +30,6 @@ layer once per arena-sized chunk.
 
 from __future__ import annotations
 
-import argparse
 from typing import Optional
 
 import mlx.core as mx
@@ -63,24 +62,6 @@ def parse_mode(value) -> str:
     if mode not in MODES:
         raise UsageError("prefill_sweep", f"must be one of {', '.join(MODES)}, got {value!r}")
     return mode
-
-
-def add_sweep_argument(parser: argparse.ArgumentParser) -> None:
-    """``--prefill-sweep`` for generate/server/chat/bench (wherever ``--prefetch`` is)."""
-    parser.add_argument("--prefill-sweep", default=None, metavar="auto|on|off",
-                        help="read a layer's whole expert extent for long prefill chunks (streamed experts): "
-                             f"auto switches at the measured crossover (default {DEFAULT})")
-
-
-def sweep_from_args(args) -> Optional[str]:
-    """The mode the flag names; None when not given (the loader's default)."""
-    value = getattr(args, "prefill_sweep", None)
-    if value is None:
-        return None
-    try:
-        return parse_mode(value)
-    except UsageError as e:
-        raise UsageError("--prefill-sweep", e.message) from None
 
 
 def expected_unique_fraction(tokens: int, top_k: int, num_experts: int) -> float:

@@ -1,4 +1,4 @@
-"""Streamed routed experts with the call shape of mlx_lm's SwitchGLU.
+"""Streamed routed experts with the call shape of models/switch_layers.SwitchGLU (mlx-lm's).
 
 ``StreamedSwitchGLU(experts, layer)(x, indices)`` computes what
 ``SwitchGLU(x, indices)`` computes, but its expert weights are arena rows
@@ -32,8 +32,8 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwiGLU, _gather_sort, _scatter_unsort
 
+from ..models.switch_layers import SORT_MIN_PAIRS, sort_by_expert, swiglu, unsort
 from .engine import P1
 from .experts import StreamedExperts
 
@@ -44,7 +44,6 @@ class StreamedSwitchGLU(nn.Module):
         # A plain attribute: arena views are not this module's parameters.
         self._experts = experts
         self.layer = layer
-        self.activation = SwiGLU()
         self.owner = 0
         self.generation = 0
         self._prev: Optional[mx.array] = None
@@ -87,15 +86,15 @@ class StreamedSwitchGLU(nn.Module):
         x = mx.expand_dims(x, (-2, -3))
         # Same data movement as SwitchGLU: many tokens are grouped by
         # expert (arena row) before the gathered matmuls.
-        do_sort = indices.size >= 64
+        do_sort = indices.size >= SORT_MIN_PAIRS
         inv_order = None
         if do_sort:
-            x, rows, inv_order = _gather_sort(x, rows)
+            x, rows, inv_order = sort_by_expert(x, rows)
         x_up = self._project("up", x, rows, do_sort, weights)
         x_gate = self._project("gate", x, rows, do_sort, weights)
-        y = self._project("down", self.activation(x_up, x_gate), rows, do_sort, weights)
+        y = self._project("down", swiglu(x_gate, x_up), rows, do_sort, weights)
         if do_sort:
-            y = _scatter_unsort(y, inv_order, indices.shape)
+            y = unsort(y, inv_order, indices.shape)
         # The last position's routes predict the next token's.
         self._prev = indices[..., -1, :] if indices.ndim > 1 else indices
         return y.squeeze(-2)

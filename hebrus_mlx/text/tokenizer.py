@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from ..artifact import untrusted
 from ..errors import HebrusError
-from .chat import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
+from .chat_template import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
 
 # Tokens that end a chat turn or a document when the tokenizer defines them.
 STOP_TOKEN_STRINGS = ("<|endoftext|>", "<|im_end|>")
@@ -404,7 +404,16 @@ def _find_files(model_dir: Path, sources=None) -> _Files:
             template = named.get("default")
         if not isinstance(template, str):
             raise TokenizerError(f"{model_dir / 'tokenizer_config.json'}: chat_template has no default string")
+        _check_template(template, f"{model_dir / 'tokenizer_config.json'}.chat_template")
     return _Files(tj, tokenizer_bytes, tcfg, gcfg, template)
+
+
+def _check_template(template: str, field: str) -> None:
+    # Embedded in a 16 MiB tokenizer_config.json it would escape the 1 MiB template cap (issue 22).
+    try:
+        untrusted.check_template(template, field)
+    except untrusted.UntrustedFileError as e:
+        raise TokenizerError(e.field, e.message) from None
 
 
 def _eos_ids(gcfg: Optional[dict], where: Path) -> List[int]:
@@ -441,6 +450,8 @@ def load_tokenizer(model_dir, physical_vocab_size: int, sources=None, *, eos_tok
     for field, value in (("eos_token", eos_token), ("chat_template", chat_template)):
         if value is not None and (not isinstance(value, str) or not value):
             raise TokenizerError(f"tokenizer_config.{field}", f"must be a non-empty string, got {value!r}")
+    if chat_template is not None:
+        _check_template(chat_template, "tokenizer_config.chat_template")
     files = _find_files(model_dir, sources)
     # Small files are checked before the large one is loaded.
     eos = _eos_ids(files.generation_config, model_dir / "generation_config.json")

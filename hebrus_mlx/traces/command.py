@@ -26,6 +26,7 @@ def build_parser():
     r.add_argument("--model", default="demo")
     r.add_argument("--prefill-step-size", type=flags.integer(1), default=2048)
     r.add_argument("--json", default=None, help="write the per-sequence parity report here")
+    r.add_argument("--overwrite", action="store_true", help="let --json replace a file hebrus-mlx did not write")
     e = sub.add_parser("export", help="write a safetensors dataset + manifest.json for external trainers")
     e.add_argument("trace_dir")
     e.add_argument("--out", required=True)
@@ -42,6 +43,7 @@ def build_parser():
     v.add_argument("--prefill-step-size", type=flags.integer(1), default=512)
     v.add_argument("--json", default=None)
     v.add_argument("--plot", default=None)
+    v.add_argument("--overwrite", action="store_true", help="let --json/--plot replace a file hebrus-mlx did not write")
     v.add_argument("--cache-sim", action="store_true")
     v.add_argument("--cache-sizes", default="5,10,20,30,50", help="percent of the expert store")
     v.add_argument("--seed", type=flags.seed(), default=0)
@@ -57,12 +59,13 @@ def positive_ints(s, flag):
 
 
 def _replay(args) -> int:
-    from ..utils import load
+    from ..loader import load
     from .replay import replay
     from .shards import read_trace
 
     if args.prefill_step_size < 1:
         raise UsageError("--prefill-step-size", f"must be >= 1, got {args.prefill_step_size}")
+    _check_outputs(args, ("--json",))
     traces = read_trace(args.trace_dir)
     model, tokenizer = load(args.model)
     results = replay(model, tokenizer, traces, chunk=args.prefill_step_size)
@@ -83,10 +86,11 @@ def _replay(args) -> int:
             print(f"  position {ex['position']} layer {ex['layer']}: recorded {ex['recorded']} replayed {ex['replayed']}")
     print("parity: " + ("exact" if not bad else f"FAILED in {len(bad)} of {len(results)} sequences"))
     if args.json:
-        from .export import write_json
+        from .export import write_report_json
 
-        write_json(args.json, {"identity": traces.identity.to_dict(), "chunk": args.prefill_step_size,
-                               "sequences": [r.__dict__ for r in results]})
+        write_report_json(args.json, {"identity": traces.identity.to_dict(), "chunk": args.prefill_step_size,
+                                      "sequences": [r.__dict__ for r in results]},
+                          field="--json", overwrite=args.overwrite, schema="hebrus-mlx.traces-replay")
     return 0 if not bad else 1
 
 
@@ -109,16 +113,28 @@ def _export(args) -> int:
     return 0
 
 
+def _check_outputs(args, names) -> None:
+    """User-named outputs are checked before the work (and again when published)."""
+    from ..artifact.atomic import check_output_file
+
+    for flag in names:
+        path = getattr(args, flag[2:])
+        if path is not None:
+            check_output_file(path, overwrite=args.overwrite, field=flag)
+
+
 def _eval(args) -> int:
     from .eval import run_eval
 
+    _check_outputs(args, ("--json", "--plot"))
     budgets = positive_ints(args.budgets, "--budgets") if args.budgets else None
     sizes = positive_ints(args.cache_sizes, "--cache-sizes")
     if max(sizes) > 100:
         raise UsageError("--cache-sizes", f"percentages must be <= 100, got {args.cache_sizes!r}")
     report = run_eval(args.source, model=args.model, budgets=budgets, split=args.split,
                       chunk=args.prefill_step_size, cache_sim=args.cache_sim, cache_sizes=sizes,
-                      seed=args.seed, json_path=args.json, plot_path=args.plot)
+                      seed=args.seed, json_path=args.json, plot_path=args.plot,
+                      overwrite=args.overwrite)
     print(report["text"])
     return 0
 

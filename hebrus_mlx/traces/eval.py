@@ -178,21 +178,22 @@ def score(ranking, truth, budgets) -> dict:
 
 
 def _record_bytes(model_path) -> Optional[int]:
-    import json
-
     from ..artifact import constants as C
     from ..artifact import expert_major as em
+
+    from ..artifact import untrusted
 
     mp = Path(model_path) / "manifest.json"
     if not mp.is_file():
         return None
-    m = json.loads(mp.read_text())
+    m = untrusted.read_json(str(model_path), "manifest.json")  # bounded, strict (issue 22)
     store = next(s for s in m["stores"] if s["role"] == "experts")
     return int(sum(n for *_, n in em.record_layout(C.family(m["family"]), store["codec"])))
 
 
 def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache_sim=False,
-             cache_sizes=(5, 10, 20, 30, 50), seed=0, json_path=None, plot_path=None) -> dict:
+             cache_sizes=(5, 10, 20, 30, 50), seed=0, json_path=None, plot_path=None,
+             overwrite=False) -> dict:
     ident, seqs, train, desc = load_source(source, split)
     L, E, k = ident.num_layers, ident.num_experts, ident.top_k
     budgets = sorted(set(budgets or [k, 2 * k, 4 * k]))
@@ -209,7 +210,7 @@ def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache
     record_bytes, parity = None, None
     if model is not None:
         from ..traces.schema import model_identity
-        from ..utils import load, resolve_model_path
+        from ..loader import load, resolve_model_path
 
         mdl, tok = load(model)
         diff = ident.mismatch(model_identity(mdl, tok))
@@ -228,11 +229,12 @@ def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache
         report["cache_sim_unit"] = "bytes" if record_bytes else "records"
     report["text"] = render(report)
     if json_path:
-        from .export import write_json
+        from .export import write_report_json
 
-        write_json(json_path, {k: v for k, v in report.items() if k != "text"})
+        write_report_json(json_path, {k: v for k, v in report.items() if k != "text"}, field="--json",
+                          overwrite=overwrite, schema="hebrus-mlx.traces-eval")
     if plot_path:
-        plot(report, plot_path)
+        plot(report, plot_path, overwrite=overwrite)
     return report
 
 
@@ -262,7 +264,7 @@ def render(r) -> str:
     return "\n".join(lines)
 
 
-def plot(r, path) -> None:
+def plot(r, path, overwrite=False) -> None:
     import io
 
     import matplotlib
@@ -270,7 +272,7 @@ def plot(r, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..artifact.atomic import publish_file
+    from ..bench.report import PNG_METADATA, write_bytes_atomic
 
     k = r["identity"]["top_k"]
     n = 3 if "cache_sim" in r else 2
@@ -295,7 +297,6 @@ def plot(r, path) -> None:
     fig.suptitle(f"{r['source']}: {r['tokens']} tokens", fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata=PNG_METADATA)
     plt.close(fig)
-    data = buf.getvalue()
-    publish_file(str(path), lambda w: w.write(data))
+    write_bytes_atomic(path, buf.getvalue(), field="--plot", overwrite=overwrite)

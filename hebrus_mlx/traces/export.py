@@ -34,6 +34,13 @@ def write_json(path, obj) -> None:
     publish_file(str(path), lambda w: w.write(data))
 
 
+def write_report_json(path, obj, *, field: str, overwrite: bool, schema: str) -> None:
+    """A user-named report (replay/eval --json): never over a file hebrus-mlx did not write."""
+    from ..bench.report import json_bytes, write_bytes_atomic
+
+    write_bytes_atomic(path, json_bytes(obj, schema, sort_keys=True), field=field, overwrite=overwrite)
+
+
 def split_of(key: str, fractions) -> str:
     u = int(hashlib.sha256(key.encode()).hexdigest()[:16], 16) / 2.0**64
     acc = 0.0
@@ -155,10 +162,14 @@ def read_export(out, verify_digests: bool = True) -> dict:
     mpath = out / "manifest.json"
     if not mpath.is_file():
         raise TraceError("manifest.json", f"missing in {out}")
-    try:
-        m = json.loads(mpath.read_text())
-    except ValueError:
-        raise TraceError("manifest.json", "not valid JSON (partial write?)") from None
+    from ..artifact.untrusted import UntrustedFileError, read_json
+
+    try:  # bounded and strict, symlinks refused: an export may be handed to us (issue 22)
+        m = read_json(str(out), "manifest.json")
+    except UntrustedFileError as e:
+        raise TraceError(e.field if e.field.startswith("manifest") else "manifest.json", e.message) from None
+    if not isinstance(m, dict):
+        raise TraceError("manifest.json", "not a JSON object")
     if m.get("schema") != EXPORT_SCHEMA:
         raise TraceError("manifest.schema", f"expected {EXPORT_SCHEMA!r}, got {m.get('schema')!r}")
     if m.get("schema_version") != EXPORT_SCHEMA_VERSION:

@@ -93,10 +93,16 @@ def _read_one(path: Path):
     if meta.get("schema_version") != str(SCHEMA_VERSION):
         raise TraceError(f"{name}.schema_version",
                          f"unknown version {meta.get('schema_version')!r} (this build reads {SCHEMA_VERSION})")
-    try:
-        header = json.loads(meta["header"])
-    except (KeyError, ValueError):
+    from ..artifact.untrusted import UntrustedFileError, loads
+
+    try:  # strict and bounded: a shard may be handed to us (issue 22)
+        header = loads(meta["header"], f"{name}.header")
+    except KeyError:
         raise TraceError(f"{name}.header", "missing or not JSON") from None
+    except UntrustedFileError as e:
+        raise TraceError(f"{name}.header", e.message) from None
+    if not isinstance(header, dict):
+        raise TraceError(f"{name}.header", "not a JSON object")
     if payload_sha256(tensors) != header.get("payload_sha256"):
         raise TraceError(f"{name}.payload_sha256", "digest mismatch (the shard's tensors were changed)")
     for key, dtype in REQUIRED.items():

@@ -69,12 +69,8 @@ void read_one(int fd, uint8_t* buf, uint64_t off, uint64_t length,
 } // namespace
 
 RawReadResult raw_pread(
-    const std::string& path,
-    const std::vector<std::vector<uint64_t>>& batches,
-    uint64_t length,
-    int threads,
-    bool direct,
-    bool collect) {
+    const std::string& path, const std::vector<std::vector<uint64_t>>& batches,
+    uint64_t length, int threads, bool direct, bool collect) {
   auto bad = [](const std::string& m) {
     return StreamError(ErrorCode::kBadRequest, m);
   };

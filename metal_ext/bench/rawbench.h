@@ -25,11 +25,7 @@ struct RawReadResult {
 // buffered reads and reports direct = false. `collect` copies every read
 // out (for tests: the copy is inside the timed region).
 RawReadResult raw_pread(
-    const std::string& path,
-    const std::vector<std::vector<uint64_t>>& batches,
-    uint64_t length,
-    int threads,
-    bool direct,
-    bool collect = false);
+    const std::string& path, const std::vector<std::vector<uint64_t>>& batches,
+    uint64_t length, int threads, bool direct, bool collect = false);
 
 } // namespace hebrus

@@ -35,7 +35,6 @@ void register_hash(nb::module_& m);
 // `fast_digest` (XXH3-128, 16 bytes) arguments; at most one may be given.
 RecordCheck to_check(
     const std::optional<nb::bytes>& digest,
-    const std::optional<nb::bytes>& fast_digest,
-    const char* field);
+    const std::optional<nb::bytes>& fast_digest, const char* field);
 
 } // namespace hebrus::bind

@@ -110,8 +110,7 @@ void check_size(const nb::bytes& b, size_t want, const char* field, const char* 
 
 RecordCheck to_check(
     const std::optional<nb::bytes>& digest,
-    const std::optional<nb::bytes>& fast_digest,
-    const char* field) {
+    const std::optional<nb::bytes>& fast_digest, const char* field) {
   RecordCheck c;
   if (digest && fast_digest) {
     throw StreamError(

@@ -19,49 +19,21 @@ void register_ops(nb::module_& m) {
       "rows"_a,
       "expand"_a = std::vector<uint8_t>{});
   m.def(
-      "gather_rows",
-      &gather_rows,
-      "engine"_a,
-      "table"_a,
-      "row_ids"_a,
-      "rows_per_page"_a,
-      "row_bytes"_a,
-      "header_bytes"_a = 0,
-      "owner"_a = 0,
-      "generation"_a = 0,
-      "layer"_a = -1);
+      "gather_rows", &gather_rows, "engine"_a, "table"_a, "row_ids"_a,
+      "rows_per_page"_a, "row_bytes"_a, "header_bytes"_a = 0, "owner"_a = 0,
+      "generation"_a = 0, "layer"_a = -1);
   m.def(
-      "resolve_records",
-      &resolve_records,
-      "engine"_a,
-      "table"_a,
-      "indices"_a,
-      "owner"_a = 0,
-      "generation"_a = 0,
-      "layer"_a = -1);
+      "resolve_records", &resolve_records, "engine"_a, "table"_a, "indices"_a,
+      "owner"_a = 0, "generation"_a = 0, "layer"_a = -1);
   m.def("release_after", &release_after, "engine"_a, "value"_a, "lease"_a);
   m.def("load_tickets", &load_tickets, "engine"_a, "tickets"_a);
   m.def(
-      "gather_records",
-      &gather_records,
-      "engine"_a,
-      "table"_a,
-      "indices"_a,
-      "owner"_a = 0,
-      "generation"_a = 0,
-      "layer"_a = -1);
+      "gather_records", &gather_records, "engine"_a, "table"_a, "indices"_a,
+      "owner"_a = 0, "generation"_a = 0, "layer"_a = -1);
   m.def(
-      "prefetch_records",
-      &prefetch_records,
-      "engine"_a,
-      "table"_a,
-      "indices"_a,
-      "priority"_a = 1,
-      "confidence"_a = 1.0,
-      "exact"_a = false,
-      "owner"_a = 0,
-      "generation"_a = 0,
-      "layer"_a = -1);
+      "prefetch_records", &prefetch_records, "engine"_a, "table"_a, "indices"_a,
+      "priority"_a = 1, "confidence"_a = 1.0, "exact"_a = false, "owner"_a = 0,
+      "generation"_a = 0, "layer"_a = -1);
 }
 
 } // namespace hebrus::bind

@@ -7,47 +7,27 @@
 #include <cstdio>
 #include <vector>
 
+#include "kat_records.h"
 #include "sha256.h"
 
-namespace {
-void hex(const hebrus::Digest& d) {
-  for (uint8_t b : d) {
-    std::printf("%02x", b);
-  }
-}
-} // namespace
+using hebrus::kat::hex;
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: sha256_kat RECORDS\n");
-    return 2;
-  }
-  std::FILE* f = std::fopen(argv[1], "rb");
-  if (!f) {
-    std::perror(argv[1]);
-    return 2;
-  }
-  std::printf("%s\n", hebrus::sha256_backend());
-  uint8_t len[4];
-  while (std::fread(len, 1, 4, f) == 4) {
-    size_t n = len[0] | len[1] << 8 | len[2] << 16 | size_t(len[3]) << 24;
-    std::vector<uint8_t> buf(n);
-    if (std::fread(buf.data(), 1, n, f) != n) {
-      std::fprintf(stderr, "truncated record\n");
-      return 2;
-    }
-    hex(hebrus::sha256(buf.data(), n));
-    std::printf(" ");
-    hex(hebrus::sha256(buf.data(), n, /*portable=*/true));
-    std::printf(" ");
-    hebrus::Sha256 s;
-    for (size_t at = 0, i = 0; at < n; ++i) {
-      size_t take = std::min(n - at, (i * 37) % 200 + 1);
-      s.update(buf.data() + at, take);
-      at += take;
-    }
-    hex(s.finish());
-    std::printf("\n");
-  }
-  return 0;
+  return hebrus::kat::for_each_record(
+      argc, argv, "sha256_kat",
+      [] { std::printf("%s\n", hebrus::sha256_backend()); },
+      [](const std::vector<uint8_t>& buf) {
+        size_t n = buf.size();
+        hex(hebrus::sha256(buf.data(), n));
+        std::printf(" ");
+        hex(hebrus::sha256(buf.data(), n, /*portable=*/true));
+        std::printf(" ");
+        hebrus::Sha256 s;
+        for (size_t at = 0, i = 0; at < n; ++i) {
+          size_t take = std::min(n - at, (i * 37) % 200 + 1);
+          s.update(buf.data() + at, take);
+          at += take;
+        }
+        hex(s.finish());
+      });
 }

@@ -17,9 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import AttentionCache
-from .checkpoint_keys import CheckpointKeyError, check_mtp_key_set, classify_mtp
+from ..format.checkpoint_keys import CheckpointKeyError, check_mtp_key_set, classify_mtp
 from .qwen4exp import DecoderLayer, HyperConnection, ZeroCenteredRMSNorm
-from .qwen4exp_config import ModelArgs, mtp_layer_args
+from ..format.qwen4exp_config import ModelArgs, mtp_layer_args
 
 
 class MTPHead(nn.Module):

@@ -16,14 +16,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .errors import (
-    DigestMismatchError,
-    ShortReadError,
-    StaleGenerationError,
-    StreamIOError,
-    StreamRequestError,
-    TicketCancelledError,
-)
+from ..stream.errors import (DigestMismatchError, ShortReadError, StaleGenerationError, StreamIOError,
+                             StreamRequestError, TicketCancelledError)
 
 
 @dataclass

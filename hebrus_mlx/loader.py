@@ -11,7 +11,6 @@ import mlx.core as mx
 from .errors import UsageError
 # Model names resolve in hub.py (demo -> local dir -> Hub repo id); re-exported for load's callers.
 from .hub import DEMO_DIR, ModelNotFoundError, is_repo_id, resolve_model, resolve_model_path  # noqa: F401
-from .models import cpu_streams
 
 def is_artifact(path: Path) -> bool:
     return (Path(path) / "manifest.json").is_file()
@@ -24,16 +23,18 @@ def load_config(path: Path) -> dict:
     return untrusted.read_json(str(path), "config.json", links=True)
 
 
-def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
+def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32, options=None):
     """Build the graph from an HF checkpoint dir (safetensors) via the explicit key tables.
 
     dtype: floating weights are cast to it (float32 by default: the CPU backend is fastest and
     parity holds at fp32); None keeps the checkpoint dtype. A checkpoint's `mtp.*` head becomes
-    `model.mtp_head` (None without one).
+    `model.mtp_head` (None without one). options: the GraphOptions `models/optimize.apply` builds
+    the graph with (None: the defaults for this backend).
     """
-    # Imported here so resolving a bad path stays fast (the graph pulls in mlx_lm).
-    from .models.checkpoint_keys import CheckpointKeyError
-    from .models.qwen4exp import Model, ModelArgs, fuse_projections, set_norm_weights
+    # Imported here so resolving a bad path stays fast.
+    from .format.checkpoint_keys import CheckpointKeyError
+    from .models import optimize
+    from .models.qwen4exp import Model, ModelArgs, set_norm_weights
 
     path = Path(path)
     args = ModelArgs.from_dict(load_config(path))  # config errors surface before any weight is read
@@ -52,7 +53,7 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
                 raise CheckpointKeyError(f"tensor {key!r} appears in more than one shard")
             weights[key] = value
     model = Model(args)
-    from .models.mtp import attach_mtp_head, load_mtp_head
+    from .models.mtp_head import attach_mtp_head, load_mtp_head
 
     head = load_mtp_head(weights, args, dtype)  # the `mtp.*` tensors the text sanitize excludes
     weights = model.sanitize(weights)
@@ -62,35 +63,37 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32):
     mx.eval(model.parameters())
     # HF checkpoints store the zero-centred norm weights (the format's convention): fold them now.
     set_norm_weights(model, folded=False)
-    fuse_projections(model)
+    options = optimize.apply(model, options)
     if head is not None:
         set_norm_weights(head, folded=False)
-        fuse_projections(head)
+        optimize.apply(head, options)
     model.eval()
     attach_mtp_head(model, head)
     return model
 
 
 def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
-               ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None, prefill_sweep=None):
+               ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None, prefill_sweep=None,
+               options=None):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
-    size (see `loading.artifact.load_artifact_model`). HF checkpoint dirs always load resident.
+    size (see `loading.build_model.load_artifact_model`). HF checkpoint dirs always load resident.
     `path`: a directory, or an artifact's admitted Manifest."""
     from .artifact.manifest import Manifest
 
     if isinstance(path, Manifest) or is_artifact(path):
-        from .loading.artifact import load_artifact_model  # admission runs before any graph buffer
+        from .loading.build_model import load_artifact_model  # admission runs before any graph buffer
 
         return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                                   prefetch=prefetch, expert_mirror=expert_mirror, prefill_sweep=prefill_sweep)
+                                   prefetch=prefetch, expert_mirror=expert_mirror, prefill_sweep=prefill_sweep,
+                                   options=options)
     path = Path(path)
     for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb),
                          ("prefetch", prefetch), ("expert_mirror", expert_mirror),
                          ("prefill_sweep", None if prefill_sweep in (None, "auto", "off") else prefill_sweep)):
         if value is not None:
             raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
-    return load_hf_model(path, dtype=dtype)
+    return load_hf_model(path, dtype=dtype, options=options)
 
 
 # `--dtype`: the float dtype weights and activations run in; "stored" keeps the artifact's own.
@@ -103,13 +106,13 @@ def default_dtype() -> Optional[mx.Dtype]:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
-def _apply_machine_profile():
+def _apply_machine_profile(options=None):
     """Switch on only what `hebrus-mlx qualify` passed on this machine (AFN-013); without a
     readable profile nothing optional is on."""
     import warnings
 
     from . import kernels
-    from .profile import ProfileError, ignored_claims, read_profile
+    from .machine_profile import ProfileError, ignored_claims, read_profile
     from .stream import engine as stream_engine
 
     try:
@@ -122,8 +125,18 @@ def _apply_machine_profile():
         warnings.warn(f"machine profile: {', '.join(ignored)} marked passed but not honoured here (written on "
                       "another machine, OS or MLX, or no Metal device); they stay off (re-run `hebrus-mlx qualify`)",
                       stacklevel=3)
-    stream_engine.configure(profile)
+    stream_engine.configure(profile, options)
     return kernels.configure(profile)
+
+
+def _say_if_compiling(options) -> None:
+    import sys
+
+    from .models.options import GraphOptions, jit_notice
+
+    notice = jit_notice(options or GraphOptions())
+    if notice is not None:
+        print(notice, file=sys.stderr, flush=True)
 
 
 # mlx_lm.load's keywords that have no meaning here, and why (the value that changes nothing is accepted).
@@ -180,7 +193,7 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
          ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None, prefill_sweep=None, *,
          tokenizer_config: Optional[dict] = None, model_config: Optional[dict] = None, adapter_path=None,
          lazy: bool = False, return_config: bool = False, revision: Optional[str] = None,
-         trust_remote_code: bool = False, **unknown):
+         trust_remote_code: bool = False, options=None, **unknown):
     """Load (model, tokenizer) from `demo`, an artifact dir, an HF checkpoint dir or a Hub repo id
     (`ORG/NAME`, resolved as the CLI's `--model`: a local directory of that name wins).
 
@@ -193,6 +206,8 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
     `stream.predict`); None: the default. expert_mirror: a directory with a copy of the expert
     store that streamed reads alternate with (`--expert-mirror`; not verified on two disks here).
     prefill_sweep: `auto|on|off` (`--prefill-sweep`, see `stream.sweep`); None: auto.
+    options: a `models.options.GraphOptions` (how the graph is built and run: joined projections,
+    compiled regions, CPU streams, ...; every choice keeps tokens identical); None: the defaults.
 
     mlx_lm.load's keywords: `tokenizer_config` ({"eos_token": str, "chat_template": str}),
     `return_config` (also return config.json as a dict), `revision` (of a Hub repo id). Refused
@@ -207,8 +222,8 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
         if dtype not in DTYPES:
             raise UsageError("dtype", f"expected one of {', '.join(DTYPES)}, an mlx dtype or None, got {dtype!r}")
         dtype = default_dtype() if dtype == "auto" else DTYPES[dtype]
-    _apply_machine_profile()
-    cpu_streams.cpu_streams()  # a bad HEBRUS_CPU_STREAMS is refused before any work
+    _apply_machine_profile(options)
+    _say_if_compiling(options)
     path = _resolve(path_or_name, revision)
     source, sources = path, None
     if is_artifact(path):
@@ -218,7 +233,7 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
         source = admit(str(path))
         sources = source.sources
     model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                       prefetch=prefetch, expert_mirror=expert_mirror, prefill_sweep=prefill_sweep)
+                       prefetch=prefetch, expert_mirror=expert_mirror, prefill_sweep=prefill_sweep, options=options)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources,
                                **tokenizer_overrides)
     model.source_path = path  # route traces pin the artifact by its digest

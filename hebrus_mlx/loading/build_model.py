@@ -7,7 +7,7 @@ manifest's per-tensor codec and the store codecs, never inferred from key
 names or shapes.
 
 Routed experts are either copied out of the ExpertMajor store into the
-resident SwitchGLU (affine codecs become mlx_lm QuantizedSwitchLinear) or,
+resident SwitchGLU (affine codecs become models/switch_layers.QuantizedSwitchLinear) or,
 when they do not fit (or ``expert_cache_gb`` asks for it), left on disk and
 streamed through the engine's arena by ``StreamedSwitchGLU``
 (:func:`plan_expert_residency`). PLE tables are read page by page into
@@ -17,6 +17,7 @@ asks for it, :func:`plan_ple_residency`), served from the page stores by
 """
 
 import hashlib
+import io
 import os
 import sys
 from pathlib import Path
@@ -35,8 +36,9 @@ from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
 from ..errors import UsageError
-from ..models.mtp import MTPHead, attach_mtp_head
-from ..models.qwen4exp import Model, fuse_projections, set_norm_weights
+from ..models import optimize
+from ..models.mtp_head import MTPHead, attach_mtp_head
+from ..models.qwen4exp import Model, set_norm_weights
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
 from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
@@ -93,26 +95,25 @@ def _to_mx(a):
 
 
 def _load_hashed(m: Manifest, s, what: str):
-    """A whole safetensors store: admission checked its metadata, not its bytes, so it is hashed
-    and loaded through one open descriptor (the bytes loaded are the bytes whose digest matched).
-    A store with a fast check (the MTP head of a new artifact) is checked chunk by chunk against
-    its XXH3-128 table, any other against its whole-file SHA-256."""
+    """A whole safetensors store: admission checked its metadata, not its bytes, so it is read
+    once into memory, checked there, and parsed from that same buffer (never re-read from disk
+    after its check: a write between check and use cannot reach the weights). A store with a
+    fast check (the MTP head of a new artifact) is checked chunk by chunk against its XXH3-128
+    table, any other against its whole-file SHA-256. Costs one store-sized buffer while loading."""
     table, xxh3 = m.fast_table(s), fast_check.xxh3_128()
     with open(m.file(s), "rb") as f:
-        if table is not None and xxh3 is not None:
-            for i, want in enumerate(table):
-                if xxh3(f.read(fast_check.MTP_UNIT_BYTES)) != want:
-                    raise DigestError(f"stores.{s.path}.fast_check", f"{what} store chunk {i} XXH3-128 mismatch")
-            if f.read(1):
-                raise DigestError(f"stores.{s.path}.size", f"{what} store grew after admission")
-        else:
-            digest = hashlib.sha256()
-            while b := f.read(8 << 20):
-                digest.update(b)
-            if digest.hexdigest() != s.sha256:
-                raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
-        f.seek(0)
-        return mx.load(f, format="safetensors")
+        data = f.read(s.size + 1)  # one byte more than admitted: a store that grew is refused
+    if len(data) != s.size:
+        raise DigestError(f"stores.{s.path}.size", f"{what} store is {len(data)}{'+' if len(data) > s.size else ''} "
+                                                   f"bytes, admitted {s.size}: changed after admission")
+    if table is not None and xxh3 is not None:
+        unit = fast_check.MTP_UNIT_BYTES
+        for i, want in enumerate(table):
+            if xxh3(data[i * unit:(i + 1) * unit]) != want:  # bytes only (a copy of one chunk)
+                raise DigestError(f"stores.{s.path}.fast_check", f"{what} store chunk {i} XXH3-128 mismatch")
+    elif hashlib.sha256(data).hexdigest() != s.sha256:
+        raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
+    return mx.load(io.BytesIO(data), format="safetensors")
 
 
 def _dense(m: Manifest, stage=None):
@@ -275,9 +276,6 @@ def _make_room_for_ring(m: Manifest, dtype, rows, expert_cache_gb, sweep_mode):
     if rows is None or expert_cache_gb is not None or sweep_mode == "off":
         return rows
     fam = m.family
-    wide = dtype is not None and dtype == mx.float32
-    record = sum(2 * n if wide and d == "uint16" else n
-                 for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
     ring_rows = 2 * fam.num_experts  # stream.sweep.ring_bytes: two layers, records laid out as rows
     if ring_rows > RING_SHARE * rows or rows - ring_rows < fam.num_experts_per_tok:
         return rows
@@ -347,7 +345,7 @@ def prune(model, stage):
 
 
 def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
-                        prefetch=None, expert_mirror=None, prefill_sweep=None) -> Model:
+                        prefetch=None, expert_mirror=None, prefill_sweep=None, options=None) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -447,7 +445,7 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     # The artifact's metadata says whether its norm weights are zero-centred (fold 1 + w here) or
     # already folded; admission validated the field.
     set_norm_weights(model, folded=m.norm_weights == "folded")
-    fuse_projections(model)
+    options = optimize.apply(model, options)  # GraphOptions (models/options.py)
     model.eval()
     if engine is not None:
         if prefetch is None and experts is not None:
@@ -467,11 +465,11 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
                 engine.close()
                 raise
     if stage is None or stage.heads:
-        attach_mtp_head(model, _mtp_head(m, model.args, dtype))
+        attach_mtp_head(model, _mtp_head(m, model.args, dtype, options))
     return model
 
 
-def _mtp_head(m: Manifest, args, dtype):
+def _mtp_head(m: Manifest, args, dtype, options=None):
     """The optional MTP head, resident (one layer), built from its store's recorded codecs; None
     when the artifact has no MTP store. Hashed and loaded through one open file, like the dense
     store."""
@@ -492,6 +490,6 @@ def _mtp_head(m: Manifest, args, dtype):
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
     set_norm_weights(head, folded=m.norm_weights == "folded")
-    fuse_projections(head)
+    optimize.apply(head, options)
     head.eval()
     return head

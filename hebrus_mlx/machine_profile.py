@@ -35,22 +35,29 @@ def read_profile(path: Optional[Path] = None) -> Optional[dict]:
     path = Path(path) if path else profile_path()
     if not path.exists():
         return None
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    from .artifact.untrusted import UntrustedFileError, read_json_path
+
+    try:  # bounded: size cap, nesting, duplicate keys (issue 22; a profile may be handed to us)
+        profile = read_json_path(path, "json", field=str(path))
+    except UntrustedFileError as e:
+        raise ProfileError(str(path), f"unreadable ({e.message})") from None
+    except OSError as e:
         raise ProfileError(str(path), f"unreadable ({e})") from e
     if not isinstance(profile, dict) or profile.get("schema") != SCHEMA:
         raise ProfileError("profile.schema", f"expected {SCHEMA!r} in {path}")
     return profile
 
 
-def write_profile(profile: dict, path: Optional[Path] = None) -> Path:
+def write_profile(profile: dict, path: Optional[Path] = None, overwrite: bool = False) -> Path:
     """Publish the profile atomically; an existing one is replaced by the rename, never removed
-    first (a reader sees the old profile or the new one)."""
-    from .artifact.atomic import publish_file
+    first (a reader sees the old profile or the new one), and never a file hebrus-mlx did not
+    write unless `overwrite` (qualify --out, issue 22)."""
+    from .artifact.atomic import check_output_file, publish_file
 
     path = Path(path) if path else profile_path()
+    check_output_file(path, overwrite=overwrite, field="--out")
     path.parent.mkdir(parents=True, exist_ok=True)
+    profile = {"schema": profile.get("schema"), **profile}  # first: how a later run recognises it
     # JSON is produced before the temp exists; the synced temp is read back before the rename.
     data = json.dumps(profile, indent=1).encode()
     publish_file(path, lambda w: w.write(data), verify=read_profile)

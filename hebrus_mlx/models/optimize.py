@@ -1,0 +1,323 @@
+"""The speed pass: `apply(model, options)` runs once after the weights are final and swaps in the
+faster implementations `GraphOptions` asks for. The blocks in qwen4exp.py keep one implementation
+each (the plain path); every alternative here computes the same outputs (bit for bit on this CPU,
+tests/test_graph_fast_paths.py, test_cpu_streams.py, test_kernels.py) and is measured by a row of
+benchmarks/bench_graph.py (docs/BENCHMARKS.md).
+
+What is swapped, and where it applies:
+- joined projections: each block's same-input Linears as one matmul for inputs up to
+  `join_max_tokens` positions (a projector on the block, consulted by `qwen4exp._project`);
+- `[in, out]` layout: resident float weights re-stored transposed (values and module code unchanged);
+- one-graph blocks: the hyper-connection mix and the PLE mix as one compiled graph;
+- second CPU stream: half the routed experts, the prefill projections and half the positions'
+  logits on another CPU stream (models/cpu_streams.py), from the active options' `cpu_streams`;
+- QSA: one rope table per call (`rope_tables`), the dense regime through fused SDPA (`dense_sdpa`);
+- Metal kernels the machine profile qualified on this device (`metal_kernels`; never here).
+
+Swaps change a module's class to a subclass (same parameters, keys and call signature) or hang a
+plain attribute on it (never a parameter), so checkpoints, `load_weights` and callers see no change.
+A weight replaced after the pass (a load, update or quantization) makes its joined group fall back
+to the per-Linear matmuls.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import cpu_streams
+from .activations import silu
+from . import qwen4exp as q
+from .options import GraphOptions
+from .switch_layers import SwitchGLU, SwitchLinear
+
+# Below this many multiply-adds a split site stays on one CPU stream: the cross-stream events cost
+# about what half of it saves (docs/BENCHMARKS.md, "second CPU stream").
+SIDE_MIN_MACS = 1 << 20
+
+
+def apply(model: nn.Module, options: Optional[GraphOptions] = None) -> GraphOptions:
+    """Swap in what `options` (default: GraphOptions()) asks for on `model` (a Model, the MTP head
+    or any block); returns the resolved options, also kept as `model.options` on a Model."""
+    from .. import kernels
+
+    options = (options or GraphOptions()).resolved()
+    modules = [m for _, m in model.named_modules()]
+    for m in modules:
+        if hasattr(type(m), "projections") and (options.join_projections or options.cpu_streams == 2):
+            group = m.projections(inject="block_inject_weight" in m) if isinstance(m, q.HyperConnection) else m.projections()
+            joined = _Joined(group, options.in_major) if options.join_projections and _joinable(group) else None
+            object.__setattr__(m, "_projector", Projector(joined, options.join_max_tokens))
+        if isinstance(m, q.HyperConnection):
+            if options.metal_kernels and kernels.enabled("hc_mix"):
+                _swap(m, MetalHyperConnection)
+            elif options.join_projections:
+                _swap(m, OneGraphHyperConnection)
+        elif isinstance(m, q.PLELayer) and options.join_projections:
+            _swap(m, OneGraphPLELayer)
+        elif isinstance(m, q.NGramEmbedding) and options.metal_kernels and kernels.enabled("ple_gather"):
+            _swap(m, MetalNGramEmbedding)
+        elif isinstance(m, q.QSAAttention):
+            metal = options.metal_kernels and kernels.enabled("qsa_attention")
+            if options.rope_tables or options.dense_sdpa or metal:
+                _swap(m, FastQSAAttention)
+                object.__setattr__(m, "_metal", metal)
+        elif isinstance(m, q.SparseMoE) and options.cpu_streams == 2:
+            _swap(m, SplitSparseMoE)
+        elif isinstance(m, q.Model) and options.cpu_streams == 2:
+            _swap(m, SplitLogitsModel)
+    if options.in_major:
+        _store_in_major(modules)
+    if isinstance(model, q.Model):
+        model.options = options
+    return options
+
+
+def _swap(module, cls):
+    if type(module) in cls.__mro__[1:]:  # only the plain block, never a replaced module
+        module.__class__ = cls
+
+
+# ---- joined projections ------------------------------------------------------------------------
+
+
+class _Joined:
+    """One weight for several bias-free float Linears that read the same input. Each Linear's weight
+    is re-pointed at its rows of the joint array (a view, no second copy); the joint matmul is used
+    only while every Linear still holds exactly that view."""
+
+    def __init__(self, linears, in_major: bool):
+        joint = mx.concatenate([m.weight for m in linears], axis=0)
+        if in_major:
+            joint = _in_major(joint)
+        mx.eval(joint)
+        ends = np.cumsum([m.weight.shape[0] for m in linears]).tolist()
+        for m, start, end in zip(linears, [0, *ends[:-1]], ends):
+            m.weight = joint[start:end]
+        self.rhs = joint.T  # evaluated once: no transpose node per call
+        mx.eval([m.weight for m in linears], self.rhs)
+        self.parts = tuple(m.weight for m in linears)
+        self.splits = ends[:-1]
+
+    def intact(self, linears) -> bool:
+        return len(linears) == len(self.parts) and all(m.weight is w for m, w in zip(linears, self.parts))
+
+
+def _joinable(linears) -> bool:
+    return (len(linears) > 1 and all(type(m) is nn.Linear and "bias" not in m for m in linears)
+            and len({m.weight.dtype for m in linears}) == 1)
+
+
+class Projector:
+    """[m(x) for m in linears] as one joint matmul (short inputs, group intact) or split across the
+    two CPU streams (long inputs, enough work), else per Linear."""
+
+    def __init__(self, joined: Optional[_Joined], max_tokens: int = 0):
+        self.joined, self.max_tokens = joined, max_tokens
+
+    def __call__(self, linears, x):
+        j = self.joined
+        if j is not None and x.shape[-2] <= self.max_tokens and j.intact(linears):
+            return mx.split(x @ j.rhs, j.splits, axis=-1)
+        side = cpu_streams.side_stream()
+        if side is None or len(linears) < 2 or x.size // x.shape[-1] * sum(m.weight.size for m in linears) < SIDE_MIN_MACS:
+            return [m(x) for m in linears]
+        # The Linears split between the two CPU streams, the larger ones first to whichever has fewer rows.
+        load, on_side = [0, 0], set()
+        for i in sorted(range(len(linears)), key=lambda i: -linears[i].weight.shape[0]):
+            k = int(load[1] < load[0])
+            load[k] += linears[i].weight.shape[0]
+            if k:
+                on_side.add(i)
+        with mx.stream(side):
+            late = {i: linears[i](x) for i in on_side}
+        return [late[i] if i in on_side else m(x) for i, m in enumerate(linears)]
+
+
+# ---- [in, out] layout --------------------------------------------------------------------------
+# The CPU backend's BLAS (reference gemm) runs x @ W^T several tens of percent faster when W is
+# stored [in, out] instead of the checkpoint's [out, in] (an axpy inner loop it vectorises instead of
+# a dot-product reduction it cannot); both sum over `in` in the same order, so every output is
+# bit-identical. Each weight stays an [out, in] array (a transposed view): module code is unchanged.
+
+
+def _in_major(w: mx.array) -> mx.array:
+    """`w` [..., out, in] as an equal view whose storage is [..., in, out]."""
+    return mx.contiguous(w.swapaxes(-1, -2)).swapaxes(-1, -2)
+
+
+def _store_in_major(modules):
+    joined = {id(w) for m in modules for j in [getattr(m.__dict__.get("_projector"), "joined", None)]
+              if j is not None for w in j.parts}
+    for m in modules:
+        if (type(m) in (nn.Linear, SwitchLinear) and id(m.weight) not in joined
+                and mx.issubdtype(m.weight.dtype, mx.floating)):
+            m.weight = _in_major(m.weight)
+            mx.eval(m.weight)
+
+
+# ---- one-graph blocks --------------------------------------------------------------------------
+
+
+def _rhs(linear: nn.Module) -> Optional[mx.array]:
+    """A bias-free float Linear's weight.T, evaluated once per weight array (a view: no transpose node
+    per call); None for anything else (quantized, biased)."""
+    if type(linear) is not nn.Linear or "bias" in linear:
+        return None
+    return q._derived(linear, "_rhs", linear.weight, lambda w: w.T)
+
+
+@lru_cache(maxsize=None)
+def _hc_mix_fn(hc_count: int, hidden: int, eps: float, lowrank: int, inject: bool):
+    """HyperConnection.mix as one compiled graph on [rows, width] (no batch axes around the matmuls,
+    one fused sigmoid-product): the same ops in the same order as the per-part path."""
+    fns = q._hc_fns(hc_count, hidden)
+
+    @q._compiled
+    def mix(streams, scale, down_rhs, up_rhs):
+        lead = streams.shape[:-1]
+        grouped = streams.reshape(-1, hc_count, hidden)
+        normed = (mx.fast.rms_norm(grouped, None, eps) * scale).reshape(grouped.shape[0], -1)
+        down = normed @ down_rhs
+        if inject:
+            down, logits = mx.split(down, [lowrank], axis=-1)
+        up = fns.activate(down) @ up_rhs
+        mixed = (mx.sigmoid(up) * normed).reshape(grouped.shape).mean(axis=-2).reshape(*lead, hidden)
+        if inject:
+            return mixed, normed.reshape(streams.shape), logits.reshape(*lead, hc_count)
+        return mixed, normed.reshape(streams.shape)
+
+    return mix
+
+
+class OneGraphHyperConnection(q.HyperConnection):
+    """Decode steps and short blocks: the whole mix as one compiled graph over 2-D rows."""
+
+    def _one_graph_rhs(self, streams, inject: bool):
+        """(down, up) right-hand sides, or None where the one graph does not apply: longer inputs,
+        quantized or replaced parts, a joined group no longer intact."""
+        projector = self.__dict__.get("_projector")
+        if projector is None or streams.shape[-2] > projector.max_tokens:
+            return None
+        up = _rhs(self.input_mix_weight_up)
+        if inject:
+            j = projector.joined
+            if j is None or not j.intact(self.projections(inject=True)):
+                return None
+            down = j.rhs
+        else:
+            down = _rhs(self.input_mix_weight_down)
+        return None if down is None or up is None else (down, up)
+
+    def mix(self, streams, inject: bool = False):
+        rhs = self._one_graph_rhs(streams, inject)
+        if rhs is None:
+            return super().mix(streams, inject)
+        lowrank = self.input_mix_weight_up.weight.shape[-1]
+        return _hc_mix_fn(self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank, inject)(
+            streams, self.hc_norm.grouped_scale, *rhs)
+
+
+@lru_cache(maxsize=None)
+def _ple_mix_fn(hc_count: int, hidden: int, eps: float, dilation: int):
+    """PLELayer.mix (norms, gate, dilated conv) as one compiled graph."""
+    norm = q._group_norm_fn(hidden, eps)
+
+    @q._compiled
+    def mix(key, value, streams, state, conv_w, key_scale, query_scale, conv_scale):
+        split = (*streams.shape[:-1], hc_count, hidden)
+        gated = q._ple_gate(norm(key, key_scale).reshape(split), norm(streams, query_scale).reshape(split), value)
+        conv, state = q._causal_depthwise_conv(norm(gated, conv_scale), state, conv_w, dilation=dilation)
+        return gated + silu(conv), state
+
+    return mix
+
+
+class OneGraphPLELayer(q.PLELayer):
+    def mix(self, key, value, streams, state):
+        norms = (self.norm_key, self.norm_query, self.norm_conv)
+        if not all(type(n) is q.ZeroCenteredRMSNorm for n in norms):  # a replaced norm: the plain parts
+            return super().mix(key, value, streams, state)
+        return _ple_mix_fn(self.hc_count, self.hidden_size, self.norm_key.eps, self.dilation)(
+            key, value, streams, state, self.conv1d.weight, *(n.grouped_scale for n in norms))
+
+
+# ---- QSA attention -----------------------------------------------------------------------------
+
+
+class FastQSAAttention(q.QSAAttention):
+    def rotations(self, offset: int, L: int):
+        if not q.graph_options.active().rope_tables:
+            return super().rotations(offset, L)
+        # One cos/sin table for the three rotations (bit-identical to mx.fast.rope, whose CPU path
+        # rebuilds it per call).
+        cos, sin = self.rotary.tables(offset + mx.arange(L))
+        return (lambda t: self.rotary.apply(t, cos, sin)), {"cos": cos, "sin": sin}
+
+    def attend(self, queries, keys, values, idx, ok, n_tokens: int):
+        if n_tokens <= self.indexer.budget + self.indexer.ratio - 1 and q.graph_options.active().dense_sdpa:
+            # Every visible key is selected (the selection is the whole causal prefix), so this is the
+            # same attention through the fused kernel instead of a gather of all keys.
+            B, _, L, _ = queries.shape
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
+                                                       mask="causal" if L > 1 else None)
+            return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        if self.__dict__.get("_metal"):  # qualified on this Metal device only (AFN-013)
+            from ..kernels import qsa_attention
+
+            return qsa_attention.metal(queries, keys, values, idx, ok, self.scale)
+        return super().attend(queries, keys, values, idx, ok, n_tokens)
+
+
+# ---- second CPU stream -------------------------------------------------------------------------
+
+
+class SplitSparseMoE(q.SparseMoE):
+    def routed_experts(self, x, inds):
+        side = cpu_streams.side_stream() if type(self.switch_mlp) is SwitchGLU else None
+        w = self.switch_mlp.gate_proj.weight if side is not None else None
+        if side is None or self.top_k < 2 or x.size // x.shape[-1] * self.top_k * 3 * (w.size // w.shape[0]) < SIDE_MIN_MACS:
+            return super().routed_experts(x, inds)
+        # Half of the routed experts on the second CPU stream, concurrently with the other half and
+        # the shared expert; each expert's output is the same matmul, combined as before.
+        half = self.top_k // 2
+        with mx.stream(side):
+            late = self.switch_mlp(x, inds[..., half:])
+        return mx.concatenate([self.switch_mlp(x, inds[..., :half]), late], axis=-2)
+
+
+class SplitLogitsModel(q.Model):
+    def _logits(self, h):
+        big = h.shape[-2] > 1 and h.size * self.lm_head.weight.shape[0] >= SIDE_MIN_MACS
+        side = cpu_streams.side_stream() if big else None
+        if side is None:
+            return super()._logits(h)
+        # Prefill and verify blocks: the positions in two halves, one per CPU stream (a column half
+        # of the weight would be a strided view, copied per call; row halves of `h` are contiguous).
+        half = h.shape[-2] // 2
+        with mx.stream(side):
+            late = self.lm_head(h[..., half:, :])
+        return mx.concatenate([self.lm_head(h[..., :half, :]), late], axis=-2)
+
+
+# ---- qualified Metal kernels -------------------------------------------------------------------
+
+
+class MetalHyperConnection(q.HyperConnection):
+    def combine(self, weights, normed):
+        from ..kernels import hc_mix
+
+        return hc_mix.metal(weights, normed, self.hc_count, self.hidden_size)
+
+
+class MetalNGramEmbedding(q.NGramEmbedding):
+    def lookup(self, history, n_new: int):
+        if type(self.ngram_embedding) is not nn.Embedding:  # streamed or quantized table
+            return super().lookup(history, n_new)
+        from ..kernels import ple_gather
+
+        return ple_gather.metal(self, history, n_new)

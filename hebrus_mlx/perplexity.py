@@ -1,0 +1,185 @@
+"""`hebrus-mlx perplexity`: perplexity of a model on held-out text, resident or streamed.
+
+mlx_lm.perplexity's flags and semantics (`--model --data-path --sequence-length --num-samples
+--batch-size --seed`): documents are shuffled with the seed, their tokens concatenated and cut
+into `num_samples` rows of `sequence_length` tokens; each row predicts its tokens 2..L from the
+ones before; the result is exp(mean token loss) with the delta-method standard error.
+
+What differs: `--data-path` is a local file (`.txt`: documents separated by two blank lines;
+`.jsonl`: one {"text": ...} object per line), by default the held-out text shipped for the demo
+(hebrus_mlx/demo/heldout.txt, written for the purpose). A streamed model (`--expert-cache-gb`,
+`--ple-cache-gb`, as generate) runs each row in chunks of at most the tokens its expert arena can
+pin at once (the same chunks generate's prefill takes); `perplexity()` takes `chunk` so a resident
+run can use the very same chunks (their results are then bitwise equal, tests/test_perplexity.py).
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from . import flags
+from .cli_args import add_prefetch_argument, prefetch_from_args
+from .errors import UsageError
+
+DEFAULT_DATA = Path(__file__).resolve().parent / "demo" / "heldout.txt"
+MAX_DATA_BYTES = 1 << 30  # a held-out set, not a corpus: refuse anything larger before reading it
+
+
+def read_documents(path) -> list:
+    """The documents of a local .txt (separated by two blank lines) or .jsonl ({"text": str} per line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError("--data-path", f"{path}: not a file (a local .txt or .jsonl)")
+    if p.suffix not in (".txt", ".jsonl"):
+        raise UsageError("--data-path", f"{path}: expected a .txt or .jsonl file")
+    if p.stat().st_size > MAX_DATA_BYTES:
+        raise UsageError("--data-path", f"{path}: larger than {MAX_DATA_BYTES >> 20} MiB")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError("--data-path", f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    if p.suffix == ".txt":
+        docs = [d.strip("\n") for d in text.replace("\r\n", "\n").split("\n\n\n")]
+        # Two blank lines (PEP 8 between top-level blocks) separate documents; one stays inside.
+        docs = [d for d in docs if d.strip()]
+    else:
+        docs = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise UsageError("--data-path", f"{path}:{n}: not JSON ({e})") from None
+            if type(obj) is not dict or type(obj.get("text")) is not str:
+                raise UsageError("--data-path", f"{path}:{n}: expected an object with a string 'text'")
+            docs.append(obj["text"])
+    if not docs:
+        raise UsageError("--data-path", f"{path}: no text")
+    return docs
+
+
+def load_data(tokenizer, data_path, num_samples: int, sequence_length: int, seed: int) -> np.ndarray:
+    """[rows, sequence_length] token ids: documents in a seeded random order, concatenated, cut
+    into whole rows, the first `num_samples` (-1: all) kept."""
+    docs = read_documents(data_path)
+    order = np.random.default_rng(seed).permutation(len(docs))
+    want = sequence_length * num_samples if num_samples > 0 else None
+    tokens = []
+    for i in order:
+        tokens.extend(tokenizer.encode(docs[i]))
+        if want is not None and len(tokens) >= want:
+            break
+    rows = len(tokens) // sequence_length
+    if rows == 0:
+        raise UsageError("--sequence-length", f"{sequence_length} tokens, but {data_path} holds only {len(tokens)}")
+    data = np.array(tokens[: rows * sequence_length], dtype=np.int32).reshape(rows, sequence_length)
+    return data if num_samples < 0 else data[:num_samples]
+
+
+def token_losses(model, data: np.ndarray, batch_size: int = 8, chunk: Optional[int] = None, progress=None):
+    """Cross-entropy of every predicted token, float32 [rows * (L - 1)]. `chunk`: tokens per row
+    per forward (a fresh cache per batch carries the rows across chunks); None: whole rows."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    out = []
+    batches = range(0, len(data), batch_size)
+    for b, s in enumerate(batches):
+        batch = mx.array(data[s: s + batch_size])
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        n = inputs.shape[1]
+        step = n if chunk is None else chunk
+        cache = model.make_cache() if step < n else None
+        parts = []
+        for i in range(0, n, step):
+            logits = model(inputs[:, i: i + step], cache).astype(mx.float32)
+            parts.append(nn.losses.cross_entropy(logits, targets[:, i: i + step], reduction="none"))
+            mx.eval(parts[-1])
+        out.append(np.array(mx.concatenate(parts, axis=1)).reshape(-1))  # rows, then positions
+        if progress is not None:
+            progress(b + 1, len(batches))
+    return np.concatenate(out)
+
+
+def perplexity(model, data: np.ndarray, batch_size: int = 8, chunk: Optional[int] = None, progress=None):
+    """(perplexity, its standard error, tokens scored), as mlx_lm.perplexity.eval_ppl computes them."""
+    losses = token_losses(model, data, batch_size, chunk, progress).astype(np.float64)
+    mean = float(losses.mean())
+    ppl = math.exp(mean)
+    se = float(losses.std(ddof=1)) / math.sqrt(losses.size) if losses.size > 1 else float("nan")
+    return ppl, ppl * se, int(losses.size)
+
+
+def stream_chunk(model, batch_size: int) -> (Optional[int], int):
+    """(tokens per row per forward, rows per forward) a model takes: a streamed model pins every
+    expert one forward routes to, so batch x chunk stays within its arena (max_chunk_tokens)."""
+    streaming = getattr(model, "streaming", None)
+    cap = None if streaming is None else streaming.max_chunk_tokens
+    if cap is None:
+        return None, batch_size
+    rows = max(1, min(batch_size, cap))
+    return max(1, cap // rows), rows
+
+
+def build_parser():
+    p = flags.Parser(prog="hebrus-mlx perplexity", description="Perplexity of a model on held-out text")
+    p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
+    p.add_argument("--data-path", default=str(DEFAULT_DATA),
+                   help="a local .txt (documents separated by two blank lines) or .jsonl ({\"text\": ...} per "
+                        "line); default: the demo's held-out text")
+    p.add_argument("--sequence-length", type=flags.integer(2), default=512, help="tokens per sample")
+    p.add_argument("--num-samples", type=flags.integer(-1), default=256, help="samples to score (-1: all)")
+    p.add_argument("--batch-size", type=flags.integer(1), default=8, help="samples per forward")
+    p.add_argument("--seed", type=flags.integer(0), default=123, help="shuffles the documents")
+    p.add_argument("--expert-cache-gb", type=flags.gib(), default=None,
+                   help="stream the routed experts through a cache of this size (as generate)")
+    p.add_argument("--ple-cache-gb", type=flags.gib(), default=None,
+                   help="stream the PLE table pages through a cache of this size (as generate)")
+    add_prefetch_argument(p)
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    if a.num_samples == 0:
+        raise UsageError("--num-samples", "must be -1 (all) or at least 1")
+    prefetch = prefetch_from_args(a)
+    read_documents(a.data_path)  # a bad path fails before the model loads
+    from .hub import resolve_model
+    from .loader import load
+
+    print(f"Loading model from {a.model}...", file=sys.stderr)
+    model, tokenizer = load(resolve_model(a.model), expert_cache_gb=a.expert_cache_gb,
+                            ple_cache_gb=a.ple_cache_gb, prefetch=prefetch)
+    data = load_data(tokenizer, a.data_path, a.num_samples, a.sequence_length, a.seed)
+    if a.num_samples > len(data):
+        print(f"note: {a.data_path} holds {len(data)} samples of {a.sequence_length} tokens "
+              f"(--num-samples {a.num_samples}); scoring those", file=sys.stderr)
+    chunk, rows = stream_chunk(model, a.batch_size)
+
+    def progress(i, n):
+        print(f"  Processed {i}/{n} batches...", end="\r", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    ppl, se, n = perplexity(model, data, rows, chunk, progress)
+    dt = time.perf_counter() - t0
+    print(file=sys.stderr)
+    mode = "resident" if getattr(model, "streaming", None) is None else (
+        f"streamed, {chunk} tokens x {rows} rows per forward")
+    print(f"Model: {a.model} ({mode})")
+    print(f"Data: {a.data_path}: {len(data)} samples x {a.sequence_length} tokens, seed {a.seed}")
+    print(f"Perplexity: {ppl:.3f} ± {se:.3f}")
+    print(f"Evaluation time: {dt:.2f} seconds ({n / dt:.0f} tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import run
+
+    sys.exit(run("perplexity", main))

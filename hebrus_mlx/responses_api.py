@@ -1,0 +1,452 @@
+"""The Responses API (`POST /v1/responses`, issue 24 §3) without MLX: request fields, `input` items
+to chat messages, the response object, its server-sent events, and the store that answers
+`previous_response_id`.
+
+A request becomes a chat conversation the checkpoint's template renders (the same provenance-safe
+path as /v1/chat/completions): `instructions` is the system message, `input` a string (one user
+message) or items (messages of role user/system/developer/assistant, `function_call` and
+`function_call_output`, `reasoning` summaries given back). A stored response keeps its whole
+conversation (inputs and outputs, without the instructions, which OpenAI does not carry over), so
+a request naming it as `previous_response_id` renders the previous prompt and reply first: the
+server's prefix cache then restores that state instead of prefilling it.
+
+Events follow the sequence the official `openai` client's `responses.stream` accumulates:
+response.created, response.in_progress, then per output item output_item.added, content_part.added,
+the deltas (output_text / reasoning_text / function_call_arguments), their .done, content_part.done,
+output_item.done, and last response.completed (or response.incomplete when max_output_tokens ran
+out), each with a sequence_number.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import List, Optional, Tuple
+
+from . import api_fields
+from .api_fields import RequestError, _show
+
+DEFAULT_STORE_ENTRIES = 256
+DEFAULT_STORE_BYTES = 64 << 20
+DEFAULT_STORE_TTL = 3600.0  # seconds a stored response answers previous_response_id
+MAX_METADATA_KEYS = 16
+
+_ROLES = ("user", "system", "developer", "assistant")
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+# -- request fields ------------------------------------------------------------------------------
+
+
+def _tools(body, name, vocab=None):
+    v = body[name]
+    if not isinstance(v, list) or len(v) > api_fields.MAX_TOOLS:
+        raise RequestError(f"tools must be a list of at most {api_fields.MAX_TOOLS} function tools", name)
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise RequestError(f"{where} must be an object", where)
+        if t.get("type") != "function":
+            raise RequestError(f"{where}.type {_show(t.get('type'))} is not supported (only function tools)",
+                               f"{where}.type")
+        for k in t:
+            if k not in ("type", "name", "description", "parameters", "strict"):
+                raise RequestError(f"{where}.{k} is not a function tool field", f"{where}.{k}")
+        if not isinstance(t.get("name"), str) or not 0 < len(t["name"]) <= api_fields.MAX_TOOL_NAME_CHARS:
+            raise RequestError(f"{where}.name must be a non-empty string", f"{where}.name")
+        if "description" in t and not isinstance(t["description"], (str, type(None))):
+            raise RequestError(f"{where}.description must be a string", f"{where}.description")
+        if "parameters" in t and not isinstance(t["parameters"], (dict, type(None))):
+            raise RequestError(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")
+        if t.get("strict"):  # constrained decoding is not implemented: refused, not pretended
+            api_fields._not_yet(f"{where}.strict", t["strict"])
+
+
+def _tool_choice(body, name, vocab=None):
+    v = body[name]
+    if v in ("none", "auto"):
+        return
+    if v == "required" or isinstance(v, dict):
+        api_fields._not_yet(name, v)
+    raise RequestError(f"tool_choice must be \"none\", \"auto\", \"required\" or an object, got {_show(v)}", name)
+
+
+def _metadata(body, name, vocab=None):
+    v = body[name]
+    if not isinstance(v, dict) or len(v) > MAX_METADATA_KEYS or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(x, str) and len(x) <= 512 for k, x in v.items()):
+        raise RequestError(f"metadata must be an object of at most {MAX_METADATA_KEYS} string keys (<= 64 "
+                           "characters) to strings (<= 512 characters)", name)
+
+
+def _text(body, name, vocab=None):
+    v = body[name]
+    if v != {"format": {"type": "text"}} and v != {}:
+        api_fields._not_yet(name, v)
+
+
+def _only(value, what):
+    def check(body, name, vocab=None):
+        if body[name] != value:
+            api_fields._not_yet(name, body[name])
+
+    check.__doc__ = what
+    return check
+
+
+def _bool(body, name, vocab=None):
+    api_fields._type(body, name, bool, "a boolean")
+
+
+def _string(body, name, vocab=None):
+    api_fields._type(body, name, str, "a string")
+
+
+_C = api_fields._COMMON
+RESPONSES_FIELDS = {
+    "model": _string,
+    "user": _string,
+    "input": None,  # to_messages checks every item
+    "instructions": _string,
+    "tools": _tools,
+    "tool_choice": _tool_choice,
+    "parallel_tool_calls": api_fields._no_op_bool(True),
+    "stream": _bool,
+    "store": _bool,
+    "previous_response_id": _string,
+    "max_output_tokens": lambda b, n, v=None: api_fields._integer(b, n, 1),
+    "metadata": _metadata,
+    "text": _text,
+    "reasoning": _only(None, "reasoning effort cannot be steered"),
+    "truncation": _only("disabled", "the context is never truncated"),
+    "include": _only([], "no extra output"),
+    "top_logprobs": _only(0, "logprobs of the Responses API are not implemented"),
+    "chat_template_kwargs": api_fields._chat_template_kwargs,
+    # Sampling and logits processors, as for /v1/chat/completions.
+    **{k: _C[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+                         "repetition_penalty", "repetition_context_size", "presence_context_size",
+                         "frequency_context_size", "logit_bias")},
+}
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty", "repetition_context_size", "presence_context_size", "frequency_context_size",
+                  "logit_bias")
+
+
+def check_fields(body: dict, vocab: int) -> Tuple[dict, dict]:
+    """Refuse unknown fields, validate known ones; returns (a chat-completions body with the
+    sampling fields, for server.parse_sampling; the template options)."""
+    for name in body:
+        if name not in RESPONSES_FIELDS:
+            raise RequestError(f"unknown field {name!r} for /v1/responses", name)
+    for name, check in RESPONSES_FIELDS.items():
+        if check is not None and body.get(name) is not None:
+            check(body, name, vocab)
+    sampling = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
+    if body.get("max_output_tokens") is not None:
+        sampling["max_tokens"] = body["max_output_tokens"]
+    sampling["stream"] = bool(body.get("stream"))
+    options = {}
+    if "enable_thinking" in (body.get("chat_template_kwargs") or {}):
+        options["enable_thinking"] = body["chat_template_kwargs"]["enable_thinking"]
+    return sampling, options
+
+
+def chat_tools(tools) -> Optional[list]:
+    """Responses function tools in the chat API's shape (what the template renders)."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn = {"name": t["name"]}
+        for k in ("description", "parameters"):
+            if t.get(k) is not None:
+                fn[k] = t[k]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+# -- input items -> chat messages ------------------------------------------------------------------
+
+
+def _content_text(content, where: str, assistant: bool) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of content parts", where)
+    kinds = ("output_text", "refusal") if assistant else ("input_text",)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in kinds + ("text",):
+            kind = part.get("type") if isinstance(part, dict) else part
+            raise RequestError(f"{at}: content part {_show(kind)} is not supported (text only: {', '.join(kinds)})",
+                               at)
+        text = part.get("text", part.get("refusal"))
+        if not isinstance(text, str):
+            raise RequestError(f"{at}.text must be a string", f"{at}.text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _string_field(item, key, where):
+    v = item.get(key)
+    if not isinstance(v, str) or not v:
+        raise RequestError(f"{where}.{key} must be a non-empty string", f"{where}.{key}")
+    return v
+
+
+def to_messages(items, where: str = "input") -> List[dict]:
+    """`input` (a string or a list of items) as chat messages; RequestError naming the item."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError(f"{where} must be a string or a non-empty list of items", where)
+    out: List[dict] = []
+    reasoning: List[str] = []  # a reasoning item given back: the next assistant turn's thinking
+
+    def assistant():  # consecutive assistant items (text, calls) are one turn
+        if out and out[-1]["role"] == "assistant":
+            return out[-1]
+        msg = {"role": "assistant", "content": ""}
+        out.append(msg)
+        return msg
+
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{at} must be an object", at)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise RequestError(f"{at}.role {_show(role)} is not one of {', '.join(_ROLES)}", f"{at}.role")
+            text = _content_text(item.get("content"), f"{at}.content", role == "assistant")
+            if role == "assistant":
+                msg = assistant()
+                msg["content"] += text
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            name, call_id = _string_field(item, "name", at), _string_field(item, "call_id", at)
+            args = item.get("arguments", "{}")
+            if not isinstance(args, str):
+                raise RequestError(f"{at}.arguments must be a JSON string", f"{at}.arguments")
+            msg = assistant()
+            msg.setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+        elif kind == "function_call_output":
+            call_id = _string_field(item, "call_id", at)
+            output = item.get("output")
+            if isinstance(output, list):
+                output = _content_text(output, f"{at}.output", False)
+            if not isinstance(output, str):
+                raise RequestError(f"{at}.output must be a string", f"{at}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            parts = (item.get("content") or []) + (item.get("summary") or [])
+            for p in parts:
+                if not isinstance(p, dict) or not isinstance(p.get("text"), str):
+                    raise RequestError(f"{at}: reasoning parts must be objects with text", at)
+            reasoning.append("".join(p["text"] for p in (item.get("content") or item.get("summary") or [])))
+            continue
+        else:
+            raise RequestError(f"{at}.type {_show(kind)} is not supported (message, function_call, "
+                               "function_call_output, reasoning)", f"{at}.type")
+        if reasoning and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = "\n".join(reasoning)
+            reasoning = []
+    return out
+
+
+def with_instructions(instructions: Optional[str], messages: List[dict]) -> List[dict]:
+    """The instructions as the one leading system message (merged with a system item first)."""
+    if instructions is None:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": instructions + "\n\n" + messages[0]["content"]}] + messages[1:]
+    return [{"role": "system", "content": instructions}] + messages
+
+
+# -- the response object and its events ----------------------------------------------------------------
+
+
+class ResponseBuilder:
+    """Turns server._outputs parts into output items and (when streaming) SSE events."""
+
+    def __init__(self, body: dict, model_id: str, tools: Optional[list]):
+        self.id = _new_id("resp_")
+        self.created = int(time.time())
+        self.seq = 0
+        self.output: List[dict] = []
+        self.current: Optional[dict] = None  # the open item: a message or reasoning
+        self.text = ""
+        self.blank = ""  # message whitespace held until text follows
+        self.head = {
+            "id": self.id, "object": "response", "created_at": self.created, "model": model_id,
+            "instructions": body.get("instructions"), "previous_response_id": body.get("previous_response_id"),
+            "tools": tools or [], "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": True,
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "max_output_tokens": body.get("max_output_tokens"), "store": body.get("store") is not False,
+            "metadata": body.get("metadata") or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "reasoning": None, "user": body.get("user"), "error": None, "incomplete_details": None,
+        }
+
+    def _event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def response(self, status: str, usage: Optional[dict] = None) -> dict:
+        out = {**self.head, "status": status, "output": self.output if status != "in_progress" else []}
+        if status == "incomplete":
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        out["usage"] = usage
+        return out
+
+    def start(self) -> List[str]:
+        r = self.response("in_progress")
+        return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
+
+    def _close(self) -> List[str]:
+        item, self.current = self.current, None
+        if item is None:
+            return []
+        idx = self.output.index(item)
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [self._event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                                  text=part["text"], logprobs=[])]
+        else:
+            part = item["content"][0]
+            events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                                  content_index=0, text=part["text"])]
+        item["status"] = "completed"
+        events.append(self._event("response.content_part.done", item_id=item["id"], output_index=idx,
+                                  content_index=0, part=part))
+        events.append(self._event("response.output_item.done", output_index=idx, item=item))
+        return events
+
+    def _open(self, kind: str) -> List[str]:
+        events = self._close()
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = {"type": "message", "id": _new_id("msg_"), "status": "in_progress", "role": "assistant",
+                    "content": []}
+        else:
+            part = {"type": "reasoning_text", "text": ""}
+            item = {"type": "reasoning", "id": _new_id("rs_"), "status": "in_progress", "summary": [], "content": []}
+        self.output.append(item)
+        self.current = item
+        idx = len(self.output) - 1
+        events.append(self._event("response.output_item.added", output_index=idx, item=json.loads(json.dumps(item))))
+        item["content"].append(part)
+        events.append(self._event("response.content_part.added", item_id=item["id"], output_index=idx,
+                                  content_index=0, part=dict(part)))
+        return events
+
+    def add(self, kind: str, text: str) -> List[str]:
+        """A piece of content ("message") or reasoning ("reasoning")."""
+        if kind == "message" and (self.current is None or self.current["type"] != "message"):
+            # Whitespace alone (e.g. before a tool call) opens no message.
+            self.blank += text
+            if not self.blank.strip():
+                return []
+            text, self.blank = self.blank, ""
+        if not text:
+            return []
+        events = [] if self.current is not None and self.current["type"] == kind else self._open(kind)
+        item = self.current
+        item["content"][0]["text"] += text
+        idx = len(self.output) - 1
+        if kind == "message":
+            self.text += text
+            events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=idx,
+                                      content_index=0, delta=text, logprobs=[]))
+        else:
+            events.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=idx,
+                                      content_index=0, delta=text))
+        return events
+
+    def finish(self, finish: str, calls: list, usage: dict) -> List[str]:
+        """The tool calls, then response.completed (or .incomplete when the token budget ran out)."""
+        events = self._close()
+        for c in calls:
+            fn = c["function"]
+            item = {"type": "function_call", "id": _new_id("fc_"), "call_id": c["id"], "name": fn["name"],
+                    "arguments": "", "status": "in_progress"}
+            self.output.append(item)
+            idx = len(self.output) - 1
+            events.append(self._event("response.output_item.added", output_index=idx, item=dict(item)))
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=idx, delta=fn["arguments"]))
+            item.update(arguments=fn["arguments"], status="completed")
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=idx, name=fn["name"], arguments=fn["arguments"]))
+            events.append(self._event("response.output_item.done", output_index=idx, item=item))
+        self.status = "incomplete" if finish == "length" else "completed"
+        self.final = self.response(self.status, usage)
+        events.append(self._event("response." + self.status, response=self.final))
+        return events
+
+    def messages(self) -> List[dict]:
+        """The output as chat messages (what the next turn's template renders)."""
+        msg = {"role": "assistant", "content": ""}
+        for item in self.output:
+            if item["type"] == "message":
+                msg["content"] += item["content"][0]["text"]
+            elif item["type"] == "reasoning":
+                msg["reasoning_content"] = item["content"][0]["text"]
+            else:
+                msg.setdefault("tool_calls", []).append(
+                    {"id": item["call_id"], "type": "function",
+                     "function": {"name": item["name"], "arguments": item["arguments"]}})
+        return [msg]
+
+
+# -- stored responses ----------------------------------------------------------------------------------
+
+
+class ResponseStore:
+    """Stored responses for previous_response_id: LRU bounded in number and bytes, each expiring
+    `ttl` seconds after it was stored. Thread-safe (the event loop and the prep threads)."""
+
+    def __init__(self, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES,
+                 ttl: float = DEFAULT_STORE_TTL, clock=time.monotonic):
+        self.max_entries, self.max_bytes, self.ttl, self.clock = max_entries, max_bytes, ttl, clock
+        self._entries: "OrderedDict[str, tuple]" = OrderedDict()  # id -> (expires, nbytes, record)
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._entries)
+
+    def put(self, rid: str, messages: List[dict], response: dict) -> bool:
+        nbytes = len(json.dumps([messages, response]).encode())
+        if nbytes > self.max_bytes or self.max_entries == 0:
+            return False
+        with self._lock:
+            self._entries[rid] = (self.clock() + self.ttl, nbytes, {"messages": messages, "response": response})
+            self.nbytes += nbytes
+            while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+                _, (_, n, _) = self._entries.popitem(last=False)
+                self.nbytes -= n
+        return True
+
+    def get(self, rid: str) -> Optional[dict]:
+        with self._lock:
+            entry = self._entries.get(rid)
+            if entry is None:
+                return None
+            if entry[0] <= self.clock():
+                del self._entries[rid]
+                self.nbytes -= entry[1]
+                return None
+            self._entries.move_to_end(rid)
+            return entry[2]

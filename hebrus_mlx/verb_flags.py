@@ -1,0 +1,59 @@
+"""generate's flags that the chat and server verbs share: taken from generate's own parser, so the
+verbs cannot drift, and refused while a verb does not use them (never silently ignored)."""
+
+import argparse
+import importlib
+
+from . import flags
+from .errors import UsageError
+from .pipeline import launched as pipeline_launched
+from .prompt_cache_disk import DEFAULT_DIR_BYTES
+
+gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+
+# generate's flags that describe the model, its caches and sampling defaults; taken from its parser
+# so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
+# until this verb uses it (never silently ignored).
+USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
+        "draft_model", "num_draft_tokens", "pipeline_split", "pipeline_timeout",
+        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror",
+        "prefill_sweep"}
+
+
+def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
+    """Add generate's flags (but `exclude`) to `p`; returns the added actions."""
+    added = []
+    for action in gen.build_parser()._actions:
+        if action.dest not in exclude:
+            p._add_action(action)
+            added.append(action)
+    return added
+
+
+def refuse_unused(args, actions, used, verb):
+    for a in actions:
+        if a.dest not in used and getattr(args, a.dest) != a.default:
+            raise UsageError(a.option_strings[0], f"not supported by `hebrus-mlx {verb}` yet")
+
+
+def add_prompt_cache_dir_arguments(p):
+    """--prompt-cache-dir and its bound (server and chat)."""
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix snapshots in DIR across restarts (keyed by the artifact and the tokens; "
+                        "foreign, stale or corrupted entries are refused and recomputed)")
+    p.add_argument("--prompt-cache-dir-bytes", type=flags.integer(1, flags.INT64_MAX), default=DEFAULT_DIR_BYTES,
+                   metavar="N", help=f"byte limit of this model's snapshots in --prompt-cache-dir, LRU "
+                                     f"(default {DEFAULT_DIR_BYTES >> 30} GiB)")
+
+
+def check_prompt_cache_dir(args):
+    if args.prompt_cache_dir is None:
+        if args.prompt_cache_dir_bytes != DEFAULT_DIR_BYTES:
+            raise UsageError("--prompt-cache-dir-bytes", "needs --prompt-cache-dir")
+        return
+    if pipeline_launched():
+        raise UsageError("--prompt-cache-dir", "not supported under mlx.launch (each rank holds its own layers)")
+    import os
+
+    if os.path.exists(args.prompt_cache_dir) and not os.path.isdir(args.prompt_cache_dir):
+        raise UsageError("--prompt-cache-dir", f"{args.prompt_cache_dir}: not a directory")

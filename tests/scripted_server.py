@@ -1,0 +1,53 @@
+"""The real App over a scripted worker, on a free local port: server tests that need no model."""
+
+import queue
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+
+def scripted_worker(tok, emit):
+    """A Worker stand-in: records each job's prompt IDs in `.seen`, then `emit(job)` answers it."""
+    from hebrus_mlx.prompt_cache import PromptCache
+    from hebrus_mlx.server import ServerDefaults
+
+    class ScriptWorker:
+        def __init__(self):
+            self.tokenizer, self.defaults, self.context = tok, ServerDefaults(), 4096
+            self.jobs, self.prompt_cache, self.model, self.busy = queue.Queue(), PromptCache(0), None, False
+            self.seen = []
+            threading.Thread(target=self._run, daemon=True).start()
+
+        def _run(self):
+            while (job := self.jobs.get()) is not None:
+                self.seen.append(job.ids)
+                emit(job)
+
+        def cancel(self, job):
+            job.cancel.set()
+
+    return ScriptWorker()
+
+
+@contextmanager
+def serving(worker, name="scripted"):
+    """The port of an App over `worker`, served until the block ends (the worker stops then)."""
+    import uvicorn
+
+    from hebrus_mlx.server import App
+
+    app = App(worker, name)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app.app, log_level="warning", lifespan="off"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    try:
+        while not srv.started:
+            time.sleep(0.02)
+        yield sock.getsockname()[1]
+    finally:
+        srv.should_exit = True
+        th.join(10)
+        worker.jobs.put(None)
