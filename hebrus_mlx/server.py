@@ -360,6 +360,7 @@ class Worker:
         self.model = self.tokenizer = None
         self.busy = False
         self.current: Optional[Job] = None  # the running job (a stalled pipeline answers it)
+        self.batch = None  # the BatchGenerator under --decode-concurrency > 1
         self.broken: Optional[PipelineError] = None  # a pipeline rank died: every request fails
         self.close = None  # run on the worker thread when it stops (a pipeline releases its ranks)
         self._ready = threading.Event()
@@ -440,6 +441,7 @@ class Worker:
                            stop_tokens=tok.stop_token_ids, decode_concurrency=d.decode_concurrency,
                            prompt_concurrency=d.prompt_concurrency, prefill_step_size=d.prefill_step_size,
                            prompt_cache=self.prompt_cache)
+        self.batch = g
         live = {}  # uid -> [job, detokenizer, start time, first-token time]
         stopping = False
         while True:
@@ -755,6 +757,10 @@ class App:
         out = {"status": "stopping" if self.stopping else "ok", "queued": w.jobs.qsize(), "busy": w.busy,
                "prompt_cache": {"entries": len(w.prompt_cache), "bytes": w.prompt_cache.nbytes,
                                 "hits": w.prompt_cache.hits, "misses": w.prompt_cache.misses}}
+        g = w.batch
+        if g is not None:  # --decode-concurrency > 1: decode steps run and the rows they fed
+            out["batch"] = {"decode_concurrency": g.decode_concurrency, "active": g.active,
+                            "decode_steps": g.steps, "rows": g.rows}
         streaming = getattr(w.model, "streaming", None)
         if streaming is not None:
             mem = streaming.memory()
