@@ -164,25 +164,14 @@ def test_server_worker_restores_across_a_restart(demo, tmp_path):
     import asyncio
 
     from hebrus_mlx import load, stream_generate
-    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+    from hebrus_mlx.server import Sampling, ServerDefaults, Worker
+    from scripted_server import run_job
 
     model, tok = demo
     ids = tok.encode("class Reader:\n    def __init__(self, path):\n")
 
     def complete(worker, prompt):
-        async def go():
-            job = Job(prompt, Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False), 6,
-                      asyncio.get_running_loop(), asyncio.Queue())
-            worker.jobs.put(job)
-            text = ""
-            while True:
-                kind, value = await asyncio.wait_for(job.events.get(), 60)
-                if kind != "text":
-                    assert kind == "done", value
-                    return text, job.usage
-                text += value
-
-        return asyncio.run(go())
+        return asyncio.run(run_job(worker, prompt, Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False), 6))
 
     defaults = ServerDefaults(prompt_cache_dir=str(tmp_path))
     w1 = Worker(lambda: load("demo"), 1 << 30, defaults)

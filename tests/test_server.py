@@ -455,7 +455,8 @@ def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch)
     import asyncio
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+    from hebrus_mlx.server import Sampling, ServerDefaults, Worker
+    from scripted_server import run_job
 
     import hebrus_mlx.speculative as spec
 
@@ -467,19 +468,8 @@ def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch)
     first = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
     second = first + tok.encode("    return fibonacci(n - 1)")
 
-    async def complete(ids, n):
-        job = Job(ids, sampling, n, asyncio.get_running_loop(), asyncio.Queue())
-        worker.jobs.put(job)
-        text = ""
-        while True:
-            kind, value = await asyncio.wait_for(job.events.get(), 60)
-            if kind != "text":
-                assert kind == "done", value
-                return text, job.usage
-            text += value
-
     async def scenario():
-        return await complete(first, 16), await complete(second, 16)
+        return await run_job(worker, first, sampling, 16), await run_job(worker, second, sampling, 16)
 
     try:
         (a, _), (b, usage) = asyncio.run(scenario())
