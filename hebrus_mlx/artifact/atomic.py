@@ -213,12 +213,8 @@ def check_replaceable(target, *, overwrite, is_ours, protect=(), what="output", 
     cwd = os.path.realpath(os.getcwd())
     if _inside(cwd, real):
         raise UsageError(field, f"{target} is the working directory or one of its parents; refusing to replace it")
-    if not os.path.lexists(p):
+    if not _existing(p, target, field, os.path.isdir, "a directory"):
         return
-    if os.path.islink(p):
-        raise UsageError(field, f"{target} is a symlink; refusing to replace it")
-    if not os.path.isdir(p):
-        raise UsageError(field, f"{target} exists and is not a directory; refusing to replace it")
     if not os.listdir(p):
         return
     if not overwrite:
@@ -439,17 +435,24 @@ def _is_own_output(head):
     return any(s in head for s in OUTPUT_SIGNATURES)
 
 
+def _existing(p, target, field, is_kind, kind) -> bool:
+    """Whether something is at `p`; a symlink there, or anything but `kind`, is refused (never replaced)."""
+    if not os.path.lexists(p):
+        return False
+    if os.path.islink(p):
+        raise UsageError(field, f"{target} is a symlink; refusing to replace it")
+    if not is_kind(p):
+        raise UsageError(field, f"{target} exists and is not {kind}; refusing to replace it")
+    return True
+
+
 def check_output_file(target, *, overwrite, field):
     """Refuse (UsageError naming `field`) to publish a file at `target` over one hebrus-mlx did not
     write: a symlink never (a rename would not follow it, but the user meant its target), anything
     but a regular file never, a regular file without an output signature only with `overwrite`."""
     p = os.path.abspath(target)
-    if not os.path.lexists(p):
+    if not _existing(p, target, field, os.path.isfile, "a regular file"):
         return
-    if os.path.islink(p):
-        raise UsageError(field, f"{target} is a symlink; refusing to replace it")
-    if not os.path.isfile(p):
-        raise UsageError(field, f"{target} exists and is not a regular file; refusing to replace it")
     if overwrite:
         return
     fd = _open_temp(p)  # O_NOFOLLOW | O_NONBLOCK: a link or FIFO swapped in is not read through
