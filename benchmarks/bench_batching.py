@@ -8,6 +8,7 @@ max_tokens, greedy), runs:
   decode step; streamed steps take at most the arena's chunk cap of rows).
 Prints aggregate decode tok/s (all generated tokens / wall time from submission to the last
 token), mean and max per-request latency (submission -> its last token), the ratio batched/queue,
+process CPU time per generated token (all threads; steadier than wall time on a shared machine),
 whether every request's tokens are identical in both, and for a streamed model the expert bytes
 read per generated token.
 
@@ -84,19 +85,21 @@ def measure(label, model, tok, counts, max_tokens, repeats):
     run_batched(model, tok, ids[:2], 4)
     print(f"\n== {label} ==")
     print(f"{'N':>2} | {'queue tok/s':>11} {'batch tok/s':>11} {'ratio':>6} | {'queue lat mean/max s':>20} "
-          f"{'batch lat mean/max s':>20} | same | {'bytes/tok queue':>15} {'bytes/tok batch':>15}")
+          f"{'batch lat mean/max s':>20} | {'CPU ms/tok q/b':>14} {'ratio':>6} | same | {'bytes/tok queue':>15} "
+          f"{'bytes/tok batch':>15}")
     rows = []
     for n in counts:
         prompts = [ids[i % len(ids)] for i in range(n)]
         best = None
         for _ in range(repeats):
-            b0 = _bytes_read(model)
+            b0, c0 = _bytes_read(model), time.process_time()
             q_tok, q_lat, q_s = run_queue(model, tok, prompts, max_tokens)
-            b1 = _bytes_read(model)
+            b1, c1 = _bytes_read(model), time.process_time()
             b_tok, b_lat, b_s = run_batched(model, tok, prompts, max_tokens)
-            b2 = _bytes_read(model)
+            b2, c2 = _bytes_read(model), time.process_time()
             nq, nb = sum(map(len, q_tok)), sum(map(len, b_tok))
             r = dict(n=n, q_tps=nq / q_s, b_tps=nb / b_s, q_lat=q_lat, b_lat=b_lat, same=q_tok == b_tok,
+                     q_cpu=(c1 - c0) / nq, b_cpu=(c2 - c1) / nb,
                      q_bpt=None if b0 is None else (b1 - b0) / nq, b_bpt=None if b0 is None else (b2 - b1) / nb)
             if best is None:
                 best = r
@@ -104,12 +107,15 @@ def measure(label, model, tok, counts, max_tokens, repeats):
                 for k, lat in (("q_tps", "q_lat"), ("b_tps", "b_lat")):
                     if r[k] > best[k]:
                         best[k], best[lat] = r[k], r[lat]
+                for k in ("q_cpu", "b_cpu"):
+                    best[k] = min(best[k], r[k])
                 best["same"] &= r["same"]
         r = best
         bpt = ("" if r["q_bpt"] is None else f"{r['q_bpt'] / 1e3:13.1f}KB {r['b_bpt'] / 1e3:13.1f}KB")
         print(f"{n:>2} | {r['q_tps']:11.1f} {r['b_tps']:11.1f} {r['b_tps'] / r['q_tps']:5.2f}x | "
               f"{statistics.mean(r['q_lat']):9.2f}/{max(r['q_lat']):<9.2f} {statistics.mean(r['b_lat']):9.2f}/"
-              f"{max(r['b_lat']):<9.2f} | {'yes' if r['same'] else 'NO '} | {bpt}")
+              f"{max(r['b_lat']):<9.2f} | {r['q_cpu'] * 1e3:6.1f}/{r['b_cpu'] * 1e3:<7.1f} {r['q_cpu'] / r['b_cpu']:5.2f}x | "
+              f"{'yes' if r['same'] else 'NO '} | {bpt}")
         rows.append(r)
     return rows
 

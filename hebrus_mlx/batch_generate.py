@@ -239,6 +239,8 @@ class BatchGenerator:
                 s.cache = self.model.make_cache()
             s.step = gen.DecodeStep(self.model, s.cache, effective_vocab_size=self.effective_vocab_size,
                                     sampler=s.sampler, logits_processors=s.processors)
+            if s.processors and s.cache.offset:  # processors see the whole prompt, restored prefix included
+                s.step.history = mx.array(s.ids[:s.cache.offset], dtype=mx.int32)
             # The last prompt token is the first decode input (as generate's loop).
             self._start_prefill(s)
             s.y = s.ids[-1]

@@ -360,6 +360,7 @@ class Worker:
         self.model = self.tokenizer = None
         self.busy = False
         self.current: Optional[Job] = None  # the running job (a stalled pipeline answers it)
+        self.batch = None  # the BatchGenerator under --decode-concurrency > 1
         self.broken: Optional[PipelineError] = None  # a pipeline rank died: every request fails
         self.close = None  # run on the worker thread when it stops (a pipeline releases its ranks)
         self._ready = threading.Event()
@@ -440,6 +441,7 @@ class Worker:
                            stop_tokens=tok.stop_token_ids, decode_concurrency=d.decode_concurrency,
                            prompt_concurrency=d.prompt_concurrency, prefill_step_size=d.prefill_step_size,
                            prompt_cache=self.prompt_cache)
+        self.batch = g
         live = {}  # uid -> [job, detokenizer, start time, first-token time]
         stopping = False
         while True:
@@ -500,6 +502,9 @@ class Worker:
                 u.generation_seconds = now - first
                 if r.finish_reason != "stop":
                     detok.add_token(r.token)
+                    if job.sampling.logprobs:  # the stop token is not part of the text
+                        self._emit(job, ("logprob", token_logprob(self.tokenizer, r.logprobs, r.token,
+                                                                  job.sampling.top_logprobs)))
                 if r.finish_reason is not None:
                     detok.finalize()
                 self._emit(job, ("text", detok.last_segment))
@@ -516,6 +521,7 @@ class Worker:
         try:
             sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
             (uid,) = g.insert([job.ids], max_tokens=[job.max_tokens], samplers=[sampler],
+                              logits_processors=[s.logits_processors(self.tokenizer.effective_vocab_size)],
                               seeds=[None if s.seed is None else s.seed])
         except (gen.GenerationError, ValueError) as e:
             self._emit(job, ("error", e))
@@ -751,6 +757,10 @@ class App:
         out = {"status": "stopping" if self.stopping else "ok", "queued": w.jobs.qsize(), "busy": w.busy,
                "prompt_cache": {"entries": len(w.prompt_cache), "bytes": w.prompt_cache.nbytes,
                                 "hits": w.prompt_cache.hits, "misses": w.prompt_cache.misses}}
+        g = w.batch
+        if g is not None:  # --decode-concurrency > 1: decode steps run and the rows they fed
+            out["batch"] = {"decode_concurrency": g.decode_concurrency, "active": g.active,
+                            "decode_steps": g.steps, "rows": g.rows}
         streaming = getattr(w.model, "streaming", None)
         if streaming is not None:
             mem = streaming.memory()
@@ -991,11 +1001,12 @@ class App:
                         if hit == TOOL_CALL_OPEN:
                             tool_text, matcher.buf = matcher.buf, ""
                         elif hit is not None:
-                            finish, pending = "stop", []  # tokens past a stop sequence are not reported
+                            finish = "stop"
                         if out:
                             yield ("content", out, pending)
                             pending = []
                         if finish is not None:
+                            pending = []  # tokens past a stop sequence are not reported
                             break
                 if finish is not None:
                     break

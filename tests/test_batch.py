@@ -220,6 +220,9 @@ class _Tok:
 
 
 def test_batch_generate_greedy_equals_solo(resident):
+    import hebrus_mlx
+
+    assert hebrus_mlx.batch_generate is batch_generate  # mlx-lm's top-level name
     res = batch_generate(resident, _Tok(), PROMPTS, max_tokens=[5, 7, 4, 6], decode_concurrency=3)
     for p, n, toks, fin in zip(PROMPTS, [5, 7, 4, 6], res.token_ids, res.finish_reasons):
         assert toks == _solo_tokens(resident, p, n)[0] and fin == "length"
@@ -391,3 +394,57 @@ def test_streamed_pipelined_step_failure_rolls_back_both_steps(resident):
     for u, w in zip(uids, want):
         assert got[u] + rest[u] == w
     assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
+
+
+def test_server_process_with_decode_concurrency():
+    """`hebrus-mlx server --decode-concurrency 3 --prompt-concurrency 2` over HTTP: three
+    concurrent completions each get the in-process one-at-a-time text (temperature 0)."""
+    import http.client
+    import json
+    import os
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    from hebrus_mlx import load, stream_generate
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
+                             "--decode-concurrency", "3", "--prompt-concurrency", "2", "--log-level", "WARNING"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        model, tok = load("demo")
+        prompts = ["class Stack:", "import json\n", "for i in range(10):"]
+        want = ["".join(r.text for r in stream_generate(model, tok, tok.encode(p), max_tokens=10)) for p in prompts]
+        line = ""
+        while "listening on" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "server exited"
+        port = int(line.rsplit(":", 1)[1])
+        got = [None] * len(prompts)
+
+        def go(i):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            body = {"model": "demo", "prompt": prompts[i], "max_tokens": 10, "temperature": 0}
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            got[i] = json.loads(conn.getresponse().read())["choices"][0]["text"]
+            conn.close()
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == want
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/health")
+        batch = json.loads(conn.getresponse().read())["batch"]
+        conn.close()
+        # 30 tokens fed in fewer steps: requests did share decode steps.
+        assert batch["decode_concurrency"] == 3 and batch["rows"] >= 30 and batch["decode_steps"] < batch["rows"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stdout.close()

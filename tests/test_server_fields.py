@@ -156,6 +156,18 @@ def test_completions_logprobs_legacy_shape(served):
     assert all(math.isclose(a, x.logprobs[x.token].item(), abs_tol=1e-5) for a, x in zip(lp.token_logprobs, ref))
     assert all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(c.completions.create(model="demo", prompt="class Stack:", max_tokens=6, temperature=0, logprobs=2,
+                                       stream=True))
+    got = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    offsets = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.text_offset]
+    assert got == lp.token_logprobs and offsets == lp.text_offset
+    # A stop sequence: the tokens up to the one it starts in are reported, none after.
+    text = r.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text[: text.index(stop)]
+    r = c.completions.create(model="demo", prompt="class Stack:", max_tokens=6, temperature=0, logprobs=0, stop=[stop])
+    joined = "".join(r.choices[0].logprobs.tokens)
+    assert r.choices[0].text == cut and joined.startswith(cut) and text.startswith(joined) and len(joined) > len(cut)
 
 
 BAD = [
@@ -275,6 +287,46 @@ def test_reasoning_field_from_think_blocks(served):
         deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
         assert "".join(d.content or "" for d in deltas) == "Use sort()."
         assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == "weigh the options\n"
+    finally:
+        stop()
+        worker.stop()
+
+
+def test_batched_worker_honours_processors_and_logprobs(served):
+    """--decode-concurrency 2: two requests sharing decode steps, each with its own processors
+    (one from a cached prefix) and logprobs, give the in-process results."""
+    import openai
+
+    from hebrus_mlx import load
+    from hebrus_mlx.server import App, ServerDefaults, Worker
+
+    tok = served["tok"]
+    worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults(decode_concurrency=2, prompt_concurrency=2))
+    port, stop = _serve(App(worker, "demo"))
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=120, max_retries=0)
+        c.completions.create(model="demo", prompt=prompt, max_tokens=2, temperature=0)  # caches the prefix
+        jobs = [(prompt + " x", {"frequency_penalty": 1.2}), ("class Stack:", {"presence_penalty": 1.5})]
+        got = [None, None]
+
+        def go(i):
+            p, fields = jobs[i]
+            got[i] = c.completions.create(model="demo", prompt=p, max_tokens=16, temperature=0, logprobs=1,
+                                          extra_body=fields)
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got[0].usage.prompt_tokens_details.cached_tokens > 0
+        for (p, fields), r in zip(jobs, got):
+            ref = _reference(served, tok.encode(p), 16, **fields)
+            assert r.choices[0].text == _text(ref) != _text(_reference(served, tok.encode(p), 16))
+            assert all(math.isclose(a, x.logprobs[x.token].item(), abs_tol=1e-4)
+                       for a, x in zip(r.choices[0].logprobs.token_logprobs, ref))
+            assert len(r.choices[0].logprobs.token_logprobs) == len([x for x in ref if x.finish_reason != "stop"])
     finally:
         stop()
         worker.stop()

@@ -197,3 +197,21 @@ def test_every_recommendable_setting_is_a_flag_generate_accepts():
     rows = [S.Projection(8, 10, pol, "off", 0, 0.0, tok, 1e3 / tok, 1, 1, 0.5, 1)
             for pol, tok in (("lru", 50.0), ("lfu", 60.0), ("belady", 70.0), ("clock", 10.0))]
     assert P.recommend(rows).policy == "clock" and P.exposed_settings(rows) == [rows[-1]]
+
+
+def test_the_validation_line_prints_its_spread(capsys):
+    """The last line: worst, then min/median/max of pred/meas per run and per round, and the worst
+    over arenas that hold at least one token's records (the replay is least exact below)."""
+    def run(rows, ratio, rounds):
+        return {"config": f"rows={rows}", "rows": rows, "predicted_tok_s": 1.0, "measured_tok_s": 1.0, "spread": 0.1,
+                "ratio": ratio, "ratios_by_round": rounds, "predicted_hit_rate": 0.5, "measured_hit_rate": 0.5,
+                "predicted_exposed_ms": 1.0, "measured_exposed_ms": 1.0}
+
+    v = {"machine": {"pre_router": 0.5, "ssd_gbps": {"1": 1.0}}, "compute_ms_per_token": 10.0, "repeats": 3,
+         "runs": [run(8, 1.30, [1.2, 1.3, 1.4]), run(64, 0.90, [0.8, 0.9, 1.0]), run(128, 1.05, [1.0, 1.05, 1.1])],
+         "worst": 0.30, "token_records": 32, "load_average": [(1.0, 1.0, 1.0), (2.0, 2.0, 2.0)]}
+    C.print_validation(v)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("validation: worst |predicted/measured - 1| = 30.0% over 3 runs (")
+    assert "per run 0.90/1.05/1.30, per round 0.80/1.05/1.40" in last
+    assert last.endswith("; arenas of at least one token's 32 records: worst 10.0% over 2 runs")

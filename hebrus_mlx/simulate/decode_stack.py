@@ -14,6 +14,7 @@ runs (interleaved with a compute run, each from a cold store and an empty arena)
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from typing import Dict, List
 
@@ -227,7 +228,7 @@ def validate_decode(args) -> dict:
                     raise UsageError("--stack", "a streamed run's routes differ from the recorded ones")
                 got[r, m] = (statistics.mean(times[1:]), c)
             if not args.quiet:
-                print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", flush=True)
+                print(f"  round {rnd + 1}/{args.repeats}: rows {r} {m} done", file=sys.stderr, flush=True)
         rounds.append(got)
     out = []
     T = len(topk)
@@ -263,6 +264,7 @@ def validate_decode(args) -> dict:
     load1 = K.load_average()
     return {"machine": machine.to_dict(), "probe": probe, "probe_source": source, "compute_ms_per_token": hot * 1e3,
             "runs": out, "worst": max(abs(x["ratio"] - 1) for x in out), "repeats": args.repeats,
+            "token_records": L * k,
             "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
                      f"{args.gen_tokens} tokens per cold run, store {stack.path}",
             "load_average": [load0, load1], "command": K.command_line(args),
