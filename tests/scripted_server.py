@@ -67,3 +67,12 @@ async def run_job(worker, ids, sampling, max_tokens, timeout=60):
             assert kind == "done", value
             return text, job.usage
         text += value
+
+
+def run_concurrently(fn, n, timeout):
+    """`fn(i)` for i in range(n), each in a thread of its own, all started before any is awaited."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)

@@ -11,13 +11,13 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from hebrus_mlx.server import StopMatcher, parse_tool_calls
+from scripted_server import run_concurrently
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
@@ -260,11 +260,7 @@ def test_concurrent_requests_queue(client, reference):
     def go(i):
         got[i] = client.completions.create(model="demo", prompt=prompts[i], max_tokens=10, temperature=0).choices[0].text
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_concurrently(go, len(prompts), 60)
     assert got == want
 
 
