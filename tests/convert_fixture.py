@@ -21,6 +21,7 @@ import shutil
 import numpy as np
 
 import families  # noqa: F401  (registers the bulk family)
+from artifact_fixture import TINY_CONFIG
 from parity_fixtures import PARITY
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -46,15 +47,11 @@ def parity_source(name, d):
         f.write(TEMPLATE)
     return d
 
+# The tiny artifact's config widened: 256 experts of 256 (bulk conversion), head dims of 32.
 BULK_CONFIG = dict(
-    architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text",
-    vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
-    head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
-    linear_num_value_heads=4, moe_intermediate_size=256, shared_expert_intermediate_size=64,
-    num_experts=256, num_experts_per_tok=8, hc_count=4, hc_lowrank=8, ple_layer_ids=[1],
-    ple_embed_dim=64, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000, split_ngram_parts=4,
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=8,
-    indexer_compress_ratio=4, eos_token_id=1, max_position_embeddings=256,
+    TINY_CONFIG, architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text", hidden_size=128, head_dim=32,
+    linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=256, num_experts=256,
+    num_experts_per_tok=8, indexer_head_dim=32,
 )
 
 TOKENIZER = {

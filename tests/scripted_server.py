@@ -1,5 +1,6 @@
 """The real App over a scripted worker, on a free local port: server tests that need no model."""
 
+import asyncio
 import queue
 import socket
 import threading
@@ -51,3 +52,27 @@ def serving(worker, name="scripted"):
         srv.should_exit = True
         th.join(10)
         worker.jobs.put(None)
+
+
+async def run_job(worker, ids, sampling, max_tokens, timeout=60):
+    """(text, usage) of one request through a worker's queue, as the App submits it."""
+    from hebrus_mlx.server import Job
+
+    job = Job(ids, sampling, max_tokens, asyncio.get_running_loop(), asyncio.Queue())
+    worker.jobs.put(job)
+    text = ""
+    while True:
+        kind, value = await asyncio.wait_for(job.events.get(), timeout)
+        if kind != "text":
+            assert kind == "done", value
+            return text, job.usage
+        text += value
+
+
+def run_concurrently(fn, n, timeout):
+    """`fn(i)` for i in range(n), each in a thread of its own, all started before any is awaited."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)

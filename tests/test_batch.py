@@ -14,6 +14,7 @@ from hebrus_mlx.generate import prefill
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
+from scripted_server import run_concurrently
 
 # Rows at different positions: a 1-token prompt (fresh cache: its own group), short ones, and one
 # past the QSA window (budget 64 + ratio 7: the sparse attention path).
@@ -404,7 +405,6 @@ def test_server_process_with_decode_concurrency():
     import os
     import subprocess
     import sys
-    import threading
     from pathlib import Path
 
     from hebrus_mlx import load, stream_generate
@@ -432,11 +432,7 @@ def test_server_process_with_decode_concurrency():
             got[i] = json.loads(conn.getresponse().read())["choices"][0]["text"]
             conn.close()
 
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        run_concurrently(go, len(prompts), 120)
         assert got == want
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("GET", "/health")

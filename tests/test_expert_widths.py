@@ -24,6 +24,7 @@ from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loader import load_model
 
 from artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
+from chunked_greedy import chunked_greedy
 from stream_store import cache_gb
 
 WIDTHS = [(2, 64), (3, 32), (4, 64), (6, 64), (8, 32)]
@@ -155,17 +156,9 @@ def test_cli_refuses_unknown_width(hf, tmp_path, capsys):
 
 
 def _decode(model, prompt, steps, chunk):
-    cache, tokens, logits = model.make_cache(), list(prompt), []
-    for i in range(0, len(prompt), chunk):
-        out = model(mx.array([prompt[i:i + chunk]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out))
-    for _ in range(steps):
-        tokens.append(int(logits[-1][0, -1].argmax()))
-        out = model(mx.array([tokens[-1:]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out))
-    return tokens, logits
+    """Chunked prefill then greedy decode; every forward's logits ([1, L, V])."""
+    tokens, logits = chunked_greedy(model, prompt, steps, chunk)
+    return tokens, [out[None] for out in logits]
 
 
 @pytest.mark.skipif(not se.available(), reason="extension not built")

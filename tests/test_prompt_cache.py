@@ -22,6 +22,16 @@ def _feed(model, cache, parts):
     return np.array(out)
 
 
+def _two_request_control(model, tok, a, a_tokens, b):
+    """Log-probabilities of `b`'s first generated token on a fresh cache fed in the forward calls the
+    two requests (`a` then its answer `a_tokens`, then `b`) made, without any PromptCache."""
+    cache = model.make_cache()
+    _feed(model, cache, [a[:-1], a[-1:]] + [[t] for t in a_tokens[:-1]] + [a_tokens[-1:]])
+    control = apply_vocab_mask(mx.array(_feed(model, cache, [b[len(a) + len(a_tokens):-1], b[-1:]]))[None],
+                               tok.effective_vocab_size)
+    return np.array((control - mx.logsumexp(control, axis=-1, keepdims=True))[0])
+
+
 def _greedy(model, tok, ids, pc, n, usage=None):
     rs = list(stream_with_cache(model, tok, ids, pc, n, usage=usage))
     return [r.token for r in rs], [np.array(r.logprobs) for r in rs]
@@ -52,11 +62,7 @@ def test_hit_is_bitwise_a_fresh_run_with_the_same_partition(demo):
     b_tokens, b_logprobs = _greedy(model, tok, b, pc, 6, u)
     assert u.cached_tokens == len(a) + len(a_tokens)
     # Control: fresh cache, same forward calls as the two requests made, no PromptCache.
-    cache = model.make_cache()
-    _feed(model, cache, [a[:-1], a[-1:]] + [[t] for t in a_tokens[:-1]] + [a_tokens[-1:]])
-    control = apply_vocab_mask(mx.array(_feed(model, cache, [b[len(a) + len(a_tokens):-1], b[-1:]]))[None],
-                               tok.effective_vocab_size)
-    control = np.array((control - mx.logsumexp(control, axis=-1, keepdims=True))[0])
+    control = _two_request_control(model, tok, a, a_tokens, b)
     assert np.array_equal(b_logprobs[0], control)
     # Against one plain prefill: the same greedy tokens, logits within fp32 partition rounding.
     fresh_tokens, fresh_logprobs = _greedy(model, tok, b, None, 6)

@@ -8,14 +8,12 @@ import json
 import logging
 import os
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
 from hebrus_mlx.prompt_cache import PromptCache, Usage
 from hebrus_mlx.prompt_cache_disk import DiskPromptCache
-from hebrus_mlx.sample_utils import apply_vocab_mask
-from test_prompt_cache import _feed, _greedy
+from test_prompt_cache import _feed, _greedy, _two_request_control
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +46,7 @@ def test_restored_from_disk_is_bitwise_a_fresh_run_with_the_same_partition(demo,
     u = Usage(0, 0)
     b_tokens, b_logprobs = _greedy(model2, tok2, b, pc2, 6, u)
     assert u.cached_tokens == len(a) + len(a_tokens) and pc2.disk.hits == 1
-    cache = model.make_cache()
-    _feed(model, cache, [a[:-1], a[-1:]] + [[t] for t in a_tokens[:-1]] + [a_tokens[-1:]])
-    control = apply_vocab_mask(mx.array(_feed(model, cache, [b[len(a) + len(a_tokens):-1], b[-1:]]))[None],
-                               tok.effective_vocab_size)
-    control = np.array((control - mx.logsumexp(control, axis=-1, keepdims=True))[0])
+    control = _two_request_control(model, tok, a, a_tokens, b)
     assert np.array_equal(b_logprobs[0], control)
     assert b_tokens == _greedy(model, tok, b, None, 6)[0]
 
@@ -170,25 +164,14 @@ def test_server_worker_restores_across_a_restart(demo, tmp_path):
     import asyncio
 
     from hebrus_mlx import load, stream_generate
-    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+    from hebrus_mlx.server import Sampling, ServerDefaults, Worker
+    from scripted_server import run_job
 
     model, tok = demo
     ids = tok.encode("class Reader:\n    def __init__(self, path):\n")
 
     def complete(worker, prompt):
-        async def go():
-            job = Job(prompt, Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False), 6,
-                      asyncio.get_running_loop(), asyncio.Queue())
-            worker.jobs.put(job)
-            text = ""
-            while True:
-                kind, value = await asyncio.wait_for(job.events.get(), 60)
-                if kind != "text":
-                    assert kind == "done", value
-                    return text, job.usage
-                text += value
-
-        return asyncio.run(go())
+        return asyncio.run(run_job(worker, prompt, Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False), 6))
 
     defaults = ServerDefaults(prompt_cache_dir=str(tmp_path))
     w1 = Worker(lambda: load("demo"), 1 << 30, defaults)

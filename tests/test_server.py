@@ -11,13 +11,13 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from hebrus_mlx.server import StopMatcher, parse_tool_calls
+from scripted_server import run_concurrently
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
@@ -260,11 +260,7 @@ def test_concurrent_requests_queue(client, reference):
     def go(i):
         got[i] = client.completions.create(model="demo", prompt=prompts[i], max_tokens=10, temperature=0).choices[0].text
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_concurrently(go, len(prompts), 60)
     assert got == want
 
 
@@ -455,7 +451,8 @@ def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch)
     import asyncio
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+    from hebrus_mlx.server import Sampling, ServerDefaults, Worker
+    from scripted_server import run_job
 
     import hebrus_mlx.speculative as spec
 
@@ -467,19 +464,8 @@ def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch)
     first = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
     second = first + tok.encode("    return fibonacci(n - 1)")
 
-    async def complete(ids, n):
-        job = Job(ids, sampling, n, asyncio.get_running_loop(), asyncio.Queue())
-        worker.jobs.put(job)
-        text = ""
-        while True:
-            kind, value = await asyncio.wait_for(job.events.get(), 60)
-            if kind != "text":
-                assert kind == "done", value
-                return text, job.usage
-            text += value
-
     async def scenario():
-        return await complete(first, 16), await complete(second, 16)
+        return await run_job(worker, first, sampling, 16), await run_job(worker, second, sampling, 16)
 
     try:
         (a, _), (b, usage) = asyncio.run(scenario())

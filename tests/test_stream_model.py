@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from chunked_greedy import chunked_greedy
 from fault_injection import FaultyEngine
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
@@ -46,18 +47,9 @@ def _cache_gb(art, fraction=0.05):
 
 
 def _decode(model, prompt, steps, chunk):
-    """Chunked prefill then greedy decode; every forward's logits."""
-    cache, logits, tokens = model.make_cache(), [], list(prompt)
-    for i in range(0, len(prompt), chunk):
-        out = model(mx.array([prompt[i:i + chunk]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out))
-    for _ in range(steps):
-        tokens.append(int(logits[-1][0, -1].argmax()))
-        out = model(mx.array([tokens[-1:]]), cache)
-        mx.eval(out)
-        logits.append(np.array(out))
-    return tokens, logits
+    """Chunked prefill then greedy decode; every forward's logits ([1, L, V])."""
+    tokens, logits = chunked_greedy(model, prompt, steps, chunk)
+    return tokens, [out[None] for out in logits]
 
 
 def _assert_same(got, want):

@@ -213,12 +213,8 @@ def check_replaceable(target, *, overwrite, is_ours, protect=(), what="output", 
     cwd = os.path.realpath(os.getcwd())
     if _inside(cwd, real):
         raise UsageError(field, f"{target} is the working directory or one of its parents; refusing to replace it")
-    if not os.path.lexists(p):
+    if not _existing(p, target, field, os.path.isdir, "a directory"):
         return
-    if os.path.islink(p):
-        raise UsageError(field, f"{target} is a symlink; refusing to replace it")
-    if not os.path.isdir(p):
-        raise UsageError(field, f"{target} exists and is not a directory; refusing to replace it")
     if not os.listdir(p):
         return
     if not overwrite:
@@ -307,17 +303,25 @@ def _publish_file(target, faults, suffix, fill, verify):
     """The one file publisher: locked temp, `fill(machine, tmp, fd)`, fsync, verify, rename, commit."""
     m = _Machine(target, faults)
     clean_stale(m.target)
+    # Locked until renamed: a later run's clean_stale leaves it alone while we live.
+    _publish_temp(m, "tmp", lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644),
+                  lambda tmp, fd: fill(m, tmp, fd), verify, lambda tmp: m.rename(tmp, m.target), suffix)
+    _commit(m)
+    return m.trace
+
+
+def _publish_temp(m, kind, create, fill, verify, place, suffix=""):
+    """A locked temp made by `create`, `fill(tmp, fd)`, fsynced and verified, then `place(tmp)` puts it
+    at the target; returns what `place` returns. On any error the temp is closed and removed."""
     tmp, fd = None, None
     try:
-        # Locked until renamed: a later run's clean_stale leaves it alone while we live.
-        tmp, fd = _locked_temp(m.target, "tmp", lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644),
-                               suffix)
+        tmp, fd = _locked_temp(m.target, kind, create, suffix)
         m.to(State.TEMP)
-        fill(m, tmp, fd)
+        fill(tmp, fd)
         m.to(State.WRITTEN)
         m.fsync(fd)
         _verify_synced(m, tmp, verify)
-        m.rename(tmp, m.target)
+        placed = place(tmp)
         m.to(State.RENAMED)
     except BaseException as e:
         if fd is not None:
@@ -325,8 +329,7 @@ def _publish_file(target, faults, suffix, fill, verify):
         _abort(m, tmp, e)
         raise
     os.close(fd)
-    _commit(m)
-    return m.trace
+    return placed
 
 
 def _mkdir_open(path):
@@ -347,33 +350,21 @@ def publish_dir(target, build, verify=None, faults=None, replace=None):
     """
     m = _Machine(target, faults)
     clean_stale(m.target)
-    tmp, dfd = None, None
-    old = None
-    try:
-        # Locked until renamed (see the module doc); the lock is on the directory itself.
-        tmp, dfd = _locked_temp(m.target, "tmpdir", _mkdir_open)
-        m.to(State.TEMP)
-        build(tmp)
-        m.to(State.WRITTEN)
-        m.fsync(dfd)
-        _verify_synced(m, tmp, verify)
-        if os.path.lexists(m.target):
-            if replace is not None:
-                replace(m.target)
-            if m.faults.rename:
-                m.faults.rename = False
-                raise OSError(errno.EXDEV, "injected rename failure")
-            _exchange(tmp, m.target)
-            old = tmp  # tmp now names the previous tree
-        else:
+
+    def place(tmp):
+        if not os.path.lexists(m.target):
             m.rename(tmp, m.target)
-        m.to(State.RENAMED)
-    except BaseException as e:
-        if dfd is not None:
-            os.close(dfd)
-        _abort(m, tmp, e)
-        raise
-    os.close(dfd)
+            return None
+        if replace is not None:
+            replace(m.target)
+        if m.faults.rename:
+            m.faults.rename = False
+            raise OSError(errno.EXDEV, "injected rename failure")
+        _exchange(tmp, m.target)
+        return tmp  # tmp now names the previous tree
+
+    # Locked until renamed (see the module doc); the lock is on the directory itself.
+    old = _publish_temp(m, "tmpdir", _mkdir_open, lambda tmp, fd: build(tmp), verify, place)
     try:
         _commit(m)
     finally:
@@ -444,17 +435,24 @@ def _is_own_output(head):
     return any(s in head for s in OUTPUT_SIGNATURES)
 
 
+def _existing(p, target, field, is_kind, kind) -> bool:
+    """Whether something is at `p`; a symlink there, or anything but `kind`, is refused (never replaced)."""
+    if not os.path.lexists(p):
+        return False
+    if os.path.islink(p):
+        raise UsageError(field, f"{target} is a symlink; refusing to replace it")
+    if not is_kind(p):
+        raise UsageError(field, f"{target} exists and is not {kind}; refusing to replace it")
+    return True
+
+
 def check_output_file(target, *, overwrite, field):
     """Refuse (UsageError naming `field`) to publish a file at `target` over one hebrus-mlx did not
     write: a symlink never (a rename would not follow it, but the user meant its target), anything
     but a regular file never, a regular file without an output signature only with `overwrite`."""
     p = os.path.abspath(target)
-    if not os.path.lexists(p):
+    if not _existing(p, target, field, os.path.isfile, "a regular file"):
         return
-    if os.path.islink(p):
-        raise UsageError(field, f"{target} is a symlink; refusing to replace it")
-    if not os.path.isfile(p):
-        raise UsageError(field, f"{target} exists and is not a regular file; refusing to replace it")
     if overwrite:
         return
     fd = _open_temp(p)  # O_NOFOLLOW | O_NONBLOCK: a link or FIFO swapped in is not read through

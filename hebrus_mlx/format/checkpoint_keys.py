@@ -152,55 +152,37 @@ def classify(raw_key: str, args) -> KeyClass:
     match = _LAYER_RE.match(key)
     if not match:
         raise CheckpointKeyError(f"unexpected tensor {raw_key!r}: matches no key rule")
-    layer, rest = int(match.group(1)), match.group(2)
-    if layer >= args.num_hidden_layers:
-        raise CheckpointKeyError(
-            f"unexpected tensor {raw_key!r}: layer {layer} >= num_hidden_layers={args.num_hidden_layers}"
-        )
+    layer, rest = _index(match, raw_key, "layer", "num_hidden_layers", args.num_hidden_layers), match.group(2)
     prefix = f"model.layers.{layer}."
     if rest in layer_templates(args, layer):
-        return KeyClass(
-            "dense",
-            runtime_key=key,
-            layer=layer,
-            depthwise_conv=rest in DEPTHWISE_CONV_SUFFIXES,
-        )
+        return KeyClass("dense", runtime_key=key, layer=layer, depthwise_conv=rest in DEPTHWISE_CONV_SUFFIXES)
     m = _EXPERT_RE.match(rest)
     if m:
-        expert = int(m.group(1))
-        if expert >= args.num_experts:
-            raise CheckpointKeyError(
-                f"unexpected tensor {raw_key!r}: expert {expert} >= num_experts={args.num_experts}"
-            )
+        expert = _index(m, raw_key, "expert", "num_experts", args.num_experts)
         component = m.group(2)
-        return KeyClass(
-            "expert",
-            runtime_key=prefix + f"mlp.switch_mlp.{component}.weight",
-            layer=layer,
-            expert=expert,
-            component=component,
-        )
+        return KeyClass("expert", runtime_key=prefix + f"mlp.switch_mlp.{component}.weight", layer=layer,
+                        expert=expert, component=component)
     m = _FUSED_RE.match(rest)
     if m:
         return KeyClass("fused_expert", layer=layer, component=m.group(1))
     if args.ple_index(layer) is not None:
         m = _PLE_SHARD_RE.match(rest)
         if m:
-            shard = int(m.group(1))
-            if shard >= args.split_ngram_parts:
-                raise CheckpointKeyError(
-                    f"unexpected tensor {raw_key!r}: shard {shard} >= split_ngram_parts={args.split_ngram_parts}"
-                )
-            return KeyClass(
-                "ple_shard",
-                runtime_key=prefix + "ple.ple_embedding.ngram_embedding.weight",
-                layer=layer,
-                shard=shard,
-            )
+            shard = _index(m, raw_key, "shard", "split_ngram_parts", args.split_ngram_parts)
+            return KeyClass("ple_shard", runtime_key=prefix + "ple.ple_embedding.ngram_embedding.weight", layer=layer,
+                            shard=shard)
         m = _PLE_CONST_RE.match(rest)
         if m:
             return KeyClass("ple_constant", layer=layer, component=m.group(1))
     raise CheckpointKeyError(f"unexpected tensor {raw_key!r}: matches no key rule for layer {layer}")
+
+
+def _index(m, raw_key, what, limit_name, limit) -> int:
+    """The index a key rule matched (group 1), refused at or past `limit`."""
+    i = int(m.group(1))
+    if i >= limit:
+        raise CheckpointKeyError(f"unexpected tensor {raw_key!r}: {what} {i} >= {limit_name}={limit}")
+    return i
 
 
 def expected_hf_keys(args, expert_layout: str = "unfused") -> set[str]:
