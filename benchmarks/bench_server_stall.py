@@ -205,6 +205,11 @@ def main():
             other = statistics.median(pct(r["busy"], q) for r in runs[B[0]])
             print(f"busy /health {label}: {this * 1e3:.1f} ms ({A[0]}) vs {other * 1e3:.1f} ms ({B[0]}) "
                   f"(ratio {this / other:.2f})")
+        for name, _, _ in (A, B):
+            rs = runs[name]
+            print(f"{name}: idle /health max {statistics.median(max(r['idle']) for r in rs) * 1e3:.1f} ms; "
+                  f"scheduler probe max {statistics.median(r['busy_probe'][0] for r in rs) * 1e3:.1f} ms during "
+                  f"the request, {statistics.median(r['idle_probe'][0] for r in rs) * 1e3:.1f} ms idle (medians of runs)")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
           "(a loaded machine's scheduler delays dominate the max)")
 
