@@ -153,3 +153,41 @@ def test_the_prep_process_exits_with_the_server(tmp_path, how):
         assert all(_gone(k, 5.0) for k in kids), (how, kids)
     finally:
         _stop(srv)
+
+
+def test_typed_errors_pickle_as_they_are():
+    """The child sends its errors back pickled: class, field, message and str survive, whatever the
+    subclass's __init__ takes (ConfigError prefixes `config.`)."""
+    import pickle
+
+    from hebrus_mlx.api_fields import RequestError
+    from hebrus_mlx.format.qwen4exp_config import ConfigError
+    from hebrus_mlx.text.chat_template import TemplateLimitError
+    from hebrus_mlx.text.tokenizer import TokenizerError
+
+    for e in (ConfigError("x", "bad"), TemplateLimitError("stopped (TemplateLimits)"),
+              TokenizerError("tokenizer_config.eos_token", "no"), RequestError("m", "p", 413, "k")):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e) and back.__dict__ == e.__dict__
+
+
+def test_a_dead_prep_process_is_replaced():
+    """A child killed mid-service (e.g. for memory) is replaced; the next big request is served."""
+    from hebrus_mlx.server import Worker
+
+    def emit(job):
+        Worker._emit(job, ("text", "ok"))
+        Worker._emit(job, ("done", "stop"))
+
+    with serving(scripted_worker(_no_in_process(_tok()), emit), prep_process_bytes=1) as port:
+        where = {"port": port}
+        assert _chat(where, CHATS[0], key=None)[0] == 200
+        first = multiprocessing.active_children()
+        assert first
+        for p in first:
+            p.kill()
+            p.join(10)
+        time.sleep(1.0)  # the pool notices its child is gone
+        statuses = [_chat(where, CHATS[0], key=None)[0] for _ in range(2)]
+        assert statuses == [200, 200], statuses
+        assert {p.pid for p in multiprocessing.active_children()} - {p.pid for p in first}
