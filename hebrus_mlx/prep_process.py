@@ -119,6 +119,8 @@ class PrepProcess:
     def stop(self):
         """Cancel what is queued and kill the child (a render in progress is abandoned)."""
         with self._lock:
+            if self._stopped:
+                return
             self._stopped = True
             self._killed = self.processes()
             self._pool.shutdown(wait=False, cancel_futures=True)
