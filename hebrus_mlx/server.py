@@ -638,7 +638,7 @@ class App:
         # with this loop. Small ones stay on the threads: no round trip, no queue behind a big one.
         self.prep_process_bytes = prep_process_bytes
         self.prep_process = None
-        if prep_process_bytes > 0:
+        if prep_process_bytes > 0 and hasattr(worker.tokenizer, "backend"):  # a TextTokenizer: rebuilt there
             from .prep_process import PrepProcess
 
             self.prep_process = PrepProcess(worker.tokenizer)
