@@ -20,6 +20,18 @@ class HebrusError(Exception):
         self.message = message
         super().__init__(f"{field}: {message}")
 
+    def __reduce__(self):
+        # Rebuilt as it is, whatever a subclass's __init__ takes: the server's prep process
+        # sends its typed errors back pickled.
+        return (_rebuild, (self.__class__, self.args, self.__dict__))
+
+
+def _rebuild(cls, args, state):
+    e = cls.__new__(cls)
+    Exception.__init__(e, *args)
+    e.__dict__.update(state)
+    return e
+
 
 class UsageError(HebrusError, ValueError):
     """A bad command-line or API argument; `field` names the flag or parameter."""

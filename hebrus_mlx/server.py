@@ -67,6 +67,7 @@ log = logging.getLogger("hebrus_mlx.server")
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+DEFAULT_PREP_PROCESS_BYTES = 64 << 10  # bodies this large are rendered/tokenized in the prep process
 API_KEY_ENV = "HEBRUS_MLX_API_KEY"  # the key without a command line that `ps` shows
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -624,7 +625,8 @@ SWITCH_INTERVAL_S = 0.001  # the GIL hand-off interval while serving (CPython's 
 
 class App:
     def __init__(self, worker: Worker, model_id: str, api_key: Optional[str] = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = ()):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = (),
+                 prep_process_bytes: int = 0):
         from concurrent.futures import ThreadPoolExecutor
 
         from starlette.applications import Starlette
@@ -637,6 +639,15 @@ class App:
         # JSON parsing, template rendering and tokenization run here, off the event loop, so a
         # 4 MB request never stalls /health or other clients' streams (two at a time).
         self.prep = ThreadPoolExecutor(2, thread_name_prefix="hebrus-prep")
+        # A request body of at least `prep_process_bytes` (0: none) is rendered and tokenized in a
+        # child process instead (prep_process.py): on a thread its seconds of Python share the GIL
+        # with this loop. Small ones stay on the threads: no round trip, no queue behind a big one.
+        self.prep_process_bytes = prep_process_bytes
+        self.prep_process = None
+        if prep_process_bytes > 0 and hasattr(worker.tokenizer, "backend"):  # a TextTokenizer: rebuilt there
+            from .prep_process import PrepProcess
+
+            self.prep_process = PrepProcess(worker.tokenizer)
         self.live: dict = {}  # id -> job with a waiting response (cancelled on shutdown)
         self.preparing: set = set()  # futures of off-loop work a request awaits (answered 503 on shutdown)
         self.stopping = False
@@ -720,6 +731,10 @@ class App:
         if self.stopping:
             raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
         fut = asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args, **kwargs))
+        return await self._prepared(fut)
+
+    async def _prepared(self, fut):
+        """Await off-loop work; answered 503 when shutdown cancels it."""
         self.preparing.add(fut)
         try:
             return await fut
@@ -747,7 +762,22 @@ class App:
                 chunks.append(chunk)
         except ClientDisconnect:
             raise _Disconnected() from None
+        request.state.body_bytes = size
         return await self._off_loop(api_fields.parse_body, b"".join(chunks))
+
+    async def _ids(self, request, method: str, *args, **kwargs) -> List[int]:
+        """Token IDs from the tokenizer's `method` (apply_chat_template, encode), off the loop: in
+        the prep process for a big body, else on a prep thread."""
+        if self.prep_process is None or getattr(request.state, "body_bytes", 0) < self.prep_process_bytes:
+            return await self._off_loop(getattr(self.worker.tokenizer, method), *args, **kwargs)
+        if self.stopping:
+            raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
+        ids = await self._prepared(asyncio.wrap_future(self.prep_process.submit(method, *args, **kwargs)))
+        out: List[int] = []
+        for i in range(0, len(ids), 1 << 15):  # millions of ints: a slice at a time, the loop runs between
+            out.extend(ids[i:i + (1 << 15)].tolist())
+            await asyncio.sleep(0)
+        return out
 
     # Endpoints ------------------------------------------------------------------------------
     async def health(self, request):
@@ -809,8 +839,8 @@ class App:
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
         # Provenance-safe: rendered by the template, caller strings tokenized as DATA (AFN-006).
         # Off the event loop: rendering and tokenizing megabytes takes seconds.
-        ids = await self._off_loop(tok.apply_chat_template, developer_as_system(body["messages"]),
-                                   tools=tools or None, add_generation_prompt=True, **options)
+        ids = await self._ids(request, "apply_chat_template", developer_as_system(body["messages"]),
+                              tools=tools or None, add_generation_prompt=True, **options)
         max_tokens = self._max_tokens(s, len(ids), "messages")
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
         return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
@@ -825,7 +855,7 @@ class App:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = await self._off_loop(tok.encode, prompt)  # caller text: DATA
+            ids = await self._ids(request, "encode", prompt)  # caller text: DATA
         elif isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
             bad = [i for i in prompt if not 0 <= i < tok.effective_vocab_size]
             if bad:
@@ -858,9 +888,9 @@ class App:
         tools = responses_api.chat_tools(body.get("tools"))
         if tok.chat_template is None:
             raise RequestError("this model has no chat template", "input")
-        ids = await self._off_loop(tok.apply_chat_template,
-                                   responses_api.with_instructions(body.get("instructions"), conversation),
-                                   tools=tools, add_generation_prompt=True, **options)
+        ids = await self._ids(request, "apply_chat_template",
+                              responses_api.with_instructions(body.get("instructions"), conversation),
+                              tools=tools, add_generation_prompt=True, **options)
         job = Job(ids, s, self._max_tokens(s, len(ids), "input"), asyncio.get_running_loop(), asyncio.Queue())
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
         think = self._think_state(ids)
@@ -965,6 +995,8 @@ class App:
         for fut in list(self.preparing):
             fut.cancel()
         self.prep.shutdown(wait=False, cancel_futures=True)
+        if self.prep_process is not None:
+            self.prep_process.stop()  # kills the child: a render in progress is abandoned
 
     def grace_left(self, timeout: float) -> float:
         """Seconds of --shutdown-timeout left: one grace period from the signal for everything
@@ -1188,6 +1220,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_cache_dir_arguments(p)
     p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies are a 413, refused from the declared length (default %(default)s)")
+    p.add_argument("--prep-process-bytes", type=flags.integer(0, flags.INT64_MAX), default=DEFAULT_PREP_PROCESS_BYTES,
+                   help="request bodies of at least this many bytes are rendered and tokenized in a separate "
+                        "process, so the event loop never waits on them (default %(default)s; 0: all on threads)")
     p.add_argument("--allowed-origins", type=_origins, default=[], metavar="ORIGINS",
                    help="comma-separated origins browsers may call from (CORS), '*' for any "
                         "(default: none; mlx-lm's default is '*')")
@@ -1323,7 +1358,7 @@ def main(argv=None) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     sock.listen(2048)  # before the line below: a client may connect as soon as it reads it
-    app = App(worker, args.model, api_key, args.max_body_bytes, args.allowed_origins)
+    app = App(worker, args.model, api_key, args.max_body_bytes, args.allowed_origins, args.prep_process_bytes)
     # Rendering and tokenizing a big request on a prep thread is Python-heavy: every time the
     # event loop gives up the GIL for I/O it waits for the prep thread's next switch (5 ms by
     # default, several times per /health). 1 ms keeps that wait small (benchmarks/bench_server_stall.py).
@@ -1342,6 +1377,10 @@ def main(argv=None) -> int:
         disk = worker.prompt_cache.disk
         if disk is not None and not disk.flush(timeout=max(1.0, app.grace_left(args.shutdown_timeout))):
             log.warning("prompt cache: snapshots still being written at exit are lost")
+        if app.prep_process is not None:
+            app.prep_process.stop()  # no orphan, whatever way uvicorn ended
+            if not app.prep_process.join(5.0):
+                log.warning("the request preparation process did not exit")
     if worker._thread.is_alive() or any(t.is_alive() for t in app.prep._threads):
         log.warning("exiting with work still running (past --shutdown-timeout)")
     else:

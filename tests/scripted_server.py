@@ -32,13 +32,14 @@ def scripted_worker(tok, emit):
 
 
 @contextmanager
-def serving(worker, name="scripted"):
-    """The port of an App over `worker`, served until the block ends (the worker stops then)."""
+def serving(worker, name="scripted", **app_kwargs):
+    """The port of an App over `worker` (App options: `app_kwargs`), served until the block ends
+    (the worker and any prep process stop then)."""
     import uvicorn
 
     from hebrus_mlx.server import App
 
-    app = App(worker, name)
+    app = App(worker, name, **app_kwargs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn.Config(app.app, log_level="warning", lifespan="off"))
@@ -52,6 +53,9 @@ def serving(worker, name="scripted"):
         srv.should_exit = True
         th.join(10)
         worker.jobs.put(None)
+        if app.prep_process is not None:
+            app.prep_process.stop()
+            app.prep_process.join(10)
 
 
 async def run_job(worker, ids, sampling, max_tokens, timeout=60):
