@@ -107,7 +107,7 @@ def run_small(root, n, extra):
         body = json.dumps({"messages": [{"role": "user", "content": "lorem ipsum " * 85}],
                            "max_tokens": 10 ** 7}).encode()
         times = []
-        for i in range(n + 3):
+        for _ in range(n + 3):
             tic = time.monotonic()
             assert request(port, "POST", "/v1/chat/completions", body) == 400
             times.append(time.monotonic() - tic)

@@ -43,7 +43,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
       "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.qualify", "hebrus_mlx.qualify_report",
       "hebrus_mlx.bench", "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate."), GENERATION_R),
     (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.api_fields", "hebrus_mlx.chat",
-      "hebrus_mlx.responses_api"), SERVING_R),
+      "hebrus_mlx.responses_api", "hebrus_mlx.prep_process"), SERVING_R),
     (("hebrus_mlx.testing", "hebrus_mlx.testing."), TESTING_R),
 ]
 # The one product use of the oracles: `hebrus-mlx qualify` runs the shipped MSL sources through the

@@ -5,9 +5,7 @@
 Provenance (AFN-014): every request here is a contract control written in this file.
 """
 
-import json
 import multiprocessing
-import os
 import signal
 import time
 from pathlib import Path
