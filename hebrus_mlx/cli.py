@@ -33,10 +33,12 @@ SUMMARY = {  # one line per verb for `hebrus-mlx --help`; each verb's own --help
     "upgrade": "give an older artifact the fast per-read check tables (replaced atomically)",
     "server": "OpenAI-compatible HTTP server (like mlx_lm.server)",
     "chat": "interactive chat in the terminal (like mlx_lm.chat)",
+    "cache-prompt": "prefill a prompt once and save its state for generate --prompt-cache-file",
     "traces": "replay, export and evaluate expert-route traces",
     "qualify": "check kernels and I/O on this machine; write the profile load() reads (--report FILE)",
     "bench": "measure this model on this machine and recommend settings",
     "simulate": "project decode speed on a machine that is not this one",
+    "perplexity": "perplexity of a model on a text (like mlx_lm.perplexity), resident or streamed",
 }
 
 

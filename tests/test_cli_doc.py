@@ -1,6 +1,6 @@
 """Issue 22 (audit) / charter "docs/CLI.md for flags": every flag each verb's `--help` lists is
 documented in docs/CLI.md, in that verb's section (server and chat share generate's model, cache
-and prefetch flags, documented once under generate), and every documented verb exists.
+and prefetch flags, documented once under generate; so does cache-prompt), and every documented verb exists.
 
 The flags come from the real `hebrus-mlx VERB --help` output, not from a list kept here."""
 
@@ -16,7 +16,7 @@ from hebrus_mlx.cli import VERBS, main
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "CLI.md").read_text()
 SUBCOMMANDS = {"traces": ["replay", "export", "eval"]}
-SHARES_GENERATE = {"server", "chat"}
+SHARES_GENERATE = {"server", "chat", "cache-prompt"}
 
 
 def _help(argv):
