@@ -212,8 +212,10 @@ def compute_scale(family, dense_gb: Optional[float], expert: str, dense: str = A
     if dense_gb is None:
         return None
     active = family.num_hidden_layers * family.num_experts_per_tok / 1e9
-    at = lambda d, e: dense_gb * bits_per_weight(d) / bits_per_weight(ANCHOR_CODEC) + active * expert_record_bytes(  # noqa: E731
-        family, e)[0]
+
+    def at(d, e):  # GB a token reads: dense weights at width d, the active experts at width e
+        return dense_gb * bits_per_weight(d) / bits_per_weight(ANCHOR_CODEC) + active * expert_record_bytes(family, e)[0]
+
     return at(dense, expert) / at(ANCHOR_CODEC, ANCHOR_CODEC)
 
 
