@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from hebrus_mlx.stream import engine as se
-from test_stream_engine_arena import experts, open_arena  # noqa: F401 (the fixture)
+from test_stream_engine_arena import experts, open_arena  # noqa: F401, F811 (the fixture)
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -32,7 +32,7 @@ def _idle(eng, timeout=5.0):
         gc.collect()
 
 
-def test_resolve_queued_before_the_error_surfaced_is_released(experts):
+def test_resolve_queued_before_the_error_surfaced_is_released(experts):  # noqa: F811
     """A resolve the main thread queued before a failed read's error stopped the evaluation (its
     release_after never queued) does not keep its records pinned."""
     eng, table, _ = open_arena(experts, rows=6)
