@@ -5,7 +5,8 @@ Why it could fail: MLX stores a failed stream task's error and the main thread r
 next enqueue, so an evaluation can stop building the step's graph after a resolve (which pins its
 records when it runs) was queued but before its release_after was: those pins outlived the step
 and the arena filled up on the retry ("arena 0 full"). Leases are now also released when the
-resolve's graph goes away unreleased.
+lease dies unreleased (metal_ext/ops.cpp). And the P1 hint of the next step hung on the failed
+step's routes, so that step evaluated the failed graph again; generate now forgets them on failure.
 """
 
 import gc
@@ -125,6 +126,22 @@ def _fail(eng, step):
             typed()
     finally:
         eng.inject_fault("eio", 0)
+
+
+def test_failed_chunk_leaves_no_routes_for_the_hint(streamed):
+    """A failed prefill chunk's routes (outputs of its partly unevaluated graph) are forgotten: the
+    next step's P1 hint would evaluate that graph again, its resolves and their pins included (under
+    load, a fresh sequence then failed with "arena 0 full")."""
+    from hebrus_mlx.generate import prefill
+
+    model, eng, want = streamed
+    cache = model.make_cache()
+    prefill(model, mx.array(PROMPT[:12]), cache)
+    assert all(s._prev is not None for s in model.streaming.switches)
+    _fail(eng, lambda: prefill(model, mx.array(PROMPT[12:-1]), cache))
+    assert all(s._prev is None for s in model.streaming.switches)
+    assert _idle(eng) == (0, 0)
+    assert _greedy(model) == want
 
 
 @pytest.mark.parametrize("split", [18, 6])
