@@ -111,10 +111,18 @@ def _snapshot(cache):
 
 
 @contextmanager
-def _guarded(cache, snap):
-    """Evaluation on the generation stream that, failing, leaves `cache` at `snap` (typed)."""
-    with rollback_on_error(cache, snap), mx.stream(generation_stream()):
-        yield
+def _guarded(cache, snap, model=None):
+    """Evaluation on the generation stream that, failing, leaves `cache` at `snap` (typed) and
+    `model`'s streamed layers off the failed step's routes."""
+    try:
+        with rollback_on_error(cache, snap), mx.stream(generation_stream()):
+            yield
+    except BaseException:
+        # The P1 hint must not hang on routes of the failed (partly unevaluated) graph: the next
+        # step would evaluate that graph again, its resolves included.
+        if getattr(model, "streaming", None) is not None:
+            model.streaming.reset()
+        raise
 
 
 def _eval_cache(cache, fallback, extra=()):
@@ -147,7 +155,7 @@ def prefill_chunks(model, tokens: mx.array, cache, prefill_step_size: int = DEFA
     step = prefill_chunk_size(model, prefill_step_size)
     for start in range(0, tokens.size, step):
         chunk = tokens[start:start + step]
-        with _guarded(cache, _snapshot(cache)):
+        with _guarded(cache, _snapshot(cache), model):
             out, pending, extra = forward(chunk)
             _eval_cache(cache, out, pending)
         yield chunk, extra
@@ -205,7 +213,7 @@ class DecodeStep:
         self.history: Optional[mx.array] = None  # every token fed (kept for logits processors)
 
     def guard(self, snap):
-        return _guarded(self.cache, snap)
+        return _guarded(self.cache, snap, self.model)
 
     def forward(self, ids: mx.array, kind: int = KIND_DECODE, rows: bool = False, routes: bool = False):
         """Feed `ids` ([T] int32): (logits [T, V] (a pipeline: the last row unless `rows`),

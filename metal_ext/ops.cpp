@@ -549,9 +549,38 @@ std::pair<mx::array, mx::array> resolve_records(
   return {outs[0], outs[1]};
 }
 
+// The pins a resolve took, owned by its lease buffer: release_after releases
+// them when the consumer is computed; if the lease dies before that (the
+// evaluation stopped after queueing the resolve but before its release_after:
+// MLX raises a failed task's error at the main thread's next enqueue), they
+// are released with it. A second release of a ticket is a no-op (ids are
+// never reused).
+struct LeasePins {
+  std::shared_ptr<Engine> engine;
+  std::vector<uint64_t> tickets;
+  ~LeasePins() {
+    for (uint64_t t : tickets) {
+      engine->release(t);
+    }
+  }
+};
+
+// Allocates rows and the lease; the lease buffer keeps `pins` alive.
+static void allocate_resolve(
+    std::vector<mx::array>& outputs, const std::shared_ptr<LeasePins>& pins) {
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  mx::allocator::Buffer buf = mx::allocator::allocator().malloc(outputs[1].nbytes());
+  if (outputs[1].nbytes() && !buf.ptr()) {
+    throw std::runtime_error("[resolve] could not allocate the lease");
+  }
+  outputs[1].set_data(mx::allocator::Data(buf, [pins](mx::allocator::Buffer b) {
+    mx::allocator::allocator().free(b);
+  }));
+}
+
 static void resolve_host(
     const TableRead& read, const mx::array& idx, uint32_t* rows,
-    uint64_t* lease) {
+    uint64_t* lease, LeasePins& pins) {
   const std::shared_ptr<Engine>& engine = read.engine;
   // Ticket 0 never exists: if this task fails, release_after sees an
   // empty lease instead of garbage ids.
@@ -581,6 +610,7 @@ static void resolve_host(
       rows[waited] = engine->wait(tickets[waited]).row;
       lease[waited] = tickets[waited];
     }
+    pins.tickets = std::move(tickets);
   } catch (...) {
     for (uint64_t tk : tickets) {
       engine->cancel(tk);
@@ -592,7 +622,8 @@ static void resolve_host(
 void ResolveRecords::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  allocate(outputs);
+  auto pins = std::make_shared<LeasePins>(LeasePins{read_.engine, {}});
+  allocate_resolve(outputs, pins);
   auto& enc = mx::cpu::get_command_encoder(stream());
   enc.set_input_array(inputs[0]);
   enc.set_output_array(outputs[0]);
@@ -600,8 +631,9 @@ void ResolveRecords::eval_cpu(
   enc.dispatch([read = read_,
                 idx = inputs[0],
                 rows = outputs[0].data<uint32_t>(),
-                lease = outputs[1].data<uint64_t>()]() {
-    resolve_host(read, idx, rows, lease);
+                lease = outputs[1].data<uint64_t>(),
+                pins]() {
+    resolve_host(read, idx, rows, lease, *pins);
   });
 }
 
@@ -610,12 +642,13 @@ void ResolveRecords::eval_gpu(
     std::vector<mx::array>& outputs) {
   // The records are already in the arena (MLX buffers the GPU reads in
   // place); the host task only pins them and writes rows/lease.
-  allocate(outputs);
+  auto pins = std::make_shared<LeasePins>(LeasePins{read_.engine, {}});
+  allocate_resolve(outputs, pins);
   eval_gpu_via_io(
       stream(), inputs, outputs,
       [read = read_, idx = inputs[0], rows = outputs[0].data<uint32_t>(),
-       lease = outputs[1].data<uint64_t>()]() {
-        resolve_host(read, idx, rows, lease);
+       lease = outputs[1].data<uint64_t>(), pins]() {
+        resolve_host(read, idx, rows, lease, *pins);
       },
       true);
 }
