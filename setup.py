@@ -42,8 +42,10 @@ class CMakeBuild(build_ext):
         cfg = "Debug" if self.debug else "Release"
         configure = [
             "cmake",
-            "-S", ext.source_dir,
-            "-B", str(build_dir),
+            "-S",
+            ext.source_dir,
+            "-B",
+            str(build_dir),
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
@@ -54,8 +56,7 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
         subprocess.run(configure, check=True)
         subprocess.run(
-            ["cmake", "--build", str(build_dir), "--target", ext.name.split(".")[-1],
-             "-j", jobs],
+            ["cmake", "--build", str(build_dir), "--target", ext.name.split(".")[-1], "-j", jobs],
             check=True,
         )
 

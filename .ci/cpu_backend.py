@@ -25,8 +25,10 @@ except ImportError:  # before mlx is installed: nothing to switch
 else:
     _mx.set_default_device(_mx.cpu)
 """
-CHECK = ("import json, mlx.core as mx; from hebrus_mlx.machine_profile import metal_device; "
-         "print(json.dumps([str(mx.default_device()), metal_device()]))")
+CHECK = (
+    "import json, mlx.core as mx; from hebrus_mlx.machine_profile import metal_device; "
+    "print(json.dumps([str(mx.default_device()), metal_device()]))"
+)
 
 
 def install():
@@ -46,8 +48,18 @@ def check():
     import os
 
     root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, check=True,
-                         cwd="/", env=dict(os.environ, PYTHONPATH=root)).stdout.strip().splitlines()[-1]
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", CHECK],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd="/",
+            env=dict(os.environ, PYTHONPATH=root),
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     device, metal = __import__("json").loads(out)
     print(f"fresh interpreter: default device {device}, Metal device {metal}")
     if device != "Device(cpu, 0)" or metal:

@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def selftests():
     # `--arch` is defined in the script or by the shared tools/kat_toolchain.py it uses.
-    return sorted(p for p in (ROOT / "tools").glob("check_*.py")
-                  if re.search(r"""["']--arch["']|^import kat_toolchain|^from kat_toolchain""", p.read_text(), re.M))
+    return sorted(
+        p
+        for p in (ROOT / "tools").glob("check_*.py")
+        if re.search(r"""["']--arch["']|^import kat_toolchain|^from kat_toolchain""", p.read_text(), re.M)
+    )
 
 
 def _fast_check_backend():
@@ -39,8 +42,11 @@ def _fast_check_backend():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--require-arm64", action="store_true",
-                    help="fail unless this is arm64 and the engine's SHA-256 backend is armv8")
+    ap.add_argument(
+        "--require-arm64",
+        action="store_true",
+        help="fail unless this is arm64 and the engine's SHA-256 backend is armv8",
+    )
     a = ap.parse_args(argv)
     scripts = selftests()
     if not scripts:

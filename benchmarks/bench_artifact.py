@@ -1,16 +1,16 @@
 """Artifact benchmarks, printed side by side:
 
-  * PLE row lookup latency p50/p99, cold (posix_fadvise DONTNEED before each
-    read) and warm, for 4 KiB and 64 KiB pages;
-  * digest verification cost per MiB (raw SHA-256, ExpertMajor verify_all,
-    PLE verify_all);
-  * conversion throughput and peak RSS of `hebrus-mlx convert` on the tiny
-    checkpoint (subprocess, ru_maxrss);
-  * bounded-memory conversion: the ~390 MiB expert-heavy bulk checkpoint
-    (tests/convert_fixture.py) converted by `hebrus-mlx convert` in a child
-    whose RLIMIT_DATA is capped well below the checkpoint size.
+* PLE row lookup latency p50/p99, cold (posix_fadvise DONTNEED before each
+  read) and warm, for 4 KiB and 64 KiB pages;
+* digest verification cost per MiB (raw SHA-256, ExpertMajor verify_all,
+  PLE verify_all);
+* conversion throughput and peak RSS of `hebrus-mlx convert` on the tiny
+  checkpoint (subprocess, ru_maxrss);
+* bounded-memory conversion: the ~390 MiB expert-heavy bulk checkpoint
+  (tests/convert_fixture.py) converted by `hebrus-mlx convert` in a child
+  whose RLIMIT_DATA is capped well below the checkpoint size.
 
-    python benchmarks/bench_artifact.py [--lookups 2000]
+  python benchmarks/bench_artifact.py [--lookups 2000]
 """
 
 import argparse
@@ -39,8 +39,10 @@ def _ple(root, page_bytes):
     rpp = max(1, (page_bytes - C.PLE_PAGE_HEADER_BYTES) // g0.row_bytes)
     rng = np.random.default_rng(0)
     path = os.path.join(root, f"ple_{page_bytes}.hbpl")
-    chunks = (rng.standard_normal((n, g0.width)).astype(np.float32)
-              for n in [4096] * (g0.total_rows // 4096) + [g0.total_rows % 4096])
+    chunks = (
+        rng.standard_normal((n, g0.width)).astype(np.float32)
+        for n in [4096] * (g0.total_rows // 4096) + [g0.total_rows % 4096]
+    )
     pp.publish(path, FAM, 0, "f32", chunks, rows_per_page=rpp)
     return path
 
@@ -67,8 +69,9 @@ def _experts(root):
     for comp, part, dtype, shape, _, _ in g.layout:
         blank.setdefault(comp, {})[part] = rng.integers(0, 1 << 16, size=shape).astype(dtype)
     path = os.path.join(root, "experts.hbem")
-    em.publish(path, FAM, "affine4-g64",
-               ((l, e, blank) for l in range(FAM.num_hidden_layers) for e in range(FAM.num_experts)))
+    em.publish(
+        path, FAM, "affine4-g64", ((l, e, blank) for l in range(FAM.num_hidden_layers) for e in range(FAM.num_experts))
+    )
     return path
 
 
@@ -84,8 +87,12 @@ def main():
     p.add_argument("--lookups", type=int, default=2000)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as root:
-        print(f"PLE row lookup ({FAM.name} table 0: {FAM.ple_rows[0]} rows x {FAM.ple_width} f32), {a.lookups} random rows")
-        print(f"{'page':>8} {'warm p50 us':>12} {'warm p99 us':>12} {'cold p50 us':>12} {'cold p99 us':>12} {'cold/warm p50':>14}")
+        print(
+            f"PLE row lookup ({FAM.name} table 0: {FAM.ple_rows[0]} rows x {FAM.ple_width} f32), {a.lookups} random rows"
+        )
+        print(
+            f"{'page':>8} {'warm p50 us':>12} {'warm p99 us':>12} {'cold p50 us':>12} {'cold p99 us':>12} {'cold/warm p50':>14}"
+        )
         for page_bytes in (4096, 65536):
             path = _ple(root, page_bytes)
             w50, w99 = _lookups(path, a.lookups, cold=False)
@@ -110,16 +117,19 @@ def main():
         hf = tiny_checkpoint(os.path.join(root, "hf"))
         src = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf))
         out = os.path.join(root, "art")
-        code = (f"import sys, time, resource; sys.path.insert(0, {TESTS!r}); import families; "
-                "from hebrus_mlx.convert import convert; t = time.perf_counter(); "
-                "convert(sys.argv[1], sys.argv[2], quiet=True); "
-                "print(time.perf_counter() - t, [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
+        code = (
+            f"import sys, time, resource; sys.path.insert(0, {TESTS!r}); import families; "
+            "from hebrus_mlx.convert import convert; t = time.perf_counter(); "
+            "convert(sys.argv[1], sys.argv[2], quiet=True); "
+            "print(time.perf_counter() - t, [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+        )
         res = subprocess.run([sys.executable, "-c", code, hf, out], capture_output=True, text=True, check=True)
         dt, rss = res.stdout.split()
         print("\nConversion (tiny checkpoint, affine4-g64, includes admission of the temp dir)")
-        print(f"source {src / 2**20:.2f} MiB in {float(dt):.2f} s = {src / 2**20 / float(dt):.2f} MiB/s, "
-              f"peak RSS {int(rss) / 1024:.0f} MiB")
-
+        print(
+            f"source {src / 2**20:.2f} MiB in {float(dt):.2f} s = {src / 2**20 / float(dt):.2f} MiB/s, "
+            f"peak RSS {int(rss) / 1024:.0f} MiB"
+        )
 
         _bulk(root)
 
@@ -150,8 +160,11 @@ def _bulk(root, cap=160 << 20):
     print(f"{'profile':<12}{'s':>7}{'MiB/s':>8}{'base RSS MiB':>14}{'peak RSS MiB':>14}{'peak/ckpt':>11}")
     for flag in (["--dtype", "float32"], ["--dtype", "bfloat16"], ["--q-bits", "4"]):
         out = os.path.join(root, "bulk_out_" + flag[-1])
-        res = subprocess.run([sys.executable, "-c", _BULK_CHILD, str(cap), "--hf-path", hf, "--out", out, *flag],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            [sys.executable, "-c", _BULK_CHILD, str(cap), "--hf-path", hf, "--out", out, *flag],
+            capture_output=True,
+            text=True,
+        )
         if res.returncode != 0:
             print(f"{flag[-1]:<12} failed: {res.stderr.strip().splitlines()[-1]}")
             continue

@@ -25,10 +25,9 @@ import statistics
 import sys
 import time
 
-
 from hebrus_mlx.batch_generate import BatchGenerator
-from hebrus_mlx.prompt_cache import stream_with_cache
 from hebrus_mlx.loader import load
+from hebrus_mlx.prompt_cache import stream_with_cache
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -64,8 +63,13 @@ def run_queue(model, tok, prompts, max_tokens):
 
 def run_batched(model, tok, prompts, max_tokens):
     n = len(prompts)
-    g = BatchGenerator(model, effective_vocab_size=tok.effective_vocab_size, stop_tokens=tok.stop_token_ids,
-                       decode_concurrency=n, prompt_concurrency=n)
+    g = BatchGenerator(
+        model,
+        effective_vocab_size=tok.effective_vocab_size,
+        stop_tokens=tok.stop_token_ids,
+        decode_concurrency=n,
+        prompt_concurrency=n,
+    )
     t0 = time.perf_counter()
     uids = g.insert(prompts, max_tokens=[max_tokens] * n)
     tokens = {u: [] for u in uids}
@@ -84,9 +88,11 @@ def measure(label, model, tok, counts, max_tokens, repeats):
     run_queue(model, tok, ids[:1], 4)
     run_batched(model, tok, ids[:2], 4)
     print(f"\n== {label} ==")
-    print(f"{'N':>2} | {'queue tok/s':>11} {'batch tok/s':>11} {'ratio':>6} | {'queue lat mean/max s':>20} "
-          f"{'batch lat mean/max s':>20} | {'CPU ms/tok q/b':>14} {'ratio':>6} | same | {'bytes/tok queue':>15} "
-          f"{'bytes/tok batch':>15}")
+    print(
+        f"{'N':>2} | {'queue tok/s':>11} {'batch tok/s':>11} {'ratio':>6} | {'queue lat mean/max s':>20} "
+        f"{'batch lat mean/max s':>20} | {'CPU ms/tok q/b':>14} {'ratio':>6} | same | {'bytes/tok queue':>15} "
+        f"{'bytes/tok batch':>15}"
+    )
     rows = []
     for n in counts:
         prompts = [ids[i % len(ids)] for i in range(n)]
@@ -98,9 +104,18 @@ def measure(label, model, tok, counts, max_tokens, repeats):
             b_tok, b_lat, b_s = run_batched(model, tok, prompts, max_tokens)
             b2, c2 = _bytes_read(model), time.process_time()
             nq, nb = sum(map(len, q_tok)), sum(map(len, b_tok))
-            r = dict(n=n, q_tps=nq / q_s, b_tps=nb / b_s, q_lat=q_lat, b_lat=b_lat, same=q_tok == b_tok,
-                     q_cpu=(c1 - c0) / nq, b_cpu=(c2 - c1) / nb,
-                     q_bpt=None if b0 is None else (b1 - b0) / nq, b_bpt=None if b0 is None else (b2 - b1) / nb)
+            r = dict(
+                n=n,
+                q_tps=nq / q_s,
+                b_tps=nb / b_s,
+                q_lat=q_lat,
+                b_lat=b_lat,
+                same=q_tok == b_tok,
+                q_cpu=(c1 - c0) / nq,
+                b_cpu=(c2 - c1) / nb,
+                q_bpt=None if b0 is None else (b1 - b0) / nq,
+                b_bpt=None if b0 is None else (b2 - b1) / nb,
+            )
             if best is None:
                 best = r
             else:  # the best of each path (the machine is shared: the slower runs are others' load)
@@ -111,11 +126,13 @@ def measure(label, model, tok, counts, max_tokens, repeats):
                     best[k] = min(best[k], r[k])
                 best["same"] &= r["same"]
         r = best
-        bpt = ("" if r["q_bpt"] is None else f"{r['q_bpt'] / 1e3:13.1f}KB {r['b_bpt'] / 1e3:13.1f}KB")
-        print(f"{n:>2} | {r['q_tps']:11.1f} {r['b_tps']:11.1f} {r['b_tps'] / r['q_tps']:5.2f}x | "
-              f"{statistics.mean(r['q_lat']):9.2f}/{max(r['q_lat']):<9.2f} {statistics.mean(r['b_lat']):9.2f}/"
-              f"{max(r['b_lat']):<9.2f} | {r['q_cpu'] * 1e3:6.1f}/{r['b_cpu'] * 1e3:<7.1f} {r['q_cpu'] / r['b_cpu']:5.2f}x | "
-              f"{'yes' if r['same'] else 'NO '} | {bpt}")
+        bpt = "" if r["q_bpt"] is None else f"{r['q_bpt'] / 1e3:13.1f}KB {r['b_bpt'] / 1e3:13.1f}KB"
+        print(
+            f"{n:>2} | {r['q_tps']:11.1f} {r['b_tps']:11.1f} {r['b_tps'] / r['q_tps']:5.2f}x | "
+            f"{statistics.mean(r['q_lat']):9.2f}/{max(r['q_lat']):<9.2f} {statistics.mean(r['b_lat']):9.2f}/"
+            f"{max(r['b_lat']):<9.2f} | {r['q_cpu'] * 1e3:6.1f}/{r['b_cpu'] * 1e3:<7.1f} {r['q_cpu'] / r['b_cpu']:5.2f}x | "
+            f"{'yes' if r['same'] else 'NO '} | {bpt}"
+        )
         rows.append(r)
     return rows
 
@@ -125,8 +142,12 @@ def main(argv=None):
     p.add_argument("--model", default="demo")
     p.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
     p.add_argument("--counts", default="1,2,4,8")
-    p.add_argument("--expert-cache-fraction", type=float, default=0.05,
-                   help="also run streamed through this fraction of the expert records (0: resident only)")
+    p.add_argument(
+        "--expert-cache-fraction",
+        type=float,
+        default=0.05,
+        help="also run streamed through this fraction of the expert records (0: resident only)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="repeats per count; each path's best run is reported")
     args = p.parse_args(argv)
     counts = [int(c) for c in args.counts.split(",")]
@@ -137,20 +158,23 @@ def main(argv=None):
     if args.expert_cache_fraction > 0:
         from hebrus_mlx.admission import admit
         from hebrus_mlx.artifact import expert_major as em
-        from hebrus_mlx.loading import plan
         from hebrus_mlx.loader import DEMO_DIR
+        from hebrus_mlx.loading import plan
 
         path = str(DEMO_DIR) if args.model == "demo" else args.model
         m = admit(path)
         fam = m.family
         record = sum(2 * n if d == "uint16" else n for _, _, d, _, _, n in em.record_layout(fam, m.experts.codec))
-        n_rows = max(math.ceil(args.expert_cache_fraction * fam.num_hidden_layers * fam.num_experts),
-                     fam.num_experts_per_tok)
+        n_rows = max(
+            math.ceil(args.expert_cache_fraction * fam.num_hidden_layers * fam.num_experts), fam.num_experts_per_tok
+        )
         gb = (n_rows * record + record // 2) / plan.GIB
         del model
         model, tok = load(args.model, expert_cache_gb=gb)
-        label = (f"{args.model} streamed, {args.expert_cache_fraction:.0%} expert cache ({n_rows} rows, "
-                 f"steps of <= {model.streaming.max_chunk_tokens} rows)")
+        label = (
+            f"{args.model} streamed, {args.expert_cache_fraction:.0%} expert cache ({n_rows} rows, "
+            f"steps of <= {model.streaming.max_chunk_tokens} rows)"
+        )
         rows = measure(label, model, tok, counts, args.tokens, args.repeats)
         ok &= all(r["same"] for r in rows)
     print("\ntokens identical, batched vs queue:", "yes" if ok else "NO")

@@ -22,12 +22,12 @@ import numpy as np
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import expert_major as em
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.loading import build_model as artifact_loading
 from hebrus_mlx.loading import plan
 from hebrus_mlx.models.qwen4exp import Capture
 from hebrus_mlx.stream.engine import StreamEngine
 from hebrus_mlx.traces import cachesim
-from hebrus_mlx.loader import DEMO_DIR, load_model
 
 ENGINE_POLICIES = ("lru", "clock", "score")
 
@@ -41,7 +41,7 @@ def decode(model, prompt, tokens, routes=None):
     (count decode only, as the simulator does)."""
     cache = model.make_cache()
     for i in range(0, len(prompt), 4):  # chunks that fit a 5% arena, the same for every run
-        out = model(mx.array([prompt[i:i + 4]]), cache)
+        out = model(mx.array([prompt[i : i + 4]]), cache)
         mx.eval(out)
     if model.streaming is not None:
         model.streaming.engine.reset_counters()
@@ -76,15 +76,17 @@ def main():
     stream = cachesim.access_stream(np.array(routes), E)
     real = artifact_loading.StreamEngine
     ok = True
-    print(f"demo model: {args.tokens} greedy decode tokens after a {args.prompt_tokens}-token prompt (the prompt's "
-          f"prefill is not counted), {L} layers x {E} experts top-{K}; engine read-ahead off; {args.rounds} rounds")
+    print(
+        f"demo model: {args.tokens} greedy decode tokens after a {args.prompt_tokens}-token prompt (the prompt's "
+        f"prefill is not counted), {L} layers x {E} experts top-{K}; engine read-ahead off; {args.rounds} rounds"
+    )
     for pct in [float(x) for x in args.percents.split(",")]:
         rows = max(math.ceil(pct / 100 * L * E), K)
         sim = {pol: cachesim.simulate(pol, stream, rows).hit_rate for pol in cachesim.POLICIES}
         gb = (rows * record + record // 2) / plan.GIB
         res = {pol: [] for pol in ENGINE_POLICIES}
         for r in range(args.rounds):
-            for pol in (ENGINE_POLICIES if r % 2 == 0 else ENGINE_POLICIES[::-1]):
+            for pol in ENGINE_POLICIES if r % 2 == 0 else ENGINE_POLICIES[::-1]:
                 # The loader names its default policy; this run's replaces it.
                 artifact_loading.StreamEngine = functools.partial(_engine, pol)
                 try:
@@ -98,9 +100,14 @@ def main():
                 lookups = c["hits"] + c["joins"] + c["misses"]
                 res[pol].append((1 - c["exact_misses"] / lookups, statistics.median(times)))
         print(f"  {pct:g}% ({rows} records): simulator " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in sim.items()))
-        print("    engine " + ", ".join(
-            f"{pol} {100 * statistics.median(h for h, _ in res[pol]):.1f}% "
-            f"({statistics.median(t for _, t in res[pol]) * 1e3:.2f} ms/token)" for pol in ENGINE_POLICIES))
+        print(
+            "    engine "
+            + ", ".join(
+                f"{pol} {100 * statistics.median(h for h, _ in res[pol]):.1f}% "
+                f"({statistics.median(t for _, t in res[pol]) * 1e3:.2f} ms/token)"
+                for pol in ENGINE_POLICIES
+            )
+        )
     print("tokens identical to resident" if ok else "TOKENS DIFFER")
     return 0 if ok else 1
 

@@ -178,8 +178,12 @@ def built(a, **options):
 def split_ablation(a):
     model = built(a)
     prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
-    rows = [("1 CPU stream", OnStreams(model, 1)), ("2: routed-expert halves", Splits(model, False, False)),
-            ("2: + logits by positions", Splits(model, False, True)), ("2: + prefill projections", OnStreams(model, 2))]
+    rows = [
+        ("1 CPU stream", OnStreams(model, 1)),
+        ("2: routed-expert halves", Splits(model, False, False)),
+        ("2: + logits by positions", Splits(model, False, True)),
+        ("2: + prefill projections", OnStreams(model, 2)),
+    ]
     decode, tokens = paired_decode([m for _, m in rows], prompt, a.decode)
     prefill = paired_prefill([m for _, m in rows], prompt)
     for (name, _), d, pf in zip(rows, decode, prefill):
@@ -191,14 +195,16 @@ def options_ablation(a):
     """Each GraphOptions alternative against the defaults with only it switched, paired in one run
     (one CPU stream throughout, so the rows measure the option, not the second core)."""
     base = built(a)
-    rows = [("defaults (1 CPU stream)", Variant(base, cpu_streams=1)),
-            ("compile=on", Variant(base, cpu_streams=1, compile=True)),
-            ("compile=off", Variant(base, cpu_streams=1, compile=False)),
-            ("rope_tables=off", Variant(base, cpu_streams=1, rope_tables=False)),
-            ("dense_sdpa=off", Variant(base, cpu_streams=1, dense_sdpa=False)),
-            ("join_projections=off", Variant(built(a, join_projections=False), cpu_streams=1)),
-            ("in_major=off", Variant(built(a, in_major=False), cpu_streams=1)),
-            ("plain (every option off)", Variant(built(a, **_plain()), cpu_streams=1))]
+    rows = [
+        ("defaults (1 CPU stream)", Variant(base, cpu_streams=1)),
+        ("compile=on", Variant(base, cpu_streams=1, compile=True)),
+        ("compile=off", Variant(base, cpu_streams=1, compile=False)),
+        ("rope_tables=off", Variant(base, cpu_streams=1, rope_tables=False)),
+        ("dense_sdpa=off", Variant(base, cpu_streams=1, dense_sdpa=False)),
+        ("join_projections=off", Variant(built(a, join_projections=False), cpu_streams=1)),
+        ("in_major=off", Variant(built(a, in_major=False), cpu_streams=1)),
+        ("plain (every option off)", Variant(built(a, **_plain()), cpu_streams=1)),
+    ]
     prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
     decode, tokens = paired_decode([m for _, m in rows], prompt, a.decode)
     prefill = paired_prefill([m for _, m in rows], prompt)
@@ -209,12 +215,14 @@ def options_ablation(a):
 
 def _plain():
     plain = GraphOptions.plain()
-    return {k: getattr(plain, k) for k in ("compile", "join_projections", "in_major", "rope_tables", "dense_sdpa",
-                                           "metal_kernels")}
+    return {
+        k: getattr(plain, k)
+        for k in ("compile", "join_projections", "in_major", "rope_tables", "dense_sdpa", "metal_kernels")
+    }
 
 
 def ratio_line(kind, ours, peer_name, peer):
-    label = ["2 CPU streams", "1 CPU stream"][-len(ours):]
+    label = ["2 CPU streams", "1 CPU stream"][-len(ours) :]
     parts = [f"hebrus ({l}) {v:7.1f} tok/s {v / peer:.2f}x" for l, v in zip(label, ours)]
     return f"{kind:8s} {peer_name} {peer:7.1f} tok/s   " + "   ".join(parts)
 
@@ -281,7 +289,10 @@ def build_checkpoint(a, out: Path, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
+                p.copy_(
+                    torch.randn(p.shape, generator=gen) * 0.2
+                    + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
+                )
             elif name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
             elif name.endswith("dt_bias") or "conv1d" in name:
@@ -336,7 +347,8 @@ def vlm_comparison(a):
     same = "identical" if all(t == tokens[-1] for t in tokens) else "DIFFER"
     return [("decode", decode[:-1], decode[-1]), ("prefill", prefill[:-1], prefill[-1])], (
         f"parity vs transformers (max |logit diff|, {n_prompt} tokens): hebrus "
-        + " / ".join(f"{d:.2e}" for d in parity[:-1]) + f"   mlx-vlm {parity[-1]:.2e}; "
+        + " / ".join(f"{d:.2e}" for d in parity[:-1])
+        + f"   mlx-vlm {parity[-1]:.2e}; "
         f"greedy tokens over {a.decode} steps: {same}"
     )
 
@@ -393,14 +405,28 @@ def main(argv=None):
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--short-context", type=int, default=4096)
     p.add_argument("--long-context", type=int, default=32768)
-    p.add_argument("--checkpoint", default=None, help="HF Qwen4Exp checkpoint dir for the mlx-vlm comparison "
-                   "(default: one built at the bench dims)")
-    p.add_argument("--cpu-streams", type=int, choices=(1, 2), default=2,
-                   help="2: measure hebrus-mlx with its second CPU stream and without; 1: without only")
-    p.add_argument("--split-ablation", action="store_true",
-                   help="only: hebrus on 1 vs 2 CPU streams with the split sites switched on one by one")
-    p.add_argument("--options-ablation", action="store_true",
-                   help="only: hebrus with each GraphOptions alternative switched against the defaults")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="HF Qwen4Exp checkpoint dir for the mlx-vlm comparison (default: one built at the bench dims)",
+    )
+    p.add_argument(
+        "--cpu-streams",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="2: measure hebrus-mlx with its second CPU stream and without; 1: without only",
+    )
+    p.add_argument(
+        "--split-ablation",
+        action="store_true",
+        help="only: hebrus on 1 vs 2 CPU streams with the split sites switched on one by one",
+    )
+    p.add_argument(
+        "--options-ablation",
+        action="store_true",
+        help="only: hebrus with each GraphOptions alternative switched against the defaults",
+    )
     p.add_argument("--skip-vlm", action="store_true")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--skip-qsa", action="store_true")

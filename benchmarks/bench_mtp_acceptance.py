@@ -24,12 +24,12 @@ def main(argv=None):
     p.add_argument("--draft", type=int, default=3)
     a = p.parse_args(argv)
 
-    from tokenizers import Tokenizer
-
-    from hebrus_mlx.speculative.mtp_drafter import MTPDrafter
-    from hebrus_mlx.loader import load_model
     from spec_loop import plain_greedy, speculative_greedy
+    from tokenizers import Tokenizer
     from train_demo import DEFAULT_CORPUS, list_corpus, read_text, split_files
+
+    from hebrus_mlx.loader import load_model
+    from hebrus_mlx.speculative.mtp_drafter import MTPDrafter
 
     art = ROOT / "hebrus_mlx" / "demo" / "model"
     model = load_model(art)
@@ -45,8 +45,10 @@ def main(argv=None):
         identical &= out == plain_greedy(model, prompt, a.tokens, vocab)
         drafted, accepted = drafted + d, accepted + acc
         print(f"{f.name}: accepted {acc}/{d}", flush=True)
-    print(f"{a.files} held-out files, {a.prompt_tokens}-token prompts, {a.tokens} greedy tokens, draft {a.draft}: "
-          f"accepted {accepted}/{drafted} = {accepted / drafted:.3f}; identical to plain greedy: {identical}")
+    print(
+        f"{a.files} held-out files, {a.prompt_tokens}-token prompts, {a.tokens} greedy tokens, draft {a.draft}: "
+        f"accepted {accepted}/{drafted} = {accepted / drafted:.3f}; identical to plain greedy: {identical}"
+    )
     return 0 if identical else 1
 
 

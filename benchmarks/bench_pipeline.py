@@ -25,9 +25,9 @@ def _rank_main(model, tokens, out):
     import mlx.core as mx
 
     from hebrus_mlx.generate import generate_step
+    from hebrus_mlx.loader import load_model, resolve_model_path
     from hebrus_mlx.pipeline import gather_stats, load_pipeline
     from hebrus_mlx.text.tokenizer import load_tokenizer
-    from hebrus_mlx.loader import load_model, resolve_model_path
 
     path = resolve_model_path(model)
     if os.environ.get("MLX_RANK") is None:
@@ -69,8 +69,9 @@ def _run(model, tokens, ranks, tmp):
         from hebrus_mlx.pipeline import local_hostfile
 
         hostfile = local_hostfile(Path(tmp) / "hosts.json", ranks)
-        procs = [subprocess.Popen(cmd, env=dict(env, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(r)))
-                 for r in range(ranks)]
+        procs = [
+            subprocess.Popen(cmd, env=dict(env, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(r))) for r in range(ranks)
+        ]
         for p in procs:
             if p.wait(timeout=600) != 0:
                 raise SystemExit(f"rank exited with {p.returncode}")
@@ -95,12 +96,16 @@ def projection():
     bw, lat = 5e9, 1e-4
     link_ms = (messages * lat + (payload + logits + header) / bw) * 1e3
     print("\nProjection (arithmetic, not a measurement): two 64 GB Macs over Thunderbolt 5, Qwen3.8-Flash-Next")
-    print(f"  per decode token across the link: {payload / 1024:.1f} KiB hidden state + {logits / 1024:.0f} KiB "
-          f"logits + headers = {(payload + logits + header) / 1024:.0f} KiB in {messages} messages")
+    print(
+        f"  per decode token across the link: {payload / 1024:.1f} KiB hidden state + {logits / 1024:.0f} KiB "
+        f"logits + headers = {(payload + logits + header) / 1024:.0f} KiB in {messages} messages"
+    )
     print(f"  at 5 GB/s and 0.1 ms per message: {link_ms:.2f} ms per token")
     for tps in (12.0, 17.5, 25.0):
-        print(f"  a token that takes {1e3 / tps:.0f} ms of compute ({tps:g} tok/s on one machine) -> "
-              f"{1e3 / (1e3 / tps + link_ms):.1f} tok/s pipelined ({link_ms / (1e3 / tps) * 100:.1f}% link)")
+        print(
+            f"  a token that takes {1e3 / tps:.0f} ms of compute ({tps:g} tok/s on one machine) -> "
+            f"{1e3 / (1e3 / tps + link_ms):.1f} tok/s pipelined ({link_ms / (1e3 / tps) * 100:.1f}% link)"
+        )
     # Speculative verify: a block of k drafts + 1 sends k+1 rows of hidden state and gets k+1 rows
     # of logits back; drafting with the MTP head also gets the k+1 final pre-mixer rows back.
     k = 3
@@ -108,8 +113,10 @@ def projection():
     for name, extra in (("ngram / draft model", 0), ("mtp", hidden_rows)):
         step = (k + 1) * (payload + logits + extra) + header
         ms = ((messages + (1 if extra else 0)) * lat + step / bw) * 1e3
-        print(f"  a verify of {k} drafts ({name}): {step / 1024:.0f} KiB ({(k + 1) * extra / 1024:.0f} KiB of it "
-              f"final states) -> {ms:.2f} ms on the link per verify step")
+        print(
+            f"  a verify of {k} drafts ({name}): {step / 1024:.0f} KiB ({(k + 1) * extra / 1024:.0f} KiB of it "
+            f"final states) -> {ms:.2f} ms on the link per verify step"
+        )
 
 
 def main():
@@ -126,7 +133,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         base = None
         for r in range(args.rounds):
-            for ranks in ((1, 2) if r % 2 == 0 else (2, 1)):
+            for ranks in (1, 2) if r % 2 == 0 else (2, 1):
                 res = _run(args.model, args.tokens, ranks, tmp)
                 base = base or res["tokens"]
                 if res["tokens"] != base:
@@ -136,10 +143,14 @@ def main():
                     links.append(res["link_ms_per_token"])
                     nbytes.append(res["link_bytes_per_token"])
     print(f"model {args.model}, {args.tokens} tokens, {args.rounds} rounds A/B/B/A, tokens identical across runs")
-    print(f"1 process: {_median(one):.1f} tok/s; 2 ranks: {_median(two):.1f} tok/s "
-          f"(ratio {_median(two) / _median(one):.2f}x)")
-    print(f"2 ranks: rank 0 waits {_median(links):.2f} ms per token on the link (incl. rank 1's compute), "
-          f"{_median(nbytes) / 1024:.1f} KiB per token cross it")
+    print(
+        f"1 process: {_median(one):.1f} tok/s; 2 ranks: {_median(two):.1f} tok/s "
+        f"(ratio {_median(two) / _median(one):.2f}x)"
+    )
+    print(
+        f"2 ranks: rank 0 waits {_median(links):.2f} ms per token on the link (incl. rank 1's compute), "
+        f"{_median(nbytes) / 1024:.1f} KiB per token cross it"
+    )
     projection()
 
 

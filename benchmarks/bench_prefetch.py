@@ -26,9 +26,9 @@ import numpy as np
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import expert_major as em
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.loading import plan
 from hebrus_mlx.stream.engine import prediction_stats
-from hebrus_mlx.loader import DEMO_DIR, load_model
 
 
 def cache_gb(fraction):
@@ -57,7 +57,7 @@ def run(config, gb, store, prompt, tokens, chunk):
     st = model.streaming
     cache, out = model.make_cache(), None
     for i in range(0, len(prompt), chunk):
-        out = model(mx.array([prompt[i:i + chunk]]), cache)
+        out = model(mx.array([prompt[i : i + chunk]]), cache)
         mx.eval(out)
     st.engine.reset_counters()
     toks, times = [], []
@@ -80,8 +80,11 @@ def main():
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--modes", default="previous,off,router-reuse:1,router-reuse:2,hyper-reuse",
-                   help="comma-separated --prefetch values; the first is the control")
+    p.add_argument(
+        "--modes",
+        default="previous,off,router-reuse:1,router-reuse:2,hyper-reuse",
+        help="comma-separated --prefetch values; the first is the control",
+    )
     p.add_argument("--mirror", default=None, metavar="DIR", help="also run every mode with --expert-mirror DIR")
     args = p.parse_args()
     modes = args.modes.split(",")
@@ -92,12 +95,14 @@ def main():
     chunk = 4
     res = {m: [] for m in modes}
     for r in range(args.rounds):
-        for m in (modes if r % 2 == 0 else modes[::-1]):
+        for m in modes if r % 2 == 0 else modes[::-1]:
             res[m].append(run(m, gb, store, prompt, args.tokens, chunk))
     ctrl = modes[0]
     want = res[ctrl][0][1]
-    print(f"demo model streamed at {args.fraction:.0%} ({rows} of 512 records), {args.tokens} decode tokens after "
-          f"a {args.prompt_tokens}-token prompt, {args.rounds} rounds (order reversed every round), control {ctrl}")
+    print(
+        f"demo model streamed at {args.fraction:.0%} ({rows} of 512 records), {args.tokens} decode tokens after "
+        f"a {args.prompt_tokens}-token prompt, {args.rounds} rounds (order reversed every round), control {ctrl}"
+    )
     ok = True
     for m in modes:
         ts = [t for t, _, _ in res[m]]
@@ -112,15 +117,17 @@ def main():
         paired = statistics.median(c[0] / t for c, t in zip(res[ctrl], ts))
         name = m if "+" not in m else m.split("+")[0] + "+mirror"
         split = "/".join(str(n) for n in cs[0]["file_reads"])
-        print(f"  {name:15s} {statistics.median(ts) * 1e3:7.2f} ms/token (paired x{paired:.3f} vs "
-              f"{ctrl}; runs {' '.join(f'{t * 1e3:.1f}' for t in ts)}), exposed wait "
-              f"{med(lambda c: c['exposed_wait_ns']) / 1e6 / args.tokens:.3f} ms/token, "
-              f"exact misses {med(lambda c: c['exact_misses']) / args.tokens:.1f}/token, "
-              f"timely recall {100 * statistics.median(rec) if rec else float('nan'):.1f}%, "
-              f"precision {100 * statistics.median(pre) if pre else float('nan'):.1f}%, "
-              f"wasted {med(lambda c: c['wasted_bytes']) / 1e6:.2f} MB, "
-              f"p99 {med(lambda c: c['latency_p99_ns']) / 1e6:.2f} ms, reads per file {split}, "
-              f"tokens {'identical' if same else 'DIFFER'}")
+        print(
+            f"  {name:15s} {statistics.median(ts) * 1e3:7.2f} ms/token (paired x{paired:.3f} vs "
+            f"{ctrl}; runs {' '.join(f'{t * 1e3:.1f}' for t in ts)}), exposed wait "
+            f"{med(lambda c: c['exposed_wait_ns']) / 1e6 / args.tokens:.3f} ms/token, "
+            f"exact misses {med(lambda c: c['exact_misses']) / args.tokens:.1f}/token, "
+            f"timely recall {100 * statistics.median(rec) if rec else float('nan'):.1f}%, "
+            f"precision {100 * statistics.median(pre) if pre else float('nan'):.1f}%, "
+            f"wasted {med(lambda c: c['wasted_bytes']) / 1e6:.2f} MB, "
+            f"p99 {med(lambda c: c['latency_p99_ns']) / 1e6:.2f} ms, reads per file {split}, "
+            f"tokens {'identical' if same else 'DIFFER'}"
+        )
     return 0 if ok else 1
 
 

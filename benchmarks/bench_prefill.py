@@ -44,7 +44,7 @@ def digests(path, n, rec):
     if os.path.exists(side) and os.path.getsize(side) == 32 * n and os.path.getmtime(side) >= os.path.getmtime(path):
         with open(side, "rb") as f:
             data = f.read()
-        return [data[32 * i: 32 * i + 32] for i in range(n)]
+        return [data[32 * i : 32 * i + 32] for i in range(n)]
     out = []
     with open(path, "rb") as f:
         for _ in range(n):
@@ -83,9 +83,11 @@ class SyntheticExperts:
         shapes = [(B.INTER, B.HIDDEN), (B.INTER, B.HIDDEN), (B.HIDDEN, B.INTER)]
         self.layout = []
         for comp, (o, i) in zip(("gate", "up", "down"), shapes):
-            self.layout += [(comp, "weight", "uint32", (o, i * B.BITS // 32)),
-                            (comp, "scales", "uint16", (o, i // B.GROUP)),
-                            (comp, "biases", "uint16", (o, i // B.GROUP))]
+            self.layout += [
+                (comp, "weight", "uint32", (o, i * B.BITS // 32)),
+                (comp, "scales", "uint16", (o, i // B.GROUP)),
+                (comp, "biases", "uint16", (o, i // B.GROUP)),
+            ]
         self.arena, parts = eng.create_arena(self.part_bytes, rows, self.expand)
         store = eng.add_store(path)
         n = layers * experts
@@ -127,8 +129,10 @@ class PrefillStack:
         self.mixers, self.layers, self.experts = mixers, layers, experts
         self.caches = [LinearCache() for _ in range(layers)]
         key = mx.random.key(3)
-        self.routers = [mx.random.normal((B.HIDDEN, experts.num_experts), key=mx.random.split(key, layers)[l])
-                        / B.HIDDEN ** 0.5 for l in range(layers)]
+        self.routers = [
+            mx.random.normal((B.HIDDEN, experts.num_experts), key=mx.random.split(key, layers)[l]) / B.HIDDEN**0.5
+            for l in range(layers)
+        ]
         mx.eval(self.routers)
 
     def chunk(self, x):
@@ -188,7 +192,7 @@ def run_stack(args):
         st = PrefillStack(ex, mixers, args.layers, mode)
         xs = prompt_inputs(length)
         t0 = time.perf_counter()
-        outs = [st.chunk(xs[:, i:i + chunk]) for i in range(0, length, chunk)]
+        outs = [st.chunk(xs[:, i : i + chunk]) for i in range(0, length, chunk)]
         dt = time.perf_counter() - t0
         c = eng.counters()
         sw = st.streaming.sweep.counters() if st.streaming.sweep is not None else None
@@ -197,28 +201,44 @@ def run_stack(args):
         print(f"    run {mode} {length} tokens: {dt:.1f} s", flush=True)
         return dt, c, sw, last
 
-    print(f"(2) real-geometry prefill: {args.layers} layers x {args.experts} experts top-{args.top_k}, "
-          f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows (chunk cap {cap} tokens), auto chunks "
-          f"{args.step}, {args.threads} engine threads, {args.rounds} rounds A/B/B/A, cold store {path}")
+    print(
+        f"(2) real-geometry prefill: {args.layers} layers x {args.experts} experts top-{args.top_k}, "
+        f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows (chunk cap {cap} tokens), auto chunks "
+        f"{args.step}, {args.threads} engine threads, {args.rounds} rounds A/B/B/A, cold store {path}"
+    )
     for length in args.lengths:
         res = {m: [] for m in modes}
         for r in range(args.rounds):
-            for mode in (modes if r % 2 == 0 else modes[::-1]):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
                 res[mode].append(one(mode, length))
         t = {m: statistics.median(x[0] for x in v) for m, v in res.items()}
         base = modes[0]
         for m in modes:
             c, sw = res[m][0][1], res[m][0][2]
             lookups = c["hits"] + c["joins"] + c["misses"]
-            same = "" if m == base or chunk_of(m, length) != chunk_of(base, length) else (
-                "; hidden states " + ("identical" if all(np.array_equal(a[3], b[3]) for a in res[base] for b in res[m])
-                                      else "DIFFER") + f" to {base}")
-            swept = "" if sw is None else (f", {sw['read_bytes'] / 1e9:.2f} GB swept in {sw['sweeps']} extents "
-                                           f"(wait {sw['wait_ns'] / 1e9:.2f} s)")
-            print(f"  {length:5d} tokens {m:4s} (chunk {chunk_of(m, length)}): {length / t[m]:.2f} tok/s (runs "
-                  f"{' '.join(f'{length / x[0]:.2f}' for x in res[m])}), x{t[base] / t[m]:.2f} vs {base}; slot reads "
-                  f"{c['exact_bytes'] / 1e9:.2f} GB (hit rate {100 * (c['hits'] + c['joins']) / max(lookups, 1):.0f}%, "
-                  f"wait {c['exposed_wait_ns'] / 1e9:.2f} s){swept}{same}")
+            same = (
+                ""
+                if m == base or chunk_of(m, length) != chunk_of(base, length)
+                else (
+                    "; hidden states "
+                    + ("identical" if all(np.array_equal(a[3], b[3]) for a in res[base] for b in res[m]) else "DIFFER")
+                    + f" to {base}"
+                )
+            )
+            swept = (
+                ""
+                if sw is None
+                else (
+                    f", {sw['read_bytes'] / 1e9:.2f} GB swept in {sw['sweeps']} extents "
+                    f"(wait {sw['wait_ns'] / 1e9:.2f} s)"
+                )
+            )
+            print(
+                f"  {length:5d} tokens {m:4s} (chunk {chunk_of(m, length)}): {length / t[m]:.2f} tok/s (runs "
+                f"{' '.join(f'{length / x[0]:.2f}' for x in res[m])}), x{t[base] / t[m]:.2f} vs {base}; slot reads "
+                f"{c['exact_bytes'] / 1e9:.2f} GB (hit rate {100 * (c['hits'] + c['joins']) / max(lookups, 1):.0f}%, "
+                f"wait {c['exposed_wait_ns'] / 1e9:.2f} s){swept}{same}"
+            )
 
 
 def run_crossover(args):
@@ -235,23 +255,32 @@ def run_crossover(args):
         eng = se.StreamEngine(cache_bytes=rec, threads=args.threads, policy="clock")
         return eng, SyntheticExperts(eng, path, args.layers, args.experts, args.top_k, rows, rec, dig)
 
-    r = crossover.measure(make, lambda: B.drop_cache(path), args.layers, fractions, passes=args.rounds,
-                          sweep_threads=args.sweep_threads)
+    r = crossover.measure(
+        make, lambda: B.drop_cache(path), args.layers, fractions, passes=args.rounds, sweep_threads=args.sweep_threads
+    )
     t_sweep = r["sweep_ms_median"] / 1e3
     ext = args.experts * rec
-    print(f"(1) crossover, I/O only, cold: one layer = {args.experts} records x {rec / 2**20:.3f} MiB = "
-          f"{ext / 2**30:.2f} GiB; sweep {t_sweep * 1e3:.0f} ms ({ext / 2**30 / t_sweep:.2f} GiB/s, "
-          f"{args.sweep_threads} threads, runs {' '.join(f'{x:.0f}' for x in r['sweep_ms'])}); "
-          f"slot path {args.threads} engine threads, {args.rounds} passes forward/backward")
+    print(
+        f"(1) crossover, I/O only, cold: one layer = {args.experts} records x {rec / 2**20:.3f} MiB = "
+        f"{ext / 2**30:.2f} GiB; sweep {t_sweep * 1e3:.0f} ms ({ext / 2**30 / t_sweep:.2f} GiB/s, "
+        f"{args.sweep_threads} threads, runs {' '.join(f'{x:.0f}' for x in r['sweep_ms'])}); "
+        f"slot path {args.threads} engine threads, {args.rounds} passes forward/backward"
+    )
     for f, t in zip(r["fractions"], r["slot_ms_median"]):
         t /= 1e3
         k = max(1, round(f * args.experts))
-        print(f"  f={f:.2f} ({k:3d} records): slot {t * 1e3:7.0f} ms ({k * rec / 2**30 / t:.2f} GiB/s), "
-              f"sweep/slot {t_sweep / t:.2f}")
-    print(f"  crossover unique-expert fraction: {r['crossover']:.2f}" + (
-        " (from here on the sweep reads the whole extent faster than the slot path reads this fraction)"
-        if r["sweep_won"] else " (the slot path was faster at every fraction: auto sweeps only chunks the "
-        "arena cannot take)"))
+        print(
+            f"  f={f:.2f} ({k:3d} records): slot {t * 1e3:7.0f} ms ({k * rec / 2**30 / t:.2f} GiB/s), "
+            f"sweep/slot {t_sweep / t:.2f}"
+        )
+    print(
+        f"  crossover unique-expert fraction: {r['crossover']:.2f}"
+        + (
+            " (from here on the sweep reads the whole extent faster than the slot path reads this fraction)"
+            if r["sweep_won"]
+            else " (the slot path was faster at every fraction: auto sweeps only chunks the arena cannot take)"
+        )
+    )
 
 
 def long_demo(root, max_positions):
@@ -266,9 +295,14 @@ def long_demo(root, max_positions):
     from hebrus_mlx.artifact import constants as C
     from hebrus_mlx.loader import DEMO_DIR
 
-    C.register_family(dataclasses.replace(C.QWEN4EXP_DEMO, name=f"qwen4exp-demo-{max_positions}",
-                                          family_id=0xDE70 + max_positions // 1024,
-                                          max_position_embeddings=max_positions))
+    C.register_family(
+        dataclasses.replace(
+            C.QWEN4EXP_DEMO,
+            name=f"qwen4exp-demo-{max_positions}",
+            family_id=0xDE70 + max_positions // 1024,
+            max_position_embeddings=max_positions,
+        )
+    )
     out = os.path.join(root, f"demo{max_positions}")
     art = os.path.join(out, "artifact")
     if os.path.exists(os.path.join(art, "manifest.json")):
@@ -299,8 +333,8 @@ def run_demo(args):
 
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import expert_major as em
-    from hebrus_mlx.loading import plan
     from hebrus_mlx.loader import DEMO_DIR, load_model
+    from hebrus_mlx.loading import plan
 
     if args.max_positions:
         return run_demo_long(args, long_demo(args.build_dir, args.max_positions))
@@ -313,26 +347,30 @@ def run_demo(args):
     models = {mode: load_model(DEMO_DIR, expert_cache_gb=gb, prefill_sweep=mode) for mode in ("off", "on", "auto")}
     chunk = models["off"].streaming.max_chunk_tokens
     chunks = {"off": chunk, "on": chunk, "auto": args.step}  # auto: generate's chunks with a ring
-    print(f"(3) demo streamed at {100 * args.fraction:.0f}% ({rows} arena rows), chunk {chunk} tokens "
-          f"(generate's cap), {args.rounds} rounds A/B/B/A, cold store per run")
+    print(
+        f"(3) demo streamed at {100 * args.fraction:.0f}% ({rows} arena rows), chunk {chunk} tokens "
+        f"(generate's cap), {args.rounds} rounds A/B/B/A, cold store per run"
+    )
     for length in args.lengths:
         prompt = np.random.default_rng(length).integers(2, fam.vocab_size, length).tolist()
         res = {"off": [], "on": [], "auto": []}
         for r in range(args.rounds):
-            for mode in (("off", "on", "auto") if r % 2 == 0 else ("auto", "on", "off")):
+            for mode in ("off", "on", "auto") if r % 2 == 0 else ("auto", "on", "off"):
                 model, c = models[mode], chunks[mode]
                 B.drop_cache(exp)
                 cache = model.make_cache()
                 t0 = time.perf_counter()
                 for i in range(0, length, c):
-                    out = model(mx.array([prompt[i:i + c]]), cache)
+                    out = model(mx.array([prompt[i : i + c]]), cache)
                     mx.eval(out)
                 res[mode].append((time.perf_counter() - t0, np.array(out[0, -1])))
         same = all(np.array_equal(a[1], b[1]) for a in res["off"] for b in res["on"])
         t = {k: statistics.median(x[0] for x in v) for k, v in res.items()}
-        print(f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s, on (same chunks) {length / t['on']:.1f} "
-              f"tok/s x{t['off'] / t['on']:.2f}, last logits {'identical' if same else 'DIFFER'}; auto (chunks of "
-              f"{min(args.step, length)}) {length / t['auto']:.1f} tok/s x{t['off'] / t['auto']:.2f}")
+        print(
+            f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s, on (same chunks) {length / t['on']:.1f} "
+            f"tok/s x{t['off'] / t['on']:.2f}, last logits {'identical' if same else 'DIFFER'}; auto (chunks of "
+            f"{min(args.step, length)}) {length / t['auto']:.1f} tok/s x{t['off'] / t['auto']:.2f}"
+        )
 
 
 def run_demo_long(args, art):
@@ -346,8 +384,8 @@ def run_demo_long(args, art):
 
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import expert_major as em
-    from hebrus_mlx.loading import plan
     from hebrus_mlx.loader import load_model
+    from hebrus_mlx.loading import plan
 
     m = admit(art)
     fam = m.family
@@ -364,20 +402,22 @@ def run_demo_long(args, art):
         cache = model.make_cache()
         t0 = time.perf_counter()
         for i in range(0, len(prompt), chunk):
-            out = model(mx.array([prompt[i:i + chunk]]), cache)
+            out = model(mx.array([prompt[i : i + chunk]]), cache)
             mx.eval(out)
         return time.perf_counter() - t0, np.array(out[0, -1])
 
-    print(f"(4) demo geometry, random weights (transformers save_pretrained, converted affine4-g64), "
-          f"max_position_embeddings {fam.max_position_embeddings}, streamed at {100 * args.fraction:.0f}% "
-          f"({rows} arena rows): off in chunks of {cap} (generate's cap) vs auto in chunks of {args.step} "
-          f"(crossover {models['auto'].streaming.crossover_source}), {args.rounds} rounds A/B/B/A, cold store per run")
+    print(
+        f"(4) demo geometry, random weights (transformers save_pretrained, converted affine4-g64), "
+        f"max_position_embeddings {fam.max_position_embeddings}, streamed at {100 * args.fraction:.0f}% "
+        f"({rows} arena rows): off in chunks of {cap} (generate's cap) vs auto in chunks of {args.step} "
+        f"(crossover {models['auto'].streaming.crossover_source}), {args.rounds} rounds A/B/B/A, cold store per run"
+    )
     for length in args.lengths:
         prompt = np.random.default_rng(length).integers(2, fam.vocab_size, length).tolist()
         chunks = {"off": cap, "auto": min(args.step, length)}
         res = {"off": [], "auto": []}
         for r in range(args.rounds):
-            for mode in (("off", "auto") if r % 2 == 0 else ("auto", "off")):
+            for mode in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
                 B.drop_cache(exp)
                 sw = models[mode].streaming.sweep
                 before = sw.counters()["sweeps"] if sw is not None else 0
@@ -390,11 +430,13 @@ def run_demo_long(args, art):
             ref = prefill(resident, prompt, chunks[mode])[1]
             same[mode] = all(np.array_equal(x[1], ref) for x in res[mode])
         t = {k: statistics.median(x[0] for x in v) for k, v in res.items()}
-        print(f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s (runs "
-              f"{' '.join(f'{length / x[0]:.1f}' for x in res['off'])}), auto {length / t['auto']:.1f} tok/s (runs "
-              f"{' '.join(f'{length / x[0]:.1f}' for x in res['auto'])}) x{t['off'] / t['auto']:.2f}; last logits vs "
-              f"resident at the same chunks: off {'identical' if same['off'] else 'DIFFER'}, auto "
-              f"{'identical' if same['auto'] else 'DIFFER'}; auto swept {res['auto'][0][2]} layer extents")
+        print(
+            f"  {length:5d} tokens: off {length / t['off']:.1f} tok/s (runs "
+            f"{' '.join(f'{length / x[0]:.1f}' for x in res['off'])}), auto {length / t['auto']:.1f} tok/s (runs "
+            f"{' '.join(f'{length / x[0]:.1f}' for x in res['auto'])}) x{t['off'] / t['auto']:.2f}; last logits vs "
+            f"resident at the same chunks: off {'identical' if same['off'] else 'DIFFER'}, auto "
+            f"{'identical' if same['auto'] else 'DIFFER'}; auto swept {res['auto'][0][2]} layer extents"
+        )
 
 
 def main():
@@ -402,24 +444,39 @@ def main():
     p.add_argument("--store", default="/tmp/hebrus_bench_prefill", help="store path stem")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--experts", type=int, default=512)
-    p.add_argument("--store-layers", type=int, default=None,
-                   help="layers the store holds (default --layers; the bench uses the first --layers)")
+    p.add_argument(
+        "--store-layers",
+        type=int,
+        default=None,
+        help="layers the store holds (default --layers; the bench uses the first --layers)",
+    )
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--rows", type=int, default=512, help="slot arena rows (default: one layer's experts)")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk tokens (default rows // top-k, "
-                   "generate's cap for the slot path)")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="prefill chunk tokens (default rows // top-k, generate's cap for the slot path)",
+    )
     p.add_argument("--lengths", default=None, help="prompt lengths (default 512,2048,8192; demo 512,2048,4096)")
     p.add_argument("--threads", type=int, default=8, help="engine reader threads")
     p.add_argument("--sweep-threads", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="2 = A/B then B/A (--crossover: passes, forward then backward)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="2 = A/B then B/A (--crossover: passes, forward then backward)"
+    )
     p.add_argument("--modes", default="off,on,auto", help="(2) --prefill-sweep modes timed A/B/B/A, first = control")
     p.add_argument("--step", type=int, default=2048, help="(2) prefill_step_size of the auto runs (generate's default)")
     p.add_argument("--crossover", action="store_true", help="run (1) only")
     p.add_argument("--fractions", default="0.05,0.1,0.2,0.3,0.4,0.5,0.7,1.0", help="(1) unique-expert fractions")
     p.add_argument("--demo", action="store_true", help="run (3) only")
     p.add_argument("--fraction", type=float, default=0.05, help="(3) cache fraction of the demo's records")
-    p.add_argument("--max-positions", type=int, default=None, help="(4) with --demo: a random-weight model of "
-                   "the demo's geometry with this max_position_embeddings (e.g. 16384, for 8K prompts), off vs auto")
+    p.add_argument(
+        "--max-positions",
+        type=int,
+        default=None,
+        help="(4) with --demo: a random-weight model of "
+        "the demo's geometry with this max_position_embeddings (e.g. 16384, for 8K prompts), off vs auto",
+    )
     p.add_argument("--build-dir", default="/tmp/hebrus_bench_prefill_demo", help="(4) where that model is built once")
     args = p.parse_args()
     default = "512,2048,4096" if args.demo and not args.max_positions else "512,2048,8192"

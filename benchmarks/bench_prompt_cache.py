@@ -65,17 +65,23 @@ def main():
                 stop(cold)
             same = out["r"][0] == out["c"][0]
             ur = out["r"][1]
-            print(f"round {r}: turn 1 {u1['prompt_tokens']} tokens, turn 2 {ur['prompt_tokens']} tokens "
-                  f"({ur['prompt_tokens_details']['cached_tokens']} restored from disk after the restart); "
-                  f"TTFT restarted {res['r'][-1] * 1e3:.0f} ms, cold {res['c'][-1] * 1e3:.0f} ms; same text: {same}",
-                  flush=True)
+            print(
+                f"round {r}: turn 1 {u1['prompt_tokens']} tokens, turn 2 {ur['prompt_tokens']} tokens "
+                f"({ur['prompt_tokens_details']['cached_tokens']} restored from disk after the restart); "
+                f"TTFT restarted {res['r'][-1] * 1e3:.0f} ms, cold {res['c'][-1] * 1e3:.0f} ms; same text: {same}",
+                flush=True,
+            )
             if not same:
                 raise SystemExit("the restarted server's reply differs from the cold server's")
     ratios = [x / y for x, y in zip(res["r"], res["c"])]
-    print(f"median turn-2 TTFT ms: restarted {statistics.median(res['r']) * 1e3:.0f}, "
-          f"cold {statistics.median(res['c']) * 1e3:.0f}")
-    print(f"turn-2 TTFT, restarted with --prompt-cache-dir / cold: {statistics.median(ratios):.3f}x "
-          "(median of per-round pairs)")
+    print(
+        f"median turn-2 TTFT ms: restarted {statistics.median(res['r']) * 1e3:.0f}, "
+        f"cold {statistics.median(res['c']) * 1e3:.0f}"
+    )
+    print(
+        f"turn-2 TTFT, restarted with --prompt-cache-dir / cold: {statistics.median(ratios):.3f}x "
+        "(median of per-round pairs)"
+    )
 
 
 if __name__ == "__main__":

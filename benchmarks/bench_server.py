@@ -26,8 +26,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def start(model, extra):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", model, "--port", "0",
-                             "--log-level", "WARNING", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hebrus_mlx.cli",
+            "server",
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--log-level",
+            "WARNING",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
@@ -38,8 +55,15 @@ def start(model, extra):
 def ask(port, messages, max_tokens):
     """(ttft seconds, reply text, usage) over a streamed chat completion."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    body = json.dumps(
+        {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     tic = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
     r = conn.getresponse()
@@ -94,17 +118,24 @@ def main():
                 res[name + "1"].append(t1)
                 res[name + "2"].append(t2)
             ua = usage["a"]
-            print(f"round {r}: prompt {u1['prompt_tokens']} -> {ua['prompt_tokens']} tokens; A turn 2 restored "
-                  f"{ua['prompt_tokens_details']['cached_tokens']}; "
-                  f"A {res['a1'][-1] * 1e3:.0f}/{res['a2'][-1] * 1e3:.0f} ms, "
-                  f"B {res['b1'][-1] * 1e3:.0f}/{res['b2'][-1] * 1e3:.0f} ms", flush=True)
+            print(
+                f"round {r}: prompt {u1['prompt_tokens']} -> {ua['prompt_tokens']} tokens; A turn 2 restored "
+                f"{ua['prompt_tokens_details']['cached_tokens']}; "
+                f"A {res['a1'][-1] * 1e3:.0f}/{res['a2'][-1] * 1e3:.0f} ms, "
+                f"B {res['b1'][-1] * 1e3:.0f}/{res['b2'][-1] * 1e3:.0f} ms",
+                flush=True,
+            )
         med = {k: statistics.median(v) for k, v in res.items()}
-        print(f"median TTFT ms: A turn1 {med['a1'] * 1e3:.0f}, A turn2 {med['a2'] * 1e3:.0f}, "
-              f"B turn1 {med['b1'] * 1e3:.0f}, B turn2 {med['b2'] * 1e3:.0f}")
+        print(
+            f"median TTFT ms: A turn1 {med['a1'] * 1e3:.0f}, A turn2 {med['a2'] * 1e3:.0f}, "
+            f"B turn1 {med['b1'] * 1e3:.0f}, B turn2 {med['b2'] * 1e3:.0f}"
+        )
         pairs = [x / y for x, y in zip(res["a2"], res["b2"])]
         print(f"turn-2 TTFT, prefix cache / no cache: {statistics.median(pairs):.3f}x (median of per-round pairs)")
-        print(f"turn-2 / turn-1 TTFT with the prefix cache: {med['a2'] / med['a1']:.3f}x; without: "
-              f"{med['b2'] / med['b1']:.3f}x")
+        print(
+            f"turn-2 / turn-1 TTFT with the prefix cache: {med['a2'] / med['a1']:.3f}x; without: "
+            f"{med['b2'] / med['b1']:.3f}x"
+        )
     finally:
         for p in (a, b):
             p.terminate()

@@ -43,7 +43,7 @@ def request(port, method, path, body=None, timeout=600):
 def poll(port, seconds=None, until=None):
     lat = []
     end = time.monotonic() + (seconds or 0)
-    while (until.is_alive() if until is not None else time.monotonic() < end):
+    while until.is_alive() if until is not None else time.monotonic() < end:
         tic = time.monotonic()
         request(port, "GET", "/health")
         lat.append(time.monotonic() - tic)
@@ -53,8 +53,10 @@ def poll(port, seconds=None, until=None):
 
 def describe(name, lat):
     lat = sorted(lat)
-    return (f"{name:28s} n={len(lat):4d}  p50 {statistics.median(lat) * 1e3:7.1f} ms  "
-            f"p99 {lat[int(len(lat) * 0.99)] * 1e3:7.1f} ms  max {lat[-1] * 1e3:8.1f} ms")
+    return (
+        f"{name:28s} n={len(lat):4d}  p50 {statistics.median(lat) * 1e3:7.1f} ms  "
+        f"p99 {lat[int(len(lat) * 0.99)] * 1e3:7.1f} ms  max {lat[-1] * 1e3:8.1f} ms"
+    )
 
 
 PROBE = """
@@ -88,9 +90,26 @@ class Probe:
 
 def start(root, args):
     env = dict(os.environ, PYTHONPATH=root)
-    proc = subprocess.Popen([sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
-                             "--log-level", "WARNING", *args],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hebrus_mlx.cli",
+            "server",
+            "--model",
+            "demo",
+            "--port",
+            "0",
+            "--log-level",
+            "WARNING",
+            *args,
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     line = ""
     while "listening on" not in line:
         line = proc.stdout.readline()
@@ -104,8 +123,9 @@ def run_small(root, n, extra):
     rendered and tokenized (max_tokens past the context: a 400), so no generation is timed."""
     proc, port = start(root, extra)
     try:
-        body = json.dumps({"messages": [{"role": "user", "content": "lorem ipsum " * 85}],
-                           "max_tokens": 10 ** 7}).encode()
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": "lorem ipsum " * 85}], "max_tokens": 10**7}
+        ).encode()
         times = []
         for _ in range(n + 3):
             tic = time.monotonic()
@@ -121,9 +141,28 @@ def run_tree(root, mb, extra=()):
     """One server of tree `root`: (idle latencies, busy latencies, big request seconds, status,
     scheduler probe's max lateness while busy)."""
     env = dict(os.environ, PYTHONPATH=root)
-    proc = subprocess.Popen([sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
-                             "--log-level", "WARNING", "--max-body-bytes", str(int(mb * 1e6) + 4096), *extra],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hebrus_mlx.cli",
+            "server",
+            "--model",
+            "demo",
+            "--port",
+            "0",
+            "--log-level",
+            "WARNING",
+            "--max-body-bytes",
+            str(int(mb * 1e6) + 4096),
+            *extra,
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = ""
         while "listening on" not in line:
@@ -148,8 +187,14 @@ def run_tree(root, mb, extra=()):
         t.start()
         busy = poll(port, until=t)
         t.join()
-        return {"idle": idle, "busy": busy, "seconds": out["seconds"], "status": out["status"],
-                "idle_probe": idle_probe, "busy_probe": pr.stop()}
+        return {
+            "idle": idle,
+            "busy": busy,
+            "seconds": out["seconds"],
+            "status": out["status"],
+            "idle_probe": idle_probe,
+            "busy_probe": pr.stop(),
+        }
     finally:
         proc.terminate()
         proc.wait(30)
@@ -163,14 +208,25 @@ def pct(lat, q):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
-    p.add_argument("--against", default=None,
-                   help="another checkout (e.g. `git worktree add /tmp/base main`): both trees run A B B A "
-                        "in one run and the busy /health latencies are compared side by side")
-    p.add_argument("--prep", action="store_true",
-                   help="compare, A B B A, the big request prepared in the prep process (the default) "
-                        "and on a thread (--prep-process-bytes 0)")
-    p.add_argument("--small", type=int, default=0, metavar="N",
-                   help="time N small requests through the prep process and on a thread, A B B A")
+    p.add_argument(
+        "--against",
+        default=None,
+        help="another checkout (e.g. `git worktree add /tmp/base main`): both trees run A B B A "
+        "in one run and the busy /health latencies are compared side by side",
+    )
+    p.add_argument(
+        "--prep",
+        action="store_true",
+        help="compare, A B B A, the big request prepared in the prep process (the default) "
+        "and on a thread (--prep-process-bytes 0)",
+    )
+    p.add_argument(
+        "--small",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time N small requests through the prep process and on a thread, A B B A",
+    )
     p.add_argument("--mb", type=float, default=4.0)
     a = p.parse_args()
     if a.small:
@@ -179,8 +235,10 @@ def main():
             got.setdefault(name, []).append(run_small(a.root, a.small, ["--prep-process-bytes", extra]))
             print(f"{name:8s} small request median {got[name][-1] * 1e3:.1f} ms", flush=True)
         pr, th = statistics.median(got["process"]), statistics.median(got["thread"])
-        print(f"small request: {pr * 1e3:.1f} ms (process) vs {th * 1e3:.1f} ms (thread), "
-              f"ratio {pr / th:.2f}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(
+            f"small request: {pr * 1e3:.1f} ms (process) vs {th * 1e3:.1f} ms (thread), "
+            f"ratio {pr / th:.2f}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        )
         return
     if a.prep:
         A, B = ("process prep", a.root, ()), ("thread prep", a.root, ("--prep-process-bytes", "0"))
@@ -193,25 +251,36 @@ def main():
         print(f"{name}:")
         print(describe("/health idle", r["idle"]))
         print(describe(f"/health during {a.mb:g} MB", r["busy"]))
-        print(f"{a.mb:g} MB request: {r['seconds']:.2f} s (HTTP {r['status']}); "
-              f"worst /health / request = {max(r['busy']) / r['seconds']:.3f}")
-        print(f"scheduler probe (a process sleeping 5 ms, no server work): late by max "
-              f"{r['idle_probe'][0] * 1e3:.1f} ms idle, {r['busy_probe'][0] * 1e3:.1f} ms during the request "
-              f"(median {r['busy_probe'][1] * 1e3:.2f} ms)", flush=True)
+        print(
+            f"{a.mb:g} MB request: {r['seconds']:.2f} s (HTTP {r['status']}); "
+            f"worst /health / request = {max(r['busy']) / r['seconds']:.3f}"
+        )
+        print(
+            f"scheduler probe (a process sleeping 5 ms, no server work): late by max "
+            f"{r['idle_probe'][0] * 1e3:.1f} ms idle, {r['busy_probe'][0] * 1e3:.1f} ms during the request "
+            f"(median {r['busy_probe'][1] * 1e3:.2f} ms)",
+            flush=True,
+        )
         runs.setdefault(name, []).append(r)
     if len(variants) > 1:
         for q, label in ((0.5, "p50"), (0.99, "p99"), (1.0, "max")):
             this = statistics.median(pct(r["busy"], q) for r in runs[A[0]])
             other = statistics.median(pct(r["busy"], q) for r in runs[B[0]])
-            print(f"busy /health {label}: {this * 1e3:.1f} ms ({A[0]}) vs {other * 1e3:.1f} ms ({B[0]}) "
-                  f"(ratio {this / other:.2f})")
+            print(
+                f"busy /health {label}: {this * 1e3:.1f} ms ({A[0]}) vs {other * 1e3:.1f} ms ({B[0]}) "
+                f"(ratio {this / other:.2f})"
+            )
         for name, _, _ in (A, B):
             rs = runs[name]
-            print(f"{name}: idle /health max {statistics.median(max(r['idle']) for r in rs) * 1e3:.1f} ms; "
-                  f"scheduler probe max {statistics.median(r['busy_probe'][0] for r in rs) * 1e3:.1f} ms during "
-                  f"the request, {statistics.median(r['idle_probe'][0] for r in rs) * 1e3:.1f} ms idle (medians of runs)")
-    print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
-          "(a loaded machine's scheduler delays dominate the max)")
+            print(
+                f"{name}: idle /health max {statistics.median(max(r['idle']) for r in rs) * 1e3:.1f} ms; "
+                f"scheduler probe max {statistics.median(r['busy_probe'][0] for r in rs) * 1e3:.1f} ms during "
+                f"the request, {statistics.median(r['idle_probe'][0] for r in rs) * 1e3:.1f} ms idle (medians of runs)"
+            )
+    print(
+        f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
+        "(a loaded machine's scheduler delays dominate the max)"
+    )
 
 
 if __name__ == "__main__":

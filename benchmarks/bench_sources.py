@@ -67,9 +67,12 @@ def main(argv=None):
             for comp, (r, c) in SHAPES.items():
                 k = f"model.layers.0.mlp.experts.{e}.{comp}.weight"
                 tf[k] = ("F8_E4M3", (r, c), _fp8_bytes(rng, (r, c)))
-                tf[k + "_scale_inv"] = ("F32", (r // 128, c // 128),
-                                        rng.uniform(1e-4, 1e-3, (r // 128, c // 128)).astype(np.float32).tobytes())
-                w = (rng.standard_normal((r, c), dtype=np.float32) * 0.02)
+                tf[k + "_scale_inv"] = (
+                    "F32",
+                    (r // 128, c // 128),
+                    rng.uniform(1e-4, 1e-3, (r // 128, c // 128)).astype(np.float32).tobytes(),
+                )
+                w = rng.standard_normal((r, c), dtype=np.float32) * 0.02
                 tb[k] = ("BF16", (r, c), (w.view(np.uint32) >> 16).astype(np.uint16).tobytes())
         _write(os.path.join(fp8, "model.safetensors"), tf)
         _write(os.path.join(bf16, "model.safetensors"), tb)
@@ -86,8 +89,14 @@ def main(argv=None):
 
         stacked = {}
         for comp, (r, c) in SHAPES.items():
-            w = mx.array(np.stack([np.frombuffer(tb[f"model.layers.0.mlp.experts.{e}.{comp}.weight"][2], np.uint16)
-                                   .reshape(r, c) for e in range(a.experts)])).view(mx.bfloat16)
+            w = mx.array(
+                np.stack(
+                    [
+                        np.frombuffer(tb[f"model.layers.0.mlp.experts.{e}.{comp}.weight"][2], np.uint16).reshape(r, c)
+                        for e in range(a.experts)
+                    ]
+                )
+            ).view(mx.bfloat16)
             q, s, b = mx.quantize(w, group_size=64, bits=4)
             stem = f"language_model.model.layers.0.mlp.switch_mlp.{comp}"
             stacked[stem + ".weight"] = q
@@ -114,8 +123,10 @@ def main(argv=None):
                 x, dt = src_b.read(k)
                 CV.encode(x, dt, "affine4-g64")
 
-        pairs = {"fp8 read+dequant / bf16 read": (lambda: read_all(src_f), lambda: read_all(src_b)),
-                 "mlx affine4 copy / bf16 read+quantize": (copy_all, quantize_all)}
+        pairs = {
+            "fp8 read+dequant / bf16 read": (lambda: read_all(src_f), lambda: read_all(src_b)),
+            "mlx affine4 copy / bf16 read+quantize": (copy_all, quantize_all),
+        }
         for name, (fa, fb) in pairs.items():
             fa(), fb()  # warm
             ta, tb_ = [], []
@@ -126,8 +137,10 @@ def main(argv=None):
                     f()
                     (ta if f is fa else tb_).append(time.perf_counter() - t)
             ma, mb = statistics.median(ta), statistics.median(tb_)
-            print(f"{name}: {1e3 * ma / a.experts:.2f} ms vs {1e3 * mb / a.experts:.2f} ms per expert "
-                  f"(3 matrices) = {ma / mb:.2f}x")
+            print(
+                f"{name}: {1e3 * ma / a.experts:.2f} ms vs {1e3 * mb / a.experts:.2f} ms per expert "
+                f"(3 matrices) = {ma / mb:.2f}x"
+            )
     return 0
 
 

@@ -32,11 +32,11 @@ import mlx.core as mx
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.generate import generate_step, speculative_generate_step
+from hebrus_mlx.loader import DEMO_DIR, load
 from hebrus_mlx.models import qwen4exp
 from hebrus_mlx.speculative import DrafterError, Governor, SpeculativeStats, make_drafter
 from hebrus_mlx.speculative.governor import FixedSchedule
 from hebrus_mlx.testing.drafters import OracleDrafter
-from hebrus_mlx.loader import DEMO_DIR, load
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
@@ -71,8 +71,7 @@ def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None, schedule=
     A governed variant replays `schedule` when given, else appends its choices to `logs`."""
     V = tok.effective_vocab_size
     if variant is None:
-        steps = ((t, None) for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=V,
-                                                     max_tokens=n_tokens))
+        steps = ((t, None) for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=V, max_tokens=n_tokens))
     else:
         drafter, block, governed = variant()
         gov = None
@@ -80,8 +79,16 @@ def run(model, tok, ids, variant, n_tokens, stats=None, on_first=None, schedule=
             gov = FixedSchedule(schedule) if schedule is not None else LoggedGovernor(block)
             if logs is not None and schedule is None:
                 logs.append(gov.log)
-        steps = speculative_generate_step(mx.array(ids), model, drafter, effective_vocab_size=V, max_tokens=n_tokens,
-                                          num_draft_tokens=block, governor=gov, stats=stats)
+        steps = speculative_generate_step(
+            mx.array(ids),
+            model,
+            drafter,
+            effective_vocab_size=V,
+            max_tokens=n_tokens,
+            num_draft_tokens=block,
+            governor=gov,
+            stats=stats,
+        )
     out = []
     for t, *_ in steps:
         if not out and on_first is not None:
@@ -171,8 +178,9 @@ def main():
                 total = 0.0
                 for i, ids in enumerate(prompts):
                     st = SpeculativeStats()
-                    total += decode_seconds(model, tok, ids, variant_of(label, i), args.tokens, st, logs[label],
-                                            futures[i])
+                    total += decode_seconds(
+                        model, tok, ids, variant_of(label, i), args.tokens, st, logs[label], futures[i]
+                    )
                     stats[label].append(st)
                 times[label].append(total)
         # Untimed pass: routed bytes (a sync per layer), the governor replaying its last timed choices.
@@ -183,6 +191,7 @@ def main():
             for i, ids in enumerate(prompts):
                 sched = logs[label][-len(prompts) + i] if logs[label] else None
                 with UniqueExperts() as ue:
+
                     def decode_only():  # count decode, not the prompt's prefill
                         ue.total = 0
                         if engine is not None:
@@ -203,19 +212,32 @@ def main():
             for st in sts:
                 for b, c in st.block_sizes.items():
                     blocks[b] = blocks.get(b, 0) + c
-            info[label] = dict(bytes_tok=tot * rec / n, eng_tok=eng / n, acc=acc, dr=dr,
-                               per_step=n * len(times[label]) / steps if steps else 1.0, blocks=blocks)
+            info[label] = dict(
+                bytes_tok=tot * rec / n,
+                eng_tok=eng / n,
+                acc=acc,
+                dr=dr,
+                per_step=n * len(times[label]) / steps if steps else 1.0,
+                blocks=blocks,
+            )
         plain_t = times["plain"]
-        print(f"\n== {setup}: demo model, {len(prompts)} code prompts x {args.tokens} tokens, {args.rounds} rounds; "
-              f"plain decode {n / statistics.median(plain_t):.1f} tok/s ==")
-        print(f"{'variant':18s} {'tok/step':>9s} {'accept':>7s} {'tok/s vs plain':>15s} "
-              f"{'routed KiB/tok':>15s}" + (f" {'read KiB/tok':>13s}" if engine is not None else "")
-              + "  steps per block size")
+        print(
+            f"\n== {setup}: demo model, {len(prompts)} code prompts x {args.tokens} tokens, {args.rounds} rounds; "
+            f"plain decode {n / statistics.median(plain_t):.1f} tok/s =="
+        )
+        print(
+            f"{'variant':18s} {'tok/step':>9s} {'accept':>7s} {'tok/s vs plain':>15s} "
+            f"{'routed KiB/tok':>15s}"
+            + (f" {'read KiB/tok':>13s}" if engine is not None else "")
+            + "  steps per block size"
+        )
         for label, d in info.items():
             ratios = [p / t for p, t in zip(plain_t, times[label])]
             acc = f"{100 * d['acc'] / d['dr']:.0f}%" if d["dr"] else "-"
-            line = (f"{label:18s} {d['per_step']:9.2f} {acc:>7s} {statistics.median(ratios):14.2f}x "
-                    f"{d['bytes_tok'] / 1024:15.1f}")
+            line = (
+                f"{label:18s} {d['per_step']:9.2f} {acc:>7s} {statistics.median(ratios):14.2f}x "
+                f"{d['bytes_tok'] / 1024:15.1f}"
+            )
             if engine is not None:
                 line += f" {d['eng_tok'] / 1024:13.1f}"
             if label.endswith("governor"):  # over all timed runs

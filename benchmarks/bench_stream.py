@@ -66,14 +66,23 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hebrus_mlx.simulate.synthetic_stack import (  # the stack simulate --validate --stack decode times too
-    HIDDEN, DecodeStack, build_decode_store, drop_cache, glu_weights, make_mixers,
-    part_bytes, record_bytes, switch_glu, token_inputs,
+    HIDDEN,
+    DecodeStack,
+    build_decode_store,
+    drop_cache,
+    glu_weights,
+    make_mixers,
+    part_bytes,
+    record_bytes,
+    switch_glu,
+    token_inputs,
 )
 
 
 def run_raw(path, batches, rec, threads):
     """Seconds for the C-thread raw O_DIRECT reads (the roofline)."""
     import mlx.core  # noqa: F401  (loads libmlx for the extension)
+
     from hebrus_mlx import _bench
 
     return _bench.raw_pread(str(path), batches, rec, threads=threads)["elapsed_ns"] / 1e9
@@ -102,9 +111,13 @@ def run_raw_py(path, batches, rec, threads):
 def run_engine(eng, store, batches, rec, digests=None, fast_digests=None):
     for batch in batches:
         tickets = [
-            eng.request(store, off, rec,
-                        digest=None if digests is None else digests[off // rec],
-                        fast_digest=None if fast_digests is None else fast_digests[off // rec])
+            eng.request(
+                store,
+                off,
+                rec,
+                digest=None if digests is None else digests[off // rec],
+                fast_digest=None if fast_digests is None else fast_digests[off // rec],
+            )
             for off in batch
         ]
         for t in tickets:
@@ -116,6 +129,7 @@ def sha_rates(rec, repeats=7):
     """(backend, GiB/s of the picked SHA-256 rounds, GiB/s of the portable
     rounds) hashing one cached record; medians of interleaved runs."""
     import mlx.core  # noqa: F401  (loads libmlx for the extension)
+
     from hebrus_mlx import _ext
 
     buf = os.urandom(rec)
@@ -135,8 +149,11 @@ def fast_rates(rec):
     from hebrus_mlx.bench.machine import fast_check_rate
 
     r = fast_check_rate(rec)
-    return (r["xxh3_128_backend"], r["xxh3_128_GBps_one_thread"] * 1e9 / 2**30,
-            r["xxh3_128_scalar_GBps_one_thread"] * 1e9 / 2**30)
+    return (
+        r["xxh3_128_backend"],
+        r["xxh3_128_GBps_one_thread"] * 1e9 / 2**30,
+        r["xxh3_128_scalar_GBps_one_thread"] * 1e9 / 2**30,
+    )
 
 
 def run_gather_op(eng, table, batches, rec):
@@ -207,8 +224,7 @@ def run_decode(args):
         s = eng.add_store(path)
         aid, parts = eng.create_arena(pb, rows)
         table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n, arena=aid)
-        st = DecodeStack(eng, table, glu_weights(parts, rows), args.layers,
-                         args.experts, args.top_k, prefetch, mixers)
+        st = DecodeStack(eng, table, glu_weights(parts, rows), args.layers, args.experts, args.top_k, prefetch, mixers)
         # Staging rows for predictions, as stream.streaming.Streaming sets them.
         if st.spec.kind != "off":
             eng.set_staging(aid, min(args.top_k * st.spec.depth, rows // 4))
@@ -251,7 +267,7 @@ def run_decode(args):
     res, hot_runs = {}, []
     for r in range(args.rounds):
         order = ["hot", *modes]
-        for mode in (order if r % 2 == 0 else order[::-1]):
+        for mode in order if r % 2 == 0 else order[::-1]:
             if mode == "hot":
                 hot_runs.append(statistics.median(hot()[1:]))
                 continue
@@ -263,17 +279,23 @@ def run_decode(args):
 
     toks = args.tokens
     overlap = [len(set(a) & set(b)) / args.top_k for p, q in zip(routes, routes[1:]) for a, b in zip(p, q)]
-    print(f"(c) streamed decode: {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
-          f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows, {toks} tokens, {args.threads} threads, "
-          f"{args.rounds} rounds, backend {args.backend}; store {path}")
-    print(f"  previous-token route overlap {100 * np.mean(overlap):.0f}%; raw O_DIRECT {bw / 2**30:.3f} GiB/s "
-          f"(C threads; Python pool {bw_py / 2**30:.3f} GiB/s, {bw_py / bw:.2f}x); "
-          f"hot compute {hot_t * 1e3:.1f} ms/token")
+    print(
+        f"(c) streamed decode: {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
+        f"record {rec / 2**20:.3f} MiB, arena {args.rows} rows, {toks} tokens, {args.threads} threads, "
+        f"{args.rounds} rounds, backend {args.backend}; store {path}"
+    )
+    print(
+        f"  previous-token route overlap {100 * np.mean(overlap):.0f}%; raw O_DIRECT {bw / 2**30:.3f} GiB/s "
+        f"(C threads; Python pool {bw_py / 2**30:.3f} GiB/s, {bw_py / bw:.2f}x); "
+        f"hot compute {hot_t * 1e3:.1f} ms/token"
+    )
     c0 = res["off"][0][2] if "off" in res else res[modes[0]][0][2]
     miss_bytes = (c0["exact_bytes"]) / toks
     bound = hot_t + miss_bytes / bw
-    print(f"  serial bound = hot compute + {miss_bytes / 2**20:.1f} MiB missed/token / raw bw "
-          f"= {bound * 1e3:.1f} ms/token")
+    print(
+        f"  serial bound = hot compute + {miss_bytes / 2**20:.1f} MiB missed/token / raw bw "
+        f"= {bound * 1e3:.1f} ms/token"
+    )
     from hebrus_mlx.stream.predict import parse_prefetch
 
     ctrl = statistics.median([m for m, _, _ in res[modes[0]]])
@@ -281,10 +303,12 @@ def run_decode(args):
         t = statistics.median([m for m, _, _ in res[pf]])
         c = res[pf][0][2]
         same = all(r == routes for _, r, _ in res[pf])
-        print(f"  prefetch {pf}: {t * 1e3:.1f} ms/token "
-              f"(runs {' '.join(f'{m * 1e3:.1f}' for m, _, _ in res[pf])}), x{ctrl / t:.3f} vs {modes[0]}, "
-              f"bound/streamed {bound / t:.3f}x; predicted hits/joins {c['predicted_hits']}/{c['predicted_joins']}, "
-              f"routes {'identical' if same else 'DIFFER'}")
+        print(
+            f"  prefetch {pf}: {t * 1e3:.1f} ms/token "
+            f"(runs {' '.join(f'{m * 1e3:.1f}' for m, _, _ in res[pf])}), x{ctrl / t:.3f} vs {modes[0]}, "
+            f"bound/streamed {bound / t:.3f}x; predicted hits/joins {c['predicted_hits']}/{c['predicted_joins']}, "
+            f"routes {'identical' if same else 'DIFFER'}"
+        )
         print("    " + se.io_summary(c, parse_prefetch(pf)))
     if not args.no_timeline:
         timeline(stack, hs, path, args)
@@ -368,9 +392,13 @@ def timeline(stack, hs, path, args):
 
     tok = min(len(hs) - 1, 4)
     fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-    lanes = (("predicted read", -0.3, "tab:orange"), ("exact read", -0.1, "tab:red"),
-             ("exposed wait", 0.1, "black"), ("SwitchGLU compute", 0.3, "tab:blue"),
-             ("GDN + router", 0.3, "tab:cyan"))
+    lanes = (
+        ("predicted read", -0.3, "tab:orange"),
+        ("exact read", -0.1, "tab:red"),
+        ("exposed wait", 0.1, "black"),
+        ("SwitchGLU compute", 0.3, "tab:blue"),
+        ("GDN + router", 0.3, "tab:cyan"),
+    )
     for ax, pf in zip(axes, (False, True)):
         ev, t0, t1, dropped, waited = token_trace(stack, hs, path, pf, tok)
         ms = lambda t: (np.asarray(t, np.float64) - t0) / 1e6  # noqa: E731
@@ -380,7 +408,8 @@ def timeline(stack, hs, path, args):
         spans = {lane: [] for lane, _, _ in lanes}
         for r in reads:
             spans["exact read" if r["exact"] else "predicted read"].append(
-                (r["layer"], r["start_ns"], r["end_ns"], r["issue_ns"]))
+                (r["layer"], r["start_ns"], r["end_ns"], r["issue_ns"])
+            )
         for w in waits:
             spans["exposed wait"].append((w["layer"], w["issue_ns"], w["end_ns"], None))
         at = {(int(m["layer"]), int(m["expert"])): m["issue_ns"] for m in marks}
@@ -393,27 +422,37 @@ def timeline(stack, hs, path, args):
             alpha = 0.35 if "read" in lane else 0.9
             for i, (l, a, b, issued) in enumerate(spans[lane]):
                 if issued is not None:  # queued in the engine before a worker took it
-                    ax.barh(l + dy, ms(a) - ms(issued), left=ms(issued), height=0.18,
-                            color=color, alpha=0.08)
-                ax.barh(l + dy, max(ms(b) - ms(a), 0.05), left=ms(a), height=0.18,
-                        color=color, alpha=alpha, label=lane if i == 0 else None)
+                    ax.barh(l + dy, ms(a) - ms(issued), left=ms(issued), height=0.18, color=color, alpha=0.08)
+                ax.barh(
+                    l + dy,
+                    max(ms(b) - ms(a), 0.05),
+                    left=ms(a),
+                    height=0.18,
+                    color=color,
+                    alpha=alpha,
+                    label=lane if i == 0 else None,
+                )
         wait_ms = float(np.sum(waits["end_ns"] - waits["issue_ns"])) / 1e6
         n_exact = int(reads["exact"].sum())
         ax.axvline(ms(t1), color="gray", lw=0.8, ls="--")
         ax.set_ylabel("layer")
         ax.set_yticks(range(args.layers))
         ax.invert_yaxis()
-        ax.set_title(f"previous-token prefetch {'on' if pf else 'off'}: token {tok}, "
-                     f"{(t1 - t0) / 1e6:.1f} ms; {n_exact} exact + {len(reads) - n_exact} predicted "
-                     f"reads, exposed wait {wait_ms:.1f} ms (engine trace, no host sync"
-                     f"{f', {dropped} dropped' if dropped else ''})", fontsize=9)
+        ax.set_title(
+            f"previous-token prefetch {'on' if pf else 'off'}: token {tok}, "
+            f"{(t1 - t0) / 1e6:.1f} ms; {n_exact} exact + {len(reads) - n_exact} predicted "
+            f"reads, exposed wait {wait_ms:.1f} ms (engine trace, no host sync"
+            f"{f', {dropped} dropped' if dropped else ''})",
+            fontsize=9,
+        )
         ax.legend(fontsize=7, loc="upper right", ncol=3)
-        print(f"  timeline prefetch {'on ' if pf else 'off'}: token {tok} {(t1 - t0) / 1e6:.1f} ms, "
-              f"{n_exact} exact + {len(reads) - n_exact} predicted reads, "
-              f"exposed wait {wait_ms:.1f} ms in {len(waits)} waits (counters {waited / 1e6:.1f} ms), "
-              f"compute {sum(b - a for _, a, b, _ in spans['SwitchGLU compute']) / 1e6:.1f} ms")
-    axes[-1].set_xlabel("ms since the token's graph was built (dashed: eval returned; "
-                        "faint: queued in the engine)")
+        print(
+            f"  timeline prefetch {'on ' if pf else 'off'}: token {tok} {(t1 - t0) / 1e6:.1f} ms, "
+            f"{n_exact} exact + {len(reads) - n_exact} predicted reads, "
+            f"exposed wait {wait_ms:.1f} ms in {len(waits)} waits (counters {waited / 1e6:.1f} ms), "
+            f"compute {sum(b - a for _, a, b, _ in spans['SwitchGLU compute']) / 1e6:.1f} ms"
+        )
+    axes[-1].set_xlabel("ms since the token's graph was built (dashed: eval returned; faint: queued in the engine)")
     fig.tight_layout()
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     os.makedirs(out, exist_ok=True)
@@ -424,27 +463,41 @@ def timeline(stack, hs, path, args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
-                   help="path stem; the store is <stem>_<layers>x<experts>.bin")
+    p.add_argument(
+        "--store", default="/tmp/hebrus_bench_experts.bin", help="path stem; the store is <stem>_<layers>x<experts>.bin"
+    )
     p.add_argument("--layers", type=int, default=6, help="synthetic layers")
-    p.add_argument("--experts", type=int, default=512,
-                   help="records per layer (512 as in the real model: how sparse the "
-                        "touched records lie decides what readahead wins or wastes)")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=512,
+        help="records per layer (512 as in the real model: how sparse the "
+        "touched records lie decides what readahead wins or wastes)",
+    )
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--tokens", type=int, default=4, help="decode steps per run")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--sha", action="store_true",
-                   help="also time the engine's reads checked by SHA-256 and by the fast check (XXH3-128)")
+    p.add_argument(
+        "--sha",
+        action="store_true",
+        help="also time the engine's reads checked by SHA-256 and by the fast check (XXH3-128)",
+    )
     p.add_argument("--decode", action="store_true", help="run part (c), streamed decode")
     p.add_argument("--rows", type=int, default=None, help="(c) arena rows (default layers*top_k/2)")
-    p.add_argument("--prefetch-modes", default="previous,off",
-                   help="(c) comma-separated --prefetch values timed A/B/B/A; the first is the control "
-                        "(off, previous, router-reuse:1, router-reuse:2)")
+    p.add_argument(
+        "--prefetch-modes",
+        default="previous,off",
+        help="(c) comma-separated --prefetch values timed A/B/B/A; the first is the control "
+        "(off, previous, router-reuse:1, router-reuse:2)",
+    )
     p.add_argument("--no-timeline", action="store_true", help="(c) skip the engine-trace timeline plot")
-    p.add_argument("--backend", default="pread",
-                   help="engine read backend: pread, or mtlio on a macOS Metal build "
-                        "(arena rows only; run both to A/B, metal_ext/README.md)")
+    p.add_argument(
+        "--backend",
+        default="pread",
+        help="engine read backend: pread, or mtlio on a macOS Metal build "
+        "(arena rows only; run both to A/B, metal_ext/README.md)",
+    )
     args = p.parse_args()
     from hebrus_mlx.stream import engine as se
 
@@ -500,8 +553,7 @@ def main():
         if kind in ("resolve", "glu", "glu_pf", "glu_hot"):
             rows = 4 * args.top_k
             aid, parts = eng.create_arena(pb, rows)
-            table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n,
-                                       arena=aid)
+            table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n, arena=aid)
             weights = None if kind == "resolve" else glu_weights(parts, rows)
             todo = batches
             if kind == "glu_hot":
@@ -520,8 +572,7 @@ def main():
         if kind == "op":
             run_gather_op(eng, table, batches, rec)
         else:
-            run_engine(eng, s, batches, rec, digests if kind == "sha" else None,
-                       fast if kind == "fast" else None)
+            run_engine(eng, s, batches, rec, digests if kind == "sha" else None, fast if kind == "fast" else None)
         dt = time.perf_counter() - t0
         c = eng.counters()
         eng.close()
@@ -555,9 +606,11 @@ def main():
 
     gib = total / 2**30
     load_after = os.getloadavg()
-    print(f"record {rec} B ({rec / 2**20:.3f} MiB), {total // rec} cold reads "
-          f"in batches of <= {args.top_k}, {args.threads} threads, "
-          f"{args.rounds} rounds, backend {args.backend}, store {args.store}")
+    print(
+        f"record {rec} B ({rec / 2**20:.3f} MiB), {total // rec} cold reads "
+        f"in batches of <= {args.top_k}, {args.threads} threads, "
+        f"{args.rounds} rounds, backend {args.backend}, store {args.store}"
+    )
     med = {v: statistics.median(ts) for v, ts in times.items()}
 
     def ratio(slow, fast):
@@ -568,38 +621,56 @@ def main():
         runs = " ".join(f"{gib / t:.3f}" for t in times[v])
         print(f"  {v:7s} median {gib / med[v]:.3f} GiB/s   runs [{runs}]")
     print(f"  engine/raw  {ratio('raw', 'engine'):.3f}x   (target >= 0.9; raw = C threads)")
-    print(f"  raw_py/raw  {ratio('raw', 'raw_py'):.3f}x   (Python pool vs C threads; "
-          f"engine/raw_py {ratio('raw_py', 'engine'):.3f}x)")
+    print(
+        f"  raw_py/raw  {ratio('raw', 'raw_py'):.3f}x   (Python pool vs C threads; "
+        f"engine/raw_py {ratio('raw_py', 'engine'):.3f}x)"
+    )
     print(f"  op/raw      {ratio('raw', 'op'):.3f}x")
     print(f"  resolve/raw {ratio('raw', 'resolve'):.3f}x   (zero-copy graph op)")
-    print(f"  engine/mmap {ratio('mmap', 'engine'):.3f}x   (target >= 2); the mapping paged in "
-          + ("?" if paged is None else f"{paged / total:.2f}x")
-          + " the bytes used (readahead, /sys/block/*/queue/read_ahead_kb)")
+    print(
+        f"  engine/mmap {ratio('mmap', 'engine'):.3f}x   (target >= 2); the mapping paged in "
+        + ("?" if paged is None else f"{paged / total:.2f}x")
+        + " the bytes used (readahead, /sys/block/*/queue/read_ahead_kb)"
+    )
     bound = med["raw"] + med["glu_hot"]
     steps = len(batches)
-    print(f"  SwitchGLU per layer: hot compute {med['glu_hot'] / steps * 1e3:.1f} ms, "
-          f"raw I/O {med['raw'] / steps * 1e3:.1f} ms, streamed {med['glu'] / steps * 1e3:.1f} ms, "
-          f"with oracle prefetch {med['glu_pf'] / steps * 1e3:.1f} ms")
-    print(f"  glu vs serial bound (raw I/O + hot compute) {bound / med['glu']:.3f}x "
-          f"(target >= 0.9); glu_pf {bound / med['glu_pf']:.3f}x; "
-          f"I/O roofline alone {med['raw'] / med['glu_pf']:.3f}x")
+    print(
+        f"  SwitchGLU per layer: hot compute {med['glu_hot'] / steps * 1e3:.1f} ms, "
+        f"raw I/O {med['raw'] / steps * 1e3:.1f} ms, streamed {med['glu'] / steps * 1e3:.1f} ms, "
+        f"with oracle prefetch {med['glu_pf'] / steps * 1e3:.1f} ms"
+    )
+    print(
+        f"  glu vs serial bound (raw I/O + hot compute) {bound / med['glu']:.3f}x "
+        f"(target >= 0.9); glu_pf {bound / med['glu_pf']:.3f}x; "
+        f"I/O roofline alone {med['raw'] / med['glu_pf']:.3f}x"
+    )
     if args.sha:
         backend, hw, portable = sha_rates(rec)
         fb, fhw, fport = fast_rates(rec)
-        print(f"  verified/unverified: SHA-256 {ratio('engine', 'sha'):.3f}x, fast check (XXH3-128) "
-              f"{ratio('engine', 'fast'):.3f}x   (engine reads checked vs the same reads unchecked, "
-              f"median of per-round ratios; target >= 0.95; 1.0 = the check is free)")
-        print(f"  load average (1/5/15 min) {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f} "
-              f"before, {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} after; "
-              f"{os.cpu_count()} CPUs")
-        print(f"  SHA-256 alone on one record (in cache): {backend} {hw:.2f} GiB/s, "
-              f"portable rounds {portable:.2f} GiB/s ({hw / portable:.1f}x)")
-        print(f"  XXH3-128 alone on one record (in cache): {fb} {fhw:.2f} GiB/s, "
-              f"scalar {fport:.2f} GiB/s ({fhw / fport:.1f}x)")
+        print(
+            f"  verified/unverified: SHA-256 {ratio('engine', 'sha'):.3f}x, fast check (XXH3-128) "
+            f"{ratio('engine', 'fast'):.3f}x   (engine reads checked vs the same reads unchecked, "
+            f"median of per-round ratios; target >= 0.95; 1.0 = the check is free)"
+        )
+        print(
+            f"  load average (1/5/15 min) {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f} "
+            f"before, {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} after; "
+            f"{os.cpu_count()} CPUs"
+        )
+        print(
+            f"  SHA-256 alone on one record (in cache): {backend} {hw:.2f} GiB/s, "
+            f"portable rounds {portable:.2f} GiB/s ({hw / portable:.1f}x)"
+        )
+        print(
+            f"  XXH3-128 alone on one record (in cache): {fb} {fhw:.2f} GiB/s, "
+            f"scalar {fport:.2f} GiB/s ({fhw / fport:.1f}x)"
+        )
     c = last["engine"]
-    print(f"  engine latency p50/p95/p99 ms: {c['latency_p50_ns'] / 1e6:.2f} / "
-          f"{c['latency_p95_ns'] / 1e6:.2f} / {c['latency_p99_ns'] / 1e6:.2f}; "
-          f"exposed wait {c['exposed_wait_ns'] / 1e9:.3f} s")
+    print(
+        f"  engine latency p50/p95/p99 ms: {c['latency_p50_ns'] / 1e6:.2f} / "
+        f"{c['latency_p95_ns'] / 1e6:.2f} / {c['latency_p99_ns'] / 1e6:.2f}; "
+        f"exposed wait {c['exposed_wait_ns'] / 1e9:.3f} s"
+    )
 
 
 if __name__ == "__main__":

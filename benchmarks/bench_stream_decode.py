@@ -28,12 +28,12 @@ import mlx.core as mx
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
+from hebrus_mlx.loader import load_model
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.experts import StreamedExperts
 from hebrus_mlx.stream.ple import attach_ple
 from hebrus_mlx.stream.streaming import Streaming
 from hebrus_mlx.stream.switch import attach
-from hebrus_mlx.loader import load_model
 
 
 def rss_mib():
@@ -62,10 +62,10 @@ def main():
     p.add_argument("--tokens", type=int, default=2000)
     p.add_argument("--compare", type=int, default=64, help="tokens timed both ways")
     p.add_argument("--report", type=int, default=250)
-    p.add_argument("--long-resident", action="store_true",
-                   help="long run on the resident model (the RSS control)")
-    p.add_argument("--ple-cache-kib", type=int, default=0,
-                   help="also stream PLE rows with a page cache this size (0: resident)")
+    p.add_argument("--long-resident", action="store_true", help="long run on the resident model (the RSS control)")
+    p.add_argument(
+        "--ple-cache-kib", type=int, default=0, help="also stream PLE rows with a page cache this size (0: resident)"
+    )
     args = p.parse_args()
 
     art = args.artifact
@@ -84,10 +84,12 @@ def main():
     fam = C.family(m["family"])
     reader = em.ExpertMajorReader(os.path.join(art, s["path"]), fam, s["codec"])
     records = fam.num_hidden_layers * fam.num_experts
-    print(f"artifact {art}: arena {args.rows} of {records} records "
-          f"({100 * args.rows / records:.1f}% of the expert store); PLE "
-          f"{f'streamed, {args.ple_cache_kib} KiB page cache' if args.ple_cache_kib else 'resident'}; "
-          f"resident {args.compare / t_res:.1f} tok/s")
+    print(
+        f"artifact {art}: arena {args.rows} of {records} records "
+        f"({100 * args.rows / records:.1f}% of the expert store); PLE "
+        f"{f'streamed, {args.ple_cache_kib} KiB page cache' if args.ple_cache_kib else 'resident'}; "
+        f"resident {args.compare / t_res:.1f} tok/s"
+    )
     for prefetch in (False, True):
         eng = se.StreamEngine(cache_bytes=max(1 << 20, args.ple_cache_kib << 10), threads=4)
         if args.ple_cache_kib:
@@ -97,29 +99,31 @@ def main():
         model.streaming = Streaming(eng, experts, attach([layer.mlp for layer in model.model.layers], experts))
         streamed, t_str = decode(model, 3, args.compare, limit)
         c = eng.counters()
-        print(f"  streamed, previous-token prefetch {'on ' if prefetch else 'off'}: "
-              f"{args.compare / t_str:.1f} tok/s ({t_res / t_str:.3f}x resident), "
-              f"tokens identical: {streamed == resident}, predicted hits/joins "
-              f"{c['predicted_hits']}/{c['predicted_joins']}")
+        print(
+            f"  streamed, previous-token prefetch {'on ' if prefetch else 'off'}: "
+            f"{args.compare / t_str:.1f} tok/s ({t_res / t_str:.3f}x resident), "
+            f"tokens identical: {streamed == resident}, predicted hits/joins "
+            f"{c['predicted_hits']}/{c['predicted_joins']}"
+        )
         print("    " + se.io_summary(c))
 
     eng.reset_counters()
     if args.long_resident:
         model, eng = load_model(art), None
     base = rss_mib()
-    print(f"  long run ({'resident' if args.long_resident else 'streamed'}): "
-          f"{args.tokens} tokens, RSS MiB every {args.report}:")
+    print(
+        f"  long run ({'resident' if args.long_resident else 'streamed'}): "
+        f"{args.tokens} tokens, RSS MiB every {args.report}:"
+    )
 
     def report(i, cache):
         # The sequence's own state (QSA K/V grows with the context) is
         # shown apart, so RSS minus it is what streaming adds.
         kv = sum(a.nbytes for a in cache.arrays) / 2**20
-        line = (f"    {i:6d}  RSS {rss_mib():8.1f}  (+{rss_mib() - base:6.1f})  "
-                f"sequence cache {kv:6.1f} MiB")
+        line = f"    {i:6d}  RSS {rss_mib():8.1f}  (+{rss_mib() - base:6.1f})  sequence cache {kv:6.1f} MiB"
         if eng is not None:
             mem = eng.memory()
-            line += (f"  engine slab bytes {mem['allocated']}  arena rows {mem['arena_rows']}  "
-                     f"tickets {mem['tickets']}")
+            line += f"  engine slab bytes {mem['allocated']}  arena rows {mem['arena_rows']}  tickets {mem['tickets']}"
         print(line)
 
     _, dt = decode(model, 3, args.tokens, limit, (args.report, report))

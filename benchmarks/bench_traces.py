@@ -49,10 +49,14 @@ def main():
         for a, b in ((a1, b1), (a2, b2)):
             prefill.append(b[0] / a[0])
             decode.append(b[1] / a[1])
-    print(f"demo, prompt {args.prompt} (prefill step 256), {args.tokens} decoded tokens, features every "
-          f"{args.features or 'off'}, {args.rounds} A/B/B/A rounds")
-    print(f"traced / plain time: prefill {statistics.median(prefill):.3f}x, decode {statistics.median(decode):.3f}x "
-          f"(medians of {len(decode)} pairs; tokens identical)")
+    print(
+        f"demo, prompt {args.prompt} (prefill step 256), {args.tokens} decoded tokens, features every "
+        f"{args.features or 'off'}, {args.rounds} A/B/B/A rounds"
+    )
+    print(
+        f"traced / plain time: prefill {statistics.median(prefill):.3f}x, decode {statistics.median(decode):.3f}x "
+        f"(medians of {len(decode)} pairs; tokens identical)"
+    )
 
 
 if __name__ == "__main__":

@@ -72,15 +72,16 @@ def demo_float_checkpoint(artifact, out):
         comp = {}
         for p in ("gate", "up", "down"):
             stem = f"model.layers.{layer}.mlp.switch_mlp.{p}_proj."
-            comp[p] = mx.dequantize(x[stem + "weight"], x[stem + "scales"], x[stem + "biases"],
-                                    group_size=c.group_size, bits=c.bits)
+            comp[p] = mx.dequantize(
+                x[stem + "weight"], x[stem + "scales"], x[stem + "biases"], group_size=c.group_size, bits=c.bits
+            )
         w[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = mx.concatenate([comp["gate"], comp["up"]], axis=1)
         w[f"model.layers.{layer}.mlp.experts.down_proj"] = comp["down"]
     args = m.args
     for t, (key, table) in enumerate(sorted(B._ple(m).items(), key=lambda kv: int(kv[0].split(".")[2]))):
         stem = key[: -len("ngram_embedding.weight")]
         for s, part in enumerate(np.array_split(np.arange(table.shape[0]), args.split_ngram_parts)):
-            w[f"{stem}ngram_embedding.shard_{s}.weight"] = table[int(part[0]): int(part[-1]) + 1]
+            w[f"{stem}ngram_embedding.shard_{s}.weight"] = table[int(part[0]) : int(part[-1]) + 1]
         for name, v in ple_constants(args, t).items():
             w[stem + name] = mx.array(np.array(v, np.int64))
     mx.save_safetensors(os.path.join(out, "model.safetensors"), w, metadata={"format": "pt"})
@@ -104,7 +105,7 @@ def decode(model, ids, steps):
     cap = None if model.streaming is None else model.streaming.max_chunk_tokens
     cache, step = model.make_cache(), cap or len(ids)
     for i in range(0, len(ids), step):
-        logits = model(mx.array([ids[i:i + step]]), cache)
+        logits = model(mx.array([ids[i : i + step]]), cache)
     mx.eval(logits)
     out, t0 = [], time.perf_counter()
     for _ in range(steps):
@@ -122,19 +123,40 @@ def projection(widths, profile):
         project_widths = None
     if project_widths is not None:
         rows = project_widths(profile, expert_bits=tuple(widths))
-        return {r["expert_bits"]: (r["default_tok_s"], r["best_tok_s"], r.get("default_limit") or r.get("best_limit"))
-                for r in rows}
+        return {
+            r["expert_bits"]: (r["default_tok_s"], r["best_tok_s"], r.get("default_limit") or r.get("best_limit"))
+            for r in rows
+        }
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "p.json")
-        proc = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "simulate", "--profile", profile, "--quiet",
-                               "--expert-bits", ",".join(map(str, widths)), "--json", out],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hebrus_mlx.cli",
+                "simulate",
+                "--profile",
+                profile,
+                "--quiet",
+                "--expert-bits",
+                ",".join(map(str, widths)),
+                "--json",
+                out,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
-            return "n/a (simulate has no --expert-bits)" if "expert-bits" in proc.stderr else \
-                f"n/a (simulate: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})"
+            return (
+                "n/a (simulate has no --expert-bits)"
+                if "expert-bits" in proc.stderr
+                else f"n/a (simulate: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode})"
+            )
         res = json.load(open(out))
-        return {b: ((c.get("default") or {}).get("tok_s"), c["best"]["tok_s"], c.get("default_limit"))
-                for b, c in zip(widths, res["by_codec"])}
+        return {
+            b: ((c.get("default") or {}).get("tok_s"), c["best"]["tok_s"], c.get("default_limit"))
+            for b, c in zip(widths, res["by_codec"])
+        }
 
 
 def real_geometry(widths, group):
@@ -142,16 +164,25 @@ def real_geometry(widths, group):
     out = []
     for b in widths:
         g = Geometry(fam, C.affine_name(b, group))
-        out.append({"expert_bits": b, "record_mib": g.record_bytes / 2**20, "store_gb": g.file_bytes / 1e9,
-                    "mb_per_token": fam.num_experts_per_tok * fam.num_hidden_layers * g.record_stride / 1e6})
+        out.append(
+            {
+                "expert_bits": b,
+                "record_mib": g.record_bytes / 2**20,
+                "store_gb": g.file_bytes / 1e9,
+                "mb_per_token": fam.num_experts_per_tok * fam.num_hidden_layers * g.record_stride / 1e6,
+            }
+        )
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hf-path", default=None,
-                   help="the demo's float HF checkpoint (tools/train_demo.py --out); default: the shipped demo's "
-                        "4-bit weights, dequantized (see demo_float_checkpoint)")
+    p.add_argument(
+        "--hf-path",
+        default=None,
+        help="the demo's float HF checkpoint (tools/train_demo.py --out); default: the shipped demo's "
+        "4-bit weights, dequantized (see demo_float_checkpoint)",
+    )
     p.add_argument("--widths", default="8,6,4,3,2")
     p.add_argument("--q-bits", type=int, default=4, help="dense weights' width (all widths share it)")
     p.add_argument("--group-size", type=int, default=64)
@@ -172,8 +203,16 @@ def main(argv=None):
         for b in widths:
             arts[b] = os.path.join(root, f"e{b}")
             if not os.path.exists(arts[b]):
-                convert(hf, arts[b], q_bits=a.q_bits, q_group_size=a.group_size, expert_bits=b,
-                        expert_group_size=a.group_size, quiet=True, mtp=False)
+                convert(
+                    hf,
+                    arts[b],
+                    q_bits=a.q_bits,
+                    q_group_size=a.group_size,
+                    expert_bits=b,
+                    expert_group_size=a.group_size,
+                    quiet=True,
+                    mtp=False,
+                )
         streamed, want = {}, {}
         for b in widths:
             m = admit(arts[b])
@@ -185,16 +224,27 @@ def main(argv=None):
             want[b], _ = decode(resident, ids, a.tokens)
             gb, arena = cache_gb(m, a.cache_fraction)
             streamed[b] = load(arts[b], expert_cache_gb=gb)[0]
-            rows.append({"expert_bits": b, "codec": m.experts.codec, "ppl": ppl, "ppl_se": se, "ppl_tokens": n,
-                         "record_bytes": g.record_bytes, "store_mb": m.experts.size / 1e6,
-                         "mb_per_token": fam.num_experts_per_tok * fam.num_hidden_layers * g.record_stride / 1e6,
-                         "arena_rows": arena, "tok_s": [], "tokens_equal_resident": True})
+            rows.append(
+                {
+                    "expert_bits": b,
+                    "codec": m.experts.codec,
+                    "ppl": ppl,
+                    "ppl_se": se,
+                    "ppl_tokens": n,
+                    "record_bytes": g.record_bytes,
+                    "store_mb": m.experts.size / 1e6,
+                    "mb_per_token": fam.num_experts_per_tok * fam.num_hidden_layers * g.record_stride / 1e6,
+                    "arena_rows": arena,
+                    "tok_s": [],
+                    "tokens_equal_resident": True,
+                }
+            )
             print(f"e{b}: ppl {ppl:.3f} ± {se:.3f}", file=sys.stderr)
         # Decode speed side by side: rounds interleave the widths (forward, then backward order),
         # each run a fresh cache over the model's warm-or-cold arena as the previous round left it.
         by = {r["expert_bits"]: r for r in rows}
         for rnd in range(a.rounds):
-            for b in (widths if rnd % 2 == 0 else widths[::-1]):
+            for b in widths if rnd % 2 == 0 else widths[::-1]:
                 got, dt = decode(streamed[b], ids, a.tokens)
                 by[b]["tok_s"].append(a.tokens / dt)
                 by[b]["tokens_equal_resident"] &= got == want[b]
@@ -208,33 +258,49 @@ def main(argv=None):
         if a.keep is None:
             shutil.rmtree(root, ignore_errors=True)
     base = next((r for r in rows if r["expert_bits"] == 4), rows[0])
-    print(f"Demo geometry ({C.QWEN4EXP_DEMO.num_hidden_layers} layers x {C.QWEN4EXP_DEMO.num_experts} experts, "
-          f"top-{C.QWEN4EXP_DEMO.num_experts_per_tok}), dense affine{a.q_bits}-g{a.group_size}, "
-          f"held-out text {os.path.basename(PPL.DEFAULT_DATA)} ({rows[0]['ppl_tokens']} tokens scored), "
-          f"streamed at {a.cache_fraction:.0%} of the expert records, {a.tokens} greedy tokens, median of {a.rounds} "
-          f"interleaved runs (range); "
-          f"simulator: {a.profile}, PROJECTION")
+    print(
+        f"Demo geometry ({C.QWEN4EXP_DEMO.num_hidden_layers} layers x {C.QWEN4EXP_DEMO.num_experts} experts, "
+        f"top-{C.QWEN4EXP_DEMO.num_experts_per_tok}), dense affine{a.q_bits}-g{a.group_size}, "
+        f"held-out text {os.path.basename(PPL.DEFAULT_DATA)} ({rows[0]['ppl_tokens']} tokens scored), "
+        f"streamed at {a.cache_fraction:.0%} of the expert records, {a.tokens} greedy tokens, median of {a.rounds} "
+        f"interleaved runs (range); "
+        f"simulator: {a.profile}, PROJECTION"
+    )
     print()
-    print("| expert width | perplexity | expert store MB | expert MB/token (cold) | streamed tok/s | vs 4-bit "
-          "| tokens = resident | M5 Pro 48 GB projected tok/s (default / best) |")
+    print(
+        "| expert width | perplexity | expert store MB | expert MB/token (cold) | streamed tok/s | vs 4-bit "
+        "| tokens = resident | M5 Pro 48 GB projected tok/s (default / best) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        pr = proj if isinstance(proj, str) else (
-            "n/a" if r["expert_bits"] not in proj else
-            f"{proj[r['expert_bits']][0] or float('nan'):.1f} / {proj[r['expert_bits']][1]:.1f}")
-        print(f"| {r['codec']} | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | {r['store_mb']:.2f} | {r['mb_per_token']:.3f} "
-              f"| {r['stream_tok_s']:.1f} ({r['stream_tok_s_range'][0]:.1f}–{r['stream_tok_s_range'][1]:.1f}) "
-              f"| {r['stream_tok_s'] / base['stream_tok_s']:.2f}x "
-              f"| {'yes' if r['tokens_equal_resident'] else 'NO'} | {pr} |")
+        pr = (
+            proj
+            if isinstance(proj, str)
+            else (
+                "n/a"
+                if r["expert_bits"] not in proj
+                else f"{proj[r['expert_bits']][0] or float('nan'):.1f} / {proj[r['expert_bits']][1]:.1f}"
+            )
+        )
+        print(
+            f"| {r['codec']} | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | {r['store_mb']:.2f} | {r['mb_per_token']:.3f} "
+            f"| {r['stream_tok_s']:.1f} ({r['stream_tok_s_range'][0]:.1f}–{r['stream_tok_s_range'][1]:.1f}) "
+            f"| {r['stream_tok_s'] / base['stream_tok_s']:.2f}x "
+            f"| {'yes' if r['tokens_equal_resident'] else 'NO'} | {pr} |"
+        )
     print()
-    print(f"Real geometry ({C.QWEN38_FLASH_NEXT.name}: {C.QWEN38_FLASH_NEXT.num_hidden_layers} layers x "
-          f"{C.QWEN38_FLASH_NEXT.num_experts} experts, top-{C.QWEN38_FLASH_NEXT.num_experts_per_tok}), group {a.group_size}:")
+    print(
+        f"Real geometry ({C.QWEN38_FLASH_NEXT.name}: {C.QWEN38_FLASH_NEXT.num_hidden_layers} layers x "
+        f"{C.QWEN38_FLASH_NEXT.num_experts} experts, top-{C.QWEN38_FLASH_NEXT.num_experts_per_tok}), group {a.group_size}:"
+    )
     print()
     print("| expert width | record MiB | expert store GB | MB/token (cold) |")
     print("|---|---|---|---|")
     real = real_geometry(widths, a.group_size)
     for r in real:
-        print(f"| affine{r['expert_bits']}-g{a.group_size} | {r['record_mib']:.2f} | {r['store_gb']:.1f} | {r['mb_per_token']:.0f} |")
+        print(
+            f"| affine{r['expert_bits']}-g{a.group_size} | {r['record_mib']:.2f} | {r['store_gb']:.1f} | {r['mb_per_token']:.0f} |"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"demo": rows, "projection": proj, "real": real}, f, indent=1)

@@ -32,8 +32,10 @@ def main():
     print(f"{'file':<24}{'typed':>8}{'identical':>11}")
     for name in sorted({f for f, _ in counts}):
         print(f"{name:<24}{counts.get((name, 'typed'), 0):>8}{counts.get((name, 'identical'), 0):>11}")
-    print(f"cases {a.cases}: typed error {typed}, byte-identical {same}, silent corruption 0, crashes 0 "
-          f"({dt:.1f} s, {1e3 * dt / a.cases:.2f} ms/case)")
+    print(
+        f"cases {a.cases}: typed error {typed}, byte-identical {same}, silent corruption 0, crashes 0 "
+        f"({dt:.1f} s, {1e3 * dt / a.cases:.2f} ms/case)"
+    )
 
 
 if __name__ == "__main__":

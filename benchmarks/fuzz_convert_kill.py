@@ -57,8 +57,10 @@ def main():
         print(f"kills: {a.kills} started, {killed} killed mid-conversion; artifact intact after {intact}/{a.kills}")
         print(f"temporaries present after each kill: min {min(after)} max {max(after)} (the killed run's own)")
         print(f"stale temporaries left at the end: {len(stale)} ({stale_bytes} bytes)")
-        print(f"next conversion: exit {r.returncode}, removed {removed}, left {len(_temps(out))}, "
-              f"artifact identical: {_snapshot(out) == first}")
+        print(
+            f"next conversion: exit {r.returncode}, removed {removed}, left {len(_temps(out))}, "
+            f"artifact identical: {_snapshot(out) == first}"
+        )
 
 
 if __name__ == "__main__":

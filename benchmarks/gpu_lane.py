@@ -32,16 +32,48 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FULL = dict(hidden=768, layers=8, heads=8, kv_heads=2, head_dim=64, experts=64, top_k=8, moe_inter=384,
-            vocab=16384, hc_lowrank=None, budget=2048, ratio=4, prompt=256, decode=32)
-QUICK = dict(hidden=128, layers=4, heads=4, kv_heads=1, head_dim=32, experts=8, top_k=2, moe_inter=64,
-             vocab=512, hc_lowrank=None, budget=64, ratio=4, prompt=16, decode=4)
+FULL = dict(
+    hidden=768,
+    layers=8,
+    heads=8,
+    kv_heads=2,
+    head_dim=64,
+    experts=64,
+    top_k=8,
+    moe_inter=384,
+    vocab=16384,
+    hc_lowrank=None,
+    budget=2048,
+    ratio=4,
+    prompt=256,
+    decode=32,
+)
+QUICK = dict(
+    hidden=128,
+    layers=4,
+    heads=4,
+    kv_heads=1,
+    head_dim=32,
+    experts=8,
+    top_k=2,
+    moe_inter=64,
+    vocab=512,
+    hc_lowrank=None,
+    budget=64,
+    ratio=4,
+    prompt=16,
+    decode=4,
+)
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
-                   help="gpu: MLX's GPU backend (CUDA; refused without one); cpu: the dry run")
+    p.add_argument(
+        "--device",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="gpu: MLX's GPU backend (CUDA; refused without one); cpu: the dry run",
+    )
     p.add_argument("--out", required=True, help="directory for gpu_lane.json and gpu_lane.md")
     p.add_argument("--quick", action="store_true", help="tiny dims and few tokens (the CPU dry run)")
     p.add_argument("--skip-vlm", action="store_true", help="leave out the mlx-vlm peer")
@@ -56,8 +88,10 @@ def select_device(name: str) -> str:
     if name == "gpu":
         cuda = getattr(mx, "cuda", None)
         if not ((cuda is not None and cuda.is_available()) or mx.metal.is_available()):
-            print("gpu_lane: error: --device: this MLX has no GPU backend (install mlx-cuda-13 / mlx[cuda])",
-                  file=sys.stderr)
+            print(
+                "gpu_lane: error: --device: this MLX has no GPU backend (install mlx-cuda-13 / mlx[cuda])",
+                file=sys.stderr,
+            )
             sys.exit(2)
         mx.set_default_device(mx.gpu)
     else:
@@ -88,9 +122,14 @@ def environment() -> dict:
     from hebrus_mlx.machine_profile import compute_backend
     from hebrus_mlx.stream import engine
 
-    out = {"python": platform.python_version(), "machine": platform.machine(), "mlx": mx.__version__,
-           "backend": compute_backend(), "default_device": str(mx.default_device()),
-           "extension": engine.available()}
+    out = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "mlx": mx.__version__,
+        "backend": compute_backend(),
+        "default_device": str(mx.default_device()),
+        "extension": engine.available(),
+    }
     try:
         info = mx.device_info(mx.gpu)
         out["gpu"] = {k: v for k, v in info.items() if isinstance(v, (str, int, float))} or "none"
@@ -139,9 +178,11 @@ def _compare(ours, ref) -> dict:
     import numpy as np
 
     ours = np.asarray(ours, np.float32)
-    return {"max_abs_logit_diff": float(np.abs(ours - ref).max()),
-            "ref_logit_scale": float(np.abs(ref).max()),
-            "top1_agreement": float((ours.argmax(-1) == ref.argmax(-1)).mean())}
+    return {
+        "max_abs_logit_diff": float(np.abs(ours - ref).max()),
+        "ref_logit_scale": float(np.abs(ref).max()),
+        "top1_agreement": float((ours.argmax(-1) == ref.argmax(-1)).mean()),
+    }
 
 
 def _low_dtype():
@@ -153,11 +194,11 @@ def _low_dtype():
 
 
 def parity(dims: dict, workdir: Path, skip_vlm: bool) -> dict:
+    import bench_graph as G
     import mlx.core as mx
     import numpy as np
     import torch
 
-    import bench_graph as G
     from hebrus_mlx.loader import load_hf_model
 
     a = dims_namespace(dims)
@@ -169,10 +210,13 @@ def parity(dims: dict, workdir: Path, skip_vlm: bool) -> dict:
     bf16_dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref32 = reference(ckpt, ids, "float32", "cpu")
     ref16 = reference(ckpt, ids, "bfloat16", bf16_dev)
-    out = {"checkpoint": {k: v for k, v in dims.items() if k not in ("prompt", "decode")},
-           "prompt_tokens": a.prompt, "reference": f"transformers {__import__('transformers').__version__} "
-           f"Qwen4ExpForCausalLM on torch {torch.__version__} (float32 on the CPU, bfloat16 on {bf16_dev})",
-           "build_s": time.perf_counter() - t0}
+    out = {
+        "checkpoint": {k: v for k, v in dims.items() if k not in ("prompt", "decode")},
+        "prompt_tokens": a.prompt,
+        "reference": f"transformers {__import__('transformers').__version__} "
+        f"Qwen4ExpForCausalLM on torch {torch.__version__} (float32 on the CPU, bfloat16 on {bf16_dev})",
+        "build_s": time.perf_counter() - t0,
+    }
     prompt = mx.array(ids)
     low = _low_dtype()
     out["low_precision_dtype"] = str(low).replace("mlx.core.", "")
@@ -195,7 +239,6 @@ def parity(dims: dict, workdir: Path, skip_vlm: bool) -> dict:
 def _vlm_parity(ours, hf_config, prompt, ref):
     import mlx.core as mx
     import numpy as np
-
     from peer_mlx_vlm import PeerUnavailable, from_hebrus
 
     try:
@@ -211,10 +254,10 @@ def _vlm_parity(ours, hf_config, prompt, ref):
 
 
 def speed(dims: dict, workdir: Path, skip_vlm: bool) -> dict:
+    import bench_graph as G
     import mlx.core as mx
     import numpy as np
 
-    import bench_graph as G
     from hebrus_mlx.loader import load_hf_model
 
     a = dims_namespace(dims)
@@ -237,8 +280,12 @@ def speed(dims: dict, workdir: Path, skip_vlm: bool) -> dict:
     G.paired_decode(models, prompt[:, :8], 2)  # warm: compile, kernels, allocator
     decode, tokens = G.paired_decode(models, prompt, a.decode)
     prefill = G.paired_prefill(models, prompt, repeats=4)
-    out = {"dtype": str(low).replace("mlx.core.", ""), "prompt_tokens": a.prompt, "decode_tokens": a.decode,
-           "method": "decode paired token by token (A/B then B/A), median; prefill best of 4 interleaved"}
+    out = {
+        "dtype": str(low).replace("mlx.core.", ""),
+        "prompt_tokens": a.prompt,
+        "decode_tokens": a.decode,
+        "method": "decode paired token by token (A/B then B/A), median; prefill best of 4 interleaved",
+    }
     for i, m in enumerate(models):
         _peak_reset()
         cache = m.make_cache()
@@ -267,21 +314,35 @@ def streamed(dims: dict, fraction: float = 0.05) -> dict:
     cache_gb = fraction * store / 2**30
     n = dims["decode"] + 1
     runs = {}
-    for name, kw in (("resident", {}), ("streamed_5pct_prefetch_off", {"expert_cache_gb": cache_gb, "prefetch": "off"}),
-                     ("streamed_5pct_default_prefetch", {"expert_cache_gb": cache_gb})):
+    for name, kw in (
+        ("resident", {}),
+        ("streamed_5pct_prefetch_off", {"expert_cache_gb": cache_gb, "prefetch": "off"}),
+        ("streamed_5pct_default_prefetch", {"expert_cache_gb": cache_gb}),
+    ):
         model, tok = load("demo", **kw)
         prompt = H.prompt_ids(tok, 32, 0)
         H.run_once(model, tok, prompt, 2, {})  # warm
         r = H.run_once(model, tok, prompt, n, {})
-        runs[name] = {"tokens": r["tokens"], "decode_tok_s": r["decode_tok_s_p50"], "peak_memory_gb": r["peak_memory_gb"],
-                      "hit_rate": r.get("hit_rate"), "exposed_wait_ms_per_token": r.get("exposed_wait_ms_per_token"),
-                      "arena_rows": r.get("arena_rows"), "streamed": model.streaming is not None}
+        runs[name] = {
+            "tokens": r["tokens"],
+            "decode_tok_s": r["decode_tok_s_p50"],
+            "peak_memory_gb": r["peak_memory_gb"],
+            "hit_rate": r.get("hit_rate"),
+            "exposed_wait_ms_per_token": r.get("exposed_wait_ms_per_token"),
+            "arena_rows": r.get("arena_rows"),
+            "streamed": model.streaming is not None,
+        }
         del model
     base = runs["resident"]["tokens"]
-    return {"artifact": "the shipped demo (trained weights, affine4 experts)", "expert_store_bytes": store,
-            "cache_fraction": fraction, "cache_gb": cache_gb, "greedy_tokens": n,
-            "identical": all(r["tokens"] == base for r in runs.values()),
-            "runs": {k: {x: y for x, y in v.items() if x != "tokens"} for k, v in runs.items()}}
+    return {
+        "artifact": "the shipped demo (trained weights, affine4 experts)",
+        "expert_store_bytes": store,
+        "cache_fraction": fraction,
+        "cache_gb": cache_gb,
+        "greedy_tokens": n,
+        "identical": all(r["tokens"] == base for r in runs.values()),
+        "runs": {k: {x: y for x, y in v.items() if x != "tokens"} for k, v in runs.items()},
+    }
 
 
 # ---- report ------------------------------------------------------------------------------------------------
@@ -293,43 +354,70 @@ def _f(x, f=".2f"):
 
 def markdown(res: dict) -> str:
     env = res["sections"].get("environment", {})
-    lines = [f"# hebrus-mlx GPU lane ({res['device']}{', quick dry run' if res['quick'] else ''})", "",
-             f"- MLX {env.get('mlx')} ({env.get('backend')} backend), GPU: {env.get('gpu')}, torch {env.get('torch')}; "
-             f"{res['wall_s']:.0f} s",
-             "- MLX's CUDA backend, not Metal: this says nothing about Apple GPUs" if env.get("backend") == "cuda"
-             else f"- {env.get('backend')} backend: a dry run of the lane's code, no GPU evidence", ""]
+    lines = [
+        f"# hebrus-mlx GPU lane ({res['device']}{', quick dry run' if res['quick'] else ''})",
+        "",
+        f"- MLX {env.get('mlx')} ({env.get('backend')} backend), GPU: {env.get('gpu')}, torch {env.get('torch')}; "
+        f"{res['wall_s']:.0f} s",
+        "- MLX's CUDA backend, not Metal: this says nothing about Apple GPUs"
+        if env.get("backend") == "cuda"
+        else f"- {env.get('backend')} backend: a dry run of the lane's code, no GPU evidence",
+        "",
+    ]
     for name, s in res["sections"].items():
         if isinstance(s, dict) and s.get("status") == "failed":
             lines.append(f"- **{name}: failed** - {s['error']}")
     p = res["sections"].get("parity")
     if p and p.get("status") != "failed":
-        lines += ["", "## Parity vs transformers", "", "| graph | max abs logit diff | top-1 agreement |", "|---|---|---|"]
+        lines += [
+            "",
+            "## Parity vs transformers",
+            "",
+            "| graph | max abs logit diff | top-1 agreement |",
+            "|---|---|---|",
+        ]
         for k in ("hebrus_float32", "hebrus_bfloat16", "mlx_vlm_float32"):
             if k in p and "max_abs_logit_diff" in p[k]:
                 label = k if k != "hebrus_bfloat16" else f"hebrus {p['low_precision_dtype']} vs reference bfloat16"
                 lines.append(f"| {label} | {p[k]['max_abs_logit_diff']:.3g} | {p[k]['top1_agreement']:.1%} |")
     s = res["sections"].get("speed")
     if s and s.get("status") != "failed":
-        lines += ["", f"## Resident speed ({s['dtype']}, {s['prompt_tokens']}-token prompt)", "",
-                  "| graph | decode tok/s | prefill tok/s | peak GB |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Resident speed ({s['dtype']}, {s['prompt_tokens']}-token prompt)",
+            "",
+            "| graph | decode tok/s | prefill tok/s | peak GB |",
+            "|---|---|---|---|",
+        ]
         for k in ("hebrus", "mlx_vlm"):
             if k in s and "decode_tok_s" in s[k]:
-                lines.append(f"| {k} | {s[k]['decode_tok_s']:.1f} | {s[k]['prefill_tok_s']:.1f} | "
-                             f"{s[k]['peak_memory_gb']:.2f} |")
+                lines.append(
+                    f"| {k} | {s[k]['decode_tok_s']:.1f} | {s[k]['prefill_tok_s']:.1f} | {s[k]['peak_memory_gb']:.2f} |"
+                )
         if s.get("mlx_vlm", {}).get("status") == "skipped":
             lines.append(f"\nmlx-vlm: skipped ({s['mlx_vlm']['reason']})")
         if "hebrus_vs_mlx_vlm" in s:
             r = s["hebrus_vs_mlx_vlm"]
-            lines.append(f"\nhebrus / mlx-vlm: decode {r['decode']:.2f}x, prefill {r['prefill']:.2f}x; greedy tokens "
-                         f"{'identical' if s['greedy_tokens_identical'] else 'DIFFER'}")
+            lines.append(
+                f"\nhebrus / mlx-vlm: decode {r['decode']:.2f}x, prefill {r['prefill']:.2f}x; greedy tokens "
+                f"{'identical' if s['greedy_tokens_identical'] else 'DIFFER'}"
+            )
     st = res["sections"].get("streamed")
     if st and st.get("status") != "failed":
-        lines += ["", f"## Streamed vs resident (demo, {st['cache_fraction']:.0%} cache)", "",
-                  f"greedy tokens over {st['greedy_tokens']} steps: {'identical' if st['identical'] else 'DIFFER'}", "",
-                  "| run | decode tok/s | hit rate | exposed ms/token | peak GB |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Streamed vs resident (demo, {st['cache_fraction']:.0%} cache)",
+            "",
+            f"greedy tokens over {st['greedy_tokens']} steps: {'identical' if st['identical'] else 'DIFFER'}",
+            "",
+            "| run | decode tok/s | hit rate | exposed ms/token | peak GB |",
+            "|---|---|---|---|---|",
+        ]
         for k, r in st["runs"].items():
-            lines.append(f"| {k} | {_f(r['decode_tok_s'], '.1f')} | {_f(r['hit_rate'], '.1%')} | "
-                         f"{_f(r['exposed_wait_ms_per_token'], '.3f')} | {_f(r['peak_memory_gb'])} |")
+            lines.append(
+                f"| {k} | {_f(r['decode_tok_s'], '.1f')} | {_f(r['hit_rate'], '.1%')} | "
+                f"{_f(r['exposed_wait_ms_per_token'], '.3f')} | {_f(r['peak_memory_gb'])} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -354,8 +442,7 @@ def main(argv=None) -> int:
             r = fn(*args)
             r["status"] = r.get("status", "ok")
         except Exception as e:  # noqa: BLE001  (one failing section must not lose the others)
-            r = {"status": "failed", "error": f"{type(e).__name__}: {e}",
-                 "traceback": traceback.format_exc()[-3000:]}
+            r = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         r["seconds"] = time.perf_counter() - t
         res["sections"][name] = r
         print(f"gpu_lane: {name}: {r['status']} ({r['seconds']:.1f} s)", file=sys.stderr, flush=True)

@@ -28,8 +28,13 @@ def import_qwen4_exp(root: str | None = None):
         raise PeerUnavailable(f"mlx-vlm qwen4_exp not found under {root} (set MLX_VLM_ROOT)")
     if root not in sys.path:
         sys.path.insert(0, root)
-    for name in ("mlx_vlm", "mlx_vlm.models", "mlx_vlm.models.qwen4_exp", "mlx_vlm.speculative",
-                 "mlx_vlm.speculative.drafters"):
+    for name in (
+        "mlx_vlm",
+        "mlx_vlm.models",
+        "mlx_vlm.models.qwen4_exp",
+        "mlx_vlm.speculative",
+        "mlx_vlm.speculative.drafters",
+    ):
         if name not in sys.modules:
             pkg = types.ModuleType(name)
             pkg.__path__ = [os.path.join(root, *name.split("."))]
@@ -58,7 +63,9 @@ def text_config(config_module, hf_config: dict):
     cfg["layer_types"] = ["qwen_sparse_attention" if t == "indexed_attention" else t for t in cfg["layer_types"]]
     rope = dict(cfg.get("rope_parameters") or {})
     # Text-only positions are equal on every M-RoPE section, so any split is plain RoPE.
-    rotary = int(cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * rope.get("partial_rotary_factor", 1.0))
+    rotary = int(
+        cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * rope.get("partial_rotary_factor", 1.0)
+    )
     rope.setdefault("mrope_section", [rotary // 2, 0, 0])
     cfg["rope_parameters"] = rope
     return config_module.TextConfig.from_dict(cfg)
@@ -72,8 +79,13 @@ def from_hebrus(model, hf_config: dict, root: str | None = None):
     language, config = import_qwen4_exp(root)
     text = text_config(config, hf_config)
     # The language model reads the vision config's merge size even for text-only M-RoPE positions.
-    full = config.ModelConfig(text_config=text, vision_config=config.VisionConfig(), model_type="qwen4_exp",
-                              vocab_size=text.vocab_size, eos_token_id=text.eos_token_id)
+    full = config.ModelConfig(
+        text_config=text,
+        vision_config=config.VisionConfig(),
+        model_type="qwen4_exp",
+        vocab_size=text.vocab_size,
+        eos_token_id=text.eos_token_id,
+    )
     peer = language.LanguageModel(text, full)
     ours = dict(tree_flatten(model.parameters()))
     theirs = dict(tree_flatten(peer.parameters()))

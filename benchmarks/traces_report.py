@@ -50,12 +50,19 @@ def capture(args):
     for f in held:
         ids = tok.encode(unicodedata.normalize("NFC", f.read_text(encoding="utf-8", errors="replace")))
         for w in range(args.windows):
-            chunk = ids[w * args.prompt_tokens:(w + 1) * args.prompt_tokens]
+            chunk = ids[w * args.prompt_tokens : (w + 1) * args.prompt_tokens]
             if len(chunk) < args.prompt_tokens // 2:
                 break
-            for _ in stream_generate(model, tok, chunk, max_tokens=args.decode_tokens,
-                                     prefill_step_size=args.prefill_step_size, trace_out=work / "heldout",
-                                     trace_owner=f.name, trace_features=1):
+            for _ in stream_generate(
+                model,
+                tok,
+                chunk,
+                max_tokens=args.decode_tokens,
+                prefill_step_size=args.prefill_step_size,
+                trace_out=work / "heldout",
+                trace_owner=f.name,
+                trace_features=1,
+            ):
                 pass
             n_tok += len(chunk) + args.decode_tokens - 1
         print(f"  {f.name}: {n_tok} tokens so far, {time.time() - t0:.0f} s", flush=True)
@@ -68,16 +75,29 @@ def capture(args):
 
                 mx.random.seed(seed)
                 kw["sampler"] = make_sampler(temp=temp)
-            for _ in stream_generate(model, tok, ids, max_tokens=args.decode_only_tokens, trace_out=work / "decode",
-                                     trace_owner=f.name, trace_sampling={"temp": temp, "seed": seed}, **kw):
+            for _ in stream_generate(
+                model,
+                tok,
+                ids,
+                max_tokens=args.decode_only_tokens,
+                trace_out=work / "decode",
+                trace_owner=f.name,
+                trace_sampling={"temp": temp, "seed": seed},
+                **kw,
+            ):
                 pass
     print(f"capture done: {time.time() - t0:.0f} s")
 
 
 def run(cmd, log):
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", *cmd], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    p = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.cli", *cmd],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
     dt = time.time() - t0
     shown = "hebrus-mlx " + " ".join(cmd)
     log.append((shown, p.returncode, p.stdout + p.stderr, dt))
@@ -90,24 +110,73 @@ def analyze(args):
     log = []
     run(["traces", "replay", str(work / "decode"), "--prefill-step-size", "64"], log)
     run(["traces", "replay", str(work / "heldout"), "--prefill-step-size", "256"], log)
-    run(["traces", "export", str(work / "heldout"), "--out", str(work / "export"), "--split-by", "owner",
-         "--fractions", "0.5,0.2,0.3"], log)
-    run(["traces", "eval", str(work / "heldout"), "--model", "demo", "--cache-sim",
-         "--json", "benchmarks/out/traces_eval_all.json", "--plot", "benchmarks/out/traces_report.png"], log)
-    run(["traces", "eval", str(work / "export"), "--split", "test", "--model", "demo",
-         "--json", str(work / "eval_test.json")], log)
+    run(
+        [
+            "traces",
+            "export",
+            str(work / "heldout"),
+            "--out",
+            str(work / "export"),
+            "--split-by",
+            "owner",
+            "--fractions",
+            "0.5,0.2,0.3",
+        ],
+        log,
+    )
+    run(
+        [
+            "traces",
+            "eval",
+            str(work / "heldout"),
+            "--model",
+            "demo",
+            "--cache-sim",
+            "--json",
+            "benchmarks/out/traces_eval_all.json",
+            "--plot",
+            "benchmarks/out/traces_report.png",
+        ],
+        log,
+    )
+    run(
+        [
+            "traces",
+            "eval",
+            str(work / "export"),
+            "--split",
+            "test",
+            "--model",
+            "demo",
+            "--json",
+            str(work / "eval_test.json"),
+        ],
+        log,
+    )
     t0 = time.time()
-    cmd = [sys.executable, "tools/train_route_predictor.py", str(work / "export"), "--controls", str(work / "eval_test.json"),
-           "--json", "benchmarks/out/traces_predictor.json"]
+    cmd = [
+        sys.executable,
+        "tools/train_route_predictor.py",
+        str(work / "export"),
+        "--controls",
+        str(work / "eval_test.json"),
+        "--json",
+        "benchmarks/out/traces_predictor.json",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     log.append(("python " + " ".join(cmd[1:]), p.returncode, p.stdout + p.stderr, time.time() - t0))
     print(p.stdout, p.stderr)
-    md = ["# Route traces on the demo model (issue 11)", "",
-          "Produced by `python benchmarks/traces_report.py` (capture, then these commands, run in order; "
-          f"trace work dir `{args.work}`, not committed: traces hold token IDs). Machine: 2 shared cores, CPU MLX.",
-          "", f"Capture: {args.windows} windows x {args.prompt_tokens} prompt tokens per held-out file, teacher-forced "
-          f"(chunked prefill, step {args.prefill_step_size}), each followed by {args.decode_tokens} greedy decoded tokens; "
-          f"pure decode: {args.decode_prompts} prompts x {args.decode_only_tokens} tokens, greedy and temp 0.8.", ""]
+    md = [
+        "# Route traces on the demo model (issue 11)",
+        "",
+        "Produced by `python benchmarks/traces_report.py` (capture, then these commands, run in order; "
+        f"trace work dir `{args.work}`, not committed: traces hold token IDs). Machine: 2 shared cores, CPU MLX.",
+        "",
+        f"Capture: {args.windows} windows x {args.prompt_tokens} prompt tokens per held-out file, teacher-forced "
+        f"(chunked prefill, step {args.prefill_step_size}), each followed by {args.decode_tokens} greedy decoded tokens; "
+        f"pure decode: {args.decode_prompts} prompts x {args.decode_only_tokens} tokens, greedy and temp 0.8.",
+        "",
+    ]
     for shown, rc, out, dt in log:
         md += [f"## `{shown}`", "", f"exit {rc}, {dt:.0f} s", "", "```", out.rstrip(), "```", ""]
     md += ["![controls and cache simulator](traces_report.png)", ""]

@@ -14,8 +14,13 @@ import types
 
 __version__ = "0.1.0"
 
-_API = {"load": "hebrus_mlx.loader", "generate": "hebrus_mlx.generate", "stream_generate": "hebrus_mlx.generate",
-        "batch_generate": "hebrus_mlx.batch_generate", "GraphOptions": "hebrus_mlx.models.options"}
+_API = {
+    "load": "hebrus_mlx.loader",
+    "generate": "hebrus_mlx.generate",
+    "stream_generate": "hebrus_mlx.generate",
+    "batch_generate": "hebrus_mlx.batch_generate",
+    "GraphOptions": "hebrus_mlx.models.options",
+}
 
 
 class _Package(types.ModuleType):

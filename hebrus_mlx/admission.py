@@ -31,16 +31,35 @@ from .format import checkpoint_keys as keys
 from .format.qwen4exp_config import ConfigError, mtp_layer_args
 
 STAGES = (
-    "bounds", "family", "source", "constants", "tokenizer",
-    "tensors", "experts", "ple", "mtp", "policy", "ownership",
+    "bounds",
+    "family",
+    "source",
+    "constants",
+    "tokenizer",
+    "tensors",
+    "experts",
+    "ple",
+    "mtp",
+    "policy",
+    "ownership",
 )
 
 _TENSOR_FIELDS = {"dtype", "shape", "data_offsets", "codec", "sha256"}  # sha256: optional, all or none
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _REQUIRED_KEYS = {
-    "schema": str, "schema_version": int, "family": str, "profile": str, "support": str,
-    "source": dict, "model_constants": dict, "codecs": dict, "stores": list,
-    "tensors": dict, "policy": dict, "exclusions": dict, "conversion": dict,
+    "schema": str,
+    "schema_version": int,
+    "family": str,
+    "profile": str,
+    "support": str,
+    "source": dict,
+    "model_constants": dict,
+    "codecs": dict,
+    "stores": list,
+    "tensors": dict,
+    "policy": dict,
+    "exclusions": dict,
+    "conversion": dict,
 }
 # Optional in schema v1; absent means C.NORM_WEIGHTS_DEFAULT_V1 (see constants.NORM_WEIGHTS).
 _OPTIONAL_KEYS = {"norm_weights": str}
@@ -98,7 +117,9 @@ class _Admission:
             if not os.path.isfile(full) or os.path.islink(full):
                 raise AdmissionError(f"{field}.path", f"{p!r} missing or not a regular file")
             if os.path.getsize(full) != s["size"]:
-                raise AdmissionError(f"{field}.size", f"file is {os.path.getsize(full)} bytes, manifest says {s['size']}")
+                raise AdmissionError(
+                    f"{field}.size", f"file is {os.path.getsize(full)} bytes, manifest says {s['size']}"
+                )
             if type(s.get("sha256")) is not str or len(s["sha256"]) != 64:
                 raise AdmissionError(f"{field}.sha256", "must be a hex SHA-256")
             owned.add(p)
@@ -124,7 +145,9 @@ class _Admission:
             raise AdmissionError(e.field, e.message) from None
         for comp in sorted(set(m["codecs"]) | set(want)):
             if m["codecs"].get(comp) != want.get(comp):
-                raise AdmissionError(f"codecs.{comp}", f"{m['codecs'].get(comp)!r} != profile {m['profile']} {want.get(comp)!r}")
+                raise AdmissionError(
+                    f"codecs.{comp}", f"{m['codecs'].get(comp)!r} != profile {m['profile']} {want.get(comp)!r}"
+                )
         if m["support"] != M.support_status(m["profile"]):
             raise AdmissionError("support", f"{m['support']!r}: profile {m['profile']} has not passed its parity gate")
 
@@ -194,7 +217,9 @@ class _Admission:
             added[t["id"]] = t
         for eos in self.consts["eos_token_ids"]:
             if eos not in added or not added[eos].get("special"):
-                raise AdmissionError("tokenizer.eos_token_ids", f"eos id {eos} is not a special token of tokenizer.json")
+                raise AdmissionError(
+                    "tokenizer.eos_token_ids", f"eos id {eos} is not a special token of tokenizer.json"
+                )
         model = tok.get("model", {})
         if type(model) is not dict:
             raise AdmissionError("tokenizer.model", "must be an object")
@@ -269,7 +294,9 @@ class _Admission:
             wkey = name if name in shapes else name.rsplit(".", 1)[0] + ".weight"
             want_codec = M.dense_codec(wkey, shapes[wkey], self.m["profile"])
             if rec["codec"] != want_codec:
-                raise AdmissionError(f"manifest.tensors.{name}.codec", f"{rec['codec']!r} != profile codec {want_codec!r}")
+                raise AdmissionError(
+                    f"manifest.tensors.{name}.codec", f"{rec['codec']!r} != profile codec {want_codec!r}"
+                )
             if offs[0] != e["data_offsets"][0]:
                 raise AdmissionError(f"tensors.{name}.offset", f"{e['data_offsets'][0]} != manifest {offs}")
             if offs != e["data_offsets"]:
@@ -309,7 +336,9 @@ class _Admission:
                 raise AdmissionError(f"stores[{i}].table", f"{t!r} is not a fresh table index")
             seen.add(t)
             if s.get("layer") != self.consts["ple_layer_ids"][t] - 1:
-                raise AdmissionError(f"stores[{i}].layer", f"{s.get('layer')!r} != PLE layer {self.consts['ple_layer_ids'][t] - 1}")
+                raise AdmissionError(
+                    f"stores[{i}].layer", f"{s.get('layer')!r} != PLE layer {self.consts['ple_layer_ids'][t] - 1}"
+                )
             if s.get("format") != "ple_pages.v1":
                 raise AdmissionError(f"stores[{i}].format", f"{s.get('format')!r} != 'ple_pages.v1'")
             if s.get("codec") != self.m["codecs"]["ple"]:
@@ -325,7 +354,9 @@ class _Admission:
                 if list(r.geometry.heads) != c["ple_head_vocab_sizes"][t]:
                     raise AdmissionError("ple.primes", "head primes disagree with config")
                 if s.get("rows_per_page") != h["rows_per_page"]:
-                    raise AdmissionError(f"stores[{i}].rows_per_page", f"{s.get('rows_per_page')!r} != store {h['rows_per_page']}")
+                    raise AdmissionError(
+                        f"stores[{i}].rows_per_page", f"{s.get('rows_per_page')!r} != store {h['rows_per_page']}"
+                    )
                 self.owners[s["path"]] = r.extents()
                 self._fast(i, s, r.geometry.num_pages)
 
@@ -380,12 +411,19 @@ class _Admission:
             if rec.get("dtype") != e["dtype"] or rec.get("shape") != e["shape"]:
                 raise AdmissionError(f"{field}.tensors.{name}", "dtype/shape disagree with the MTP file")
             if rec.get("codec") != expected[name][2]:
-                raise AdmissionError(f"{field}.tensors.{name}.codec", f"{rec.get('codec')!r} != profile codec {expected[name][2]!r}")
+                raise AdmissionError(
+                    f"{field}.tensors.{name}.codec", f"{rec.get('codec')!r} != profile codec {expected[name][2]!r}"
+                )
             if rec.get("data_offsets") != e["data_offsets"]:
-                raise AdmissionError(f"{field}.tensors.{name}.data_offsets", f"{rec.get('data_offsets')} != file {e['data_offsets']}")
+                raise AdmissionError(
+                    f"{field}.tensors.{name}.data_offsets", f"{rec.get('data_offsets')} != file {e['data_offsets']}"
+                )
         allowed = {len(keys.expected_mtp_keys(self.args, layout)) for layout in ("unfused", "fused")}
         if type(s.get("source_tensors")) is not int or s["source_tensors"] not in allowed:
-            raise AdmissionError(f"{field}.source_tensors", f"{s.get('source_tensors')!r} not in the MTP key-table counts {sorted(allowed)}")
+            raise AdmissionError(
+                f"{field}.source_tensors",
+                f"{s.get('source_tensors')!r} not in the MTP key-table counts {sorted(allowed)}",
+            )
         self._fast(i, s, FC.mtp_units(s["size"]))
         base = 8 + n
         self.mtp_path = s["path"]
@@ -404,15 +442,26 @@ class _Admission:
         # on a store that is not read per unit.
         for i, s in enumerate(m["stores"]):
             if ("fast_check" in s) != (s.get("role") in FC.ROLES and bool(self.fast)):
-                why = "not read per unit" if "fast_check" in s else "missing (other stores carry fast checks: all or none)"
+                why = (
+                    "not read per unit"
+                    if "fast_check" in s
+                    else "missing (other stores carry fast checks: all or none)"
+                )
                 raise AdmissionError(f"stores[{i}].fast_check", why)
         mode = "included" if self.mtp_path else "excluded"
         if m["policy"] != {"modalities": ["text"], "mtp": mode}:
-            field = "policy.mtp" if type(m["policy"]) is dict and m["policy"].get("modalities") == ["text"] else "policy"
-            raise AdmissionError(field, f"{m['policy']} is not the text-only policy with the MTP head {mode}"
-                                 f" ({'an' if self.mtp_path else 'no'} MTP store)")
+            field = (
+                "policy.mtp" if type(m["policy"]) is dict and m["policy"].get("modalities") == ["text"] else "policy"
+            )
+            raise AdmissionError(
+                field,
+                f"{m['policy']} is not the text-only policy with the MTP head {mode}"
+                f" ({'an' if self.mtp_path else 'no'} MTP store)",
+            )
         if self.mtp_path and m["exclusions"].get("mtp") != 0:
-            raise AdmissionError("exclusions.mtp", f"{m['exclusions'].get('mtp')!r}: the MTP head is included, nothing was excluded")
+            raise AdmissionError(
+                "exclusions.mtp", f"{m['exclusions'].get('mtp')!r}: the MTP head is included, nothing was excluded"
+            )
         for rule, name in sorted(self.excluded_present.items()):
             raise AdmissionError(f"policy.{rule}", f"excluded tensor {name!r} present in a text-only artifact")
         rules = [r for r, _ in keys.EXCLUSION_RULES]
@@ -424,7 +473,9 @@ class _Admission:
         consumed = m["conversion"].get("source_tensors_consumed")
         allowed = {len(keys.expected_hf_keys(self.args, layout)) for layout in ("unfused", "fused", "mlx")}
         if type(consumed) is not int or consumed not in allowed:
-            raise AdmissionError("conversion.source_tensors_consumed", f"{consumed!r} not in the key-table counts {sorted(allowed)}")
+            raise AdmissionError(
+                "conversion.source_tensors_consumed", f"{consumed!r} not in the key-table counts {sorted(allowed)}"
+            )
 
     # 11 -----------------------------------------------------------------
     def ownership(self):
@@ -536,8 +587,10 @@ def admit_mirror(m: M.Manifest, directory) -> str:
     if size != store.size:
         raise AdmissionError(f"{field}.size", f"{path} is {size} bytes, the store is {store.size}")
     try:
-        with ExpertMajorReader(path, m.family, store.codec) as mirror, \
-                ExpertMajorReader(m.file(store), m.family, store.codec) as primary:
+        with (
+            ExpertMajorReader(path, m.family, store.codec) as mirror,
+            ExpertMajorReader(m.file(store), m.family, store.codec) as primary,
+        ):
             for k in ("payload_sha256", "table_sha256", "header_sha256"):
                 if mirror.header[k] != primary.header[k]:
                     raise AdmissionError(f"{field}.{k}", f"{path} differs from {m.file(store)}")

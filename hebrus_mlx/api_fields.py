@@ -18,7 +18,6 @@ lone surrogates), parsed off the event loop by the server. No MLX here.
 """
 
 import math
-from typing import Optional
 
 from .artifact import untrusted
 from .flags import INT32_MAX, SEED_MAX
@@ -33,8 +32,7 @@ MAX_TOP_LOGPROBS = 20
 class RequestError(ValueError):
     """A request the server refuses; becomes an OpenAI-style error object."""
 
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.param, self.status, self.kind = param, status, kind
 
@@ -82,15 +80,17 @@ def _integer(body, name, lo=None, hi=INT32_MAX):
 
 def _type(body, name, types, what):
     v = body[name]
-    if not isinstance(v, types) or (bool not in (types if isinstance(types, tuple) else (types,))
-                                    and isinstance(v, bool)):
+    if not isinstance(v, types) or (
+        bool not in (types if isinstance(types, tuple) else (types,)) and isinstance(v, bool)
+    ):
         raise RequestError(f"{name} must be {what}, got {_show(v)}", name)
     return v
 
 
 def _not_yet(name, value):
-    raise RequestError(f"{name}={_show(value)} is not supported by this server yet "
-                       "(only its default is accepted)", name)
+    raise RequestError(
+        f"{name}={_show(value)} is not supported by this server yet (only its default is accepted)", name
+    )
 
 
 # -- the fields -----------------------------------------------------------------------------------
@@ -107,10 +107,17 @@ def _seed(body, name, vocab=None):
 def _stop(body, name, vocab=None):
     v = body[name]
     stops = [v] if isinstance(v, str) else v
-    if (not isinstance(stops, list) or not stops or len(stops) > MAX_STOP_SEQUENCES
-            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)):
-        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} of them "
-                           f"(each at most {MAX_STOP_CHARS} characters)", name)
+    if (
+        not isinstance(stops, list)
+        or not stops
+        or len(stops) > MAX_STOP_SEQUENCES
+        or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)
+    ):
+        raise RequestError(
+            f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} of them "
+            f"(each at most {MAX_STOP_CHARS} characters)",
+            name,
+        )
 
 
 def _stream_options(body, name, vocab=None):
@@ -134,7 +141,7 @@ def _tools(body, name, vocab=None):
             if k not in ("type", "function"):
                 raise RequestError(f"{where}.{k} is not a tool field (type, function)", f"{where}.{k}")
         if t.get("type") != "function":
-            raise RequestError(f"{where}.type must be \"function\", got {_show(t.get('type'))}", f"{where}.type")
+            raise RequestError(f'{where}.type must be "function", got {_show(t.get("type"))}', f"{where}.type")
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise RequestError(f"{where}.function must be an object", f"{where}.function")
@@ -147,7 +154,9 @@ def _tools(body, name, vocab=None):
         if "description" in fn and not isinstance(fn["description"], str):
             raise RequestError(f"{where}.function.description must be a string", f"{where}.function.description")
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise RequestError(f"{where}.function.parameters must be a JSON Schema object", f"{where}.function.parameters")
+            raise RequestError(
+                f"{where}.function.parameters must be a JSON Schema object", f"{where}.function.parameters"
+            )
         if "strict" in fn and fn["strict"] not in (False, None):
             _not_yet(f"{where}.function.strict", fn["strict"])
 
@@ -158,7 +167,7 @@ def _tool_choice(body, name, vocab=None):
         return
     if v == "required" or isinstance(v, dict):
         _not_yet(name, v)
-    raise RequestError(f"tool_choice must be \"none\", \"auto\", \"required\" or a function object, got {_show(v)}", name)
+    raise RequestError(f'tool_choice must be "none", "auto", "required" or a function object, got {_show(v)}', name)
 
 
 def _logit_bias(body, name, vocab=None):
@@ -224,8 +233,9 @@ def _response_format(body, name, vocab=None):
     if v is None:
         return
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
-        raise RequestError(f"response_format must be an object with type text, json_object or json_schema, "
-                           f"got {_show(v)}", name)
+        raise RequestError(
+            f"response_format must be an object with type text, json_object or json_schema, got {_show(v)}", name
+        )
     if v["type"] != "text" or set(v) != {"type"}:
         _not_yet(name, v)
 
@@ -292,24 +302,30 @@ _COMMON = {
     "xtc_threshold": _no_op_number(0, 0, 0.5),
     "logit_bias": _logit_bias,
 }
-CHAT_FIELDS = {**_COMMON, **{
-    "messages": None,  # the chat renderer checks every message
-    "max_completion_tokens": lambda b, n, v=None: _integer(b, n, 1),
-    "tools": _tools,
-    "tool_choice": _tool_choice,
-    "parallel_tool_calls": _no_op_bool(True),
-    "logprobs": _logprobs,
-    "top_logprobs": _top_logprobs,
-    "response_format": _response_format,
-    "chat_template_kwargs": _chat_template_kwargs,
-}}
-COMPLETION_FIELDS = {**_COMMON, **{
-    "prompt": None,  # checked by the endpoint (string or token IDs)
-    "logprobs": _completions_logprobs,
-    "echo": _no_op_bool(False),
-    "best_of": _no_op_int(1, 1, 1),
-    "suffix": _suffix,
-}}
+CHAT_FIELDS = {
+    **_COMMON,
+    **{
+        "messages": None,  # the chat renderer checks every message
+        "max_completion_tokens": lambda b, n, v=None: _integer(b, n, 1),
+        "tools": _tools,
+        "tool_choice": _tool_choice,
+        "parallel_tool_calls": _no_op_bool(True),
+        "logprobs": _logprobs,
+        "top_logprobs": _top_logprobs,
+        "response_format": _response_format,
+        "chat_template_kwargs": _chat_template_kwargs,
+    },
+}
+COMPLETION_FIELDS = {
+    **_COMMON,
+    **{
+        "prompt": None,  # checked by the endpoint (string or token IDs)
+        "logprobs": _completions_logprobs,
+        "echo": _no_op_bool(False),
+        "best_of": _no_op_int(1, 1, 1),
+        "suffix": _suffix,
+    },
+}
 
 
 def check_fields(body: dict, chat: bool, vocab: int) -> dict:
@@ -328,4 +344,3 @@ def check_fields(body: dict, chat: bool, vocab: int) -> dict:
     if "enable_thinking" in kwargs:
         options["enable_thinking"] = kwargs["enable_thinking"]
     return options
-

@@ -24,7 +24,7 @@ each distinct record once, so an expert two sequences route to is read and check
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -44,7 +44,7 @@ def supports_batching(model) -> bool:
     return isinstance(inner, TextModel) and not getattr(model, "last_row_logits", False)
 
 
-def max_batch_rows(model) -> Optional[int]:
+def max_batch_rows(model) -> int | None:
     """Rows one batched step may take: a streamed model pins every expert a step routes to in its
     arena at once (`Streaming.max_chunk_tokens`); None when unbounded (resident)."""
     streaming = getattr(model, "streaming", None)
@@ -57,7 +57,7 @@ class _Stacked(LinearCache):
     All rows must agree on which fields are set (a sequence's first forward creates them):
     `batch_forward` groups rows so they do."""
 
-    def __init__(self, rows: List):
+    def __init__(self, rows: list):
         super().__init__()
         self.rows = rows
         for f in _STACKED_FIELDS:
@@ -74,12 +74,12 @@ class _Stacked(LinearCache):
             if value is None:
                 continue
             for b, r in enumerate(self.rows):
-                setattr(r, f, value[b:b + 1])
+                setattr(r, f, value[b : b + 1])
 
 
 def _attention_rows(layer, h, caches):
     """QSA attention of each row against its own cache (own length, own rope offset)."""
-    outs = [layer.self_attn(h[b:b + 1], c, None, layer.layer) for b, c in enumerate(caches)]
+    outs = [layer.self_attn(h[b : b + 1], c, None, layer.layer) for b, c in enumerate(caches)]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
@@ -104,7 +104,7 @@ def _layer(layer, streams, ids, caches, streaming):
     return layer.mlp_hyper_connection(streams, mlp)
 
 
-def _grouped_by_state(caches: Sequence[SequenceCache]) -> List[List[int]]:
+def _grouped_by_state(caches: Sequence[SequenceCache]) -> list[list[int]]:
     """Row groups whose recurrent states are all set or all unset (a fresh sequence's first
     forward creates them): each group is one batched forward."""
     fresh = [i for i, c in enumerate(caches) if c.offset == 0]
@@ -122,7 +122,7 @@ def batch_forward(model, tokens, caches: Sequence[SequenceCache]) -> mx.array:
     if len({id(c) for c in caches}) != len(caches):
         raise ValueError("each row needs its own cache")
     if not supports_batching(model):
-        outs = [model(tokens[b:b + 1][None], cache=c)[0, -1:] for b, c in enumerate(caches)]
+        outs = [model(tokens[b : b + 1][None], cache=c)[0, -1:] for b, c in enumerate(caches)]
         return mx.concatenate(outs, axis=0)
     limit = model.args.max_position_embeddings
     for c in caches:
@@ -134,7 +134,7 @@ def batch_forward(model, tokens, caches: Sequence[SequenceCache]) -> mx.array:
     for g in groups:
         logits = _forward(model, tokens[mx.array(g)], [caches[i] for i in g])
         for j, i in enumerate(g):
-            out[i] = logits[j:j + 1]
+            out[i] = logits[j : j + 1]
     return mx.concatenate(out, axis=0)
 
 

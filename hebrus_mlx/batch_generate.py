@@ -30,9 +30,10 @@ import importlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -66,24 +67,24 @@ class Response:
     uid: int
     token: int
     logprobs: mx.array  # [V] log-probabilities (-inf past the effective vocabulary)
-    finish_reason: Optional[str]  # "stop", "length" or None
+    finish_reason: str | None  # "stop", "length" or None
 
 
 @dataclass(eq=False)  # identity: a request is itself
 class _Seq:
     uid: int
-    ids: List[int]
+    ids: list[int]
     max_tokens: int
     sampler: Callable
-    processors: List[Callable]
+    processors: list[Callable]
     stops: frozenset
-    seed: Optional[int]  # seeded draws, independent of the other requests (_own_key)
+    seed: int | None  # seeded draws, independent of the other requests (_own_key)
     cache: Any = None
     cached_tokens: int = 0
     chunks: Any = None  # the prefill_chunks generator while prefilling
     step: Any = None  # generate.DecodeStep (processors, mask, sampler)
     y: int = 0  # the next input token
-    tokens: List[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     drawn: int = 0  # decode steps built for it (its seeded draws' index)
 
 
@@ -99,13 +100,25 @@ class BatchGenerator:
     effective_vocab_size: the tokenizer's (AFN-005); stop_tokens: the default stop set (the
     tokenizer's); sampler / logits_processors: the defaults for requests that give none."""
 
-    def __init__(self, model, *, effective_vocab_size: int, max_tokens: int = 256,
-                 stop_tokens: Optional[Sequence[int]] = None, sampler: Optional[Callable] = None,
-                 logits_processors: Optional[List[Callable]] = None, decode_concurrency: int = 8,
-                 prompt_concurrency: int = 1, prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE,
-                 prompt_cache=None):
-        for name, value in (("decode_concurrency", decode_concurrency), ("prompt_concurrency", prompt_concurrency),
-                            ("prefill_step_size", prefill_step_size)):
+    def __init__(
+        self,
+        model,
+        *,
+        effective_vocab_size: int,
+        max_tokens: int = 256,
+        stop_tokens: Sequence[int] | None = None,
+        sampler: Callable | None = None,
+        logits_processors: list[Callable] | None = None,
+        decode_concurrency: int = 8,
+        prompt_concurrency: int = 1,
+        prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE,
+        prompt_cache=None,
+    ):
+        for name, value in (
+            ("decode_concurrency", decode_concurrency),
+            ("prompt_concurrency", prompt_concurrency),
+            ("prefill_step_size", prefill_step_size),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(name, f"must be an int >= 1, got {value!r}")
         self.model = model
@@ -121,18 +134,27 @@ class BatchGenerator:
         # A streamed arena pins every expert one step routes to: steps take at most this many rows.
         cap = max_batch_rows(model)
         self.rows_per_step = decode_concurrency if cap is None else max(1, min(decode_concurrency, cap))
-        self._queued: "deque[_Seq]" = deque()
-        self._prefilling: List[_Seq] = []
-        self._decoding: List[_Seq] = []
+        self._queued: deque[_Seq] = deque()
+        self._prefilling: list[_Seq] = []
+        self._decoding: list[_Seq] = []
         self._uid = 0
-        self._carry: List[Response] = []
-        self._inflight: Optional[_Step] = None  # the queued decode step not yet read  # responses of a round that failed part way (next round's)
+        self._carry: list[Response] = []
+        self._inflight: _Step | None = (
+            None  # the queued decode step not yet read  # responses of a round that failed part way (next round's)
+        )
         self.steps = 0  # decode forwards run
         self.rows = 0  # decode rows fed (tokens generated)
 
     # -- requests ------------------------------------------------------------------------------------
-    def insert(self, prompts: Sequence[Sequence[int]], max_tokens=None, samplers=None, logits_processors=None,
-               stop_tokens=None, seeds=None) -> List[int]:
+    def insert(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens=None,
+        samplers=None,
+        logits_processors=None,
+        stop_tokens=None,
+        seeds=None,
+    ) -> list[int]:
         """Queue requests; per-request lists (or None: the defaults). `seeds[i]` seeds request i's
         draws on their own, so they do not depend on what else runs. Returns their uids."""
         n = len(prompts)
@@ -147,8 +169,13 @@ class BatchGenerator:
         limit = gen.context_limit(self.model)
         seqs = []
         for ids, mt, smp, procs, stops, seed in zip(
-                prompts, each(max_tokens, "max_tokens"), each(samplers, "samplers"),
-                each(logits_processors, "logits_processors"), each(stop_tokens, "stop_tokens"), each(seeds, "seeds")):
+            prompts,
+            each(max_tokens, "max_tokens"),
+            each(samplers, "samplers"),
+            each(logits_processors, "logits_processors"),
+            each(stop_tokens, "stop_tokens"),
+            each(seeds, "seeds"),
+        ):
             ids = [int(t) for t in ids]
             if not ids:
                 raise GenerationError("prompt is empty")
@@ -156,12 +183,20 @@ class BatchGenerator:
             if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
                 raise GenerationError("max_tokens", f"must be an int >= 1, got {mt!r}")
             if limit is not None and len(ids) + mt > limit:
-                raise GenerationError("max_tokens", f"max_tokens {mt} + prompt {len(ids)} tokens exceeds the model "
-                                      f"context {limit}")
-            seqs.append(_Seq(uid=-1, ids=ids, max_tokens=mt, sampler=smp or self.sampler,
-                             processors=list(self.logits_processors if procs is None else procs),
-                             stops=self.stop_tokens if stops is None else frozenset(stops),
-                             seed=seed))
+                raise GenerationError(
+                    "max_tokens", f"max_tokens {mt} + prompt {len(ids)} tokens exceeds the model context {limit}"
+                )
+            seqs.append(
+                _Seq(
+                    uid=-1,
+                    ids=ids,
+                    max_tokens=mt,
+                    sampler=smp or self.sampler,
+                    processors=list(self.logits_processors if procs is None else procs),
+                    stops=self.stop_tokens if stops is None else frozenset(stops),
+                    seed=seed,
+                )
+            )
         uids = []
         for s in seqs:
             s.uid = self._uid
@@ -192,7 +227,7 @@ class BatchGenerator:
         """Requests holding a place (prefilling or decoding)."""
         return len(self._prefilling) + len(self._decoding)
 
-    def cached_tokens(self, uid: int) -> Optional[int]:
+    def cached_tokens(self, uid: int) -> int | None:
         """Prompt tokens served from the prefix cache (None until admitted)."""
         for s in self._prefilling + self._decoding:
             if s.uid == uid:
@@ -200,7 +235,7 @@ class BatchGenerator:
         return None
 
     # -- rounds --------------------------------------------------------------------------------------
-    def next(self) -> List[Response]:
+    def next(self) -> list[Response]:
         """One round: admissions, a prefill chunk per prefilling request, one decode step."""
         with mx.stream(gen.generation_stream()), self._tickets():
             self._admit()
@@ -231,16 +266,23 @@ class BatchGenerator:
             scope.cancel()
 
     def _admit(self):
-        while self._queued and len(self._prefilling) < self.prompt_concurrency and self.active < self.decode_concurrency:
+        while (
+            self._queued and len(self._prefilling) < self.prompt_concurrency and self.active < self.decode_concurrency
+        ):
             s = self._queued.popleft()
             if self.prompt_cache is not None:
                 s.cache, s.cached_tokens = self.prompt_cache.fetch(self.model, s.ids)
             else:
                 s.cache = self.model.make_cache()
-            s.step = gen.DecodeStep(self.model, s.cache, effective_vocab_size=self.effective_vocab_size,
-                                    sampler=s.sampler, logits_processors=s.processors)
+            s.step = gen.DecodeStep(
+                self.model,
+                s.cache,
+                effective_vocab_size=self.effective_vocab_size,
+                sampler=s.sampler,
+                logits_processors=s.processors,
+            )
             if s.processors and s.cache.offset:  # processors see the whole prompt, restored prefix included
-                s.step.history = mx.array(s.ids[:s.cache.offset], dtype=mx.int32)
+                s.step.history = mx.array(s.ids[: s.cache.offset], dtype=mx.int32)
             # The last prompt token is the first decode input (as generate's loop).
             self._start_prefill(s)
             s.y = s.ids[-1]
@@ -248,8 +290,13 @@ class BatchGenerator:
 
     def _start_prefill(self, s: _Seq):
         """Prefill chunks from where the cache stands (its start, or a failed chunk's rollback)."""
-        s.chunks = gen.prefill_chunks(self.model, mx.array(s.ids[s.cache.offset:-1], dtype=mx.int32), s.cache,
-                                      self.prefill_step_size, s.step.prefill_forward)
+        s.chunks = gen.prefill_chunks(
+            self.model,
+            mx.array(s.ids[s.cache.offset : -1], dtype=mx.int32),
+            s.cache,
+            self.prefill_step_size,
+            s.step.prefill_forward,
+        )
 
     def _prefill_round(self):
         done = []
@@ -273,7 +320,7 @@ class BatchGenerator:
                 self.prompt_cache.insert(s.ids[:-1], s.cache)
             self._decoding.append(s)
 
-    def _decode_round(self) -> List[Response]:
+    def _decode_round(self) -> list[Response]:
         """One decode step over every decoding request. Pipelined as generate's loop: the step is
         built on the previous step's (still lazy) tokens and started before those are read, so the
         host builds while the device computes. Where a streamed arena splits the rows into several
@@ -283,7 +330,7 @@ class BatchGenerator:
             out = self._settle()
             rows = list(self._decoding)
             for start in range(0, len(rows), self.rows_per_step):
-                step = self._build(rows[start:start + self.rows_per_step], None)
+                step = self._build(rows[start : start + self.rows_per_step], None)
                 try:
                     out += self._read(step, None)
                 except BatchStepError:
@@ -299,15 +346,14 @@ class BatchGenerator:
             _settle_quietly(step)  # every row of it finished: its work is not wanted
         return out
 
-    def _settle(self) -> List[Response]:
+    def _settle(self) -> list[Response]:
         prev, self._inflight = self._inflight, None
         return [] if prev is None else self._read(prev, None)
 
-    def _build(self, rows: List[_Seq], prev: Optional["_Step"]) -> "_Step":
+    def _build(self, rows: list[_Seq], prev: _Step | None) -> _Step:
         """Queue one batched step for `rows`; a row in `prev` feeds prev's token (lazy)."""
         carried = {} if prev is None else {id(s): j for j, s in enumerate(prev.rows)}
-        inputs = [prev.picks[carried[id(s)]][0] if id(s) in carried else mx.array([s.y], dtype=mx.int32)
-                  for s in rows]
+        inputs = [prev.picks[carried[id(s)]][0] if id(s) in carried else mx.array([s.y], dtype=mx.int32) for s in rows]
         snaps = [(s.cache.snapshot(), s.step.history, s.drawn) for s in rows]
         step = _Step(rows, [None] * len(rows), snaps)
         try:
@@ -315,12 +361,12 @@ class BatchGenerator:
             logits = batch_forward(self.model, ys, [s.cache for s in rows])
             # Rows without processors or a seed that share a sampler: one mask, log-softmax and
             # draw over their rows (each a row-wise op: the same values as one row at a time).
-            shared: Dict[int, List[int]] = {}
+            shared: dict[int, list[int]] = {}
             for b, s in enumerate(rows):
                 if not s.processors and s.seed is None:
                     shared.setdefault(id(s.sampler), []).append(b)
                     continue
-                logprobs = s.step.logprobs(logits[b:b + 1], inputs[b])
+                logprobs = s.step.logprobs(logits[b : b + 1], inputs[b])
                 with _own_key(s):
                     token = s.step._sample(logprobs)
                 s.step.fed(inputs[b])
@@ -331,7 +377,7 @@ class BatchGenerator:
                 logprobs = first.logprobs(part, None)
                 tokens = first._sample(logprobs)
                 for j, b in enumerate(group):
-                    step.picks[b] = (tokens[j:j + 1], logprobs[j])
+                    step.picks[b] = (tokens[j : j + 1], logprobs[j])
             for s in rows:
                 s.drawn += 1
             mx.async_eval([p for pair in step.picks for p in pair])
@@ -345,7 +391,7 @@ class BatchGenerator:
             raise BatchStepError(translate(e), [s.uid for s in touched]) from e
         return step
 
-    def _read(self, step: "_Step", following: Optional["_Step"]) -> List[Response]:
+    def _read(self, step: _Step, following: _Step | None) -> list[Response]:
         """Wait for `step`'s tokens and hand them out. A failure rolls its rows back to before it,
         and `following` (queued on it) with them; BatchStepError names every row touched."""
         try:
@@ -396,9 +442,9 @@ class _Step:
     """One queued batched decode step: its rows, their lazy (token [1], logprobs [V]) and each
     row's state before it (cache snapshot, processors' history, draws)."""
 
-    rows: List[_Seq]
-    picks: List[Any]
-    snaps: List[Any]
+    rows: list[_Seq]
+    picks: list[Any]
+    snaps: list[Any]
 
 
 def _restore(rows, snaps):
@@ -430,27 +476,45 @@ def _own_key(s: _Seq):
 
 @dataclass
 class BatchResponse:
-    texts: List[str]
-    token_ids: List[List[int]]
-    finish_reasons: List[Optional[str]]
-    stats: Dict[str, float]
+    texts: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str | None]
+    stats: dict[str, float]
 
 
-def batch_generate(model, tokenizer, prompts: Sequence, max_tokens=256, *, verbose: bool = False,
-                   sampler=None, logits_processors=None, decode_concurrency: int = 8, prompt_concurrency: int = 1,
-                   prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE, prompt_cache=None) -> BatchResponse:
+def batch_generate(
+    model,
+    tokenizer,
+    prompts: Sequence,
+    max_tokens=256,
+    *,
+    verbose: bool = False,
+    sampler=None,
+    logits_processors=None,
+    decode_concurrency: int = 8,
+    prompt_concurrency: int = 1,
+    prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE,
+    prompt_cache=None,
+) -> BatchResponse:
     """Generate for several prompts at once (strings are encoded as data, or token id lists);
     `max_tokens` an int or one per prompt. Each sequence's tokens are its solo run's (greedy: the
     same tokens; docs/GENERATION.md)."""
     ids = [gen._prompt_ids(tokenizer, p).tolist() for p in prompts]
     per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(ids)
-    g = BatchGenerator(model, effective_vocab_size=tokenizer.effective_vocab_size, stop_tokens=_stop_set(tokenizer),
-                       sampler=sampler, logits_processors=logits_processors, decode_concurrency=decode_concurrency,
-                       prompt_concurrency=prompt_concurrency, prefill_step_size=prefill_step_size,
-                       prompt_cache=prompt_cache)
+    g = BatchGenerator(
+        model,
+        effective_vocab_size=tokenizer.effective_vocab_size,
+        stop_tokens=_stop_set(tokenizer),
+        sampler=sampler,
+        logits_processors=logits_processors,
+        decode_concurrency=decode_concurrency,
+        prompt_concurrency=prompt_concurrency,
+        prefill_step_size=prefill_step_size,
+        prompt_cache=prompt_cache,
+    )
     uids = g.insert(ids, max_tokens=per)
     tokens = {u: [] for u in uids}
-    finish: Dict[int, Optional[str]] = {u: None for u in uids}
+    finish: dict[int, str | None] = {u: None for u in uids}
     tic = time.perf_counter()
     while len(g):
         for r in g.next():
@@ -460,8 +524,12 @@ def batch_generate(model, tokenizer, prompts: Sequence, max_tokens=256, *, verbo
     elapsed = time.perf_counter() - tic
     texts = [tokenizer.decode(tokens[u]) for u in uids]
     n = sum(len(t) for t in tokens.values())
-    stats = {"generation_tokens": n, "seconds": elapsed, "tokens_per_second": n / max(elapsed, 1e-9),
-             "decode_steps": g.steps}
+    stats = {
+        "generation_tokens": n,
+        "seconds": elapsed,
+        "tokens_per_second": n / max(elapsed, 1e-9),
+        "decode_steps": g.steps,
+    }
     if verbose:
         for i, t in enumerate(texts):
             print(f"[{i}] {t}")

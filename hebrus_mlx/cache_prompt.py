@@ -25,17 +25,35 @@ from .text.chat_template import DATA
 TEMPLATE_KEY = "chat_template"  # "1": the cached prompt opens a user message; "0": plain text
 
 # generate's flags that describe the model and how to load and prefill it.
-_USED = {"model", "prompt", "system_prompt", "ignore_chat_template", "prefill_step_size", "max_kv_size", "dtype",
-         "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror",
-         "prefill_sweep", "seed", "verbose"}
+_USED = {
+    "model",
+    "prompt",
+    "system_prompt",
+    "ignore_chat_template",
+    "prefill_step_size",
+    "max_kv_size",
+    "dtype",
+    "expert_cache_gb",
+    "ple_cache_gb",
+    "prefetch",
+    "prefetch_budget",
+    "prefetch_threshold",
+    "expert_mirror",
+    "prefill_sweep",
+    "seed",
+    "verbose",
+}
 
 
 def _last_data(pieces, text: str, where: str) -> int:
     """The index of the last DATA piece, which must be the user's `text` (as the template wrote it)."""
     k = max((i for i, (kind, _) in enumerate(pieces) if kind == DATA), default=None)
     if k is None or pieces[k][1].strip() != text.strip():
-        raise UsageError(where, "the chat template does not end the user message with its text, so it cannot be "
-                                "continued; use --ignore-chat-template")
+        raise UsageError(
+            where,
+            "the chat template does not end the user message with its text, so it cannot be "
+            "continued; use --ignore-chat-template",
+        )
     return k
 
 
@@ -58,7 +76,7 @@ def continuation_ids(tok, prompt: str, chat_template: bool = True):
     if not chat_template:
         return tok.encode(prompt, add_special_tokens=False)
     pieces = tok.render_chat(_messages(prompt, None), add_generation_prompt=True).pieces()
-    return tok.encode_segments(pieces[_last_data(pieces, prompt, "--prompt"):])
+    return tok.encode_segments(pieces[_last_data(pieces, prompt, "--prompt") :])
 
 
 def load_for_generate(path, model, tok, prompt: str, ignore_chat_template: bool):
@@ -78,12 +96,18 @@ def load_for_generate(path, model, tok, prompt: str, ignore_chat_template: bool)
 def build_parser() -> argparse.ArgumentParser:
     from .verb_flags import share_generate_flags
 
-    p = ArgumentParser(prog="hebrus-mlx cache-prompt",
-                       description="Prefill a prompt and save its state for `generate --prompt-cache-file`.",
-                       conflict_handler="resolve")
+    p = ArgumentParser(
+        prog="hebrus-mlx cache-prompt",
+        description="Prefill a prompt and save its state for `generate --prompt-cache-file`.",
+        conflict_handler="resolve",
+    )
     p.shared = share_generate_flags(p, {"help", "prompt_cache_file"})
-    p.add_argument("--prompt-cache-file", required=True, metavar="FILE",
-                   help="where to write the state (.safetensors, mlx-lm's prompt-cache layout)")
+    p.add_argument(
+        "--prompt-cache-file",
+        required=True,
+        metavar="FILE",
+        help="where to write the state (.safetensors, mlx-lm's prompt-cache layout)",
+    )
     return p
 
 
@@ -113,8 +137,13 @@ def main(argv=None) -> int:
     tic = time.perf_counter()
     gen.prefill(model, mx.array(ids, dtype=mx.int32), cache, args.prefill_step_size)
     seconds = time.perf_counter() - tic
-    save_prompt_cache(args.prompt_cache_file, cache, model, tokens=ids,
-                      metadata={TEMPLATE_KEY: "1" if templated else "0", "model": str(args.model)})
+    save_prompt_cache(
+        args.prompt_cache_file,
+        cache,
+        model,
+        tokens=ids,
+        metadata={TEMPLATE_KEY: "1" if templated else "0", "model": str(args.model)},
+    )
     if args.verbose:
         print(f"Prompt: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.3f} tokens-per-sec")
         print(f"Saved {args.prompt_cache_file}")

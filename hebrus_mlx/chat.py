@@ -15,10 +15,16 @@ from .cli_args import ArgumentParser, str2bool
 from .errors import UsageError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import make_sampler
-from .verb_flags import USED, add_prompt_cache_dir_arguments, check_prompt_cache_dir, refuse_unused, share_generate_flags
 from .stream.errors import StreamError
 from .text.chat_template import ChatError
 from .text.tokenizer import TokenizerError
+from .verb_flags import (
+    USED,
+    add_prompt_cache_dir_arguments,
+    check_prompt_cache_dir,
+    refuse_unused,
+    share_generate_flags,
+)
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -27,13 +33,18 @@ _NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose", "prompt_cach
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="hebrus-mlx chat", description="Chat with a hebrus-mlx model in the terminal.",
-                       conflict_handler="resolve")
+    p = ArgumentParser(
+        prog="hebrus-mlx chat", description="Chat with a hebrus-mlx model in the terminal.", conflict_handler="resolve"
+    )
     # generate's model, cache and sampling flags (incl. --system-prompt), so the verbs cannot drift.
     p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--verbose", type=str2bool, default=True, help="print a stats line after each reply")
-    p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=1 << 30,
-                   help="byte limit of cached prefix snapshots (0: prefill the whole conversation every turn)")
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=flags.integer(0, flags.INT64_MAX),
+        default=1 << 30,
+        help="byte limit of cached prefix snapshots (0: prefill the whole conversation every turn)",
+    )
     add_prompt_cache_dir_arguments(p)
     p.set_defaults(max_tokens=256)
     return p
@@ -43,8 +54,10 @@ def _stats(u: Usage) -> str:
     new = u.prompt_tokens - u.cached_tokens
     ptps = new / u.prompt_seconds if u.prompt_seconds > 0 else 0.0
     gtps = (u.completion_tokens - 1) / u.generation_seconds if u.generation_seconds > 0 else 0.0
-    return (f"[prompt: {u.prompt_tokens} tokens ({u.cached_tokens} cached, {new} prefilled, {ptps:.1f} tokens-per-sec); "
-            f"generation: {u.completion_tokens} tokens, {gtps:.1f} tokens-per-sec]")
+    return (
+        f"[prompt: {u.prompt_tokens} tokens ({u.cached_tokens} cached, {new} prefilled, {ptps:.1f} tokens-per-sec); "
+        f"generation: {u.completion_tokens} tokens, {gtps:.1f} tokens-per-sec]"
+    )
 
 
 def main(argv=None) -> int:
@@ -102,9 +115,18 @@ def main(argv=None) -> int:
             if max_tokens < 1:
                 raise gen.GenerationError(f"the conversation has {len(ids)} tokens, the context is {limit}; /reset")
             usage, reply = Usage(0, 0), ""
-            for r in stream_with_cache(model, tok, ids, cache, max_tokens, sampler=sampler,
-                                       prefill_step_size=args.prefill_step_size, usage=usage,
-                                       draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens):
+            for r in stream_with_cache(
+                model,
+                tok,
+                ids,
+                cache,
+                max_tokens,
+                sampler=sampler,
+                prefill_step_size=args.prefill_step_size,
+                usage=usage,
+                draft_model=args.draft_model,
+                num_draft_tokens=args.num_draft_tokens,
+            ):
                 print(r.text, end="", flush=True)
                 reply += r.text
             print()

@@ -44,8 +44,13 @@ SUMMARY = {  # one line per verb for `hebrus-mlx --help`; each verb's own --help
 
 def usage() -> str:
     width = max(map(len, VERBS))
-    lines = [f"usage: hebrus-mlx {{{','.join(VERBS)}}} [args...]", "", "MLX-native runtime for Qwen4Exp with "
-             "SSD-streamed experts.", "", "commands:"]
+    lines = [
+        f"usage: hebrus-mlx {{{','.join(VERBS)}}} [args...]",
+        "",
+        "MLX-native runtime for Qwen4Exp with SSD-streamed experts.",
+        "",
+        "commands:",
+    ]
     lines += [f"  {verb:<{width}}  {SUMMARY[verb]}" for verb in VERBS]
     lines += ["", "`hebrus-mlx VERB --help` lists a command's flags; `hebrus-mlx --version` prints the version."]
     return "\n".join(lines)

@@ -10,8 +10,14 @@ from . import flags
 from .errors import UsageError
 from .flags import Parser
 
-__all__ = ["ArgumentParser", "str2bool", "add_prefetch_argument", "prefetch_from_args", "add_sweep_argument",
-           "sweep_from_args"]
+__all__ = [
+    "ArgumentParser",
+    "str2bool",
+    "add_prefetch_argument",
+    "prefetch_from_args",
+    "add_sweep_argument",
+    "sweep_from_args",
+]
 
 
 class ArgumentParser(Parser):
@@ -33,13 +39,24 @@ def add_prefetch_argument(parser: argparse.ArgumentParser) -> None:
     turn the parsed namespace into a spec with :func:`prefetch_from_args`."""
     from .stream.predict import DEFAULT as PREFETCH_DEFAULT  # streaming (MLX) only once a parser is built
 
-    parser.add_argument("--prefetch", default=None,
-                        help="streamed-expert read-ahead: off | previous | router-reuse[:1|2] | hyper-reuse "
-                             f"(default {PREFETCH_DEFAULT})")
-    parser.add_argument("--prefetch-budget", type=flags.integer(1), default=None,
-                        help="predicted experts per layer, most probable first (default: the model's top-k)")
-    parser.add_argument("--prefetch-threshold", type=flags.number(0, 1, hi_open=True), default=0.0,
-                        help="skip predicted experts whose router probability is below this")
+    parser.add_argument(
+        "--prefetch",
+        default=None,
+        help="streamed-expert read-ahead: off | previous | router-reuse[:1|2] | hyper-reuse "
+        f"(default {PREFETCH_DEFAULT})",
+    )
+    parser.add_argument(
+        "--prefetch-budget",
+        type=flags.integer(1),
+        default=None,
+        help="predicted experts per layer, most probable first (default: the model's top-k)",
+    )
+    parser.add_argument(
+        "--prefetch-threshold",
+        type=flags.number(0, 1, hi_open=True),
+        default=0.0,
+        help="skip predicted experts whose router probability is below this",
+    )
 
 
 def prefetch_from_args(args):
@@ -59,9 +76,13 @@ def add_sweep_argument(parser: argparse.ArgumentParser) -> None:
     """``--prefill-sweep`` for generate/server/chat/bench (wherever ``--prefetch`` is)."""
     from .stream.sweep import DEFAULT as SWEEP_DEFAULT
 
-    parser.add_argument("--prefill-sweep", default=None, metavar="auto|on|off",
-                        help="read a layer's whole expert extent for long prefill chunks (streamed experts): "
-                             f"auto switches at the measured crossover (default {SWEEP_DEFAULT})")
+    parser.add_argument(
+        "--prefill-sweep",
+        default=None,
+        metavar="auto|on|off",
+        help="read a layer's whole expert extent for long prefill chunks (streamed experts): "
+        f"auto switches at the measured crossover (default {SWEEP_DEFAULT})",
+    )
 
 
 def sweep_from_args(args):

@@ -24,14 +24,14 @@ import numpy as np
 from tqdm import tqdm
 
 from . import admission, flags, hub
-from .artifact import atomic
+from .artifact import atomic, expert_major, ple_pages, untrusted
 from .artifact import constants as C
-from .artifact import expert_major, fast_check as FC, manifest as M, ple_pages, untrusted
+from .artifact import fast_check as FC
+from .artifact import manifest as M
 from .artifact.errors import ArtifactError, GeometryError
 from .format import checkpoint_keys as keys
 from .format.qwen4exp_config import mtp_layer_args
 from .sources import _COMPONENT, Source, encode
-
 
 
 def profile_for(q_bits, q_group_size, dtype, expert_bits=None, expert_group_size=None, ple_dtype=None):
@@ -43,8 +43,11 @@ def profile_for(q_bits, q_group_size, dtype, expert_bits=None, expert_group_size
     def affine(bits, group, field):
         name = C.affine_name(bits, group)
         if name not in C.CODECS or not C.CODECS[name].affine:
-            raise ArtifactError(field, f"no codec for bits={bits} group={group}; affine bits {list(C.AFFINE_BITS)}, "
-                                       f"groups {list(C.AFFINE_GROUPS)}")
+            raise ArtifactError(
+                field,
+                f"no codec for bits={bits} group={group}; affine bits {list(C.AFFINE_BITS)}, "
+                f"groups {list(C.AFFINE_GROUPS)}",
+            )
         return name
 
     dense = floats[dtype] if dtype is not None else affine(q_bits, q_group_size, "q_bits")
@@ -103,7 +106,10 @@ def write_dense(w, src, args, profile, progress, digests=None):
         arr = pending[key].pop(part)
         if not pending[key]:
             del pending[key]
-        assert (str(arr.dtype), tuple(arr.shape)) == ({"U32": "uint32", "BF16": "uint16", "F32": "float32"}[stored[name][0]], stored[name][1])
+        assert (str(arr.dtype), tuple(arr.shape)) == (
+            {"U32": "uint32", "BF16": "uint16", "F32": "float32"}[stored[name][0]],
+            stored[name][1],
+        )
         data = np.ascontiguousarray(arr).tobytes()
         w.write(data)
         if digests is not None:
@@ -205,19 +211,25 @@ def open_source(path, config):
     return Source(path, config)
 
 
-def plan(config, q_bits=None, q_group_size=None, dtype=None, expert_bits=None, expert_group_size=None,
-         ple_dtype=None):
+def plan(config, q_bits=None, q_group_size=None, dtype=None, expert_bits=None, expert_group_size=None, ple_dtype=None):
     """(profile, args, constants, family) of a source config; q_bits and
     q_group_size default to 4/64 for float sources, experts to the dense width;
     an MLX-quantized source imports into the profile of its own quantization."""
     from . import convert_mlx
 
     if convert_mlx.is_mlx_config(config):
-        profile = convert_mlx.source_profile(config, q_bits, q_group_size, dtype, expert_bits, expert_group_size,
-                                             ple_dtype)
+        profile = convert_mlx.source_profile(
+            config, q_bits, q_group_size, dtype, expert_bits, expert_group_size, ple_dtype
+        )
     else:
-        profile = profile_for(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size, dtype,
-                              expert_bits, expert_group_size, ple_dtype)
+        profile = profile_for(
+            4 if q_bits is None else q_bits,
+            64 if q_group_size is None else q_group_size,
+            dtype,
+            expert_bits,
+            expert_group_size,
+            ple_dtype,
+        )
     constants = M.model_constants(config)
     return profile, M.model_args(config), constants, detect_family(constants)
 
@@ -252,12 +264,26 @@ def replaceable_artifact(path):
 def check_out(out, overwrite, source=None):
     """`--out` may be new, an empty directory, or (with overwrite) an earlier artifact; never the
     source, a parent of it, the working directory, a file or a symlink (atomic.check_replaceable)."""
-    atomic.check_replaceable(out, overwrite=overwrite, is_ours=replaceable_artifact, protect=(source,),
-                             what="artifact", field="--out")
+    atomic.check_replaceable(
+        out, overwrite=overwrite, is_ours=replaceable_artifact, protect=(source,), what="artifact", field="--out"
+    )
 
 
-def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=None, repo=None, quiet=False,
-            mtp=True, overwrite=False, expert_bits=None, expert_group_size=None, ple_dtype=None):
+def convert(
+    hf_path,
+    out,
+    q_bits=None,
+    q_group_size=None,
+    dtype=None,
+    revision=None,
+    repo=None,
+    quiet=False,
+    mtp=True,
+    overwrite=False,
+    expert_bits=None,
+    expert_group_size=None,
+    ple_dtype=None,
+):
     """expert_bits / expert_group_size: the routed experts' own affine width (default: the dense
     one); ple_dtype: the PLE table's ("bfloat16" or "float32"). mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
     store; False excludes it (counted under the "mtp" exclusion rule). overwrite: `out` may be an
@@ -291,8 +317,9 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
 
     def bar(label, total):
         # Bytes written; shown on a terminal only (tqdm's disable=None).
-        return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024,
-                    disable=True if quiet else None)
+        return tqdm(
+            total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, disable=True if quiet else None
+        )
 
     def build(tmp):
         source_files = {}
@@ -307,7 +334,9 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         result = {}
 
         def dense(w):
-            result["header"], result["base"] = write_dense(w, src, args, profile, p.update, result.setdefault("sha256", {}))
+            result["header"], result["base"] = write_dense(
+                w, src, args, profile, p.update, result.setdefault("sha256", {})
+            )
 
         atomic.publish_file(os.path.join(tmp, M.DENSE_PATH), dense)
         p.close()
@@ -316,9 +345,14 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
         g = expert_major.Geometry(fam, codecs["experts"])
         p = bar("experts", g.payload_bytes)
         fast = _collector(g.count, M.EXPERTS_PATH)
-        expert_major.publish(os.path.join(tmp, M.EXPERTS_PATH), fam, codecs["experts"],
-                             expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]), progress=p.update,
-                             fast=fast)
+        expert_major.publish(
+            os.path.join(tmp, M.EXPERTS_PATH),
+            fam,
+            codecs["experts"],
+            expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]),
+            progress=p.update,
+            fast=fast,
+        )
         p.close()
         stores.append(_store(tmp, "experts", M.EXPERTS_PATH, "expert_major.v2", codecs["experts"], fast))
 
@@ -326,8 +360,15 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
             g = ple_pages.Geometry(fam, t, codecs["ple"])
             p = bar(f"ple[{t}]", g.payload_bytes)
             fast = _collector(g.num_pages, M.ple_path(t))
-            ple_pages.publish(os.path.join(tmp, M.ple_path(t)), fam, t, codecs["ple"],
-                              src.ple_chunks(args, layer_id - 1, codecs["ple"]), progress=p.update, fast=fast)
+            ple_pages.publish(
+                os.path.join(tmp, M.ple_path(t)),
+                fam,
+                t,
+                codecs["ple"],
+                src.ple_chunks(args, layer_id - 1, codecs["ple"]),
+                progress=p.update,
+                fast=fast,
+            )
             p.close()
             s = _store(tmp, "ple", M.ple_path(t), "ple_pages.v1", codecs["ple"], fast)
             s.update(table=t, layer=layer_id - 1, rows_per_page=g.rows_per_page)
@@ -342,17 +383,34 @@ def convert(hf_path, out, q_bits=None, q_group_size=None, dtype=None, revision=N
 
             atomic.publish_file(os.path.join(tmp, M.MTP_PATH), write)
             p.close()
-            stores.append(mtp_store(tmp, mtp_header, args, profile, mtp_report["consumed"], fast=FC.xxh3_128() is not None))
+            stores.append(
+                mtp_store(tmp, mtp_header, args, profile, mtp_report["consumed"], fast=FC.xxh3_128() is not None)
+            )
 
         tensors = {}
         shapes = M.dense_shapes(args)
         for name, e in result["header"].items():
             wkey = name if name in shapes else name.rsplit(".", 1)[0] + ".weight"
-            tensors[name] = {"dtype": e["dtype"], "shape": e["shape"], "data_offsets": e["data_offsets"],
-                             "codec": M.dense_codec(wkey, shapes[wkey], profile), "sha256": result["sha256"][name]}
-        man = M.build(family=fam.name, profile=profile, source_files=source_files, revision=revision,
-                      repo=repo, constants=constants, stores=stores, tensors=tensors,
-                      exclusions=counts["excluded"], consumed=counts["consumed"], mtp=mtp_report is not None)
+            tensors[name] = {
+                "dtype": e["dtype"],
+                "shape": e["shape"],
+                "data_offsets": e["data_offsets"],
+                "codec": M.dense_codec(wkey, shapes[wkey], profile),
+                "sha256": result["sha256"][name],
+            }
+        man = M.build(
+            family=fam.name,
+            profile=profile,
+            source_files=source_files,
+            revision=revision,
+            repo=repo,
+            constants=constants,
+            stores=stores,
+            tensors=tensors,
+            exclusions=counts["excluded"],
+            consumed=counts["consumed"],
+            mtp=mtp_report is not None,
+        )
         data = M.dumps(man)
         atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
 
@@ -391,14 +449,27 @@ def add_mtp(artifact, mtp_source, quiet=False):
                     atomic.publish_file(os.path.join(tmp, name), lambda w, p=os.path.join(artifact, name): _copy(p, w))
         for name in man["source"]["files"]:
             atomic.publish_file(os.path.join(tmp, name), lambda w, p=os.path.join(artifact, name): _copy(p, w))
-        p = tqdm(total=sum(M.shape_bytes(d, sh) for d, sh, _ in M.mtp_stored_tensors(args, profile).values()),
-                 desc="mtp", unit="B", unit_scale=True, unit_divisor=1024, disable=True if quiet else None)
+        p = tqdm(
+            total=sum(M.shape_bytes(d, sh) for d, sh, _ in M.mtp_stored_tensors(args, profile).values()),
+            desc="mtp",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=True if quiet else None,
+        )
         header = {}
-        atomic.publish_file(os.path.join(tmp, M.MTP_PATH),
-                            lambda w: header.update(write_mtp(w, src, args, fam, profile, report, p.update)))
+        atomic.publish_file(
+            os.path.join(tmp, M.MTP_PATH),
+            lambda w: header.update(write_mtp(w, src, args, fam, profile, report, p.update)),
+        )
         p.close()
-        new = dict(man, stores=[s for s in man["stores"] if s["role"] != "mtp"] + [mtp_store(tmp, header, args, profile, report["consumed"], fast)],
-                   policy=dict(man["policy"], mtp="included"), exclusions=dict(man["exclusions"], mtp=0))
+        new = dict(
+            man,
+            stores=[s for s in man["stores"] if s["role"] != "mtp"]
+            + [mtp_store(tmp, header, args, profile, report["consumed"], fast)],
+            policy=dict(man["policy"], mtp="included"),
+            exclusions=dict(man["exclusions"], mtp=0),
+        )
         data = M.dumps(new)
         atomic.publish_file(os.path.join(tmp, C.MANIFEST_NAME), lambda w: w.write(data))
 
@@ -438,8 +509,14 @@ def _store(tmp, role, path, fmt, codec_name, fast=None):
     """A store's manifest entry; `fast` (a fast_check.Collector fed by the store's verify pass):
     its XXH3-128 digest table is published beside it and named in the entry."""
     full = os.path.join(tmp, path)
-    s = {"role": role, "path": path, "format": fmt, "codec": codec_name,
-         "size": os.path.getsize(full), "sha256": M.sha256_file(full)}
+    s = {
+        "role": role,
+        "path": path,
+        "format": fmt,
+        "codec": codec_name,
+        "size": os.path.getsize(full),
+        "sha256": M.sha256_file(full),
+    }
     if fast is not None:
         table = fast.table()
         atomic.publish_file(os.path.join(tmp, FC.table_path(path)), lambda w: w.write(table))
@@ -458,27 +535,51 @@ def build_parser():
     p.add_argument("--hf-path", required=True, help="local directory or Hugging Face repo id")
     p.add_argument("--out", required=True, help="artifact directory to publish")
     p.add_argument("--q-bits", type=flags.integer(1, 16), help="default 4 (an MLX-quantized source keeps its own)")
-    p.add_argument("--q-group-size", type=flags.integer(1, 1 << 16), help="default 64 (an MLX-quantized source keeps its own)")
+    p.add_argument(
+        "--q-group-size", type=flags.integer(1, 1 << 16), help="default 64 (an MLX-quantized source keeps its own)"
+    )
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="store the dense weights unquantized instead")
-    p.add_argument("--expert-bits", type=flags.integer(1, 16),
-                   help=f"routed experts' affine width, one of {list(C.AFFINE_BITS)} (default: the dense width)")
-    p.add_argument("--expert-group-size", type=flags.integer(1, 1 << 16),
-                   help=f"routed experts' group size, one of {list(C.AFFINE_GROUPS)} (default: the dense one)")
-    p.add_argument("--ple-dtype", choices=("bfloat16", "float32"),
-                   help="the PLE table's row dtype (default bfloat16; float32 under --dtype float32)")
+    p.add_argument(
+        "--expert-bits",
+        type=flags.integer(1, 16),
+        help=f"routed experts' affine width, one of {list(C.AFFINE_BITS)} (default: the dense width)",
+    )
+    p.add_argument(
+        "--expert-group-size",
+        type=flags.integer(1, 1 << 16),
+        help=f"routed experts' group size, one of {list(C.AFFINE_GROUPS)} (default: the dense one)",
+    )
+    p.add_argument(
+        "--ple-dtype",
+        choices=("bfloat16", "float32"),
+        help="the PLE table's row dtype (default bfloat16; float32 under --dtype float32)",
+    )
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace --out when it is an earlier hebrus-mlx artifact (never anything else)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out when it is an earlier hebrus-mlx artifact (never anything else)",
+    )
     return p
 
 
 def main(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
-    report = convert(a.hf_path, a.out, a.q_bits, a.q_group_size, a.dtype, a.revision,
-                     mtp=not a.no_mtp, overwrite=a.overwrite, expert_bits=a.expert_bits,
-                     expert_group_size=a.expert_group_size, ple_dtype=a.ple_dtype).report  # errors: cli.run
+    report = convert(
+        a.hf_path,
+        a.out,
+        a.q_bits,
+        a.q_group_size,
+        a.dtype,
+        a.revision,
+        mtp=not a.no_mtp,
+        overwrite=a.overwrite,
+        expert_bits=a.expert_bits,
+        expert_group_size=a.expert_group_size,
+        ple_dtype=a.ple_dtype,
+    ).report  # errors: cli.run
     print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
     return 0
 

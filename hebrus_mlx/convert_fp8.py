@@ -44,7 +44,7 @@ def _e4m3fn_table():
     sign = np.where(b >> 7, -1.0, 1.0)
     exp, man = (b >> 3) & 0xF, b & 0x7
     normal = (1.0 + man / 8.0) * np.exp2(exp - 7.0)
-    sub = (man / 8.0) * 2.0 ** -6
+    sub = (man / 8.0) * 2.0**-6
     v = sign * np.where(exp == 0, sub, normal)
     v[(exp == 15) & (man == 7)] = np.nan
     return v.astype(np.float32)
@@ -69,8 +69,10 @@ def block_config(config):
     if not isinstance(q, dict):
         raise Fp8Error("quantization_config", "must be an object")
     if q.get("quant_method") != "fp8":
-        raise Fp8Error("quantization_config.quant_method",
-                       f"{q.get('quant_method')!r} is not a supported source quantization (fp8 only)")
+        raise Fp8Error(
+            "quantization_config.quant_method",
+            f"{q.get('quant_method')!r} is not a supported source quantization (fp8 only)",
+        )
     if q.get("fmt", "e4m3") != "e4m3":
         raise Fp8Error("quantization_config.fmt", f"{q.get('fmt')!r}; only e4m3 is supported")
     if q.get("scale_fmt", "float") != "float":
@@ -78,8 +80,7 @@ def block_config(config):
     if q.get("expert_dtype", "fp8") != "fp8":
         raise Fp8Error("quantization_config.expert_dtype", f"{q.get('expert_dtype')!r}; only fp8 is supported")
     block = q.get("weight_block_size")
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(type(v) is int and v > 0 for v in block)):
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(type(v) is int and v > 0 for v in block):
         raise Fp8Error("quantization_config.weight_block_size", f"{block!r} is not two positive integers")
     return tuple(block)
 
@@ -98,8 +99,9 @@ class Fp8Scales:
         fp8 = sorted(k for k, (_, _, e) in index.items() if e["dtype"] == FP8_DTYPE)
         scales = sorted(k for k in index if k.endswith(SCALE_INV_SUFFIX) or k.endswith(PLE_TENSOR_SCALE))
         if fp8 and block is None:
-            raise Fp8Error(f"source.{fp8[0]}.dtype",
-                           "float8_e4m3fn tensor but config.json has no fp8 quantization_config")
+            raise Fp8Error(
+                f"source.{fp8[0]}.dtype", "float8_e4m3fn tensor but config.json has no fp8 quantization_config"
+            )
         if scales and block is None:
             raise Fp8Error(f"source.{scales[0]}", "scale tensor but config.json has no fp8 quantization_config")
         for s in scales:
@@ -139,8 +141,10 @@ class Fp8Scales:
         else:
             want = None
         if (want is not None and list(se["shape"]) != want) or (want is None and list(se["shape"]) not in ([], [1])):
-            raise Fp8Error(f"source.{scale}.shape",
-                           f"{list(se['shape'])} != {want if want is not None else '[1] or []'} for {owner} {shape}")
+            raise Fp8Error(
+                f"source.{scale}.shape",
+                f"{list(se['shape'])} != {want if want is not None else '[1] or []'} for {owner} {shape}",
+            )
         self.scale_of[owner] = (scale, kind)
 
     def dequantize(self, key, values, shape, start, read_scale):
@@ -170,10 +174,13 @@ class Fp8Scales:
         full, rem = divmod(cols, bc)
         out = np.empty(shape, np.float32)
         lead = tuple(shape[:-1])
-        np.multiply(w[..., : full * bc].reshape(lead + (full, bc)), srow[..., :full, None],
-                    out=out[..., : full * bc].reshape(lead + (full, bc)))
+        np.multiply(
+            w[..., : full * bc].reshape(lead + (full, bc)),
+            srow[..., :full, None],
+            out=out[..., : full * bc].reshape(lead + (full, bc)),
+        )
         if rem:
-            np.multiply(w[..., full * bc:], srow[..., full:full + 1], out=out[..., full * bc:])
+            np.multiply(w[..., full * bc :], srow[..., full : full + 1], out=out[..., full * bc :])
         return out
 
     @staticmethod

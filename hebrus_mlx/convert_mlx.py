@@ -67,13 +67,17 @@ def _affine_params(q, field):
     bits, group = q.get("bits"), q.get("group_size")
     name = C.affine_name(bits, group)
     if name not in C.CODECS:
-        raise MlxSourceError(field, f"bits={bits} group_size={group} has no artifact codec (affine bits "
-                                    f"{list(C.AFFINE_BITS)}, groups {list(C.AFFINE_GROUPS)}); refusing to requantize")
+        raise MlxSourceError(
+            field,
+            f"bits={bits} group_size={group} has no artifact codec (affine bits "
+            f"{list(C.AFFINE_BITS)}, groups {list(C.AFFINE_GROUPS)}); refusing to requantize",
+        )
     return bits, group, name
 
 
-def source_profile(config, q_bits=None, q_group_size=None, dtype=None, expert_bits=None, expert_group_size=None,
-                   ple_dtype=None):
+def source_profile(
+    config, q_bits=None, q_group_size=None, dtype=None, expert_bits=None, expert_group_size=None, ple_dtype=None
+):
     """Artifact profile of the source's quantization, or a typed refusal. The dense store takes
     the global width; the routed experts take the width their modules carry (a per-module
     override in the `quantization` block, mlx-lm's mixed configs, or the global one), which
@@ -82,27 +86,42 @@ def source_profile(config, q_bits=None, q_group_size=None, dtype=None, expert_bi
     q = config["quantization"]
     bits, group, dense = _affine_params(q, "quantization")
     if dtype is not None:
-        raise MlxSourceError("dtype", f"the source is already quantized (bits={bits} group={group}); "
-                             f"it imports into its own affine profile, not {dtype}")
+        raise MlxSourceError(
+            "dtype",
+            f"the source is already quantized (bits={bits} group={group}); "
+            f"it imports into its own affine profile, not {dtype}",
+        )
     overrides = {k: v for k, v in q.items() if _EXPERT_MODULE.match(k)}
     first, experts = None, dense
     for path in sorted(overrides, key=lambda k: tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k))):
         if overrides[path] is False:
-            raise MlxSourceError(f"quantization.{path}", "routed experts left unquantized while the rest is "
-                                                         "quantized; the ExpertMajor store holds one codec")
+            raise MlxSourceError(
+                f"quantization.{path}",
+                "routed experts left unquantized while the rest is quantized; the ExpertMajor store holds one codec",
+            )
         name = _affine_params(overrides[path], f"quantization.{path}")[2]
         if first is None:
             first, experts = path, name
         elif name != experts:
-            raise MlxSourceError(f"quantization.{path}", f"{name} but {first} is {experts}: the ExpertMajor store "
-                                 "holds one width for every routed expert; refusing to requantize")
+            raise MlxSourceError(
+                f"quantization.{path}",
+                f"{name} but {first} is {experts}: the ExpertMajor store "
+                "holds one width for every routed expert; refusing to requantize",
+            )
     if overrides and len(overrides) != 3 * M.model_args(config).num_hidden_layers and experts != dense:
         # Some expert modules fall back to the global width, others override it.
-        raise MlxSourceError("quantization", f"routed experts mix {experts} ({first}) and the global {dense}: the "
-                             "ExpertMajor store holds one width for every routed expert; refusing to requantize")
+        raise MlxSourceError(
+            "quantization",
+            f"routed experts mix {experts} ({first}) and the global {dense}: the "
+            "ExpertMajor store holds one width for every routed expert; refusing to requantize",
+        )
     e = C.codec(experts)
-    for flag, want, got in (("q_bits", bits, q_bits), ("q_group_size", group, q_group_size),
-                            ("expert_bits", e.bits, expert_bits), ("expert_group_size", e.group_size, expert_group_size)):
+    for flag, want, got in (
+        ("q_bits", bits, q_bits),
+        ("q_group_size", group, q_group_size),
+        ("expert_bits", e.bits, expert_bits),
+        ("expert_group_size", e.group_size, expert_group_size),
+    ):
         if got is not None and got != want:
             raise MlxSourceError(flag, f"{got} but the source is quantized with {want}; refusing to requantize")
     ple = {"float32": "f32", "bfloat16": "bf16", None: "bf16"}[ple_dtype]
@@ -112,7 +131,7 @@ def source_profile(config, q_bits=None, q_group_size=None, dtype=None, expert_bi
 def _text_key(raw):
     for src, dst in PREFIXES:
         if raw.startswith(src):
-            return dst + raw[len(src):]
+            return dst + raw[len(src) :]
     return raw
 
 
@@ -159,8 +178,10 @@ class MlxSource(_sources.Source):
         for part in PARTS:
             a, dt = self._array(f"{stem}.{part}", start, stop)
             if part != "weight" and dt != "BF16":
-                raise MlxSourceError(f"source.{self.text[stem + '.' + part]}.dtype",
-                                     f"{dt}; the artifact's affine codecs store bf16 scales and biases")
+                raise MlxSourceError(
+                    f"source.{self.text[stem + '.' + part]}.dtype",
+                    f"{dt}; the artifact's affine codecs store bf16 scales and biases",
+                )
             if part == "weight" and dt != "U32":
                 raise MlxSourceError(f"source.{self.text[stem + '.weight']}.dtype", f"{dt}; packed weights are U32")
             out[part] = a
@@ -171,13 +192,13 @@ class MlxSource(_sources.Source):
 
     @staticmethod
     def _check_packed(stem, parts, bits, group, rows, cols):
-        want = {"weight": (rows, cols * bits // 32), "scales": (rows, cols // group),
-                "biases": (rows, cols // group)}
+        want = {"weight": (rows, cols * bits // 32), "scales": (rows, cols // group), "biases": (rows, cols // group)}
         for part, shape in want.items():
             if tuple(parts[part].shape[-2:]) != shape or cols % group:
-                raise GeometryError(f"source.{stem}.{part}.shape",
-                                    f"{list(parts[part].shape)} != {list(shape)} for [{rows}, {cols}] "
-                                    f"at bits={bits} group={group}")
+                raise GeometryError(
+                    f"source.{stem}.{part}.shape",
+                    f"{list(parts[part].shape)} != {list(shape)} for [{rows}, {cols}] at bits={bits} group={group}",
+                )
 
     @staticmethod
     def _dequantize(parts, bits, group, dtype):
@@ -191,9 +212,10 @@ class MlxSource(_sources.Source):
     def _copy_or_refuse(self, stem, parts, bits, group, codec_name):
         c = C.codec(codec_name)
         if (bits, group) != (c.bits, c.group_size):
-            raise CodecError(f"source.{self.text[stem + '.weight']}",
-                             f"quantized with bits={bits} group={group}; the profile stores {codec_name}: "
-                             "refusing to requantize")
+            raise CodecError(
+                f"source.{self.text[stem + '.weight']}",
+                f"quantized with bits={bits} group={group}; the profile stores {codec_name}: refusing to requantize",
+            )
         return {part: np.ascontiguousarray(parts[part]) for part in PARTS}
 
     # -- the four things conversion asks of a source ----------------------
@@ -214,8 +236,9 @@ class MlxSource(_sources.Source):
             raise keys.CheckpointKeyError(f"missing tensor {missing[0]!r} ({len(missing)} missing in total)")
         extra = sorted(set(self.text) - expected)
         if extra:
-            raise keys.CheckpointKeyError(f"unexpected tensor {self.text[extra[0]]!r} "
-                                          f"({len(extra)} unexpected in total)")
+            raise keys.CheckpointKeyError(
+                f"unexpected tensor {self.text[extra[0]]!r} ({len(extra)} unexpected in total)"
+            )
         for t, layer_id in enumerate(args.ple_layer_ids):
             for name, want in ple_constants(args, t).items():
                 key = f"model.layers.{layer_id - 1}.ple.ple_embedding.{name}"
@@ -276,4 +299,3 @@ class MlxSource(_sources.Source):
                     a, dt = self._array(stem + ".weight", start, stop)
                     a = (a.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else a
                 yield _sources.encode(a, dt, codec_name)["weight"]
-

@@ -66,7 +66,9 @@ def number(lo=None, hi=None, lo_open=False, hi_open=False):
         ok = ok and (lo is None or (v > lo if lo_open else v >= lo))
         ok = ok and (hi is None or (v < hi if hi_open else v <= hi))
         if not ok:
-            raise argparse.ArgumentTypeError(f"must be a finite number {_range_text(lo, hi, lo_open, hi_open)}, got {s}")
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {_range_text(lo, hi, lo_open, hi_open)}, got {s}"
+            )
         return v
 
     parse.__name__ = "number"

@@ -12,15 +12,22 @@ import argparse
 import sys
 import threading
 import time
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import mlx.core as mx
 
 from . import flags
-from .cli_args import (ArgumentParser, add_prefetch_argument, add_sweep_argument, prefetch_from_args, str2bool,
-                       sweep_from_args)
+from .cli_args import (
+    ArgumentParser,
+    add_prefetch_argument,
+    add_sweep_argument,
+    prefetch_from_args,
+    str2bool,
+    sweep_from_args,
+)
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .pipeline import launched as pipeline_launched
 from .sample_utils import SamplingError, check_sampling_args, make_sampler, masked_logprobs
@@ -78,15 +85,16 @@ class GenerationResponse:
     generation_tokens: int
     generation_tps: float
     peak_memory: float  # GB
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     from_draft: bool = False  # a drafted token the target accepted (speculative decoding)
 
 
 # mlx-lm's --max-kv-size keeps a rotating window of the last N keys. Qwen4Exp's QSA layers select
 # keys from the whole context by the indexer's scores, and GDN layers carry a fixed-size state, so a
 # window would silently change which keys QSA can pick: the flag is refused, not approximated.
-MAX_KV_SIZE_UNSUPPORTED = ("not supported by Qwen4Exp (QSA selects keys from the whole context; a rotating "
-                           "window would change its output)")
+MAX_KV_SIZE_UNSUPPORTED = (
+    "not supported by Qwen4Exp (QSA selects keys from the whole context; a rotating window would change its output)"
+)
 
 
 def _check_max_kv_size(max_kv_size, field):
@@ -94,7 +102,7 @@ def _check_max_kv_size(max_kv_size, field):
         raise UsageError(field, MAX_KV_SIZE_UNSUPPORTED)
 
 
-def context_limit(model) -> Optional[int]:
+def context_limit(model) -> int | None:
     """The most positions a sequence of `model` may hold (None: unbounded)."""
     args = getattr(model, "args", None)
     return getattr(args, "max_position_embeddings", None)
@@ -139,8 +147,9 @@ def prefill_chunk_size(model, prefill_step_size: int) -> int:
     return prefill_step_size if cap is None else min(prefill_step_size, cap)
 
 
-def prefill_chunks(model, tokens: mx.array, cache, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-                   forward: Optional[Callable] = None) -> Generator[Tuple[mx.array, Any], None, None]:
+def prefill_chunks(
+    model, tokens: mx.array, cache, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE, forward: Callable | None = None
+) -> Generator[tuple[mx.array, Any], None, None]:
     """Feed `tokens` ([T] int32) into `cache` chunk by chunk (chunks of `prefill_chunk_size`), each
     chunk evaluated before the next is built and rolled back if that fails (AFN-010); yields
     (chunk, extra) once the chunk is in the cache.
@@ -154,15 +163,20 @@ def prefill_chunks(model, tokens: mx.array, cache, prefill_step_size: int = DEFA
         forward = lambda chunk: (model(chunk[None], cache=cache), (), None)  # noqa: E731
     step = prefill_chunk_size(model, prefill_step_size)
     for start in range(0, tokens.size, step):
-        chunk = tokens[start:start + step]
+        chunk = tokens[start : start + step]
         with _guarded(cache, _snapshot(cache), model):
             out, pending, extra = forward(chunk)
             _eval_cache(cache, out, pending)
         yield chunk, extra
 
 
-def prefill(model, tokens: mx.array, cache, prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-            cancelled: Callable[[], bool] = lambda: False) -> bool:
+def prefill(
+    model,
+    tokens: mx.array,
+    cache,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> bool:
     """`prefill_chunks` run through; False (the cache holding the chunks before) when `cancelled()`
     turned true between chunks."""
     if cancelled():
@@ -181,8 +195,8 @@ class PendingStep:
     logprobs: mx.array  # [V]
     snap: Any  # the cache before the step: where a failure of this step (or one queued on it) returns
     staged: Any = None  # the trace record of the token it fed
-    hidden: Optional[mx.array] = None  # [1, D] state after the fed token (drafters that ask for it)
-    routes: Optional[mx.array] = None  # [layers, 1, k] (the speculative governor's unique experts)
+    hidden: mx.array | None = None  # [1, D] state after the fed token (drafters that ask for it)
+    routes: mx.array | None = None  # [layers, 1, k] (the speculative governor's unique experts)
 
     def arrays(self) -> list:
         extra = [] if self.staged is None else list(self.staged.arrays)
@@ -197,9 +211,18 @@ class DecodeStep:
     hidden: forwards also return the pre-mixer state rows (drafters that need them); routes:
     forwards asked for them capture the routed experts (not across a pipeline)."""
 
-    def __init__(self, model, cache, *, effective_vocab_size: int, sampler: Callable,
-                 logits_processors: Optional[List[Callable]] = None, trace=None, hidden: bool = False,
-                 routes: bool = False):
+    def __init__(
+        self,
+        model,
+        cache,
+        *,
+        effective_vocab_size: int,
+        sampler: Callable,
+        logits_processors: list[Callable] | None = None,
+        trace=None,
+        hidden: bool = False,
+        routes: bool = False,
+    ):
         self.model, self.cache = model, cache
         self.effective_vocab_size = effective_vocab_size
         self.sampler = sampler
@@ -210,7 +233,7 @@ class DecodeStep:
         self.hidden = hidden
         self.pipeline = getattr(model, "last_row_logits", False)  # rank 0 of a pipeline: no route capture
         self.routes = routes and not self.pipeline
-        self.history: Optional[mx.array] = None  # every token fed (kept for logits processors)
+        self.history: mx.array | None = None  # every token fed (kept for logits processors)
 
     def guard(self, snap):
         return _guarded(self.cache, snap, self.model)
@@ -253,7 +276,7 @@ class DecodeStep:
             for i in range(logits.shape[0]):
                 seen = fed[: fed.size - logits.shape[0] + i + 1]
                 history = seen if self.history is None else mx.concatenate([self.history, seen])
-                row = logits[i:i + 1]
+                row = logits[i : i + 1]
                 for proc in self.processors:
                     row = proc(history, row)
                 out.append(row)
@@ -301,15 +324,15 @@ def generate_step(
     *,
     effective_vocab_size: int,
     max_tokens: int = 256,
-    sampler: Optional[Callable[[mx.array], mx.array]] = None,
-    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
-    prompt_cache: Optional[List[Any]] = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
+    prompt_cache: list[Any] | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-    max_kv_size: Optional[int] = None,
+    max_kv_size: int | None = None,
     trace=None,
     draft_model=None,
-    num_draft_tokens: Optional[int] = None,
-) -> Generator[Tuple[int, mx.array], None, None]:
+    num_draft_tokens: int | None = None,
+) -> Generator[tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; logprobs are over the physical width, -inf past the
     effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops.
 
@@ -319,9 +342,19 @@ def generate_step(
     `draft_model` (a hebrus_mlx.speculative Drafter) decodes speculatively with blocks of up to
     `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling)."""
     for token, logprobs, _ in _generate(
-            prompt, model, effective_vocab_size=effective_vocab_size, max_tokens=max_tokens, sampler=sampler,
-            logits_processors=logits_processors, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
-            max_kv_size=max_kv_size, trace=trace, draft_model=draft_model, num_draft_tokens=num_draft_tokens):
+        prompt,
+        model,
+        effective_vocab_size=effective_vocab_size,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step_size,
+        max_kv_size=max_kv_size,
+        trace=trace,
+        draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens,
+    ):
         yield token, logprobs
 
 
@@ -332,16 +365,16 @@ def speculative_generate_step(
     *,
     effective_vocab_size: int,
     max_tokens: int = 256,
-    sampler: Optional[Callable[[mx.array], mx.array]] = None,
-    logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
-    prompt_cache: Optional[Any] = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
+    prompt_cache: Any | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-    max_kv_size: Optional[int] = None,
-    num_draft_tokens: Optional[int] = None,
+    max_kv_size: int | None = None,
+    num_draft_tokens: int | None = None,
     governor: Any = "auto",
     stats=None,
-    trace: Optional[list] = None,
-) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    trace: list | None = None,
+) -> Generator[tuple[int, mx.array, bool], None, None]:
     """generate_step with a Drafter (hebrus_mlx.speculative), yielding (token, logprobs, from_draft)
     like mlx-lm's: from_draft marks a drafted token the target accepted. num_draft_tokens: the
     block limit (default 3); governor: "auto" (default: choose the block per step, see
@@ -349,10 +382,21 @@ def speculative_generate_step(
     fill; trace: a list that receives a speculative.protocol.StepTrace per verify step (golden
     replay). Steps with no draft run pipelined exactly as generate_step's."""
     yield from _generate(
-        prompt, model, effective_vocab_size=effective_vocab_size, max_tokens=max_tokens, sampler=sampler,
-        logits_processors=logits_processors, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
-        max_kv_size=max_kv_size, draft_model=draft_model, num_draft_tokens=num_draft_tokens, governor=governor,
-        stats=stats, step_trace=trace)
+        prompt,
+        model,
+        effective_vocab_size=effective_vocab_size,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step_size,
+        max_kv_size=max_kv_size,
+        draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens,
+        governor=governor,
+        stats=stats,
+        step_trace=trace,
+    )
 
 
 @contextmanager
@@ -360,14 +404,32 @@ def _no_tickets():
     yield None
 
 
-def _generate(prompt, model, *, effective_vocab_size, max_tokens=256, sampler=None, logits_processors=None,
-              prompt_cache=None, prefill_step_size=DEFAULT_PREFILL_STEP_SIZE, max_kv_size=None, trace=None,
-              draft_model=None, num_draft_tokens=None, governor="auto", stats=None, step_trace=None):
+def _generate(
+    prompt,
+    model,
+    *,
+    effective_vocab_size,
+    max_tokens=256,
+    sampler=None,
+    logits_processors=None,
+    prompt_cache=None,
+    prefill_step_size=DEFAULT_PREFILL_STEP_SIZE,
+    max_kv_size=None,
+    trace=None,
+    draft_model=None,
+    num_draft_tokens=None,
+    governor="auto",
+    stats=None,
+    step_trace=None,
+):
     """The one loop: prefill all but the last prompt token, then the pipelined decode, with the
     speculative blocks a drafter's strategy chooses in between. Yields (token, logprobs, from_draft)."""
     if draft_model is not None and trace is not None:
-        raise UsageError("trace", "route capture of speculative decoding is not supported (only "
-                         "verified tokens may enter a clean-path trace, AFN-021)")
+        raise UsageError(
+            "trace",
+            "route capture of speculative decoding is not supported (only "
+            "verified tokens may enter a clean-path trace, AFN-021)",
+        )
     if prompt.ndim != 1 or prompt.size == 0:
         raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
     if prefill_step_size < 1:
@@ -378,16 +440,33 @@ def _generate(prompt, model, *, effective_vocab_size, max_tokens=256, sampler=No
     streaming = getattr(model, "streaming", None)
     # Every streamed read of the sequence carries its request's ticket scope (a server request's
     # own, or one opened here): speculation retires generations in it, a cancel fails them all.
-    with (_no_tickets() if streaming is None else streaming.request()) as tickets:
+    with _no_tickets() if streaming is None else streaming.request() as tickets:
         spec = None
         if draft_model is not None:
             from .speculative.protocol import Speculation
 
-            spec = Speculation(model, draft_model, cache, sampler, tickets, num_draft_tokens=num_draft_tokens,
-                               governor=governor, stats=stats, max_tokens=max_tokens, trace=step_trace)
-        step = DecodeStep(model, cache, effective_vocab_size=effective_vocab_size, sampler=sampler,
-                          logits_processors=logits_processors, trace=trace,
-                          hidden=spec is not None and spec.needs_hidden, routes=spec is not None and spec.track_routes)
+            spec = Speculation(
+                model,
+                draft_model,
+                cache,
+                sampler,
+                tickets,
+                num_draft_tokens=num_draft_tokens,
+                governor=governor,
+                stats=stats,
+                max_tokens=max_tokens,
+                trace=step_trace,
+            )
+        step = DecodeStep(
+            model,
+            cache,
+            effective_vocab_size=effective_vocab_size,
+            sampler=sampler,
+            logits_processors=logits_processors,
+            trace=trace,
+            hidden=spec is not None and spec.needs_hidden,
+            routes=spec is not None and spec.track_routes,
+        )
         if trace is not None:
             trace.begin(getattr(cache, "next_position", 0))
         y = prompt.astype(mx.int32)
@@ -467,17 +546,17 @@ def _prompt_ids(tokenizer, prompt) -> mx.array:
 def stream_generate(
     model,
     tokenizer,
-    prompt: Union[str, Sequence[int], mx.array],
+    prompt: str | Sequence[int] | mx.array,
     max_tokens: int = 256,
     *,
     draft_model=None,
-    num_draft_tokens: Optional[int] = None,
+    num_draft_tokens: int | None = None,
     speculative_stats=None,
     trace_out=None,
     trace_features: int = 0,
     trace_owner: str = "local",
     trace_generation: int = 0,
-    trace_sampling: Optional[dict] = None,
+    trace_sampling: dict | None = None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate, yielding a GenerationResponse per token; stops on the tokenizer's stop set.
@@ -501,8 +580,11 @@ def stream_generate(
         max_tokens = room if max_tokens == -1 else min(max_tokens, room)
     if draft_model is not None:
         if trace_out is not None or kwargs.get("trace") is not None:
-            raise UsageError("trace", "route capture of speculative decoding is not supported (only "
-                             "verified tokens may enter a clean-path trace, AFN-021)")
+            raise UsageError(
+                "trace",
+                "route capture of speculative decoding is not supported (only "
+                "verified tokens may enter a clean-path trace, AFN-021)",
+            )
         from .speculative import make_drafter
 
         draft_model = make_drafter(draft_model, model, tokenizer, kwargs.get("sampler"), num_draft_tokens)
@@ -512,18 +594,32 @@ def stream_generate(
 
         if trace_sampling is None:
             trace_sampling = {"sampler": "greedy" if kwargs.get("sampler") is None else "caller"}
-        kwargs["trace"] = TraceRecorder.for_model(trace_out, model, tokenizer, owner=trace_owner,
-                                                  generation=trace_generation, sampling=trace_sampling,
-                                                  feature_every=trace_features)
+        kwargs["trace"] = TraceRecorder.for_model(
+            trace_out,
+            model,
+            tokenizer,
+            owner=trace_owner,
+            generation=trace_generation,
+            sampling=trace_sampling,
+            feature_every=trace_features,
+        )
     try:
         mx.reset_peak_memory()
         tic = time.perf_counter()
-        steps = _generate(ids, model, effective_vocab_size=tokenizer.effective_vocab_size, max_tokens=max_tokens,
-                          draft_model=draft_model, num_draft_tokens=num_draft_tokens, stats=speculative_stats,
-                          **kwargs)
+        steps = _generate(
+            ids,
+            model,
+            effective_vocab_size=tokenizer.effective_vocab_size,
+            max_tokens=max_tokens,
+            draft_model=draft_model,
+            num_draft_tokens=num_draft_tokens,
+            stats=speculative_stats,
+            **kwargs,
+        )
         with wired_limit(model):
-            yield from _responses(steps, ids, tokenizer, tokenizer.detokenizer, tokenizer.stop_token_ids,
-                                  max_tokens, tic)
+            yield from _responses(
+                steps, ids, tokenizer, tokenizer.detokenizer, tokenizer.stop_token_ids, max_tokens, tic
+            )
     finally:
         if trace_out is not None:
             kwargs["trace"].close()
@@ -541,10 +637,16 @@ def _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic):
         if finish is not None:
             detok.finalize()
         yield GenerationResponse(
-            text=detok.last_segment, token=token, logprobs=logprobs, prompt_tokens=ids.size,
-            prompt_tps=prompt_tps, generation_tokens=n,
+            text=detok.last_segment,
+            token=token,
+            logprobs=logprobs,
+            prompt_tokens=ids.size,
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
             generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, from_draft=from_draft,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            from_draft=from_draft,
         )
         if finish is not None:
             return
@@ -599,38 +701,89 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=flags.number(0, 1), default=0.0)
     p.add_argument("--seed", type=flags.seed(), default=None)
     p.add_argument("--ignore-chat-template", action="store_true", help="tokenize the prompt as plain text")
-    p.add_argument("--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)")
+    p.add_argument(
+        "--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)"
+    )
     p.add_argument("--prefill-step-size", type=flags.integer(1), default=DEFAULT_PREFILL_STEP_SIZE)
-    p.add_argument("--max-kv-size", type=flags.integer(1), default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED)
-    p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
-                   help="continue from a state saved by `hebrus-mlx cache-prompt`: --prompt is the rest of its message")
-    p.add_argument("--expert-cache-gb", type=flags.gib(), default=None,
-                   help="stream routed experts through a cache of this many GiB (default: decide from free memory)")
-    p.add_argument("--ple-cache-gb", type=flags.gib(), default=None,
-                   help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)")
+    p.add_argument(
+        "--max-kv-size", type=flags.integer(1), default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED
+    )
+    p.add_argument(
+        "--prompt-cache-file",
+        default=None,
+        metavar="FILE",
+        help="continue from a state saved by `hebrus-mlx cache-prompt`: --prompt is the rest of its message",
+    )
+    p.add_argument(
+        "--expert-cache-gb",
+        type=flags.gib(),
+        default=None,
+        help="stream routed experts through a cache of this many GiB (default: decide from free memory)",
+    )
+    p.add_argument(
+        "--ple-cache-gb",
+        type=flags.gib(),
+        default=None,
+        help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)",
+    )
     add_prefetch_argument(p)
-    p.add_argument("--expert-mirror", default=None, metavar="DIR",
-                   help="a directory holding a copy of the expert store (e.g. on a second disk); streamed reads "
-                        "alternate between the two (not verified on two disks here)")
+    p.add_argument(
+        "--expert-mirror",
+        default=None,
+        metavar="DIR",
+        help="a directory holding a copy of the expert store (e.g. on a second disk); streamed reads "
+        "alternate between the two (not verified on two disks here)",
+    )
     add_sweep_argument(p)
-    p.add_argument("--graph", default=None, metavar="KEY=VALUE,...",
-                   help="how the graph is built (models/options.py GraphOptions), e.g. compile=on,cpu_streams=1 or plain; "
-                        "every choice keeps tokens identical (default: measured per backend)")
-    p.add_argument("--trace-out", default=None, metavar="DIR",
-                   help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)")
-    p.add_argument("--trace-features", type=flags.integer(0), default=0, metavar="N",
-                   help="with --trace-out, also record the router input of every Nth position (0 = off)")
+    p.add_argument(
+        "--graph",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="how the graph is built (models/options.py GraphOptions), e.g. compile=on,cpu_streams=1 or plain; "
+        "every choice keeps tokens identical (default: measured per backend)",
+    )
+    p.add_argument(
+        "--trace-out",
+        default=None,
+        metavar="DIR",
+        help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)",
+    )
+    p.add_argument(
+        "--trace-features",
+        type=flags.integer(0),
+        default=0,
+        metavar="N",
+        help="with --trace-out, also record the router input of every Nth position (0 = off)",
+    )
     p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
-    p.add_argument("--draft-model", default=None,
-                   help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a draft model directory")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "stored"),
-                   help="float dtype to run in: auto = float32 on the CPU backend, the stored dtype on Metal")
-    p.add_argument("--pipeline-split", default=None,
-                   help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)")
-    p.add_argument("--pipeline-timeout", type=flags.seconds(), default=None,
-                   help="under mlx.launch: seconds a rank waits on another before the run ends with an error (default 60)")
-    p.add_argument("--num-draft-tokens", type=flags.integer(1, MAX_DRAFT_TOKENS), default=None,
-                   help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)")
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a draft model directory",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16", "stored"),
+        help="float dtype to run in: auto = float32 on the CPU backend, the stored dtype on Metal",
+    )
+    p.add_argument(
+        "--pipeline-split",
+        default=None,
+        help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)",
+    )
+    p.add_argument(
+        "--pipeline-timeout",
+        type=flags.seconds(),
+        default=None,
+        help="under mlx.launch: seconds a rank waits on another before the run ends with an error (default 60)",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=flags.integer(1, MAX_DRAFT_TOKENS),
+        default=None,
+        help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)",
+    )
     return p
 
 
@@ -671,10 +824,16 @@ def load_from_args(args):
     from .hub import resolve_model
     from .loader import load
 
-    return load(resolve_model(args.model), dtype=None if args.dtype == "stored" else args.dtype,
-                expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,
-                prefetch=prefetch_from_args(args), expert_mirror=args.expert_mirror,
-                prefill_sweep=sweep_from_args(args), options=graph_options_from_args(args))
+    return load(
+        resolve_model(args.model),
+        dtype=None if args.dtype == "stored" else args.dtype,
+        expert_cache_gb=args.expert_cache_gb,
+        ple_cache_gb=args.ple_cache_gb,
+        prefetch=prefetch_from_args(args),
+        expert_mirror=args.expert_mirror,
+        prefill_sweep=sweep_from_args(args),
+        options=graph_options_from_args(args),
+    )
 
 
 def graph_options_from_args(args):
@@ -688,8 +847,12 @@ def _trace_kwargs(args) -> dict:
     if args.trace_out is None:
         return {}
     sampling = {"temp": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed}
-    return {"trace_out": args.trace_out, "trace_features": args.trace_features, "trace_owner": args.trace_owner,
-            "trace_sampling": sampling}
+    return {
+        "trace_out": args.trace_out,
+        "trace_features": args.trace_features,
+        "trace_owner": args.trace_owner,
+        "trace_sampling": sampling,
+    }
 
 
 def _draft_kwargs(args) -> dict:
@@ -722,15 +885,19 @@ def main(argv=None) -> int:
         from .cache_prompt import load_for_generate
 
         if args.system_prompt is not None:
-            raise UsageError("--system-prompt", "with --prompt-cache-file the system prompt is in the file "
-                             "(give it to cache-prompt)")
-        extra["prompt_cache"], ids = load_for_generate(args.prompt_cache_file, model, tokenizer, prompt,
-                                                       args.ignore_chat_template)
+            raise UsageError(
+                "--system-prompt", "with --prompt-cache-file the system prompt is in the file (give it to cache-prompt)"
+            )
+        extra["prompt_cache"], ids = load_for_generate(
+            args.prompt_cache_file, model, tokenizer, prompt, args.ignore_chat_template
+        )
         limit = context_limit(model)
         held = extra["prompt_cache"].offset
         if limit is not None and held + len(ids) + args.max_tokens > limit:
-            raise UsageError("--max-tokens", f"{held} cached + {len(ids)} prompt + {args.max_tokens} tokens exceed "
-                             f"the model context {limit}")
+            raise UsageError(
+                "--max-tokens",
+                f"{held} cached + {len(ids)} prompt + {args.max_tokens} tokens exceed the model context {limit}",
+            )
     elif args.ignore_chat_template or tokenizer.chat_template is None:
         ids = tokenizer.encode(prompt)
     else:
@@ -738,9 +905,18 @@ def main(argv=None) -> int:
         messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
-    text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
-                    sampler=sampler, prefill_step_size=args.prefill_step_size, **_trace_kwargs(args), **_draft_kwargs(args),
-                    **extra)
+    text = generate(
+        model,
+        tokenizer,
+        ids,
+        verbose=args.verbose,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prefill_step_size=args.prefill_step_size,
+        **_trace_kwargs(args),
+        **_draft_kwargs(args),
+        **extra,
+    )
     if not args.verbose:
         print(text, flush=True)
     if pipeline_launched():

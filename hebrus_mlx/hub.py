@@ -23,8 +23,17 @@ from .errors import HebrusError
 
 # What a text checkpoint needs (weights, configs, tokenizer, chat template),
 # and a published hebrus-mlx artifact's stores.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.hbem", "*.hbpl",
-                  "*.xxh3"]  # a published artifact's fast-check digest tables (artifact/fast_check.py)
+ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.jinja",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.hbem",
+    "*.hbpl",
+    "*.xxh3",
+]  # a published artifact's fast-check digest tables (artifact/fast_check.py)
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 
@@ -85,8 +94,11 @@ def check_free(needed, where, what, field="disk"):
     not fit on the filesystem holding `where` (or its nearest existing parent)."""
     free = shutil.disk_usage(_existing_parent(where)).free
     if needed > free:
-        raise DiskSpaceError(field, f"{what} needs {needed} bytes ({needed / 2**30:.1f} GiB) in "
-                                    f"{_existing_parent(where)}, only {free} bytes ({free / 2**30:.1f} GiB) free")
+        raise DiskSpaceError(
+            field,
+            f"{what} needs {needed} bytes ({needed / 2**30:.1f} GiB) in "
+            f"{_existing_parent(where)}, only {free} bytes ({free / 2**30:.1f} GiB) free",
+        )
     return free
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import glob
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 
 from .errors import UsageError
+
 # Model names resolve in hub.py (demo -> local dir -> Hub repo id); re-exported for load's callers.
 from .hub import DEMO_DIR, ModelNotFoundError, is_repo_id, resolve_model, resolve_model_path  # noqa: F401
+
 
 def is_artifact(path: Path) -> bool:
     return (Path(path) / "manifest.json").is_file()
@@ -23,7 +24,7 @@ def load_config(path: Path) -> dict:
     return untrusted.read_json(str(path), "config.json", links=True)
 
 
-def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32, options=None):
+def load_hf_model(path, dtype: mx.Dtype | None = mx.float32, options=None):
     """Build the graph from an HF checkpoint dir (safetensors) via the explicit key tables.
 
     dtype: floating weights are cast to it (float32 by default: the CPU backend is fastest and
@@ -72,9 +73,16 @@ def load_hf_model(path, dtype: Optional[mx.Dtype] = mx.float32, options=None):
     return model
 
 
-def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Optional[float] = None,
-               ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None, prefill_sweep=None,
-               options=None):
+def load_model(
+    path,
+    dtype: mx.Dtype | None = mx.float32,
+    expert_cache_gb: float | None = None,
+    ple_cache_gb: float | None = None,
+    prefetch=None,
+    expert_mirror=None,
+    prefill_sweep=None,
+    options=None,
+):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
     size (see `loading.build_model.load_artifact_model`). HF checkpoint dirs always load resident.
@@ -84,13 +92,24 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
     if isinstance(path, Manifest) or is_artifact(path):
         from .loading.build_model import load_artifact_model  # admission runs before any graph buffer
 
-        return load_artifact_model(path, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                                   prefetch=prefetch, expert_mirror=expert_mirror, prefill_sweep=prefill_sweep,
-                                   options=options)
+        return load_artifact_model(
+            path,
+            dtype=dtype,
+            expert_cache_gb=expert_cache_gb,
+            ple_cache_gb=ple_cache_gb,
+            prefetch=prefetch,
+            expert_mirror=expert_mirror,
+            prefill_sweep=prefill_sweep,
+            options=options,
+        )
     path = Path(path)
-    for field, value in (("expert_cache_gb", expert_cache_gb), ("ple_cache_gb", ple_cache_gb),
-                         ("prefetch", prefetch), ("expert_mirror", expert_mirror),
-                         ("prefill_sweep", None if prefill_sweep in (None, "auto", "off") else prefill_sweep)):
+    for field, value in (
+        ("expert_cache_gb", expert_cache_gb),
+        ("ple_cache_gb", ple_cache_gb),
+        ("prefetch", prefetch),
+        ("expert_mirror", expert_mirror),
+        ("prefill_sweep", None if prefill_sweep in (None, "auto", "off") else prefill_sweep),
+    ):
         if value is not None:
             raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype, options=options)
@@ -100,7 +119,7 @@ def load_model(path, dtype: Optional[mx.Dtype] = mx.float32, expert_cache_gb: Op
 DTYPES = {"auto": None, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16, "stored": None}
 
 
-def default_dtype() -> Optional[mx.Dtype]:
+def default_dtype() -> mx.Dtype | None:
     """float32 on the CPU backend (fastest there, and the parity dtype); the stored dtype (None)
     where MLX runs on the GPU."""
     return mx.float32 if mx.default_device() == mx.cpu else None
@@ -122,9 +141,11 @@ def _apply_machine_profile(options=None):
         profile = None
     ignored = ignored_claims(profile)
     if ignored:
-        warnings.warn(f"machine profile: {', '.join(ignored)} marked passed but not honoured here (written on "
-                      "another machine, OS or MLX, or no Metal device); they stay off (re-run `hebrus-mlx qualify`)",
-                      stacklevel=3)
+        warnings.warn(
+            f"machine profile: {', '.join(ignored)} marked passed but not honoured here (written on "
+            "another machine, OS or MLX, or no Metal device); they stay off (re-run `hebrus-mlx qualify`)",
+            stacklevel=3,
+        )
     stream_engine.configure(profile, options)
     return kernels.configure(profile)
 
@@ -142,8 +163,11 @@ def _say_if_compiling(options) -> None:
 # mlx_lm.load's keywords that have no meaning here, and why (the value that changes nothing is accepted).
 _REFUSED = {
     "adapter_path": (None, "LoRA adapters are not supported by hebrus-mlx"),
-    "lazy": (False, "not supported: admission reads and checks the dense weights at load, and routed experts "
-                    "that do not fit are already streamed from the SSD on demand"),
+    "lazy": (
+        False,
+        "not supported: admission reads and checks the dense weights at load, and routed experts "
+        "that do not fit are already streamed from the SSD on demand",
+    ),
     "trust_remote_code": (False, "hebrus-mlx runs no code from a checkpoint"),
 }
 TOKENIZER_CONFIG_KEYS = ("eos_token", "chat_template", "trust_remote_code")
@@ -152,8 +176,10 @@ TOKENIZER_CONFIG_KEYS = ("eos_token", "chat_template", "trust_remote_code")
 def _check_mlx_lm_kwargs(tokenizer_config, model_config, unknown, **refusable) -> dict:
     """Typed errors naming the argument for what load() cannot honour; the tokenizer overrides."""
     if unknown:
-        raise UsageError(sorted(unknown)[0], "not an argument of hebrus_mlx.load (see its docstring for "
-                                             "mlx_lm.load's arguments that apply here)")
+        raise UsageError(
+            sorted(unknown)[0],
+            "not an argument of hebrus_mlx.load (see its docstring for mlx_lm.load's arguments that apply here)",
+        )
     for name, value in refusable.items():
         accepted, why = _REFUSED[name]
         if value is not accepted and value != accepted:
@@ -161,16 +187,20 @@ def _check_mlx_lm_kwargs(tokenizer_config, model_config, unknown, **refusable) -
     if model_config:
         if not isinstance(model_config, dict):
             raise UsageError("model_config", f"must be a dict, got {type(model_config).__name__}")
-        raise UsageError(f"model_config.{sorted(model_config)[0]}",
-                         "not supported: the model's config is the checkpoint's (an artifact's is pinned by its "
-                         "manifest); convert a checkpoint with the changed config.json instead")
+        raise UsageError(
+            f"model_config.{sorted(model_config)[0]}",
+            "not supported: the model's config is the checkpoint's (an artifact's is pinned by its "
+            "manifest); convert a checkpoint with the changed config.json instead",
+        )
     if tokenizer_config is None:
         return {}
     if not isinstance(tokenizer_config, dict):
         raise UsageError("tokenizer_config", f"must be a dict, got {type(tokenizer_config).__name__}")
     for key in tokenizer_config:
         if key not in TOKENIZER_CONFIG_KEYS:
-            raise UsageError(f"tokenizer_config.{key}", f"not supported (supported: {', '.join(TOKENIZER_CONFIG_KEYS)})")
+            raise UsageError(
+                f"tokenizer_config.{key}", f"not supported (supported: {', '.join(TOKENIZER_CONFIG_KEYS)})"
+            )
     if tokenizer_config.get("trust_remote_code", False) is not False:
         raise UsageError("tokenizer_config.trust_remote_code", _REFUSED["trust_remote_code"][1])
     return {k: tokenizer_config[k] for k in ("eos_token", "chat_template") if tokenizer_config.get(k) is not None}
@@ -189,11 +219,25 @@ def _resolve(path_or_name, revision) -> Path:
     return resolve_model(name, revision)
 
 
-def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = None,
-         ple_cache_gb: Optional[float] = None, prefetch=None, expert_mirror=None, prefill_sweep=None, *,
-         tokenizer_config: Optional[dict] = None, model_config: Optional[dict] = None, adapter_path=None,
-         lazy: bool = False, return_config: bool = False, revision: Optional[str] = None,
-         trust_remote_code: bool = False, options=None, **unknown):
+def load(
+    path_or_name: str,
+    dtype="auto",
+    expert_cache_gb: float | None = None,
+    ple_cache_gb: float | None = None,
+    prefetch=None,
+    expert_mirror=None,
+    prefill_sweep=None,
+    *,
+    tokenizer_config: dict | None = None,
+    model_config: dict | None = None,
+    adapter_path=None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    options=None,
+    **unknown,
+):
     """Load (model, tokenizer) from `demo`, an artifact dir, an HF checkpoint dir or a Hub repo id
     (`ORG/NAME`, resolved as the CLI's `--model`: a local directory of that name wins).
 
@@ -216,8 +260,14 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
     """
     from .text.tokenizer import load_tokenizer
 
-    tokenizer_overrides = _check_mlx_lm_kwargs(tokenizer_config, model_config, unknown, adapter_path=adapter_path,
-                                               lazy=lazy, trust_remote_code=trust_remote_code)
+    tokenizer_overrides = _check_mlx_lm_kwargs(
+        tokenizer_config,
+        model_config,
+        unknown,
+        adapter_path=adapter_path,
+        lazy=lazy,
+        trust_remote_code=trust_remote_code,
+    )
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise UsageError("dtype", f"expected one of {', '.join(DTYPES)}, an mlx dtype or None, got {dtype!r}")
@@ -232,10 +282,17 @@ def load(path_or_name: str, dtype="auto", expert_cache_gb: Optional[float] = Non
         # One admission: the graph and the tokenizer use exactly the bytes it checked.
         source = admit(str(path))
         sources = source.sources
-    model = load_model(source, dtype=dtype, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                       prefetch=prefetch, expert_mirror=expert_mirror, prefill_sweep=prefill_sweep, options=options)
-    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources,
-                               **tokenizer_overrides)
+    model = load_model(
+        source,
+        dtype=dtype,
+        expert_cache_gb=expert_cache_gb,
+        ple_cache_gb=ple_cache_gb,
+        prefetch=prefetch,
+        expert_mirror=expert_mirror,
+        prefill_sweep=prefill_sweep,
+        options=options,
+    )
+    tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources, **tokenizer_overrides)
     model.source_path = path  # route traces pin the artifact by its digest
     if return_config:
         config = dict(source.config) if sources is not None else load_config(path)

@@ -7,8 +7,8 @@ import functools
 import json
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 from .errors import HebrusError
 
@@ -30,7 +30,7 @@ def profile_path() -> Path:
     return Path(os.environ.get("HEBRUS_PROFILE") or Path.home() / ".cache" / "hebrus-mlx" / "profile.json")
 
 
-def read_profile(path: Optional[Path] = None) -> Optional[dict]:
+def read_profile(path: Path | None = None) -> dict | None:
     """The machine profile, or None when there is none (then nothing optional is switched on)."""
     path = Path(path) if path else profile_path()
     if not path.exists():
@@ -48,7 +48,7 @@ def read_profile(path: Optional[Path] = None) -> Optional[dict]:
     return profile
 
 
-def write_profile(profile: dict, path: Optional[Path] = None, overwrite: bool = False) -> Path:
+def write_profile(profile: dict, path: Path | None = None, overwrite: bool = False) -> Path:
     """Publish the profile atomically; an existing one is replaced by the rename, never removed
     first (a reader sees the old profile or the new one), and never a file hebrus-mlx did not
     write unless `overwrite` (qualify --out, issue 22)."""
@@ -101,18 +101,23 @@ def this_machine() -> dict:
     """The identity a profile is bound to, plus whether MLX computes on a Metal device now."""
     import mlx.core as mx
 
-    return {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-            "mlx": mx.__version__, "metal": metal_device()}
+    return {
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "mlx": mx.__version__,
+        "metal": metal_device(),
+    }
 
 
-def _entry(profile: Optional[dict], path) -> Optional[dict]:
+def _entry(profile: dict | None, path) -> dict | None:
     node = profile
     for key in path:
         node = node.get(key) if isinstance(node, dict) else None
     return node if isinstance(node, dict) else None
 
 
-def passed(profile: Optional[dict], *path: str) -> bool:
+def passed(profile: dict | None, *path: str) -> bool:
     """True only if the entry at `path` (e.g. "kernels", "hc_mix") passed on a Metal device, in a
     profile written on this machine (same OS release, architecture and MLX, AFN-013) and Metal is
     present now. A claim failing any of these is ignored: the feature stays off."""
@@ -124,17 +129,19 @@ def passed(profile: Optional[dict], *path: str) -> bool:
     return bool(wrote.get("metal") and here["metal"] and all(wrote.get(k) == here[k] for k in IDENTITY))
 
 
-def claims(profile: Optional[dict]) -> Iterator[str]:
+def claims(profile: dict | None) -> Iterator[str]:
     """Dotted paths of every entry the profile marks passed (whether or not it is honoured)."""
+
     def walk(node, prefix):
         if isinstance(node, dict):
             if node.get("status") == PASSED:
                 yield prefix
             for k, v in node.items():
                 yield from walk(v, f"{prefix}.{k}" if prefix else k)
+
     yield from walk(profile or {}, "")
 
 
-def ignored_claims(profile: Optional[dict]) -> list:
+def ignored_claims(profile: dict | None) -> list:
     """Passed entries `passed()` will not honour here (another machine/MLX, no Metal, no device)."""
     return [c for c in claims(profile) if not passed(profile, *c.split("."))]

@@ -18,7 +18,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -82,7 +81,7 @@ def load_data(tokenizer, data_path, num_samples: int, sequence_length: int, seed
     return data if num_samples < 0 else data[:num_samples]
 
 
-def token_losses(model, data: np.ndarray, batch_size: int = 8, chunk: Optional[int] = None, progress=None):
+def token_losses(model, data: np.ndarray, batch_size: int = 8, chunk: int | None = None, progress=None):
     """Cross-entropy of every predicted token, float32 [rows * (L - 1)]. `chunk`: tokens per row
     per forward (a fresh cache per batch carries the rows across chunks); None: whole rows."""
     import mlx.core as mx
@@ -91,15 +90,15 @@ def token_losses(model, data: np.ndarray, batch_size: int = 8, chunk: Optional[i
     out = []
     batches = range(0, len(data), batch_size)
     for b, s in enumerate(batches):
-        batch = mx.array(data[s: s + batch_size])
+        batch = mx.array(data[s : s + batch_size])
         inputs, targets = batch[:, :-1], batch[:, 1:]
         n = inputs.shape[1]
         step = n if chunk is None else chunk
         cache = model.make_cache() if step < n else None
         parts = []
         for i in range(0, n, step):
-            logits = model(inputs[:, i: i + step], cache).astype(mx.float32)
-            parts.append(nn.losses.cross_entropy(logits, targets[:, i: i + step], reduction="none"))
+            logits = model(inputs[:, i : i + step], cache).astype(mx.float32)
+            parts.append(nn.losses.cross_entropy(logits, targets[:, i : i + step], reduction="none"))
             mx.eval(parts[-1])
         out.append(np.array(mx.concatenate(parts, axis=1)).reshape(-1))  # rows, then positions
         if progress is not None:
@@ -107,7 +106,7 @@ def token_losses(model, data: np.ndarray, batch_size: int = 8, chunk: Optional[i
     return np.concatenate(out)
 
 
-def perplexity(model, data: np.ndarray, batch_size: int = 8, chunk: Optional[int] = None, progress=None):
+def perplexity(model, data: np.ndarray, batch_size: int = 8, chunk: int | None = None, progress=None):
     """(perplexity, its standard error, tokens scored), as mlx_lm.perplexity.eval_ppl computes them."""
     losses = token_losses(model, data, batch_size, chunk, progress).astype(np.float64)
     mean = float(losses.mean())
@@ -116,7 +115,7 @@ def perplexity(model, data: np.ndarray, batch_size: int = 8, chunk: Optional[int
     return ppl, ppl * se, int(losses.size)
 
 
-def stream_chunk(model, batch_size: int) -> (Optional[int], int):
+def stream_chunk(model, batch_size: int) -> (int | None, int):
     """(tokens per row per forward, rows per forward) a model takes: a streamed model pins every
     expert one forward routes to, so batch x chunk stays within its arena (max_chunk_tokens)."""
     streaming = getattr(model, "streaming", None)
@@ -130,17 +129,28 @@ def stream_chunk(model, batch_size: int) -> (Optional[int], int):
 def build_parser():
     p = flags.Parser(prog="hebrus-mlx perplexity", description="Perplexity of a model on held-out text")
     p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
-    p.add_argument("--data-path", default=str(DEFAULT_DATA),
-                   help="a local .txt (documents separated by two blank lines) or .jsonl ({\"text\": ...} per "
-                        "line); default: the demo's held-out text")
+    p.add_argument(
+        "--data-path",
+        default=str(DEFAULT_DATA),
+        help='a local .txt (documents separated by two blank lines) or .jsonl ({"text": ...} per '
+        "line); default: the demo's held-out text",
+    )
     p.add_argument("--sequence-length", type=flags.integer(2), default=512, help="tokens per sample")
     p.add_argument("--num-samples", type=flags.integer(-1), default=256, help="samples to score (-1: all)")
     p.add_argument("--batch-size", type=flags.integer(1), default=8, help="samples per forward")
     p.add_argument("--seed", type=flags.integer(0), default=123, help="shuffles the documents")
-    p.add_argument("--expert-cache-gb", type=flags.gib(), default=None,
-                   help="stream the routed experts through a cache of this size (as generate)")
-    p.add_argument("--ple-cache-gb", type=flags.gib(), default=None,
-                   help="stream the PLE table pages through a cache of this size (as generate)")
+    p.add_argument(
+        "--expert-cache-gb",
+        type=flags.gib(),
+        default=None,
+        help="stream the routed experts through a cache of this size (as generate)",
+    )
+    p.add_argument(
+        "--ple-cache-gb",
+        type=flags.gib(),
+        default=None,
+        help="stream the PLE table pages through a cache of this size (as generate)",
+    )
     add_prefetch_argument(p)
     return p
 
@@ -155,12 +165,16 @@ def main(argv=None):
     from .loader import load
 
     print(f"Loading model from {a.model}...", file=sys.stderr)
-    model, tokenizer = load(resolve_model(a.model), expert_cache_gb=a.expert_cache_gb,
-                            ple_cache_gb=a.ple_cache_gb, prefetch=prefetch)
+    model, tokenizer = load(
+        resolve_model(a.model), expert_cache_gb=a.expert_cache_gb, ple_cache_gb=a.ple_cache_gb, prefetch=prefetch
+    )
     data = load_data(tokenizer, a.data_path, a.num_samples, a.sequence_length, a.seed)
     if a.num_samples > len(data):
-        print(f"note: {a.data_path} holds {len(data)} samples of {a.sequence_length} tokens "
-              f"(--num-samples {a.num_samples}); scoring those", file=sys.stderr)
+        print(
+            f"note: {a.data_path} holds {len(data)} samples of {a.sequence_length} tokens "
+            f"(--num-samples {a.num_samples}); scoring those",
+            file=sys.stderr,
+        )
     chunk, rows = stream_chunk(model, a.batch_size)
 
     def progress(i, n):
@@ -170,8 +184,11 @@ def main(argv=None):
     ppl, se, n = perplexity(model, data, rows, chunk, progress)
     dt = time.perf_counter() - t0
     print(file=sys.stderr)
-    mode = "resident" if getattr(model, "streaming", None) is None else (
-        f"streamed, {chunk} tokens x {rows} rows per forward")
+    mode = (
+        "resident"
+        if getattr(model, "streaming", None) is None
+        else (f"streamed, {chunk} tokens x {rows} rows per forward")
+    )
     print(f"Model: {a.model} ({mode})")
     print(f"Data: {a.data_path}: {len(data)} samples x {a.sequence_length} tokens, seed {a.seed}")
     print(f"Perplexity: {ppl:.3f} ± {se:.3f}")

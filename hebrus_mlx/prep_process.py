@@ -28,10 +28,14 @@ _TOK = None  # the child's TextTokenizer
 def tokenizer_spec(tok) -> dict:
     """What rebuilds `tok` (a TextTokenizer) in another process, byte for byte."""
     renderer = getattr(tok, "_renderer", None)
-    return {"tokenizer_json": tok.backend.to_str(), "physical_vocab_size": tok.physical_vocab_size,
-            "stop_token_ids": sorted(tok.stop_token_ids), "chat_template": tok.chat_template,
-            "special_tokens_map": dict(tok.special_tokens_map),
-            "limits": None if renderer is None else renderer.limits}
+    return {
+        "tokenizer_json": tok.backend.to_str(),
+        "physical_vocab_size": tok.physical_vocab_size,
+        "stop_token_ids": sorted(tok.stop_token_ids),
+        "chat_template": tok.chat_template,
+        "special_tokens_map": dict(tok.special_tokens_map),
+        "limits": None if renderer is None else renderer.limits,
+    }
 
 
 def _start(spec: dict, parent: int):
@@ -45,8 +49,13 @@ def _start(spec: dict, parent: int):
 
     global _TOK
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is the server's to handle
-    tok = TextTokenizer(Tokenizer.from_str(spec["tokenizer_json"]), spec["physical_vocab_size"],
-                        spec["stop_token_ids"], spec["chat_template"], spec["special_tokens_map"])
+    tok = TextTokenizer(
+        Tokenizer.from_str(spec["tokenizer_json"]),
+        spec["physical_vocab_size"],
+        spec["stop_token_ids"],
+        spec["chat_template"],
+        spec["special_tokens_map"],
+    )
     if spec["limits"] is not None and tok.chat_template is not None:
         tok._renderer = ChatRenderer(tok.chat_template, tok.special_tokens_map, spec["limits"])
     _TOK = tok

@@ -20,14 +20,13 @@ cannot do, deep-copies whole caches, and cannot see a pipeline's remote layers (
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import importlib
 
 import mlx.core as mx
 from mlx.utils import tree_unflatten
@@ -51,7 +50,7 @@ class PromptCache:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be an int >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._entries: "OrderedDict[Tuple[int, ...], _Entry]" = OrderedDict()
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
@@ -96,7 +95,7 @@ class PromptCache:
             self.disk.save(key, cache)
         return self._remember(key, cache)
 
-    def _remember(self, key: Tuple[int, ...], cache) -> bool:
+    def _remember(self, key: tuple[int, ...], cache) -> bool:
         if self.max_bytes == 0:
             return False
         if key in self._entries:
@@ -132,15 +131,15 @@ def stream_with_cache(
     model,
     tokenizer,
     ids: Sequence[int],
-    prompt_cache: Optional[PromptCache],
+    prompt_cache: PromptCache | None,
     max_tokens: int,
     sampler=None,
     prefill_step_size: int = _gen.DEFAULT_PREFILL_STEP_SIZE,
     cancelled: Callable[[], bool] = lambda: False,
-    usage: Optional[Usage] = None,
+    usage: Usage | None = None,
     draft_model=None,
-    num_draft_tokens: Optional[int] = None,
-    logits_processors: Optional[list] = None,
+    num_draft_tokens: int | None = None,
+    logits_processors: list | None = None,
 ) -> Iterator[_gen.GenerationResponse]:
     """`stream_generate` over a prompt whose longest cached prefix is restored instead of
     prefilled. Fills `usage` as it goes. Stops early (no error) when `cancelled()` turns true.
@@ -155,7 +154,8 @@ def stream_with_cache(
         raise _gen.GenerationError("prompt is empty")
     if limit is not None and len(ids) + max_tokens > limit:
         raise _gen.GenerationError(
-            f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the model context {limit}")
+            f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the model context {limit}"
+        )
     tic = time.perf_counter()
     if prompt_cache is not None:
         cache, n = prompt_cache.fetch(model, ids)
@@ -171,9 +171,17 @@ def stream_with_cache(
     extra = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
     if logits_processors:
         extra["logits_processors"] = _with_prefix(logits_processors, ids[:-1])
-    steps = _gen.stream_generate(model, tokenizer, ids[-1:], max_tokens=max_tokens, sampler=sampler,
-                                 prompt_cache=cache, prefill_step_size=prefill_step_size, **extra)
-    tokens: List[int] = []
+    steps = _gen.stream_generate(
+        model,
+        tokenizer,
+        ids[-1:],
+        max_tokens=max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
+        prefill_step_size=prefill_step_size,
+        **extra,
+    )
+    tokens: list[int] = []
     finished = False
     try:
         for r in steps:
@@ -227,8 +235,9 @@ def _artifact_digest(model) -> str:
 
     source = getattr(model, "source_path", None)
     if source is None:
-        raise PromptCacheFileError("model", "has no source_path: load it with hebrus_mlx.load so the file can "
-                                            "name the artifact it belongs to")
+        raise PromptCacheFileError(
+            "model", "has no source_path: load it with hebrus_mlx.load so the file can name the artifact it belongs to"
+        )
     return artifact_digest(source)
 
 
@@ -238,8 +247,9 @@ def _runtime_dtype(model) -> str:
     return str(model.model.embed_tokens(mx.array([[0]])).dtype)
 
 
-def prompt_cache_metadata(model, cache: SequenceCache, tokens: Optional[Sequence[int]] = None,
-                          metadata: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def prompt_cache_metadata(
+    model, cache: SequenceCache, tokens: Sequence[int] | None = None, metadata: dict[str, str] | None = None
+) -> dict[str, str]:
     """The metadata that binds a saved `cache` to `model` (pass it to mlx-lm's
     `save_prompt_cache(file, cache, metadata=...)`, or use `save_prompt_cache` here). `tokens`: the
     IDs the cache holds, recorded so a later run can match its prompt against them."""
@@ -250,8 +260,13 @@ def prompt_cache_metadata(model, cache: SequenceCache, tokens: Optional[Sequence
         if k in _RESERVED:
             raise PromptCacheFileError("metadata", f"{k!r} is written by hebrus-mlx itself")
         out[k] = v
-    out.update(format=FORMAT, artifact_digest=_artifact_digest(model), dtype=_runtime_dtype(model),
-               offset=str(cache.offset), start_position=str(cache.start_position))
+    out.update(
+        format=FORMAT,
+        artifact_digest=_artifact_digest(model),
+        dtype=_runtime_dtype(model),
+        offset=str(cache.offset),
+        start_position=str(cache.start_position),
+    )
     if tokens is not None:
         tokens = [int(t) for t in tokens]
         if len(tokens) != cache.offset:
@@ -260,8 +275,9 @@ def prompt_cache_metadata(model, cache: SequenceCache, tokens: Optional[Sequence
     return out
 
 
-def serialize_prompt_cache(cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
-                           metadata: Optional[Dict[str, str]] = None) -> bytes:
+def serialize_prompt_cache(
+    cache: SequenceCache, model, tokens: Sequence[int] | None = None, metadata: dict[str, str] | None = None
+) -> bytes:
     """`cache` (one single-process sequence of `model`) as the bytes of a prompt-cache file (mlx-lm's
     `save_prompt_cache` layout, bound to the artifact by `prompt_cache_metadata`)."""
     if type(cache) is not SequenceCache:  # a pipeline's cache keeps other ranks' layers elsewhere
@@ -277,8 +293,9 @@ def serialize_prompt_cache(cache: SequenceCache, model, tokens: Optional[Sequenc
     return buf.getvalue()
 
 
-def save_prompt_cache(path, cache: SequenceCache, model, tokens: Optional[Sequence[int]] = None,
-                      metadata: Optional[Dict[str, str]] = None) -> Path:
+def save_prompt_cache(
+    path, cache: SequenceCache, model, tokens: Sequence[int] | None = None, metadata: dict[str, str] | None = None
+) -> Path:
     """Write `cache` (one single-process sequence of `model`) to `path` in mlx-lm's layout,
     published atomically (artifact.atomic: temp + fsync + rename; a failure leaves `path` as it
     was). Returns the path."""
@@ -328,8 +345,13 @@ def _read(path: Path):
     except (OSError, RuntimeError, ValueError) as e:
         raise PromptCacheFileError(f"{path}: not a readable safetensors file ({e})") from None
     meta = tree_unflatten(list(flat_meta.items()))
-    if not (isinstance(meta, list) and len(meta) == 3 and isinstance(meta[0], dict) and isinstance(meta[1], list)
-            and isinstance(meta[2], list)):
+    if not (
+        isinstance(meta, list)
+        and len(meta) == 3
+        and isinstance(meta[0], dict)
+        and isinstance(meta[1], list)
+        and isinstance(meta[2], list)
+    ):
         raise PromptCacheFileError(f"{path}: not an mlx-lm prompt-cache file (metadata, classes, scalars)")
     user, classes, scalars = meta
     states = tree_unflatten(list(_decode_scalars(dict(arrays), scalars).items())) if arrays else []
@@ -340,7 +362,9 @@ def _int_field(meta, key) -> int:
     try:
         value = int(meta[key])
     except (KeyError, ValueError):
-        raise PromptCacheFileError(f"prompt_cache_file.{key}", f"missing or not an integer: {meta.get(key)!r}") from None
+        raise PromptCacheFileError(
+            f"prompt_cache_file.{key}", f"missing or not an integer: {meta.get(key)!r}"
+        ) from None
     if value < 0:
         raise PromptCacheFileError(f"prompt_cache_file.{key}", f"must be >= 0, got {value}")
     return value
@@ -358,12 +382,16 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
         raise PromptCacheFileError(f"{path}: no such file")
     meta, classes, states = _read(path)
     if meta.get("format") != FORMAT:
-        raise PromptCacheFileError("prompt_cache_file.format", f"expected {FORMAT!r}, got {meta.get('format')!r} "
-                                   "(write it with hebrus_mlx.prompt_cache.save_prompt_cache or its metadata)")
+        raise PromptCacheFileError(
+            "prompt_cache_file.format",
+            f"expected {FORMAT!r}, got {meta.get('format')!r} "
+            "(write it with hebrus_mlx.prompt_cache.save_prompt_cache or its metadata)",
+        )
     for key, want in (("artifact_digest", _artifact_digest(model)), ("dtype", _runtime_dtype(model))):
         if meta.get(key) != want:
-            raise PromptCacheFileError(f"prompt_cache_file.{key}", f"the file was computed with {meta.get(key)!r}, "
-                                       f"this model is {want!r}")
+            raise PromptCacheFileError(
+                f"prompt_cache_file.{key}", f"the file was computed with {meta.get(key)!r}, this model is {want!r}"
+            )
     expected = [type(layer).__name__ for layer in model.make_cache()]
     if classes != expected or len(states) != len(expected):
         raise PromptCacheFileError("prompt_cache_file.layers", f"the file holds {classes}, the model has {expected}")
@@ -387,8 +415,11 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
             tokens = loads(out["tokens"], "prompt_cache_file.tokens")
         except UntrustedFileError:
             tokens = None
-        if not isinstance(tokens, list) or len(tokens) != cache.offset or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        if (
+            not isinstance(tokens, list)
+            or len(tokens) != cache.offset
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+        ):
             raise PromptCacheFileError("prompt_cache_file.tokens", f"must be a JSON list of {cache.offset} token IDs")
         out["tokens"] = tokens
     return cache, out

@@ -30,15 +30,19 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
-
 
 from .artifact.atomic import publish_file
 from .artifact.errors import PublishError
 from .errors import UsageError
-from .prompt_cache import (PromptCacheFileError, _artifact_digest, _runtime_dtype, load_prompt_cache,
-                           serialize_prompt_cache)
+from .prompt_cache import (
+    PromptCacheFileError,
+    _artifact_digest,
+    _runtime_dtype,
+    load_prompt_cache,
+    serialize_prompt_cache,
+)
 
 log = logging.getLogger("hebrus_mlx.prompt_cache")
 
@@ -72,12 +76,12 @@ class DiskPromptCache:
             raise UsageError("--prompt-cache-dir", f"{directory}: not a writable directory")
         self.digest = _artifact_digest(model)
         self.dtype = _runtime_dtype(model)
-        self.entries: Dict[Tuple[int, ...], dict] = {}  # tokens -> {"key", "bytes", "used", "sha256"}
+        self.entries: dict[tuple[int, ...], dict] = {}  # tokens -> {"key", "bytes", "used", "sha256"}
         self.nbytes = 0
         self.hits = self.saves = self.refused = 0
         self._lock = threading.RLock()  # entries, nbytes: the generating thread and the writer
         self._pending = set()  # tokens queued for the writer
-        self._writes: "queue.Queue" = queue.Queue(maxsize=4)  # a full queue holds the generating thread back
+        self._writes: queue.Queue = queue.Queue(maxsize=4)  # a full queue holds the generating thread back
         self._scan()
         threading.Thread(target=self._writer, name="hebrus-prompt-cache-writer", daemon=True).start()
 
@@ -140,9 +144,13 @@ class DiskPromptCache:
         if rec.get("format") != INDEX_FORMAT:
             return self._refuse(key, f"stale format {rec.get('format')!r}, this build writes {INDEX_FORMAT!r}")
         tokens = rec.get("tokens")
-        if (not isinstance(tokens, list) or not tokens
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
-                or self.key(tokens) != key or not isinstance(rec.get("sha256"), str)):
+        if (
+            not isinstance(tokens, list)
+            or not tokens
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+            or self.key(tokens) != key
+            or not isinstance(rec.get("sha256"), str)
+        ):
             return self._refuse(key, "corrupted index record: tokens or checksum do not match its name")
         try:
             st = data.stat()
@@ -153,7 +161,7 @@ class DiskPromptCache:
         self.nbytes += st.st_size
 
     # -- lookups -------------------------------------------------------------------------------
-    def longest(self, ids: Sequence[int], longer_than: int = 0) -> Optional[Tuple[int, ...]]:
+    def longest(self, ids: Sequence[int], longer_than: int = 0) -> tuple[int, ...] | None:
         """The longest stored prefix of `ids` shorter than `ids` and longer than `longer_than`."""
         ids = tuple(ids)
         best = None
@@ -165,7 +173,7 @@ class DiskPromptCache:
                 best = tokens
         return best
 
-    def load(self, tokens: Tuple[int, ...]):
+    def load(self, tokens: tuple[int, ...]):
         """The stored `SequenceCache` after `tokens`, or None (refused: logged and removed)."""
         with self._lock:
             e = self.entries.get(tokens)
@@ -212,7 +220,7 @@ class DiskPromptCache:
         self._writes.put((tokens, payload))
         return True
 
-    def flush(self, timeout: Optional[float] = None) -> bool:
+    def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued snapshot is published (False: `timeout` seconds passed first)."""
         done = threading.Event()
         self._writes.put(done)
@@ -233,11 +241,17 @@ class DiskPromptCache:
                 with self._lock:
                     self._pending.discard(tokens)
 
-    def _publish(self, tokens: Tuple[int, ...], payload: bytes):
+    def _publish(self, tokens: tuple[int, ...], payload: bytes):
         key = self.key(tokens)
         data, index = self._paths(key)
-        rec = {"format": INDEX_FORMAT, "artifact_digest": self.digest, "dtype": self.dtype, "tokens": list(tokens),
-               "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        rec = {
+            "format": INDEX_FORMAT,
+            "artifact_digest": self.digest,
+            "dtype": self.dtype,
+            "tokens": list(tokens),
+            "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
         try:
             publish_file(str(data), lambda w: w.write(payload))
             publish_file(str(index), lambda w: w.write(json.dumps(rec).encode()))

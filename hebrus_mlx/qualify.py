@@ -36,8 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from . import flags
 from .errors import UsageError
@@ -55,8 +55,12 @@ EMULATED_TOLERANCE = {"hc_mix": 1e-6, "ple_gather": 0.0, "qsa_attention": 2e-6}
 def _hc_case(rng):
     import numpy as np
 
-    return (rng.standard_normal((1, 7, 4 * 128)).astype(np.float32) * 3,
-            rng.standard_normal((1, 7, 4 * 128)).astype(np.float32), 4, 128)
+    return (
+        rng.standard_normal((1, 7, 4 * 128)).astype(np.float32) * 3,
+        rng.standard_normal((1, 7, 4 * 128)).astype(np.float32),
+        4,
+        128,
+    )
 
 
 def _qsa_case(rng, L=3, hq=4, hkv=2, D=64, S=97, r=4, keep=8):
@@ -78,7 +82,7 @@ def _qsa_case(rng, L=3, hq=4, hkv=2, D=64, S=97, r=4, keep=8):
         sel = np.concatenate([toks, tail])
         idx[i, : len(sel)] = sel
         ok[i, : len(sel)] = True
-    return q, k, v, idx, ok, D ** -0.5
+    return q, k, v, idx, ok, D**-0.5
 
 
 def _ple_embedding():
@@ -141,6 +145,7 @@ def check_kernels_emulated() -> dict:
     import numpy as np
 
     from .kernels import ple_gather
+
     # The one product use of the test oracles: qualify's opt-in check of the shipped MSL sources.
     from .testing import kernel_emulation as emu
 
@@ -157,13 +162,20 @@ def check_kernels_emulated() -> dict:
             sel = idx[i][ok[i]]
             s = k[h // rep, sel].astype(np.float64) @ q[h, i].astype(np.float64) * scale
             p = np.exp(s - s.max())
-            want[i, h * q.shape[2]:(h + 1) * q.shape[2]] = p / p.sum() @ v[h // rep, sel].astype(np.float64)
+            want[i, h * q.shape[2] : (h + 1) * q.shape[2]] = p / p.sum() @ v[h // rep, sel].astype(np.float64)
     out["qsa_attention"] = float(np.abs(emu.qsa_attention(q, k, v, idx, ok, scale) - want).max())
     emb, history, n = _ple_embedding()
     ref_rows, ref = ple_gather.ops(emb, history, n)
-    rows, e = emu.ple_gather(np.array(history[0]), np.array(emb._multipliers), np.array(emb._head_sizes),
-                             np.array(emb._head_offsets), np.array(emb.ngram_embedding.weight), n,
-                             emb.heads_per_ngram, emb.eos)
+    rows, e = emu.ple_gather(
+        np.array(history[0]),
+        np.array(emb._multipliers),
+        np.array(emb._head_sizes),
+        np.array(emb._head_offsets),
+        np.array(emb.ngram_embedding.weight),
+        n,
+        emb.heads_per_ngram,
+        emb.eos,
+    )
     out["ple_gather"] = float(max(np.abs(rows - np.array(ref_rows[0])).max(), np.abs(e - np.array(ref[0])).max()))
     del mx
     return out
@@ -173,16 +185,25 @@ def _shader_validation_clean() -> dict:
     """Re-run the device kernel checks in a child with MTL_SHADER_VALIDATION=1: clean = exit 0, no
     validation report on stderr, and every kernel still within its tolerance."""
     env = dict(os.environ, MTL_SHADER_VALIDATION="1")
-    proc = subprocess.run([sys.executable, "-m", "hebrus_mlx.qualify", "--kernels-child"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.qualify", "--kernels-child"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     reported = "validation" in proc.stderr.lower()
     try:
         diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         diffs = {}
     within = bool(diffs) and all(diffs.get(n, float("inf")) <= TOLERANCE[n] for n in TOLERANCE)
-    return {"clean": proc.returncode == 0 and not reported and within, "returncode": proc.returncode,
-            "max_abs_diff": diffs, "stderr_tail": proc.stderr[-400:]}
+    return {
+        "clean": proc.returncode == 0 and not reported and within,
+        "returncode": proc.returncode,
+        "max_abs_diff": diffs,
+        "stderr_tail": proc.stderr[-400:],
+    }
 
 
 def kernels_section(emulate: bool = True) -> dict:
@@ -201,15 +222,21 @@ def kernels_section(emulate: bool = True) -> dict:
         device = check_kernels_metal()
         validation = _shader_validation_clean()
     for name in kernels.KERNELS:
-        entry = {"emulated_max_abs_diff": emulated.get(name),
-                 "emulated_ok": isinstance(emulated.get(name), float) and emulated[name] <= EMULATED_TOLERANCE[name]}
+        entry = {
+            "emulated_max_abs_diff": emulated.get(name),
+            "emulated_ok": isinstance(emulated.get(name), float) and emulated[name] <= EMULATED_TOLERANCE[name],
+        }
         if name in device:
             ok = device[name] <= TOLERANCE[name] and validation["clean"]
-            entry.update(status=PASSED if ok else FAILED, device="metal", max_abs_diff=device[name],
-                         shader_validation=validation)
+            entry.update(
+                status=PASSED if ok else FAILED, device="metal", max_abs_diff=device[name], shader_validation=validation
+            )
         else:
-            entry.update(status=NOT_QUALIFIED, device="emulator" if emulate else None,
-                         reason="no Metal device: emulation checks the source, not Apple's compiler")
+            entry.update(
+                status=NOT_QUALIFIED,
+                device="emulator" if emulate else None,
+                reason="no Metal device: emulation checks the source, not Apple's compiler",
+            )
         section[name] = entry
     return section
 
@@ -234,21 +261,33 @@ def run_abba(measure_a: Callable, measure_b: Callable, rounds: int) -> dict:
     return {"a": vals["A"], "b": vals["B"], "identical": all(o == first for arm in "AB" for o in outs[arm])}
 
 
-def decide_ab(a: list, b: list, identical: bool, a_name: str, b_name: str, unit: str,
-              min_gain: float = MIN_GAIN) -> dict:
+def decide_ab(
+    a: list, b: list, identical: bool, a_name: str, b_name: str, unit: str, min_gain: float = MIN_GAIN
+) -> dict:
     """The profile entry for "promote B over the default A": passed only if B's outputs are
     identical to A's and B's median beats A's by `min_gain`."""
     med_a, med_b = statistics.median(a), statistics.median(b)
     ratio = med_b / med_a if med_a > 0 else float("inf") if med_b > 0 else 1.0
-    entry = {"device": "metal", "order": "ABBA", "rounds": len(a) // 2, f"{a_name}_{unit}": a,
-             f"{b_name}_{unit}": b, "median_ratio": ratio, "min_gain": min_gain, "identical": identical}
+    entry = {
+        "device": "metal",
+        "order": "ABBA",
+        "rounds": len(a) // 2,
+        f"{a_name}_{unit}": a,
+        f"{b_name}_{unit}": b,
+        "median_ratio": ratio,
+        "min_gain": min_gain,
+        "identical": identical,
+    }
     if not identical:
         entry.update(status=FAILED, decision=a_name, reason=f"{b_name} output differs from {a_name}")
     elif ratio >= min_gain:
         entry.update(status=PASSED, decision=b_name, reason=f"identical, median {ratio:.3f}x {a_name}")
     else:
-        entry.update(status=NO_GAIN, decision=a_name,
-                     reason=f"identical but median {ratio:.3f}x {a_name} < {min_gain}: {a_name} stays")
+        entry.update(
+            status=NO_GAIN,
+            decision=a_name,
+            reason=f"identical but median {ratio:.3f}x {a_name} < {min_gain}: {a_name} stays",
+        )
     return entry
 
 
@@ -291,9 +330,13 @@ def cold_read_probe(path: Path, record_bytes: int, reads: int = 64, depths=(1, 8
         r = raw_pread(str(path), batches, record, threads=qd, direct=True)
         out[f"qd{qd}_GBps"] = r["bytes"] / r["elapsed_ns"]
         out["direct"] = bool(r["direct"])
-        out["page_cache"] = ("bypassed (O_DIRECT)" if r["direct"] and platform.system() == "Linux"
-                             else "bypassed (F_NOCACHE; pages cached before may still hit)" if r["direct"]
-                             else evicted)
+        out["page_cache"] = (
+            "bypassed (O_DIRECT)"
+            if r["direct"] and platform.system() == "Linux"
+            else "bypassed (F_NOCACHE; pages cached before may still hit)"
+            if r["direct"]
+            else evicted
+        )
     return out
 
 
@@ -316,7 +359,7 @@ def sha256_cost(record_bytes: int, rounds: int = 32) -> dict:
     return out
 
 
-def _write_probe_file(probe_dir: Optional[str], mib: int) -> str:
+def _write_probe_file(probe_dir: str | None, mib: int) -> str:
     fd, tmp = tempfile.mkstemp(prefix="hebrus-probe-", dir=probe_dir)
     if platform.system() == "Darwin":
         import fcntl
@@ -331,7 +374,7 @@ def _write_probe_file(probe_dir: Optional[str], mib: int) -> str:
     return tmp
 
 
-def pread_probe(probe_dir: Optional[str], record_bytes: int, probe_mib: int, store: Optional[str]) -> dict:
+def pread_probe(probe_dir: str | None, record_bytes: int, probe_mib: int, store: str | None) -> dict:
     """The `io.pread` entry (schema stable; `bench` reuses it as the machine's SSD record):
     record_bytes, file_bytes, qd{1,8,32}_GBps, direct, page_cache, sha256_GBps_one_thread,
     sha256_vs_qd32, sha256_engine_GBps_one_thread, sha256_engine_backend, sha256_engine_vs_qd32,
@@ -420,8 +463,9 @@ def measure_resolve(manifest, batches, backend: str, rows: int) -> tuple:
         eng.close()
 
 
-def mtlio_section(artifact: str, rounds: int, measure: Optional[Callable] = None,
-                  reference: Optional[Callable] = None) -> dict:
+def mtlio_section(
+    artifact: str, rounds: int, measure: Callable | None = None, reference: Callable | None = None
+) -> dict:
     """io.mtlio_vs_pread: promote MTLIO only if it wins here (public measurements found no
     repeatable MTLIO win). Every run resolves records no earlier run read, so the arms compare
     each run's arena bytes with a pread resolve of the same records made after the timed runs.
@@ -460,10 +504,10 @@ def sweep_crossover_section(artifact: str, rounds: int, fractions=None) -> dict:
     and the sweep run as the loader builds them (8 reader threads, the sweep's 4). The loader
     honours it for stores of this geometry on this file system (stream.crossover.from_profile)."""
     from .admission import admit
+    from .loader import resolve_model_path
     from .stream import crossover
     from .stream.engine import StreamEngine
     from .stream.experts import StreamedExperts
-    from .loader import resolve_model_path
 
     m = admit(str(resolve_model_path(artifact)))
     store = Path(m.file(m.experts)).resolve()
@@ -480,28 +524,40 @@ def sweep_crossover_section(artifact: str, rounds: int, fractions=None) -> dict:
     def evict():
         how.append(_evict(store))
 
-    entry = crossover.measure(make, evict, m.family.num_hidden_layers, fractions or crossover.FRACTIONS,
-                              passes=2 * rounds)
-    entry.update(status=crossover.MEASURED, store=str(store), artifact=str(artifact),
-                 page_cache=how[-1] if how else None,
-                 reason=("the sweep reads the whole extent faster than the slot path reads this fraction of it"
-                         if entry["sweep_won"] else "the slot path was faster at every fraction: auto sweeps only "
-                         "chunks the arena cannot take"))
+    entry = crossover.measure(
+        make, evict, m.family.num_hidden_layers, fractions or crossover.FRACTIONS, passes=2 * rounds
+    )
+    entry.update(
+        status=crossover.MEASURED,
+        store=str(store),
+        artifact=str(artifact),
+        page_cache=how[-1] if how else None,
+        reason=(
+            "the sweep reads the whole extent faster than the slot path reads this fraction of it"
+            if entry["sweep_won"]
+            else "the slot path was faster at every fraction: auto sweeps only chunks the arena cannot take"
+        ),
+    )
     return entry
 
 
-def io_section(probe_dir: Optional[str], record_bytes: int, probe_mib: int, store: Optional[str],
-               artifact: str = "demo", rounds: int = 2) -> dict:
+def io_section(
+    probe_dir: str | None, record_bytes: int, probe_mib: int, store: str | None, artifact: str = "demo", rounds: int = 2
+) -> dict:
     from .stream import engine
 
     if not engine.available():
         reason = engine.unavailable_reason()
-        return {"pread": {"status": NOT_QUALIFIED, "reason": reason},
-                "mtlio_vs_pread": {"status": NOT_QUALIFIED, "reason": reason},
-                "sweep_crossover": {"status": NOT_QUALIFIED, "reason": reason}}
-    return {"pread": pread_probe(probe_dir, record_bytes, probe_mib, store),
-            "mtlio_vs_pread": mtlio_section(artifact, rounds),
-            "sweep_crossover": sweep_crossover_section(artifact, rounds)}
+        return {
+            "pread": {"status": NOT_QUALIFIED, "reason": reason},
+            "mtlio_vs_pread": {"status": NOT_QUALIFIED, "reason": reason},
+            "sweep_crossover": {"status": NOT_QUALIFIED, "reason": reason},
+        }
+    return {
+        "pread": pread_probe(probe_dir, record_bytes, probe_mib, store),
+        "mtlio_vs_pread": mtlio_section(artifact, rounds),
+        "sweep_crossover": sweep_crossover_section(artifact, rounds),
+    }
 
 
 # ---- streaming: GPU events vs the CPU stream ---------------------------------------------------------
@@ -533,7 +589,7 @@ def _streamed_demo(artifact: str):
     return load(str(path), expert_cache_gb=4 * experts / 2**30 + 0.01)
 
 
-def gpu_event_section(artifact: str, rounds: int, tokens: int, measure: Optional[Callable] = None) -> dict:
+def gpu_event_section(artifact: str, rounds: int, tokens: int, measure: Callable | None = None) -> dict:
     """streaming.gpu_event: identical greedy tokens and A/B/B/A tok/s against the CPU stream."""
     from . import kernels
     from .stream import engine
@@ -541,8 +597,10 @@ def gpu_event_section(artifact: str, rounds: int, tokens: int, measure: Optional
     if not kernels.metal_available():
         return {"status": NOT_QUALIFIED, "reason": "no Metal device: streamed ops run on the CPU stream"}
     if not engine.gpu_events_compiled():
-        return {"status": NOT_QUALIFIED,
-                "reason": "this build has no GPU-event path (CMake -DHEBRUS_METAL_EVENTS=ON on a Mac)"}
+        return {
+            "status": NOT_QUALIFIED,
+            "reason": "this build has no GPU-event path (CMake -DHEBRUS_METAL_EVENTS=ON on a Mac)",
+        }
     if measure is None:
         model, tok = _streamed_demo(artifact)
         prompt = "The quick brown fox"
@@ -550,14 +608,23 @@ def gpu_event_section(artifact: str, rounds: int, tokens: int, measure: Optional
 
         def measure(gpu):
             return measure_streamed_decode(model, tok, prompt, tokens, gpu)
+
     res = run_abba(lambda: measure(False), lambda: measure(True), rounds)
     entry = decide_ab(res["a"], res["b"], res["identical"], "cpu_stream", "gpu_event", "tok_s")
     entry.update(artifact=str(artifact), tokens=tokens)
     return entry
 
 
-def qualify(probe_dir=None, record_bytes=2704 * 1024, probe_mib=128, store=None, emulate=True,
-            artifact="demo", rounds=2, tokens=32) -> dict:
+def qualify(
+    probe_dir=None,
+    record_bytes=2704 * 1024,
+    probe_mib=128,
+    store=None,
+    emulate=True,
+    artifact="demo",
+    rounds=2,
+    tokens=32,
+) -> dict:
     return {
         "schema": SCHEMA,
         "created_unix": int(time.time()),
@@ -570,20 +637,32 @@ def qualify(probe_dir=None, record_bytes=2704 * 1024, probe_mib=128, store=None,
 
 def build_parser():
     p = flags.Parser(prog="hebrus-mlx qualify", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="let --out/--report replace a file hebrus-mlx did not write")
+    p.add_argument(
+        "--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="let --out/--report replace a file hebrus-mlx did not write"
+    )
     p.add_argument("--probe-dir", default=None, help="directory on the SSD the model lives on (probe file)")
     p.add_argument("--store", default=None, help="read an existing file (e.g. an artifact's experts.hbem) instead")
-    p.add_argument("--record-kib", type=flags.integer(1, 1 << 20), default=2704, help="read size (default: one real expert record)")
+    p.add_argument(
+        "--record-kib", type=flags.integer(1, 1 << 20), default=2704, help="read size (default: one real expert record)"
+    )
     p.add_argument("--probe-mib", type=flags.integer(1, 1 << 20), default=128)
     p.add_argument("--no-emulate", action="store_true")
-    p.add_argument("--artifact", default="demo",
-                   help="artifact whose expert store the MTLIO and GPU-event A/Bs stream and the prefill sweep's "
-                        "crossover is measured on (default: demo; the loader uses that crossover only for stores "
-                        "of the same record size on the same file system)")
-    p.add_argument("--rounds", type=flags.integer(1, 1000), default=2, help="A/B/B/A rounds of each device A/B (default 2)")
-    p.add_argument("--tokens", type=flags.integer(1, 1 << 20), default=32, help="greedy tokens per GPU-event A/B run (default 32)")
+    p.add_argument(
+        "--artifact",
+        default="demo",
+        help="artifact whose expert store the MTLIO and GPU-event A/Bs stream and the prefill sweep's "
+        "crossover is measured on (default: demo; the loader uses that crossover only for stores "
+        "of the same record size on the same file system)",
+    )
+    p.add_argument(
+        "--rounds", type=flags.integer(1, 1000), default=2, help="A/B/B/A rounds of each device A/B (default 2)"
+    )
+    p.add_argument(
+        "--tokens", type=flags.integer(1, 1 << 20), default=32, help="greedy tokens per GPU-event A/B run (default 32)"
+    )
     p.add_argument("--kernels-child", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -613,8 +692,9 @@ def main(argv=None, hooks=None):
     check_output_file(a.out or profile_path(), overwrite=a.overwrite, field="--out")  # before the probes
     if hooks is not None:
         hooks.check_arguments(a)
-    profile = qualify(a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate,
-                      a.artifact, a.rounds, a.tokens)
+    profile = qualify(
+        a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate, a.artifact, a.rounds, a.tokens
+    )
     path = write_profile(profile, a.out, overwrite=a.overwrite)
     print(json.dumps(profile, indent=1))
     print(f"profile written to {path}", file=sys.stderr)

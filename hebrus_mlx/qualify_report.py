@@ -32,8 +32,8 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, List, Optional
 
 SCHEMA = "hebrus-mlx/qualify-report/1"
 NOT_AVAILABLE = "not available in this build"
@@ -43,11 +43,19 @@ REDACTED = "<redacted>"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--report", default=None, metavar="FILE",
-                   help="also write the qualify report (JSON, and a .md summary beside it) to attach to an issue")
-    p.add_argument("--report-cache-gb", default=None, metavar="A,B",
-                   help="with --report: the two expert-cache sizes (GiB) of the streamed decodes "
-                        f"(default {' and '.join(f'{f:.0%}%' for f in CACHE_FRACTIONS)} of the expert store)")
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE",
+        help="also write the qualify report (JSON, and a .md summary beside it) to attach to an issue",
+    )
+    p.add_argument(
+        "--report-cache-gb",
+        default=None,
+        metavar="A,B",
+        help="with --report: the two expert-cache sizes (GiB) of the streamed decodes "
+        f"(default {' and '.join(f'{f:.0%}%' for f in CACHE_FRACTIONS)} of the expert store)",
+    )
 
 
 def check_arguments(a) -> None:
@@ -70,7 +78,7 @@ def check_arguments(a) -> None:
         check_output_file(out, overwrite=a.overwrite, field="--report")
 
 
-def parse_caches(s: str) -> List[float]:
+def parse_caches(s: str) -> list[float]:
     from . import flags
     from .errors import UsageError
 
@@ -83,12 +91,21 @@ def parse_caches(s: str) -> List[float]:
 # ---- what must never be written -------------------------------------------------------------------
 
 
-def secrets(extra: Iterable[str] = ()) -> List[str]:
+def secrets(extra: Iterable[str] = ()) -> list[str]:
     """Strings that identify the user or their files: home, user and host names, the working and
     temporary directories, and `extra` (the artifact's and probe's paths, the prompt's text)."""
     out = set()
-    for s in (str(Path.home()), os.environ.get("USER"), os.environ.get("LOGNAME"), os.environ.get("USERNAME"),
-              socket.gethostname(), platform.node(), os.getcwd(), tempfile.gettempdir(), *extra):
+    for s in (
+        str(Path.home()),
+        os.environ.get("USER"),
+        os.environ.get("LOGNAME"),
+        os.environ.get("USERNAME"),
+        socket.gethostname(),
+        platform.node(),
+        os.getcwd(),
+        tempfile.gettempdir(),
+        *extra,
+    ):
         if s and len(str(s).strip()) >= 2 and str(s) not in ("/", "."):
             out.add(str(s))
     try:
@@ -101,11 +118,13 @@ def secrets(extra: Iterable[str] = ()) -> List[str]:
     return sorted((s for s in out if len(s) >= 2), key=len, reverse=True)
 
 
-def scrub(obj, words: List[str]):
+def scrub(obj, words: list[str]):
     """`obj` with every occurrence of each word replaced (names as whole words only, so a user
     called "cpu" does not blank out "cpu_stream"); keys are scrubbed too."""
-    pats = [re.compile(re.escape(w) if "/" in w or "\\" in w else rf"(?<![A-Za-z0-9_]){re.escape(w)}(?![A-Za-z0-9_])")
-            for w in words]
+    pats = [
+        re.compile(re.escape(w) if "/" in w or "\\" in w else rf"(?<![A-Za-z0-9_]){re.escape(w)}(?![A-Za-z0-9_])")
+        for w in words
+    ]
 
     def s(x: str) -> str:
         for p in pats:
@@ -145,19 +164,33 @@ def identity() -> dict:
     from .machine_profile import compute_backend, metal_device
     from .stream import engine
 
-    ident = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-             "macos": platform.mac_ver()[0] or None, "chip": chip(), "cpus": os.cpu_count(),
-             "memory_gb": memory_bytes() / 2**30, "python": platform.python_version(), "mlx": mx.__version__,
-             "hebrus_mlx": _version(metadata), "backend": compute_backend(), "default_device": str(mx.default_device()),
-             "metal_build": bool(hasattr(mx, "metal") and mx.metal.is_available())}
+    ident = {
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "macos": platform.mac_ver()[0] or None,
+        "chip": chip(),
+        "cpus": os.cpu_count(),
+        "memory_gb": memory_bytes() / 2**30,
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "hebrus_mlx": _version(metadata),
+        "backend": compute_backend(),
+        "default_device": str(mx.default_device()),
+        "metal_build": bool(hasattr(mx, "metal") and mx.metal.is_available()),
+    }
     if metal_device():
         info = mx.device_info(mx.gpu)
-        ident["metal_device"] = _pick(info, ("device_name", "architecture", "memory_size",
-                                             "max_recommended_working_set_size"))
+        ident["metal_device"] = _pick(
+            info, ("device_name", "architecture", "memory_size", "max_recommended_working_set_size")
+        )
     build = {"extension": engine.available()}
     if engine.available():
-        build.update(read_backends=list(engine.backends()), sha256_backend=engine._ext.sha256_backend(),
-                     gpu_events_compiled=bool(engine.gpu_events_compiled()))
+        build.update(
+            read_backends=list(engine.backends()),
+            sha256_backend=engine._ext.sha256_backend(),
+            gpu_events_compiled=bool(engine.gpu_events_compiled()),
+        )
     else:
         build["reason"] = engine.unavailable_reason()
     ident["build"] = build
@@ -165,8 +198,21 @@ def identity() -> dict:
 
 
 KERNEL_KEYS = ("status", "device", "reason", "max_abs_diff", "emulated_max_abs_diff", "emulated_ok")
-AB_KEYS = ("status", "decision", "reason", "median_ratio", "min_gain", "identical", "order", "rounds", "tokens",
-           "cpu_stream_tok_s", "gpu_event_tok_s", "pread_GBps", "mtlio_GBps")
+AB_KEYS = (
+    "status",
+    "decision",
+    "reason",
+    "median_ratio",
+    "min_gain",
+    "identical",
+    "order",
+    "rounds",
+    "tokens",
+    "cpu_stream_tok_s",
+    "gpu_event_tok_s",
+    "pread_GBps",
+    "mtlio_GBps",
+)
 
 
 def kernels_part(profile: dict) -> dict:
@@ -184,8 +230,10 @@ def kernels_part(profile: dict) -> dict:
 
 def streaming_part(profile: dict) -> dict:
     io = profile.get("io") or {}
-    return {"gpu_event": _pick((profile.get("streaming") or {}).get("gpu_event"), AB_KEYS),
-            "mtlio_vs_pread": _pick(io.get("mtlio_vs_pread"), AB_KEYS)}
+    return {
+        "gpu_event": _pick((profile.get("streaming") or {}).get("gpu_event"), AB_KEYS),
+        "mtlio_vs_pread": _pick(io.get("mtlio_vs_pread"), AB_KEYS),
+    }
 
 
 def ssd_section(store: str, record_bytes: int, reads: int = 64) -> dict:
@@ -218,7 +266,7 @@ def fast_check_rates(record_bytes: int) -> dict:
     return dict(got, status="measured")
 
 
-def hash_section(record_bytes: int, qd32_gbps: Optional[float]) -> dict:
+def hash_section(record_bytes: int, qd32_gbps: float | None) -> dict:
     from .qualify import sha256_cost
 
     out = sha256_cost(record_bytes)
@@ -234,7 +282,7 @@ def hash_section(record_bytes: int, qd32_gbps: Optional[float]) -> dict:
 # ---- decode: resident and streamed --------------------------------------------------------------------
 
 
-def record_routes(model, prompt: List[int], n: int):
+def record_routes(model, prompt: list[int], n: int):
     """Greedy routes of `n` one-token decode forwards after the prompt's prefill, on any model
     (resident or streamed: the graph's Capture, the streaming left as it is): (prompt routes
     [P, L, k], decode routes [n, L, k], the n + 1 greedy tokens)."""
@@ -269,14 +317,22 @@ def artifact_facts(artifact: str) -> dict:
     fam = m.family
     g = Geometry(fam, m.experts.codec)
     experts = m.experts.size
-    return {"family": fam.name, "profile": m.profile, "codec": m.experts.codec,
-            "num_layers": fam.num_hidden_layers, "num_experts": fam.num_experts, "top_k": fam.num_experts_per_tok,
-            "record_bytes": g.record_stride, "record_payload_bytes": g.record_bytes,
-            "expert_store_bytes": experts, "other_bytes": sum(s.size for s in m.stores if s.role != "experts"),
-            # What streaming checks each record read with: the fast check (XXH3-128) where the
-            # artifact carries its table (issue 23), else SHA-256.
-            "read_check": "xxh3-128" if getattr(m.experts, "fast_check", None) else "sha256",
-            "_store": m.file(m.experts)}
+    return {
+        "family": fam.name,
+        "profile": m.profile,
+        "codec": m.experts.codec,
+        "num_layers": fam.num_hidden_layers,
+        "num_experts": fam.num_experts,
+        "top_k": fam.num_experts_per_tok,
+        "record_bytes": g.record_stride,
+        "record_payload_bytes": g.record_bytes,
+        "expert_store_bytes": experts,
+        "other_bytes": sum(s.size for s in m.stores if s.role != "experts"),
+        # What streaming checks each record read with: the fast check (XXH3-128) where the
+        # artifact carries its table (issue 23), else SHA-256.
+        "read_check": "xxh3-128" if getattr(m.experts, "fast_check", None) else "sha256",
+        "_store": m.file(m.experts),
+    }
 
 
 def _by_round(runs, config):
@@ -293,8 +349,14 @@ def _median(summary, config, key):
     return None
 
 
-def decode_section(artifact: str, gen_tokens: int, repeats: int, cache_gb: Optional[List[float]] = None,
-                   prompt_tokens: int = PROMPT_TOKENS, facts: Optional[dict] = None) -> dict:
+def decode_section(
+    artifact: str,
+    gen_tokens: int,
+    repeats: int,
+    cache_gb: list[float] | None = None,
+    prompt_tokens: int = PROMPT_TOKENS,
+    facts: dict | None = None,
+) -> dict:
     """Resident and streamed greedy decodes of the artifact, interleaved (`hebrus-mlx bench`'s
     schedule, identical tokens required), and the routes they took."""
     import numpy as np
@@ -302,8 +364,8 @@ def decode_section(artifact: str, gen_tokens: int, repeats: int, cache_gb: Optio
     from .bench import command as B
     from .bench import harness as H
     from .bench.machine import memory_bytes
-    from .stream import engine
     from .loader import load
+    from .stream import engine
 
     f = facts or artifact_facts(artifact)
     if not engine.available():
@@ -322,24 +384,48 @@ def decode_section(artifact: str, gen_tokens: int, repeats: int, cache_gb: Optio
     all_gb = total_rows * R / 2**30
     # Prefetch off: demand paging, which the simulator's arena replays record for record (a
     # predictor's hinted sets are not recorded here).
-    configs = ([{}, {"expert-cache-gb": f"{all_gb:.9f}", "prefetch": "off"}] if resident else []) + \
-        [{"expert-cache-gb": f"{g:.9f}", "prefetch": "off"} for g in cache_gb]
+    configs = ([{}, {"expert-cache-gb": f"{all_gb:.9f}", "prefetch": "off"}] if resident else []) + [
+        {"expert-cache-gb": f"{g:.9f}", "prefetch": "off"} for g in cache_gb
+    ]
     # The routes of the runs' greedy tokens, recorded on the smallest cache (routes do not depend
     # on the cache: streaming is exact).
     model, tok = load(artifact, expert_cache_gb=cache_gb[0], prefetch="off")
     prompt = H.prompt_ids(tok, prompt_tokens, 0)
     warm, routes, tokens = record_routes(model, prompt, gen_tokens - 1)
     del model
-    bench = B.run_bench(artifact, [prompt_tokens], [gen_tokens], configs, repeats=repeats, warmup=1,
-                        probe=False, progress=False, timeline=False)
+    bench = B.run_bench(
+        artifact,
+        [prompt_tokens],
+        [gen_tokens],
+        configs,
+        repeats=repeats,
+        warmup=1,
+        probe=False,
+        progress=False,
+        timeline=False,
+    )
     runs, summary = bench["runs"], bench["summary"]
     if runs[0]["tokens"] != tokens[:gen_tokens]:
         raise H.NotComparableError("tokens", "the recorded routes' greedy tokens differ from the timed runs'")
-    out = {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "repeats": repeats, "order": bench["order_note"],
-           "tokens_identical": True, "tokens_sha256": hashlib.sha256(json.dumps(tokens[:gen_tokens]).encode()).hexdigest(),
-           "prompt": "the bench's deterministic token IDs (seed 0); not stored"}
-    keys = ("decode_tok_s", "decode_tok_s_p50", "prefill_tok_s", "peak_memory_gb", "hit_rate",
-            "exposed_wait_ms_per_token", "expert_bytes_per_token", "hidden_fraction")
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "repeats": repeats,
+        "order": bench["order_note"],
+        "tokens_identical": True,
+        "tokens_sha256": hashlib.sha256(json.dumps(tokens[:gen_tokens]).encode()).hexdigest(),
+        "prompt": "the bench's deterministic token IDs (seed 0); not stored",
+    }
+    keys = (
+        "decode_tok_s",
+        "decode_tok_s_p50",
+        "prefill_tok_s",
+        "peak_memory_gb",
+        "hit_rate",
+        "exposed_wait_ms_per_token",
+        "expert_bytes_per_token",
+        "hidden_fraction",
+    )
     if resident:
         label = H.label(configs[0])
         streamed_anyway = next(r for r in runs if r["config"] == label).get("arena_rows") is not None
@@ -348,47 +434,73 @@ def decode_section(artifact: str, gen_tokens: int, repeats: int, cache_gb: Optio
         else:
             res = {key: _median(summary, label, key) for key in keys[:4]}
             ms = 1e3 / res["decode_tok_s_p50"]
-            res.update(status="measured", ms_per_token=ms, layer_ms=ms / L,
-                       layer_ms_how="resident decode ms/token (median inter-token time) / layers; embedding, "
-                                    "head and sampling included")
+            res.update(
+                status="measured",
+                ms_per_token=ms,
+                layer_ms=ms / L,
+                layer_ms_how="resident decode ms/token (median inter-token time) / layers; embedding, "
+                "head and sampling included",
+            )
             out["resident"] = res
             label = H.label(configs[1])
             tps = _median(summary, label, "decode_tok_s_p50")
-            out["all_cached"] = {"cache_gb": all_gb, "decode_tok_s_p50": tps, "layer_ms": 1e3 / tps / L,
-                                 "decode_tok_s_p50_by_round": _by_round(runs, label),
-                                 "exposed_wait_ms_per_token": _median(summary, label, "exposed_wait_ms_per_token"),
-                                 "hit_rate": _median(summary, label, "hit_rate"),
-                                 "what": "streamed with every record cached: the streamed path's compute"}
+            out["all_cached"] = {
+                "cache_gb": all_gb,
+                "decode_tok_s_p50": tps,
+                "layer_ms": 1e3 / tps / L,
+                "decode_tok_s_p50_by_round": _by_round(runs, label),
+                "exposed_wait_ms_per_token": _median(summary, label, "exposed_wait_ms_per_token"),
+                "hit_rate": _median(summary, label, "hit_rate"),
+                "what": "streamed with every record cached: the streamed path's compute",
+            }
     else:
-        out["resident"] = {"status": "skipped",
-                           "reason": f"the artifact ({(f['expert_store_bytes'] + f['other_bytes']) / 2**30:.1f} GiB) "
-                                     f"takes more than half of this machine's {mem / 2**30:.0f} GiB"}
+        out["resident"] = {
+            "status": "skipped",
+            "reason": f"the artifact ({(f['expert_store_bytes'] + f['other_bytes']) / 2**30:.1f} GiB) "
+            f"takes more than half of this machine's {mem / 2**30:.0f} GiB",
+        }
     streamed = []
-    for c, g in zip(configs[len(configs) - len(cache_gb):], cache_gb):
+    for c, g in zip(configs[len(configs) - len(cache_gb) :], cache_gb):
         label = H.label(c)
         run = next(r for r in runs if r["config"] == label)
         entry = {key: _median(summary, label, key) for key in keys}
-        entry.update(cache_gb=g, cache_fraction=g * 2**30 / (total_rows * R), arena_rows=run.get("arena_rows"),
-                     decode_tok_s_p50_by_round=_by_round(runs, label),
-                     prefetch="off", policy="clock")
+        entry.update(
+            cache_gb=g,
+            cache_fraction=g * 2**30 / (total_rows * R),
+            arena_rows=run.get("arena_rows"),
+            decode_tok_s_p50_by_round=_by_round(runs, label),
+            prefetch="off",
+            policy="clock",
+        )
         streamed.append(entry)
     out["streamed"] = streamed
     if out["resident"].get("status") != "measured":
         # Compute per layer from the largest cache's run: its token time less its exposed wait.
         big = streamed[-1]
         ms = 1e3 / big["decode_tok_s_p50"] - (big["exposed_wait_ms_per_token"] or 0.0)
-        out["resident"].update(layer_ms=ms / L, layer_ms_how="derived: the largest cache's streamed ms/token less "
-                                                             "its exposed I/O wait, / layers")
-    out["routes"] = {"prompt": warm.tolist(), "decode": np.asarray(routes).tolist(),
-                     "note": "expert IDs [token][layer][k] of the prompt's prefill and of each decode forward"}
+        out["resident"].update(
+            layer_ms=ms / L,
+            layer_ms_how="derived: the largest cache's streamed ms/token less its exposed I/O wait, / layers",
+        )
+    out["routes"] = {
+        "prompt": warm.tolist(),
+        "decode": np.asarray(routes).tolist(),
+        "note": "expert IDs [token][layer][k] of the prompt's prefill and of each decode forward",
+    }
     return out
 
 
 # ---- assembly ------------------------------------------------------------------------------------------
 
 
-def build_report(profile: dict, artifact: str = "demo", gen_tokens: int = 32, repeats: int = 2,
-                 cache_gb: Optional[List[float]] = None, extra_secrets: Iterable[str] = ()) -> dict:
+def build_report(
+    profile: dict,
+    artifact: str = "demo",
+    gen_tokens: int = 32,
+    repeats: int = 2,
+    cache_gb: list[float] | None = None,
+    extra_secrets: Iterable[str] = (),
+) -> dict:
     f = artifact_facts(artifact)
     store = f.pop("_store")
     ssd = ssd_section(store, f["record_bytes"])
@@ -402,12 +514,20 @@ def build_report(profile: dict, artifact: str = "demo", gen_tokens: int = 32, re
         "ssd": ssd,
         "hashes": hash_section(f["record_bytes"], ssd.get("qd32_GBps")),
         "decode": decode_section(artifact, gen_tokens, repeats, cache_gb, facts=dict(f, _store=store)),
-        "notes": ["Device sections read 'not qualified on this machine' without a Metal device: nothing there "
-                  "was verified on one.",
-                  "Rates are one run on this machine at the time it was written (other load moves them)."],
+        "notes": [
+            "Device sections read 'not qualified on this machine' without a Metal device: nothing there "
+            "was verified on one.",
+            "Rates are one run on this machine at the time it was written (other load moves them).",
+        ],
     }
-    words = secrets([str(Path(artifact).resolve()) if artifact != "demo" else "", str(Path(store).resolve()),
-                     str(Path(store).parent), *extra_secrets])
+    words = secrets(
+        [
+            str(Path(artifact).resolve()) if artifact != "demo" else "",
+            str(Path(store).resolve()),
+            str(Path(store).parent),
+            *extra_secrets,
+        ]
+    )
     return scrub(report, words)
 
 
@@ -417,55 +537,93 @@ def _fmt(x, f=".2f", none="n/a"):
 
 def markdown(r: dict) -> str:
     i, a, d = r["identity"], r["artifact"], r["decode"]
-    lines = [f"# hebrus-mlx qualify report ({r['schema']})", "",
-             f"- machine: {i['chip']}, {i['cpus']} cores, {i['memory_gb']:.0f} GiB, {i['system']} {i['macos'] or i['release']} "
-             f"{i['machine']}; Python {i['python']}, MLX {i['mlx']} ({i['backend']} backend), hebrus-mlx {i['hebrus_mlx']}",
-             f"- build: {json.dumps(i['build'])}",
-             f"- artifact: {a['family']} ({a['codec']}, {a['num_layers']} layers, {a['num_experts']} experts top-{a['top_k']}, "
-             f"{a['record_bytes']:,} B records)", "", "## Kernels and streaming", "",
-             "| section | status | detail |", "|---|---|---|"]
+    lines = [
+        f"# hebrus-mlx qualify report ({r['schema']})",
+        "",
+        f"- machine: {i['chip']}, {i['cpus']} cores, {i['memory_gb']:.0f} GiB, {i['system']} {i['macos'] or i['release']} "
+        f"{i['machine']}; Python {i['python']}, MLX {i['mlx']} ({i['backend']} backend), hebrus-mlx {i['hebrus_mlx']}",
+        f"- build: {json.dumps(i['build'])}",
+        f"- artifact: {a['family']} ({a['codec']}, {a['num_layers']} layers, {a['num_experts']} experts top-{a['top_k']}, "
+        f"{a['record_bytes']:,} B records)",
+        "",
+        "## Kernels and streaming",
+        "",
+        "| section | status | detail |",
+        "|---|---|---|",
+    ]
     for name, e in r["kernels"].items():
-        lines.append(f"| kernels.{name} | {e.get('status')} | {e.get('reason') or _fmt(e.get('max_abs_diff'), '.1e')} |")
+        lines.append(
+            f"| kernels.{name} | {e.get('status')} | {e.get('reason') or _fmt(e.get('max_abs_diff'), '.1e')} |"
+        )
     for name, e in r["streaming"].items():
         lines.append(f"| {name} | {e.get('status')} | {e.get('reason', '')} |")
     s, h = r["ssd"], r["hashes"]
     lines += ["", "## SSD and hashes", ""]
     if s.get("status") == "measured":
-        lines.append(f"- SSD, {s['record_bytes']:,} B reads, page cache {s['page_cache']}: QD1 {s['qd1_GBps']:.2f}, "
-                     f"QD8 {s['qd8_GBps']:.2f}, QD32 {s['qd32_GBps']:.2f} GB/s")
+        lines.append(
+            f"- SSD, {s['record_bytes']:,} B reads, page cache {s['page_cache']}: QD1 {s['qd1_GBps']:.2f}, "
+            f"QD8 {s['qd8_GBps']:.2f}, QD32 {s['qd32_GBps']:.2f} GB/s"
+        )
     else:
         lines.append(f"- SSD: {s.get('status')} ({s.get('reason')})")
     fc = h["fast_check"]
-    fast = (", ".join(f"{k} {v:.2f}" for k, v in fc.items() if isinstance(v, float)) or fc["status"]) \
-        if fc.get("status") == "measured" else fc["status"]
-    lines.append(f"- SHA-256 one thread: hashlib {h['sha256_GBps_one_thread']:.2f} GB/s"
-                 + (f", engine ({h.get('sha256_engine_backend')}) {h['sha256_engine_GBps_one_thread']:.2f} GB/s"
-                    if "sha256_engine_GBps_one_thread" in h else "") + f"; fast check: {fast}")
+    fast = (
+        (", ".join(f"{k} {v:.2f}" for k, v in fc.items() if isinstance(v, float)) or fc["status"])
+        if fc.get("status") == "measured"
+        else fc["status"]
+    )
+    lines.append(
+        f"- SHA-256 one thread: hashlib {h['sha256_GBps_one_thread']:.2f} GB/s"
+        + (
+            f", engine ({h.get('sha256_engine_backend')}) {h['sha256_engine_GBps_one_thread']:.2f} GB/s"
+            if "sha256_engine_GBps_one_thread" in h
+            else ""
+        )
+        + f"; fast check: {fast}"
+    )
     lines += ["", "## Decode", ""]
     if "streamed" not in d:
         lines.append(f"- {d.get('status')}: {d.get('reason')}")
     else:
         res = d["resident"]
-        lines.append(f"- {d['prompt_tokens']}-token prompt, {d['gen_tokens']} greedy tokens, {d['repeats']} interleaved "
-                     f"rounds, tokens identical in every run")
+        lines.append(
+            f"- {d['prompt_tokens']}-token prompt, {d['gen_tokens']} greedy tokens, {d['repeats']} interleaved "
+            f"rounds, tokens identical in every run"
+        )
         if res.get("status") == "measured":
-            lines.append(f"- resident: decode {res['decode_tok_s_p50']:.2f} tok/s, prefill {_fmt(res['prefill_tok_s'])} "
-                         f"tok/s, {res['layer_ms']:.3f} ms per layer, peak {res['peak_memory_gb']:.2f} GB")
+            lines.append(
+                f"- resident: decode {res['decode_tok_s_p50']:.2f} tok/s, prefill {_fmt(res['prefill_tok_s'])} "
+                f"tok/s, {res['layer_ms']:.3f} ms per layer, peak {res['peak_memory_gb']:.2f} GB"
+            )
             if "all_cached" in d:
-                lines.append(f"- streamed with every record cached: decode {d['all_cached']['decode_tok_s_p50']:.2f} "
-                             f"tok/s, {d['all_cached']['layer_ms']:.3f} ms per layer")
+                lines.append(
+                    f"- streamed with every record cached: decode {d['all_cached']['decode_tok_s_p50']:.2f} "
+                    f"tok/s, {d['all_cached']['layer_ms']:.3f} ms per layer"
+                )
         else:
-            lines.append(f"- resident: {res['status']} ({res['reason']}); {res['layer_ms']:.3f} ms per layer "
-                         f"({res['layer_ms_how']})")
-        lines += ["", "| expert cache GiB | share of store | arena rows | decode tok/s | hit rate | exposed wait ms/token | "
-                  "MB/token |", "|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"- resident: {res['status']} ({res['reason']}); {res['layer_ms']:.3f} ms per layer "
+                f"({res['layer_ms_how']})"
+            )
+        lines += [
+            "",
+            "| expert cache GiB | share of store | arena rows | decode tok/s | hit rate | exposed wait ms/token | "
+            "MB/token |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for e in d["streamed"]:
-            lines.append(f"| {e['cache_gb']:.3g} | {e['cache_fraction']:.0%} | {e['arena_rows']} | "
-                         f"{_fmt(e['decode_tok_s_p50'])} | {_fmt(e['hit_rate'], '.1%')} | "
-                         f"{_fmt(e['exposed_wait_ms_per_token'], '.3f')} | "
-                         f"{_fmt((e['expert_bytes_per_token'] or 0) / 1e6, '.2f')} |")
-    lines += ["", "Replay it: `hebrus-mlx simulate --validate --report FILE`; project from it: "
-              "`hebrus-mlx simulate --profile FILE`.", ""]
+            lines.append(
+                f"| {e['cache_gb']:.3g} | {e['cache_fraction']:.0%} | {e['arena_rows']} | "
+                f"{_fmt(e['decode_tok_s_p50'])} | {_fmt(e['hit_rate'], '.1%')} | "
+                f"{_fmt(e['exposed_wait_ms_per_token'], '.3f')} | "
+                f"{_fmt((e['expert_bytes_per_token'] or 0) / 1e6, '.2f')} |"
+            )
+    lines += [
+        "",
+        "Replay it: `hebrus-mlx simulate --validate --report FILE`; project from it: "
+        "`hebrus-mlx simulate --profile FILE`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -490,8 +648,9 @@ def run(a, profile: dict) -> None:
         return
     caches = parse_caches(a.report_cache_gb) if a.report_cache_gb else None
     extra = [a.probe_dir or "", a.store or "", str(Path(a.report).expanduser().resolve().parent)]
-    report = build_report(profile, a.artifact, gen_tokens=max(a.tokens, 2), repeats=2 * a.rounds, cache_gb=caches,
-                          extra_secrets=extra)
+    report = build_report(
+        profile, a.artifact, gen_tokens=max(a.tokens, 2), repeats=2 * a.rounds, cache_gb=caches, extra_secrets=extra
+    )
     p, md = write_report(report, a.report, overwrite=a.overwrite)
     print(f"qualify report written to {p} (summary {md.name}): attach both to an issue", file=sys.stderr)
 

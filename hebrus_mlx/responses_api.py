@@ -24,7 +24,6 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import List, Optional, Tuple
 
 from . import api_fields
 from .api_fields import RequestError, _show
@@ -53,8 +52,9 @@ def _tools(body, name, vocab=None):
         if not isinstance(t, dict):
             raise RequestError(f"{where} must be an object", where)
         if t.get("type") != "function":
-            raise RequestError(f"{where}.type {_show(t.get('type'))} is not supported (only function tools)",
-                               f"{where}.type")
+            raise RequestError(
+                f"{where}.type {_show(t.get('type'))} is not supported (only function tools)", f"{where}.type"
+            )
         for k in t:
             if k not in ("type", "name", "description", "parameters", "strict"):
                 raise RequestError(f"{where}.{k} is not a function tool field", f"{where}.{k}")
@@ -74,15 +74,21 @@ def _tool_choice(body, name, vocab=None):
         return
     if v == "required" or isinstance(v, dict):
         api_fields._not_yet(name, v)
-    raise RequestError(f"tool_choice must be \"none\", \"auto\", \"required\" or an object, got {_show(v)}", name)
+    raise RequestError(f'tool_choice must be "none", "auto", "required" or an object, got {_show(v)}', name)
 
 
 def _metadata(body, name, vocab=None):
     v = body[name]
-    if not isinstance(v, dict) or len(v) > MAX_METADATA_KEYS or not all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(x, str) and len(x) <= 512 for k, x in v.items()):
-        raise RequestError(f"metadata must be an object of at most {MAX_METADATA_KEYS} string keys (<= 64 "
-                           "characters) to strings (<= 512 characters)", name)
+    if (
+        not isinstance(v, dict)
+        or len(v) > MAX_METADATA_KEYS
+        or not all(isinstance(k, str) and len(k) <= 64 and isinstance(x, str) and len(x) <= 512 for k, x in v.items())
+    ):
+        raise RequestError(
+            f"metadata must be an object of at most {MAX_METADATA_KEYS} string keys (<= 64 "
+            "characters) to strings (<= 512 characters)",
+            name,
+        )
 
 
 def _text(body, name, vocab=None):
@@ -129,17 +135,42 @@ RESPONSES_FIELDS = {
     "top_logprobs": _only(0, "logprobs of the Responses API are not implemented"),
     "chat_template_kwargs": api_fields._chat_template_kwargs,
     # Sampling and logits processors, as for /v1/chat/completions.
-    **{k: _C[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
-                         "repetition_penalty", "repetition_context_size", "presence_context_size",
-                         "frequency_context_size", "logit_bias")},
+    **{
+        k: _C[k]
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "repetition_context_size",
+            "presence_context_size",
+            "frequency_context_size",
+            "logit_bias",
+        )
+    },
 }
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty", "repetition_context_size", "presence_context_size", "frequency_context_size",
-                  "logit_bias")
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_context_size",
+    "frequency_context_size",
+    "logit_bias",
+)
 
 
-def check_fields(body: dict, vocab: int) -> Tuple[dict, dict]:
+def check_fields(body: dict, vocab: int) -> tuple[dict, dict]:
     """Refuse unknown fields, validate known ones; returns (a chat-completions body with the
     sampling fields, for server.parse_sampling; the template options)."""
     for name in body:
@@ -158,7 +189,7 @@ def check_fields(body: dict, vocab: int) -> Tuple[dict, dict]:
     return sampling, options
 
 
-def chat_tools(tools) -> Optional[list]:
+def chat_tools(tools) -> list | None:
     """Responses function tools in the chat API's shape (what the template renders)."""
     if not tools:
         return None
@@ -186,8 +217,7 @@ def _content_text(content, where: str, assistant: bool) -> str:
         at = f"{where}[{j}]"
         if not isinstance(part, dict) or part.get("type") not in kinds + ("text",):
             kind = part.get("type") if isinstance(part, dict) else part
-            raise RequestError(f"{at}: content part {_show(kind)} is not supported (text only: {', '.join(kinds)})",
-                               at)
+            raise RequestError(f"{at}: content part {_show(kind)} is not supported (text only: {', '.join(kinds)})", at)
         text = part.get("text", part.get("refusal"))
         if not isinstance(text, str):
             raise RequestError(f"{at}.text must be a string", f"{at}.text")
@@ -202,14 +232,14 @@ def _string_field(item, key, where):
     return v
 
 
-def to_messages(items, where: str = "input") -> List[dict]:
+def to_messages(items, where: str = "input") -> list[dict]:
     """`input` (a string or a list of items) as chat messages; RequestError naming the item."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise RequestError(f"{where} must be a string or a non-empty list of items", where)
-    out: List[dict] = []
-    reasoning: List[str] = []  # a reasoning item given back: the next assistant turn's thinking
+    out: list[dict] = []
+    reasoning: list[str] = []  # a reasoning item given back: the next assistant turn's thinking
 
     def assistant():  # consecutive assistant items (text, calls) are one turn
         if out and out[-1]["role"] == "assistant":
@@ -240,7 +270,8 @@ def to_messages(items, where: str = "input") -> List[dict]:
                 raise RequestError(f"{at}.arguments must be a JSON string", f"{at}.arguments")
             msg = assistant()
             msg.setdefault("tool_calls", []).append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            )
         elif kind == "function_call_output":
             call_id = _string_field(item, "call_id", at)
             output = item.get("output")
@@ -257,15 +288,17 @@ def to_messages(items, where: str = "input") -> List[dict]:
             reasoning.append("".join(p["text"] for p in (item.get("content") or item.get("summary") or [])))
             continue
         else:
-            raise RequestError(f"{at}.type {_show(kind)} is not supported (message, function_call, "
-                               "function_call_output, reasoning)", f"{at}.type")
+            raise RequestError(
+                f"{at}.type {_show(kind)} is not supported (message, function_call, function_call_output, reasoning)",
+                f"{at}.type",
+            )
         if reasoning and out[-1]["role"] == "assistant":
             out[-1]["reasoning_content"] = "\n".join(reasoning)
             reasoning = []
     return out
 
 
-def with_instructions(instructions: Optional[str], messages: List[dict]) -> List[dict]:
+def with_instructions(instructions: str | None, messages: list[dict]) -> list[dict]:
     """The instructions as the one leading system message (merged with a system item first)."""
     if instructions is None:
         return messages
@@ -280,22 +313,35 @@ def with_instructions(instructions: Optional[str], messages: List[dict]) -> List
 class ResponseBuilder:
     """Turns server._outputs parts into output items and (when streaming) SSE events."""
 
-    def __init__(self, body: dict, model_id: str, tools: Optional[list]):
+    def __init__(self, body: dict, model_id: str, tools: list | None):
         self.id = _new_id("resp_")
         self.created = int(time.time())
         self.seq = 0
-        self.output: List[dict] = []
-        self.current: Optional[dict] = None  # the open item: a message or reasoning
+        self.output: list[dict] = []
+        self.current: dict | None = None  # the open item: a message or reasoning
         self.text = ""
         self.blank = ""  # message whitespace held until text follows
         self.head = {
-            "id": self.id, "object": "response", "created_at": self.created, "model": model_id,
-            "instructions": body.get("instructions"), "previous_response_id": body.get("previous_response_id"),
-            "tools": tools or [], "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": True,
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "max_output_tokens": body.get("max_output_tokens"), "store": body.get("store") is not False,
-            "metadata": body.get("metadata") or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled",
-            "reasoning": None, "user": body.get("user"), "error": None, "incomplete_details": None,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": model_id,
+            "instructions": body.get("instructions"),
+            "previous_response_id": body.get("previous_response_id"),
+            "tools": tools or [],
+            "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": True,
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "store": body.get("store") is not False,
+            "metadata": body.get("metadata") or {},
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "reasoning": None,
+            "user": body.get("user"),
+            "error": None,
+            "incomplete_details": None,
         }
 
     def _event(self, kind: str, **fields) -> str:
@@ -303,42 +349,63 @@ class ResponseBuilder:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-    def response(self, status: str, usage: Optional[dict] = None) -> dict:
+    def response(self, status: str, usage: dict | None = None) -> dict:
         out = {**self.head, "status": status, "output": self.output if status != "in_progress" else []}
         if status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         out["usage"] = usage
         return out
 
-    def start(self) -> List[str]:
+    def start(self) -> list[str]:
         r = self.response("in_progress")
         return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
 
-    def _close(self) -> List[str]:
+    def _close(self) -> list[str]:
         item, self.current = self.current, None
         if item is None:
             return []
         idx = self.output.index(item)
         if item["type"] == "message":
             part = item["content"][0]
-            events = [self._event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                                  text=part["text"], logprobs=[])]
+            events = [
+                self._event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                )
+            ]
         else:
             part = item["content"][0]
-            events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=idx,
-                                  content_index=0, text=part["text"])]
+            events = [
+                self._event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=part["text"],
+                )
+            ]
         item["status"] = "completed"
-        events.append(self._event("response.content_part.done", item_id=item["id"], output_index=idx,
-                                  content_index=0, part=part))
+        events.append(
+            self._event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)
+        )
         events.append(self._event("response.output_item.done", output_index=idx, item=item))
         return events
 
-    def _open(self, kind: str) -> List[str]:
+    def _open(self, kind: str) -> list[str]:
         events = self._close()
         if kind == "message":
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item = {"type": "message", "id": _new_id("msg_"), "status": "in_progress", "role": "assistant",
-                    "content": []}
+            item = {
+                "type": "message",
+                "id": _new_id("msg_"),
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
         else:
             part = {"type": "reasoning_text", "text": ""}
             item = {"type": "reasoning", "id": _new_id("rs_"), "status": "in_progress", "summary": [], "content": []}
@@ -347,11 +414,14 @@ class ResponseBuilder:
         idx = len(self.output) - 1
         events.append(self._event("response.output_item.added", output_index=idx, item=json.loads(json.dumps(item))))
         item["content"].append(part)
-        events.append(self._event("response.content_part.added", item_id=item["id"], output_index=idx,
-                                  content_index=0, part=dict(part)))
+        events.append(
+            self._event(
+                "response.content_part.added", item_id=item["id"], output_index=idx, content_index=0, part=dict(part)
+            )
+        )
         return events
 
-    def add(self, kind: str, text: str) -> List[str]:
+    def add(self, kind: str, text: str) -> list[str]:
         """A piece of content ("message") or reasoning ("reasoning")."""
         if kind == "message" and (self.current is None or self.current["type"] != "message"):
             # Whitespace alone (e.g. before a tool call) opens no message.
@@ -367,35 +437,65 @@ class ResponseBuilder:
         idx = len(self.output) - 1
         if kind == "message":
             self.text += text
-            events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=idx,
-                                      content_index=0, delta=text, logprobs=[]))
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    delta=text,
+                    logprobs=[],
+                )
+            )
         else:
-            events.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=idx,
-                                      content_index=0, delta=text))
+            events.append(
+                self._event(
+                    "response.reasoning_text.delta", item_id=item["id"], output_index=idx, content_index=0, delta=text
+                )
+            )
         return events
 
-    def finish(self, finish: str, calls: list, usage: dict) -> List[str]:
+    def finish(self, finish: str, calls: list, usage: dict) -> list[str]:
         """The tool calls, then response.completed (or .incomplete when the token budget ran out)."""
         events = self._close()
         for c in calls:
             fn = c["function"]
-            item = {"type": "function_call", "id": _new_id("fc_"), "call_id": c["id"], "name": fn["name"],
-                    "arguments": "", "status": "in_progress"}
+            item = {
+                "type": "function_call",
+                "id": _new_id("fc_"),
+                "call_id": c["id"],
+                "name": fn["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
             self.output.append(item)
             idx = len(self.output) - 1
             events.append(self._event("response.output_item.added", output_index=idx, item=dict(item)))
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=idx, delta=fn["arguments"]))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=idx,
+                    delta=fn["arguments"],
+                )
+            )
             item.update(arguments=fn["arguments"], status="completed")
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=idx, name=fn["name"], arguments=fn["arguments"]))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    name=fn["name"],
+                    arguments=fn["arguments"],
+                )
+            )
             events.append(self._event("response.output_item.done", output_index=idx, item=item))
         self.status = "incomplete" if finish == "length" else "completed"
         self.final = self.response(self.status, usage)
         events.append(self._event("response." + self.status, response=self.final))
         return events
 
-    def messages(self) -> List[dict]:
+    def messages(self) -> list[dict]:
         """The output as chat messages (what the next turn's template renders)."""
         msg = {"role": "assistant", "content": ""}
         for item in self.output:
@@ -405,8 +505,12 @@ class ResponseBuilder:
                 msg["reasoning_content"] = item["content"][0]["text"]
             else:
                 msg.setdefault("tool_calls", []).append(
-                    {"id": item["call_id"], "type": "function",
-                     "function": {"name": item["name"], "arguments": item["arguments"]}})
+                    {
+                        "id": item["call_id"],
+                        "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]},
+                    }
+                )
         return [msg]
 
 
@@ -417,17 +521,22 @@ class ResponseStore:
     """Stored responses for previous_response_id: LRU bounded in number and bytes, each expiring
     `ttl` seconds after it was stored. Thread-safe (the event loop and the prep threads)."""
 
-    def __init__(self, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES,
-                 ttl: float = DEFAULT_STORE_TTL, clock=time.monotonic):
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_STORE_ENTRIES,
+        max_bytes: int = DEFAULT_STORE_BYTES,
+        ttl: float = DEFAULT_STORE_TTL,
+        clock=time.monotonic,
+    ):
         self.max_entries, self.max_bytes, self.ttl, self.clock = max_entries, max_bytes, ttl, clock
-        self._entries: "OrderedDict[str, tuple]" = OrderedDict()  # id -> (expires, nbytes, record)
+        self._entries: OrderedDict[str, tuple] = OrderedDict()  # id -> (expires, nbytes, record)
         self.nbytes = 0
         self._lock = threading.Lock()
 
     def __len__(self):
         return len(self._entries)
 
-    def put(self, rid: str, messages: List[dict], response: dict) -> bool:
+    def put(self, rid: str, messages: list[dict], response: dict) -> bool:
         nbytes = len(json.dumps([messages, response]).encode())
         if nbytes > self.max_bytes or self.max_entries == 0:
             return False
@@ -439,7 +548,7 @@ class ResponseStore:
                 self.nbytes -= n
         return True
 
-    def get(self, rid: str) -> Optional[dict]:
+    def get(self, rid: str) -> dict | None:
         with self._lock:
             entry = self._entries.get(rid)
             if entry is None:

@@ -13,15 +13,24 @@ a categorical draw at `temp`); no code is taken from it and nothing here imports
 
 import functools
 import math
+from collections.abc import Callable
 from numbers import Real
-from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
 from .errors import HebrusError
 
-__all__ = ["apply_vocab_mask", "masked_logprobs", "make_sampler", "check_sampling_args", "make_logits_processors",
-           "make_repetition_penalty", "make_presence_penalty", "make_frequency_penalty", "SamplingError"]
+__all__ = [
+    "apply_vocab_mask",
+    "masked_logprobs",
+    "make_sampler",
+    "check_sampling_args",
+    "make_logits_processors",
+    "make_repetition_penalty",
+    "make_presence_penalty",
+    "make_frequency_penalty",
+    "SamplingError",
+]
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -65,8 +74,16 @@ def _number(field, value, low=-math.inf, high=math.inf, low_open=False):
         raise SamplingError(field, f"must be in {span}, got {value}")
 
 
-def check_sampling_args(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_keep=1,
-                        xtc_probability=0.0, xtc_threshold=0.1, xtc_special_tokens=None):
+def check_sampling_args(
+    temp=0.0,
+    top_p=0.0,
+    min_p=0.0,
+    top_k=0,
+    min_tokens_to_keep=1,
+    xtc_probability=0.0,
+    xtc_threshold=0.1,
+    xtc_special_tokens=None,
+):
     """Raise SamplingError naming the first bad sampling argument (mlx-lm checks some of these only
     when a token is drawn; here they fail before any work)."""
     _number("temp", temp, 0.0)
@@ -80,7 +97,8 @@ def check_sampling_args(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_k
     _number("xtc_threshold", xtc_threshold, 0.0, 0.5)
     if xtc_special_tokens is not None:
         if not isinstance(xtc_special_tokens, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in xtc_special_tokens):
+            _is_int(t) and t >= 0 for t in xtc_special_tokens
+        ):
             raise SamplingError("xtc_special_tokens", f"must be a list of token IDs, got {xtc_special_tokens!r}")
 
 
@@ -88,6 +106,7 @@ def check_sampling_args(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_k
 # Compiled once per argument values (mlx-lm does the same): the elementwise tails fuse. The random
 # ones take and advance MLX's global random state, so a seed reproduces their draws.
 _compiled = functools.partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+
 
 def _neg_inf(x):
     return mx.array(-mx.inf, dtype=x.dtype)
@@ -124,7 +143,7 @@ def _top_k(x: mx.array, top_k: int) -> mx.array:
 
 
 @_compiled
-def _xtc(x: mx.array, probability: float, threshold: float, special: List[int]) -> mx.array:
+def _xtc(x: mx.array, probability: float, threshold: float, special: list[int]) -> mx.array:
     # "Exclude top choices": with the given probability, drop every token above `threshold` except
     # the least probable of them; special tokens (e.g. EOS) are never dropped.
     probs = mx.softmax(x.astype(mx.float32), axis=-1)
@@ -141,7 +160,7 @@ def _categorical(x: mx.array, temp: float) -> mx.array:
     return mx.random.categorical(x * (1.0 / temp))
 
 
-def _renormalised(x: mx.array, effective_vocab_size: Optional[int]) -> mx.array:
+def _renormalised(x: mx.array, effective_vocab_size: int | None) -> mx.array:
     if effective_vocab_size is None:
         return x
     return masked_logprobs(x, effective_vocab_size)  # top-p/min-p see the valid rows' mass only
@@ -155,9 +174,9 @@ def make_sampler(
     top_k: int = 0,
     xtc_probability: float = 0.0,
     xtc_threshold: float = 0.1,
-    xtc_special_tokens: Optional[List[int]] = None,
+    xtc_special_tokens: list[int] | None = None,
     *,
-    effective_vocab_size: Optional[int] = None,
+    effective_vocab_size: int | None = None,
 ) -> Sampler:
     """mlx-lm's `make_sampler`: log-probabilities `[B, V]` -> token IDs `[B]`.
 
@@ -167,11 +186,13 @@ def make_sampler(
     fixed distribution describes; None for argmax) is what the speculative protocol's rejection
     sampling needs.
     """
-    check_sampling_args(temp, top_p, min_p, top_k, min_tokens_to_keep, xtc_probability, xtc_threshold,
-                        xtc_special_tokens)
+    check_sampling_args(
+        temp, top_p, min_p, top_k, min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens
+    )
     if effective_vocab_size is not None and (not _is_int(effective_vocab_size) or effective_vocab_size < 1):
         raise SamplingError("effective_vocab_size", f"must be an int >= 1, got {effective_vocab_size!r}")
     if temp == 0:
+
         def greedy(logprobs: mx.array, vocab=effective_vocab_size) -> mx.array:
             return mx.argmax(_renormalised(logprobs, vocab), axis=-1)
 
@@ -203,6 +224,7 @@ def make_sampler(
     # A loop that masked and renormalised already (generate's decode step) draws through this.
     sampler.from_logprobs = functools.partial(sampler, vocab=None)
     if xtc_probability == 0.0:
+
         def distribution(logprobs: mx.array) -> mx.array:
             """float32 probabilities of the token `sampler` draws from these log-probabilities."""
             return mx.softmax(filtered(logprobs.astype(mx.float32), effective_vocab_size) * scale, axis=-1)
@@ -213,7 +235,8 @@ def make_sampler(
 
 # -- logits processors: (tokens so far [T], logits [B, V]) -> logits ------------------------------------
 
-def _recent_counts(tokens, context_size: int, width: int) -> Optional[mx.array]:
+
+def _recent_counts(tokens, context_size: int, width: int) -> mx.array | None:
     """How often each ID occurs in the last `context_size` tokens ([width] float32), None if none."""
     if not isinstance(tokens, mx.array):
         tokens = mx.array(list(tokens), dtype=mx.int32)
@@ -243,8 +266,10 @@ def make_repetition_penalty(penalty: float, context_size: int = 20) -> LogitsPro
     logit is divided by `penalty`, a negative one multiplied (CTRL, arXiv:1909.05858)."""
     _number("repetition_penalty", penalty, 0.0, low_open=True)
     _context_size("repetition_context_size", context_size)
-    return _count_penalty(context_size, lambda logits, counts: mx.where(
-        counts > 0, mx.where(logits < 0, logits * penalty, logits / penalty), logits))
+    return _count_penalty(
+        context_size,
+        lambda logits, counts: mx.where(counts > 0, mx.where(logits < 0, logits * penalty, logits / penalty), logits),
+    )
 
 
 def make_presence_penalty(penalty: float, context_size: int = 20) -> LogitsProcessor:
@@ -261,7 +286,7 @@ def make_frequency_penalty(penalty: float, context_size: int = 20) -> LogitsProc
     return _count_penalty(context_size, lambda logits, counts: logits - (counts * penalty).astype(logits.dtype))
 
 
-def _make_logit_bias(logit_bias: Dict[int, float], vocab_size: Optional[int]) -> LogitsProcessor:
+def _make_logit_bias(logit_bias: dict[int, float], vocab_size: int | None) -> LogitsProcessor:
     if not isinstance(logit_bias, dict):
         raise SamplingError("logit_bias", f"must be a dict of token ID -> bias, got {type(logit_bias).__name__}")
     for token, bias in logit_bias.items():
@@ -288,16 +313,16 @@ def _make_logit_bias(logit_bias: Dict[int, float], vocab_size: Optional[int]) ->
 
 
 def make_logits_processors(
-    logit_bias: Optional[Dict[int, float]] = None,
-    repetition_penalty: Optional[float] = None,
-    repetition_context_size: Optional[int] = 20,
-    presence_penalty: Optional[float] = None,
-    presence_context_size: Optional[int] = 20,
-    frequency_penalty: Optional[float] = None,
-    frequency_context_size: Optional[int] = 20,
+    logit_bias: dict[int, float] | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int | None = 20,
+    presence_penalty: float | None = None,
+    presence_context_size: int | None = 20,
+    frequency_penalty: float | None = None,
+    frequency_context_size: int | None = 20,
     *,
-    vocab_size: Optional[int] = None,
-) -> List[LogitsProcessor]:
+    vocab_size: int | None = None,
+) -> list[LogitsProcessor]:
     """mlx-lm's `make_logits_processors`: the list `generate_step(logits_processors=...)` applies in
     order (logit bias, then repetition, presence and frequency penalties; a penalty of None or 0 adds
     nothing). Every argument is checked here, before any work; `vocab_size` (the tokenizer's

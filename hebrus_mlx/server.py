@@ -41,16 +41,16 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any
 
 from . import api_fields, flags, responses_api
 from .api_fields import RequestError
 from .artifact.untrusted import UntrustedFileError
 from .artifact.untrusted import loads as untrusted_loads
 from .cli_args import ArgumentParser, prefetch_from_args
-from .verb_flags import USED, add_prompt_cache_dir_arguments, check_prompt_cache_dir, refuse_unused, share_generate_flags
 from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
@@ -59,6 +59,13 @@ from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .text.chat_template import ChatError
 from .text.tokenizer import TokenizerError
+from .verb_flags import (
+    USED,
+    add_prompt_cache_dir_arguments,
+    check_prompt_cache_dir,
+    refuse_unused,
+    share_generate_flags,
+)
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -86,22 +93,22 @@ def _is_number(x):
 
 @dataclass
 class Sampling:
-    max_tokens: Optional[int]
+    max_tokens: int | None
     temperature: float
     top_p: float
     top_k: int
     min_p: float
-    seed: Optional[int]
-    stop: List[str]
+    seed: int | None
+    stop: list[str]
     stream: bool
     include_usage: bool
     # Issue 24: the logits processors (make_logits_processors' arguments) and what to report.
-    logit_bias: Optional[dict] = None  # token ID -> bias
-    repetition_penalty: Optional[float] = None
+    logit_bias: dict | None = None  # token ID -> bias
+    repetition_penalty: float | None = None
     repetition_context_size: int = 20
-    presence_penalty: Optional[float] = None
+    presence_penalty: float | None = None
     presence_context_size: int = 20
-    frequency_penalty: Optional[float] = None
+    frequency_penalty: float | None = None
     frequency_context_size: int = 20
     logprobs: bool = False  # report each token's log-probability
     top_logprobs: int = 0  # and this many alternatives
@@ -110,11 +117,18 @@ class Sampling:
         from .sample_utils import make_logits_processors
 
         return make_logits_processors(
-            self.logit_bias, self.repetition_penalty, self.repetition_context_size, self.presence_penalty,
-            self.presence_context_size, self.frequency_penalty, self.frequency_context_size, vocab_size=vocab_size)
+            self.logit_bias,
+            self.repetition_penalty,
+            self.repetition_context_size,
+            self.presence_penalty,
+            self.presence_context_size,
+            self.frequency_penalty,
+            self.frequency_context_size,
+            vocab_size=vocab_size,
+        )
 
 
-def parse_sampling(body: dict, defaults: "ServerDefaults") -> Sampling:
+def parse_sampling(body: dict, defaults: ServerDefaults) -> Sampling:
     def number(name, default):
         v = body.get(name)
         if v is None:
@@ -215,15 +229,14 @@ def developer_as_system(messages):
     """OpenAI's `developer` role is the system role of newer clients (as mlx-lm maps it)."""
     if not isinstance(messages, list):
         return messages
-    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
-            for m in messages]
+    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
 
 
 class StopMatcher:
     """Releases text except a tail that may still become a stop sequence (or a tool-call
     opening); `feed` returns (text to release, hit) where hit is the marker found, if any."""
 
-    def __init__(self, stops: List[str], markers: List[str] = ()):
+    def __init__(self, stops: list[str], markers: list[str] = ()):
         self.stops = list(stops)
         self.markers = list(markers)
         self.buf = ""
@@ -248,7 +261,7 @@ class StopMatcher:
                     keep = max(keep, k)
                     break
         out = self.buf[: len(self.buf) - keep]
-        self.buf = self.buf[len(out):]
+        self.buf = self.buf[len(out) :]
         return out, None
 
 
@@ -268,9 +281,16 @@ def parse_tool_calls(text: str):
         args = obj.get("arguments", {})
         content.append(text[pos : m.start()])
         pos = m.end()
-        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        calls.append(
+            {
+                "id": "call_" + secrets.token_hex(12),
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                },
+            }
+        )
     content.append(text[pos:])
     return "".join(content).strip() if calls else text, calls
 
@@ -295,28 +315,32 @@ class ThinkSplitter:
                 parts.append(("reasoning" if self.reasoning else "content", out))
             if hit is None:
                 return parts
-            self.matcher.buf = self.matcher.buf[len(hit):]
+            self.matcher.buf = self.matcher.buf[len(hit) :]
             self.reasoning, self.fresh = hit == THINK_OPEN, True
             out, hit = self.matcher.feed("", final)
 
 
 def chat_logprob(e: dict) -> dict:
     """A token_logprob entry in the chat API's shape."""
+
     def one(x):
         return {"token": x["token"], "logprob": x["logprob"], "bytes": list(x["token"].encode("utf-8"))}
 
     return {**one(e), "top_logprobs": [one(x) for x in e["top"]]}
 
 
-def completion_logprobs(entries: List[dict], offset: int) -> dict:
+def completion_logprobs(entries: list[dict], offset: int) -> dict:
     """token_logprob entries in the legacy completions API's shape (text_offset from `offset`)."""
     offsets = []
     for e in entries:
         offsets.append(offset)
         offset += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{x["token"]: x["logprob"] for x in e["top"]} if e["top"] else None for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{x["token"]: x["logprob"] for x in e["top"]} if e["top"] else None for e in entries],
+        "text_offset": offsets,
+    }
 
 
 # -- the worker: owns the model -------------------------------------------------------------------
@@ -330,9 +354,9 @@ class ServerDefaults:
     min_p: float = 0.0
     max_tokens: int = 512
     prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE
-    draft_model: Optional[str] = None  # speculative decoding: 'ngram', 'mtp' or a draft model dir
-    num_draft_tokens: Optional[int] = None
-    prompt_cache_dir: Optional[str] = None  # prefix snapshots on disk (prompt_cache_disk.py)
+    draft_model: str | None = None  # speculative decoding: 'ngram', 'mtp' or a draft model dir
+    num_draft_tokens: int | None = None
+    prompt_cache_dir: str | None = None  # prefix snapshots on disk (prompt_cache_disk.py)
     prompt_cache_dir_bytes: int = 8 << 30
     decode_concurrency: int = 1  # > 1: requests share decode steps (batch_generate.BatchGenerator)
     prompt_concurrency: int = 1  # requests prefilling at once, a chunk per round, under batching
@@ -340,7 +364,7 @@ class ServerDefaults:
 
 @dataclass
 class Job:
-    ids: List[int]
+    ids: list[int]
     sampling: Sampling
     max_tokens: int
     loop: Any
@@ -357,15 +381,15 @@ class Worker:
     def __init__(self, load, prompt_cache_bytes: int, defaults: ServerDefaults):
         self.defaults = defaults
         self.prompt_cache = PromptCache(prompt_cache_bytes)
-        self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.model = self.tokenizer = None
         self.busy = False
-        self.current: Optional[Job] = None  # the running job (a stalled pipeline answers it)
+        self.current: Job | None = None  # the running job (a stalled pipeline answers it)
         self.batch = None  # the BatchGenerator under --decode-concurrency > 1
-        self.broken: Optional[PipelineError] = None  # a pipeline rank died: every request fails
+        self.broken: PipelineError | None = None  # a pipeline rank died: every request fails
         self.close = None  # run on the worker thread when it stops (a pipeline releases its ranks)
         self._ready = threading.Event()
-        self._load_error: Optional[BaseException] = None
+        self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(load,), name="hebrus-worker", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -373,7 +397,7 @@ class Worker:
             raise self._load_error
 
     @property
-    def context(self) -> Optional[int]:
+    def context(self) -> int | None:
         return gen.context_limit(self.model)
 
     def _run(self, load):
@@ -382,8 +406,9 @@ class Worker:
             if self.defaults.prompt_cache_dir is not None:
                 from .prompt_cache_disk import DiskPromptCache
 
-                self.prompt_cache.disk = DiskPromptCache(self.defaults.prompt_cache_dir,
-                                                         self.defaults.prompt_cache_dir_bytes, self.model)
+                self.prompt_cache.disk = DiskPromptCache(
+                    self.defaults.prompt_cache_dir, self.defaults.prompt_cache_dir_bytes, self.model
+                )
             if hasattr(self.model, "on_stall"):
                 self.model.on_stall = self._on_stall
             # The loaded model, tokenizer and modules never die: out of the collector's reach, a
@@ -438,10 +463,15 @@ class Worker:
 
         tok = self.tokenizer
         d = self.defaults
-        g = BatchGenerator(self.model, effective_vocab_size=tok.effective_vocab_size,
-                           stop_tokens=tok.stop_token_ids, decode_concurrency=d.decode_concurrency,
-                           prompt_concurrency=d.prompt_concurrency, prefill_step_size=d.prefill_step_size,
-                           prompt_cache=self.prompt_cache)
+        g = BatchGenerator(
+            self.model,
+            effective_vocab_size=tok.effective_vocab_size,
+            stop_tokens=tok.stop_token_ids,
+            decode_concurrency=d.decode_concurrency,
+            prompt_concurrency=d.prompt_concurrency,
+            prefill_step_size=d.prefill_step_size,
+            prompt_cache=self.prompt_cache,
+        )
         self.batch = g
         live = {}  # uid -> [job, detokenizer, start time, first-token time]
         stopping = False
@@ -504,8 +534,10 @@ class Worker:
                 if r.finish_reason != "stop":
                     detok.add_token(r.token)
                     if job.sampling.logprobs:  # the stop token is not part of the text
-                        self._emit(job, ("logprob", token_logprob(self.tokenizer, r.logprobs, r.token,
-                                                                  job.sampling.top_logprobs)))
+                        self._emit(
+                            job,
+                            ("logprob", token_logprob(self.tokenizer, r.logprobs, r.token, job.sampling.top_logprobs)),
+                        )
                 if r.finish_reason is not None:
                     detok.finalize()
                 self._emit(job, ("text", detok.last_segment))
@@ -521,9 +553,13 @@ class Worker:
         s = job.sampling
         try:
             sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
-            (uid,) = g.insert([job.ids], max_tokens=[job.max_tokens], samplers=[sampler],
-                              logits_processors=[s.logits_processors(self.tokenizer.effective_vocab_size)],
-                              seeds=[None if s.seed is None else s.seed])
+            (uid,) = g.insert(
+                [job.ids],
+                max_tokens=[job.max_tokens],
+                samplers=[sampler],
+                logits_processors=[s.logits_processors(self.tokenizer.effective_vocab_size)],
+                seeds=[None if s.seed is None else s.seed],
+            )
         except (gen.GenerationError, ValueError) as e:
             self._emit(job, ("error", e))
             return
@@ -583,12 +619,20 @@ class Worker:
         sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
         processors = s.logits_processors(self.tokenizer.effective_vocab_size)
         finish = None
-        for r in stream_with_cache(self.model, self.tokenizer, job.ids, self.prompt_cache, job.max_tokens,
-                                   sampler=sampler, prefill_step_size=self.defaults.prefill_step_size,
-                                   cancelled=job.cancel.is_set, usage=job.usage,
-                                   draft_model=self.defaults.draft_model,
-                                   num_draft_tokens=self.defaults.num_draft_tokens,
-                                   logits_processors=processors):
+        for r in stream_with_cache(
+            self.model,
+            self.tokenizer,
+            job.ids,
+            self.prompt_cache,
+            job.max_tokens,
+            sampler=sampler,
+            prefill_step_size=self.defaults.prefill_step_size,
+            cancelled=job.cancel.is_set,
+            usage=job.usage,
+            draft_model=self.defaults.draft_model,
+            num_draft_tokens=self.defaults.num_draft_tokens,
+            logits_processors=processors,
+        ):
             finish = r.finish_reason
             if s.logprobs and finish != "stop":  # the stop token is not part of the text
                 self._emit(job, ("logprob", token_logprob(self.tokenizer, r.logprobs, r.token, s.top_logprobs)))
@@ -624,9 +668,15 @@ SWITCH_INTERVAL_S = 0.001  # the GIL hand-off interval while serving (CPython's 
 
 
 class App:
-    def __init__(self, worker: Worker, model_id: str, api_key: Optional[str] = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = (),
-                 prep_process_bytes: int = 0):
+    def __init__(
+        self,
+        worker: Worker,
+        model_id: str,
+        api_key: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        allowed_origins: Sequence[str] = (),
+        prep_process_bytes: int = 0,
+    ):
         from concurrent.futures import ThreadPoolExecutor
 
         from starlette.applications import Starlette
@@ -651,7 +701,7 @@ class App:
         self.live: dict = {}  # id -> job with a waiting response (cancelled on shutdown)
         self.preparing: set = set()  # futures of off-loop work a request awaits (answered 503 on shutdown)
         self.stopping = False
-        self.stop_started: Optional[float] = None  # time.monotonic() of the first SIGTERM/SIGINT
+        self.stop_started: float | None = None  # time.monotonic() of the first SIGTERM/SIGINT
         tmpl = worker.tokenizer.chat_template or ""
         added = worker.tokenizer.added_tokens
         # Tool calls are parsed only where the template writes them in this format.
@@ -662,19 +712,26 @@ class App:
             self.think_ids = tuple(worker.tokenizer.convert_tokens_to_ids([THINK_OPEN, THINK_CLOSE]))
         self.stored = responses_api.ResponseStore()  # previous_response_id
         # CORS (--allowed-origins): none by default, so a web page cannot drive a local server.
-        middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                                 allow_headers=["*"])] if allowed_origins else []
-        self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self._wrap(self.chat), methods=["POST"]),
-            Route("/chat/completions", self._wrap(self.chat), methods=["POST"]),
-            Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
-            Route("/completions", self._wrap(self.completions), methods=["POST"]),
-            Route("/v1/responses", self._wrap(self.responses), methods=["POST"]),
-            Route("/v1/responses/{response_id}", self._wrap(self.stored_response), methods=["GET"]),
-            Route("/v1/models", self._wrap(self.models), methods=["GET"]),
-            Route("/v1/models/{model_id:path}", self._wrap(self.model), methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-        ], middleware=middleware, exception_handlers={404: self._not_found, 405: self._not_allowed})
+        middleware = (
+            [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])]
+            if allowed_origins
+            else []
+        )
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._wrap(self.chat), methods=["POST"]),
+                Route("/chat/completions", self._wrap(self.chat), methods=["POST"]),
+                Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
+                Route("/completions", self._wrap(self.completions), methods=["POST"]),
+                Route("/v1/responses", self._wrap(self.responses), methods=["POST"]),
+                Route("/v1/responses/{response_id}", self._wrap(self.stored_response), methods=["GET"]),
+                Route("/v1/models", self._wrap(self.models), methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self._wrap(self.model), methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+            ],
+            middleware=middleware,
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+        )
 
     # Errors ---------------------------------------------------------------------------------
     def _json(self, obj, status=200):
@@ -723,7 +780,9 @@ class App:
 
     def _authorize(self, request):
         if not self._authorized(request):
-            raise RequestError("missing or wrong API key (Authorization: Bearer ...)", None, 401, "authentication_error")
+            raise RequestError(
+                "missing or wrong API key (Authorization: Bearer ...)", None, 401, "authentication_error"
+            )
 
     async def _off_loop(self, fn, *args, **kwargs):
         import functools
@@ -765,7 +824,7 @@ class App:
         request.state.body_bytes = size
         return await self._off_loop(api_fields.parse_body, b"".join(chunks))
 
-    async def _ids(self, request, method: str, *args, **kwargs) -> List[int]:
+    async def _ids(self, request, method: str, *args, **kwargs) -> list[int]:
         """Token IDs from the tokenizer's `method` (apply_chat_template, encode), off the loop: in
         the prep process for a big body, else on a prep thread."""
         if self.prep_process is None or getattr(request.state, "body_bytes", 0) < self.prep_process_bytes:
@@ -773,9 +832,9 @@ class App:
         if self.stopping:
             raise RequestError(SHUTTING_DOWN, None, 503, "server_error")
         ids = await self._prepared(asyncio.wrap_future(self.prep_process.submit(method, *args, **kwargs)))
-        out: List[int] = []
+        out: list[int] = []
         for i in range(0, len(ids), 1 << 15):  # millions of ints: a slice at a time, the loop runs between
-            out.extend(ids[i:i + (1 << 15)].tolist())
+            out.extend(ids[i : i + (1 << 15)].tolist())
             await asyncio.sleep(0)
         return out
 
@@ -784,13 +843,25 @@ class App:
         if not self._authorized(request):  # alive, nothing more, without the key
             return self._json({"status": "stopping" if self.stopping else "ok"})
         w = self.worker
-        out = {"status": "stopping" if self.stopping else "ok", "queued": w.jobs.qsize(), "busy": w.busy,
-               "prompt_cache": {"entries": len(w.prompt_cache), "bytes": w.prompt_cache.nbytes,
-                                "hits": w.prompt_cache.hits, "misses": w.prompt_cache.misses}}
+        out = {
+            "status": "stopping" if self.stopping else "ok",
+            "queued": w.jobs.qsize(),
+            "busy": w.busy,
+            "prompt_cache": {
+                "entries": len(w.prompt_cache),
+                "bytes": w.prompt_cache.nbytes,
+                "hits": w.prompt_cache.hits,
+                "misses": w.prompt_cache.misses,
+            },
+        }
         g = w.batch
         if g is not None:  # --decode-concurrency > 1: decode steps run and the rows they fed
-            out["batch"] = {"decode_concurrency": g.decode_concurrency, "active": g.active,
-                            "decode_steps": g.steps, "rows": g.rows}
+            out["batch"] = {
+                "decode_concurrency": g.decode_concurrency,
+                "active": g.active,
+                "decode_steps": g.steps,
+                "rows": g.rows,
+            }
         streaming = getattr(w.model, "streaming", None)
         if streaming is not None:
             mem = streaming.memory()
@@ -812,8 +883,12 @@ class App:
         """GET /v1/models/{id}: this server's one model, or 404 naming the field."""
         want = request.path_params["model_id"]
         if want != self.model_id:
-            raise RequestError(f"model {want!r} is not served here (this server serves {self.model_id!r})",
-                               "model", 404, "not_found_error")
+            raise RequestError(
+                f"model {want!r} is not served here (this server serves {self.model_id!r})",
+                "model",
+                404,
+                "not_found_error",
+            )
         return self._json(self._model_object())
 
     def _max_tokens(self, s: Sampling, n_prompt: int, where: str) -> int:
@@ -823,8 +898,10 @@ class App:
         if s.max_tokens is None:
             return self.worker.defaults.max_tokens if room is None else min(self.worker.defaults.max_tokens, room)
         if room is not None and s.max_tokens > room:
-            raise RequestError(f"max_tokens {s.max_tokens} + {n_prompt} prompt tokens exceeds the model context "
-                               f"{self.worker.context}", "max_tokens")
+            raise RequestError(
+                f"max_tokens {s.max_tokens} + {n_prompt} prompt tokens exceeds the model context {self.worker.context}",
+                "max_tokens",
+            )
         return s.max_tokens
 
     async def chat(self, request):
@@ -839,12 +916,23 @@ class App:
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
         # Provenance-safe: rendered by the template, caller strings tokenized as DATA (AFN-006).
         # Off the event loop: rendering and tokenizing megabytes takes seconds.
-        ids = await self._ids(request, "apply_chat_template", developer_as_system(body["messages"]),
-                              tools=tools or None, add_generation_prompt=True, **options)
+        ids = await self._ids(
+            request,
+            "apply_chat_template",
+            developer_as_system(body["messages"]),
+            tools=tools or None,
+            add_generation_prompt=True,
+            **options,
+        )
         max_tokens = self._max_tokens(s, len(ids), "messages")
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
-        return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
-                                   chat=True, parse_tools=parse_tools, think=self._think_state(ids))
+        return await self._respond(
+            request,
+            Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
+            chat=True,
+            parse_tools=parse_tools,
+            think=self._think_state(ids),
+        )
 
     async def completions(self, request):
         body = await self._body(request)
@@ -866,8 +954,9 @@ class App:
         if not ids:
             raise RequestError("prompt is empty", "prompt")
         max_tokens = self._max_tokens(s, len(ids), "prompt")
-        return await self._respond(request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
-                                   chat=False, parse_tools=False)
+        return await self._respond(
+            request, Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()), chat=False, parse_tools=False
+        )
 
     async def responses(self, request):
         """POST /v1/responses (see responses_api.py)."""
@@ -881,16 +970,23 @@ class App:
         if body.get("previous_response_id") is not None:
             stored = self.stored.get(body["previous_response_id"])
             if stored is None:
-                raise RequestError(f"previous response {body['previous_response_id']!r} not found (not stored, "
-                                   "evicted or expired)", "previous_response_id")
+                raise RequestError(
+                    f"previous response {body['previous_response_id']!r} not found (not stored, evicted or expired)",
+                    "previous_response_id",
+                )
             history = stored["messages"]
         conversation = history + responses_api.to_messages(body["input"])
         tools = responses_api.chat_tools(body.get("tools"))
         if tok.chat_template is None:
             raise RequestError("this model has no chat template", "input")
-        ids = await self._ids(request, "apply_chat_template",
-                              responses_api.with_instructions(body.get("instructions"), conversation),
-                              tools=tools, add_generation_prompt=True, **options)
+        ids = await self._ids(
+            request,
+            "apply_chat_template",
+            responses_api.with_instructions(body.get("instructions"), conversation),
+            tools=tools,
+            add_generation_prompt=True,
+            **options,
+        )
         job = Job(ids, s, self._max_tokens(s, len(ids), "input"), asyncio.get_running_loop(), asyncio.Queue())
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
         think = self._think_state(ids)
@@ -898,9 +994,13 @@ class App:
 
         def usage():
             u = job.usage
-            return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                    "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                    "total_tokens": u.prompt_tokens + u.completion_tokens}
+            return {
+                "input_tokens": u.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                "output_tokens": u.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+            }
 
         async def events():
             for e in builder.start():
@@ -937,15 +1037,17 @@ class App:
                 log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
                 yield builder._event("error", code=err.kind, message=str(err), param=err.param)
 
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     async def stored_response(self, request):
         rid = request.path_params["response_id"]
         stored = self.stored.get(rid)
         if stored is None:
-            raise RequestError(f"response {rid!r} not found (not stored, evicted or expired)", "response_id", 404,
-                               "not_found_error")
+            raise RequestError(
+                f"response {rid!r} not found (not stored, evicted or expired)", "response_id", 404, "not_found_error"
+            )
         return self._json(stored["response"])
 
     # Generation -----------------------------------------------------------------------------
@@ -1005,7 +1107,7 @@ class App:
             return timeout
         return max(0.0, self.stop_started + timeout - time.monotonic())
 
-    async def _outputs(self, request, job: Job, parse_tools: bool, think: Optional[bool]):
+    async def _outputs(self, request, job: Job, parse_tools: bool, think: bool | None):
         """The job's output as parts: ("reasoning", text), ("content", text, logprob entries) and
         last ("end", finish_reason, tool calls, logprob entries not yet given). `think`: None when
         the template does not separate thinking, else whether the output starts inside it.
@@ -1057,7 +1159,7 @@ class App:
                 pending = []
         yield ("end", "tool_calls" if calls else (finish or "stop"), calls, pending)
 
-    def _think_state(self, ids: List[int]) -> Optional[bool]:
+    def _think_state(self, ids: list[int]) -> bool | None:
         """None when the template does not separate thinking, else whether the prompt leaves the
         reply inside a <think> block (a template that opens it for the model)."""
         if self.think_ids is None:
@@ -1069,14 +1171,21 @@ class App:
     @staticmethod
     def _usage(job: Job) -> dict:
         u = job.usage
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        }
 
-    async def _respond(self, request, job: Job, chat: bool, parse_tools: bool, think: Optional[bool] = None):
+    async def _respond(self, request, job: Job, chat: bool, parse_tools: bool, think: bool | None = None):
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_id}
+        head = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_id,
+        }
         want_logprobs = job.sampling.logprobs
         offset = [0]  # the legacy API's text_offset
 
@@ -1149,12 +1258,16 @@ class App:
                 yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
             yield chunk({} if chat else "", finish, rest)
             if job.sampling.include_usage:
-                yield ("data: " + json.dumps({**head, "object": chunk_object, "choices": [], "usage": self._usage(job)})
-                       + "\n\n")
+                yield (
+                    "data: "
+                    + json.dumps({**head, "object": chunk_object, "choices": [], "usage": self._usage(job)})
+                    + "\n\n"
+                )
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
 
 def _text(e) -> str:
@@ -1162,7 +1275,7 @@ def _text(e) -> str:
     return e.message if isinstance(e, HebrusError) else str(e)
 
 
-def _param_of(e) -> Optional[str]:
+def _param_of(e) -> str | None:
     field = getattr(e, "field", "")
     if re.match(r"(messages|tools)(\[\d+\]|\.)", field):  # a typed error naming its JSON path
         return field
@@ -1187,7 +1300,7 @@ def _as_request_error(e) -> RequestError:
 _NOT_SHARED = {"help", "prompt", "system_prompt", "ignore_chat_template", "verbose", "prompt_cache_file"}
 
 
-def _origins(value: str) -> List[str]:
+def _origins(value: str) -> list[str]:
     origins = [o.strip() for o in value.split(",") if o.strip()]
     for o in origins:
         if o != "*" and not re.fullmatch(r"https?://[^/\s,]+", o):
@@ -1198,47 +1311,91 @@ def _origins(value: str) -> List[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="hebrus-mlx server", description="OpenAI-compatible HTTP server (like mlx_lm.server).",
-                       conflict_handler="resolve")
+    p = ArgumentParser(
+        prog="hebrus-mlx server",
+        description="OpenAI-compatible HTTP server (like mlx_lm.server).",
+        conflict_handler="resolve",
+    )
     p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=flags.integer(0, 65535), default=8080, help="0 picks a free port (printed on start)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or "
-                        f"${API_KEY_ENV})")
-    p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from PATH (one line)")
-    p.add_argument("--shutdown-timeout", type=flags.seconds(), default=DEFAULT_SHUTDOWN_TIMEOUT,
-                   help="on SIGTERM/SIGINT: seconds to let cancelled requests finish before exiting "
-                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
-    p.add_argument("--prompt-cache-bytes", type=flags.integer(0, flags.INT64_MAX), default=DEFAULT_PROMPT_CACHE_BYTES,
-                   help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)")
-    p.add_argument("--decode-concurrency", type=flags.integer(1), default=1,
-                   help="requests that share each decode step (continuous batching; default 1: one at a time)")
-    p.add_argument("--prompt-concurrency", type=flags.integer(1), default=1,
-                   help="requests prefilling at once under --decode-concurrency > 1, a chunk per decode step")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or ${API_KEY_ENV})",
+    )
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from PATH (one line)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=flags.seconds(),
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="on SIGTERM/SIGINT: seconds to let cancelled requests finish before exiting "
+        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=flags.integer(0, flags.INT64_MAX),
+        default=DEFAULT_PROMPT_CACHE_BYTES,
+        help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)",
+    )
+    p.add_argument(
+        "--decode-concurrency",
+        type=flags.integer(1),
+        default=1,
+        help="requests that share each decode step (continuous batching; default 1: one at a time)",
+    )
+    p.add_argument(
+        "--prompt-concurrency",
+        type=flags.integer(1),
+        default=1,
+        help="requests prefilling at once under --decode-concurrency > 1, a chunk per decode step",
+    )
     add_prompt_cache_dir_arguments(p)
-    p.add_argument("--max-body-bytes", type=flags.integer(1), default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies are a 413, refused from the declared length (default %(default)s)")
-    p.add_argument("--prep-process-bytes", type=flags.integer(0, flags.INT64_MAX), default=DEFAULT_PREP_PROCESS_BYTES,
-                   help="request bodies of at least this many bytes are rendered and tokenized in a separate "
-                        "process, so the event loop never waits on them (default %(default)s; 0: all on threads)")
-    p.add_argument("--allowed-origins", type=_origins, default=[], metavar="ORIGINS",
-                   help="comma-separated origins browsers may call from (CORS), '*' for any "
-                        "(default: none; mlx-lm's default is '*')")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="server log level (default INFO)")
+    p.add_argument(
+        "--max-body-bytes",
+        type=flags.integer(1),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are a 413, refused from the declared length (default %(default)s)",
+    )
+    p.add_argument(
+        "--prep-process-bytes",
+        type=flags.integer(0, flags.INT64_MAX),
+        default=DEFAULT_PREP_PROCESS_BYTES,
+        help="request bodies of at least this many bytes are rendered and tokenized in a separate "
+        "process, so the event loop never waits on them (default %(default)s; 0: all on threads)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=[],
+        metavar="ORIGINS",
+        help="comma-separated origins browsers may call from (CORS), '*' for any "
+        "(default: none; mlx-lm's default is '*')",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="server log level (default INFO)",
+    )
     p.set_defaults(max_tokens=512)
     return p
 
 
-def api_key_from(args, environ=None) -> Optional[str]:
+def api_key_from(args, environ=None) -> str | None:
     """The key from exactly one of --api-key, --api-key-file or $HEBRUS_MLX_API_KEY (None: no key)."""
     import os
 
     environ = os.environ if environ is None else environ
-    given = [(f, v) for f, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
-                                 (API_KEY_ENV, environ.get(API_KEY_ENV))) if v is not None]
+    given = [
+        (f, v)
+        for f, v in (
+            ("--api-key", args.api_key),
+            ("--api-key-file", args.api_key_file),
+            (API_KEY_ENV, environ.get(API_KEY_ENV)),
+        )
+        if v is not None
+    ]
     if len(given) > 1:
         raise UsageError(given[1][0], f"the API key is also given by {given[0][0]}; give it once")
     if not given:
@@ -1249,8 +1406,9 @@ def api_key_from(args, environ=None) -> Optional[str]:
 
         path = os.path.abspath(os.path.expanduser(value))
         try:
-            data = untrusted.read_path(untrusted.resolve(os.path.dirname(path), os.path.basename(path),
-                                                         field, links=True), "api_key", field)
+            data = untrusted.read_path(
+                untrusted.resolve(os.path.dirname(path), os.path.basename(path), field, links=True), "api_key", field
+            )
         except OSError as e:
             raise UsageError(field, f"{value}: {e.strerror or e}") from None
         except untrusted.UntrustedFileError as e:
@@ -1271,7 +1429,7 @@ class _Server:
     signal after its shutdown is absorbed)."""
 
     @staticmethod
-    def run(app: "App", config, sock):
+    def run(app: App, config, sock):
         import signal
 
         import uvicorn
@@ -1311,13 +1469,18 @@ def main(argv=None) -> int:
         raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
     check_prompt_cache_dir(args)
     if args.decode_concurrency > 1 and args.draft_model is not None:
-        raise UsageError("--decode-concurrency", "speculative drafting (--draft-model) runs one request at a time; "
-                         "give --decode-concurrency 1 or drop --draft-model")
+        raise UsageError(
+            "--decode-concurrency",
+            "speculative drafting (--draft-model) runs one request at a time; "
+            "give --decode-concurrency 1 or drop --draft-model",
+        )
     if args.decode_concurrency > 1 and pipeline_launched():
         raise UsageError("--decode-concurrency", "a pipeline (mlx.launch) serves one request at a time")
     if args.prompt_concurrency > args.decode_concurrency:
-        raise UsageError("--prompt-concurrency", f"must be <= --decode-concurrency ({args.decode_concurrency}), "
-                         f"got {args.prompt_concurrency}")
+        raise UsageError(
+            "--prompt-concurrency",
+            f"must be <= --decode-concurrency ({args.decode_concurrency}), got {args.prompt_concurrency}",
+        )
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prefetch_from_args(args)  # checked before the model loads
     pipe = None
@@ -1332,11 +1495,20 @@ def main(argv=None) -> int:
             return 0
     import uvicorn
 
-    defaults = ServerDefaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              max_tokens=args.max_tokens, prefill_step_size=args.prefill_step_size,
-                              draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-                              prompt_cache_dir=args.prompt_cache_dir, prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
-                              decode_concurrency=args.decode_concurrency, prompt_concurrency=args.prompt_concurrency)
+    defaults = ServerDefaults(
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        prefill_step_size=args.prefill_step_size,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
+        decode_concurrency=args.decode_concurrency,
+        prompt_concurrency=args.prompt_concurrency,
+    )
 
     def load():
         if args.seed is not None:  # on the worker thread, which samples
@@ -1365,8 +1537,13 @@ def main(argv=None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     host, port = sock.getsockname()[:2]
     print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
-    config = uvicorn.Config(app.app, log_level=args.log_level.lower(), access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(
+        app.app,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
     try:
         _Server.run(app, config, sock)
     finally:

@@ -119,7 +119,7 @@ class Source:
         """Raw key for a text-model key, with or without the conditional prefix."""
         if text_key in self.index:
             return text_key
-        alt = keys.CONDITIONAL_PREFIX + text_key[len("model."):] if text_key.startswith("model.") else None
+        alt = keys.CONDITIONAL_PREFIX + text_key[len("model.") :] if text_key.startswith("model.") else None
         if alt in self.index:
             return alt
         raise ArtifactError(f"source.{text_key}", "missing")

@@ -22,9 +22,8 @@ from tqdm import tqdm
 
 from . import flags
 from .admission import admit
-from .artifact import atomic
+from .artifact import atomic, untrusted
 from .artifact import constants as C
-from .artifact import untrusted
 from .artifact import fast_check as FC
 from .artifact import manifest as M
 from .artifact.errors import ArtifactError, DigestError
@@ -36,8 +35,9 @@ def _table(m, s, i, stream):
     """The XXH3-128 table of store entry `s` (stores[i]), from bytes whose SHA-256 matched."""
     field = f"stores[{i}].fast_check"
     full = os.path.join(m.directory, s["path"])
-    with tqdm(total=s["size"], desc=s["path"], unit="B", unit_scale=True, unit_divisor=1024,
-              file=stream, disable=None) as bar:
+    with tqdm(
+        total=s["size"], desc=s["path"], unit="B", unit_scale=True, unit_divisor=1024, file=stream, disable=None
+    ) as bar:
         if s["role"] == "mtp":
             sha, fast = FC.scan_file(full, field)
             bar.update(s["size"])
@@ -60,10 +60,12 @@ def _link_or_copy(src, dst):
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise
+
         def copy(w):
             with open(src, "rb") as f:
                 while b := f.read(8 << 20):
                     w.write(b)
+
         atomic.publish_file(dst, copy)
 
 
@@ -85,8 +87,13 @@ def upgrade(path, stream=None, refresh=False):
     if [(s["path"], s["size"], s["sha256"]) for s in man["stores"]] != [(s.path, s.size, s.sha256) for s in m.stores]:
         raise ArtifactError("manifest", "changed since admission; nothing replaced")
     tables = {s["path"]: _table(m, s, i, stream) for i, s in enumerate(man["stores"]) if s["role"] in FC.ROLES}
-    new = dict(man, stores=[dict(s, fast_check=FC.entry(s["path"], tables[s["path"]])) if s["path"] in tables else s
-                            for s in man["stores"]])
+    new = dict(
+        man,
+        stores=[
+            dict(s, fast_check=FC.entry(s["path"], tables[s["path"]])) if s["path"] in tables else s
+            for s in man["stores"]
+        ],
+    )
     data = M.dumps(new)
 
     def build(tmp):
@@ -105,11 +112,15 @@ def upgrade(path, stream=None, refresh=False):
 
 
 def main(argv=None):
-    p = flags.Parser(prog="hebrus-mlx upgrade",
-                                description="add the fast per-read check (XXH3-128 tables) to an older artifact")
+    p = flags.Parser(
+        prog="hebrus-mlx upgrade", description="add the fast per-read check (XXH3-128 tables) to an older artifact"
+    )
     p.add_argument("path", help="artifact directory (replaced atomically)")
-    p.add_argument("--refresh", action="store_true",
-                   help="recompute the tables of an artifact that has them (from SHA-256-verified bytes)")
+    p.add_argument(
+        "--refresh",
+        action="store_true",
+        help="recompute the tables of an artifact that has them (from SHA-256-verified bytes)",
+    )
     a = p.parse_args(argv)
     _, summary = upgrade(a.path, refresh=a.refresh)  # a failure is one line on stderr (cli.run)
     print(json.dumps(summary, indent=1))

@@ -14,10 +14,28 @@ gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is
 # generate's flags that describe the model, its caches and sampling defaults; taken from its parser
 # so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
 # until this verb uses it (never silently ignored).
-USED = {"model", "max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "prefill_step_size", "max_kv_size",
-        "draft_model", "num_draft_tokens", "pipeline_split", "pipeline_timeout",
-        "expert_cache_gb", "ple_cache_gb", "prefetch", "prefetch_budget", "prefetch_threshold", "expert_mirror",
-        "prefill_sweep"}
+USED = {
+    "model",
+    "max_tokens",
+    "temp",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "prefill_step_size",
+    "max_kv_size",
+    "draft_model",
+    "num_draft_tokens",
+    "pipeline_split",
+    "pipeline_timeout",
+    "expert_cache_gb",
+    "ple_cache_gb",
+    "prefetch",
+    "prefetch_budget",
+    "prefetch_threshold",
+    "expert_mirror",
+    "prefill_sweep",
+}
 
 
 def share_generate_flags(p: argparse.ArgumentParser, exclude) -> list:
@@ -38,12 +56,20 @@ def refuse_unused(args, actions, used, verb):
 
 def add_prompt_cache_dir_arguments(p):
     """--prompt-cache-dir and its bound (server and chat)."""
-    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
-                   help="keep prefix snapshots in DIR across restarts (keyed by the artifact and the tokens; "
-                        "foreign, stale or corrupted entries are refused and recomputed)")
-    p.add_argument("--prompt-cache-dir-bytes", type=flags.integer(1, flags.INT64_MAX), default=DEFAULT_DIR_BYTES,
-                   metavar="N", help=f"byte limit of this model's snapshots in --prompt-cache-dir, LRU "
-                                     f"(default {DEFAULT_DIR_BYTES >> 30} GiB)")
+    p.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep prefix snapshots in DIR across restarts (keyed by the artifact and the tokens; "
+        "foreign, stale or corrupted entries are refused and recomputed)",
+    )
+    p.add_argument(
+        "--prompt-cache-dir-bytes",
+        type=flags.integer(1, flags.INT64_MAX),
+        default=DEFAULT_DIR_BYTES,
+        metavar="N",
+        help=f"byte limit of this model's snapshots in --prompt-cache-dir, LRU (default {DEFAULT_DIR_BYTES >> 30} GiB)",
+    )
 
 
 def check_prompt_cache_dir(args):

@@ -44,8 +44,10 @@ class _FastTable:
 
     def check(self):
         if self.bad is not None:
-            raise DigestError(f"stores.{self.store.path}.fast_check",
-                              f"unit {self.bad}: the XXH3-128 table disagrees with the SHA-256-verified bytes")
+            raise DigestError(
+                f"stores.{self.store.path}.fast_check",
+                f"unit {self.bad}: the XXH3-128 table disagrees with the SHA-256-verified bytes",
+            )
 
 
 def verify(path, stream=None):

@@ -15,19 +15,50 @@ import struct
 import families  # noqa: F401  (registers the tiny and parity families)
 
 TINY_CONFIG = dict(
-    vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
-    head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-    linear_num_value_heads=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-    num_experts=8, num_experts_per_tok=2, hc_count=4, hc_lowrank=8, ple_layer_ids=[1],
-    ple_embed_dim=64, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000, split_ngram_parts=4,
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
-    indexer_compress_ratio=4, eos_token_id=1, max_position_embeddings=256,
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    hc_count=4,
+    hc_lowrank=8,
+    ple_layer_ids=[1],
+    ple_embed_dim=64,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=1000,
+    split_ngram_parts=4,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=16,
+    indexer_budget=8,
+    indexer_compress_ratio=4,
+    eos_token_id=1,
+    max_position_embeddings=256,
 )
 
 TOKENIZER = {
     "version": "1.0",
-    "added_tokens": [{"id": 1, "content": "<|im_end|>", "special": True, "single_word": False,
-                      "lstrip": False, "rstrip": False, "normalized": False}],
+    "added_tokens": [
+        {
+            "id": 1,
+            "content": "<|im_end|>",
+            "special": True,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+        }
+    ],
     "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<|im_end|>": 1, "a": 2, "b": 3}, "unk_token": "<unk>"},
 }
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
@@ -118,14 +149,16 @@ def _units(d, s):
     if s["role"] == "experts":
         with ExpertMajorReader(p) as r:
             g = r.geometry
-            return [data[g.record_offset(i):g.record_offset(i) + g.record_bytes] for i in range(g.count)]
+            return [data[g.record_offset(i) : g.record_offset(i) + g.record_bytes] for i in range(g.count)]
     if s["role"] == "ple":
         with PleReader(p) as r:
             g = r.geometry
-            return [data[g.payload_offset + i * g.page_stride:g.payload_offset + (i + 1) * g.page_stride]
-                    for i in range(g.num_pages)]
+            return [
+                data[g.payload_offset + i * g.page_stride : g.payload_offset + (i + 1) * g.page_stride]
+                for i in range(g.num_pages)
+            ]
     n = fast_check.MTP_UNIT_BYTES
-    return [data[i:i + n] for i in range(0, max(len(data), 1), n)]
+    return [data[i : i + n] for i in range(0, max(len(data), 1), n)]
 
 
 def edit_source_file(d, name, fn, refresh_digest=True):
@@ -152,12 +185,19 @@ def edit_safetensors_header(d, fn, path="model.safetensors", inventory=False):
         f.write(struct.pack("<Q", len(body)) + body + raw[8 + n :])
     refresh_store(d, path)
     if inventory:  # keep the manifest inventory in step with the file
+
         def sync(m):
             m["tensors"] = {
-                k: {"dtype": v["dtype"], "shape": v["shape"], "data_offsets": v["data_offsets"],
-                    "codec": m["tensors"].get(k, {}).get("codec", "f32")}
-                for k, v in header.items() if k != "__metadata__"
+                k: {
+                    "dtype": v["dtype"],
+                    "shape": v["shape"],
+                    "data_offsets": v["data_offsets"],
+                    "codec": m["tensors"].get(k, {}).get("codec", "f32"),
+                }
+                for k, v in header.items()
+                if k != "__metadata__"
             }
+
         edit_manifest(d, sync)
 
 
@@ -227,7 +267,7 @@ def fuzz(d, cases, seed=0):
                 for _ in range(rng.randint(1, 3)):
                     data[rng.randrange(len(data))] ^= rng.randint(1, 255)
             else:
-                del data[rng.randrange(len(data)):]
+                del data[rng.randrange(len(data)) :]
             path = os.path.join(d, name)
             with open(path, "wb") as f:
                 f.write(data)

@@ -51,7 +51,7 @@ def engine_stage():
     data.tofile(path)
     eng = FaultyEngine(cache_bytes=8 * rec, threads=2)
     table = eng.register_table(eng.add_store(path), [i * rec for i in range(4)], [rec] * 4)
-    want = int(data[rec:3 * rec].astype(np.int64).sum())
+    want = int(data[rec : 3 * rec].astype(np.int64).sum())
     for sync in (mx.clear_cache, lambda: mx.set_cache_limit(mx.set_cache_limit(0))):
         warm_buffer_cache()
         eng.set_read_delay_us(300_000)
@@ -121,8 +121,13 @@ def loop_stage():
     assert got == want
 
 
-STAGES = {"engine": engine_stage, "forward": lambda: forward_stage(False), "sweep": lambda: forward_stage(True),
-          "mlx_lm": mlx_lm_stage, "loop": loop_stage}
+STAGES = {
+    "engine": engine_stage,
+    "forward": lambda: forward_stage(False),
+    "sweep": lambda: forward_stage(True),
+    "mlx_lm": mlx_lm_stage,
+    "loop": loop_stage,
+}
 
 for name in sys.argv[1:]:
     print("stage", name, flush=True)

@@ -4,9 +4,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 import families  # noqa: F401  (registers the test checkpoints' family descriptors)
+import pytest
 
 # The independent MLX oracle (mlx-vlm 0.7.10) is unpacked, never installed (its package __init__
 # pulls heavy dependencies). .ci/run provides it; a developer's `python -m pytest` fetches the wheel
@@ -23,9 +22,23 @@ def _provide_mlx_vlm():
             return
     wheels = root.parent / "wheels"
     try:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                        "--no-deps", f"mlx-vlm=={MLX_VLM_VERSION}", "-d", str(wheels)],
-                       check=True, timeout=300, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                f"mlx-vlm=={MLX_VLM_VERSION}",
+                "-d",
+                str(wheels),
+            ],
+            check=True,
+            timeout=300,
+            capture_output=True,
+        )
         with zipfile.ZipFile(next(wheels.glob(f"mlx_vlm-{MLX_VLM_VERSION}-*.whl"))) as z:
             z.extractall(root)
         os.environ["MLX_VLM_ROOT"] = str(root)

@@ -18,9 +18,8 @@ import json
 import os
 import shutil
 
-import numpy as np
-
 import families  # noqa: F401  (registers the bulk family)
+import numpy as np
 from artifact_fixture import TINY_CONFIG
 from parity_fixtures import PARITY
 
@@ -37,8 +36,18 @@ def parity_source(name, d):
     eos = eos if isinstance(eos, list) else [eos]
     tok = {
         "version": "1.0",
-        "added_tokens": [{"id": i, "content": f"<|eos{i}|>", "special": True, "single_word": False,
-                          "lstrip": False, "rstrip": False, "normalized": False} for i in eos],
+        "added_tokens": [
+            {
+                "id": i,
+                "content": f"<|eos{i}|>",
+                "special": True,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+            }
+            for i in eos
+        ],
         "model": {"type": "WordLevel", "vocab": {"<unk>": 0}, "unk_token": "<unk>"},
     }
     with open(os.path.join(d, "tokenizer.json"), "w") as f:
@@ -47,17 +56,35 @@ def parity_source(name, d):
         f.write(TEMPLATE)
     return d
 
+
 # The tiny artifact's config widened: 256 experts of 256 (bulk conversion), head dims of 32.
 BULK_CONFIG = dict(
-    TINY_CONFIG, architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text", hidden_size=128, head_dim=32,
-    linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=256, num_experts=256,
-    num_experts_per_tok=8, indexer_head_dim=32,
+    TINY_CONFIG,
+    architectures=["Qwen4ExpForCausalLM"],
+    model_type="qwen4_exp_text",
+    hidden_size=128,
+    head_dim=32,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    moe_intermediate_size=256,
+    num_experts=256,
+    num_experts_per_tok=8,
+    indexer_head_dim=32,
 )
 
 TOKENIZER = {
     "version": "1.0",
-    "added_tokens": [{"id": 1, "content": "<|im_end|>", "special": True, "single_word": False,
-                      "lstrip": False, "rstrip": False, "normalized": False}],
+    "added_tokens": [
+        {
+            "id": 1,
+            "content": "<|im_end|>",
+            "special": True,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+        }
+    ],
     "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<|im_end|>": 1}, "unk_token": "<unk>"},
 }
 
@@ -69,7 +96,9 @@ def bulk_checkpoint(d, seed=0):
     from hebrus_mlx.artifact import manifest as M
     from hebrus_mlx.format import checkpoint_keys as keys
     from hebrus_mlx.format.qwen4exp_config import (
-        ModelArgs, ple_constants, ple_table_rows,
+        ModelArgs,
+        ple_constants,
+        ple_table_rows,
     )
 
     os.makedirs(d, exist_ok=True)
@@ -83,7 +112,7 @@ def bulk_checkpoint(d, seed=0):
     rng = np.random.default_rng(seed)
 
     def noise(shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02)
+        return rng.standard_normal(shape, dtype=np.float32) * 0.02
 
     rest = {}
     shapes = M.dense_shapes(args)
@@ -97,7 +126,9 @@ def bulk_checkpoint(d, seed=0):
             rest[key] = noise(shape)
         elif ".ngram_embedding.shard_" in key:
             t = args.ple_index(int(key.split(".")[2]))
-            rest[key] = noise((ple_table_rows(args, t) // args.split_ngram_parts, args.ple_embed_dim // args.ngram_heads))
+            rest[key] = noise(
+                (ple_table_rows(args, t) // args.split_ngram_parts, args.ple_embed_dim // args.ngram_heads)
+            )
         else:  # PLE constant buffer
             t = args.ple_index(int(key.split(".")[2]))
             rest[key] = np.array(ple_constants(args, t)[key.rsplit(".", 1)[1]], np.int64)

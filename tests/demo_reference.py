@@ -71,7 +71,9 @@ def reference_state(model) -> dict:
             state[name] = np.array(value.astype(mx.float32))
     for i, layer in enumerate(model.layers):
         sw = layer.mlp.switch_mlp
-        gate, up, down = (np.array(_dequantized(getattr(sw, p)).astype(mx.float32)) for p in ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = (
+            np.array(_dequantized(getattr(sw, p)).astype(mx.float32)) for p in ("gate_proj", "up_proj", "down_proj")
+        )
         prefix = f"model.layers.{i}.mlp.experts."
         state[prefix + "gate_up_proj"] = np.concatenate([gate, up], axis=1)
         state[prefix + "down_proj"] = down
@@ -90,7 +92,9 @@ def reference_model(model, config: dict):
     ref = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**cfg)).eval()
     state = {k: torch.from_numpy(v) for k, v in reference_state(model).items()}
     missing, unexpected = ref.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith(("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes"))]
+    missing = [
+        k for k in missing if not k.endswith(("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes"))
+    ]
     if missing or unexpected:
         raise AssertionError(f"state mapping incomplete: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return ref

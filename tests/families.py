@@ -14,16 +14,28 @@ must find exactly these.
         [256 x 128], ~400 MB of f32 expert weights, small everything else.
 """
 
-from hebrus_mlx.artifact.constants import _GDN3_QSA as L4, FamilyDescriptor as F, register_family
+from hebrus_mlx.artifact.constants import _GDN3_QSA as L4
+from hebrus_mlx.artifact.constants import FamilyDescriptor as F
+from hebrus_mlx.artifact.constants import register_family
 
 # Fields in FamilyDescriptor order:
 #   name, family_id, vocab, hidden, layers, layer_types, max_pos, hc, experts, top_k, moe_width,
 #   ple_tables, ple_dim, ngram, heads_per_ngram, ngram_base, row_align, ple_head_rows, ple_rows
-QWEN4EXP_TINY_TEST = F("qwen4exp-tiny-test", 0x7E57, 512, 64, 4, L4, 256, 4, 8, 2, 64, 1, 64, 3, 2, 1000, 128, (4062,), (4096,))
-QWEN4EXP_PARITY_A = F("qwen4exp-parity-a", 0x7EA0, 320, 64, 4, L4, 256, 4, 8, 3, 32, 1, 64, 3, 2, 50, 128, (240,), (256,))
-QWEN4EXP_PARITY_B = F("qwen4exp-parity-b", 0x7EB0, 384, 80, 8, L4 * 2, 256, 4, 12, 4, 24, 2, 48, 3, 3, 97, 128, (630, 834), (640, 896))
-QWEN4EXP_PARITY_C = F("qwen4exp-parity-c", 0x7EC0, 300, 48, 4, L4, 256, 3, 16, 2, 32, 2, 48, 2, 4, 101, 128, (420, 508), (512, 512))
-QWEN4EXP_BULK_TEST = F("qwen4exp-bulk-test", 0xB01C, 512, 128, 4, L4, 256, 4, 256, 8, 256, 1, 64, 3, 2, 1000, 128, (4062,), (4096,))
+QWEN4EXP_TINY_TEST = F(
+    "qwen4exp-tiny-test", 0x7E57, 512, 64, 4, L4, 256, 4, 8, 2, 64, 1, 64, 3, 2, 1000, 128, (4062,), (4096,)
+)
+QWEN4EXP_PARITY_A = F(
+    "qwen4exp-parity-a", 0x7EA0, 320, 64, 4, L4, 256, 4, 8, 3, 32, 1, 64, 3, 2, 50, 128, (240,), (256,)
+)
+QWEN4EXP_PARITY_B = F(
+    "qwen4exp-parity-b", 0x7EB0, 384, 80, 8, L4 * 2, 256, 4, 12, 4, 24, 2, 48, 3, 3, 97, 128, (630, 834), (640, 896)
+)
+QWEN4EXP_PARITY_C = F(
+    "qwen4exp-parity-c", 0x7EC0, 300, 48, 4, L4, 256, 3, 16, 2, 32, 2, 48, 2, 4, 101, 128, (420, 508), (512, 512)
+)
+QWEN4EXP_BULK_TEST = F(
+    "qwen4exp-bulk-test", 0xB01C, 512, 128, 4, L4, 256, 4, 256, 8, 256, 1, 64, 3, 2, 1000, 128, (4062,), (4096,)
+)
 
 for _f in (QWEN4EXP_TINY_TEST, QWEN4EXP_PARITY_A, QWEN4EXP_PARITY_B, QWEN4EXP_PARITY_C, QWEN4EXP_BULK_TEST):
     register_family(_f)

@@ -51,16 +51,32 @@ def import_mlx_vlm():
         sys.modules.update({"PIL": pil, "PIL.Image": pil.Image, "PIL.ImageOps": pil.ImageOps})
     # tests/mtp_fixture.py registers model packages bare (its drafter needs only submodules): import
     # them for real here, whatever ran first.
-    for name in [n for n, m in sys.modules.items() if n.startswith("mlx_vlm.models.") and n.count(".") == 2
-                 and getattr(m, "__file__", None) is None]:
+    for name in [
+        n
+        for n, m in sys.modules.items()
+        if n.startswith("mlx_vlm.models.") and n.count(".") == 2 and getattr(m, "__file__", None) is None
+    ]:
         del sys.modules[name]
-    return (importlib.import_module("mlx_vlm.models.qwen4_exp"), importlib.import_module("mlx_vlm.quant_utils"),
-            importlib.import_module("mlx_vlm.utils"))
+    return (
+        importlib.import_module("mlx_vlm.models.qwen4_exp"),
+        importlib.import_module("mlx_vlm.quant_utils"),
+        importlib.import_module("mlx_vlm.utils"),
+    )
 
 
-TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, out_hidden_size=64, num_heads=2, patch_size=2,
-                   spatial_patch_size=2, temporal_patch_size=1, num_position_embeddings=16,
-                   fullatt_block_indexes=[], in_channels=3)
+TINY_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=32,
+    out_hidden_size=64,
+    num_heads=2,
+    patch_size=2,
+    spatial_patch_size=2,
+    temporal_patch_size=1,
+    num_position_embeddings=16,
+    fullatt_block_indexes=[],
+    in_channels=3,
+)
 
 
 def conditional_config(hf_config):
@@ -77,9 +93,14 @@ def conditional_config(hf_config):
     rope.setdefault("partial_rotary_factor", 1.0)
     rope.setdefault("mrope_section", [3, 3, 2])
     text["rope_parameters"] = rope
-    return {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
-            "text_config": text, "vision_config": dict(TINY_VISION), "eos_token_id": hf_config["eos_token_id"],
-            "torch_dtype": "bfloat16"}
+    return {
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "model_type": "qwen4_exp",
+        "text_config": text,
+        "vision_config": dict(TINY_VISION),
+        "eos_token_id": hf_config["eos_token_id"],
+        "torch_dtype": "bfloat16",
+    }
 
 
 def build_model(config):
@@ -101,25 +122,32 @@ def mlx_vlm_checkpoint(hf_dir, out_dir, bits=4, group_size=64, expert_bits=None,
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = conditional_config(json.load(f))
     model = build_model(config)
-    weights = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-               for k, v in mx.load(os.path.join(hf_dir, "model.safetensors")).items()}
+    weights = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+        for k, v in mx.load(os.path.join(hf_dir, "model.safetensors")).items()
+    }
     model.load_weights(list(model.sanitize(weights).items()), strict=False)  # vision stays random
     cast = model.cast_predicate
-    model.update(tree_map_with_path(
-        lambda k, v: v.astype(mx.bfloat16) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
-        model.parameters()))
+    model.update(
+        tree_map_with_path(
+            lambda k, v: v.astype(mx.bfloat16) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+            model.parameters(),
+        )
+    )
     model_predicate = model.quant_predicate
 
     def base_quant_predicate(path, module):  # mlx_vlm.convert's, verbatim in behaviour
         if utils.skip_multimodal_module(path):
             return False
-        if expert_bits is not None and ".switch_mlp." in path and (
-                expert_layers is None or int(path.split(".layers.")[1].split(".")[0]) in expert_layers):
+        if (
+            expert_bits is not None
+            and ".switch_mlp." in path
+            and (expert_layers is None or int(path.split(".layers.")[1].split(".")[0]) in expert_layers)
+        ):
             return {"group_size": group_size, "bits": expert_bits, "mode": "affine"}
         return model_predicate(path, module)
 
-    model, qconfig = quant_utils.quantize_model(model, config, group_size, bits,
-                                                quant_predicate=base_quant_predicate)
+    model, qconfig = quant_utils.quantize_model(model, config, group_size, bits, quant_predicate=base_quant_predicate)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     utils.save_weights(out, model, donate_weights=False)

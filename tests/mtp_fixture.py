@@ -20,7 +20,6 @@ import types
 from pathlib import Path
 
 import numpy as np
-
 from parity_fixtures import PARITY
 
 MLX_VLM = Path(os.environ.get("MLX_VLM_ROOT", "/work/pkgs/mlx_vlm_0710"))  # .ci/run unpacks it
@@ -40,8 +39,12 @@ def mtp_tensors(config: dict, seed: int = 0, layout: str = "unfused", scale: flo
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     out = {}
-    top = {"pre_fc_norm_embedding.weight": (H,), "pre_fc_norm_hidden.weight": (W,),
-           "fc_embedding.weight": (H, H), "fc_hidden.weight": (H, H)}
+    top = {
+        "pre_fc_norm_embedding.weight": (H,),
+        "pre_fc_norm_hidden.weight": (W,),
+        "fc_embedding.weight": (H, H),
+        "fc_hidden.weight": (H, H),
+    }
     for name in keys.MTP_GLOBAL_TEMPLATES:
         shape = top.get(name) or shapes["model." + name]
         out["mtp." + name] = noise(shape)
@@ -55,7 +58,11 @@ def mtp_tensors(config: dict, seed: int = 0, layout: str = "unfused", scale: flo
     else:
         for e in range(E):
             p = f"mtp.layers.0.mlp.experts.{e}."
-            out[p + "gate_proj.weight"], out[p + "up_proj.weight"], out[p + "down_proj.weight"] = gate[e], up[e], down[e]
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"], out[p + "down_proj.weight"] = (
+                gate[e],
+                up[e],
+                down[e],
+            )
     return out
 
 
@@ -92,9 +99,17 @@ def _import_mlx_vlm():
     if root not in sys.path:
         sys.path.insert(0, root)
     # Bare packages: their __init__ files import the whole VLM stack (processors, PIL).
-    for pkg in ("mlx_vlm", "mlx_vlm.models", "mlx_vlm.models.qwen4_exp", "mlx_vlm.models.qwen3_vl",
-                "mlx_vlm.models.qwen3_5", "mlx_vlm.models.qwen3_5_moe", "mlx_vlm.speculative",
-                "mlx_vlm.speculative.drafters", "mlx_vlm.speculative.drafters.qwen4_exp_mtp"):
+    for pkg in (
+        "mlx_vlm",
+        "mlx_vlm.models",
+        "mlx_vlm.models.qwen4_exp",
+        "mlx_vlm.models.qwen3_vl",
+        "mlx_vlm.models.qwen3_5",
+        "mlx_vlm.models.qwen3_5_moe",
+        "mlx_vlm.speculative",
+        "mlx_vlm.speculative.drafters",
+        "mlx_vlm.speculative.drafters.qwen4_exp_mtp",
+    ):
         if pkg not in sys.modules:
             mod = types.ModuleType(pkg)
             mod.__path__ = [os.path.join(root, *pkg.split("."))]
@@ -142,13 +157,17 @@ def mlx_vlm_drafter(ckpt_dir):
     E = text["num_experts"]
     if "mtp.layers.0.mlp.experts.0.gate_proj.weight" in mtp:  # its sanitize reads the fused layout
         p = "mtp.layers.0.mlp.experts."
-        gate_up = [mx.concatenate([mtp.pop(f"{p}{e}.gate_proj.weight"), mtp.pop(f"{p}{e}.up_proj.weight")]) for e in range(E)]
+        gate_up = [
+            mx.concatenate([mtp.pop(f"{p}{e}.gate_proj.weight"), mtp.pop(f"{p}{e}.up_proj.weight")]) for e in range(E)
+        ]
         mtp[p + "gate_up_proj"] = mx.stack(gate_up)
         mtp[p + "down_proj"] = mx.stack([mtp.pop(f"{p}{e}.down_proj.weight") for e in range(E)])
     model.load_weights(list(model.sanitize(mtp).items()), strict=True)
     mx.eval(model.parameters())
-    target = types.SimpleNamespace(embed_tokens=nn.Embedding(*raw["model.embed_tokens.weight"].shape),
-                                   lm_head=nn.Linear(raw["lm_head.weight"].shape[1], raw["lm_head.weight"].shape[0], bias=False))
+    target = types.SimpleNamespace(
+        embed_tokens=nn.Embedding(*raw["model.embed_tokens.weight"].shape),
+        lm_head=nn.Linear(raw["lm_head.weight"].shape[1], raw["lm_head.weight"].shape[0], bias=False),
+    )
     target.embed_tokens.weight = raw["model.embed_tokens.weight"]
     target.lm_head.weight = raw["lm_head.weight"]
     model.reset(target)

@@ -1,7 +1,7 @@
 """Shared access to the committed reference fixtures (tests/fixtures/parity, see
 tools/capture_reference.py for how they were made and provenance.json for each array)."""
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -10,12 +10,12 @@ PARITY = Path(__file__).resolve().parent / "fixtures" / "parity"
 CONFIG_NAMES = ("tiny_a", "tiny_b", "tiny_c")
 
 
-@lru_cache(maxsize=None)
+@cache
 def capture(name):
     return dict(np.load(PARITY / name / "capture.npz"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def model(name):
     from hebrus_mlx.loader import load_hf_model
 

@@ -20,7 +20,8 @@ import families  # noqa: F401 (registers the test-only families, e.g. the tiny c
 import mlx.core as mx
 import numpy as np
 
-from hebrus_mlx.pipeline import load_pipeline, stage as S
+from hebrus_mlx.pipeline import load_pipeline
+from hebrus_mlx.pipeline import stage as S
 
 model_path, out, mode = sys.argv[1:4]
 split = sys.argv[4] if len(sys.argv) > 4 else None
@@ -40,8 +41,14 @@ if mode in ("kill", "stall") and os.environ["MLX_RANK"] == "1":
     S._run_layers = faulty
 
 streamed = mode == "stream"
-pipe = load_pipeline(model_path, split=split, timeout=timeout, mtp="mtp" in os.environ.get("DRAFT", "").split(","),
-                     expert_cache_gb=0.0005 if streamed else None, ple_cache_gb=0.0005 if streamed else None)
+pipe = load_pipeline(
+    model_path,
+    split=split,
+    timeout=timeout,
+    mtp="mtp" in os.environ.get("DRAFT", "").split(","),
+    expert_cache_gb=0.0005 if streamed else None,
+    ple_cache_gb=0.0005 if streamed else None,
+)
 engine = pipe.model.streaming.engine if pipe.model.streaming is not None else None
 if streamed:
     engine.enable_trace(1 << 16)
@@ -53,9 +60,14 @@ def dump_layers():
     ev, _ = engine.trace_events()
     reads = ev[ev["kind"] == "read"]
     with open(f"{out}.rank{pipe.rank}.json", "w") as f:
-        json.dump({"stage": [pipe.stage.start, pipe.stage.stop],
-                   "expert_layers": sorted({int(x) for x in reads["layer"] if x >= 0}),  # PLE pages: layer -1
-                   "reads": int(len(reads))}, f)
+        json.dump(
+            {
+                "stage": [pipe.stage.start, pipe.stage.stop],
+                "expert_layers": sorted({int(x) for x in reads["layer"] if x >= 0}),  # PLE pages: layer -1
+                "reads": int(len(reads)),
+            },
+            f,
+        )
 
 
 if pipe.rank != 0:
@@ -91,11 +103,26 @@ if mode == "spec":
     saved = {}
     for i, draft in enumerate(os.environ["DRAFT"].split(",")):
         stats, hidden0 = SpeculativeStats(), model.hidden_bytes
-        toks = [r.token for r in stream_generate(model, tok, ids, max_tokens=int(os.environ.get("MAX_TOKENS", "24")),
-                                                 draft_model=draft, num_draft_tokens=3, governor=None,
-                                                 speculative_stats=stats)]
-        saved.update({f"tokens{i}": np.array(toks), f"stats{i}": np.array([stats.drafted, stats.accepted, stats.reruns]),
-                      f"hidden_bytes{i}": model.hidden_bytes - hidden0})
+        toks = [
+            r.token
+            for r in stream_generate(
+                model,
+                tok,
+                ids,
+                max_tokens=int(os.environ.get("MAX_TOKENS", "24")),
+                draft_model=draft,
+                num_draft_tokens=3,
+                governor=None,
+                speculative_stats=stats,
+            )
+        ]
+        saved.update(
+            {
+                f"tokens{i}": np.array(toks),
+                f"stats{i}": np.array([stats.drafted, stats.accepted, stats.reruns]),
+                f"hidden_bytes{i}": model.hidden_bytes - hidden0,
+            }
+        )
     model.stop()
     np.savez(out, **saved)
     sys.exit(0)

@@ -13,10 +13,15 @@ import subprocess
 import sys
 
 import pytest
-
 from artifact_fixture import (
-    copy_artifact, edit_manifest, edit_safetensors_header, edit_source_file, patch_bytes, tiny_artifact,
+    copy_artifact,
+    edit_manifest,
+    edit_safetensors_header,
+    edit_source_file,
+    patch_bytes,
+    tiny_artifact,
 )
+
 from hebrus_mlx.admission import STAGES, admit
 from hebrus_mlx.artifact.errors import ArtifactError
 
@@ -32,6 +37,7 @@ def _const(name, value):
 
 def _config(key, value):
     """Change config.json consistently (digest and manifest constants follow)."""
+
     def mutate(d):
         from hebrus_mlx.artifact.manifest import model_constants
 
@@ -39,6 +45,7 @@ def _config(key, value):
         with open(os.path.join(d, "config.json")) as f:
             consts = model_constants(json.load(f))
         edit_manifest(d, lambda m: m.__setitem__("model_constants", consts))
+
     return mutate
 
 
@@ -52,8 +59,9 @@ def _ple_header(offset, fmt, value):
 
 def _experts_header(offset, fmt, value):
     # Refresh the header digest so the geometry check, not the digest, fires.
-    return lambda d: patch_bytes(os.path.join(d, "experts.hbem"), offset, fmt, value,
-                                 digest_range=(0, 256), digest_at=160)
+    return lambda d: patch_bytes(
+        os.path.join(d, "experts.hbem"), offset, fmt, value, digest_range=(0, 256), digest_at=160
+    )
 
 
 def _experts_entry(d):
@@ -82,6 +90,7 @@ def _add_tensor(name):
     def fn(h):
         end = max(e["data_offsets"][1] for k, e in h.items() if k != "__metadata__")
         h[name] = {"dtype": "F32", "shape": [0], "data_offsets": [end, end]}
+
     return fn
 
 
@@ -89,8 +98,12 @@ def _second_experts_store(d):
     import shutil
 
     shutil.copy(os.path.join(d, "experts.hbem"), os.path.join(d, "experts2.hbem"))
-    edit_manifest(d, lambda m: m["stores"].append({**{k: v for k, v in m["stores"][1].items() if k != "fast_check"},
-                                                    "path": "experts2.hbem"}))
+    edit_manifest(
+        d,
+        lambda m: m["stores"].append(
+            {**{k: v for k, v in m["stores"][1].items() if k != "fast_check"}, "path": "experts2.hbem"}
+        ),
+    )
 
 
 def _foreign_mtp_store(d):
@@ -98,8 +111,12 @@ def _foreign_mtp_store(d):
     import shutil
 
     shutil.copy(os.path.join(d, "model.safetensors"), os.path.join(d, "mtp.safetensors"))
-    edit_manifest(d, lambda m: m["stores"].append({**m["stores"][0], "role": "mtp", "path": "mtp.safetensors",
-                                                   "tensors": {}, "source_tensors": 0}))
+    edit_manifest(
+        d,
+        lambda m: m["stores"].append(
+            {**m["stores"][0], "role": "mtp", "path": "mtp.safetensors", "tensors": {}, "source_tensors": 0}
+        ),
+    )
 
 
 def _stray_file(d):
@@ -116,42 +133,132 @@ NORM = "model.layers.0.linear_attn.norm.weight"
 
 # (id, mutation, stage, field prefix)
 NEGATIVE_FIXTURES = [
-    ("manifest-unknown-field", lambda d: edit_manifest(d, lambda m: m.__setitem__("extra", 1)), "bounds", "manifest.extra"),
-    ("store-size", lambda d: edit_manifest(d, lambda m: m["stores"][1].__setitem__("size", 1)), "bounds", "stores[1].size"),
+    (
+        "manifest-unknown-field",
+        lambda d: edit_manifest(d, lambda m: m.__setitem__("extra", 1)),
+        "bounds",
+        "manifest.extra",
+    ),
+    (
+        "store-size",
+        lambda d: edit_manifest(d, lambda m: m["stores"][1].__setitem__("size", 1)),
+        "bounds",
+        "stores[1].size",
+    ),
     ("stray-store-file", _stray_file, "bounds", "bounds.ple.9.hbpl"),
     ("family-unregistered", lambda d: edit_manifest(d, lambda m: m.__setitem__("family", "qwen9")), "family", "family"),
-    ("family-other-geometry", lambda d: edit_manifest(d, lambda m: m.__setitem__("family", "qwen3.8-flash-next")), "constants", "family.vocab_size"),
-    ("profile", lambda d: edit_manifest(d, lambda m: m.__setitem__("profile", "text-affine5-g64")), "family", "profile"),
+    (
+        "family-other-geometry",
+        lambda d: edit_manifest(d, lambda m: m.__setitem__("family", "qwen3.8-flash-next")),
+        "constants",
+        "family.vocab_size",
+    ),
+    (
+        "profile",
+        lambda d: edit_manifest(d, lambda m: m.__setitem__("profile", "text-affine5-g64")),
+        "family",
+        "profile",
+    ),
     ("support-claim", lambda d: edit_manifest(d, lambda m: m.__setitem__("support", "verified")), "family", "support"),
     ("config-digest", _bytes_edit("config.json", lambda b: b + b" "), "source", "source.files.config.json"),
-    ("generation-config-digest", _bytes_edit("generation_config.json", lambda b: b + b" "), "source", "source.files.generation_config.json"),
+    (
+        "generation-config-digest",
+        _bytes_edit("generation_config.json", lambda b: b + b" "),
+        "source",
+        "source.files.generation_config.json",
+    ),
     ("config-hidden-size", _config("hidden_size", 128), "constants", "family.hidden_size"),
-    ("config-layer-pattern", _config("layer_types", ["linear_attention"] * 2 + ["indexed_attention"] * 2), "constants", "family.layer_types"),
+    (
+        "config-layer-pattern",
+        _config("layer_types", ["linear_attention"] * 2 + ["indexed_attention"] * 2),
+        "constants",
+        "family.layer_types",
+    ),
     ("config-ple-base", _config("ngram_vocab_size_base", 1100), "constants", "family.ngram_vocab_size_base"),
     ("config-experts", _config("num_experts", 16), "constants", "family.num_experts"),
     ("layer-pattern", _const("layer_types", ["linear_attention"] * 4), "constants", "model_constants.layer_types[3]"),
-    ("ple-prime", _const("ple_head_vocab_sizes", [[1009, 1013, 1019, 1031]]), "constants", "model_constants.ple_head_vocab_sizes[0]"),
-    ("ple-offset", _const("ple_head_offsets", [[0, 1009, 2022, 3042]]), "constants", "model_constants.ple_head_offsets[0]"),
+    (
+        "ple-prime",
+        _const("ple_head_vocab_sizes", [[1009, 1013, 1019, 1031]]),
+        "constants",
+        "model_constants.ple_head_vocab_sizes[0]",
+    ),
+    (
+        "ple-offset",
+        _const("ple_head_offsets", [[0, 1009, 2022, 3042]]),
+        "constants",
+        "model_constants.ple_head_offsets[0]",
+    ),
     ("ple-rows", _const("ple_rows", [4224]), "constants", "model_constants.ple_rows[0]"),
     ("ple-width", _const("ple_width", 32), "constants", "model_constants.ple_width"),
-    ("ple-multiplier", _const("ple_layer_multipliers", [[1, 3, 5]]), "constants", "model_constants.ple_layer_multipliers[0]"),
+    (
+        "ple-multiplier",
+        _const("ple_layer_multipliers", [[1, 3, 5]]),
+        "constants",
+        "model_constants.ple_layer_multipliers[0]",
+    ),
     ("constant-type-float", _const("hidden_size", 64.0), "constants", "model_constants.hidden_size"),
     ("constant-type-bool", _const("num_experts_per_tok", True), "constants", "model_constants.num_experts_per_tok"),
-    ("constant-missing", lambda d: edit_manifest(d, lambda m: m["model_constants"].pop("seed")), "constants", "model_constants.seed"),
+    (
+        "constant-missing",
+        lambda d: edit_manifest(d, lambda m: m["model_constants"].pop("seed")),
+        "constants",
+        "model_constants.seed",
+    ),
     ("tokenizer-digest", _bytes_edit("tokenizer.json", lambda b: b + b" "), "tokenizer", "source.files.tokenizer.json"),
-    ("template-digest", _bytes_edit("chat_template.jinja", lambda b: b + b" "), "tokenizer", "source.files.chat_template.jinja"),
-    ("eos-not-special", lambda d: edit_source_file(d, "tokenizer.json", lambda b: b.replace(b'"special": true', b'"special": false')), "tokenizer", "tokenizer.eos_token_ids"),
-    ("tensor-name", _tensor(lambda h: h.__setitem__("lm_head.weighx", h.pop("lm_head.weight"))), "tensors", "tensors.lm_head.weighx"),
+    (
+        "template-digest",
+        _bytes_edit("chat_template.jinja", lambda b: b + b" "),
+        "tokenizer",
+        "source.files.chat_template.jinja",
+    ),
+    (
+        "eos-not-special",
+        lambda d: edit_source_file(d, "tokenizer.json", lambda b: b.replace(b'"special": true', b'"special": false')),
+        "tokenizer",
+        "tokenizer.eos_token_ids",
+    ),
+    (
+        "tensor-name",
+        _tensor(lambda h: h.__setitem__("lm_head.weighx", h.pop("lm_head.weight"))),
+        "tensors",
+        "tensors.lm_head.weighx",
+    ),
     ("tensor-shape", _tensor(lambda h: h[NORM].__setitem__("shape", [4, 4])), "tensors", f"tensors.{NORM}.shape"),
     ("tensor-dtype", _tensor(lambda h: h[NORM].__setitem__("dtype", "I32")), "tensors", f"tensors.{NORM}.dtype"),
     ("tensor-offset", _tensor(_swap_offsets), "tensors", f"tensors.{A_LOG}.offset"),
-    ("tensor-length", _tensor(lambda h: h[NORM]["data_offsets"].__setitem__(1, h[NORM]["data_offsets"][1] - 4)), "tensors", f"tensors.{NORM}.length"),
+    (
+        "tensor-length",
+        _tensor(lambda h: h[NORM]["data_offsets"].__setitem__(1, h[NORM]["data_offsets"][1] - 4)),
+        "tensors",
+        f"tensors.{NORM}.length",
+    ),
     ("tensor-missing", _tensor(lambda h: h.pop(NORM)), "tensors", f"tensors.{NORM}"),
-    ("tensor-extra", _tensor(_add_tensor("model.layers.0.mlp.extra.weight")), "tensors", "tensors.model.layers.0.mlp.extra.weight"),
-    ("routed-expert-in-dense", _tensor(_add_tensor("model.layers.0.mlp.experts.0.gate_proj.weight")), "tensors", "tensors.model.layers.0.mlp.experts.0.gate_proj.weight"),
-    ("ple-shard-in-dense", _tensor(_add_tensor("model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight")), "tensors", "tensors.model.layers.0.ple.ple_embedding"),
+    (
+        "tensor-extra",
+        _tensor(_add_tensor("model.layers.0.mlp.extra.weight")),
+        "tensors",
+        "tensors.model.layers.0.mlp.extra.weight",
+    ),
+    (
+        "routed-expert-in-dense",
+        _tensor(_add_tensor("model.layers.0.mlp.experts.0.gate_proj.weight")),
+        "tensors",
+        "tensors.model.layers.0.mlp.experts.0.gate_proj.weight",
+    ),
+    (
+        "ple-shard-in-dense",
+        _tensor(_add_tensor("model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight")),
+        "tensors",
+        "tensors.model.layers.0.ple.ple_embedding",
+    ),
     ("overlap", _tensor(_overlap, inventory=True), "ownership", "ownership.model.safetensors"),
-    ("experts-header-digest", lambda d: patch_bytes(os.path.join(d, "experts.hbem"), 32, "<I", 3), "experts", "experts.header_sha256"),
+    (
+        "experts-header-digest",
+        lambda d: patch_bytes(os.path.join(d, "experts.hbem"), 32, "<I", 3),
+        "experts",
+        "experts.header_sha256",
+    ),
     ("experts-top-k", _experts_header(32, "<I", 3), "experts", "experts.top_k"),
     ("experts-family-id", _experts_header(16, "<I", 4), "experts", "experts.family_id"),
     ("experts-codec", _experts_header(20, "<I", 3), "experts", "experts.codec_id"),
@@ -162,15 +269,40 @@ NEGATIVE_FIXTURES = [
     ("ple-store-width", _ple_header(28, "<I", 32), "ple", "ple.width"),
     ("ple-page-geometry", _ple_header(88, "<Q", 8192 * 2), "ple", "ple.page_stride"),
     ("ple-digest-table", _ple_header(512, "<I", 0xDEADBEEF), "ple", "ple.manifest_sha256"),
-    ("ple-rows-per-page-record", lambda d: edit_manifest(d, lambda m: m["stores"][2].__setitem__("rows_per_page", 7)), "ple", "stores[2].rows_per_page"),
-    ("ple-layer", lambda d: edit_manifest(d, lambda m: m["stores"][2].__setitem__("layer", 1)), "ple", "stores[2].layer"),
+    (
+        "ple-rows-per-page-record",
+        lambda d: edit_manifest(d, lambda m: m["stores"][2].__setitem__("rows_per_page", 7)),
+        "ple",
+        "stores[2].rows_per_page",
+    ),
+    (
+        "ple-layer",
+        lambda d: edit_manifest(d, lambda m: m["stores"][2].__setitem__("layer", 1)),
+        "ple",
+        "stores[2].layer",
+    ),
     ("mtp-store-not-a-head", _foreign_mtp_store, "mtp", "mtp.tensors.lm_head.weight"),
     ("vision-policy", _tensor(_add_tensor("model.visual.patch_embed.weight")), "policy", "policy.vision"),
     ("mtp-policy", _tensor(_add_tensor("mtp.fc.weight")), "policy", "policy.mtp"),
-    ("modalities-policy", lambda d: edit_manifest(d, lambda m: m["policy"].__setitem__("modalities", ["text", "image"])), "policy", "policy"),
+    (
+        "modalities-policy",
+        lambda d: edit_manifest(d, lambda m: m["policy"].__setitem__("modalities", ["text", "image"])),
+        "policy",
+        "policy",
+    ),
     ("exclusion-counts", lambda d: edit_manifest(d, lambda m: m["exclusions"].pop("mtp")), "policy", "exclusions"),
-    ("consumed-count", lambda d: edit_manifest(d, lambda m: m["conversion"].__setitem__("source_tensors_consumed", 7)), "policy", "conversion.source_tensors_consumed"),
-    ("conversion-state", lambda d: edit_manifest(d, lambda m: m["conversion"].__setitem__("state", "partial")), "policy", "conversion.state"),
+    (
+        "consumed-count",
+        lambda d: edit_manifest(d, lambda m: m["conversion"].__setitem__("source_tensors_consumed", 7)),
+        "policy",
+        "conversion.source_tensors_consumed",
+    ),
+    (
+        "conversion-state",
+        lambda d: edit_manifest(d, lambda m: m["conversion"].__setitem__("state", "partial")),
+        "policy",
+        "conversion.state",
+    ),
 ]
 
 
@@ -219,7 +351,8 @@ def test_admit_cli_imports_no_mlx(artifact, tmp_path):
     assert last == {"rcs": [0, 2], "mlx": False}
     assert out.stderr.splitlines() == [
         "hebrus-mlx admit: error: profile: unknown profile 'nope'; known: text-affine{2,3,4,6,8}-g{32,64,128}, "
-        "text-bf16, text-f32, text-mixed/dense=..,experts=..,ple=.. (admission stage family)"]
+        "text-bf16, text-f32, text-mixed/dense=..,experts=..,ple=.. (admission stage family)"
+    ]
 
 
 # ---- malformed-but-parseable input: typed errors from explicit checks, never a relabelled bug ----
@@ -284,7 +417,9 @@ def test_tensor_inventory_entries_are_checked_explicitly(artifact, tmp_path):
     name = "lm_head.weight"
     for bad, field in (([1, 2], f"manifest.tensors.{name}"), ({"data_offsets": 3}, f"manifest.tensors.{name}")):
         d = copy_artifact(artifact, str(tmp_path / f"t{len(field)}{type(bad).__name__}"))
-        edit_manifest(d, lambda m: m["tensors"].__setitem__(name, bad if isinstance(bad, list) else {**m["tensors"][name], **bad}))
+        edit_manifest(
+            d, lambda m: m["tensors"].__setitem__(name, bad if isinstance(bad, list) else {**m["tensors"][name], **bad})
+        )
         with pytest.raises(ArtifactError) as e:
             admit(d)
         assert e.value.field.startswith(field) and e.value.stage == "tensors", str(e.value)

@@ -28,8 +28,16 @@ def test_publish_walks_every_state_in_order(target):
     """AFN-003: temp, write, fsync, verify, dir fsync, rename, dir fsync."""
     seen = []
     trace = publish_file(target, lambda w: w.write(NEW), verify=lambda tmp: seen.append(open(tmp, "rb").read()))
-    assert trace == [State.INIT, State.TEMP, State.WRITTEN, State.SYNCED, State.VERIFIED,
-                     State.DIR_SYNCED, State.RENAMED, State.COMMITTED]
+    assert trace == [
+        State.INIT,
+        State.TEMP,
+        State.WRITTEN,
+        State.SYNCED,
+        State.VERIFIED,
+        State.DIR_SYNCED,
+        State.RENAMED,
+        State.COMMITTED,
+    ]
     assert seen == [NEW] and target.read_bytes() == NEW
     assert _dir_listing(target.parent) == ["store.bin"]
 
@@ -46,8 +54,10 @@ def test_injected_failure_keeps_old_target_and_no_temp(target, fault):
 
 def test_verify_failure_through_reader_aborts(target):
     """AFN-003: the reopened temp must pass the reader before rename."""
+
     def verify(tmp):
         raise PublishError("store", "reader rejected")
+
     with pytest.raises(PublishError):
         publish_file(target, lambda w: w.write(NEW), verify=verify)
     assert target.read_bytes() == OLD and _dir_listing(target.parent) == ["store.bin"]
@@ -72,6 +82,7 @@ def _build(files):
     def build(tmp):
         for name, data in files.items():
             publish_file(os.path.join(tmp, name), lambda w, data=data: w.write(data))
+
     return build
 
 
@@ -100,6 +111,7 @@ def test_directory_verify_failure_keeps_old_tree(tmp_path):
 
     def verify(tmp):
         raise PublishError("artifact", "admission rejected")
+
     with pytest.raises(PublishError):
         publish_dir(d, _build({"z": b"9"}), verify=verify)
     assert _dir_listing(d) == ["a"] and _dir_listing(tmp_path) == ["artifact"]

@@ -19,15 +19,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
 from artifact_fixture import copy_artifact, edit_manifest, tiny_checkpoint
 from convert_fixture import parity_source
-from hebrus_mlx.loading import build_model as loader
+from parity_fixtures import CONFIG_NAMES, capture
+
 from hebrus_mlx.artifact.errors import AdmissionError, DigestError
 from hebrus_mlx.convert import convert
-from hebrus_mlx.models import qwen4exp
 from hebrus_mlx.loader import load_hf_model, load_model
-from parity_fixtures import CONFIG_NAMES, capture
+from hebrus_mlx.loading import build_model as loader
+from hebrus_mlx.models import qwen4exp
 
 
 def _prompt(vocab, n=48, seed=0):
@@ -66,8 +66,15 @@ def tiny_q(tmp_path_factory):
 # the codec says", as mlx_lm does for Linear/Embedding): everything but the
 # router, the shared-expert gate, hyper-connection mixers and the GDN decay
 # inputs. Used only to build the independent reference.
-_FLOAT_LAYERS = ("mlp.gate", "shared_expert_gate", "input_mix_weight_down", "input_mix_weight_up",
-                 "block_inject_weight", "in_proj_a", "in_proj_b")
+_FLOAT_LAYERS = (
+    "mlp.gate",
+    "shared_expert_gate",
+    "input_mix_weight_down",
+    "input_mix_weight_up",
+    "block_inject_weight",
+    "in_proj_a",
+    "in_proj_b",
+)
 
 
 def _reference_quantized(hf, bits):
@@ -127,6 +134,7 @@ def test_affine4_logits_close_to_float(tiny_q):
 @pytest.fixture
 def no_graph(monkeypatch):
     """Model construction fails loudly, so a test can prove it never happened."""
+
     def refuse(self, args):
         raise AssertionError("Model was constructed")
 

@@ -8,13 +8,13 @@ through a 5% expert cache (contract control, as tests/test_stream_model.py)."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from scripted_server import run_concurrently
+from stream_store import cache_gb
 
 from hebrus_mlx.batch import batch_forward
 from hebrus_mlx.generate import prefill
-from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loader import DEMO_DIR, load_model
-from stream_store import cache_gb
-from scripted_server import run_concurrently
+from hebrus_mlx.stream import engine as se
 
 # Rows at different positions: a 1-token prompt (fresh cache: its own group), short ones, and one
 # past the QSA window (budget 64 + ratio 7: the sparse attention path).
@@ -124,8 +124,11 @@ VOCAB = 4105  # the demo tokenizer's effective vocabulary
 def _solo_tokens(model, prompt, n, prefill_step_size=2048):
     """generate_step's greedy tokens and log-probabilities (the one-at-a-time path; the same
     prefill chunks as the batched run, since a different partition rounds differently)."""
-    out = list(generate_step(mx.array(prompt), model, effective_vocab_size=VOCAB, max_tokens=n,
-                             prefill_step_size=prefill_step_size))
+    out = list(
+        generate_step(
+            mx.array(prompt), model, effective_vocab_size=VOCAB, max_tokens=n, prefill_step_size=prefill_step_size
+        )
+    )
     return [t for t, _ in out], [np.array(lp) for _, lp in out]
 
 
@@ -183,10 +186,10 @@ def test_cancel_and_stop_are_per_request(resident):
     g.remove([uids[1]])  # cancel mid-run
     cut = list(got[uids[1]])
     rest, _ = _run(g, uids)
-    assert rest[uids[1]] == [] and 0 < len(cut) < 10 and cut == solo[1][:len(cut)]
+    assert rest[uids[1]] == [] and 0 < len(cut) < 10 and cut == solo[1][: len(cut)]
     for u in uids:
         got[u] += rest[u]
-    assert got[uids[0]] == solo[0][:solo[0].index(stop_at) + 1]
+    assert got[uids[0]] == solo[0][: solo[0].index(stop_at) + 1]
     assert got[uids[2]] == solo[2] and got[uids[3]] == solo[3]
 
 
@@ -266,9 +269,10 @@ def test_streamed_generator_matches_resident_and_read_failure_is_clean(resident)
     naming the step's requests with the typed cause, leaves no slot pinned, and the next round
     continues them exactly (each rolled back to before the failed step)."""
     from fault_injection import FaultyEngine
+    from test_stream_model import _testing_experts
+
     from hebrus_mlx.stream import errors as stream_errors
     from hebrus_mlx.stream.streaming import Streaming
-    from test_stream_model import _testing_experts
 
     gb, rows = cache_gb(str(DEMO_DIR), 0.05)
     model = load_model(DEMO_DIR, expert_cache_gb=gb)
@@ -278,8 +282,16 @@ def test_streamed_generator_matches_resident_and_read_failure_is_clean(resident)
     # batched decode step. (A prefill chunk's failure is the solo path's, rolled back by
     # generate.prefill_chunks; retrying it on the same cache can hit a full arena: a known
     # engine limitation reported with this branch, seen without batching too.)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [1, 2, 3, 4, 5, 6, 7],
-               [3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [2, 7, 1, 8]]
+    prompts = [
+        PROMPTS[0],
+        PROMPTS[1],
+        PROMPTS[3],
+        [1, 2, 3, 4, 5, 6, 7],
+        [3, 1, 4, 1, 5],
+        [9, 2, 6],
+        [5, 3, 5, 8, 9, 7],
+        [2, 7, 1, 8],
+    ]
     want = [_solo_tokens(resident, p, 6)[0] for p in prompts]
     g = BatchGenerator(model, effective_vocab_size=VOCAB, decode_concurrency=8, prompt_concurrency=8)
     assert g.rows_per_step == model.streaming.max_chunk_tokens == 6
@@ -362,10 +374,12 @@ def test_server_worker_batches_and_keeps_each_text():
 def test_server_flags_for_batching(capsys):
     from hebrus_mlx.cli import main as cli_main
 
-    for argv, flag in [(["--decode-concurrency", "0"], "--decode-concurrency"),
-                       (["--prompt-concurrency", "x"], "--prompt-concurrency"),
-                       (["--decode-concurrency", "2", "--draft-model", "ngram"], "--decode-concurrency"),
-                       (["--decode-concurrency", "2", "--prompt-concurrency", "3"], "--prompt-concurrency")]:
+    for argv, flag in [
+        (["--decode-concurrency", "0"], "--decode-concurrency"),
+        (["--prompt-concurrency", "x"], "--prompt-concurrency"),
+        (["--decode-concurrency", "2", "--draft-model", "ngram"], "--decode-concurrency"),
+        (["--decode-concurrency", "2", "--prompt-concurrency", "3"], "--prompt-concurrency"),
+    ]:
         assert cli_main(["server", *argv]) == 2
         err = capsys.readouterr().err
         assert flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
@@ -377,6 +391,7 @@ def test_streamed_pipelined_step_failure_rolls_back_both_steps(resident):
     rolls back the failed step and the one queued on it; the rounds after continue every request
     exactly, and nothing stays pinned."""
     from test_stream_model import _testing_experts
+
     from hebrus_mlx.stream import errors as stream_errors
 
     gb, rows = cache_gb(str(DEMO_DIR), 0.05)
@@ -411,9 +426,29 @@ def test_server_process_with_decode_concurrency():
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
-                             "--decode-concurrency", "3", "--prompt-concurrency", "2", "--log-level", "WARNING"],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hebrus_mlx.cli",
+            "server",
+            "--model",
+            "demo",
+            "--port",
+            "0",
+            "--decode-concurrency",
+            "3",
+            "--prompt-concurrency",
+            "2",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         model, tok = load("demo")
         prompts = ["class Stack:", "import json\n", "for i in range(10):"]

@@ -21,8 +21,12 @@ from hebrus_mlx.errors import UsageError
 
 def test_parse_ab_is_the_cross_product_and_refuses_bad_specs():
     c = H.parse_ab(["expert-cache-gb=8,16", "prefetch=off,previous"])
-    assert c == [{"expert-cache-gb": "8", "prefetch": "off"}, {"expert-cache-gb": "8", "prefetch": "previous"},
-                 {"expert-cache-gb": "16", "prefetch": "off"}, {"expert-cache-gb": "16", "prefetch": "previous"}]
+    assert c == [
+        {"expert-cache-gb": "8", "prefetch": "off"},
+        {"expert-cache-gb": "8", "prefetch": "previous"},
+        {"expert-cache-gb": "16", "prefetch": "off"},
+        {"expert-cache-gb": "16", "prefetch": "previous"},
+    ]
     assert H.parse_ab([]) == [{}]
     for bad in (["expert-cache-gb"], ["=1,2"], ["a=1,,2"], ["a=1", "a=2"]):
         with pytest.raises(UsageError) as e:
@@ -92,10 +96,32 @@ def test_refuses_different_artifacts_and_incomparable_results():
 
 
 def test_io_metrics_from_counter_deltas():
-    before = dict(hits=10, joins=0, misses=5, exact_bytes=1000, predicted_bytes=0, exposed_wait_ns=0,
-                  exact_read_ns=0, predicted_hits=0, predicted_joins=0, exact_misses=2, predicted_reads=0)
-    after = dict(hits=40, joins=10, misses=15, exact_bytes=5000, predicted_bytes=1000, exposed_wait_ns=8_000_000,
-                 exact_read_ns=32_000_000, predicted_hits=10, predicted_joins=2, exact_misses=10, predicted_reads=16)
+    before = dict(
+        hits=10,
+        joins=0,
+        misses=5,
+        exact_bytes=1000,
+        predicted_bytes=0,
+        exposed_wait_ns=0,
+        exact_read_ns=0,
+        predicted_hits=0,
+        predicted_joins=0,
+        exact_misses=2,
+        predicted_reads=0,
+    )
+    after = dict(
+        hits=40,
+        joins=10,
+        misses=15,
+        exact_bytes=5000,
+        predicted_bytes=1000,
+        exposed_wait_ns=8_000_000,
+        exact_read_ns=32_000_000,
+        predicted_hits=10,
+        predicted_joins=2,
+        exact_misses=10,
+        predicted_reads=16,
+    )
     m = H.io_metrics(before, after, tokens=4, record_bytes=None)
     assert m["expert_bytes_per_token"] == (4000 + 1000) / 4
     assert m["hit_rate"] == pytest.approx(40 / 50)  # (30 hits + 10 joins) / (30 + 10 + 10)
@@ -143,9 +169,19 @@ def test_machine_record_carries_the_fast_check_rate(tmp_path, monkeypatch):
     r = M.ssd_probe(str(path), 8192, [i * 8192 for i in range(16)], queue_depths=(1,), reads=16, trials=1)
     assert r["xxh3_128_gbps_per_core"] > 0 and r["xxh3_128_backend"] and r["sha256_gbps_per_core"] > 0
     here = this_machine()
-    prof = {"machine": {k: here[k] for k in ("system", "release", "machine", "mlx")},
-            "io": {"pread": {"status": "measured", "record_bytes": 8192, "qd1_GBps": 1.0, "qd32_GBps": 2.0,
-                             "sha256_GBps_one_thread": 0.5, "xxh3_128_GBps_one_thread": 7.25}}}
+    prof = {
+        "machine": {k: here[k] for k in ("system", "release", "machine", "mlx")},
+        "io": {
+            "pread": {
+                "status": "measured",
+                "record_bytes": 8192,
+                "qd1_GBps": 1.0,
+                "qd32_GBps": 2.0,
+                "sha256_GBps_one_thread": 0.5,
+                "xxh3_128_GBps_one_thread": 7.25,
+            }
+        },
+    }
     from hebrus_mlx import machine_profile
 
     p = tmp_path / "profile.json"
@@ -160,12 +196,31 @@ def test_bench_end_to_end_writes_json_markdown_png(tmp_path, capsys):
     streamed one reads expert bytes and reports a hit rate, the resident one reads none; tokens
     identical; the outputs are written."""
     out = tmp_path / "out"
-    rc = cli.main(["bench", "--model", "demo", "-p", "8", "-n", "4", "-r", "2", "--ab",
-                   "expert-cache-gb=none,0.0005", "--no-probe", "--quiet", "--out", str(out)])
+    rc = cli.main(
+        [
+            "bench",
+            "--model",
+            "demo",
+            "-p",
+            "8",
+            "-n",
+            "4",
+            "-r",
+            "2",
+            "--ab",
+            "expert-cache-gb=none,0.0005",
+            "--no-probe",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
-    assert res["order"] == ["expert-cache-gb=none", "expert-cache-gb=0.0005"] * 1 + \
-        ["expert-cache-gb=0.0005", "expert-cache-gb=none"]
+    assert res["order"] == ["expert-cache-gb=none", "expert-cache-gb=0.0005"] * 1 + [
+        "expert-cache-gb=0.0005",
+        "expert-cache-gb=none",
+    ]
     assert res["tokens_identical"] and len({tuple(r["tokens"]) for r in res["runs"]}) == 1
     assert res["artifact_digest"].startswith("manifest:")
     by = {s["config"]: s["metrics"] for s in res["summary"]}
@@ -218,14 +273,21 @@ def test_bench_refuses_when_a_configuration_changes_the_tokens(monkeypatch):
 
     monkeypatch.setattr(H, "run_once", perturbed)
     with pytest.raises(H.NotComparableError, match="prefill-step-size=3"):
-        B.run_bench("demo", [8], [3], H.parse_ab(["prefill-step-size=64,3"]), repeats=1, warmup=0, probe=False,
-                    timeline=False)
+        B.run_bench(
+            "demo", [8], [3], H.parse_ab(["prefill-step-size=64,3"]), repeats=1, warmup=0, probe=False, timeline=False
+        )
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["-p", "0"], "--prompt-tokens"), (["-n", "x"], "--gen-tokens"), (["-r", "0"], "--repeats"),
-    (["--ab", "nope=1,2"], "--ab"), (["--ab", "expert-cache-gb"], "--ab"),
-])
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["-p", "0"], "--prompt-tokens"),
+        (["-n", "x"], "--gen-tokens"),
+        (["-r", "0"], "--repeats"),
+        (["--ab", "nope=1,2"], "--ab"),
+        (["--ab", "expert-cache-gb"], "--ab"),
+    ],
+)
 def test_bad_bench_input_is_one_typed_line(argv, field, capsys, tmp_path):
     rc = cli.main(["bench", "--no-probe", "--quiet", "--out", str(tmp_path), *argv])
     err = capsys.readouterr().err.strip().splitlines()
@@ -238,8 +300,9 @@ def test_speculative_option_plugs_in_and_reports_acceptance(tmp_path):
     from hebrus_mlx.bench import command as B
 
     # 12 tokens: the block-size governor starts with plain steps and first drafts at its 8th step.
-    res = B.run_bench("demo", [8], [12], H.parse_ab(["draft-model=none,mtp"]), repeats=1, warmup=0, probe=False,
-                      timeline=False)
+    res = B.run_bench(
+        "demo", [8], [12], H.parse_ab(["draft-model=none,mtp"]), repeats=1, warmup=0, probe=False, timeline=False
+    )
     by = {s["config"]: s["metrics"] for s in res["summary"]}
     assert by["draft-model=none"]["acceptance"] is None
     acc = by["draft-model=mtp"]["acceptance"]["median"]

@@ -10,15 +10,17 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import can_trim_prompt_cache, save_prompt_cache as mlx_lm_save, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
 
 from hebrus_mlx.errors import HebrusError
 from hebrus_mlx.models.cache import AttentionCache, CacheTrimError, LinearCache, SequenceCache
-from hebrus_mlx.prompt_cache import (PromptCacheFileError, load_prompt_cache, prompt_cache_metadata,
-                                     save_prompt_cache)
+from hebrus_mlx.prompt_cache import PromptCacheFileError, load_prompt_cache, prompt_cache_metadata, save_prompt_cache
 
-TEXT = ("import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the arguments and run the command.\"\"\"\n"
-        "    for name in sorted(os.listdir(argv[1])):\n        print(name)\n    return 0\n") * 4
+TEXT = (
+    'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the arguments and run the command."""\n'
+    "    for name in sorted(os.listdir(argv[1])):\n        print(name)\n    return 0\n"
+) * 4
 
 
 def _feed(model, cache, parts):
@@ -40,8 +42,9 @@ def _fed(demo, prefix):
 def _continue(model, tok, cache, ids, n=8):
     from hebrus_mlx.generate import generate_step
 
-    steps = generate_step(mx.array(ids), model, effective_vocab_size=tok.effective_vocab_size, max_tokens=n,
-                          prompt_cache=cache)
+    steps = generate_step(
+        mx.array(ids), model, effective_vocab_size=tok.effective_vocab_size, max_tokens=n, prompt_cache=cache
+    )
     tokens, logprobs = zip(*[(t, np.array(lp)) for t, lp in steps])
     return list(tokens), np.stack(logprobs)
 
@@ -113,14 +116,17 @@ def _rewrite(src, dst, **changes):
     return dst
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"artifact_digest": "manifest:" + "0" * 64}, "prompt_cache_file.artifact_digest"),
-    ({"dtype": "mlx.core.bfloat16"}, "prompt_cache_file.dtype"),
-    ({"format": None}, "prompt_cache_file.format"),
-    ({"offset": "3"}, "prompt_cache_file.offset"),
-    ({"offset": "many"}, "prompt_cache_file.offset"),
-    ({"tokens": json.dumps([1, 2, 3])}, "prompt_cache_file.tokens"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"artifact_digest": "manifest:" + "0" * 64}, "prompt_cache_file.artifact_digest"),
+        ({"dtype": "mlx.core.bfloat16"}, "prompt_cache_file.dtype"),
+        ({"format": None}, "prompt_cache_file.format"),
+        ({"offset": "3"}, "prompt_cache_file.offset"),
+        ({"offset": "many"}, "prompt_cache_file.offset"),
+        ({"tokens": json.dumps([1, 2, 3])}, "prompt_cache_file.tokens"),
+    ],
+)
 def test_foreign_or_inconsistent_files_are_refused_by_field(demo, prefix, tmp_path, changes, field):
     model, cache = _fed(demo, prefix)
     good = save_prompt_cache(tmp_path / "good.safetensors", cache, model, tokens=prefix[0])
@@ -172,6 +178,7 @@ def test_save_needs_a_bound_model_and_a_plain_sequence(demo, tmp_path):
 
 # -- trimming -------------------------------------------------------------------------------------------
 
+
 def test_sequence_cache_is_not_trimmable_and_mlx_lm_leaves_it_alone(demo, prefix):
     model, cache = _fed(demo, prefix)
     before = cache.digest()
@@ -197,7 +204,7 @@ def test_qsa_layers_trim_exactly(demo, prefix):
     cache = model.make_cache()
     _feed(model, cache, [head[:k]])
     linear = {i: c.snapshot() for i, c in enumerate(cache) if isinstance(c, LinearCache)}
-    _feed(model, cache, [head[k:k + m]])
+    _feed(model, cache, [head[k : k + m]])
     attention = [c for c in cache if isinstance(c, AttentionCache)]
     assert can_trim_prompt_cache(attention) and all(c.n_groups == (k + m) // 8 for c in attention)
     assert trim_prompt_cache(attention, m) == m

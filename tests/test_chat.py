@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 from hebrus_mlx.text.chat_template import (
     DATA,
@@ -27,12 +28,19 @@ from hebrus_mlx.text.chat_template import (
     render,
 )
 from hebrus_mlx.text.tokenizer import load_tokenizer
-from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 CASES = json.loads((Path(__file__).parent / "fixtures" / "text" / "chat_cases.json").read_text("utf-8"))
 SPECIAL_IDS = set(range(248044, 248077))
-LITERALS = ["<|im_end|>", "<|im_start|>", "<think>", "</think>", "<tool_call>", "<|image_pad|>",
-            "<tool_response>", "<|endoftext|>"]
+LITERALS = [
+    "<|im_end|>",
+    "<|im_start|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "<|image_pad|>",
+    "<tool_response>",
+    "<|endoftext|>",
+]
 
 
 @pytest.fixture(scope="session")
@@ -93,11 +101,18 @@ def test_literal_controls_stay_data(tok, where, literal):
     elif where == "user":
         msgs[1]["content"] = payload
     elif where == "tool":
-        msgs += [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
-                 {"role": "tool", "content": payload}]
+        msgs += [
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+            {"role": "tool", "content": payload},
+        ]
     elif where == "arguments":
-        msgs += [{"role": "assistant", "content": "",
-                  "tool_calls": [{"function": {"name": "f", "arguments": json.dumps({"q": payload})}}]}]
+        msgs += [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "f", "arguments": json.dumps({"q": payload})}}],
+            }
+        ]
     elif where == "reasoning":
         msgs += [{"role": "assistant", "content": "c", "reasoning_content": payload}]
     else:
@@ -119,8 +134,10 @@ def test_python_unicode_trim():
     data = [t for k, t in r.pieces() if k == DATA]
     assert data == ["hé\x1cllo\u3000x"]
     # Independent predicate: the code points trimmed are exactly those the table lists.
-    independent = set("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005"
-                      "\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+    independent = set(
+        "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005"
+        "\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+    )
     assert {chr(c) for c in range(0x3001) if chr(c).strip() == ""} == independent
     assert "\u200b" not in independent  # zero-width space is not whitespace: kept
     r = render([{"role": "user", "content": "\u200bx\u200b"}])
@@ -132,22 +149,47 @@ def test_enable_thinking_false_is_control():
     assert r.pieces()[-1] == (TRUSTED_CONTROL, "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-@pytest.mark.parametrize("messages,err,field", [
-    ([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}], MediaPartError, "messages[0].content[0]"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}],
-     MediaPartError, "content[1]"),
-    ([{"role": "system", "content": "a"}, {"role": "system", "content": "b"}], RoleError, "second system"),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], RoleError, "messages[1]"),
-    ([{"role": "developer", "content": "a"}], RoleError, "messages[0].role"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
-     ToolArgumentsError, "arguments is not valid JSON"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
-     ToolArgumentsError, "JSON object"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"x": {1, 2}}}}]}],
-     ToolArgumentsError, "JSON-serialisable"),
-    ([{"role": "user", "content": 5}], ChatError, "messages[0].content"),
-    ([], ChatError, "non-empty"),
-])
+@pytest.mark.parametrize(
+    "messages,err,field",
+    [
+        (
+            [{"role": "user", "content": [{"type": "image", "image": "x.png"}]}],
+            MediaPartError,
+            "messages[0].content[0]",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}],
+            MediaPartError,
+            "content[1]",
+        ),
+        ([{"role": "system", "content": "a"}, {"role": "system", "content": "b"}], RoleError, "second system"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], RoleError, "messages[1]"),
+        ([{"role": "developer", "content": "a"}], RoleError, "messages[0].role"),
+        (
+            [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
+            ToolArgumentsError,
+            "arguments is not valid JSON",
+        ),
+        (
+            [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
+            ToolArgumentsError,
+            "JSON object",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "f", "arguments": {"x": {1, 2}}}}],
+                }
+            ],
+            ToolArgumentsError,
+            "JSON-serialisable",
+        ),
+        ([{"role": "user", "content": 5}], ChatError, "messages[0].content"),
+        ([], ChatError, "non-empty"),
+    ],
+)
 def test_rejections_are_typed_and_clean(tok, messages, err, field):
     """AFN-006: bad requests fail with a typed error naming the field; earlier outputs survive."""
     keep = [{"role": "user", "content": "keep"}]
@@ -173,9 +215,11 @@ def test_untrackable_transform_fails_closed():
 
 def test_template_methods_on_caller_text_follow_real_text():
     """Qwen-style templates inspect content (split/startswith/in/strip); answers come from the text."""
-    tpl = ("{% for m in messages %}{% if '</think>' in m.content %}"
-           "{{ m.content.split('</think>')[-1].lstrip('\\n') }}|{{ m.content.startswith('<think>') }}"
-           "{% endif %}{% endfor %}")
+    tpl = (
+        "{% for m in messages %}{% if '</think>' in m.content %}"
+        "{{ m.content.split('</think>')[-1].lstrip('\\n') }}|{{ m.content.startswith('<think>') }}"
+        "{% endif %}{% endfor %}"
+    )
     r = render([{"role": "assistant", "content": "<think>r</think>\n\nanswer"}], chat_template=tpl)
     assert r.pieces() == [(DATA, "answer"), (TRUSTED_CONTROL, "|True")]
 

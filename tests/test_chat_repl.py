@@ -8,9 +8,8 @@ import re
 
 import pytest
 
-from hebrus_mlx.cli import main as cli_main
-
 from hebrus_mlx import load, stream_generate
+from hebrus_mlx.cli import main as cli_main
 
 gen = importlib.import_module("hebrus_mlx.generate")
 chat = importlib.import_module("hebrus_mlx.chat")
@@ -34,15 +33,37 @@ def _reference(demo, messages, n):
 
 
 def test_turns_reset_and_prefix_reuse(monkeypatch, capsys, demo):
-    out = _run(monkeypatch, capsys, demo, "Open a file.\nClose it.\n/reset\nOpen a file.\n",
-               "--max-tokens", "10", "--system-prompt", "Be brief.")
-    stats = [tuple(map(int, m)) for m in re.findall(r"\[prompt: (\d+) tokens \((\d+) cached, \d+ prefilled.*?"
-                                                       r"generation: (\d+) tokens", out)]
+    out = _run(
+        monkeypatch,
+        capsys,
+        demo,
+        "Open a file.\nClose it.\n/reset\nOpen a file.\n",
+        "--max-tokens",
+        "10",
+        "--system-prompt",
+        "Be brief.",
+    )
+    stats = [
+        tuple(map(int, m))
+        for m in re.findall(
+            r"\[prompt: (\d+) tokens \((\d+) cached, \d+ prefilled.*?"
+            r"generation: (\d+) tokens",
+            out,
+        )
+    ]
     assert len(stats) == 3
     sys_msg = [{"role": "system", "content": "Be brief."}]
     t1 = _reference(demo, sys_msg + [{"role": "user", "content": "Open a file."}], 10)
-    t2 = _reference(demo, sys_msg + [{"role": "user", "content": "Open a file."},
-                                     {"role": "assistant", "content": t1}, {"role": "user", "content": "Close it."}], 10)
+    t2 = _reference(
+        demo,
+        sys_msg
+        + [
+            {"role": "user", "content": "Open a file."},
+            {"role": "assistant", "content": t1},
+            {"role": "user", "content": "Close it."},
+        ],
+        10,
+    )
     replies = [line[3:] for line in out.splitlines() if line.startswith(">> ") and not line.startswith(">> [")]
     assert replies[:2] == [t1.split("\n")[0], t2.split("\n")[0]]
     assert t1 in out and t2 in out

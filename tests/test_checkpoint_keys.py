@@ -6,10 +6,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from parity_fixtures import PARITY, capture, model
 
 from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_key_set
 from hebrus_mlx.models.qwen4exp import Model, ModelArgs
-from parity_fixtures import PARITY, capture, model
 
 
 def _weights():
@@ -23,13 +23,15 @@ def _args():
 def _logits(weights, dtype=mx.float32):
     m = Model(_args())
     w = m.sanitize(weights)
-    m.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in w.items()], strict=True)
+    m.load_weights(
+        [(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in w.items()], strict=True
+    )
     return np.array(m(mx.array(capture("tiny_a")["input_ids"].astype(np.int32))).astype(mx.float32))
 
 
 def test_conditional_generation_layout_with_vision_and_mtp_excluded():
     base = _weights()
-    cg = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in base.items()}
+    cg = {("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in base.items()}
     cg["model.visual.blocks.0.attn.qkv.weight"] = mx.zeros((4, 4))
     cg["model.visual.merger.mlp.0.weight"] = mx.zeros((4, 4))
     cg["mtp.layers.0.mlp.gate.weight"] = mx.zeros((4, 4))
@@ -45,7 +47,10 @@ def test_fused_expert_layout_loads_identically():
     fused = {k: v for k, v in base.items() if ".mlp.experts." not in k}
     for i in range(args.num_hidden_layers):
         p = f"model.layers.{i}.mlp.experts."
-        gate_up = [mx.concatenate([base[f"{p}{e}.gate_proj.weight"], base[f"{p}{e}.up_proj.weight"]]) for e in range(args.num_experts)]
+        gate_up = [
+            mx.concatenate([base[f"{p}{e}.gate_proj.weight"], base[f"{p}{e}.up_proj.weight"]])
+            for e in range(args.num_experts)
+        ]
         fused[p + "gate_up_proj"] = mx.stack(gate_up)
         fused[p + "down_proj"] = mx.stack([base[f"{p}{e}.down_proj.weight"] for e in range(args.num_experts)])
     assert check_key_set(fused.keys(), args)["expert_layout"] == "fused"
@@ -55,7 +60,9 @@ def test_fused_expert_layout_loads_identically():
 def test_missing_tensor_is_named():
     w = _weights()
     del w["model.layers.3.self_attn.indexer.k_layernorm.weight"]
-    with pytest.raises(CheckpointKeyError, match=r"missing tensor 'model\.layers\.3\.self_attn\.indexer\.k_layernorm\.weight'"):
+    with pytest.raises(
+        CheckpointKeyError, match=r"missing tensor 'model\.layers\.3\.self_attn\.indexer\.k_layernorm\.weight'"
+    ):
         Model(_args()).sanitize(w)
 
 
@@ -116,8 +123,17 @@ def _build_cg(tmp_path):
     text = json.loads((PARITY / "tiny_a" / "config.json").read_text())
     for k in ("architectures", "transformers_version", "dtype", "model_type"):
         text.pop(k, None)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  num_position_embeddings=16, temporal_patch_size=2, spatial_merge_size=2)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=4,
+        num_position_embeddings=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+    )
     torch.manual_seed(3)
     ref = Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text, vision_config=vision)).eval()
     with torch.no_grad():

@@ -26,9 +26,18 @@ def test_hosted_job_installs_tests_on_cpu_and_keeps_the_report():
     job = _jobs()["hosted-cpu"]
     assert re.fullmatch(r"macos-(1[4-9]|2\d)", job["runs-on"])  # arm64 images (MLX's wheels: macOS >= 14)
     run = _script(job)
-    order = [run.index(s) for s in ('pip install -e ".[test]"', ".ci/cpu_backend.py install",
-                                    ".ci/cpu_backend.py check", ".ci/mlx_vlm.sh", "python -m pytest -q",
-                                    ".ci/hash_selftests.py --require-arm64", "qualify --out")]
+    order = [
+        run.index(s)
+        for s in (
+            'pip install -e ".[test]"',
+            ".ci/cpu_backend.py install",
+            ".ci/cpu_backend.py check",
+            ".ci/mlx_vlm.sh",
+            "python -m pytest -q",
+            ".ci/hash_selftests.py --require-arm64",
+            "qualify --out",
+        )
+    ]
     assert order == sorted(order)
     assert "--report ci-out/" in run
     uploads = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")]
@@ -56,8 +65,9 @@ def test_junit_check_fails_on_a_skip_and_on_no_tests(tmp_path):
     def junit(cases):
         f = tmp_path / "j.xml"
         f.write_text(f"<testsuites><testsuite>{cases}</testsuite></testsuites>")
-        return subprocess.run([sys.executable, str(ROOT / ".ci" / "junit_no_skips.py"), str(f)],
-                              capture_output=True).returncode
+        return subprocess.run(
+            [sys.executable, str(ROOT / ".ci" / "junit_no_skips.py"), str(f)], capture_output=True
+        ).returncode
 
     ok = '<testcase classname="t" name="a"/>'
     assert junit(ok) == 0

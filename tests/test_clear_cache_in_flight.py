@@ -29,8 +29,9 @@ SCRIPT = Path(__file__).with_name("clear_cache_script.py")
 def _run(stages, timeout):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        p = subprocess.run([sys.executable, str(SCRIPT), *stages], env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, str(SCRIPT), *stages], env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         started = [line.split()[1] for line in out.splitlines() if line.startswith("stage ")]

@@ -32,8 +32,13 @@ def _run(argv):
 
 
 def _one_line(verb, rc, out, err):
-    return (rc == 2 and out == "" and err.count("\n") == 1 and err.startswith(f"hebrus-mlx {verb}: error: ")
-            and "Traceback" not in err)
+    return (
+        rc == 2
+        and out == ""
+        and err.count("\n") == 1
+        and err.startswith(f"hebrus-mlx {verb}: error: ")
+        and "Traceback" not in err
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +60,16 @@ def test_flipped_byte_in_any_file_refuses_in_one_line_or_prints_the_pristine_tex
     d, pristine = demo_copy
     rng = random.Random(10)
     names = sorted(os.listdir(d))
-    assert {"manifest.json", "config.json", "tokenizer_config.json", "generation_config.json", "model.safetensors",
-            "experts.hbem", "ple.0.hbpl", "tokenizer.json"} <= set(names)
+    assert {
+        "manifest.json",
+        "config.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "experts.hbem",
+        "ple.0.hbpl",
+        "tokenizer.json",
+    } <= set(names)
     refused, identical = {}, {}
     for name in names:
         path = d / name
@@ -91,8 +104,12 @@ def _corrupt_copy(src, dst, name, at, mask):
 
 def test_flipped_ple_page_byte_as_a_subprocess(demo_copy, tmp_path):
     bad = _corrupt_copy(demo_copy[0], tmp_path / "bad", "ple.1.hbpl", lambda n: n - 5, 0x10)
-    r = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", str(bad), *ARGV],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", str(bad), *ARGV],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr.startswith("hebrus-mlx generate: error: ple.page[") and r.stderr.count("\n") == 1, r.stderr
 
@@ -102,8 +119,10 @@ def test_traceback_switch_shows_the_traceback_of_a_typed_error(monkeypatch):
     monkeypatch.setenv("HEBRUS_TRACEBACK", "1")
     rc, out, err = _run(["admit", "/nonexistent/artifact"])
     assert rc == 2 and "Traceback" in err
-    assert err.splitlines()[-1] == "hebrus-mlx admit: error: path: /nonexistent/artifact is not a directory " \
-                                   "(admission stage bounds)"
+    assert (
+        err.splitlines()[-1] == "hebrus-mlx admit: error: path: /nonexistent/artifact is not a directory "
+        "(admission stage bounds)"
+    )
 
 
 def test_verify_and_admit_refuse_in_one_line(demo_copy, tmp_path):

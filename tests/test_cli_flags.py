@@ -80,12 +80,25 @@ def test_every_numeric_flag_refuses_hostile_values_naming_itself(verb):
 
 
 def _cli(*argv, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", *argv], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
 
 
-@pytest.mark.parametrize("flag,value", [("--seed", "-1"), ("--seed", str(2**70)), ("--expert-cache-gb", "1e300"),
-                                        ("--temp", "inf"), ("--num-draft-tokens", "100000000000")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--seed", "-1"),
+        ("--seed", str(2**70)),
+        ("--expert-cache-gb", "1e300"),
+        ("--temp", "inf"),
+        ("--num-draft-tokens", "100000000000"),
+    ],
+)
 def test_named_cases_are_one_line_naming_the_flag(flag, value):
     """Today: tracebacks (seed, cache), exit 0 with empty text (temp inf), a hang (draft tokens)."""
     r = _cli("generate", "-p", "hi", "-m", "2", "--verbose", "false", "--draft-model", "ngram", flag, value)
@@ -110,19 +123,22 @@ def _run(argv):
     return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["traces", "export", "d", "--out", "o", "--fractions", "nan,0.5,0.5"], "--fractions"),
-    (["traces", "export", "d", "--out", "o", "--fractions", "inf,-inf,1"], "--fractions"),
-    (["traces", "eval", "d", "--budgets", str(2**70)], "--budgets"),
-    (["traces", "eval", "d", "--cache-sizes", "nan"], "--cache-sizes"),
-    (["simulate", "--cache-gb", "nan"], "--cache-gb"),
-    (["simulate", "--cache-gb", "1e300"], "--cache-gb"),
-    (["simulate", "--draft-depths", "-1"], "--draft-depths"),
-    (["bench", "--prompt-tokens", str(2**70)], "--prompt-tokens"),
-    (["bench", "--gen-tokens", "nan"], "--gen-tokens"),
-    (["qualify", "--report-cache-gb", "nan,4"], "--report-cache-gb"),
-    (["qualify", "--report-cache-gb", "4,inf"], "--report-cache-gb"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["traces", "export", "d", "--out", "o", "--fractions", "nan,0.5,0.5"], "--fractions"),
+        (["traces", "export", "d", "--out", "o", "--fractions", "inf,-inf,1"], "--fractions"),
+        (["traces", "eval", "d", "--budgets", str(2**70)], "--budgets"),
+        (["traces", "eval", "d", "--cache-sizes", "nan"], "--cache-sizes"),
+        (["simulate", "--cache-gb", "nan"], "--cache-gb"),
+        (["simulate", "--cache-gb", "1e300"], "--cache-gb"),
+        (["simulate", "--draft-depths", "-1"], "--draft-depths"),
+        (["bench", "--prompt-tokens", str(2**70)], "--prompt-tokens"),
+        (["bench", "--gen-tokens", "nan"], "--gen-tokens"),
+        (["qualify", "--report-cache-gb", "nan,4"], "--report-cache-gb"),
+        (["qualify", "--report-cache-gb", "4,inf"], "--report-cache-gb"),
+    ],
+)
 def test_numeric_lists_refuse_hostile_items(argv, flag):
     rc, out, err = _run(argv)
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, (rc, out, err)
@@ -130,9 +146,13 @@ def test_numeric_lists_refuse_hostile_items(argv, flag):
 
 
 def _chat_proc():
-    p = subprocess.Popen([sys.executable, "-m", "hebrus_mlx.cli", "chat", "--max-tokens", "2000", "--verbose", "false"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "hebrus_mlx.cli", "chat", "--max-tokens", "2000", "--verbose", "false"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     line = p.stdout.readline()
     assert line.startswith(b"[INFO] Chatting"), (line, p.stderr.read() if p.poll() is not None else b"")
     return p

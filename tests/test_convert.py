@@ -14,12 +14,12 @@ import sys
 import textwrap
 
 import pytest
-
 from artifact_fixture import sha, tiny_checkpoint
 from convert_fixture import bulk_checkpoint, parity_source
+from parity_fixtures import CONFIG_NAMES
+
 from hebrus_mlx.artifact.errors import CodecError
 from hebrus_mlx.convert import convert
-from parity_fixtures import CONFIG_NAMES
 
 
 def _digests(d):
@@ -43,8 +43,9 @@ def _fused_twin(unfused, d):
 
     model = Qwen4ExpForCausalLM.from_pretrained(unfused, dtype=torch.float32)
     state = model.state_dict()
-    tensors = {k: v for k, v in load_file(os.path.join(unfused, "model.safetensors")).items()
-               if ".mlp.experts." not in k}
+    tensors = {
+        k: v for k, v in load_file(os.path.join(unfused, "model.safetensors")).items() if ".mlp.experts." not in k
+    }
     for k, v in state.items():
         if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             tensors[k] = v.detach().numpy().copy()
@@ -120,12 +121,14 @@ def test_conversion_memory_is_bounded_under_a_cap(bulk, tmp_path):
     cap = 160 << 20
     assert size > 2 * cap
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    control = subprocess.run([sys.executable, "-c", _CHILD, str(cap), "control", str(size)],
-                             capture_output=True, text=True, env=env)
+    control = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(cap), "control", str(size)], capture_output=True, text=True, env=env
+    )
     assert control.returncode != 0 and "MemoryError" in control.stderr
     out = str(tmp_path / "art")
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(cap), "convert", hf, out],
-                         capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(cap), "convert", hf, out], capture_output=True, text=True, env=env
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     base_kib, peak_kib = map(int, res.stdout.split())
     assert (peak_kib - base_kib) * 1024 < size / 8

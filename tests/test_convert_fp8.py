@@ -16,11 +16,10 @@ import shutil
 
 import numpy as np
 import pytest
-
-from hebrus_mlx.cli import main as cli_main
-
 from artifact_fixture import sha, tiny_checkpoint
+
 from hebrus_mlx import sources as sources_mod
+from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.convert import convert
 from hebrus_mlx.convert_fp8 import E4M3FN, Fp8Error
 
@@ -97,8 +96,13 @@ def fp8_twins(hf, root, block, ple_scale="block", mutate=None):
             oracle[k] = q.float() * _expand(s, block, *v.shape)
     if mutate is not None:
         mutate(fp8)
-    qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+    qcfg = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head"],
+    }
     if ple_scale == "tensor":  # transformers swaps in FP8Embedding only for the tables named here
         qcfg["modules_to_convert"] = ["ple_embedding.ngram_embedding"]
     fdir, odir = os.path.join(root, "fp8"), os.path.join(root, "oracle")
@@ -126,7 +130,7 @@ def test_e4m3_table_matches_torch():
 
     want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
     assert np.array_equal(E4M3FN, want, equal_nan=True)
-    assert np.isnan(E4M3FN).sum() == 2 and E4M3FN[0x7E] == 448.0 and E4M3FN[0x01] == 2.0 ** -9
+    assert np.isnan(E4M3FN).sum() == 2 and E4M3FN[0x7E] == 448.0 and E4M3FN[0x01] == 2.0**-9
 
 
 # [128, 128]: every block is partial (64-wide experts, 16-wide PLE rows);
@@ -167,6 +171,7 @@ SHARD = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_2.weight"
 def _set(key, fn):
     def mutate(t):
         t[key] = fn(t[key])
+
     return mutate
 
 
@@ -186,13 +191,16 @@ def _inf_at(v):
     return v
 
 
-@pytest.mark.parametrize("mutate,field,words", [
-    (_drop(EXPERT + "_scale_inv"), f"source.{EXPERT}_scale_inv", "missing"),
-    (_set(EXPERT + "_scale_inv", lambda v: v[:1]), f"source.{EXPERT}_scale_inv.shape", "!= [2, 2]"),
-    (_set(EXPERT + "_scale_inv", _nan_at), f"source.{EXPERT}_scale_inv", "non-finite scale nan at block [1, 1]"),
-    (_set(SHARD + "_scale_inv", _inf_at), f"source.{SHARD}_scale_inv", "non-finite scale inf at block [0, 0]"),
-    (_set(EXPERT + "_scale_inv", lambda v: v.double()), f"source.{EXPERT}_scale_inv.dtype", "F64"),
-])
+@pytest.mark.parametrize(
+    "mutate,field,words",
+    [
+        (_drop(EXPERT + "_scale_inv"), f"source.{EXPERT}_scale_inv", "missing"),
+        (_set(EXPERT + "_scale_inv", lambda v: v[:1]), f"source.{EXPERT}_scale_inv.shape", "!= [2, 2]"),
+        (_set(EXPERT + "_scale_inv", _nan_at), f"source.{EXPERT}_scale_inv", "non-finite scale nan at block [1, 1]"),
+        (_set(SHARD + "_scale_inv", _inf_at), f"source.{SHARD}_scale_inv", "non-finite scale inf at block [0, 0]"),
+        (_set(EXPERT + "_scale_inv", lambda v: v.double()), f"source.{EXPERT}_scale_inv.dtype", "F64"),
+    ],
+)
 def test_malformed_fp8_scales_are_typed_errors(hf, tmp_path, mutate, field, words):
     fdir, _ = fp8_twins(hf, str(tmp_path), (48, 40), mutate=mutate)
     out = str(tmp_path / "out")
@@ -240,8 +248,9 @@ def test_transformers_reads_the_fixture_as_its_oracle(hf, tmp_path):
     from transformers import FineGrainedFP8Config, Qwen4ExpForCausalLM
 
     fdir, odir = fp8_twins(hf, str(tmp_path), (128, 128), "tensor")
-    got = Qwen4ExpForCausalLM.from_pretrained(fdir, dtype=torch.float32,
-                                              quantization_config=FineGrainedFP8Config(dequantize=True))
+    got = Qwen4ExpForCausalLM.from_pretrained(
+        fdir, dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True)
+    )
     want = Qwen4ExpForCausalLM.from_pretrained(odir, dtype=torch.float32).state_dict()
     state = got.state_dict()
     experts = [k for k in want if ".mlp.experts." in k]

@@ -13,13 +13,12 @@ import json
 import os
 from pathlib import Path
 
+import mlx_vlm_fixture as V
 import numpy as np
 import pytest
+from artifact_fixture import tiny_checkpoint
 
 from hebrus_mlx.cli import main as cli_main
-
-import mlx_vlm_fixture as V
-from artifact_fixture import tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not V.available(), reason=f"mlx-vlm 0.7.10 not unpacked at {V.MLX_VLM_ROOT}")
 
@@ -50,11 +49,11 @@ def _source_tensors(src):
         if name.endswith(".safetensors"):
             raw = open(os.path.join(src, name), "rb").read()
             (n,) = struct.unpack("<Q", raw[:8])
-            header = json.loads(raw[8:8 + n])
+            header = json.loads(raw[8 : 8 + n])
             header.pop("__metadata__", None)
             for k, e in header.items():
                 a, b = e["data_offsets"]
-                out[k] = np.frombuffer(raw[8 + n + a:8 + n + b], dtypes[e["dtype"]]).reshape(e["shape"])
+                out[k] = np.frombuffer(raw[8 + n + a : 8 + n + b], dtypes[e["dtype"]]).reshape(e["shape"])
     return out
 
 
@@ -82,7 +81,7 @@ def test_expert_records_are_the_mlx_vlm_packed_arrays(imported):
                 for comp, part, dtype, shape, off, n in layout:
                     want = t[f"language_model.model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}"][e]
                     assert want.dtype == np.dtype(dtype) and want.shape == tuple(shape)
-                    assert bytes(rec[off:off + n]) == np.ascontiguousarray(want).tobytes(), (layer, e, comp, part)
+                    assert bytes(rec[off : off + n]) == np.ascontiguousarray(want).tobytes(), (layer, e, comp, part)
                     checked += 1
     assert checked == 4 * 8 * 9 and C.codec("affine4-g64").bits == 4
 
@@ -130,8 +129,14 @@ def test_dense_tensors_copied_or_decoded_exactly(imported):
             assert arr.dtype == np.float32 and np.array_equal(arr, want), name
             kinds["float"] += 1
     # every quantized dense module of the source is accounted for exactly once
-    quantized = [k for k in t if k.endswith(".scales") and ".switch_mlp." not in k and ".shards." not in k
-                 and not k.startswith("vision_tower.")]
+    quantized = [
+        k
+        for k in t
+        if k.endswith(".scales")
+        and ".switch_mlp." not in k
+        and ".shards." not in k
+        and not k.startswith("vision_tower.")
+    ]
     assert kinds["copied"] == 3 * (len(quantized) - kinds["decoded"]) and kinds["copied"] > 0, kinds
     assert kinds["decoded"] >= 4 * 2 and kinds["float"] > 0, kinds  # at least the 8-bit routers
 
@@ -148,8 +153,7 @@ def test_logits_equal_mlx_vlm(imported):
     src, art, _ = imported
     _, _, utils = V.import_mlx_vlm()
     ref = utils.load_model(Path(src))
-    ref.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
-                        ref.parameters()))
+    ref.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v, ref.parameters()))
     ids = mx.array(IDS)
     want = np.array(ref.language_model(ids).logits)
     got = np.array(load(art)[0](ids))
@@ -174,8 +178,11 @@ def test_ple_rows_decode_like_mlx_vlm_quantized_embedding():
     emb.update({"weight": (mx.random.normal((300, 32)) * 0.05).astype(mx.bfloat16)})
     q = nn.QuantizedEmbedding.from_embedding(emb, group_size=32, bits=4)
     want = np.array(q(mx.arange(300)).view(mx.uint16))
-    parts = {"weight": np.array(q.weight), "scales": np.array(q.scales.view(mx.uint16)),
-             "biases": np.array(q.biases.view(mx.uint16))}
+    parts = {
+        "weight": np.array(q.weight),
+        "scales": np.array(q.scales.view(mx.uint16)),
+        "biases": np.array(q.biases.view(mx.uint16)),
+    }
     got = MlxSource._dequantize(parts, 4, 32, mx.bfloat16)
     assert got.dtype == np.uint16 and np.array_equal(got, want)
 
@@ -214,8 +221,7 @@ def _logits_vs_mlx_vlm(src, art):
 
     _, _, utils = V.import_mlx_vlm()
     ref = utils.load_model(Path(src))
-    ref.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
-                        ref.parameters()))
+    ref.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v, ref.parameters()))
     ids = mx.array([SHORT])
     return np.array(ref.language_model(ids).logits), np.array(load(art)[0](ids))
 
@@ -229,8 +235,9 @@ def _greedy(forward, ids, n):
     return ids[-n:]
 
 
-@pytest.mark.parametrize("bits,group,expert_bits", [(2, 64, None), (3, 32, None), (6, 64, None), (8, 64, None),
-                                                    (4, 64, 2), (8, 32, 3)])
+@pytest.mark.parametrize(
+    "bits,group,expert_bits", [(2, 64, None), (3, 32, None), (6, 64, None), (8, 64, None), (4, 64, 2), (8, 32, 3)]
+)
 def test_widths_and_mixed_import_as_is(hf, tmp_path, bits, group, expert_bits):
     """MLX conversions at every artifact width (and mixed: dense at `bits`, the routed experts at
     `expert_bits` through per-module entries of the `quantization` block) import without
@@ -266,8 +273,7 @@ def test_widths_and_mixed_import_as_is(hf, tmp_path, bits, group, expert_bits):
     ref = utils.load_model(Path(src))
     from mlx.utils import tree_map
 
-    ref.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
-                        ref.parameters()))
+    ref.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v, ref.parameters()))
     model = load(art)[0]
     assert _greedy(lambda x: ref.language_model(x).logits, SHORT, 3) == _greedy(model, SHORT, 3)
 
@@ -291,8 +297,11 @@ def test_flags_that_would_requantize_are_refused(imported, tmp_path):
     from hebrus_mlx.convert_mlx import MlxSourceError
 
     src, _, _ = imported
-    for kwargs, field in (({"dtype": "float32"}, "dtype"), ({"q_bits": 8}, "q_bits"),
-                          ({"q_group_size": 128}, "q_group_size")):
+    for kwargs, field in (
+        ({"dtype": "float32"}, "dtype"),
+        ({"q_bits": 8}, "q_bits"),
+        ({"q_group_size": 128}, "q_group_size"),
+    ):
         with pytest.raises(MlxSourceError) as e:
             convert(src, str(tmp_path / "out"), quiet=True, **kwargs)
         assert e.value.field == field

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from convert_fixture import parity_source
+
 from hebrus_mlx.artifact import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +41,14 @@ def _env():
 
 
 def _convert(args, cwd=None):
-    return subprocess.run([sys.executable, "-c", _CLI, "convert", *args, "--dtype", "float32"],
-                          capture_output=True, text=True, env=_env(), cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", _CLI, "convert", *args, "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def _snapshot(path):
@@ -54,8 +60,12 @@ def _snapshot(path):
 
 
 def _one_line(r, field="--out"):
-    return (r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-            and r.stderr.startswith(f"hebrus-mlx convert: error: {field}: "))
+    return (
+        r.returncode == 2
+        and r.stderr.count("\n") == 1
+        and "Traceback" not in r.stderr
+        and r.stderr.startswith(f"hebrus-mlx convert: error: {field}: ")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +85,15 @@ def test_refuses_every_path_it_did_not_write(src, tmp_path):
     link = tmp_path / "link"
     link.symlink_to(user)
     parent = Path(src).parent
-    cases = [(str(user), None), (str(afile), None), (str(link), None), (src, None), (str(parent), None),
-             (".", str(tmp_path)), (".", src)]
+    cases = [
+        (str(user), None),
+        (str(afile), None),
+        (str(link), None),
+        (src, None),
+        (str(parent), None),
+        (".", str(tmp_path)),
+        (".", src),
+    ]
     for out, cwd in cases:
         watched = cwd or out
         before = _snapshot(watched if out != "." else cwd)
@@ -113,9 +130,12 @@ def _temps(out):
 
 
 def _start_and_wait_for_temp(src, out, rng):
-    proc = subprocess.Popen([sys.executable, "-c", _CLI, "convert", "--hf-path", src, "--out", out,
-                             "--dtype", "float32", "--overwrite"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CLI, "convert", "--hf-path", src, "--out", out, "--dtype", "float32", "--overwrite"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
     deadline = time.monotonic() + 120
     known = set(_temps(out))
     while not (set(_temps(out)) - known):
@@ -187,7 +207,8 @@ def test_stale_file_temps_of_every_publisher(tmp_path):
     finally:
         os.close(fd)
     assert sorted(os.listdir(tmp_path)) == sorted(
-        ["bench.json", ".other.json.tmp-0123456789ab", ".bench.json.tmp-aaaaaaaaaaaa", ".bench.json.tmp-bbbbbbbbbbbb"])
+        ["bench.json", ".other.json.tmp-0123456789ab", ".bench.json.tmp-aaaaaaaaaaaa", ".bench.json.tmp-bbbbbbbbbbbb"]
+    )
     assert atomic.clean_stale(target) == [str(held)]  # its writer has gone now
 
 

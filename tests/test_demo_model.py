@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx.models.qwen4exp import Capture
 from hebrus_mlx.loader import DEMO_DIR, load
+from hebrus_mlx.models.qwen4exp import Capture
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,9 @@ def test_trained_weights_match_reference_logits_and_expert_ids(demo):
     # The demo's indexer is untrained (top-k passes no gradient), so its ReLU scores tie at zero
     # often; the reference's tie order is unspecified, so it is pinned to AFN-017's rule here.
     got = dr.capture_reference.capture_model(ref, ids.astype(np.int64), pin_ties=True)
-    ties = dr.capture_reference.boundary_ties(got, {"indexer_budget": model.args.indexer_budget,
-                                                    "indexer_compress_ratio": model.args.indexer_compress_ratio})
+    ties = dr.capture_reference.boundary_ties(
+        got, {"indexer_budget": model.args.indexer_budget, "indexer_compress_ratio": model.args.indexer_compress_ratio}
+    )
     assert ties > 0  # control: the pinned rule is actually exercised on this prompt
     cap = Capture()
     logits = np.array(model(mx.array(ids[:, :length]), capture=cap))
@@ -68,9 +69,22 @@ def test_trained_weights_match_reference_logits_and_expert_ids(demo):
 def test_cli_generates_with_the_demo_model():
     """README's first command, run as a subprocess."""
     out = subprocess.run(
-        [sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", "demo", "-p", "def fibonacci(n):",
-         "--ignore-chat-template", "-m", "24"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "hebrus_mlx.cli",
+            "generate",
+            "--model",
+            "demo",
+            "-p",
+            "def fibonacci(n):",
+            "--ignore-chat-template",
+            "-m",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -7,10 +7,10 @@ cross-checked through `mx.gather_qmm` against `mx.quantized_matmul`."""
 
 import os
 
+import families
 import numpy as np
 import pytest
 
-import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.artifact.errors import CodecError, DigestError, GeometryError, HeaderError, TruncatedError
@@ -121,8 +121,12 @@ def test_payload_digest_is_a_separate_check(store, tmp_path):
 def test_untrusted_headers(store, tmp_path):
     path, _ = store
     data = open(path, "rb").read()
-    cases = [(data[:100], TruncatedError), (b"NOTMAGIC" + data[8:], HeaderError), (data[:-4096], TruncatedError),
-             (data + bytes(4096), HeaderError)]
+    cases = [
+        (data[:100], TruncatedError),
+        (b"NOTMAGIC" + data[8:], HeaderError),
+        (data[:-4096], TruncatedError),
+        (data + bytes(4096), HeaderError),
+    ]
     for i, (blob, err) in enumerate(cases):
         p = tmp_path / f"h{i}"
         p.write_bytes(blob)
@@ -143,8 +147,11 @@ def test_quantized_layout_feeds_gather_qmm(tmp_path):
                 w = mx.array(rng.standard_normal((rows, cols)).astype(np.float32)).astype(mx.bfloat16)
                 q, s, b = mx.quantize(w, group_size=64, bits=4)
                 quant[(layer, e, comp)] = (q, s, b)
-                parts[comp] = {"weight": np.array(q), "scales": np.array(s.view(mx.uint16)),
-                               "biases": np.array(b.view(mx.uint16))}
+                parts[comp] = {
+                    "weight": np.array(q),
+                    "scales": np.array(s.view(mx.uint16)),
+                    "biases": np.array(b.view(mx.uint16)),
+                }
             recs.append((layer, e, parts))
     path = str(tmp_path / "q.hbem")
     em.publish(path, FAM, "affine4-g64", iter(recs))

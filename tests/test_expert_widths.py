@@ -14,18 +14,17 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
+from chunked_greedy import chunked_greedy
+from stream_store import cache_gb
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact.errors import AdmissionError, ArtifactError
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.convert import convert
-from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loader import load_model
-
-from artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
-from chunked_greedy import chunked_greedy
-from stream_store import cache_gb
+from hebrus_mlx.stream import engine as se
 
 WIDTHS = [(2, 64), (3, 32), (4, 64), (6, 64), (8, 32)]
 
@@ -128,6 +127,7 @@ def test_admission_refuses_inconsistent_widths(artifacts, tmp_path):
 def test_store_bytes_not_matching_declared_width_refused(artifacts, tmp_path):
     """Manifest, profile and store entry all claim 2-bit experts while the store holds 3-bit
     records: the store's header names another codec and its size is not a 2-bit store's."""
+
     def claim2(m):
         m["profile"] = "text-mixed/dense=affine4-g64,experts=affine2-g32,ple=bf16"
         m["codecs"]["experts"] = "affine2-g32"
@@ -145,8 +145,11 @@ def test_store_bytes_not_matching_declared_width_refused(artifacts, tmp_path):
 
 
 def test_cli_refuses_unknown_width(hf, tmp_path, capsys):
-    for flags, field in ((["--expert-bits", "5"], "expert_bits"), (["--expert-group-size", "16"], "expert_group_size"),
-                         (["--q-bits", "7"], "q_bits")):
+    for flags, field in (
+        (["--expert-bits", "5"], "expert_bits"),
+        (["--expert-group-size", "16"], "expert_group_size"),
+        (["--q-bits", "7"], "q_bits"),
+    ):
         capsys.readouterr()
         out = str(tmp_path / "x")
         assert cli_main(["convert", "--hf-path", hf, "--out", out, *flags]) == 2

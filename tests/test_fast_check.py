@@ -19,18 +19,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import xxhash
-
 from artifact_fixture import edit_manifest, load_manifest, refresh_store, save_manifest
+from stream_store import flip_byte
+
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import fast_check as FC
 from hebrus_mlx.artifact.errors import AdmissionError, ArtifactError, DigestError
 from hebrus_mlx.artifact.expert_major import ExpertMajorReader
 from hebrus_mlx.artifact.ple_pages import PleReader
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.upgrade import upgrade
-from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.verify import verify
-from stream_store import flip_byte
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -68,7 +68,7 @@ def _units(m, s):
             return [r.read_page(p) for p in range(r.geometry.num_pages)]
     data = open(m.file(s), "rb").read()
     assert hashlib.sha256(data).hexdigest() == s.sha256
-    return [data[i:i + FC.MTP_UNIT_BYTES] for i in range(0, len(data), FC.MTP_UNIT_BYTES)]
+    return [data[i : i + FC.MTP_UNIT_BYTES] for i in range(0, len(data), FC.MTP_UNIT_BYTES)]
 
 
 def _oracle_tables(m):
@@ -193,7 +193,7 @@ def test_a_deliberate_edit_that_rewrites_the_fast_digest_is_caught_by_verify(new
     _flip(new, "experts.hbem", off + 7)
     refresh_store(new, "experts.hbem")  # rewrites the fast table (and the whole-file SHA-256) to match
     after = open(os.path.join(new, "experts.hbem.xxh3"), "rb").read()
-    assert [j for j in range(g.count) if before[16 * j:16 * j + 16] != after[16 * j:16 * j + 16]] == [i]
+    assert [j for j in range(g.count) if before[16 * j : 16 * j + 16] != after[16 * j : 16 * j + 16]] == [i]
     from hebrus_mlx.stream.experts import StreamedExperts
 
     ex = StreamedExperts.from_artifact(new, rows=4)
@@ -202,7 +202,7 @@ def test_a_deliberate_edit_that_rewrites_the_fast_digest_is_caught_by_verify(new
     got = np.array(ex.weights["gate"]["weight"][int(np.array(rows)[0])]).tobytes()
     mx.eval(ex.engine.release_after(rows, lease))
     ex.engine.close()
-    assert got != open(DEMO_DIR / "experts.hbem", "rb").read()[off:off + len(got)]  # the edit streams
+    assert got != open(DEMO_DIR / "experts.hbem", "rb").read()[off : off + len(got)]  # the edit streams
     with pytest.raises(DigestError, match=rf"experts\.record\[{i}\]"):
         verify(new, stream=QUIET)
 
@@ -235,7 +235,7 @@ def test_torn_and_misplaced_records_are_refused_by_the_fast_check(damage, new):
         other = f.read(n)
         if damage == "torn":
             f.seek(g.record_offset(i) + n // 2)
-            f.write(other[n // 2:])
+            f.write(other[n // 2 :])
         else:
             f.seek(g.record_offset(i))
             f.write(other)
@@ -250,6 +250,7 @@ def _fc(i, fn):
 
 def _rewrite_table(name, fn):
     """Change a table file and record its new SHA-256 (and size) in the manifest."""
+
     def mutate(d):
         p = os.path.join(d, name)
         data = fn(open(p, "rb").read())
@@ -258,7 +259,9 @@ def _rewrite_table(name, fn):
         def fix(m):
             s = next(s for s in m["stores"] if s.get("fast_check", {}).get("path") == name)
             s["fast_check"].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
         edit_manifest(d, fix)
+
     return mutate
 
 
@@ -268,8 +271,11 @@ def _dense_table(d):
 
 
 BAD = [
-    ("not-an-object", lambda d: edit_manifest(d, lambda m: m["stores"][1].__setitem__("fast_check", [])),
-     "stores[1].fast_check"),
+    (
+        "not-an-object",
+        lambda d: edit_manifest(d, lambda m: m["stores"][1].__setitem__("fast_check", [])),
+        "stores[1].fast_check",
+    ),
     ("unknown-field", _fc(1, lambda fc: fc.__setitem__("units", 512)), "stores[1].fast_check.units"),
     ("missing-sha", _fc(1, lambda fc: fc.pop("sha256")), "stores[1].fast_check.sha256"),
     ("algorithm", _fc(1, lambda fc: fc.__setitem__("algorithm", "crc32c")), "stores[1].fast_check.algorithm"),
@@ -281,8 +287,14 @@ BAD = [
     ("digest", lambda d: _flip(d, "ple.1.hbpl.xxh3", 3), "stores[3].fast_check.sha256"),
     ("table-missing", lambda d: os.unlink(os.path.join(d, "mtp.safetensors.xxh3")), "stores[4].fast_check.path"),
     ("all-or-none", lambda d: edit_manifest(d, lambda m: m["stores"][3].pop("fast_check")), "bounds.ple.1.hbpl.xxh3"),
-    ("all-or-none-clean", lambda d: (edit_manifest(d, lambda m: m["stores"][3].pop("fast_check")),
-                                     os.unlink(os.path.join(d, "ple.1.hbpl.xxh3"))), "stores[3].fast_check"),
+    (
+        "all-or-none-clean",
+        lambda d: (
+            edit_manifest(d, lambda m: m["stores"][3].pop("fast_check")),
+            os.unlink(os.path.join(d, "ple.1.hbpl.xxh3")),
+        ),
+        "stores[3].fast_check",
+    ),
     ("dense", _dense_table, "stores[0].fast_check"),
 ]
 
@@ -299,23 +311,32 @@ def test_fast_check_entries_are_admitted_strictly(new, name, mutate, field):
 def test_admission_error_is_one_line_at_the_cli(new):
     _fc(1, lambda fc: fc.__setitem__("algorithm", "crc32c"))(new)
     for verb in ("admit", "upgrade"):
-        r = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", verb, new], capture_output=True, text=True,
-                           cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+        r = subprocess.run(
+            [sys.executable, "-m", "hebrus_mlx.cli", verb, new],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT},
+        )
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert r.stderr.startswith(f"hebrus-mlx {verb}: error: stores[1].fast_check.algorithm: ")
 
 
 # ---- hebrus-mlx upgrade ----------------------------------------------------------------------------
 def _snapshot(d):
-    return {n: (os.stat(os.path.join(d, n)).st_ino, hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest())
-            for n in sorted(os.listdir(d))}
+    return {
+        n: (os.stat(os.path.join(d, n)).st_ino, hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest())
+        for n in sorted(os.listdir(d))
+    }
 
 
 def test_upgrade_adds_the_oracle_tables_and_keeps_every_store_byte(old):
     before = _snapshot(old)
     m, summary = upgrade(old, stream=QUIET)
-    assert summary == {"upgraded": True, "fast_checks": {"experts.hbem": 512, "ple.0.hbpl": 9, "ple.1.hbpl": 9,
-                                                         "mtp.safetensors": 1}}
+    assert summary == {
+        "upgraded": True,
+        "fast_checks": {"experts.hbem": 512, "ple.0.hbpl": 9, "ple.1.hbpl": 9, "mtp.safetensors": 1},
+    }
     after = _snapshot(old)
     tables = {n for n in after if n.endswith(".xxh3")}
     assert set(after) == set(before) | tables and len(tables) == 4
@@ -341,8 +362,13 @@ def test_upgrade_refresh_retakes_stale_tables_from_verified_bytes(new):
     _rewrite_record(new, g, i, bytes(record))
     with pytest.raises(DigestError, match="XXH3-128"):
         load_model(new)
-    r = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "upgrade", "--refresh", new], capture_output=True,
-                       text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.cli", "upgrade", "--refresh", new],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 0, r.stderr
     m = admit(new)
     assert m.fast_table(m.experts)[i] == xxhash.xxh3_128(bytes(record)).digest()
@@ -357,13 +383,13 @@ def _rewrite_record(d, g, i, data):
 
     p = os.path.join(d, "experts.hbem")
     raw = bytearray(open(p, "rb").read())
-    raw[g.record_offset(i):g.record_offset(i) + g.record_bytes] = data
+    raw[g.record_offset(i) : g.record_offset(i) + g.record_bytes] = data
     entry = g.table_offset + i * em.EXPERT_MAJOR_ENTRY_BYTES
-    raw[entry + em.EXPERT_MAJOR_ENTRY_BYTES - 32:entry + em.EXPERT_MAJOR_ENTRY_BYTES] = hashlib.sha256(data).digest()
+    raw[entry + em.EXPERT_MAJOR_ENTRY_BYTES - 32 : entry + em.EXPERT_MAJOR_ENTRY_BYTES] = hashlib.sha256(data).digest()
     h = dict(zip(em._HEADER_FIELDS, em._HEADER.unpack_from(raw)))
-    table_sha = hashlib.sha256(raw[g.table_offset:g.table_offset + g.table_bytes]).digest()
-    payload_sha = hashlib.sha256(raw[g.payload_offset:g.payload_offset + g.payload_bytes]).digest()
-    raw[:em.EXPERT_MAJOR_HEADER_BYTES] = em._pack_header(h, table_sha, payload_sha)
+    table_sha = hashlib.sha256(raw[g.table_offset : g.table_offset + g.table_bytes]).digest()
+    payload_sha = hashlib.sha256(raw[g.payload_offset : g.payload_offset + g.payload_bytes]).digest()
+    raw[: em.EXPERT_MAJOR_HEADER_BYTES] = em._pack_header(h, table_sha, payload_sha)
     open(p, "wb").write(bytes(raw))
     m = load_manifest(d)
     m["stores"][1]["sha256"] = hashlib.sha256(raw).hexdigest()
@@ -380,8 +406,13 @@ def test_upgrade_refuses_a_corrupt_artifact_and_changes_nothing(old):
     with pytest.raises(DigestError, match=r"experts\.record\["):
         upgrade(old, stream=QUIET)
     assert _snapshot(old) == before and _siblings(old) == sib
-    r = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "upgrade", old], capture_output=True, text=True,
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.cli", "upgrade", old],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 2 and "experts.record[" in r.stderr and _snapshot(old) == before
 
 

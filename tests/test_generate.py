@@ -16,10 +16,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 from hebrus_mlx.generate import generate, generate_step, stream_generate
 from hebrus_mlx.text.tokenizer import load_tokenizer
-from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -62,7 +62,7 @@ class HistoryModel:
         self.calls.append(inputs.shape[1])
         c = cache[0]
         c.tokens = mx.concatenate([c.tokens, inputs[0].astype(mx.int32)])
-        sums = mx.cumsum(c.tokens.astype(mx.int64))[-inputs.shape[1]:]
+        sums = mx.cumsum(c.tokens.astype(mx.int64))[-inputs.shape[1] :]
         nxt = (7 * sums + 3) % 1000 + 500
         cols = mx.arange(PHYSICAL_VOCAB)
         logits = mx.where(cols[None] == nxt[:, None], 10.0, 0.0)
@@ -114,12 +114,16 @@ def test_generate_step_matches_uncached_reference(step):
     """Chunked prefill + cached decode reproduce the uncached rule; invalid rows never win (AFN-005)."""
     prompt = [11, 22, 33, 44, 55, 66, 77]
     model = HistoryModel()
-    got = [t for t, _ in generate_step(mx.array(prompt), model, effective_vocab_size=EFFECTIVE,
-                                       max_tokens=6, prefill_step_size=step)]
+    got = [
+        t
+        for t, _ in generate_step(
+            mx.array(prompt), model, effective_vocab_size=EFFECTIVE, max_tokens=6, prefill_step_size=step
+        )
+    ]
     assert got == reference_tokens(prompt, 6)
     prefill = model.calls[: len(model.calls) - 7]  # 6 decode steps + 1 queued ahead
     assert max(prefill) <= step and sum(prefill) == len(prompt) - 1
-    assert model.calls[len(prefill):] == [1] * 7
+    assert model.calls[len(prefill) :] == [1] * 7
 
 
 def test_max_kv_size_is_refused_before_any_work():
@@ -131,15 +135,30 @@ def test_max_kv_size_is_refused_before_any_work():
     with pytest.raises(UsageError, match="max_kv_size: not supported"):
         next(generate_step(mx.array([1, 2]), m, effective_vocab_size=EFFECTIVE, max_kv_size=8))
     assert m.calls == []
-    p = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", "/nonexistent/model",
-                        "--max-kv-size", "64", "-p", "hi"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hebrus_mlx.cli",
+            "generate",
+            "--model",
+            "/nonexistent/model",
+            "--max-kv-size",
+            "64",
+            "-p",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr == "hebrus-mlx generate: error: --max-kv-size: " + gen.MAX_KV_SIZE_UNSUPPORTED + "\n"
 
 
 def test_logprobs_are_masked_and_normalised():
     """AFN-005: logprobs are -inf past the effective vocabulary and sum to 1 over valid rows."""
-    (_, lp), = list(generate_step(mx.array([1, 2]), HistoryModel(), effective_vocab_size=EFFECTIVE, max_tokens=1))
+    ((_, lp),) = list(generate_step(mx.array([1, 2]), HistoryModel(), effective_vocab_size=EFFECTIVE, max_tokens=1))
     assert lp.shape == (PHYSICAL_VOCAB,)
     assert mx.all(lp[EFFECTIVE:] == -mx.inf).item()
     assert abs(mx.logsumexp(lp[:EFFECTIVE]).item()) < 1e-4
@@ -185,12 +204,15 @@ def test_string_prompt_is_data(tok):
     assert seen and not set(seen) & set(range(248044, EFFECTIVE))
 
 
-@pytest.mark.parametrize("prompt,match", [
-    ([], "empty"),
-    ([1] * 17, "context is 16"),
-    ([1, 248100], "unassigned"),
-    ([1, PHYSICAL_VOCAB], "outside"),
-])
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ([], "empty"),
+        ([1] * 17, "context is 16"),
+        ([1, 248100], "unassigned"),
+        ([1, PHYSICAL_VOCAB], "outside"),
+    ],
+)
 def test_bad_prompts(tok, prompt, match):
     with pytest.raises(ValueError, match=match):
         list(stream_generate(HistoryModel(ctx=16), tok, prompt, max_tokens=2))
@@ -259,8 +281,9 @@ CLI_ERRORS = [
 
 @pytest.mark.parametrize("argv,stdin,needle", CLI_ERRORS, ids=[" ".join(a) for a, _, _ in CLI_ERRORS])
 def test_cli_errors_exit_2_with_one_line(argv, stdin, needle):
-    p = subprocess.run([sys.executable, "-m", "hebrus_mlx.generate", *argv], input=stdin,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.generate", *argv], input=stdin, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2, p.stderr
     assert p.stdout == ""
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
@@ -268,6 +291,8 @@ def test_cli_errors_exit_2_with_one_line(argv, stdin, needle):
 
 
 GREEDY = json.loads((Path(__file__).parent / "fixtures" / "text" / "greedy_cases.json").read_text())
+
+
 @pytest.mark.parametrize("case", GREEDY, ids=lambda c: c["checkpoint"].rsplit("/", 1)[-1])
 def test_greedy_matches_transformers_generate(case):
     """Issue 4 evidence: greedy generate_step (chunked prefill, cached decode) on the tiny
@@ -275,8 +300,16 @@ def test_greedy_matches_transformers_generate(case):
     from hebrus_mlx.loader import load_hf_model
 
     model = load_hf_model(Path(__file__).parents[1] / case["checkpoint"])
-    got = [t for t, _ in generate_step(mx.array(case["prompt"]), model, effective_vocab_size=model.args.vocab_size,
-                                       max_tokens=len(case["greedy"]), prefill_step_size=5)]
+    got = [
+        t
+        for t, _ in generate_step(
+            mx.array(case["prompt"]),
+            model,
+            effective_vocab_size=model.args.vocab_size,
+            max_tokens=len(case["greedy"]),
+            prefill_step_size=5,
+        )
+    ]
     assert got == case["greedy"]
 
 
@@ -315,8 +348,12 @@ def test_end_to_end_on_tiny_checkpoint(tmp_path):
     rs = list(stream_generate(model, tok, ids, max_tokens=12))
     assert all(r.token < 259 for r in rs)
 
-    p = subprocess.run([sys.executable, "-m", "hebrus_mlx.generate", "--model", str(d), "-p", "hi", "-m", "5"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.generate", "--model", str(d), "-p", "hi", "-m", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0] == "=" * 10 and lines[-4] == "=" * 10
@@ -329,28 +366,48 @@ def test_cli_streamed_demo_prints_io_line_and_resident_text():
     """AFN-019 (issue 6 integration): `--expert-cache-gb` streams the demo's routed experts
     (0.0005 GiB = 34 of 512 arena records); the greedy text equals the resident run's and an
     I/O line follows mlx_lm's stats. Control: the same command without the flag."""
+
     def run(*extra):
-        p = subprocess.run([sys.executable, "-m", "hebrus_mlx.generate", "--model", "demo", "-p",
-                            "once upon a time", "-m", "12", *extra],
-                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hebrus_mlx.generate",
+                "--model",
+                "demo",
+                "-p",
+                "once upon a time",
+                "-m",
+                "12",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).parents[1],
+        )
         assert p.returncode == 0, p.stderr
         return p.stdout.splitlines()
 
-    from hebrus_mlx.stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
+    from hebrus_mlx.stream.predict import DEFAULT as DEFAULT_PREFETCH
+    from hebrus_mlx.stream.predict import parse_prefetch
 
     resident, streamed = run(), run("--expert-cache-gb", "0.0005")
     hyper = run("--expert-cache-gb", "0.0005", "--prefetch", "hyper-reuse")
     assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", resident[-1])
     assert not any(line.startswith("I/O:") for line in resident)
     io_line = streamed[-1]
-    assert re.fullmatch(r"I/O: [0-9.]+ GB read \([0-9.]+ GB predicted, [0-9.]+ GB wasted\), hit rate [0-9.]+%, "
-                        r"exposed wait [0-9.]+ s, hidden (n/a|-?\d+%), p50/p99 [0-9.]+/[0-9.]+ ms; "
-                        rf"prefetch {re.escape(parse_prefetch(DEFAULT_PREFETCH).name)}: timely recall [0-9.]+%, "
-                        r"precision [0-9.]+%", io_line), io_line
+    assert re.fullmatch(
+        r"I/O: [0-9.]+ GB read \([0-9.]+ GB predicted, [0-9.]+ GB wasted\), hit rate [0-9.]+%, "
+        r"exposed wait [0-9.]+ s, hidden (n/a|-?\d+%), p50/p99 [0-9.]+/[0-9.]+ ms; "
+        rf"prefetch {re.escape(parse_prefetch(DEFAULT_PREFETCH).name)}: timely recall [0-9.]+%, "
+        r"precision [0-9.]+%",
+        io_line,
+    ), io_line
     # (The prefill sweep line, stream.sweep, sits between mlx_lm's stats and the I/O line.)
     assert streamed[-3].startswith("Peak memory:") and streamed[-2].startswith("Prefill sweep auto: ")
     assert "; prefetch hyper-reuse: timely recall " in hyper[-1], hyper[-1]
-    text = lambda out: out[1:out.index("=" * 10, 1)]  # noqa: E731
+    text = lambda out: out[1 : out.index("=" * 10, 1)]  # noqa: E731
     assert text(streamed) == text(resident) == text(hyper)
 
 

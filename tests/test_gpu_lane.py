@@ -18,8 +18,20 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 
 def test_dry_run_of_every_section(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_lane.py"), "--device", "cpu", "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_lane.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_lane.json").read_text())
     s = r["sections"]
@@ -43,14 +55,27 @@ def test_gpu_device_is_refused_without_a_gpu_backend(tmp_path):
 
     if mx.cuda.is_available() or mx.metal.is_available():
         pytest.skip("this machine has a GPU backend")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_lane.py"), "--device", "gpu",
-                           "--out", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_lane.py"), "--device", "gpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "--device" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_lane_script_refuses_without_prepared_wheels(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_lane.sh"), "--lane", str(tmp_path / "lane"),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "benchmarks" / "gpu_lane.sh"),
+            "--lane",
+            str(tmp_path / "lane"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "gpu_lane_prepare.sh" in proc.stderr
 
 
@@ -58,7 +83,10 @@ def test_a_plain_install_pulls_no_cuda():
     """`pip install -e .` on CPU-only Linux stays as it was: mlx[cpu], no CUDA wheel in any default
     or test requirement (the lane installs its own from prepared wheels)."""
     proj = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    reqs = proj["project"]["dependencies"] + proj["project"]["optional-dependencies"]["test"] + \
-        proj["build-system"]["requires"]
+    reqs = (
+        proj["project"]["dependencies"]
+        + proj["project"]["optional-dependencies"]["test"]
+        + proj["build-system"]["requires"]
+    )
     assert not [r for r in reqs if "cuda" in r.lower()]
     assert "mlx[cpu]==0.32.4; sys_platform == 'linux'" in proj["project"]["dependencies"]

@@ -10,8 +10,9 @@ import numpy as np
 from hebrus_mlx.models.options import GraphOptions
 
 # Every alternative on (compile too, whatever the backend default), against every one off.
-FAST = GraphOptions(compile=True, join_projections=True, in_major=True, rope_tables=True, dense_sdpa=True,
-                    cpu_streams=2)
+FAST = GraphOptions(
+    compile=True, join_projections=True, in_major=True, rope_tables=True, dense_sdpa=True, cpu_streams=2
+)
 
 
 def _greedy(options):
@@ -32,11 +33,18 @@ def test_fast_paths_keep_greedy_tokens_across_the_dense_to_sparse_boundary():
     plain_model, plain, plain_last = _greedy(GraphOptions.plain())
     fast_model, fast, fast_last = _greedy(FAST)
     # the plain model kept every block's one implementation; the fast one had them swapped
-    swapped = [{type(m).__name__ for _, m in model.named_modules() if type(m).__module__.endswith(".optimize")}
-               for model in (plain_model, fast_model)]
+    swapped = [
+        {type(m).__name__ for _, m in model.named_modules() if type(m).__module__.endswith(".optimize")}
+        for model in (plain_model, fast_model)
+    ]
     assert swapped[0] == set() and plain_model.options == GraphOptions.plain()
-    assert swapped[1] == {"OneGraphHyperConnection", "OneGraphPLELayer", "FastQSAAttention", "SplitSparseMoE",
-                          "SplitLogitsModel"}
+    assert swapped[1] == {
+        "OneGraphHyperConnection",
+        "OneGraphPLELayer",
+        "FastQSAAttention",
+        "SplitSparseMoE",
+        "SplitLogitsModel",
+    }
     assert fast == plain
     np.testing.assert_allclose(fast_last, plain_last, atol=1e-4)
 
@@ -90,14 +98,19 @@ def test_joined_projections_match_the_per_linear_matmuls():
     values as fresh arrays makes every group fall back to per-Linear matmuls. Short-block prefill +
     greedy decode agree (bit for bit on this CPU)."""
     from mlx.utils import tree_flatten
+    from parity_fixtures import PARITY, capture
 
     from hebrus_mlx.loader import load_hf_model
-    from parity_fixtures import PARITY, capture
 
     model = load_hf_model(PARITY / "tiny_a", options=GraphOptions(join_projections=True, cpu_streams=1))
     layers = model.layers
-    joined = [layers[0].linear_attn, layers[0].mlp, layers[0].attn_hyper_connection,
-              next(l.self_attn for l in layers if not l.is_linear), next(l.ple for l in layers if l.has_ple)]
+    joined = [
+        layers[0].linear_attn,
+        layers[0].mlp,
+        layers[0].attn_hyper_connection,
+        next(l.self_attn for l in layers if not l.is_linear),
+        next(l.ple for l in layers if l.has_ple),
+    ]
     assert all(m.__dict__["_projector"].joined is not None for m in joined)
     ids = mx.array(capture("tiny_a")["input_ids"]).reshape(1, -1)[:, :12]  # <= FUSE_MAX_TOKENS
     fused_tokens, fused_logits = _decode(model, ids, 24)
@@ -113,9 +126,9 @@ def test_in_major_weights_keep_logits_bit_identical():
     the same values as fresh [out, in] arrays undoes it (and the joined groups). Prefill (per-Linear
     matmuls, chunked GDN, resident routed experts) and decode logits are equal bit for bit."""
     from mlx.utils import tree_flatten
+    from parity_fixtures import PARITY, capture
 
     from hebrus_mlx.loader import load_hf_model
-    from parity_fixtures import PARITY, capture
 
     model = load_hf_model(PARITY / "tiny_a", options=GraphOptions(in_major=True, cpu_streams=1))
     layer = model.layers[0]
@@ -148,9 +161,10 @@ def test_grouped_recurrence_is_bit_identical_to_mx_fast():
 
 
 def test_one_graph_hyper_connection_mix_is_bit_identical_to_the_per_part_path():
+    from parity_fixtures import PARITY
+
     from hebrus_mlx.models import optimize, options
     from hebrus_mlx.models.qwen4exp import HyperConnection, ModelArgs
-    from parity_fixtures import PARITY
 
     args = ModelArgs.from_dict(json.loads((PARITY / "tiny_a" / "config.json").read_text()))
     for compiled in (False, True):

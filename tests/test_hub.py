@@ -16,14 +16,13 @@ from types import SimpleNamespace as N
 
 import huggingface_hub
 import pytest
-
-from hebrus_mlx.cli import main as cli_main
 from huggingface_hub import constants
 
 from hebrus_mlx import hub
+from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.loader import DEMO_DIR
 
-GB = 10 ** 9
+GB = 10**9
 generate = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
 
@@ -92,8 +91,9 @@ def test_resolution_order_demo_then_local_dir_then_repo(monkeypatch, tmp_path):
 
 
 def test_generate_runs_a_downloaded_repo(monkeypatch, capsys):
-    fake = FakeHub(monkeypatch, {"model.safetensors": 3 * GB, "config.json": 10, "README.md": 50 * GB},
-                   DEMO_DIR, free=4 * GB)
+    fake = FakeHub(
+        monkeypatch, {"model.safetensors": 3 * GB, "config.json": 10, "README.md": 50 * GB}, DEMO_DIR, free=4 * GB
+    )
     rc, out, err = _gen(capsys, "--model", "someorg/demo-copy")
     assert rc == 0, err
     assert fake.names() == ["model_info", "disk_usage", "snapshot_download"]
@@ -103,8 +103,12 @@ def test_generate_runs_a_downloaded_repo(monkeypatch, capsys):
 
 
 def test_not_enough_disk_refuses_before_download(monkeypatch, capsys):
-    fake = FakeHub(monkeypatch, {f"model-{i:05d}.safetensors": 5 * GB for i in range(72)} | {"config.json": 7},
-                   DEMO_DIR, free=100 * GB)
+    fake = FakeHub(
+        monkeypatch,
+        {f"model-{i:05d}.safetensors": 5 * GB for i in range(72)} | {"config.json": 7},
+        DEMO_DIR,
+        free=100 * GB,
+    )
     rc, out, err = _gen(capsys, "--model", "Qwen/Qwen3.8-Flash-Next")
     assert rc == 2 and out == ""
     line = err.strip()
@@ -119,8 +123,13 @@ def test_cached_files_are_not_counted(monkeypatch, tmp_path):
     partial = tmp_path / "model-00002.safetensors"
     partial.write_bytes(b"x" * 10)  # a size mismatch counts as still to fetch
     files = {"model-00001.safetensors": 1000, "model-00002.safetensors": 1000, "config.json": 5}
-    FakeHub(monkeypatch, files, DEMO_DIR, free=0,
-            cached={"model-00001.safetensors": str(done), "model-00002.safetensors": str(partial)})
+    FakeHub(
+        monkeypatch,
+        files,
+        DEMO_DIR,
+        free=0,
+        cached={"model-00001.safetensors": str(done), "model-00002.safetensors": str(partial)},
+    )
     assert hub.bytes_to_download("o/r") == (1005, 2005)
     with pytest.raises(hub.DiskSpaceError) as e:
         hub.download("o/r")
@@ -147,8 +156,9 @@ def test_unknown_repo_is_one_line(monkeypatch, capsys):
     fake = FakeHub(monkeypatch, {}, DEMO_DIR, free=GB)
 
     def missing(*a, **k):
-        raise RepositoryNotFoundError("404 Client Error.\nRepository Not Found for url: x",
-                                      response=N(headers={}, status_code=404, request=None))
+        raise RepositoryNotFoundError(
+            "404 Client Error.\nRepository Not Found for url: x", response=N(headers={}, status_code=404, request=None)
+        )
 
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda: N(model_info=missing))
     rc, out, err = _gen(capsys, "--model", "nobody/nothing")
@@ -177,6 +187,7 @@ def test_convert_downloads_a_repo_and_checks_the_output_disk(monkeypatch, tmp_pa
     fake.free = 10 * GB
     assert cli_main(["convert", "--hf-path", "someorg/tiny", "--out", out, "--dtype", "float32"]) == 0
     import json
+
     assert json.load(open(os.path.join(out, "manifest.json")))["source"]["repo"] == "someorg/tiny"
 
 

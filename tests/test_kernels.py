@@ -10,21 +10,22 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from parity_fixtures import capture, model
 
 from hebrus_mlx import kernels
 from hebrus_mlx.kernels import hc_mix, ple_gather, qsa_attention
+from hebrus_mlx.models.qwen4exp import Capture, QSAAttention
 from hebrus_mlx.testing import kernel_emulation as emu
 from hebrus_mlx.testing import msl_emulator
-from hebrus_mlx.models.qwen4exp import Capture, QSAAttention
-from parity_fixtures import capture, model
 
 needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")), reason="no C++ compiler")
 
 
 def needs_metal(fn):
     """Runs only on a Metal device; marked `metal` (the self-hosted Apple-silicon CI job's -m metal)."""
-    return pytest.mark.metal(pytest.mark.skipif(not kernels.metal_available(),
-                                                reason="no Metal device (not verifiable here)")(fn))
+    return pytest.mark.metal(
+        pytest.mark.skipif(not kernels.metal_available(), reason="no Metal device (not verifiable here)")(fn)
+    )
 
 
 # ---- harness -------------------------------------------------------------------------------------
@@ -51,8 +52,13 @@ REDUCE = """
 def test_harness_reductions_barriers_and_threadgroups():
     x = np.random.default_rng(0).standard_normal(3 * 128).astype(np.float32)
     out, mx_out = msl_emulator.run(
-        "reduce", REDUCE, {"x": x}, {"out": ((3,), np.float32), "mx_out": ((12,), np.float32)},
-        grid=(384, 1, 1), threadgroup=(128, 1, 1), template=[("NSG", 4)],
+        "reduce",
+        REDUCE,
+        {"x": x},
+        {"out": ((3,), np.float32), "mx_out": ((12,), np.float32)},
+        grid=(384, 1, 1),
+        threadgroup=(128, 1, 1),
+        template=[("NSG", 4)],
     )
     np.testing.assert_allclose(out, x.astype(np.float64).reshape(3, 128).sum(-1), atol=1e-5)
     np.testing.assert_array_equal(mx_out, x.reshape(12, 32).max(-1))
@@ -64,8 +70,13 @@ def test_harness_catches_a_missing_group_in_the_merge():
     x = np.random.default_rng(1).standard_normal(128).astype(np.float32)
     broken = REDUCE.replace("for (int g = 0; g < NSG; ++g) t += part[g];", "t = part[0];")
     out, _ = msl_emulator.run(
-        "reduce_broken", broken, {"x": x}, {"out": ((1,), np.float32), "mx_out": ((4,), np.float32)},
-        grid=(128, 1, 1), threadgroup=(128, 1, 1), template=[("NSG", 4)],
+        "reduce_broken",
+        broken,
+        {"x": x},
+        {"out": ((1,), np.float32), "mx_out": ((4,), np.float32)},
+        grid=(128, 1, 1),
+        threadgroup=(128, 1, 1),
+        template=[("NSG", 4)],
     )
     assert abs(out[0] - x.astype(np.float64).sum()) > 1e-3
 
@@ -80,8 +91,10 @@ def test_grid_must_be_a_multiple_of_the_threadgroup():
 
 def _hc_inputs(rows=5, hc=4, hidden=64, seed=0):
     r = np.random.default_rng(seed)
-    return (r.standard_normal((1, rows, hc * hidden)).astype(np.float32) * 3,
-            r.standard_normal((1, rows, hc * hidden)).astype(np.float32))
+    return (
+        r.standard_normal((1, rows, hc * hidden)).astype(np.float32) * 3,
+        r.standard_normal((1, rows, hc * hidden)).astype(np.float32),
+    )
 
 
 @needs_cxx
@@ -115,13 +128,19 @@ def test_ple_gather_emulated_matches_ops(name):
     emb, history, eos = _ple_case(name)
     n_new = len(history) - (emb.ngram_size - 1)
     rows, got = emu.ple_gather(
-        history, np.array(emb._multipliers), np.array(emb._head_sizes), np.array(emb._head_offsets),
-        np.array(emb.ngram_embedding.weight), n_new, emb.heads_per_ngram, eos,
+        history,
+        np.array(emb._multipliers),
+        np.array(emb._head_sizes),
+        np.array(emb._head_offsets),
+        np.array(emb.ngram_embedding.weight),
+        n_new,
+        emb.heads_per_ngram,
+        eos,
     )
     ref_rows, ref_emb = ple_gather.ops(emb, mx.array(history[None]), n_new)
     np.testing.assert_array_equal(rows, np.array(ref_rows)[0])
     np.testing.assert_array_equal(got, np.array(ref_emb)[0])
-    assert (history[emb.ngram_size - 1:] == eos).any()  # the segment rule was exercised
+    assert (history[emb.ngram_size - 1 :] == eos).any()  # the segment rule was exercised
 
 
 # ---- QSA attention over the selected keys --------------------------------------------------------
@@ -162,7 +181,7 @@ def _attention_oracle(q, k, v, idx, ok, scale):
             sel = idx[i][ok[i]]
             s = (k[h // rep, sel].astype(np.float64) @ q[h, i].astype(np.float64)) * scale
             p = np.exp(s - s.max())
-            out[i, h * D:(h + 1) * D] = (p / p.sum()) @ v[h // rep, sel].astype(np.float64)
+            out[i, h * D : (h + 1) * D] = (p / p.sum()) @ v[h // rep, sel].astype(np.float64)
     return out
 
 
@@ -198,17 +217,22 @@ def test_kernels_switch_on_only_when_the_profile_passed_them_on_metal(monkeypatc
 
     here = dict(prof.this_machine(), metal=True)  # a profile written on this machine, seen as a Mac
     monkeypatch.setattr(prof, "this_machine", lambda: dict(here))
-    profile = {"machine": here,
-               "kernels": {"hc_mix": {"status": "passed", "device": "metal"},
-                           "ple_gather": {"status": "passed", "device": "emulator"},
-                           "qsa_attention": {"status": "failed", "device": "metal"}}}
+    profile = {
+        "machine": here,
+        "kernels": {
+            "hc_mix": {"status": "passed", "device": "metal"},
+            "ple_gather": {"status": "passed", "device": "emulator"},
+            "qsa_attention": {"status": "failed", "device": "metal"},
+        },
+    }
     assert kernels.configure(profile) == {"hc_mix"}
     assert kernels.enabled("hc_mix") == kernels.metal_available()
     # The load-time pass swaps a qualified kernel in, unless the options switch Metal kernels off.
+    from parity_fixtures import PARITY
+
     from hebrus_mlx.models import optimize
     from hebrus_mlx.models.options import GraphOptions
     from hebrus_mlx.models.qwen4exp import HyperConnection, ModelArgs
-    from parity_fixtures import PARITY
 
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
     args = ModelArgs.from_dict(json.loads((PARITY / "tiny_a" / "config.json").read_text()))
@@ -233,8 +257,9 @@ def test_no_kernel_object_without_metal():
 @needs_metal
 def test_hc_mix_metal_matches_ops():
     up, normed = (mx.array(a) for a in _hc_inputs())
-    np.testing.assert_allclose(np.array(hc_mix.metal(up, normed, 4, 64)), np.array(hc_mix.ops(up, normed, 4, 64)),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(hc_mix.metal(up, normed, 4, 64)), np.array(hc_mix.ops(up, normed, 4, 64)), atol=1e-5
+    )
 
 
 @needs_metal

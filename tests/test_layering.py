@@ -22,28 +22,88 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "hebrus_mlx"
 
-FORMAT = ("hebrus_mlx.errors", "hebrus_mlx.flags", "hebrus_mlx.artifact", "hebrus_mlx.artifact.", "hebrus_mlx.format",
-          "hebrus_mlx.format.", "hebrus_mlx.pipeline.split")
+FORMAT = (
+    "hebrus_mlx.errors",
+    "hebrus_mlx.flags",
+    "hebrus_mlx.artifact",
+    "hebrus_mlx.artifact.",
+    "hebrus_mlx.format",
+    "hebrus_mlx.format.",
+    "hebrus_mlx.pipeline.split",
+)
 FORMAT_R, ADMISSION_R, GRAPH_R, STREAMING_R, LOAD_R, GENERATION_R, SERVING_R, TESTING_R = range(8)
 RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one module
     (FORMAT, FORMAT_R),
     (("hebrus_mlx.admission",), ADMISSION_R),
-    (("hebrus_mlx.models", "hebrus_mlx.models.", "hebrus_mlx.kernels", "hebrus_mlx.kernels.",
-      "hebrus_mlx.machine_profile"), GRAPH_R),
+    (
+        (
+            "hebrus_mlx.models",
+            "hebrus_mlx.models.",
+            "hebrus_mlx.kernels",
+            "hebrus_mlx.kernels.",
+            "hebrus_mlx.machine_profile",
+        ),
+        GRAPH_R,
+    ),
     (("hebrus_mlx.stream", "hebrus_mlx.stream."), STREAMING_R),
-    (("hebrus_mlx.loading", "hebrus_mlx.loading.", "hebrus_mlx.loader", "hebrus_mlx.hub", "hebrus_mlx.text",
-      "hebrus_mlx.text."), LOAD_R),
+    (
+        (
+            "hebrus_mlx.loading",
+            "hebrus_mlx.loading.",
+            "hebrus_mlx.loader",
+            "hebrus_mlx.hub",
+            "hebrus_mlx.text",
+            "hebrus_mlx.text.",
+        ),
+        LOAD_R,
+    ),
     # Replay prefills through generate's loop; the traces verb and eval sit on replay.
-    (("hebrus_mlx.generate", "hebrus_mlx.sample_utils", "hebrus_mlx.prompt_cache", "hebrus_mlx.cli_args",
-      "hebrus_mlx.batch", "hebrus_mlx.batch_generate",
-      "hebrus_mlx.prompt_cache_disk", "hebrus_mlx.perplexity", "hebrus_mlx.cache_prompt", "hebrus_mlx.verb_flags",
-      "hebrus_mlx.speculative", "hebrus_mlx.speculative.", "hebrus_mlx.traces", "hebrus_mlx.traces.",
-      "hebrus_mlx.pipeline", "hebrus_mlx.pipeline.stage", "hebrus_mlx.pipeline.cli",
-      "hebrus_mlx.verify", "hebrus_mlx.upgrade", "hebrus_mlx.convert", "hebrus_mlx.convert_fp8",
-      "hebrus_mlx.convert_mlx", "hebrus_mlx.sources", "hebrus_mlx.qualify", "hebrus_mlx.qualify_report",
-      "hebrus_mlx.bench", "hebrus_mlx.bench.", "hebrus_mlx.simulate", "hebrus_mlx.simulate."), GENERATION_R),
-    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.server", "hebrus_mlx.api_fields", "hebrus_mlx.chat",
-      "hebrus_mlx.responses_api", "hebrus_mlx.prep_process"), SERVING_R),
+    (
+        (
+            "hebrus_mlx.generate",
+            "hebrus_mlx.sample_utils",
+            "hebrus_mlx.prompt_cache",
+            "hebrus_mlx.cli_args",
+            "hebrus_mlx.batch",
+            "hebrus_mlx.batch_generate",
+            "hebrus_mlx.prompt_cache_disk",
+            "hebrus_mlx.perplexity",
+            "hebrus_mlx.cache_prompt",
+            "hebrus_mlx.verb_flags",
+            "hebrus_mlx.speculative",
+            "hebrus_mlx.speculative.",
+            "hebrus_mlx.traces",
+            "hebrus_mlx.traces.",
+            "hebrus_mlx.pipeline",
+            "hebrus_mlx.pipeline.stage",
+            "hebrus_mlx.pipeline.cli",
+            "hebrus_mlx.verify",
+            "hebrus_mlx.upgrade",
+            "hebrus_mlx.convert",
+            "hebrus_mlx.convert_fp8",
+            "hebrus_mlx.convert_mlx",
+            "hebrus_mlx.sources",
+            "hebrus_mlx.qualify",
+            "hebrus_mlx.qualify_report",
+            "hebrus_mlx.bench",
+            "hebrus_mlx.bench.",
+            "hebrus_mlx.simulate",
+            "hebrus_mlx.simulate.",
+        ),
+        GENERATION_R,
+    ),
+    (
+        (
+            "hebrus_mlx.cli",
+            "hebrus_mlx",
+            "hebrus_mlx.server",
+            "hebrus_mlx.api_fields",
+            "hebrus_mlx.chat",
+            "hebrus_mlx.responses_api",
+            "hebrus_mlx.prep_process",
+        ),
+        SERVING_R,
+    ),
     (("hebrus_mlx.testing", "hebrus_mlx.testing."), TESTING_R),
 ]
 # The one product use of the oracles: `hebrus-mlx qualify` runs the shipped MSL sources through the
@@ -88,8 +148,12 @@ def import_graph():
         tree = ast.parse(path.read_text(), str(path))
         deps = set()
         # `if __name__ == "__main__":` is the program's entry (python -m), not a library import.
-        entry = {id(n) for top in tree.body if isinstance(top, ast.If) and "__main__" in ast.unparse(top.test)
-                 for n in ast.walk(top)}
+        entry = {
+            id(n)
+            for top in tree.body
+            if isinstance(top, ast.If) and "__main__" in ast.unparse(top.test)
+            for n in ast.walk(top)
+        }
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in entry:
                 deps.update(d for d in _resolve(module, node) if d != module)
@@ -98,8 +162,7 @@ def import_graph():
 
 
 def _rank(module):
-    ranks = {rank for names, rank in RANKS for n in names
-             if module == n or (n.endswith(".") and module.startswith(n))}
+    ranks = {rank for names, rank in RANKS for n in names if module == n or (n.endswith(".") and module.startswith(n))}
     assert len(ranks) == 1, f"{module} is in layers {ranks}: give it exactly one"
     return ranks.pop()
 
@@ -150,8 +213,12 @@ def test_the_scan_sees_a_planted_cycle(tmp_path, monkeypatch):
 
 
 def _up_edges(graph):
-    return sorted((m, d) for m, deps in graph.items() for d in deps
-                  if d in MODULES and _rank(d) > _rank(m) and (m, d) not in UP_ALLOWED)
+    return sorted(
+        (m, d)
+        for m, deps in graph.items()
+        for d in deps
+        if d in MODULES and _rank(d) > _rank(m) and (m, d) not in UP_ALLOWED
+    )
 
 
 def test_layers_point_one_way():
@@ -159,18 +226,21 @@ def test_layers_point_one_way():
     assert _up_edges(import_graph()) == []
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("hebrus_mlx.artifact.manifest", "hebrus_mlx.models.qwen4exp"),  # format reads the graph's config
-    ("hebrus_mlx.admission", "hebrus_mlx.models.cache"),  # admission reaches into the graph
-    ("hebrus_mlx.kernels.hc_mix", "hebrus_mlx.testing.msl_emulator"),  # a kernel imports the emulator
-    ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.testing.qsa_oracle"),  # the graph ships an oracle
-    ("hebrus_mlx.stream.streaming", "hebrus_mlx.testing.stream_reference"),
-    ("hebrus_mlx.speculative.drafters", "hebrus_mlx.testing.drafters"),
-    ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.stream.streaming"),  # the graph past its protocol
-    ("hebrus_mlx.stream.engine", "hebrus_mlx.loader"),  # streaming reaches up into load
-    ("hebrus_mlx.loader", "hebrus_mlx.generate"),  # load reaches up into generation
-    ("hebrus_mlx.generate", "hebrus_mlx.server"),  # generation reaches up into serving
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("hebrus_mlx.artifact.manifest", "hebrus_mlx.models.qwen4exp"),  # format reads the graph's config
+        ("hebrus_mlx.admission", "hebrus_mlx.models.cache"),  # admission reaches into the graph
+        ("hebrus_mlx.kernels.hc_mix", "hebrus_mlx.testing.msl_emulator"),  # a kernel imports the emulator
+        ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.testing.qsa_oracle"),  # the graph ships an oracle
+        ("hebrus_mlx.stream.streaming", "hebrus_mlx.testing.stream_reference"),
+        ("hebrus_mlx.speculative.drafters", "hebrus_mlx.testing.drafters"),
+        ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.stream.streaming"),  # the graph past its protocol
+        ("hebrus_mlx.stream.engine", "hebrus_mlx.loader"),  # streaming reaches up into load
+        ("hebrus_mlx.loader", "hebrus_mlx.generate"),  # load reaches up into generation
+        ("hebrus_mlx.generate", "hebrus_mlx.server"),  # generation reaches up into serving
+    ],
+)
 def test_each_layer_violation_fails(importer, imported):
     """Control: the ranks separate format, admission, graph, streaming, load, generation and serving,
     so each of these imports (the boundaries issue 26 names) would be an upward edge."""
@@ -181,8 +251,12 @@ def test_each_layer_violation_fails(importer, imported):
 
 def test_oracles_only_for_tests():
     """No product module imports hebrus_mlx.testing (but qualify's opt-in emulation check)."""
-    users = sorted((m, d) for m, deps in import_graph().items() for d in deps
-                   if d.startswith("hebrus_mlx.testing") and not m.startswith("hebrus_mlx.testing"))
+    users = sorted(
+        (m, d)
+        for m, deps in import_graph().items()
+        for d in deps
+        if d.startswith("hebrus_mlx.testing") and not m.startswith("hebrus_mlx.testing")
+    )
     assert set(users) == UP_ALLOWED
 
 
@@ -207,8 +281,11 @@ def test_no_flag_definitions_below_the_verbs():
 
 def test_the_product_executes_no_source_file():
     """Nothing in the package loads a script by path (simulate once exec'd benchmarks/bench_stream.py)."""
-    bad = [m for m, path in MODULES.items()
-           if {"spec_from_file_location", "exec_module", "run_path", "exec"} & set(_calls(ast.parse(path.read_text())))]
+    bad = [
+        m
+        for m, path in MODULES.items()
+        if {"spec_from_file_location", "exec_module", "run_path", "exec"} & set(_calls(ast.parse(path.read_text())))
+    ]
     assert bad == []
 
 
@@ -218,16 +295,31 @@ def test_verbs_chat_and_server_are_leaves():
     assert users == []
 
 
-LOWER = ["hebrus_mlx.errors", "hebrus_mlx.cli", "hebrus_mlx.admission", "hebrus_mlx.verify", "hebrus_mlx.cli_args",
-         "hebrus_mlx.loading.plan", "hebrus_mlx.stream.errors"] + sorted(m for m in MODULES if m.startswith(FORMAT))
+LOWER = [
+    "hebrus_mlx.errors",
+    "hebrus_mlx.cli",
+    "hebrus_mlx.admission",
+    "hebrus_mlx.verify",
+    "hebrus_mlx.cli_args",
+    "hebrus_mlx.loading.plan",
+    "hebrus_mlx.stream.errors",
+] + sorted(m for m in MODULES if m.startswith(FORMAT))
 
 
 def test_format_and_admission_import_no_mlx():
-    code = ("import importlib, json, sys\n"
-            "for m in sys.argv[1:]: importlib.import_module(m)\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm')))))\n")
-    out = subprocess.run([sys.executable, "-c", code, *LOWER], capture_output=True, text=True, check=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import importlib, json, sys\n"
+        "for m in sys.argv[1:]: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm')))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *LOWER],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert json.loads(out.stdout) == []
     assert "hebrus_mlx.artifact.manifest" in LOWER and "hebrus_mlx.artifact.safetensors" in LOWER
 
@@ -281,10 +373,18 @@ def test_verify_reads_each_store_once():
 
 def test_product_family_registry_holds_only_the_real_family_and_the_demo():
     """Test-only descriptors (tiny, parity, bulk) are registered by tests/families.py, not shipped."""
-    code = ("import json; from hebrus_mlx.artifact import constants as C; "
-            "print(json.dumps([sorted(C.FAMILIES), sorted(C.FAMILIES_BY_ID)]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import json; from hebrus_mlx.artifact import constants as C; "
+        "print(json.dumps([sorted(C.FAMILIES), sorted(C.FAMILIES_BY_ID)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     names, ids = json.loads(out.stdout)
     assert names == ["qwen3.8-flash-next", "qwen4exp-demo"] and ids == [4, 0xDE70]
 
@@ -311,6 +411,12 @@ def test_load_reads_every_source_file_once(monkeypatch):
     seen = _opened(monkeypatch)
     model, tok = load("demo")
     assert tok.chat_template is not None and tok.stop_token_ids
-    for name in ("manifest.json", "config.json", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "chat_template.jinja"):
+    for name in (
+        "manifest.json",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ):
         assert seen.count(name) == 1, (name, seen)

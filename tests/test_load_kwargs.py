@@ -23,6 +23,7 @@ def test_every_mlx_lm_load_keyword_is_a_parameter():
 @pytest.fixture
 def nothing_is_read(monkeypatch):
     """Any refusal below must come before the machine profile, admission or a weight is touched."""
+
     def boom(*a, **k):
         raise AssertionError("load went past its argument checks")
 
@@ -30,18 +31,21 @@ def nothing_is_read(monkeypatch):
     monkeypatch.setattr(loader, "load_model", boom)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"adapter_path": "adapters/"}, "adapter_path"),
-    ({"lazy": True}, "lazy"),
-    ({"trust_remote_code": True}, "trust_remote_code"),
-    ({"model_config": {"rope_theta": 1.0}}, "model_config.rope_theta"),
-    ({"model_config": ["x"]}, "model_config"),
-    ({"tokenizer_config": "eos"}, "tokenizer_config"),
-    ({"tokenizer_config": {"padding_side": "left"}}, "tokenizer_config.padding_side"),
-    ({"tokenizer_config": {"trust_remote_code": True}}, "tokenizer_config.trust_remote_code"),
-    ({"expert_cache_gbs": 1.0}, "expert_cache_gbs"),
-    ({"dtype": "float64"}, "dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"adapter_path": "adapters/"}, "adapter_path"),
+        ({"lazy": True}, "lazy"),
+        ({"trust_remote_code": True}, "trust_remote_code"),
+        ({"model_config": {"rope_theta": 1.0}}, "model_config.rope_theta"),
+        ({"model_config": ["x"]}, "model_config"),
+        ({"tokenizer_config": "eos"}, "tokenizer_config"),
+        ({"tokenizer_config": {"padding_side": "left"}}, "tokenizer_config.padding_side"),
+        ({"tokenizer_config": {"trust_remote_code": True}}, "tokenizer_config.trust_remote_code"),
+        ({"expert_cache_gbs": 1.0}, "expert_cache_gbs"),
+        ({"dtype": "float64"}, "dtype"),
+    ],
+)
 def test_unsupported_arguments_are_typed_errors_before_any_work(nothing_is_read, kwargs, field):
     with pytest.raises(UsageError) as e:
         load("demo", **kwargs)
@@ -57,8 +61,15 @@ def test_revision_needs_a_hub_repo_id(monkeypatch, name, revision):
 
 
 def test_accepted_keywords_and_return_config():
-    model, tok, config = load("demo", tokenizer_config={"eos_token": "<|im_start|>"}, model_config={},
-                              adapter_path=None, lazy=False, return_config=True, trust_remote_code=False)
+    model, tok, config = load(
+        "demo",
+        tokenizer_config={"eos_token": "<|im_start|>"},
+        model_config={},
+        adapter_path=None,
+        lazy=False,
+        return_config=True,
+        trust_remote_code=False,
+    )
     assert config == json.loads((DEMO_DIR / "config.json").read_text())
     start = tok.added_tokens["<|im_start|>"]
     assert tok.eos_token == "<|im_start|>" and tok.eos_token_id == start
@@ -66,8 +77,11 @@ def test_accepted_keywords_and_return_config():
     from hebrus_mlx import stream_generate
     from hebrus_mlx.sample_utils import make_logits_processors
 
-    rs = list(stream_generate(model, tok, "x = 1", max_tokens=4,
-                              logits_processors=make_logits_processors(logit_bias={start: 1e4})))
+    rs = list(
+        stream_generate(
+            model, tok, "x = 1", max_tokens=4, logits_processors=make_logits_processors(logit_bias={start: 1e4})
+        )
+    )
     assert [r.token for r in rs] == [start] and rs[-1].finish_reason == "stop"
 
 

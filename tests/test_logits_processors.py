@@ -15,9 +15,17 @@ from hebrus_mlx.sample_utils import make_logits_processors
 V = 97
 
 
-def np_processed(tokens, logits, logit_bias=None, repetition_penalty=None, repetition_context_size=20,
-                 presence_penalty=None, presence_context_size=20, frequency_penalty=None,
-                 frequency_context_size=20):
+def np_processed(
+    tokens,
+    logits,
+    logit_bias=None,
+    repetition_penalty=None,
+    repetition_context_size=20,
+    presence_penalty=None,
+    presence_context_size=20,
+    frequency_penalty=None,
+    frequency_context_size=20,
+):
     """The rules as OpenAI / mlx-lm describe them, in numpy float32."""
     x = np.array(logits, dtype=np.float32)
     tokens = list(tokens)
@@ -51,16 +59,19 @@ def case():
     return tokens, logits
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"logit_bias": {3: 5.0, 50: -2.5, 96: 0.25}},
-    {"repetition_penalty": 1.3},
-    {"repetition_penalty": 0.7, "repetition_context_size": 5},
-    {"presence_penalty": 0.8},
-    {"presence_penalty": -0.5, "presence_context_size": 3},
-    {"frequency_penalty": 0.4},
-    {"frequency_penalty": 1.1, "frequency_context_size": 7},
-    {"logit_bias": {1: 2.0}, "repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.2},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"logit_bias": {3: 5.0, 50: -2.5, 96: 0.25}},
+        {"repetition_penalty": 1.3},
+        {"repetition_penalty": 0.7, "repetition_context_size": 5},
+        {"presence_penalty": 0.8},
+        {"presence_penalty": -0.5, "presence_context_size": 3},
+        {"frequency_penalty": 0.4},
+        {"frequency_penalty": 1.1, "frequency_context_size": 7},
+        {"logit_bias": {1: 2.0}, "repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.2},
+    ],
+)
 def test_each_rule_equals_numpy(case, kwargs):
     tokens, logits = case
     got = _apply(make_logits_processors(**kwargs), tokens, mx.array(logits))
@@ -83,7 +94,9 @@ def test_same_results_as_mlx_lm_processors(case):
 def test_no_tokens_and_off_values_change_nothing(case):
     _, logits = case
     assert make_logits_processors() == []
-    assert make_logits_processors(repetition_penalty=0, presence_penalty=0.0, frequency_penalty=None, logit_bias={}) == []
+    assert (
+        make_logits_processors(repetition_penalty=0, presence_penalty=0.0, frequency_penalty=None, logit_bias={}) == []
+    )
     for p in make_logits_processors(repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0):
         np.testing.assert_array_equal(np.array(p(mx.array([], dtype=mx.int32), mx.array(logits))), logits)
 
@@ -91,28 +104,32 @@ def test_no_tokens_and_off_values_change_nothing(case):
 def test_dtype_is_kept(case):
     tokens, logits = case
     x = mx.array(logits).astype(mx.bfloat16)
-    for p in make_logits_processors(logit_bias={2: 1.0}, repetition_penalty=1.2, presence_penalty=0.5,
-                                    frequency_penalty=0.5):
+    for p in make_logits_processors(
+        logit_bias={2: 1.0}, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5
+    ):
         assert p(mx.array(tokens), x).dtype == mx.bfloat16
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"repetition_penalty": -1.0}, "repetition_penalty"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
-    ({"repetition_penalty": "1.2"}, "repetition_penalty"),
-    ({"repetition_penalty": 1.2, "repetition_context_size": 0}, "repetition_context_size"),
-    ({"presence_penalty": float("nan")}, "presence_penalty"),
-    ({"presence_penalty": 0.5, "presence_context_size": 2.5}, "presence_context_size"),
-    ({"frequency_penalty": True}, "frequency_penalty"),
-    ({"frequency_penalty": 0.5, "frequency_context_size": None}, "frequency_context_size"),
-    ({"logit_bias": [1, 2]}, "logit_bias"),
-    ({"logit_bias": {"12": 1.0}}, "logit_bias"),
-    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
-    ({"logit_bias": {7: float("nan")}}, "logit_bias.7"),
-    ({"logit_bias": {7: "big"}}, "logit_bias.7"),
-    ({"logit_bias": {V: 1.0}, "vocab_size": V}, "logit_bias"),
-    ({"vocab_size": 0}, "vocab_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": "1.2"}, "repetition_penalty"),
+        ({"repetition_penalty": 1.2, "repetition_context_size": 0}, "repetition_context_size"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"presence_penalty": 0.5, "presence_context_size": 2.5}, "presence_context_size"),
+        ({"frequency_penalty": True}, "frequency_penalty"),
+        ({"frequency_penalty": 0.5, "frequency_context_size": None}, "frequency_context_size"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"12": 1.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {7: float("nan")}}, "logit_bias.7"),
+        ({"logit_bias": {7: "big"}}, "logit_bias.7"),
+        ({"logit_bias": {V: 1.0}, "vocab_size": V}, "logit_bias"),
+        ({"vocab_size": 0}, "vocab_size"),
+    ],
+)
 def test_bad_values_are_typed_errors_naming_the_field(kwargs, field):
     with pytest.raises(HebrusError) as e:
         make_logits_processors(**kwargs)
@@ -127,6 +144,7 @@ def test_bias_past_the_logits_width_fails_by_name():
 
 # -- wired into hebrus's generation loop ----------------------------------------------------------------
 
+
 def reference_tokens(model, tok, prompt, n, **rules):
     """Greedy with the numpy rules between plain model calls, fed in generate_step's partition
     (prompt[:-1], then one token per call), so the logits are bitwise the loop's."""
@@ -136,7 +154,7 @@ def reference_tokens(model, tok, prompt, n, **rules):
     for _ in range(n):
         logits = np.array(model(mx.array([[last]]), cache=cache)[:, -1].astype(mx.float32))
         x = np_processed(seen, logits, **rules) if rules else logits
-        x[:, tok.effective_vocab_size:] = -np.inf
+        x[:, tok.effective_vocab_size :] = -np.inf
         last = int(x[0].argmax())
         out.append(last)
         seen.append(last)
@@ -146,8 +164,13 @@ def reference_tokens(model, tok, prompt, n, **rules):
 def _generate_step(model, tok, prompt, n, processors):
     from hebrus_mlx.generate import generate_step
 
-    steps = generate_step(mx.array(prompt), model, effective_vocab_size=tok.effective_vocab_size, max_tokens=n,
-                          logits_processors=processors)
+    steps = generate_step(
+        mx.array(prompt),
+        model,
+        effective_vocab_size=tok.effective_vocab_size,
+        max_tokens=n,
+        logits_processors=processors,
+    )
     return [t for t, _ in steps]
 
 
@@ -163,12 +186,15 @@ def test_greedy_without_processors_is_unchanged(demo):
     assert _generate_step(model, tok, prompt, N, []) == plain
 
 
-@pytest.mark.parametrize("rules", [
-    {"repetition_penalty": 1.5},
-    {"presence_penalty": 1.0, "presence_context_size": 8},
-    {"frequency_penalty": 0.7},
-    {"logit_bias": {294: -3.0, 266: 2.0}, "repetition_penalty": 1.2},
-])
+@pytest.mark.parametrize(
+    "rules",
+    [
+        {"repetition_penalty": 1.5},
+        {"presence_penalty": 1.0, "presence_context_size": 8},
+        {"frequency_penalty": 0.7},
+        {"logit_bias": {294: -3.0, 266: 2.0}, "repetition_penalty": 1.2},
+    ],
+)
 def test_generate_step_applies_processors_as_the_reference_loop(demo, rules):
     model, tok = demo
     prompt = tok.encode(PROMPT)
@@ -182,8 +208,11 @@ def test_stream_generate_passes_processors_through(demo):
 
     model, tok = demo
     forced = 466
-    rs = list(stream_generate(model, tok, PROMPT, max_tokens=5,
-                              logits_processors=make_logits_processors(logit_bias={forced: 1e4})))
+    rs = list(
+        stream_generate(
+            model, tok, PROMPT, max_tokens=5, logits_processors=make_logits_processors(logit_bias={forced: 1e4})
+        )
+    )
     assert [r.token for r in rs] == [forced] * 5
 
 

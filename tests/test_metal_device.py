@@ -55,7 +55,9 @@ def test_qualify_device_sections_say_not_qualified_on_a_cpu_backend_mac(metal_bu
     from hebrus_mlx import qualify as q
 
     metal_build["default"] = mx.cpu
-    assert q.gpu_event_section("demo", 1, 3, measure=lambda gpu: pytest.fail("must not measure"))["status"] == \
-        prof.NOT_QUALIFIED
+    assert (
+        q.gpu_event_section("demo", 1, 3, measure=lambda gpu: pytest.fail("must not measure"))["status"]
+        == prof.NOT_QUALIFIED
+    )
     entry = q.kernels_section(emulate=False)["hc_mix"]
     assert entry["status"] == prof.NOT_QUALIFIED and "max_abs_diff" not in entry

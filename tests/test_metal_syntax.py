@@ -28,11 +28,14 @@ def test_metal_code_type_checks(unit, macro):
 
 
 @needs_headers
-@pytest.mark.parametrize("old,new", [
-    ("encodeSignalEvent(", "encodeSignalEvents("),    # a metal-cpp method that does not exist
-    ("enc.end_encoding();", "enc.end_encode();"),    # an MLX CommandEncoder method that does not exist
-    ("mx::scheduler::enqueue(", "mx::scheduler::enqueue_task("),  # MLX scheduler API
-])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("encodeSignalEvent(", "encodeSignalEvents("),  # a metal-cpp method that does not exist
+        ("enc.end_encoding();", "enc.end_encode();"),  # an MLX CommandEncoder method that does not exist
+        ("mx::scheduler::enqueue(", "mx::scheduler::enqueue_task("),  # MLX scheduler API
+    ],
+)
 def test_a_broken_edit_fails_the_check(tmp_path, old, new):
     src = (ROOT / "metal_ext" / "ops_metal.cpp").read_text()
     assert old in src

@@ -7,7 +7,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from hebrus_mlx import generate as hebrus_generate, stream_generate as hebrus_stream
+from hebrus_mlx import generate as hebrus_generate
+from hebrus_mlx import stream_generate as hebrus_stream
 from hebrus_mlx.sample_utils import make_logits_processors, make_sampler
 
 PROMPTS = ["def add(a, b):", "import os\n", "Once upon a time"]
@@ -28,15 +29,19 @@ def test_mlx_lm_stream_generate_gives_hebrus_greedy_tokens(demo, prompt):
 
 def test_mlx_lm_generate_text_and_chat_prompt(demo):
     model, tok = demo
-    assert mlx_lm.generate(model, tok, PROMPTS[0], max_tokens=N) == hebrus_generate(model, tok, PROMPTS[0], max_tokens=N)
+    assert mlx_lm.generate(model, tok, PROMPTS[0], max_tokens=N) == hebrus_generate(
+        model, tok, PROMPTS[0], max_tokens=N
+    )
     ids = tok.apply_chat_template([{"role": "user", "content": "List three modules."}], add_generation_prompt=True)
-    assert _tokens(mlx_lm.stream_generate(model, tok, ids, max_tokens=N)) == _tokens(hebrus_stream(model, tok, ids, max_tokens=N))
+    assert _tokens(mlx_lm.stream_generate(model, tok, ids, max_tokens=N)) == _tokens(
+        hebrus_stream(model, tok, ids, max_tokens=N)
+    )
     # mlx-lm's wrapper calls the template with its own keywords (return_dict=False, enable_thinking).
     wrapped = tok.to_mlx_lm()
     assert wrapped.has_chat_template is True
-    assert wrapped.apply_chat_template([{"role": "user", "content": "List three modules."}],
-                                       add_generation_prompt=True, enable_thinking=False) == \
-        tok.apply_chat_template([{"role": "user", "content": "List three modules."}], enable_thinking=False)
+    assert wrapped.apply_chat_template(
+        [{"role": "user", "content": "List three modules."}], add_generation_prompt=True, enable_thinking=False
+    ) == tok.apply_chat_template([{"role": "user", "content": "List three modules."}], enable_thinking=False)
 
 
 def test_caller_text_stays_data_through_mlx_lm(demo):
@@ -52,8 +57,11 @@ def test_caller_text_stays_data_through_mlx_lm(demo):
 
 def test_samplers_and_processors_plug_into_mlx_lm(demo):
     model, tok = demo
-    kwargs = dict(max_tokens=N, sampler=make_sampler(temp=0.0, effective_vocab_size=tok.effective_vocab_size),
-                  logits_processors=make_logits_processors(repetition_penalty=1.4, presence_penalty=0.5))
+    kwargs = dict(
+        max_tokens=N,
+        sampler=make_sampler(temp=0.0, effective_vocab_size=tok.effective_vocab_size),
+        logits_processors=make_logits_processors(repetition_penalty=1.4, presence_penalty=0.5),
+    )
     theirs = _tokens(mlx_lm.stream_generate(model, tok, PROMPTS[1], **kwargs))
     assert theirs == _tokens(hebrus_stream(model, tok, PROMPTS[1], **kwargs))
     assert theirs != _tokens(hebrus_stream(model, tok, PROMPTS[1], max_tokens=N))  # the processors acted

@@ -8,15 +8,15 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from artifact_fixture import copy_artifact, edit_manifest, edit_safetensors_header, load_manifest, tiny_checkpoint
+from mtp_fixture import add_mtp_tensors
+
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact.errors import ArtifactError
 from hebrus_mlx.convert import add_mtp, convert
 from hebrus_mlx.format import checkpoint_keys as keys
-from hebrus_mlx.models.qwen4exp import Capture
 from hebrus_mlx.loader import load_hf_model, load_model
-from mtp_fixture import add_mtp_tensors
+from hebrus_mlx.models.qwen4exp import Capture
 
 IDS = mx.array([[5, 9, 3, 7, 11, 2, 4, 8, 13, 6, 7, 19, 3, 3, 4, 30, 2]])  # > QSA window (11)
 
@@ -26,7 +26,11 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp_art")
     hf = add_mtp_tensors(tiny_checkpoint(str(root / "hf")), seed=5)
     out = {}
-    for name, kw in (("f32", dict(dtype="float32")), ("affine4", dict(q_bits=4)), ("f32-nomtp", dict(dtype="float32", mtp=False))):
+    for name, kw in (
+        ("f32", dict(dtype="float32")),
+        ("affine4", dict(q_bits=4)),
+        ("f32-nomtp", dict(dtype="float32", mtp=False)),
+    ):
         out[name] = str(root / name)
         convert(hf, out[name], quiet=True, **kw)
     return hf, out
@@ -59,9 +63,13 @@ def test_affine_head_uses_the_text_codecs(built):
     assert inv["mtp.layers.0.self_attn.q_proj.weight"]["codec"] == "affine4-g64"
     assert inv["mtp.layers.0.mlp.switch_mlp.down_proj.weight"]["codec"] == "affine4-g64"
     assert inv["mtp.fc_hidden.weight"]["codec"] == "f32"  # not a quantized suffix, like routers/norms
-    cases = [(head.layers[0].self_attn.q_proj, raw["mtp.layers.0.self_attn.q_proj.weight"]),
-             (head.layers[0].mlp.switch_mlp.up_proj,
-              mx.stack([raw[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(8)]))]
+    cases = [
+        (head.layers[0].self_attn.q_proj, raw["mtp.layers.0.self_attn.q_proj.weight"]),
+        (
+            head.layers[0].mlp.switch_mlp.up_proj,
+            mx.stack([raw[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(8)]),
+        ),
+    ]
     for layer, w in cases:
         q, s, b = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
         np.testing.assert_array_equal(np.array(layer.weight), np.array(q))
@@ -104,8 +112,9 @@ def _drop_tensor(d):
 
 
 def _reshape_tensor(d):
-    edit_safetensors_header(d, lambda h: h["mtp.pre_fc_norm_hidden.weight"].__setitem__("shape", [64, 4]),
-                            path="mtp.safetensors")
+    edit_safetensors_header(
+        d, lambda h: h["mtp.pre_fc_norm_hidden.weight"].__setitem__("shape", [64, 4]), path="mtp.safetensors"
+    )
 
 
 def _inventory(fn):
@@ -115,17 +124,39 @@ def _inventory(fn):
 MALFORMED = [
     ("missing-tensor", _drop_tensor, "mtp", "mtp.tensors.mtp.fc_hidden.weight"),
     ("wrong-shape", _reshape_tensor, "mtp", "mtp.tensors.mtp.pre_fc_norm_hidden.weight.shape"),
-    ("inventory-codec", _inventory(lambda s: s["tensors"]["mtp.fc_hidden.weight"].__setitem__("codec", "bf16")),
-     "mtp", "stores[3].tensors.mtp.fc_hidden.weight.codec"),
-    ("inventory-offsets", _inventory(lambda s: s["tensors"]["mtp.fc_hidden.weight"].__setitem__("data_offsets", [0, 4])),
-     "mtp", "stores[3].tensors.mtp.fc_hidden.weight.data_offsets"),
+    (
+        "inventory-codec",
+        _inventory(lambda s: s["tensors"]["mtp.fc_hidden.weight"].__setitem__("codec", "bf16")),
+        "mtp",
+        "stores[3].tensors.mtp.fc_hidden.weight.codec",
+    ),
+    (
+        "inventory-offsets",
+        _inventory(lambda s: s["tensors"]["mtp.fc_hidden.weight"].__setitem__("data_offsets", [0, 4])),
+        "mtp",
+        "stores[3].tensors.mtp.fc_hidden.weight.data_offsets",
+    ),
     ("inventory-missing", _inventory(lambda s: s.__setitem__("tensors", None)), "mtp", "stores[3].tensors"),
     ("format", _inventory(lambda s: s.__setitem__("format", "expert_major.v2")), "mtp", "stores[3].format"),
     ("source-count", _inventory(lambda s: s.__setitem__("source_tensors", 3)), "mtp", "stores[3].source_tensors"),
-    ("policy-says-excluded", lambda d: edit_manifest(d, lambda m: m["policy"].__setitem__("mtp", "excluded")),
-     "policy", "policy.mtp"),
-    ("exclusion-count", lambda d: edit_manifest(d, lambda m: m["exclusions"].__setitem__("mtp", 5)), "policy", "exclusions.mtp"),
-    ("store-unlisted", lambda d: edit_manifest(d, lambda m: m["stores"].pop(_mtp_index(m))), "bounds", "bounds.mtp.safetensors"),
+    (
+        "policy-says-excluded",
+        lambda d: edit_manifest(d, lambda m: m["policy"].__setitem__("mtp", "excluded")),
+        "policy",
+        "policy.mtp",
+    ),
+    (
+        "exclusion-count",
+        lambda d: edit_manifest(d, lambda m: m["exclusions"].__setitem__("mtp", 5)),
+        "policy",
+        "exclusions.mtp",
+    ),
+    (
+        "store-unlisted",
+        lambda d: edit_manifest(d, lambda m: m["stores"].pop(_mtp_index(m))),
+        "bounds",
+        "bounds.mtp.safetensors",
+    ),
 ]
 
 

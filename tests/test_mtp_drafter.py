@@ -6,14 +6,14 @@ demo is real (its trained head)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from hebrus_mlx.models.qwen4exp import Capture
-from hebrus_mlx.speculative.base import Drafter, Proposal
-from hebrus_mlx.speculative.mtp_drafter import MTPDrafter
-from hebrus_mlx.loader import load_hf_model, load_model
 from mtp_fixture import mtp_checkpoint
 from parity_fixtures import PARITY, capture
 from spec_loop import plain_greedy, speculative_greedy
+
+from hebrus_mlx.loader import load_hf_model, load_model
+from hebrus_mlx.models.qwen4exp import Capture
+from hebrus_mlx.speculative.base import Drafter, Proposal
+from hebrus_mlx.speculative.mtp_drafter import MTPDrafter
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +71,20 @@ def test_rollback_leaves_the_same_state_as_a_fresh_drafter(tiny):
     fresh.begin(tokens, states)
     running.flush(), fresh.flush()  # pairs are fed lazily (at the next proposal)
     assert running.cache.length == fresh.cache.length == len(tokens) - 1
-    np.testing.assert_allclose(np.array(running.cache.keys[:, :, : running.cache.length]),
-                               np.array(fresh.cache.keys[:, :, : fresh.cache.length]), atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(running.cache.keys[:, :, : running.cache.length]),
+        np.array(fresh.cache.keys[:, :, : fresh.cache.length]),
+        atol=1e-5,
+    )
     assert running.propose(4).tokens == fresh.propose(4).tokens
 
 
 def test_demo_ships_a_trained_head_and_speculation_is_exact():
     """Demo: greedy with the MTP drafter == plain greedy, with a real (nonzero) acceptance."""
     from demo_reference import PROMPT_TEXT
-    from hebrus_mlx.text.tokenizer import load_tokenizer
+
     from hebrus_mlx.loader import resolve_model_path
+    from hebrus_mlx.text.tokenizer import load_tokenizer
 
     path = resolve_model_path("demo")
     model = load_model(path)

@@ -5,12 +5,12 @@ sparse selection is exercised, then autoregressive draft steps on the head's own
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_mtp_key_set
-from hebrus_mlx.models.qwen4exp import Capture
-from hebrus_mlx.loader import load_hf_model
 from mtp_fixture import mlx_vlm_available, mlx_vlm_drafter, mtp_checkpoint, mtp_tensors
 from parity_fixtures import capture
+
+from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_mtp_key_set
+from hebrus_mlx.loader import load_hf_model
+from hebrus_mlx.models.qwen4exp import Capture
 
 TOL = 1e-5
 needs_oracle = pytest.mark.skipif(not mlx_vlm_available(), reason="mlx-vlm 0.7.10 not unpacked")
@@ -73,8 +73,9 @@ def test_checkpoint_without_mtp_has_no_head():
 def test_malformed_mtp_key_sets_are_named():
     import json
 
-    from hebrus_mlx.format.qwen4exp_config import ModelArgs
     from parity_fixtures import PARITY
+
+    from hebrus_mlx.format.qwen4exp_config import ModelArgs
 
     config = json.loads((PARITY / "tiny_a" / "config.json").read_text())
     args = ModelArgs.from_dict(config)

@@ -14,13 +14,13 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from artifact_fixture import copy_artifact, edit_manifest, load_manifest, refresh_store
+
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact.errors import ArtifactError
-from hebrus_mlx.models.qwen4exp import Model, ZeroCenteredRMSNorm
-from hebrus_mlx.models.mtp_head import MTPHead
 from hebrus_mlx.loader import load_model
+from hebrus_mlx.models.mtp_head import MTPHead
+from hebrus_mlx.models.qwen4exp import Model, ZeroCenteredRMSNorm
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "hebrus_mlx", "demo", "model")
 
@@ -113,4 +113,3 @@ def test_unknown_value_refused_naming_the_field(tmp_path, value):
     with pytest.raises(ArtifactError) as e:
         admit(d)
     assert (e.value.stage, e.value.field) == ("bounds", "manifest.norm_weights"), str(e.value)
-

@@ -12,13 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from stream_store import cache_gb
 
 from hebrus_mlx import perplexity as P
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.loader import DEMO_DIR, load, load_model
 from hebrus_mlx.stream import engine as se
-
-from stream_store import cache_gb
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +49,11 @@ def test_changes_when_the_weights_change(demo):
     model, tok, data = demo
     base = P.perplexity(model, data, 2)[0]
     other, _ = load("demo")
-    name, w = next((k, v) for k, v in tree_flatten(other.parameters())
-                   if k.endswith("norm.weight") and not any(p.isdigit() for p in k.split(".")))
+    name, w = next(
+        (k, v)
+        for k, v in tree_flatten(other.parameters())
+        if k.endswith("norm.weight") and not any(p.isdigit() for p in k.split("."))
+    )
     other.update(tree_unflatten([(name, w + 0.5)]))
     changed = P.perplexity(other, data, 2)[0]
     assert math.isfinite(changed) and changed != base
@@ -81,17 +83,20 @@ def test_jsonl_and_txt_documents(tmp_path):
     assert P.read_documents(t) == ["one\n\ntwo", "three"]
 
 
-@pytest.mark.parametrize("argv,field", [
-    (["--num-samples", "0"], "--num-samples"),
-    (["--sequence-length", "1"], "--sequence-length"),
-    (["--batch-size", "0"], "--batch-size"),
-    (["--seed", "-3"], "--seed"),
-    (["--expert-cache-gb", "nan"], "--expert-cache-gb"),
-    (["--data-path", "/nonexistent/x.txt"], "--data-path"),
-    (["--data-path", "BAD_JSONL"], "--data-path"),
-    (["--data-path", "CSV"], "--data-path"),
-    (["--sequence-length", "100000"], "--sequence-length"),
-])
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["--num-samples", "0"], "--num-samples"),
+        (["--sequence-length", "1"], "--sequence-length"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--seed", "-3"], "--seed"),
+        (["--expert-cache-gb", "nan"], "--expert-cache-gb"),
+        (["--data-path", "/nonexistent/x.txt"], "--data-path"),
+        (["--data-path", "BAD_JSONL"], "--data-path"),
+        (["--data-path", "CSV"], "--data-path"),
+        (["--sequence-length", "100000"], "--sequence-length"),
+    ],
+)
 def test_bad_flags_are_one_line_exit_2(argv, field, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": 1}\n')

@@ -13,15 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hebrus_mlx.loader import DEMO_DIR
 from hebrus_mlx.pipeline import local_hostfile
 from hebrus_mlx.pipeline.split import PipelineSplitError, layer_bytes, parse_split, plan_split, stages
-from hebrus_mlx.loader import DEMO_DIR
 
 SCRIPT = Path(__file__).with_name("pipeline_script.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- split planning (no MLX) --------------------------------------------------------------------------
+
 
 def _brute(per_layer, first, last, budgets):
     n, size = len(per_layer), len(budgets)
@@ -30,7 +31,7 @@ def _brute(per_layer, first, last, budgets):
         bounds = (0, *cuts, n)
         ratio = 0.0
         for r in range(size):
-            load = sum(per_layer[bounds[r]:bounds[r + 1]]) + (first if r == 0 else 0) + (last if r == size - 1 else 0)
+            load = sum(per_layer[bounds[r] : bounds[r + 1]]) + (first if r == 0 else 0) + (last if r == size - 1 else 0)
             ratio = max(ratio, load / budgets[r])
         if best is None or ratio < best:
             best = ratio
@@ -47,8 +48,11 @@ def test_plan_split_minimises_the_worst_rank(seed):
     counts = plan_split(per_layer, first, last, budgets)
     assert sum(counts) == n and all(c >= 1 for c in counts)
     bounds = np.cumsum([0] + counts)
-    got = max((sum(per_layer[bounds[r]:bounds[r + 1]]) + (first if r == 0 else 0) + (last if r == size - 1 else 0))
-              / budgets[r] for r in range(size))
+    got = max(
+        (sum(per_layer[bounds[r] : bounds[r + 1]]) + (first if r == 0 else 0) + (last if r == size - 1 else 0))
+        / budgets[r]
+        for r in range(size)
+    )
     assert got == pytest.approx(_brute(per_layer, first, last, budgets))
 
 
@@ -69,8 +73,10 @@ def test_plan_split_streams_what_does_not_fit_resident():
         plan_split(per_layer, 1 << 30, 0, [1 << 30, 8 << 30], override=[3, 1], streamable=streamable)
 
 
-@pytest.mark.parametrize("text,err", [("4", "1 counts for 2 ranks"), ("3,x", "comma-separated"),
-                                      ("8,0", "at least one layer"), ("5,4", "add up to 9")])
+@pytest.mark.parametrize(
+    "text,err",
+    [("4", "1 counts for 2 ranks"), ("3,x", "comma-separated"), ("8,0", "at least one layer"), ("5,4", "add up to 9")],
+)
 def test_parse_split_names_the_flag(text, err):
     with pytest.raises(PipelineSplitError, match="--pipeline-split") as e:
         parse_split(text, 8, 2)
@@ -93,22 +99,27 @@ def test_layer_bytes_account_for_every_stored_byte_of_the_demo():
     per_layer, first, last, streamable = layer_bytes(admit(str(DEMO_DIR)))
     dense = DEMO_DIR / "model.safetensors"
     header = 8 + int.from_bytes(dense.read_bytes()[:8], "little")
-    stored = dense.stat().st_size - header + sum(
-        (DEMO_DIR / s["path"]).stat().st_size for s in m["stores"] if s["role"] in ("experts", "ple"))
+    stored = (
+        dense.stat().st_size
+        - header
+        + sum((DEMO_DIR / s["path"]).stat().st_size for s in m["stores"] if s["role"] in ("experts", "ple"))
+    )
     assert sum(per_layer) + first + last == stored
     ple = {s["layer"]: s["size"] for s in m["stores"] if s["role"] == "ple"}
     assert first > 0 and last > 0 and sorted(ple) == [0, 4]
     # Two GDN layers; only layer 0 holds a PLE table (its page store + its dense PLE tensors).
     raw = dense.read_bytes()
     tensors = json.loads(raw[8:header])
-    ple_dense = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in tensors.items()
-                    if k.startswith("model.layers.0.ple."))
+    ple_dense = sum(
+        v["data_offsets"][1] - v["data_offsets"][0] for k, v in tensors.items() if k.startswith("model.layers.0.ple.")
+    )
     assert per_layer[0] - per_layer[1] == ple[0] + ple_dense
     experts = (DEMO_DIR / "experts.hbem").stat().st_size // 8
     assert streamable == [experts + ple.get(i, 0) for i in range(8)]
 
 
 # -- local ranks on the ring backend ----------------------------------------------------------------
+
 
 def _free_port():
     import tempfile
@@ -125,8 +136,14 @@ def _launch(tmp_path, n, model, mode, split=None, timeout=60, env_extra=None, wa
     args = [sys.executable, str(SCRIPT), str(model), str(out), mode] + ([split] if split else [])
     procs = []
     for rank in range(n):
-        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank), PIPELINE_TIMEOUT=str(timeout),
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
+        env = dict(
+            os.environ,
+            MLX_HOSTFILE=str(hostfile),
+            MLX_RANK=str(rank),
+            PIPELINE_TIMEOUT=str(timeout),
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **(env_extra or {}),
+        )
         procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     t0 = time.monotonic()
     results = []
@@ -152,8 +169,9 @@ def _single(model, prompt_len=13, max_tokens=12):
     m = load_model(model)
     prompt = mx.array([(7 * i + 3) % 97 + 4 for i in range(prompt_len)], dtype=mx.int32)
     toks, lps = [], []
-    for t, lp in generate_step(prompt, m, effective_vocab_size=m.args.vocab_size, max_tokens=max_tokens,
-                               prefill_step_size=5):
+    for t, lp in generate_step(
+        prompt, m, effective_vocab_size=m.args.vocab_size, max_tokens=max_tokens, prefill_step_size=5
+    ):
         toks.append(t)
         lps.append(np.array(lp))
     return m, np.array(toks), np.stack(lps)
@@ -231,37 +249,75 @@ def test_cli_under_mlx_launch_prints_the_single_process_text():
     # mlx.launch takes --verbose (and -p) for itself, so the launched command keeps the defaults.
     cmd = ["generate", "--model", "demo", "--prompt", "def fibonacci(n):", "--ignore-chat-template", "-m", "16"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    single = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", *cmd], env=env, capture_output=True,
-                            text=True, timeout=120)
-    launch = ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(_free_port()),
-              "--python", sys.executable, "-m", "hebrus_mlx.cli"]
+    single = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.cli", *cmd], env=env, capture_output=True, text=True, timeout=120
+    )
+    launch = [
+        "mlx.launch",
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--starting-port",
+        str(_free_port()),
+        "--python",
+        sys.executable,
+        "-m",
+        "hebrus_mlx.cli",
+    ]
     launched = subprocess.run([*launch, *cmd], env=env, capture_output=True, text=True, timeout=120)
     assert single.returncode == 0 and launched.returncode == 0, launched.stderr
     assert _text(launched.stdout) == _text(single.stdout)  # only rank 0 prints, in the same shape
     assert launched.stdout.count("==========") == 2
     assert "Rank 0: layers 0-3, peak memory" in launched.stdout and "Rank 1: layers 4-7" in launched.stdout
 
-    bad = subprocess.run([*launch, *cmd, "--pipeline-split", "9,1"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run(
+        [*launch, *cmd, "--pipeline-split", "9,1"], env=env, capture_output=True, text=True, timeout=120
+    )
     # mlx.launch itself exits 0 whatever its ranks return; each rank printed one line.
-    assert bad.stderr.count("hebrus-mlx generate: error: --pipeline-split: counts add up to 10, "
-                            "the model has 8 layers") == 2, bad.stderr
+    assert (
+        bad.stderr.count("hebrus-mlx generate: error: --pipeline-split: counts add up to 10, the model has 8 layers")
+        == 2
+    ), bad.stderr
     assert "Traceback" not in bad.stderr
 
 
 # -- server under a distributed launch -------------------------------------------------------------
+
 
 def _server_ranks(tmp_path, n=2, extra=()):
     """Start `hebrus-mlx server` as n ranks (rank 0 serves HTTP on a free port). Returns (procs, port)."""
     hostfile = local_hostfile(tmp_path / "server-hosts.json", n)
     procs = []
     for rank in range(n):
-        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
-             "--log-level", "WARNING", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=open(tmp_path / f"server{rank}.err", "w"), text=True))
+        env = dict(
+            os.environ,
+            MLX_HOSTFILE=str(hostfile),
+            MLX_RANK=str(rank),
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hebrus_mlx.cli",
+                    "server",
+                    "--model",
+                    "demo",
+                    "--port",
+                    "0",
+                    "--log-level",
+                    "WARNING",
+                    *extra,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=open(tmp_path / f"server{rank}.err", "w"),
+                text=True,
+            )
+        )
     deadline, line = time.monotonic() + 90, ""
     while time.monotonic() < deadline and "listening on" not in line:
         line = procs[0].stdout.readline()
@@ -319,8 +375,16 @@ def test_server_under_a_launch_equals_one_process_and_reuses_prefixes_across_ran
         assert status == 200 and r["choices"][0]["text"] == want, r
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         # The same prompt again, streamed: its prefix is restored on every rank, not recomputed.
-        status, events = _post(port, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True,
-                                      "stream_options": {"include_usage": True}})
+        status, events = _post(
+            port,
+            {
+                "prompt": PROMPT,
+                "max_tokens": 12,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert status == 200 and "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
         assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         # A longer prompt continues from the first reply's snapshot (prompt + 12 tokens), then
@@ -376,13 +440,44 @@ def test_bench_under_a_launch_runs_the_harness_on_rank_0(tmp_path):
     hostfile = local_hostfile(tmp_path / "bench-hosts.json", 2)
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "hebrus_mlx.cli", "bench", "--model", "demo", "-p", "24", "-n", "10", "-r", "1",
-             "--warmup", "0", "--no-probe", "--no-plot", "--quiet", "--ab", "draft-model=none,ngram",
-             "--out", str(tmp_path / "out")], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
+        env = dict(
+            os.environ,
+            MLX_HOSTFILE=str(hostfile),
+            MLX_RANK=str(rank),
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hebrus_mlx.cli",
+                    "bench",
+                    "--model",
+                    "demo",
+                    "-p",
+                    "24",
+                    "-n",
+                    "10",
+                    "-r",
+                    "1",
+                    "--warmup",
+                    "0",
+                    "--no-probe",
+                    "--no-plot",
+                    "--quiet",
+                    "--ab",
+                    "draft-model=none,ngram",
+                    "--out",
+                    str(tmp_path / "out"),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     model, tok = load("demo")
     want = [int(r.token) for r in stream_generate(model, _NoStop(tok), prompt_ids(tok, 24, 0), max_tokens=10)]
     outs = [p.communicate(timeout=180) for p in procs]
@@ -397,6 +492,7 @@ def test_bench_under_a_launch_runs_the_harness_on_rank_0(tmp_path):
 
 
 # -- a rank reads (and verifies) only its own dense tensors ------------------------------------------
+
 
 def _copy_demo(tmp_path):
     import shutil
@@ -454,8 +550,9 @@ def test_stage_reads_only_its_own_dense_ranges(monkeypatch):
     for st in stages([3, 5]):
         reads.clear()
         model = LA.load_artifact_model(m, stage=st)
-        owned = sorted((base + e["data_offsets"][0], base + e["data_offsets"][1])
-                       for k, e in header.items() if st.owns(k))
+        owned = sorted(
+            (base + e["data_offsets"][0], base + e["data_offsets"][1]) for k, e in header.items() if st.owns(k)
+        )
         assert sorted(reads) == sorted([(0, 8)] + owned)  # the length prefix, then its tensors, once each
         assert sum(b - a for a, b in reads) < len(raw) - base  # the other rank's tensors stayed unread
         assert model.model.layers[st.start] is not None
@@ -506,16 +603,29 @@ def test_older_artifact_without_digests_reads_the_whole_file_and_says_so(tmp_pat
     m = admit(str(path))
     assert m.dense_digests is None
     load_artifact_model(m, stage=stages([3, 5])[1])
-    assert "rank 1: model.safetensors has no per-tensor digests (an older artifact): this stage reads and " \
-           "verifies the whole file" in capsys.readouterr().err
+    assert (
+        "rank 1: model.safetensors has no per-tensor digests (an older artifact): this stage reads and "
+        "verifies the whole file" in capsys.readouterr().err
+    )
 
 
-@pytest.mark.parametrize("edit,field,message", [
-    (lambda t: t["lm_head.weight"].update(sha256="ab" * 31), "manifest.tensors.lm_head.weight.sha256", "hex SHA-256"),
-    (lambda t: t["lm_head.weight"].update(sha256="AB" * 32), "manifest.tensors.lm_head.weight.sha256", "hex SHA-256"),
-    (lambda t: t["lm_head.weight"].pop("sha256"), "manifest.tensors.lm_head.weight.sha256", "all or none"),
-    (lambda t: t["lm_head.weight"].update(crc=1), "manifest.tensors.lm_head.weight.crc", "unknown inventory field"),
-])
+@pytest.mark.parametrize(
+    "edit,field,message",
+    [
+        (
+            lambda t: t["lm_head.weight"].update(sha256="ab" * 31),
+            "manifest.tensors.lm_head.weight.sha256",
+            "hex SHA-256",
+        ),
+        (
+            lambda t: t["lm_head.weight"].update(sha256="AB" * 32),
+            "manifest.tensors.lm_head.weight.sha256",
+            "hex SHA-256",
+        ),
+        (lambda t: t["lm_head.weight"].pop("sha256"), "manifest.tensors.lm_head.weight.sha256", "all or none"),
+        (lambda t: t["lm_head.weight"].update(crc=1), "manifest.tensors.lm_head.weight.crc", "unknown inventory field"),
+    ],
+)
 def test_admission_checks_per_tensor_digests_strictly(tmp_path, edit, field, message):
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact.errors import AdmissionError
@@ -545,8 +655,10 @@ def test_converter_writes_per_tensor_digests(tiny_artifact_dir):
 
 # -- speculative decoding through the pipeline ----------------------------------------------------------
 
-SPEC_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
-             "def fibonacci(n):\n    if n < 2:")
+SPEC_TEXT = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "def fibonacci(n):\n    if n < 2:"
+)
 
 
 def test_speculative_decoding_through_two_ranks_equals_one_process(tmp_path):
@@ -564,8 +676,19 @@ def test_speculative_decoding_through_two_ranks_equals_one_process(tmp_path):
     width = model.args.hc_count * model.args.hidden_size * 4
     for i, draft in enumerate(drafts):
         stats = SpeculativeStats()
-        single = [r.token for r in stream_generate(model, tok, ids, max_tokens=24, draft_model=draft,
-                                                   num_draft_tokens=3, governor=None, speculative_stats=stats)]
+        single = [
+            r.token
+            for r in stream_generate(
+                model,
+                tok,
+                ids,
+                max_tokens=24,
+                draft_model=draft,
+                num_draft_tokens=3,
+                governor=None,
+                speculative_stats=stats,
+            )
+        ]
         assert got[f"tokens{i}"].tolist() == plain == single, draft
         # The same drafts (fixed block size: no timing-driven governor), accepted and rolled back
         # alike: verify and rollback ran across the ranks.

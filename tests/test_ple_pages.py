@@ -8,10 +8,10 @@ import hashlib
 import os
 import struct
 
+import families
 import numpy as np
 import pytest
 
-import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import ple_pages as pp
 from hebrus_mlx.artifact.errors import ArtifactError, CodecError, DigestError, GeometryError, TruncatedError
@@ -138,8 +138,12 @@ def test_manifest_digest_covers_the_digest_table(store, tmp_path):
 def test_untrusted_header_fields_are_checked_before_reading(store, tmp_path):
     """Huge page counts or strides are rejected by geometry, not allocated."""
     path, _ = store
-    for off, fmt, val, field in [(80, "<Q", 1 << 40, "ple.num_pages"), (36, "<I", 0, "ple.rows_per_page"),
-                                 (88, "<Q", 1 << 62, "ple.page_stride"), (16, "<I", 12345, "ple.family_id")]:
+    for off, fmt, val, field in [
+        (80, "<Q", 1 << 40, "ple.num_pages"),
+        (36, "<I", 0, "ple.rows_per_page"),
+        (88, "<Q", 1 << 62, "ple.page_stride"),
+        (16, "<I", 12345, "ple.family_id"),
+    ]:
         bad = _copy_with(path, str(tmp_path / field), off, struct.pack(fmt, val))
         with pytest.raises(ArtifactError) as e:
             pp.PleReader(bad)

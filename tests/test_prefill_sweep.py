@@ -15,16 +15,15 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from hebrus_mlx import cli
-from hebrus_mlx.errors import UsageError
-from hebrus_mlx.stream import engine as se
 from chunked_greedy import chunked_greedy
-from hebrus_mlx import cli_args
+from stream_store import cache_gb
+
+from hebrus_mlx import cli, cli_args
+from hebrus_mlx.errors import UsageError
+from hebrus_mlx.loader import DEMO_DIR, load_model
+from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import sweep as S
 from hebrus_mlx.stream.errors import DigestMismatchError
-from hebrus_mlx.loader import DEMO_DIR, load_model
-from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -58,8 +57,9 @@ def _run(model, prompt, steps, chunk):
     """Chunked prefill then greedy decode; every position's prefill logits and each step's."""
     sweep = None if model.streaming is None else model.streaming.sweep
     after = []
-    tokens, logits = chunked_greedy(model, prompt, steps, chunk,
-                                    lambda: after.append(None if sweep is None else sweep.counters()["sweeps"]))
+    tokens, logits = chunked_greedy(
+        model, prompt, steps, chunk, lambda: after.append(None if sweep is None else sweep.counters()["sweeps"])
+    )
     return tokens, logits, after[0]
 
 
@@ -158,7 +158,8 @@ def test_ring_over_budget_is_refused_or_left_off():
     st = model.streaming
     need = S.ring_bytes(st.experts)
     assert need == 2 * model.args.num_experts * sum(
-        2 * n if w else n for n, w in zip(st.experts.part_bytes, st.experts.expand))
+        2 * n if w else n for n, w in zip(st.experts.part_bytes, st.experts.expand)
+    )
     with pytest.raises(S.SweepBudgetError) as e:
         st.set_prefill_sweep("on", budget=need - 1)
     assert e.value.field == "prefill_sweep" and "GiB" in e.value.message
@@ -225,8 +226,7 @@ def test_auto_planned_arena_leaves_the_ring_its_room(monkeypatch):
     # End to end on the demo (8 layers: two layers are a quarter of the whole store, so let the
     # ring take up to all of an arena planned from a small free-memory figure).
     with open(DEMO_DIR / C.MANIFEST_NAME) as f:
-        other = sum(os.path.getsize(DEMO_DIR / s["path"]) for s in json.load(f)["stores"]
-                    if s["role"] != "experts")
+        other = sum(os.path.getsize(DEMO_DIR / s["path"]) for s in json.load(f)["stores"] if s["role"] != "experts")
     st0 = load_model(DEMO_DIR, expert_cache_gb=_cache_gb(DEMO_DIR, 0.2)).streaming
     record = S.ring_bytes(st0.experts) // (2 * E)
     monkeypatch.setattr(plan, "available_memory", lambda: plan.RESERVE_BYTES + other + 5 * E * record)

@@ -36,8 +36,19 @@ def test_the_doc_has_a_row_for_every_shipped_profile_and_width():
 
 
 def _project(check, caches):
-    args = C.build_parser().parse_args(["--profile", "m5-pro-48gb", "--codec", "affine4-g64", "--check", check,
-                                        "--cache-gb", ",".join(f"{g:g}" for g in caches), "--quiet"])
+    args = C.build_parser().parse_args(
+        [
+            "--profile",
+            "m5-pro-48gb",
+            "--codec",
+            "affine4-g64",
+            "--check",
+            check,
+            "--cache-gb",
+            ",".join(f"{g:g}" for g in caches),
+            "--quiet",
+        ]
+    )
     return C.project_profile(args, memo=MEMO, progress=False)
 
 
@@ -49,8 +60,9 @@ def test_the_doc_row_is_what_simulate_prints():
     budget = float(cells[3])
     default = [x.strip() for x in cells[4].split("/")]
     best = [x.strip() for x in cells[6].split("/")]
-    m = re.fullmatch(r"`--expert-cache-gb ([\d.]+) --prefetch (\S+)(?: --draft-model mtp --num-draft-tokens (\d))?`",
-                     cells[7])
+    m = re.fullmatch(
+        r"`--expert-cache-gb ([\d.]+) --prefetch (\S+)(?: --draft-model mtp --num-draft-tokens (\d))?`", cells[7]
+    )
     assert m, cells[7]
     cache, prefetch, depth = float(m.group(1)), m.group(2), int(m.group(3) or 0)
     got = {}
@@ -62,8 +74,11 @@ def test_the_doc_row_is_what_simulate_prints():
     assert [got[x][0] for x in ("fast", "sha256", "off")] == default
     assert cells[5] == f"x{got['fast'][1]['default_gain']:.2f}"
     rows = [S.Projection(**r) for r in got["fast"][1]["rows"]]
-    named = next(r for r in rows if r.cache_gb == cache and r.prefetch == prefetch and r.draft_depth == depth
-                 and r.policy == P.RUNTIME_POLICY)
+    named = next(
+        r
+        for r in rows
+        if r.cache_gb == cache and r.prefetch == prefetch and r.draft_depth == depth and r.policy == P.RUNTIME_POLICY
+    )
     assert f"{named.tok_s:.1f}" == best[0]
     # The doc's best is over every cache size: never below what these two sizes give.
     for i, check in enumerate(("fast", "sha256", "off")):
@@ -99,7 +114,9 @@ def _goal_rows():
     return rows
 
 
-@pytest.mark.parametrize("profile, name, goal", [("m5-pro-48gb", "M5 Pro 48 GB", 25), ("m5-pro-64gb", "M5 Pro 64 GB", 30)])
+@pytest.mark.parametrize(
+    "profile, name, goal", [("m5-pro-48gb", "M5 Pro 48 GB", 25), ("m5-pro-64gb", "M5 Pro 64 GB", 30)]
+)
 def test_the_goal_rows_are_what_simulate_prints_per_width(profile, name, goal):
     """Issue 23's goal section: at 4-, 3- and 2-bit experts the defaults' tok/s and their split into
     compute + exposed reads + checks are what `simulate --profile P --expert-bits N` prints; the

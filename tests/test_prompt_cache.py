@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from hebrus_mlx.sample_utils import apply_vocab_mask
 from hebrus_mlx.prompt_cache import PromptCache, Usage, stream_with_cache
+from hebrus_mlx.sample_utils import apply_vocab_mask
 
 
 def _feed(model, cache, parts):
@@ -27,8 +27,9 @@ def _two_request_control(model, tok, a, a_tokens, b):
     two requests (`a` then its answer `a_tokens`, then `b`) made, without any PromptCache."""
     cache = model.make_cache()
     _feed(model, cache, [a[:-1], a[-1:]] + [[t] for t in a_tokens[:-1]] + [a_tokens[-1:]])
-    control = apply_vocab_mask(mx.array(_feed(model, cache, [b[len(a) + len(a_tokens):-1], b[-1:]]))[None],
-                               tok.effective_vocab_size)
+    control = apply_vocab_mask(
+        mx.array(_feed(model, cache, [b[len(a) + len(a_tokens) : -1], b[-1:]]))[None], tok.effective_vocab_size
+    )
     return np.array((control - mx.logsumexp(control, axis=-1, keepdims=True))[0])
 
 

@@ -10,10 +10,10 @@ import os
 
 import numpy as np
 import pytest
+from test_prompt_cache import _feed, _greedy, _two_request_control
 
 from hebrus_mlx.prompt_cache import PromptCache, Usage
 from hebrus_mlx.prompt_cache_disk import DiskPromptCache
-from test_prompt_cache import _feed, _greedy, _two_request_control
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,6 @@ def _stale_index(d):
 def _foreign_data(d):
     # Another artifact's state under this artifact's index record (a file copied in by hand).
     import hebrus_mlx.prompt_cache as pcm
-
     from hebrus_mlx.prompt_cache import serialize_prompt_cache
 
     for p in d.glob("*.json"):
@@ -104,8 +103,10 @@ def _foreign_data(d):
 
 # Every entry is damaged; a stale index is refused when the directory is scanned (both entries), a
 # corrupted or foreign data file when its prefix is about to be restored (the one entry tried).
-@pytest.mark.parametrize("damage,why,n", [(_corrupt_data, "checksum mismatch", 1), (_stale_index, "stale format", 2),
-                                          (_foreign_data, "foreign", 1)])
+@pytest.mark.parametrize(
+    "damage,why,n",
+    [(_corrupt_data, "checksum mismatch", 1), (_stale_index, "stale format", 2), (_foreign_data, "foreign", 1)],
+)
 def test_foreign_stale_or_corrupted_is_refused_with_one_line_and_recomputed(demo, tmp_path, caplog, damage, why, n):
     model, tok = demo
     ids = _one_entry(model, tok, tmp_path)
@@ -132,8 +133,14 @@ def test_bounded_in_bytes_lru_and_other_artifacts_left_alone(demo, tmp_path):
     d = tmp_path / "cache"
     d.mkdir()
     # A file of another artifact sharing the directory, and a file that is not the cache's.
-    other = {"format": "hebrus-mlx/prompt-cache-dir/1", "artifact_digest": "f" * 64, "dtype": "float32",
-             "tokens": [1, 2], "bytes": 1, "sha256": "0" * 64}
+    other = {
+        "format": "hebrus-mlx/prompt-cache-dir/1",
+        "artifact_digest": "f" * 64,
+        "dtype": "float32",
+        "tokens": [1, 2],
+        "bytes": 1,
+        "sha256": "0" * 64,
+    }
     (d / ("a" * 40 + ".json")).write_text(json.dumps(other))
     (d / "notes.txt").write_text("mine")
     pc = PromptCache(1 << 30)
@@ -163,9 +170,10 @@ def test_server_worker_restores_across_a_restart(demo, tmp_path):
     the first one's prefix from disk and gives the same text as the in-process run."""
     import asyncio
 
+    from scripted_server import run_job
+
     from hebrus_mlx import load, stream_generate
     from hebrus_mlx.server import Sampling, ServerDefaults, Worker
-    from scripted_server import run_job
 
     model, tok = demo
     ids = tok.encode("class Reader:\n    def __init__(self, path):\n")

@@ -5,10 +5,10 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from parity_fixtures import model
 
 from hebrus_mlx.models.qwen4exp import QSAAttention, _online_softmax_attention, _select_groups
 from hebrus_mlx.testing.qsa_oracle import DenseOracleLimitError, dense_qsa_oracle
-from parity_fixtures import model
 
 
 def test_ties_choose_lower_positions_and_emit_chronologically():
@@ -104,9 +104,7 @@ def test_sparse_equals_dense_oracle_up_to_its_last_accepted_size(model_name):
         dense = dense_qsa_oracle(q, k, v, attn.scale, window, n_visible=n)
         idx, ok = attn.indexer.select(attn.indexer.project(x, attn.rotary, cos, sin)[0], _blocks(attn, x, n), 0, n)
         sparse = attn._sparse_attention(q, k, v, idx, ok)
-        np.testing.assert_allclose(
-            np.array(sparse), np.array(dense.transpose(0, 2, 1, 3).reshape(1, n, -1)), atol=1e-5
-        )
+        np.testing.assert_allclose(np.array(sparse), np.array(dense.transpose(0, 2, 1, 3).reshape(1, n, -1)), atol=1e-5)
     with pytest.raises(DenseOracleLimitError, match="at most"):
         dense_qsa_oracle(None, None, None, 1.0, window, n_visible=window + 1)
 

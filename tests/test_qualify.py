@@ -64,21 +64,32 @@ def metal_mac(monkeypatch):
     return here
 
 
-@pytest.mark.parametrize("change,honoured", [
-    ({}, True),
-    ({"mlx": "0.0.1"}, False),            # another MLX: re-qualify
-    ({"release": "other-os"}, False),     # another OS release (its Metal compiler)
-    ({"machine": "other-arch"}, False),   # another machine
-    ({"metal": False}, False),            # written where there was no Metal
-])
+@pytest.mark.parametrize(
+    "change,honoured",
+    [
+        ({}, True),
+        ({"mlx": "0.0.1"}, False),  # another MLX: re-qualify
+        ({"release": "other-os"}, False),  # another OS release (its Metal compiler)
+        ({"machine": "other-arch"}, False),  # another machine
+        ({"metal": False}, False),  # written where there was no Metal
+    ],
+)
 def test_passed_honours_only_claims_written_on_this_machine(metal_mac, change, honoured):
     p = _claiming(dict(metal_mac, **change), passed=["kernels.hc_mix"])
     assert prof.passed(p, "kernels", "hc_mix") is honoured
     assert prof.ignored_claims(p) == ([] if honoured else ["kernels.hc_mix"])
 
 
-@pytest.mark.parametrize("entry", [{"status": PASSED, "device": "emulator"}, {"status": NO_GAIN, "device": "metal"},
-                                   {"status": FAILED, "device": "metal"}, {"status": NOT_QUALIFIED}, "passed"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"status": PASSED, "device": "emulator"},
+        {"status": NO_GAIN, "device": "metal"},
+        {"status": FAILED, "device": "metal"},
+        {"status": NOT_QUALIFIED},
+        "passed",
+    ],
+)
 def test_passed_refuses_entries_that_did_not_pass_on_metal(metal_mac, entry):
     p = _claiming(metal_mac)
     p["streaming"]["gpu_event"] = entry
@@ -120,14 +131,22 @@ def test_load_refuses_a_profile_claiming_what_this_machine_has_not_qualified(tmp
     assert not (se._ext and se._ext.gpu_events_enabled())
 
 
-@pytest.mark.parametrize("compiled,backends,env,want", [
-    (True, ["pread", "mtlio"], {}, {"gpu_event": True, "backend": "mtlio"}),
-    (False, ["pread"], {}, {"gpu_event": False, "backend": "pread"}),  # the build lacks both
-    (True, ["pread", "mtlio"], {"gpu_events": False, "mtlio": False},
-     {"gpu_event": False, "backend": "pread"}),                          # switched off by GraphOptions
-])
-def test_stream_configure_switches_on_only_qualified_built_features(metal_mac, monkeypatch, compiled, backends,
-                                                                    env, want):
+@pytest.mark.parametrize(
+    "compiled,backends,env,want",
+    [
+        (True, ["pread", "mtlio"], {}, {"gpu_event": True, "backend": "mtlio"}),
+        (False, ["pread"], {}, {"gpu_event": False, "backend": "pread"}),  # the build lacks both
+        (
+            True,
+            ["pread", "mtlio"],
+            {"gpu_events": False, "mtlio": False},
+            {"gpu_event": False, "backend": "pread"},
+        ),  # switched off by GraphOptions
+    ],
+)
+def test_stream_configure_switches_on_only_qualified_built_features(
+    metal_mac, monkeypatch, compiled, backends, env, want
+):
     fake = FakeExt()
     monkeypatch.setattr(se, "_ext", fake)
     monkeypatch.setattr(se, "gpu_events_compiled", lambda: compiled)
@@ -139,8 +158,10 @@ def test_stream_configure_switches_on_only_qualified_built_features(metal_mac, m
         assert se.configure(p, GraphOptions(**env)) == want and fake.gpu_events is want["gpu_event"]
         assert se.default_backend() == want["backend"]
         # a profile from another MLX promotes nothing
-        assert se.configure(_claiming(dict(metal_mac, mlx="0.0.1"), passed=["streaming.gpu_event"])) == \
-            {"gpu_event": False, "backend": "pread"}
+        assert se.configure(_claiming(dict(metal_mac, mlx="0.0.1"), passed=["streaming.gpu_event"])) == {
+            "gpu_event": False,
+            "backend": "pread",
+        }
         assert fake.gpu_events is False
     finally:
         se._profile_backend = "pread"
@@ -183,13 +204,16 @@ def test_abba_interleaves_the_arms():
     assert res["a"] == [1.0] * 4 and res["b"] == [2.0] * 4
 
 
-@pytest.mark.parametrize("a,b,identical,status,decision", [
-    ([10, 10, 10, 10], [11, 11, 10.9, 11], True, PASSED, "new"),       # +10%: promoted
-    ([10, 10, 10, 10], [10.1, 10.1, 10.1, 10.1], True, NO_GAIN, "old"),  # +1% is noise: stays off
-    ([10, 10, 10, 10], [9, 9, 9, 9], True, NO_GAIN, "old"),
-    ([10, 10, 10, 10], [20, 20, 20, 20], False, FAILED, "old"),        # faster but different: refused
-    ([10, 10, 10, 10], [10.1, 40, 10.1, 10.1], True, NO_GAIN, "old"),   # one outlier run: medians, not means
-])
+@pytest.mark.parametrize(
+    "a,b,identical,status,decision",
+    [
+        ([10, 10, 10, 10], [11, 11, 10.9, 11], True, PASSED, "new"),  # +10%: promoted
+        ([10, 10, 10, 10], [10.1, 10.1, 10.1, 10.1], True, NO_GAIN, "old"),  # +1% is noise: stays off
+        ([10, 10, 10, 10], [9, 9, 9, 9], True, NO_GAIN, "old"),
+        ([10, 10, 10, 10], [20, 20, 20, 20], False, FAILED, "old"),  # faster but different: refused
+        ([10, 10, 10, 10], [10.1, 40, 10.1, 10.1], True, NO_GAIN, "old"),  # one outlier run: medians, not means
+    ],
+)
 def test_decide_ab(a, b, identical, status, decision):
     e = q.decide_ab(a, b, identical, "old", "new", "x")
     assert e["status"] == status and e["decision"] == decision and e["device"] == "metal"
@@ -202,11 +226,14 @@ def _as_metal_mac(monkeypatch, compiled=True, mtlio=True):
     monkeypatch.setattr(se, "backends", lambda: ["pread", "mtlio"] if mtlio else ["pread"])
 
 
-@pytest.mark.parametrize("b_tokens,b_rate,status", [
-    ([1, 2, 3], 12.0, PASSED),
-    ([1, 2, 4], 12.0, FAILED),   # one different token: never promoted, however fast
-    ([1, 2, 3], 10.0, NO_GAIN),
-])
+@pytest.mark.parametrize(
+    "b_tokens,b_rate,status",
+    [
+        ([1, 2, 3], 12.0, PASSED),
+        ([1, 2, 4], 12.0, FAILED),  # one different token: never promoted, however fast
+        ([1, 2, 3], 10.0, NO_GAIN),
+    ],
+)
 def test_gpu_event_section_decides_on_tokens_and_speed(monkeypatch, b_tokens, b_rate, status):
     _as_metal_mac(monkeypatch)
     arms = []
@@ -255,8 +282,8 @@ def test_mtlio_section_runs_the_real_resolve_measurement(monkeypatch):
 def test_a_failed_gpu_event_host_task_fails_and_rolls_back_the_step(monkeypatch):
     """rollback_on_error checks the GPU-event error slot after the step: a task's failure (tagged
     in C++) rolls the cache back and is raised typed, even though evaluation itself returned."""
-    from hebrus_mlx.stream.rollback import rollback_on_error
     from hebrus_mlx.stream.errors import ShortReadError
+    from hebrus_mlx.stream.rollback import rollback_on_error
 
     class Slot:
         def check_gpu_event_errors(self):
@@ -276,12 +303,21 @@ def test_a_failed_gpu_event_host_task_fails_and_rolls_back_the_step(monkeypatch)
     assert cache.restored == "snap"
 
 
-@pytest.mark.parametrize("args,field", [(["--probe-mib", "0"], "--probe-mib"),
-                                        (["--rounds", "0"], "--rounds"), (["--tokens", "0"], "--tokens"),
-                                        (["--artifact", "/nonexistent/x"], "--artifact"),
-                                        (["--probe-dir", "/nonexistent/x"], "--probe-dir"),
-                                        (["--store", "/nonexistent/x"], "--store")])
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--probe-mib", "0"], "--probe-mib"),
+        (["--rounds", "0"], "--rounds"),
+        (["--tokens", "0"], "--tokens"),
+        (["--artifact", "/nonexistent/x"], "--artifact"),
+        (["--probe-dir", "/nonexistent/x"], "--probe-dir"),
+        (["--store", "/nonexistent/x"], "--store"),
+    ],
+)
 def test_cli_bad_input_exits_2_naming_the_field(args, field, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "qualify", "--out", str(tmp_path / "p.json"), *args],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.cli", "qualify", "--out", str(tmp_path / "p.json"), *args],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and field in proc.stderr and "Traceback" not in proc.stderr

@@ -29,8 +29,24 @@ def _cli(*args, cwd=None):
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qualify-report")
     out = tmp / "r.json"
-    proc = _cli("qualify", "--out", str(tmp / "p.json"), "--report", str(out), "--tokens", "12", "--rounds", "1",
-                "--probe-dir", str(tmp), "--probe-mib", "4", "--record-kib", "64", cwd=tmp)
+    proc = _cli(
+        "qualify",
+        "--out",
+        str(tmp / "p.json"),
+        "--report",
+        str(out),
+        "--tokens",
+        "12",
+        "--rounds",
+        "1",
+        "--probe-dir",
+        str(tmp),
+        "--probe-mib",
+        "4",
+        "--record-kib",
+        "64",
+        cwd=tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return tmp, out
 
@@ -45,8 +61,14 @@ def _prompt_text():
 
 def test_report_names_no_path_user_host_or_prompt(report):
     tmp, out = report
-    words = [str(tmp), str(tmp.resolve()), getpass.getuser(), socket.gethostname(), str(os.path.expanduser("~")),
-             "The quick brown fox"]
+    words = [
+        str(tmp),
+        str(tmp.resolve()),
+        getpass.getuser(),
+        socket.gethostname(),
+        str(os.path.expanduser("~")),
+        "The quick brown fox",
+    ]
     prompt = _prompt_text()
     assert len(prompt) > 20
     words += [prompt, prompt[:24].strip()]
@@ -108,8 +130,19 @@ def test_simulate_validate_replays_the_reported_runs(report):
 def test_simulate_profile_projects_from_the_report(report):
     _, out = report
     r = json.loads(out.read_text())
-    proc = _cli("simulate", "--profile", str(out), "--family", "qwen4exp-demo", "--cache-gb", "0.001,0.004",
-                "--draft-depths", "0", "--json", str(out.parent / "proj.json"))
+    proc = _cli(
+        "simulate",
+        "--profile",
+        str(out),
+        "--family",
+        "qwen4exp-demo",
+        "--cache-gb",
+        "0.001,0.004",
+        "--draft-depths",
+        "0",
+        "--json",
+        str(out.parent / "proj.json"),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     proj = json.loads((out.parent / "proj.json").read_text())
     m = proj["machine"]
@@ -130,19 +163,23 @@ def test_simulate_profile_projects_from_the_report(report):
     assert prof["layer_ms"] == 0.7 and any("--layer-ms 0.7" in s for s in prof["sources"])
 
 
-@pytest.mark.parametrize("args,field", [
-    (["qualify", "--report-cache-gb", "1"], "--report-cache-gb"),
-    (["qualify", "--report", "R", "--report-cache-gb", "1"], "--report-cache-gb"),
-    (["qualify", "--report", "R", "--report-cache-gb", "0,x"], "--report-cache-gb"),
-    (["qualify", "--report", "/nonexistent/dir/r.json"], "--report"),
-    (["simulate", "--report", "R"], "--report"),
-    (["simulate", "--validate", "--report", "/nonexistent/r.json"], "--report"),
-    (["simulate", "--validate", "--report", "NOTREPORT"], "--report"),
-])
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["qualify", "--report-cache-gb", "1"], "--report-cache-gb"),
+        (["qualify", "--report", "R", "--report-cache-gb", "1"], "--report-cache-gb"),
+        (["qualify", "--report", "R", "--report-cache-gb", "0,x"], "--report-cache-gb"),
+        (["qualify", "--report", "/nonexistent/dir/r.json"], "--report"),
+        (["simulate", "--report", "R"], "--report"),
+        (["simulate", "--validate", "--report", "/nonexistent/r.json"], "--report"),
+        (["simulate", "--validate", "--report", "NOTREPORT"], "--report"),
+    ],
+)
 def test_bad_report_input_exits_2_naming_the_field(tmp_path, args, field):
     (tmp_path / "NOTREPORT").write_text(json.dumps({"schema": "something else"}))
-    args = [str(tmp_path / "r.json") if a == "R" else str(tmp_path / "NOTREPORT") if a == "NOTREPORT" else a
-            for a in args]
+    args = [
+        str(tmp_path / "r.json") if a == "R" else str(tmp_path / "NOTREPORT") if a == "NOTREPORT" else a for a in args
+    ]
     if args[0] == "qualify":
         args += ["--out", str(tmp_path / "p.json")]
     proc = _cli(*args)
@@ -158,8 +195,10 @@ def test_help_lists_the_report_flags():
 
 def test_scrub_replaces_paths_and_whole_names_only():
     words = QR.secrets(["/data/alice/models/x"])
-    got = QR.scrub({"a": "read /data/alice/models/x/experts.hbem", "/data/alice/models/x": 1,
-                    "b": ["cpu_stream"]}, words + ["alice", "cpu"])
+    got = QR.scrub(
+        {"a": "read /data/alice/models/x/experts.hbem", "/data/alice/models/x": 1, "b": ["cpu_stream"]},
+        words + ["alice", "cpu"],
+    )
     assert "alice" not in json.dumps(got) and got["b"] == ["cpu_stream"]
 
 

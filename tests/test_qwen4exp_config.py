@@ -4,9 +4,9 @@ import copy
 import json
 
 import pytest
+from parity_fixtures import PARITY
 
 from hebrus_mlx.format.qwen4exp_config import ConfigError, ModelArgs
-from parity_fixtures import PARITY
 
 
 def _base():
@@ -69,8 +69,12 @@ def test_base_config_is_accepted():
 
 def test_conditional_generation_config_uses_text_config():
     text = _base()
-    outer = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
-             "text_config": copy.deepcopy(text), "vision_config": {"depth": 2}}
+    outer = {
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "model_type": "qwen4_exp",
+        "text_config": copy.deepcopy(text),
+        "vision_config": {"depth": 2},
+    }
     assert ModelArgs.from_dict(outer) == ModelArgs.from_dict(text)
 
 

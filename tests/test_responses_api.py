@@ -5,9 +5,9 @@ trip scripts the worker boundary (the demo never calls tools) and checks what th
 import json
 
 import pytest
+from test_server_fields import ScriptWorker, _raw, _reference, _serve, _text
 
 from hebrus_mlx.responses_api import ResponseStore, to_messages
-from test_server_fields import ScriptWorker, _raw, _reference, _serve, _text
 
 INSTR = "You write Python."
 
@@ -34,15 +34,21 @@ def test_create_previous_response_and_store_false(served):
     tok, c = served["tok"], served["client"]
     msgs = [{"role": "system", "content": INSTR}, {"role": "user", "content": "Sort a list in place."}]
     want = _text(_reference(served, tok.apply_chat_template(msgs), 12))
-    r = c.responses.create(model="demo", instructions=INSTR, input="Sort a list in place.", max_output_tokens=12,
-                           temperature=0)
+    r = c.responses.create(
+        model="demo", instructions=INSTR, input="Sort a list in place.", max_output_tokens=12, temperature=0
+    )
     assert r.output_text == want and r.usage.input_tokens == len(tok.apply_chat_template(msgs))
     assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # 12 tokens, no EOS
     assert [o.type for o in r.output] == ["message"] and r.id.startswith("resp_")
     # The next turn renders the stored conversation first: the prefix cache restores it.
-    r2 = c.responses.create(model="demo", instructions=INSTR, previous_response_id=r.id,
-                            input=[{"role": "user", "content": [{"type": "input_text", "text": "Now test it."}]}],
-                            max_output_tokens=4, temperature=0)
+    r2 = c.responses.create(
+        model="demo",
+        instructions=INSTR,
+        previous_response_id=r.id,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Now test it."}]}],
+        max_output_tokens=4,
+        temperature=0,
+    )
     full = msgs + [{"role": "assistant", "content": want}, {"role": "user", "content": "Now test it."}]
     assert r2.usage.input_tokens == len(tok.apply_chat_template(full))
     assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - 1
@@ -50,8 +56,9 @@ def test_create_previous_response_and_store_false(served):
     assert c.responses.retrieve(r.id).output_text == want
     # store: false: nothing to continue from.
     r3 = c.responses.create(model="demo", input="hi", max_output_tokens=2, store=False)
-    status, _, err = _raw(served, "POST", "/v1/responses",
-                          {"input": "again", "previous_response_id": r3.id, "max_output_tokens": 2})
+    status, _, err = _raw(
+        served, "POST", "/v1/responses", {"input": "again", "previous_response_id": r3.id, "max_output_tokens": 2}
+    )
     assert (status, err["error"]["param"]) == (400, "previous_response_id")
     status, _, err = _raw(served, "GET", f"/v1/responses/{r3.id}")
     assert status == 404
@@ -63,10 +70,18 @@ def test_stream_events_in_the_clients_order(served):
     with c.responses.stream(model="demo", input="def main():", max_output_tokens=8, temperature=0) as stream:
         events = list(stream)
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.incomplete"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output[0].content[0].text == r.output_text
@@ -79,8 +94,17 @@ def _tool_script(tok):
         prompt = tok.decode(job.ids)
         if "<tool_response>" in prompt:
             return ["It is ", prompt.split("<tool_response>\n")[-1].split("\n</tool_response>")[0], "."]
-        return ["Checking.", "\n\n<tool", "_call>\n{\"name\": \"get_", "weather\", \"arguments\": {\"city\": ",
-                "\"Oslo\"}}\n</tool_call>"] if "get_weather" in prompt else ["<think>", "hm", "</think>", "Hi."]
+        return (
+            [
+                "Checking.",
+                "\n\n<tool",
+                '_call>\n{"name": "get_',
+                'weather", "arguments": {"city": ',
+                '"Oslo"}}\n</tool_call>',
+            ]
+            if "get_weather" in prompt
+            else ["<think>", "hm", "</think>", "Hi."]
+        )
 
     return call, script
 
@@ -94,8 +118,14 @@ def test_tool_round_trip_and_stream(served):
     call_text, script = _tool_script(tok)
     worker = ScriptWorker(tok, script)
     port, stop = _serve(App(worker, "scripted"))
-    tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
-              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r1 = c.responses.create(model="scripted", input="Weather in Oslo?", tools=tools)
@@ -103,18 +133,35 @@ def test_tool_round_trip_and_stream(served):
         fc = r1.output[1]
         assert (fc.name, json.loads(fc.arguments)) == ("get_weather", {"city": "Oslo"})
         assert r1.output_text == "Checking.\n\n"
-        r2 = c.responses.create(model="scripted", previous_response_id=r1.id, tools=tools,
-                                input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}])
+        r2 = c.responses.create(
+            model="scripted",
+            previous_response_id=r1.id,
+            tools=tools,
+            input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}],
+        )
         assert r2.output_text == "It is sunny."
         # The template rendered the whole exchange: the call the model made, then its output.
         want = tok.apply_chat_template(
-            [{"role": "user", "content": "Weather in Oslo?"},
-             {"role": "assistant", "content": "Checking.\n\n", "tool_calls": [
-                 {"id": fc.call_id, "type": "function",
-                  "function": {"name": "get_weather", "arguments": fc.arguments}}]},
-             {"role": "tool", "tool_call_id": fc.call_id, "content": "sunny"}],
-            tools=[{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
-                   for t in tools])
+            [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {
+                    "role": "assistant",
+                    "content": "Checking.\n\n",
+                    "tool_calls": [
+                        {
+                            "id": fc.call_id,
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": fc.arguments},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": fc.call_id, "content": "sunny"},
+            ],
+            tools=[
+                {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                for t in tools
+            ],
+        )
         assert worker.seen[-1] == want and call_text in tok.decode(want)
         # The same call through the stream helper: a completed response with the call.
         with c.responses.stream(model="scripted", input="Weather in Oslo?", tools=tools) as stream:
@@ -158,19 +205,32 @@ def test_bad_responses_requests_name_the_field(served, body, param):
 
 
 def test_input_items_to_messages():
-    msgs = to_messages([
-        {"role": "developer", "content": "be brief"},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
-        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{\"x\": 1}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "42"},
-    ])
+    msgs = to_messages(
+        [
+            {"role": "developer", "content": "be brief"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "think"}],
+            },
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        ]
+    )
     assert msgs == [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "b", "reasoning_content": "think",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a"},
+        {
+            "role": "assistant",
+            "content": "b",
+            "reasoning_content": "think",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
 
 
 def test_response_store_bounds_and_expiry():

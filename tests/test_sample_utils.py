@@ -15,15 +15,18 @@ def dominant_invalid_logits(batch=1):
     return mx.broadcast_to(mx.concatenate([valid, invalid])[None], (batch, PHYSICAL))
 
 
-@pytest.mark.parametrize("kwargs", [
-    {},
-    {"temp": 1.0},
-    {"temp": 0.8, "top_k": 1},
-    {"temp": 0.8, "top_k": 50},
-    {"temp": 1.0, "top_p": 0.5},
-    {"temp": 1.0, "min_p": 0.5},
-    {"temp": 2.0, "top_p": 0.9, "top_k": 5, "min_p": 0.1},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temp": 1.0},
+        {"temp": 0.8, "top_k": 1},
+        {"temp": 0.8, "top_k": 50},
+        {"temp": 1.0, "top_p": 0.5},
+        {"temp": 1.0, "min_p": 0.5},
+        {"temp": 2.0, "top_p": 0.9, "top_k": 5, "min_p": 0.1},
+    ],
+)
 def test_last_valid_id_wins_over_dominant_invalid_rows(kwargs):
     """AFN-005: invalid rows numerically dominant, 248076 must still be chosen."""
     mx.random.seed(0)
@@ -53,15 +56,22 @@ def test_mask_values():
     assert apply_vocab_mask(x, 6).tolist() == x.tolist()
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"temp": -0.1}, "temp"), ({"top_p": 1.5}, "top_p"), ({"min_p": -1}, "min_p"), ({"top_k": -2}, "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temp": -0.1}, "temp"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -1}, "min_p"),
+        ({"top_k": -2}, "top_k"),
+    ],
+)
 def test_bad_sampling_args_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         make_sampler(**kwargs, effective_vocab_size=EFFECTIVE)
 
 
 # -- mlx-lm's signature and draws (issue 26 §4) ---------------------------------------------------------
+
 
 def test_make_sampler_takes_mlx_lm_signature():
     """Same parameter names, order and defaults as mlx_lm.sample_utils.make_sampler; the vocabulary
@@ -77,12 +87,18 @@ def test_make_sampler_takes_mlx_lm_signature():
     assert [p.name for p in ours.values() if p.kind == p.KEYWORD_ONLY] == ["effective_vocab_size"]
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"temp": 1.0}, {"temp": 0.7, "top_p": 0.9}, {"temp": 1.0, "min_p": 0.1, "min_tokens_to_keep": 3},
-    {"temp": 1.3, "top_k": 5}, {"temp": 1.0, "top_p": 0.8, "min_p": 0.05, "top_k": 10},
-    {"temp": 1.0, "xtc_probability": 0.5, "xtc_threshold": 0.05},
-    {"temp": 1.0, "xtc_probability": 1.0, "xtc_threshold": 0.02, "xtc_special_tokens": [0, 1]},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temp": 1.0},
+        {"temp": 0.7, "top_p": 0.9},
+        {"temp": 1.0, "min_p": 0.1, "min_tokens_to_keep": 3},
+        {"temp": 1.3, "top_k": 5},
+        {"temp": 1.0, "top_p": 0.8, "min_p": 0.05, "top_k": 10},
+        {"temp": 1.0, "xtc_probability": 0.5, "xtc_threshold": 0.05},
+        {"temp": 1.0, "xtc_probability": 1.0, "xtc_threshold": 0.02, "xtc_special_tokens": [0, 1]},
+    ],
+)
 def test_draws_equal_mlx_lm_sampler_under_one_seed(kwargs):
     """Own filter code, mlx-lm's rules: under the same seed every draw is the token mlx-lm's sampler
     draws (the filters keep exactly the rows mlx-lm keeps and consume the random state alike)."""
@@ -113,12 +129,19 @@ def test_sampler_without_the_keyword_does_not_mask():
     assert make_sampler()(dominant_invalid_logits()).item() >= EFFECTIVE
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"temp": float("nan")}, "temp"), ({"min_tokens_to_keep": 0}, "min_tokens_to_keep"),
-    ({"top_k": 1.5}, "top_k"), ({"xtc_probability": 2.0}, "xtc_probability"),
-    ({"xtc_threshold": 0.6}, "xtc_threshold"), ({"xtc_special_tokens": ["a"]}, "xtc_special_tokens"),
-    ({"effective_vocab_size": 0}, "effective_vocab_size"), ({"temp": True}, "temp"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temp": float("nan")}, "temp"),
+        ({"min_tokens_to_keep": 0}, "min_tokens_to_keep"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"xtc_probability": 2.0}, "xtc_probability"),
+        ({"xtc_threshold": 0.6}, "xtc_threshold"),
+        ({"xtc_special_tokens": ["a"]}, "xtc_special_tokens"),
+        ({"effective_vocab_size": 0}, "effective_vocab_size"),
+        ({"temp": True}, "temp"),
+    ],
+)
 def test_more_bad_sampling_args_are_typed_and_name_the_field(kwargs, field):
     from hebrus_mlx.errors import HebrusError
 

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from scripted_server import run_concurrently
 
 from hebrus_mlx.server import StopMatcher, parse_tool_calls
-from scripted_server import run_concurrently
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
@@ -31,10 +31,30 @@ def _proc(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
-             "--api-key", KEY, "--expert-cache-gb", EXPERT_CACHE_GB, "--max-body-bytes", "65536",
-             "--log-level", "WARNING"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+            [
+                sys.executable,
+                "-m",
+                "hebrus_mlx.cli",
+                "server",
+                "--model",
+                "demo",
+                "--port",
+                "0",
+                "--api-key",
+                KEY,
+                "--expert-cache-gb",
+                EXPERT_CACHE_GB,
+                "--max-body-bytes",
+                "65536",
+                "--log-level",
+                "WARNING",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         yield proc, log
     finally:
@@ -118,8 +138,16 @@ def test_chat_stream_equals_nonstream_and_reference(client, reference):
     r = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=24, temperature=0)
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == want_finish
     assert r.usage.prompt_tokens == len(tok.apply_chat_template(CHAT)) and r.usage.completion_tokens == n
-    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, max_tokens=24, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=CHAT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == want
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [want_finish]
@@ -132,16 +160,20 @@ def test_completions_stream_nonstream_and_stop(client, reference):
     want, _, _ = run(tok.encode(prompt), 32)
     r = client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0)
     assert r.choices[0].text == want
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="demo", prompt=prompt, max_tokens=32, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == want
     # A stop sequence taken from the middle of the known output ends it there, in both modes.
     stop = want[len(want) // 2 : len(want) // 2 + 3]
     cut = want[: want.index(stop)]
     r = client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0, stop=[stop])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
-    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0,
-                                            stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(model="demo", prompt=prompt, max_tokens=32, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -176,8 +208,11 @@ BAD = [
     (b"[1, 2]", 400, None),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "system", "content": "a"}, {"role": "system", "content": "b"}]}, 400, "messages[1]"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages[0].content[0]"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content[0]",
+    ),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', 400, "top_p"),
@@ -202,12 +237,17 @@ def test_bad_chat_requests_are_4xx(server, body, status, param):
 
 
 def test_bad_completions_and_server_keeps_serving(server, client):
-    for body, param in [({"prompt": ""}, "prompt"), ({"prompt": [1, -3]}, "prompt"), ({"prompt": 5}, "prompt"),
-                        ({"prompt": "x" * 10, "max_tokens": 4096}, "max_tokens"),
-                        ({"prompt": "x", "min_p": 2}, "min_p"), ({"prompt": "x", "seed": "a"}, "seed")]:
+    for body, param in [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [1, -3]}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "x" * 10, "max_tokens": 4096}, "max_tokens"),
+        ({"prompt": "x", "min_p": 2}, "min_p"),
+        ({"prompt": "x", "seed": "a"}, "seed"),
+    ]:
         got, err = _raw(server, "POST", "/v1/completions", body)
         assert (got, err["error"]["param"]) == (400, param), (body, err)
-    got, err = _raw(server, "POST", "/v1/completions", b"x" * 100, headers={"Content-Length": str(10 ** 9)})
+    got, err = _raw(server, "POST", "/v1/completions", b"x" * 100, headers={"Content-Length": str(10**9)})
     assert got == 413
     assert client.completions.create(model="demo", prompt="import os", max_tokens=3).usage.completion_tokens == 3
     log = server["log"].read_text()
@@ -220,10 +260,14 @@ def test_disconnect_cancels_and_next_request_is_unaffected(server, client, refer
     tok, run = reference
     want, _, _ = run(tok.apply_chat_template(CHAT), 12)
     s = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
-    body = json.dumps({"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000,
-                       "stream": True}).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000, "stream": True}
+    ).encode()
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     seen = b""
     while seen.count(b"data: ") < 4:  # a few tokens streamed: generation is running
         seen += s.recv(4096)
@@ -240,8 +284,11 @@ def test_disconnect_cancels_and_next_request_is_unaffected(server, client, refer
     _idle(server)
     s = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
     body = json.dumps({"prompt": "def main():", "max_tokens": 3000}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     deadline = time.monotonic() + 20
     while not _health(server)["busy"]:
         assert time.monotonic() < deadline
@@ -258,7 +305,9 @@ def test_concurrent_requests_queue(client, reference):
     got = [None] * len(prompts)
 
     def go(i):
-        got[i] = client.completions.create(model="demo", prompt=prompts[i], max_tokens=10, temperature=0).choices[0].text
+        got[i] = (
+            client.completions.create(model="demo", prompt=prompts[i], max_tokens=10, temperature=0).choices[0].text
+        )
 
     run_concurrently(go, len(prompts), 60)
     assert got == want
@@ -269,7 +318,10 @@ def test_second_turn_reuses_first(client):
     the cached tokens are the first prompt plus its reply (the client sends the reply back)."""
     msgs = [{"role": "user", "content": "Write a helper that reads a file."}]
     r1 = client.chat.completions.create(model="demo", messages=msgs, max_tokens=16, temperature=0)
-    msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Now test it."}]
+    msgs += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Now test it."},
+    ]
     r2 = client.chat.completions.create(model="demo", messages=msgs, max_tokens=4, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached >= r1.usage.prompt_tokens - 1  # at least the whole first prompt
@@ -289,12 +341,16 @@ def test_stop_matcher_holds_partial_stops():
 
 
 def test_parse_tool_calls_as_template_writes_them():
-    text = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    text = (
+        'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    )
     content, calls = parse_tool_calls(text)
     assert content == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Oslo"}), ("now", {})]
+        ("get_weather", {"city": "Oslo"}),
+        ("now", {}),
+    ]
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     # Not a call: stays text.
     assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
@@ -309,9 +365,10 @@ def test_cancel_fails_pending_expert_tickets(reference, draft_model):
     scope, so the cancel reaches them too (before, they carried an owner of their own)."""
     import asyncio
 
+    from test_stream_model import _testing_experts
+
     from hebrus_mlx import load
     from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
-    from test_stream_model import _testing_experts
 
     tok, run = reference
 
@@ -340,6 +397,7 @@ def test_cancel_fails_pending_expert_tickets(reference, draft_model):
             if not worker.busy:
                 break
             await asyncio.sleep(0.05)
+
         async def complete(prompt):
             job = Job(prompt, sampling, 8, loop, asyncio.Queue())
             worker.jobs.put(job)
@@ -373,13 +431,18 @@ def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
     """`tools`: calls the model writes in the template's format come back as `tool_calls`, in both
     modes (the marker split across tokens). The model is scripted here: the demo never calls."""
     import openai
-
-    from hebrus_mlx.server import Worker
     from scripted_server import scripted_worker, serving
 
+    from hebrus_mlx.server import Worker
+
     tok, _ = reference
-    script = ["Checking.", "\n\n<tool", "_call>\n{\"name\": \"get_", "weather\", \"arguments\": {\"city\": ",
-              "\"Oslo\"}}\n</tool_call>"]
+    script = [
+        "Checking.",
+        "\n\n<tool",
+        '_call>\n{"name": "get_',
+        'weather", "arguments": {"city": ',
+        '"Oslo"}}\n</tool_call>',
+    ]
 
     def emit(job):
         for piece in script:
@@ -401,7 +464,9 @@ def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
         assert text.strip() == "Checking." and "<tool" not in text
-        assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("get_weather", {"city": "Oslo"})]
+        assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+            ("get_weather", {"city": "Oslo"})
+        ]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         # Without tools the same output is plain text.
         r = c.chat.completions.create(model="scripted", messages=msgs)
@@ -419,8 +484,12 @@ def test_cli_flags(monkeypatch, capsys):
     gen = importlib.import_module("hebrus_mlx.generate")
     args = srv.build_parser().parse_args([])
     assert (args.host, args.model, args.max_tokens) == ("127.0.0.1", "demo", 512)
-    for argv, flag in [(["--port", "70000"], "--port"), (["--temp", "-1"], "--temp"),
-                       (["--prompt-cache-bytes", "-5"], "--prompt-cache-bytes"), (["--max-kv-size", "64"], "--max-kv-size")]:
+    for argv, flag in [
+        (["--port", "70000"], "--port"),
+        (["--temp", "-1"], "--temp"),
+        (["--prompt-cache-bytes", "-5"], "--prompt-cache-bytes"),
+        (["--max-kv-size", "64"], "--max-kv-size"),
+    ]:
         assert cli_main(["server", *argv]) == 2
         err = capsys.readouterr().err
         assert flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -429,7 +498,10 @@ def test_cli_flags(monkeypatch, capsys):
     assert cli_main(["server", "--trace-out", "/tmp/x"]) == 2
     assert "--trace-out: not supported by `hebrus-mlx server` yet" in capsys.readouterr().err
     assert cli_main(["server", "--pipeline-split", "4,4"]) == 2
-    assert capsys.readouterr().err == "hebrus-mlx server: error: --pipeline-split: needs a distributed launch (mlx.launch)\n"
+    assert (
+        capsys.readouterr().err
+        == "hebrus-mlx server: error: --pipeline-split: needs a distributed launch (mlx.launch)\n"
+    )
     original = gen.build_parser
 
     def with_new_flag():
@@ -450,11 +522,11 @@ def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch)
     in-process text at temperature 0."""
     import asyncio
 
-    from hebrus_mlx import load
-    from hebrus_mlx.server import Sampling, ServerDefaults, Worker
     from scripted_server import run_job
 
     import hebrus_mlx.speculative as spec
+    from hebrus_mlx import load
+    from hebrus_mlx.server import Sampling, ServerDefaults, Worker
 
     made, real = [], spec.make_drafter
     monkeypatch.setattr(spec, "make_drafter", lambda *a, **k: made.append(a[0]) or real(*a, **k))

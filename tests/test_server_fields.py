@@ -85,17 +85,27 @@ def test_greedy_with_every_processor_off_is_unchanged(served):
     """Sending each processor field at its off value gives today's plain greedy text."""
     tok, c = served["tok"], served["client"]
     want = _text(_reference(served, tok.apply_chat_template(CHAT), 16))
-    r = c.chat.completions.create(model="demo", messages=CHAT, max_tokens=16, temperature=0, frequency_penalty=0,
-                                  presence_penalty=0, logit_bias={},
-                                  extra_body={"repetition_penalty": 0, "repetition_context_size": 20})
+    r = c.chat.completions.create(
+        model="demo",
+        messages=CHAT,
+        max_tokens=16,
+        temperature=0,
+        frequency_penalty=0,
+        presence_penalty=0,
+        logit_bias={},
+        extra_body={"repetition_penalty": 0, "repetition_context_size": 20},
+    )
     assert r.choices[0].message.content == want
 
 
-@pytest.mark.parametrize("fields", [
-    {"repetition_penalty": 1.5, "repetition_context_size": 8},
-    {"presence_penalty": 1.5},
-    {"frequency_penalty": 1.2},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"repetition_penalty": 1.5, "repetition_context_size": 8},
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 1.2},
+    ],
+)
 def test_penalties_match_in_process_processors(served, fields):
     """Each penalty changes the greedy text, exactly as the in-process processors over the full
     prompt do, on a first request and on a second one whose prefix comes from the prefix cache
@@ -123,15 +133,18 @@ def test_logit_bias_forces_a_token(served):
     r = c.completions.create(model="demo", prompt="import os", max_tokens=5, temperature=0, logit_bias={str(x[0]): 100})
     assert r.choices[0].text == "xxxxx"
     want = _text(_reference(served, tok.encode("import os"), 5, logit_bias={x[0]: -100.0}))
-    r = c.completions.create(model="demo", prompt="import os", max_tokens=5, temperature=0, logit_bias={str(x[0]): -100})
+    r = c.completions.create(
+        model="demo", prompt="import os", max_tokens=5, temperature=0, logit_bias={str(x[0]): -100}
+    )
     assert r.choices[0].text == want and "x" not in want
 
 
 def test_chat_logprobs_stream_and_nonstream(served):
     tok, c = served["tok"], served["client"]
     ref = _reference(served, tok.apply_chat_template(CHAT), 8)
-    r = c.chat.completions.create(model="demo", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
-                                  top_logprobs=3)
+    r = c.chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert [e.token for e in content] == [tok.decode([x.token]) for x in ref if x.finish_reason != "stop"]
     for e, x in zip(content, ref):
@@ -139,8 +152,11 @@ def test_chat_logprobs_stream_and_nonstream(served):
         assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the best one
         assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
         assert e.bytes == list(e.token.encode())
-    chunks = list(c.chat.completions.create(model="demo", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
-                                            top_logprobs=3, stream=True))
+    chunks = list(
+        c.chat.completions.create(
+            model="demo", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+    )
     streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     # Without the field: no logprobs.
@@ -156,14 +172,15 @@ def test_completions_logprobs_legacy_shape(served):
     assert all(math.isclose(a, x.logprobs[x.token].item(), abs_tol=1e-5) for a, x in zip(lp.token_logprobs, ref))
     assert all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    chunks = list(c.completions.create(model="demo", prompt="class Stack:", max_tokens=6, temperature=0, logprobs=2,
-                                       stream=True))
+    chunks = list(
+        c.completions.create(model="demo", prompt="class Stack:", max_tokens=6, temperature=0, logprobs=2, stream=True)
+    )
     got = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
     offsets = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.text_offset]
     assert got == lp.token_logprobs and offsets == lp.text_offset
     # A stop sequence: the tokens up to the one it starts in are reported, none after.
     text = r.choices[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = text[: text.index(stop)]
     r = c.completions.create(model="demo", prompt="class Stack:", max_tokens=6, temperature=0, logprobs=0, stop=[stop])
     joined = "".join(r.choices[0].logprobs.tokens)
@@ -192,8 +209,12 @@ BAD = [
 
 @pytest.mark.parametrize("extra,param", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
 def test_malformed_fields_are_400_naming_the_field(served, extra, param):
-    status, _, err = _raw(served, "POST", "/v1/chat/completions",
-                          {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **extra})
+    status, _, err = _raw(
+        served,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **extra},
+    )
     assert (status, err["error"]["param"]) == (400, param), err
 
 
@@ -208,7 +229,10 @@ def test_developer_role_is_system(served):
     assert developer_as_system(as_dev) == CHAT
     a = c.chat.completions.create(model="demo", messages=as_dev, max_tokens=6, temperature=0)
     b = c.chat.completions.create(model="demo", messages=CHAT, max_tokens=6, temperature=0)
-    assert (a.usage.prompt_tokens, a.choices[0].message.content) == (b.usage.prompt_tokens, b.choices[0].message.content)
+    assert (a.usage.prompt_tokens, a.choices[0].message.content) == (
+        b.usage.prompt_tokens,
+        b.choices[0].message.content,
+    )
 
 
 def test_model_by_id_and_cors(served):
@@ -219,8 +243,11 @@ def test_model_by_id_and_cors(served):
         served["client"].models.retrieve("other")
     status, _, err = _raw(served, "GET", "/v1/models/other")
     assert (status, err["error"]["param"]) == (404, "model")
-    pre = {"Origin": "http://ui.example:3000", "Access-Control-Request-Method": "POST",
-           "Access-Control-Request-Headers": "authorization,content-type"}
+    pre = {
+        "Origin": "http://ui.example:3000",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     status, h, _ = _raw(served, "OPTIONS", "/v1/chat/completions", headers=pre)
     assert status == 200 and h["access-control-allow-origin"] == "http://ui.example:3000"
     status, h, _ = _raw(served, "OPTIONS", "/v1/chat/completions", headers={**pre, "Origin": "http://evil.example"})
@@ -247,16 +274,18 @@ def test_enable_thinking_reaches_the_template(served):
     msgs = [{"role": "user", "content": "hi"}]
     off = tok.apply_chat_template(msgs, enable_thinking=False)
     assert len(off) > len(tok.apply_chat_template(msgs))
-    r = c.chat.completions.create(model="demo", messages=msgs, max_tokens=1,
-                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = c.chat.completions.create(
+        model="demo", messages=msgs, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert r.usage.prompt_tokens == len(off)
 
 
 def ScriptWorker(tok, script):
     """The worker boundary scripted: each job gets `script`'s text pieces (the demo never thinks
     or calls tools on its own); everything from the HTTP request to the response is real."""
-    from hebrus_mlx.server import Worker
     from scripted_server import scripted_worker
+
+    from hebrus_mlx.server import Worker
 
     def emit(job):
         job.usage.prompt_tokens = len(job.ids)
@@ -312,8 +341,9 @@ def test_batched_worker_honours_processors_and_logprobs(served):
 
         def go(i):
             p, fields = jobs[i]
-            got[i] = c.completions.create(model="demo", prompt=p, max_tokens=16, temperature=0, logprobs=1,
-                                          extra_body=fields)
+            got[i] = c.completions.create(
+                model="demo", prompt=p, max_tokens=16, temperature=0, logprobs=1, extra_body=fields
+            )
 
         threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
         for t in threads:
@@ -324,8 +354,10 @@ def test_batched_worker_honours_processors_and_logprobs(served):
         for (p, fields), r in zip(jobs, got):
             ref = _reference(served, tok.encode(p), 16, **fields)
             assert r.choices[0].text == _text(ref) != _text(_reference(served, tok.encode(p), 16))
-            assert all(math.isclose(a, x.logprobs[x.token].item(), abs_tol=1e-4)
-                       for a, x in zip(r.choices[0].logprobs.token_logprobs, ref))
+            assert all(
+                math.isclose(a, x.logprobs[x.token].item(), abs_tol=1e-4)
+                for a, x in zip(r.choices[0].logprobs.token_logprobs, ref)
+            )
             assert len(r.choices[0].logprobs.token_logprobs) == len([x for x in ref if x.finish_reason != "stop"])
     finally:
         stop()

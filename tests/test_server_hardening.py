@@ -36,10 +36,30 @@ def _start(tmp, extra, env_extra=None):
     env.pop("HEBRUS_MLX_API_KEY", None)
     env.update(env_extra or {})
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0",
-                                 "--expert-cache-gb", "0.002", "--shutdown-timeout", str(SHUTDOWN),
-                                 "--log-level", "INFO", *extra],
-                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hebrus_mlx.cli",
+                "server",
+                "--model",
+                "demo",
+                "--port",
+                "0",
+                "--expert-cache-gb",
+                "0.002",
+                "--shutdown-timeout",
+                str(SHUTDOWN),
+                "--log-level",
+                "INFO",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     deadline, line = time.monotonic() + 120, ""
     while "listening on" not in line:
         line = proc.stdout.readline()
@@ -130,78 +150,162 @@ def _raw(data, param=None, needle=None, status=400, endpoint="chat"):
 
 
 CASES = [
-    _c("foo", 1, needle="unknown field"), _c("temperatur", 0.5, needle="unknown field"),
-    _c("functions", [{"name": "f"}], needle="unknown field"), _c("service_tier", "auto", needle="unknown field"),
-    _c("seed", -1), _c("seed", 2**64), _c("seed", 2**70), _c("seed", "7"), _c("seed", 1.5), _c("seed", True),
-    _c("temperature", "x"), _c("temperature", -1), _c("temperature", True), _c("temperature", []),
+    _c("foo", 1, needle="unknown field"),
+    _c("temperatur", 0.5, needle="unknown field"),
+    _c("functions", [{"name": "f"}], needle="unknown field"),
+    _c("service_tier", "auto", needle="unknown field"),
+    _c("seed", -1),
+    _c("seed", 2**64),
+    _c("seed", 2**70),
+    _c("seed", "7"),
+    _c("seed", 1.5),
+    _c("seed", True),
+    _c("temperature", "x"),
+    _c("temperature", -1),
+    _c("temperature", True),
+    _c("temperature", []),
     _c("temperature", 1e7),
     _raw(b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
     _raw(b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', "temperature"),
-    _c("top_p", 1.5), _c("top_p", -0.1), _c("top_p", "1"),
+    _c("top_p", 1.5),
+    _c("top_p", -0.1),
+    _c("top_p", "1"),
     _raw(b'{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', "top_p"),
-    _c("top_k", -1), _c("top_k", 1.5), _c("top_k", "3"), _c("top_k", 2**40),
-    _c("min_p", 2), _c("min_p", -1),
-    _c("max_tokens", 0), _c("max_tokens", -5), _c("max_tokens", "9"), _c("max_tokens", 2**70), _c("max_tokens", 1.0),
-    _c("max_tokens", 5000, needle="context"), _c("max_completion_tokens", "x"),
-    _c("stop", [""]), _c("stop", 5), _c("stop", [1]), _c("stop", ["a"] * 17), _c("stop", "x" * 2000),
-    _c("stream", "yes"), _c("stream", 1),
-    _c("stream_options", "x"), _c("stream_options", {"include_usage": "yes"}, "stream_options.include_usage"),
+    _c("top_k", -1),
+    _c("top_k", 1.5),
+    _c("top_k", "3"),
+    _c("top_k", 2**40),
+    _c("min_p", 2),
+    _c("min_p", -1),
+    _c("max_tokens", 0),
+    _c("max_tokens", -5),
+    _c("max_tokens", "9"),
+    _c("max_tokens", 2**70),
+    _c("max_tokens", 1.0),
+    _c("max_tokens", 5000, needle="context"),
+    _c("max_completion_tokens", "x"),
+    _c("stop", [""]),
+    _c("stop", 5),
+    _c("stop", [1]),
+    _c("stop", ["a"] * 17),
+    _c("stop", "x" * 2000),
+    _c("stream", "yes"),
+    _c("stream", 1),
+    _c("stream_options", "x"),
+    _c("stream_options", {"include_usage": "yes"}, "stream_options.include_usage"),
     _c("stream_options", {"foo": True}, "stream_options.foo"),
-    _c("n", 2), _c("n", "1"), _c("n", 0),
-    _c("tools", "x"), _c("tools", [1], "tools[0]"), _c("tools", [{"type": "function"}], "tools[0].function"),
+    _c("n", 2),
+    _c("n", "1"),
+    _c("n", 0),
+    _c("tools", "x"),
+    _c("tools", [1], "tools[0]"),
+    _c("tools", [{"type": "function"}], "tools[0].function"),
     _c("tools", [{"type": "function", "function": {}}], "tools[0].function.name"),
     _c("tools", [{"type": "func", "function": {"name": "a"}}], "tools[0].type"),
     _c("tools", [{"type": "function", "function": {"name": "a", "parameters": "x"}}], "tools[0].function.parameters"),
     _c("tools", [{"type": "function", "function": {"name": "a", "extra": 1}}], "tools[0].function.extra"),
     _c("tools", [{"type": "function", "function": {"name": "a"}, "x": 1}], "tools[0].x"),
     _c("tools", [{"type": "function", "function": {"name": "a", "strict": True}}], "tools[0].function.strict", NOT_YET),
-    _c("tool_choice", "sometimes"), _c("tool_choice", 5), _c("tool_choice", "required", needle=NOT_YET),
+    _c("tool_choice", "sometimes"),
+    _c("tool_choice", 5),
+    _c("tool_choice", "required", needle=NOT_YET),
     _c("tool_choice", {"type": "function", "function": {"name": "a"}}, needle=NOT_YET),
-    _c("parallel_tool_calls", "x"), _c("parallel_tool_calls", False, needle=NOT_YET),
-    _c("logprobs", 1), _c("logprobs", "x"),
-    _c("top_logprobs", 5, needle="needs logprobs: true"), _c("top_logprobs", -1), _c("top_logprobs", "x"),
-    _c("frequency_penalty", "x"), _c("frequency_penalty", 3), _c("frequency_context_size", 0),
+    _c("parallel_tool_calls", "x"),
+    _c("parallel_tool_calls", False, needle=NOT_YET),
+    _c("logprobs", 1),
+    _c("logprobs", "x"),
+    _c("top_logprobs", 5, needle="needs logprobs: true"),
+    _c("top_logprobs", -1),
+    _c("top_logprobs", "x"),
+    _c("frequency_penalty", "x"),
+    _c("frequency_penalty", 3),
+    _c("frequency_context_size", 0),
     _raw(b'{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": NaN}', "frequency_penalty"),
-    _c("presence_context_size", 1.5), _c("presence_penalty", [0]),
-    _c("repetition_penalty", "x"), _c("repetition_penalty", 1e7), _c("repetition_penalty", -1),
+    _c("presence_context_size", 1.5),
+    _c("presence_penalty", [0]),
+    _c("repetition_penalty", "x"),
+    _c("repetition_penalty", 1e7),
+    _c("repetition_penalty", -1),
     _c("top_logprobs", 21),
-    _c("repetition_context_size", -1), _c("repetition_context_size", "x"),
-    _c("logit_bias", "garbage"), _c("logit_bias", [1]), _c("logit_bias", {"abc": 1}),
-    _c("logit_bias", {"999999999": 1}), _c("logit_bias", {"5": 1000}), _c("logit_bias", {"5": "x"}),
+    _c("repetition_context_size", -1),
+    _c("repetition_context_size", "x"),
+    _c("logit_bias", "garbage"),
+    _c("logit_bias", [1]),
+    _c("logit_bias", {"abc": 1}),
+    _c("logit_bias", {"999999999": 1}),
+    _c("logit_bias", {"5": 1000}),
+    _c("logit_bias", {"5": "x"}),
     _c("logit_bias", {"-5": 1}),
-    _c("response_format", "json"), _c("response_format", {"type": "xml"}),
+    _c("response_format", "json"),
+    _c("response_format", {"type": "xml"}),
     _c("response_format", {"type": "json_object"}, needle=NOT_YET),
-    _c("chat_template_kwargs", "x"), _c("chat_template_kwargs", {"foo": 1}, "chat_template_kwargs.foo"),
+    _c("chat_template_kwargs", "x"),
+    _c("chat_template_kwargs", {"foo": 1}, "chat_template_kwargs.foo"),
     _c("chat_template_kwargs", {"enable_thinking": "yes"}, "chat_template_kwargs.enable_thinking"),
-    _c("xtc_probability", 0.5, needle=NOT_YET), _c("xtc_threshold", 2),
-    _c("model", 5), _c("user", 5), _c("model", {}), _c("user", ["a"]), _c("stop", []), _c("stream_options", []),
-    _c("top_k", True), _c("min_p", "x"),
-    _c("messages", "hi"), _c("messages", []), _c("messages", [1], "messages[0]"),
+    _c("xtc_probability", 0.5, needle=NOT_YET),
+    _c("xtc_threshold", 2),
+    _c("model", 5),
+    _c("user", 5),
+    _c("model", {}),
+    _c("user", ["a"]),
+    _c("stop", []),
+    _c("stream_options", []),
+    _c("top_k", True),
+    _c("min_p", "x"),
+    _c("messages", "hi"),
+    _c("messages", []),
+    _c("messages", [1], "messages[0]"),
     _c("messages", [{"role": "wizard", "content": "x"}], "messages[0].role"),
     _c("messages", [{"role": "user"}], "messages[0].content"),
     _c("messages", [{"role": "user", "content": 5}], "messages[0].content"),
-    _c("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-       "messages[0].content[0]"),
-    _c("messages", [{"role": "assistant", "content": None,
-                     "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}],
-       "messages[0].tool_calls[0].function.arguments"),
-    _c("messages", [{"role": "assistant", "content": None,
-                     "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}],
-       "messages[0].tool_calls[0].function.arguments"),
+    _c(
+        "messages",
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        "messages[0].content[0]",
+    ),
+    _c(
+        "messages",
+        [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}],
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    _c(
+        "messages",
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}],
+            }
+        ],
+        "messages[0].tool_calls[0].function.arguments",
+    ),
     _raw(b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content", "surrogate"),
     _raw(b'{"messages": [{"role": "user", "content": "ok", "name": "\\udfff"}]}', "messages[0].name", "surrogate"),
     _raw(b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', None, "surrogate"),
-    _raw(b"{not json"), _raw(b"[1, 2]"), _raw(b"\xff\xfe{}"), _raw(b""), _raw(b"null"),
-    _raw(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_tokens": 3}', None,
-         "duplicate JSON key 'max_tokens'"),
+    _raw(b"{not json"),
+    _raw(b"[1, 2]"),
+    _raw(b"\xff\xfe{}"),
+    _raw(b""),
+    _raw(b"null"),
+    _raw(
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_tokens": 3}',
+        None,
+        "duplicate JSON key 'max_tokens'",
+    ),
     _raw(b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, "nested deeper"),
-    _raw(b'{"messages": [{"role": "user", "content": "x", "name": ' + b"[" * 80 + b"]" * 80 + b"}]}", None,
-         "nested deeper"),
+    _raw(
+        b'{"messages": [{"role": "user", "content": "x", "name": ' + b"[" * 80 + b"]" * 80 + b"}]}",
+        None,
+        "nested deeper",
+    ),
     # /v1/completions
-    _raw({"prompt": ""}, "prompt", endpoint="completions"), _raw({"prompt": []}, "prompt", endpoint="completions"),
+    _raw({"prompt": ""}, "prompt", endpoint="completions"),
+    _raw({"prompt": []}, "prompt", endpoint="completions"),
     _raw({"prompt": [1, -3]}, "prompt", endpoint="completions"),
-    _raw({"prompt": [2**70]}, "prompt", endpoint="completions"), _raw({"prompt": 5}, "prompt", endpoint="completions"),
-    _raw({}, "prompt", endpoint="completions"), _raw({"prompt": [[1, 2]]}, "prompt", endpoint="completions"),
+    _raw({"prompt": [2**70]}, "prompt", endpoint="completions"),
+    _raw({"prompt": 5}, "prompt", endpoint="completions"),
+    _raw({}, "prompt", endpoint="completions"),
+    _raw({"prompt": [[1, 2]]}, "prompt", endpoint="completions"),
     _raw({"prompt": ["a", "b"]}, "prompt", endpoint="completions"),
     _raw({"prompt": [True]}, "prompt", endpoint="completions"),
     _raw({"prompt": "x", "echo": True}, "echo", NOT_YET, endpoint="completions"),
@@ -233,13 +337,38 @@ def test_request_fuzz_set_then_a_normal_request(server):
     assert not failures, "\n".join(map(str, failures))
     assert len(CASES) >= 140
     # The body cap is checked from the declared length, before the body is read.
-    assert _request(server, "POST", "/v1/chat/completions", b"x" * 100, headers={"Content-Length": str(10**9)})[0] == 413
+    assert (
+        _request(server, "POST", "/v1/chat/completions", b"x" * 100, headers={"Content-Length": str(10**9)})[0] == 413
+    )
     assert _ok_text(server) == before
     _log_is_clean(server)
 
 
-HOSTILE_VALUES = [None, True, False, 0, -1, 1, 2, 2**70, -2**70, 1.5, -0.5, "", "x", "\ud800", [], [1], ["a"],
-                  {}, {"a": 1}, {"type": "function"}, [[[[[]]]]], "a" * 5000, 1e308]
+HOSTILE_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    2**70,
+    -(2**70),
+    1.5,
+    -0.5,
+    "",
+    "x",
+    "\ud800",
+    [],
+    [1],
+    ["a"],
+    {},
+    {"a": 1},
+    {"type": "function"},
+    [[[[[]]]]],
+    "a" * 5000,
+    1e308,
+]
 FIELDS = sorted({k for _, b, *_ in CASES if isinstance(b, dict) for k in b} | {"nonsense", "Messages"})
 
 
@@ -271,8 +400,9 @@ def test_a_4mb_request_does_not_stall_health(server):
 
     def big():
         tic = time.monotonic()
-        result["status"] = _chat(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 1},
-                                 timeout=300)[0]
+        result["status"] = _chat(
+            server, {"messages": [{"role": "user", "content": content}], "max_tokens": 1}, timeout=300
+        )[0]
         result["seconds"] = time.monotonic() - tic
 
     t = threading.Thread(target=big)
@@ -292,8 +422,11 @@ def test_a_4mb_request_does_not_stall_health(server):
 def test_client_disconnect_mid_body_is_not_a_500(server):
     for _ in range(3):
         s = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Authorization: Bearer {KEY}\r\nContent-Length: 100000\r\n\r\n".encode() + b'{"messages": [')
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: 100000\r\n\r\n".encode()
+            + b'{"messages": ['
+        )
         time.sleep(0.2)
         s.close()
     time.sleep(0.5)
@@ -305,8 +438,11 @@ def test_client_disconnect_mid_body_is_not_a_500(server):
 def _streaming_request(port, body, key):
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
     data = json.dumps(body).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -378,10 +514,12 @@ def test_api_key_sources_are_exclusive_and_checked(tmp_path):
     f.write_text("  s3cret\n")
     assert key(["--api-key-file", str(f)]) == "s3cret"
     assert key([], {"HEBRUS_MLX_API_KEY": "e"}) == "e" and key([]) is None
-    for argv, env, flag in ((["--api-key", "a", "--api-key-file", str(f)], {}, "--api-key-file"),
-                            (["--api-key-file", str(f)], {"HEBRUS_MLX_API_KEY": "e"}, "HEBRUS_MLX_API_KEY"),
-                            (["--api-key-file", str(tmp_path / "missing")], {}, "--api-key-file"),
-                            ([], {"HEBRUS_MLX_API_KEY": "two words"}, "HEBRUS_MLX_API_KEY")):
+    for argv, env, flag in (
+        (["--api-key", "a", "--api-key-file", str(f)], {}, "--api-key-file"),
+        (["--api-key-file", str(f)], {"HEBRUS_MLX_API_KEY": "e"}, "HEBRUS_MLX_API_KEY"),
+        (["--api-key-file", str(tmp_path / "missing")], {}, "--api-key-file"),
+        ([], {"HEBRUS_MLX_API_KEY": "two words"}, "HEBRUS_MLX_API_KEY"),
+    ):
         with pytest.raises(UsageError) as e:
             key(argv, env)
         assert e.value.field == flag, (argv, e.value)
@@ -393,10 +531,11 @@ def test_api_key_sources_are_exclusive_and_checked(tmp_path):
 def test_hostile_template_at_the_server_is_a_4xx_quickly():
     """The digest-valid nested-loop template behind the real App: a 400 naming the template's
     limit within seconds, and the server keeps answering."""
+    from scripted_server import scripted_worker, serving
+
     from hebrus_mlx.loader import DEMO_DIR
     from hebrus_mlx.server import Worker
     from hebrus_mlx.text.tokenizer import load_tokenizer
-    from scripted_server import scripted_worker, serving
 
     tok = load_tokenizer(DEMO_DIR, 4224)
     tok.chat_template = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
@@ -432,8 +571,12 @@ def test_sigterm_with_requests_in_prep_and_generation_exits_within_one_grace_per
                 results[name] = (repr(e), time.monotonic() - tic)
 
         threads = [threading.Thread(target=send, args=("gen", {"messages": MSG, "max_tokens": 3000}))]
-        threads += [threading.Thread(target=send, args=(f"big{i}", {"messages": [{"role": "user", "content": content}],
-                                                                    "max_tokens": 1})) for i in range(3)]
+        threads += [
+            threading.Thread(
+                target=send, args=(f"big{i}", {"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+            )
+            for i in range(3)
+        ]
         threads[0].start()
         deadline = time.monotonic() + 30
         while not _request(srv, "GET", "/health", key=None)[1] or not _request(srv, "GET", "/health")[1].get("busy"):
@@ -464,6 +607,7 @@ def test_the_grace_period_is_one_budget_from_the_signal():
     from types import SimpleNamespace
 
     import mlx.core  # noqa: F401  (the server module needs MLX first)
+
     from hebrus_mlx.server import App
 
     assert App.grace_left(SimpleNamespace(stop_started=None), 3.0) == 3.0

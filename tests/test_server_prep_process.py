@@ -10,25 +10,45 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 import mlx.core  # noqa: F401  (the server module needs MLX first)
-
+import pytest
 from scripted_server import scripted_worker, serving
 from test_server_hardening import SHUTDOWN, _chat, _request, _start, _stop
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+        },
+    }
+]
 CHATS = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"}]},
     {"messages": [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Bonjour é ✓"}]},
-    {"messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "2+3?"},
-                  {"role": "assistant", "content": "", "tool_calls": [
-                      {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
-                  {"role": "tool", "tool_call_id": "c1", "content": "5"}], "tools": TOOLS},
-    {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "two"}]}],
-     "chat_template_kwargs": {"enable_thinking": False}},
+    {
+        "messages": [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "2+3?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        ],
+        "tools": TOOLS,
+    },
+    {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "two"}]}
+        ],
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
     {"messages": [{"role": "user", "content": "think"}], "chat_template_kwargs": {"enable_thinking": True}},
     {"messages": [{"role": "user", "content": "long ünïcode text 🙂 " * 150}]},
 ]
@@ -48,6 +68,7 @@ def _tok():
 
 def _no_in_process(tok):
     """`tok` whose own render/encode fail: a 200 through it proves the prep process did the work."""
+
     def refuse(*a, **k):
         raise AssertionError("prepared in-process")
 
@@ -70,8 +91,15 @@ def _serve_all(tok, **app_kwargs):
             answers.append(_chat(where, dict(body, max_tokens=1), key=None))
         for prompt in ("plain <|im_start|> text", "x" * 3000):
             answers.append(_request(where, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 1}, key=None))
-        answers.append(_request(where, "POST", "/v1/responses", {"instructions": "Be terse.", "input": "Hello",
-                                                                 "max_output_tokens": 1, "store": False}, key=None))
+        answers.append(
+            _request(
+                where,
+                "POST",
+                "/v1/responses",
+                {"instructions": "Be terse.", "input": "Hello", "max_output_tokens": 1, "store": False},
+                key=None,
+            )
+        )
         children = multiprocessing.active_children()
     return worker.seen, answers, children
 
@@ -124,7 +152,7 @@ def _gone(pid, seconds):
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         try:
-            state = (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             return True
         if state == "Z":  # exited, not yet reaped by its (dead) parent's reaper
@@ -144,8 +172,10 @@ def test_the_prep_process_exits_with_the_server(tmp_path, how):
         while not (kids := _children(srv["proc"].pid)):
             assert time.monotonic() < deadline, "no prep process started"
             time.sleep(0.1)
-        assert _chat(srv, {"messages": [{"role": "user", "content": "hi " * 40000}], "max_tokens": 1},
-                     key=None)[0] in (200, 400)
+        assert _chat(srv, {"messages": [{"role": "user", "content": "hi " * 40000}], "max_tokens": 1}, key=None)[0] in (
+            200,
+            400,
+        )
         srv["proc"].send_signal(getattr(signal, how))
         assert srv["proc"].wait(SHUTDOWN + 30) is not None
         assert all(_gone(k, 5.0) for k in kids), (how, kids)
@@ -163,8 +193,12 @@ def test_typed_errors_pickle_as_they_are():
     from hebrus_mlx.text.chat_template import TemplateLimitError
     from hebrus_mlx.text.tokenizer import TokenizerError
 
-    for e in (ConfigError("x", "bad"), TemplateLimitError("stopped (TemplateLimits)"),
-              TokenizerError("tokenizer_config.eos_token", "no"), RequestError("m", "p", 413, "k")):
+    for e in (
+        ConfigError("x", "bad"),
+        TemplateLimitError("stopped (TemplateLimits)"),
+        TokenizerError("tokenizer_config.eos_token", "no"),
+        RequestError("m", "p", 413, "k"),
+    ):
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and str(back) == str(e) and back.__dict__ == e.__dict__
 

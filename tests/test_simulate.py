@@ -10,8 +10,8 @@ import re
 
 import numpy as np
 import pytest
-
 from fault_injection import FaultyEngine
+
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.simulate import command as C
@@ -100,8 +100,15 @@ def test_router_reuse_predictions_are_issued_ahead_and_wasted_ones_counted():
     assert rep.predicted_used.tolist() == pytest.approx([0, 2 / 3])
     assert rep.predicted_reads.tolist() == pytest.approx([0, 1.0])
     assert rep.precision == pytest.approx(2 / 3) and rep.predicted_wasted == pytest.approx(1 / 3)
-    p = S.project(machine(), S.ModelGeometry("hand", 2, 4, 1, R), rep, cache_gb=0, capacity=8, policy="clock",
-                  prefetch="router-reuse:1")
+    p = S.project(
+        machine(),
+        S.ModelGeometry("hand", 2, 4, 1, R),
+        rep,
+        cache_gb=0,
+        capacity=8,
+        policy="clock",
+        prefetch="router-reuse:1",
+    )
     # layer 0: io(1/3); layer 1: max(io(1/3), io(4/3) - 1 ms) = 1/3 ms
     assert p.exposed_ms == pytest.approx(2 / 3)
     with pytest.raises(UsageError, match="predicted sets"):
@@ -140,13 +147,12 @@ def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
     for t in range(T):
         for l in range(L):
             if prefetch == "previous" and t > 0:
-                mx.eval(eng.prefetch(table, mx.array((topk[t - 1, l] + l * E).astype(np.uint32)), priority=1,
-                                     layer=l))
+                mx.eval(eng.prefetch(table, mx.array((topk[t - 1, l] + l * E).astype(np.uint32)), priority=1, layer=l))
                 idle()
             rows_, lease = eng.resolve(table, mx.array((topk[t, l] + l * E).astype(np.uint32))[None], layer=l)
             mx.eval(rows_)  # pinned
             if pred is not None and l + 1 < L:  # router-reuse:1, while layer l's rows are pinned
-                ids = np.where(pred[t, l + 1] < 0, 2 ** 32 - 1, pred[t, l + 1] + (l + 1) * E)  # -1: skipped
+                ids = np.where(pred[t, l + 1] < 0, 2**32 - 1, pred[t, l + 1] + (l + 1) * E)  # -1: skipped
                 mx.eval(eng.prefetch(table, mx.array(ids.astype(np.uint32)), priority=1, layer=l + 1))
                 idle()
             mx.eval(eng.release_after(rows_, lease))
@@ -155,8 +161,9 @@ def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
     return c
 
 
-@pytest.mark.parametrize("policy, prefetch", [("clock", "off"), ("clock", "previous"), ("lru", "previous"),
-                                              ("clock", "router-reuse:1")])
+@pytest.mark.parametrize(
+    "policy, prefetch", [("clock", "off"), ("clock", "previous"), ("lru", "previous"), ("clock", "router-reuse:1")]
+)
 def test_arena_replay_matches_the_engine_record_for_record(policy, prefetch, tmp_path):
     """The replay's arena against metal_ext's: same routes, same rows, same policy and staging ->
     the same exact misses, predicted reads and predicted hits (an independent implementation:
@@ -212,8 +219,18 @@ def test_speculative_steps_and_union():
     assert S.union_factor(topk, 0) == 1.0
     g = S.ModelGeometry("hand", 1, 4, 1, R)
     rep = S.replay(topk, 4, 4, "lru", warm=topk)  # everything cached
-    p = S.project(machine(), g, rep, cache_gb=0, capacity=4, policy="lru", prefetch="off", draft_depth=1,
-                  acceptance=0.5, union=0.75)
+    p = S.project(
+        machine(),
+        g,
+        rep,
+        cache_gb=0,
+        capacity=4,
+        policy="lru",
+        prefetch="off",
+        draft_depth=1,
+        acceptance=0.5,
+        union=0.75,
+    )
     assert p.token_ms == pytest.approx(1.0 * 1.15 / 1.5)
 
 
@@ -268,8 +285,25 @@ def test_a_profile_without_dense_gb_keeps_compute_and_says_so(tmp_path, capsys):
     del d["dense_gb"]
     p = tmp_path / "p.json"
     p.write_text(json.dumps(d))
-    assert cli.main(["simulate", "--profile", str(p), "--expert-bits", "2,4", "--cache-gb", "8", "--draft-depths", "0",
-                     "--quiet", "--json", str(tmp_path / "o.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "simulate",
+                "--profile",
+                str(p),
+                "--expert-bits",
+                "2,4",
+                "--cache-gb",
+                "8",
+                "--draft-depths",
+                "0",
+                "--quiet",
+                "--json",
+                str(tmp_path / "o.json"),
+            ]
+        )
+        == 0
+    )
     assert "NOT scaled with the width" in capsys.readouterr().out
     res = json.loads((tmp_path / "o.json").read_text())
     assert len({c["rows"][0]["compute_ms"] for c in res["by_codec"]}) == 1
@@ -291,8 +325,20 @@ def test_shipped_profiles_cite_their_figures_and_say_what_is_assumed():
 
 
 def test_projection_on_a_profile_runs_and_picks_the_best(capsys):
-    rc = cli.main(["simulate", "--profile", "m5-pro-64gb", "--cache-gb", "8,28", "--policies", "clock",
-                   "--draft-depths", "0", "--quiet"])
+    rc = cli.main(
+        [
+            "simulate",
+            "--profile",
+            "m5-pro-64gb",
+            "--cache-gb",
+            "8,28",
+            "--policies",
+            "clock",
+            "--draft-depths",
+            "0",
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("PROJECTION for M5 Pro 64 GB")
     best = re.search(r"recommended: --expert-cache-gb (\d+) --prefetch \S+ -> ([\d.]+) tok/s", out)
@@ -300,17 +346,24 @@ def test_projection_on_a_profile_runs_and_picks_the_best(capsys):
     assert "SYNTHETIC routes" in out and "ASSUMPTION" in out
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["--profile", "nope"], "--profile"), (["--policies", "fifo", "--cache-gb", "8"], "policy"),
-    (["--acceptance", "1.5"], "--acceptance"), (["--family", "nope"], "--family"),
-    (["--validate", "--prefetch-modes", "off,sometimes"], "--prefetch-modes"),
-    (["--validate", "--stack", "decode", "--prefetch-modes", "hyper-reuse"], "--prefetch-modes"),
-    (["--validate", "--stack", "decode", "--gen-tokens", "1"], "--gen-tokens"),
-    (["--profile", "machine", "--layer-ms", "1"], "--profile"),
-    (["--expert-bits", "7"], "--expert-bits"), (["--expert-bits", "2", "--codec", "affine2-g32"], "--expert-bits"),
-    (["--expert-bits", "two"], "--expert-bits"), (["--dense-bits", "9"], "--dense-bits"),
-    (["--codec", "affine7-g64"], "--codec"),
-])
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--profile", "nope"], "--profile"),
+        (["--policies", "fifo", "--cache-gb", "8"], "policy"),
+        (["--acceptance", "1.5"], "--acceptance"),
+        (["--family", "nope"], "--family"),
+        (["--validate", "--prefetch-modes", "off,sometimes"], "--prefetch-modes"),
+        (["--validate", "--stack", "decode", "--prefetch-modes", "hyper-reuse"], "--prefetch-modes"),
+        (["--validate", "--stack", "decode", "--gen-tokens", "1"], "--gen-tokens"),
+        (["--profile", "machine", "--layer-ms", "1"], "--profile"),
+        (["--expert-bits", "7"], "--expert-bits"),
+        (["--expert-bits", "2", "--codec", "affine2-g32"], "--expert-bits"),
+        (["--expert-bits", "two"], "--expert-bits"),
+        (["--dense-bits", "9"], "--dense-bits"),
+        (["--codec", "affine7-g64"], "--codec"),
+    ],
+)
 def test_bad_simulate_input_is_one_typed_line(argv, field, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "no-profile.json"))
     rc = cli.main(["simulate", *argv])
@@ -329,9 +382,27 @@ def test_validate_on_a_tiny_run(capsys, tmp_path):
     """The validation path end to end: routes and the engine Predictor's hinted sets recorded on
     the resident demo, the bench's streamed runs at two arena sizes for three predictors,
     predicted vs measured, the final line."""
-    rc = cli.main(["simulate", "--validate", "--model", "demo", "--rows", "8,128", "--prompt-tokens", "8",
-                   "--gen-tokens", "6", "--repeats", "1", "--quiet", "--prefetch-modes", "off,previous,hyper-reuse",
-                   "--json", str(tmp_path / "v.json")])
+    rc = cli.main(
+        [
+            "simulate",
+            "--validate",
+            "--model",
+            "demo",
+            "--rows",
+            "8,128",
+            "--prompt-tokens",
+            "8",
+            "--gen-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--quiet",
+            "--prefetch-modes",
+            "off,previous,hyper-reuse",
+            "--json",
+            str(tmp_path / "v.json"),
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 0
     m = re.match(r"validation: worst \|predicted/measured - 1\| = ([\d.]+)% over (\d+) runs \(", out[-1])
@@ -352,11 +423,44 @@ def test_simulate_reads_a_recorded_route_trace(tmp_path, capsys):
     """A trace captured by `generate --trace-out` (hebrus_mlx.traces) drives the projection; a trace
     of another geometry is refused naming --trace."""
     trace = tmp_path / "trace"
-    assert cli.main(["generate", "--model", "demo", "-p", "def f(x):", "--ignore-chat-template", "-m", "12",
-                     "--trace-out", str(trace), "--verbose", "false"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--model",
+                "demo",
+                "-p",
+                "def f(x):",
+                "--ignore-chat-template",
+                "-m",
+                "12",
+                "--trace-out",
+                str(trace),
+                "--verbose",
+                "false",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert cli.main(["simulate", "--family", "qwen4exp-demo", "--trace", str(trace), "--cache-gb", "0.001",
-                     "--policies", "lru", "--draft-depths", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "simulate",
+                "--family",
+                "qwen4exp-demo",
+                "--trace",
+                str(trace),
+                "--cache-gb",
+                "0.001",
+                "--policies",
+                "lru",
+                "--draft-depths",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"routes: trace {trace}" in out and "qwen4exp-demo (8 layers, 64 experts top-4, 16,384 B records)" in out
     assert cli.main(["simulate", "--trace", str(trace), "--cache-gb", "8"]) == 2
@@ -370,12 +474,18 @@ def _qualify_profile(tmp_path, monkeypatch, record_bytes, **machine):
 
     import mlx.core as mx
 
-    from hebrus_mlx import machine_profile as profile, qualify
+    from hebrus_mlx import machine_profile as profile
+    from hebrus_mlx import qualify
 
     path = tmp_path / "profile.json"
     monkeypatch.setenv("HEBRUS_PROFILE", str(path))
-    ident = {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
-             "mlx": mx.__version__, "metal": False}
+    ident = {
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "mlx": mx.__version__,
+        "metal": False,
+    }
     ident.update(machine)
     io = qualify.io_section(str(tmp_path), record_bytes, 16, None)
     profile.write_profile({"schema": profile.SCHEMA, "created_unix": 1764547200, "machine": ident, "io": io}, path)
@@ -401,8 +511,9 @@ def test_bench_record_probes_when_no_profile_stands_for_the_store(tmp_path, monk
     from hebrus_mlx.bench import machine as M
 
     monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "none.json"))
-    monkeypatch.setattr(M, "expert_store", lambda d: {"path": str(tmp_path / "s.bin"), "record_bytes": 4096,
-                                                       "offsets": [0, 4096]})
+    monkeypatch.setattr(
+        M, "expert_store", lambda d: {"path": str(tmp_path / "s.bin"), "record_bytes": 4096, "offsets": [0, 4096]}
+    )
     (tmp_path / "s.bin").write_bytes(bytes(8192))
     calls = []
     monkeypatch.setattr(M, "ssd_probe", lambda *a, **k: calls.append(a) or {"gbps_by_qd": {"1": 1.0}})
@@ -419,8 +530,26 @@ def test_projection_from_the_qualify_profile(tmp_path, monkeypatch, capsys):
     pread = _qualify_profile(tmp_path, monkeypatch, 2_764_800 // 64)
     assert cli.main(["simulate", "--profile", "machine", "--cache-gb", "8"]) == 2
     assert "--layer-ms:" in capsys.readouterr().err
-    assert cli.main(["simulate", "--profile", "machine", "--layer-ms", "1.0", "--cache-gb", "8", "--policies", "clock",
-                     "--draft-depths", "0", "--json", str(tmp_path / "p.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "simulate",
+                "--profile",
+                "machine",
+                "--layer-ms",
+                "1.0",
+                "--cache-gb",
+                "8",
+                "--policies",
+                "clock",
+                "--draft-depths",
+                "0",
+                "--json",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("PROJECTION for this machine (qualify profile)")
     m = json.loads((tmp_path / "p.json").read_text())["machine"]
@@ -436,9 +565,19 @@ def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):
 
     from hebrus_mlx.simulate import decode_stack as D
 
-    args = argparse.Namespace(rows="2", prefetch_modes="off,router-reuse:1", layers=2, experts=8, top_k=2,
-                              store=str(tmp_path / "experts.bin"), gen_tokens=3, repeats=1, quiet=True,
-                              stack="decode", prompt_tokens=32)
+    args = argparse.Namespace(
+        rows="2",
+        prefetch_modes="off,router-reuse:1",
+        layers=2,
+        experts=8,
+        top_k=2,
+        store=str(tmp_path / "experts.bin"),
+        gen_tokens=3,
+        repeats=1,
+        quiet=True,
+        stack="decode",
+        prompt_tokens=32,
+    )
     v = D.validate_decode(args)
     assert [r["config"] for r in v["runs"]] == ["rows=2,prefetch=off", "rows=2,prefetch=router-reuse:1"]
     assert v["probe_source"].startswith("the engine's own reads of this store")
@@ -477,8 +616,26 @@ def test_profile_ahead_predictors_are_projected_and_checked(tmp_path, capsys):
     d["synthetic_predictors"] = {"router-reuse:1": 1.0}
     p = tmp_path / "p.json"
     p.write_text(json.dumps(d))
-    assert cli.main(["simulate", "--profile", str(p), "--cache-gb", "8", "--policies", "clock", "--predictors",
-                     "synthetic", "--draft-depths", "0", "--json", str(tmp_path / "o.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "simulate",
+                "--profile",
+                str(p),
+                "--cache-gb",
+                "8",
+                "--policies",
+                "clock",
+                "--predictors",
+                "synthetic",
+                "--draft-depths",
+                "0",
+                "--json",
+                str(tmp_path / "o.json"),
+            ]
+        )
+        == 0
+    )
     rows = {r["prefetch"]: r for r in json.loads((tmp_path / "o.json").read_text())["rows"]}
     assert set(rows) == {"off", "previous", "router-reuse:1"}
     assert rows["router-reuse:1"]["exposed_ms"] < rows["previous"]["exposed_ms"]

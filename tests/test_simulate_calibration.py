@@ -39,8 +39,9 @@ def test_the_check_the_readers_pay_is_chosen():
 
 def _replay(demand, used, reads, hits):
     L = len(demand)
-    return S.Replay(10, np.array(demand, float), np.array(used, float), np.array(reads, float), L * 4,
-                    predicted_hits=hits)
+    return S.Replay(
+        10, np.array(demand, float), np.array(used, float), np.array(reads, float), L * 4, predicted_hits=hits
+    )
 
 
 def test_predicted_reads_land_when_the_disk_has_served_them():
@@ -86,8 +87,18 @@ def test_with_a_draft_model_an_ahead_predictor_reads_like_prefetch_off():
     topk = np.stack([np.stack([rng.choice(16, 2, replace=False) for _ in range(3)]) for _ in range(30)])
     pred = S.synthetic_predictions(topk, 16, 0.8, 2, 1)
     g = S.ModelGeometry("hand", 3, 16, 2, R)
-    rows = S.sweep(machine(), g, topk[10:], [0.0075], ("clock",), ("off", "router-reuse:1"), (0, 2), 0.5,
-                   topk[:10], {"router-reuse:1": pred})
+    rows = S.sweep(
+        machine(),
+        g,
+        topk[10:],
+        [0.0075],
+        ("clock",),
+        ("off", "router-reuse:1"),
+        (0, 2),
+        0.5,
+        topk[:10],
+        {"router-reuse:1": pred},
+    )
     by = {(r.prefetch, r.draft_depth): r for r in rows}
     assert by["router-reuse:1", 2].tok_s == by["off", 2].tok_s
     assert by["router-reuse:1", 0].tok_s != by["off", 0].tok_s
@@ -95,13 +106,21 @@ def test_with_a_draft_model_an_ahead_predictor_reads_like_prefetch_off():
 
 def test_only_runtime_flags_are_recommended():
     mk = lambda pol, pf, tok, gb=8, d=0: S.Projection(gb, 10, pol, pf, d, 0.0, tok, 1e3 / tok, 1, 1, 0.5, 1)  # noqa: E731
-    rows = [mk("lru", "off", 30.0), mk("belady", "off", 40.0), mk("clock", "off", 20.0), mk("clock", "previous", 21.0),
-            mk("clock", "router-reuse:1", 20.99), mk("clock", "router-reuse:1", 21.0, gb=16)]
+    rows = [
+        mk("lru", "off", 30.0),
+        mk("belady", "off", 40.0),
+        mk("clock", "off", 20.0),
+        mk("clock", "previous", 21.0),
+        mk("clock", "router-reuse:1", 20.99),
+        mk("clock", "router-reuse:1", 21.0, gb=16),
+    ]
     best = P.recommend(rows)
     # clock only; within 0.5% of 21.0 the default predictor at the smaller cache wins
     assert (best.policy, best.prefetch, best.cache_gb) == ("clock", "router-reuse:1", 8)
-    assert P.flags(mk("clock", "hyper-reuse", 1, 12, 2)) == \
-        "--expert-cache-gb 12 --prefetch hyper-reuse --draft-model mtp --num-draft-tokens 2"
+    assert (
+        P.flags(mk("clock", "hyper-reuse", 1, 12, 2))
+        == "--expert-cache-gb 12 --prefetch hyper-reuse --draft-model mtp --num-draft-tokens 2"
+    )
 
 
 def test_projection_prints_labelled_columns_and_runtime_flags(capsys, tmp_path):
@@ -110,8 +129,22 @@ def test_projection_prints_labelled_columns_and_runtime_flags(capsys, tmp_path):
     d = C.load_profile("m5-pro-48gb")
     d["synthetic_routes"].update(tokens=60, warm=30)  # a short trace: the test checks the output, not numbers
     (tmp_path / "p.json").write_text(json.dumps(d))
-    rc = cli.main(["simulate", "--profile", str(tmp_path / "p.json"), "--cache-gb", "8", "--policies", "clock,lru",
-                   "--draft-depths", "0,1", "--quiet", "--check", "sha256"])
+    rc = cli.main(
+        [
+            "simulate",
+            "--profile",
+            str(tmp_path / "p.json"),
+            "--cache-gb",
+            "8",
+            "--policies",
+            "clock,lru",
+            "--draft-depths",
+            "0,1",
+            "--quiet",
+            "--check",
+            "sha256",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert P.COLUMNS in out and "SHA-256 at 2 GB/s per reader core" in out
@@ -121,13 +154,16 @@ def test_projection_prints_labelled_columns_and_runtime_flags(capsys, tmp_path):
     assert "comparison only (no flag selects policy lru)" in out
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["--check", "fast", "--profile", "PROFILE_NO_FAST"], "--check"),
-    (["--predictors", "oracle"], "--predictors"),
-    (["--table", "/tmp/x.md", "--profile", "m5-pro-64gb"], "--table"),
-    (["--draft-depths", "-1", "--cache-gb", "8"], "--draft-depths"),
-    (["--codec", "affine5-g64", "--cache-gb", "8"], "--codec"),
-])
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--check", "fast", "--profile", "PROFILE_NO_FAST"], "--check"),
+        (["--predictors", "oracle"], "--predictors"),
+        (["--table", "/tmp/x.md", "--profile", "m5-pro-64gb"], "--table"),
+        (["--draft-depths", "-1", "--cache-gb", "8"], "--draft-depths"),
+        (["--codec", "affine5-g64", "--cache-gb", "8"], "--codec"),
+    ],
+)
 def test_bad_projection_input_is_one_typed_line(argv, field, capsys, tmp_path):
     import json
 
@@ -145,7 +181,6 @@ def test_the_engine_probe_times_the_engines_own_reads(tmp_path):
     noise): one record per batch reads at ~R / 20 ms, never faster, four at once (8 threads) at
     ~4x that; hits are subtracted, every probed record was a miss."""
     import mlx.core as mx
-
     from fault_injection import FaultyEngine
 
     L, E, rec = 2, 24, 4096
@@ -184,8 +219,8 @@ def test_every_recommendable_setting_is_a_flag_generate_accepts():
     and prefetch spec; the policies no flag selects are never in a recommendation."""
     import shlex
 
-    from hebrus_mlx.generate import build_parser
     from hebrus_mlx.cli_args import prefetch_from_args
+    from hebrus_mlx.generate import build_parser
 
     parser = build_parser()
     for pf in P.RUNTIME_PREFETCH:
@@ -194,22 +229,41 @@ def test_every_recommendable_setting_is_a_flag_generate_accepts():
             args = parser.parse_args(["--model", "demo", "-p", "x"] + shlex.split(P.flags(p)))
             assert args.expert_cache_gb == pytest.approx(30.5) and prefetch_from_args(args).name == pf
             assert (args.draft_model, args.num_draft_tokens) == (("mtp", d) if d else (None, None))
-    rows = [S.Projection(8, 10, pol, "off", 0, 0.0, tok, 1e3 / tok, 1, 1, 0.5, 1)
-            for pol, tok in (("lru", 50.0), ("lfu", 60.0), ("belady", 70.0), ("clock", 10.0))]
+    rows = [
+        S.Projection(8, 10, pol, "off", 0, 0.0, tok, 1e3 / tok, 1, 1, 0.5, 1)
+        for pol, tok in (("lru", 50.0), ("lfu", 60.0), ("belady", 70.0), ("clock", 10.0))
+    ]
     assert P.recommend(rows).policy == "clock" and P.exposed_settings(rows) == [rows[-1]]
 
 
 def test_the_validation_line_prints_its_spread(capsys):
     """The last line: worst, then min/median/max of pred/meas per run and per round, and the worst
     over arenas that hold at least one token's records (the replay is least exact below)."""
-    def run(rows, ratio, rounds):
-        return {"config": f"rows={rows}", "rows": rows, "predicted_tok_s": 1.0, "measured_tok_s": 1.0, "spread": 0.1,
-                "ratio": ratio, "ratios_by_round": rounds, "predicted_hit_rate": 0.5, "measured_hit_rate": 0.5,
-                "predicted_exposed_ms": 1.0, "measured_exposed_ms": 1.0}
 
-    v = {"machine": {"pre_router": 0.5, "ssd_gbps": {"1": 1.0}}, "compute_ms_per_token": 10.0, "repeats": 3,
-         "runs": [run(8, 1.30, [1.2, 1.3, 1.4]), run(64, 0.90, [0.8, 0.9, 1.0]), run(128, 1.05, [1.0, 1.05, 1.1])],
-         "worst": 0.30, "token_records": 32, "load_average": [(1.0, 1.0, 1.0), (2.0, 2.0, 2.0)]}
+    def run(rows, ratio, rounds):
+        return {
+            "config": f"rows={rows}",
+            "rows": rows,
+            "predicted_tok_s": 1.0,
+            "measured_tok_s": 1.0,
+            "spread": 0.1,
+            "ratio": ratio,
+            "ratios_by_round": rounds,
+            "predicted_hit_rate": 0.5,
+            "measured_hit_rate": 0.5,
+            "predicted_exposed_ms": 1.0,
+            "measured_exposed_ms": 1.0,
+        }
+
+    v = {
+        "machine": {"pre_router": 0.5, "ssd_gbps": {"1": 1.0}},
+        "compute_ms_per_token": 10.0,
+        "repeats": 3,
+        "runs": [run(8, 1.30, [1.2, 1.3, 1.4]), run(64, 0.90, [0.8, 0.9, 1.0]), run(128, 1.05, [1.0, 1.05, 1.1])],
+        "worst": 0.30,
+        "token_records": 32,
+        "load_average": [(1.0, 1.0, 1.0), (2.0, 2.0, 2.0)],
+    }
     C.print_validation(v)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("validation: worst |predicted/measured - 1| = 30.0% over 3 runs (")

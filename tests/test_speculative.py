@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from hebrus_mlx.generate import generate_step, speculative_generate_step, stream_generate
+from hebrus_mlx.loader import DEMO_DIR, load
 from hebrus_mlx.sample_utils import make_sampler
 from hebrus_mlx.speculative import DRAFTERS, CompatibilityError, DrafterError, Proposal, SpeculativeStats, make_drafter
 from hebrus_mlx.speculative import protocol as P
 from hebrus_mlx.speculative.drafters import DraftModelDrafter, NGramDrafter, load_draft_model
-from hebrus_mlx.testing.drafters import OracleDrafter
 from hebrus_mlx.speculative.governor import FixedSchedule
-from hebrus_mlx.loader import DEMO_DIR, load
+from hebrus_mlx.testing.drafters import OracleDrafter
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a"
 N = 24
@@ -39,7 +39,9 @@ def demo():
 def plain(demo):
     model, tok = demo
     ids = tok.encode(CODE)
-    out = [t for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=tok.effective_vocab_size, max_tokens=N)]
+    out = [
+        t for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=tok.effective_vocab_size, max_tokens=N)
+    ]
     return ids, out
 
 
@@ -65,9 +67,19 @@ class Garbage(NGramDrafter):
 
 def _spec(model, tok, ids, drafter, n, **kw):
     stats = SpeculativeStats()
-    out = [t for t, _, _ in speculative_generate_step(
-        mx.array(ids), model, drafter, effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
-        num_draft_tokens=n, stats=stats, **kw)]
+    out = [
+        t
+        for t, _, _ in speculative_generate_step(
+            mx.array(ids),
+            model,
+            drafter,
+            effective_vocab_size=tok.effective_vocab_size,
+            max_tokens=N,
+            num_draft_tokens=n,
+            stats=stats,
+            **kw,
+        )
+    ]
     return out, stats
 
 
@@ -97,8 +109,17 @@ def test_greedy_identical_with_governor_and_draft_model(demo, plain):
 def test_generate_step_takes_a_drafter(demo, plain):
     model, tok = demo
     ids, want = plain
-    got = [t for t, _ in generate_step(mx.array(ids), model, effective_vocab_size=tok.effective_vocab_size,
-                                       max_tokens=N, draft_model=Perturbed(want), num_draft_tokens=2)]
+    got = [
+        t
+        for t, _ in generate_step(
+            mx.array(ids),
+            model,
+            effective_vocab_size=tok.effective_vocab_size,
+            max_tokens=N,
+            draft_model=Perturbed(want),
+            num_draft_tokens=2,
+        )
+    ]
     assert got == want
     with pytest.raises(DrafterError, match="draft_model"):
         next(generate_step(mx.array(ids), model, effective_vocab_size=tok.effective_vocab_size, draft_model="ngram"))
@@ -108,8 +129,11 @@ def test_stream_generate_marks_drafted_tokens(demo, plain):
     model, tok = demo
     ids, want = plain
     stats = SpeculativeStats()
-    rs = list(stream_generate(model, tok, ids, max_tokens=N, draft_model=OracleDrafter(want),
-                              num_draft_tokens=3, speculative_stats=stats))
+    rs = list(
+        stream_generate(
+            model, tok, ids, max_tokens=N, draft_model=OracleDrafter(want), num_draft_tokens=3, speculative_stats=stats
+        )
+    )
     assert [r.token for r in rs] == want
     assert sum(r.from_draft for r in rs) == stats.accepted > 0
     assert stats.summary().startswith(f"Speculative: accepted {stats.accepted}/{stats.drafted} draft tokens")
@@ -150,7 +174,7 @@ def test_hidden_rows_are_predecessor_states(demo, plain):
     for accepted, hid in rec.commits[1:]:
         assert hid.shape == (len(accepted), D)
         # hidden[j] is h at the position of accepted[j]'s predecessor.
-        np.testing.assert_allclose(np.array(hid), h[pos - 1: pos - 1 + len(accepted)], atol=2e-4)
+        np.testing.assert_allclose(np.array(hid), h[pos - 1 : pos - 1 + len(accepted)], atol=2e-4)
         pos += len(accepted)
 
 
@@ -183,16 +207,27 @@ def test_golden_replay_zero_partial_full_and_rollback(demo, plain):
         assert cache.digest() == ref.digest()
         y = bonus
 
-    trace = {"header": P.target_contract(model), "prompt": ids,
-             "steps": [{"path": p, "candidates": c} for p, c, _, _ in steps]}
+    trace = {
+        "header": P.target_contract(model),
+        "prompt": ids,
+        "steps": [{"path": p, "candidates": c} for p, c, _, _ in steps],
+    }
     replayed = P.replay(model, trace, V)
     assert [(s.accepted, s.bonus) for s in replayed] == [(a, b) for _, _, a, b in steps]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("target_revision", "0" * 64), ("vocab_size", 4225), ("hidden_shape", [256]),
-    ("captured_stage", "layers.6.output.pre_mixer"),
-    ("owner", 7), ("generation", 3), ("schema_version", 2)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("target_revision", "0" * 64),
+        ("vocab_size", 4225),
+        ("hidden_shape", [256]),
+        ("captured_stage", "layers.6.output.pre_mixer"),
+        ("owner", 7),
+        ("generation", 3),
+        ("schema_version", 2),
+    ],
+)
 def test_replay_refuses_foreign_trace(demo, plain, field, value):
     model, tok = demo
     ids, _ = plain
@@ -223,8 +258,9 @@ def test_streamed_5pct_greedy_identical_and_tickets_retired(plain):
 
     if not se.available():
         pytest.skip("extension not built")
-    from hebrus_mlx.stream.errors import StreamError, translate
     from test_stream_model import _cache_gb
+
+    from hebrus_mlx.stream.errors import StreamError, translate
 
     gb, _ = _cache_gb(str(DEMO_DIR))
     model, tok = load("demo", expert_cache_gb=gb)
@@ -345,9 +381,19 @@ def test_sampled_generation_follows_target_end_to_end():
     runs = 150
     for _ in range(runs):
         drafter = DraftModelDrafter(model, V, qdist)
-        out = [t for t, _, _ in speculative_generate_step(
-            mx.array(prompt), model, drafter, effective_vocab_size=V, max_tokens=3, sampler=target,
-            num_draft_tokens=2, governor=None)]
+        out = [
+            t
+            for t, _, _ in speculative_generate_step(
+                mx.array(prompt),
+                model,
+                drafter,
+                effective_vocab_size=V,
+                max_tokens=3,
+                sampler=target,
+                num_draft_tokens=2,
+                governor=None,
+            )
+        ]
         counts[tuple(out)] += 1
     obs = np.array([counts[k] for k in keys], dtype=float)
     exp = np.array([exact[k] for k in keys]) * runs
@@ -384,9 +430,17 @@ def _tiny_mlx_lm_draft(dirpath: Path):
     from mlx_lm.models import llama
     from mlx_lm.utils import save_config
 
-    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 4224,
-           "tie_word_embeddings": False}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 4224,
+        "tie_word_embeddings": False,
+    }
     dirpath.mkdir(parents=True, exist_ok=True)
     mx.random.seed(4)
     m = llama.Model(llama.ModelArgs.from_dict(cfg))
@@ -435,8 +489,11 @@ def test_draft_model_gate_names_the_field(demo, tmp_path):
         g["eos_token_id"] = [4096, 4097, 4098]  # one more stop token
         (d / "generation_config.json").write_text(json.dumps(g))
 
-    for name, edit, field in (("vocab", swap_ids, "tokenizer.vocab"), ("wide", wider, "vocab_size"),
-                              ("eos", other_eos, "stop_token_ids")):
+    for name, edit, field in (
+        ("vocab", swap_ids, "tokenizer.vocab"),
+        ("wide", wider, "vocab_size"),
+        ("eos", other_eos, "stop_token_ids"),
+    ):
         with pytest.raises(CompatibilityError, match=f"draft_model: {field}"):
             load_draft_model(variant(name, edit), tok, model.args.vocab_size)
 
@@ -454,8 +511,12 @@ def test_drafter_registry_and_typed_errors(demo, monkeypatch):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", "demo", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_speculative_stats_and_errors(demo):
@@ -466,9 +527,11 @@ def test_cli_speculative_stats_and_errors(demo):
     text = r.stdout.split("=" * 10)[1].strip("\n")
     assert text == generate(*demo, demo[1].encode(CODE), max_tokens=12)  # plain decoding's text
     assert "Speculative: accepted " in r.stdout and "tokens per verify step" in r.stdout
-    for args, field in ((("--draft-model", "/nonexistent/x"), "draft_model"),
-                        (("--num-draft-tokens", "2"), "--num-draft-tokens"),
-                        (("--draft-model", "ngram", "--num-draft-tokens", "0"), "--num-draft-tokens")):
+    for args, field in (
+        (("--draft-model", "/nonexistent/x"), "draft_model"),
+        (("--num-draft-tokens", "2"), "--num-draft-tokens"),
+        (("--draft-model", "ngram", "--num-draft-tokens", "0"), "--num-draft-tokens"),
+    ):
         r = _cli("-p", "x", *args)
         assert r.returncode == 2 and field in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert r.stdout == "", r.stdout
@@ -485,8 +548,9 @@ def test_cost_model_is_h7_when_io_bound():
     k, layers, miss, read = 10, 8, 1.0, 1e-3
 
     def model(unique):
-        return CostModel(accept=[1.0] * 4, step_s=layers * k * miss * read, unique=unique, layers=layers,
-                         miss_rate=miss, read_s=read)
+        return CostModel(
+            accept=[1.0] * 4, step_s=layers * k * miss * read, unique=unique, layers=layers, miss_rate=miss, read_s=read
+        )
 
     # tau(B) = B + 1; speed ~ (B+1) / U(B+1): 1/10, 2/14, 3/30, 4/45, 5/60 -> B = 1.
     m = model([10, 14, 30, 45, 60])
@@ -592,8 +656,9 @@ def test_governor_backs_off_from_a_losing_drafter():
     from hebrus_mlx.speculative import Governor
 
     gov = Governor(4, explore_every=8)
-    choices = _feed(gov, 400, lambda b: 0, 0.010, lambda n: 0.010 + 0.002 * (n - 1),
-                    lambda t: np.zeros((2, 4), dtype=np.int64))
+    choices = _feed(
+        gov, 400, lambda b: 0, 0.010, lambda n: 0.010 + 0.002 * (n - 1), lambda t: np.zeros((2, 4), dtype=np.int64)
+    )
     late = choices[3:]
     assert sum(b == 0 for b in late) >= 0.97 * len(late)
     probes = [i for i, b in enumerate(choices) if i >= 3 and b > 0]
@@ -606,8 +671,14 @@ SCHEDULE = [2, 0, 0, 3, 0, 1, 0, 0, 0, 4, 1, 0]
 
 def _drafters(model, tok, want, draft_model=None):
     """Every drafter kind; the draft model is `draft_model` (default: the target itself)."""
-    return [NGramDrafter(), OracleDrafter(want), Perturbed(want), Garbage(), make_drafter("mtp", model, tok),
-            DraftModelDrafter(draft_model or model, tok.effective_vocab_size)]
+    return [
+        NGramDrafter(),
+        OracleDrafter(want),
+        Perturbed(want),
+        Garbage(),
+        make_drafter("mtp", model, tok),
+        DraftModelDrafter(draft_model or model, tok.effective_vocab_size),
+    ]
 
 
 def test_greedy_identical_across_plain_and_block_switches(demo, plain):
@@ -615,9 +686,19 @@ def test_greedy_identical_across_plain_and_block_switches(demo, plain):
     ids, want = plain
     for drafter in _drafters(model, tok, want):
         stats = SpeculativeStats()
-        got = [t for t, _, _ in speculative_generate_step(
-            mx.array(ids), model, drafter, effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
-            num_draft_tokens=4, governor=FixedSchedule(SCHEDULE, repeat=True), stats=stats)]
+        got = [
+            t
+            for t, _, _ in speculative_generate_step(
+                mx.array(ids),
+                model,
+                drafter,
+                effective_vocab_size=tok.effective_vocab_size,
+                max_tokens=N,
+                num_draft_tokens=4,
+                governor=FixedSchedule(SCHEDULE, repeat=True),
+                stats=stats,
+            )
+        ]
         assert got == want, drafter.name
         assert stats.block_sizes.get(0, 0) > 0 and stats.verify_steps > 0, (drafter.name, stats.block_sizes)
 
@@ -630,8 +711,15 @@ def test_plain_steps_are_pipelined(demo, plain):
     cache = model.make_cache()
     seen = []
     for _t, _, _from_draft in speculative_generate_step(
-            mx.array(ids), model, Garbage(), effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
-            num_draft_tokens=3, governor=FixedSchedule([0, 0, 0, 0, 2], repeat=True), prompt_cache=cache):
+        mx.array(ids),
+        model,
+        Garbage(),
+        effective_vocab_size=tok.effective_vocab_size,
+        max_tokens=N,
+        num_draft_tokens=3,
+        governor=FixedSchedule([0, 0, 0, 0, 2], repeat=True),
+        prompt_cache=cache,
+    ):
         seen.append(cache.next_position - len(ids) - len(seen))  # inputs fed past this token
     # Token 0 comes from the prefill. Tokens 1..3 are plain with a plain successor: already fed (1);
     # token 4 is plain but the next step is a block (0); the block's bonus token 5 is not fed (0).
@@ -643,9 +731,18 @@ def test_governor_falls_back_on_the_demo(demo, plain):
     model, tok = demo
     ids, want = plain
     stats = SpeculativeStats()
-    got = [t for t, _, _ in speculative_generate_step(
-        mx.array(ids), model, Garbage(), effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
-        num_draft_tokens=4, stats=stats)]
+    got = [
+        t
+        for t, _, _ in speculative_generate_step(
+            mx.array(ids),
+            model,
+            Garbage(),
+            effective_vocab_size=tok.effective_vocab_size,
+            max_tokens=N,
+            num_draft_tokens=4,
+            stats=stats,
+        )
+    ]
     assert got == want
     assert stats.block_sizes.get(0, 0) >= 0.75 * N and stats.verify_steps <= 3, stats.block_sizes
 
@@ -667,9 +764,19 @@ def test_streamed_5pct_greedy_identical_across_switches(demo, plain):
         for drafter in _drafters(model, tok, want, draft_model=demo[0]):
             for gov in (FixedSchedule(SCHEDULE, repeat=True), "auto"):
                 stats = SpeculativeStats()
-                got = [t for t, _, _ in speculative_generate_step(
-                    mx.array(ids), model, drafter, effective_vocab_size=tok.effective_vocab_size, max_tokens=N,
-                    num_draft_tokens=4, governor=gov, stats=stats)]
+                got = [
+                    t
+                    for t, _, _ in speculative_generate_step(
+                        mx.array(ids),
+                        model,
+                        drafter,
+                        effective_vocab_size=tok.effective_vocab_size,
+                        max_tokens=N,
+                        num_draft_tokens=4,
+                        governor=gov,
+                        stats=stats,
+                    )
+                ]
                 assert got == want, (drafter.name, gov)
                 assert stats.block_sizes.get(0, 0) > 0, (drafter.name, stats.block_sizes)
     finally:

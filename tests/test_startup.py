@@ -27,8 +27,14 @@ def test_generate_path_imports_neither_mlx_lm_nor_transformers(tmp_path):
     (MLX's kernel cache under a fresh TMPDIR stays empty: no C++ compiler before the first token)."""
     import mlx.core as mx
 
-    proc = subprocess.run([sys.executable, "-c", CHECK], env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path)),
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
     if mx.default_device() == mx.cpu:
@@ -64,8 +70,8 @@ def test_a_run_that_will_jit_compile_says_so_once_on_stderr(tmp_path, monkeypatc
     import mlx.core as mx
     import pytest
 
-    from hebrus_mlx.models.options import GraphOptions, jit_cache_dir
     from hebrus_mlx.loader import load
+    from hebrus_mlx.models.options import GraphOptions, jit_cache_dir
 
     if mx.default_device() != mx.cpu:
         pytest.skip("the C++ JIT is the CPU backend's")

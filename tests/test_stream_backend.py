@@ -12,13 +12,13 @@ import os
 import sys
 
 import pytest
-
 from fault_injection import FaultyEngine
+from stream_store import REC, random_store
+
 from hebrus_mlx import kernels
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import ShortReadError, StreamRequestError
 from hebrus_mlx.testing.stream_reference import ReferenceEngine
-from stream_store import REC, random_store
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -41,7 +41,7 @@ def read_all(eng, store_id, arena, data):
     slab, rows = [], []
     for i in range(8):
         off = i * REC
-        dig = hashlib.sha256(data[off:off + REC]).digest()
+        dig = hashlib.sha256(data[off : off + REC]).digest()
         t = eng.request(store_id, off, REC, digest=dig)
         slab.append(eng.read(t))
         eng.release(t)
@@ -90,7 +90,7 @@ def test_mtlio_refused_here_before_any_thread(store):
     ref = ReferenceEngine()
     rsid = ref.add_store(path)
     for i in range(8):
-        want = data[i * REC:(i + 1) * REC]
+        want = data[i * REC : (i + 1) * REC]
         t = ref.request(rsid, i * REC, REC)
         assert ref.read(t) == want
         assert slab[i] == want and rows[i] == want
@@ -123,7 +123,7 @@ def test_pread_fault_path_unchanged(store):
         eng.read(t)
     eng.release(t)
     t = eng.request(sid, REC, REC, arena=arena)
-    assert eng.read(t) == data[REC:2 * REC]
+    assert eng.read(t) == data[REC : 2 * REC]
     eng.release(t)
     assert eng.memory()["arena_rows"] == 1
     eng.close()
@@ -131,8 +131,9 @@ def test_pread_fault_path_unchanged(store):
 
 @pytest.mark.metal
 @pytest.mark.skipif("mtlio" not in se.backends(), reason="MTLIO not compiled (macOS Metal only)")
-@pytest.mark.skipif(not kernels.metal_available(),
-                    reason="no Metal device (MTLIO reads through one; the hosted macOS job has none)")
+@pytest.mark.skipif(
+    not kernels.metal_available(), reason="no Metal device (MTLIO reads through one; the hosted macOS job has none)"
+)
 def test_mtlio_matches_pread_where_compiled(store):
     """AFN-013 private seam, AFN-019 publication: on a Metal build, an
     explicitly chosen MTLIO engine publishes arena rows byte-identical to the
@@ -149,7 +150,7 @@ def test_mtlio_matches_pread_where_compiled(store):
         sid = e.add_store(path)
         arena, _ = e.create_arena(PARTS, rows=4)
         results.append(read_all(e, sid, arena, data))
-    want = [data[i * REC:(i + 1) * REC] for i in range(8)]
+    want = [data[i * REC : (i + 1) * REC] for i in range(8)]
     assert results[0] == (want, want)
     assert results[0] == results[1]
     sid = eng.add_store(path)

@@ -13,11 +13,18 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from fault_injection import FaultyEngine
+
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream.errors import (CacheFullError, DigestMismatchError, ShortReadError, StaleGenerationError,
-                                     StreamIOError, StreamRequestError, TicketCancelledError)
+from hebrus_mlx.stream.errors import (
+    CacheFullError,
+    DigestMismatchError,
+    ShortReadError,
+    StaleGenerationError,
+    StreamIOError,
+    StreamRequestError,
+    TicketCancelledError,
+)
 from hebrus_mlx.testing.stream_reference import ReferenceEngine
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -33,8 +40,7 @@ def store(tmp_path):
     path = tmp_path / "store.bin"
     path.write_bytes(data)
     aligned = [(i * REC, REC) for i in range(64)]
-    odd = [(int(o), int(n)) for o, n in zip(rng.integers(0, 60 * REC, 16),
-                                             rng.integers(1, 3 * REC, 16))]
+    odd = [(int(o), int(n)) for o, n in zip(rng.integers(0, 60 * REC, 16), rng.integers(1, 3 * REC, 16))]
     return path, data, aligned, odd
 
 
@@ -129,14 +135,14 @@ def test_engine_matches_reference_byte_identical(store):
         order = [rng.choice(recs) for _ in range(120)]
         tickets = []
         for off, n in order:
-            d = hashlib.sha256(data[off:off + n]).digest()
+            d = hashlib.sha256(data[off : off + n]).digest()
             tickets.append(eng.request(s, off, n, priority=rng.randrange(3), digest=d))
             if len(tickets) == 6:
                 for t in tickets:
                     info = eng.ticket_info(t)
                     o2, n2 = info["offset"], info["length"]
                     got = eng.read(t)
-                    assert got == data[o2:o2 + n2]
+                    assert got == data[o2 : o2 + n2]
                     assert got == ref.read(ref.request(rs, o2, n2))
                     eng.release(t)
                 tickets = []
@@ -154,7 +160,7 @@ def test_gather_op_matches_reference(store):
     path, data, aligned, _ = store
     eng, ref = make(capacity=6 * REC), ReferenceEngine()
     offs, lens = [o for o, _ in aligned], [n for _, n in aligned]
-    digests = [hashlib.sha256(data[o:o + n]).digest() for o, n in aligned]
+    digests = [hashlib.sha256(data[o : o + n]).digest() for o, n in aligned]
     t_eng = eng.register_table(eng.add_store(path), offs, lens, digests)
     t_ref = ref.register_table(ref.add_store(path), offs, lens, digests)
     # Indices come from an unevaluated graph: no read-back before gather.
@@ -165,7 +171,7 @@ def test_gather_op_matches_reference(store):
     mx.eval(out, pre)
     assert out.shape == (2, 10, REC) and out.dtype == mx.uint8
     assert mx.array_equal(out, ref.gather(t_ref, idx)).item()
-    assert np.array(out[0, 1]).tobytes() == data[7 * REC:8 * REC]
+    assert np.array(out[0, 1]).tobytes() == data[7 * REC : 8 * REC]
     assert pre.item() == 2
     assert_clean(eng)
 
@@ -253,7 +259,7 @@ def test_join_in_flight_reads_once(store):
     a = eng.request(s, *aligned[5], layer=3, expert=5)
     b = eng.request(s, *aligned[5], priority=se.P1, exact=False)
     eng.hold(False)
-    assert eng.read(a) == eng.read(b) == data[5 * REC:6 * REC]
+    assert eng.read(a) == eng.read(b) == data[5 * REC : 6 * REC]
     info = eng.ticket_info(a)
     assert (info["store_digest"], info["layer"], info["expert"]) == ("store-sha256:abc", 3, 5)
     c = eng.counters()
@@ -302,18 +308,18 @@ def test_stale_generation_never_publishes(store):
     new = eng.request(s, *aligned[2], owner=7, generation=1)
     info = eng.ticket_info(new)
     assert info["slot"] == slot and info["slot_generation"] > 0
-    assert eng.read(new) == data[2 * REC:3 * REC]
+    assert eng.read(new) == data[2 * REC : 3 * REC]
     eng.release(new), eng.release(old)
     again = eng.request(s, *aligned[1], owner=7, generation=1)
     assert eng.ticket_info(again)["kind"] == "miss"  # nothing was published
-    assert eng.read(again) == data[REC:2 * REC]
+    assert eng.read(again) == data[REC : 2 * REC]
     eng.release(again)
     assert_clean(eng)
 
 
 @pytest.mark.parametrize(
-    "kind,err", [("eio", StreamIOError), ("short_read", ShortReadError),
-                 ("digest", DigestMismatchError)])
+    "kind,err", [("eio", StreamIOError), ("short_read", ShortReadError), ("digest", DigestMismatchError)]
+)
 def test_fault_clear_error_no_leak_next_ok(store, kind, err):
     """AFN-003/AFN-010: an injected fault gives a typed error naming the
     record, publishes nothing, leaks no slot, and the next request succeeds."""
@@ -321,7 +327,7 @@ def test_fault_clear_error_no_leak_next_ok(store, kind, err):
     eng = make()
     s = eng.add_store(path)
     off, n = aligned[9]
-    d = hashlib.sha256(data[off:off + n]).digest()
+    d = hashlib.sha256(data[off : off + n]).digest()
     eng.inject_fault(kind, 1)
     eng.hold(True)
     t = eng.request(s, off, n, digest=d)
@@ -336,11 +342,11 @@ def test_fault_clear_error_no_leak_next_ok(store, kind, err):
     assert_clean(eng)
     t = eng.request(s, off, n, digest=d)
     assert eng.ticket_info(t)["kind"] == "miss"
-    assert eng.read(t) == data[off:off + n]
+    assert eng.read(t) == data[off : off + n]
     eng.release(t)
     # Through the graph op: eval raises, nothing stays pinned, next eval ok.
     off, n = aligned[11]
-    d = hashlib.sha256(data[off:off + n]).digest()
+    d = hashlib.sha256(data[off : off + n]).digest()
     tab = eng.register_table(s, [off], [n], [d])
     eng.inject_fault(kind, 1)
     bad = eng.gather(tab, mx.array([0]))
@@ -349,7 +355,7 @@ def test_fault_clear_error_no_leak_next_ok(store, kind, err):
     assert_clean(eng)
     good = eng.gather(tab, mx.array([0, 0]))
     mx.eval(good)
-    assert np.array(good[1]).tobytes() == data[off:off + n]
+    assert np.array(good[1]).tobytes() == data[off : off + n]
     assert_clean(eng)
 
 
@@ -386,8 +392,9 @@ def test_threaded_stress_never_publishes_wrong_bytes(store):
         for _ in range(400):
             off, n = rng.choice(aligned[:12])
             try:
-                t = eng.request(s, off, n, owner=owner, generation=gen,
-                                priority=rng.randrange(3), exact=rng.random() < 0.5)
+                t = eng.request(
+                    s, off, n, owner=owner, generation=gen, priority=rng.randrange(3), exact=rng.random() < 0.5
+                )
             except (CacheFullError, StaleGenerationError):
                 continue
             r = rng.random()
@@ -399,7 +406,7 @@ def test_threaded_stress_never_publishes_wrong_bytes(store):
                     gen += 1
                     eng.advance_generation(owner, gen)
                 got = eng.read(t)
-                if got != data[off:off + n]:
+                if got != data[off : off + n]:
                     errors.append((off, n))
             except (StaleGenerationError, TicketCancelledError):
                 pass
@@ -426,7 +433,7 @@ def test_bounded_cache_memory_stays_flat(store):
     for i in range(600):
         off, n = rng.choice(aligned + odd)
         t = eng.request(s, off, n, exact=i % 3 == 0)
-        assert eng.read(t) == data[off:off + n]
+        assert eng.read(t) == data[off : off + n]
         eng.release(t)
         m = eng.memory()
         peak.append(m["allocated"])
@@ -449,7 +456,7 @@ def test_slabs_are_mlx_allocated(store):
     s = eng.add_store(path)
     for off, n in aligned[:6]:  # more records than slabs: pooled and evicted
         t = eng.request(s, off, n)
-        assert eng.read(t) == data[off:off + n]
+        assert eng.read(t) == data[off : off + n]
         eng.release(t)
     held = mx.get_active_memory() - base
     assert eng.memory()["allocated"] == 4 * REC
@@ -491,11 +498,15 @@ def test_bad_requests_name_the_field(store):
     path, _, aligned, _ = store
     eng = make()
     s = eng.add_store(path)
-    for kw, field in [(dict(length=0), "length"), (dict(priority=3), "priority"),
-                      (dict(store=9), "store"), (dict(digest=b"x"), "digest"),
-                      (dict(fast_digest=bytes(32)), "fast_digest"),
-                      (dict(digest=bytes(32), fast_digest=bytes(16)), "not both"),
-                      (dict(confidence=2.0), "confidence")]:
+    for kw, field in [
+        (dict(length=0), "length"),
+        (dict(priority=3), "priority"),
+        (dict(store=9), "store"),
+        (dict(digest=b"x"), "digest"),
+        (dict(fast_digest=bytes(32)), "fast_digest"),
+        (dict(digest=bytes(32), fast_digest=bytes(16)), "not both"),
+        (dict(confidence=2.0), "confidence"),
+    ]:
         args = dict(store=s, offset=0, length=REC) | kw
         with pytest.raises(StreamRequestError, match=field):
             eng.request(args.pop("store"), args.pop("offset"), args.pop("length"), **args)
@@ -510,9 +521,18 @@ def test_bad_requests_name_the_field(store):
 def test_io_summary_line():
     """AFN-019 metrics: bytes, hit rate (hits + joins), exposed wait and
     hidden fraction = 1 - exposed wait / exact read time (hand values)."""
-    c = dict(exact_bytes=2_000_000, predicted_bytes=1_000_000, wasted_bytes=500_000,
-             hits=2, joins=1, misses=3, exposed_wait_ns=250_000_000,
-             latency_p50_ns=1e6, latency_p99_ns=4e6, hidden_fraction=0.75)
+    c = dict(
+        exact_bytes=2_000_000,
+        predicted_bytes=1_000_000,
+        wasted_bytes=500_000,
+        hits=2,
+        joins=1,
+        misses=3,
+        exposed_wait_ns=250_000_000,
+        latency_p50_ns=1e6,
+        latency_p99_ns=4e6,
+        hidden_fraction=0.75,
+    )
     line = se.io_summary(c)
     assert "0.003 GB read (0.001 GB predicted, 0.001 GB wasted)" in line
     assert "hit rate 50.0%" in line and "exposed wait 0.250 s" in line

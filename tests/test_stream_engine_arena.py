@@ -11,8 +11,8 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from fault_injection import FaultyEngine
+
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors
 from hebrus_mlx.stream.errors import DigestMismatchError  # noqa: F401
@@ -40,11 +40,11 @@ def experts(tmp_path):
     blob = bytearray(E * stride)
     for e in range(E):
         rec = b"".join(np.array(a[e].view(mx.uint8)).tobytes() for _, a in parts)
-        blob[e * stride:e * stride + record] = rec
+        blob[e * stride : e * stride + record] = rec
     path = tmp_path / "experts.bin"
     path.write_bytes(bytes(blob))
     offsets = [e * stride for e in range(E)]
-    digests = [hashlib.sha256(blob[o:o + record]).digest() for o in offsets]
+    digests = [hashlib.sha256(blob[o : o + record]).digest() for o in offsets]
     return path, part_bytes, parts, resident, offsets, record, digests
 
 
@@ -53,8 +53,7 @@ def switch_glu(x, weights, idx):
 
     def proj(name, h):
         q, s, b = weights[name]
-        return mx.gather_qmm(h, q, s, b, rhs_indices=idx, transpose=True,
-                             group_size=G, bits=BITS)
+        return mx.gather_qmm(h, q, s, b, rhs_indices=idx, transpose=True, group_size=G, bits=BITS)
 
     h = mx.sigmoid(g := proj("gate", x)) * g * proj("up", x)
     return proj("down", h)
@@ -77,8 +76,7 @@ def open_arena(experts, rows, digests=True, **kw):
     path, part_bytes, parts, resident, offsets, record, dig = experts
     eng = FaultyEngine(cache_bytes=1 << 20, threads=2, **kw)
     aid, arena_parts = eng.create_arena(part_bytes, rows)
-    table = eng.register_table(eng.add_store(path), offsets, [record] * E,
-                               dig if digests else None, arena=aid)
+    table = eng.register_table(eng.add_store(path), offsets, [record] * E, dig if digests else None, arena=aid)
     return eng, table, arena_weights(parts, arena_parts, rows)
 
 
@@ -91,7 +89,7 @@ def test_streamed_switch_glu_bit_identical_to_resident(experts):
     router = mx.random.normal((H, E))
     for step in range(6):
         x = mx.random.normal((3, 1, 1, H))
-        logits = (x.reshape(3, H) @ router)
+        logits = x.reshape(3, H) @ router
         idx = mx.argpartition(-logits, K - 1, axis=-1)[:, :K]
         rows, lease = eng.resolve(table, idx, owner=1, generation=step)
         streamed = eng.release_after(switch_glu(x, weights, rows), lease)
@@ -117,7 +115,7 @@ def test_arena_read_matches_file_bytes(experts):
         eng, table, _ = open_arena(experts, rows=3, direct=direct)
         for e in (0, 7, 11):
             t = eng.request(0, offsets[e], record, arena=0, digest=digests[e])
-            assert eng.read(t) == data[offsets[e]:offsets[e] + record]
+            assert eng.read(t) == data[offsets[e] : offsets[e] + record]
             eng.release(t)
 
 
@@ -157,18 +155,18 @@ def test_expanded_parts_hold_fp32_and_read_back_stored_bytes(experts):
     rows = 3
     eng = FaultyEngine(cache_bytes=1 << 20, threads=2)
     aid, arena_parts = eng.create_arena(part_bytes, rows, expand)
-    assert [p.shape[1] for p in arena_parts] == [
-        n * (2 if w else 1) for n, w in zip(part_bytes, expand)]
-    table = eng.register_table(eng.add_store(path), offsets, [record] * E,
-                               digests, arena=aid)
+    assert [p.shape[1] for p in arena_parts] == [n * (2 if w else 1) for n, w in zip(part_bytes, expand)]
+    table = eng.register_table(eng.add_store(path), offsets, [record] * E, digests, arena=aid)
     weights = {}
     for p in range(0, len(parts), 3):
         name = parts[p][0]
         weights[name] = tuple(
-            arena_parts[p + k].view(mx.float32 if expand[p + k] else parts[p + k][1].dtype)
-            .reshape(rows, *parts[p + k][1].shape[1:]) for k in range(3))
-    wide = {n: (q, s.astype(mx.float32), b.astype(mx.float32))
-            for n, (q, s, b) in resident.items()}
+            arena_parts[p + k]
+            .view(mx.float32 if expand[p + k] else parts[p + k][1].dtype)
+            .reshape(rows, *parts[p + k][1].shape[1:])
+            for k in range(3)
+        )
+    wide = {n: (q, s.astype(mx.float32), b.astype(mx.float32)) for n, (q, s, b) in resident.items()}
     x = mx.random.normal((2, 1, 1, H))
     idx = mx.array([[3, 4], [4, 9]])
     r, lease = eng.resolve(table, idx)
@@ -176,7 +174,7 @@ def test_expanded_parts_hold_fp32_and_read_back_stored_bytes(experts):
     assert mx.array_equal(y, switch_glu(x, wide, idx)).item()
     for e in (3, 9):
         t = eng.request(0, offsets[e], record, arena=aid, digest=digests[e])
-        assert eng.read(t) == data[offsets[e]:offsets[e] + record]
+        assert eng.read(t) == data[offsets[e] : offsets[e] + record]
         eng.release(t)
     eng.inject_fault("digest", 1)
     r, lease = eng.resolve(table, mx.array([[0, 1]]))

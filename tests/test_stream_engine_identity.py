@@ -11,12 +11,11 @@ The corruption is made on disk by the test after the first read.
 import hashlib
 
 import pytest
-
 from fault_injection import FaultyEngine
+from stream_store import REC, flip_byte, random_store
+
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import DigestMismatchError
-
-from stream_store import REC, flip_byte, random_store
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -44,10 +43,10 @@ def test_digest_request_is_not_served_an_unverified_slot(store):
     eng = make()
     s = eng.add_store(path)
     t = eng.request(s, REC, REC)  # no digest: fills a slot unverified
-    assert eng.read(t) == data[REC:2 * REC]
+    assert eng.read(t) == data[REC : 2 * REC]
     eng.release(t)
     corrupt(path, REC + 7)
-    want = hashlib.sha256(data[REC:2 * REC]).digest()
+    want = hashlib.sha256(data[REC : 2 * REC]).digest()
     t = eng.request(s, REC, REC, digest=want)
     assert eng.ticket_info(t)["kind"] == "miss"
     with pytest.raises(DigestMismatchError):
@@ -109,7 +108,7 @@ def test_fast_request_is_not_served_a_slot_checked_in_another_domain(store):
     path, data = store
     eng = make()
     s = eng.add_store(path)
-    rec = data[2 * REC:3 * REC]
+    rec = data[2 * REC : 3 * REC]
     for kw in ({}, {"digest": hashlib.sha256(rec).digest()}):
         t = eng.request(s, 2 * REC, REC, **kw)
         assert eng.read(t) == rec
@@ -130,7 +129,7 @@ def test_sha_request_is_not_served_a_fast_verified_slot(store):
     path, data = store
     eng = make()
     s = eng.add_store(path)
-    rec = data[3 * REC:4 * REC]
+    rec = data[3 * REC : 4 * REC]
     t = eng.request(s, 3 * REC, REC, fast_digest=_xxh3(rec))
     assert eng.read(t) == rec
     eng.release(t)

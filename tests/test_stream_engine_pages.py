@@ -10,8 +10,8 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from fault_injection import FaultyEngine
+
 from hebrus_mlx.stream import engine as se
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -25,22 +25,20 @@ def pages(tmp_path):
     data = rng.integers(0, 256, PAGE * PAGES, dtype=np.uint8).tobytes()
     path = tmp_path / "ple.bin"
     path.write_bytes(data)
-    digests = [hashlib.sha256(data[p * PAGE:(p + 1) * PAGE]).digest()
-               for p in range(PAGES)]
+    digests = [hashlib.sha256(data[p * PAGE : (p + 1) * PAGE]).digest() for p in range(PAGES)]
     return path, data, digests
 
 
 def expected_row(data, r):
     p, slot = divmod(r, RPP)
     start = p * PAGE + HEADER + slot * ROW
-    return data[start:start + ROW]
+    return data[start : start + ROW]
 
 
 def open_pages(pages, **kw):
     path, _, digests = pages
     eng = FaultyEngine(cache_bytes=8 * PAGE, threads=2, **kw)
-    table = eng.register_table(eng.add_store(path), [p * PAGE for p in range(PAGES)],
-                               [PAGE] * PAGES, digests)
+    table = eng.register_table(eng.add_store(path), [p * PAGE for p in range(PAGES)], [PAGE] * PAGES, digests)
     return eng, table
 
 

@@ -7,16 +7,16 @@ ExpertMajorReader.read_expert (an independent read path: Python pread +
 hashlib), not through the engine.
 """
 
+import families
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
-from hebrus_mlx.stream import engine as se
 from hebrus_mlx.loading.plan import GIB, plan_experts
 from hebrus_mlx.simulate import synthetic_stack as S
+from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.experts import StreamedExperts
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -161,8 +161,10 @@ def _new_since(before):
     Popen is collected; a server test's worker thread exits after its stop()), and a count would
     blame that on the code under test. What was created here and is still open is ours."""
     fds, tasks = _fds_and_threads()
-    return ({fd: t for fd, t in fds.items() if before[0].get(fd) != t},
-            {tid: n for tid, n in tasks.items() if tid not in before[1]})
+    return (
+        {fd: t for fd, t in fds.items() if before[0].get(fd) != t},
+        {tid: n for tid, n in tasks.items() if tid not in before[1]},
+    )
 
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs /proc")
@@ -171,8 +173,8 @@ def test_failed_construction_releases_reader_and_engine():
     exist (here: an arena of 0 rows) closes both before raising - no
     descriptor or reader thread outlives the error, even while the error
     (and its traceback) is still held."""
-    from hebrus_mlx.stream.errors import StreamRequestError
     from hebrus_mlx.loader import DEMO_DIR
+    from hebrus_mlx.stream.errors import StreamRequestError
 
     # The arena is evaluated on MLX's default CPU stream, whose scheduler thread MLX starts on
     # first use and keeps for the process: start it first so it is not counted as ours.
@@ -183,6 +185,7 @@ def test_failed_construction_releases_reader_and_engine():
     assert _new_since(before) == ({}, {}), err.value
     # Later, once the engine has opened the store: its descriptors go too.
     with pytest.MonkeyPatch.context() as mp:
+
         def refuse(*a, **k):
             raise StreamRequestError("offsets: injected failure")
 

@@ -14,9 +14,9 @@ import time
 
 import mlx.core as mx
 import pytest
+from test_stream_engine_arena import experts, open_arena  # noqa: F401, F811 (the fixture)
 
 from hebrus_mlx.stream import engine as se
-from test_stream_engine_arena import experts, open_arena  # noqa: F401, F811 (the fixture)
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -65,9 +65,9 @@ STEPS = 4
 def _streamed(prefetch):
     """The demo model at a 5% cache, its experts read by a FaultyEngine; ``prefetch`` off or
     previous (the P1 hint: its reads fail too, silently, and the exact reads then fail the step)."""
+    from fault_injection import FaultyEngine
     from test_stream_model import _cache_gb, _experts_store
 
-    from fault_injection import FaultyEngine
     from hebrus_mlx.artifact import expert_major as em
     from hebrus_mlx.loader import DEMO_DIR, load_model
     from hebrus_mlx.stream import experts as SE
@@ -157,7 +157,7 @@ def test_prefill_eio_then_retry_gives_the_clean_tokens(streamed, split):
     _fail(eng, lambda: prefill(model, mx.array(PROMPT[split:-1]), cache))
     assert _idle(eng) == (0, 0)
     assert split <= cache.offset < len(PROMPT) - 1
-    prefill(model, mx.array(PROMPT[cache.offset:-1]), cache)
+    prefill(model, mx.array(PROMPT[cache.offset : -1]), cache)
     assert _decode(model, cache, PROMPT[-1]) == want
     assert _idle(eng) == (0, 0)
     assert _greedy(model) == want

@@ -12,15 +12,14 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from stream_store import REC, random_store
 
 from hebrus_mlx import cli
 from hebrus_mlx.admission import admit, admit_mirror
 from hebrus_mlx.artifact.errors import AdmissionError
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import StreamRequestError
-from hebrus_mlx.loader import DEMO_DIR, load_model
-
-from stream_store import REC, random_store
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -72,7 +71,7 @@ def test_engine_alternates_reads_between_store_and_mirror(tmp_path):
             if mirrored:
                 assert eng.add_mirror(store, str(copy)) == 0
             got = [_read(eng, store, i) for i in range(8)]
-            assert got == [data[i * REC:(i + 1) * REC] for i in range(8)]
+            assert got == [data[i * REC : (i + 1) * REC] for i in range(8)]
             files = eng.file_reads(store)
         finally:
             eng.close()
@@ -100,7 +99,7 @@ def test_engine_redoes_a_bad_mirror_read_from_the_store(tmp_path):
         store = eng.add_store(str(path))
         eng.add_mirror(store, str(copy))
         for i in range(4):
-            rec = data[i * REC:(i + 1) * REC]
+            rec = data[i * REC : (i + 1) * REC]
             assert _read(eng, store, i, hashlib.sha256(rec).digest()) == rec
         files = eng.file_reads(store)
         assert files["fallbacks"] == 2 and files["reads"] == [4, 2]
@@ -185,8 +184,10 @@ def _damaged(tmp_path, how):
     return d
 
 
-@pytest.mark.parametrize("how, field", [("missing", "expert-mirror"), ("truncated", "expert-mirror.size"),
-                                        ("header", "expert-mirror.experts.")])
+@pytest.mark.parametrize(
+    "how, field",
+    [("missing", "expert-mirror"), ("truncated", "expert-mirror.size"), ("header", "expert-mirror.experts.")],
+)
 def test_bad_mirror_is_refused_naming_the_field(tmp_path, how, field):
     m = admit(str(DEMO_DIR))
     with pytest.raises(AdmissionError) as e:
@@ -198,8 +199,12 @@ def test_bad_mirror_is_refused_naming_the_field(tmp_path, how, field):
 
 def test_cli_bad_mirror_is_one_line(tmp_path, capsys):
     d = _damaged(tmp_path, "truncated")
-    assert cli.main(["generate", "--model", "demo", "--expert-cache-gb", str(CACHE_GB), "--expert-mirror", str(d),
-                     "-m", "1"]) == 2
+    assert (
+        cli.main(
+            ["generate", "--model", "demo", "--expert-cache-gb", str(CACHE_GB), "--expert-mirror", str(d), "-m", "1"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "expert-mirror.size" in err[0], err
     # Resident experts read no mirror: refused, not ignored.

@@ -17,20 +17,20 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from chunked_greedy import chunked_greedy
 from fault_injection import FaultyEngine
+from stream_store import cache_gb
+
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
-from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream import errors
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.loading import build_model as artifact_loading
 from hebrus_mlx.loading import plan
+from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream import errors
 from hebrus_mlx.stream import experts as SE
 from hebrus_mlx.stream.streaming import Streaming
 from hebrus_mlx.stream.switch import StreamedSwitchGLU, attach
-from hebrus_mlx.loader import DEMO_DIR, load_model
-from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -103,14 +103,14 @@ def test_streamed_load_reads_no_expert_bytes(monkeypatch):
     (the resident reader path is refused) and the auto plan streams when the
     store does not fit available memory minus the reserve; HF dirs refuse
     an expert cache (they stay resident)."""
+
     def refuse(*a, **k):
         raise AssertionError("expert store read while streaming")
 
     monkeypatch.setattr(artifact_loading, "_experts", refuse)
     monkeypatch.setattr(em.ExpertMajorReader, "read_expert", refuse)
     with open(DEMO_DIR / C.MANIFEST_NAME) as f:
-        other = sum(os.path.getsize(DEMO_DIR / s["path"]) for s in json.load(f)["stores"]
-                    if s["role"] != "experts")
+        other = sum(os.path.getsize(DEMO_DIR / s["path"]) for s in json.load(f)["stores"] if s["role"] != "experts")
     monkeypatch.setattr(plan, "available_memory", lambda: plan.RESERVE_BYTES + other + (1 << 20))
     model = load_model(DEMO_DIR)  # 1 MiB spare < 7.9 MB of fp32-scaled experts
     assert model.streaming is not None and model.streaming.experts.rows == 68
@@ -120,8 +120,7 @@ def test_streamed_load_reads_no_expert_bytes(monkeypatch):
     with pytest.raises(AssertionError, match="expert store read"):
         load_model(DEMO_DIR)  # fits: resident, which reads the store
     with pytest.raises(ValueError, match="expert_cache_gb"):
-        load_model(os.path.join(os.path.dirname(__file__), "fixtures", "parity", "tiny_a"),
-                   expert_cache_gb=1.0)
+        load_model(os.path.join(os.path.dirname(__file__), "fixtures", "parity", "tiny_a"), expert_cache_gb=1.0)
 
 
 def _testing_experts(model, rows):
@@ -136,9 +135,11 @@ def _testing_experts(model, rows):
     return experts
 
 
-FAULTS = [("eio", "I/O error", errors.StreamIOError),
-          ("short_read", "short read", errors.ShortReadError),
-          ("digest", "SHA-256 mismatch", errors.DigestMismatchError)]
+FAULTS = [
+    ("eio", "I/O error", errors.StreamIOError),
+    ("short_read", "short read", errors.ShortReadError),
+    ("digest", "SHA-256 mismatch", errors.DigestMismatchError),
+]
 
 
 @pytest.mark.parametrize("fault,message,typed", FAULTS, ids=[f[0] for f in FAULTS])
@@ -231,8 +232,12 @@ def test_failed_generation_step_rolls_the_sequence_back():
     # last are consumed; the last one is fed again to continue the same sequence.
     assert cache.offset == prompt.size + len(got) - 1
     resume_from = got[-1]
-    continued = [t for t, _ in generate_step(mx.array([resume_from]), model, effective_vocab_size=vocab,
-                                             max_tokens=6 - len(got), prompt_cache=cache)]
+    continued = [
+        t
+        for t, _ in generate_step(
+            mx.array([resume_from]), model, effective_vocab_size=vocab, max_tokens=6 - len(got), prompt_cache=cache
+        )
+    ]
     assert got + continued == want
     assert eng.memory()["pinned_slots"] == 0
 
@@ -259,6 +264,7 @@ def test_cancelled_ticket_mid_step_is_typed_and_clean():
     probe = eng.request(eng.add_store(_experts_store(str(DEMO_DIR))[0]), 0, 4096)
     eng.wait(probe)
     eng.release(probe)
+
     def pending(t):
         try:
             return eng.ticket_info(t)["state"] == "pending"
@@ -288,8 +294,9 @@ def test_cancelled_ticket_mid_step_is_typed_and_clean():
     assert type(caught[0]) is errors.TicketCancelledError and "cancelled" in str(caught[0])
     assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
     assert cache.offset == prompt.size + len(got) - 1
-    rest = generate_step(mx.array([got[-1]]), model, effective_vocab_size=vocab,
-                         max_tokens=4 - len(got), prompt_cache=cache)
+    rest = generate_step(
+        mx.array([got[-1]]), model, effective_vocab_size=vocab, max_tokens=4 - len(got), prompt_cache=cache
+    )
     assert got + [t for t, _ in rest] == want
 
 

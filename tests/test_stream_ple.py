@@ -10,14 +10,14 @@ hashlib), an independent read path; prompts are seeded random ids
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from fault_injection import FaultyEngine
+
 from hebrus_mlx.artifact import ple_pages
-from hebrus_mlx.stream import engine as se
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.loading.plan import plan_ple
+from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.ple import StreamedNGramTable, attach_ple
 from hebrus_mlx.stream.switch import StreamedSwitchGLU
-from hebrus_mlx.loader import DEMO_DIR, load_model
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built"
 def _run(model, ids, chunk):
     cache, outs = model.make_cache(), []
     for i in range(0, len(ids), chunk):
-        out = model(mx.array([ids[i:i + chunk]]), cache)
+        out = model(mx.array([ids[i : i + chunk]]), cache)
         mx.eval(out)
         outs.append(np.array(out))
     return outs

@@ -14,15 +14,14 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from hebrus_mlx import cli
-from hebrus_mlx.errors import UsageError
-from hebrus_mlx.stream import engine as se
 from chunked_greedy import chunked_greedy
-from hebrus_mlx import cli_args
-from hebrus_mlx.stream import predict as P
-from hebrus_mlx.loader import DEMO_DIR, load_model
 from stream_store import cache_gb
+
+from hebrus_mlx import cli, cli_args
+from hebrus_mlx.errors import UsageError
+from hebrus_mlx.loader import DEMO_DIR, load_model
+from hebrus_mlx.stream import engine as se
+from hebrus_mlx.stream import predict as P
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -33,8 +32,13 @@ def test_parse_prefetch_and_typed_errors():
     assert P.parse_prefetch("router-reuse:2") == P.PrefetchSpec("router-reuse", 2)
     assert P.parse_prefetch("hyper-reuse").name == "hyper-reuse"
     assert P.parse_prefetch("router-reuse").name == "router-reuse:1"
-    for bad, field in (("bogus", "prefetch"), ("hyper-reuse:2", "prefetch"), ("router-reuse:3", "prefetch"),
-                       ("router-reuse:x", "prefetch"), ("previous:2", "prefetch")):
+    for bad, field in (
+        ("bogus", "prefetch"),
+        ("hyper-reuse:2", "prefetch"),
+        ("router-reuse:3", "prefetch"),
+        ("router-reuse:x", "prefetch"),
+        ("previous:2", "prefetch"),
+    ):
         with pytest.raises(UsageError) as e:
             P.parse_prefetch(bad)
         assert e.value.field == field, bad
@@ -75,7 +79,7 @@ def _cache_gb(model_rows_fraction):
 def _greedy(model, prompt, steps, chunk):
     """(tokens, last-row logits of the prefill and of each step)."""
     tokens, logits = chunked_greedy(model, prompt, steps, chunk)
-    return tokens, [out[-1] for out in logits[len(logits) - steps - 1:]]
+    return tokens, [out[-1] for out in logits[len(logits) - steps - 1 :]]
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +186,7 @@ def test_router_reuse_predicts_the_target_layers_own_router(monkeypatch):
         def f(target, cands):
             seen[self_layer] = (target, cands)
             return type(real.__self__).predict_after_resolve(st.switches[self_layer], target, cands)
+
         return f
 
     monkeypatch.setattr(st, "before_router", spy_before)
@@ -198,7 +203,7 @@ def test_router_reuse_predicts_the_target_layers_own_router(monkeypatch):
         x = np.array(inputs[layer], dtype=np.float32).reshape(-1)
         w = np.array(model.model.layers[target].mlp.gate.weight, dtype=np.float32)
         logits = w @ x
-        want = np.argsort(-logits, kind="stable")[:model.args.num_experts_per_tok]
+        want = np.argsort(-logits, kind="stable")[: model.args.num_experts_per_tok]
         np.testing.assert_array_equal(np.sort(np.array(cands)), np.sort(want))
 
 
@@ -212,13 +217,14 @@ def test_resident_experts_refuse_a_predictor():
 
 # -- engine: advisory read-ahead ------------------------------------------------------------------
 
+
 def _arena_engine(tmp_path, rows, n=8, record=4096, policy="lru"):
     blob = bytes(np.random.default_rng(1).integers(0, 256, n * record, dtype=np.uint8))
     path = tmp_path / "recs.bin"
     path.write_bytes(blob)
     eng = se.StreamEngine(cache_bytes=1 << 16, threads=2, policy=policy)
     aid, _ = eng.create_arena([record], rows)
-    digests = [hashlib.sha256(blob[i * record:(i + 1) * record]).digest() for i in range(n)]
+    digests = [hashlib.sha256(blob[i * record : (i + 1) * record]).digest() for i in range(n)]
     table = eng.register_table(eng.add_store(path), [i * record for i in range(n)], [record] * n, digests, arena=aid)
     return eng, aid, table
 
@@ -233,6 +239,7 @@ def _settle(eng):
         if eng.memory()["inflight_reads"] == 0 and eng.memory()["queued_reads"] == 0:
             return
         import time
+
         time.sleep(0.001)
 
 

@@ -6,6 +6,7 @@ upstream reference; its per-expert arrays are written to an ExpertMajor
 store by the artifact writer and streamed back by the engine.
 """
 
+import families
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -13,7 +14,6 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
-import families
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
 from hebrus_mlx.stream import engine as se
@@ -48,8 +48,7 @@ def build(codec_name, tmp_path):
             parts = {}
             for comp in ("gate", "up", "down"):
                 proj = getattr(glu, f"{comp}_proj")
-                parts[comp] = {k: _store_dtype(proj[k][e])
-                               for k in ("weight", "scales", "biases") if k in proj}
+                parts[comp] = {k: _store_dtype(proj[k][e]) for k in ("weight", "scales", "biases") if k in proj}
             records.append((layer, e, parts))
     path = str(tmp_path / "experts.hbem")
     em.publish(path, FAM, codec_name, iter(records))
@@ -117,6 +116,7 @@ def test_tiny_model_streamed_equals_resident(tmp_path):
     import os
 
     from artifact_fixture import tiny_artifact
+
     from hebrus_mlx.loader import load_model
 
     _, art = tiny_artifact(str(tmp_path), dtype="float32", q_bits=4)
@@ -137,8 +137,7 @@ def test_tiny_model_streamed_equals_resident(tmp_path):
     with open(os.path.join(art, C.MANIFEST_NAME)) as f:
         m = json.load(f)
     s = next(s for s in m["stores"] if s["role"] == "experts")
-    with em.ExpertMajorReader(os.path.join(art, s["path"]), C.family(m["family"]),
-                              s["codec"]) as reader:
+    with em.ExpertMajorReader(os.path.join(art, s["path"]), C.family(m["family"]), s["codec"]) as reader:
         # ~6% of the store with exact misses only, then (opened from the
         # artifact directory) ~19% with the previous-token P1 prefetch:
         # predictions move bytes, not results.
@@ -185,7 +184,6 @@ def test_previous_token_hint_is_issued_when_the_layer_starts(tmp_path):
         # The K previous-token records are still cached: every hint lands as a hit.
         assert after["requests"] == before["requests"] + K
         assert after["hits"] == before["hits"] + K
-
 
 
 def test_demo_hints_leave_layer_by_layer():

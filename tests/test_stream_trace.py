@@ -16,13 +16,12 @@ import time
 
 import mlx.core as mx
 import pytest
-
 from fault_injection import FaultyEngine
+from stream_store import REC, random_store
+
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors
 from hebrus_mlx.stream.errors import StreamRequestError
-
-from stream_store import REC, random_store
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
@@ -181,12 +180,12 @@ def test_raw_pread_reads_the_file_bytes(store):
     from hebrus_mlx import _bench
 
     r = _bench.raw_pread(str(path), batches, REC, threads=3, direct=True, collect=True)
-    want = b"".join(data[o:o + REC] for b in batches for o in b)
+    want = b"".join(data[o : o + REC] for b in batches for o in b)
     assert r["data"] == want
     assert r["reads"] == 6 and r["bytes"] == 6 * REC and r["elapsed_ns"] > 0
     odd = [[5, 1000], [77777]]
     r = _bench.raw_pread(str(path), odd, 1234, threads=2, direct=False, collect=True)
-    assert r["data"] == b"".join(data[o:o + 1234] for b in odd for o in b)
+    assert r["data"] == b"".join(data[o : o + 1234] for b in odd for o in b)
     assert r["direct"] is False
 
 

@@ -14,25 +14,28 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from stream_store import cache_gb
 
 from hebrus_mlx import machine_profile as prof
 from hebrus_mlx import qualify as q
+from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.machine_profile import SCHEMA, ProfileError, read_profile, write_profile
 from hebrus_mlx.stream import crossover as X
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import sweep as S
-from hebrus_mlx.loader import DEMO_DIR, load_model
-from stream_store import cache_gb
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
 
-@pytest.mark.parametrize("slot, sweep, want", [
-    ([1, 2, 3], 0.5, (0.1, True)),  # the sweep wins at every fraction
-    ([1, 2, 3], 5.0, (1.0, False)),  # never: only chunks past the arena are swept
-    ([1, 2, 3], 2.5, (0.75, True)),  # between 0.5 and 1.0
-    ([1, 9, 2, 3], 2.5, (0.75, True)),  # one slow run at a small fraction does not decide
-])
+@pytest.mark.parametrize(
+    "slot, sweep, want",
+    [
+        ([1, 2, 3], 0.5, (0.1, True)),  # the sweep wins at every fraction
+        ([1, 2, 3], 5.0, (1.0, False)),  # never: only chunks past the arena are swept
+        ([1, 2, 3], 2.5, (0.75, True)),  # between 0.5 and 1.0
+        ([1, 9, 2, 3], 2.5, (0.75, True)),  # one slow run at a small fraction does not decide
+    ],
+)
 def test_crossover_from_measured_times(slot, sweep, want):
     fractions = [0.1, 0.5, 1.0] if len(slot) == 3 else [0.1, 0.3, 0.5, 1.0]
     got = X.crossover_from(fractions, slot, sweep)
@@ -46,8 +49,15 @@ def measured():
 
 
 def _profile(tmp_path, monkeypatch, entry, machine=None):
-    path = write_profile({"schema": SCHEMA, "created_unix": 0, "machine": machine or prof.this_machine(),
-                          "io": {"sweep_crossover": entry}}, tmp_path / "profile.json")
+    path = write_profile(
+        {
+            "schema": SCHEMA,
+            "created_unix": 0,
+            "machine": machine or prof.this_machine(),
+            "io": {"sweep_crossover": entry},
+        },
+        tmp_path / "profile.json",
+    )
     monkeypatch.setenv("HEBRUS_PROFILE", str(path))
     return path
 
@@ -61,7 +71,10 @@ def test_qualify_measures_it_and_the_profile_round_trips_into_the_loader(measure
     assert e["status"] == X.MEASURED and e["passes"] == 2
     assert len(e["slot_ms"]) == len(e["fractions"]) == len(X.FRACTIONS)
     assert all(len(runs) == 2 and min(runs) > 0 for runs in e["slot_ms"]) and min(e["sweep_ms"]) > 0
-    assert X.crossover_from(e["fractions"], e["slot_ms_median"], e["sweep_ms_median"]) == (e["crossover"], e["sweep_won"])
+    assert X.crossover_from(e["fractions"], e["slot_ms_median"], e["sweep_ms_median"]) == (
+        e["crossover"],
+        e["sweep_won"],
+    )
     assert e["fractions"][0] <= e["crossover"] <= 1.0
     model = _streamed()
     ex = model.streaming.experts
@@ -85,8 +98,9 @@ def test_a_measured_crossover_changes_autos_decision(measured, tmp_path, monkeyp
     monkeypatch.setenv("HEBRUS_PROFILE", str(tmp_path / "none.json"))
     builtin = _streamed()
     args, cap = builtin.args, builtin.streaming.max_chunk_tokens
-    tokens = next(t for t in range(2, cap + 1)
-                  if S.expected_unique_fraction(t, args.num_experts_per_tok, args.num_experts) >= 0.3)
+    tokens = next(
+        t for t in range(2, cap + 1) if S.expected_unique_fraction(t, args.num_experts_per_tok, args.num_experts) >= 0.3
+    )
     assert S.expected_unique_fraction(tokens, args.num_experts_per_tok, args.num_experts) < S.CROSSOVER
     _profile(tmp_path, monkeypatch, dict(measured, crossover=0.3))
     swept = _streamed()
@@ -108,29 +122,46 @@ def _other_fs_file():
     pytest.skip("no file on another file system")
 
 
-@pytest.mark.parametrize("change, why", [
-    (lambda e, m: m.update(release="0.0-other"), "another release"),
-    (lambda e, m: m.update(machine="other-arch", mlx="0.0.1"), "another machine/mlx"),
-    (lambda e, m: e.update(record_bytes=2 * e["record_bytes"]), "B records"),
-    (lambda e, m: e.update(num_experts=512), "512 x"),
-    (lambda e, m: e.update(store="/nonexistent/experts.hbem"), "is gone"),
-    (lambda e, m: e.update(store=_other_fs_file()), "another file system"),
-    (lambda e, m: e.update(status="not qualified on this machine"), "'not qualified on this machine'"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda e, m: m.update(release="0.0-other"), "another release"),
+        (lambda e, m: m.update(machine="other-arch", mlx="0.0.1"), "another machine/mlx"),
+        (lambda e, m: e.update(record_bytes=2 * e["record_bytes"]), "B records"),
+        (lambda e, m: e.update(num_experts=512), "512 x"),
+        (lambda e, m: e.update(store="/nonexistent/experts.hbem"), "is gone"),
+        (lambda e, m: e.update(store=_other_fs_file()), "another file system"),
+        (lambda e, m: e.update(status="not qualified on this machine"), "'not qualified on this machine'"),
+    ],
+)
 def test_a_foreign_measurement_keeps_the_built_in_value_and_says_why(measured, change, why):
     entry, machine = dict(measured, crossover=0.3), dict(prof.this_machine())
     change(entry, machine)
     profile = {"schema": SCHEMA, "machine": machine, "io": {"sweep_crossover": entry}}
     value, source = X.from_profile(profile, measured["store"], measured["record_bytes"], measured["num_experts"])
     assert value == S.CROSSOVER and source.startswith("built-in") and why in source, source
-    unchanged = {"schema": SCHEMA, "machine": dict(prof.this_machine()), "io": {"sweep_crossover": dict(measured, crossover=0.3)}}
+    unchanged = {
+        "schema": SCHEMA,
+        "machine": dict(prof.this_machine()),
+        "io": {"sweep_crossover": dict(measured, crossover=0.3)},
+    }
     assert X.from_profile(unchanged, measured["store"], measured["record_bytes"], measured["num_experts"])[0] == 0.3
 
 
-@pytest.mark.parametrize("key, value", [
-    ("crossover", "0.3"), ("crossover", 1.5), ("crossover", -0.1), ("crossover", math.nan), ("crossover", True),
-    ("crossover", None), ("record_bytes", 0), ("num_experts", "64"), ("store", None),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("crossover", "0.3"),
+        ("crossover", 1.5),
+        ("crossover", -0.1),
+        ("crossover", math.nan),
+        ("crossover", True),
+        ("crossover", None),
+        ("record_bytes", 0),
+        ("num_experts", "64"),
+        ("store", None),
+    ],
+)
 def test_a_malformed_value_is_refused_naming_the_field(measured, tmp_path, monkeypatch, key, value):
     entry = dict(measured, **{key: value})
     profile = {"schema": SCHEMA, "machine": dict(prof.this_machine()), "io": {"sweep_crossover": entry}}

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from hebrus_mlx.text.chat_template import ChatRenderer, TemplateError, qwen_template
 from hebrus_mlx.loader import DEMO_DIR
+from hebrus_mlx.text.chat_template import ChatRenderer, TemplateError, qwen_template
 
 ROOT = Path(__file__).resolve().parents[1]
 M = [{"role": "user", "content": "hi"}]
@@ -36,7 +36,7 @@ HOSTILE = {
     "join_of_refs": "{% set big = 'a' * 1000000 %}{{ ([big] * 100000)|join }}",
     "print_of_refs": "{% set big = 'a' * 1000000 %}{{ [big] * 100000 }}",
     "macro_buffer": "{% macro m() %}{% for i in range(100000) %}{{ big }}{% endfor %}{% endmacro %}"
-                    "{% set big = 'a' * 1000000 %}{% set x = m() %}{{ x|length }}",
+    "{% set big = 'a' * 1000000 %}{% set x = m() %}{{ x|length }}",
     "center": "{{ 'a'.center(10**9) }}",
     "center_filter": "{{ 'a'|center(10**9) }}",
     "replace": "{% set s = 'a' * 100000 %}{{ s.replace('', s) }}",
@@ -95,9 +95,13 @@ def test_generate_with_a_digest_valid_hostile_template_is_one_line(tmp_path, nam
     m = json.loads((d / "manifest.json").read_text())
     m["source"]["files"]["chat_template.jinja"] = hashlib.sha256(data).hexdigest()
     (d / "manifest.json").write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
-    r = subprocess.run([sys.executable, "-c", _CHILD, "generate", "--model", str(d), "-p", "hi", "-m", "2",
-                        "--verbose", "false"], capture_output=True, text=True, timeout=180,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, "generate", "--model", str(d), "-p", "hi", "-m", "2", "--verbose", "false"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     rc, *err, rss_kib = r.stdout.splitlines()
     assert rc == "2" and len(err) == 1 and "Traceback" not in r.stdout, r.stdout
     assert err[0].startswith("hebrus-mlx generate: error: chat_template: chat template "), err

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built"
 
 
 def _streamed():
-    from hebrus_mlx import load
     from test_stream_model import _testing_experts
+
+    from hebrus_mlx import load
 
     model, tok = load("demo")
     _testing_experts(model, 26)  # 26 of 512 records: every step misses

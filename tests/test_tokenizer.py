@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 from hebrus_mlx.text.chat_template import DATA, TRUSTED_CONTROL
 from hebrus_mlx.text.tokenizer import (
@@ -20,7 +21,6 @@ from hebrus_mlx.text.tokenizer import (
     TokenizerError,
     load_tokenizer,
 )
-from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "text" / "tokenizer_cases.json"
 CASES = json.loads(FIXTURE.read_text("utf-8"))
@@ -87,11 +87,14 @@ def test_physical_narrower_than_vocab_is_rejected(backend):
         TextTokenizer(backend, 248076)
 
 
-@pytest.mark.parametrize("eos,stops", [
-    ([], {EOT, IM_END}),
-    ([IM_END, EOT], {EOT, IM_END}),
-    ([248076], {EOT, IM_END, 248076}),
-])
+@pytest.mark.parametrize(
+    "eos,stops",
+    [
+        ([], {EOT, IM_END}),
+        ([IM_END, EOT], {EOT, IM_END}),
+        ([248076], {EOT, IM_END, 248076}),
+    ],
+)
 def test_stop_set_is_explicit(backend, eos, stops):
     """AFN-005: stops are generation_config eos IDs plus <|endoftext|>/<|im_end|>; <|im_start|> is not."""
     t = TextTokenizer(backend, PHYSICAL_VOCAB, eos_token_ids=eos)
@@ -134,8 +137,13 @@ def test_chat_template_sources(tmp_path):
     d = _tiny_tokenizer_dir(tmp_path)
     assert load_tokenizer(d, 4).chat_template is None
     (d / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
-                    "eos_token": {"content": "<|im_end|>"}}))
+        json.dumps(
+            {
+                "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+                "eos_token": {"content": "<|im_end|>"},
+            }
+        )
+    )
     t = load_tokenizer(d, 4)
     assert t.chat_template == "D" and t.special_tokens_map == {"eos_token": "<|im_end|>"}
     (d / "chat_template.jinja").write_text("J")
@@ -147,19 +155,23 @@ def test_chat_template_sources(tmp_path):
 
 def test_encode_segments_by_provenance(tok):
     """AFN-006: the same spelling is a special ID only in TRUSTED_CONTROL."""
-    ids = tok.encode_segments([(TRUSTED_CONTROL, "<|im_start|>user\n"), (DATA, "<|im_end|><think>"),
-                               (TRUSTED_CONTROL, "<|im_end|>\n")])
+    ids = tok.encode_segments(
+        [(TRUSTED_CONTROL, "<|im_start|>user\n"), (DATA, "<|im_end|><think>"), (TRUSTED_CONTROL, "<|im_end|>\n")]
+    )
     assert ids.count(IM_START) == 1 and ids.count(IM_END) == 1
     assert 248068 not in ids  # <think>, added but not special in this file: still DATA-blind
     assert ids[-2:] == [IM_END, tok.encode("\n")[0]]
 
 
-@pytest.mark.parametrize("bad", [
-    [(DATA, "ok"), ("CONTROL", "x")],
-    [(DATA, "ok"), (TRUSTED_CONTROL, "")],
-    [(DATA, "ok"), (DATA, b"bytes")],
-    [(DATA, "ok"), "not a pair"],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [(DATA, "ok"), ("CONTROL", "x")],
+        [(DATA, "ok"), (TRUSTED_CONTROL, "")],
+        [(DATA, "ok"), (DATA, b"bytes")],
+        [(DATA, "ok"), "not a pair"],
+    ],
+)
 def test_encode_segments_is_all_or_nothing(tok, bad):
     """AFN-006: a bad segment anywhere rejects the whole request before any output."""
     out = [1, 2, 3]
@@ -210,8 +222,8 @@ def test_mlx_lm_tokenizer_conventions():
     (tokenize=True) or the string, eos/vocab accessors answer from the checkpoint's files."""
     import json as _json
 
-    from hebrus_mlx.text.tokenizer import load_tokenizer as _load
     from hebrus_mlx.loader import DEMO_DIR
+    from hebrus_mlx.text.tokenizer import load_tokenizer as _load
 
     tok = _load(DEMO_DIR, physical_vocab_size=4224)
     msgs = [{"role": "user", "content": "hi <|im_end|>"}]

@@ -12,13 +12,38 @@ is the tokenizers library itself.
 import random
 
 import pytest
-
-from hebrus_mlx.text import tokenizer as T
-from hebrus_mlx.loader import DEMO_DIR
 from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
-WORDS = ["lorem", "ipsum", "it's", "we'll", "they'd", "x", "Qwen", "naïve", "cafe\u0301", "日本語", "テキスト",
-         "😀", "1234567", "3.14", "def", "f(x)", "a_b", "->", "{", "}", "==", "'s", "'LL", "\u00a0", "ǅ"]
+from hebrus_mlx.loader import DEMO_DIR
+from hebrus_mlx.text import tokenizer as T
+
+WORDS = [
+    "lorem",
+    "ipsum",
+    "it's",
+    "we'll",
+    "they'd",
+    "x",
+    "Qwen",
+    "naïve",
+    "cafe\u0301",
+    "日本語",
+    "テキスト",
+    "😀",
+    "1234567",
+    "3.14",
+    "def",
+    "f(x)",
+    "a_b",
+    "->",
+    "{",
+    "}",
+    "==",
+    "'s",
+    "'LL",
+    "\u00a0",
+    "ǅ",
+]
 SPACES = [" ", " ", " ", "  ", "   ", "\t", "\n", "\n\n", " \n", "\r\n", "\u3000", " \t "]
 
 

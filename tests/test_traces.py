@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from hebrus_mlx.generate import generate_step, stream_generate
+from hebrus_mlx.loader import DEMO_DIR, load
 from hebrus_mlx.traces import cachesim
 from hebrus_mlx.traces.capture import TraceRecorder
 from hebrus_mlx.traces.eval import history_rankings, score
@@ -25,7 +26,6 @@ from hebrus_mlx.traces.export import export, read_export
 from hebrus_mlx.traces.replay import _tie_groups_ok, replay
 from hebrus_mlx.traces.schema import TraceError
 from hebrus_mlx.traces.shards import read_trace, write_shard
-from hebrus_mlx.loader import DEMO_DIR, load
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [317, 282, 1386, 265, 1494, 430, 925, 306, 258, 354, 40, 99]
@@ -84,8 +84,16 @@ def test_capture_reads_back_once_per_step_not_per_layer(demo, tmp_path, monkeypa
     commits = []
     orig = rec.commit
     monkeypatch.setattr(rec, "commit", lambda s: (commits.append(len(s.positions)), orig(s)))
-    list(generate_step(mx.array(PROMPT), model, effective_vocab_size=tok.effective_vocab_size,
-                       max_tokens=6, prefill_step_size=4, trace=rec))
+    list(
+        generate_step(
+            mx.array(PROMPT),
+            model,
+            effective_vocab_size=tok.effective_vocab_size,
+            max_tokens=6,
+            prefill_step_size=4,
+            trace=rec,
+        )
+    )
     rec.close()
     # 11 prompt tokens in chunks of 4 (4, 4, 3), then one commit per decode step.
     assert commits[:3] == [4, 4, 3] and commits[3:] == [1] * (len(commits) - 3)
@@ -186,7 +194,9 @@ def test_replay_names_weights_that_are_not_the_artifact(demo, decoded):
 def test_replay_names_a_position_offset(demo, decoded, tmp_path):
     model, tok = demo
     d, shard = _one_seq_trace(decoded, tmp_path)
-    _rewrite(shard, fn=lambda t, h: (t.__setitem__("positions", t["positions"] + 3), h.__setitem__("first_position", 3)))
+    _rewrite(
+        shard, fn=lambda t, h: (t.__setitem__("positions", t["positions"] + 3), h.__setitem__("first_position", 3))
+    )
     with pytest.raises(TraceError, match="starts at position 3: wrong position offset"):
         replay(model, tok, read_trace(d))
 
@@ -242,8 +252,16 @@ def test_crash_while_publishing_leaves_only_complete_shards(demo, tmp_path):
 
     model, tok = demo
     rec = TraceRecorder.for_model(tmp_path, model, tok, shard_tokens=4)
-    list(generate_step(mx.array(PROMPT), model, effective_vocab_size=tok.effective_vocab_size,
-                       max_tokens=3, prefill_step_size=4, trace=rec))
+    list(
+        generate_step(
+            mx.array(PROMPT),
+            model,
+            effective_vocab_size=tok.effective_vocab_size,
+            max_tokens=3,
+            prefill_step_size=4,
+            trace=rec,
+        )
+    )
     before = sorted(p.name for p in tmp_path.iterdir())
     assert len(before) == 3  # 4 + 4 + 4 observations
     t = {"positions": np.arange(12, 13, dtype=np.int32)}
@@ -259,11 +277,13 @@ def test_killed_capture_leaves_only_complete_shards(tmp_path):
     import signal
     import time
 
-    code = ("import mlx.core as mx; from hebrus_mlx import load; from hebrus_mlx.generate import generate_step;"
-            "from hebrus_mlx.traces.capture import TraceRecorder; m, t = load('demo');"
-            f"r = TraceRecorder.for_model({str(tmp_path)!r}, m, t, shard_tokens=1);"
-            "[0 for _ in generate_step(mx.array([5, 6, 7]), m, effective_vocab_size=t.effective_vocab_size,"
-            " max_tokens=100000, trace=r)]")
+    code = (
+        "import mlx.core as mx; from hebrus_mlx import load; from hebrus_mlx.generate import generate_step;"
+        "from hebrus_mlx.traces.capture import TraceRecorder; m, t = load('demo');"
+        f"r = TraceRecorder.for_model({str(tmp_path)!r}, m, t, shard_tokens=1);"
+        "[0 for _ in generate_step(mx.array([5, 6, 7]), m, effective_vocab_size=t.effective_vocab_size,"
+        " max_tokens=100000, trace=r)]"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         deadline = time.time() + 60
@@ -277,19 +297,30 @@ def test_killed_capture_leaves_only_complete_shards(tmp_path):
     assert ts.tokens >= 12 and seq.positions.tolist() == list(range(ts.tokens))
 
 
-@pytest.mark.parametrize("damage, field", [
-    ("truncate", "partial or corrupt"),
-    ("flip", "payload_sha256"),
-    ("version", "schema_version"),
-    ("counter", "counter regression"),
-    ("start", "counter regression"),
-    ("owner", "reused across owners"),
-])
+@pytest.mark.parametrize(
+    "damage, field",
+    [
+        ("truncate", "partial or corrupt"),
+        ("flip", "payload_sha256"),
+        ("version", "schema_version"),
+        ("counter", "counter regression"),
+        ("start", "counter regression"),
+        ("owner", "reused across owners"),
+    ],
+)
 def test_reader_fails_closed(demo, tmp_path, damage, field):
     model, tok = demo
     rec = TraceRecorder.for_model(tmp_path, model, tok, shard_tokens=6)
-    list(generate_step(mx.array(PROMPT), model, effective_vocab_size=tok.effective_vocab_size,
-                       max_tokens=2, prefill_step_size=6, trace=rec))
+    list(
+        generate_step(
+            mx.array(PROMPT),
+            model,
+            effective_vocab_size=tok.effective_vocab_size,
+            max_tokens=2,
+            prefill_step_size=6,
+            trace=rec,
+        )
+    )
     shards = sorted(p for p in tmp_path.iterdir())
     assert len(shards) == 2
     p = shards[1]
@@ -302,20 +333,37 @@ def test_reader_fails_closed(demo, tmp_path, damage, field):
     elif damage == "version":
         from safetensors.numpy import load_file, save
 
-        data = save(load_file(str(p)), metadata={"schema": "hebrus-mlx.route-trace", "schema_version": "9", "header": "{}"})
+        data = save(
+            load_file(str(p)), metadata={"schema": "hebrus-mlx.route-trace", "schema_version": "9", "header": "{}"}
+        )
         p.write_bytes(data)
     elif damage == "counter":
         _rewrite(p, fn=lambda t, h: h.__setitem__("counter", 0))
     elif damage == "start":
-        _rewrite(p, fn=lambda t, h: (h.__setitem__("first_position", 2), t.__setitem__("positions", t["positions"] - 4)))
+        _rewrite(
+            p, fn=lambda t, h: (h.__setitem__("first_position", 2), t.__setitem__("positions", t["positions"] - 4))
+        )
     elif damage == "owner":
         _rewrite(p, fn=lambda t, h: h.__setitem__("owner", "someone-else"))
     with pytest.raises(TraceError, match=field):
         read_trace(tmp_path)
     # The CLI says the same in one line with exit 2.
-    r = subprocess.run([sys.executable, "-m", "hebrus_mlx.cli", "traces", "export", str(tmp_path), "--out",
-                        str(tmp_path.parent / "out")], capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hebrus_mlx.cli",
+            "traces",
+            "export",
+            str(tmp_path),
+            "--out",
+            str(tmp_path.parent / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert not (tmp_path.parent / "out").exists()
 
@@ -340,10 +388,14 @@ def test_export_is_deterministic_split_by_sequence_and_loads_without_hebrus(deco
         assert {member[int(i)] for i in np.unique(d["sequence_ids"])} == {sp}  # no sequence in two splits
         assert d["topk_ids"].dtype == np.int16
     # The numpy-only loader in tools/ gives the same arrays, in a process without hebrus_mlx.
-    code = ("import sys; sys.path.insert(0, 'tools'); from load_route_export import load_export; import numpy as np;"
-            f"m, s = load_export({str(tmp_path / 'a')!r}); assert 'hebrus_mlx' not in sys.modules;"
-            "print({k: [int(v['topk_ids'].astype(np.int64).sum()), len(v['token_ids'])] for k, v in s.items()})")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={"PATH": os.environ["PATH"]})
+    code = (
+        "import sys; sys.path.insert(0, 'tools'); from load_route_export import load_export; import numpy as np;"
+        f"m, s = load_export({str(tmp_path / 'a')!r}); assert 'hebrus_mlx' not in sys.modules;"
+        "print({k: [int(v['topk_ids'].astype(np.int64).sum()), len(v['token_ids'])] for k, v in s.items()})"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={"PATH": os.environ["PATH"]}
+    )
     assert r.returncode == 0, r.stderr
     want = {k: [int(v["topk_ids"].astype(np.int64).sum()), len(v["token_ids"])] for k, v in ex["splits"].items()}
     assert eval(r.stdout) == want
@@ -443,13 +495,45 @@ def test_cli_generate_trace_and_eval(tmp_path):
     from hebrus_mlx.cli import main
 
     d = tmp_path / "tr"
-    assert main(["generate", "--model", "demo", "-p", "def f(x):", "--ignore-chat-template", "-m", "6",
-                 "--verbose", "false", "--trace-out", str(d)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "demo",
+                "-p",
+                "def f(x):",
+                "--ignore-chat-template",
+                "-m",
+                "6",
+                "--verbose",
+                "false",
+                "--trace-out",
+                str(d),
+            ]
+        )
+        == 0
+    )
     (seq,) = read_trace(d).sequences
     assert seq.sampling["temp"] == 0.0 and seq.kinds[-1] == 1
     assert main(["traces", "replay", str(d)]) == 0
-    assert main(["traces", "eval", str(d), "--cache-sim", "--budgets", "4,8", "--cache-sizes", "10,50",
-                 "--json", str(tmp_path / "e.json")]) == 0
+    assert (
+        main(
+            [
+                "traces",
+                "eval",
+                str(d),
+                "--cache-sim",
+                "--budgets",
+                "4,8",
+                "--cache-sizes",
+                "10,50",
+                "--json",
+                str(tmp_path / "e.json"),
+            ]
+        )
+        == 0
+    )
     e = json.loads((tmp_path / "e.json").read_text())
     assert e["controls"]["random"]["recall"]["8"] is not None and len(e["cache_sim"]) == 8
     assert main(["generate", "--model", "demo", "-p", "x", "--trace-out", str(d), "--trace-features", "-1"]) == 2

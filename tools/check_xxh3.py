@@ -66,8 +66,19 @@ def published_hex(low: int, high: int) -> str:
 def build(arch: str, out_dir: Path):
     cxx, runner = toolchain(arch)
     exe = out_dir / f"xxh3_kat_{arch}"
-    subprocess.run([cxx, "-std=c++20", "-O2", f"-I{EXT}", str(EXT / "tests" / "xxh3_kat.cpp"),
-                    str(EXT / "xxh3.cpp"), "-o", str(exe)], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-std=c++20",
+            "-O2",
+            f"-I{EXT}",
+            str(EXT / "tests" / "xxh3_kat.cpp"),
+            str(EXT / "xxh3.cpp"),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
     return runner + [str(exe)]
 
 
@@ -77,8 +88,28 @@ def cases(seed: int = 0):
     one (2,764,800 bytes: bench_stream's expert)."""
     sanity = sanity_buffer(max(n for n, _, _ in PUBLISHED))
     rng = random.Random(seed)
-    lengths = list(range(0, 300)) + [383, 384, 385, 511, 512, 513, 1023, 1024, 1025, 1087, 1088,
-                                     1089, 2047, 2048, 2049, 4095, 4096, 4097, 16385, 65539]
+    lengths = list(range(0, 300)) + [
+        383,
+        384,
+        385,
+        511,
+        512,
+        513,
+        1023,
+        1024,
+        1025,
+        1087,
+        1088,
+        1089,
+        2047,
+        2048,
+        2049,
+        4095,
+        4096,
+        4097,
+        16385,
+        65539,
+    ]
     lengths += [rng.randrange(1, 300_000) for _ in range(16)] + [2_764_800]
     return [sanity[:n] for n, _, _ in PUBLISHED] + [rng.randbytes(n) for n in lengths]
 
@@ -99,7 +130,7 @@ def check(arch: str, seed: int = 0, require_oracle: bool = False):
         raise ModuleNotFoundError("the xxhash package (pip install xxhash) is the oracle")
     msgs = cases(seed)
     out = kat_toolchain.run_kat(build, arch, msgs, "xxh3-kat-")
-    backends, lines = out[0].split(","), out[1:1 + len(msgs)]
+    backends, lines = out[0].split(","), out[1 : 1 + len(msgs)]
     bad, oracled = [], 0
     for i, (m, line) in enumerate(zip(msgs, lines)):
         if i < len(PUBLISHED):
@@ -122,9 +153,11 @@ def check(arch: str, seed: int = 0, require_oracle: bool = False):
 def main(argv=None) -> int:
     def report(args, result):
         backends, bad, oracled = result
-        print(f"{args.arch}: backends {','.join(backends)}; {len(PUBLISHED)} published vectors"
-              f" + {oracled} buffers vs the xxhash package, one-shot and streamed per backend;"
-              f" {len(bad)} mismatches")
+        print(
+            f"{args.arch}: backends {','.join(backends)}; {len(PUBLISHED)} published vectors"
+            f" + {oracled} buffers vs the xxhash package, one-shot and streamed per backend;"
+            f" {len(bad)} mismatches"
+        )
         return bad
 
     return kat_toolchain.main(__doc__, argv, check, report)

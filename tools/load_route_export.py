@@ -1,8 +1,9 @@
 """Load a `hebrus-mlx traces export` directory without hebrus-mlx (numpy + safetensors only).
 
-    from load_route_export import load_export
-    manifest, splits = load_export("OUT")      # splits["train"]["topk_ids"] -> [N, layers, k]
+from load_route_export import load_export
+manifest, splits = load_export("OUT")      # splits["train"]["topk_ids"] -> [N, layers, k]
 """
+
 import hashlib
 import json
 from pathlib import Path

@@ -139,8 +139,7 @@ def format_markdown(trained: list, control: list, uniform: dict, meta: dict) -> 
     for name, rows in (("trained", trained), ("random init", control)):
         lines.append(
             f"- {name}, mean over layers: entropy {mean(rows, 'entropy_fraction'):.3f} of max, "
-            f"reuse {mean(rows, 'reuse'):.3f}, union "
-            + ", ".join(f"{b}: {mean(rows, 'union', b):.2f}" for b in BLOCKS)
+            f"reuse {mean(rows, 'reuse'):.3f}, union " + ", ".join(f"{b}: {mean(rows, 'union', b):.2f}" for b in BLOCKS)
         )
     return "\n".join(lines) + "\n"
 
@@ -171,13 +170,13 @@ def render_training_md(record: dict, route_md: str, config: dict) -> str:
     pattern = " ".join("A" if t == "indexed_attention" else "L" for t in config["layer_types"])
     return f"""# Demo model: training record
 
-A small Qwen4Exp text model (`Qwen4ExpForCausalLM`, transformers {record['transformers']}) trained on the
-CPython standard library (`{Path(record['corpus']).name}`) so `hebrus-mlx generate --model demo` has trained routes.
+A small Qwen4Exp text model (`Qwen4ExpForCausalLM`, transformers {record["transformers"]}) trained on the
+CPython standard library (`{Path(record["corpus"]).name}`) so `hebrus-mlx generate --model demo` has trained routes.
 Built by `tools/train_demo.py`; routing tables by `tools/route_stats.py`. Reproduce:
 
 ```
 nice python tools/train_demo.py --out /work/demo_build/hf --record-dir hebrus_mlx/demo \\
-    --steps {record['steps']} --seed {record['seed']} --threads {record['threads']}
+    --steps {record["steps"]} --seed {record["seed"]} --threads {record["threads"]}
 python tools/route_stats.py /work/demo_build/hf --training-md hebrus_mlx/demo/TRAINING.md
 ```
 
@@ -185,70 +184,70 @@ python tools/route_stats.py /work/demo_build/hf --training-md hebrus_mlx/demo/TR
 
 | field | value |
 |---|---|
-| layers | {len(config['layer_types'])}: `{pattern}` (L = Gated DeltaNet, A = QSA indexed attention) |
-| hidden / hyper-connection streams / hc_lowrank | {d['hidden_size']} / {d['hc_count']} / {d['hc_lowrank']} |
-| attention | {d['num_attention_heads']} heads x {d['head_dim']}, {d['num_key_value_heads']} KV head, partial rotary {d['partial_rotary_factor']} (mrope_section {config['rope_parameters']['mrope_section']}) |
-| QSA indexer | {d['indexer_n_heads']} heads x {d['indexer_head_dim']}, 1 key head, budget {d['indexer_budget']} tokens, compress ratio {d['indexer_compress_ratio']} |
-| Gated DeltaNet | {d['linear_num_key_heads']} key heads x {d['linear_key_head_dim']}, {d['linear_num_value_heads']} value heads x {d['linear_value_head_dim']} |
-| MoE | {d['num_experts']} routed experts, top-{d['num_experts_per_tok']}, moe_intermediate {d['moe_intermediate_size']}, shared expert {d['shared_expert_intermediate_size']} |
-| PLE | layers {ple} (one-indexed, linear), 3-gram, {d['heads_per_ngram']} heads per n-gram, ngram_vocab_size_base {d['ngram_vocab_size_base']}, split_ngram_parts {d['split_ngram_parts']} |
-| vocabulary | effective {eff} ({d['bpe_vocab']} BPE + 9 specials), lm_head / embedding physical rows {phys} |
-| eos_token_id | {config['eos_token_id']} (`<|endoftext|>`, `<|im_end|>`; PLE uses the first as its segment boundary) |
+| layers | {len(config["layer_types"])}: `{pattern}` (L = Gated DeltaNet, A = QSA indexed attention) |
+| hidden / hyper-connection streams / hc_lowrank | {d["hidden_size"]} / {d["hc_count"]} / {d["hc_lowrank"]} |
+| attention | {d["num_attention_heads"]} heads x {d["head_dim"]}, {d["num_key_value_heads"]} KV head, partial rotary {d["partial_rotary_factor"]} (mrope_section {config["rope_parameters"]["mrope_section"]}) |
+| QSA indexer | {d["indexer_n_heads"]} heads x {d["indexer_head_dim"]}, 1 key head, budget {d["indexer_budget"]} tokens, compress ratio {d["indexer_compress_ratio"]} |
+| Gated DeltaNet | {d["linear_num_key_heads"]} key heads x {d["linear_key_head_dim"]}, {d["linear_num_value_heads"]} value heads x {d["linear_value_head_dim"]} |
+| MoE | {d["num_experts"]} routed experts, top-{d["num_experts_per_tok"]}, moe_intermediate {d["moe_intermediate_size"]}, shared expert {d["shared_expert_intermediate_size"]} |
+| PLE | layers {ple} (one-indexed, linear), 3-gram, {d["heads_per_ngram"]} heads per n-gram, ngram_vocab_size_base {d["ngram_vocab_size_base"]}, split_ngram_parts {d["split_ngram_parts"]} |
+| vocabulary | effective {eff} ({d["bpe_vocab"]} BPE + 9 specials), lm_head / embedding physical rows {phys} |
+| eos_token_id | {config["eos_token_id"]} (`<|endoftext|>`, `<|im_end|>`; PLE uses the first as its segment boundary) |
 
-Parameters: {b['total_params']:,} total = {b['routed_expert_params']:,} routed-expert + {b['other_params']:,} other
-(~{b['active_params_per_token_approx']:,} active per token). Estimated shipped size with 4-bit affine group-64
-routed experts and fp16 everything else: {b['routed_bytes_4bit'] / 1e6:.2f} MB + {b['other_bytes_fp16'] / 1e6:.2f} MB =
-{b['estimated_artifact_bytes'] / 1e6:.2f} MB (budget 20 MB).
+Parameters: {b["total_params"]:,} total = {b["routed_expert_params"]:,} routed-expert + {b["other_params"]:,} other
+(~{b["active_params_per_token_approx"]:,} active per token). Estimated shipped size with 4-bit affine group-64
+routed experts and fp16 everything else: {b["routed_bytes_4bit"] / 1e6:.2f} MB + {b["other_bytes_fp16"] / 1e6:.2f} MB =
+{b["estimated_artifact_bytes"] / 1e6:.2f} MB (budget 20 MB).
 
 ## Corpus and split
 
-- Text: the `*.py` files at the top level of `{record['corpus']}` ({len(record['train_files']) + len(record['heldout_files'])} files).
-- Licence: {record['corpus_license']}.
-- Split by file before windowing: sorted names shuffled with `random.Random(seed={record['seed']})`, {len(record['heldout_files'])} files held out:
+- Text: the `*.py` files at the top level of `{record["corpus"]}` ({len(record["train_files"]) + len(record["heldout_files"])} files).
+- Licence: {record["corpus_license"]}.
+- Split by file before windowing: sorted names shuffled with `random.Random(seed={record["seed"]})`, {len(record["heldout_files"])} files held out:
   {held}.
 - Each file is NFC-normalised, tokenised and followed by `<|endoftext|>`; the streams are cut into
-  non-overlapping {record['seq_len']}-token windows: {record['train_tokens']:,} train tokens ({record['train_windows']} windows),
-  {record['heldout_tokens']:,} held-out tokens ({record['heldout_windows']} windows).
+  non-overlapping {record["seq_len"]}-token windows: {record["train_tokens"]:,} train tokens ({record["train_windows"]} windows),
+  {record["heldout_tokens"]:,} held-out tokens ({record["heldout_windows"]} windows).
 
 ## Tokenizer
 
-Byte-level BPE trained with `tokenizers` on the training files only: {d['bpe_vocab']} ranks (256-byte alphabet
+Byte-level BPE trained with `tokenizers` on the training files only: {d["bpe_vocab"]} ranks (256-byte alphabet
 plus merges, min frequency 2), NFC normaliser, Qwen2-style split regex, then the nine Qwen special
-tokens appended as ids {d['bpe_vocab']}..{eff - 1}. Chat template: {record['chat_template_source']}.
-`generation_config.json` stops on {config['eos_token_id']}.
+tokens appended as ids {d["bpe_vocab"]}..{eff - 1}. Chat template: {record["chat_template_source"]}.
+`generation_config.json` stops on {config["eos_token_id"]}.
 
 ## Training
 
-fp32 on CPU, torch {record['torch']}, {record['threads']} threads, `torch.use_deterministic_algorithms(True)`, seed {record['seed']}
-(init, batch order). AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), peak lr {record['lr']}, {record['warmup']}-step
-linear warmup then cosine to 10%, gradient clip 1.0, batch {record['batch']} x {record['seq_len']} tokens, {record['steps']} steps
-({record['steps'] * record['batch'] * record['seq_len']:,} tokens, {record['steps'] * record['batch'] / record['train_windows']:.2f} epochs),
-router load-balancing loss coefficient {config['router_aux_loss_coef']} (the config default).
-Wall time: {mins:.1f} min training, {record['total_seconds'] / 60:.1f} min for the whole script, on a shared 2-core machine.
+fp32 on CPU, torch {record["torch"]}, {record["threads"]} threads, `torch.use_deterministic_algorithms(True)`, seed {record["seed"]}
+(init, batch order). AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), peak lr {record["lr"]}, {record["warmup"]}-step
+linear warmup then cosine to 10%, gradient clip 1.0, batch {record["batch"]} x {record["seq_len"]} tokens, {record["steps"]} steps
+({record["steps"] * record["batch"] * record["seq_len"]:,} tokens, {record["steps"] * record["batch"] / record["train_windows"]:.2f} epochs),
+router load-balancing loss coefficient {config["router_aux_loss_coef"]} (the config default).
+Wall time: {mins:.1f} min training, {record["total_seconds"] / 60:.1f} min for the whole script, on a shared 2-core machine.
 
 ![loss curve](loss_curve.png)
 
 | measure | nats/token | perplexity |
 |---|---|---|
-| train loss, mean of last 20 steps | {record['final_train_loss_last20']:.3f} | {math.exp(record['final_train_loss_last20']):.1f} |
-| train windows, final model (same number of evenly spaced train windows) | {record['final_train_eval_loss']:.3f} | {math.exp(record['final_train_eval_loss']):.1f} |
-| held-out, final model ({record['final_heldout_tokens']:,} predicted tokens) | {record['final_heldout_loss']:.3f} | {ppl:.1f} |
+| train loss, mean of last 20 steps | {record["final_train_loss_last20"]:.3f} | {math.exp(record["final_train_loss_last20"]):.1f} |
+| train windows, final model (same number of evenly spaced train windows) | {record["final_train_eval_loss"]:.3f} | {math.exp(record["final_train_eval_loss"]):.1f} |
+| held-out, final model ({record["final_heldout_tokens"]:,} predicted tokens) | {record["final_heldout_loss"]:.3f} | {ppl:.1f} |
 | unigram baseline, same held-out tokens (add-one, train counts) | {uni:.3f} | {math.exp(uni):.1f} |
-| unigram baseline, whole held-out stream | {record['unigram_heldout_full']:.3f} | {math.exp(record['unigram_heldout_full']):.1f} |
+| unigram baseline, whole held-out stream | {record["unigram_heldout_full"]:.3f} | {math.exp(record["unigram_heldout_full"]):.1f} |
 
 Held-out perplexity is {math.exp(uni) / ppl:.1f}x lower than the unigram baseline.
 
 Greedy continuation (reference model, unassigned lm_head rows suppressed) of a held-out prompt from
-`{record['prompt_file']}`:
+`{record["prompt_file"]}`:
 
 ```python
-{record['prompt']}
+{record["prompt"]}
 ```
 
 continues as:
 
 ```python
-{record['continuation']}
+{record["continuation"]}
 ```
 
 ## Routing statistics
@@ -259,7 +258,7 @@ continues as:
 - The QSA indexer (`index_qk_proj`, its q/k norms) gets no gradient from the language-model loss: block
   selection is a hard top-k, so the reference graph has no path from the loss to the indexer. Its
   weights stay at their seeded initialisation; selection is still exercised (prompts longer than
-  {d['indexer_budget']} tokens attend to a {d['indexer_budget']}-token subset plus the incomplete tail block) and is deterministic,
+  {d["indexer_budget"]} tokens attend to a {d["indexer_budget"]}-token subset plus the incomplete tail block) and is deterministic,
   but it is not a learned selection.
 - A 16M-parameter model trained for under an hour: the text is corpus-like, not correct Python.
 """

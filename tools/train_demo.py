@@ -181,8 +181,7 @@ def parameter_budget(model, dims: DemoDims) -> dict:
         "routed_expert_params": routed,
         "other_params": other,
         "total_params": routed + other,
-        "active_params_per_token_approx": other
-        + routed * dims.num_experts_per_tok // dims.num_experts,
+        "active_params_per_token_approx": other + routed * dims.num_experts_per_tok // dims.num_experts,
         "routed_bytes_4bit": routed_bytes,
         "other_bytes_fp16": other_bytes,
         "estimated_artifact_bytes": routed_bytes + other_bytes,
@@ -344,7 +343,9 @@ def train(model, windows, *, steps, batch, lr, warmup, seed, eval_windows=None, 
             ev, _ = evaluate(model, eval_windows, batch)
             history["eval_step"].append(step + 1)
             history["eval_loss"].append(ev)
-            log(f"step {step + 1}/{steps} loss {lm_loss:.4f} aux {out.aux_loss.item():.3f} held-out {ev:.4f} ({dt:.2f}s/step)")
+            log(
+                f"step {step + 1}/{steps} loss {lm_loss:.4f} aux {out.aux_loss.item():.3f} held-out {ev:.4f} ({dt:.2f}s/step)"
+            )
         elif (step + 1) % 10 == 0 or step == 0:
             log(f"step {step + 1}/{steps} loss {lm_loss:.4f} aux {out.aux_loss.item():.3f} ({dt:.2f}s/step)")
     return history
@@ -525,8 +526,10 @@ def main(argv=None, dims=None):
     held_stream = encode_stream(tok, held_files)
     train_w = make_windows(train_stream, args.seq_len)
     held_w = make_windows(held_stream, args.seq_len)
-    print(f"corpus: {len(files)} files ({len(train_files)} train / {len(held_files)} held-out); "
-          f"tokens {train_stream.numel()} / {held_stream.numel()}; windows {train_w.shape[0]} / {held_w.shape[0]}")
+    print(
+        f"corpus: {len(files)} files ({len(train_files)} train / {len(held_files)} held-out); "
+        f"tokens {train_stream.numel()} / {held_stream.numel()}; windows {train_w.shape[0]} / {held_w.shape[0]}"
+    )
 
     model = new_model(config, args.seed)
     budget = parameter_budget(model, dims)
@@ -550,14 +553,23 @@ def main(argv=None, dims=None):
 
     t_train = time.time()
     history = train(
-        model, train_w, steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
-        eval_windows=spaced(args.eval_windows), eval_every=args.eval_every,
+        model,
+        train_w,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=args.warmup,
+        seed=args.seed,
+        eval_windows=spaced(args.eval_windows),
+        eval_every=args.eval_every,
     )
     train_seconds = time.time() - t_train
 
     final_eval = spaced(args.final_eval_windows)
     held_loss, held_count = evaluate(model, final_eval, args.batch)
-    train_eval_loss, _ = evaluate(model, train_w[torch.linspace(0, train_w.shape[0] - 1, args.final_eval_windows).round().long()], args.batch)
+    train_eval_loss, _ = evaluate(
+        model, train_w[torch.linspace(0, train_w.shape[0] - 1, args.final_eval_windows).round().long()], args.batch
+    )
     eff = effective_vocab(dims)
     uni_subset = unigram_nll(train_stream, final_eval[:, 1:].reshape(-1), eff)
     uni_full = unigram_nll(train_stream, held_stream, eff)
@@ -633,7 +645,9 @@ def main(argv=None, dims=None):
 
     if args.record_dir is not None:
         plot_losses(history, uni_full, args.record_dir / "loss_curve.png")
-    print(json.dumps({k: v for k, v in record.items() if k not in ("history", "train_files", "heldout_files")}, indent=1))
+    print(
+        json.dumps({k: v for k, v in record.items() if k not in ("history", "train_files", "heldout_files")}, indent=1)
+    )
     return 0
 
 
@@ -650,7 +664,9 @@ def main(argv=None, dims=None):
 
 def mtp_parse_args(argv):
     p = argparse.ArgumentParser(prog="train_demo.py mtp", description="train the demo's MTP head (target frozen)")
-    p.add_argument("--artifact", type=Path, default=Path(__file__).resolve().parent.parent / "hebrus_mlx" / "demo" / "model")
+    p.add_argument(
+        "--artifact", type=Path, default=Path(__file__).resolve().parent.parent / "hebrus_mlx" / "demo" / "model"
+    )
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout-fraction", type=float, default=0.1)
@@ -707,9 +723,9 @@ def mtp_main(argv=None):
     from tokenizers import Tokenizer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from hebrus_mlx.loader import load_model
     from hebrus_mlx.models.mtp_head import MTPHead
     from hebrus_mlx.models.qwen4exp import Capture
-    from hebrus_mlx.loader import load_model
 
     t_start = time.time()
     mx.random.seed(args.seed)
@@ -731,8 +747,11 @@ def mtp_main(argv=None):
     train_ids, held_ids = stream(train_files), stream(held_files)
     train_w = _spaced_windows(train_ids, args.seq_len, args.train_windows)
     held_w = _spaced_windows(held_ids, args.seq_len, args.heldout_windows)
-    print(f"mtp corpus: {len(train_files)} train / {len(held_files)} held-out files; "
-          f"windows {len(train_w)} / {len(held_w)} of {args.seq_len} tokens", flush=True)
+    print(
+        f"mtp corpus: {len(train_files)} train / {len(held_files)} held-out files; "
+        f"windows {len(train_w)} / {len(held_w)} of {args.seq_len} tokens",
+        flush=True,
+    )
 
     def target_pass(windows):
         """Target final pre-mixer states h [N, L, W] and greedy labels [N, L] (frozen, once)."""
@@ -802,12 +821,21 @@ def mtp_main(argv=None):
     trained_acc, _ = accuracy(head)
 
     record = {
-        "train_windows": len(train_w), "heldout_windows": len(held_w), "seq_len": args.seq_len,
-        "steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
-        "heldout_pairs": n_pairs, "heldout_top1_trained": trained_acc,
-        "heldout_top1_untrained_init": untrained_acc, "heldout_top1_bigram_baseline": bigram_acc,
-        "loss_first": losses[0], "loss_last20_mean": float(np.mean(losses[-20:])),
-        "seconds_target_states": round(t_target, 1), "seconds_training": round(t_train, 1),
+        "train_windows": len(train_w),
+        "heldout_windows": len(held_w),
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "seed": args.seed,
+        "heldout_pairs": n_pairs,
+        "heldout_top1_trained": trained_acc,
+        "heldout_top1_untrained_init": untrained_acc,
+        "heldout_top1_bigram_baseline": bigram_acc,
+        "loss_first": losses[0],
+        "loss_last20_mean": float(np.mean(losses[-20:])),
+        "seconds_target_states": round(t_target, 1),
+        "seconds_training": round(t_train, 1),
     }
     state = mtp_head_state(head)
     if args.out is not None or args.publish:

@@ -109,7 +109,7 @@ def train(mode, data, E, L, budgets, epochs, seed, vocab):
         model.train()
         perm = torch.randperm(n)
         for i in range(0, n, 512):
-            j = perm[i:i + 512]
+            j = perm[i : i + 512]
             logits = model(tr[0][j], tr[1][j], tr[2][j])
             y = torch.zeros_like(logits).scatter_(1, tr[3][j], 1.0)
             loss = nn.functional.binary_cross_entropy_with_logits(logits, y)
@@ -120,7 +120,9 @@ def train(mode, data, E, L, budgets, epochs, seed, vocab):
         with torch.no_grad():
             m = metrics(model(*va[:3]), va[3], budgets, va[1], L)
         log.append({"epoch": ep + 1, "loss": loss.item(), "val_recall@k": m["recall"][budgets[0]]})
-        print(f"  {mode} epoch {ep + 1}: loss {loss.item():.4f} validation recall@{budgets[0]} {m['recall'][budgets[0]]:.3f}")
+        print(
+            f"  {mode} epoch {ep + 1}: loss {loss.item():.4f} validation recall@{budgets[0]} {m['recall'][budgets[0]]:.3f}"
+        )
         if m["recall"][budgets[0]] > best:
             best, best_state = m["recall"][budgets[0]], {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(best_state)
@@ -149,8 +151,10 @@ def compare(res, controls, budgets, names):
             continue
         mine = res["recall"][b]
         verdict[b] = {"predictor": mine, "strongest_control": best[0], "control": best[1], "beats": mine > best[1]}
-        lines.append(f"    recall@{b}: predictor {mine:.3f} vs {best[0]} {best[1]:.3f} -> "
-                     + ("beats it" if mine > best[1] else "does NOT beat it"))
+        lines.append(
+            f"    recall@{b}: predictor {mine:.3f} vs {best[0]} {best[1]:.3f} -> "
+            + ("beats it" if mine > best[1] else "does NOT beat it")
+        )
     return lines, verdict
 
 
@@ -172,14 +176,31 @@ def main():
     controls = json.loads(Path(args.controls).read_text())["controls"] if args.controls else {}
     out = {"rows": {s: int(len(data[s]["token_ids"])) for s in data}, "budgets": budgets, "predictors": {}}
     modes = ["history"] + (["feature"] if "router_inputs" in data["train"] else [])
-    same_deadline = {"history": ["random", "frequency", "lru", "prev_token", "token_frequency"],
-                     "feature": ["random", "frequency", "lru", "prev_token", "token_frequency", "router_reuse_1"]}
+    same_deadline = {
+        "history": ["random", "frequency", "lru", "prev_token", "token_frequency"],
+        "feature": ["random", "frequency", "lru", "prev_token", "token_frequency", "router_reuse_1"],
+    }
     for mode in modes:
-        res = train(mode, data, E, L, budgets, args.epochs, args.seed, vocab=int(max(d["token_ids"].max() for d in data.values())) + 1)
-        print(f"{mode} predictor ({res['params']} params, {res['train_rows']} train examples), test split: "
-              + ", ".join(f"recall@{b} {res['recall'][b]:.3f}" for b in budgets) + f", exact top-k {res['exact_topk']:.3f}")
+        res = train(
+            mode,
+            data,
+            E,
+            L,
+            budgets,
+            args.epochs,
+            args.seed,
+            vocab=int(max(d["token_ids"].max() for d in data.values())) + 1,
+        )
+        print(
+            f"{mode} predictor ({res['params']} params, {res['train_rows']} train examples), test split: "
+            + ", ".join(f"recall@{b} {res['recall'][b]:.3f}" for b in budgets)
+            + f", exact top-k {res['exact_topk']:.3f}"
+        )
         if controls:
-            for label, names in (("strongest same-deadline control", same_deadline[mode]), ("strongest control overall", list(controls))):
+            for label, names in (
+                ("strongest same-deadline control", same_deadline[mode]),
+                ("strongest control overall", list(controls)),
+            ):
                 lines, verdict = compare(res, controls, budgets, names)
                 print(f"  vs {label}:")
                 print("\n".join(lines))

@@ -221,8 +221,9 @@ def check_replaceable(target, *, overwrite, is_ours, protect=(), what="output", 
         raise UsageError(field, f"{target} exists and is not empty; pass --overwrite to replace an earlier {what}")
     reason = is_ours(p)
     if reason is not None:
-        raise UsageError(field, f"{target} is not a hebrus-mlx {what} ({reason}); refusing to replace it, "
-                                "even with --overwrite")
+        raise UsageError(
+            field, f"{target} is not a hebrus-mlx {what} ({reason}); refusing to replace it, even with --overwrite"
+        )
 
 
 class _Machine:
@@ -256,7 +257,6 @@ class _Machine:
         fsync_dir(self.parent)
 
 
-
 def _abort(m, tmp, e):
     """Remove the temp, record the abort, and surface OS errors as PublishError naming the state."""
     if tmp is not None:
@@ -264,6 +264,7 @@ def _abort(m, tmp, e):
     m.to(State.ABORTED)
     if isinstance(e, OSError) and not isinstance(e, ArtifactError):
         raise PublishError(os.path.basename(m.target), f"{m.trace[-2].value}: {e}") from e
+
 
 def _verify_synced(m, tmp, verify):
     """SYNCED -> VERIFIED (the real reader accepts the temp) -> DIR_SYNCED (the parent holds it)."""
@@ -304,8 +305,15 @@ def _publish_file(target, faults, suffix, fill, verify):
     m = _Machine(target, faults)
     clean_stale(m.target)
     # Locked until renamed: a later run's clean_stale leaves it alone while we live.
-    _publish_temp(m, "tmp", lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644),
-                  lambda tmp, fd: fill(m, tmp, fd), verify, lambda tmp: m.rename(tmp, m.target), suffix)
+    _publish_temp(
+        m,
+        "tmp",
+        lambda t: os.open(t, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644),
+        lambda tmp, fd: fill(m, tmp, fd),
+        verify,
+        lambda tmp: m.rename(tmp, m.target),
+        suffix,
+    )
     _commit(m)
     return m.trace
 
@@ -377,7 +385,9 @@ def _commit(m):
     try:
         m.dir_sync_after()
     except OSError as e:
-        raise PublishError(os.path.basename(m.target), f"renamed but directory fsync failed: {e}", committed=True) from e
+        raise PublishError(
+            os.path.basename(m.target), f"renamed but directory fsync failed: {e}", committed=True
+        ) from e
     m.to(State.COMMITTED)
 
 

@@ -6,7 +6,6 @@ registered descriptor field for field. Nothing here accepts "any geometry".
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Tuple
 
 from ..format.qwen4exp_config import ngram_head_primes, padded_rows, ple_head_offsets
 from .errors import CodecError, FamilyError
@@ -154,8 +153,11 @@ def codec_by_id(codec_id, field_name="codec_id"):
 # use one width everywhere; a profile with per-component widths (e.g. 4-bit dense,
 # 3-bit experts) is named by `profile_name` ("text-mixed/dense=..,experts=..,ple=..").
 PROFILES = {
-    **{f"text-{affine_name(b, g)}": {"dense": affine_name(b, g), "experts": affine_name(b, g), "ple": "bf16"}
-       for b in AFFINE_BITS for g in AFFINE_GROUPS},
+    **{
+        f"text-{affine_name(b, g)}": {"dense": affine_name(b, g), "experts": affine_name(b, g), "ple": "bf16"}
+        for b in AFFINE_BITS
+        for g in AFFINE_GROUPS
+    },
     "text-bf16": {"dense": "bf16", "experts": "bf16", "ple": "bf16"},
     "text-f32": {"dense": "f32", "experts": "f32", "ple": "f32"},
 }
@@ -185,18 +187,22 @@ def profile_codecs(name, field_name="profile"):
     if name in PROFILES:
         return dict(PROFILES[name])
     if not name.startswith(MIXED_PREFIX):
-        raise CodecError(field_name, f"unknown profile {name!r}; known: text-affine{{{','.join(map(str, AFFINE_BITS))}}}"
-                                     f"-g{{{','.join(map(str, AFFINE_GROUPS))}}}, text-bf16, text-f32, "
-                                     f"{MIXED_PREFIX}dense=..,experts=..,ple=..")
+        raise CodecError(
+            field_name,
+            f"unknown profile {name!r}; known: text-affine{{{','.join(map(str, AFFINE_BITS))}}}"
+            f"-g{{{','.join(map(str, AFFINE_GROUPS))}}}, text-bf16, text-f32, "
+            f"{MIXED_PREFIX}dense=..,experts=..,ple=..",
+        )
     codecs = {}
-    for item in name[len(MIXED_PREFIX):].split(","):
+    for item in name[len(MIXED_PREFIX) :].split(","):
         comp, eq, value = item.partition("=")
         if not eq or comp not in COMPONENTS or comp in codecs:
             raise CodecError(field_name, f"{name!r}: {item!r} is not one of dense=, experts=, ple= (once each)")
         codecs[comp] = value
     if profile_name(codecs, field_name) != name:
-        raise CodecError(field_name, f"{name!r} is not the canonical name of its codecs "
-                                     f"({profile_name(codecs, field_name)!r})")
+        raise CodecError(
+            field_name, f"{name!r} is not the canonical name of its codecs ({profile_name(codecs, field_name)!r})"
+        )
     return codecs
 
 
@@ -215,7 +221,7 @@ class FamilyDescriptor:
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
-    layer_types: Tuple[str, ...]
+    layer_types: tuple[str, ...]
     max_position_embeddings: int
     hc_count: int
     num_experts: int
@@ -229,8 +235,8 @@ class FamilyDescriptor:
     ngram_row_alignment: int
     # PLE per-table geometry, pinned as literals for the real family so a
     # derivation bug cannot silently move them (AFN-003).
-    ple_head_rows: Tuple[int, ...] = field(default=())
-    ple_rows: Tuple[int, ...] = field(default=())
+    ple_head_rows: tuple[int, ...] = field(default=())
+    ple_rows: tuple[int, ...] = field(default=())
 
     @property
     def ple_heads(self):
@@ -264,9 +270,7 @@ def derive_descriptor(constants, name, family_id):
     heads = (c["ngram_size"] - 1) * c["heads_per_ngram"]
     if ple_tables and (heads <= 0 or c["ple_embed_dim"] % heads):
         raise FamilyError("ple_embed_dim", f"{c['ple_embed_dim']} not divisible by {heads} heads")
-    head_rows, rows = _ple_rows(
-        c["ngram_vocab_size_base"], heads, ple_tables, c["make_ngram_vocab_size_divisible_by"]
-    )
+    head_rows, rows = _ple_rows(c["ngram_vocab_size_base"], heads, ple_tables, c["make_ngram_vocab_size_divisible_by"])
     return FamilyDescriptor(
         name=name,
         family_id=family_id,

@@ -21,8 +21,7 @@ import struct
 
 import numpy as np
 
-from . import atomic
-from . import fast_check
+from . import atomic, fast_check
 from .constants import (
     AFFINE_PARTS,
     ALIGNMENT,
@@ -47,10 +46,26 @@ _ZERO32 = bytes(32)
 assert _HEADER.size <= EXPERT_MAJOR_HEADER_BYTES and _ENTRY.size == EXPERT_MAJOR_ENTRY_BYTES
 
 _HEADER_FIELDS = (
-    "magic", "version", "header_bytes", "family_id", "codec_id", "num_layers",
-    "num_experts", "top_k", "hidden_size", "moe_intermediate_size", "alignment",
-    "table_offset", "table_bytes", "payload_offset", "payload_bytes",
-    "record_bytes", "record_stride", "table_sha256", "payload_sha256", "header_sha256",
+    "magic",
+    "version",
+    "header_bytes",
+    "family_id",
+    "codec_id",
+    "num_layers",
+    "num_experts",
+    "top_k",
+    "hidden_size",
+    "moe_intermediate_size",
+    "alignment",
+    "table_offset",
+    "table_bytes",
+    "payload_offset",
+    "payload_bytes",
+    "record_bytes",
+    "record_stride",
+    "table_sha256",
+    "payload_sha256",
+    "header_sha256",
 )
 
 
@@ -168,11 +183,21 @@ def write(w, family, codec_name, records, progress=None):
     i = -1
     for i, (layer, expert, parts) in enumerate(records):
         if i >= geom.count or geom.index(layer, expert) != i:
-            raise GeometryError("experts.order", f"record {i} is (layer {layer}, expert {expert}); expected layer-major order")
+            raise GeometryError(
+                "experts.order", f"record {i} is (layer {layer}, expert {expert}); expected layer-major order"
+            )
         rec = encode_record(geom, parts)
         digest = hashlib.sha256(rec).digest()
-        _ENTRY.pack_into(table, i * EXPERT_MAJOR_ENTRY_BYTES, layer, expert, geom.record_offset(i),
-                         geom.record_bytes, *geom.extents, digest)
+        _ENTRY.pack_into(
+            table,
+            i * EXPERT_MAJOR_ENTRY_BYTES,
+            layer,
+            expert,
+            geom.record_offset(i),
+            geom.record_bytes,
+            *geom.extents,
+            digest,
+        )
         w.write(rec)
         w.write(pad)
         payload.update(rec)
@@ -213,8 +238,9 @@ class ExpertMajorReader(StoreFile):
     def _open(self, family, codec_name):
         size, raw = self._header(EXPERT_MAJOR_HEADER_BYTES, "experts")
         h = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(raw)))
-        self._check_prelude(h, "experts", EXPERT_MAJOR_MAGIC, EXPERT_MAJOR_VERSION, EXPERT_MAJOR_HEADER_BYTES,
-                            "an ExpertMajor store")
+        self._check_prelude(
+            h, "experts", EXPERT_MAJOR_MAGIC, EXPERT_MAJOR_VERSION, EXPERT_MAJOR_HEADER_BYTES, "an ExpertMajor store"
+        )
         zeroed = raw[: _HEADER.size - 32] + _ZERO32 + raw[_HEADER.size :]
         if hashlib.sha256(zeroed).digest() != h["header_sha256"]:
             raise DigestError("experts.header_sha256", "header digest mismatch")
@@ -224,7 +250,9 @@ class ExpertMajorReader(StoreFile):
         geom = Geometry(fam, cod.name)
         for name, want in geom.header_values().items():
             if h[name] != want:
-                raise GeometryError(f"experts.{name}", f"header says {h[name]}, family {fam.name}/{cod.name} needs {want}")
+                raise GeometryError(
+                    f"experts.{name}", f"header says {h[name]}, family {fam.name}/{cod.name} needs {want}"
+                )
         if size != geom.file_bytes:
             cls = TruncatedError if size < geom.file_bytes else HeaderError
             raise cls("experts.file_bytes", f"file is {size} bytes, layout needs {geom.file_bytes}")
@@ -264,7 +292,9 @@ class ExpertMajorReader(StoreFile):
         data = self.read_record(layer, expert)
         out = {}
         for comp, part, dtype, shape, off, n in self.geometry.layout:
-            out.setdefault(comp, {})[part] = np.frombuffer(data, dtype=dtype, count=n // DTYPE_BYTES[dtype], offset=off).reshape(shape)
+            out.setdefault(comp, {})[part] = np.frombuffer(
+                data, dtype=dtype, count=n // DTYPE_BYTES[dtype], offset=off
+            ).reshape(shape)
         return out
 
     def verify_all(self, progress=None, file_hash=None, fast=None):
@@ -281,8 +311,9 @@ class ExpertMajorReader(StoreFile):
                 fast(data[: g.record_bytes])
             return data
 
-        self._verify_payload(g.payload_offset, g.count, record, self.header["payload_sha256"], "experts",
-                             progress, file_hash)
+        self._verify_payload(
+            g.payload_offset, g.count, record, self.header["payload_sha256"], "experts", progress, file_hash
+        )
 
     def extents(self):
         """Physical owners inside this file: (start, end, owner)."""

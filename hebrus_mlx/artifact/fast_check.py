@@ -95,8 +95,12 @@ def checker(table):
 
 def entry(store_path, table):
     """The manifest's `fast_check` object for a store whose digest table is `table`."""
-    return {"algorithm": ALGORITHM, "path": table_path(store_path), "size": len(table),
-            "sha256": hashlib.sha256(table).hexdigest()}
+    return {
+        "algorithm": ALGORITHM,
+        "path": table_path(store_path),
+        "size": len(table),
+        "sha256": hashlib.sha256(table).hexdigest(),
+    }
 
 
 def claim(field, store, owned):
@@ -135,8 +139,9 @@ def admit_table(directory, field, store, units):
     if store.get("role") not in ROLES:
         raise AdmissionError(f"{field}.fast_check", f"a {store.get('role')!r} store is not read per unit")
     if fc["size"] != DIGEST_BYTES * units:
-        raise AdmissionError(f"{field}.fast_check.size",
-                             f"{fc['size']} bytes, the store's {units} units need {DIGEST_BYTES * units}")
+        raise AdmissionError(
+            f"{field}.fast_check.size", f"{fc['size']} bytes, the store's {units} units need {DIGEST_BYTES * units}"
+        )
     path = os.path.join(directory, fc["path"])
     if not os.path.isfile(path) or os.path.islink(path):
         raise AdmissionError(f"{field}.fast_check.path", f"{fc['path']!r} missing or not a regular file")

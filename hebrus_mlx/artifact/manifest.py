@@ -12,8 +12,8 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping, Optional, Tuple
 
 from ..format import checkpoint_keys as keys
 from ..format.qwen4exp_config import (
@@ -25,6 +25,7 @@ from ..format.qwen4exp_config import (
     ple_row_width,
     ple_table_rows,
 )
+from . import fast_check
 from .constants import (
     MANIFEST_SCHEMA,
     MANIFEST_SCHEMA_VERSION,
@@ -34,7 +35,6 @@ from .constants import (
     codec,
     profile_codecs,
 )
-from . import fast_check
 from .errors import AdmissionError
 
 EXPERTS_PATH = "experts.hbem"
@@ -49,22 +49,49 @@ def ple_path(table):
 # ------------------------------------------------------------ constants ---
 # Exact types. JSON keeps int and float apart; bool is not an int here.
 CONSTANT_TYPES = {
-    "vocab_size": "int", "hidden_size": "int", "num_hidden_layers": "int",
-    "num_attention_heads": "int", "num_key_value_heads": "int", "head_dim": "int",
-    "max_position_embeddings": "int", "rms_norm_eps": "float", "rope_theta": "float",
-    "partial_rotary_factor": "float", "layer_types": "str[]",
-    "linear_conv_kernel_dim": "int", "linear_key_head_dim": "int", "linear_value_head_dim": "int",
-    "linear_num_key_heads": "int", "linear_num_value_heads": "int",
-    "moe_intermediate_size": "int", "shared_expert_intermediate_size": "int",
-    "num_experts": "int", "num_experts_per_tok": "int", "norm_topk_prob": "bool",
-    "hc_count": "int", "hc_lowrank": "int",
-    "ple_layer_ids": "int[]", "ple_embed_dim": "int", "ple_conv_kernel_size": "int",
-    "ngram_size": "int", "heads_per_ngram": "int", "ngram_vocab_size_base": "int",
-    "make_ngram_vocab_size_divisible_by": "int", "seed": "int", "split_ngram_parts": "int",
-    "indexer_n_heads": "int", "indexer_kv_heads": "int", "indexer_head_dim": "int",
-    "indexer_budget": "int", "indexer_compress_ratio": "int", "eos_token_ids": "int[]",
-    "ple_width": "int", "ple_rows": "int[]", "ple_head_vocab_sizes": "int[][]",
-    "ple_head_offsets": "int[][]", "ple_layer_multipliers": "int[][]",
+    "vocab_size": "int",
+    "hidden_size": "int",
+    "num_hidden_layers": "int",
+    "num_attention_heads": "int",
+    "num_key_value_heads": "int",
+    "head_dim": "int",
+    "max_position_embeddings": "int",
+    "rms_norm_eps": "float",
+    "rope_theta": "float",
+    "partial_rotary_factor": "float",
+    "layer_types": "str[]",
+    "linear_conv_kernel_dim": "int",
+    "linear_key_head_dim": "int",
+    "linear_value_head_dim": "int",
+    "linear_num_key_heads": "int",
+    "linear_num_value_heads": "int",
+    "moe_intermediate_size": "int",
+    "shared_expert_intermediate_size": "int",
+    "num_experts": "int",
+    "num_experts_per_tok": "int",
+    "norm_topk_prob": "bool",
+    "hc_count": "int",
+    "hc_lowrank": "int",
+    "ple_layer_ids": "int[]",
+    "ple_embed_dim": "int",
+    "ple_conv_kernel_size": "int",
+    "ngram_size": "int",
+    "heads_per_ngram": "int",
+    "ngram_vocab_size_base": "int",
+    "make_ngram_vocab_size_divisible_by": "int",
+    "seed": "int",
+    "split_ngram_parts": "int",
+    "indexer_n_heads": "int",
+    "indexer_kv_heads": "int",
+    "indexer_head_dim": "int",
+    "indexer_budget": "int",
+    "indexer_compress_ratio": "int",
+    "eos_token_ids": "int[]",
+    "ple_width": "int",
+    "ple_rows": "int[]",
+    "ple_head_vocab_sizes": "int[][]",
+    "ple_head_offsets": "int[][]",
+    "ple_layer_multipliers": "int[][]",
 }
 
 
@@ -137,8 +164,12 @@ def dense_shapes(args):
     """
     H, hc, r = args.hidden_size, args.hc_count, args.hc_lowrank
     hcH = hc * H
-    nk, nv, dk, dv = (args.linear_num_key_heads, args.linear_num_value_heads,
-                      args.linear_key_head_dim, args.linear_value_head_dim)
+    nk, nv, dk, dv = (
+        args.linear_num_key_heads,
+        args.linear_num_value_heads,
+        args.linear_key_head_dim,
+        args.linear_value_head_dim,
+    )
     conv_dim = 2 * nk * dk + nv * dv
     nh, nkv, hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
     S, E, P = args.shared_expert_intermediate_size, args.num_experts, args.ple_embed_dim
@@ -174,8 +205,12 @@ def dense_shapes(args):
         "ple.norm_conv.weight": (hcH,),
         "ple.conv1d.weight": (hcH, args.ple_conv_kernel_size, 1),
     }
-    for name in ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight",
-                 "block_inject_weight.weight"):
+    for name in (
+        "hc_norm.weight",
+        "input_mix_weight_down.weight",
+        "input_mix_weight_up.weight",
+        "block_inject_weight.weight",
+    ):
         per_layer["mlp_hyper_connection." + name] = per_layer["attn_hyper_connection." + name]
     if args.indexer_n_heads is not None:
         ihd = args.indexer_head_dim
@@ -199,11 +234,21 @@ def dense_shapes(args):
 # Embedding). Routers, hyper-connection mixers, decay inputs, norms and convs
 # stay float: they are small and steer routing/gating.
 QUANTIZED_SUFFIXES = (
-    "embed_tokens.weight", "lm_head.weight", "q_proj.weight", "k_proj.weight",
-    "v_proj.weight", "o_proj.weight", "index_qk_proj.weight", "in_proj_qkv.weight",
-    "in_proj_z.weight", "out_proj.weight", "shared_expert.gate_proj.weight",
-    "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
-    "ple.key_proj.weight", "ple.value_proj.weight",
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "index_qk_proj.weight",
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "out_proj.weight",
+    "shared_expert.gate_proj.weight",
+    "shared_expert.up_proj.weight",
+    "shared_expert.down_proj.weight",
+    "ple.key_proj.weight",
+    "ple.value_proj.weight",
 )
 
 
@@ -228,7 +273,10 @@ def _stored_parts(key, shape, name, lead=()):
     if not c.affine:
         return {key: ("BF16" if name == "bf16" else "F32", tuple(lead) + tuple(shape))}
     stem = key[: -len("weight")]
-    return {stem + part: (_ST_DTYPES[dtype], tuple(lead) + pshape) for part, dtype, pshape in c.parts(shape[0], shape[1], key)}
+    return {
+        stem + part: (_ST_DTYPES[dtype], tuple(lead) + pshape)
+        for part, dtype, pshape in c.parts(shape[0], shape[1], key)
+    }
 
 
 def stored_tensors(args, profile):
@@ -245,8 +293,12 @@ def mtp_dense_shapes(args):
     """Logical shape of every dense tensor of the MTP head, by runtime name ("mtp." + module path)."""
     base = dense_shapes(mtp_layer_args(args))
     H, W = args.hidden_size, args.hc_count * args.hidden_size
-    shapes = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (W,),
-              "mtp.fc_embedding.weight": (H, H), "mtp.fc_hidden.weight": (H, H)}
+    shapes = {
+        "mtp.pre_fc_norm_embedding.weight": (H,),
+        "mtp.pre_fc_norm_hidden.weight": (W,),
+        "mtp.fc_embedding.weight": (H, H),
+        "mtp.fc_hidden.weight": (H, H),
+    }
     for name in keys.MTP_GLOBAL_TEMPLATES:
         if name.startswith("hyper_connection_mixer."):
             shapes["mtp." + name] = base["model." + name]
@@ -293,8 +345,22 @@ def support_status(profile):
     return "verified" if profile in VERIFIED_PROFILES else "unverified"
 
 
-def build(*, family, profile, source_files, revision, repo, constants, stores, tensors,
-          exclusions, consumed, state="complete", mtp=False, norm_weights="zero_centered"):
+def build(
+    *,
+    family,
+    profile,
+    source_files,
+    revision,
+    repo,
+    constants,
+    stores,
+    tensors,
+    exclusions,
+    consumed,
+    state="complete",
+    mtp=False,
+    norm_weights="zero_centered",
+):
     """Assemble a manifest dict. `stores` entries: role, path, format,
     codec, size, sha256 (+ table, layer, rows_per_page for PLE). `norm_weights`
     (constants.NORM_WEIGHTS) records how the dense and MTP stores hold the
@@ -312,7 +378,9 @@ def build(*, family, profile, source_files, revision, repo, constants, stores, t
         "stores": stores,
         "tensors": tensors,
         "policy": {"modalities": ["text"], "mtp": "included" if mtp else "excluded"},
-        "exclusions": {rule: 0 if (mtp and rule == "mtp") else exclusions.get(rule, 0) for rule, _ in keys.EXCLUSION_RULES},
+        "exclusions": {
+            rule: 0 if (mtp and rule == "mtp") else exclusions.get(rule, 0) for rule, _ in keys.EXCLUSION_RULES
+        },
         "conversion": {"state": state, "source_tensors_consumed": consumed},
     }
 
@@ -336,14 +404,14 @@ class Store:
     codec: str
     size: int
     sha256: str
-    table: Optional[int] = None  # PLE only
-    layer: Optional[int] = None  # PLE only: the zero-indexed layer it feeds
-    rows_per_page: Optional[int] = None  # PLE only
-    tensors: Optional[Mapping[str, Mapping]] = None  # MTP only: the head's tensor inventory
-    source_tensors: Optional[int] = None  # MTP only: source tensors consumed
+    table: int | None = None  # PLE only
+    layer: int | None = None  # PLE only: the zero-indexed layer it feeds
+    rows_per_page: int | None = None  # PLE only
+    tensors: Mapping[str, Mapping] | None = None  # MTP only: the head's tensor inventory
+    source_tensors: int | None = None  # MTP only: source tensors consumed
     # experts/ple/mtp: the XXH3-128 digest table's entry (artifact/fast_check.py); None in
     # artifacts from before the fast check (their reads are checked by SHA-256).
-    fast_check: Optional[Mapping] = None
+    fast_check: Mapping | None = None
 
 
 @dataclass(frozen=True)
@@ -357,7 +425,7 @@ class Manifest:
     profile: str
     support: str
     codecs: Mapping[str, str]
-    stores: Tuple[Store, ...]
+    stores: tuple[Store, ...]
     tensors: Mapping[str, Mapping]  # stored dense name -> dtype, shape, data_offsets, codec
     constants: Mapping[str, object]
     config: Mapping[str, object]  # config.json as admitted (digest-checked bytes)
@@ -366,14 +434,14 @@ class Manifest:
     report: Mapping[str, object]  # the JSON ownership report (`hebrus-mlx admit`)
     # Stored dense name -> SHA-256 of its bytes (`tensors.<name>.sha256`), so a pipeline stage reads
     # and verifies only its own tensors; None for artifacts written before per-tensor digests.
-    dense_digests: Optional[Mapping[str, str]] = None
+    dense_digests: Mapping[str, str] | None = None
     # constants.NORM_WEIGHTS: "zero_centered" (the loader folds 1 + w) or "folded" (used as is)
     norm_weights: str = NORM_WEIGHTS_DEFAULT_V1
     # Store path -> its admitted XXH3-128 digest table (16 bytes per unit, artifact/fast_check.py):
     # what streaming checks each read against. None: SHA-256 per read (an older artifact).
-    fast_digests: Optional[Mapping[str, bytes]] = None
+    fast_digests: Mapping[str, bytes] | None = None
 
-    def fast_table(self, store: Store) -> Optional[list]:
+    def fast_table(self, store: Store) -> list | None:
         """The per-unit XXH3-128 digests of `store`, or None (check reads by SHA-256)."""
         table = (self.fast_digests or {}).get(store.path)
         return None if table is None else fast_check.digests(table)
@@ -394,13 +462,13 @@ class Manifest:
         return self._only("experts")
 
     @property
-    def mtp(self) -> Optional[Store]:
+    def mtp(self) -> Store | None:
         """The optional MTP head store, None when the artifact has none."""
         found = [s for s in self.stores if s.role == "mtp"]
         return found[0] if found else None
 
     @property
-    def ple(self) -> Tuple[Store, ...]:
+    def ple(self) -> tuple[Store, ...]:
         """PLE stores in table order."""
         return tuple(sorted((s for s in self.stores if s.role == "ple"), key=lambda s: s.table))
 

@@ -22,8 +22,7 @@ import struct
 
 import numpy as np
 
-from . import atomic
-from . import fast_check
+from . import atomic, fast_check
 from .constants import (
     ALIGNMENT,
     OFF_T_MAX,
@@ -50,15 +49,41 @@ _ZERO32 = bytes(32)
 assert _HEADER.size <= PLE_HEADER_BYTES and _PAGE.size <= PLE_PAGE_HEADER_BYTES
 
 _FIELDS = (
-    "magic", "version", "header_bytes", "family_id", "codec_id", "group_size",
-    "width", "row_bytes", "rows_per_page", "page_header_bytes", "alignment",
-    "table_index", "num_heads",
-    "total_rows", "head_rows", "row_alignment", "num_pages", "page_stride",
-    "digest_table_offset", "payload_offset", "payload_bytes",
+    "magic",
+    "version",
+    "header_bytes",
+    "family_id",
+    "codec_id",
+    "group_size",
+    "width",
+    "row_bytes",
+    "rows_per_page",
+    "page_header_bytes",
+    "alignment",
+    "table_index",
+    "num_heads",
+    "total_rows",
+    "head_rows",
+    "row_alignment",
+    "num_pages",
+    "page_stride",
+    "digest_table_offset",
+    "payload_offset",
+    "payload_bytes",
 )
 _PAGE_FIELDS = (
-    "magic", "family_id", "page_index", "first_row", "rows", "width", "row_bytes",
-    "rows_per_page", "codec_id", "group_size", "table_index", "reserved",
+    "magic",
+    "family_id",
+    "page_index",
+    "first_row",
+    "rows",
+    "width",
+    "row_bytes",
+    "rows_per_page",
+    "codec_id",
+    "group_size",
+    "table_index",
+    "reserved",
 )
 _DIGEST_OFF = _HEADER.size - 64  # payload digest, then manifest digest
 
@@ -101,25 +126,44 @@ class Geometry:
     def header_values(self):
         f = self.family
         return {
-            "magic": PLE_MAGIC, "version": PLE_VERSION, "header_bytes": PLE_HEADER_BYTES,
-            "family_id": f.family_id, "codec_id": self.codec.codec_id,
-            "group_size": self.codec.group_size, "width": self.width, "row_bytes": self.row_bytes,
-            "rows_per_page": self.rows_per_page, "page_header_bytes": PLE_PAGE_HEADER_BYTES,
-            "alignment": ALIGNMENT, "table_index": self.table, "num_heads": len(self.heads),
-            "total_rows": self.total_rows, "head_rows": self.head_rows,
-            "row_alignment": f.ngram_row_alignment, "num_pages": self.num_pages,
-            "page_stride": self.page_stride, "digest_table_offset": self.digest_table_offset,
-            "payload_offset": self.payload_offset, "payload_bytes": self.payload_bytes,
+            "magic": PLE_MAGIC,
+            "version": PLE_VERSION,
+            "header_bytes": PLE_HEADER_BYTES,
+            "family_id": f.family_id,
+            "codec_id": self.codec.codec_id,
+            "group_size": self.codec.group_size,
+            "width": self.width,
+            "row_bytes": self.row_bytes,
+            "rows_per_page": self.rows_per_page,
+            "page_header_bytes": PLE_PAGE_HEADER_BYTES,
+            "alignment": ALIGNMENT,
+            "table_index": self.table,
+            "num_heads": len(self.heads),
+            "total_rows": self.total_rows,
+            "head_rows": self.head_rows,
+            "row_alignment": f.ngram_row_alignment,
+            "num_pages": self.num_pages,
+            "page_stride": self.page_stride,
+            "digest_table_offset": self.digest_table_offset,
+            "payload_offset": self.payload_offset,
+            "payload_bytes": self.payload_bytes,
         }
 
     def page_values(self, page):
         first = page * self.rows_per_page
         return {
-            "magic": PLE_PAGE_MAGIC, "family_id": self.family.family_id, "page_index": page,
-            "first_row": first, "rows": min(self.rows_per_page, self.total_rows - first),
-            "width": self.width, "row_bytes": self.row_bytes, "rows_per_page": self.rows_per_page,
-            "codec_id": self.codec.codec_id, "group_size": self.codec.group_size,
-            "table_index": self.table, "reserved": 0,
+            "magic": PLE_PAGE_MAGIC,
+            "family_id": self.family.family_id,
+            "page_index": page,
+            "first_row": first,
+            "rows": min(self.rows_per_page, self.total_rows - first),
+            "width": self.width,
+            "row_bytes": self.row_bytes,
+            "rows_per_page": self.rows_per_page,
+            "codec_id": self.codec.codec_id,
+            "group_size": self.codec.group_size,
+            "table_index": self.table,
+            "reserved": 0,
         }
 
     def locate(self, row):
@@ -161,7 +205,9 @@ def write(w, family, table, codec_name, chunks, rows_per_page=None, progress=Non
     def flush():
         nonlocal fill, page_index
         page[:PLE_PAGE_HEADER_BYTES] = _pack_page_header(g.page_values(page_index))
-        page[PLE_PAGE_HEADER_BYTES + fill * g.row_bytes :] = bytes(g.page_stride - PLE_PAGE_HEADER_BYTES - fill * g.row_bytes)
+        page[PLE_PAGE_HEADER_BYTES + fill * g.row_bytes :] = bytes(
+            g.page_stride - PLE_PAGE_HEADER_BYTES - fill * g.row_bytes
+        )
         digests[page_index * 32 : page_index * 32 + 32] = hashlib.sha256(page).digest()
         payload.update(page)
         w.write(page)
@@ -196,8 +242,7 @@ def write(w, family, table, codec_name, chunks, rows_per_page=None, progress=Non
     return g
 
 
-def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=None, progress=None,
-            fast=None):
+def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=None, progress=None, fast=None):
     """Atomically publish a PLE store; every page and the payload are
     verified through the reader before the rename. `fast` (fast_check.Collector)
     gets each page's bytes from that verify pass."""
@@ -317,8 +362,7 @@ class PleReader(StoreFile):
                 fast(data)
             return data
 
-        self._verify_payload(g.payload_offset, g.num_pages, page, self.payload_sha, "ple",
-                             progress, file_hash)
+        self._verify_payload(g.payload_offset, g.num_pages, page, self.payload_sha, "ple", progress, file_hash)
 
     def extents(self):
         g = self.geometry

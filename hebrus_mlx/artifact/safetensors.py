@@ -7,8 +7,21 @@ import struct
 from . import untrusted as U
 from .errors import AdmissionError
 
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "F8_E4M3": 1,
-             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ST_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "U32": 4,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def read_safetensors_header(path):
@@ -23,16 +36,21 @@ def read_safetensors_header(path):
             raise AdmissionError("tensors.header", f"{size}-byte file has no safetensors header length")
         (n,) = struct.unpack("<Q", raw)
         if n > cap or 8 + n > size:
-            raise AdmissionError("tensors.header", f"header length {n} exceeds the cap of {cap} bytes "
-                                                   f"(untrusted.LIMITS['safetensors_header']) or file size {size}")
+            raise AdmissionError(
+                "tensors.header",
+                f"header length {n} exceeds the cap of {cap} bytes "
+                f"(untrusted.LIMITS['safetensors_header']) or file size {size}",
+            )
         body = U.read_exact(f, n)
     if len(body) != n:
         raise AdmissionError("tensors.header", f"file shrank while reading its {n}-byte header")
     # Every entry carries "data_offsets": an upper bound on the entry count, before any parse.
     entries = body.count(b'"data_offsets"')
     if entries > U.SAFETENSORS_MAX_ENTRIES:
-        raise AdmissionError("tensors.header", f"{entries} entries exceed the cap of {U.SAFETENSORS_MAX_ENTRIES} "
-                                               "(untrusted.SAFETENSORS_MAX_ENTRIES)")
+        raise AdmissionError(
+            "tensors.header",
+            f"{entries} entries exceed the cap of {U.SAFETENSORS_MAX_ENTRIES} (untrusted.SAFETENSORS_MAX_ENTRIES)",
+        )
     try:
         header = U.loads(body, "tensors.header")
     except U.UntrustedFileError as e:

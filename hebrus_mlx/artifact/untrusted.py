@@ -64,8 +64,10 @@ def check_template(text, field):
     cap = _cap("template")
     n = len(text.encode("utf-8", "surrogatepass"))
     if n > cap:
-        raise UntrustedFileError(field, f"chat template of {n} bytes exceeds the template cap of {_describe(cap)} "
-                                        "(untrusted.LIMITS['template'])")
+        raise UntrustedFileError(
+            field,
+            f"chat template of {n} bytes exceeds the template cap of {_describe(cap)} (untrusted.LIMITS['template'])",
+        )
     return text
 
 
@@ -94,14 +96,14 @@ def allowed_roots(directory):
     roots = [real]
     parent = os.path.dirname(real)
     if os.path.basename(parent) == "snapshots" and os.path.basename(os.path.dirname(parent)).startswith(
-            ("models--", "datasets--")):
+        ("models--", "datasets--")
+    ):
         roots.append(os.path.join(os.path.dirname(parent), "blobs"))
     return roots
 
 
 def check_name(name, field):
-    if (type(name) is not str or not name or name in (".", "..") or "/" in name or "\\" in name
-            or "\0" in name):
+    if type(name) is not str or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise UntrustedFileError(field, f"{name!r} is not a plain file name")
 
 
@@ -166,8 +168,9 @@ def read_path(path, kind, field=None):
     f, size = open_regular(path, field)
     with f:
         if size > cap:
-            raise UntrustedFileError(field, f"{size} bytes exceeds the {kind} cap of {_describe(cap)} "
-                                            f"(untrusted.LIMITS[{kind!r}])")
+            raise UntrustedFileError(
+                field, f"{size} bytes exceeds the {kind} cap of {_describe(cap)} (untrusted.LIMITS[{kind!r}])"
+            )
         data = read_exact(f, cap + 1)
     if len(data) > cap:
         raise UntrustedFileError(field, f"grew past the {kind} cap of {_describe(cap)} while being read")
@@ -226,8 +229,9 @@ def check_tree(obj, field, max_depth=JSON_MAX_DEPTH, root=None):
             _check_str(v, path, field)
         elif isinstance(v, (dict, list)):
             if depth >= max_depth:
-                raise UntrustedFileError(field, f"JSON nested deeper than {max_depth} levels "
-                                                "(untrusted.JSON_MAX_DEPTH)")
+                raise UntrustedFileError(
+                    field, f"JSON nested deeper than {max_depth} levels (untrusted.JSON_MAX_DEPTH)"
+                )
             items = v.items() if isinstance(v, dict) else enumerate(v)
             for k, x in items:
                 if isinstance(k, str):
@@ -241,7 +245,9 @@ def _check_str(s, path, field):
         try:
             s.encode("utf-8")
         except UnicodeEncodeError:
-            raise UntrustedFileError(path or field, "a string holds a lone UTF-16 surrogate (not valid Unicode)") from None
+            raise UntrustedFileError(
+                path or field, "a string holds a lone UTF-16 surrogate (not valid Unicode)"
+            ) from None
 
 
 def loads(data, field, max_depth=JSON_MAX_DEPTH, root=None):
@@ -254,7 +260,9 @@ def loads(data, field, max_depth=JSON_MAX_DEPTH, root=None):
         raise UntrustedFileError(field, f"duplicate JSON key {e.key!r}") from None
     except RecursionError:
         # The C decoder guards its own recursion; anything that deep is far past the cap anyway.
-        raise UntrustedFileError(field, f"JSON nested deeper than {max_depth} levels (untrusted.JSON_MAX_DEPTH)") from None
+        raise UntrustedFileError(
+            field, f"JSON nested deeper than {max_depth} levels (untrusted.JSON_MAX_DEPTH)"
+        ) from None
     except (UnicodeDecodeError, ValueError) as e:
         raise UntrustedFileError(field, f"not JSON: {e}") from None
     return check_tree(obj, field, max_depth, root)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import List
 
 from .. import flags
 from ..cli_args import ArgumentParser
@@ -36,24 +35,41 @@ def build_parser():
     p.add_argument("--model", "-m", default="demo", help="'demo', an artifact or an HF checkpoint directory")
     p.add_argument("--prompt-tokens", "-p", default="128", help="prompt sizes, e.g. 512,2048")
     p.add_argument("--gen-tokens", "-n", default="64", help="generation lengths, e.g. 128")
-    p.add_argument("--repeats", "-r", type=flags.integer(1, 1 << 20), default=4, help="timed runs per configuration and size")
+    p.add_argument(
+        "--repeats", "-r", type=flags.integer(1, 1 << 20), default=4, help="timed runs per configuration and size"
+    )
     p.add_argument("--warmup", type=flags.integer(0, 1 << 20), default=1, help="untimed runs per configuration first")
-    p.add_argument("--ab", action="append", default=[], metavar="KEY=V1,V2",
-                   help="configurations to compare (repeatable: the cross product), e.g. expert-cache-gb=8,16, "
-                        "draft-model=none,mtp, prefetch=off,previous")
+    p.add_argument(
+        "--ab",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="configurations to compare (repeatable: the cross product), e.g. expert-cache-gb=8,16, "
+        "draft-model=none,mtp, prefetch=off,previous",
+    )
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace bench.json/.md/.png in --out even if hebrus-mlx did not write them")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace bench.json/.md/.png in --out even if hebrus-mlx did not write them",
+    )
     p.add_argument("--seed", type=flags.seed(), default=0, help="prompt token seed")
     p.add_argument("--no-probe", action="store_true", help="skip the SSD read probe")
-    p.add_argument("--fresh-probe", action="store_true",
-                   help="probe the SSD now even when the machine profile (hebrus-mlx qualify) has a matching probe")
+    p.add_argument(
+        "--fresh-probe",
+        action="store_true",
+        help="probe the SSD now even when the machine profile (hebrus-mlx qualify) has a matching probe",
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--against", default=None, help="an earlier bench.json: refuse unless comparable")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--pipeline-split", default=None, help="under mlx.launch: layers per rank, e.g. 5,3")
-    p.add_argument("--pipeline-timeout", type=flags.seconds(), default=None,
-                   help="under mlx.launch: seconds a rank waits on another before the run ends with an error")
+    p.add_argument(
+        "--pipeline-timeout",
+        type=flags.seconds(),
+        default=None,
+        help="under mlx.launch: seconds a rank waits on another before the run ends with an error",
+    )
     return p
 
 
@@ -64,7 +80,7 @@ def _load(name, load_kwargs):
     return load(resolve_model(name), **load_kwargs)
 
 
-def _pipeline(model: str, configs: List[dict], split, timeout):
+def _pipeline(model: str, configs: list[dict], split, timeout):
     """Under mlx.launch: load this rank's stage of the one pipeline every configuration shares.
     Rank 0 gets (pipeline, (model, tokenizer)); a serving rank serves, then gets (None, None)."""
     from ..hub import resolve_model
@@ -79,8 +95,11 @@ def _pipeline(model: str, configs: List[dict], split, timeout):
         loads.add((name, json.dumps(sp.load, sort_keys=True)))
         mtp = mtp or sp.generate.get("draft_model") == "mtp"
     if len(loads) > 1:
-        raise UsageError("--ab", "under mlx.launch every configuration shares one pipeline: compare options "
-                         "of generation (e.g. draft-model), not of loading or the model")
+        raise UsageError(
+            "--ab",
+            "under mlx.launch every configuration shares one pipeline: compare options "
+            "of generation (e.g. draft-model), not of loading or the model",
+        )
     name, load = next(iter(loads))
     load = json.loads(load)
     for key in load:
@@ -91,9 +110,20 @@ def _pipeline(model: str, configs: List[dict], split, timeout):
     return pipe, (None if pipe is None else (mdl, tok))
 
 
-def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dict], repeats: int = 4,
-              warmup: int = 1, seed: int = 0, probe: bool = True, progress: bool = False,
-              timeline: bool = True, loaded_model=None, reuse_profile: bool = True) -> dict:
+def run_bench(
+    model: str,
+    prompts: list[int],
+    gens: list[int],
+    configs: list[dict],
+    repeats: int = 4,
+    warmup: int = 1,
+    seed: int = 0,
+    probe: bool = True,
+    progress: bool = False,
+    timeline: bool = True,
+    loaded_model=None,
+    reuse_profile: bool = True,
+) -> dict:
     """The whole bench as a dict (what bench.json holds). `loaded_model`: (model, tokenizer) every
     configuration runs (a pipeline's), instead of loading each configuration's."""
     from ..loader import resolve_model_path
@@ -152,23 +182,42 @@ def run_bench(model: str, prompts: List[int], gens: List[int], configs: List[dic
     if timeline:  # one more run per configuration with the engine trace on (untimed: tracing costs)
         traced = [go(i, cases[0], trace=True) for i in range(len(configs))]
         H.check_tokens(runs + traced)
-        timelines = [{"config": r["config"], "prompt_tokens": cases[0][0], "rows": r.pop("timeline")}
-                     for r in traced if "timeline" in r]
+        timelines = [
+            {"config": r["config"], "prompt_tokens": cases[0][0], "rows": r.pop("timeline")}
+            for r in traced
+            if "timeline" in r
+        ]
     summary = []
     for p, n in cases:
         for c in configs:
             sel = [r for r in runs if r["config"] == H.label(c) and r["prompt_tokens"] == p and r["requested"] == n]
-            summary.append({"config": H.label(c), "prompt_tokens": p, "n": n,
-                            "metrics": {k: H.summarize([r.get(k) for r in sel]) for k in H.METRICS}})
+            summary.append(
+                {
+                    "config": H.label(c),
+                    "prompt_tokens": p,
+                    "n": n,
+                    "metrics": {k: H.summarize([r.get(k) for r in sel]) for k in H.METRICS},
+                }
+            )
     first_name = plans[0][0]
     return {
-        "schema": "hebrus-mlx.bench", "version": 1, "model": model,
+        "schema": "hebrus-mlx.bench",
+        "version": 1,
+        "model": model,
         "artifact_digest": next(iter(digests.values())),
         "machine": M.record(resolve_model_path(first_name), probe=probe, reuse_profile=reuse_profile),
-        "configs": [H.label(c) for c in configs], "prompts": prompts, "gens": gens, "repeats": repeats,
-        "warmup": warmup, "seed": seed, "order": [H.label(configs[i]) for i in order],
+        "configs": [H.label(c) for c in configs],
+        "prompts": prompts,
+        "gens": gens,
+        "repeats": repeats,
+        "warmup": warmup,
+        "seed": seed,
+        "order": [H.label(configs[i]) for i in order],
         "order_note": "A B B A" if len(configs) == 2 else "forward/reversed rounds",
-        "tokens_identical": True, "runs": runs, "summary": summary, "timelines": timelines,
+        "tokens_identical": True,
+        "runs": runs,
+        "summary": summary,
+        "timelines": timelines,
     }
 
 
@@ -204,9 +253,19 @@ def main(argv=None) -> int:
             return 0  # a serving rank: rank 0 reports
     elif args.pipeline_split is not None:
         raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
-    result = run_bench(args.model, prompts, gens, configs, repeats=args.repeats, warmup=args.warmup,
-                       seed=args.seed, probe=not args.no_probe, progress=not args.quiet, loaded_model=loaded,
-                       reuse_profile=not args.fresh_probe)
+    result = run_bench(
+        args.model,
+        prompts,
+        gens,
+        configs,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+        probe=not args.no_probe,
+        progress=not args.quiet,
+        loaded_model=loaded,
+        reuse_profile=not args.fresh_probe,
+    )
     if pipe is not None:
         from ..pipeline.cli import finish
 
@@ -223,8 +282,10 @@ def main(argv=None) -> int:
             R.plot(result, out / "bench.png", overwrite=args.overwrite)
             print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
         else:
-            print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}; no PNG: matplotlib is not installed "
-                  f"(pip install matplotlib, or the 'test' extra)")
+            print(
+                f"wrote {out / 'bench.json'}, {out / 'bench.md'}; no PNG: matplotlib is not installed "
+                f"(pip install matplotlib, or the 'test' extra)"
+            )
     else:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}")
     if pipe is not None:

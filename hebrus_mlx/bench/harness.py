@@ -16,8 +16,8 @@ import inspect
 import itertools
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import HebrusError, UsageError
 
@@ -43,7 +43,7 @@ def parse_value(s: str):
     return s
 
 
-def parse_ab(specs: Sequence[str]) -> List[Dict[str, object]]:
+def parse_ab(specs: Sequence[str]) -> list[dict[str, object]]:
     """``["expert-cache-gb=8,16", "prefetch=off,previous"]`` -> the cross product of configurations
     (the first spec varies slowest). No spec: one configuration, the defaults."""
     axes = []
@@ -63,7 +63,7 @@ def parse_ab(specs: Sequence[str]) -> List[Dict[str, object]]:
     return [dict(c) for c in itertools.product(*axes)] if axes else [{}]
 
 
-def label(config: Dict[str, object]) -> str:
+def label(config: dict[str, object]) -> str:
     return ",".join(f"{k}={v}" for k, v in config.items()) or "default"
 
 
@@ -71,8 +71,9 @@ def label(config: Dict[str, object]) -> str:
 
 
 def _params(fn) -> set:
-    return {p.name for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return {
+        p.name for p in inspect.signature(fn).parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
 
 
 def _set_prefetch(model, value):
@@ -87,9 +88,17 @@ def _set_prefetch(model, value):
     streaming.experts.prefetch_previous = value == "previous"
 
 
-ADAPTERS: Dict[str, Callable] = {"prefetch": _set_prefetch}
-GENERATE_RESERVED = {"max_tokens", "prompt_cache", "sampler", "logits_processors", "effective_vocab_size",
-                     "speculative_stats", "stats", "with_draft_flag"}
+ADAPTERS: dict[str, Callable] = {"prefetch": _set_prefetch}
+GENERATE_RESERVED = {
+    "max_tokens",
+    "prompt_cache",
+    "sampler",
+    "logits_processors",
+    "effective_vocab_size",
+    "speculative_stats",
+    "stats",
+    "with_draft_flag",
+}
 
 
 @dataclass
@@ -99,7 +108,7 @@ class Split:
     adapt: dict = field(default_factory=dict)
 
 
-def split_config(config: Dict[str, str], load_fn=None, generate_fns=None) -> Split:
+def split_config(config: dict[str, str], load_fn=None, generate_fns=None) -> Split:
     """Route each option to load / generate / an adapter by signature; refuse the rest."""
     if load_fn is None:
         from ..loader import load as load_fn
@@ -128,7 +137,7 @@ def split_config(config: Dict[str, str], load_fn=None, generate_fns=None) -> Spl
 # ---- schedule ------------------------------------------------------------------------------------
 
 
-def schedule(n_configs: int, repeats: int) -> List[int]:
+def schedule(n_configs: int, repeats: int) -> list[int]:
     """Interleaved order: A B B A A B B A ... for two configurations (each pair of rounds mirrors
     the previous one, so a drift over time hits every configuration alike); for more, rounds
     alternate forward and reversed. Each configuration appears exactly `repeats` times."""
@@ -156,7 +165,7 @@ class _NoStop:
         return getattr(self._tok, name)
 
 
-def prompt_ids(tokenizer, n: int, seed: int = 0) -> List[int]:
+def prompt_ids(tokenizer, n: int, seed: int = 0) -> list[int]:
     """n deterministic token IDs (like mlx_lm.benchmark's random prompt), drawn below the effective
     vocabulary and outside the stop set."""
     import numpy as np
@@ -180,16 +189,25 @@ def _delta(after: dict, before: dict, key: str) -> float:
     return float(after.get(key, 0) - before.get(key, 0))
 
 
-def io_metrics(before: Optional[dict], after: Optional[dict], tokens: int, record_bytes: Optional[int]) -> dict:
+def io_metrics(before: dict | None, after: dict | None, tokens: int, record_bytes: int | None) -> dict:
     """Engine counter deltas over the decode phase -> per-token I/O metrics (None when resident).
     ``engine_counters`` keeps every scalar counter's delta (simulate --validate compares its
     replay with them)."""
     if before is None or after is None:
-        return {"expert_bytes_per_token": 0.0 if before is None else None, "hit_rate": None,
-                "exposed_wait_ms_per_token": 0.0, "hidden_fraction": None, "timely_recall": None,
-                "late_recall": None, "precision": None}
-    keys = [k for k, v in after.items() if isinstance(v, (int, float)) and not k.startswith("latency_")
-            and k != "hidden_fraction"]
+        return {
+            "expert_bytes_per_token": 0.0 if before is None else None,
+            "hit_rate": None,
+            "exposed_wait_ms_per_token": 0.0,
+            "hidden_fraction": None,
+            "timely_recall": None,
+            "late_recall": None,
+            "precision": None,
+        }
+    keys = [
+        k
+        for k, v in after.items()
+        if isinstance(v, (int, float)) and not k.startswith("latency_") and k != "hidden_fraction"
+    ]
     d = {k: _delta(after, before, k) for k in keys}
     lookups = d["hits"] + d["joins"] + d["misses"]
     # The engine's own read-ahead measures (stream.engine.prediction_stats): exact lookups served by
@@ -209,8 +227,9 @@ def io_metrics(before: Optional[dict], after: Optional[dict], tokens: int, recor
     }
 
 
-def run_once(model, tokenizer, prompt: List[int], n: int, gen_kwargs: dict, record_bytes=None,
-             trace: bool = False) -> dict:
+def run_once(
+    model, tokenizer, prompt: list[int], n: int, gen_kwargs: dict, record_bytes=None, trace: bool = False
+) -> dict:
     """One timed greedy generation of exactly n tokens after a len(prompt)-token prefill."""
     import mlx.core as mx
 
@@ -251,7 +270,8 @@ def run_once(model, tokenizer, prompt: List[int], n: int, gen_kwargs: dict, reco
         "decode_tok_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else None,
         # Per-token median: robust to another process taking the cores for a moment (shared machines).
         "decode_tok_s_p50": 1.0 / statistics.median([b - a for a, b in zip(stamps, stamps[1:])])
-        if len(stamps) > 1 and stamps[-1] > stamps[0] else None,
+        if len(stamps) > 1 and stamps[-1] > stamps[0]
+        else None,
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         # Speculative decoding: accepted / drafted tokens, and tokens committed per verify step.
         "acceptance": stats.accepted / stats.drafted if stats is not None and stats.drafted else None,
@@ -269,7 +289,7 @@ def run_once(model, tokenizer, prompt: List[int], n: int, gen_kwargs: dict, reco
     return out
 
 
-def timeline(events, stamps_ns: List[int], t0_ns: int) -> List[dict]:
+def timeline(events, stamps_ns: list[int], t0_ns: int) -> list[dict]:
     """Per decode token (the first token's interval is the prefill, left out): wall time, exposed
     I/O wait and bytes read inside it (engine trace)."""
     rows = []
@@ -278,45 +298,73 @@ def timeline(events, stamps_ns: List[int], t0_ns: int) -> List[dict]:
         w = events[(events["kind"] == "wait") & (events["end_ns"] > prev) & (events["issue_ns"] < end)]
         wait = sum(min(e, end) - max(b, prev) for b, e in zip(w["issue_ns"].tolist(), w["end_ns"].tolist()))
         rd = events[(events["kind"] == "read") & (events["end_ns"] > prev) & (events["end_ns"] <= end)]
-        rows.append({"token": i, "wall_ms": (end - prev) / 1e6, "io_wait_ms": max(wait, 0) / 1e6,
-                     "read_bytes": int(rd["bytes"].sum())})
+        rows.append(
+            {
+                "token": i,
+                "wall_ms": (end - prev) / 1e6,
+                "io_wait_ms": max(wait, 0) / 1e6,
+                "read_bytes": int(rd["bytes"].sum()),
+            }
+        )
         prev = end
     return rows
 
 
 # ---- statistics and honesty ----------------------------------------------------------------------
 
-METRICS = ("decode_tok_s", "decode_tok_s_p50", "prefill_tok_s", "ttft_s", "peak_memory_gb", "expert_bytes_per_token", "hit_rate",
-           "exposed_wait_ms_per_token", "hidden_fraction", "timely_recall", "late_recall", "precision", "acceptance",
-           "tokens_per_step")
+METRICS = (
+    "decode_tok_s",
+    "decode_tok_s_p50",
+    "prefill_tok_s",
+    "ttft_s",
+    "peak_memory_gb",
+    "expert_bytes_per_token",
+    "hit_rate",
+    "exposed_wait_ms_per_token",
+    "hidden_fraction",
+    "timely_recall",
+    "late_recall",
+    "precision",
+    "acceptance",
+    "tokens_per_step",
+)
 
 
-def summarize(values: Sequence[Optional[float]]) -> Optional[dict]:
+def summarize(values: Sequence[float | None]) -> dict | None:
     """Median and spread (min, max, and the half-range relative to the median)."""
     v = [x for x in values if x is not None]
     if not v:
         return None
     med = statistics.median(v)
-    return {"median": med, "min": min(v), "max": max(v), "n": len(v),
-            "spread": (max(v) - min(v)) / 2 / abs(med) if med else 0.0}
+    return {
+        "median": med,
+        "min": min(v),
+        "max": max(v),
+        "n": len(v),
+        "spread": (max(v) - min(v)) / 2 / abs(med) if med else 0.0,
+    }
 
 
 def check_tokens(runs: Sequence[dict]) -> None:
     """Greedy outputs of one (prompt, n) must be identical across every configuration and repeat
     (every option the bench runs claims to be exact)."""
-    by_case: Dict[Tuple[int, int], Tuple[str, List[int]]] = {}
+    by_case: dict[tuple[int, int], tuple[str, list[int]]] = {}
     for r in runs:
         key = (r["prompt_tokens"], r["requested"])
         first = by_case.setdefault(key, (r["config"], r["tokens"]))
         if r["tokens"] != first[1]:
-            at = next((i for i, (a, b) in enumerate(zip(first[1], r["tokens"])) if a != b),
-                      min(len(first[1]), len(r["tokens"])))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(first[1], r["tokens"])) if a != b),
+                min(len(first[1]), len(r["tokens"])),
+            )
             raise NotComparableError(
-                "tokens", f"greedy output of [{r['config']}] differs from [{first[0]}] at token {at} "
-                          f"(prompt {key[0]}, n {key[1]}): a configuration that claims to be exact is not")
+                "tokens",
+                f"greedy output of [{r['config']}] differs from [{first[0]}] at token {at} "
+                f"(prompt {key[0]}, n {key[1]}): a configuration that claims to be exact is not",
+            )
 
 
-def check_artifacts(digests: Dict[str, str]) -> None:
+def check_artifacts(digests: dict[str, str]) -> None:
     """Every configuration must run the same artifact."""
     if len(set(digests.values())) > 1:
         items = ", ".join(f"[{k}] {v[:24]}" for k, v in digests.items())
@@ -345,5 +393,6 @@ def compare_results(a: dict, b: dict) -> None:
     """Two bench JSON results are comparable only with the same artifact and identical tokens."""
     if a.get("artifact_digest") != b.get("artifact_digest"):
         raise NotComparableError("artifact", f"{a.get('artifact_digest')} != {b.get('artifact_digest')}")
-    check_tokens([dict(r, config=f"{tag}:{r['config']}") for tag, res in (("a", a), ("b", b))
-                  for r in res.get("runs", [])])
+    check_tokens(
+        [dict(r, config=f"{tag}:{r['config']}") for tag, res in (("a", a), ("b", b)) for r in res.get("runs", [])]
+    )

@@ -9,13 +9,13 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Optional, Sequence
 
 import numpy as np
 
 
-def _sysctl(name: str) -> Optional[str]:
+def _sysctl(name: str) -> str | None:
     try:
         out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
@@ -49,8 +49,7 @@ def mlx_info() -> dict:
 
     from ..machine_profile import compute_backend
 
-    return {"mlx_version": mx.__version__, "backend": compute_backend(),
-            "default_device": str(mx.default_device())}
+    return {"mlx_version": mx.__version__, "backend": compute_backend(), "default_device": str(mx.default_device())}
 
 
 def _open_direct(path: str):
@@ -67,7 +66,7 @@ def _open_direct(path: str):
     return fd, False
 
 
-def fast_check_rate(record_bytes: int = 2_764_800, repeats: int = 9) -> Dict[str, object]:
+def fast_check_rate(record_bytes: int = 2_764_800, repeats: int = 9) -> dict[str, object]:
     """GB/s of one core running the per-read fast check (XXH3-128, metal_ext/xxh3.cpp) over one
     record in cache: the picked SIMD backend and the portable scalar one, medians of interleaved
     runs. `qualify` records it beside its SHA-256 figure; {} without the compiled extension."""
@@ -78,19 +77,29 @@ def fast_check_rate(record_bytes: int = 2_764_800, repeats: int = 9) -> Dict[str
     except ImportError:
         return {}
     buf = os.urandom(record_bytes)
-    times: Dict[str, list] = {"auto": [], "scalar": []}
+    times: dict[str, list] = {"auto": [], "scalar": []}
     for _ in range(repeats):
         for backend, t in times.items():
             t0 = time.perf_counter()
             _hash.xxh3_128(buf, backend=backend)
             t.append(time.perf_counter() - t0)
     rate = {b: record_bytes / statistics.median(t) / 1e9 for b, t in times.items()}
-    return {"xxh3_128_GBps_one_thread": rate["auto"], "xxh3_128_backend": _hash.xxh3_backend(),
-            "xxh3_128_scalar_GBps_one_thread": rate["scalar"]}
+    return {
+        "xxh3_128_GBps_one_thread": rate["auto"],
+        "xxh3_128_backend": _hash.xxh3_backend(),
+        "xxh3_128_scalar_GBps_one_thread": rate["scalar"],
+    }
 
 
-def ssd_probe(path: str, record_bytes: int, offsets: Sequence[int], queue_depths=(1, 2, 4, 8), reads: int = 256,
-              trials: int = 3, seed: int = 0) -> dict:
+def ssd_probe(
+    path: str,
+    record_bytes: int,
+    offsets: Sequence[int],
+    queue_depths=(1, 2, 4, 8),
+    reads: int = 256,
+    trials: int = 3,
+    seed: int = 0,
+) -> dict:
     """GB/s of random record reads (from `offsets`) per queue depth: qd threads, each with one read
     in flight, `reads` reads per trial, the median of `trials` (the machine is shared and noisy);
     plus SHA-256 and XXH3-128 GB/s of one core (the engine checks every record by one of them:
@@ -117,8 +126,14 @@ def ssd_probe(path: str, record_bytes: int, offsets: Sequence[int], queue_depths
             got += n
         return got
 
-    result: Dict[str, object] = {"path": str(path), "record_bytes": int(record_bytes), "direct": direct,
-                                 "reads": reads, "trials": trials, "gbps_by_qd": {}}
+    result: dict[str, object] = {
+        "path": str(path),
+        "record_bytes": int(record_bytes),
+        "direct": direct,
+        "reads": reads,
+        "trials": trials,
+        "gbps_by_qd": {},
+    }
     try:
         for qd in queue_depths:
             with ThreadPoolExecutor(qd) as ex:
@@ -146,7 +161,7 @@ def ssd_probe(path: str, record_bytes: int, offsets: Sequence[int], queue_depths
     return result
 
 
-def expert_store(model_dir) -> Optional[dict]:
+def expert_store(model_dir) -> dict | None:
     """The artifact's expert store: path, record stride and record offsets (None: not an artifact)."""
     from pathlib import Path
 
@@ -163,13 +178,16 @@ def expert_store(model_dir) -> Optional[dict]:
     if store is None:
         return None
     g = Geometry(C.family(m["family"]), store["codec"])
-    return {"path": str(Path(model_dir) / store["path"]), "record_bytes": g.record_stride,
-            "offsets": [g.record_offset(i) for i in range(g.count)], "records": g.count,
-            "record_payload_bytes": g.record_bytes}
+    return {
+        "path": str(Path(model_dir) / store["path"]),
+        "record_bytes": g.record_stride,
+        "offsets": [g.record_offset(i) for i in range(g.count)],
+        "records": g.count,
+        "record_payload_bytes": g.record_bytes,
+    }
 
 
-
-def profile_probe(store_path, record_bytes: int, profile_path=None) -> Optional[tuple]:
+def profile_probe(store_path, record_bytes: int, profile_path=None) -> tuple | None:
     """(probe, source) from the machine profile `hebrus-mlx qualify` wrote, in ssd_probe's shape,
     when it stands for this store: written on this machine (same OS release, architecture, MLX),
     a measured pread probe of records of this size (4 KiB aligned) and, if the profile names the
@@ -203,19 +221,29 @@ def profile_probe(store_path, record_bytes: int, profile_path=None) -> Optional[
     when = prof.get("created_unix")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)) if isinstance(when, (int, float)) else "unknown"
     source = f"machine profile {path} (hebrus-mlx qualify, written {stamp})"
-    probe = {"path": probed or "(qualify's probe file)", "record_bytes": int(pread["record_bytes"]),
-             "direct": bool(pread.get("direct")), "gbps_by_qd": dict(sorted(qd.items(), key=lambda x: int(x[0]))),
-             "sha256_gbps_per_core": pread.get("sha256_GBps_one_thread"),
-             "xxh3_128_gbps_per_core": pread.get("xxh3_128_GBps_one_thread"), "source": source,
-             "profile_created_unix": when}
+    probe = {
+        "path": probed or "(qualify's probe file)",
+        "record_bytes": int(pread["record_bytes"]),
+        "direct": bool(pread.get("direct")),
+        "gbps_by_qd": dict(sorted(qd.items(), key=lambda x: int(x[0]))),
+        "sha256_gbps_per_core": pread.get("sha256_GBps_one_thread"),
+        "xxh3_128_gbps_per_core": pread.get("xxh3_128_GBps_one_thread"),
+        "source": source,
+        "profile_created_unix": when,
+    }
     return probe, source
 
 
 def record(model_dir=None, probe: bool = True, reuse_profile: bool = True) -> dict:
     """The machine record of a bench or simulate run. The SSD probe comes from the machine profile
     when it stands for this machine and store (`profile_probe`), else it is run now."""
-    out = {"chip": chip(), "memory_gb": memory_bytes() / (1 << 30), "os": platform.platform(),
-           "python": platform.python_version(), "cpus": os.cpu_count()}
+    out = {
+        "chip": chip(),
+        "memory_gb": memory_bytes() / (1 << 30),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
     out.update(mlx_info())
     if probe and model_dir is not None:
         st = expert_store(model_dir)

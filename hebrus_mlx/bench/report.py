@@ -78,11 +78,17 @@ def markdown(result: dict) -> str:
     probe = m.get("ssd_probe")
     if probe:
         qd = ", ".join(f"QD{k} {v:.2f}" for k, v in probe["gbps_by_qd"].items())
-        lines += ["", f"SSD probe ({probe['record_bytes']} B random reads, "
-                      f"{'O_DIRECT' if probe['direct'] else 'buffered'}): {qd} GB/s; "
-                      + (f"SHA-256 {probe['sha256_gbps_per_core']:.2f} GB/s per core"
-                         if probe.get("sha256_gbps_per_core") else "SHA-256 not measured")
-                      + (f"; from {probe['source']}" if probe.get("source") else "")]
+        lines += [
+            "",
+            f"SSD probe ({probe['record_bytes']} B random reads, "
+            f"{'O_DIRECT' if probe['direct'] else 'buffered'}): {qd} GB/s; "
+            + (
+                f"SHA-256 {probe['sha256_gbps_per_core']:.2f} GB/s per core"
+                if probe.get("sha256_gbps_per_core")
+                else "SHA-256 not measured"
+            )
+            + (f"; from {probe['source']}" if probe.get("source") else ""),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -127,9 +133,8 @@ def plot(result: dict, path, *, overwrite: bool = False) -> None:
             wall = [r["wall_ms"] for r in t["rows"]]
             wait = [r["io_wait_ms"] for r in t["rows"]]
             x = range(len(wall))
-            line, = ax.plot(x, wall, lw=1, label=f"{t['config']}: token wall time")
-            ax.fill_between(x, 0, wait, alpha=0.35, color=line.get_color(),
-                            label=f"{t['config']}: exposed I/O wait")
+            (line,) = ax.plot(x, wall, lw=1, label=f"{t['config']}: token wall time")
+            ax.fill_between(x, 0, wait, alpha=0.35, color=line.get_color(), label=f"{t['config']}: exposed I/O wait")
         ax.set_xlabel("decode token (after the first)")
         ax.set_ylabel("ms")
         ax.set_title("per-token compute vs exposed I/O (engine trace)")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 from ..errors import HebrusError
 
@@ -109,23 +108,23 @@ class KeyClass:
     """
 
     kind: str
-    runtime_key: Optional[str] = None
-    layer: Optional[int] = None
-    expert: Optional[int] = None
-    component: Optional[str] = None  # gate_proj/up_proj/down_proj, gate_up_proj, or a PLE constant name
-    shard: Optional[int] = None
-    rule: Optional[str] = None  # exclusion rule name
+    runtime_key: str | None = None
+    layer: int | None = None
+    expert: int | None = None
+    component: str | None = None  # gate_proj/up_proj/down_proj, gate_up_proj, or a PLE constant name
+    shard: int | None = None
+    rule: str | None = None  # exclusion rule name
     depthwise_conv: bool = False
 
 
 def strip_prefix(key: str) -> str:
     """Map a conditional-generation key onto the text-model key space."""
     if key.startswith(CONDITIONAL_PREFIX):
-        return "model." + key[len(CONDITIONAL_PREFIX):]
+        return "model." + key[len(CONDITIONAL_PREFIX) :]
     return key
 
 
-def exclusion_rule(key: str) -> Optional[str]:
+def exclusion_rule(key: str) -> str | None:
     for name, pattern in EXCLUSION_RULES:
         if pattern.match(key):
             return name
@@ -160,8 +159,13 @@ def classify(raw_key: str, args) -> KeyClass:
     if m:
         expert = _index(m, raw_key, "expert", "num_experts", args.num_experts)
         component = m.group(2)
-        return KeyClass("expert", runtime_key=prefix + f"mlp.switch_mlp.{component}.weight", layer=layer,
-                        expert=expert, component=component)
+        return KeyClass(
+            "expert",
+            runtime_key=prefix + f"mlp.switch_mlp.{component}.weight",
+            layer=layer,
+            expert=expert,
+            component=component,
+        )
     m = _FUSED_RE.match(rest)
     if m:
         return KeyClass("fused_expert", layer=layer, component=m.group(1))
@@ -169,8 +173,9 @@ def classify(raw_key: str, args) -> KeyClass:
         m = _PLE_SHARD_RE.match(rest)
         if m:
             shard = _index(m, raw_key, "shard", "split_ngram_parts", args.split_ngram_parts)
-            return KeyClass("ple_shard", runtime_key=prefix + "ple.ple_embedding.ngram_embedding.weight", layer=layer,
-                            shard=shard)
+            return KeyClass(
+                "ple_shard", runtime_key=prefix + "ple.ple_embedding.ngram_embedding.weight", layer=layer, shard=shard
+            )
         m = _PLE_CONST_RE.match(rest)
         if m:
             return KeyClass("ple_constant", layer=layer, component=m.group(1))
@@ -200,9 +205,7 @@ def expected_hf_keys(args, expert_layout: str = "unfused") -> set[str]:
         keys.update(prefix + name for name in layer_templates(args, layer))
         if expert_layout == "unfused":
             keys.update(
-                f"{prefix}mlp.experts.{e}.{c}.weight"
-                for e in range(args.num_experts)
-                for c in EXPERT_COMPONENTS
+                f"{prefix}mlp.experts.{e}.{c}.weight" for e in range(args.num_experts) for c in EXPERT_COMPONENTS
             )
         elif expert_layout == "fused":
             keys.update({prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"})
@@ -211,8 +214,7 @@ def expected_hf_keys(args, expert_layout: str = "unfused") -> set[str]:
         if args.ple_index(layer) is not None:
             shard = "shards." if expert_layout == "mlx" else "shard_"
             keys.update(
-                f"{prefix}ple.ple_embedding.ngram_embedding.{shard}{s}.weight"
-                for s in range(args.split_ngram_parts)
+                f"{prefix}ple.ple_embedding.ngram_embedding.{shard}{s}.weight" for s in range(args.split_ngram_parts)
             )
             keys.update(f"{prefix}ple.ple_embedding.{n}" for n in PLE_CONSTANT_NAMES)
     return keys
@@ -271,11 +273,11 @@ MTP_GLOBAL_TEMPLATES = (
 MTP_LAYER_TEMPLATES = HC_TEMPLATES + MOE_DENSE_TEMPLATES + INDEXED_ATTN_TEMPLATES
 
 
-def mtp_relative(raw_key: str) -> Optional[str]:
+def mtp_relative(raw_key: str) -> str | None:
     """The key below the MTP prefix, or None for a non-MTP key."""
     for prefix in MTP_PREFIXES:
         if raw_key.startswith(prefix):
-            return raw_key[len(prefix):]
+            return raw_key[len(prefix) :]
     return None
 
 
@@ -298,9 +300,16 @@ def classify_mtp(raw_key: str, args) -> KeyClass:
     if m:
         expert = int(m.group(1))
         if expert >= args.num_experts:
-            raise CheckpointKeyError(f"unexpected MTP tensor {raw_key!r}: expert {expert} >= num_experts={args.num_experts}")
-        return KeyClass("expert", runtime_key=f"mtp.layers.0.mlp.switch_mlp.{m.group(2)}.weight",
-                        layer=0, expert=expert, component=m.group(2))
+            raise CheckpointKeyError(
+                f"unexpected MTP tensor {raw_key!r}: expert {expert} >= num_experts={args.num_experts}"
+            )
+        return KeyClass(
+            "expert",
+            runtime_key=f"mtp.layers.0.mlp.switch_mlp.{m.group(2)}.weight",
+            layer=0,
+            expert=expert,
+            component=m.group(2),
+        )
     m = _FUSED_RE.match(sub)
     if m:
         return KeyClass("fused_expert", layer=0, component=m.group(1))
@@ -312,13 +321,15 @@ def expected_mtp_keys(args, expert_layout: str = "unfused") -> set[str]:
     keys = {"mtp." + k for k in MTP_GLOBAL_TEMPLATES}
     keys.update("mtp.layers.0." + k for k in MTP_LAYER_TEMPLATES)
     if expert_layout == "unfused":
-        keys.update(f"mtp.layers.0.mlp.experts.{e}.{c}.weight" for e in range(args.num_experts) for c in EXPERT_COMPONENTS)
+        keys.update(
+            f"mtp.layers.0.mlp.experts.{e}.{c}.weight" for e in range(args.num_experts) for c in EXPERT_COMPONENTS
+        )
     else:
         keys.update({"mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj"})
     return keys
 
 
-def check_mtp_key_set(raw_keys, args) -> Optional[dict]:
+def check_mtp_key_set(raw_keys, args) -> dict | None:
     """None when the checkpoint has no MTP tensors; else classify them all and check the exact set."""
     mtp = [k for k in raw_keys if mtp_relative(k) is not None]
     if not mtp:
@@ -331,7 +342,7 @@ def check_mtp_key_set(raw_keys, args) -> Optional[dict]:
             raise CheckpointKeyError(f"duplicate MTP tensor {raw!r} (two prefixes)")
         normal[key] = raw
     fused = any(".mlp.experts.gate_up_proj" in k or k.endswith(".mlp.experts.down_proj") for k in normal)
-    unfused = any(_EXPERT_RE.match(k[len("mtp.layers.0."):]) for k in normal if k.startswith("mtp.layers.0."))
+    unfused = any(_EXPERT_RE.match(k[len("mtp.layers.0.") :]) for k in normal if k.startswith("mtp.layers.0."))
     if fused and unfused:
         raise CheckpointKeyError("MTP head mixes fused (gate_up_proj) and per-expert expert tensors")
     layout = "fused" if fused else "unfused"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from functools import lru_cache
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from functools import lru_cache
+from typing import Any
 
 from ..errors import HebrusError
 
@@ -56,8 +56,8 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    rope_parameters: Optional[dict] = None
-    layer_types: Optional[list] = None
+    rope_parameters: dict | None = None
+    layer_types: list | None = None
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
@@ -68,11 +68,11 @@ class ModelArgs:
     num_experts: int = 512
     num_experts_per_tok: int = 10
     norm_topk_prob: bool = True
-    output_gate_type: Optional[str] = None
+    output_gate_type: str | None = None
     hc_count: int = 4
     hc_lowrank: int = 320
     ple_layer_ids: list = field(default_factory=list)
-    ple_embed_dim: Optional[int] = None
+    ple_embed_dim: int | None = None
     ple_conv_kernel_size: int = 4
     ngram_size: int = 3
     heads_per_ngram: int = 8
@@ -80,16 +80,16 @@ class ModelArgs:
     make_ngram_vocab_size_divisible_by: int = 128
     seed: int = 1234
     split_ngram_parts: int = 512
-    indexer_n_heads: Optional[int] = None
-    indexer_kv_heads: Optional[int] = None
-    indexer_head_dim: Optional[int] = None
-    indexer_budget: Optional[int] = None
-    indexer_compress_ratio: Optional[int] = None
+    indexer_n_heads: int | None = None
+    indexer_kv_heads: int | None = None
+    indexer_head_dim: int | None = None
+    indexer_budget: int | None = None
+    indexer_compress_ratio: int | None = None
     eos_token_id: Any = None
     full_attention_interval: int = 4
 
     @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
+    def from_dict(cls, config: dict) -> ModelArgs:
         """Build from an HF config.json dict: a bare text config or a conditional-generation one."""
         if not isinstance(config, dict):
             raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}")
@@ -125,7 +125,7 @@ class ModelArgs:
         return (self.ngram_size - 1) * self.heads_per_ngram
 
     @property
-    def eos_id(self) -> Optional[int]:
+    def eos_id(self) -> int | None:
         """The EOS id PLE hashing uses: the first one when the config lists several."""
         eos = self.eos_token_id
         if isinstance(eos, list):
@@ -137,7 +137,7 @@ class ModelArgs:
         """Most keys one QSA query can attend: budget + compress_ratio - 1 (AFN-011/016)."""
         return self.indexer_budget + self.indexer_compress_ratio - 1
 
-    def ple_index(self, layer: int) -> Optional[int]:
+    def ple_index(self, layer: int) -> int | None:
         """Position of a zero-indexed layer among the PLE layers, or None."""
         one_indexed = layer + 1
         return self.ple_layer_ids.index(one_indexed) if one_indexed in self.ple_layer_ids else None
@@ -221,9 +221,7 @@ class ModelArgs:
         # Real checkpoints spell indexed layers "full_attention".
         self.layer_types = ["indexed_attention" if t == "full_attention" else t for t in self.layer_types]
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(
-                "layer_types", f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
-            )
+            raise ConfigError("layer_types", f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         for i, kind in enumerate(self.layer_types):
             if kind not in LAYER_TYPES:
                 raise ConfigError(f"layer_types[{i}]", f"unknown layer type {kind!r}")
@@ -245,7 +243,8 @@ class ModelArgs:
             )
         if self.rotary_dim > self.indexer_head_dim:
             raise ConfigError(
-                "indexer_head_dim", f"rotary dim {self.rotary_dim} does not fit indexer_head_dim {self.indexer_head_dim}"
+                "indexer_head_dim",
+                f"rotary dim {self.rotary_dim} does not fit indexer_head_dim {self.indexer_head_dim}",
             )
 
     def _validate_ple(self):

@@ -14,8 +14,6 @@ A kernel runs in the graph only when all hold (AFN-013: code is not a feature un
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 KERNELS = ("qsa_attention", "ple_gather", "hc_mix")
@@ -30,7 +28,7 @@ def metal_available() -> bool:
     return metal_device()
 
 
-def configure(profile: Optional[dict]) -> set[str]:
+def configure(profile: dict | None) -> set[str]:
     """Switch on the kernels the machine profile says passed on this device (`profile.passed`:
     written on this machine, Metal present); returns them."""
     from ..machine_profile import passed
@@ -51,6 +49,10 @@ def make_kernel(name: str, input_names, output_names, source: str, header: str =
     if not metal_available():
         return None
     return mx.fast.metal_kernel(
-        name=f"hebrus_{name}", input_names=list(input_names), output_names=list(output_names),
-        source=source, header=header, ensure_row_contiguous=True,
+        name=f"hebrus_{name}",
+        input_names=list(input_names),
+        output_names=list(output_names),
+        source=source,
+        header=header,
+        ensure_row_contiguous=True,
     )

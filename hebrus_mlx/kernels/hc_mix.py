@@ -6,7 +6,7 @@ hc_count streams; the kernel reads each element once and writes only the mixed r
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from math import gcd
 
 import mlx.core as mx
@@ -33,8 +33,9 @@ SOURCE = """
 
 def launch(n_rows: int, hc_count: int, hidden: int, dtype):
     tg = gcd(hidden, 256)
-    return dict(grid=(hidden, n_rows, 1), threadgroup=(tg, 1, 1),
-                template=[("T", dtype), ("S", hc_count), ("H", hidden)])
+    return dict(
+        grid=(hidden, n_rows, 1), threadgroup=(tg, 1, 1), template=[("T", dtype), ("S", hc_count), ("H", hidden)]
+    )
 
 
 def ops(up: mx.array, normed: mx.array, hc_count: int, hidden: int) -> mx.array:
@@ -42,7 +43,7 @@ def ops(up: mx.array, normed: mx.array, hc_count: int, hidden: int) -> mx.array:
     return (mx.sigmoid(up).reshape(shape) * normed.reshape(shape)).mean(axis=-2)
 
 
-@lru_cache(maxsize=None)
+@cache
 def kernel_object():
     return make_kernel(NAME, INPUTS, OUTPUTS, SOURCE)
 
@@ -52,7 +53,9 @@ def metal(up: mx.array, normed: mx.array, hc_count: int, hidden: int) -> mx.arra
     n = int(np.prod(lead)) if lead else 1
     p = launch(n, hc_count, hidden, normed.dtype)
     (out,) = kernel_object()(
-        inputs=[up.reshape(n, -1), normed.reshape(n, -1)], output_shapes=[(n, hidden)],
-        output_dtypes=[normed.dtype], **p,
+        inputs=[up.reshape(n, -1), normed.reshape(n, -1)],
+        output_shapes=[(n, hidden)],
+        output_dtypes=[normed.dtype],
+        **p,
     )
     return out.reshape(*lead, hidden)

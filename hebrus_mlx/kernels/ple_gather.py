@@ -10,7 +10,7 @@ The ops path is `NGramEmbedding.row_ids` + the embedding lookup.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 
@@ -51,9 +51,18 @@ SOURCE = """
 
 def launch(n_new: int, context: int, heads: int, heads_per_ngram: int, dim: int, eos: int, dtype):
     tg = next(d for d in (32, 16, 8, 4, 2, 1) if dim % d == 0)
-    return dict(grid=(dim, heads, n_new), threadgroup=(tg, 1, 1),
-                template=[("T", dtype), ("CTX", context), ("HEADS", heads), ("HEADS_PER_NGRAM", heads_per_ngram),
-                          ("DIM", dim), ("EOS", eos)])
+    return dict(
+        grid=(dim, heads, n_new),
+        threadgroup=(tg, 1, 1),
+        template=[
+            ("T", dtype),
+            ("CTX", context),
+            ("HEADS", heads),
+            ("HEADS_PER_NGRAM", heads_per_ngram),
+            ("DIM", dim),
+            ("EOS", eos),
+        ],
+    )
 
 
 def ops(embedding, history: mx.array, n_new: int):
@@ -63,14 +72,13 @@ def ops(embedding, history: mx.array, n_new: int):
     return rows, embedding.ngram_embedding(rows).reshape(B, n_new, -1)
 
 
-@lru_cache(maxsize=None)
+@cache
 def kernel_object():
     return make_kernel(NAME, INPUTS, OUTPUTS, SOURCE)
 
 
 def _args(embedding):
-    return (embedding._multipliers, embedding._head_sizes, embedding._head_offsets,
-            embedding.ngram_embedding.weight)
+    return (embedding._multipliers, embedding._head_sizes, embedding._head_offsets, embedding.ngram_embedding.weight)
 
 
 def metal(embedding, history: mx.array, n_new: int):
@@ -81,7 +89,9 @@ def metal(embedding, history: mx.array, n_new: int):
         p = launch(n_new, history.shape[1] - n_new, heads, embedding.heads_per_ngram, dim, embedding.eos, table.dtype)
         r, e = kernel_object()(
             inputs=[history[b], multipliers, sizes, offsets, table],
-            output_shapes=[(n_new, heads), (n_new, heads * dim)], output_dtypes=[mx.int64, table.dtype], **p,
+            output_shapes=[(n_new, heads), (n_new, heads * dim)],
+            output_dtypes=[mx.int64, table.dtype],
+            **p,
         )
         rows.append(r)
         embs.append(e)

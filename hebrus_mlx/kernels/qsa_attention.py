@@ -9,7 +9,7 @@ The ops path is `QSAAttention._sparse_attention` (gather + tiled online softmax)
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 
@@ -74,11 +74,14 @@ SOURCE = """
 
 
 def launch(L: int, hq: int, hkv: int, S: int, W: int, D: int, dtype):
-    return dict(grid=(32 * NSG, hq, L), threadgroup=(32 * NSG, 1, 1),
-                template=[("T", dtype), ("L", L), ("HQ", hq), ("HKV", hkv), ("S", S), ("W", W), ("D", D), ("NSG", NSG)])
+    return dict(
+        grid=(32 * NSG, hq, L),
+        threadgroup=(32 * NSG, 1, 1),
+        template=[("T", dtype), ("L", L), ("HQ", hq), ("HKV", hkv), ("S", S), ("W", W), ("D", D), ("NSG", NSG)],
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def kernel_object():
     return make_kernel(NAME, INPUTS, OUTPUTS, SOURCE)
 
@@ -93,7 +96,9 @@ def metal(queries, keys, values, idx, ok, scale: float):
         p = launch(L, hq, hkv, S, W, D, queries.dtype)
         (o,) = kernel_object()(
             inputs=[queries[b], keys[b], values[b], idx[b].astype(mx.int32), ok[b], mx.array([scale], mx.float32)],
-            output_shapes=[(L, hq * D)], output_dtypes=[queries.dtype], **p,
+            output_shapes=[(L, hq * D)],
+            output_dtypes=[queries.dtype],
+            **p,
         )
         outs.append(o)
     return mx.stack(outs)

@@ -39,13 +39,14 @@ from ..errors import UsageError
 from ..models import optimize
 from ..models.mtp_head import MTPHead, attach_mtp_head
 from ..models.qwen4exp import Model, set_norm_weights
+from ..stream import crossover as sweep_crossover
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
-from ..stream.predict import DEFAULT as DEFAULT_PREFETCH, parse_prefetch
-from ..stream import crossover as sweep_crossover
-from ..stream.sweep import parse_mode as parse_sweep_mode
 from ..stream.ple import attach_ple
+from ..stream.predict import DEFAULT as DEFAULT_PREFETCH
+from ..stream.predict import parse_prefetch
 from ..stream.streaming import Streaming
+from ..stream.sweep import parse_mode as parse_sweep_mode
 from ..stream.switch import attach
 from . import plan
 from .plan import RESERVE_BYTES
@@ -104,12 +105,15 @@ def _load_hashed(m: Manifest, s, what: str):
     with open(m.file(s), "rb") as f:
         data = f.read(s.size + 1)  # one byte more than admitted: a store that grew is refused
     if len(data) != s.size:
-        raise DigestError(f"stores.{s.path}.size", f"{what} store is {len(data)}{'+' if len(data) > s.size else ''} "
-                                                   f"bytes, admitted {s.size}: changed after admission")
+        raise DigestError(
+            f"stores.{s.path}.size",
+            f"{what} store is {len(data)}{'+' if len(data) > s.size else ''} "
+            f"bytes, admitted {s.size}: changed after admission",
+        )
     if table is not None and xxh3 is not None:
         unit = fast_check.MTP_UNIT_BYTES
         for i, want in enumerate(table):
-            if xxh3(data[i * unit:(i + 1) * unit]) != want:  # bytes only (a copy of one chunk)
+            if xxh3(data[i * unit : (i + 1) * unit]) != want:  # bytes only (a copy of one chunk)
                 raise DigestError(f"stores.{s.path}.fast_check", f"{what} store chunk {i} XXH3-128 mismatch")
     elif hashlib.sha256(data).hexdigest() != s.sha256:
         raise DigestError(f"stores.{s.path}.sha256", f"{what} store digest mismatch")
@@ -123,8 +127,11 @@ def _dense(m: Manifest, stage=None):
     if stage is not None and m.dense_digests is not None:
         return _dense_ranges(m, [k for k in sorted(m.tensors) if stage.owns(k)])
     if stage is not None:
-        print(f"hebrus-mlx: note: rank {stage.rank}: {m.dense.path} has no per-tensor digests (an older "
-              f"artifact): this stage reads and verifies the whole file", file=sys.stderr)
+        print(
+            f"hebrus-mlx: note: rank {stage.rank}: {m.dense.path} has no per-tensor digests (an older "
+            f"artifact): this stage reads and verifies the whole file",
+            file=sys.stderr,
+        )
     weights = _load_hashed(m, m.dense, "dense")
     if set(weights) != set(m.tensors):
         raise AdmissionError("tensors", "dense file changed after admission")
@@ -169,9 +176,10 @@ def _experts(m: Manifest, layers=None):
     out = {}
     with ExpertMajorReader(m.file(s), fam, s.codec, fast=m.fast_table(s)) as r:
         layout = r.geometry.layout
-        for layer in (range(fam.num_hidden_layers) if layers is None else layers):
-            stacks = {(comp, part): np.empty((fam.num_experts,) + shape, dtype)
-                      for comp, part, dtype, shape, _, _ in layout}
+        for layer in range(fam.num_hidden_layers) if layers is None else layers:
+            stacks = {
+                (comp, part): np.empty((fam.num_experts,) + shape, dtype) for comp, part, dtype, shape, _, _ in layout
+            }
             for e in range(fam.num_experts):
                 for comp, parts in r.read_expert(layer, e).items():
                     for part, a in parts.items():
@@ -192,7 +200,9 @@ def _ple(m: Manifest, layers=None):
                 first = page * g.rows_per_page
                 n = min(g.rows_per_page, g.total_rows - first)
                 data = r.read_page(page)
-                raw[first : first + n] = np.frombuffer(data, np.uint8, n * g.row_bytes, C.PLE_PAGE_HEADER_BYTES).reshape(n, -1)
+                raw[first : first + n] = np.frombuffer(
+                    data, np.uint8, n * g.row_bytes, C.PLE_PAGE_HEADER_BYTES
+                ).reshape(n, -1)
             table = raw.view(np.uint16 if g.codec.name == "bf16" else np.float32)
         out[f"model.layers.{s.layer}.ple.ple_embedding.ngram_embedding.weight"] = _to_mx(table)
     return out
@@ -234,12 +244,12 @@ def plan_ple_residency(m: Manifest, dtype=mx.float32, ple_cache_gb=None, stage=N
             table += g.total_rows * g.row_bytes * (2 if wide and g.codec.name == "bf16" else 1)
             pages += g.num_pages
             page = max(page, g.page_stride)
-    return plan.plan_ple(table, page, pages, plan.available_memory(),
-                         RESERVE_BYTES + _dense_bytes(m, stage), ple_cache_gb)
+    return plan.plan_ple(
+        table, page, pages, plan.available_memory(), RESERVE_BYTES + _dense_bytes(m, stage), ple_cache_gb
+    )
 
 
-def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None,
-                          stage=None):
+def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, ple_cache_bytes=None, stage=None):
     """None: load the routed experts resident; otherwise the number of arena
     rows to stream them through. From file metadata only (no expert byte is
     read): the experts' in-memory size (bf16 parts widened to fp32 when
@@ -259,8 +269,12 @@ def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, p
     else:
         resident_other += ple_cache_bytes
     return plan.plan_experts(
-        count * record, record, plan.available_memory(), RESERVE_BYTES + resident_other,
-        expert_cache_gb, min_rows=fam.num_experts_per_tok,
+        count * record,
+        record,
+        plan.available_memory(),
+        RESERVE_BYTES + resident_other,
+        expert_cache_gb,
+        min_rows=fam.num_experts_per_tok,
     )
 
 
@@ -314,11 +328,11 @@ def _attach_streamed(m: Manifest, model, rows, dtype, engine, layers=None, mirro
     switches = attach([model.model.layers[i].mlp for i in layers], experts, layers)
     replaced = before - _routed_expert_keys(model)
     layout = em.record_layout(fam, m.experts.codec)
-    want = {f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}"
-            for layer in layers for comp, part, *_ in layout}
+    want = {f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}" for layer in layers for comp, part, *_ in layout}
     if replaced != want or _routed_expert_keys(model):
-        raise GeometryError("experts", f"streamed experts replaced {len(replaced)} tensors, "
-                            f"the store holds {len(want)}")
+        raise GeometryError(
+            "experts", f"streamed experts replaced {len(replaced)} tensors, the store holds {len(want)}"
+        )
     return experts, switches
 
 
@@ -344,8 +358,17 @@ def prune(model, stage):
     return model
 
 
-def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_gb=None, stage=None,
-                        prefetch=None, expert_mirror=None, prefill_sweep=None, options=None) -> Model:
+def load_artifact_model(
+    path,
+    dtype=mx.float32,
+    expert_cache_gb=None,
+    ple_cache_gb=None,
+    stage=None,
+    prefetch=None,
+    expert_mirror=None,
+    prefill_sweep=None,
+    options=None,
+) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
 
@@ -401,7 +424,9 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
     if prefetch is not None and prefetch.kind != "off" and rows is None:
         raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
     if expert_mirror is not None and rows is None:
-        raise UsageError("expert-mirror", "only streamed routed experts read a mirror; this model's experts are resident")
+        raise UsageError(
+            "expert-mirror", "only streamed routed experts read a mirror; this model's experts are resident"
+        )
     if sweep_mode == "on" and rows is None:
         raise UsageError("prefill_sweep", "only streamed routed experts are swept; this model's experts are resident")
     if rows is not None and dtype is not None and dtype != mx.float32:
@@ -451,14 +476,16 @@ def load_artifact_model(path, dtype=mx.float32, expert_cache_gb=None, ple_cache_
         if prefetch is None and experts is not None:
             prefetch = parse_prefetch(DEFAULT_PREFETCH)
         # A pipeline stage takes rank 0's chunks whether or not it has a sweep ring.
-        model.streaming = Streaming(engine, experts, switches, prefetch=prefetch, layers=model.model.layers,
-                                    sweep_lifts_cap=stage is None)
+        model.streaming = Streaming(
+            engine, experts, switches, prefetch=prefetch, layers=model.model.layers, sweep_lifts_cap=stage is None
+        )
         if experts is not None:
             try:
                 kw = {}
                 if sweep_mode == "auto":  # the machine's measured crossover where the profile stands for it
-                    cross, source = sweep_crossover.for_store(experts.store_path, sum(experts.part_bytes),
-                                                              experts.num_experts)
+                    cross, source = sweep_crossover.for_store(
+                        experts.store_path, sum(experts.part_bytes), experts.num_experts
+                    )
                     kw = dict(crossover=cross, crossover_source=source)
                 model.streaming.set_prefill_sweep(sweep_mode, budget=plan.available_memory() - RESERVE_BYTES, **kw)
             except BaseException:
@@ -480,11 +507,14 @@ def _mtp_head(m: Manifest, args, dtype, options=None):
     if set(weights) != set(s.tensors):
         raise AdmissionError("mtp.tensors", "MTP file changed after admission")
     head = MTPHead(args)
-    plan = {name[len("mtp."): -len(".weight")]: _quant_params(rec["codec"])
-            for name, rec in s.tensors.items() if C.codec(rec["codec"]).affine and name.endswith(".weight")}
+    plan = {
+        name[len("mtp.") : -len(".weight")]: _quant_params(rec["codec"])
+        for name, rec in s.tensors.items()
+        if C.codec(rec["codec"]).affine and name.endswith(".weight")
+    }
     if plan:
         _quantize(head, plan)
-    weights = {k[len("mtp."):]: v for k, v in weights.items()}
+    weights = {k[len("mtp.") :]: v for k, v in weights.items()}
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     head.load_weights(list(weights.items()), strict=True)

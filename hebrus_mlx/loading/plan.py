@@ -6,7 +6,6 @@ No MLX: it works from byte counts (file metadata) and the memory the OS reports.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from .. import flags
 from ..errors import UsageError
@@ -31,8 +30,17 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_stream(resident_bytes: int, unit_bytes: int, units: int, available: int, reserve: int,
-                cache_gb: Optional[float], cache_field: str, what: str, min_units: int = 1) -> Optional[int]:
+def plan_stream(
+    resident_bytes: int,
+    unit_bytes: int,
+    units: int,
+    available: int,
+    reserve: int,
+    cache_gb: float | None,
+    cache_field: str,
+    what: str,
+    min_units: int = 1,
+) -> int | None:
     """None keeps the data resident (its in-memory ``resident_bytes`` fit in ``available - reserve``
     and no cache size was forced); otherwise how many ``unit_bytes`` units (records, pages) to
     stream through, at most ``units``. ``cache_gb`` (a ``--*-cache-gb`` flag, named by
@@ -50,23 +58,41 @@ def plan_stream(resident_bytes: int, unit_bytes: int, units: int, available: int
         field = cache_field
     n = min(budget // unit_bytes, units)
     if n < min_units:
-        raise UsageError(field, f"{budget / GIB:.4f} GiB holds {max(n, 0)} {what} of {unit_bytes} bytes, "
-                                f"need at least {min_units}")
+        raise UsageError(
+            field, f"{budget / GIB:.4f} GiB holds {max(n, 0)} {what} of {unit_bytes} bytes, need at least {min_units}"
+        )
     return int(n)
 
 
-def plan_experts(store_bytes: int, record_bytes: int, available: int, reserve: int,
-                 expert_cache_gb: Optional[float] = None, min_rows: int = 1) -> Optional[int]:
+def plan_experts(
+    store_bytes: int,
+    record_bytes: int,
+    available: int,
+    reserve: int,
+    expert_cache_gb: float | None = None,
+    min_rows: int = 1,
+) -> int | None:
     """None (resident) or the arena rows to stream routed experts through; at least ``min_rows``
     (one layer's top-k for the largest token chunk)."""
-    return plan_stream(store_bytes, record_bytes, store_bytes // record_bytes, available, reserve,
-                       expert_cache_gb, "expert_cache_gb", "expert records", min_rows)
+    return plan_stream(
+        store_bytes,
+        record_bytes,
+        store_bytes // record_bytes,
+        available,
+        reserve,
+        expert_cache_gb,
+        "expert_cache_gb",
+        "expert records",
+        min_rows,
+    )
 
 
-def plan_ple(table_bytes: int, page_bytes: int, num_pages: int, available: int, reserve: int,
-             ple_cache_gb: Optional[float] = None) -> Optional[int]:
+def plan_ple(
+    table_bytes: int, page_bytes: int, num_pages: int, available: int, reserve: int, ple_cache_gb: float | None = None
+) -> int | None:
     """None (resident) or the slab-cache bytes (whole pages) to stream PLE pages through;
     gather_rows works in waves, so one page is enough for correctness."""
-    pages = plan_stream(table_bytes, page_bytes, num_pages, available, reserve,
-                        ple_cache_gb, "ple_cache_gb", "PLE pages")
+    pages = plan_stream(
+        table_bytes, page_bytes, num_pages, available, reserve, ple_cache_gb, "ple_cache_gb", "PLE pages"
+    )
     return None if pages is None else pages * page_bytes

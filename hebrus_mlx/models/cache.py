@@ -14,7 +14,6 @@ carries the counters too and `meta_state` is the same counters as strings.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -60,8 +59,10 @@ def _counters(meta_state, n, cls):
 
 def _check_state(state, n, cls):
     if not isinstance(state, (list, tuple)) or len(state) != n:
-        raise CacheStateError(f"{cls.__name__}.state must be a sequence of {n} items, got {type(state).__name__}"
-                              f"{'' if not isinstance(state, (list, tuple)) else f' of {len(state)}'}")
+        raise CacheStateError(
+            f"{cls.__name__}.state must be a sequence of {n} items, got {type(state).__name__}"
+            f"{'' if not isinstance(state, (list, tuple)) else f' of {len(state)}'}"
+        )
     for v in state:
         if v is not None and not isinstance(v, (mx.array, int)):
             raise CacheStateError(f"{cls.__name__}.state holds a {type(v).__name__}; expected arrays, ints or None")
@@ -129,8 +130,10 @@ class LinearCache(_FromState):
     def trim(self, n: int) -> int:
         if n == 0:
             return 0
-        raise CacheTrimError("a Gated DeltaNet / PLE layer's state cannot be trimmed (it folds every token in); "
-                             "roll back with SequenceCache.snapshot() / restore()")
+        raise CacheTrimError(
+            "a Gated DeltaNet / PLE layer's state cannot be trimmed (it folds every token in); "
+            "roll back with SequenceCache.snapshot() / restore()"
+        )
 
     def size(self) -> int:
         return 0  # this layer does not count tokens (mlx-lm's convention); SequenceCache.offset does
@@ -232,7 +235,9 @@ class AttentionCache(_FromState):
             None if not n else self.values[:, :, :n],
             None if not n else self.raw_keys[:, :n],
             None if not g else self.block_keys[:, :g],
-            n, g, self.start_position,
+            n,
+            g,
+            self.start_position,
         )
 
     # -- mlx-lm's cache protocol ---------------------------------------------------------------------
@@ -253,10 +258,14 @@ class AttentionCache(_FromState):
         v = _check_state(v, self._STATE_ARRAYS + 4, type(self))
         arrays, (length, n_groups, start, ratio) = v[:4], v[4:]
         if not all(isinstance(c, int) and c >= 0 for c in (length, n_groups, start)) or not (
-                ratio is None or (isinstance(ratio, int) and ratio > 0)):
+            ratio is None or (isinstance(ratio, int) and ratio > 0)
+        ):
             raise CacheStateError(f"AttentionCache.state counters must be ints >= 0, got {v[4:]!r}")
-        if (arrays[0] is None) != (length == 0) or (arrays[3] is None) != (n_groups == 0) or (
-                n_groups and ratio is None):
+        if (
+            (arrays[0] is None) != (length == 0)
+            or (arrays[3] is None) != (n_groups == 0)
+            or (n_groups and ratio is None)
+        ):
             raise CacheStateError(f"AttentionCache.state: arrays do not match length={length}, n_groups={n_groups}")
         for a, axis, n in zip(arrays, (2, 2, 1, 1), (length, length, length, n_groups)):
             if a is not None and (not isinstance(a, mx.array) or a.ndim <= axis or a.shape[axis] < n):
@@ -310,7 +319,7 @@ class SequenceCache(list):
     def next_position(self) -> int:
         return self.start_position + self.offset
 
-    def check_append(self, n_tokens: int, max_positions: int, position: Optional[int] = None):
+    def check_append(self, n_tokens: int, max_positions: int, position: int | None = None):
         """Validate an append of n_tokens before any graph work (AFN-018, AFN-011).
 
         Everything is checked first; only an accepted append may set the run's anchor.
@@ -355,8 +364,11 @@ class SequenceCache(list):
         """A snapshot another sequence may `restore()` and continue from (prefix reuse) without
         the two sequences writing into each other's attention buffers. Recurrent state is
         replaced, never written in place, so its references are shared as they are."""
-        return (self.offset, self.start_position,
-                tuple(layer.detach() if isinstance(layer, AttentionCache) else layer.snapshot() for layer in self))
+        return (
+            self.offset,
+            self.start_position,
+            tuple(layer.detach() if isinstance(layer, AttentionCache) else layer.snapshot() for layer in self),
+        )
 
     @property
     def arrays(self):
@@ -371,8 +383,10 @@ class SequenceCache(list):
         `trim_prompt_cache` sees `is_trimmable()` False and leaves the cache as it is instead."""
         fixed = [i for i, layer in enumerate(self) if not layer.is_trimmable()]
         if fixed and n:
-            raise CacheTrimError(f"layers {fixed} hold Gated DeltaNet / PLE state, which cannot be trimmed; "
-                                 "roll back with snapshot() / restore()")
+            raise CacheTrimError(
+                f"layers {fixed} hold Gated DeltaNet / PLE state, which cannot be trimmed; "
+                "roll back with snapshot() / restore()"
+            )
         trimmed = [layer.trim(n) for layer in self]
         n = trimmed[0] if trimmed else 0
         self.offset -= n
@@ -383,7 +397,7 @@ class SequenceCache(list):
         return sum(layer.nbytes for layer in self)
 
     @classmethod
-    def from_layers(cls, layers, offset: Optional[int] = None, start_position: Optional[int] = None):
+    def from_layers(cls, layers, offset: int | None = None, start_position: int | None = None):
         """A sequence over `layers` (e.g. a list rebuilt by `from_state`), its position run read from
         the attention layers (as mlx-lm reads a model's offset from its KV caches); `offset` and
         `start_position`, when given, must agree with them."""
@@ -393,7 +407,7 @@ class SequenceCache(list):
         if len(runs) > 1:
             raise CacheHoleError(f"attention layers disagree on the cached run: {sorted(runs)}")
         if runs:
-            (length, start), = runs
+            ((length, start),) = runs
             for name, want, have in (("offset", offset, length), ("start_position", start_position, start)):
                 if want is not None and want != have:
                     raise CacheHoleError(name, f"given {want}, the attention layers hold {have}")
@@ -404,11 +418,12 @@ class SequenceCache(list):
         seq.offset, seq.start_position = length, start
         return seq
 
-    def copy(self) -> "SequenceCache":
+    def copy(self) -> SequenceCache:
         """An independent sequence continuing from this one's state (what `restore(detach())` into a
         fresh cache gives), built through the protocol."""
-        return SequenceCache.from_layers([type(layer).from_state(layer.state) for layer in self],
-                                         self.offset, self.start_position)
+        return SequenceCache.from_layers(
+            [type(layer).from_state(layer.state) for layer in self], self.offset, self.start_position
+        )
 
     def digest(self) -> str:
         """SHA-256 over every live state array and the position counters (for equality tests)."""

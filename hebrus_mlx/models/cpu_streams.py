@@ -16,7 +16,6 @@ each op wide.
 from __future__ import annotations
 
 import threading
-from typing import Optional
 
 import mlx.core as mx
 
@@ -26,7 +25,7 @@ from . import options as graph_options
 _thread = threading.local()
 
 
-def side_stream() -> Optional[mx.Stream]:
+def side_stream() -> mx.Stream | None:
     """The second CPU stream of this thread, or None (one stream asked for, or a non-CPU device)."""
     if graph_options.active().cpu_streams < 2 or mx.default_device() != mx.cpu:
         return None

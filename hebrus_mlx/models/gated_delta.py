@@ -97,7 +97,9 @@ def chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
         k = mx.repeat(k, Hv // Hk, axis=2)
     pad = (-T) % chunk_size
     # [B, H, T, D] in float32
-    q, k, v = (mx.pad(x.astype(mx.float32), [(0, 0), (0, pad), (0, 0), (0, 0)]).transpose(0, 2, 1, 3) for x in (q, k, v))
+    q, k, v = (
+        mx.pad(x.astype(mx.float32), [(0, 0), (0, pad), (0, 0), (0, 0)]).transpose(0, 2, 1, 3) for x in (q, k, v)
+    )
     g, beta = (mx.pad(x.astype(mx.float32), [(0, 0), (0, pad), (0, 0)]).transpose(0, 2, 1) for x in (g, beta))
     n = (T + pad) // chunk_size
     C = chunk_size

@@ -16,10 +16,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import AttentionCache
 from ..format.checkpoint_keys import CheckpointKeyError, check_mtp_key_set, classify_mtp
-from .qwen4exp import DecoderLayer, HyperConnection, ZeroCenteredRMSNorm
 from ..format.qwen4exp_config import ModelArgs, mtp_layer_args
+from .cache import AttentionCache
+from .qwen4exp import DecoderLayer, HyperConnection, ZeroCenteredRMSNorm
 
 
 class MTPHead(nn.Module):
@@ -68,7 +68,7 @@ def sanitize_mtp(weights: dict, args: ModelArgs) -> dict | None:
         cls = classify_mtp(raw, args)
         value = weights[raw]
         if cls.kind == "dense":
-            out[cls.runtime_key[len("mtp."):]] = value
+            out[cls.runtime_key[len("mtp.") :]] = value
         elif cls.kind == "expert":
             experts.setdefault(cls.component, {})[cls.expert] = value
         else:

@@ -22,16 +22,15 @@ to the per-Linear matmuls.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from . import cpu_streams
-from .activations import silu
 from . import qwen4exp as q
+from .activations import silu
 from .options import GraphOptions
 from .switch_layers import SwitchGLU, SwitchLinear
 
@@ -40,7 +39,7 @@ from .switch_layers import SwitchGLU, SwitchLinear
 SIDE_MIN_MACS = 1 << 20
 
 
-def apply(model: nn.Module, options: Optional[GraphOptions] = None) -> GraphOptions:
+def apply(model: nn.Module, options: GraphOptions | None = None) -> GraphOptions:
     """Swap in what `options` (default: GraphOptions()) asks for on `model` (a Model, the MTP head
     or any block); returns the resolved options, also kept as `model.options` on a Model."""
     from .. import kernels
@@ -49,7 +48,11 @@ def apply(model: nn.Module, options: Optional[GraphOptions] = None) -> GraphOpti
     modules = [m for _, m in model.named_modules()]
     for m in modules:
         if hasattr(type(m), "projections") and (options.join_projections or options.cpu_streams == 2):
-            group = m.projections(inject="block_inject_weight" in m) if isinstance(m, q.HyperConnection) else m.projections()
+            group = (
+                m.projections(inject="block_inject_weight" in m)
+                if isinstance(m, q.HyperConnection)
+                else m.projections()
+            )
             joined = _Joined(group, options.in_major) if options.join_projections and _joinable(group) else None
             object.__setattr__(m, "_projector", Projector(joined, options.join_max_tokens))
         if isinstance(m, q.HyperConnection):
@@ -108,15 +111,18 @@ class _Joined:
 
 
 def _joinable(linears) -> bool:
-    return (len(linears) > 1 and all(type(m) is nn.Linear and "bias" not in m for m in linears)
-            and len({m.weight.dtype for m in linears}) == 1)
+    return (
+        len(linears) > 1
+        and all(type(m) is nn.Linear and "bias" not in m for m in linears)
+        and len({m.weight.dtype for m in linears}) == 1
+    )
 
 
 class Projector:
     """[m(x) for m in linears] as one joint matmul (short inputs, group intact) or split across the
     two CPU streams (long inputs, enough work), else per Linear."""
 
-    def __init__(self, joined: Optional[_Joined], max_tokens: int = 0):
+    def __init__(self, joined: _Joined | None, max_tokens: int = 0):
         self.joined, self.max_tokens = joined, max_tokens
 
     def __call__(self, linears, x):
@@ -124,7 +130,11 @@ class Projector:
         if j is not None and x.shape[-2] <= self.max_tokens and j.intact(linears):
             return mx.split(x @ j.rhs, j.splits, axis=-1)
         side = cpu_streams.side_stream()
-        if side is None or len(linears) < 2 or x.size // x.shape[-1] * sum(m.weight.size for m in linears) < SIDE_MIN_MACS:
+        if (
+            side is None
+            or len(linears) < 2
+            or x.size // x.shape[-1] * sum(m.weight.size for m in linears) < SIDE_MIN_MACS
+        ):
             return [m(x) for m in linears]
         # The Linears split between the two CPU streams, the larger ones first to whichever has fewer rows.
         load, on_side = [0, 0], set()
@@ -151,11 +161,19 @@ def _in_major(w: mx.array) -> mx.array:
 
 
 def _store_in_major(modules):
-    joined = {id(w) for m in modules for j in [getattr(m.__dict__.get("_projector"), "joined", None)]
-              if j is not None for w in j.parts}
+    joined = {
+        id(w)
+        for m in modules
+        for j in [getattr(m.__dict__.get("_projector"), "joined", None)]
+        if j is not None
+        for w in j.parts
+    }
     for m in modules:
-        if (type(m) in (nn.Linear, SwitchLinear) and id(m.weight) not in joined
-                and mx.issubdtype(m.weight.dtype, mx.floating)):
+        if (
+            type(m) in (nn.Linear, SwitchLinear)
+            and id(m.weight) not in joined
+            and mx.issubdtype(m.weight.dtype, mx.floating)
+        ):
             m.weight = _in_major(m.weight)
             mx.eval(m.weight)
 
@@ -163,7 +181,7 @@ def _store_in_major(modules):
 # ---- one-graph blocks --------------------------------------------------------------------------
 
 
-def _rhs(linear: nn.Module) -> Optional[mx.array]:
+def _rhs(linear: nn.Module) -> mx.array | None:
     """A bias-free float Linear's weight.T, evaluated once per weight array (a view: no transpose node
     per call); None for anything else (quantized, biased)."""
     if type(linear) is not nn.Linear or "bias" in linear:
@@ -171,7 +189,7 @@ def _rhs(linear: nn.Module) -> Optional[mx.array]:
     return q._derived(linear, "_rhs", linear.weight, lambda w: w.T)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hc_mix_fn(hc_count: int, hidden: int, eps: float, lowrank: int, inject: bool):
     """HyperConnection.mix as one compiled graph on [rows, width] (no batch axes around the matmuls,
     one fused sigmoid-product): the same ops in the same order as the per-part path."""
@@ -219,10 +237,11 @@ class OneGraphHyperConnection(q.HyperConnection):
             return super().mix(streams, inject)
         lowrank = self.input_mix_weight_up.weight.shape[-1]
         return _hc_mix_fn(self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank, inject)(
-            streams, self.hc_norm.grouped_scale, *rhs)
+            streams, self.hc_norm.grouped_scale, *rhs
+        )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _ple_mix_fn(hc_count: int, hidden: int, eps: float, dilation: int):
     """PLELayer.mix (norms, gate, dilated conv) as one compiled graph."""
     norm = q._group_norm_fn(hidden, eps)
@@ -243,7 +262,8 @@ class OneGraphPLELayer(q.PLELayer):
         if not all(type(n) is q.ZeroCenteredRMSNorm for n in norms):  # a replaced norm: the plain parts
             return super().mix(key, value, streams, state)
         return _ple_mix_fn(self.hc_count, self.hidden_size, self.norm_key.eps, self.dilation)(
-            key, value, streams, state, self.conv1d.weight, *(n.grouped_scale for n in norms))
+            key, value, streams, state, self.conv1d.weight, *(n.grouped_scale for n in norms)
+        )
 
 
 # ---- QSA attention -----------------------------------------------------------------------------
@@ -263,8 +283,9 @@ class FastQSAAttention(q.QSAAttention):
             # Every visible key is selected (the selection is the whole causal prefix), so this is the
             # same attention through the fused kernel instead of a gather of all keys.
             B, _, L, _ = queries.shape
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
-                                                       mask="causal" if L > 1 else None)
+            out = mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=self.scale, mask="causal" if L > 1 else None
+            )
             return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         if self.__dict__.get("_metal"):  # qualified on this Metal device only (AFN-013)
             from ..kernels import qsa_attention
@@ -280,7 +301,11 @@ class SplitSparseMoE(q.SparseMoE):
     def routed_experts(self, x, inds):
         side = cpu_streams.side_stream() if type(self.switch_mlp) is SwitchGLU else None
         w = self.switch_mlp.gate_proj.weight if side is not None else None
-        if side is None or self.top_k < 2 or x.size // x.shape[-1] * self.top_k * 3 * (w.size // w.shape[0]) < SIDE_MIN_MACS:
+        if (
+            side is None
+            or self.top_k < 2
+            or x.size // x.shape[-1] * self.top_k * 3 * (w.size // w.shape[0]) < SIDE_MIN_MACS
+        ):
             return super().routed_experts(x, inds)
         # Half of the routed experts on the second CPU stream, concurrently with the other half and
         # the shared expert; each expert's output is the same matmul, combined as before.

@@ -18,7 +18,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 
@@ -37,21 +36,21 @@ class GraphOptions:
     # mx.compile the elementwise regions (norms, gates, mixes). None: on Metal only; on the CPU
     # backend the first run JIT-compiles each region (a C++ compiler per shape, tens of seconds cold)
     # and the warm gain does not pay for it (docs/BENCHMARKS.md, "compiled regions").
-    compile: Optional[bool] = None
+    compile: bool | None = None
     # One matmul for each group of same-input projections, for inputs up to `join_max_tokens`
     # positions (decode and verify blocks; prefill keeps per-Linear matmuls, measured faster).
     join_projections: bool = True
     join_max_tokens: int = 16
     # Resident float weights stored [in, out] (the CPU BLAS runs x @ W^T faster so). None: CPU only.
-    in_major: Optional[bool] = None
+    in_major: bool | None = None
     # One cos/sin table per QSA call instead of mx.fast.rope (a per-call table rebuild on the CPU
     # backend; a fused kernel on Metal). None: CPU only.
-    rope_tables: Optional[bool] = None
+    rope_tables: bool | None = None
     # The dense QSA regime (every visible key selected) through the fused SDPA kernel instead of the
     # sparse gather.
     dense_sdpa: bool = True
     # CPU streams for the resident graph (models/cpu_streams.py): 1 or 2. None: 2 on >= 2 cores.
-    cpu_streams: Optional[int] = None
+    cpu_streams: int | None = None
     # Metal kernels the machine profile qualified on this device (kernels/__init__.py); False: none.
     metal_kernels: bool = True
     # Streaming's GPU-event and MTLIO paths where qualified (stream/engine.py); False: not used.
@@ -71,22 +70,29 @@ class GraphOptions:
                 raise UsageError(f.name, f"must be true or false, got {value!r}")
 
     @classmethod
-    def plain(cls) -> "GraphOptions":
+    def plain(cls) -> GraphOptions:
         """Every alternative off: the reference path the fast ones are checked against."""
-        return cls(compile=False, join_projections=False, in_major=False, rope_tables=False, dense_sdpa=False,
-                   cpu_streams=1, metal_kernels=False)
+        return cls(
+            compile=False,
+            join_projections=False,
+            in_major=False,
+            rope_tables=False,
+            dense_sdpa=False,
+            cpu_streams=1,
+            metal_kernels=False,
+        )
 
-    def resolved(self) -> "GraphOptions":
+    def resolved(self) -> GraphOptions:
         """The None fields decided for the default device."""
         cpu = mx.default_device() == mx.cpu
         auto = {"compile": not cpu, "in_major": cpu, "rope_tables": cpu, "cpu_streams": min(2, _cores())}
         return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
-    def replace(self, **changes) -> "GraphOptions":
+    def replace(self, **changes) -> GraphOptions:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def parse(cls, text: str) -> "GraphOptions":
+    def parse(cls, text: str) -> GraphOptions:
         """`--graph` on the command line: `KEY=VALUE[,KEY=VALUE...]` over the fields (on/off, true/false,
         auto for the None fields, integers for cpu_streams and join_max_tokens); `plain` alone turns
         every alternative off. A bad key or value is a UsageError naming it."""
@@ -126,7 +132,7 @@ def jit_cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
 
 
-def jit_notice(options: GraphOptions) -> Optional[str]:
+def jit_notice(options: GraphOptions) -> str | None:
     """One line for stderr when this run will JIT-compile kernels with a C++ compiler before its first
     token (compiled regions on the CPU backend, nothing compiled yet on this machine), else None: so
     a cold first run says what it is doing instead of staying silent."""
@@ -135,12 +141,14 @@ def jit_notice(options: GraphOptions) -> Optional[str]:
     cache = jit_cache_dir()
     if cache.is_dir() and any(cache.glob("*.so")):
         return None
-    return (f"hebrus-mlx: first run with compiled regions on this machine: MLX compiles its CPU kernels into "
-            f"{cache} (up to a minute or more, once; --graph compile=off skips it)")
+    return (
+        f"hebrus-mlx: first run with compiled regions on this machine: MLX compiles its CPU kernels into "
+        f"{cache} (up to a minute or more, once; --graph compile=off skips it)"
+    )
 
 
-_active: contextvars.ContextVar[Optional[GraphOptions]] = contextvars.ContextVar("graph_options", default=None)
-_default: Optional[GraphOptions] = None
+_active: contextvars.ContextVar[GraphOptions | None] = contextvars.ContextVar("graph_options", default=None)
+_default: GraphOptions | None = None
 
 
 def active() -> GraphOptions:

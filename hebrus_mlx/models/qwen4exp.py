@@ -9,20 +9,13 @@ The pinned reference is transformers 5.24.0 `models/qwen4_exp`; tests compare ag
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import gated_delta
-from .activations import silu, softplus
-from . import options as graph_options
-from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
 from ..format.checkpoint_keys import CheckpointKeyError, check_key_set, classify, strip_prefix
-from .streaming_protocol import Streaming
-from .switch_layers import SwitchGLU
 from ..format.qwen4exp_config import (
     ConfigError,
     ModelArgs,
@@ -32,6 +25,12 @@ from ..format.qwen4exp_config import (
     ple_layer_multipliers,
     ple_table_rows,
 )
+from . import gated_delta
+from . import options as graph_options
+from .activations import silu, softplus
+from .cache import AttentionCache, CacheHoleError, ContextLengthError, LinearCache, SequenceCache
+from .streaming_protocol import Streaming
+from .switch_layers import SwitchGLU
 
 __all__ = ["ModelArgs", "Model", "ConfigError", "ContextLengthError", "CacheHoleError"]
 
@@ -45,10 +44,10 @@ class Capture:
     """
 
     def __init__(self, hidden: bool = True, router_inputs: bool = False):
-        self.hidden: Optional[list[mx.array]] = [] if hidden else None
+        self.hidden: list[mx.array] | None = [] if hidden else None
         self.routes: dict[int, mx.array] = {}
         self.route_weights: dict[int, mx.array] = {}
-        self.router_inputs: Optional[dict[int, mx.array]] = {} if router_inputs else None
+        self.router_inputs: dict[int, mx.array] | None = {} if router_inputs else None
         self.qsa_selected: dict[int, tuple[mx.array, mx.array]] = {}
 
 
@@ -86,7 +85,7 @@ def _project(owner: nn.Module, linears, x):
     return [m(x) for m in linears]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _norm_fn(eps: float):
     # Compiled: the CPU fallback of mx.fast.rms_norm is ~11 ops, 3 nodes once fused.
     @_compiled
@@ -96,7 +95,7 @@ def _norm_fn(eps: float):
     return norm
 
 
-@lru_cache(maxsize=None)
+@cache
 def _group_norm_fn(group_size: int, eps: float):
     @_compiled
     def norm(x, scale):
@@ -118,7 +117,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     stored_folded = False  # plain attribute, never a parameter
 
-    def __init__(self, dims: int, eps: float, group_size: Optional[int] = None):
+    def __init__(self, dims: int, eps: float, group_size: int | None = None):
         super().__init__()
         self.weight = mx.zeros((dims,))
         self.eps = eps
@@ -164,7 +163,7 @@ class GatedRMSNorm(nn.Module):
         return _gated_norm_fn(self.activation, self.eps)(x, self.weight, gate)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gated_norm_fn(activation, eps: float):
     @_compiled
     def norm(x, weight, gate):
@@ -211,7 +210,7 @@ def _rope_tables(positions, inv_freq):
     return mx.cos(freqs), mx.sin(freqs)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rope_apply_fn(d: int):
     @_compiled
     def apply(x, cos, sin):
@@ -289,7 +288,7 @@ class _HCFns:
         self.activate, self.mix, self.inject = activate, mix, inject
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hc_fns(hc_count: int, hidden: int) -> _HCFns:
     return _HCFns(hc_count, hidden)
 
@@ -301,10 +300,10 @@ def _causal_depthwise_conv(x, state, weight, dilation=1):
     """Depthwise causal conv over [state; x]; returns (output of len(x), new state)."""
     full = mx.concatenate([state, x], axis=1)
     out = mx.conv1d(full, weight, dilation=dilation, groups=x.shape[-1])
-    return out, full[:, -state.shape[1]:]
+    return out, full[:, -state.shape[1] :]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gdn_gates_fn(q_scale: float):
     """Normalised q/k, beta and the log decay g, as one compiled elementwise graph."""
 
@@ -319,7 +318,7 @@ def _gdn_gates_fn(q_scale: float):
     return gates
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gdn_recurrent_fn(dims):
     """The per-token GatedDeltaNet path after the projections (conv, gates, recurrence, gated norm),
     as one compiled graph: the same ops as the chunked path's pieces, in the same order."""
@@ -367,8 +366,14 @@ class GatedDeltaNet(nn.Module):
         return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
 
     def _dims(self):
-        return (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim, self.norm.eps,
-                self.norm.activation)
+        return (
+            self.num_k_heads,
+            self.head_k_dim,
+            self.num_v_heads,
+            self.head_v_dim,
+            self.norm.eps,
+            self.norm.activation,
+        )
 
     def __call__(self, x, cache: LinearCache):
         B, L, _ = x.shape
@@ -467,7 +472,7 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def project(self, x, rotary: Rotary, cos=None, sin=None, *, offset: Optional[int] = None, qk=None):
+    def project(self, x, rotary: Rotary, cos=None, sin=None, *, offset: int | None = None, qk=None):
         """Index queries (rotated by the cos/sin tables, or at consecutive positions from `offset`)
         and the raw keys. `qk`: index_qk_proj(x) when the caller already has it (fused projection)."""
         B, L, _ = x.shape
@@ -548,7 +553,7 @@ class QSAAttention(nn.Module):
         """The Linears that read the layer input (joined into one matmul by models/optimize)."""
         return [self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj]
 
-    def __call__(self, x, cache: AttentionCache, capture: Optional[Capture] = None, layer: int = -1):
+    def __call__(self, x, cache: AttentionCache, capture: Capture | None = None, layer: int = -1):
         B, L, _ = x.shape
         first = cache.length  # cache index of the first new token
         offset = cache.start_position + first
@@ -613,7 +618,7 @@ class QSAAttention(nn.Module):
 # ---- PLE -------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def _row_ids_fn(ngram_size: int, heads_per_ngram: int, eos: int, n_new: int):
     """NGramEmbedding.row_ids as one compiled integer graph (the hash is exact integer arithmetic)."""
 
@@ -664,13 +669,13 @@ class NGramEmbedding(nn.Module):
         fn = _row_ids_fn(self.ngram_size, self.heads_per_ngram, self.eos, n_new)
         return fn(history, self._multipliers, self._head_sizes, self._head_offsets)
 
-    def __call__(self, ids, cache: LinearCache, capture_rows: Optional[list] = None):
+    def __call__(self, ids, cache: LinearCache, capture_rows: list | None = None):
         B, L = ids.shape
         context = cache.ngram_context
         if context is None:
             context = mx.full((B, self.ngram_size - 1), self.eos, dtype=mx.int64)
         history = mx.concatenate([context, ids.astype(mx.int64)], axis=1)
-        cache.ngram_context = history[:, -(self.ngram_size - 1):]
+        cache.ngram_context = history[:, -(self.ngram_size - 1) :]
         rows, emb = self.lookup(history, L)
         if capture_rows is not None:
             capture_rows.append(rows)
@@ -755,7 +760,7 @@ class SharedExpert(nn.Module):
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _route_fn(k: int, norm_topk_prob: bool):
     @_compiled
     def route(logits):
@@ -798,7 +803,7 @@ class SparseMoE(nn.Module):
         se = self.shared_expert
         return [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
 
-    def __call__(self, x, capture: Optional[Capture] = None, layer: int = -1):
+    def __call__(self, x, capture: Capture | None = None, layer: int = -1):
         logits, shared_logit, shared_gate, shared_up = _project(self, self.projections(), x)
         inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(logits)
         scores = scores.astype(x.dtype)
@@ -836,8 +841,7 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = HyperConnection(args)
         self.mlp_hyper_connection = HyperConnection(args)
 
-    def __call__(self, streams, ids, cache, capture: Optional[Capture] = None,
-                 streaming: Optional[Streaming] = None):
+    def __call__(self, streams, ids, cache, capture: Capture | None = None, streaming: Streaming | None = None):
         if self.has_ple:
             streams = streams + self.ple(streams, ids, cache)
         if self.is_linear:
@@ -862,9 +866,9 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.hyper_connection_mixer = HyperConnection(args, inject=False)
-        self.streaming: Optional[Streaming] = None
+        self.streaming: Streaming | None = None
 
-    def __call__(self, ids, cache, capture: Optional[Capture] = None, return_hidden: bool = False):
+    def __call__(self, ids, cache, capture: Capture | None = None, return_hidden: bool = False):
         h = self.embed_tokens(ids)
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -887,7 +891,7 @@ class Model(nn.Module):
     # The checkpoint's optional MTP head (models/mtp_head.py), set by the loaders; not a child module.
     mtp_head = None
     # The GraphOptions models/optimize.apply built this model with; None: the active ones.
-    options: Optional[graph_options.GraphOptions] = None
+    options: graph_options.GraphOptions | None = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -899,9 +903,9 @@ class Model(nn.Module):
     def __call__(
         self,
         inputs: mx.array,
-        cache: Optional[SequenceCache] = None,
-        capture: Optional[Capture] = None,
-        position: Optional[int] = None,
+        cache: SequenceCache | None = None,
+        capture: Capture | None = None,
+        position: int | None = None,
         return_hidden: bool = False,
     ):
         """inputs [B, L] token ids -> logits [B, L, vocab_size (physical)].
@@ -932,18 +936,16 @@ class Model(nn.Module):
         return self.lm_head(h)
 
     @property
-    def streaming(self) -> Optional[Streaming]:
+    def streaming(self) -> Streaming | None:
         """The streamed experts/PLE face (engine, chunk cap, layer hook); None when resident."""
         return self.model.streaming
 
     @streaming.setter
-    def streaming(self, value: Optional[Streaming]):
+    def streaming(self, value: Streaming | None):
         self.model.streaming = value
 
     def make_cache(self) -> SequenceCache:
-        return SequenceCache(
-            [LinearCache() if layer.is_linear else AttentionCache() for layer in self.model.layers]
-        )
+        return SequenceCache([LinearCache() if layer.is_linear else AttentionCache() for layer in self.model.layers])
 
     @property
     def layers(self):

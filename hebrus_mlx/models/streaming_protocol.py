@@ -8,7 +8,8 @@ their switches are the implementation's.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, List, Optional, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -39,10 +40,10 @@ class Streaming(Protocol):
         """``x`` unchanged; the cross-layer predictors see the MoE input and its streams."""
 
     # -- generation
-    max_chunk_tokens: Optional[int]  # tokens one forward may take (a chunk pins every expert it routes to)
-    prefill_chunk_cap: Optional[int]  # what prefill chunks are capped at (None with a prefill sweep ring)
+    max_chunk_tokens: int | None  # tokens one forward may take (a chunk pins every expert it routes to)
+    prefill_chunk_cap: int | None  # what prefill chunks are capped at (None with a prefill sweep ring)
 
-    def request(self) -> ContextManager[TicketScope]:
+    def request(self) -> AbstractContextManager[TicketScope]:
         """``with streaming.request() as scope:`` the ticket scope of one request; a request
         opened inside another shares its scope."""
 
@@ -55,7 +56,7 @@ class Streaming(Protocol):
     def memory(self) -> dict:
         """Open tickets and pinned slots (the server's health endpoint)."""
 
-    def summary(self) -> List[str]:
+    def summary(self) -> list[str]:
         """Stats lines (prefill sweep, I/O, mirror) for generate's verbose output."""
 
     # -- configuration (the loader, benchmarks)
@@ -63,8 +64,9 @@ class Streaming(Protocol):
 
     def set_prefetch(self, prefetch, layers=None) -> None: ...
 
-    def set_prefill_sweep(self, mode, budget: Optional[int] = None, crossover: float = ...,
-                          crossover_source: Optional[str] = None) -> None: ...
+    def set_prefill_sweep(
+        self, mode, budget: int | None = None, crossover: float = ..., crossover_source: str | None = None
+    ) -> None: ...
 
     def close(self) -> None:
         """Join outstanding reads and close the engine."""

@@ -67,8 +67,15 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     """SwitchLinear with packed weights, scales and (affine) biases per expert."""
 
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int, group_size: int = 64,
-                 bits: int = 4, mode: str = "affine"):
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        num_experts: int,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+    ):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self._set(mx.zeros((num_experts, output_dims, input_dims)))
@@ -87,9 +94,18 @@ class QuantizedSwitchLinear(nn.Module):
         self.biases = rest[0] if rest else None
 
     def __call__(self, x, indices, sorted_indices: bool = False):
-        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=sorted_indices)
+        return mx.gather_qmm(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
 
 
 class SwitchGLU(nn.Module):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from .split import PipelineSplitError, Stage, layer_bytes, parse_split, plan_split, stages
 
@@ -52,7 +51,7 @@ class Pipeline:
     counts: list
     group: object
     model: object  # PipelineModel on rank 0, the pruned Model elsewhere
-    timeout: Optional[float] = None
+    timeout: float | None = None
 
     def serve(self) -> dict:
         from .stage import DEFAULT_TIMEOUT_S, serve
@@ -60,10 +59,18 @@ class Pipeline:
         return serve(self.model, self.stage, self.group, DEFAULT_TIMEOUT_S if self.timeout is None else self.timeout)
 
 
-def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Optional[float] = None,
-                  reserve_bytes: Optional[int] = None, expert_cache_gb: Optional[float] = None,
-                  ple_cache_gb: Optional[float] = None, prefetch=None, mtp: bool = False,
-                  prefill_sweep=None) -> Pipeline:
+def load_pipeline(
+    path,
+    group=None,
+    split: str | None = None,
+    timeout: float | None = None,
+    reserve_bytes: int | None = None,
+    expert_cache_gb: float | None = None,
+    ple_cache_gb: float | None = None,
+    prefetch=None,
+    mtp: bool = False,
+    prefill_sweep=None,
+) -> Pipeline:
     """Admit the artifact on this rank, agree on the split with the other ranks (each rank's free
     memory, gathered over the group), load this rank's stage only — streaming its experts / PLE
     pages from its own SSD when its share does not fit or a cache size is given. `mtp`: rank 0
@@ -92,11 +99,18 @@ def load_pipeline(path, group=None, split: Optional[str] = None, timeout: Option
     heads = mtp and manifest.mtp is not None and size > 1
     if heads:  # rank 0 holds a copy of the last rank's heads and the MTP store
         first += last + manifest.mtp.size
-    counts = plan_split(per_layer, first, last, budgets, parse_split(split, n, size) if split else None,
-                        streamable=streamable)
+    counts = plan_split(
+        per_layer, first, last, budgets, parse_split(split, n, size) if split else None, streamable=streamable
+    )
     stage = stages(counts, heads)[rank]
-    model = load_artifact_model(manifest, stage=stage, expert_cache_gb=expert_cache_gb, ple_cache_gb=ple_cache_gb,
-                                prefetch=prefetch, prefill_sweep=prefill_sweep)
+    model = load_artifact_model(
+        manifest,
+        stage=stage,
+        expert_cache_gb=expert_cache_gb,
+        ple_cache_gb=ple_cache_gb,
+        prefetch=prefetch,
+        prefill_sweep=prefill_sweep,
+    )
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if rank == 0:
         import threading

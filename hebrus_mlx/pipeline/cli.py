@@ -11,17 +11,23 @@ from .stage import PipelineError
 
 def load_or_serve(path, args):
     """(pipeline, model, tokenizer) on rank 0; (None, None, None) on a serving rank once done."""
-    from ..errors import UsageError
     from ..cli_args import prefetch_from_args, sweep_from_args
+    from ..errors import UsageError
 
     if args.dtype != "auto":
         raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
     if getattr(args, "expert_mirror", None) is not None:
         raise UsageError("--expert-mirror", "pipeline stages do not read a mirror yet")
-    pipe = load_pipeline(path, split=args.pipeline_split, timeout=args.pipeline_timeout,
-                         expert_cache_gb=args.expert_cache_gb, ple_cache_gb=args.ple_cache_gb,
-                         prefetch=prefetch_from_args(args), prefill_sweep=sweep_from_args(args),
-                         mtp=getattr(args, "draft_model", None) == "mtp")
+    pipe = load_pipeline(
+        path,
+        split=args.pipeline_split,
+        timeout=args.pipeline_timeout,
+        expert_cache_gb=args.expert_cache_gb,
+        ple_cache_gb=args.ple_cache_gb,
+        prefetch=prefetch_from_args(args),
+        prefill_sweep=sweep_from_args(args),
+        mtp=getattr(args, "draft_model", None) == "mtp",
+    )
     return serve_or_return(pipe, path)
 
 
@@ -61,10 +67,17 @@ def finish(model, verbose: bool = True, release_ranks: bool = True) -> list:
     `release(model)`."""
     model.stop()
     rows = gather_stats(model.group, model.forwards, model.comm_seconds, model.comm_bytes)
-    out = [{"rank": st.rank, "layers": [st.start, st.stop - 1], "peak_memory_gb": peak, "forwards": int(forwards),
+    out = [
+        {
+            "rank": st.rank,
+            "layers": [st.start, st.stop - 1],
+            "peak_memory_gb": peak,
+            "forwards": int(forwards),
             "comm_ms_per_forward": seconds / forwards * 1e3 if forwards else None,
-            "bytes_per_forward": nbytes / forwards if forwards else None}
-           for st, (peak, seconds, nbytes, forwards) in zip(model.all_stages, rows)]
+            "bytes_per_forward": nbytes / forwards if forwards else None,
+        }
+        for st, (peak, seconds, nbytes, forwards) in zip(model.all_stages, rows)
+    ]
     if release_ranks:
         release(model)
     if not verbose:
@@ -72,6 +85,8 @@ def finish(model, verbose: bool = True, release_ranks: bool = True) -> list:
     for st, (peak, seconds, nbytes, forwards) in zip(model.all_stages, rows):
         per = seconds / forwards * 1e3 if forwards else 0.0
         # Rank 0's wait includes the other ranks' compute: it is the pipeline's critical path.
-        print(f"Rank {st.rank}: layers {st.start}-{st.stop - 1}, peak memory {peak:.3f} GB, "
-              f"waiting on the link {per:.2f} ms and {nbytes / max(forwards, 1) / 1024:.1f} KiB per forward")
+        print(
+            f"Rank {st.rank}: layers {st.start}-{st.stop - 1}, peak memory {peak:.3f} GB, "
+            f"waiting on the link {per:.2f} ms and {nbytes / max(forwards, 1) / 1024:.1f} KiB per forward"
+        )
     return out

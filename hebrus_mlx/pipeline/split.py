@@ -9,8 +9,8 @@ budget, so every rank computes the same plan from the same inputs.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from ..errors import HebrusError
 
@@ -78,7 +78,9 @@ def parse_split(text: str, num_layers: int, size: int) -> list:
     if any(n < 1 for n in counts):
         raise PipelineSplitError("--pipeline-split", f"every rank needs at least one layer, got {text!r}")
     if sum(counts) != num_layers:
-        raise PipelineSplitError("--pipeline-split", f"counts add up to {sum(counts)}, the model has {num_layers} layers")
+        raise PipelineSplitError(
+            "--pipeline-split", f"counts add up to {sum(counts)}, the model has {num_layers} layers"
+        )
     return counts
 
 
@@ -148,7 +150,7 @@ def _check(counts, per_layer, first, last, budgets, what):
     start = 0
     size = len(budgets)
     for rank, c in enumerate(counts):
-        need = sum(per_layer[start:start + c]) + (first if rank == 0 else 0) + (last if rank == size - 1 else 0)
+        need = sum(per_layer[start : start + c]) + (first if rank == 0 else 0) + (last if rank == size - 1 else 0)
         if need > budgets[rank]:
             raise PipelineSplitError(
                 "pipeline split",
@@ -159,8 +161,14 @@ def _check(counts, per_layer, first, last, budgets, what):
         start += c
 
 
-def plan_split(per_layer: Sequence[int], first: int, last: int, budgets: Sequence[int],
-               override: Optional[Sequence[int]] = None, streamable: Optional[Sequence[int]] = None) -> list:
+def plan_split(
+    per_layer: Sequence[int],
+    first: int,
+    last: int,
+    budgets: Sequence[int],
+    override: Sequence[int] | None = None,
+    streamable: Sequence[int] | None = None,
+) -> list:
     """Layers per rank. With `override`, only checked; otherwise the contiguous split that
     minimises the largest load/budget ratio. When no split holds everything resident and
     `streamable` (experts + PLE pages per layer) is given, the split is planned on what must stay

@@ -26,12 +26,10 @@ import sys
 import threading
 import time
 import weakref
-from typing import Optional
 
 import mlx.core as mx
 
 from ..errors import HebrusError
-
 from ..models.cache import AttentionCache, LinearCache, SequenceCache
 from .split import Stage
 
@@ -150,7 +148,7 @@ class PipelineCache(SequenceCache):
     """Rank 0's handle on one sequence across the pipeline: its own layers' caches (the list)
     plus the id under which the other ranks keep theirs."""
 
-    def __init__(self, pipe: "PipelineModel", layers, cache_id: int):
+    def __init__(self, pipe: PipelineModel, layers, cache_id: int):
         super().__init__(layers)
         self.pipe, self.cache_id = pipe, cache_id
         weakref.finalize(self, pipe._pending_free.append, cache_id)
@@ -245,8 +243,9 @@ class PipelineModel:
 
     def make_cache(self) -> PipelineCache:
         self._next_cache += 1
-        return PipelineCache(self, [_layer_cache(self.local.model.layers[i]) for i in self.stage.layers],
-                             self._next_cache)
+        return PipelineCache(
+            self, [_layer_cache(self.local.model.layers[i]) for i in self.stage.layers], self._next_cache
+        )
 
     def _send_header(self, header):
         sent = mx.distributed.send(mx.array(header, dtype=mx.int32), 1, group=self.group)
@@ -268,13 +267,23 @@ class PipelineModel:
         self._flush_frees()
         self._send_header([RESTORE, 0, 0, -1, 0, cache_id, snap.id, -1])
 
-    def __call__(self, inputs: mx.array, cache: Optional[PipelineCache] = None, capture=None,
-                 position: Optional[int] = None, all_logits: bool = False, return_hidden: bool = False):
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: PipelineCache | None = None,
+        capture=None,
+        position: int | None = None,
+        all_logits: bool = False,
+        return_hidden: bool = False,
+    ):
         if capture is not None:
             raise PipelineError("capture", "route capture across pipeline ranks is not supported")
         if return_hidden and not self.stage.heads:
-            raise PipelineError("return_hidden", "this pipeline was not loaded to draft with the MTP head "
-                                "(load_pipeline(..., mtp=True); the CLI does so for --draft-model mtp)")
+            raise PipelineError(
+                "return_hidden",
+                "this pipeline was not loaded to draft with the MTP head "
+                "(load_pipeline(..., mtp=True); the CLI does so for --draft-model mtp)",
+            )
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [batch, length], got shape {inputs.shape}")
         if cache is None:
@@ -289,8 +298,9 @@ class PipelineModel:
         oldest = min(self._live) if self._live else -1
         tic = time.perf_counter()
         flags = (ALL_LOGITS if all_logits else 0) | (HIDDEN if return_hidden else 0)
-        self._send_header([FORWARD, batch, length, -1 if position is None else position, flags,
-                           cache.cache_id, snap_id, oldest])
+        self._send_header(
+            [FORWARD, batch, length, -1 if position is None else position, flags, cache.cache_id, snap_id, oldest]
+        )
         ids = inputs.astype(mx.int32)
         h = self.local.model.embed_tokens(ids)
         streams = mx.concatenate([h] * self.args.hc_count, axis=-1)
@@ -300,13 +310,15 @@ class PipelineModel:
         self._watchdog.eval("rank 1 to take the hidden state", mx.distributed.send(payload, 1, group=self.group))
         cache.advance(length)
         out_len = length if all_logits else 1
-        logits = mx.distributed.recv((batch, out_len, self.args.vocab_size), mx.float32,
-                                     self.stage.size - 1, group=self.group)
+        logits = mx.distributed.recv(
+            (batch, out_len, self.args.vocab_size), mx.float32, self.stage.size - 1, group=self.group
+        )
         self._watchdog.eval(f"rank {self.stage.size - 1} to return the logits", logits)
         hidden = None
         if return_hidden:
-            hidden = mx.distributed.recv((batch, length, payload.shape[-1] - 1), mx.float32,
-                                         self.stage.size - 1, group=self.group)
+            hidden = mx.distributed.recv(
+                (batch, length, payload.shape[-1] - 1), mx.float32, self.stage.size - 1, group=self.group
+            )
             self._watchdog.eval(f"rank {self.stage.size - 1} to return the final state", hidden)
             self.hidden_bytes += hidden.nbytes
         self.comm_seconds += time.perf_counter() - tic_comm

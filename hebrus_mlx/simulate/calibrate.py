@@ -14,14 +14,21 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable, Dict, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 
-def engine_probe(resolve: Callable[[int, np.ndarray], None], layers: int, experts: int, record_bytes: int,
-                 queue_depths: Sequence[int] = (1, 2, 4, 8), batches: int = 8, seed: int = 0,
-                 drop: Optional[Callable[[], None]] = None) -> dict:
+def engine_probe(
+    resolve: Callable[[int, np.ndarray], None],
+    layers: int,
+    experts: int,
+    record_bytes: int,
+    queue_depths: Sequence[int] = (1, 2, 4, 8),
+    batches: int = 8,
+    seed: int = 0,
+    drop: Callable[[], None] | None = None,
+) -> dict:
     """GB/s of record reads through the engine per queue depth: `resolve(layer, ids)` resolves
     (and releases) expert `ids` of `layer` in an arena of at least max(queue_depths) rows.
     Every batch reads records no earlier batch touched (so they miss), then resolves them
@@ -32,8 +39,8 @@ def engine_probe(resolve: Callable[[int, np.ndarray], None], layers: int, expert
     # As many batches as the store has untouched records for (a tiny test store: one, reused).
     batches = max(1, min(batches, (layers * experts - 1) // sum(queue_depths)))
     fresh = {l: list(rng.permutation(experts)) for l in range(layers)}  # untouched experts per layer
-    out: Dict[str, float] = {}
-    ms: Dict[str, float] = {}
+    out: dict[str, float] = {}
+    ms: dict[str, float] = {}
     cpu = []
     if drop is not None:
         drop()
@@ -58,12 +65,17 @@ def engine_probe(resolve: Callable[[int, np.ndarray], None], layers: int, expert
         per = statistics.median(max(dt, 1e-7) / n for dt, n in dts)  # seconds per record at this depth
         out[str(q)] = record_bytes / per / 1e9
         ms[str(q)] = per * q * 1e3
-    return {"gbps_by_qd": out, "batch_ms_by_qd": ms, "record_bytes": record_bytes, "batches": batches,
-            # CPU time of the process per read (reader thread: pread, copy/widen, digest; wake-ups):
-            # on the CPU backend it is taken from the cores the compute uses.
-            "cpu_us_per_record": max(statistics.median(cpu), 0.0) * 1e6,
-            "source": "the engine's own reads of this store (resolve into the run's arena layout, minus the "
-                      "same batch as hits)"}
+    return {
+        "gbps_by_qd": out,
+        "batch_ms_by_qd": ms,
+        "record_bytes": record_bytes,
+        "batches": batches,
+        # CPU time of the process per read (reader thread: pread, copy/widen, digest; wake-ups):
+        # on the CPU backend it is taken from the cores the compute uses.
+        "cpu_us_per_record": max(statistics.median(cpu), 0.0) * 1e6,
+        "source": "the engine's own reads of this store (resolve into the run's arena layout, minus the "
+        "same batch as hits)",
+    }
 
 
 def artifact_resolver(path, rows: int, threads: int = 8):
@@ -82,21 +94,21 @@ def artifact_resolver(path, rows: int, threads: int = 8):
     return resolve, ex.engine.close
 
 
-def load_average() -> Optional[tuple]:
+def load_average() -> tuple | None:
     try:
         return os.getloadavg()
     except OSError:
         return None
 
 
-def quiet_note(before: Optional[tuple], after: Optional[tuple], cores: Optional[int] = None) -> str:
+def quiet_note(before: tuple | None, after: tuple | None, cores: int | None = None) -> str:
     """One line saying how loaded the machine was (the validation's numbers mean little on a busy one)."""
     cores = cores or os.cpu_count() or 1
     if before is None or after is None:
         return "load average: unknown"
     worst = max(before[0], after[0])
     verdict = "quiet" if worst <= 0.5 * cores else "BUSY: other processes share the cores; rerun on a quiet machine"
-    return (f"load average (1 min) {before[0]:.2f} at start, {after[0]:.2f} at end on {cores} cores: {verdict}")
+    return f"load average (1 min) {before[0]:.2f} at start, {after[0]:.2f} at end on {cores} cores: {verdict}"
 
 
 def ratio_spread(ratios: Sequence[float]) -> tuple:
@@ -105,31 +117,45 @@ def ratio_spread(ratios: Sequence[float]) -> tuple:
 
 
 def min_median_max(ratios: Sequence[float]) -> str:
-    """"min/median/max" of predicted/measured ratios (the spread a validation prints)."""
+    """ "min/median/max" of predicted/measured ratios (the spread a validation prints)."""
     if not ratios:
         return "n/a"
     return f"{min(ratios):.2f}/{statistics.median(ratios):.2f}/{max(ratios):.2f}"
 
 
-def validation_row(label, cap, preds_s, meas, ratios, rep, p, spread, cnt, prefetch, compute_s, hit_rate,
-                   mb_per_token) -> dict:
+def validation_row(
+    label, cap, preds_s, meas, ratios, rep, p, spread, cnt, prefetch, compute_s, hit_rate, mb_per_token
+) -> dict:
     """One validated configuration: tok/s and every engine counter the model predicts, both sides."""
     need = cnt["predicted_hits"] + cnt["predicted_joins"] + cnt["exact_misses"]
     ahead = prefetch != "off"
-    return {"config": label, "rows": cap, "predicted_tok_s": statistics.median(preds_s),
-            "measured_tok_s": statistics.median(meas), "spread": spread, "ratio": statistics.median(ratios),
-            "ratios_by_round": ratios, "compute_ms_per_token": compute_s * 1e3,
-            "predicted_exact_misses": float(rep.demand_misses.sum()), "measured_exact_misses": cnt["exact_misses"],
-            "predicted_reads_ahead": float(rep.predicted_reads.sum()), "measured_reads_ahead": cnt["predicted_reads"],
-            "predicted_timely_recall": p.timely_recall if ahead else None,
-            "measured_timely_recall": cnt["predicted_hits"] / need if ahead and need else None,
-            "predicted_late_recall": p.late_recall if ahead else None,
-            "measured_late_recall": cnt["predicted_joins"] / need if ahead and need else None,
-            "predicted_hit_rate": rep.engine_hit_rate, "exact_hit_rate": p.hit_rate, "measured_hit_rate": hit_rate,
-            "predicted_precision": rep.precision,
-            "predicted_mb_per_token": p.bytes_per_token / 1e6, "measured_mb_per_token": mb_per_token,
-            "predicted_exposed_ms": p.exposed_ms, "predicted_read_cpu_ms": p.read_cpu_ms,
-            "measured_exposed_ms": cnt["exposed_wait_ns"] / 1e6}
+    return {
+        "config": label,
+        "rows": cap,
+        "predicted_tok_s": statistics.median(preds_s),
+        "measured_tok_s": statistics.median(meas),
+        "spread": spread,
+        "ratio": statistics.median(ratios),
+        "ratios_by_round": ratios,
+        "compute_ms_per_token": compute_s * 1e3,
+        "predicted_exact_misses": float(rep.demand_misses.sum()),
+        "measured_exact_misses": cnt["exact_misses"],
+        "predicted_reads_ahead": float(rep.predicted_reads.sum()),
+        "measured_reads_ahead": cnt["predicted_reads"],
+        "predicted_timely_recall": p.timely_recall if ahead else None,
+        "measured_timely_recall": cnt["predicted_hits"] / need if ahead and need else None,
+        "predicted_late_recall": p.late_recall if ahead else None,
+        "measured_late_recall": cnt["predicted_joins"] / need if ahead and need else None,
+        "predicted_hit_rate": rep.engine_hit_rate,
+        "exact_hit_rate": p.hit_rate,
+        "measured_hit_rate": hit_rate,
+        "predicted_precision": rep.precision,
+        "predicted_mb_per_token": p.bytes_per_token / 1e6,
+        "measured_mb_per_token": mb_per_token,
+        "predicted_exposed_ms": p.exposed_ms,
+        "predicted_read_cpu_ms": p.read_cpu_ms,
+        "measured_exposed_ms": cnt["exposed_wait_ns"] / 1e6,
+    }
 
 
 def command_line(args) -> str:
@@ -139,6 +165,16 @@ def command_line(args) -> str:
         parts += ["--stack", args.stack, "--store", args.store, "--layers", str(args.layers)]
     else:
         parts += ["--model", str(args.model)]
-    parts += ["--rows", str(args.rows), "--prefetch-modes", str(args.prefetch_modes), "--repeats", str(args.repeats),
-              "--gen-tokens", str(args.gen_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+    parts += [
+        "--rows",
+        str(args.rows),
+        "--prefetch-modes",
+        str(args.prefetch_modes),
+        "--repeats",
+        str(args.repeats),
+        "--gen-tokens",
+        str(args.gen_tokens),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+    ]
     return " ".join(parts)

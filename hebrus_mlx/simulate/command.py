@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
 
 import numpy as np
 
@@ -45,63 +44,125 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 def build_parser():
     p = ArgumentParser(prog="hebrus-mlx simulate", description=__doc__.split("\n")[0])
-    p.add_argument("--profile", default="m5-pro-48gb",
-                   help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
-                        "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)")
-    p.add_argument("--layer-ms", type=flags.number(0, 1e6), default=None, help="with --profile machine: decode compute per layer at 4-bit experts and dense weights (the anchor "
-                        "--expert-bits / --dense-bits scale from)")
+    p.add_argument(
+        "--profile",
+        default="m5-pro-48gb",
+        help=f"a shipped profile ({', '.join(sorted(x.stem for x in PROFILES_DIR.glob('*.json')))}), a JSON "
+        "file, or 'machine': this machine's SSD from the `hebrus-mlx qualify` profile (with --layer-ms)",
+    )
+    p.add_argument(
+        "--layer-ms",
+        type=flags.number(0, 1e6),
+        default=None,
+        help="with --profile machine: decode compute per layer at 4-bit experts and dense weights (the anchor "
+        "--expert-bits / --dense-bits scale from)",
+    )
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
-    p.add_argument("--codec", default="affine4-g64",
-                   help="expert codec(s), comma-separated: one projection per width (record size), e.g. "
-                        "affine4-g64,affine3-g64,affine2-g64 (widths the format does not register yet are sized from "
-                        "MLX's affine layout)")
-    p.add_argument("--expert-bits", default=None, metavar="N[,N...]",
-                   help="routed-expert width(s) in bits (2, 3, 4, 6, 8; affine, group 64): the same as "
-                        "--codec affineN-g64; record size, cache capacity and compute follow the width")
-    p.add_argument("--dense-bits", type=flags.integer(2, 8), default=None, metavar="N",
-                   help="dense-weight width in bits (affine, group 64; default 4, the width the profile's compute "
-                        "was measured at): resident memory and compute follow it")
+    p.add_argument(
+        "--codec",
+        default="affine4-g64",
+        help="expert codec(s), comma-separated: one projection per width (record size), e.g. "
+        "affine4-g64,affine3-g64,affine2-g64 (widths the format does not register yet are sized from "
+        "MLX's affine layout)",
+    )
+    p.add_argument(
+        "--expert-bits",
+        default=None,
+        metavar="N[,N...]",
+        help="routed-expert width(s) in bits (2, 3, 4, 6, 8; affine, group 64): the same as "
+        "--codec affineN-g64; record size, cache capacity and compute follow the width",
+    )
+    p.add_argument(
+        "--dense-bits",
+        type=flags.integer(2, 8),
+        default=None,
+        metavar="N",
+        help="dense-weight width in bits (affine, group 64; default 4, the width the profile's compute "
+        "was measured at): resident memory and compute follow it",
+    )
     p.add_argument("--trace", default=None, help="a route trace directory or export (hebrus-mlx traces)")
     p.add_argument("--cache-gb", default=None, help="cache sizes to sweep (default: up to the memory budget)")
-    p.add_argument("--policies", default="clock",
-                   help="arena policies to sweep: clock (the loader's; the only one recommended), lru, and the "
-                        "simulator's lfu / belady (a bound) as comparisons")
+    p.add_argument(
+        "--policies",
+        default="clock",
+        help="arena policies to sweep: clock (the loader's; the only one recommended), lru, and the "
+        "simulator's lfu / belady (a bound) as comparisons",
+    )
     p.add_argument("--draft-depths", default="0,1,2,3")
-    p.add_argument("--acceptance", type=flags.number(0, 1, hi_open=True), default=None, help="speculative acceptance per drafted token")
-    p.add_argument("--check", default="fast", choices=["fast", "sha256", "off"],
-                   help="the check every streamed record pays: fast (XXH3-128, artifacts that carry it; the "
-                        "profile's fast_check_gbps), sha256 (older artifacts; verify_gbps), off")
+    p.add_argument(
+        "--acceptance",
+        type=flags.number(0, 1, hi_open=True),
+        default=None,
+        help="speculative acceptance per drafted token",
+    )
+    p.add_argument(
+        "--check",
+        default="fast",
+        choices=["fast", "sha256", "off"],
+        help="the check every streamed record pays: fast (XXH3-128, artifacts that carry it; the "
+        "profile's fast_check_gbps), sha256 (older artifacts; verify_gbps), off",
+    )
     p.add_argument("--no-verify", action="store_true", help="the same as --check off")
-    p.add_argument("--predictors", default="peer", choices=["peer", "synthetic"],
-                   help="what the ahead predictors are credited with: peer (the profile's `predictors`: gains and "
-                        "recalls public runtimes measured) or synthetic (`synthetic_predictors`: assumed recalls)")
-    p.add_argument("--table", default=None, metavar="FILE",
-                   help="write the projection table of every shipped profile x expert width x check (markdown, "
-                        "e.g. docs/PROJECTION.md) and print it")
+    p.add_argument(
+        "--predictors",
+        default="peer",
+        choices=["peer", "synthetic"],
+        help="what the ahead predictors are credited with: peer (the profile's `predictors`: gains and "
+        "recalls public runtimes measured) or synthetic (`synthetic_predictors`: assumed recalls)",
+    )
+    p.add_argument(
+        "--table",
+        default=None,
+        metavar="FILE",
+        help="write the projection table of every shipped profile x expert width x check (markdown, "
+        "e.g. docs/PROJECTION.md) and print it",
+    )
     p.add_argument("--json", default=None, help="write the projection/validation as JSON")
-    p.add_argument("--overwrite", action="store_true",
-                   help="let --table/--json replace a file hebrus-mlx did not write")
+    p.add_argument(
+        "--overwrite", action="store_true", help="let --table/--json replace a file hebrus-mlx did not write"
+    )
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
-    p.add_argument("--stack", default=None, choices=["decode"],
-                   help="with --validate: instead of --model, the real-geometry decode stack of "
-                        "benchmarks/bench_stream.py --decode (I/O-bound)")
+    p.add_argument(
+        "--stack",
+        default=None,
+        choices=["decode"],
+        help="with --validate: instead of --model, the real-geometry decode stack of "
+        "benchmarks/bench_stream.py --decode (I/O-bound)",
+    )
     p.add_argument("--layers", type=flags.integer(1, 1 << 12), default=4, help="with --stack decode: decoder layers")
-    p.add_argument("--store", default="/tmp/hebrus_bench_experts.bin",
-                   help="with --stack decode: store path stem (bench_stream's; built on first use)")
+    p.add_argument(
+        "--store",
+        default="/tmp/hebrus_bench_experts.bin",
+        help="with --stack decode: store path stem (bench_stream's; built on first use)",
+    )
     p.add_argument("--prompt-tokens", type=flags.integer(1, 1 << 24), default=32)
-    p.add_argument("--gen-tokens", type=flags.integer(1, 1 << 24), default=None, help="decode tokens per run (demo 48, decode stack 16)")
+    p.add_argument(
+        "--gen-tokens",
+        type=flags.integer(1, 1 << 24),
+        default=None,
+        help="decode tokens per run (demo 48, decode stack 16)",
+    )
     p.add_argument("--repeats", type=flags.integer(1, 1 << 20), default=3)
-    p.add_argument("--rows", default=None,
-                   help="with --validate: expert cache sizes in stored records (demo default 8,16,64,192; the "
-                        "in-memory arena may get more rows of the same GB, the table shows the rows it got; "
-                        "decode stack default 20,40,80,160 arena rows)")
-    p.add_argument("--prefetch-modes", default=None,
-                   help="with --validate: the predictors to run at each cache size (demo default "
-                        "off,previous,router-reuse:1,hyper-reuse; decode stack off,previous,router-reuse:1)")
-    p.add_argument("--report", default=None,
-                   help="with --validate: a qualify report (hebrus-mlx qualify --report FILE) whose streamed runs "
-                        "are predicted and compared (nothing is measured here)")
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="with --validate: expert cache sizes in stored records (demo default 8,16,64,192; the "
+        "in-memory arena may get more rows of the same GB, the table shows the rows it got; "
+        "decode stack default 20,40,80,160 arena rows)",
+    )
+    p.add_argument(
+        "--prefetch-modes",
+        default=None,
+        help="with --validate: the predictors to run at each cache size (demo default "
+        "off,previous,router-reuse:1,hyper-reuse; decode stack off,previous,router-reuse:1)",
+    )
+    p.add_argument(
+        "--report",
+        default=None,
+        help="with --validate: a qualify report (hebrus-mlx qualify --report FILE) whose streamed runs "
+        "are predicted and compared (nothing is measured here)",
+    )
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -116,7 +177,7 @@ def _list(s: str, conv, flag: str) -> list:
     return v
 
 
-def expert_codecs(args) -> List[str]:
+def expert_codecs(args) -> list[str]:
     """The expert widths to project: --expert-bits N[,N...] (affineN-g64) or --codec."""
     bits = getattr(args, "expert_bits", None)
     if bits is None:
@@ -140,7 +201,7 @@ def dense_codec(args) -> str:
     return f"affine{b}-g64"
 
 
-def qualify_machine(layer_ms: Optional[float]) -> dict:
+def qualify_machine(layer_ms: float | None) -> dict:
     """A machine description from the profile `hebrus-mlx qualify` wrote on this machine: its SSD
     probe by queue depth and SHA-256 speed, this machine's memory; compute per layer from
     --layer-ms (qualify does not measure the model); the shipped M5 Pro 48 GB profile's synthetic
@@ -151,31 +212,55 @@ def qualify_machine(layer_ms: Optional[float]) -> dict:
     prof = read_profile()
     pread = ((prof or {}).get("io") or {}).get("pread") if isinstance((prof or {}).get("io"), dict) else None
     if not isinstance(pread, dict) or pread.get("status") != "measured":
-        raise UsageError("--profile", f"machine: no measured SSD probe in the machine profile {profile_path()} "
-                                      "(run hebrus-mlx qualify)")
+        raise UsageError(
+            "--profile",
+            f"machine: no measured SSD probe in the machine profile {profile_path()} (run hebrus-mlx qualify)",
+        )
     if layer_ms is None or layer_ms < 0:
-        raise UsageError("--layer-ms", "--profile machine needs the decode compute per layer in ms "
-                                       "(e.g. from hebrus-mlx bench: 1000 / resident tok/s / layers)")
+        raise UsageError(
+            "--layer-ms",
+            "--profile machine needs the decode compute per layer in ms "
+            "(e.g. from hebrus-mlx bench: 1000 / resident tok/s / layers)",
+        )
     ssd = {k[2:-5]: float(v) for k, v in pread.items() if k.startswith("qd") and k.endswith("_GBps")}
     base = load_profile("m5-pro-48gb")
     when = prof.get("created_unix")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)) if isinstance(when, (int, float)) else "unknown"
-    return {"name": "this machine (qualify profile)", "memory_gb": memory_bytes() / 1e9, "ssd_gbps": ssd,
-            "threads": 8, "layer_ms": layer_ms, "pre_router": 0.5, "verify_gbps": pread.get("sha256_GBps_one_thread"),
-            **_qualify_fast_check(pread, base),
-            "resident_gb": base["resident_gb"], "dense_gb": base.get("dense_gb"), "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
-            "synthetic_routes": base["synthetic_routes"],
-            "status": "projection from this machine's qualify probe and a given compute per layer",
-            "sources": [f"SSD and SHA-256: machine profile {profile_path()} (hebrus-mlx qualify, written {stamp}; "
-                        f"{pread.get('record_bytes')} B O_DIRECT reads)", f"compute: --layer-ms {layer_ms}"],
-            "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads",
-                            f"fast check {_qualify_fast_check(pread, base)['fast_check_gbps']} GB/s per core: "
-                            + _qualify_fast_check(pread, base)["fast_check_source"],
-                            "ASSUMPTION: resident/reserve GB, acceptance and synthetic routes of the shipped "
-                            "m5-pro-48gb profile"] + [a for a in base["assumptions"] if "synthetic" in a]}
+    return {
+        "name": "this machine (qualify profile)",
+        "memory_gb": memory_bytes() / 1e9,
+        "ssd_gbps": ssd,
+        "threads": 8,
+        "layer_ms": layer_ms,
+        "pre_router": 0.5,
+        "verify_gbps": pread.get("sha256_GBps_one_thread"),
+        **_qualify_fast_check(pread, base),
+        "resident_gb": base["resident_gb"],
+        "dense_gb": base.get("dense_gb"),
+        "reserve_gb": base["reserve_gb"],
+        "acceptance": base["acceptance"],
+        "synthetic_routes": base["synthetic_routes"],
+        "status": "projection from this machine's qualify probe and a given compute per layer",
+        "sources": [
+            f"SSD and SHA-256: machine profile {profile_path()} (hebrus-mlx qualify, written {stamp}; "
+            f"{pread.get('record_bytes')} B O_DIRECT reads)",
+            f"compute: --layer-ms {layer_ms}",
+        ],
+        "assumptions": [
+            "ASSUMPTION: pre_router 0.5, 8 reader threads",
+            f"fast check {_qualify_fast_check(pread, base)['fast_check_gbps']} GB/s per core: "
+            + _qualify_fast_check(pread, base)["fast_check_source"],
+            "ASSUMPTION: resident/reserve GB, acceptance and synthetic routes of the shipped m5-pro-48gb profile",
+        ]
+        + [a for a in base["assumptions"] if "synthetic" in a],
+    }
 
 
-FAST_CHECK_KEYS = ("xxh3_128_GBps_one_thread", "fast_check_GBps_one_thread", "xxh3_GBps_one_thread")  # what qualify may name its measurement
+FAST_CHECK_KEYS = (
+    "xxh3_128_GBps_one_thread",
+    "fast_check_GBps_one_thread",
+    "xxh3_GBps_one_thread",
+)  # what qualify may name its measurement
 
 
 def _qualify_fast_check(pread: dict, base: dict) -> dict:
@@ -184,11 +269,13 @@ def _qualify_fast_check(pread: dict, base: dict) -> dict:
     got = next((pread[k] for k in FAST_CHECK_KEYS if isinstance(pread.get(k), (int, float)) and pread[k] > 0), None)
     if got is not None:
         return {"fast_check_gbps": float(got), "fast_check_source": "measured by hebrus-mlx qualify"}
-    return {"fast_check_gbps": base.get("fast_check_gbps"),
-            "fast_check_source": "ASSUMPTION: fast check rate of the shipped m5-pro-48gb profile (qualify measured none)"}
+    return {
+        "fast_check_gbps": base.get("fast_check_gbps"),
+        "fast_check_source": "ASSUMPTION: fast check rate of the shipped m5-pro-48gb profile (qualify measured none)",
+    }
 
 
-def load_profile(name: str, layer_ms: Optional[float] = None) -> dict:
+def load_profile(name: str, layer_ms: float | None = None) -> dict:
     if name == "machine":
         return qualify_machine(layer_ms)
     path = PROFILES_DIR / f"{name}.json"
@@ -270,8 +357,9 @@ def project_profile(args, memo=None, progress=True) -> dict:
         geom = S.geometry_of_family(fam, codec, resident)
         inp = P.inputs_of(prof, geom, args.predictors, memo, trace, args.trace or "")
         pfs = list(S.PREFETCH) + list(inp.predicted) + list(inp.gains)
-        plans.append((codec, geom, inp, P.cache_sizes(budget, given, geom), pfs,
-                      S.compute_scale(fam, dense_gb, codec, dense)))
+        plans.append(
+            (codec, geom, inp, P.cache_sizes(budget, given, geom), pfs, S.compute_scale(fam, dense_gb, codec, dense))
+        )
     total = sum(S.replays_needed(c, policies, pfs, inp.gains, depths) for _, _, inp, c, pfs, _ in plans)
     bar = None
     if progress and not args.quiet:
@@ -281,14 +369,30 @@ def project_profile(args, memo=None, progress=True) -> dict:
     out = []
     try:
         for codec, geom, inp, caches, pfs, scale in plans:
+
             def run(chk, geom=geom, codec=codec, inp=inp, caches=caches, pfs=pfs, scale=scale):
-                return P.project_one(prof, where, geom, codec, chk, inp, caches, policies, pfs, depths, acceptance,
-                                     memo, bar.update if bar else None, compute_scale=scale)
+                return P.project_one(
+                    prof,
+                    where,
+                    geom,
+                    codec,
+                    chk,
+                    inp,
+                    caches,
+                    policies,
+                    pfs,
+                    depths,
+                    acceptance,
+                    memo,
+                    bar.update if bar else None,
+                    compute_scale=scale,
+                )
 
             rows = run(check)
             # The same configurations unchecked: what the record check costs in each.
-            unchecked = {(r.cache_gb, r.policy, r.prefetch, r.draft_depth): r for r in
-                         (rows if check == "off" else run("off"))}
+            unchecked = {
+                (r.cache_gb, r.policy, r.prefetch, r.draft_depth): r for r in (rows if check == "off" else run("off"))
+            }
             out.append(_codec_result(P, codec, geom, inp, rows, unchecked, budget))
             out[-1].update(P.width_note(prof, machine, fam, codec, dense, scale))
     finally:
@@ -296,20 +400,50 @@ def project_profile(args, memo=None, progress=True) -> dict:
             bar.update(max(bar.total - bar.n, 0))  # replays shared with an earlier projection were not rerun
             bar.close()
     first = out[0]
-    return {"profile": prof, "machine": machine.to_dict(), "geometry": first["geometry"], "routes": plans[0][2].routes,
-            "cache_budget_gb": budget, "dense_codec": dense, "resident_gb": resident, "check": check, "predictors": args.predictors, "rows": first["rows"],
-            "best": first["best"], "by_codec": out, "status": "PROJECTION (not a measurement)"}
+    return {
+        "profile": prof,
+        "machine": machine.to_dict(),
+        "geometry": first["geometry"],
+        "routes": plans[0][2].routes,
+        "cache_budget_gb": budget,
+        "dense_codec": dense,
+        "resident_gb": resident,
+        "check": check,
+        "predictors": args.predictors,
+        "rows": first["rows"],
+        "best": first["best"],
+        "by_codec": out,
+        "status": "PROJECTION (not a measurement)",
+    }
 
 
-def project_widths(profile: str = "m5-pro-48gb", expert_bits=(4,), dense_bits: Optional[int] = None,
-                   check: str = "fast", predictors: str = "peer", cache_gb: Optional[str] = None,
-                   draft_depths: str = "0,1,2,3", memo=None, progress: bool = False) -> List[dict]:
+def project_widths(
+    profile: str = "m5-pro-48gb",
+    expert_bits=(4,),
+    dense_bits: int | None = None,
+    check: str = "fast",
+    predictors: str = "peer",
+    cache_gb: str | None = None,
+    draft_depths: str = "0,1,2,3",
+    memo=None,
+    progress: bool = False,
+) -> list[dict]:
     """The projection of `simulate --profile P --expert-bits N[,N...]` as one flat dict per width
     (for scripts such as benchmarks/bench_widths.py): the defaults' and the recommended
     configuration's tok/s, flags and limiting term, and what the width did to the record size,
     the cache budget and compute. A PROJECTION, not a measurement."""
-    argv = ["--profile", profile, "--expert-bits", ",".join(str(int(b)) for b in expert_bits), "--check", check,
-            "--predictors", predictors, "--draft-depths", draft_depths] + ([] if progress else ["--quiet"])
+    argv = [
+        "--profile",
+        profile,
+        "--expert-bits",
+        ",".join(str(int(b)) for b in expert_bits),
+        "--check",
+        check,
+        "--predictors",
+        predictors,
+        "--draft-depths",
+        draft_depths,
+    ] + ([] if progress else ["--quiet"])
     if dense_bits is not None:
         argv += ["--dense-bits", str(int(dense_bits))]
     if cache_gb is not None:
@@ -318,39 +452,78 @@ def project_widths(profile: str = "m5-pro-48gb", expert_bits=(4,), dense_bits: O
     out = []
     for b, c in zip(expert_bits, res["by_codec"]):
         d, best = c.get("default") or {}, c["best"]
-        out.append({"expert_bits": int(b), "codec": c["codec"], "dense_codec": res["dense_codec"],
-                    "profile": res["machine"]["name"], "check": check, "predictors": predictors,
-                    "record_bytes": c["geometry"]["record_bytes"], "cache_budget_gb": res["cache_budget_gb"],
-                    "default_tok_s": d.get("tok_s"), "default_flags": c.get("default_flags"),
-                    "default_limit": c.get("default_limit"), "default_hit_rate": d.get("hit_rate"),
-                    "default_mb_per_token": None if not d else d["bytes_per_token"] / 1e6,
-                    "best_tok_s": best["tok_s"], "best_flags": c.get("best_flags"), "best_limit": c.get("best_limit"),
-                    "compute_ms_per_token": None if not d else d["compute_ms"], "compute_scale": c.get("compute_scale"),
-                    "compute_note": c.get("compute_note"), "status": res["status"]})
+        out.append(
+            {
+                "expert_bits": int(b),
+                "codec": c["codec"],
+                "dense_codec": res["dense_codec"],
+                "profile": res["machine"]["name"],
+                "check": check,
+                "predictors": predictors,
+                "record_bytes": c["geometry"]["record_bytes"],
+                "cache_budget_gb": res["cache_budget_gb"],
+                "default_tok_s": d.get("tok_s"),
+                "default_flags": c.get("default_flags"),
+                "default_limit": c.get("default_limit"),
+                "default_hit_rate": d.get("hit_rate"),
+                "default_mb_per_token": None if not d else d["bytes_per_token"] / 1e6,
+                "best_tok_s": best["tok_s"],
+                "best_flags": c.get("best_flags"),
+                "best_limit": c.get("best_limit"),
+                "compute_ms_per_token": None if not d else d["compute_ms"],
+                "compute_scale": c.get("compute_scale"),
+                "compute_note": c.get("compute_note"),
+                "status": res["status"],
+            }
+        )
     return out
 
 
 def _codec_result(P, codec, geom, inp, rows, unchecked, budget) -> dict:
     if not P.exposed_settings(rows):  # no recommendation without the loader's own policy
         best = S.best(rows)
-        return {"codec": codec, "geometry": geom.__dict__, "rows": [r.to_dict() for r in rows],
-                "best": best.to_dict(), "best_flags": None, "default": None, "notes": inp.notes}
+        return {
+            "codec": codec,
+            "geometry": geom.__dict__,
+            "rows": [r.to_dict() for r in rows],
+            "best": best.to_dict(),
+            "best_flags": None,
+            "default": None,
+            "notes": inp.notes,
+        }
     best = P.recommend(rows)
     default = P.default_setting(rows, budget)
-    off = None if default is None else next((r for r in rows if (r.cache_gb, r.policy, r.prefetch, r.draft_depth)
-                                             == (default.cache_gb, default.policy, "off", 0)), None)
+    off = (
+        None
+        if default is None
+        else next(
+            (
+                r
+                for r in rows
+                if (r.cache_gb, r.policy, r.prefetch, r.draft_depth) == (default.cache_gb, default.policy, "off", 0)
+            ),
+            None,
+        )
+    )
 
     def check_ms(p):
         u = unchecked[(p.cache_gb, p.policy, p.prefetch, p.draft_depth)]
         return max(p.exposed_ms - u.exposed_ms, 0.0)
 
-    return {"codec": codec, "geometry": geom.__dict__, "rows": [r.to_dict() for r in rows], "best": best.to_dict(),
-            "best_flags": P.flags(best), "best_limit": P.limiting_term(best, check_ms(best)),
-            "default": None if default is None else default.to_dict(),
-            "default_flags": None if default is None else P.flags(default),
-            "default_limit": None if default is None else P.limiting_term(default, check_ms(default)),
-            "default_check_ms": None if default is None else check_ms(default),
-            "default_gain": None if off is None else default.tok_s / off.tok_s, "notes": inp.notes}
+    return {
+        "codec": codec,
+        "geometry": geom.__dict__,
+        "rows": [r.to_dict() for r in rows],
+        "best": best.to_dict(),
+        "best_flags": P.flags(best),
+        "best_limit": P.limiting_term(best, check_ms(best)),
+        "default": None if default is None else default.to_dict(),
+        "default_flags": None if default is None else P.flags(default),
+        "default_limit": None if default is None else P.limiting_term(default, check_ms(default)),
+        "default_check_ms": None if default is None else check_ms(default),
+        "default_gain": None if off is None else default.tok_s / off.tok_s,
+        "notes": inp.notes,
+    }
 
 
 def print_projection(res: dict) -> None:
@@ -358,21 +531,32 @@ def print_projection(res: dict) -> None:
 
     m = res["machine"]
     rate = {"fast": m.get("fast_check_gbps"), "sha256": m.get("verify_gbps")}.get(res["check"])
-    print(f"PROJECTION for {m['name']} (not a measurement); routes: {res['routes']}; record check: "
-          f"{P.CHECK_NAMES[res['check']]}" + (f" at {rate:g} GB/s per reader core" if rate else "")
-          + f"; predictors: {res['predictors']}; expert cache budget {res['cache_budget_gb']:.1f} GiB")
+    print(
+        f"PROJECTION for {m['name']} (not a measurement); routes: {res['routes']}; record check: "
+        f"{P.CHECK_NAMES[res['check']]}"
+        + (f" at {rate:g} GB/s per reader core" if rate else "")
+        + f"; predictors: {res['predictors']}; expert cache budget {res['cache_budget_gb']:.1f} GiB"
+    )
     for c in res["by_codec"]:
         g = c["geometry"]
         rows = [S.Projection(**r) for r in c["rows"]]
-        print(f"\n{g['name']} ({g['num_layers']} layers, {g['num_experts']} experts top-{g['top_k']}, "
-              f"{g['record_bytes']:,} B records) with {c['codec']} experts; the fastest configuration at each "
-              "cache size:")
+        print(
+            f"\n{g['name']} ({g['num_layers']} layers, {g['num_experts']} experts top-{g['top_k']}, "
+            f"{g['record_bytes']:,} B records) with {c['codec']} experts; the fastest configuration at each "
+            "cache size:"
+        )
         per_cache = []
         for gb in sorted({r.cache_gb for r in rows}):  # the best configuration at each cache size, as recommended
             at = [r for r in rows if r.cache_gb == gb]
-            per_cache.append(P.recommend(at) if P.exposed_settings(at) else
-                             max((r for r in at if r.policy != "belady"), key=lambda r: r.tok_s,
-                                 default=max(at, key=lambda r: r.tok_s)))
+            per_cache.append(
+                P.recommend(at)
+                if P.exposed_settings(at)
+                else max(
+                    (r for r in at if r.policy != "belady"),
+                    key=lambda r: r.tok_s,
+                    default=max(at, key=lambda r: r.tok_s),
+                )
+            )
         print(P.table(per_cache))
         if c.get("compute_note"):
             print(c["compute_note"])
@@ -383,16 +567,22 @@ def print_projection(res: dict) -> None:
         if c["default"]:
             d = S.Projection(**c["default"])
             gain = "" if c.get("default_gain") is None else f" (x{c['default_gain']:.2f} over --prefetch off)"
-            print(f"runtime defaults ({c['default_flags']}, no draft model): {d.tok_s:.2f} tok/s{gain}; limited by "
-                  f"{c['default_limit']}")
+            print(
+                f"runtime defaults ({c['default_flags']}, no draft model): {d.tok_s:.2f} tok/s{gain}; limited by "
+                f"{c['default_limit']}"
+            )
         b = S.Projection(**c["best"])
         if not c["best_flags"]:
-            print(f"no recommendation: the loader's arena policy ({P.RUNTIME_POLICY}) was not swept (--policies); "
-                  f"fastest swept: {b.tok_s:.2f} tok/s at {b.cache_gb:g} GiB with {b.policy}")
+            print(
+                f"no recommendation: the loader's arena policy ({P.RUNTIME_POLICY}) was not swept (--policies); "
+                f"fastest swept: {b.tok_s:.2f} tok/s at {b.cache_gb:g} GiB with {b.policy}"
+            )
             continue
-        print(f"recommended: {c['best_flags']} -> {b.tok_s:.2f} tok/s (hit rate {b.hit_rate:.1%}, "
-              f"{b.bytes_per_token / 1e6:.0f} MB/token, exposed reads {b.exposed_ms:.1f} ms/token; {b.basis}); "
-              f"limited by {c['best_limit']}")
+        print(
+            f"recommended: {c['best_flags']} -> {b.tok_s:.2f} tok/s (hit rate {b.hit_rate:.1%}, "
+            f"{b.bytes_per_token / 1e6:.0f} MB/token, exposed reads {b.exposed_ms:.1f} ms/token; {b.basis}); "
+            f"limited by {c['best_limit']}"
+        )
     for n in res["by_codec"][0]["notes"]:
         print(f"  - predictor {n}")
     for a in m["assumptions"]:
@@ -406,7 +596,7 @@ WHATIF_DENSE = "affine3-g64"  # the goal section's "what would move it": dense w
 TABLE_CHECKS = ("fast", "sha256", "off")
 
 
-def table_results(args, profiles=None, codecs=None) -> List[dict]:
+def table_results(args, profiles=None, codecs=None) -> list[dict]:
     """Every (profile, check) projection of the table, all expert widths in each; replays shared."""
     from . import projection as P
 
@@ -416,15 +606,16 @@ def table_results(args, profiles=None, codecs=None) -> List[dict]:
     out = []
     for name in profiles:
         for check in TABLE_CHECKS:
-            a = argparse.Namespace(**dict(vars(args), profile=name, codec=",".join(codecs), check=check,
-                                          no_verify=False, trace=None))
+            a = argparse.Namespace(
+                **dict(vars(args), profile=name, codec=",".join(codecs), check=check, no_verify=False, trace=None)
+            )
             if not args.quiet:
                 print(f"{name}, check {check} ...", file=sys.stderr, flush=True)
             out.append({"profile_name": name, "check": check, "result": project_profile(a, memo)})
     return out
 
 
-def whatif_results(args, profiles=None, codecs=None) -> List[dict]:
+def whatif_results(args, profiles=None, codecs=None) -> list[dict]:
     """The goal profiles with their dense weights at 3 bits as well (fast check): what less
     compute per token would give (the table's own rows keep the dense weights at 4 bits)."""
     from . import projection as P
@@ -432,9 +623,18 @@ def whatif_results(args, profiles=None, codecs=None) -> List[dict]:
     out = []
     memo = P.Memo()
     for name in profiles or sorted(P.GOALS):
-        a = argparse.Namespace(**dict(vars(args), profile=name, codec=",".join(codecs or TABLE_CODECS), check="fast",
-                                      no_verify=False, trace=None, expert_bits=None,
-                                      dense_bits=int(WHATIF_DENSE[6:WHATIF_DENSE.index("-")])))
+        a = argparse.Namespace(
+            **dict(
+                vars(args),
+                profile=name,
+                codec=",".join(codecs or TABLE_CODECS),
+                check="fast",
+                no_verify=False,
+                trace=None,
+                expert_bits=None,
+                dense_bits=int(WHATIF_DENSE[6 : WHATIF_DENSE.index("-")]),
+            )
+        )
         if not args.quiet:
             print(f"{name}, dense {WHATIF_DENSE}, check fast ...", file=sys.stderr, flush=True)
         out.append({"profile_name": name, "check": "fast", "result": project_profile(a, memo)})
@@ -446,14 +646,26 @@ def write_table(args) -> dict:
     from ..bench.report import write_text_atomic
     from . import projection as P
 
-    if (args.trace or args.cache_gb or args.profile != "m5-pro-48gb" or args.no_verify or args.check != "fast"
-            or args.expert_bits is not None or args.dense_bits is not None or args.codec != "affine4-g64"):
-        raise UsageError("--table", "tabulates every shipped profile, width and check with their defaults: give no "
-                                    "--profile/--trace/--cache-gb/--check/--codec/--expert-bits/--dense-bits")
+    if (
+        args.trace
+        or args.cache_gb
+        or args.profile != "m5-pro-48gb"
+        or args.no_verify
+        or args.check != "fast"
+        or args.expert_bits is not None
+        or args.dense_bits is not None
+        or args.codec != "affine4-g64"
+    ):
+        raise UsageError(
+            "--table",
+            "tabulates every shipped profile, width and check with their defaults: give no "
+            "--profile/--trace/--cache-gb/--check/--codec/--expert-bits/--dense-bits",
+        )
     results = table_results(args)
     whatif = whatif_results(args)
-    text = P.render_doc(results, TABLE_COMMAND + ("" if args.predictors == "peer" else " --predictors synthetic"),
-                        whatif)
+    text = P.render_doc(
+        results, TABLE_COMMAND + ("" if args.predictors == "peer" else " --predictors synthetic"), whatif
+    )
     write_text_atomic(args.table, text, field="--table", overwrite=args.overwrite)
     print(text, end="")
     return {"table": args.table, "results": results, "whatif": whatif}
@@ -491,7 +703,7 @@ class _PredictionRecorder:
         return x
 
 
-def record_routes(model, prompt: List[int], n: int, kinds=()):
+def record_routes(model, prompt: list[int], n: int, kinds=()):
     """Greedy routes of the bench's own run, recorded on the resident model: (prompt routes
     [P-1, L, k] as the warm prefix, decode routes [n, L, k], tokens, {kind: predicted sets
     [n, L, B] (-1: none)} for the ahead predictors in `kinds`)."""
@@ -567,14 +779,23 @@ def validate(args) -> dict:
     gb = lambda r: r * st["record_bytes"] / S.GIB  # noqa: E731
     # Compute: every record cached, once per predictor (an ahead predictor's extra router / mix
     # per layer is compute the streamed run pays too).
-    hot = {pf: {"expert-cache-gb": f"{gb(total):.9f}", "prefetch": pf} for pf in ["off"] + [m for m in modes
-                                                                                          if m != "off"]}
+    hot = {
+        pf: {"expert-cache-gb": f"{gb(total):.9f}", "prefetch": pf} for pf in ["off"] + [m for m in modes if m != "off"]
+    }
     configs = list(hot.values())
     for r in rows:
         for pf in modes:
             configs.append({"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf})
-    bench = B.run_bench(args.model, [args.prompt_tokens], [args.gen_tokens], configs, repeats=args.repeats,
-                        warmup=1, progress=not args.quiet, timeline=False)
+    bench = B.run_bench(
+        args.model,
+        [args.prompt_tokens],
+        [args.gen_tokens],
+        configs,
+        repeats=args.repeats,
+        warmup=1,
+        progress=not args.quiet,
+        timeline=False,
+    )
     bench_tokens = bench["runs"][0]["tokens"]
     if bench_tokens != toks:
         raise H.NotComparableError("tokens", "the recorded routes' greedy tokens differ from the bench's")
@@ -586,12 +807,20 @@ def validate(args) -> dict:
     # Per-token medians on both sides (robust to other processes on a shared machine).
     compute_s = 1.0 / med[H.label(configs[0])]["decode_tok_s_p50"]["median"]
     machine = S.Machine(
-        name="this machine (measured)", ssd_gbps={int(q): v for q, v in probe["gbps_by_qd"].items()},
-        layer_s=compute_s / L, threads=8, verify_gbps=None, read_cpu_us=probe["cpu_us_per_record"], check="off",
-        assumptions=["compute: the same model with every record cached, per predictor, measured in the same "
-                     "interleaved rounds", "pre_router 0.5 (assumption)",
-                     f"reads: {probe['source']} (its record checks included)",
-                     "reader CPU time taken from compute (the CPU backend computes on every core)"])
+        name="this machine (measured)",
+        ssd_gbps={int(q): v for q, v in probe["gbps_by_qd"].items()},
+        layer_s=compute_s / L,
+        threads=8,
+        verify_gbps=None,
+        read_cpu_us=probe["cpu_us_per_record"],
+        check="off",
+        assumptions=[
+            "compute: the same model with every record cached, per predictor, measured in the same interleaved rounds",
+            "pre_router 0.5 (assumption)",
+            f"reads: {probe['source']} (its record checks included)",
+            "reader CPU time taken from compute (the CPU backend computes on every core)",
+        ],
+    )
     geom = S.ModelGeometry(str(args.model), L, E, k, st["record_bytes"])
     # The arena persists across the bench's runs: before a timed run come the warm-up and earlier
     # runs of the same tokens; the replay sees the prompt and one earlier run of this config.
@@ -601,9 +830,9 @@ def validate(args) -> dict:
     # from the compute measured in its own round, so a slow patch of the shared machine moves the
     # prediction and the measurement together; the per-configuration ratio is the median over rounds.
     n = len(configs)
-    rounds = [bench["runs"][i:i + n] for i in range(0, len(bench["runs"]), n)]
+    rounds = [bench["runs"][i : i + n] for i in range(0, len(bench["runs"]), n)]
     out = []
-    for c in configs[len(hot):]:
+    for c in configs[len(hot) :]:
         label = H.label(c)
         base = H.label(hot[c["prefetch"]])
         cap = _arena_rows(bench, label)
@@ -616,25 +845,62 @@ def validate(args) -> dict:
             comp = next(r for r in rnd if r["config"] == base)["decode_tok_s_p50"]
             run = next(r for r in rnd if r["config"] == label)["decode_tok_s_p50"]
             mach = dataclasses.replace(machine, layer_s=1.0 / comp / L)
-            p = S.project(mach, geom, rep, cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock",
-                          prefetch="off" if c["prefetch"] == "off" else c["prefetch"])
+            p = S.project(
+                mach,
+                geom,
+                rep,
+                cache_gb=float(c["expert-cache-gb"]),
+                capacity=cap,
+                policy="clock",
+                prefetch="off" if c["prefetch"] == "off" else c["prefetch"],
+            )
             preds_s.append(p.tok_s)
             meas.append(run)
             ratios.append(p.tok_s / run)
         comp = 1.0 / med[base]["decode_tok_s_p50"]["median"]
-        p = S.project(dataclasses.replace(machine, layer_s=comp / L), geom, rep,
-                      cache_gb=float(c["expert-cache-gb"]), capacity=cap, policy="clock", prefetch=c["prefetch"])
+        p = S.project(
+            dataclasses.replace(machine, layer_s=comp / L),
+            geom,
+            rep,
+            cache_gb=float(c["expert-cache-gb"]),
+            capacity=cap,
+            policy="clock",
+            prefetch=c["prefetch"],
+        )
         m = med[label]
         cnt = _median_counters([r for r in bench["runs"] if r["config"] == label], len(decode) - 1)
-        out.append(K.validation_row(label, cap, preds_s, meas, ratios, rep, p, m["decode_tok_s_p50"]["spread"],
-                                    cnt, c["prefetch"], comp, (m["hit_rate"] or {}).get("median"),
-                                    ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6))
+        out.append(
+            K.validation_row(
+                label,
+                cap,
+                preds_s,
+                meas,
+                ratios,
+                rep,
+                p,
+                m["decode_tok_s_p50"]["spread"],
+                cnt,
+                c["prefetch"],
+                comp,
+                (m["hit_rate"] or {}).get("median"),
+                ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6,
+            )
+        )
     load1 = K.load_average()
-    return {"machine": machine.to_dict(), "bench_machine": bench["machine"], "compute_ms_per_token": compute_s * 1e3,
-            "probe": probe, "probe_source": probe["source"], "runs": out, "worst": max(abs(r["ratio"] - 1) for r in out),
-            "token_records": L * k,
-            "repeats": args.repeats, "stack": f"model {args.model}", "load_average": [load0, load1],
-            "command": K.command_line(args)}
+    return {
+        "machine": machine.to_dict(),
+        "bench_machine": bench["machine"],
+        "compute_ms_per_token": compute_s * 1e3,
+        "probe": probe,
+        "probe_source": probe["source"],
+        "runs": out,
+        "worst": max(abs(r["ratio"] - 1) for r in out),
+        "token_records": L * k,
+        "repeats": args.repeats,
+        "stack": f"model {args.model}",
+        "load_average": [load0, load1],
+        "command": K.command_line(args),
+    }
 
 
 def bench_probe(path, st, L, E, seed) -> dict:
@@ -648,7 +914,7 @@ def bench_probe(path, st, L, E, seed) -> dict:
         close()
 
 
-def _median_probe(probes: List[dict]) -> dict:
+def _median_probe(probes: list[dict]) -> dict:
     out = dict(probes[0])
     out["gbps_by_qd"] = {q: statistics.median(p["gbps_by_qd"][q] for p in probes) for q in probes[0]["gbps_by_qd"]}
     out["cpu_us_per_record"] = statistics.median(p["cpu_us_per_record"] for p in probes)
@@ -656,7 +922,7 @@ def _median_probe(probes: List[dict]) -> dict:
     return out
 
 
-def _median_counters(runs: List[dict], tokens: int) -> dict:
+def _median_counters(runs: list[dict], tokens: int) -> dict:
     """Per-token medians over a configuration's runs of the engine counters the replay predicts."""
     keys = ("exact_misses", "predicted_reads", "predicted_hits", "predicted_joins", "exposed_wait_ns")
     got = [r.get("engine_counters") or {} for r in runs]
@@ -674,38 +940,57 @@ def print_validation(v: dict) -> None:
     m = v["machine"]
     pct = lambda x: "n/a" if x is None else f"{x:.0%}"  # noqa: E731
     num = lambda x, f=".2f": "n/a" if x is None else format(x, f)  # noqa: E731
-    print(f"simulate --validate: the model's prediction of runs on THIS machine next to their measurement "
-          f"({v.get('stack', '')})")
+    print(
+        f"simulate --validate: the model's prediction of runs on THIS machine next to their measurement "
+        f"({v.get('stack', '')})"
+    )
     if v.get("command"):
         print(f"command: {v['command']}")
     if v.get("load_average"):
         print(K.quiet_note(*v["load_average"]))
-    print(f"inputs measured here: compute {v['compute_ms_per_token']:.2f} ms/token with every record cached "
-          f"(per predictor, in the same rounds); {m['pre_router']:.0%} of a layer before its router; reads "
-          + ", ".join(f"QD{q} {g:.3f}" for q, g in m["ssd_gbps"].items()) + " GB/s"
-          + (f", reader CPU {m['read_cpu_us']:.0f} us per record taken from compute" if m.get("read_cpu_us") else "")
-          + (f" [{v['probe_source']}]" if v.get("probe_source") else ""))
+    print(
+        f"inputs measured here: compute {v['compute_ms_per_token']:.2f} ms/token with every record cached "
+        f"(per predictor, in the same rounds); {m['pre_router']:.0%} of a layer before its router; reads "
+        + ", ".join(f"QD{q} {g:.3f}" for q, g in m["ssd_gbps"].items())
+        + " GB/s"
+        + (f", reader CPU {m['read_cpu_us']:.0f} us per record taken from compute" if m.get("read_cpu_us") else "")
+        + (f" [{v['probe_source']}]" if v.get("probe_source") else "")
+    )
     timing = v.get("timing", "tok/s = 1 / the median inter-token time")
-    print(f"method: {v['repeats']} interleaved rounds; {timing}; each run predicted "
-          "from its own round's compute run; pred/meas = the median over rounds (their range in brackets); counters "
-          "per decode token from the engine (stream.engine.counters), medians over the rounds")
-    cols = ["configuration", "arena rows", "tok/s pred", "tok/s meas (spread)", "pred/meas [rounds]",
-            "exact misses/token pred / meas", "reads ahead/token pred / meas", "timely recall pred / meas",
-            "late recall pred / meas", "hit rate pred / meas", "MB read/token pred / meas",
-            "exposed wait ms/token pred / meas"]
+    print(
+        f"method: {v['repeats']} interleaved rounds; {timing}; each run predicted "
+        "from its own round's compute run; pred/meas = the median over rounds (their range in brackets); counters "
+        "per decode token from the engine (stream.engine.counters), medians over the rounds"
+    )
+    cols = [
+        "configuration",
+        "arena rows",
+        "tok/s pred",
+        "tok/s meas (spread)",
+        "pred/meas [rounds]",
+        "exact misses/token pred / meas",
+        "reads ahead/token pred / meas",
+        "timely recall pred / meas",
+        "late recall pred / meas",
+        "hit rate pred / meas",
+        "MB read/token pred / meas",
+        "exposed wait ms/token pred / meas",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in v["runs"]:
         lo, hi = K.ratio_spread(r.get("ratios_by_round") or [r["ratio"]])
-        print(f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.2f} | {r['measured_tok_s']:.2f} "
-              f"(±{r['spread']:.0%}) | {r['ratio']:.2f} [{lo:.2f}-{hi:.2f}] | "
-              f"{num(r.get('predicted_exact_misses'), '.1f')} / {num(r.get('measured_exact_misses'), '.1f')} | "
-              f"{num(r.get('predicted_reads_ahead'), '.1f')} / {num(r.get('measured_reads_ahead'), '.1f')} | "
-              f"{pct(r.get('predicted_timely_recall'))} / {pct(r.get('measured_timely_recall'))} | "
-              f"{pct(r.get('predicted_late_recall'))} / {pct(r.get('measured_late_recall'))} | "
-              f"{pct(r['predicted_hit_rate'])} / {pct(r['measured_hit_rate'])} | "
-              f"{num(r.get('predicted_mb_per_token'), '.1f')} / {num(r.get('measured_mb_per_token'), '.1f')} | "
-              f"{r['predicted_exposed_ms']:.2f} / {num(r['measured_exposed_ms'])} |")
+        print(
+            f"| {r['config']} | {r['rows']} | {r['predicted_tok_s']:.2f} | {r['measured_tok_s']:.2f} "
+            f"(±{r['spread']:.0%}) | {r['ratio']:.2f} [{lo:.2f}-{hi:.2f}] | "
+            f"{num(r.get('predicted_exact_misses'), '.1f')} / {num(r.get('measured_exact_misses'), '.1f')} | "
+            f"{num(r.get('predicted_reads_ahead'), '.1f')} / {num(r.get('measured_reads_ahead'), '.1f')} | "
+            f"{pct(r.get('predicted_timely_recall'))} / {pct(r.get('measured_timely_recall'))} | "
+            f"{pct(r.get('predicted_late_recall'))} / {pct(r.get('measured_late_recall'))} | "
+            f"{pct(r['predicted_hit_rate'])} / {pct(r['measured_hit_rate'])} | "
+            f"{num(r.get('predicted_mb_per_token'), '.1f')} / {num(r.get('measured_mb_per_token'), '.1f')} | "
+            f"{r['predicted_exposed_ms']:.2f} / {num(r['measured_exposed_ms'])} |"
+        )
     ratios = [x for r in v["runs"] for x in (r.get("ratios_by_round") or [r["ratio"]])]
     spread = statistics.median(r["spread"] for r in v["runs"])
     load = v.get("load_average") or [None, None]
@@ -716,11 +1001,17 @@ def print_validation(v: dict) -> None:
     big = [r for r in v["runs"] if tr and r["rows"] >= tr]
     # Below one token's routed records every layer evicts what the next token needs and predictions
     # in flight hold rows: the replay (no time) is least exact there, so those runs are also left out.
-    part = (f"; arenas of at least one token's {tr} records: worst {100 * max(abs(r['ratio'] - 1) for r in big):.1f}% "
-            f"over {len(big)} runs" if tr and 0 < len(big) < len(v["runs"]) else "")
-    print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs "
-          f"(pred/meas min/median/max: per run {per}, per round {rnd}; median measured spread ±{spread:.0%}, "
-          f"load average {loads}){part}")
+    part = (
+        f"; arenas of at least one token's {tr} records: worst {100 * max(abs(r['ratio'] - 1) for r in big):.1f}% "
+        f"over {len(big)} runs"
+        if tr and 0 < len(big) < len(v["runs"])
+        else ""
+    )
+    print(
+        f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs "
+        f"(pred/meas min/median/max: per run {per}, per round {rnd}; median measured spread ±{spread:.0%}, "
+        f"load average {loads}){part}"
+    )
 
 
 def main(argv=None) -> int:
@@ -740,8 +1031,12 @@ def main(argv=None) -> int:
             raise UsageError("--trace", "--validate records its own routes")
         if args.gen_tokens is None:
             args.gen_tokens = 16 if args.stack == "decode" else 48
-        for flag, v in (("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens),
-                        ("--repeats", args.repeats), ("--layers", args.layers)):
+        for flag, v in (
+            ("--prompt-tokens", args.prompt_tokens),
+            ("--gen-tokens", args.gen_tokens),
+            ("--repeats", args.repeats),
+            ("--layers", args.layers),
+        ):
             if v < 1:
                 raise UsageError(flag, f"must be >= 1, got {v}")
         if args.prefetch_modes is None:
@@ -752,8 +1047,9 @@ def main(argv=None) -> int:
             except UsageError as e:
                 raise UsageError("--prefetch-modes", e.message) from None
             if m == "hyper-reuse" and args.stack == "decode":
-                raise UsageError("--prefetch-modes", "the decode stack has no hyper-connections (hyper-reuse: "
-                                                     "use --model)")
+                raise UsageError(
+                    "--prefetch-modes", "the decode stack has no hyper-connections (hyper-reuse: use --model)"
+                )
         if args.stack == "decode":
             from .decode_stack import validate_decode
 

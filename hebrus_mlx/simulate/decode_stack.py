@@ -16,19 +16,19 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Dict, List
 
 import numpy as np
 
 from ..errors import UsageError
 from . import model as S
 
+
 class _Recorder:
     """StreamEngine proxy that keeps the indices of every prefetch (the hinted sets)."""
 
     def __init__(self, eng):
         self._eng = eng
-        self.hints: List[tuple] = []
+        self.hints: list[tuple] = []
 
     def __getattr__(self, name):
         return getattr(self._eng, name)
@@ -58,8 +58,9 @@ class Stack:
         s = eng.add_store(self.path)
         aid, parts = eng.create_arena(bs.part_bytes(), rows)
         table = eng.register_table(s, [i * self.rec for i in range(self.n)], [self.rec] * self.n, arena=aid)
-        st = bs.DecodeStack(eng, table, bs.glu_weights(parts, rows), self.layers, self.experts, self.top_k,
-                            prefetch, self.mixers)
+        st = bs.DecodeStack(
+            eng, table, bs.glu_weights(parts, rows), self.layers, self.experts, self.top_k, prefetch, self.mixers
+        )
         if st.spec.kind != "off":  # the loader's staging rows (stream.streaming.Streaming)
             eng.set_staging(aid, min(self.top_k * st.spec.depth, rows // 4))
         return st
@@ -78,7 +79,11 @@ class Stack:
                     c0 = st.eng.counters()
             c1 = st.eng.counters()
             # Tokens 1.. only (token 0 fills the empty arena; the replay warms on it too).
-            c = {k: v - c0[k] for k, v in c1.items() if isinstance(v, (int, float)) and isinstance(c0.get(k), (int, float))}
+            c = {
+                k: v - c0[k]
+                for k, v in c1.items()
+                if isinstance(v, (int, float)) and isinstance(c0.get(k), (int, float))
+            }
         finally:
             st.eng.close()
         return times, np.array(routes, np.int64), c
@@ -151,7 +156,6 @@ class Stack:
             st.eng.close()
         return statistics.mean(times[1:])
 
-
     def probe(self, seed: int) -> dict:
         """calibrate.engine_probe on this store through the stack's own engine and arena layout."""
         import mlx.core as mx
@@ -161,23 +165,41 @@ class Stack:
         st = self.make("off", 16)
 
         def resolve(layer, ids):
-            rows_, lease = st.eng.resolve(st.table, mx.array((np.asarray(ids) + layer * self.experts)
-                                                             .astype(np.uint32)), layer=layer)
+            rows_, lease = st.eng.resolve(
+                st.table, mx.array((np.asarray(ids) + layer * self.experts).astype(np.uint32)), layer=layer
+            )
             mx.eval(st.eng.release_after(rows_, lease))
 
         try:
-            return K.engine_probe(resolve, self.layers, self.experts, self.rec, batches=4, seed=seed,
-                                  drop=lambda: self.bs.drop_cache(self.path))
+            return K.engine_probe(
+                resolve,
+                self.layers,
+                self.experts,
+                self.rec,
+                batches=4,
+                seed=seed,
+                drop=lambda: self.bs.drop_cache(self.path),
+            )
         finally:
             st.eng.close()
 
 
 def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: int, source: str) -> S.Machine:
-    return S.Machine(name="this machine (measured)", ssd_gbps={int(q): float(v) for q, v in probe["gbps_by_qd"].items()},
-                     layer_s=layer_s, pre_router=pre_router, threads=threads, verify_gbps=None, check="off",
-                     read_cpu_us=float(probe.get("cpu_us_per_record", 0.0)),
-                     assumptions=[f"reads: {source}", "compute: the stack with every record cached, same rounds",
-                                  "no record checks on this stack (its table has no digests)"])
+    return S.Machine(
+        name="this machine (measured)",
+        ssd_gbps={int(q): float(v) for q, v in probe["gbps_by_qd"].items()},
+        layer_s=layer_s,
+        pre_router=pre_router,
+        threads=threads,
+        verify_gbps=None,
+        check="off",
+        read_cpu_us=float(probe.get("cpu_us_per_record", 0.0)),
+        assumptions=[
+            f"reads: {source}",
+            "compute: the stack with every record cached, same rounds",
+            "no record checks on this stack (its table has no digests)",
+        ],
+    )
 
 
 def validate_decode(args) -> dict:
@@ -185,6 +207,7 @@ def validate_decode(args) -> dict:
 
     load0 = K.load_average()
     from . import synthetic_stack as bs
+
     rows_list = [int(x) for x in args.rows.split(",")]
     modes = [m.strip() for m in args.prefetch_modes.split(",") if m.strip()]
     for m in modes:
@@ -198,7 +221,7 @@ def validate_decode(args) -> dict:
     stack = Stack(bs, args.store, L, E, k, args.gen_tokens, 8)
     # Routes and hinted sets, recorded once (they do not depend on the arena).
     routes, _ = stack.record("off")
-    preds: Dict[str, np.ndarray] = {}
+    preds: dict[str, np.ndarray] = {}
     for m in modes:
         if S.prefetch_kind(m)[0] == "ahead":
             r, preds[m] = stack.record(m)
@@ -219,7 +242,7 @@ def validate_decode(args) -> dict:
     for rnd in range(args.repeats):
         got = {"pre": stack.pre_router(max(rows_list[0], L * k)), "probe": stack.probe(rnd)}
         order = [(r, m) for r in rows_list for m in [f"hot:{x}" for x in modes] + modes]
-        for r, m in (order if rnd % 2 == 0 else order[::-1]):
+        for r, m in order if rnd % 2 == 0 else order[::-1]:
             if m.startswith("hot:"):
                 got[r, m] = stack.hot(hot_rows[r], prefetch=m[4:])
             else:
@@ -245,27 +268,41 @@ def validate_decode(args) -> dict:
             meas_s.append(1.0 / t)
             ratios.append(p.tok_s * t)
         cs = [g[r, m][1] for g in rounds]
-        cnt = {x: statistics.median(c[x] for c in cs) / T for x in
-               ("exact_misses", "predicted_reads", "predicted_hits", "predicted_joins", "exposed_wait_ns")}
+        cnt = {
+            x: statistics.median(c[x] for c in cs) / T
+            for x in ("exact_misses", "predicted_reads", "predicted_hits", "predicted_joins", "exposed_wait_ns")
+        }
         lookups = [c["hits"] + c["joins"] + c["misses"] for c in cs]
-        hit = statistics.median((c["hits"] + c["joins"]) / n for c, n in zip(cs, lookups) if n) if any(lookups) else None
+        hit = (
+            statistics.median((c["hits"] + c["joins"]) / n for c, n in zip(cs, lookups) if n) if any(lookups) else None
+        )
         mb = statistics.median((c["exact_bytes"] + c["predicted_bytes"]) for c in cs) / T / 1e6
         spread = (max(meas_s) - min(meas_s)) / 2 / statistics.median(meas_s) if len(meas_s) > 1 else 0.0
         comp = statistics.median(g[r, f"hot:{m}"] for g in rounds)
-        out.append(K.validation_row(f"rows={r},prefetch={m}", r, pred_s, meas_s, ratios, rep, p, spread, cnt, m,
-                                    comp, hit, mb))
+        out.append(
+            K.validation_row(f"rows={r},prefetch={m}", r, pred_s, meas_s, ratios, rep, p, spread, cnt, m, comp, hit, mb)
+        )
     hot = statistics.median(g[rows_list[0], f"hot:{modes[0]}"] for g in rounds)
     pre = statistics.median(g["pre"] for g in rounds)
     probe = dict(rounds[0]["probe"])
-    probe["gbps_by_qd"] = {q: statistics.median(g["probe"]["gbps_by_qd"][q] for g in rounds)
-                           for q in probe["gbps_by_qd"]}
+    probe["gbps_by_qd"] = {
+        q: statistics.median(g["probe"]["gbps_by_qd"][q] for g in rounds) for q in probe["gbps_by_qd"]
+    }
     probe["cpu_us_per_record"] = statistics.median(g["probe"]["cpu_us_per_record"] for g in rounds)
     machine = machine_from_probe(probe, hot / L, pre, 8, source)
     load1 = K.load_average()
-    return {"machine": machine.to_dict(), "probe": probe, "probe_source": source, "compute_ms_per_token": hot * 1e3,
-            "runs": out, "worst": max(abs(x["ratio"] - 1) for x in out), "repeats": args.repeats,
-            "token_records": L * k,
-            "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
-                     f"{args.gen_tokens} tokens per cold run, store {stack.path}",
-            "load_average": [load0, load1], "command": K.command_line(args),
-            "timing": "tok/s = 1 / the mean time of tokens 1.. of each cold run (token 0 fills the empty arena)"}
+    return {
+        "machine": machine.to_dict(),
+        "probe": probe,
+        "probe_source": source,
+        "compute_ms_per_token": hot * 1e3,
+        "runs": out,
+        "worst": max(abs(x["ratio"] - 1) for x in out),
+        "repeats": args.repeats,
+        "token_records": L * k,
+        "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
+        f"{args.gen_tokens} tokens per cold run, store {stack.path}",
+        "load_average": [load0, load1],
+        "command": K.command_line(args),
+        "timing": "tok/s = 1 / the mean time of tokens 1.. of each cold run (token 0 fills the empty arena)",
+    }

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,31 +57,31 @@ class Machine:
     """What a machine costs: SSD bandwidth by queue depth, compute per decode token, check speed."""
 
     name: str
-    ssd_gbps: Dict[int, float]  # queue depth -> GB/s (1e9 bytes/s) of record-sized random reads
+    ssd_gbps: dict[int, float]  # queue depth -> GB/s (1e9 bytes/s) of record-sized random reads
     layer_s: float  # decode compute per layer per token (resident experts), seconds
     other_s: float = 0.0  # per token outside the layers (embedding, head, sampling)
     pre_router: float = 0.5  # fraction of a layer's compute before its router (the prefetch window)
     threads: int = 8  # reader threads (the engine's queue depth)
-    verify_gbps: Optional[float] = None  # SHA-256 GB/s of one reader core (None: not on the path)
+    verify_gbps: float | None = None  # SHA-256 GB/s of one reader core (None: not on the path)
     verify_extra: float = 0.15  # cost of each extra verified token relative to one decode token
-    memory_gb: Optional[float] = None
-    sources: List[str] = field(default_factory=list)
-    assumptions: List[str] = field(default_factory=list)
+    memory_gb: float | None = None
+    sources: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
     # The fast per-read check (XXH3-128 of each record beside its SHA-256, stream.engine): GB/s
     # of one reader core. `check` picks what the readers pay per record: the fast check
     # (artifacts that carry it), SHA-256 (artifacts without it) or nothing.
-    fast_check_gbps: Optional[float] = None
+    fast_check_gbps: float | None = None
     check: str = "sha256"
     # Extra decode compute of an ahead predictor (its extra router / mix per layer), as a
     # fraction of compute_s; measured by --validate, assumed in the profiles.
-    predictor_overhead: Dict[str, float] = field(default_factory=dict)
+    predictor_overhead: dict[str, float] = field(default_factory=dict)
     # CPU time the readers spend per record (pread, copy/widen, check, wake-ups) that the compute
     # loses: on the CPU backend compute already takes every core (validation on this machine
     # measures it); 0 where the readers use cores the compute leaves idle (a Mac's GPU decodes).
     read_cpu_us: float = 0.0
 
     @property
-    def check_gbps(self) -> Optional[float]:
+    def check_gbps(self) -> float | None:
         if self.check not in CHECKS:
             raise UsageError("check", f"must be one of {', '.join(CHECKS)}, got {self.check!r}")
         return {"fast": self.fast_check_gbps, "sha256": self.verify_gbps, "off": None}[self.check]
@@ -102,18 +102,26 @@ class Machine:
         return t
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "profile") -> "Machine":
+    def from_dict(cls, d: dict, where: str = "profile") -> Machine:
         opt = lambda k: None if d.get(k) is None else float(d[k])  # noqa: E731
         try:
             ssd = {int(k): float(v) for k, v in d["ssd_gbps"].items()}
-            m = cls(name=str(d["name"]), ssd_gbps=ssd, layer_s=float(d["layer_ms"]) / 1e3,
-                    other_s=float(d.get("other_ms", 0.0)) / 1e3, pre_router=float(d.get("pre_router", 0.5)),
-                    threads=int(d.get("threads", 8)), verify_gbps=opt("verify_gbps"),
-                    verify_extra=float(d.get("verify_extra", 0.15)), memory_gb=opt("memory_gb"),
-                    sources=list(d.get("sources", [])), assumptions=list(d.get("assumptions", [])),
-                    fast_check_gbps=opt("fast_check_gbps"),
-                    predictor_overhead={str(k): float(v) for k, v in (d.get("predictor_overhead") or {}).items()},
-                    read_cpu_us=float(d.get("read_cpu_us", 0.0)))
+            m = cls(
+                name=str(d["name"]),
+                ssd_gbps=ssd,
+                layer_s=float(d["layer_ms"]) / 1e3,
+                other_s=float(d.get("other_ms", 0.0)) / 1e3,
+                pre_router=float(d.get("pre_router", 0.5)),
+                threads=int(d.get("threads", 8)),
+                verify_gbps=opt("verify_gbps"),
+                verify_extra=float(d.get("verify_extra", 0.15)),
+                memory_gb=opt("memory_gb"),
+                sources=list(d.get("sources", [])),
+                assumptions=list(d.get("assumptions", [])),
+                fast_check_gbps=opt("fast_check_gbps"),
+                predictor_overhead={str(k): float(v) for k, v in (d.get("predictor_overhead") or {}).items()},
+                read_cpu_us=float(d.get("read_cpu_us", 0.0)),
+            )
         except KeyError as e:
             raise UsageError(f"{where}.{e.args[0]}", "missing") from None
         except (TypeError, ValueError, AttributeError) as e:
@@ -131,13 +139,23 @@ class Machine:
         return m
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "ssd_gbps": {str(k): v for k, v in sorted(self.ssd_gbps.items())},
-                "layer_ms": self.layer_s * 1e3, "other_ms": self.other_s * 1e3, "pre_router": self.pre_router,
-                "threads": self.threads, "verify_gbps": self.verify_gbps, "fast_check_gbps": self.fast_check_gbps,
-                "check": self.check, "verify_extra": self.verify_extra, "memory_gb": self.memory_gb,
-                "predictor_overhead": dict(self.predictor_overhead), "read_cpu_us": self.read_cpu_us,
-                "sources": self.sources,
-                "assumptions": self.assumptions}
+        return {
+            "name": self.name,
+            "ssd_gbps": {str(k): v for k, v in sorted(self.ssd_gbps.items())},
+            "layer_ms": self.layer_s * 1e3,
+            "other_ms": self.other_s * 1e3,
+            "pre_router": self.pre_router,
+            "threads": self.threads,
+            "verify_gbps": self.verify_gbps,
+            "fast_check_gbps": self.fast_check_gbps,
+            "check": self.check,
+            "verify_extra": self.verify_extra,
+            "memory_gb": self.memory_gb,
+            "predictor_overhead": dict(self.predictor_overhead),
+            "read_cpu_us": self.read_cpu_us,
+            "sources": self.sources,
+            "assumptions": self.assumptions,
+        }
 
 
 @dataclass(frozen=True)
@@ -171,13 +189,16 @@ def expert_codec(name: str, field_name: str = "--codec"):
         return C.CODECS[name]
     m = re.fullmatch(r"affine(\d+)-g(\d+)", name)
     if not m or int(m.group(1)) not in AFFINE_BITS or int(m.group(2)) not in AFFINE_GROUPS:
-        raise UsageError(field_name, f"unknown expert codec {name!r}: affineB-gG with B in "
-                                     f"{'/'.join(map(str, AFFINE_BITS))} and G in {'/'.join(map(str, AFFINE_GROUPS))}, "
-                                     f"or one of {', '.join(sorted(C.CODECS))}")
+        raise UsageError(
+            field_name,
+            f"unknown expert codec {name!r}: affineB-gG with B in "
+            f"{'/'.join(map(str, AFFINE_BITS))} and G in {'/'.join(map(str, AFFINE_GROUPS))}, "
+            f"or one of {', '.join(sorted(C.CODECS))}",
+        )
     return C.Codec(name, 0, int(m.group(1)), int(m.group(2)))
 
 
-def expert_record_bytes(family, codec: str) -> Tuple[int, int]:
+def expert_record_bytes(family, codec: str) -> tuple[int, int]:
     """(record bytes, aligned stride) of one routed expert (gate, up, down) at `codec`."""
     from ..artifact import constants as C
 
@@ -200,11 +221,12 @@ def bits_per_weight(codec: str) -> float:
 def geometry_of_family(family, codec: str = "affine4-g64", resident_gb: float = 0.0) -> ModelGeometry:
     """From the artifact format: ExpertMajor v2 record stride for (family, codec)."""
     _, stride = expert_record_bytes(family, codec)
-    return ModelGeometry(family.name, family.num_hidden_layers, family.num_experts,
-                         family.num_experts_per_tok, stride, resident_gb)
+    return ModelGeometry(
+        family.name, family.num_hidden_layers, family.num_experts, family.num_experts_per_tok, stride, resident_gb
+    )
 
 
-def compute_scale(family, dense_gb: Optional[float], expert: str, dense: str = ANCHOR_CODEC) -> Optional[float]:
+def compute_scale(family, dense_gb: float | None, expert: str, dense: str = ANCHOR_CODEC) -> float | None:
     """Decode compute at (dense width, expert width) over compute at the anchor (affine4-g64 for
     both), taking decode on Apple GPUs as memory-bandwidth-bound: a token reads the dense weights
     once and top_k expert records per layer, so its time scales with those bytes. None when the
@@ -214,7 +236,9 @@ def compute_scale(family, dense_gb: Optional[float], expert: str, dense: str = A
     active = family.num_hidden_layers * family.num_experts_per_tok / 1e9
 
     def at(d, e):  # GB a token reads: dense weights at width d, the active experts at width e
-        return dense_gb * bits_per_weight(d) / bits_per_weight(ANCHOR_CODEC) + active * expert_record_bytes(family, e)[0]
+        return (
+            dense_gb * bits_per_weight(d) / bits_per_weight(ANCHOR_CODEC) + active * expert_record_bytes(family, e)[0]
+        )
 
     return at(dense, expert) / at(ANCHOR_CODEC, ANCHOR_CODEC)
 
@@ -248,7 +272,7 @@ class Replay:
         return float(self.predicted_used.sum()) / miss if miss else 0.0
 
     @property
-    def precision(self) -> Optional[float]:
+    def precision(self) -> float | None:
         """Predicted reads the target layer used (the rest is wasted bytes)."""
         r = float(self.predicted_reads.sum())
         return float(self.predicted_used.sum()) / r if r else None
@@ -279,7 +303,7 @@ class _Arena:
 
     def __init__(self, rows: int, staging: int, policy: str):
         self.rows, self.staging, self.lru_order = rows, staging, policy == "lru"
-        self.slots: Dict[int, list] = {}  # item -> [exact, clock_pos, lru, ref, pins, ver, issued]
+        self.slots: dict[int, list] = {}  # item -> [exact, clock_pos, lru, ref, pins, ver, issued]
         self.heaps = ([], [])  # bucket 0 exact, 1 predicted: (key, item, ver)
         self.tick = 0
         self.ver = 0
@@ -389,7 +413,7 @@ class _Arena:
             s[4] -= 1
 
 
-def prefetch_kind(prefetch: str) -> Tuple[str, int]:
+def prefetch_kind(prefetch: str) -> tuple[str, int]:
     """("off" | "previous" | "ahead", depth) of a --prefetch value."""
     if prefetch in ("off", "previous"):
         return prefetch, 0
@@ -401,9 +425,16 @@ def prefetch_kind(prefetch: str) -> Tuple[str, int]:
     raise UsageError("prefetch", f"unknown {prefetch!r}; this model knows {', '.join(PREDICTORS)}")
 
 
-def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off",
-                 warm: Optional[np.ndarray] = None, policy: str = "clock", predicted: Optional[np.ndarray] = None,
-                 staging: Optional[int] = None) -> Replay:
+def replay_arena(
+    topk: np.ndarray,
+    num_experts: int,
+    capacity: int,
+    prefetch: str = "off",
+    warm: np.ndarray | None = None,
+    policy: str = "clock",
+    predicted: np.ndarray | None = None,
+    staging: int | None = None,
+) -> Replay:
     """Replay [T, L, k] routes through the engine's arena of `capacity` rows (`_Arena`), as the
     streamed layers drive it: with prefetch="previous" each layer first hints the previous
     token's top-k (StreamedSwitchGLU.layer_start); with "router-reuse:D" / "hyper-reuse" the
@@ -477,18 +508,35 @@ def replay_arena(topk: np.ndarray, num_experts: int, capacity: int, prefetch: st
                 if s is not None and s[4]:
                     s[4] -= 1
     n = max(t, 1)
-    return Replay(t, demand / n, used / n, reads / n, L * k, hint_lookups / n, hint_hits / n,
-                  float(np.sum(reads) - np.sum(used)) / n, promoted / n)
+    return Replay(
+        t,
+        demand / n,
+        used / n,
+        reads / n,
+        L * k,
+        hint_lookups / n,
+        hint_hits / n,
+        float(np.sum(reads) - np.sum(used)) / n,
+        promoted / n,
+    )
 
 
-def replay_with_prefetch(topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off",
-                         warm: Optional[np.ndarray] = None) -> Replay:
+def replay_with_prefetch(
+    topk: np.ndarray, num_experts: int, capacity: int, prefetch: str = "off", warm: np.ndarray | None = None
+) -> Replay:
     """The engine arena with LRU order (the control policy)."""
     return replay_arena(topk, num_experts, capacity, prefetch, warm, "lru")
 
 
-def replay(topk: np.ndarray, num_experts: int, capacity: int, policy: str = "lru", prefetch: str = "off",
-           warm: Optional[np.ndarray] = None, predicted: Optional[np.ndarray] = None) -> Replay:
+def replay(
+    topk: np.ndarray,
+    num_experts: int,
+    capacity: int,
+    policy: str = "lru",
+    prefetch: str = "off",
+    warm: np.ndarray | None = None,
+    predicted: np.ndarray | None = None,
+) -> Replay:
     """The engine's arena for its policies (lru, clock; any prediction); demand paging through
     cachesim for the others (lfu, belady; no prediction). `warm` routes run first, uncounted (for
     online policies hits(warm + trace) - hits(warm) are the trace's own hits; for Belady, a bound
@@ -523,7 +571,7 @@ def union_factor(topk: np.ndarray, depth: int) -> float:
     windows = 0
     for i in range(0, t - w + 1, w):
         for l in range(L):
-            total += len(set(topk[i:i + w, l].reshape(-1).tolist()))
+            total += len(set(topk[i : i + w, l].reshape(-1).tolist()))
             windows += 1
     return total / (windows * w * k)
 
@@ -548,8 +596,8 @@ class Projection:
     # As the engine counts them (stream.engine.prediction_stats): exact lookups a prediction had
     # brought in and that had landed (timely) or were still being read (late), over those plus
     # the exact misses.
-    timely_recall: Optional[float] = None
-    late_recall: Optional[float] = None
+    timely_recall: float | None = None
+    late_recall: float | None = None
     codec: str = ""
     check: str = ""
     basis: str = "replay"  # how the predictor's effect was obtained (replay, or a peer's measured gain)
@@ -567,9 +615,20 @@ def landed_fraction(machine: Machine, n: float, record_bytes: int, window: float
     return 1.0 if t <= window else max(window, 0.0) / t
 
 
-def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: float, capacity: int, policy: str,
-            prefetch: str, draft_depth: int = 0, acceptance: float = 0.0, union: float = 1.0,
-            codec: str = "") -> Projection:
+def project(
+    machine: Machine,
+    geom: ModelGeometry,
+    rep: Replay,
+    *,
+    cache_gb: float,
+    capacity: int,
+    policy: str,
+    prefetch: str,
+    draft_depth: int = 0,
+    acceptance: float = 0.0,
+    union: float = 1.0,
+    codec: str = "",
+) -> Projection:
     """Tokens/s of one configuration from the replay's per-token misses and the machine's costs."""
     R = geom.record_bytes
     L = geom.num_layers
@@ -594,7 +653,7 @@ def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: flo
     step = compute * (1 + machine.verify_extra * draft_depth) + exposed + steal
     if draft_depth and acceptance > 0:
         a = min(acceptance, 0.999999)
-        per_step = (1 - a ** w) / (1 - a)
+        per_step = (1 - a**w) / (1 - a)
     else:
         per_step = 1.0
     token = step / per_step
@@ -602,9 +661,25 @@ def project(machine: Machine, geom: ModelGeometry, rep: Replay, *, cache_gb: flo
     need = rep.predicted_hits + float(rep.demand_misses.sum())
     late = min(late, rep.predicted_hits)
     timely, late_r = (None, None) if kind == "off" or not need else ((rep.predicted_hits - late) / need, late / need)
-    return Projection(cache_gb, capacity, policy, prefetch, draft_depth, acceptance, 1.0 / token, token * 1e3,
-                      compute * 1e3, exposed * 1e3 / per_step, rep.hit_rate, reads * R, timely, late_r, codec,
-                      machine.check, read_cpu_ms=steal * 1e3 / per_step)
+    return Projection(
+        cache_gb,
+        capacity,
+        policy,
+        prefetch,
+        draft_depth,
+        acceptance,
+        1.0 / token,
+        token * 1e3,
+        compute * 1e3,
+        exposed * 1e3 / per_step,
+        rep.hit_rate,
+        reads * R,
+        timely,
+        late_r,
+        codec,
+        machine.check,
+        read_cpu_ms=steal * 1e3 / per_step,
+    )
 
 
 def with_gain(base: Projection, prefetch: str, gain: float, source: str) -> Projection:
@@ -613,20 +688,36 @@ def with_gain(base: Projection, prefetch: str, gain: float, source: str) -> Proj
     token = max(base.token_ms / gain, base.token_ms - base.exposed_ms)
     got = base.token_ms / token
     basis = f"peer x{gain:.2f} over off ({source})" + ("" if got >= gain - 1e-9 else f", capped at x{got:.2f}")
-    return dataclasses.replace(base, prefetch=prefetch, tok_s=1e3 / token, token_ms=token,
-                               exposed_ms=base.exposed_ms - (base.token_ms - token), basis=basis)
+    return dataclasses.replace(
+        base,
+        prefetch=prefetch,
+        tok_s=1e3 / token,
+        token_ms=token,
+        exposed_ms=base.exposed_ms - (base.token_ms - token),
+        basis=basis,
+    )
 
 
 def capacity_of(cache_gb: float, geom: ModelGeometry) -> int:
     return int(min(cache_gb * GIB // geom.record_bytes, geom.num_layers * geom.num_experts))
 
 
-def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Sequence[float],
-          policies: Sequence[str] = ("clock",), prefetches: Sequence[str] = PREFETCH,
-          draft_depths: Sequence[int] = (0,), acceptance: float = 0.0,
-          warm: Optional[np.ndarray] = None, predicted: Optional[dict] = None,
-          gains: Optional[Dict[str, Tuple[float, str]]] = None, codec: str = "",
-          replays: Optional[dict] = None, progress=None) -> List[Projection]:
+def sweep(
+    machine: Machine,
+    geom: ModelGeometry,
+    topk: np.ndarray,
+    cache_gbs: Sequence[float],
+    policies: Sequence[str] = ("clock",),
+    prefetches: Sequence[str] = PREFETCH,
+    draft_depths: Sequence[int] = (0,),
+    acceptance: float = 0.0,
+    warm: np.ndarray | None = None,
+    predicted: dict | None = None,
+    gains: dict[str, tuple[float, str]] | None = None,
+    codec: str = "",
+    replays: dict | None = None,
+    progress=None,
+) -> list[Projection]:
     """Every configuration (cache size x policy x prefetch x draft depth); the replay of each
     (cache, policy, prefetch) is shared by the draft depths. `predicted`: prefetch name ->
     [len(warm) + T, L, B] predicted sets for the ahead predictors replayed (router-reuse:D,
@@ -654,8 +745,12 @@ def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Se
                 if pf not in gains and (not ahead or 0 in draft_depths):
                     key = (id(topk), id(warm), cap, pol, pf, id(predicted.get(pf)))
                     if key not in replays:
-                        replays[key] = (replay(topk, geom.num_experts, cap, pol, pf, warm, predicted.get(pf)),
-                                        topk, warm, predicted.get(pf))  # keeps the keyed arrays alive
+                        replays[key] = (
+                            replay(topk, geom.num_experts, cap, pol, pf, warm, predicted.get(pf)),
+                            topk,
+                            warm,
+                            predicted.get(pf),
+                        )  # keeps the keyed arrays alive
                         if progress:
                             progress(1)
                     rep = replays[key][0]
@@ -663,12 +758,25 @@ def sweep(machine: Machine, geom: ModelGeometry, topk: np.ndarray, cache_gbs: Se
                     if pf in gains and d == 0:
                         p = with_gain(base[d], pf, *gains[pf])
                     elif ahead and d > 0:
-                        p = dataclasses.replace(base[d], prefetch=pf, basis="verify steps predict nothing "
-                                                                             "(multi-token forwards): as prefetch off")
+                        p = dataclasses.replace(
+                            base[d],
+                            prefetch=pf,
+                            basis="verify steps predict nothing (multi-token forwards): as prefetch off",
+                        )
                     else:
-                        p = project(machine, geom, rep, cache_gb=gb, capacity=cap, policy=pol, prefetch=pf,
-                                    draft_depth=d, acceptance=acceptance if d else 0.0, union=unions[d],
-                                    codec=codec)
+                        p = project(
+                            machine,
+                            geom,
+                            rep,
+                            cache_gb=gb,
+                            capacity=cap,
+                            policy=pol,
+                            prefetch=pf,
+                            draft_depth=d,
+                            acceptance=acceptance if d else 0.0,
+                            union=unions[d],
+                            codec=codec,
+                        )
                     if pf == "off":
                         base[d] = p
                     if pf in prefetches:
@@ -681,7 +789,8 @@ def replays_needed(cache_gbs, policies, prefetches, gains=None, draft_depths=(0,
     gains = gains or {}
     need_off = any(prefetch_kind(p)[0] == "ahead" for p in prefetches) and (gains or any(draft_depths))
     pfs = (["off"] if need_off and "off" not in prefetches else []) + [
-        p for p in prefetches if p not in gains and (prefetch_kind(p)[0] != "ahead" or 0 in draft_depths)]
+        p for p in prefetches if p not in gains and (prefetch_kind(p)[0] != "ahead" or 0 in draft_depths)
+    ]
     return len(cache_gbs) * sum(1 for pol in policies for pf in pfs if pf == "off" or pol in ("lru", "clock"))
 
 
@@ -691,8 +800,9 @@ def best(projections: Sequence[Projection], exclude_bounds: bool = True) -> Proj
     return max(cands, key=lambda p: p.tok_s)
 
 
-def synthetic_routes(tokens: int, num_layers: int, num_experts: int, top_k: int, reuse: float, skew: float,
-                     seed: int = 0) -> np.ndarray:
+def synthetic_routes(
+    tokens: int, num_layers: int, num_experts: int, top_k: int, reuse: float, skew: float, seed: int = 0
+) -> np.ndarray:
     """[T, L, k] stand-in routes for a model whose trace we do not have: each layer keeps each of
     the previous token's experts with probability `reuse` and draws the rest from a popularity
     with weights (rank + 1) ** -skew (a permutation per layer). Only for projections that say so."""
@@ -716,8 +826,9 @@ def synthetic_routes(tokens: int, num_layers: int, num_experts: int, top_k: int,
     return out
 
 
-def synthetic_predictions(routes: np.ndarray, num_experts: int, recall: float, budget: int,
-                          seed: int = 0) -> np.ndarray:
+def synthetic_predictions(
+    routes: np.ndarray, num_experts: int, recall: float, budget: int, seed: int = 0
+) -> np.ndarray:
     """[T, L, budget] stand-in predicted sets for an ahead predictor on routes we only have
     synthetically: each true expert of (t, l) is predicted with probability `recall`, the rest of
     the budget is filled with experts the token does not use (wrong guesses that cost reads).

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -45,9 +45,9 @@ class Inputs:
     warm: np.ndarray
     topk: np.ndarray
     routes: str
-    predicted: Dict[str, np.ndarray] = field(default_factory=dict)
-    gains: Dict[str, tuple] = field(default_factory=dict)
-    notes: List[str] = field(default_factory=list)
+    predicted: dict[str, np.ndarray] = field(default_factory=dict)
+    gains: dict[str, tuple] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 class Memo:
@@ -65,16 +65,19 @@ def machine_of(prof: dict, where: str, check: str) -> S.Machine:
     if check not in S.CHECKS:
         raise UsageError("--check", f"must be one of {', '.join(S.CHECKS)}, got {check!r}")
     if check == "fast" and m.fast_check_gbps is None:
-        raise UsageError("--check", f"fast: {where} has no fast_check_gbps (the fast read check's GB/s per core); "
-                                    "give --check sha256")
+        raise UsageError(
+            "--check",
+            f"fast: {where} has no fast_check_gbps (the fast read check's GB/s per core); give --check sha256",
+        )
     if check == "sha256" and m.verify_gbps is None:
         raise UsageError("--check", f"sha256: {where} has no verify_gbps (SHA-256 GB/s per core)")
     m.check = check
     return m
 
 
-def inputs_of(prof: dict, geom: S.ModelGeometry, predictors: str, memo: Memo, trace_topk=None,
-              trace_name: str = "") -> Inputs:
+def inputs_of(
+    prof: dict, geom: S.ModelGeometry, predictors: str, memo: Memo, trace_topk=None, trace_name: str = ""
+) -> Inputs:
     """Routes (the trace, or the profile's synthetic routes) and the predictors' stand-ins."""
     if predictors not in PREDICTOR_SOURCES:
         raise UsageError("--predictors", f"must be one of {', '.join(PREDICTOR_SOURCES)}, got {predictors!r}")
@@ -88,8 +91,15 @@ def inputs_of(prof: dict, geom: S.ModelGeometry, predictors: str, memo: Memo, tr
         if not sr:
             raise UsageError("--trace", "the profile has no synthetic_routes: give a route trace")
         try:
-            key = (int(sr["tokens"]), geom.num_layers, geom.num_experts, geom.top_k, float(sr["reuse"]),
-                   float(sr["skew"]), int(sr.get("seed", 0)))
+            key = (
+                int(sr["tokens"]),
+                geom.num_layers,
+                geom.num_experts,
+                geom.top_k,
+                float(sr["reuse"]),
+                float(sr["skew"]),
+                int(sr.get("seed", 0)),
+            )
             warm_n = int(sr.get("warm", 0))
         except (KeyError, TypeError, ValueError) as e:
             raise UsageError("--profile", f"synthetic_routes: {e}") from None
@@ -127,18 +137,22 @@ def inputs_of(prof: dict, geom: S.ModelGeometry, predictors: str, memo: Memo, tr
             budget = max(1, min(geom.num_experts, round(recall * geom.top_k / precision)))
             key = (id(allr), float(recall), budget, seed + 1)
             if key not in memo.predicted:
-                memo.predicted[key] = (S.synthetic_predictions(allr, geom.num_experts, float(recall), budget,
-                                                               seed + 1), allr)
+                memo.predicted[key] = (
+                    S.synthetic_predictions(allr, geom.num_experts, float(recall), budget, seed + 1),
+                    allr,
+                )
             inp.predicted[name] = memo.predicted[key][0]
-            inp.notes.append(f"{name}: predicted sets replayed, each routed expert predicted with probability "
-                             f"{recall:.2f}, {budget} candidates per layer (precision ~{recall * geom.top_k / budget:.2f})"
-                             + (f"; {source}" if source else ""))
+            inp.notes.append(
+                f"{name}: predicted sets replayed, each routed expert predicted with probability "
+                f"{recall:.2f}, {budget} candidates per layer (precision ~{recall * geom.top_k / budget:.2f})"
+                + (f"; {source}" if source else "")
+            )
         else:
             raise UsageError("--profile", f"{field_name}.{name}: needs a gain or a recall")
     return inp
 
 
-def cache_sizes(budget: float, given: Optional[Sequence[float]], geom: S.ModelGeometry) -> List[float]:
+def cache_sizes(budget: float, given: Sequence[float] | None, geom: S.ModelGeometry) -> list[float]:
     """The swept cache sizes: the grid up to the budget, and the budget itself (what the loader
     takes from free memory by default), never past the whole store."""
     if given:
@@ -152,20 +166,47 @@ def cache_sizes(budget: float, given: Optional[Sequence[float]], geom: S.ModelGe
     return sorted(set(caches))
 
 
-def project_one(prof: dict, where: str, geom: S.ModelGeometry, codec: str, check: str, inp: Inputs,
-                caches: Sequence[float], policies: Sequence[str], prefetches: Sequence[str],
-                draft_depths: Sequence[int], acceptance: float, memo: Memo, progress=None,
-                compute_scale: Optional[float] = None) -> List[S.Projection]:
+def project_one(
+    prof: dict,
+    where: str,
+    geom: S.ModelGeometry,
+    codec: str,
+    check: str,
+    inp: Inputs,
+    caches: Sequence[float],
+    policies: Sequence[str],
+    prefetches: Sequence[str],
+    draft_depths: Sequence[int],
+    acceptance: float,
+    memo: Memo,
+    progress=None,
+    compute_scale: float | None = None,
+) -> list[S.Projection]:
     machine = machine_of(prof, where, check)
     if compute_scale is not None:  # compute follows the weight bytes a token reads (S.compute_scale)
-        machine = dataclasses.replace(machine, layer_s=machine.layer_s * compute_scale,
-                                      other_s=machine.other_s * compute_scale)
+        machine = dataclasses.replace(
+            machine, layer_s=machine.layer_s * compute_scale, other_s=machine.other_s * compute_scale
+        )
     pfs = [p for p in prefetches if p in S.PREFETCH or p in inp.predicted or p in inp.gains]
-    return S.sweep(machine, geom, inp.topk, caches, policies, pfs, draft_depths, acceptance, inp.warm,
-                   inp.predicted, inp.gains, codec, memo.replays, progress)
+    return S.sweep(
+        machine,
+        geom,
+        inp.topk,
+        caches,
+        policies,
+        pfs,
+        draft_depths,
+        acceptance,
+        inp.warm,
+        inp.predicted,
+        inp.gains,
+        codec,
+        memo.replays,
+        progress,
+    )
 
 
-def dense_gb(prof: dict, where: str) -> Optional[float]:
+def dense_gb(prof: dict, where: str) -> float | None:
     """The profile's dense weight bytes at the anchor width (GB), or None (compute then does not
     follow the widths)."""
     v = prof.get("dense_gb")
@@ -176,22 +217,27 @@ def dense_gb(prof: dict, where: str) -> Optional[float]:
     return float(v)
 
 
-def width_note(prof: dict, machine: S.Machine, family, codec: str, dense: str, scale: Optional[float]) -> dict:
+def width_note(prof: dict, machine: S.Machine, family, codec: str, dense: str, scale: float | None) -> dict:
     """What the widths did to compute, in words (printed with each width's projection)."""
     base = (machine.layer_s * family.num_hidden_layers + machine.other_s) * 1e3
     rec, _ = S.expert_record_bytes(family, codec)
     if scale is None:
-        return {"compute_scale": None, "compute_note": f"compute {base:.1f} ms/token resident, NOT scaled with the "
-                                                       "width (the profile gives no dense_gb)"}
-    return {"compute_scale": scale,
-            "compute_note": f"compute {base * scale:.1f} ms/token resident = {base:.1f} ms at {S.ANCHOR_CODEC} x "
-                            f"{scale:.3f}: dense {float(prof['dense_gb']) * S.bits_per_weight(dense) / S.bits_per_weight(S.ANCHOR_CODEC):.2f} GB "
-                            f"at {dense} + {family.num_hidden_layers} x {family.num_experts_per_tok} expert records "
-                            f"of {rec / 1e6:.2f} MB at {codec} per token (ASSUMPTION: memory-bandwidth-bound decode, "
-                            f"anchored at the 4-bit measurement)"}
+        return {
+            "compute_scale": None,
+            "compute_note": f"compute {base:.1f} ms/token resident, NOT scaled with the "
+            "width (the profile gives no dense_gb)",
+        }
+    return {
+        "compute_scale": scale,
+        "compute_note": f"compute {base * scale:.1f} ms/token resident = {base:.1f} ms at {S.ANCHOR_CODEC} x "
+        f"{scale:.3f}: dense {float(prof['dense_gb']) * S.bits_per_weight(dense) / S.bits_per_weight(S.ANCHOR_CODEC):.2f} GB "
+        f"at {dense} + {family.num_hidden_layers} x {family.num_experts_per_tok} expert records "
+        f"of {rec / 1e6:.2f} MB at {codec} per token (ASSUMPTION: memory-bandwidth-bound decode, "
+        f"anchored at the 4-bit measurement)",
+    }
 
 
-def exposed_settings(rows: Sequence[S.Projection]) -> List[S.Projection]:
+def exposed_settings(rows: Sequence[S.Projection]) -> list[S.Projection]:
     """Configurations the runtime can be told to run (its policy, its --prefetch values)."""
     return [r for r in rows if r.policy == RUNTIME_POLICY and r.prefetch in RUNTIME_PREFETCH]
 
@@ -206,7 +252,7 @@ def recommend(rows: Sequence[S.Projection]) -> S.Projection:
     return min(near, key=lambda r: (r.prefetch != DEFAULT_PREFETCH, r.draft_depth, r.cache_gb, -r.tok_s))
 
 
-def default_setting(rows: Sequence[S.Projection], budget_gb: float) -> Optional[S.Projection]:
+def default_setting(rows: Sequence[S.Projection], budget_gb: float) -> S.Projection | None:
     """The runtime's defaults: the cache it plans from free memory (the whole budget), its
     default predictor, no draft model."""
     cands = [r for r in exposed_settings(rows) if r.prefetch == DEFAULT_PREFETCH and r.draft_depth == 0]
@@ -231,40 +277,57 @@ def limiting_term(p: S.Projection, check_ms: float) -> str:
     compute = p.token_ms - p.exposed_ms - p.read_cpu_ms if p.draft_depth else p.compute_ms
     terms = {"compute": compute, "SSD reads": disk, "record checks": check_ms}
     name = max(terms, key=terms.get)
-    return (f"{name} ({terms[name]:.1f} of {p.token_ms:.1f} ms/token; compute {compute:.1f}, "
-            f"exposed reads {disk:.1f}, checks {check_ms:.1f})")
+    return (
+        f"{name} ({terms[name]:.1f} of {p.token_ms:.1f} ms/token; compute {compute:.1f}, "
+        f"exposed reads {disk:.1f}, checks {check_ms:.1f})"
+    )
 
 
-COLUMNS = ("| expert codec | cache (GiB) | policy | --prefetch | MTP draft depth | tok/s | ms/token | "
-           "compute ms/token | exposed read ms/token | hit rate | expert MB read/token | "
-           "timely / late recall | predictor basis |")
+COLUMNS = (
+    "| expert codec | cache (GiB) | policy | --prefetch | MTP draft depth | tok/s | ms/token | "
+    "compute ms/token | exposed read ms/token | hit rate | expert MB read/token | "
+    "timely / late recall | predictor basis |"
+)
 
 
 def table(rows: Sequence[S.Projection]) -> str:
     pct = lambda x: "n/a" if x is None else f"{x:.0%}"  # noqa: E731
     lines = [COLUMNS, "|" + "---|" * (COLUMNS.count("|") - 1)]
     for p in rows:
-        lines.append(f"| {p.codec} | {p.cache_gb:g} | {p.policy} | {p.prefetch} | {p.draft_depth} | {p.tok_s:.2f} | "
-                     f"{p.token_ms:.1f} | {p.compute_ms:.1f} | {p.exposed_ms:.1f} | {p.hit_rate:.1%} | "
-                     f"{p.bytes_per_token / 1e6:.0f} | {pct(p.timely_recall)} / {pct(p.late_recall)} | {p.basis} |")
+        lines.append(
+            f"| {p.codec} | {p.cache_gb:g} | {p.policy} | {p.prefetch} | {p.draft_depth} | {p.tok_s:.2f} | "
+            f"{p.token_ms:.1f} | {p.compute_ms:.1f} | {p.exposed_ms:.1f} | {p.hit_rate:.1%} | "
+            f"{p.bytes_per_token / 1e6:.0f} | {pct(p.timely_recall)} / {pct(p.late_recall)} | {p.basis} |"
+        )
     return "\n".join(lines)
 
 
-DOC_COLUMNS = ("| profile | expert codec | record bytes | cache budget (GiB) | default settings, tok/s: fast check / "
-               "SHA-256 / no check | default read-ahead vs --prefetch off (fast check) | best, tok/s: fast check / "
-               "SHA-256 / no check | best flags (fast check) | what limits the default (fast check) |")
+DOC_COLUMNS = (
+    "| profile | expert codec | record bytes | cache budget (GiB) | default settings, tok/s: fast check / "
+    "SHA-256 / no check | default read-ahead vs --prefetch off (fast check) | best, tok/s: fast check / "
+    "SHA-256 / no check | best flags (fast check) | what limits the default (fast check) |"
+)
 
 
-def doc_rows(results: Sequence[dict]) -> List[dict]:
+def doc_rows(results: Sequence[dict]) -> list[dict]:
     """One row per (profile, expert codec): tok/s of the defaults and of the best per check."""
-    rows: Dict[tuple, dict] = {}
+    rows: dict[tuple, dict] = {}
     for item in results:
         res = item["result"]
         for c in res["by_codec"]:
             key = (res["machine"]["name"], c["codec"])
-            row = rows.setdefault(key, {"profile": res["machine"]["name"], "profile_name": item["profile_name"],
-                                        "codec": c["codec"], "record_bytes": c["geometry"]["record_bytes"],
-                                        "budget_gb": res["cache_budget_gb"], "default": {}, "best": {}})
+            row = rows.setdefault(
+                key,
+                {
+                    "profile": res["machine"]["name"],
+                    "profile_name": item["profile_name"],
+                    "codec": c["codec"],
+                    "record_bytes": c["geometry"]["record_bytes"],
+                    "budget_gb": res["cache_budget_gb"],
+                    "default": {},
+                    "best": {},
+                },
+            )
             row["default"][item["check"]] = c["default"]["tok_s"] if c["default"] else None
             row["best"][item["check"]] = c["best"]["tok_s"]
             if item["check"] == "fast":
@@ -277,17 +340,23 @@ def doc_rows(results: Sequence[dict]) -> List[dict]:
 # Issue 23's goal: tok/s with default settings and the (fast) read check on.
 GOALS = {"m5-pro-48gb": 25.0, "m5-pro-64gb": 30.0}
 
-GOAL_COLUMNS = ("| profile | goal (tok/s) | expert width | default settings, tok/s (fast check) | ms/token: compute + "
-                "exposed reads + checks | compute the goal leaves (ms/token) | dense weights at 3 bits too, tok/s | "
-                "best flags, tok/s |")
+GOAL_COLUMNS = (
+    "| profile | goal (tok/s) | expert width | default settings, tok/s (fast check) | ms/token: compute + "
+    "exposed reads + checks | compute the goal leaves (ms/token) | dense weights at 3 bits too, tok/s | "
+    "best flags, tok/s |"
+)
 
 
-def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> List[str]:
+def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> list[str]:
     """Where each goal profile stands at each expert width, which term limits it and what moves it."""
     fast = {item["profile_name"]: item["result"] for item in results if item["check"] == "fast"}
     alt = {item["profile_name"]: item["result"] for item in whatif or ()}
-    lines = ["## The goal: M5 Pro 48 GB >= 25 tok/s, M5 Pro 64 GB >= 30 tok/s (default settings, fast check on)", "",
-             GOAL_COLUMNS, "|" + "---|" * (GOAL_COLUMNS.count("|") - 1)]
+    lines = [
+        "## The goal: M5 Pro 48 GB >= 25 tok/s, M5 Pro 64 GB >= 30 tok/s (default settings, fast check on)",
+        "",
+        GOAL_COLUMNS,
+        "|" + "---|" * (GOAL_COLUMNS.count("|") - 1),
+    ]
     verdicts = []
     for name, goal in sorted(GOALS.items()):
         res = fast.get(name)
@@ -304,11 +373,14 @@ def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> List[str]:
             w = next((x for x in (alt.get(name) or {}).get("by_codec", []) if x["codec"] == c["codec"]), None)
             wtok = (w or {}).get("default") or {}
             rows.append((c, d, reads, chk, budget - reads - chk, wtok.get("tok_s")))
-            lines.append(f"| {res['machine']['name']} | {goal:g} | {c['codec']} | {d['tok_s']:.1f} | "
-                         f"{d['token_ms']:.1f} = {d['compute_ms']:.1f} + {reads:.1f} + {chk:.1f} | "
-                         f"{budget - reads - chk:.1f} (assumed {d['compute_ms']:.1f}) | "
-                         + ("n/a" if wtok.get("tok_s") is None else f"{wtok['tok_s']:.1f}") + " | "
-                         f"{c['best']['tok_s']:.1f} (`{c.get('best_flags')}`) |")
+            lines.append(
+                f"| {res['machine']['name']} | {goal:g} | {c['codec']} | {d['tok_s']:.1f} | "
+                f"{d['token_ms']:.1f} = {d['compute_ms']:.1f} + {reads:.1f} + {chk:.1f} | "
+                f"{budget - reads - chk:.1f} (assumed {d['compute_ms']:.1f}) | "
+                + ("n/a" if wtok.get("tok_s") is None else f"{wtok['tok_s']:.1f}")
+                + " | "
+                f"{c['best']['tok_s']:.1f} (`{c.get('best_flags')}`) |"
+            )
             if d["tok_s"] >= goal:
                 meets.append((c["codec"], d["tok_s"]))
         if not rows:
@@ -316,43 +388,61 @@ def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> List[str]:
         first = rows[0]
         label = res["machine"]["name"]
         fc, fd, freads, fchk = first[0], first[1], first[2], first[3]
-        at_default = (f"at the default {fc['codec']} it projects {fd['tok_s']:.1f} tok/s, a token being "
-                      f"{fd['token_ms']:.1f} ms: compute {fd['compute_ms']:.1f}, exposed reads {freads:.1f}, checks "
-                      f"{fchk:.1f} (compute alone allows {1e3 / fd['compute_ms']:.1f} tok/s)")
+        at_default = (
+            f"at the default {fc['codec']} it projects {fd['tok_s']:.1f} tok/s, a token being "
+            f"{fd['token_ms']:.1f} ms: compute {fd['compute_ms']:.1f}, exposed reads {freads:.1f}, checks "
+            f"{fchk:.1f} (compute alone allows {1e3 / fd['compute_ms']:.1f} tok/s)"
+        )
         if meets:
             widest = meets[0]  # the table lists the widest (least lossy) width first
-            head = (f"**{label}: meets {goal:g} tok/s at {widest[0]} experts ({widest[1]:.1f} tok/s projected)**; "
-                    f"{at_default}.")
+            head = (
+                f"**{label}: meets {goal:g} tok/s at {widest[0]} experts ({widest[1]:.1f} tok/s projected)**; "
+                f"{at_default}."
+            )
         else:
             best = max(rows, key=lambda r: r[1]["tok_s"])
-            head = (f"**{label}: below {goal:g} tok/s at every width** (best default {best[1]['tok_s']:.1f} tok/s at "
-                    f"{best[0]['codec']}); {at_default}.")
+            head = (
+                f"**{label}: below {goal:g} tok/s at every width** (best default {best[1]['tok_s']:.1f} tok/s at "
+                f"{best[0]['codec']}); {at_default}."
+            )
         # Which term limits the fastest width, and what would move it.
         c, d, reads, chk, left, wt = max(rows, key=lambda r: r[1]["tok_s"])
         if d["tok_s"] >= goal:
-            verdicts.append(head + f" At {c['codec']} a token is {d['token_ms']:.1f} ms: compute {d['compute_ms']:.1f}, "
-                            f"exposed reads {reads:.1f}, checks {chk:.1f}; the margin is {budget - d['token_ms']:.1f} ms.")
+            verdicts.append(
+                head + f" At {c['codec']} a token is {d['token_ms']:.1f} ms: compute {d['compute_ms']:.1f}, "
+                f"exposed reads {reads:.1f}, checks {chk:.1f}; the margin is {budget - d['token_ms']:.1f} ms."
+            )
             continue
         if d["compute_ms"] >= budget:
-            why = (f"Compute limits it: at {c['codec']} compute alone is {d['compute_ms']:.1f} ms/token against the "
-                   f"{budget:.1f} ms that {goal:g} tok/s allows, so no read-side change reaches it.")
+            why = (
+                f"Compute limits it: at {c['codec']} compute alone is {d['compute_ms']:.1f} ms/token against the "
+                f"{budget:.1f} ms that {goal:g} tok/s allows, so no read-side change reaches it."
+            )
         else:
-            why = (f"Reads limit it: compute {d['compute_ms']:.1f} ms leaves {budget - d['compute_ms']:.1f} ms for "
-                   f"reads and checks, the projection exposes {reads + chk:.1f} ms.")
-        moves = [f"dense weights at 3 bits too ({'n/a' if wt is None else f'{wt:.1f}'} tok/s; quality not measured here)",
-                 f"a draft model (best {c['best']['tok_s']:.1f} tok/s with `{c.get('best_flags')}`, at the assumed "
-                 "MTP acceptance 0.5)",
-                 f"an M5 Pro that decodes faster than the assumed 0.6x an M4 Max: the goal needs compute <= "
-                 f"{left:.1f} ms/token at {c['codec']} with these reads"]
+            why = (
+                f"Reads limit it: compute {d['compute_ms']:.1f} ms leaves {budget - d['compute_ms']:.1f} ms for "
+                f"reads and checks, the projection exposes {reads + chk:.1f} ms."
+            )
+        moves = [
+            f"dense weights at 3 bits too ({'n/a' if wt is None else f'{wt:.1f}'} tok/s; quality not measured here)",
+            f"a draft model (best {c['best']['tok_s']:.1f} tok/s with `{c.get('best_flags')}`, at the assumed "
+            "MTP acceptance 0.5)",
+            f"an M5 Pro that decodes faster than the assumed 0.6x an M4 Max: the goal needs compute <= "
+            f"{left:.1f} ms/token at {c['codec']} with these reads",
+        ]
         verdicts.append(head + " " + why + " What would move it: " + "; ".join(moves) + ".")
     lines += [""] + [f"- {v}" for v in verdicts]
-    lines += ["", "What the goal rows rest on (each printed in full per profile below): compute = 0.6x an M4 Max's "
-              "measured 21.2 ms/token (memory-bandwidth ratio, assumed), scaled with the weight bytes a token reads "
-              "at each width (ASSUMPTION: memory-bandwidth-bound decode, anchored at the 4-bit measurement); SSD "
-              "9.5 GB/s at QD1, 17.3 at QD8 (slotstream's M5 Pro); synthetic routes tuned to ~75% hits at 28 GiB; "
-              "read-ahead credited with what public runtimes measured; the fast check at XXH3's public 36 GB/s "
-              "per core; 8 GB kept for the OS and apps. The quality of 2- and 3-bit experts is not part of a "
-              "projection (`benchmarks/bench_widths.py` measures perplexity on the demo).", ""]
+    lines += [
+        "",
+        "What the goal rows rest on (each printed in full per profile below): compute = 0.6x an M4 Max's "
+        "measured 21.2 ms/token (memory-bandwidth ratio, assumed), scaled with the weight bytes a token reads "
+        "at each width (ASSUMPTION: memory-bandwidth-bound decode, anchored at the 4-bit measurement); SSD "
+        "9.5 GB/s at QD1, 17.3 at QD8 (slotstream's M5 Pro); synthetic routes tuned to ~75% hits at 28 GiB; "
+        "read-ahead credited with what public runtimes measured; the fast check at XXH3's public 36 GB/s "
+        "per core; 8 GB kept for the OS and apps. The quality of 2- and 3-bit experts is not part of a "
+        "projection (`benchmarks/bench_widths.py` measures perplexity on the demo).",
+        "",
+    ]
     return lines
 
 
@@ -384,11 +474,14 @@ def render_doc(results: Sequence[dict], command: str, whatif: Sequence[dict] = (
     ]
     for r in doc_rows(results):
         d, b = r["default"], r["best"]
-        lines.append(f"| {r['profile']} | {r['codec']} | {r['record_bytes']:,} | {r['budget_gb']:.1f} | "
-                     f"{num(d.get('fast'))} / {num(d.get('sha256'))} / {num(d.get('off'))} | "
-                     + ("n/a" if r.get("default_gain") is None else f"x{r['default_gain']:.2f}") + " | "
-                     f"{num(b.get('fast'))} / {num(b.get('sha256'))} / {num(b.get('off'))} | "
-                     f"`{r.get('best_flags', '')}` | {r.get('default_limit', '')} |")
+        lines.append(
+            f"| {r['profile']} | {r['codec']} | {r['record_bytes']:,} | {r['budget_gb']:.1f} | "
+            f"{num(d.get('fast'))} / {num(d.get('sha256'))} / {num(d.get('off'))} | "
+            + ("n/a" if r.get("default_gain") is None else f"x{r['default_gain']:.2f}")
+            + " | "
+            f"{num(b.get('fast'))} / {num(b.get('sha256'))} / {num(b.get('off'))} | "
+            f"`{r.get('best_flags', '')}` | {r.get('default_limit', '')} |"
+        )
     lines += [""] + goal_section(results, whatif)
     lines += ["## Assumptions and sources, per profile", ""]
     seen = set()

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -43,8 +42,9 @@ def read_report(path: str, flag: str = "--report") -> dict:
     except OSError as e:
         raise UsageError(flag, f"{path}: not JSON: {e}") from None
     if not is_report(d):
-        raise UsageError(flag, f"{path}: not a qualify report (schema {SCHEMA!r}; write one with "
-                               "hebrus-mlx qualify --report FILE)")
+        raise UsageError(
+            flag, f"{path}: not a qualify report (schema {SCHEMA!r}; write one with hebrus-mlx qualify --report FILE)"
+        )
     return d
 
 
@@ -67,7 +67,7 @@ def _ssd(d: dict, flag: str) -> dict:
     return out
 
 
-def _verify_gbps(d: dict) -> Optional[float]:
+def _verify_gbps(d: dict) -> float | None:
     """One reader thread's check rate for the check the report's artifact streams with."""
     h = d.get("hashes") or {}
     fast = h.get("fast_check") or {}
@@ -76,12 +76,12 @@ def _verify_gbps(d: dict) -> Optional[float]:
     return h.get("sha256_engine_GBps_one_thread") or h.get("sha256_GBps_one_thread")
 
 
-def _sha256_gbps(d: dict) -> Optional[float]:
+def _sha256_gbps(d: dict) -> float | None:
     h = d.get("hashes") or {}
     return h.get("sha256_engine_GBps_one_thread") or h.get("sha256_GBps_one_thread")
 
 
-def _fast_gbps(d: dict) -> Optional[float]:
+def _fast_gbps(d: dict) -> float | None:
     """The fast read check's rate (XXH3-128, one thread) where the report measured it."""
     v = ((d.get("hashes") or {}).get("fast_check") or {}).get("xxh3_128_GBps_one_thread")
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
@@ -101,7 +101,7 @@ def compute_layer_ms(d: dict, flag: str) -> tuple:
     raise UsageError(flag, "the report's decode has no compute per layer")
 
 
-def machine_profile(d: dict, where: str, layer_ms: Optional[float] = None) -> dict:
+def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
     """A simulator profile (the shape of the shipped ones) for the report's machine. The routes,
     memory reserve, resident size and speculative acceptance are the shipped M5 Pro 48 GB
     profile's assumptions (said so); `--trace` replaces the routes."""
@@ -124,23 +124,34 @@ def machine_profile(d: dict, where: str, layer_ms: Optional[float] = None) -> di
         "fast_check_gbps": _fast_gbps(d) or base.get("fast_check_gbps"),
         # Dense weights, PLE and MTP of the report's artifact stay in memory beside the expert cache.
         "resident_gb": float(art.get("other_bytes") or 0) / 1e9 or base["resident_gb"],
-        "reserve_gb": base["reserve_gb"], "acceptance": base["acceptance"],
+        "reserve_gb": base["reserve_gb"],
+        "acceptance": base["acceptance"],
         "synthetic_routes": base["synthetic_routes"],
         "synthetic_predictors": base.get("synthetic_predictors", {}),
-        "predictors": base.get("predictors", {}), "predictor_overhead": base.get("predictor_overhead", {}),
+        "predictors": base.get("predictors", {}),
+        "predictor_overhead": base.get("predictor_overhead", {}),
         "report_family": art.get("family"),
         "layer_ms_given": given,
         "status": "projection from a qualify report's measurements and the stated assumptions",
-        "sources": [f"SSD, SHA-256, memory: qualify report {where} ({ident.get('system')} {ident.get('macos') or ''} "
-                    f"{ident.get('machine')}, MLX {ident.get('mlx')} {ident.get('backend')} backend; "
-                    f"{d['ssd'].get('record_bytes')} B reads, page cache {d['ssd'].get('page_cache')})",
-                    f"compute: --layer-ms {layer_ms}" if given else
-                    f"compute: {measured:.4f} ms per layer on the report's {art.get('family')} ({how})"],
+        "sources": [
+            f"SSD, SHA-256, memory: qualify report {where} ({ident.get('system')} {ident.get('macos') or ''} "
+            f"{ident.get('machine')}, MLX {ident.get('mlx')} {ident.get('backend')} backend; "
+            f"{d['ssd'].get('record_bytes')} B reads, page cache {d['ssd'].get('page_cache')})",
+            f"compute: --layer-ms {layer_ms}"
+            if given
+            else f"compute: {measured:.4f} ms per layer on the report's {art.get('family')} ({how})",
+        ],
         "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads (the loader's)"]
-        + ([] if _fast_gbps(d) else ["ASSUMPTION: fast check rate of the shipped m5-pro-48gb profile (the report "
-                                     "measured none)"]) + [
-                        "ASSUMPTION: resident_gb = the report's artifact less its expert store; reserve GB, "
-                        "acceptance, synthetic routes and predictor recalls of the shipped m5-pro-48gb profile"] + [a for a in base["assumptions"] if "synthetic" in a],
+        + (
+            []
+            if _fast_gbps(d)
+            else ["ASSUMPTION: fast check rate of the shipped m5-pro-48gb profile (the report measured none)"]
+        )
+        + [
+            "ASSUMPTION: resident_gb = the report's artifact less its expert store; reserve GB, "
+            "acceptance, synthetic routes and predictor recalls of the shipped m5-pro-48gb profile"
+        ]
+        + [a for a in base["assumptions"] if "synthetic" in a],
     }
     return prof
 
@@ -151,8 +162,11 @@ def check_family(prof: dict, family_name: str) -> None:
     fam = prof.get("report_family")
     if fam is None or prof.get("layer_ms_given") or fam == family_name:
         return
-    raise UsageError("--family", f"the report measured compute on {fam}, not {family_name}: project "
-                                 f"--family {fam}, or give that family's compute with --layer-ms")
+    raise UsageError(
+        "--family",
+        f"the report measured compute on {fam}, not {family_name}: project "
+        f"--family {fam}, or give that family's compute with --layer-ms",
+    )
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -177,9 +191,14 @@ def validate_report(args) -> dict:
     if len(decode) == 0 or decode.min() < 0 or decode.max() >= E or (len(warm) and warm.max() >= E):
         raise UsageError(flag, f"decode.routes: expert IDs must be in [0, {E})")
     layer_ms, how = compute_layer_ms(d, flag)
-    machine = S.Machine(name=f"{d['identity'].get('chip')} (qualify report)", ssd_gbps=_ssd(d, flag),
-                        layer_s=layer_ms / 1e3, threads=8, verify_gbps=_verify_gbps(d),
-                        assumptions=[f"compute: {layer_ms:.4f} ms per layer ({how})", "pre_router 0.5 (assumption)"])
+    machine = S.Machine(
+        name=f"{d['identity'].get('chip')} (qualify report)",
+        ssd_gbps=_ssd(d, flag),
+        layer_s=layer_ms / 1e3,
+        threads=8,
+        verify_gbps=_verify_gbps(d),
+        assumptions=[f"compute: {layer_ms:.4f} ms per layer ({how})", "pre_router 0.5 (assumption)"],
+    )
     geom = S.ModelGeometry(str(art.get("family")), L, E, k, R)
     # The timed run's arena has seen the warm-up run and one earlier run of the same tokens: the
     # prompt, a decode, then this run's prompt (as `simulate --validate` replays bench runs).
@@ -190,8 +209,15 @@ def validate_report(args) -> dict:
         if not isinstance(cap, int) or cap < k:
             raise UsageError(flag, f"a streamed run has no arena rows >= top_k ({cap!r})")
         rep = S.replay(decode, E, cap, r.get("policy", "clock"), r.get("prefetch", "off"), before)
-        p = S.project(machine, geom, rep, cache_gb=float(r["cache_gb"]), capacity=cap,
-                      policy=r.get("policy", "clock"), prefetch=r.get("prefetch", "off"))
+        p = S.project(
+            machine,
+            geom,
+            rep,
+            cache_gb=float(r["cache_gb"]),
+            capacity=cap,
+            policy=r.get("policy", "clock"),
+            prefetch=r.get("prefetch", "off"),
+        )
         meas = r.get("decode_tok_s_p50")
         ratio = p.tok_s / meas if meas else None
         # Paired by round where the report has the rounds: each run predicted from the compute of
@@ -202,42 +228,80 @@ def validate_report(args) -> dict:
             by_round = []
             for c, m_ in zip(comp, mine):
                 mach = dataclasses.replace(machine, layer_s=1.0 / c / L)
-                by_round.append(S.project(mach, geom, rep, cache_gb=float(r["cache_gb"]), capacity=cap,
-                                          policy=r.get("policy", "clock"), prefetch=r.get("prefetch", "off")).tok_s / m_)
+                by_round.append(
+                    S.project(
+                        mach,
+                        geom,
+                        rep,
+                        cache_gb=float(r["cache_gb"]),
+                        capacity=cap,
+                        policy=r.get("policy", "clock"),
+                        prefetch=r.get("prefetch", "off"),
+                    ).tok_s
+                    / m_
+                )
             ratio = statistics.median(by_round)
-        out.append({"cache_gb": r["cache_gb"], "rows": cap, "predicted_tok_s": p.tok_s, "measured_tok_s": meas,
-                    "ratio": ratio, "ratios_by_round": by_round,
-                    "predicted_hit_rate": rep.engine_hit_rate, "measured_hit_rate": r.get("hit_rate"),
-                    "predicted_exposed_ms": p.exposed_ms, "measured_exposed_ms": r.get("exposed_wait_ms_per_token"),
-                    "predicted_mb_per_token": p.bytes_per_token / 1e6,
-                    "measured_mb_per_token": None if r.get("expert_bytes_per_token") is None
-                    else r["expert_bytes_per_token"] / 1e6})
+        out.append(
+            {
+                "cache_gb": r["cache_gb"],
+                "rows": cap,
+                "predicted_tok_s": p.tok_s,
+                "measured_tok_s": meas,
+                "ratio": ratio,
+                "ratios_by_round": by_round,
+                "predicted_hit_rate": rep.engine_hit_rate,
+                "measured_hit_rate": r.get("hit_rate"),
+                "predicted_exposed_ms": p.exposed_ms,
+                "measured_exposed_ms": r.get("exposed_wait_ms_per_token"),
+                "predicted_mb_per_token": p.bytes_per_token / 1e6,
+                "measured_mb_per_token": None
+                if r.get("expert_bytes_per_token") is None
+                else r["expert_bytes_per_token"] / 1e6,
+            }
+        )
     ratios = [abs(x["ratio"] - 1) for x in out if x["ratio"] is not None]
     hits = [abs(x["predicted_hit_rate"] - x["measured_hit_rate"]) for x in out if x["measured_hit_rate"] is not None]
-    return {"report": {"machine": d["identity"].get("chip"), "family": art.get("family"),
-                       "created_unix": d.get("created_unix")},
-            "machine": machine.to_dict(), "compute_ms_per_token": layer_ms * L, "runs": out,
-            "worst": max(ratios) if ratios else None, "worst_hit_rate_gap": max(hits) if hits else None,
-            "stack": "qualify report"}
+    return {
+        "report": {
+            "machine": d["identity"].get("chip"),
+            "family": art.get("family"),
+            "created_unix": d.get("created_unix"),
+        },
+        "machine": machine.to_dict(),
+        "compute_ms_per_token": layer_ms * L,
+        "runs": out,
+        "worst": max(ratios) if ratios else None,
+        "worst_hit_rate_gap": max(hits) if hits else None,
+        "stack": "qualify report",
+    }
 
 
 def print_validation(v: dict) -> None:
     m = v["machine"]
     num = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
-    print(f"validation against a qualify report ({v['report']['machine']}, {v['report']['family']}): compute "
-          f"{v['compute_ms_per_token']:.2f} ms/token, SSD "
-          + ", ".join(f"QD{q} {g:.2f}" for q, g in m["ssd_gbps"].items()) + " GB/s"
-          + (f", SHA-256 {m['verify_gbps']:.2f} GB/s" if m.get("verify_gbps") else "")
-          + "; the report's routes replayed at each run's arena rows (prefetch off, CLOCK); pred/meas = the "
-          "median over rounds of each run predicted from its own round's all-cached compute, where recorded")
-    print("| expert cache GiB | rows | predicted tok/s | measured tok/s | pred/meas | hit rate pred/meas | "
-          "exposed ms pred/meas | MB/token pred/meas |")
+    print(
+        f"validation against a qualify report ({v['report']['machine']}, {v['report']['family']}): compute "
+        f"{v['compute_ms_per_token']:.2f} ms/token, SSD "
+        + ", ".join(f"QD{q} {g:.2f}" for q, g in m["ssd_gbps"].items())
+        + " GB/s"
+        + (f", SHA-256 {m['verify_gbps']:.2f} GB/s" if m.get("verify_gbps") else "")
+        + "; the report's routes replayed at each run's arena rows (prefetch off, CLOCK); pred/meas = the "
+        "median over rounds of each run predicted from its own round's all-cached compute, where recorded"
+    )
+    print(
+        "| expert cache GiB | rows | predicted tok/s | measured tok/s | pred/meas | hit rate pred/meas | "
+        "exposed ms pred/meas | MB/token pred/meas |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in v["runs"]:
-        print(f"| {r['cache_gb']:.3g} | {r['rows']} | {r['predicted_tok_s']:.2f} | {num(r['measured_tok_s'], '.2f')} | "
-              f"{num(r['ratio'], '.2f')} | {r['predicted_hit_rate']:.1%} / {num(r['measured_hit_rate'], '.1%')} | "
-              f"{r['predicted_exposed_ms']:.3f} / {num(r['measured_exposed_ms'], '.3f')} | "
-              f"{r['predicted_mb_per_token']:.2f} / {num(r['measured_mb_per_token'], '.2f')} |")
+        print(
+            f"| {r['cache_gb']:.3g} | {r['rows']} | {r['predicted_tok_s']:.2f} | {num(r['measured_tok_s'], '.2f')} | "
+            f"{num(r['ratio'], '.2f')} | {r['predicted_hit_rate']:.1%} / {num(r['measured_hit_rate'], '.1%')} | "
+            f"{r['predicted_exposed_ms']:.3f} / {num(r['measured_exposed_ms'], '.3f')} | "
+            f"{r['predicted_mb_per_token']:.2f} / {num(r['measured_mb_per_token'], '.2f')} |"
+        )
     if v["worst"] is not None:
-        print(f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs; "
-              f"worst hit-rate gap {100 * (v['worst_hit_rate_gap'] or 0):.1f} points")
+        print(
+            f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs; "
+            f"worst hit-rate gap {100 * (v['worst_hit_rate_gap'] or 0):.1f} points"
+        )

@@ -54,8 +54,7 @@ def switch_glu(x, weights, rows):
 
     def proj(k, h):
         w, sc, b = weights[k]
-        return mx.gather_qmm(h, w, sc, b, rhs_indices=rows, transpose=True,
-                             group_size=GROUP, bits=BITS)
+        return mx.gather_qmm(h, w, sc, b, rhs_indices=rows, transpose=True, group_size=GROUP, bits=BITS)
 
     g = proj(0, x)
     return proj(2, g * mx.sigmoid(g) * proj(1, x))
@@ -82,8 +81,7 @@ def build_decode_store(path, n_records, rec):
                 fan_in = INTER if c == 2 else HIDDEN
                 n = pb[3 * c + 1] // 2
                 scale = rng.uniform(0.5, 1.5, n) * np.sqrt(12.0 / fan_in) / 16
-                out += [rng.integers(0, 256, pb[3 * c], dtype=np.uint8).tobytes(),
-                        bf16(scale), bf16(-7.5 * scale)]
+                out += [rng.integers(0, 256, pb[3 * c], dtype=np.uint8).tobytes(), bf16(scale), bf16(-7.5 * scale)]
             body = b"".join(out)
             f.write(body + bytes(rec - len(body)))
         f.flush()
@@ -99,13 +97,23 @@ def make_mixers(layers):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from hebrus_mlx.models.qwen4exp import GatedDeltaNet, SharedExpert
     from hebrus_mlx.format.qwen4exp_config import ModelArgs
+    from hebrus_mlx.models.qwen4exp import GatedDeltaNet, SharedExpert
 
-    args = ModelArgs.from_dict(dict(
-        model_type="qwen4_exp_text", hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=256,
-        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=INTER,
-        shared_expert_intermediate_size=512, layer_types=["linear_attention"], ple_layer_ids=[]))
+    args = ModelArgs.from_dict(
+        dict(
+            model_type="qwen4_exp_text",
+            hidden_size=HIDDEN,
+            num_hidden_layers=1,
+            vocab_size=256,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=INTER,
+            shared_expert_intermediate_size=512,
+            layer_types=["linear_attention"],
+            ple_layer_ids=[],
+        )
+    )
     mx.random.seed(11)
     mixers = []
     for _ in range(layers):
@@ -147,8 +155,10 @@ class DecodeStack:
         self.prefetch, self.mixers = spec.kind == "previous", mixers
         self.caches = [LinearCache() for _ in range(layers)]
         key = mx.random.key(3)
-        self.routers = [mx.random.normal((HIDDEN, experts), key=mx.random.split(key, layers)[l])
-                        / HIDDEN ** 0.5 for l in range(layers)]
+        self.routers = [
+            mx.random.normal((HIDDEN, experts), key=mx.random.split(key, layers)[l]) / HIDDEN**0.5
+            for l in range(layers)
+        ]
         mx.eval(self.routers)
         self.prev = None
 
@@ -173,8 +183,7 @@ class DecodeStack:
         from hebrus_mlx.stream.predict import candidates
 
         if self.prefetch and self.prev is not None:
-            x = mx.depends(x, self.eng.prefetch(self.table, self.prev[l] + l * self.experts,
-                                                priority=1, layer=l))
+            x = mx.depends(x, self.eng.prefetch(self.table, self.prev[l] + l * self.experts, priority=1, layer=l))
         x, h, idx = self._route(l, x)
         rows, lease = self.eng.resolve(self.table, idx + l * self.experts, layer=l)
         target = l + self.spec.depth

@@ -12,15 +12,26 @@ head is a DrafterError (one line, exit 2 at the CLI).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any
 
 from .base import CompatibilityError, Drafter, DrafterError, Proposal
 from .governor import Governor
 from .protocol import Speculation, SpeculativeStats
 
-__all__ = ["DRAFTERS", "DraftArgs", "Drafter", "DrafterError", "CompatibilityError", "Governor", "Proposal",
-           "Speculation", "SpeculativeStats", "make_drafter"]
+__all__ = [
+    "DRAFTERS",
+    "DraftArgs",
+    "Drafter",
+    "DrafterError",
+    "CompatibilityError",
+    "Governor",
+    "Proposal",
+    "Speculation",
+    "SpeculativeStats",
+    "make_drafter",
+]
 
 
 @dataclass
@@ -28,8 +39,8 @@ class DraftArgs:
     """What a drafter factory may use besides the target model."""
 
     tokenizer: Any  # the target's TextTokenizer
-    distribution: Optional[Callable] = None  # the target sampler's distribution (None: greedy)
-    num_draft_tokens: Optional[int] = None
+    distribution: Callable | None = None  # the target sampler's distribution (None: greedy)
+    num_draft_tokens: int | None = None
 
 
 def _ngram(model, args):
@@ -44,7 +55,9 @@ def _mtp(model, args):
     except ModuleNotFoundError as e:
         if e.name != "hebrus_mlx.speculative.mtp_drafter":
             raise
-        raise DrafterError("draft_model: 'mtp' needs hebrus_mlx.speculative.mtp_drafter, which this build does not have") from None
+        raise DrafterError(
+            "draft_model: 'mtp' needs hebrus_mlx.speculative.mtp_drafter, which this build does not have"
+        ) from None
     factory = getattr(mod, "make_drafter", None)
     if factory is None and hasattr(mod, "MTPDrafter"):
         # The MTP branch's drafter: MTPDrafter(model, model.mtp_head) (the loaders attach the head).
@@ -59,7 +72,7 @@ def _mtp(model, args):
         raise DrafterError(str(e) if str(e).startswith("draft_model") else f"draft_model: mtp: {e}") from None
 
 
-DRAFTERS: Dict[str, Callable[[Any, DraftArgs], Drafter]] = {"ngram": _ngram, "mtp": _mtp}
+DRAFTERS: dict[str, Callable[[Any, DraftArgs], Drafter]] = {"ngram": _ngram, "mtp": _mtp}
 
 
 def make_drafter(spec, model, tokenizer, sampler=None, num_draft_tokens=None) -> Drafter:
@@ -69,7 +82,9 @@ def make_drafter(spec, model, tokenizer, sampler=None, num_draft_tokens=None) ->
     if isinstance(spec, Drafter) or (not isinstance(spec, str) and hasattr(spec, "propose")):
         return check_drafter(spec)
     if not isinstance(spec, str) or not spec:
-        raise DrafterError(f"draft_model: expected a name ({', '.join(DRAFTERS)}), a directory or a Drafter, got {spec!r}")
+        raise DrafterError(
+            f"draft_model: expected a name ({', '.join(DRAFTERS)}), a directory or a Drafter, got {spec!r}"
+        )
     distribution = getattr(sampler, "distribution", None)
     args = DraftArgs(tokenizer, distribution, num_draft_tokens)
     if spec in DRAFTERS:

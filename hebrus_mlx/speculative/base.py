@@ -35,7 +35,6 @@ the target nothing extra, but keeping it alive costs memory, so only drafters th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import mlx.core as mx
 
@@ -73,27 +72,29 @@ class Proposal:
     """
 
     tokens: list[int]
-    candidates: Optional[list[list[int]]] = None
-    probs: Optional[mx.array] = None
+    candidates: list[list[int]] | None = None
+    probs: mx.array | None = None
 
     def __post_init__(self):
         self.tokens = [int(t) for t in self.tokens]
         if self.candidates is not None:
             if len(self.candidates) != len(self.tokens):
-                raise DrafterError(
-                    f"candidates: {len(self.candidates)} positions for {len(self.tokens)} tokens")
+                raise DrafterError(f"candidates: {len(self.candidates)} positions for {len(self.tokens)} tokens")
             for i, (c, t) in enumerate(zip(self.candidates, self.tokens)):
                 if not c or int(c[0]) != t:
                     raise DrafterError(f"candidates[{i}][0] must be tokens[{i}]={t}, got {list(c)[:1]}")
         if self.probs is not None and (self.probs.ndim != 2 or self.probs.shape[0] != len(self.tokens)):
             raise DrafterError(f"probs: shape {tuple(self.probs.shape)} is not [{len(self.tokens)}, vocab]")
 
-    def truncate(self, n: int) -> "Proposal":
+    def truncate(self, n: int) -> Proposal:
         """The first n positions (the governor may shorten a block; that never weakens exactness)."""
         if n >= len(self.tokens):
             return self
-        return Proposal(self.tokens[:n], None if self.candidates is None else self.candidates[:n],
-                        None if self.probs is None else self.probs[:n])
+        return Proposal(
+            self.tokens[:n],
+            None if self.candidates is None else self.candidates[:n],
+            None if self.probs is None else self.probs[:n],
+        )
 
 
 class Drafter:
@@ -102,14 +103,14 @@ class Drafter:
     name: str = "drafter"
     needs_hidden: bool = False
 
-    def begin(self, prompt: list[int], hidden: Optional[mx.array]) -> None:
+    def begin(self, prompt: list[int], hidden: mx.array | None) -> None:
         """After the target's prefill of `prompt` (see the module docstring for `hidden`)."""
 
     def propose(self, n: int) -> Proposal:
         """Up to n draft tokens continuing the committed sequence (fewer, even none, is allowed)."""
         raise NotImplementedError
 
-    def commit(self, accepted: list[int], hidden: Optional[mx.array]) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array | None) -> None:
         """Tokens appended this step; roll back anything speculated beyond them."""
 
     def reset(self) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -24,7 +24,7 @@ class NGramDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise DrafterError(f"ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.max_candidates = max_ngram, min_ngram, max_candidates
-        self.seq: List[int] = []
+        self.seq: list[int] = []
 
     def begin(self, prompt, hidden):
         self.seq = list(prompt)
@@ -35,13 +35,13 @@ class NGramDrafter(Drafter):
     def reset(self):
         self.seq = []
 
-    def _matches(self, k: int) -> List[int]:
+    def _matches(self, k: int) -> list[int]:
         """Start indices of continuations after earlier occurrences of the last k tokens, latest first."""
         s, L = self.seq, len(self.seq)
         if L <= k:
             return []
-        tail = s[L - k:]
-        return [i + k for i in range(L - k - 1, -1, -1) if s[i:i + k] == tail]
+        tail = s[L - k :]
+        return [i + k for i in range(L - k - 1, -1, -1) if s[i : i + k] == tail]
 
     def propose(self, n):
         if n <= 0:
@@ -51,7 +51,7 @@ class NGramDrafter(Drafter):
             if not starts:
                 continue
             best = starts[0]
-            tokens = self.seq[best:best + n]
+            tokens = self.seq[best : best + n]
             if not tokens:
                 continue
             cands = []
@@ -59,7 +59,7 @@ class NGramDrafter(Drafter):
                 c = [t]
                 for st in starts[1:]:
                     # Another match that agrees with the path so far offers its own next token.
-                    if st + i < len(self.seq) and self.seq[st:st + i] == tokens[:i] and self.seq[st + i] not in c:
+                    if st + i < len(self.seq) and self.seq[st : st + i] == tokens[:i] and self.seq[st + i] not in c:
                         c.append(self.seq[st + i])
                         if len(c) == self.max_candidates:
                             break
@@ -94,7 +94,8 @@ def check_compatible(target_tok, target_vocab: int, draft_tok, draft_vocab: int)
             raise CompatibilityError(f"draft_model: {key} is {d[key]!r}, the target's is {t[key]!r}")
     if target_vocab != draft_vocab:
         raise CompatibilityError(
-            f"draft_model: vocab_size (logit width) is {draft_vocab}, the target's is {target_vocab}")
+            f"draft_model: vocab_size (logit width) is {draft_vocab}, the target's is {target_vocab}"
+        )
 
 
 class DraftModelDrafter(Drafter):
@@ -108,15 +109,21 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model, effective_vocab_size: int, distribution: Optional[Callable] = None,
-                 prefill_step_size: int = 512, num_candidates: int = 3):
+    def __init__(
+        self,
+        model,
+        effective_vocab_size: int,
+        distribution: Callable | None = None,
+        prefill_step_size: int = 512,
+        num_candidates: int = 3,
+    ):
         self.model = model
         self.effective_vocab_size = effective_vocab_size
         self.distribution = distribution
         self.prefill_step_size = prefill_step_size
         self.num_candidates = num_candidates
         self.cache = None
-        self.pending: List[int] = []
+        self.pending: list[int] = []
         self.base = None
 
     # cache handling for both model families
@@ -167,7 +174,7 @@ class DraftModelDrafter(Drafter):
             return Proposal([])
         logits = None
         for i in range(0, len(self.pending), self.prefill_step_size):
-            logits = self._forward(self.pending[i:i + self.prefill_step_size])
+            logits = self._forward(self.pending[i : i + self.prefill_step_size])
             mx.eval(logits)
         self.pending = []
         self.base = self._snapshot()

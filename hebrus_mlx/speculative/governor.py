@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class CostModel:
     accept: Sequence[float]  # alpha_d for d = 1..max_block
     step_s: float  # a plain step, seconds per token (incl. its own exposed reads)
     token_s: float = 0.0  # extra verify compute seconds per extra token
-    verify_s: Optional[float] = None  # a verify forward's fixed cost (its first token; default step_s)
+    verify_s: float | None = None  # a verify forward's fixed cost (its first token; default step_s)
     draft_s: float = 0.0  # drafting seconds per drafted token
     unique: Sequence[float] = ()  # U(n), n = 1..max_block+1 (empty: no streamed experts)
     layers: int = 0  # streamed MoE layers
@@ -119,7 +119,7 @@ class _Recent:
     def __init__(self, size: int = 8, skip: int = 0):
         self.samples: deque = deque(maxlen=size)
         self.skip = skip
-        self.value: Optional[float] = None
+        self.value: float | None = None
 
     def add(self, x: float) -> None:
         if self.skip > 0:
@@ -142,8 +142,14 @@ class Governor:
     (drafted, accepted), `observe_step` (time, drafting time, engine misses and exposed wait of
     the step's forward) and, on a streamed model, `observe_routes` (routes of committed inputs)."""
 
-    def __init__(self, max_block: int, decay: float = 0.9, explore_every: int = 16, alpha_prior: float = 0.5,
-                 prior_weight: float = 2.0):
+    def __init__(
+        self,
+        max_block: int,
+        decay: float = 0.9,
+        explore_every: int = 16,
+        alpha_prior: float = 0.5,
+        prior_weight: float = 2.0,
+    ):
         self.max_block = max(0, int(max_block))
         self.decay = decay
         self.explore_every = explore_every
@@ -156,9 +162,9 @@ class Governor:
         self.draft = _Recent()
         self.miss = _Recent()
         self.read = _Recent()
-        self.unique: List[_Recent] = [_Recent() for _ in range(self.max_block + 1)]
+        self.unique: list[_Recent] = [_Recent() for _ in range(self.max_block + 1)]
         self.layers = 0
-        self._window: List[np.ndarray] = []  # per committed input: [layers, k] routes
+        self._window: list[np.ndarray] = []  # per committed input: [layers, k] routes
         self.steps = 0
         self.block_sizes: dict = {}
         # Plain steps first (their pipelined cost is the reference); the first probe comes after
@@ -170,7 +176,7 @@ class Governor:
 
     # -- estimates ------------------------------------------------------------------------------
 
-    def alpha(self) -> List[float]:
+    def alpha(self) -> list[float]:
         out, prev = [], self.alpha_prior
         for d in self.depths:
             a = (d.accepts + self.prior_weight * prev) / (d.trials + self.prior_weight)
@@ -178,7 +184,7 @@ class Governor:
             prev = a
         return out
 
-    def _unique(self) -> List[float]:
+    def _unique(self) -> list[float]:
         k = self.unique[0].value
         if k is None:
             return []
@@ -206,16 +212,24 @@ class Governor:
             return pts[0][1], 0.0
         return step_compute, 0.0
 
-    def model(self) -> Optional[CostModel]:
+    def model(self) -> CostModel | None:
         """The CostModel of the current estimates (None before a plain step was measured)."""
         if self.step.value is None:
             return None
         io1 = self.step_io.value or 0.0
         step_compute = max(self.step.value - io1, 0.0)
         fixed, per_token = self._verify_line(step_compute)
-        return CostModel(accept=self.alpha(), step_s=self.step.value, token_s=per_token, verify_s=fixed + io1,
-                         draft_s=self.draft.value or 0.0, unique=self._unique(), layers=self.layers,
-                         miss_rate=self.miss.value or 0.0, read_s=self.read.value or 0.0)
+        return CostModel(
+            accept=self.alpha(),
+            step_s=self.step.value,
+            token_s=per_token,
+            verify_s=fixed + io1,
+            draft_s=self.draft.value or 0.0,
+            unique=self._unique(),
+            layers=self.layers,
+            miss_rate=self.miss.value or 0.0,
+            read_s=self.read.value or 0.0,
+        )
 
     def best(self) -> int:
         m = self.model()
@@ -232,8 +246,11 @@ class Governor:
                 probe = nb[(self.steps // max(self.explore_every, 1)) % len(nb)]
             else:  # the shortest block first (cheapest), then the most promising one
                 m = self.model()
-                probe = 1 if m is None or not any(e.value for e in self.verify.values()) else \
-                    max(range(1, self.max_block + 1), key=lambda x: (m.speed(x), -x))
+                probe = (
+                    1
+                    if m is None or not any(e.value for e in self.verify.values())
+                    else max(range(1, self.max_block + 1), key=lambda x: (m.speed(x), -x))
+                )
             self._probing = b == 0
             self._next_probe = self.steps + self._probe_gap
             b = probe
@@ -259,8 +276,16 @@ class Governor:
                 d.trials += 1.0
                 d.accepts += 1.0 if depth <= accepted else 0.0
 
-    def observe_step(self, tokens: int, seconds: Optional[float], draft_seconds: float = 0.0, drafted: int = 0,
-                     misses: int = 0, exposed_s: float = 0.0, unique_reads: float = 0.0) -> None:
+    def observe_step(
+        self,
+        tokens: int,
+        seconds: float | None,
+        draft_seconds: float = 0.0,
+        drafted: int = 0,
+        misses: int = 0,
+        exposed_s: float = 0.0,
+        unique_reads: float = 0.0,
+    ) -> None:
         """A forward over `tokens` inputs took `seconds` (drafting and re-run excluded; a plain step:
         time per token as pipelined). misses / exposed_s: the engine's exact misses and exposed
         wait during it; unique_reads: unique expert-layers it routed to."""

@@ -33,8 +33,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -57,8 +58,10 @@ class SpeculativeStats:
     def summary(self) -> str:
         pct = 100.0 * self.accepted / self.drafted if self.drafted else 0.0
         per = self.committed / self.verify_steps if self.verify_steps else 0.0
-        return (f"Speculative: accepted {self.accepted}/{self.drafted} draft tokens ({pct:.1f}%), "
-                f"{per:.2f} tokens per verify step")
+        return (
+            f"Speculative: accepted {self.accepted}/{self.drafted} draft tokens ({pct:.1f}%), "
+            f"{per:.2f} tokens per verify step"
+        )
 
 
 @dataclass
@@ -66,14 +69,14 @@ class StepTrace:
     """One verified step, as the golden replay records it (AFN-020's proposal record)."""
 
     position: int  # sequence position of the block's first input (the last committed token)
-    path: List[int]  # the selected draft path
-    candidates: Optional[List[List[int]]]
-    target_tokens: List[int]  # the target's own token at every block position (greedy: argmax)
+    path: list[int]  # the selected draft path
+    candidates: list[list[int]] | None
+    target_tokens: list[int]  # the target's own token at every block position (greedy: argmax)
     accepted: int
     bonus: int
 
 
-def accept_block(logprobs: mx.array, proposal: Proposal, sampler: Callable) -> Tuple[int, int, List[int]]:
+def accept_block(logprobs: mx.array, proposal: Proposal, sampler: Callable) -> tuple[int, int, list[int]]:
     """Decide a verified block. logprobs: [n+1, V] target log-probabilities (vocab-masked) at the
     block's positions; row i predicts the token after block input i. Returns
     (accepted draft count a, bonus token, target tokens per row for the trace)."""
@@ -129,10 +132,20 @@ class Speculation:
     observe_block / observe_step / observe_routes); trace: a list receiving a StepTrace per verify;
     tickets: the request's ticket scope (Streaming.request(); None when nothing streams)."""
 
-    def __init__(self, model, drafter: Drafter, cache, sampler: Callable, tickets, *,
-                 num_draft_tokens: Optional[int] = None, governor: Any = "auto",
-                 stats: Optional[SpeculativeStats] = None, max_tokens: int = 256,
-                 trace: Optional[List[StepTrace]] = None):
+    def __init__(
+        self,
+        model,
+        drafter: Drafter,
+        cache,
+        sampler: Callable,
+        tickets,
+        *,
+        num_draft_tokens: int | None = None,
+        governor: Any = "auto",
+        stats: SpeculativeStats | None = None,
+        max_tokens: int = 256,
+        trace: list[StepTrace] | None = None,
+    ):
         from ..errors import GenerationError
         from .governor import Governor
 
@@ -160,7 +173,7 @@ class Speculation:
 
     # -- what the loop calls ------------------------------------------------------------------
 
-    def begin(self, prompt: List[int], hidden_rows: List[mx.array]) -> None:
+    def begin(self, prompt: list[int], hidden_rows: list[mx.array]) -> None:
         """After the prefill of all but the last prompt token (`hidden_rows`: their states); the
         drafter begins once the first token's step gave the last one."""
         self._prompt, self._prompt_hidden = list(prompt), hidden_rows
@@ -199,7 +212,7 @@ class Speculation:
         self._t_draft = time.perf_counter() - t0
         return proposal
 
-    def verify(self, step, y: int, proposal: Proposal) -> List[Tuple[int, mx.array, bool]]:
+    def verify(self, step, y: int, proposal: Proposal) -> list[tuple[int, mx.array, bool]]:
         """Verify [y] + the draft path in one target forward (`step`: the loop's DecodeStep);
         returns the committed (token, logprobs, from_draft): the accepted drafts, then the bonus."""
         drafts = proposal.tokens
@@ -281,8 +294,9 @@ def target_contract(model, owner: int = 0, generation: int = 0) -> dict:
     strided sample of lm_head and the embedding, not a full weight digest), the vocabulary width,
     the hidden-capture shape and stage, and the request's owner/generation."""
     args = model.args
-    h = hashlib.sha256(json.dumps(vars(args) if not hasattr(args, "to_dict") else args.to_dict(),
-                                  sort_keys=True, default=str).encode())
+    h = hashlib.sha256(
+        json.dumps(vars(args) if not hasattr(args, "to_dict") else args.to_dict(), sort_keys=True, default=str).encode()
+    )
     for w in (model.lm_head.weight, model.model.embed_tokens.weight):
         stride = max(1, w.shape[0] // 64)
         h.update(np.asarray(w[::stride].astype(mx.float32)).tobytes())
@@ -299,14 +313,22 @@ def target_contract(model, owner: int = 0, generation: int = 0) -> dict:
 
 def check_trace(header: dict, contract: dict) -> None:
     """Refuse a trace recorded against anything but this contract, naming the first field."""
-    for key in ("schema_version", "target_revision", "vocab_size", "hidden_shape", "captured_stage", "owner",
-                "generation"):
+    for key in (
+        "schema_version",
+        "target_revision",
+        "vocab_size",
+        "hidden_shape",
+        "captured_stage",
+        "owner",
+        "generation",
+    ):
         if header.get(key) != contract[key]:
             raise TraceMismatchError(f"{key}: trace has {header.get(key)!r}, this target has {contract[key]!r}")
 
 
-def replay_step(model, cache, y: int, proposal: Proposal, effective_vocab_size: int,
-                sampler: Optional[Callable] = None) -> Tuple[int, int, List[int]]:
+def replay_step(
+    model, cache, y: int, proposal: Proposal, effective_vocab_size: int, sampler: Callable | None = None
+) -> tuple[int, int, list[int]]:
     """One protocol step against the native target outside the generator (golden replay):
     verify [y] + path in one forward, decide, roll the rejected suffix back. Returns
     (accepted, bonus, committed)."""
@@ -323,7 +345,7 @@ def replay_step(model, cache, y: int, proposal: Proposal, effective_vocab_size: 
     return a, bonus, proposal.tokens[:a] + [bonus]
 
 
-def replay(model, trace: dict, effective_vocab_size: int, owner: int = 0, generation: int = 0) -> List[StepTrace]:
+def replay(model, trace: dict, effective_vocab_size: int, owner: int = 0, generation: int = 0) -> list[StepTrace]:
     """Re-run a recorded trace ({"header": ..., "prompt": [...], "steps": [{"path", "candidates"}...]})
     against this target after checking its header; returns what the target decides at each step."""
     check_trace(trace.get("header", {}), target_contract(model, owner, generation))

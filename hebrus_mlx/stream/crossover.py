@@ -27,7 +27,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -56,8 +56,15 @@ def crossover_from(fractions: Sequence[float], slot_s: Sequence[float], sweep_s:
     return float(f0 + (f1 - f0) * (sweep_s - t0) / (t1 - t0)), True
 
 
-def measure(make_experts: Callable, evict: Callable, num_layers: int, fractions: Sequence[float] = FRACTIONS,
-            passes: int = 4, sweep_threads: int = 4, seed: int = 0) -> dict:
+def measure(
+    make_experts: Callable,
+    evict: Callable,
+    num_layers: int,
+    fractions: Sequence[float] = FRACTIONS,
+    passes: int = 4,
+    sweep_threads: int = 4,
+    seed: int = 0,
+) -> dict:
     """Time the slot path at each fraction and the whole-extent sweep, cold, ``passes`` passes
     (even passes forward, odd ones backward; pass p reads layer p % num_layers).
 
@@ -106,7 +113,7 @@ def measure(make_experts: Callable, evict: Callable, num_layers: int, fractions:
     for p in range(passes):
         layer = p % num_layers
         order = list(fractions) + [None]
-        for f in (order if p % 2 == 0 else order[::-1]):
+        for f in order if p % 2 == 0 else order[::-1]:
             if f is None:
                 sweep_runs.append(sweep(layer))
             else:
@@ -114,19 +121,31 @@ def measure(make_experts: Callable, evict: Callable, num_layers: int, fractions:
     slot_med = [statistics.median(slot_runs[f]) for f in fractions]
     sweep_med = statistics.median(sweep_runs)
     cross, won = crossover_from(fractions, slot_med, sweep_med)
-    return {"crossover": cross, "sweep_won": won, "fractions": fractions, "record_bytes": record,
-            "num_experts": E, "passes": passes, "order": "forward/backward (ABBA), layer p % L",
-            "slot_ms_median": [1e3 * t for t in slot_med], "sweep_ms_median": 1e3 * sweep_med,
-            "slot_ms": [[1e3 * t for t in slot_runs[f]] for f in fractions],
-            "sweep_ms": [1e3 * t for t in sweep_runs],
-            "sweep_GBps": E * record / sweep_med / 1e9,
-            "slot_GBps_at_1": (E * record / slot_med[-1] / 1e9) if fractions[-1] == 1.0 else None}
+    return {
+        "crossover": cross,
+        "sweep_won": won,
+        "fractions": fractions,
+        "record_bytes": record,
+        "num_experts": E,
+        "passes": passes,
+        "order": "forward/backward (ABBA), layer p % L",
+        "slot_ms_median": [1e3 * t for t in slot_med],
+        "sweep_ms_median": 1e3 * sweep_med,
+        "slot_ms": [[1e3 * t for t in slot_runs[f]] for f in fractions],
+        "sweep_ms": [1e3 * t for t in sweep_runs],
+        "sweep_GBps": E * record / sweep_med / 1e9,
+        "slot_GBps_at_1": (E * record / slot_med[-1] / 1e9) if fractions[-1] == 1.0 else None,
+    }
 
 
 def _fraction(entry: dict, key: str) -> float:
     value = entry.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0.0 <= value <= 1.0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0.0 <= value <= 1.0
+    ):
         raise ProfileError(f"{FIELD}.{key}", f"must be a fraction in [0, 1], got {value!r}")
     return float(value)
 
@@ -138,7 +157,7 @@ def _positive_int(entry: dict, key: str) -> int:
     return value
 
 
-def from_profile(profile: Optional[dict], store_path: str, record_bytes: int, num_experts: int) -> tuple:
+def from_profile(profile: dict | None, store_path: str, record_bytes: int, num_experts: int) -> tuple:
     """(crossover, source) for ``--prefill-sweep auto`` over the expert store at ``store_path``:
     the profile's measured value when it stands for this machine, file system and store geometry
     (module doc), else (CROSSOVER, "built-in ... (why)"). A malformed entry raises ProfileError
@@ -164,8 +183,10 @@ def from_profile(profile: Optional[dict], store_path: str, record_bytes: int, nu
     if other:
         return CROSSOVER, f"{builtin} (machine profile written with another {'/'.join(other)})"
     if abs(measured_record / record_bytes - 1) > RECORD_TOLERANCE or measured_experts != num_experts:
-        return CROSSOVER, (f"{builtin} (machine profile measured {measured_experts} x {measured_record} B records, "
-                           f"this store has {num_experts} x {record_bytes} B: `hebrus-mlx qualify --artifact DIR`)")
+        return CROSSOVER, (
+            f"{builtin} (machine profile measured {measured_experts} x {measured_record} B records, "
+            f"this store has {num_experts} x {record_bytes} B: `hebrus-mlx qualify --artifact DIR`)"
+        )
     try:
         same_disk = os.stat(store).st_dev == os.stat(store_path).st_dev
     except OSError:
@@ -182,6 +203,7 @@ def for_store(store_path: str, record_bytes: int, num_experts: int, path=None) -
     try:
         return from_profile(read_profile(path), store_path, record_bytes, num_experts)
     except ProfileError as e:
-        warnings.warn(f"{e}; the prefill sweep keeps its built-in crossover (re-run `hebrus-mlx qualify`)",
-                      stacklevel=2)
+        warnings.warn(
+            f"{e}; the prefill sweep keeps its built-in crossover (re-run `hebrus-mlx qualify`)", stacklevel=2
+        )
         return CROSSOVER, f"built-in {CROSSOVER:.2f} (machine profile {path or profile_path()} refused: {e})"

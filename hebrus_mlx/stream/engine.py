@@ -28,7 +28,7 @@ package keeps working (resident weights only).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx  # loads libmlx before the extension needs it
 import numpy as np
@@ -39,7 +39,7 @@ try:
     from hebrus_mlx import _ext
 except ImportError as e:  # not built (e.g. a metadata-only install)
     _ext = None
-    _IMPORT_ERROR: Optional[BaseException] = e
+    _IMPORT_ERROR: BaseException | None = e
 else:
     _IMPORT_ERROR = None
 
@@ -85,33 +85,33 @@ def io_summary(counters: dict, prefetch=None) -> str:
 def mirror_summary(files: dict) -> str:
     """``mirror: reads 120 store / 118 mirror, 0 fallbacks`` from :meth:`StreamEngine.file_reads`."""
     r = files["reads"]
-    return (f"mirror: reads {r[0]} store / {' / '.join(str(n) for n in r[1:])} mirror, "
-            f"{files['fallbacks']} fallbacks")
+    return f"mirror: reads {r[0]} store / {' / '.join(str(n) for n in r[1:])} mirror, {files['fallbacks']} fallbacks"
 
 
 def _prefetch_summary(c: dict, prefetch) -> str:
     s = prediction_stats(c)
     pct = lambda v: "n/a" if v is None else f"{100.0 * v:.1f}%"  # noqa: E731
-    return (f"prefetch {prefetch.name}: timely recall {pct(s['timely_recall'])}, "
-            f"precision {pct(s['precision'])}")
+    return f"prefetch {prefetch.name}: timely recall {pct(s['timely_recall'])}, precision {pct(s['precision'])}"
 
 
 # Engine trace (metal_ext/trace.h). Times are steady-clock ns, the clock of
 # time.monotonic_ns() (see trace_clock_ns).
 TRACE_KINDS = ("read", "wait", "mark")
-TRACE_DTYPE = np.dtype([
-    ("kind", "U4"),
-    ("outcome", "U12"),
-    ("priority", np.int8),   # read: queue it ran from, -1 if it never ran
-    ("exact", np.bool_),     # read: issued exact (else predicted)
-    ("promoted", np.bool_),  # read: predicted, then joined by an exact request
-    ("layer", np.int32),
-    ("expert", np.int32),    # mark: the tag
-    ("bytes", np.uint64),
-    ("issue_ns", np.int64),  # read: request; wait: begin; mark: time
-    ("start_ns", np.int64),  # read: a worker picked it (0: never ran)
-    ("end_ns", np.int64),    # read: published / failed / dropped; wait: end
-])
+TRACE_DTYPE = np.dtype(
+    [
+        ("kind", "U4"),
+        ("outcome", "U12"),
+        ("priority", np.int8),  # read: queue it ran from, -1 if it never ran
+        ("exact", np.bool_),  # read: issued exact (else predicted)
+        ("promoted", np.bool_),  # read: predicted, then joined by an exact request
+        ("layer", np.int32),
+        ("expert", np.int32),  # mark: the tag
+        ("bytes", np.uint64),
+        ("issue_ns", np.int64),  # read: request; wait: begin; mark: time
+        ("start_ns", np.int64),  # read: a worker picked it (0: never ran)
+        ("end_ns", np.int64),  # read: published / failed / dropped; wait: end
+    ]
+)
 
 
 def _trace_array(d: dict) -> np.ndarray:
@@ -122,10 +122,17 @@ def _trace_array(d: dict) -> np.ndarray:
     out["kind"] = [TRACE_KINDS[k] for k in d["kind"]]
     # Named by the engine: "published", ..., "error:<name>" ("" for marks).
     out["outcome"] = d["outcome"]
-    for field, col in (("priority", "priority"), ("exact", "exact"),
-                       ("promoted", "promoted"), ("layer", "layer"),
-                       ("expert", "expert"), ("bytes", "bytes"),
-                       ("issue_ns", "t0"), ("start_ns", "t1"), ("end_ns", "t2")):
+    for field, col in (
+        ("priority", "priority"),
+        ("exact", "exact"),
+        ("promoted", "promoted"),
+        ("layer", "layer"),
+        ("expert", "expert"),
+        ("bytes", "bytes"),
+        ("issue_ns", "t0"),
+        ("start_ns", "t1"),
+        ("end_ns", "t2"),
+    ):
         out[field] = d[col]
     return out
 
@@ -145,7 +152,7 @@ def available() -> bool:
     return _ext is not None
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     if _ext is not None:
         return None
     return f"hebrus_mlx._ext could not be imported: {_IMPORT_ERROR}"
@@ -168,7 +175,7 @@ def gpu_events_compiled() -> bool:
     return _ext is not None and bool(_ext.gpu_events_compiled())
 
 
-def configure(profile: Optional[dict], options=None) -> dict:
+def configure(profile: dict | None, options=None) -> dict:
     """Switch on the streaming features `profile.passed` honours for this machine, each only where
     this build has it and `options` (a GraphOptions) does not switch it off (gpu_events, mtlio):
     - gpu_event: streamed ops on the GPU stream, the GPU waiting on the host's event (else the
@@ -181,10 +188,8 @@ def configure(profile: Optional[dict], options=None) -> dict:
     options = options or GraphOptions()
 
     global _profile_backend
-    gpu = (passed(profile, "streaming", "gpu_event") and gpu_events_compiled()
-           and options.gpu_events)
-    mtlio = (passed(profile, "io", "mtlio_vs_pread") and "mtlio" in backends()
-             and options.mtlio)
+    gpu = passed(profile, "streaming", "gpu_event") and gpu_events_compiled() and options.gpu_events
+    mtlio = passed(profile, "io", "mtlio_vs_pread") and "mtlio" in backends() and options.mtlio
     if _ext is not None:
         _ext.set_gpu_events(gpu)  # off is always accepted
     _profile_backend = "mtlio" if mtlio else "pread"
@@ -235,14 +240,21 @@ class StreamEngine:
         policy: str = "lru",
         nocache: bool = False,
         rdadvise: bool = False,
-        backend: Optional[str] = None,
+        backend: str | None = None,
     ):
         if _ext is None:
             raise StreamUnavailableError(unavailable_reason())
         if backend is None:
             backend = default_backend()
-        self._e = _ext.Engine(threads=threads, cache_bytes=cache_bytes, direct=direct, nocache=nocache,
-                              rdadvise=rdadvise, policy=policy, backend=backend)
+        self._e = _ext.Engine(
+            threads=threads,
+            cache_bytes=cache_bytes,
+            direct=direct,
+            nocache=nocache,
+            rdadvise=rdadvise,
+            policy=policy,
+            backend=backend,
+        )
         self._threads = threads
 
     @property
@@ -251,8 +263,7 @@ class StreamEngine:
 
     def __repr__(self) -> str:
         cap = self._e.memory()["capacity"]
-        return (f"StreamEngine(backend={self.backend!r}, threads={self._threads}, "
-                f"cache_bytes={cap})")
+        return f"StreamEngine(backend={self.backend!r}, threads={self._threads}, cache_bytes={cap})"
 
     # Stores and record tables -------------------------------------------
     def add_store(self, path: str, digest_id: str = "") -> int:
@@ -269,9 +280,15 @@ class StreamEngine:
         mirrors) and ``fallbacks`` (mirror reads redone from the store)."""
         return self._e.file_reads(int(store))
 
-    def register_table(self, store: int, offsets: Sequence[int], lengths: Sequence[int],
-                       digests: Optional[Sequence[bytes]] = None, arena: int = -1,
-                       fast_digests: Optional[Sequence[bytes]] = None) -> int:
+    def register_table(
+        self,
+        store: int,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        digests: Sequence[bytes] | None = None,
+        arena: int = -1,
+        fast_digests: Sequence[bytes] | None = None,
+    ) -> int:
         """Record table for the graph ops: row i is (offsets[i], lengths[i]),
         read into ``arena`` rows if given (lengths must equal its record),
         checked on every read against ``fast_digests[i]`` (XXH3-128, 16
@@ -285,8 +302,7 @@ class StreamEngine:
             arena,
         )
 
-    def create_arena(self, part_bytes: Sequence[int], rows: int,
-                     expand: Optional[Sequence[bool]] = None):
+    def create_arena(self, part_bytes: Sequence[int], rows: int, expand: Sequence[bool] | None = None):
         """Fixed-row slot arena for one record geometry.
 
         Returns ``(arena_id, parts)``: ``parts[p]`` is an MLX uint8 array
@@ -300,15 +316,27 @@ class StreamEngine:
         MLX's CPU quantized matmul is exact only with fp32 scales/biases.
         """
         flags = [] if expand is None else [int(bool(f)) for f in expand]
-        return _ext.create_arena(
-            self._e, [int(b) for b in part_bytes], int(rows), flags
-        )
+        return _ext.create_arena(self._e, [int(b) for b in part_bytes], int(rows), flags)
 
     # Tickets --------------------------------------------------------------
-    def request(self, store: int, offset: int, length: int, *, priority: int = P0, exact: bool = True, owner: int = 0,
-                generation: int = 0, layer: int = -1, expert: int = -1, deadline_ns: Optional[int] = None,
-                confidence: float = 1.0, digest: Optional[bytes] = None, arena: int = -1,
-                fast_digest: Optional[bytes] = None) -> int:
+    def request(
+        self,
+        store: int,
+        offset: int,
+        length: int,
+        *,
+        priority: int = P0,
+        exact: bool = True,
+        owner: int = 0,
+        generation: int = 0,
+        layer: int = -1,
+        expert: int = -1,
+        deadline_ns: int | None = None,
+        confidence: float = 1.0,
+        digest: bytes | None = None,
+        arena: int = -1,
+        fast_digest: bytes | None = None,
+    ) -> int:
         """Issue a read; never blocks on I/O. ``deadline_ns`` is in
         ``time.monotonic_ns()`` units. ``fast_digest`` (XXH3-128) or
         ``digest`` (SHA-256): what the bytes are checked against. Requests
@@ -316,14 +344,27 @@ class StreamEngine:
         bytes and the same check, domain and value (or both none): a
         digest-carrying request is never served bytes that were not checked
         against its own digest."""
-        return self._e.request(store, offset, length, priority=priority, exact=exact, owner=owner,
-                               generation=generation, layer=layer, expert=expert, deadline_ns=deadline_ns,
-                               confidence=confidence, digest=digest, fast_digest=fast_digest, arena=arena)
+        return self._e.request(
+            store,
+            offset,
+            length,
+            priority=priority,
+            exact=exact,
+            owner=owner,
+            generation=generation,
+            layer=layer,
+            expert=expert,
+            deadline_ns=deadline_ns,
+            confidence=confidence,
+            digest=digest,
+            fast_digest=fast_digest,
+            arena=arena,
+        )
 
-    def wait(self, ticket: int, timeout: Optional[float] = None) -> int:
+    def wait(self, ticket: int, timeout: float | None = None) -> int:
         return self._e.wait(ticket, -1.0 if timeout is None else timeout)
 
-    def read(self, ticket: int, timeout: Optional[float] = None) -> bytes:
+    def read(self, ticket: int, timeout: float | None = None) -> bytes:
         """Wait and copy the record (the ticket stays owned)."""
         return self._e.read(ticket, -1.0 if timeout is None else timeout)
 
@@ -343,8 +384,14 @@ class StreamEngine:
         self._e.set_staging(int(arena), int(rows))
 
     def set_hint(
-        self, store: int, offset: int, length: int, p_use: float, arena: int = -1,
-        digest: Optional[bytes] = None, fast_digest: Optional[bytes] = None,
+        self,
+        store: int,
+        offset: int,
+        length: int,
+        p_use: float,
+        arena: int = -1,
+        digest: bytes | None = None,
+        fast_digest: bytes | None = None,
     ) -> bool:
         """Scored policy: P(use before eviction) of a cached record (named
         as its requests named it, ``digest``/``fast_digest`` included)."""
@@ -374,8 +421,17 @@ class StreamEngine:
         been computed (so the rows stay valid while they are read)."""
         return _ext.release_after(self._e, value, lease)
 
-    def prefetch(self, table: int, indices: mx.array, priority: int = P1, confidence: float = 1.0, exact: bool = False,
-                 owner: int = 0, generation: int = 0, layer: int = -1) -> mx.array:
+    def prefetch(
+        self,
+        table: int,
+        indices: mx.array,
+        priority: int = P1,
+        confidence: float = 1.0,
+        exact: bool = False,
+        owner: int = 0,
+        generation: int = 0,
+        layer: int = -1,
+    ) -> mx.array:
         """Non-blocking reads; returns a uint32 scalar (requests issued).
 
         Predictions use P1/P2 with ``exact=False``; known-needed records
@@ -384,29 +440,50 @@ class StreamEngine:
         input of a later op so the requests are issued.
         """
         return _ext.prefetch_records(
-            self._e, table, indices, priority, confidence, exact, owner,
-            generation, layer,
+            self._e,
+            table,
+            indices,
+            priority,
+            confidence,
+            exact,
+            owner,
+            generation,
+            layer,
         )
 
-    def gather_rows(self, table: int, row_ids: mx.array, rows_per_page: int, row_bytes: int, header_bytes: int = 0,
-                    owner: int = 0, generation: int = 0, layer: int = -1) -> mx.array:
+    def gather_rows(
+        self,
+        table: int,
+        row_ids: mx.array,
+        rows_per_page: int,
+        row_bytes: int,
+        header_bytes: int = 0,
+        owner: int = 0,
+        generation: int = 0,
+        layer: int = -1,
+    ) -> mx.array:
         """Graph op for fixed-page stores (PLE, AFN-003): row r is in page
         ``r // rows_per_page`` at ``header_bytes + (r % rows_per_page) *
         row_bytes``. Each unique page is read once at P0, verified, and rows
         are copied from that same snapshot. uint8 ``[*row_ids.shape,
         row_bytes]``."""
         return _ext.gather_rows(
-            self._e, table, row_ids, rows_per_page, row_bytes, header_bytes,
-            owner, generation, layer,
+            self._e,
+            table,
+            row_ids,
+            rows_per_page,
+            row_bytes,
+            header_bytes,
+            owner,
+            generation,
+            layer,
         )
 
     # Observability --------------------------------------------------------
     def counters(self) -> dict:
         c = self._e.counters()
         exact_ns = c["exact_read_ns"]
-        c["hidden_fraction"] = (
-            1.0 - c["exposed_wait_ns"] / exact_ns if exact_ns > 0 else None
-        )
+        c["hidden_fraction"] = 1.0 - c["exposed_wait_ns"] / exact_ns if exact_ns > 0 else None
         return c
 
     def reset_counters(self) -> None:

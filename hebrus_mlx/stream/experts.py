@@ -11,8 +11,6 @@ construction; the engine itself knows nothing of the store format.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import mlx.core as mx
 
 from ..admission import admit, admit_mirror
@@ -26,27 +24,34 @@ _MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
 
 class StreamedExperts:
     """Args:
-        engine: the StreamEngine doing the reads.
-        reader: an open ``ExpertMajorReader`` (validated header and table).
-        rows: arena slots; must cover every record one resolve needs at once
-            (tokens x top-k for one layer) plus prefetch headroom.
-        prefetch_previous: StreamedSwitchGLU issues the previous token's
-            top-k of each layer as P1 (off: exact misses only, the baseline
-            the lookahead is measured against).
-        dtype: ``mx.float32`` (default, like ``load``) holds bf16 parts
-            (affine scales/biases, bf16 weights) as fp32 in the arena, so
-            results equal the resident loader's; None keeps them bf16.
-        mirror: the path of a byte-identical copy of the store file
-            (``admission.admit_mirror``) the engine alternates reads with
-            (``--expert-mirror``; not verified on two disks here).
-        fast_digests: one XXH3-128 digest per record (``Manifest.fast_table``):
-            every read is checked against it; None checks each read against
-            the record's SHA-256 (artifacts without fast digests).
+    engine: the StreamEngine doing the reads.
+    reader: an open ``ExpertMajorReader`` (validated header and table).
+    rows: arena slots; must cover every record one resolve needs at once
+        (tokens x top-k for one layer) plus prefetch headroom.
+    prefetch_previous: StreamedSwitchGLU issues the previous token's
+        top-k of each layer as P1 (off: exact misses only, the baseline
+        the lookahead is measured against).
+    dtype: ``mx.float32`` (default, like ``load``) holds bf16 parts
+        (affine scales/biases, bf16 weights) as fp32 in the arena, so
+        results equal the resident loader's; None keeps them bf16.
+    mirror: the path of a byte-identical copy of the store file
+        (``admission.admit_mirror``) the engine alternates reads with
+        (``--expert-mirror``; not verified on two disks here).
+    fast_digests: one XXH3-128 digest per record (``Manifest.fast_table``):
+        every read is checked against it; None checks each read against
+        the record's SHA-256 (artifacts without fast digests).
     """
 
-    def __init__(self, engine: StreamEngine, reader, rows: int,
-                 prefetch_previous: bool = True, dtype=mx.float32, mirror: Optional[str] = None,
-                 fast_digests: Optional[list] = None):
+    def __init__(
+        self,
+        engine: StreamEngine,
+        reader,
+        rows: int,
+        prefetch_previous: bool = True,
+        dtype=mx.float32,
+        mirror: str | None = None,
+        fast_digests: list | None = None,
+    ):
         wide = dtype is not None
         if wide and dtype != mx.float32:
             raise ValueError(f"dtype: must be mx.float32 or None, got {dtype}")
@@ -68,9 +73,7 @@ class StreamedExperts:
         self.part_bytes = [n for *_, n in g.layout]
         self.expand = expand
         self.layout = [(comp, part, stored, tuple(shape)) for comp, part, stored, shape, *_ in g.layout]
-        self.arena, parts = engine.create_arena(
-            [n for *_, n in g.layout], rows, expand
-        )
+        self.arena, parts = engine.create_arena([n for *_, n in g.layout], rows, expand)
         store = engine.add_store(reader.path, reader.header["payload_sha256"].hex())
         self.store = store
         self.mirror = mirror
@@ -87,9 +90,7 @@ class StreamedExperts:
         self.check = "xxh3-128" if fast_digests is not None else "sha256"
         # weights[component][part]: [rows, *shape] views of the arena.
         self.weights = {}
-        for part_bytes, wide, (comp, part, stored, shape, _, _) in zip(
-            parts, expand, g.layout
-        ):
+        for part_bytes, wide, (comp, part, stored, shape, _, _) in zip(parts, expand, g.layout):
             view_dtype = mx.float32 if wide else _MX_DTYPES[stored]
             view = part_bytes.view(view_dtype).reshape(rows, *shape)
             self.weights.setdefault(comp, {})[part] = view
@@ -101,11 +102,16 @@ class StreamedExperts:
         return max(1, self.rows // self.top_k)
 
     @classmethod
-    def from_artifact(cls, artifact: Union[str, Manifest], rows: int, threads: int = 8,
-                      prefetch_previous: bool = True,
-                      dtype=mx.float32,
-                      engine: Optional[StreamEngine] = None,
-                      mirror: Optional[str] = None) -> "StreamedExperts":
+    def from_artifact(
+        cls,
+        artifact: str | Manifest,
+        rows: int,
+        threads: int = 8,
+        prefetch_previous: bool = True,
+        dtype=mx.float32,
+        engine: StreamEngine | None = None,
+        mirror: str | None = None,
+    ) -> StreamedExperts:
         """Open an artifact's expert store (``artifact``: the admitted
         manifest, or a directory, which is admitted first) and stream it
         through a ``rows``-record arena (see ``loading.plan.plan_experts``).
@@ -137,18 +143,17 @@ class StreamedExperts:
         """(rows, lease) for this layer's routed ``indices`` (P0 exact).
         Feed ``rows`` to gather_qmm as ``rhs_indices`` over ``self.weights``
         and pass its output with ``lease`` to ``engine.release_after``."""
-        return self.engine.resolve(
-            self.table, self._records(layer, indices), owner, generation, layer
-        )
+        return self.engine.resolve(self.table, self._records(layer, indices), owner, generation, layer)
 
-    def prefetch(self, layer: int, indices: mx.array, priority: int = P1,
-                 confidence: float = 1.0) -> mx.array:
+    def prefetch(self, layer: int, indices: mx.array, priority: int = P1, confidence: float = 1.0) -> mx.array:
         """Non-blocking hint, e.g. the previous token's top-k for ``layer``; ids outside
         ``[0, num_experts)`` are skipped (predict.candidates marks low-probability ones so)."""
         indices = indices.astype(mx.uint32)
-        records = mx.where(indices < self.num_experts, self._records(layer, indices),
-                           mx.array(0xFFFFFFFF, mx.uint32))
+        records = mx.where(indices < self.num_experts, self._records(layer, indices), mx.array(0xFFFFFFFF, mx.uint32))
         return self.engine.prefetch(
-            self.table, records, priority, confidence,
+            self.table,
+            records,
+            priority,
+            confidence,
             layer=layer,
         )

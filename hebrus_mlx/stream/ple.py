@@ -16,8 +16,6 @@ are then never read into memory.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -27,14 +25,15 @@ from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
 from .engine import P0, StreamEngine
 
+
 class StreamedNGramTable(nn.Module):
     """Args:
-        engine: the StreamEngine (its slab cache holds the pages).
-        reader: an open ``PleReader`` (validated header and page digests).
-        dtype: rows are cast to it (like the resident loader); None keeps
-            the stored dtype.
-        fast_digests: one XXH3-128 digest per page (``Manifest.fast_table``),
-            what each page read is checked against; None: its SHA-256.
+    engine: the StreamEngine (its slab cache holds the pages).
+    reader: an open ``PleReader`` (validated header and page digests).
+    dtype: rows are cast to it (like the resident loader); None keeps
+        the stored dtype.
+    fast_digests: one XXH3-128 digest per page (``Manifest.fast_table``),
+        what each page read is checked against; None: its SHA-256.
     """
 
     def __init__(self, engine: StreamEngine, reader, dtype=mx.float32, fast_digests=None):
@@ -46,7 +45,7 @@ class StreamedNGramTable(nn.Module):
             store,
             [g.payload_offset + p * g.page_stride for p in range(g.num_pages)],
             [g.page_stride] * g.num_pages,
-            None if fast_digests is not None else [reader.digests[32 * p: 32 * p + 32] for p in range(g.num_pages)],
+            None if fast_digests is not None else [reader.digests[32 * p : 32 * p + 32] for p in range(g.num_pages)],
             fast_digests=fast_digests,
         )
         self.rows_per_page = g.rows_per_page
@@ -61,15 +60,14 @@ class StreamedNGramTable(nn.Module):
         pages = (rows // self.rows_per_page).reshape(-1)
         # Evaluated now, not with the layer: the pages are known exactly.
         mx.async_eval(self._engine.prefetch(self.table, pages, priority=P0, exact=True))
-        out = self._engine.gather_rows(
-            self.table, rows, self.rows_per_page, self.row_bytes, self.header_bytes
-        )
+        out = self._engine.gather_rows(self.table, rows, self.rows_per_page, self.row_bytes, self.header_bytes)
         out = out.view(self.stored).reshape(*rows.shape, self.dims)
         return out if self.dtype is None else out.astype(self.dtype)
 
 
-def attach_ple(model, artifact: Union[str, Manifest], engine: Optional[StreamEngine] = None,
-               dtype=mx.float32, threads: int = 2, layers=None) -> StreamEngine:
+def attach_ple(
+    model, artifact: str | Manifest, engine: StreamEngine | None = None, dtype=mx.float32, threads: int = 2, layers=None
+) -> StreamEngine:
     """Swap the resident table of every PLE layer (of ``layers``, default all)
     for a streamed one over the artifact's page stores (``artifact``: the
     admitted manifest, or a directory, which is admitted first). Returns the

@@ -21,7 +21,6 @@ Prediction runs for one-token forwards (decode); a prefill chunk touches most ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import mlx.core as mx
 
@@ -46,7 +45,7 @@ class PrefetchSpec:
 
     kind: str
     depth: int = 1
-    budget: Optional[int] = None
+    budget: int | None = None
     threshold: float = 0.0
 
     def __post_init__(self):
@@ -70,7 +69,7 @@ class PrefetchSpec:
         return self.kind in ("router-reuse", "hyper-reuse")
 
 
-def parse_prefetch(text, budget: Optional[int] = None, threshold: float = 0.0) -> PrefetchSpec:
+def parse_prefetch(text, budget: int | None = None, threshold: float = 0.0) -> PrefetchSpec:
     """``"router-reuse:2"`` -> PrefetchSpec; a PrefetchSpec passes through. UsageError names
     ``prefetch`` on anything else."""
     if isinstance(text, PrefetchSpec):

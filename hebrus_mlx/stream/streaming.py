@@ -14,17 +14,16 @@ stages reach streaming only through it:
 from __future__ import annotations
 
 import threading
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
 from ..errors import UsageError
 from .engine import StreamEngine, io_summary, mirror_summary
 from .experts import StreamedExperts
-from .predict import PrefetchSpec, Predictor, parse_prefetch
+from .predict import Predictor, PrefetchSpec, parse_prefetch
 from .sweep import CROSSOVER, PrefillSweep, SweepBudgetError, parse_mode
 from .switch import StreamedSwitchGLU
-
 
 # Streamed reads outside any request carry (IDLE_OWNER, 0); requests carry REQUEST_OWNER and a
 # generation of their own, increasing over the Streaming's life (the engine keeps one entry).
@@ -38,7 +37,7 @@ class TicketScope:
     can never be waited on by, or publish into, the new state; ``cancel()`` (from any thread: a
     client disconnect) fails every pending read of the request at once, and every later one."""
 
-    def __init__(self, streaming: Optional["Streaming"], owner: int, generation: int):
+    def __init__(self, streaming: Streaming | None, owner: int, generation: int):
         self._streaming = streaming
         self.owner, self.generation = owner, generation
         self.cancelled = False
@@ -56,7 +55,7 @@ class _Request:
     """``Streaming.request()``: opens a scope, or shares the one already open (a speculative run
     inside a server request retires the request's own generations, so its cancel reaches them)."""
 
-    def __init__(self, streaming: "Streaming"):
+    def __init__(self, streaming: Streaming):
         self._streaming, self._opened = streaming, False
 
     def __enter__(self) -> TicketScope:
@@ -84,22 +83,28 @@ class Streaming:
     ``sweep_lifts_cap``: with a ring, prefill chunks past the arena are swept, so generation need
     not cap them (False for a pipeline stage: every rank must take rank 0's chunks, rings or not)."""
 
-    def __init__(self, engine: StreamEngine, experts: Optional[StreamedExperts] = None,
-                 switches: Sequence[StreamedSwitchGLU] = (), prefetch=None, layers=None,
-                 sweep_lifts_cap: bool = True):
+    def __init__(
+        self,
+        engine: StreamEngine,
+        experts: StreamedExperts | None = None,
+        switches: Sequence[StreamedSwitchGLU] = (),
+        prefetch=None,
+        layers=None,
+        sweep_lifts_cap: bool = True,
+    ):
         self.engine = engine
         self.experts = experts  # None when only PLE pages stream
         self.switches = list(switches)  # one per streamed layer (a pipeline stage: its own)
         self._by_layer = {s.layer: s for s in self.switches}
-        self._predictor: Optional[Predictor] = None
-        self.prefetch: Optional[PrefetchSpec] = None
+        self._predictor: Predictor | None = None
+        self.prefetch: PrefetchSpec | None = None
         self._order = sorted(self._by_layer)  # streamed layers, in graph order
-        self.sweep: Optional[PrefillSweep] = None
-        self.sweep_note: Optional[str] = None  # why `auto` is not sweeping (the ring did not fit)
+        self.sweep: PrefillSweep | None = None
+        self.sweep_note: str | None = None  # why `auto` is not sweeping (the ring did not fit)
         self.crossover_source = f"built-in {CROSSOVER:.2f}"  # where auto's crossover came from (stream.crossover)
         self.sweep_lifts_cap = sweep_lifts_cap
         self._lock = threading.Lock()  # ticket identity: the worker retires, any thread cancels
-        self._scope: Optional[TicketScope] = None
+        self._scope: TicketScope | None = None
         self._generation = 0
         if experts is not None and prefetch is None:
             prefetch = "previous" if experts.prefetch_previous else "off"
@@ -123,15 +128,17 @@ class Streaming:
         self.engine.set_staging(e.arena, staging)
         self.prefetch = spec
 
-    def set_prefill_sweep(self, mode, budget: Optional[int] = None, crossover: float = CROSSOVER,
-                          crossover_source: Optional[str] = None) -> None:
+    def set_prefill_sweep(
+        self, mode, budget: int | None = None, crossover: float = CROSSOVER, crossover_source: str | None = None
+    ) -> None:
         """``auto|on|off`` (stream.sweep). ``budget``: bytes the two-layer ring may take; a ring
         over it is refused for ``on`` (SweepBudgetError) and leaves ``auto`` off (``sweep_note``).
         ``crossover``: auto's unique-expert fraction, ``crossover_source`` where it came from (the
         sweep line prints it; stream.crossover.for_store gives both from the machine profile)."""
         mode = parse_mode(mode)
         self.crossover_source = crossover_source or (
-            f"built-in {CROSSOVER:.2f}" if crossover == CROSSOVER else f"given {crossover:.2f}")
+            f"built-in {CROSSOVER:.2f}" if crossover == CROSSOVER else f"given {crossover:.2f}"
+        )
         if self.experts is None:
             if mode == "on":
                 raise UsageError("prefill_sweep", "only streamed routed experts are swept; experts are resident")
@@ -154,16 +161,18 @@ class Streaming:
         for s in self.switches:
             s._sweep = sweep
 
-    def sweep_summary(self) -> Optional[str]:
+    def sweep_summary(self) -> str | None:
         """generate's stats line for the prefill sweep (None when it is off and nothing to say)."""
         if self.sweep is None:
             return self.sweep_note
         c = self.sweep.counters()
         how = f", crossover {self.crossover_source}" if self.sweep.mode == "auto" else ""
-        return (f"Prefill sweep {self.sweep.mode}: {c['sweeps']} layer extents, {c['read_bytes'] / 1e9:.3f} GB read, "
-                f"exposed wait {c['wait_ns'] / 1e9:.3f} s, ring {self.sweep.bytes / 1e9:.3f} GB{how}")
+        return (
+            f"Prefill sweep {self.sweep.mode}: {c['sweeps']} layer extents, {c['read_bytes'] / 1e9:.3f} GB read, "
+            f"exposed wait {c['wait_ns'] / 1e9:.3f} s, ring {self.sweep.bytes / 1e9:.3f} GB{how}"
+        )
 
-    def summary(self) -> List[str]:
+    def summary(self) -> list[str]:
         """generate's stats lines: the prefill sweep (when there is something to say), the I/O line
         and, with a mirror, its read split."""
         lines = [] if self.sweep_summary() is None else [self.sweep_summary()]
@@ -191,7 +200,7 @@ class Streaming:
         """``with streaming.request() as scope:`` one request's ticket scope (TicketScope)."""
         return _Request(self)
 
-    def _set_identity(self, scope: Optional[TicketScope]) -> None:
+    def _set_identity(self, scope: TicketScope | None) -> None:
         owner, generation = (IDLE_OWNER, 0) if scope is None else (scope.owner, scope.generation)
         for s in self.switches:  # read when each step's graph is built
             s.owner, s.generation = owner, generation
@@ -230,12 +239,12 @@ class Streaming:
         self.engine.close()
 
     @property
-    def max_chunk_tokens(self) -> Optional[int]:
+    def max_chunk_tokens(self) -> int | None:
         """Tokens per forward the slot path always takes (every expert of a chunk pinned at once)."""
         return None if self.experts is None else self.experts.max_chunk_tokens
 
     @property
-    def prefill_chunk_cap(self) -> Optional[int]:
+    def prefill_chunk_cap(self) -> int | None:
         """What generate caps prefill chunks at: None (no cap) with a sweep ring, which takes any
         chunk the arena cannot (PrefillSweep.active), else ``max_chunk_tokens``."""
         if self.sweep is not None and self.sweep_lifts_cap:

@@ -30,8 +30,6 @@ layer once per arena-sized chunk.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 from ..errors import HebrusError, UsageError
@@ -81,8 +79,15 @@ class PrefillSweep:
     ``budget``: bytes the ring may take (None: no limit checked here; the loader passes what is
     left of available memory). ``crossover``: the unique-expert fraction ``auto`` switches at."""
 
-    def __init__(self, experts, mode: str = DEFAULT, threads: int = 4, budget: Optional[int] = None,
-                 crossover: float = CROSSOVER, layers=None):
+    def __init__(
+        self,
+        experts,
+        mode: str = DEFAULT,
+        threads: int = 4,
+        budget: int | None = None,
+        crossover: float = CROSSOVER,
+        layers=None,
+    ):
         self.mode = parse_mode(mode)
         if not 0.0 <= crossover <= 1.0:
             raise UsageError("crossover", f"must be in [0, 1], got {crossover}")
@@ -95,11 +100,20 @@ class PrefillSweep:
         self._slots = {layer: i % 2 for i, layer in enumerate(layers)}
         self.bytes = ring_bytes(experts)
         if budget is not None and self.bytes > budget:
-            raise SweepBudgetError(f"the two-layer ring needs {self.bytes / 2**30:.3f} GiB, "
-                                   f"the budget leaves {max(budget, 0) / 2**30:.3f} GiB")
-        self._ring = _ext.SweepRing(experts.engine._e, experts.table, experts.store_path,
-                                    list(experts.part_bytes), [int(w) for w in experts.expand],
-                                    experts.num_experts, 2, threads)
+            raise SweepBudgetError(
+                f"the two-layer ring needs {self.bytes / 2**30:.3f} GiB, "
+                f"the budget leaves {max(budget, 0) / 2**30:.3f} GiB"
+            )
+        self._ring = _ext.SweepRing(
+            experts.engine._e,
+            experts.table,
+            experts.store_path,
+            list(experts.part_bytes),
+            [int(w) for w in experts.expand],
+            experts.num_experts,
+            2,
+            threads,
+        )
         self.weights = {}
         rows = 2 * self.num_experts
         for buf, wide, (comp, part, stored, shape) in zip(self._ring.parts(), experts.expand, experts.layout):

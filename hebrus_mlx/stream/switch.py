@@ -28,7 +28,7 @@ distinct expert of the chunk is pinned at once).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,7 +46,7 @@ class StreamedSwitchGLU(nn.Module):
         self.layer = layer
         self.owner = 0
         self.generation = 0
-        self._prev: Optional[mx.array] = None
+        self._prev: mx.array | None = None
         self._ahead = None  # (target layer, candidates) set at this layer's router
         self._sweep = None  # a stream.sweep.PrefillSweep, set by Streaming.set_prefill_sweep
 
@@ -60,12 +60,17 @@ class StreamedSwitchGLU(nn.Module):
         w = (e.weights if weights is None else weights)[name]
         if e.bits is not None:
             return mx.gather_qmm(
-                x, w["weight"], w["scales"], w["biases"], rhs_indices=rows,
-                transpose=True, group_size=e.group_size, bits=e.bits,
+                x,
+                w["weight"],
+                w["scales"],
+                w["biases"],
+                rhs_indices=rows,
+                transpose=True,
+                group_size=e.group_size,
+                bits=e.bits,
                 sorted_indices=sorted_rows,
             )
-        return mx.gather_mm(x, w["weight"].swapaxes(-1, -2), rhs_indices=rows,
-                            sorted_indices=sorted_rows)
+        return mx.gather_mm(x, w["weight"].swapaxes(-1, -2), rhs_indices=rows, sorted_indices=sorted_rows)
 
     def forget_routes(self):
         """Drop the previous token's routes (the P1 hint's source), e.g. after a cancelled or
@@ -107,9 +112,7 @@ class StreamedSwitchGLU(nn.Module):
             sweep = self._sweep
             x = sweep.wait(self.layer, x)
             return self._matmuls(x, indices, sweep.rows(self.layer, indices), sweep.weights)
-        rows, lease = self._experts.resolve(
-            self.layer, indices, self.owner, self.generation
-        )
+        rows, lease = self._experts.resolve(self.layer, indices, self.owner, self.generation)
         if self._ahead is not None:
             target, cands = self._ahead
             self._ahead = None
@@ -120,8 +123,9 @@ class StreamedSwitchGLU(nn.Module):
         return self._experts.engine.release_after(self._matmuls(x, indices, rows), lease)
 
 
-def attach(moe_modules: Sequence[nn.Module], experts: StreamedExperts,
-           layers: Optional[Sequence[int]] = None) -> List[StreamedSwitchGLU]:
+def attach(
+    moe_modules: Sequence[nn.Module], experts: StreamedExperts, layers: Sequence[int] | None = None
+) -> list[StreamedSwitchGLU]:
     """Replace ``switch_mlp`` of each MoE module; ``layers`` names each module's layer (default:
     index = layer, every layer of the store; a pipeline stage passes only its own). Returns the
     new modules (their ``layer_start`` hooks, in layer order)."""

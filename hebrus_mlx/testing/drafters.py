@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 from ..speculative.base import Drafter, Proposal
 
@@ -15,7 +15,7 @@ class OracleDrafter(Drafter):
 
     def __init__(self, future: Sequence[int]):
         self.future = [int(t) for t in future]
-        self.done: List[int] = []
+        self.done: list[int] = []
         self.on_track = True
 
     def begin(self, prompt, hidden):
@@ -34,4 +34,4 @@ class OracleDrafter(Drafter):
         if not self.on_track or n <= 0:
             return Proposal([])
         i = len(self.done)
-        return Proposal(self.future[i:i + n])
+        return Proposal(self.future[i : i + n])

@@ -17,37 +17,62 @@ def hc_mix(up: np.ndarray, normed: np.ndarray, hc_count: int, hidden: int) -> np
     n = normed.reshape(-1, hc_count * hidden).shape[0]
     p = _hc_mix.launch(n, hc_count, hidden, mx.float32)
     (out,) = msl_emulator.run(
-        _hc_mix.NAME, _hc_mix.SOURCE, {"up": up.reshape(n, -1), "normed": normed.reshape(n, -1)},
-        {"mixed": ((n, hidden), normed.dtype)}, p["grid"], p["threadgroup"], p["template"],
+        _hc_mix.NAME,
+        _hc_mix.SOURCE,
+        {"up": up.reshape(n, -1), "normed": normed.reshape(n, -1)},
+        {"mixed": ((n, hidden), normed.dtype)},
+        p["grid"],
+        p["threadgroup"],
+        p["template"],
     )
     return out.reshape(*normed.shape[:-1], hidden)
 
 
-def ple_gather(history: np.ndarray, multipliers, sizes, offsets, table: np.ndarray, n_new: int, heads_per_ngram: int,
-               eos: int):
+def ple_gather(
+    history: np.ndarray, multipliers, sizes, offsets, table: np.ndarray, n_new: int, heads_per_ngram: int, eos: int
+):
     """One sequence: history [T] int64 -> (rows [n_new, heads] int64, emb [n_new, heads * dim])."""
     heads, dim = len(sizes), table.shape[1]
     p = _ple_gather.launch(n_new, history.shape[0] - n_new, heads, heads_per_ngram, dim, eos, mx.float32)
     return msl_emulator.run(
-        _ple_gather.NAME, _ple_gather.SOURCE,
-        {"history": history.astype(np.int64), "multipliers": np.asarray(multipliers, np.int64),
-         "sizes": np.asarray(sizes, np.int64), "offsets": np.asarray(offsets, np.int64), "table": table},
+        _ple_gather.NAME,
+        _ple_gather.SOURCE,
+        {
+            "history": history.astype(np.int64),
+            "multipliers": np.asarray(multipliers, np.int64),
+            "sizes": np.asarray(sizes, np.int64),
+            "offsets": np.asarray(offsets, np.int64),
+            "table": table,
+        },
         {"rows": ((n_new, heads), np.int64), "emb": ((n_new, heads * dim), table.dtype)},
-        p["grid"], p["threadgroup"], p["template"],
+        p["grid"],
+        p["threadgroup"],
+        p["template"],
     )
 
 
-def qsa_attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, idx: np.ndarray, ok: np.ndarray,
-                  scale: float) -> np.ndarray:
+def qsa_attention(
+    queries: np.ndarray, keys: np.ndarray, values: np.ndarray, idx: np.ndarray, ok: np.ndarray, scale: float
+) -> np.ndarray:
     """One sequence: queries [Hq, L, D]; keys/values [Hkv, S, D]; idx/ok [L, W] -> [L, Hq * D]."""
     hq, L, D = queries.shape
     hkv, S = keys.shape[:2]
     W = idx.shape[-1]
     p = _qsa_attention.launch(L, hq, hkv, S, W, D, mx.float32)
     (out,) = msl_emulator.run(
-        _qsa_attention.NAME, _qsa_attention.SOURCE,
-        {"q": queries, "k": keys, "v": values, "idx": idx.astype(np.int32), "ok": ok.astype(np.bool_),
-         "scale": np.array([scale], np.float32)},
-        {"out": ((L, hq * D), queries.dtype)}, p["grid"], p["threadgroup"], p["template"],
+        _qsa_attention.NAME,
+        _qsa_attention.SOURCE,
+        {
+            "q": queries,
+            "k": keys,
+            "v": values,
+            "idx": idx.astype(np.int32),
+            "ok": ok.astype(np.bool_),
+            "scale": np.array([scale], np.float32),
+        },
+        {"out": ((L, hq * D), queries.dtype)},
+        p["grid"],
+        p["threadgroup"],
+        p["template"],
     )
     return out

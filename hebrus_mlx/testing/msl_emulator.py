@@ -26,8 +26,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -202,8 +202,16 @@ def _template_value(value) -> str:
     return _CTYPES[np.dtype(name)]
 
 
-def build_source(name: str, source: str, header: str, input_names: Sequence[str], input_dtypes,
-                 output_names: Sequence[str], output_dtypes, template: Sequence[tuple] = ()) -> str:
+def build_source(
+    name: str,
+    source: str,
+    header: str,
+    input_names: Sequence[str],
+    input_dtypes,
+    output_names: Sequence[str],
+    output_dtypes,
+    template: Sequence[tuple] = (),
+) -> str:
     params = [f"const device {_CTYPES[np.dtype(d)]}* {n}" for n, d in zip(input_names, input_dtypes)]
     params += [f"device {_CTYPES[np.dtype(d)]}* {n}" for n, d in zip(output_names, output_dtypes)]
     tparams = ", ".join(
@@ -237,7 +245,8 @@ def _library(code: str) -> ctypes.CDLL:
         tmp = cache / f"{key}.{os.getpid()}.so"
         proc = subprocess.run(
             [_compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", str(src), "-o", str(tmp)],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         if proc.returncode != 0:
             raise RuntimeError(f"emulated kernel failed to compile:\n{proc.stderr[-4000:]}")
@@ -246,8 +255,17 @@ def _library(code: str) -> ctypes.CDLL:
     return _LIBS[key]
 
 
-def run(name: str, source: str, inputs: dict, outputs: dict, grid, threadgroup, template=(), header: str = "",
-        init_value: float = 0):
+def run(
+    name: str,
+    source: str,
+    inputs: dict,
+    outputs: dict,
+    grid,
+    threadgroup,
+    template=(),
+    header: str = "",
+    init_value: float = 0,
+):
     """Run `source` as MLX would with these inputs (name -> numpy array, row-contiguous) and outputs
     (name -> (shape, dtype)); returns the output arrays in order.
 

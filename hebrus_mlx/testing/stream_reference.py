@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from ..stream.errors import (DigestMismatchError, ShortReadError, StaleGenerationError, StreamIOError,
-                             StreamRequestError, TicketCancelledError)
+from ..stream.errors import (
+    DigestMismatchError,
+    ShortReadError,
+    StaleGenerationError,
+    StreamIOError,
+    StreamRequestError,
+    TicketCancelledError,
+)
 
 
 @dataclass
@@ -27,7 +33,7 @@ class _Ticket:
     length: int
     owner: int
     generation: int
-    digest: Optional[bytes]
+    digest: bytes | None
     stale: bool = False
 
 
@@ -56,7 +62,7 @@ class ReferenceEngine:
         *,
         owner: int = 0,
         generation: int = 0,
-        digest: Optional[bytes] = None,
+        digest: bytes | None = None,
         **_scheduling,
     ) -> int:
         if not 0 <= store < len(self._fds):
@@ -64,9 +70,7 @@ class ReferenceEngine:
         if length <= 0:
             raise StreamRequestError(f"length: must be positive, got {length}")
         if generation < self._generations.get(owner, generation):
-            raise StaleGenerationError(
-                f"generation {generation} of owner {owner} is stale"
-            )
+            raise StaleGenerationError(f"generation {generation} of owner {owner} is stale")
         t = self._next
         self._next += 1
         self._tickets[t] = _Ticket(store, offset, length, owner, generation, digest)
@@ -131,7 +135,11 @@ class ReferenceEngine:
         for i in idx.reshape(-1):
             offset, length, digest = rows[int(i)]
             t = self.request(
-                store, offset, length, owner=owner, generation=generation,
+                store,
+                offset,
+                length,
+                owner=owner,
+                generation=generation,
                 digest=digest,
             )
             out.append(self.load([t]))

@@ -20,7 +20,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -79,13 +79,13 @@ class Segment:
 @dataclass(frozen=True)
 class Rendered:
     text_bytes: bytes
-    segments: Tuple[Segment, ...]
+    segments: tuple[Segment, ...]
 
     @property
     def text(self) -> str:
         return self.text_bytes.decode("utf-8")
 
-    def pieces(self) -> List[Tuple[str, str]]:
+    def pieces(self) -> list[tuple[str, str]]:
         """(kind, text) per segment, after checking the segments tile the bytes exactly."""
         pos, out = 0, []
         for n, s in enumerate(self.segments):
@@ -107,19 +107,19 @@ class Rendered:
 
 
 class _Registry:
-    def __init__(self, avoid: List[str]):
+    def __init__(self, avoid: list[str]):
         while True:
             self.nonce = secrets.token_hex(8)
             if not any(self.nonce in s for s in avoid):
                 break
-        self.texts: List[str] = []
+        self.texts: list[str] = []
         self.pattern = re.compile("\ue000" + self.nonce + r"(\d+)\ue001")
 
     def ref(self, text: str) -> "_DataRef":
         self.texts.append(str.__str__(text))
         return _DataRef(self, len(self.texts) - 1)
 
-    def split(self, s: str) -> List[Any]:
+    def split(self, s: str) -> list[Any]:
         """A str with placeholders -> list of plain str (template text) and _DataRef."""
         out, pos = [], 0
         for m in self.pattern.finditer(s):
@@ -252,7 +252,7 @@ def _strip_composite(reg: _Registry, s: str, chars, left: bool, right: bool) -> 
     if left:
         while parts:
             p = parts[0]
-            q = (p._text.lstrip(chars) if isinstance(p, _DataRef) else p.lstrip(chars))
+            q = p._text.lstrip(chars) if isinstance(p, _DataRef) else p.lstrip(chars)
             if q:
                 parts[0] = reg.ref(q) if isinstance(p, _DataRef) else q
                 break
@@ -260,7 +260,7 @@ def _strip_composite(reg: _Registry, s: str, chars, left: bool, right: bool) -> 
     if right:
         while parts:
             p = parts[-1]
-            q = (p._text.rstrip(chars) if isinstance(p, _DataRef) else p.rstrip(chars))
+            q = p._text.rstrip(chars) if isinstance(p, _DataRef) else p.rstrip(chars)
             if q:
                 parts[-1] = reg.ref(q) if isinstance(p, _DataRef) else q
                 break
@@ -312,7 +312,7 @@ class _Limit(Exception):
 
 
 class _Budget:
-    def __init__(self, limits: TemplateLimits, caller_chars: int, deadline: Optional[float] = None):
+    def __init__(self, limits: TemplateLimits, caller_chars: int, deadline: float | None = None):
         self.limits = limits
         self.max_chars = max(limits.max_chars, 4 * caller_chars)
         self.steps = 0
@@ -394,21 +394,83 @@ def _check_format(budget, fmt, args, what, percent):
 # steps each element costs (1 step = max_seconds / max_steps = 5 us by default: about 2x what was
 # measured). `wordwrap` on a 4 MB string took ~16 s, beyond the 5 s budget, in one call.
 _COSTLY_FILTERS = {
-    "wordwrap": 1, "urlize": 3, "striptags": 2, "sort": 2, "min": 1, "max": 1, "title": 1, "list": 1,
-    "unique": 2, "urlencode": 1, "wordcount": 1, "join": 1, "dictsort": 2, "groupby": 2, "batch": 1,
-    "slice": 1, "sum": 1, "map": 1, "select": 1, "reject": 1, "selectattr": 1, "rejectattr": 1,
-    "pprint": 1, "center": 1, "indent": 1, "format": 1, "xmlattr": 1, "filesizeformat": 1,
+    "wordwrap": 1,
+    "urlize": 3,
+    "striptags": 2,
+    "sort": 2,
+    "min": 1,
+    "max": 1,
+    "title": 1,
+    "list": 1,
+    "unique": 2,
+    "urlencode": 1,
+    "wordcount": 1,
+    "join": 1,
+    "dictsort": 2,
+    "groupby": 2,
+    "batch": 1,
+    "slice": 1,
+    "sum": 1,
+    "map": 1,
+    "select": 1,
+    "reject": 1,
+    "selectattr": 1,
+    "rejectattr": 1,
+    "pprint": 1,
+    "center": 1,
+    "indent": 1,
+    "format": 1,
+    "xmlattr": 1,
+    "filesizeformat": 1,
 }
 # Super-linear in their input (markupsafe's striptags rebuilds the string per tag): capped outright.
 _INPUT_CAP = {"striptags": 1 << 16}
 
 # Filters that only restructure or measure their input (no stringification of a container).
-_STRUCTURAL_FILTERS = frozenset((
-    "length", "count", "first", "last", "selectattr", "rejectattr", "map", "select", "reject", "list",
-    "items", "dictsort", "sort", "reverse", "unique", "min", "max", "sum", "default", "d", "attr", "batch",
-    "slice", "groupby", "random", "abs", "int", "float", "bool", "round", "safe", "lower", "upper",
-    "capitalize", "title", "trim", "truncate", "wordcount", "filesizeformat", "striptags",
-))
+_STRUCTURAL_FILTERS = frozenset(
+    (
+        "length",
+        "count",
+        "first",
+        "last",
+        "selectattr",
+        "rejectattr",
+        "map",
+        "select",
+        "reject",
+        "list",
+        "items",
+        "dictsort",
+        "sort",
+        "reverse",
+        "unique",
+        "min",
+        "max",
+        "sum",
+        "default",
+        "d",
+        "attr",
+        "batch",
+        "slice",
+        "groupby",
+        "random",
+        "abs",
+        "int",
+        "float",
+        "bool",
+        "round",
+        "safe",
+        "lower",
+        "upper",
+        "capitalize",
+        "title",
+        "trim",
+        "truncate",
+        "wordcount",
+        "filesizeformat",
+        "striptags",
+    )
+)
 
 
 def _bounded_filter(name, fn, env):
@@ -420,8 +482,11 @@ def _bounded_filter(name, fn, env):
         if b is None:
             return fn(*args, **kwargs)
         b.step()
-        vals = [a for a in list(args) + list(kwargs.values())
-                if not isinstance(a, (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment))]
+        vals = [
+            a
+            for a in list(args) + list(kwargs.values())
+            if not isinstance(a, (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment))
+        ]
         for i, a in enumerate(vals):
             if i:  # widths, counts, indents; the input itself may be any number
                 b.int_arg(a, f"filter {name}")
@@ -458,8 +523,7 @@ def _bounded_str_call(b, owner, name, args, kwargs):
             b.chars(len(owner) + owner.count("\t") * tab, "str.expandtabs")
     elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
         old, new = args[0], args[1]
-        b.chars(len(owner) + (owner.count(old) if old else len(owner) + 1) * max(len(new) - len(old), 0),
-                "str.replace")
+        b.chars(len(owner) + (owner.count(old) if old else len(owner) + 1) * max(len(new) - len(old), 0), "str.replace")
     elif name == "join" and args:
         items = args[0]
         if isinstance(items, (list, tuple)):
@@ -472,8 +536,8 @@ class _Env(ImmutableSandboxedEnvironment):
     """Sandbox that keeps caller-text provenance through strip calls on composite strings, and
     bounds the work of a render (`budget`, see TemplateLimits)."""
 
-    registry: Optional[_Registry] = None
-    budget: Optional[_Budget] = None
+    registry: _Registry | None = None
+    budget: _Budget | None = None
     intercepted_binops = frozenset(("+", "-", "*", "/", "//", "%", "**"))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
@@ -569,7 +633,7 @@ class _Bounder(jinja2.visitor.NodeTransformer):
         return self._call("bounded_value", self.generic_visit(node))
 
 
-def _make_env(registry: Optional[_Registry], budget: Optional[_Budget] = None) -> _Env:
+def _make_env(registry: _Registry | None, budget: _Budget | None = None) -> _Env:
     env = _Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.finalize = env.bounded_finalize
     env.concat = env.bounded_concat
@@ -663,7 +727,7 @@ def _check_tool_call(call, where):
     return out
 
 
-def _check_messages(messages) -> List[dict]:
+def _check_messages(messages) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ChatError("messages must be a non-empty list")
     out = []
@@ -730,8 +794,13 @@ def _wrap_message(m: dict, reg: _Registry) -> dict:
             out[k] = v  # validated, from a closed set: structure, not text
         elif k == "tool_calls":
             out[k] = [
-                {**c, "function": {"name": reg.ref(c["function"]["name"]),
-                                   "arguments": _wrap(c["function"]["arguments"], reg, keys=True)}}
+                {
+                    **c,
+                    "function": {
+                        "name": reg.ref(c["function"]["name"]),
+                        "arguments": _wrap(c["function"]["arguments"], reg, keys=True),
+                    },
+                }
                 for c in v
             ]
         elif k == "content" and isinstance(v, list):
@@ -758,8 +827,7 @@ def _strings(obj, acc):
 
 
 class ChatRenderer:
-    def __init__(self, template: str, special_tokens_map: Optional[dict] = None,
-                 limits: TemplateLimits = DEFAULT_LIMITS):
+    def __init__(self, template: str, special_tokens_map: dict | None = None, limits: TemplateLimits = DEFAULT_LIMITS):
         if not isinstance(template, str) or not template:
             raise ChatError("chat template must be a non-empty string")
         self.template = template
@@ -772,8 +840,9 @@ class ChatRenderer:
         except (RecursionError, MemoryError, OverflowError) as e:  # a pathological parse
             raise TemplateError(f"chat template does not compile: {type(e).__name__}") from None
 
-    def _run(self, registry, messages, tools, add_generation_prompt, enable_thinking, caller_chars=0,
-             deadline=None) -> str:
+    def _run(
+        self, registry, messages, tools, add_generation_prompt, enable_thinking, caller_chars=0, deadline=None
+    ) -> str:
         budget = _Budget(self.limits, caller_chars + len(self.template), deadline)
         env = _make_env(registry, budget)
         kwargs = dict(self.special_tokens_map)
@@ -812,7 +881,7 @@ class ChatRenderer:
         w_tools = None if tools is None else _wrap(tools, reg, keys=True)
         marked = self._run(reg, w_msgs, w_tools, add_generation_prompt, enable_thinking, caller_chars, deadline)
 
-        pieces: List[List] = []
+        pieces: list[list] = []
         for p in reg.split(marked):
             kind, text = (DATA, p._text) if isinstance(p, _DataRef) else (TRUSTED_CONTROL, p)
             if not text:
@@ -822,9 +891,7 @@ class ChatRenderer:
             else:
                 pieces.append([kind, text])
         if "".join(t for _, t in pieces) != authoritative or "\ue000" + reg.nonce in "".join(t for _, t in pieces):
-            raise ProvenanceError(
-                "the template transforms caller text in a way provenance tracking does not follow"
-            )
+            raise ProvenanceError("the template transforms caller text in a way provenance tracking does not follow")
 
         segs, pos, chunks = [], 0, []
         for kind, text in pieces:
@@ -840,8 +907,15 @@ def qwen_template() -> str:
     return QWEN_TEMPLATE_PATH.read_text(encoding="utf-8")
 
 
-def render(messages, tools=None, add_generation_prompt=True, enable_thinking=None, *, chat_template=None,
-           special_tokens_map=None) -> Rendered:
+def render(
+    messages,
+    tools=None,
+    add_generation_prompt=True,
+    enable_thinking=None,
+    *,
+    chat_template=None,
+    special_tokens_map=None,
+) -> Rendered:
     """Render with `chat_template` (default: the shipped Qwen-style template)."""
     renderer = ChatRenderer(chat_template if chat_template is not None else qwen_template(), special_tokens_map)
     return renderer.render(messages, tools, add_generation_prompt, enable_thinking)

@@ -8,9 +8,9 @@ Caller text and template text are tokenized by provenance (AFN-006): DATA never 
 special/added tokens, TRUSTED_CONTROL may.
 """
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple
 
 from tokenizers import Tokenizer
 
@@ -42,8 +42,8 @@ class TextTokenizer:
         tokenizer: Tokenizer,
         physical_vocab_size: int,
         eos_token_ids: Iterable[int] = (),
-        chat_template: Optional[str] = None,
-        special_tokens_map: Optional[dict] = None,
+        chat_template: str | None = None,
+        special_tokens_map: dict | None = None,
     ):
         self._tok = tokenizer
         vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -56,9 +56,7 @@ class TextTokenizer:
         if not isinstance(physical_vocab_size, int) or isinstance(physical_vocab_size, bool):
             raise TokenizerError(f"physical_vocab_size must be an int, got {physical_vocab_size!r}")
         if physical_vocab_size < n:
-            raise TokenizerError(
-                f"physical_vocab_size {physical_vocab_size} < effective vocabulary {n}"
-            )
+            raise TokenizerError(f"physical_vocab_size {physical_vocab_size} < effective vocabulary {n}")
         self.physical_vocab_size = physical_vocab_size
         self.added_tokens = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
 
@@ -82,7 +80,7 @@ class TextTokenizer:
 
     # -- encode -------------------------------------------------------------------------------
 
-    def _encode_data(self, text: str) -> List[int]:
+    def _encode_data(self, text: str) -> list[int]:
         # Normaliser, pre-tokenizer and model straight from the file, skipping the added-token
         # matcher: a literal "<|im_end|>" in caller text is ordinary text.
         # Long text goes in chunks (`_chunked`): each tokenizers call holds the GIL throughout, and
@@ -99,10 +97,10 @@ class TextTokenizer:
             out.extend(t.id for t in tok.model.tokenize(piece))
         return out
 
-    def _encode_control(self, text: str) -> List[int]:
+    def _encode_control(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode(self, text: str, add_special_tokens: bool = True, *, trusted: bool = False) -> List[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *, trusted: bool = False) -> list[int]:
         """Encode one string; caller text is DATA unless `trusted` is set explicitly.
 
         `add_special_tokens` is accepted for mlx-lm/transformers callers; Qwen's post-processor
@@ -113,18 +111,19 @@ class TextTokenizer:
             raise TokenizerError(f"text must be str, got {type(text).__name__}")
         post = self._tok.post_processor
         if add_special_tokens and post is not None and post.num_special_tokens_to_add(False):
-            raise TokenizerError("add_special_tokens: this tokenizer's post-processor adds special tokens; "
-                                 "pass add_special_tokens=False")
+            raise TokenizerError(
+                "add_special_tokens: this tokenizer's post-processor adds special tokens; pass add_special_tokens=False"
+            )
         return self._encode_control(text) if trusted else self._encode_data(text)
 
-    def encode_segments(self, segments) -> List[int]:
+    def encode_segments(self, segments) -> list[int]:
         """Tokenize each segment by its provenance; all or nothing.
 
         `segments` is a `Rendered` (its byte segments are validated to tile the bytes) or a
         sequence of (kind, text) pairs.
         """
         pieces = _segment_pieces(segments)
-        out: List[int] = []
+        out: list[int] = []
         for kind, text in pieces:
             out.extend(self._encode_control(text) if kind == TRUSTED_CONTROL else self._encode_data(text))
         return out
@@ -138,8 +137,16 @@ class TextTokenizer:
             self._renderer = ChatRenderer(self.chat_template, self.special_tokens_map)
         return self._renderer.render(messages, tools, add_generation_prompt, enable_thinking)
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=True,
-                            enable_thinking=None, return_dict=False, **kwargs):
+    def apply_chat_template(
+        self,
+        messages,
+        tools=None,
+        add_generation_prompt=True,
+        tokenize=True,
+        enable_thinking=None,
+        return_dict=False,
+        **kwargs,
+    ):
         """mlx-lm / transformers call shape: token IDs (`tokenize=True`) or the rendered string.
 
         The IDs are tokenized by provenance (AFN-006): caller text stays DATA. The string is for
@@ -163,7 +170,7 @@ class TextTokenizer:
         return self.stop_token_ids
 
     @property
-    def eos_token_id(self) -> Optional[int]:
+    def eos_token_id(self) -> int | None:
         """The checkpoint's eos token (tokenizer_config `eos_token`), else the smallest stop ID."""
         eos = self.special_tokens_map.get("eos_token")
         if eos in self.added_tokens:
@@ -171,16 +178,16 @@ class TextTokenizer:
         return min(self.stop_token_ids) if self.stop_token_ids else None
 
     @property
-    def eos_token(self) -> Optional[str]:
+    def eos_token(self) -> str | None:
         return self.special_tokens_map.get("eos_token")
 
     @property
-    def bos_token(self) -> Optional[str]:
+    def bos_token(self) -> str | None:
         """None for Qwen (no BOS): mlx-lm's stream_generate then encodes a string prompt as is."""
         return self.special_tokens_map.get("bos_token")
 
     @property
-    def bos_token_id(self) -> Optional[int]:
+    def bos_token_id(self) -> int | None:
         return self.added_tokens.get(self.bos_token) if self.bos_token is not None else None
 
     @property
@@ -217,7 +224,7 @@ class TextTokenizer:
 
     # -- decode -------------------------------------------------------------------------------
 
-    def check_ids(self, ids: Sequence[int]) -> List[int]:
+    def check_ids(self, ids: Sequence[int]) -> list[int]:
         out = []
         for i in ids:
             if hasattr(i, "item"):
@@ -260,8 +267,8 @@ class StreamingDetokenizer:
         self.reset()
 
     def reset(self):
-        self.tokens: List[int] = []
-        self._pending: List[int] = []
+        self.tokens: list[int] = []
+        self._pending: list[int] = []
         self._text = ""
         self._last = ""
 
@@ -296,7 +303,7 @@ CHUNK_CHARS = 4096  # one tokenizers call on this much text holds the GIL ~10-50
 _WINDOW = 256
 
 
-def _chunked(text: str, pieces, chunk: int = CHUNK_CHARS, joined: bool = False) -> List[str]:
+def _chunked(text: str, pieces, chunk: int = CHUNK_CHARS, joined: bool = False) -> list[str]:
     """`pieces(text)` (a list of strings) computed chunk by chunk. Text is cut only before a
     single space between two non-space characters, and only where `pieces` of a window around
     the cut equals `pieces` of its two halves (their concatenation when `joined`, as for a
@@ -323,7 +330,7 @@ def _chunked(text: str, pieces, chunk: int = CHUNK_CHARS, joined: bool = False) 
     return out + pieces(text[start:])
 
 
-def _segment_pieces(segments) -> List[Tuple[str, str]]:
+def _segment_pieces(segments) -> list[tuple[str, str]]:
     if isinstance(segments, Rendered):
         return segments.pieces()
     out = []
@@ -342,13 +349,14 @@ def _segment_pieces(segments) -> List[Tuple[str, str]]:
 
 # -- loading ----------------------------------------------------------------------------------
 
+
 @dataclass
 class _Files:
     tokenizer_json: Path
     tokenizer_bytes: bytes
-    tokenizer_config: Optional[dict]
-    generation_config: Optional[dict]
-    chat_template: Optional[str]
+    tokenizer_config: dict | None
+    generation_config: dict | None
+    chat_template: str | None
 
 
 def _reader(model_dir: Path, sources):
@@ -369,7 +377,7 @@ def _reader(model_dir: Path, sources):
     return read
 
 
-def _read_json(data: Optional[bytes], path: Path) -> Optional[dict]:
+def _read_json(data: bytes | None, path: Path) -> dict | None:
     if data is None:
         return None
     try:  # no duplicate keys, bounded nesting
@@ -416,7 +424,7 @@ def _check_template(template: str, field: str) -> None:
         raise TokenizerError(e.field, e.message) from None
 
 
-def _eos_ids(gcfg: Optional[dict], where: Path) -> List[int]:
+def _eos_ids(gcfg: dict | None, where: Path) -> list[int]:
     if not gcfg or gcfg.get("eos_token_id") is None:
         return []
     eos = gcfg["eos_token_id"]
@@ -426,7 +434,7 @@ def _eos_ids(gcfg: Optional[dict], where: Path) -> List[int]:
     return eos
 
 
-def _special_tokens_map(tcfg: Optional[dict]) -> dict:
+def _special_tokens_map(tcfg: dict | None) -> dict:
     out = {}
     for k, v in (tcfg or {}).items():
         if not k.endswith("_token"):
@@ -438,8 +446,9 @@ def _special_tokens_map(tcfg: Optional[dict]) -> dict:
     return out
 
 
-def load_tokenizer(model_dir, physical_vocab_size: int, sources=None, *, eos_token: Optional[str] = None,
-                   chat_template: Optional[str] = None) -> TextTokenizer:
+def load_tokenizer(
+    model_dir, physical_vocab_size: int, sources=None, *, eos_token: str | None = None, chat_template: str | None = None
+) -> TextTokenizer:
     """Load tokenizer.json, tokenizer_config.json, chat template and generation_config.json.
     `sources` ({file name: bytes}, e.g. an admitted artifact's `Manifest.sources`): use exactly
     these bytes instead of reading the files again.
@@ -466,6 +475,10 @@ def load_tokenizer(model_dir, physical_vocab_size: int, sources=None, *, eos_tok
             raise TokenizerError("tokenizer_config.eos_token", f"{eos_token!r} is not one token of this tokenizer")
         special["eos_token"] = eos_token
         eos = [*eos, eos_id]
-    return TextTokenizer(tok, physical_vocab_size, eos_token_ids=eos,
-                         chat_template=files.chat_template if chat_template is None else chat_template,
-                         special_tokens_map=special)
+    return TextTokenizer(
+        tok,
+        physical_vocab_size,
+        eos_token_ids=eos,
+        chat_template=files.chat_template if chat_template is None else chat_template,
+        special_tokens_map=special,
+    )

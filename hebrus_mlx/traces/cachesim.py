@@ -151,7 +151,15 @@ def sweep(topk_ids: np.ndarray, num_experts: int, percents, record_bytes: int, p
             raise ValueError(f"cache_sizes: {pct}% is {cap} records, fewer than top_k={k}")
         for pol in policies:
             r = simulate(pol, stream, cap)
-            rows.append({"policy": pol, "percent": pct, "capacity": cap, "hit_rate": r.hit_rate,
-                         "misses": r.misses, "accesses": r.accesses,
-                         "bytes_per_token": r.misses * record_bytes / max(t, 1)})
+            rows.append(
+                {
+                    "policy": pol,
+                    "percent": pct,
+                    "capacity": cap,
+                    "hit_rate": r.hit_rate,
+                    "misses": r.misses,
+                    "accesses": r.accesses,
+                    "bytes_per_token": r.misses * record_bytes / max(t, 1),
+                }
+            )
     return rows

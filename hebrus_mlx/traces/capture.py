@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -41,27 +40,43 @@ class Staged:
     positions: np.ndarray
     kind: int
     arrays: list  # [token_ids, topk_ids, topk_weights] (+ features) lazy
-    feature_positions: Optional[np.ndarray]
+    feature_positions: np.ndarray | None
 
 
 class TraceRecorder:
     """One sequence's route trace, published as shards under `directory`."""
 
-    def __init__(self, directory, identity: Identity, *, owner: str = "local", generation: int = 0,
-                 sequence_id: Optional[str] = None, sampling: Optional[dict] = None,
-                 feature_every: int = 0, shard_tokens: int = 4096):
+    def __init__(
+        self,
+        directory,
+        identity: Identity,
+        *,
+        owner: str = "local",
+        generation: int = 0,
+        sequence_id: str | None = None,
+        sampling: dict | None = None,
+        feature_every: int = 0,
+        shard_tokens: int = 4096,
+    ):
         if not isinstance(feature_every, int) or feature_every < 0:
             raise TraceError("trace_features", f"must be an int >= 0 (0 = off), got {feature_every!r}")
         self.identity = identity
         self.feature_every = feature_every
         self.sequence_id = sequence_id or uuid.uuid4().hex  # opaque: carries no content
-        self.writer = ShardWriter(directory, identity, owner=owner, generation=generation,
-                                  sequence_id=self.sequence_id, sampling=dict(sampling or {}),
-                                  feature_every=feature_every, shard_tokens=shard_tokens)
+        self.writer = ShardWriter(
+            directory,
+            identity,
+            owner=owner,
+            generation=generation,
+            sequence_id=self.sequence_id,
+            sampling=dict(sampling or {}),
+            feature_every=feature_every,
+            shard_tokens=shard_tokens,
+        )
         self._next = None  # position of the next staged token; set by begin()
 
     @classmethod
-    def for_model(cls, directory, model, tokenizer, **kwargs) -> "TraceRecorder":
+    def for_model(cls, directory, model, tokenizer, **kwargs) -> TraceRecorder:
         return cls(directory, model_identity(model, tokenizer), **kwargs)
 
     def begin(self, first_position: int) -> None:
@@ -96,8 +111,15 @@ class TraceRecorder:
         host = [np.array(a) for a in staged.arrays]
         n = len(staged.positions)
         feats = host[3] if len(host) > 3 else None
-        self.writer.add(staged.positions, host[0], np.full(n, staged.kind, np.uint8), host[1], host[2],
-                        staged.feature_positions, feats)
+        self.writer.add(
+            staged.positions,
+            host[0],
+            np.full(n, staged.kind, np.uint8),
+            host[1],
+            host[2],
+            staged.feature_positions,
+            feats,
+        )
 
     def close(self) -> list:
         """Publish the remaining observations; returns every shard path written."""

@@ -75,22 +75,34 @@ def _replay(args) -> int:
     per_layer = [sum(r.mismatches_per_layer[i] for r in results) for i in range(L)]
     tied = [sum(r.tied_per_layer[i] for r in results) for i in range(L)]
     bad = [r for r in results if not r.ok]
-    print(f"replay: {len(results)} sequences, {total} tokens ({dec} decode-fed), {L} layers, "
-          f"chunk {args.prefill_step_size}")
+    print(
+        f"replay: {len(results)} sequences, {total} tokens ({dec} decode-fed), {L} layers, "
+        f"chunk {args.prefill_step_size}"
+    )
     print("mismatched rows per layer: " + " ".join(str(x) for x in per_layer))
     print("exact-tie rows per layer (tie rule applied): " + " ".join(str(x) for x in tied))
     print(f"max |weight diff| on matching rows: {max((r.max_weight_diff for r in results), default=0):.2e}")
     for r in bad:
         print(f"sequence {r.sequence_id} (owner {r.owner}): {r.diagnosis}")
         for ex in r.examples:
-            print(f"  position {ex['position']} layer {ex['layer']}: recorded {ex['recorded']} replayed {ex['replayed']}")
+            print(
+                f"  position {ex['position']} layer {ex['layer']}: recorded {ex['recorded']} replayed {ex['replayed']}"
+            )
     print("parity: " + ("exact" if not bad else f"FAILED in {len(bad)} of {len(results)} sequences"))
     if args.json:
         from .export import write_report_json
 
-        write_report_json(args.json, {"identity": traces.identity.to_dict(), "chunk": args.prefill_step_size,
-                                      "sequences": [r.__dict__ for r in results]},
-                          field="--json", overwrite=args.overwrite, schema="hebrus-mlx.traces-replay")
+        write_report_json(
+            args.json,
+            {
+                "identity": traces.identity.to_dict(),
+                "chunk": args.prefill_step_size,
+                "sequences": [r.__dict__ for r in results],
+            },
+            field="--json",
+            overwrite=args.overwrite,
+            schema="hebrus-mlx.traces-replay",
+        )
     return 0 if not bad else 1
 
 
@@ -106,10 +118,19 @@ def _export(args) -> int:
         raise UsageError("--fractions", f"expected three non-negative numbers summing to 1, got {args.fractions!r}")
     if args.shard_tokens < 1:
         raise UsageError("--shard-tokens", f"must be >= 1, got {args.shard_tokens}")
-    m = export(args.trace_dir, args.out, split_by=args.split_by, fractions=fractions,
-               shard_tokens=args.shard_tokens, id_dtype=args.id_dtype, weight_dtype=args.weight_dtype)
-    print(f"exported {m['counts']['tokens']} tokens, {m['counts']['sequences']} sequences to {args.out}: "
-          + ", ".join(f"{k} {v['tokens']} tokens" for k, v in m["splits"].items()))
+    m = export(
+        args.trace_dir,
+        args.out,
+        split_by=args.split_by,
+        fractions=fractions,
+        shard_tokens=args.shard_tokens,
+        id_dtype=args.id_dtype,
+        weight_dtype=args.weight_dtype,
+    )
+    print(
+        f"exported {m['counts']['tokens']} tokens, {m['counts']['sequences']} sequences to {args.out}: "
+        + ", ".join(f"{k} {v['tokens']} tokens" for k, v in m["splits"].items())
+    )
     return 0
 
 
@@ -131,10 +152,19 @@ def _eval(args) -> int:
     sizes = positive_ints(args.cache_sizes, "--cache-sizes")
     if max(sizes) > 100:
         raise UsageError("--cache-sizes", f"percentages must be <= 100, got {args.cache_sizes!r}")
-    report = run_eval(args.source, model=args.model, budgets=budgets, split=args.split,
-                      chunk=args.prefill_step_size, cache_sim=args.cache_sim, cache_sizes=sizes,
-                      seed=args.seed, json_path=args.json, plot_path=args.plot,
-                      overwrite=args.overwrite)
+    report = run_eval(
+        args.source,
+        model=args.model,
+        budgets=budgets,
+        split=args.split,
+        chunk=args.prefill_step_size,
+        cache_sim=args.cache_sim,
+        cache_sizes=sizes,
+        seed=args.seed,
+        json_path=args.json,
+        plot_path=args.plot,
+        overwrite=args.overwrite,
+    )
     print(report["text"])
     return 0
 

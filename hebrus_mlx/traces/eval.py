@@ -24,7 +24,6 @@ Controls (histories reset at each sequence start, where every control falls back
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -51,7 +50,9 @@ def load_source(source, split: str = "test"):
             sel = d["sequence_ids"] == s
             seqs.append((d["token_ids"][sel], d["topk_ids"][sel].astype(np.int64)))
         train = ex["splits"].get("train")
-        fit = (train["token_ids"], train["topk_ids"].astype(np.int64)) if train is not None and split != "train" else None
+        fit = (
+            (train["token_ids"], train["topk_ids"].astype(np.int64)) if train is not None and split != "train" else None
+        )
         return ex["identity"], seqs, fit, f"export {p} split {split}"
     ts = read_trace(p)
     seqs = [(s.token_ids, s.topk_ids.astype(np.int64)) for s in ts.sequences]
@@ -168,8 +169,14 @@ def score(ranking, truth, budgets) -> dict:
     def mean(v):
         return float(np.where(defined, v, 0).sum() / defined.sum()) if defined.any() else None
 
-    res = {"rows": int(defined.sum()), "recall": {}, "precision": {}, "recall_per_layer": {},
-           "exact_topk": mean(cum[..., k - 1] == k), "exact_topk_per_layer": per_layer(cum[..., k - 1] == k)}
+    res = {
+        "rows": int(defined.sum()),
+        "recall": {},
+        "precision": {},
+        "recall_per_layer": {},
+        "exact_topk": mean(cum[..., k - 1] == k),
+        "exact_topk_per_layer": per_layer(cum[..., k - 1] == k),
+    }
     for b in budgets:
         res["recall"][b] = mean(cum[..., b - 1] / k)
         res["precision"][b] = mean(cum[..., b - 1] / b)
@@ -177,10 +184,9 @@ def score(ranking, truth, budgets) -> dict:
     return res
 
 
-def _record_bytes(model_path) -> Optional[int]:
+def _record_bytes(model_path) -> int | None:
     from ..artifact import constants as C
     from ..artifact import expert_major as em
-
     from ..artifact import untrusted
 
     mp = Path(model_path) / "manifest.json"
@@ -191,9 +197,20 @@ def _record_bytes(model_path) -> Optional[int]:
     return int(sum(n for *_, n in em.record_layout(C.family(m["family"]), store["codec"])))
 
 
-def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache_sim=False,
-             cache_sizes=(5, 10, 20, 30, 50), seed=0, json_path=None, plot_path=None,
-             overwrite=False) -> dict:
+def run_eval(
+    source,
+    *,
+    model=None,
+    budgets=None,
+    split="test",
+    chunk=512,
+    cache_sim=False,
+    cache_sizes=(5, 10, 20, 30, 50),
+    seed=0,
+    json_path=None,
+    plot_path=None,
+    overwrite=False,
+) -> dict:
     ident, seqs, train, desc = load_source(source, split)
     L, E, k = ident.num_layers, ident.num_experts, ident.top_k
     budgets = sorted(set(budgets or [k, 2 * k, 4 * k]))
@@ -209,8 +226,8 @@ def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache
     rankings = history_rankings(seqs, L, E, bmax, train, seed)
     record_bytes, parity = None, None
     if model is not None:
-        from ..traces.schema import model_identity
         from ..loader import load, resolve_model_path
+        from ..traces.schema import model_identity
 
         mdl, tok = load(model)
         diff = ident.mismatch(model_identity(mdl, tok))
@@ -221,9 +238,16 @@ def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache
         parity = int((replayed != truth).any(-1).sum())
         record_bytes = _record_bytes(resolve_model_path(model))
     controls = {name: score(r, truth, budgets) for name, r in rankings.items()}
-    report = {"source": desc, "identity": ident.to_dict(), "tokens": int(len(truth)), "sequences": len(seqs),
-              "budgets": budgets, "controls": controls, "replay_mismatched_rows": parity,
-              "record_bytes": record_bytes}
+    report = {
+        "source": desc,
+        "identity": ident.to_dict(),
+        "tokens": int(len(truth)),
+        "sequences": len(seqs),
+        "budgets": budgets,
+        "controls": controls,
+        "replay_mismatched_rows": parity,
+        "record_bytes": record_bytes,
+    }
     if cache_sim:
         report["cache_sim"] = sweep(truth, E, cache_sizes, record_bytes or 1)
         report["cache_sim_unit"] = "bytes" if record_bytes else "records"
@@ -231,28 +255,48 @@ def run_eval(source, *, model=None, budgets=None, split="test", chunk=512, cache
     if json_path:
         from .export import write_report_json
 
-        write_report_json(json_path, {k: v for k, v in report.items() if k != "text"}, field="--json",
-                          overwrite=overwrite, schema="hebrus-mlx.traces-eval")
+        write_report_json(
+            json_path,
+            {k: v for k, v in report.items() if k != "text"},
+            field="--json",
+            overwrite=overwrite,
+            schema="hebrus-mlx.traces-eval",
+        )
     if plot_path:
         plot(report, plot_path, overwrite=overwrite)
     return report
 
 
 def render(r) -> str:
-    lines = [f"{r['source']}: {r['tokens']} tokens, {r['sequences']} sequences; layers "
-             f"{r['identity']['num_layers']}, experts {r['identity']['num_experts']}, top-{r['identity']['top_k']}"]
+    lines = [
+        f"{r['source']}: {r['tokens']} tokens, {r['sequences']} sequences; layers "
+        f"{r['identity']['num_layers']}, experts {r['identity']['num_experts']}, top-{r['identity']['top_k']}"
+    ]
     if r["replay_mismatched_rows"] is not None:
-        lines.append(f"replay recomputation vs recorded routes: {r['replay_mismatched_rows']} mismatched (token, layer) rows")
+        lines.append(
+            f"replay recomputation vs recorded routes: {r['replay_mismatched_rows']} mismatched (token, layer) rows"
+        )
     b = r["budgets"]
-    lines.append("control          " + "".join(f"  recall@{x:<3d}" for x in b) + "".join(f"  prec@{x:<3d}" for x in b) + "  exact-top-k")
+    lines.append(
+        "control          "
+        + "".join(f"  recall@{x:<3d}" for x in b)
+        + "".join(f"  prec@{x:<3d}" for x in b)
+        + "  exact-top-k"
+    )
     fmt = lambda v: f"{v:9.3f}" if v is not None else "      n/a"  # noqa: E731
     for name, c in r["controls"].items():
-        lines.append(f"{name:16s} " + "".join(f"  {fmt(c['recall'][x])}  " for x in b)
-                     + "".join(f" {fmt(c['precision'][x])}  " for x in b) + f" {fmt(c['exact_topk'])}")
+        lines.append(
+            f"{name:16s} "
+            + "".join(f"  {fmt(c['recall'][x])}  " for x in b)
+            + "".join(f" {fmt(c['precision'][x])}  " for x in b)
+            + f" {fmt(c['exact_topk'])}"
+        )
     k = r["identity"]["top_k"]
     lines.append(f"recall@{k} per layer:")
     for name, c in r["controls"].items():
-        lines.append(f"  {name:16s} " + " ".join("  -  " if v is None else f"{v:.3f}" for v in c["recall_per_layer"][k]))
+        lines.append(
+            f"  {name:16s} " + " ".join("  -  " if v is None else f"{v:.3f}" for v in c["recall_per_layer"][k])
+        )
     if "cache_sim" in r:
         unit = r["cache_sim_unit"]
         lines.append(f"cache simulator (demand paging; {unit} per token = misses x record size / tokens):")
@@ -260,7 +304,10 @@ def render(r) -> str:
         lines.append("policy  " + "".join(f"  {s:>3d}% hit  {unit}/tok" for s in sizes))
         for pol in POLICIES:
             rows = {row["percent"]: row for row in r["cache_sim"] if row["policy"] == pol}
-            lines.append(f"{pol:7s} " + "".join(f"  {rows[s]['hit_rate']:8.3f} {rows[s]['bytes_per_token']:10.0f}" for s in sizes))
+            lines.append(
+                f"{pol:7s} "
+                + "".join(f"  {rows[s]['hit_rate']:8.3f} {rows[s]['bytes_per_token']:10.0f}" for s in sizes)
+            )
     return "\n".join(lines)
 
 

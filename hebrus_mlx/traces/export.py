@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -59,15 +58,24 @@ def _sha256(path) -> str:
     return h.hexdigest()
 
 
-def export(trace_dir, out, *, split_by="sequence", fractions=(0.8, 0.1, 0.1), shard_tokens=65536,
-           id_dtype="int16", weight_dtype="float32") -> dict:
+def export(
+    trace_dir,
+    out,
+    *,
+    split_by="sequence",
+    fractions=(0.8, 0.1, 0.1),
+    shard_tokens=65536,
+    id_dtype="int16",
+    weight_dtype="float32",
+) -> dict:
     from safetensors.numpy import save
 
     from ..artifact.atomic import check_replaceable
 
     def replaceable(path):  # OUT may be new, empty or an earlier export; never anything else
-        check_replaceable(path, overwrite=True, is_ours=_earlier_export, protect=(trace_dir,),
-                          what="trace export", field="--out")
+        check_replaceable(
+            path, overwrite=True, is_ours=_earlier_export, protect=(trace_dir,), what="trace export", field="--out"
+        )
 
     replaceable(out)
     traces = read_trace(trace_dir)
@@ -78,15 +86,28 @@ def export(trace_dir, out, *, split_by="sequence", fractions=(0.8, 0.1, 0.1), sh
     for i, s in enumerate(traces.sequences):
         key = s.owner if split_by == "owner" else f"{s.owner}\0{s.generation}\0{s.sequence_id}"
         seqs.append((split_of(key, fractions), i, s))
-    table = [{"index": i, "sequence_id": s.sequence_id, "owner": s.owner, "generation": s.generation,
-              "tokens": int(len(s.positions)), "decode_tokens": int((s.kinds == KIND_DECODE).sum()),
-              "split": sp, "sampling": s.sampling} for sp, i, s in seqs]
+    table = [
+        {
+            "index": i,
+            "sequence_id": s.sequence_id,
+            "owner": s.owner,
+            "generation": s.generation,
+            "tokens": int(len(s.positions)),
+            "decode_tokens": int((s.kinds == KIND_DECODE).sum()),
+            "split": sp,
+            "sampling": s.sampling,
+        }
+        for sp, i, s in seqs
+    ]
     shards, splits = [], {}
     plan = []  # (file, tensors)
     for sp in SPLITS:
         members = [(i, s) for name, i, s in seqs if name == sp]
-        splits[sp] = {"sequences": [i for i, _ in members], "tokens": int(sum(len(s.positions) for _, s in members)),
-                      "shards": []}
+        splits[sp] = {
+            "sequences": [i for i, _ in members],
+            "tokens": int(sum(len(s.positions) for _, s in members)),
+            "shards": [],
+        }
         if not members:
             continue
         cols = {
@@ -116,14 +137,25 @@ def export(trace_dir, out, *, split_by="sequence", fractions=(0.8, 0.1, 0.1), sh
             name = f"{sp}-{j:05d}.safetensors"
             plan.append((name, t))
             splits[sp]["shards"].append(name)
-    counts = {"tokens": traces.tokens, "sequences": len(table),
-              "decode_tokens": int(sum(r["decode_tokens"] for r in table)),
-              "feature_rows": int(sum(len(t.get("feature_rows", ())) for _, t in plan))}
+    counts = {
+        "tokens": traces.tokens,
+        "sequences": len(table),
+        "decode_tokens": int(sum(r["decode_tokens"] for r in table)),
+        "feature_rows": int(sum(len(t.get("feature_rows", ())) for _, t in plan)),
+    }
     manifest = {
-        "schema": EXPORT_SCHEMA, "schema_version": EXPORT_SCHEMA_VERSION,
-        "trace_schema_version": SCHEMA_VERSION, **{k: v for k, v in ident.to_dict().items()},
-        "split_by": split_by, "fractions": list(fractions), "counts": counts, "splits": splits,
-        "sequences": table, "id_dtype": id_dtype, "weight_dtype": weight_dtype, "shards": shards,
+        "schema": EXPORT_SCHEMA,
+        "schema_version": EXPORT_SCHEMA_VERSION,
+        "trace_schema_version": SCHEMA_VERSION,
+        **{k: v for k, v in ident.to_dict().items()},
+        "split_by": split_by,
+        "fractions": list(fractions),
+        "counts": counts,
+        "splits": splits,
+        "sequences": table,
+        "id_dtype": id_dtype,
+        "weight_dtype": weight_dtype,
+        "shards": shards,
         "sensitive": "token_ids are reversible to text; handle as the source transcripts",
     }
 
@@ -131,15 +163,21 @@ def export(trace_dir, out, *, split_by="sequence", fractions=(0.8, 0.1, 0.1), sh
         for name, t in plan:
             data = save({k: np.ascontiguousarray(v) for k, v in t.items()})
             publish_file(os.path.join(tmp, name), lambda w, data=data: w.write(data))
-            shards.append({"file": name, "split": name.split("-")[0], "tokens": int(len(t["token_ids"])),
-                           "sha256": hashlib.sha256(data).hexdigest()})
+            shards.append(
+                {
+                    "file": name,
+                    "split": name.split("-")[0],
+                    "tokens": int(len(t["token_ids"])),
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
+            )
         write_json(os.path.join(tmp, "manifest.json"), manifest)
 
     publish_dir(str(out), build, verify=read_export, replace=replaceable)
     return manifest
 
 
-def _earlier_export(path) -> Optional[str]:
+def _earlier_export(path) -> str | None:
     """None when directory `path` is a trace export whose manifest owns every entry in it."""
     from ..artifact import untrusted
 
@@ -173,8 +211,10 @@ def read_export(out, verify_digests: bool = True) -> dict:
     if m.get("schema") != EXPORT_SCHEMA:
         raise TraceError("manifest.schema", f"expected {EXPORT_SCHEMA!r}, got {m.get('schema')!r}")
     if m.get("schema_version") != EXPORT_SCHEMA_VERSION:
-        raise TraceError("manifest.schema_version",
-                         f"unknown version {m.get('schema_version')!r} (this build reads {EXPORT_SCHEMA_VERSION})")
+        raise TraceError(
+            "manifest.schema_version",
+            f"unknown version {m.get('schema_version')!r} (this build reads {EXPORT_SCHEMA_VERSION})",
+        )
     ident = Identity.from_dict({k: m.get(k) for k in Identity.__dataclass_fields__}, "manifest")
     L, k = ident.num_layers, ident.top_k
     data = {sp: {} for sp in SPLITS}
@@ -192,7 +232,9 @@ def read_export(out, verify_digests: bool = True) -> dict:
             raise TraceError(f"shards.{sh['file']}", f"partial or corrupt ({type(e).__name__})") from None
         n = len(t.get("token_ids", ()))
         if n != sh["tokens"] or t["topk_ids"].shape != (n, L, k):
-            raise TraceError(f"shards.{sh['file']}.tokens", f"holds {n} rows / {t['topk_ids'].shape}, manifest says {sh['tokens']}")
+            raise TraceError(
+                f"shards.{sh['file']}.tokens", f"holds {n} rows / {t['topk_ids'].shape}, manifest says {sh['tokens']}"
+            )
         for key, v in t.items():
             data[sh["split"]].setdefault(key, []).append(v)
         total += n
@@ -211,6 +253,8 @@ def read_export(out, verify_digests: bool = True) -> dict:
         for s in np.unique(seq):
             ps = pos[seq == s]
             if ps[0] != 0 or np.any(np.diff(ps) != 1):
-                raise TraceError(f"splits.{sp}.positions", f"sequence {int(s)} positions are not 0, 1, 2, ... (regression or gap)")
+                raise TraceError(
+                    f"splits.{sp}.positions", f"sequence {int(s)} positions are not 0, 1, 2, ... (regression or gap)"
+                )
         splits[sp] = merged
     return {"manifest": m, "identity": ident, "splits": splits}

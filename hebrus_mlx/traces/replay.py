@@ -19,8 +19,8 @@ on (a different artifact than its digest claims).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -43,7 +43,7 @@ class Recomputed:
     ranked_probs: np.ndarray  # float32 [N, L, k+1]
 
 
-def recompute(model, token_ids, chunk: int, on_chunk: Optional[Callable] = None) -> Recomputed:
+def recompute(model, token_ids, chunk: int, on_chunk: Callable | None = None) -> Recomputed:
     """Causal prefill of `token_ids` on a fresh cache by generate's prefill (chunks of `chunk`
     tokens, capped as a streamed model needs); one readback per chunk. `on_chunk(start, capture)`
     may add device work per chunk (it sees router inputs)."""
@@ -71,9 +71,12 @@ def recompute(model, token_ids, chunk: int, on_chunk: Optional[Callable] = None)
         rows = [topk[0], w[0], ri, rp]
         return out, rows + list(extra), rows
 
-    parts = [(np.array(t), np.array(w), np.array(ri).astype(np.int32), np.array(rp))
-             for _, (t, w, ri, rp) in prefill_chunks(model, mx.array(np.asarray(token_ids, dtype=np.int32)), cache,
-                                                     chunk, forward)]
+    parts = [
+        (np.array(t), np.array(w), np.array(ri).astype(np.int32), np.array(rp))
+        for _, (t, w, ri, rp) in prefill_chunks(
+            model, mx.array(np.asarray(token_ids, dtype=np.int32)), cache, chunk, forward
+        )
+    ]
     cols = list(zip(*parts))
     return Recomputed(*(np.concatenate(c) for c in cols))
 
@@ -107,14 +110,14 @@ class SequenceParity:
     tied_per_layer: list
     max_weight_diff: float
     examples: list = field(default_factory=list)
-    diagnosis: Optional[str] = None
+    diagnosis: str | None = None
 
     @property
     def ok(self) -> bool:
         return sum(self.mismatches_per_layer) == 0 and self.max_weight_diff <= WEIGHT_ATOL
 
 
-def _diagnose(match: np.ndarray, rec_ids, rep_ids, first_position=0) -> Optional[str]:
+def _diagnose(match: np.ndarray, rec_ids, rep_ids, first_position=0) -> str | None:
     """match [N, L] bool; name the most likely fault."""
     rows = match.all(axis=1)
     if rows.all():
@@ -125,23 +128,31 @@ def _diagnose(match: np.ndarray, rec_ids, rep_ids, first_position=0) -> Optional
     for d in (-3, -2, -1, 1, 2, 3):
         if n <= abs(d) + 1:
             continue
-        a = rec_ids[max(0, -d): n - max(0, d)]
-        b = rep_ids[max(0, d): n - max(0, -d)]
+        a = rec_ids[max(0, -d) : n - max(0, d)]
+        b = rep_ids[max(0, d) : n - max(0, -d)]
         rate = np.all(a == b, axis=(1, 2)).mean()
         best = max(best, (rate, d))
     if best[0] > 0.5 and best[0] > 2 * base:
-        return (f"wrong position offset: the recorded routes match the replay shifted by {best[1]:+d} "
-                f"position(s) ({best[0]:.0%} of rows)")
+        return (
+            f"wrong position offset: the recorded routes match the replay shifted by {best[1]:+d} "
+            f"position(s) ({best[0]:.0%} of rows)"
+        )
     p0 = int(np.flatnonzero(~rows)[0])
     after = 1.0 - rows[p0:].mean()
     if p0 == 0 and after > 0.5:
-        return ("mismatches from the first token in most rows: the weights are not the artifact the "
-                "trace names (a different artifact)")
+        return (
+            "mismatches from the first token in most rows: the weights are not the artifact the "
+            "trace names (a different artifact)"
+        )
     if after > 0.5:
-        return (f"divergence from position {first_position + p0}: exact before it, {after:.0%} of rows differ "
-                f"after (a dropped or changed token, or corrupted state, just before it)")
-    return (f"{int((~rows).sum())} scattered row mismatches (first at position {first_position + p0}): "
-            f"numerical near-ties between the prefill and decode paths")
+        return (
+            f"divergence from position {first_position + p0}: exact before it, {after:.0%} of rows differ "
+            f"after (a dropped or changed token, or corrupted state, just before it)"
+        )
+    return (
+        f"{int((~rows).sum())} scattered row mismatches (first at position {first_position + p0}): "
+        f"numerical near-ties between the prefill and decode paths"
+    )
 
 
 def replay(model, tokenizer, traces: TraceSet, chunk: int = 2048, check_identity: bool = True) -> list:
@@ -156,16 +167,22 @@ def replay(model, tokenizer, traces: TraceSet, chunk: int = 2048, check_identity
     out = []
     for seq in traces.sequences:
         if seq.positions[0] != 0:
-            raise TraceError("positions", f"sequence {seq.sequence_id} starts at position {int(seq.positions[0])}: "
-                                          "wrong position offset (the history before it is not in the trace)")
+            raise TraceError(
+                "positions",
+                f"sequence {seq.sequence_id} starts at position {int(seq.positions[0])}: "
+                "wrong position offset (the history before it is not in the trace)",
+            )
         rep = recompute(model, seq.token_ids, chunk)
         n = len(seq.positions)
-        ok, tied = _tie_groups_ok(seq.topk_ids.reshape(n * L, k), rep.ranked_ids.reshape(n * L, k + 1),
-                                  rep.ranked_probs.reshape(n * L, k + 1))
+        ok, tied = _tie_groups_ok(
+            seq.topk_ids.reshape(n * L, k), rep.ranked_ids.reshape(n * L, k + 1), rep.ranked_probs.reshape(n * L, k + 1)
+        )
         match, tied = ok.reshape(n, L), tied.reshape(n, L)
         wdiff = np.abs(seq.topk_weights - rep.topk_weights).max(axis=2)
         res = SequenceParity(
-            sequence_id=seq.sequence_id, owner=seq.owner, tokens=n,
+            sequence_id=seq.sequence_id,
+            owner=seq.owner,
+            tokens=n,
             decode_tokens=int((seq.kinds == 1).sum()),
             mismatches_per_layer=(~match).sum(axis=0).astype(int).tolist(),
             tied_per_layer=tied.sum(axis=0).astype(int).tolist(),
@@ -174,8 +191,14 @@ def replay(model, tokenizer, traces: TraceSet, chunk: int = 2048, check_identity
         for p, layer in zip(*np.nonzero(~match)):
             if len(res.examples) == MAX_EXAMPLES:
                 break
-            res.examples.append({"position": int(seq.positions[p]), "layer": int(layer),
-                                 "recorded": seq.topk_ids[p, layer].tolist(), "replayed": rep.topk_ids[p, layer].tolist()})
+            res.examples.append(
+                {
+                    "position": int(seq.positions[p]),
+                    "layer": int(layer),
+                    "recorded": seq.topk_ids[p, layer].tolist(),
+                    "replayed": rep.topk_ids[p, layer].tolist(),
+                }
+            )
         res.diagnosis = _diagnose(match, seq.topk_ids, rep.topk_ids, int(seq.positions[0]))
         if res.diagnosis is None and res.max_weight_diff > WEIGHT_ATOL:
             res.diagnosis = f"IDs exact but weights differ by {res.max_weight_diff:.2e} (> {WEIGHT_ATOL})"

@@ -47,7 +47,7 @@ class Identity:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "identity") -> "Identity":
+    def from_dict(cls, d: dict, where: str = "identity") -> Identity:
         if not isinstance(d, dict):
             raise TraceError(where, "is not an object")
         out = {}
@@ -61,7 +61,7 @@ class Identity:
             out[f.name] = v
         return cls(**out)
 
-    def mismatch(self, other: "Identity") -> str | None:
+    def mismatch(self, other: Identity) -> str | None:
         """The first differing field as 'field: a != b', or None."""
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)

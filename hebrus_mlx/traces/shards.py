@@ -16,15 +16,19 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
 from .schema import SCHEMA, SCHEMA_VERSION, Identity, TraceError
 
 SHARD_SUFFIX = ".safetensors"
-REQUIRED = {"token_ids": np.int32, "positions": np.int32, "kinds": np.uint8,
-            "topk_ids": np.int32, "topk_weights": np.float32}
+REQUIRED = {
+    "token_ids": np.int32,
+    "positions": np.int32,
+    "kinds": np.uint8,
+    "topk_ids": np.int32,
+    "topk_weights": np.float32,
+}
 
 
 def payload_sha256(tensors: dict) -> str:
@@ -43,9 +47,14 @@ def write_shard(path, tensors: dict, header: dict, faults=None) -> None:
     from ..artifact.atomic import publish_file
 
     header = dict(header, payload_sha256=payload_sha256(tensors))
-    data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                metadata={"schema": SCHEMA, "schema_version": str(SCHEMA_VERSION),
-                          "header": json.dumps(header, sort_keys=True)})
+    data = save(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        metadata={
+            "schema": SCHEMA,
+            "schema_version": str(SCHEMA_VERSION),
+            "header": json.dumps(header, sort_keys=True),
+        },
+    )
     publish_file(str(path), lambda w: w.write(data), faults=faults)
 
 
@@ -64,7 +73,7 @@ class Sequence:
     topk_ids: np.ndarray  # int32 [N, L, k]
     topk_weights: np.ndarray  # float32 [N, L, k]
     feature_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    features: Optional[np.ndarray] = None  # float32 [M, L, H]
+    features: np.ndarray | None = None  # float32 [M, L, H]
     shards: list = field(default_factory=list)
 
 
@@ -91,8 +100,10 @@ def _read_one(path: Path):
     if meta.get("schema") != SCHEMA:
         raise TraceError(f"{name}.schema", f"expected {SCHEMA!r}, got {meta.get('schema')!r}")
     if meta.get("schema_version") != str(SCHEMA_VERSION):
-        raise TraceError(f"{name}.schema_version",
-                         f"unknown version {meta.get('schema_version')!r} (this build reads {SCHEMA_VERSION})")
+        raise TraceError(
+            f"{name}.schema_version",
+            f"unknown version {meta.get('schema_version')!r} (this build reads {SCHEMA_VERSION})",
+        )
     from ..artifact.untrusted import UntrustedFileError, loads
 
     try:  # strict and bounded: a shard may be handed to us (issue 22)
@@ -159,11 +170,15 @@ def read_trace(directory) -> TraceSet:
         for i, (h, t, name) in enumerate(parts):
             if h["counter"] != i:
                 what = "duplicate" if i and h["counter"] == parts[i - 1][0]["counter"] else "missing shard before"
-                raise TraceError(f"{name}.counter", f"counter regression in sequence {sid}: {what} counter {h['counter']}")
+                raise TraceError(
+                    f"{name}.counter", f"counter regression in sequence {sid}: {what} counter {h['counter']}"
+                )
             if h["first_position"] != expect_pos:
-                raise TraceError(f"{name}.first_position",
-                                 f"counter regression in sequence {sid}: shard starts at {h['first_position']}, "
-                                 f"the previous one ended at {expect_pos}")
+                raise TraceError(
+                    f"{name}.first_position",
+                    f"counter regression in sequence {sid}: shard starts at {h['first_position']}, "
+                    f"the previous one ended at {expect_pos}",
+                )
             pos = t["positions"]
             steps = np.diff(np.concatenate([[expect_pos - 1], pos.astype(np.int64)]))
             bad = np.flatnonzero(steps != 1)
@@ -171,14 +186,23 @@ def read_trace(directory) -> TraceSet:
                 j = int(bad[0])
                 prev = expect_pos - 1 if j == 0 else int(pos[j - 1])
                 kind = "dropped token" if steps[j] > 1 else "position regression"
-                raise TraceError(f"{name}.positions", f"{kind} in sequence {sid}: position {prev} is followed by {int(pos[j])}")
+                raise TraceError(
+                    f"{name}.positions", f"{kind} in sequence {sid}: position {prev} is followed by {int(pos[j])}"
+                )
             expect_pos += h["count"]
         cat = lambda key: np.concatenate([t[key] for _, t, _ in parts])  # noqa: E731
         feats = [t for _, t, _ in parts if "features" in t]
         seq = Sequence(
-            owner=h0["owner"], generation=h0["generation"], sequence_id=sid, sampling=h0.get("sampling", {}),
-            feature_every=h0["feature_every"], positions=cat("positions"), token_ids=cat("token_ids"),
-            kinds=cat("kinds"), topk_ids=cat("topk_ids"), topk_weights=cat("topk_weights"),
+            owner=h0["owner"],
+            generation=h0["generation"],
+            sequence_id=sid,
+            sampling=h0.get("sampling", {}),
+            feature_every=h0["feature_every"],
+            positions=cat("positions"),
+            token_ids=cat("token_ids"),
+            kinds=cat("kinds"),
+            topk_ids=cat("topk_ids"),
+            topk_weights=cat("topk_weights"),
             shards=[name for _, _, name in parts],
         )
         if feats:
@@ -196,8 +220,19 @@ def shard_name(sequence_id: str, counter: int) -> str:
 class ShardWriter:
     """Buffers one sequence's committed observations and publishes a shard every `shard_tokens`."""
 
-    def __init__(self, directory, identity: Identity, *, owner: str, generation: int, sequence_id: str,
-                 sampling: dict, feature_every: int, shard_tokens: int = 4096, first_position: int = 0):
+    def __init__(
+        self,
+        directory,
+        identity: Identity,
+        *,
+        owner: str,
+        generation: int,
+        sequence_id: str,
+        sampling: dict,
+        feature_every: int,
+        shard_tokens: int = 4096,
+        first_position: int = 0,
+    ):
         if not owner or not isinstance(owner, str):
             raise TraceError("trace_owner", f"must be a non-empty string, got {owner!r}")
         if not isinstance(generation, int) or generation < 0:
@@ -239,9 +274,15 @@ class ShardWriter:
             tensors["features"] = np.concatenate(fs).astype(np.float32) if fs else np.zeros((0, L, H), np.float32)
         n = len(tensors["positions"])
         header = {
-            "identity": self.identity.to_dict(), "owner": self.owner, "generation": self.generation,
-            "sequence_id": self.sequence_id, "counter": self.counter, "first_position": self.position,
-            "count": n, "sampling": self.sampling, "feature_every": self.feature_every,
+            "identity": self.identity.to_dict(),
+            "owner": self.owner,
+            "generation": self.generation,
+            "sequence_id": self.sequence_id,
+            "counter": self.counter,
+            "first_position": self.position,
+            "count": n,
+            "sampling": self.sampling,
+            "feature_every": self.feature_every,
             "wall_time": time.time(),  # diagnostic only
         }
         path = self.dir / shard_name(self.sequence_id, self.counter)
