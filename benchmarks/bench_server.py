@@ -13,35 +13,19 @@ ratios turn-2(A) / turn-1(A) and turn-2(A) / turn-2(B).
 import argparse
 import http.client
 import json
-import os
 import random
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from hebrus_mlx.testing.processes import ROOT, child_env, server_argv
 
 
 def start(model, extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hebrus_mlx.cli",
-            "server",
-            "--model",
-            model,
-            "--port",
-            "0",
-            "--log-level",
-            "WARNING",
-            *extra,
-        ],
+        server_argv(*extra, model=model),
         cwd=ROOT,
-        env=env,
+        env=child_env(),
         stdout=subprocess.PIPE,
         text=True,
     )

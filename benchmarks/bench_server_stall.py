@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from hebrus_mlx.testing.processes import server_argv
+
 
 def request(port, method, path, body=None, timeout=600):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -89,23 +91,11 @@ class Probe:
 
 
 def start(root, args):
-    env = dict(os.environ, PYTHONPATH=root)
+    """A server of tree `root` with `args`: (process, port)."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hebrus_mlx.cli",
-            "server",
-            "--model",
-            "demo",
-            "--port",
-            "0",
-            "--log-level",
-            "WARNING",
-            *args,
-        ],
+        server_argv(*args),
         cwd=root,
-        env=env,
+        env=dict(os.environ, PYTHONPATH=root),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -114,6 +104,7 @@ def start(root, args):
     while "listening on" not in line:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
+            proc.kill()
             raise SystemExit(f"server of {root} did not start")
     return proc, int(line.rsplit(":", 1)[1])
 
@@ -140,36 +131,8 @@ def run_small(root, n, extra):
 def run_tree(root, mb, extra=()):
     """One server of tree `root`: (idle latencies, busy latencies, big request seconds, status,
     scheduler probe's max lateness while busy)."""
-    env = dict(os.environ, PYTHONPATH=root)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hebrus_mlx.cli",
-            "server",
-            "--model",
-            "demo",
-            "--port",
-            "0",
-            "--log-level",
-            "WARNING",
-            "--max-body-bytes",
-            str(int(mb * 1e6) + 4096),
-            *extra,
-        ],
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    proc, port = start(root, ["--max-body-bytes", str(int(mb * 1e6) + 4096), *extra])
     try:
-        line = ""
-        while "listening on" not in line:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                raise SystemExit(f"server of {root} did not start")
-        port = int(line.rsplit(":", 1)[1])
         pr = Probe()
         idle = poll(port, seconds=3)
         idle_probe = pr.stop()

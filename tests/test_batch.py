@@ -417,34 +417,15 @@ def test_server_process_with_decode_concurrency():
     concurrent completions each get the in-process one-at-a-time text (temperature 0)."""
     import http.client
     import json
-    import os
     import subprocess
-    import sys
-    from pathlib import Path
 
     from hebrus_mlx import load, stream_generate
+    from hebrus_mlx.testing.processes import ROOT, child_env, server_argv
 
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hebrus_mlx.cli",
-            "server",
-            "--model",
-            "demo",
-            "--port",
-            "0",
-            "--decode-concurrency",
-            "3",
-            "--prompt-concurrency",
-            "2",
-            "--log-level",
-            "WARNING",
-        ],
-        cwd=root,
-        env=env,
+        server_argv("--decode-concurrency", "3", "--prompt-concurrency", "2"),
+        cwd=ROOT,
+        env=child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -16,9 +16,14 @@ import pytest
 from hebrus_mlx.loader import DEMO_DIR
 from hebrus_mlx.pipeline import local_hostfile
 from hebrus_mlx.pipeline.split import PipelineSplitError, layer_bytes, parse_split, plan_split, stages
+from hebrus_mlx.testing.processes import ROOT, child_env, cli_argv, server_argv
 
 SCRIPT = Path(__file__).with_name("pipeline_script.py")
-ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rank_env(hostfile, rank, **extra):
+    """The environment of pipeline rank `rank` of the ranks named in `hostfile`."""
+    return child_env(MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank), **extra)
 
 
 # -- split planning (no MLX) --------------------------------------------------------------------------
@@ -136,14 +141,7 @@ def _launch(tmp_path, n, model, mode, split=None, timeout=60, env_extra=None, wa
     args = [sys.executable, str(SCRIPT), str(model), str(out), mode] + ([split] if split else [])
     procs = []
     for rank in range(n):
-        env = dict(
-            os.environ,
-            MLX_HOSTFILE=str(hostfile),
-            MLX_RANK=str(rank),
-            PIPELINE_TIMEOUT=str(timeout),
-            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            **(env_extra or {}),
-        )
+        env = _rank_env(hostfile, rank, PIPELINE_TIMEOUT=str(timeout), **(env_extra or {}))
         procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     t0 = time.monotonic()
     results = []
@@ -248,10 +246,8 @@ def _text(stdout):
 def test_cli_under_mlx_launch_prints_the_single_process_text():
     # mlx.launch takes --verbose (and -p) for itself, so the launched command keeps the defaults.
     cmd = ["generate", "--model", "demo", "--prompt", "def fibonacci(n):", "--ignore-chat-template", "-m", "16"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    single = subprocess.run(
-        [sys.executable, "-m", "hebrus_mlx.cli", *cmd], env=env, capture_output=True, text=True, timeout=120
-    )
+    env = child_env()
+    single = subprocess.run(cli_argv(*cmd), env=env, capture_output=True, text=True, timeout=120)
     launch = [
         "mlx.launch",
         "--backend",
@@ -290,29 +286,11 @@ def _server_ranks(tmp_path, n=2, extra=()):
     hostfile = local_hostfile(tmp_path / "server-hosts.json", n)
     procs = []
     for rank in range(n):
-        env = dict(
-            os.environ,
-            MLX_HOSTFILE=str(hostfile),
-            MLX_RANK=str(rank),
-            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        )
         procs.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "hebrus_mlx.cli",
-                    "server",
-                    "--model",
-                    "demo",
-                    "--port",
-                    "0",
-                    "--log-level",
-                    "WARNING",
-                    *extra,
-                ],
+                server_argv(*extra),
                 cwd=ROOT,
-                env=env,
+                env=_rank_env(hostfile, rank),
                 stdout=subprocess.PIPE,
                 stderr=open(tmp_path / f"server{rank}.err", "w"),
                 text=True,
@@ -440,18 +418,9 @@ def test_bench_under_a_launch_runs_the_harness_on_rank_0(tmp_path):
     hostfile = local_hostfile(tmp_path / "bench-hosts.json", 2)
     procs = []
     for rank in range(2):
-        env = dict(
-            os.environ,
-            MLX_HOSTFILE=str(hostfile),
-            MLX_RANK=str(rank),
-            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        )
         procs.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "hebrus_mlx.cli",
+                cli_argv(
                     "bench",
                     "--model",
                     "demo",
@@ -470,9 +439,9 @@ def test_bench_under_a_launch_runs_the_harness_on_rank_0(tmp_path):
                     "draft-model=none,ngram",
                     "--out",
                     str(tmp_path / "out"),
-                ],
+                ),
                 cwd=ROOT,
-                env=env,
+                env=_rank_env(hostfile, rank),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -7,19 +7,16 @@ independent path: no HTTP, no worker thread, no prefix cache)."""
 
 import http.client
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from scripted_server import run_concurrently
 
 from hebrus_mlx.server import StopMatcher, parse_tool_calls
+from hebrus_mlx.testing.processes import ROOT, child_env, server_argv
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
 EXPERT_CACHE_GB = "0.002"  # about 137 of the demo's 512 expert records: streamed, not resident
 
@@ -28,29 +25,11 @@ EXPERT_CACHE_GB = "0.002"  # about 137 of the demo's 512 expert records: streame
 def _proc(tmp_path_factory):
     """The server process, started first so it loads while the reference model loads here."""
     log = tmp_path_factory.mktemp("server") / "stderr.txt"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hebrus_mlx.cli",
-                "server",
-                "--model",
-                "demo",
-                "--port",
-                "0",
-                "--api-key",
-                KEY,
-                "--expert-cache-gb",
-                EXPERT_CACHE_GB,
-                "--max-body-bytes",
-                "65536",
-                "--log-level",
-                "WARNING",
-            ],
+            server_argv("--api-key", KEY, "--expert-cache-gb", EXPERT_CACHE_GB, "--max-body-bytes", "65536"),
             cwd=ROOT,
-            env=env,
+            env=child_env(),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,

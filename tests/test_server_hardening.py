@@ -12,19 +12,18 @@ Provenance (AFN-014): every request here is a contract control written in this f
 
 import http.client
 import json
-import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from hebrus_mlx.testing.processes import ROOT, child_env, server_argv
+
 KEY = "hardening-key-4f1c9"
 SHUTDOWN = 3.0
 MSG = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -32,28 +31,12 @@ MSG = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 def _start(tmp, extra, env_extra=None):
     log = tmp / "stderr.txt"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env()
     env.pop("HEBRUS_MLX_API_KEY", None)
     env.update(env_extra or {})
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hebrus_mlx.cli",
-                "server",
-                "--model",
-                "demo",
-                "--port",
-                "0",
-                "--expert-cache-gb",
-                "0.002",
-                "--shutdown-timeout",
-                str(SHUTDOWN),
-                "--log-level",
-                "INFO",
-                *extra,
-            ],
+            server_argv("--expert-cache-gb", "0.002", "--shutdown-timeout", str(SHUTDOWN), *extra, log_level="INFO"),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
