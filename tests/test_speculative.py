@@ -685,20 +685,7 @@ def test_greedy_identical_across_plain_and_block_switches(demo, plain):
     model, tok = demo
     ids, want = plain
     for drafter in _drafters(model, tok, want):
-        stats = SpeculativeStats()
-        got = [
-            t
-            for t, _, _ in speculative_generate_step(
-                mx.array(ids),
-                model,
-                drafter,
-                effective_vocab_size=tok.effective_vocab_size,
-                max_tokens=N,
-                num_draft_tokens=4,
-                governor=FixedSchedule(SCHEDULE, repeat=True),
-                stats=stats,
-            )
-        ]
+        got, stats = _spec(model, tok, ids, drafter, 4, governor=FixedSchedule(SCHEDULE, repeat=True))
         assert got == want, drafter.name
         assert stats.block_sizes.get(0, 0) > 0 and stats.verify_steps > 0, (drafter.name, stats.block_sizes)
 
@@ -730,19 +717,7 @@ def test_governor_falls_back_on_the_demo(demo, plain):
     """The real governor with a drafter that is always wrong: greedy identical, mostly plain steps."""
     model, tok = demo
     ids, want = plain
-    stats = SpeculativeStats()
-    got = [
-        t
-        for t, _, _ in speculative_generate_step(
-            mx.array(ids),
-            model,
-            Garbage(),
-            effective_vocab_size=tok.effective_vocab_size,
-            max_tokens=N,
-            num_draft_tokens=4,
-            stats=stats,
-        )
-    ]
+    got, stats = _spec(model, tok, ids, Garbage(), 4)
     assert got == want
     assert stats.block_sizes.get(0, 0) >= 0.75 * N and stats.verify_steps <= 3, stats.block_sizes
 
@@ -763,20 +738,7 @@ def test_streamed_5pct_greedy_identical_across_switches(demo, plain):
         # The draft model is a resident copy (a streamed target's arena is sized for its own steps).
         for drafter in _drafters(model, tok, want, draft_model=demo[0]):
             for gov in (FixedSchedule(SCHEDULE, repeat=True), "auto"):
-                stats = SpeculativeStats()
-                got = [
-                    t
-                    for t, _, _ in speculative_generate_step(
-                        mx.array(ids),
-                        model,
-                        drafter,
-                        effective_vocab_size=tok.effective_vocab_size,
-                        max_tokens=N,
-                        num_draft_tokens=4,
-                        governor=gov,
-                        stats=stats,
-                    )
-                ]
+                got, stats = _spec(model, tok, ids, drafter, 4, governor=gov)
                 assert got == want, (drafter.name, gov)
                 assert stats.block_sizes.get(0, 0) > 0, (drafter.name, stats.block_sizes)
     finally:
