@@ -15,43 +15,18 @@ def demo():
     return load("demo")
 
 
+def _cli(verb, f, *args, quiet=True):
+    """`hebrus-mlx VERB --prompt-cache-file F ARGS` (with `--verbose false`): its exit code."""
+    return cli_main([verb, "--prompt-cache-file", str(f), *args, *(["--verbose", "false"] if quiet else [])])
+
+
 def test_generate_continues_the_cached_prompt(demo, tmp_path, capsys):
     from hebrus_mlx import stream_generate
 
     model, tok = demo
     f = tmp_path / "doc.safetensors"
-    assert (
-        cli_main(
-            [
-                "cache-prompt",
-                "--prompt",
-                DOC,
-                "--system-prompt",
-                "Be brief.",
-                "--prompt-cache-file",
-                str(f),
-                "--verbose",
-                "false",
-            ]
-        )
-        == 0
-    )
-    assert (
-        cli_main(
-            [
-                "generate",
-                "--prompt-cache-file",
-                str(f),
-                "--prompt",
-                "Summarize it.",
-                "--max-tokens",
-                "12",
-                "--verbose",
-                "false",
-            ]
-        )
-        == 0
-    )
+    assert _cli("cache-prompt", f, "--prompt", DOC, "--system-prompt", "Be brief.") == 0
+    assert _cli("generate", f, "--prompt", "Summarize it.", "--max-tokens", "12") == 0
     out = capsys.readouterr().out
     # The same IDs in one in-process run: the cached prefix (system + open user message) + the rest.
     head = cached_prompt_ids(tok, DOC, "Be brief.")
@@ -69,58 +44,14 @@ def test_plain_text_mode_and_refusals(demo, tmp_path, capsys, monkeypatch):
 
     model, tok = demo
     f = tmp_path / "plain.safetensors"
-    assert (
-        cli_main(
-            [
-                "cache-prompt",
-                "--prompt",
-                "def read(path):\n",
-                "--ignore-chat-template",
-                "--prompt-cache-file",
-                str(f),
-                "--verbose",
-                "false",
-            ]
-        )
-        == 0
-    )
-    assert (
-        cli_main(
-            [
-                "generate",
-                "--prompt-cache-file",
-                str(f),
-                "--prompt",
-                "    with open",
-                "--ignore-chat-template",
-                "--max-tokens",
-                "8",
-                "--verbose",
-                "false",
-            ]
-        )
-        == 0
-    )
+    assert _cli("cache-prompt", f, "--prompt", "def read(path):\n", "--ignore-chat-template") == 0
+    assert _cli("generate", f, "--prompt", "    with open", "--ignore-chat-template", "--max-tokens", "8") == 0
     ids = tok.encode("def read(path):\n") + tok.encode("    with open", add_special_tokens=False)
     assert capsys.readouterr().out == "".join(r.text for r in stream_generate(model, tok, ids, max_tokens=8)) + "\n"
     # The other mode, a system prompt, and a file of another artifact: one line each, exit 2.
-    assert cli_main(["generate", "--prompt-cache-file", str(f), "--prompt", "x"]) == 2
+    assert _cli("generate", f, "--prompt", "x", quiet=False) == 2
     assert "--ignore-chat-template" in capsys.readouterr().err
-    assert (
-        cli_main(
-            [
-                "generate",
-                "--prompt-cache-file",
-                str(f),
-                "--prompt",
-                "x",
-                "--ignore-chat-template",
-                "--system-prompt",
-                "s",
-            ]
-        )
-        == 2
-    )
+    assert _cli("generate", f, "--prompt", "x", "--ignore-chat-template", "--system-prompt", "s", quiet=False) == 2
     assert "--system-prompt" in capsys.readouterr().err
     import hebrus_mlx.prompt_cache as pcm
 

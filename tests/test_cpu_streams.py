@@ -4,7 +4,6 @@ another stream, and every output element is the same dot product as on one strea
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,6 +14,7 @@ from hebrus_mlx.models import cpu_streams, optimize
 from hebrus_mlx.models import options as graph_options
 from hebrus_mlx.models import qwen4exp as q
 from hebrus_mlx.models.options import GraphOptions
+from hebrus_mlx.testing.processes import cli_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,10 +139,7 @@ def test_bad_cpu_streams_value_is_a_typed_error_naming_the_field():
 
 def test_cli_refuses_a_bad_graph_option_in_one_line():
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hebrus_mlx.cli",
+        cli_argv(
             "generate",
             "--model",
             "demo",
@@ -152,7 +149,7 @@ def test_cli_refuses_a_bad_graph_option_in_one_line():
             "1",
             "--graph",
             "cpu_streams=many",
-        ],
+        ),
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,

@@ -3,7 +3,6 @@ weights pass the same reference parity as the tiny random checkpoints (issue 5).
 
 import json
 import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 
 from hebrus_mlx.loader import DEMO_DIR, load
 from hebrus_mlx.models.qwen4exp import Capture
+from hebrus_mlx.testing.processes import cli_argv
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +69,7 @@ def test_trained_weights_match_reference_logits_and_expert_ids(demo):
 def test_cli_generates_with_the_demo_model():
     """README's first command, run as a subprocess."""
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hebrus_mlx.cli",
+        cli_argv(
             "generate",
             "--model",
             "demo",
@@ -81,7 +78,7 @@ def test_cli_generates_with_the_demo_model():
             "--ignore-chat-template",
             "-m",
             "24",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=300,

@@ -19,6 +19,7 @@ import pytest
 from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 from hebrus_mlx.generate import generate, generate_step, stream_generate
+from hebrus_mlx.testing.processes import cli_argv
 from hebrus_mlx.text.tokenizer import load_tokenizer
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
@@ -136,10 +137,7 @@ def test_max_kv_size_is_refused_before_any_work():
         next(generate_step(mx.array([1, 2]), m, effective_vocab_size=EFFECTIVE, max_kv_size=8))
     assert m.calls == []
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hebrus_mlx.cli",
+        cli_argv(
             "generate",
             "--model",
             "/nonexistent/model",
@@ -147,7 +145,7 @@ def test_max_kv_size_is_refused_before_any_work():
             "64",
             "-p",
             "hi",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=60,

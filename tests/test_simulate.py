@@ -280,32 +280,23 @@ def test_projection_follows_the_expert_width():
     assert d3["compute_ms_per_token"] < d4["compute_ms_per_token"] and d3["cache_budget_gb"] > d4["cache_budget_gb"]
 
 
+def _simulate_profile(tmp_path, profile, *args):
+    """`simulate` of the profile dict `profile` (written to p.json) at an 8 GB cache without drafts,
+    plus `args`: it must exit 0; returns its --json report."""
+    p, out = tmp_path / "p.json", tmp_path / "o.json"
+    p.write_text(json.dumps(profile))
+    rc = cli.main(
+        ["simulate", "--profile", str(p), "--cache-gb", "8", "--draft-depths", "0", *args, "--json", str(out)]
+    )
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
 def test_a_profile_without_dense_gb_keeps_compute_and_says_so(tmp_path, capsys):
     d = C.load_profile("m5-pro-48gb")
     del d["dense_gb"]
-    p = tmp_path / "p.json"
-    p.write_text(json.dumps(d))
-    assert (
-        cli.main(
-            [
-                "simulate",
-                "--profile",
-                str(p),
-                "--expert-bits",
-                "2,4",
-                "--cache-gb",
-                "8",
-                "--draft-depths",
-                "0",
-                "--quiet",
-                "--json",
-                str(tmp_path / "o.json"),
-            ]
-        )
-        == 0
-    )
+    res = _simulate_profile(tmp_path, d, "--expert-bits", "2,4", "--quiet")
     assert "NOT scaled with the width" in capsys.readouterr().out
-    res = json.loads((tmp_path / "o.json").read_text())
     assert len({c["rows"][0]["compute_ms"] for c in res["by_codec"]}) == 1
 
 
@@ -614,32 +605,12 @@ def test_profile_ahead_predictors_are_projected_and_checked(tmp_path, capsys):
     d = C.load_profile("m5-pro-48gb")
     d["synthetic_routes"].update(tokens=120, warm=60)
     d["synthetic_predictors"] = {"router-reuse:1": 1.0}
-    p = tmp_path / "p.json"
-    p.write_text(json.dumps(d))
-    assert (
-        cli.main(
-            [
-                "simulate",
-                "--profile",
-                str(p),
-                "--cache-gb",
-                "8",
-                "--policies",
-                "clock",
-                "--predictors",
-                "synthetic",
-                "--draft-depths",
-                "0",
-                "--json",
-                str(tmp_path / "o.json"),
-            ]
-        )
-        == 0
-    )
-    rows = {r["prefetch"]: r for r in json.loads((tmp_path / "o.json").read_text())["rows"]}
+    res = _simulate_profile(tmp_path, d, "--policies", "clock", "--predictors", "synthetic")
+    rows = {r["prefetch"]: r for r in res["rows"]}
     assert set(rows) == {"off", "previous", "router-reuse:1"}
     assert rows["router-reuse:1"]["exposed_ms"] < rows["previous"]["exposed_ms"]
     d["synthetic_predictors"] = {"previous": 0.5}
+    p = tmp_path / "p.json"
     p.write_text(json.dumps(d))
     capsys.readouterr()
     assert cli.main(["simulate", "--profile", str(p), "--cache-gb", "8", "--predictors", "synthetic"]) == 2

@@ -19,6 +19,7 @@ import pytest
 
 from hebrus_mlx.generate import generate_step, stream_generate
 from hebrus_mlx.loader import DEMO_DIR, load
+from hebrus_mlx.testing.processes import cli_argv
 from hebrus_mlx.traces import cachesim
 from hebrus_mlx.traces.capture import TraceRecorder
 from hebrus_mlx.traces.eval import history_rankings, score
@@ -40,6 +41,20 @@ def _run(model, tok, prompt, n, trace_dir=None, chunk=5, features=0, sampler=Non
     kw = {} if trace_dir is None else {"trace_out": trace_dir, "trace_features": features, "trace_owner": owner}
     rs = list(stream_generate(model, tok, prompt, max_tokens=n, prefill_step_size=chunk, sampler=sampler, **kw))
     return [r.token for r in rs], [np.array(r.logprobs) for r in rs]
+
+
+def _record(model, tok, rec, max_tokens, chunk):
+    """Decode PROMPT with `generate_step` into the trace recorder `rec`."""
+    list(
+        generate_step(
+            mx.array(PROMPT),
+            model,
+            effective_vocab_size=tok.effective_vocab_size,
+            max_tokens=max_tokens,
+            prefill_step_size=chunk,
+            trace=rec,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +99,7 @@ def test_capture_reads_back_once_per_step_not_per_layer(demo, tmp_path, monkeypa
     commits = []
     orig = rec.commit
     monkeypatch.setattr(rec, "commit", lambda s: (commits.append(len(s.positions)), orig(s)))
-    list(
-        generate_step(
-            mx.array(PROMPT),
-            model,
-            effective_vocab_size=tok.effective_vocab_size,
-            max_tokens=6,
-            prefill_step_size=4,
-            trace=rec,
-        )
-    )
+    _record(model, tok, rec, max_tokens=6, chunk=4)
     rec.close()
     # 11 prompt tokens in chunks of 4 (4, 4, 3), then one commit per decode step.
     assert commits[:3] == [4, 4, 3] and commits[3:] == [1] * (len(commits) - 3)
@@ -252,16 +258,7 @@ def test_crash_while_publishing_leaves_only_complete_shards(demo, tmp_path):
 
     model, tok = demo
     rec = TraceRecorder.for_model(tmp_path, model, tok, shard_tokens=4)
-    list(
-        generate_step(
-            mx.array(PROMPT),
-            model,
-            effective_vocab_size=tok.effective_vocab_size,
-            max_tokens=3,
-            prefill_step_size=4,
-            trace=rec,
-        )
-    )
+    _record(model, tok, rec, max_tokens=3, chunk=4)
     before = sorted(p.name for p in tmp_path.iterdir())
     assert len(before) == 3  # 4 + 4 + 4 observations
     t = {"positions": np.arange(12, 13, dtype=np.int32)}
@@ -311,16 +308,7 @@ def test_killed_capture_leaves_only_complete_shards(tmp_path):
 def test_reader_fails_closed(demo, tmp_path, damage, field):
     model, tok = demo
     rec = TraceRecorder.for_model(tmp_path, model, tok, shard_tokens=6)
-    list(
-        generate_step(
-            mx.array(PROMPT),
-            model,
-            effective_vocab_size=tok.effective_vocab_size,
-            max_tokens=2,
-            prefill_step_size=6,
-            trace=rec,
-        )
-    )
+    _record(model, tok, rec, max_tokens=2, chunk=6)
     shards = sorted(p for p in tmp_path.iterdir())
     assert len(shards) == 2
     p = shards[1]
@@ -349,16 +337,13 @@ def test_reader_fails_closed(demo, tmp_path, damage, field):
         read_trace(tmp_path)
     # The CLI says the same in one line with exit 2.
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hebrus_mlx.cli",
+        cli_argv(
             "traces",
             "export",
             str(tmp_path),
             "--out",
             str(tmp_path.parent / "out"),
-        ],
+        ),
         capture_output=True,
         text=True,
         cwd=ROOT,
