@@ -46,21 +46,27 @@ TINY_CONFIG = dict(
     max_position_embeddings=256,
 )
 
-TOKENIZER = {
-    "version": "1.0",
-    "added_tokens": [
-        {
-            "id": 1,
-            "content": "<|im_end|>",
-            "special": True,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-        }
-    ],
-    "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<|im_end|>": 1, "a": 2, "b": 3}, "unk_token": "<unk>"},
-}
+
+def word_level_tokenizer(*words):
+    """tokenizer.json of a word-level vocabulary: <unk> (0), <|im_end|> (1, special), then `words`."""
+    im_end = {
+        "id": 1,
+        "content": "<|im_end|>",
+        "special": True,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+    }
+    vocab = {w: i for i, w in enumerate(["<unk>", "<|im_end|>", *words])}
+    return {
+        "version": "1.0",
+        "added_tokens": [im_end],
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    }
+
+
+TOKENIZER = word_level_tokenizer("a", "b")
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
 
 

@@ -20,7 +20,7 @@ import shutil
 
 import families  # noqa: F401  (registers the bulk family)
 import numpy as np
-from artifact_fixture import TINY_CONFIG
+from artifact_fixture import TINY_CONFIG, word_level_tokenizer
 from parity_fixtures import PARITY
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -72,21 +72,7 @@ BULK_CONFIG = dict(
     indexer_head_dim=32,
 )
 
-TOKENIZER = {
-    "version": "1.0",
-    "added_tokens": [
-        {
-            "id": 1,
-            "content": "<|im_end|>",
-            "special": True,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-        }
-    ],
-    "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<|im_end|>": 1}, "unk_token": "<unk>"},
-}
+TOKENIZER = word_level_tokenizer()
 
 
 def bulk_checkpoint(d, seed=0):
