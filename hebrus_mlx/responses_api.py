@@ -115,6 +115,22 @@ def _string(body, name, vocab=None):
 
 
 _C = api_fields._COMMON
+# The sampling fields, handed on to server.parse_sampling as a chat-completions body.
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_context_size",
+    "frequency_context_size",
+    "logit_bias",
+)
+
 RESPONSES_FIELDS = {
     "model": _string,
     "user": _string,
@@ -135,39 +151,8 @@ RESPONSES_FIELDS = {
     "top_logprobs": _only(0, "logprobs of the Responses API are not implemented"),
     "chat_template_kwargs": api_fields._chat_template_kwargs,
     # Sampling and logits processors, as for /v1/chat/completions.
-    **{
-        k: _C[k]
-        for k in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "seed",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-            "repetition_context_size",
-            "presence_context_size",
-            "frequency_context_size",
-            "logit_bias",
-        )
-    },
+    **{k: _C[k] for k in _SAMPLING_KEYS},
 }
-
-_SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "repetition_context_size",
-    "presence_context_size",
-    "frequency_context_size",
-    "logit_bias",
-)
 
 
 def check_fields(body: dict, vocab: int) -> tuple[dict, dict]:
