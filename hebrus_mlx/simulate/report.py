@@ -208,16 +208,10 @@ def validate_report(args) -> dict:
         cap = r.get("arena_rows")
         if not isinstance(cap, int) or cap < k:
             raise UsageError(flag, f"a streamed run has no arena rows >= top_k ({cap!r})")
-        rep = S.replay(decode, E, cap, r.get("policy", "clock"), r.get("prefetch", "off"), before)
-        p = S.project(
-            machine,
-            geom,
-            rep,
-            cache_gb=float(r["cache_gb"]),
-            capacity=cap,
-            policy=r.get("policy", "clock"),
-            prefetch=r.get("prefetch", "off"),
-        )
+        policy, prefetch = r.get("policy", "clock"), r.get("prefetch", "off")
+        rep = S.replay(decode, E, cap, policy, prefetch, before)
+        setup = dict(cache_gb=float(r["cache_gb"]), capacity=cap, policy=policy, prefetch=prefetch)
+        p = S.project(machine, geom, rep, **setup)
         meas = r.get("decode_tok_s_p50")
         ratio = p.tok_s / meas if meas else None
         # Paired by round where the report has the rounds: each run predicted from the compute of
@@ -228,18 +222,7 @@ def validate_report(args) -> dict:
             by_round = []
             for c, m_ in zip(comp, mine):
                 mach = dataclasses.replace(machine, layer_s=1.0 / c / L)
-                by_round.append(
-                    S.project(
-                        mach,
-                        geom,
-                        rep,
-                        cache_gb=float(r["cache_gb"]),
-                        capacity=cap,
-                        policy=r.get("policy", "clock"),
-                        prefetch=r.get("prefetch", "off"),
-                    ).tok_s
-                    / m_
-                )
+                by_round.append(S.project(mach, geom, rep, **setup).tok_s / m_)
             ratio = statistics.median(by_round)
         out.append(
             {
