@@ -48,18 +48,25 @@ REDUCE = """
 """
 
 
-@needs_cxx
-def test_harness_reductions_barriers_and_threadgroups():
-    x = np.random.default_rng(0).standard_normal(3 * 128).astype(np.float32)
-    out, mx_out = msl_emulator.run(
-        "reduce",
-        REDUCE,
+def _run_reduce(name, source, x):
+    """Run a REDUCE-shaped kernel over x: one threadgroup of 128 threads (4 SIMD groups) per 128
+    values; returns (per-group sums, per-SIMD-group maxima)."""
+    groups = x.size // 128
+    return msl_emulator.run(
+        name,
+        source,
         {"x": x},
-        {"out": ((3,), np.float32), "mx_out": ((12,), np.float32)},
-        grid=(384, 1, 1),
+        {"out": ((groups,), np.float32), "mx_out": ((4 * groups,), np.float32)},
+        grid=(x.size, 1, 1),
         threadgroup=(128, 1, 1),
         template=[("NSG", 4)],
     )
+
+
+@needs_cxx
+def test_harness_reductions_barriers_and_threadgroups():
+    x = np.random.default_rng(0).standard_normal(3 * 128).astype(np.float32)
+    out, mx_out = _run_reduce("reduce", REDUCE, x)
     np.testing.assert_allclose(out, x.astype(np.float64).reshape(3, 128).sum(-1), atol=1e-5)
     np.testing.assert_array_equal(mx_out, x.reshape(12, 32).max(-1))
 
@@ -69,15 +76,7 @@ def test_harness_catches_a_missing_group_in_the_merge():
     """The oracle comparison can fail: a kernel that merges only SIMD group 0 is caught."""
     x = np.random.default_rng(1).standard_normal(128).astype(np.float32)
     broken = REDUCE.replace("for (int g = 0; g < NSG; ++g) t += part[g];", "t = part[0];")
-    out, _ = msl_emulator.run(
-        "reduce_broken",
-        broken,
-        {"x": x},
-        {"out": ((1,), np.float32), "mx_out": ((4,), np.float32)},
-        grid=(128, 1, 1),
-        threadgroup=(128, 1, 1),
-        template=[("NSG", 4)],
-    )
+    out, _ = _run_reduce("reduce_broken", broken, x)
     assert abs(out[0] - x.astype(np.float64).sum()) > 1e-3
 
 
