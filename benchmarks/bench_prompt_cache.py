@@ -10,7 +10,6 @@ R / C, and checks both replies are the same text.
     python benchmarks/bench_prompt_cache.py [--model demo] [--rounds 3] [--words 1200]
 """
 
-import argparse
 import random
 import statistics
 import sys
@@ -18,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import ask, start  # noqa: E402
+from bench_server import ask, first_turn, parse_args, start  # noqa: E402
 
 
 def stop(proc):
@@ -26,18 +25,8 @@ def stop(proc):
     proc.wait(30)
 
 
-def first_turn(rng, words):
-    vocab = ["def", "return", "value", "list", "import", "class", "self", "file", "open", "read", "print", "data"]
-    return [{"role": "user", "content": "Explain this code:\n" + " ".join(rng.choice(vocab) for _ in range(words))}]
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--words", type=int, default=1200)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    args = ap.parse_args()
+    args = parse_args(rounds=3)
     res = {"r": [], "c": []}
     with tempfile.TemporaryDirectory(prefix="hebrus-prompt-cache-") as d:
         for r in range(args.rounds):

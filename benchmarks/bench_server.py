@@ -71,10 +71,24 @@ def ask(port, messages, max_tokens):
     return ttft, text, usage
 
 
-def conversation(port, rng, words, max_tokens):
+def first_turn(rng, words):
+    """A conversation's long first user message: `words` code-like words drawn by `rng`."""
     vocab = ["def", "return", "value", "list", "import", "class", "self", "file", "open", "read", "print", "data"]
-    first = "Explain this code:\n" + " ".join(rng.choice(vocab) for _ in range(words))
-    msgs = [{"role": "user", "content": first}]
+    return [{"role": "user", "content": "Explain this code:\n" + " ".join(rng.choice(vocab) for _ in range(words))}]
+
+
+def parse_args(rounds):
+    """The flags of the two-turn server benchmarks (this one and bench_prompt_cache.py)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--words", type=int, default=1200)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    return ap.parse_args()
+
+
+def conversation(port, rng, words, max_tokens):
+    msgs = first_turn(rng, words)
     t1, reply, u1 = ask(port, msgs, max_tokens)
     msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter, please."}]
     t2, _, u2 = ask(port, msgs, max_tokens)
@@ -82,12 +96,7 @@ def conversation(port, rng, words, max_tokens):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--words", type=int, default=1200)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    args = ap.parse_args()
+    args = parse_args(rounds=6)
     a, pa = start(args.model, [])
     b, pb = start(args.model, ["--prompt-cache-bytes", "0"])
     try:
