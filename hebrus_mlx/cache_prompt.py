@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from .cli_args import ArgumentParser
+from .cli_args import LOAD_FLAGS, ArgumentParser
 from .errors import UsageError
 from .prompt_cache import PromptCacheFileError, load_prompt_cache, save_prompt_cache
 from .text.chat_template import DATA
@@ -25,24 +25,7 @@ from .text.chat_template import DATA
 TEMPLATE_KEY = "chat_template"  # "1": the cached prompt opens a user message; "0": plain text
 
 # generate's flags that describe the model and how to load and prefill it.
-_USED = {
-    "model",
-    "prompt",
-    "system_prompt",
-    "ignore_chat_template",
-    "prefill_step_size",
-    "max_kv_size",
-    "dtype",
-    "expert_cache_gb",
-    "ple_cache_gb",
-    "prefetch",
-    "prefetch_budget",
-    "prefetch_threshold",
-    "expert_mirror",
-    "prefill_sweep",
-    "seed",
-    "verbose",
-}
+_USED = LOAD_FLAGS | {"prompt", "system_prompt", "ignore_chat_template", "dtype", "seed", "verbose"}
 
 
 def _last_data(pieces, text: str, where: str) -> int:

@@ -17,7 +17,25 @@ __all__ = [
     "prefetch_from_args",
     "add_sweep_argument",
     "sweep_from_args",
+    "LOAD_FLAGS",
 ]
+
+# generate's flags that name the model and say how it is loaded, streamed and prefilled: shared by the
+# verbs that load a model the way generate does (chat and server: verb_flags.USED; cache-prompt).
+LOAD_FLAGS = frozenset(
+    {
+        "model",
+        "prefill_step_size",
+        "max_kv_size",
+        "expert_cache_gb",
+        "ple_cache_gb",
+        "prefetch",
+        "prefetch_budget",
+        "prefetch_threshold",
+        "expert_mirror",
+        "prefill_sweep",
+    }
+)
 
 
 class ArgumentParser(Parser):

@@ -5,6 +5,7 @@ import argparse
 import importlib
 
 from . import flags
+from .cli_args import LOAD_FLAGS
 from .errors import UsageError
 from .pipeline import launched as pipeline_launched
 from .prompt_cache_disk import DEFAULT_DIR_BYTES
@@ -14,27 +15,17 @@ gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is
 # generate's flags that describe the model, its caches and sampling defaults; taken from its parser
 # so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
 # until this verb uses it (never silently ignored).
-USED = {
-    "model",
+USED = LOAD_FLAGS | {
     "max_tokens",
     "temp",
     "top_p",
     "top_k",
     "min_p",
     "seed",
-    "prefill_step_size",
-    "max_kv_size",
     "draft_model",
     "num_draft_tokens",
     "pipeline_split",
     "pipeline_timeout",
-    "expert_cache_gb",
-    "ple_cache_gb",
-    "prefetch",
-    "prefetch_budget",
-    "prefetch_threshold",
-    "expert_mirror",
-    "prefill_sweep",
 }
 
 
