@@ -31,8 +31,19 @@ def artifact(tmp_path_factory):
     return tiny_artifact(str(tmp_path_factory.mktemp("adm")), dtype="float32")[1]
 
 
+def _set(*path, value):
+    """A fixture edit: the manifest's field at `path` (keys and list indexes) set to `value`."""
+
+    def edit(m):
+        for k in path[:-1]:
+            m = m[k]
+        m[path[-1]] = value
+
+    return lambda d: edit_manifest(d, edit)
+
+
 def _const(name, value):
-    return lambda d: edit_manifest(d, lambda m: m["model_constants"].__setitem__(name, value))
+    return _set("model_constants", name, value=value)
 
 
 def _config(key, value):
@@ -135,31 +146,31 @@ NORM = "model.layers.0.linear_attn.norm.weight"
 NEGATIVE_FIXTURES = [
     (
         "manifest-unknown-field",
-        lambda d: edit_manifest(d, lambda m: m.__setitem__("extra", 1)),
+        _set("extra", value=1),
         "bounds",
         "manifest.extra",
     ),
     (
         "store-size",
-        lambda d: edit_manifest(d, lambda m: m["stores"][1].__setitem__("size", 1)),
+        _set("stores", 1, "size", value=1),
         "bounds",
         "stores[1].size",
     ),
     ("stray-store-file", _stray_file, "bounds", "bounds.ple.9.hbpl"),
-    ("family-unregistered", lambda d: edit_manifest(d, lambda m: m.__setitem__("family", "qwen9")), "family", "family"),
+    ("family-unregistered", _set("family", value="qwen9"), "family", "family"),
     (
         "family-other-geometry",
-        lambda d: edit_manifest(d, lambda m: m.__setitem__("family", "qwen3.8-flash-next")),
+        _set("family", value="qwen3.8-flash-next"),
         "constants",
         "family.vocab_size",
     ),
     (
         "profile",
-        lambda d: edit_manifest(d, lambda m: m.__setitem__("profile", "text-affine5-g64")),
+        _set("profile", value="text-affine5-g64"),
         "family",
         "profile",
     ),
-    ("support-claim", lambda d: edit_manifest(d, lambda m: m.__setitem__("support", "verified")), "family", "support"),
+    ("support-claim", _set("support", value="verified"), "family", "support"),
     ("config-digest", _bytes_edit("config.json", lambda b: b + b" "), "source", "source.files.config.json"),
     (
         "generation-config-digest",
@@ -271,13 +282,13 @@ NEGATIVE_FIXTURES = [
     ("ple-digest-table", _ple_header(512, "<I", 0xDEADBEEF), "ple", "ple.manifest_sha256"),
     (
         "ple-rows-per-page-record",
-        lambda d: edit_manifest(d, lambda m: m["stores"][2].__setitem__("rows_per_page", 7)),
+        _set("stores", 2, "rows_per_page", value=7),
         "ple",
         "stores[2].rows_per_page",
     ),
     (
         "ple-layer",
-        lambda d: edit_manifest(d, lambda m: m["stores"][2].__setitem__("layer", 1)),
+        _set("stores", 2, "layer", value=1),
         "ple",
         "stores[2].layer",
     ),
@@ -286,20 +297,20 @@ NEGATIVE_FIXTURES = [
     ("mtp-policy", _tensor(_add_tensor("mtp.fc.weight")), "policy", "policy.mtp"),
     (
         "modalities-policy",
-        lambda d: edit_manifest(d, lambda m: m["policy"].__setitem__("modalities", ["text", "image"])),
+        _set("policy", "modalities", value=["text", "image"]),
         "policy",
         "policy",
     ),
     ("exclusion-counts", lambda d: edit_manifest(d, lambda m: m["exclusions"].pop("mtp")), "policy", "exclusions"),
     (
         "consumed-count",
-        lambda d: edit_manifest(d, lambda m: m["conversion"].__setitem__("source_tensors_consumed", 7)),
+        _set("conversion", "source_tensors_consumed", value=7),
         "policy",
         "conversion.source_tensors_consumed",
     ),
     (
         "conversion-state",
-        lambda d: edit_manifest(d, lambda m: m["conversion"].__setitem__("state", "partial")),
+        _set("conversion", "state", value="partial"),
         "policy",
         "conversion.state",
     ),
