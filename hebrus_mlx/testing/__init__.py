@@ -1,4 +1,5 @@
 """Oracles for tests and benchmarks: the pure-Python streaming engine, the oracle drafter, the dense
-QSA reference and the MSL emulator with the kernels run through it. No product module imports this
+QSA reference and the MSL emulator with the kernels run through it; `processes` starts the CLI as a
+child process the same way everywhere. No product module imports this
 package (tests/test_layering.py); the one exception is `hebrus-mlx qualify`'s opt-in emulation check
 (`qualify.check_kernels_emulated`), which runs the shipped kernel sources through the emulator."""
