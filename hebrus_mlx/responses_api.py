@@ -350,29 +350,19 @@ class ResponseBuilder:
         if item is None:
             return []
         idx = self.output.index(item)
-        if item["type"] == "message":
-            part = item["content"][0]
-            events = [
-                self._event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=idx,
-                    content_index=0,
-                    text=part["text"],
-                    logprobs=[],
-                )
-            ]
-        else:
-            part = item["content"][0]
-            events = [
-                self._event(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=idx,
-                    content_index=0,
-                    text=part["text"],
-                )
-            ]
+        part = item["content"][0]
+        # A message's text part carries logprobs (none here); a reasoning part has no such field.
+        kind, extra = ("output_text", {"logprobs": []}) if item["type"] == "message" else ("reasoning_text", {})
+        events = [
+            self._event(
+                f"response.{kind}.done",
+                item_id=item["id"],
+                output_index=idx,
+                content_index=0,
+                text=part["text"],
+                **extra,
+            )
+        ]
         item["status"] = "completed"
         events.append(
             self._event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)
