@@ -143,6 +143,11 @@ class Streaming:
             if mode == "on":
                 raise UsageError("prefill_sweep", "only streamed routed experts are swept; experts are resident")
             return
+        if getattr(self.experts, "per_layer", False):  # one record layout per layer codec: no one ring layout
+            if mode == "on":
+                raise UsageError("prefill_sweep", "a per-layer expert store (codec per layer) is not swept")
+            self.sweep_note = None if mode == "off" else "prefill sweep off: per-layer expert codecs"
+            return
         old, self.sweep, self.sweep_note = self.sweep, None, None
         for s in self.switches:
             s._sweep = None
