@@ -86,6 +86,7 @@ class StreamedExperts:
             groups.setdefault(row, []).append(layer)
         self._groups = []  # (table, weights, {comp: (bits, group) | None})
         self._where = [None] * self.num_layers  # layer -> (group index, local layer)
+        self.arenas = []  # engine arena ids, one per group
         for row, layers in groups.items():
             layout = g.layer_layout(layers[0])
             expand = [wide and d == "uint16" for _, _, d, *_ in layout]
@@ -112,6 +113,7 @@ class StreamedExperts:
             for local, layer in enumerate(layers):
                 self._where[layer] = (len(self._groups), local)
             self._groups.append((table, weights, quant))
+            self.arenas.append(arena)
             if not self.per_layer:
                 # What a prefill sweep ring (stream.sweep) needs to lay out the same rows.
                 self.part_bytes = [n for *_, n in layout]

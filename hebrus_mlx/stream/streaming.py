@@ -125,7 +125,8 @@ class Streaming:
         # Rows the predictions may hold (they never displace an exact record): the read-ahead of
         # `depth` layers, at most a quarter of the arena.
         staging = 0 if spec.kind == "off" else min((spec.budget or e.top_k) * spec.depth, e.rows // 4)
-        self.engine.set_staging(e.arena, staging)
+        for arena in e.arenas:  # a per-layer store has one arena per distinct layer codec
+            self.engine.set_staging(arena, staging)
         self.prefetch = spec
 
     def set_prefill_sweep(
