@@ -223,7 +223,7 @@ class Geometry:
         }
 
 
-def _pack_header(values, table_sha, payload_sha, reserved):
+def _pack_header(values, table_sha, payload_sha, reserved=bytes(EXPERT_MAJOR_HEADER_BYTES - _HEADER.size)):
     raw = _HEADER.pack(*[values[k] for k in _HEADER_FIELDS[:17]], table_sha, payload_sha, _ZERO32) + reserved
     digest = hashlib.sha256(raw).digest()
     return raw[: _HEADER.size - 32] + digest + raw[_HEADER.size :]
