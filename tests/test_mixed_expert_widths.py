@@ -221,3 +221,33 @@ def test_codec_table_entries_without_a_codec_are_refused(mixed):
     with pytest.raises(MlxSourceError) as e:
         source_profile(bad)
     assert e.value.field == f"quantization.{_stem(9, 'down')}" and "4 layers" in str(e.value)
+
+
+def test_verify_mirror_and_sweep_on_a_per_layer_store(mixed, tmp_path):
+    """`verify` re-reads every record at its layer's size; a mirror is admitted against the
+    per-layer store (and a copy with a tampered header refused); a forced prefill sweep is refused by name (one
+    ring layout cannot hold records of different layouts)."""
+    from hebrus_mlx.admission import admit, admit_mirror
+    from hebrus_mlx.artifact.errors import AdmissionError
+    from hebrus_mlx.errors import UsageError
+    from hebrus_mlx.loader import load_model
+    from hebrus_mlx.stream import engine as se
+    from hebrus_mlx.verify import verify
+
+    _, art = mixed
+    m = admit(art)
+    verify(art)
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    shutil.copy(m.file(m.experts), mirror / m.experts.path)
+    assert admit_mirror(m, str(mirror)) == str(mirror / m.experts.path)
+    raw = bytearray((mirror / m.experts.path).read_bytes())
+    raw[200] ^= 1  # inside the header's codec table digest (reserved bytes from 192)
+    (mirror / m.experts.path).write_bytes(bytes(raw))
+    with pytest.raises(AdmissionError) as e:
+        admit_mirror(m, str(mirror))
+    assert e.value.field.startswith("expert-mirror.")
+    if se.available():
+        with pytest.raises(UsageError) as e:
+            load_model(art, expert_cache_gb=0.01, prefill_sweep="on")
+        assert e.value.field == "prefill_sweep" and "per-layer" in str(e.value)
