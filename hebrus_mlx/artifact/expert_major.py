@@ -1,4 +1,4 @@
-"""ExpertMajor v2: one store for every routed expert (AFN-002).
+"""ExpertMajor v2 (v3: per-layer codecs, below): one store for every routed expert (AFN-002).
 
 Layout (little-endian):
 

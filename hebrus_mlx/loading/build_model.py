@@ -298,8 +298,8 @@ def _make_room_for_ring(m: Manifest, dtype, rows, expert_cache_gb, sweep_mode):
     byte and leave the sweep's two-layer ring no room, so ``auto`` would always stay off: give the
     ring its bytes out of the arena if that costs the arena at most RING_SHARE of its rows (and
     still leaves top-k). A forced cache size is the user's budget and stays as asked."""
-    if rows is None or expert_cache_gb is not None or sweep_mode == "off":
-        return rows
+    if rows is None or expert_cache_gb is not None or sweep_mode == "off" or m.experts.layer_codecs is not None:
+        return rows  # (a per-layer store is not swept: stream.experts)
     fam = m.family
     ring_rows = 2 * fam.num_experts  # stream.sweep.ring_bytes: two layers, records laid out as rows
     if ring_rows > RING_SHARE * rows or rows - ring_rows < fam.num_experts_per_tok:
