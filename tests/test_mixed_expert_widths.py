@@ -252,3 +252,35 @@ def test_verify_mirror_and_sweep_on_a_per_layer_store(mixed, tmp_path):
         with pytest.raises(UsageError) as e:
             load_model(art, expert_cache_gb=0.01, prefill_sweep="on")
         assert e.value.field == "prefill_sweep" and "per-layer" in str(e.value)
+
+
+def test_experts_stored_unquantized_are_refused_not_quantized(mixed, tmp_path):
+    """A routed-expert projection the source stores as plain bf16 (no scales, no entry in
+    `quantization`: what mlx-lm writes when its predicate says False) has no codec in a quantized
+    profile: refused naming the tensor, never quantized here, nothing published."""
+    import mlx.core as mx
+
+    from hebrus_mlx.convert import convert
+    from hebrus_mlx.convert_mlx import MlxSourceError
+
+    src, _ = mixed
+    d = str(tmp_path / "float-experts")
+    shutil.copytree(src, d)
+    stem = _stem(0, "gate")
+    shard = os.path.join(d, "model.safetensors")
+    w = mx.load(shard)
+    bits, group = _source_widths(src)[0, "gate"]
+    dense = mx.dequantize(
+        w.pop(stem + ".weight"), w.pop(stem + ".scales"), w.pop(stem + ".biases"), group_size=group, bits=bits
+    )
+    w[stem + ".weight"] = dense.astype(mx.bfloat16)
+    mx.save_safetensors(shard, w, metadata={"format": "mlx"})
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    for key in ("quantization", "quantization_config"):
+        cfg.get(key, {}).pop(stem, None)
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    out = str(tmp_path / "out")
+    with pytest.raises(MlxSourceError) as e:
+        convert(d, out, quiet=True)
+    assert e.value.field == f"source.{stem}.weight" and "refusing to quantize" in str(e.value), str(e.value)
+    assert not os.path.exists(out)
