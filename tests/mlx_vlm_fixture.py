@@ -23,6 +23,8 @@ import sys
 import types
 from pathlib import Path
 
+from hebrus_mlx.testing.tiny_configs import TINY_VISION
+
 MLX_VLM_ROOT = os.environ.get("MLX_VLM_ROOT", "/work/pkgs/mlx_vlm_0710")
 
 
@@ -64,16 +66,13 @@ def import_mlx_vlm():
     )
 
 
-TINY_VISION = dict(
-    depth=1,
-    hidden_size=32,
+# mlx-vlm's spelling of the tiny vision tower's patch geometry.
+VISION_CONFIG = dict(
+    TINY_VISION,
     intermediate_size=32,
-    out_hidden_size=64,
-    num_heads=2,
     patch_size=2,
     spatial_patch_size=2,
     temporal_patch_size=1,
-    num_position_embeddings=16,
     fullatt_block_indexes=[],
     in_channels=3,
 )
@@ -97,7 +96,7 @@ def conditional_config(hf_config):
         "architectures": ["Qwen4ExpForConditionalGeneration"],
         "model_type": "qwen4_exp",
         "text_config": text,
-        "vision_config": dict(TINY_VISION),
+        "vision_config": dict(VISION_CONFIG),
         "eos_token_id": hf_config["eos_token_id"],
         "torch_dtype": "bfloat16",
     }

@@ -37,3 +37,13 @@ TINY_QWEN4EXP = dict(
     eos_token_id=1,
     max_position_embeddings=256,
 )
+
+# The tiny vision tower of the conditional-generation (text + vision) checkpoints, the fields both
+# readers share; each adds its own patch geometry (transformers' and mlx-vlm's spell it differently).
+TINY_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    num_heads=2,
+    out_hidden_size=64,  # the tiny text models' hidden size
+    num_position_embeddings=16,
+)
