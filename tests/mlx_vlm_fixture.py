@@ -23,6 +23,7 @@ import sys
 import types
 from pathlib import Path
 
+from hebrus_mlx.testing.bare_packages import register_bare_packages
 from hebrus_mlx.testing.tiny_configs import TINY_VISION
 
 MLX_VLM_ROOT = os.environ.get("MLX_VLM_ROOT", "/work/pkgs/mlx_vlm_0710")
@@ -34,13 +35,7 @@ def available():
 
 def import_mlx_vlm():
     """(qwen4_exp module, quant_utils, utils) of the unpacked mlx-vlm."""
-    if MLX_VLM_ROOT not in sys.path:
-        sys.path.insert(0, MLX_VLM_ROOT)
-    for name in ("mlx_vlm", "mlx_vlm.speculative", "mlx_vlm.speculative.drafters"):
-        if name not in sys.modules:
-            m = types.ModuleType(name)
-            m.__path__ = [os.path.join(MLX_VLM_ROOT, *name.split("."))]
-            sys.modules[name] = m
+    register_bare_packages(MLX_VLM_ROOT, ("mlx_vlm", "mlx_vlm.speculative", "mlx_vlm.speculative.drafters"))
     import transformers.processing_utils  # noqa: F401  (imported before the PIL stub: it must see no PIL)
 
     try:
