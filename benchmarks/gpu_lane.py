@@ -32,38 +32,25 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FULL = dict(
-    hidden=768,
-    layers=8,
-    heads=8,
-    kv_heads=2,
-    head_dim=64,
-    experts=64,
-    top_k=8,
-    moe_inter=384,
-    vocab=16384,
-    hc_lowrank=None,
-    budget=2048,
-    ratio=4,
-    prompt=256,
-    decode=32,
+# The lane's dims, one row a field: (the full run on the GPU, the --quick dry run); hc_lowrank None is
+# bench_graph's default (hidden / 8).
+DIMS = dict(
+    hidden=(768, 128),
+    layers=(8, 4),
+    heads=(8, 4),
+    kv_heads=(2, 1),
+    head_dim=(64, 32),
+    experts=(64, 8),
+    top_k=(8, 2),
+    moe_inter=(384, 64),
+    vocab=(16384, 512),
+    hc_lowrank=(None, None),
+    budget=(2048, 64),
+    ratio=(4, 4),
+    prompt=(256, 16),
+    decode=(32, 4),
 )
-QUICK = dict(
-    hidden=128,
-    layers=4,
-    heads=4,
-    kv_heads=1,
-    head_dim=32,
-    experts=8,
-    top_k=2,
-    moe_inter=64,
-    vocab=512,
-    hc_lowrank=None,
-    budget=64,
-    ratio=4,
-    prompt=16,
-    decode=4,
-)
+FULL, QUICK = ({field: values[i] for field, values in DIMS.items()} for i in range(2))
 
 
 def parse(argv=None):
@@ -352,6 +339,18 @@ def _f(x, f=".2f"):
     return "n/a" if x is None else format(x, f)
 
 
+def _section(title: str, columns: tuple, *lead: str) -> list:
+    """A report section's lines up to its table's rows: the heading, any lead paragraph, the table head."""
+    return [
+        "",
+        f"## {title}",
+        "",
+        *(x for line in lead for x in (line, "")),
+        "| " + " | ".join(columns) + " |",
+        "|---" * len(columns) + "|",
+    ]
+
+
 def markdown(res: dict) -> str:
     env = res["sections"].get("environment", {})
     lines = [
@@ -369,26 +368,17 @@ def markdown(res: dict) -> str:
             lines.append(f"- **{name}: failed** - {s['error']}")
     p = res["sections"].get("parity")
     if p and p.get("status") != "failed":
-        lines += [
-            "",
-            "## Parity vs transformers",
-            "",
-            "| graph | max abs logit diff | top-1 agreement |",
-            "|---|---|---|",
-        ]
+        lines += _section("Parity vs transformers", ("graph", "max abs logit diff", "top-1 agreement"))
         for k in ("hebrus_float32", "hebrus_bfloat16", "mlx_vlm_float32"):
             if k in p and "max_abs_logit_diff" in p[k]:
                 label = k if k != "hebrus_bfloat16" else f"hebrus {p['low_precision_dtype']} vs reference bfloat16"
                 lines.append(f"| {label} | {p[k]['max_abs_logit_diff']:.3g} | {p[k]['top1_agreement']:.1%} |")
     s = res["sections"].get("speed")
     if s and s.get("status") != "failed":
-        lines += [
-            "",
-            f"## Resident speed ({s['dtype']}, {s['prompt_tokens']}-token prompt)",
-            "",
-            "| graph | decode tok/s | prefill tok/s | peak GB |",
-            "|---|---|---|---|",
-        ]
+        lines += _section(
+            f"Resident speed ({s['dtype']}, {s['prompt_tokens']}-token prompt)",
+            ("graph", "decode tok/s", "prefill tok/s", "peak GB"),
+        )
         for k in ("hebrus", "mlx_vlm"):
             if k in s and "decode_tok_s" in s[k]:
                 lines.append(
@@ -404,15 +394,11 @@ def markdown(res: dict) -> str:
             )
     st = res["sections"].get("streamed")
     if st and st.get("status") != "failed":
-        lines += [
-            "",
-            f"## Streamed vs resident (demo, {st['cache_fraction']:.0%} cache)",
-            "",
+        lines += _section(
+            f"Streamed vs resident (demo, {st['cache_fraction']:.0%} cache)",
+            ("run", "decode tok/s", "hit rate", "exposed ms/token", "peak GB"),
             f"greedy tokens over {st['greedy_tokens']} steps: {'identical' if st['identical'] else 'DIFFER'}",
-            "",
-            "| run | decode tok/s | hit rate | exposed ms/token | peak GB |",
-            "|---|---|---|---|---|",
-        ]
+        )
         for k, r in st["runs"].items():
             lines.append(
                 f"| {k} | {_f(r['decode_tok_s'], '.1f')} | {_f(r['hit_rate'], '.1%')} | "

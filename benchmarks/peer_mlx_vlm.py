@@ -14,6 +14,8 @@ import os
 import sys
 import types
 
+from hebrus_mlx.testing.bare_packages import register_bare_packages
+
 DEFAULT_ROOT = "/work/pkgs/mlx_vlm_0710"
 
 
@@ -26,19 +28,16 @@ def import_qwen4_exp(root: str | None = None):
     root = root or os.environ.get("MLX_VLM_ROOT", DEFAULT_ROOT)
     if not os.path.isdir(os.path.join(root, "mlx_vlm", "models", "qwen4_exp")):
         raise PeerUnavailable(f"mlx-vlm qwen4_exp not found under {root} (set MLX_VLM_ROOT)")
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    for name in (
-        "mlx_vlm",
-        "mlx_vlm.models",
-        "mlx_vlm.models.qwen4_exp",
-        "mlx_vlm.speculative",
-        "mlx_vlm.speculative.drafters",
-    ):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [os.path.join(root, *name.split("."))]
-            sys.modules[name] = pkg
+    register_bare_packages(
+        root,
+        (
+            "mlx_vlm",
+            "mlx_vlm.models",
+            "mlx_vlm.models.qwen4_exp",
+            "mlx_vlm.speculative",
+            "mlx_vlm.speculative.drafters",
+        ),
+    )
     if "PIL" not in sys.modules and importlib.util.find_spec("PIL") is None:
         import transformers.feature_extraction_utils  # noqa: F401  (decides PIL is absent before the stub exists)
 

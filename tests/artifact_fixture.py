@@ -14,37 +14,9 @@ import struct
 
 import families  # noqa: F401  (registers the tiny and parity families)
 
-TINY_CONFIG = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=16,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    moe_intermediate_size=64,
-    shared_expert_intermediate_size=64,
-    num_experts=8,
-    num_experts_per_tok=2,
-    hc_count=4,
-    hc_lowrank=8,
-    ple_layer_ids=[1],
-    ple_embed_dim=64,
-    ngram_size=3,
-    heads_per_ngram=2,
-    ngram_vocab_size_base=1000,
-    split_ngram_parts=4,
-    indexer_n_heads=2,
-    indexer_kv_heads=1,
-    indexer_head_dim=16,
-    indexer_budget=8,
-    indexer_compress_ratio=4,
-    eos_token_id=1,
-    max_position_embeddings=256,
-)
+from hebrus_mlx.testing.tiny_configs import TINY_QWEN4EXP
+
+TINY_CONFIG = TINY_QWEN4EXP  # the shared tiny config (hebrus_mlx/testing/tiny_configs.py)
 
 
 def word_level_tokenizer(*words):

@@ -23,6 +23,9 @@ import sys
 import types
 from pathlib import Path
 
+from hebrus_mlx.testing.bare_packages import register_bare_packages
+from hebrus_mlx.testing.tiny_configs import TINY_VISION
+
 MLX_VLM_ROOT = os.environ.get("MLX_VLM_ROOT", "/work/pkgs/mlx_vlm_0710")
 
 
@@ -32,13 +35,7 @@ def available():
 
 def import_mlx_vlm():
     """(qwen4_exp module, quant_utils, utils) of the unpacked mlx-vlm."""
-    if MLX_VLM_ROOT not in sys.path:
-        sys.path.insert(0, MLX_VLM_ROOT)
-    for name in ("mlx_vlm", "mlx_vlm.speculative", "mlx_vlm.speculative.drafters"):
-        if name not in sys.modules:
-            m = types.ModuleType(name)
-            m.__path__ = [os.path.join(MLX_VLM_ROOT, *name.split("."))]
-            sys.modules[name] = m
+    register_bare_packages(MLX_VLM_ROOT, ("mlx_vlm", "mlx_vlm.speculative", "mlx_vlm.speculative.drafters"))
     import transformers.processing_utils  # noqa: F401  (imported before the PIL stub: it must see no PIL)
 
     try:
@@ -64,16 +61,13 @@ def import_mlx_vlm():
     )
 
 
-TINY_VISION = dict(
-    depth=1,
-    hidden_size=32,
+# mlx-vlm's spelling of the tiny vision tower's patch geometry.
+VISION_CONFIG = dict(
+    TINY_VISION,
     intermediate_size=32,
-    out_hidden_size=64,
-    num_heads=2,
     patch_size=2,
     spatial_patch_size=2,
     temporal_patch_size=1,
-    num_position_embeddings=16,
     fullatt_block_indexes=[],
     in_channels=3,
 )
@@ -97,7 +91,7 @@ def conditional_config(hf_config):
         "architectures": ["Qwen4ExpForConditionalGeneration"],
         "model_type": "qwen4_exp",
         "text_config": text,
-        "vision_config": dict(TINY_VISION),
+        "vision_config": dict(VISION_CONFIG),
         "eos_token_id": hf_config["eos_token_id"],
         "torch_dtype": "bfloat16",
     }

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 from parity_fixtures import PARITY
 
+from hebrus_mlx.testing.bare_packages import register_bare_packages
+
 MLX_VLM = Path(os.environ.get("MLX_VLM_ROOT", "/work/pkgs/mlx_vlm_0710"))  # .ci/run unpacks it
 
 
@@ -95,25 +97,21 @@ def mtp_checkpoint(d, name: str = "tiny_a", seed: int = 0, layout: str = "unfuse
 
 
 def _import_mlx_vlm():
-    root = str(MLX_VLM)
-    if root not in sys.path:
-        sys.path.insert(0, root)
     # Bare packages: their __init__ files import the whole VLM stack (processors, PIL).
-    for pkg in (
-        "mlx_vlm",
-        "mlx_vlm.models",
-        "mlx_vlm.models.qwen4_exp",
-        "mlx_vlm.models.qwen3_vl",
-        "mlx_vlm.models.qwen3_5",
-        "mlx_vlm.models.qwen3_5_moe",
-        "mlx_vlm.speculative",
-        "mlx_vlm.speculative.drafters",
-        "mlx_vlm.speculative.drafters.qwen4_exp_mtp",
-    ):
-        if pkg not in sys.modules:
-            mod = types.ModuleType(pkg)
-            mod.__path__ = [os.path.join(root, *pkg.split("."))]
-            sys.modules[pkg] = mod
+    register_bare_packages(
+        str(MLX_VLM),
+        (
+            "mlx_vlm",
+            "mlx_vlm.models",
+            "mlx_vlm.models.qwen4_exp",
+            "mlx_vlm.models.qwen3_vl",
+            "mlx_vlm.models.qwen3_5",
+            "mlx_vlm.models.qwen3_5_moe",
+            "mlx_vlm.speculative",
+            "mlx_vlm.speculative.drafters",
+            "mlx_vlm.speculative.drafters.qwen4_exp_mtp",
+        ),
+    )
     stub = "PIL" not in sys.modules and importlib.util.find_spec("PIL") is None
     if stub:  # models/base.py imports PIL.Image at the top; unused here
         pil = types.ModuleType("PIL")

@@ -17,6 +17,7 @@ from hebrus_mlx import cli
 from hebrus_mlx.bench import harness as H
 from hebrus_mlx.bench import machine as M
 from hebrus_mlx.errors import UsageError
+from hebrus_mlx.testing.processes import flag_cases
 
 
 def test_parse_ab_is_the_cross_product_and_refuses_bad_specs():
@@ -96,32 +97,20 @@ def test_refuses_different_artifacts_and_incomparable_results():
 
 
 def test_io_metrics_from_counter_deltas():
-    before = dict(
-        hits=10,
-        joins=0,
-        misses=5,
-        exact_bytes=1000,
-        predicted_bytes=0,
-        exposed_wait_ns=0,
-        exact_read_ns=0,
-        predicted_hits=0,
-        predicted_joins=0,
-        exact_misses=2,
-        predicted_reads=0,
-    )
-    after = dict(
-        hits=40,
-        joins=10,
-        misses=15,
-        exact_bytes=5000,
-        predicted_bytes=1000,
-        exposed_wait_ns=8_000_000,
-        exact_read_ns=32_000_000,
-        predicted_hits=10,
-        predicted_joins=2,
-        exact_misses=10,
-        predicted_reads=16,
-    )
+    counters = [  # (engine counter, value in the snapshot before, value after)
+        ("hits", 10, 40),
+        ("joins", 0, 10),
+        ("misses", 5, 15),
+        ("exact_bytes", 1000, 5000),
+        ("predicted_bytes", 0, 1000),
+        ("exposed_wait_ns", 0, 8_000_000),
+        ("exact_read_ns", 0, 32_000_000),
+        ("predicted_hits", 0, 10),
+        ("predicted_joins", 0, 2),
+        ("exact_misses", 2, 10),
+        ("predicted_reads", 0, 16),
+    ]
+    before, after = ({name: row[i] for name, *row in counters} for i in range(2))
     m = H.io_metrics(before, after, tokens=4, record_bytes=None)
     assert m["expert_bytes_per_token"] == (4000 + 1000) / 4
     assert m["hit_rate"] == pytest.approx(40 / 50)  # (30 hits + 10 joins) / (30 + 10 + 10)
@@ -280,13 +269,13 @@ def test_bench_refuses_when_a_configuration_changes_the_tokens(monkeypatch):
 
 @pytest.mark.parametrize(
     "argv, field",
-    [
-        (["-p", "0"], "--prompt-tokens"),
-        (["-n", "x"], "--gen-tokens"),
-        (["-r", "0"], "--repeats"),
-        (["--ab", "nope=1,2"], "--ab"),
-        (["--ab", "expert-cache-gb"], "--ab"),
-    ],
+    flag_cases(
+        ("-p", "0", "--prompt-tokens"),
+        ("-n", "x", "--gen-tokens"),
+        ("-r", "0", "--repeats"),
+        ("--ab", "nope=1,2"),
+        ("--ab", "expert-cache-gb"),
+    ),
 )
 def test_bad_bench_input_is_one_typed_line(argv, field, capsys, tmp_path):
     rc = cli.main(["bench", "--no-probe", "--quiet", "--out", str(tmp_path), *argv])

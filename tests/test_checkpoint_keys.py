@@ -10,6 +10,7 @@ from parity_fixtures import PARITY, capture, model
 
 from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_key_set
 from hebrus_mlx.models.qwen4exp import Model, ModelArgs
+from hebrus_mlx.testing.tiny_configs import TINY_VISION
 
 
 def _weights():
@@ -123,17 +124,7 @@ def _build_cg(tmp_path):
     text = json.loads((PARITY / "tiny_a" / "config.json").read_text())
     for k in ("architectures", "transformers_version", "dtype", "model_type"):
         text.pop(k, None)
-    vision = dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=4,
-        num_position_embeddings=16,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-    )
+    vision = dict(TINY_VISION, intermediate_size=64, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
     torch.manual_seed(3)
     ref = Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text, vision_config=vision)).eval()
     with torch.no_grad():

@@ -15,43 +15,26 @@ from hebrus_mlx.models import options as graph_options
 from hebrus_mlx.models import qwen4exp as q
 from hebrus_mlx.models.options import GraphOptions
 from hebrus_mlx.testing.processes import cli_argv
+from hebrus_mlx.testing.tiny_configs import TINY_QWEN4EXP
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _model():
     # Sparse QSA from a few tokens, PLE, joinable projections: every split site of the graph.
+    # The shared tiny config with a second KV head, 16 experts of 32 (4 active) and a longer context.
     args = q.ModelArgs.from_dict(
         dict(
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
+            TINY_QWEN4EXP,
             num_key_value_heads=2,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
             num_experts=16,
             num_experts_per_tok=4,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
             vocab_size=300,
-            rms_norm_eps=1e-6,
             max_position_embeddings=512,
-            norm_topk_prob=True,
-            hc_count=4,
-            hc_lowrank=8,
-            ple_layer_ids=[1],
             ngram_vocab_size_base=128,
-            split_ngram_parts=4,
             heads_per_ngram=4,
-            indexer_n_heads=2,
-            indexer_kv_heads=1,
-            indexer_head_dim=16,
-            indexer_budget=8,
-            indexer_compress_ratio=4,
             eos_token_id=0,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         )

@@ -18,6 +18,7 @@ from hebrus_mlx import perplexity as P
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.loader import DEMO_DIR, load, load_model
 from hebrus_mlx.stream import engine as se
+from hebrus_mlx.testing.processes import flag_cases
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +86,17 @@ def test_jsonl_and_txt_documents(tmp_path):
 
 @pytest.mark.parametrize(
     "argv,field",
-    [
-        (["--num-samples", "0"], "--num-samples"),
-        (["--sequence-length", "1"], "--sequence-length"),
-        (["--batch-size", "0"], "--batch-size"),
-        (["--seed", "-3"], "--seed"),
-        (["--expert-cache-gb", "nan"], "--expert-cache-gb"),
-        (["--data-path", "/nonexistent/x.txt"], "--data-path"),
-        (["--data-path", "BAD_JSONL"], "--data-path"),
-        (["--data-path", "CSV"], "--data-path"),
-        (["--sequence-length", "100000"], "--sequence-length"),
-    ],
+    flag_cases(
+        ("--num-samples", "0"),
+        ("--sequence-length", "1"),
+        ("--batch-size", "0"),
+        ("--seed", "-3"),
+        ("--expert-cache-gb", "nan"),
+        ("--data-path", "/nonexistent/x.txt"),
+        ("--data-path", "BAD_JSONL"),
+        ("--data-path", "CSV"),
+        ("--sequence-length", "100000"),
+    ),
 )
 def test_bad_flags_are_one_line_exit_2(argv, field, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"

@@ -7,7 +7,6 @@ except the Linux run, whose sections are checked for being marked not qualified.
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +16,7 @@ from hebrus_mlx import qualify as q
 from hebrus_mlx.machine_profile import SCHEMA, ProfileError, read_profile, write_profile
 from hebrus_mlx.qualify import FAILED, NO_GAIN, NOT_QUALIFIED, PASSED, qualify
 from hebrus_mlx.stream import engine as se
+from hebrus_mlx.testing.processes import cli_argv, flag_cases
 
 
 @pytest.mark.skipif(not shutil.which("g++"), reason="no C++ compiler for the emulated kernels")
@@ -305,18 +305,18 @@ def test_a_failed_gpu_event_host_task_fails_and_rolls_back_the_step(monkeypatch)
 
 @pytest.mark.parametrize(
     "args,field",
-    [
-        (["--probe-mib", "0"], "--probe-mib"),
-        (["--rounds", "0"], "--rounds"),
-        (["--tokens", "0"], "--tokens"),
-        (["--artifact", "/nonexistent/x"], "--artifact"),
-        (["--probe-dir", "/nonexistent/x"], "--probe-dir"),
-        (["--store", "/nonexistent/x"], "--store"),
-    ],
+    flag_cases(
+        ("--probe-mib", "0"),
+        ("--rounds", "0"),
+        ("--tokens", "0"),
+        ("--artifact", "/nonexistent/x"),
+        ("--probe-dir", "/nonexistent/x"),
+        ("--store", "/nonexistent/x"),
+    ),
 )
 def test_cli_bad_input_exits_2_naming_the_field(args, field, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "hebrus_mlx.cli", "qualify", "--out", str(tmp_path / "p.json"), *args],
+        cli_argv("qualify", "--out", str(tmp_path / "p.json"), *args),
         capture_output=True,
         text=True,
     )

@@ -85,15 +85,10 @@ def test_greedy_with_every_processor_off_is_unchanged(served):
     """Sending each processor field at its off value gives today's plain greedy text."""
     tok, c = served["tok"], served["client"]
     want = _text(_reference(served, tok.apply_chat_template(CHAT), 16))
+    off = dict(frequency_penalty=0, presence_penalty=0, logit_bias={})  # the OpenAI processor fields
+    off_extra = {"repetition_penalty": 0, "repetition_context_size": 20}  # mlx-lm's
     r = c.chat.completions.create(
-        model="demo",
-        messages=CHAT,
-        max_tokens=16,
-        temperature=0,
-        frequency_penalty=0,
-        presence_penalty=0,
-        logit_bias={},
-        extra_body={"repetition_penalty": 0, "repetition_context_size": 20},
+        model="demo", messages=CHAT, max_tokens=16, temperature=0, **off, extra_body=off_extra
     )
     assert r.choices[0].message.content == want
 

@@ -82,6 +82,10 @@ class DemoDims:
     spare_rows: int = 0
 
 
+# DemoDims knobs that are not config fields of the same name (build_config derives those fields).
+DERIVED_KNOBS = ("bpe_vocab", "partial_rotary_factor", "spare_rows", "ple_layer_ids")
+
+
 def validate_dims(dims: DemoDims) -> None:
     """Reject shapes the 4-bit group-64 conversion or the demo contract cannot hold, before allocating."""
     for name in ("hidden_size", "moe_intermediate_size"):
@@ -124,13 +128,11 @@ def build_config(dims: DemoDims):
     half = rotary_dim // 2
     # mrope sections split the rotary frequency pairs T/H/W like the real [11, 11, 10] for 32 pairs.
     mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
+    # The knobs named like config fields pass through; the rest of the config follows from them.
+    fields = {k: v for k, v in asdict(dims).items() if k not in DERIVED_KNOBS}
     return Qwen4ExpTextConfig(
+        **fields,
         vocab_size=physical_vocab(dims),
-        hidden_size=dims.hidden_size,
-        num_hidden_layers=dims.num_hidden_layers,
-        num_attention_heads=dims.num_attention_heads,
-        num_key_value_heads=dims.num_key_value_heads,
-        head_dim=dims.head_dim,
         max_position_embeddings=4096,
         rope_parameters={
             "rope_type": "default",
@@ -139,26 +141,9 @@ def build_config(dims: DemoDims):
             "mrope_section": mrope_section,
             "mrope_interleaved": True,
         },
-        linear_num_key_heads=dims.linear_num_key_heads,
-        linear_num_value_heads=dims.linear_num_value_heads,
-        linear_key_head_dim=dims.linear_key_head_dim,
-        linear_value_head_dim=dims.linear_value_head_dim,
-        num_experts=dims.num_experts,
-        num_experts_per_tok=dims.num_experts_per_tok,
-        moe_intermediate_size=dims.moe_intermediate_size,
-        shared_expert_intermediate_size=dims.shared_expert_intermediate_size,
         layer_types=layer_types(dims.num_hidden_layers),
-        hc_count=dims.hc_count,
-        hc_lowrank=dims.hc_lowrank,
         ple_layer_ids=list(dims.ple_layer_ids),
-        heads_per_ngram=dims.heads_per_ngram,
-        ngram_vocab_size_base=dims.ngram_vocab_size_base,
-        split_ngram_parts=dims.split_ngram_parts,
-        indexer_n_heads=dims.indexer_n_heads,
         indexer_kv_heads=1,
-        indexer_head_dim=dims.indexer_head_dim,
-        indexer_budget=dims.indexer_budget,
-        indexer_compress_ratio=dims.indexer_compress_ratio,
         eos_token_id=[eot, im_end],
         pad_token_id=eot,
         tie_word_embeddings=False,
@@ -482,18 +467,23 @@ def plot_losses(history: dict, unigram: float, path: Path) -> None:
 # ---------------------------------------------------------------- main
 
 
+def training_flags(p, steps: int, batch: int, warmup: int, seq_len: int, seq_len_help: str | None = None):
+    """The flags the model's and the MTP head's training share, with each one's defaults."""
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq-len", type=int, default=seq_len, help=seq_len_help)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--heldout-fraction", type=float, default=0.1)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="HF checkpoint directory to create (must not exist)")
     p.add_argument("--record-dir", type=Path, default=None, help="where TRAINING.md and loss_curve.png go")
-    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=40)
-    p.add_argument("--heldout-fraction", type=float, default=0.1)
+    training_flags(p, steps=600, batch=8, warmup=40, seq_len=256)
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows for the periodic curve")
     p.add_argument("--final-eval-windows", type=int, default=96)
     p.add_argument("--eval-every", type=int, default=50)
@@ -667,16 +657,16 @@ def mtp_parse_args(argv):
     p.add_argument(
         "--artifact", type=Path, default=Path(__file__).resolve().parent.parent / "hebrus_mlx" / "demo" / "model"
     )
-    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heldout-fraction", type=float, default=0.1)
-    p.add_argument("--seq-len", type=int, default=64, help="window length (<= the QSA window keeps prefill dense)")
+    training_flags(
+        p,
+        steps=160,
+        batch=16,
+        warmup=10,
+        seq_len=64,
+        seq_len_help="window length (<= the QSA window keeps prefill dense)",
+    )
     p.add_argument("--train-windows", type=int, default=640)
     p.add_argument("--heldout-windows", type=int, default=64)
-    p.add_argument("--steps", type=int, default=160)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--out", type=Path, default=None, help="write the trained head (HF mtp.* layout) here")
     p.add_argument("--publish", action="store_true", help="republish --artifact with the trained head (add_mtp)")
     args = p.parse_args(argv)

@@ -1,5 +1,6 @@
 """Child `hebrus-mlx` processes for tests and benchmarks: one argv builder and one environment
-builder, so every caller starts the CLI the same way (its checkout first on PYTHONPATH)."""
+builder, so every caller starts the CLI the same way (its checkout first on PYTHONPATH), and the
+rows of the tables of bad flags that the CLI must refuse in one line."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def cli_argv(verb: str, *args: str) -> list[str]:
     """`python -m hebrus_mlx.cli VERB ARGS...` with this interpreter."""
     return [sys.executable, "-m", "hebrus_mlx.cli", verb, *args]
+
+
+def flag_cases(*cases: tuple) -> list[tuple[list[str], str]]:
+    """(argv, field) rows for a bad-input table: each case (FLAG, VALUE) is the argv [FLAG, VALUE] whose
+    error must name FLAG; a case (FLAG, VALUE, FIELD) names FIELD instead (a short flag's long name)."""
+    return [([flag, value], named[0] if named else flag) for flag, value, *named in cases]
 
 
 def server_argv(*extra: str, model: str = "demo", log_level: str = "WARNING") -> list[str]:
