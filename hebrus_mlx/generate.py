@@ -714,18 +714,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="continue from a state saved by `hebrus-mlx cache-prompt`: --prompt is the rest of its message",
     )
-    p.add_argument(
-        "--expert-cache-gb",
-        type=flags.gib(),
-        default=None,
-        help="stream routed experts through a cache of this many GiB (default: decide from free memory)",
-    )
-    p.add_argument(
-        "--ple-cache-gb",
-        type=flags.gib(),
-        default=None,
-        help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)",
-    )
+    for store, what in (("expert", "routed experts"), ("ple", "PLE table pages")):  # the two streamed stores
+        p.add_argument(
+            f"--{store}-cache-gb",
+            type=flags.gib(),
+            default=None,
+            help=f"stream {what} through a cache of this many GiB (default: decide from free memory)",
+        )
     add_prefetch_argument(p)
     p.add_argument(
         "--expert-mirror",
