@@ -20,6 +20,7 @@ import sys
 
 from . import flags
 from .artifact import constants as C
+from .artifact import expert_major as em
 from .artifact import fast_check as FC
 from .artifact import manifest as M
 from .artifact import untrusted as U
@@ -314,11 +315,24 @@ class _Admission:
             where = f"stores[{found[1][0]}]" if len(found) > 1 else "stores.experts"
             raise AdmissionError(where, f"{len(found)} ExpertMajor stores; exactly one required")
         i, s = found[0]
-        if s.get("format") != "expert_major.v2":
-            raise AdmissionError(f"stores[{i}].format", f"{s.get('format')!r} != 'expert_major.v2'")
         if s.get("codec") != self.m["codecs"]["experts"]:
             raise AdmissionError(f"stores[{i}].codec", f"{s.get('codec')!r} != profile {self.m['codecs']['experts']!r}")
-        with ExpertMajorReader(self.file(s["path"]), self.fam, s["codec"]) as r:
+        per_layer = s["codec"] == C.PER_LAYER
+        fmt = "expert_major.v3" if per_layer else "expert_major.v2"
+        if s.get("format") != fmt:
+            raise AdmissionError(f"stores[{i}].format", f"{s.get('format')!r} != {fmt!r}")
+        if per_layer != ("layer_codecs" in s):
+            raise AdmissionError(
+                f"stores[{i}].layer_codecs",
+                "required by a per-layer expert store" if per_layer else f"only a {C.PER_LAYER!r} store has one",
+            )
+        spec = s["codec"]
+        if per_layer:  # one [gate, up, down] of known codec names per layer, not all one codec
+            try:
+                spec = em.Geometry(self.fam, s["layer_codecs"]).layer_codecs
+            except ArtifactError as e:
+                raise AdmissionError(e.field.replace("experts.", f"stores[{i}].", 1), e.message) from None
+        with ExpertMajorReader(self.file(s["path"]), self.fam, spec) as r:
             self.owners[s["path"]] = r.extents()
             self.expert_records = r.geometry.count
         self._fast(i, s, self.expert_records)
@@ -588,8 +602,8 @@ def admit_mirror(m: M.Manifest, directory) -> str:
         raise AdmissionError(f"{field}.size", f"{path} is {size} bytes, the store is {store.size}")
     try:
         with (
-            ExpertMajorReader(path, m.family, store.codec) as mirror,
-            ExpertMajorReader(m.file(store), m.family, store.codec) as primary,
+            ExpertMajorReader(path, m.family, store.expert_codec) as mirror,
+            ExpertMajorReader(m.file(store), m.family, store.expert_codec) as primary,
         ):
             for k in ("payload_sha256", "table_sha256", "header_sha256"):
                 if mirror.header[k] != primary.header[k]:

@@ -118,10 +118,24 @@ def write_dense(w, src, args, profile, progress, digests=None):
     return header, base
 
 
+def expert_spec(config, profile):
+    """What the expert store is written with: the profile's expert codec, or for a per-layer
+    profile (an MLX source whose routed experts differ in width per layer or projection) the
+    per-layer (gate, up, down) table of the source (convert_mlx.expert_codecs)."""
+    name = C.profile_codecs(profile)["experts"]
+    if name != C.PER_LAYER:
+        return name
+    from . import convert_mlx
+
+    return convert_mlx.expert_codecs(config)
+
+
 def expert_records(src, args, fam, codec_name, layout="unfused"):
+    """`codec_name`: one codec name, or a per-layer table (each layer's records get its row)."""
     for layer in range(fam.num_hidden_layers):
+        row = codec_name if isinstance(codec_name, str) else codec_name[layer]
         for e in range(fam.num_experts):
-            yield layer, e, src.expert_parts(layer, e, fam, codec_name, layout)
+            yield layer, e, src.expert_parts(layer, e, fam, row, layout)
 
 
 def _mtp_expert(src, raw, layout, e, comp, fam):
@@ -192,11 +206,12 @@ def detect_family(constants):
     return matches[0]
 
 
-def artifact_bytes(args, fam, profile):
-    """Bytes the stores of `profile` will take (source files excluded: small)."""
+def artifact_bytes(args, fam, profile, experts=None):
+    """Bytes the stores of `profile` will take (source files excluded: small); `experts`: the
+    expert store's codec or per-layer table (`expert_spec`), default the profile's codec."""
     codecs = C.profile_codecs(profile)
     n = sum(M.shape_bytes(d, s) for d, s in M.stored_tensors(args, profile).values())
-    n += expert_major.Geometry(fam, codecs["experts"]).file_bytes
+    n += expert_major.Geometry(fam, experts or codecs["experts"]).file_bytes
     n += sum(ple_pages.Geometry(fam, t, codecs["ple"]).file_bytes for t in range(len(args.ple_layer_ids)))
     return n
 
@@ -300,12 +315,15 @@ def convert(
         # Plan from the repo's config.json first, so one disk check covers the
         # download and the artifact before either starts.
         repo = hf_path
-        profile, args, _, fam = plan(hub.read_config(repo, revision), q_bits, q_group_size, dtype, *widths)
-        hf_path = str(hub.download(repo, revision, also=(artifact_bytes(args, fam, profile), out)))
+        repo_config = hub.read_config(repo, revision)
+        profile, args, _, fam = plan(repo_config, q_bits, q_group_size, dtype, *widths)
+        also = artifact_bytes(args, fam, profile, expert_spec(repo_config, profile))
+        hf_path = str(hub.download(repo, revision, also=(also, out)))
         check_out(out, overwrite, hf_path)  # never the HF cache that holds the download
     config = untrusted.read_json(hf_path, "config.json", links=True)
     profile, args, constants, fam = plan(config, q_bits, q_group_size, dtype, *widths)
     codecs = C.profile_codecs(profile)
+    experts = expert_spec(config, profile)
     src = open_source(hf_path, config)
     counts = src.check(args)
     mtp_report = keys.check_mtp_key_set(list(src.index), args) if mtp else None
@@ -313,7 +331,7 @@ def convert(
         mtp_layer_args(args)  # the head's QSA layer needs the indexer fields
     # The artifact is written next to `out` before the rename: refuse up front
     # rather than fail with ENOSPC after hours of a 100+ GB conversion.
-    hub.check_free(artifact_bytes(args, fam, profile), out, f"converting into {out}", field="out")
+    hub.check_free(artifact_bytes(args, fam, profile, experts), out, f"converting into {out}", field="out")
 
     def bar(label, total):
         # Bytes written; shown on a terminal only (tqdm's disable=None).
@@ -342,19 +360,22 @@ def convert(
         p.close()
         stores.append(_store(tmp, "dense", M.DENSE_PATH, "safetensors", codecs["dense"]))
 
-        g = expert_major.Geometry(fam, codecs["experts"])
+        g = expert_major.Geometry(fam, experts)
         p = bar("experts", g.payload_bytes)
         fast = _collector(g.count, M.EXPERTS_PATH)
         expert_major.publish(
             os.path.join(tmp, M.EXPERTS_PATH),
             fam,
-            codecs["experts"],
-            expert_records(src, args, fam, codecs["experts"], counts["expert_layout"]),
+            experts,
+            expert_records(src, args, fam, experts, counts["expert_layout"]),
             progress=p.update,
             fast=fast,
         )
         p.close()
-        stores.append(_store(tmp, "experts", M.EXPERTS_PATH, "expert_major.v2", codecs["experts"], fast))
+        fmt = "expert_major.v3" if g.per_layer else "expert_major.v2"
+        stores.append(_store(tmp, "experts", M.EXPERTS_PATH, fmt, codecs["experts"], fast))
+        if g.per_layer:  # each layer's [gate, up, down] codecs (the header binds their digest)
+            stores[-1]["layer_codecs"] = [list(row) for row in g.layer_codecs]
 
         for t, layer_id in enumerate(args.ple_layer_ids):
             g = ple_pages.Geometry(fam, t, codecs["ple"])

@@ -26,8 +26,15 @@ hyper-connection mixers, decay inputs) are `mx.dequantize`d in float32, and
 affine PLE rows are `mx.dequantize`d in their scales' dtype (bf16), which is
 bit for bit the row mlx-vlm's QuantizedEmbedding returns. Anything else (a
 group size or bit width the artifact has no codec for, another quantization
-mode, fp16/fp32 scales, routed experts at different widths per layer) is
-refused with a typed error naming the tensor or the `quantization` entry.
+mode, fp16/fp32 scales, routed experts left unquantized) is refused with a
+typed error naming the tensor or the `quantization` entry.
+
+Routed experts whose width differs per layer or per projection (mlx-lm's
+mixed_2_6 / 3_4 / 3_6 / 4_6 recipes put `down_proj` at the high width in the
+first and last eighth of the layers and every third layer between) import as
+they are too: the profile's expert codec is `per-layer` and the expert store
+holds each layer's records in that layer's (gate, up, down) codecs, the table
+recorded in the manifest (`stores[].layer_codecs`, see expert_codecs).
 """
 
 import re
@@ -75,14 +82,45 @@ def _affine_params(q, field):
     return bits, group, name
 
 
+def expert_codecs(config):
+    """One (gate, up, down) codec name per layer of the routed experts: each module's per-module
+    entry in the `quantization` block (mlx-lm's mixed recipes, e.g. `down_proj` at 6 bits in the
+    first, last and every third layer) or the global codec. Refused with a typed error naming the
+    entry: a module left unquantized (False) while the rest is quantized, a non-affine mode, a
+    width with no artifact codec, a layer the model does not have, two entries for one module."""
+    q = config["quantization"]
+    dense = _affine_params(q, "quantization")[2]
+    n = M.model_args(config).num_hidden_layers
+    table = [[dense] * len(C.EXPERT_COMPONENTS) for _ in range(n)]
+    seen = {}
+    for path in sorted(q):
+        found = _EXPERT_MODULE.match(path)
+        if not found:
+            continue
+        layer, comp = int(found.group(1)), found.group(2)
+        field = f"quantization.{path}"
+        if layer >= n:
+            raise MlxSourceError(field, f"layer {layer}, but the model has {n} layers")
+        if (layer, comp) in seen:
+            raise MlxSourceError(field, f"a second entry for the module of {seen[layer, comp]}")
+        seen[layer, comp] = field
+        if q[path] is False:
+            raise MlxSourceError(
+                field, "routed experts left unquantized while the rest is quantized: no artifact codec holds both"
+            )
+        table[layer][C.EXPERT_COMPONENTS.index(comp)] = _affine_params(q[path], field)[2]
+    return tuple(tuple(row) for row in table)
+
+
 def source_profile(
     config, q_bits=None, q_group_size=None, dtype=None, expert_bits=None, expert_group_size=None, ple_dtype=None
 ):
     """Artifact profile of the source's quantization, or a typed refusal. The dense store takes
-    the global width; the routed experts take the width their modules carry (a per-module
-    override in the `quantization` block, mlx-lm's mixed configs, or the global one), which
-    must be one width for every layer and projection: the ExpertMajor store holds one codec.
-    Explicit width flags must agree; --dtype would mean dequantizing and is refused."""
+    the global width; the routed experts take the width their modules carry (`expert_codecs`):
+    one codec for every layer and projection gives that codec, widths that differ per layer or
+    projection give the per-layer expert store (constants.PER_LAYER; the table is
+    `expert_codecs(config)`). Explicit width flags must agree (an expert width flag cannot agree
+    with per-layer widths); --dtype would mean dequantizing and is refused."""
     q = config["quantization"]
     bits, group, dense = _affine_params(q, "quantization")
     if dtype is not None:
@@ -91,38 +129,21 @@ def source_profile(
             f"the source is already quantized (bits={bits} group={group}); "
             f"it imports into its own affine profile, not {dtype}",
         )
-    overrides = {k: v for k, v in q.items() if _EXPERT_MODULE.match(k)}
-    first, experts = None, dense
-    for path in sorted(overrides, key=lambda k: tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k))):
-        if overrides[path] is False:
-            raise MlxSourceError(
-                f"quantization.{path}",
-                "routed experts left unquantized while the rest is quantized; the ExpertMajor store holds one codec",
-            )
-        name = _affine_params(overrides[path], f"quantization.{path}")[2]
-        if first is None:
-            first, experts = path, name
-        elif name != experts:
-            raise MlxSourceError(
-                f"quantization.{path}",
-                f"{name} but {first} is {experts}: the ExpertMajor store "
-                "holds one width for every routed expert; refusing to requantize",
-            )
-    if overrides and len(overrides) != 3 * M.model_args(config).num_hidden_layers and experts != dense:
-        # Some expert modules fall back to the global width, others override it.
-        raise MlxSourceError(
-            "quantization",
-            f"routed experts mix {experts} ({first}) and the global {dense}: the "
-            "ExpertMajor store holds one width for every routed expert; refusing to requantize",
-        )
-    e = C.codec(experts)
-    for flag, want, got in (
-        ("q_bits", bits, q_bits),
-        ("q_group_size", group, q_group_size),
-        ("expert_bits", e.bits, expert_bits),
-        ("expert_group_size", e.group_size, expert_group_size),
-    ):
+    names = {name for row in expert_codecs(config) for name in row}
+    experts = names.pop() if len(names) == 1 else C.PER_LAYER
+    for flag, want, got in (("q_bits", bits, q_bits), ("q_group_size", group, q_group_size)):
         if got is not None and got != want:
+            raise MlxSourceError(flag, f"{got} but the source is quantized with {want}; refusing to requantize")
+    for flag, got in (("expert_bits", expert_bits), ("expert_group_size", expert_group_size)):
+        if got is None:
+            continue
+        if experts == C.PER_LAYER:
+            raise MlxSourceError(
+                flag, f"{got} but the source's routed experts have per-layer widths; refusing to requantize"
+            )
+        e = C.codec(experts)
+        want = e.bits if flag == "expert_bits" else e.group_size
+        if got != want:
             raise MlxSourceError(flag, f"{got} but the source is quantized with {want}; refusing to requantize")
     ple = {"float32": "f32", "bfloat16": "bf16", None: "bf16"}[ple_dtype]
     return C.profile_name({"dense": dense, "experts": experts, "ple": ple}, "quantization")
@@ -268,10 +289,19 @@ class MlxSource(_sources.Source):
         return _sources.encode(a, dt, codec_name)
 
     def expert_parts(self, layer, e, fam, codec_name, layout):
+        """`codec_name`: one codec for the record, or the layer's (gate, up, down) names."""
+        names = dict(zip(C.EXPERT_COMPONENTS, (codec_name,) * 3 if isinstance(codec_name, str) else codec_name))
         out = {}
         for comp, (rows, cols) in fam.component_shapes().items():
+            codec_name = names[comp]
             stem = f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj"
             if not self._is_quantized(stem):
+                if C.codec(codec_name).affine:  # quantizing them here would be requantizing
+                    raise MlxSourceError(
+                        f"source.{self.text[stem + '.weight']}",
+                        f"routed experts stored unquantized but the profile stores them {codec_name}; "
+                        "refusing to quantize",
+                    )
                 a, dt = self._array(stem + ".weight", e, e + 1)
                 a = (a.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else a
                 out[comp] = _sources.encode(a[0], dt, codec_name)

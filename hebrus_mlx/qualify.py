@@ -440,7 +440,7 @@ def measure_resolve(manifest, batches, backend: str, rows: int) -> tuple:
     try:
         from .artifact.expert_major import ExpertMajorReader
 
-        reader = ExpertMajorReader(manifest.file(manifest.experts), manifest.family, manifest.experts.codec)
+        reader = ExpertMajorReader(manifest.file(manifest.experts), manifest.family, manifest.experts.expert_codec)
         try:
             record = reader.geometry.record_bytes
         finally:

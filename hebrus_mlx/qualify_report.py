@@ -315,7 +315,7 @@ def artifact_facts(artifact: str) -> dict:
 
     m = admit(str(resolve_model_path(artifact)))
     fam = m.family
-    g = Geometry(fam, m.experts.codec)
+    g = Geometry(fam, m.experts.expert_codec)  # per-layer: record_bytes/stride are the largest layer's
     experts = m.experts.size
     return {
         "family": fam.name,

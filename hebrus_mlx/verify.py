@@ -63,7 +63,7 @@ def verify(path, stream=None):
         fast = None if table is None or xxh3 is None else _FastTable(s, table, xxh3)
         with _bar(s.path, s.size, stream) as bar:
             if s.role == "experts":
-                with ExpertMajorReader(full, m.family, s.codec) as r:
+                with ExpertMajorReader(full, m.family, s.expert_codec) as r:
                     r.verify_all(bar.update, file_hash=digest, fast=fast)
                     checked["expert_records"] = r.geometry.count
             elif s.role == "ple":

@@ -110,11 +110,16 @@ def build_model(config):
     return q4.Model(q4.ModelConfig.from_dict(copy.deepcopy(config)))
 
 
-def mlx_vlm_checkpoint(hf_dir, out_dir, bits=4, group_size=64, expert_bits=None, expert_layers=None):
+def mlx_vlm_checkpoint(
+    hf_dir, out_dir, bits=4, group_size=64, expert_bits=None, expert_layers=None, expert_recipe=None
+):
     """Quantize the HF checkpoint at `hf_dir` with mlx-vlm into `out_dir`;
     returns the quantized mlx-vlm model (bf16, as saved). expert_bits: the routed experts
     (`switch_mlp` projections; of `expert_layers` only, default all) at their own width,
-    recorded per module in the config's `quantization` block as mlx-lm's mixed recipes do."""
+    recorded per module in the config's `quantization` block as mlx-lm's mixed recipes do.
+    expert_recipe: an mlx-lm mixed recipe ("mixed_3_6", ...) whose own predicate
+    (`mlx_lm.convert.mixed_quant_predicate_builder`) picks each routed-expert projection's
+    width (the dense modules keep mlx-vlm's predicate at `bits`)."""
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
 
@@ -135,10 +140,23 @@ def mlx_vlm_checkpoint(hf_dir, out_dir, bits=4, group_size=64, expert_bits=None,
         )
     )
     model_predicate = model.quant_predicate
+    recipe = None
+    if expert_recipe is not None:
+        from mlx_lm.convert import mixed_quant_predicate_builder
+
+        class _Text:  # what the builder reads: the layer list and the full model's module paths
+            layers = model.language_model.model.layers
+
+            def named_modules(self):
+                return [(k, m) for k, m in model.named_modules() if k.startswith("language_model.")]
+
+        recipe = mixed_quant_predicate_builder(expert_recipe, _Text(), group_size)
 
     def base_quant_predicate(path, module):  # mlx_vlm.convert's, verbatim in behaviour
         if utils.skip_multimodal_module(path):
             return False
+        if recipe is not None and ".switch_mlp." in path:
+            return recipe(path, module)
         if (
             expert_bits is not None
             and ".switch_mlp." in path

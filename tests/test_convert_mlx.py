@@ -278,18 +278,31 @@ def test_widths_and_mixed_import_as_is(hf, tmp_path, bits, group, expert_bits):
     assert _greedy(lambda x: ref.language_model(x).logits, SHORT, 3) == _greedy(model, SHORT, 3)
 
 
-def test_per_layer_mixed_expert_widths_are_refused_naming_the_module(hf, tmp_path):
-    """Routed experts at 2 bits in layer 1 only (the rest at the global 4): the ExpertMajor store
-    holds one width, so the import is refused naming the module, never requantized."""
+def test_per_layer_mixed_expert_widths_import_as_is(hf, tmp_path):
+    """Routed experts at 2 bits in layer 1 only (the rest at the global 4): imported without
+    requantizing into a per-layer expert store (each layer's codecs in the manifest; formerly
+    refused), logits equal mlx-vlm's on the source. tests/test_mixed_expert_widths.py covers
+    mlx-lm's mixed recipes (widths per projection) and admission of the table."""
+    from hebrus_mlx.admission import admit
+    from hebrus_mlx.artifact import constants as C
+    from hebrus_mlx.artifact.expert_major import ExpertMajorReader
     from hebrus_mlx.convert import convert
-    from hebrus_mlx.convert_mlx import MlxSourceError
 
-    src = str(tmp_path / "src")
+    src, art = str(tmp_path / "src"), str(tmp_path / "art")
     V.mlx_vlm_checkpoint(hf, src, bits=4, group_size=64, expert_bits=2, expert_layers={1})
-    with pytest.raises(MlxSourceError) as e:
-        convert(src, str(tmp_path / "out"), quiet=True)
-    assert e.value.field.startswith("quantization") and "one width" in str(e.value)
-    assert not os.path.exists(tmp_path / "out")
+    convert(src, art, quiet=True)
+    m = admit(art)
+    assert m.codecs["experts"] == C.PER_LAYER and m.codecs["dense"] == "affine4-g64"
+    assert m.experts.layer_codecs == tuple(("affine2-g64" if i == 1 else "affine4-g64",) * 3 for i in range(4))
+    t = _source_tensors(src)
+    with ExpertMajorReader(m.file(m.experts), m.family, m.experts.layer_codecs) as r:
+        for layer in (0, 1):
+            got = r.read_expert(layer, 2)["down"]
+            stem = f"language_model.model.layers.{layer}.mlp.switch_mlp.down_proj"
+            for part in ("weight", "scales", "biases"):
+                assert np.array_equal(got[part], t[f"{stem}.{part}"][2]), (layer, part)
+    want, mine = _logits_vs_mlx_vlm(src, art)
+    assert np.abs(want - mine).max() <= 1e-5, np.abs(want - mine).max()
 
 
 def test_flags_that_would_requantize_are_refused(imported, tmp_path):

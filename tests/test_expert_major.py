@@ -166,3 +166,80 @@ def test_quantized_layout_feeds_gather_qmm(tmp_path):
     q, s, b = quant[(2, 5, "gate")]
     want = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=64, bits=4)
     assert np.array_equal(np.array(got).reshape(-1), np.array(want).reshape(-1))
+
+
+def _per_layer_table():
+    """Layer 0 at 3 bits everywhere, every other layer with down_proj at 6 bits (an mlx-lm
+    mixed_3_6-shaped table)."""
+    return tuple(
+        ("affine3-g64", "affine3-g64", "affine3-g64" if layer == 0 else "affine6-g64")
+        for layer in range(FAM.num_hidden_layers)
+    )
+
+
+def test_per_layer_store_round_trips_at_each_layers_layout(tmp_path):
+    """Version 3: each layer's records have that layer's (gate, up, down) layout and stride
+    (sizes from hand arithmetic), read back exactly; a one-codec reader refuses the file by
+    version, a reader without the table or with another table refuses it naming the field."""
+    table = _per_layer_table()
+    g = em.Geometry(FAM, table)
+    rng = np.random.default_rng(3)
+    recs = []
+    for layer in range(FAM.num_hidden_layers):
+        for e in range(FAM.num_experts):
+            parts = {}
+            for comp, part, dtype, shape, _, _ in g.layer_layout(layer):
+                parts.setdefault(comp, {})[part] = rng.integers(0, 1 << 16, size=shape).astype(dtype)
+            recs.append((layer, e, parts))
+    path = str(tmp_path / "experts.hbem")
+    em.publish(path, FAM, table, iter(recs))
+
+    def nbytes(bits, rows, cols):  # packed uint32 weight + bf16 scales and biases at group 64
+        return rows * cols * bits // 8 + 2 * 2 * rows * (cols // 64)
+
+    (m, h), (h2, m2) = FAM.component_shapes()["gate"], FAM.component_shapes()["down"]
+    low = 2 * nbytes(3, m, h) + nbytes(3, h2, m2)
+    high = 2 * nbytes(3, m, h) + nbytes(6, h2, m2)
+    assert g.layer_record_bytes == [low] + [high] * (FAM.num_hidden_layers - 1)
+    assert g.record_offset(FAM.num_experts) == g.payload_offset + FAM.num_experts * C.align_up(low)
+    assert os.path.getsize(path) == g.file_bytes
+    with em.ExpertMajorReader(path, FAM, [list(r) for r in table]) as r:
+        assert r.codec is None and r.header["version"] == 3
+        for layer, e, parts in recs:
+            got = r.read_expert(layer, e)
+            for comp in parts:
+                for part, a in parts[comp].items():
+                    assert np.array_equal(got[comp][part], a), (layer, e, comp, part)
+        r.verify_all()
+    with pytest.raises(HeaderError) as e:
+        em.ExpertMajorReader(path, FAM, "affine3-g64")
+    assert e.value.field == "experts.version"
+    with pytest.raises(GeometryError) as e:
+        em.ExpertMajorReader(path, FAM)
+    assert e.value.field == "experts.layer_codecs"
+    other = list(table)
+    other[1] = ("affine3-g64", "affine6-g64", "affine3-g64")  # same record size, another layout
+    with pytest.raises(HeaderError) as e:
+        em.ExpertMajorReader(path, FAM, other)
+    assert e.value.field == "experts.layer_codecs"
+
+
+def test_per_layer_table_is_checked_naming_the_entry():
+    n = FAM.num_hidden_layers
+    for table, field, err in (
+        ([("affine3-g64",) * 3] * (n - 1), "experts.layer_codecs", GeometryError),
+        (
+            [("affine3-g64",) * 3] * (n - 1) + [("affine3-g64", "affine3-g64")],
+            f"experts.layer_codecs[{n - 1}]",
+            GeometryError,
+        ),
+        (
+            [("affine3-g64",) * 3] * (n - 1) + [("affine3-g64", "affine5-g64", "f32")],
+            f"experts.layer_codecs[{n - 1}].up",
+            CodecError,
+        ),
+        ([("affine3-g64",) * 3] * n, "experts.layer_codecs", GeometryError),  # one codec: a v2 store
+    ):
+        with pytest.raises(err) as e:
+            em.Geometry(FAM, table)
+        assert e.value.field == field, str(e.value)

@@ -16,6 +16,13 @@ SHA256_BYTES = 32
 
 EXPERT_MAJOR_MAGIC = b"HBXEXPM\x00"
 EXPERT_MAJOR_VERSION = 2
+# A store whose routed experts have a codec per layer and projection (mlx-lm's mixed recipes):
+# version 3, header codec_id EXPERT_MAJOR_PER_LAYER_ID, its manifest entry's `layer_codecs`
+# ([gate, up, down] codec names per layer) bound by a SHA-256 in the header's reserved bytes.
+# Uniform stores stay version 2, byte for byte.
+EXPERT_MAJOR_PER_LAYER_VERSION = 3
+EXPERT_MAJOR_PER_LAYER_ID = 0xFFFFFFFF
+PER_LAYER = "per-layer"  # manifest codecs.experts / the experts store's codec of such an artifact
 EXPERT_MAJOR_HEADER_BYTES = 256
 EXPERT_MAJOR_ENTRY_BYTES = 128
 EXPERT_MAJOR_MAX_LAYERS = 256
@@ -173,7 +180,8 @@ def profile_name(codecs, field_name="profile"):
     if type(codecs) is not dict or sorted(codecs) != sorted(COMPONENTS):
         raise CodecError(field_name, f"codecs must name exactly {list(COMPONENTS)}")
     for comp in COMPONENTS:
-        codec(codecs[comp], f"{field_name}.{comp}")
+        if not (comp == "experts" and codecs[comp] == PER_LAYER):
+            codec(codecs[comp], f"{field_name}.{comp}")
     if codecs["ple"] not in PLE_CODECS:
         raise CodecError(f"{field_name}.ple", f"{codecs['ple']!r} is not a PLE row codec {PLE_CODECS}")
     for name, c in PROFILES.items():

@@ -1,4 +1,4 @@
-"""ExpertMajor v2: one store for every routed expert (AFN-002).
+"""ExpertMajor v2 (v3: per-layer codecs, below): one store for every routed expert (AFN-002).
 
 Layout (little-endian):
 
@@ -14,9 +14,21 @@ Every field is implied by (family, codec), so the reader recomputes the whole
 expected layout and requires the file to equal it: entries are contiguous and
 non-overlapping by construction, and a single disagreeing byte is a typed
 error naming its field. numpy only: admission must not import MLX.
+
+Per-layer codecs (version 3): the codec is a table of one [gate, up, down]
+codec name per layer (mlx-lm's mixed recipes quantize e.g. `down_proj` wider
+in some layers). Each layer's records then have that layer's layout and stride
+(records stay layer-major and 4096-aligned, packed layer after layer); the
+header's codec_id is EXPERT_MAJOR_PER_LAYER_ID, record_bytes / record_stride
+are the largest layer's, and the first 32 reserved bytes are the SHA-256 of
+the canonical table (`codec_table_digest`), so every field is implied by
+(family, codec table) and the reader checks the file against it exactly as
+for one codec. A table with one codec everywhere is refused: that store is
+version 2.
 """
 
 import hashlib
+import json
 import struct
 
 import numpy as np
@@ -32,10 +44,13 @@ from .constants import (
     EXPERT_MAJOR_MAGIC,
     EXPERT_MAJOR_MAX_EXPERTS,
     EXPERT_MAJOR_MAX_LAYERS,
+    EXPERT_MAJOR_PER_LAYER_ID,
+    EXPERT_MAJOR_PER_LAYER_VERSION,
     EXPERT_MAJOR_VERSION,
     U32_MAX,
     align_up,
     codec,
+    family_by_id,
 )
 from .errors import DigestError, GeometryError, HeaderError, TruncatedError
 from .store_file import StoreFile, header_prelude
@@ -69,11 +84,40 @@ _HEADER_FIELDS = (
 )
 
 
+def layer_codecs(family, spec, field_name="experts.layer_codecs"):
+    """One (gate, up, down) tuple of codec names per layer: `spec` is one codec name (every
+    record) or a sequence of one [gate, up, down] per layer; anything else is a typed error
+    naming the entry."""
+    n = family.num_hidden_layers
+    if isinstance(spec, str):
+        codec(spec, field_name)
+        return ((spec,) * len(EXPERT_COMPONENTS),) * n
+    if not isinstance(spec, (list, tuple)) or len(spec) != n:
+        raise GeometryError(field_name, f"must list one [gate, up, down] per layer ({n} layers)")
+    out = []
+    for layer, row in enumerate(spec):
+        if not isinstance(row, (list, tuple)) or len(row) != len(EXPERT_COMPONENTS):
+            raise GeometryError(f"{field_name}[{layer}]", f"{row!r} is not [gate, up, down] codec names")
+        for comp, name in zip(EXPERT_COMPONENTS, row):
+            if type(name) is not str:
+                raise GeometryError(f"{field_name}[{layer}].{comp}", f"{name!r} is not a codec name")
+            codec(name, f"{field_name}[{layer}].{comp}")
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def codec_table_digest(table):
+    """SHA-256 of a per-layer codec table in canonical JSON (what a version-3 header binds)."""
+    return hashlib.sha256(json.dumps([list(r) for r in table], separators=(",", ":")).encode()).digest()
+
+
 def record_layout(family, codec_name):
-    """[(component, part, dtype, shape, offset, nbytes)] of one record."""
-    c = codec(codec_name)
+    """[(component, part, dtype, shape, offset, nbytes)] of one record: one codec name for every
+    projection, or a (gate, up, down) tuple of names (a layer of a per-layer store)."""
+    names = (codec_name,) * len(EXPERT_COMPONENTS) if isinstance(codec_name, str) else tuple(codec_name)
     layout, off = [], 0
-    for comp, (rows, cols) in family.component_shapes().items():
+    for (comp, (rows, cols)), name in zip(family.component_shapes().items(), names, strict=True):
+        c = codec(name, f"experts.{comp}.codec")
         for part, dtype, shape in c.parts(rows, cols, f"experts.{comp}"):
             n = shape[0] * shape[1] * DTYPE_BYTES[dtype]
             layout.append((comp, part, dtype, shape, off, n))
@@ -92,25 +136,54 @@ def _extents(layout):
 
 
 class Geometry:
-    """The complete expected layout for (family, codec)."""
+    """The complete expected layout for (family, codec): `codec_name` is one codec name (a
+    version-2 store) or a per-layer table of (gate, up, down) names (version 3, `per_layer`).
+    `layout`, `extents` and `codec` describe every record of a uniform store (None for a
+    per-layer one: use `layer_layout(layer)`, `record_size(i)`, `record_offset(i)`)."""
 
     def __init__(self, family, codec_name):
         self.family = family
-        self.codec = codec(codec_name)
         if family.num_hidden_layers > EXPERT_MAJOR_MAX_LAYERS or family.num_experts > EXPERT_MAJOR_MAX_EXPERTS:
             raise GeometryError("experts.geometry", "family exceeds ExpertMajor v2 structural maximum")
-        self.layout = record_layout(family, codec_name)
-        self.record_bytes = sum(n for *_, n in self.layout)
-        if self.record_bytes > U32_MAX:
+        self.per_layer = not isinstance(codec_name, str)
+        self.layer_codecs = layer_codecs(family, codec_name)
+        if self.per_layer and len({n for row in self.layer_codecs for n in row}) == 1:
+            raise GeometryError(
+                "experts.layer_codecs", f"one codec {self.layer_codecs[0][0]!r} for every record: a uniform store"
+            )
+        self.codec = None if self.per_layer else codec(codec_name)
+        layouts = {row: record_layout(family, row) for row in set(self.layer_codecs)}
+        self.layer_layouts = [layouts[row] for row in self.layer_codecs]
+        self.layer_record_bytes = [sum(n for *_, n in lay) for lay in self.layer_layouts]
+        if max(self.layer_record_bytes) > U32_MAX:
             raise GeometryError("experts.record_bytes", "record exceeds 4 GiB")
-        self.record_stride = align_up(self.record_bytes)
-        self.count = family.num_hidden_layers * family.num_experts
+        self.layer_strides = [align_up(b) for b in self.layer_record_bytes]
+        self.layer_extents = [_extents(lay) for lay in self.layer_layouts]
+        self.layout = None if self.per_layer else self.layer_layouts[0]
+        self.extents = None if self.per_layer else self.layer_extents[0]
+        self.record_bytes = max(self.layer_record_bytes)
+        self.record_stride = max(self.layer_strides)
+        E = family.num_experts
+        self.count = family.num_hidden_layers * E
         self.table_offset = EXPERT_MAJOR_HEADER_BYTES
         self.table_bytes = self.count * EXPERT_MAJOR_ENTRY_BYTES
         self.payload_offset = align_up(self.table_offset + self.table_bytes)
-        self.payload_bytes = self.count * self.record_stride
+        self.layer_base, off = [], self.payload_offset
+        for stride in self.layer_strides:
+            self.layer_base.append(off)
+            off += E * stride
+        self.payload_bytes = off - self.payload_offset
         self.file_bytes = self.payload_offset + self.payload_bytes
-        self.extents = _extents(self.layout)
+
+    def layer_layout(self, layer):
+        return self.layer_layouts[layer]
+
+    def record_size(self, i):
+        """Bytes of record i (its layer's record)."""
+        return self.layer_record_bytes[i // self.family.num_experts]
+
+    def record_stride_of(self, i):
+        return self.layer_strides[i // self.family.num_experts]
 
     def index(self, layer, expert):
         f = self.family
@@ -119,12 +192,24 @@ class Geometry:
         return layer * f.num_experts + expert
 
     def record_offset(self, i):
-        return self.payload_offset + i * self.record_stride
+        layer, e = divmod(i, self.family.num_experts)
+        return self.layer_base[layer] + e * self.layer_strides[layer]
+
+    def reserved(self):
+        """The header's bytes after the fixed fields: zero, or the per-layer table's digest."""
+        digest = codec_table_digest(self.layer_codecs) if self.per_layer else b""
+        return digest.ljust(EXPERT_MAJOR_HEADER_BYTES - _HEADER.size, b"\0")
 
     def header_values(self):
         f = self.family
         return {
-            **header_prelude(EXPERT_MAJOR_MAGIC, EXPERT_MAJOR_VERSION, EXPERT_MAJOR_HEADER_BYTES, f, self.codec),
+            **header_prelude(
+                EXPERT_MAJOR_MAGIC,
+                EXPERT_MAJOR_PER_LAYER_VERSION if self.per_layer else EXPERT_MAJOR_VERSION,
+                EXPERT_MAJOR_HEADER_BYTES,
+                f,
+                EXPERT_MAJOR_PER_LAYER_ID if self.per_layer else self.codec.codec_id,
+            ),
             "num_layers": f.num_hidden_layers,
             "num_experts": f.num_experts,
             "top_k": f.num_experts_per_tok,
@@ -140,17 +225,17 @@ class Geometry:
         }
 
 
-def _pack_header(values, table_sha, payload_sha):
-    raw = _HEADER.pack(*[values[k] for k in _HEADER_FIELDS[:17]], table_sha, payload_sha, _ZERO32)
-    raw = raw.ljust(EXPERT_MAJOR_HEADER_BYTES, b"\0")
+def _pack_header(values, table_sha, payload_sha, reserved=bytes(EXPERT_MAJOR_HEADER_BYTES - _HEADER.size)):
+    raw = _HEADER.pack(*[values[k] for k in _HEADER_FIELDS[:17]], table_sha, payload_sha, _ZERO32) + reserved
     digest = hashlib.sha256(raw).digest()
     return raw[: _HEADER.size - 32] + digest + raw[_HEADER.size :]
 
 
-def encode_record(geom, parts):
-    """Concatenate one expert's arrays in layout order, checking each exactly."""
-    out = bytearray(geom.record_bytes)
-    for comp, part, dtype, shape, off, n in geom.layout:
+def encode_record(geom, parts, layer=0):
+    """Concatenate one expert's arrays in layout order (its layer's), checking each exactly."""
+    layout = geom.layer_layout(layer)
+    out = bytearray(geom.layer_record_bytes[layer])
+    for comp, part, dtype, shape, off, n in layout:
         try:
             a = parts[comp][part]
         except (KeyError, TypeError):
@@ -159,7 +244,7 @@ def encode_record(geom, parts):
             got = (getattr(a, "dtype", type(a).__name__), getattr(a, "shape", None))
             raise GeometryError(f"experts.{comp}.{part}", f"expected {dtype}{list(shape)}, got {got}")
         out[off : off + n] = np.ascontiguousarray(a).view(np.uint8).reshape(-1).tobytes()
-    extra = {(c, p) for c in parts for p in parts[c]} - {(c, p) for c, p, *_ in geom.layout}
+    extra = {(c, p) for c in parts for p in parts[c]} - {(c, p) for c, p, *_ in layout}
     if extra:
         raise GeometryError("experts.parts", f"unexpected arrays {sorted(extra)}")
     return bytes(out)
@@ -169,20 +254,20 @@ def write(w, family, codec_name, records, progress=None):
     """Stream records through AtomicWriter `w`.
 
     records: iterable of (layer, expert, {component: {part: ndarray}}) in
-    layer-major order; memory stays at one record plus the table.
+    layer-major order; memory stays at one record plus the table. `codec_name`: one codec name or
+    a per-layer table (see Geometry).
     """
     geom = Geometry(family, codec_name)
     w.write(bytes(geom.payload_offset))
     table = bytearray(geom.table_bytes)
     payload = hashlib.sha256()
-    pad = bytes(geom.record_stride - geom.record_bytes)
     i = -1
     for i, (layer, expert, parts) in enumerate(records):
         if i >= geom.count or geom.index(layer, expert) != i:
             raise GeometryError(
                 "experts.order", f"record {i} is (layer {layer}, expert {expert}); expected layer-major order"
             )
-        rec = encode_record(geom, parts)
+        rec = encode_record(geom, parts, layer)
         digest = hashlib.sha256(rec).digest()
         _ENTRY.pack_into(
             table,
@@ -190,21 +275,22 @@ def write(w, family, codec_name, records, progress=None):
             layer,
             expert,
             geom.record_offset(i),
-            geom.record_bytes,
-            *geom.extents,
+            len(rec),
+            *geom.layer_extents[layer],
             digest,
         )
+        pad = bytes(geom.layer_strides[layer] - len(rec))
         w.write(rec)
         w.write(pad)
         payload.update(rec)
         payload.update(pad)
         if progress is not None:
-            progress(geom.record_stride)
+            progress(geom.layer_strides[layer])
     if i + 1 != geom.count:
         raise GeometryError("experts.count", f"{i + 1} records written, family needs {geom.count}")
     table_sha = hashlib.sha256(table).digest()
     w.pwrite(table, geom.table_offset)
-    w.pwrite(_pack_header(geom.header_values(), table_sha, payload.digest()), 0)
+    w.pwrite(_pack_header(geom.header_values(), table_sha, payload.digest(), geom.reserved()), 0)
     return geom
 
 
@@ -222,7 +308,8 @@ def publish(path, family, codec_name, records, faults=None, progress=None, fast=
 class ExpertMajorReader(StoreFile):
     """Validate an untrusted store on open (header + table, no payload read).
 
-    family / codec_name: if given, the header must name exactly these.
+    family / codec_name: if given, the header must name exactly these. codec_name may be a
+    per-layer table (Geometry); a per-layer store cannot be opened without its table.
     fast: the admitted per-record XXH3-128 digests (Manifest.fast_table): record reads are then
     checked by the fast check instead of SHA-256 (verify_all always checks SHA-256).
     """
@@ -234,21 +321,35 @@ class ExpertMajorReader(StoreFile):
     def _open(self, family, codec_name):
         size, raw = self._header(EXPERT_MAJOR_HEADER_BYTES, "experts")
         h = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(raw)))
+        per_layer = codec_name is not None and not isinstance(codec_name, str)
+        if codec_name is None and h["version"] == EXPERT_MAJOR_PER_LAYER_VERSION:
+            raise GeometryError("experts.layer_codecs", "a per-layer store is read with its manifest's layer_codecs")
+        version = EXPERT_MAJOR_PER_LAYER_VERSION if per_layer else EXPERT_MAJOR_VERSION
         self._check_prelude(
-            h, "experts", EXPERT_MAJOR_MAGIC, EXPERT_MAJOR_VERSION, EXPERT_MAJOR_HEADER_BYTES, "an ExpertMajor store"
+            h, "experts", EXPERT_MAJOR_MAGIC, version, EXPERT_MAJOR_HEADER_BYTES, "an ExpertMajor store"
         )
         zeroed = raw[: _HEADER.size - 32] + _ZERO32 + raw[_HEADER.size :]
         if hashlib.sha256(zeroed).digest() != h["header_sha256"]:
             raise DigestError("experts.header_sha256", "header digest mismatch")
-        if raw[_HEADER.size :] != bytes(EXPERT_MAJOR_HEADER_BYTES - _HEADER.size):
-            raise HeaderError("experts.reserved", "reserved header bytes are not zero")
-        fam, cod = self._identity(h, "experts", family, codec_name)
-        geom = Geometry(fam, cod.name)
+        if per_layer:
+            fam, cod = family_by_id(h["family_id"], "experts.family_id"), None
+            if family is not None and fam != family:
+                raise GeometryError("experts.family_id", f"store family {fam.name!r} != expected {family.name!r}")
+            if h["codec_id"] != EXPERT_MAJOR_PER_LAYER_ID:
+                raise GeometryError("experts.codec_id", f"store codec id {h['codec_id']} is not a per-layer table")
+            geom = Geometry(fam, codec_name)
+            if raw[_HEADER.size :] != geom.reserved():
+                raise HeaderError("experts.layer_codecs", "header's codec table digest differs from layer_codecs")
+            what = f"{fam.name}/per-layer"
+        else:
+            if raw[_HEADER.size :] != bytes(EXPERT_MAJOR_HEADER_BYTES - _HEADER.size):
+                raise HeaderError("experts.reserved", "reserved header bytes are not zero")
+            fam, cod = self._identity(h, "experts", family, codec_name)
+            geom = Geometry(fam, cod.name)
+            what = f"{fam.name}/{cod.name}"
         for name, want in geom.header_values().items():
             if h[name] != want:
-                raise GeometryError(
-                    f"experts.{name}", f"header says {h[name]}, family {fam.name}/{cod.name} needs {want}"
-                )
+                raise GeometryError(f"experts.{name}", f"header says {h[name]}, {what} needs {want}")
         if size != geom.file_bytes:
             cls = TruncatedError if size < geom.file_bytes else HeaderError
             raise cls("experts.file_bytes", f"file is {size} bytes, layout needs {geom.file_bytes}")
@@ -258,8 +359,8 @@ class ExpertMajorReader(StoreFile):
         digests = []
         for i, e in enumerate(_ENTRY.iter_unpack(table)):
             layer, expert, offset, length = e[:4]
-            want = (i // fam.num_experts, i % fam.num_experts, geom.record_offset(i), geom.record_bytes)
-            if (layer, expert, offset, length) != want or list(e[4:22]) != geom.extents:
+            want = (i // fam.num_experts, i % fam.num_experts, geom.record_offset(i), geom.record_size(i))
+            if (layer, expert, offset, length) != want or list(e[4:22]) != geom.layer_extents[want[0]]:
                 raise GeometryError(f"experts.record[{i}]", f"entry {e[:4]} disagrees with layout {want}")
             digests.append(e[22])
         self.header, self.geometry, self.family, self.codec = h, geom, fam, cod
@@ -269,7 +370,7 @@ class ExpertMajorReader(StoreFile):
         """One pread of the record, digest checked, bytes returned."""
         g = self.geometry
         i = g.index(layer, expert)
-        data = self._pread(g.record_bytes, g.record_offset(i), f"experts.record[{i}]")
+        data = self._pread(g.record_size(i), g.record_offset(i), f"experts.record[{i}]")
         if self._fast is not None:
             if not self._fast(i, data):
                 raise DigestError(f"experts.record[{i}]", f"XXH3-128 mismatch for (layer {layer}, expert {expert})")
@@ -287,7 +388,7 @@ class ExpertMajorReader(StoreFile):
         """{component: {part: ndarray}} of one verified record."""
         data = self.read_record(layer, expert)
         out = {}
-        for comp, part, dtype, shape, off, n in self.geometry.layout:
+        for comp, part, dtype, shape, off, n in self.geometry.layer_layout(layer):
             out.setdefault(comp, {})[part] = np.frombuffer(
                 data, dtype=dtype, count=n // DTYPE_BYTES[dtype], offset=off
             ).reshape(shape)
@@ -300,11 +401,12 @@ class ExpertMajorReader(StoreFile):
         g = self.geometry
 
         def record(i):
-            data = self._pread(g.record_stride, g.record_offset(i), f"experts.record[{i}]")
-            if hashlib.sha256(data[: g.record_bytes]).digest() != self.digests[i]:
+            data = self._pread(g.record_stride_of(i), g.record_offset(i), f"experts.record[{i}]")
+            n = g.record_size(i)
+            if hashlib.sha256(data[:n]).digest() != self.digests[i]:
                 raise DigestError(f"experts.record[{i}]", "record digest mismatch")
             if fast is not None:
-                fast(data[: g.record_bytes])
+                fast(data[:n])
             return data
 
         self._verify_payload(

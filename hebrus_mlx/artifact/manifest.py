@@ -412,6 +412,14 @@ class Store:
     # experts/ple/mtp: the XXH3-128 digest table's entry (artifact/fast_check.py); None in
     # artifacts from before the fast check (their reads are checked by SHA-256).
     fast_check: Mapping | None = None
+    # experts of a per-layer store (codec constants.PER_LAYER): one (gate, up, down) codec name
+    # per layer; None for a store with one codec.
+    layer_codecs: tuple | None = None
+
+    @property
+    def expert_codec(self):
+        """What ExpertMajorReader / Geometry take: the codec name, or the per-layer table."""
+        return self.codec if self.layer_codecs is None else self.layer_codecs
 
 
 @dataclass(frozen=True)
@@ -474,4 +482,7 @@ class Manifest:
 
 
 def store_from_dict(s) -> Store:
-    return Store(**{f.name: s.get(f.name) for f in fields(Store)})
+    out = {f.name: s.get(f.name) for f in fields(Store)}
+    if out["layer_codecs"] is not None:
+        out["layer_codecs"] = tuple(tuple(row) for row in out["layer_codecs"])
+    return Store(**out)

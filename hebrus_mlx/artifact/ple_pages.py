@@ -126,7 +126,7 @@ class Geometry:
     def header_values(self):
         f = self.family
         return {
-            **header_prelude(PLE_MAGIC, PLE_VERSION, PLE_HEADER_BYTES, f, self.codec),
+            **header_prelude(PLE_MAGIC, PLE_VERSION, PLE_HEADER_BYTES, f, self.codec.codec_id),
             "group_size": self.codec.group_size,
             "width": self.width,
             "row_bytes": self.row_bytes,

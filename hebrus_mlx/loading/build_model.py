@@ -65,11 +65,12 @@ def quantization_plan(m: Manifest):
     for name, rec in m.tensors.items():
         if C.codec(rec["codec"]).affine and name.endswith(".weight"):
             plan_[name[: -len(".weight")]] = _quant_params(rec["codec"])
-    expert_codec = m.codecs["experts"]
-    if C.codec(expert_codec).affine:
-        for layer in range(m.family.num_hidden_layers):
-            for comp in ("gate_proj", "up_proj", "down_proj"):
-                plan_[f"model.layers.{layer}.mlp.switch_mlp.{comp}"] = _quant_params(expert_codec)
+    # One codec name per layer and projection (a per-layer store's table, else the store's codec).
+    table = em.layer_codecs(m.family, m.experts.expert_codec)
+    for layer, row in enumerate(table):
+        for comp, name in zip(C.EXPERT_COMPONENTS, row):
+            if C.codec(name).affine:
+                plan_[f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj"] = _quant_params(name)
     return plan_
 
 
@@ -174,9 +175,9 @@ def _experts(m: Manifest, layers=None):
     all; a pipeline stage reads only its own records)."""
     s, fam = m.experts, m.family
     out = {}
-    with ExpertMajorReader(m.file(s), fam, s.codec, fast=m.fast_table(s)) as r:
-        layout = r.geometry.layout
+    with ExpertMajorReader(m.file(s), fam, s.expert_codec, fast=m.fast_table(s)) as r:
         for layer in range(fam.num_hidden_layers) if layers is None else layers:
+            layout = r.geometry.layer_layout(layer)
             stacks = {
                 (comp, part): np.empty((fam.num_experts,) + shape, dtype) for comp, part, dtype, shape, _, _ in layout
             }
@@ -260,16 +261,26 @@ def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, p
     layer)."""
     fam = m.family
     wide = dtype is not None and dtype == mx.float32
-    layout = em.record_layout(fam, m.experts.codec)
-    record = sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in layout)
-    count = (fam.num_hidden_layers if stage is None else len(stage.layers)) * fam.num_experts
+    g = em.Geometry(fam, m.experts.expert_codec)
+    own = range(fam.num_hidden_layers) if stage is None else stage.layers
+
+    def size(layer):
+        return sum(2 * n if wide and d == "uint16" else n for _, _, d, _, _, n in g.layer_layout(layer))
+
+    # A per-layer store streams through one arena per distinct layer codec, each of the same rows
+    # (stream.experts): a row costs one record of every distinct layout.
+    first = {}
+    for layer, row in enumerate(g.layer_codecs):
+        first.setdefault(row, layer)
+    record = sum(size(layer) for layer in first.values())
+    resident = sum(size(layer) for layer in own) * fam.num_experts
     resident_other = _dense_bytes(m, stage)
     if ple_cache_bytes is None:
         resident_other += sum(s.size for s in _ple_stores(m, None if stage is None else stage.layers))
     else:
         resident_other += ple_cache_bytes
     return plan.plan_experts(
-        count * record,
+        resident,
         record,
         plan.available_memory(),
         RESERVE_BYTES + resident_other,
@@ -287,8 +298,8 @@ def _make_room_for_ring(m: Manifest, dtype, rows, expert_cache_gb, sweep_mode):
     byte and leave the sweep's two-layer ring no room, so ``auto`` would always stay off: give the
     ring its bytes out of the arena if that costs the arena at most RING_SHARE of its rows (and
     still leaves top-k). A forced cache size is the user's budget and stays as asked."""
-    if rows is None or expert_cache_gb is not None or sweep_mode == "off":
-        return rows
+    if rows is None or expert_cache_gb is not None or sweep_mode == "off" or m.experts.layer_codecs is not None:
+        return rows  # (a per-layer store is not swept: stream.experts)
     fam = m.family
     ring_rows = 2 * fam.num_experts  # stream.sweep.ring_bytes: two layers, records laid out as rows
     if ring_rows > RING_SHARE * rows or rows - ring_rows < fam.num_experts_per_tok:
@@ -327,8 +338,12 @@ def _attach_streamed(m: Manifest, model, rows, dtype, engine, layers=None, mirro
     before = _routed_expert_keys(model)
     switches = attach([model.model.layers[i].mlp for i in layers], experts, layers)
     replaced = before - _routed_expert_keys(model)
-    layout = em.record_layout(fam, m.experts.codec)
-    want = {f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}" for layer in layers for comp, part, *_ in layout}
+    g = em.Geometry(fam, m.experts.expert_codec)
+    want = {
+        f"model.layers.{layer}.mlp.switch_mlp.{comp}_proj.{part}"
+        for layer in layers
+        for comp, part, *_ in g.layer_layout(layer)
+    }
     if replaced != want or _routed_expert_keys(model):
         raise GeometryError(
             "experts", f"streamed experts replaced {len(replaced)} tensors, the store holds {len(want)}"
@@ -445,7 +460,7 @@ def load_artifact_model(
     if rows is not None or ple_cache is not None:
         # One engine: PLE pages in its slab cache, experts in their arena
         # (the slab budget's record backs the copying ops).
-        record = sum(n for *_, n in em.record_layout(m.family, m.experts.codec))
+        record = em.Geometry(m.family, m.experts.expert_codec).record_bytes  # the largest layer's
         # CLOCK: measured on demo decode at 5-50% of the records it is within a point of LRU or
         # above it (benchmarks/bench_cache_policy.py), as public runtimes found.
         engine = StreamEngine(cache_bytes=(ple_cache or 0) + C.align_up(record), threads=8, policy="clock")
@@ -482,7 +497,9 @@ def load_artifact_model(
         if experts is not None:
             try:
                 kw = {}
-                if sweep_mode == "auto":  # the machine's measured crossover where the profile stands for it
+                # The machine's measured crossover where the profile stands for it (a per-layer store
+                # is not swept).
+                if sweep_mode == "auto" and not experts.per_layer:
                     cross, source = sweep_crossover.for_store(
                         experts.store_path, sum(experts.part_bytes), experts.num_experts
                     )

@@ -7,6 +7,14 @@ the engine: one arena part per record part, so
 each part is a zero-copy ``[rows, *shape]`` view that ``gather_qmm`` indexes
 with the slot rows ``resolve`` returns. The reader is only consulted here, at
 construction; the engine itself knows nothing of the store format.
+
+A per-layer store (routed experts with a codec per layer and projection,
+artifact/expert_major.py version 3) has one record layout per distinct
+(gate, up, down) codec: each gets its own arena of ``rows`` rows and its own
+record table over its layers' records (an arena row holds one layout), and
+``layer_weights`` / ``quant`` give each layer its arena views and each
+projection its own bits and group size. Such a store is not swept
+(stream.sweep lays one layout out per ring).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..admission import admit, admit_mirror
+from ..artifact import constants as C
 from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from .engine import P1, StreamEngine
@@ -56,44 +65,73 @@ class StreamedExperts:
         if wide and dtype != mx.float32:
             raise ValueError(f"dtype: must be mx.float32 or None, got {dtype}")
         g = reader.geometry
+        E = reader.family.num_experts
         self.engine = engine
         self.num_experts = reader.family.num_experts
         self.num_layers = reader.family.num_hidden_layers
         self.top_k = reader.family.num_experts_per_tok
         self.rows = rows
         self.prefetch_previous = prefetch_previous
-        # Affine codecs stream through gather_qmm; float codecs gather_mm.
-        self.bits = getattr(reader.codec, "bits", None)
-        self.group_size = getattr(reader.codec, "group_size", None)
-        if self.bits is not None and self.bits >= 16:
-            self.bits = self.group_size = None
-        expand = [wide and d == "uint16" for _, _, d, *_ in g.layout]
-        # What a prefill sweep ring (stream.sweep) needs to lay out the same rows.
         self.store_path = str(reader.path)
-        self.part_bytes = [n for *_, n in g.layout]
-        self.expand = expand
-        self.layout = [(comp, part, stored, tuple(shape)) for comp, part, stored, shape, *_ in g.layout]
-        self.arena, parts = engine.create_arena([n for *_, n in g.layout], rows, expand)
         store = engine.add_store(reader.path, reader.header["payload_sha256"].hex())
         self.store = store
         self.mirror = mirror
         if mirror is not None:  # admitted by admission.admit_mirror
             engine.add_mirror(store, mirror)
-        self.table = engine.register_table(
-            store,
-            [g.record_offset(i) for i in range(g.count)],
-            [g.record_bytes] * g.count,
-            None if fast_digests is not None else reader.digests,
-            arena=self.arena,
-            fast_digests=fast_digests,
-        )
         self.check = "xxh3-128" if fast_digests is not None else "sha256"
-        # weights[component][part]: [rows, *shape] views of the arena.
-        self.weights = {}
-        for part_bytes, wide, (comp, part, stored, shape, _, _) in zip(parts, expand, g.layout):
-            view_dtype = mx.float32 if wide else _MX_DTYPES[stored]
-            view = part_bytes.view(view_dtype).reshape(rows, *shape)
-            self.weights.setdefault(comp, {})[part] = view
+        self.per_layer = g.per_layer
+        # One arena + record table per distinct layer codec (a uniform store: one for all layers).
+        groups = {}
+        for layer, row in enumerate(g.layer_codecs):
+            groups.setdefault(row, []).append(layer)
+        self._groups = []  # (table, weights, {comp: (bits, group) | None})
+        self._where = [None] * self.num_layers  # layer -> (group index, local layer)
+        self.arenas = []  # engine arena ids, one per group
+        for row, layers in groups.items():
+            layout = g.layer_layout(layers[0])
+            expand = [wide and d == "uint16" for _, _, d, *_ in layout]
+            arena, parts = engine.create_arena([n for *_, n in layout], rows, expand)
+            ids = [layer * E + e for layer in layers for e in range(E)]
+            table = engine.register_table(
+                store,
+                [g.record_offset(i) for i in ids],
+                [g.record_size(i) for i in ids],
+                None if fast_digests is not None else [reader.digests[i] for i in ids],
+                arena=arena,
+                fast_digests=None if fast_digests is None else [fast_digests[i] for i in ids],
+            )
+            # weights[component][part]: [rows, *shape] views of the arena.
+            weights = {}
+            for part_bytes, w, (comp, part, stored, shape, _, _) in zip(parts, expand, layout):
+                view = part_bytes.view(mx.float32 if w else _MX_DTYPES[stored]).reshape(rows, *shape)
+                weights.setdefault(comp, {})[part] = view
+            # Affine codecs stream through gather_qmm; float codecs gather_mm.
+            quant = {}
+            for comp, name in zip(C.EXPERT_COMPONENTS, row):
+                c = C.codec(name)
+                quant[comp] = (c.bits, c.group_size) if c.affine else None
+            for local, layer in enumerate(layers):
+                self._where[layer] = (len(self._groups), local)
+            self._groups.append((table, weights, quant))
+            self.arenas.append(arena)
+            if not self.per_layer:
+                # What a prefill sweep ring (stream.sweep) needs to lay out the same rows.
+                self.part_bytes = [n for *_, n in layout]
+                self.expand = expand
+                self.layout = [(comp, part, stored, tuple(shape)) for comp, part, stored, shape, *_ in layout]
+                self.arena, self.table, self.weights = arena, table, weights
+                self.bits, self.group_size = quant["gate"] or (None, None)
+        if self.per_layer:  # no one table / layout / width: use layer_weights, quant, resolve
+            self.part_bytes = self.expand = self.layout = self.arena = self.table = self.weights = None
+            self.bits = self.group_size = None
+
+    def layer_weights(self, layer: int) -> dict:
+        """weights[component][part] ([rows, *shape] arena views) that ``layer``'s rows index."""
+        return self._groups[self._where[layer][0]][1]
+
+    def quant(self, layer: int, comp: str):
+        """(bits, group_size) of ``layer``'s ``comp`` projection, or None for a float codec."""
+        return self._groups[self._where[layer][0]][2][comp]
 
     @property
     def max_chunk_tokens(self) -> int:
@@ -120,7 +158,7 @@ class StreamedExperts:
         m = artifact if isinstance(artifact, Manifest) else admit(artifact)  # admission: exactly one expert store
         if mirror is not None:
             mirror = admit_mirror(m, mirror)
-        reader = ExpertMajorReader(m.file(m.experts), m.family, m.experts.codec)
+        reader = ExpertMajorReader(m.file(m.experts), m.family, m.experts.expert_codec)
         owned = None
         try:
             # The arena is the cache; the slab budget only backs copying ops.
@@ -134,16 +172,21 @@ class StreamedExperts:
         finally:
             reader.close()  # the engine has its own descriptors
 
-    def _records(self, layer: int, indices: mx.array) -> mx.array:
+    def _table(self, layer: int):
+        """(record table of ``layer``'s arena, the layer's first record index in it)."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: {layer} out of range [0, {self.num_layers})")
-        return indices.astype(mx.uint32) + layer * self.num_experts
+        group, local = self._where[layer]
+        return self._groups[group][0], local * self.num_experts
+
+    def _records(self, layer: int, indices: mx.array) -> mx.array:
+        return indices.astype(mx.uint32) + self._table(layer)[1]
 
     def resolve(self, layer: int, indices: mx.array, owner: int = 0, generation: int = 0):
         """(rows, lease) for this layer's routed ``indices`` (P0 exact).
-        Feed ``rows`` to gather_qmm as ``rhs_indices`` over ``self.weights``
+        Feed ``rows`` to gather_qmm as ``rhs_indices`` over ``self.layer_weights(layer)``
         and pass its output with ``lease`` to ``engine.release_after``."""
-        return self.engine.resolve(self.table, self._records(layer, indices), owner, generation, layer)
+        return self.engine.resolve(self._table(layer)[0], self._records(layer, indices), owner, generation, layer)
 
     def prefetch(self, layer: int, indices: mx.array, priority: int = P1, confidence: float = 1.0) -> mx.array:
         """Non-blocking hint, e.g. the previous token's top-k for ``layer``; ids outside
@@ -151,7 +194,7 @@ class StreamedExperts:
         indices = indices.astype(mx.uint32)
         records = mx.where(indices < self.num_experts, self._records(layer, indices), mx.array(0xFFFFFFFF, mx.uint32))
         return self.engine.prefetch(
-            self.table,
+            self._table(layer)[0],
             records,
             priority,
             confidence,

@@ -125,7 +125,8 @@ class Streaming:
         # Rows the predictions may hold (they never displace an exact record): the read-ahead of
         # `depth` layers, at most a quarter of the arena.
         staging = 0 if spec.kind == "off" else min((spec.budget or e.top_k) * spec.depth, e.rows // 4)
-        self.engine.set_staging(e.arena, staging)
+        for arena in e.arenas:  # a per-layer store has one arena per distinct layer codec
+            self.engine.set_staging(arena, staging)
         self.prefetch = spec
 
     def set_prefill_sweep(
@@ -142,6 +143,11 @@ class Streaming:
         if self.experts is None:
             if mode == "on":
                 raise UsageError("prefill_sweep", "only streamed routed experts are swept; experts are resident")
+            return
+        if getattr(self.experts, "per_layer", False):  # one record layout per layer codec: no one ring layout
+            if mode == "on":
+                raise UsageError("prefill_sweep", "a per-layer expert store (codec per layer) is not swept")
+            self.sweep_note = None if mode == "off" else "prefill sweep off: per-layer expert codecs"
             return
         old, self.sweep, self.sweep_note = self.sweep, None, None
         for s in self.switches:

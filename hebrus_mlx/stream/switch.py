@@ -56,9 +56,11 @@ class StreamedSwitchGLU(nn.Module):
         self._ahead = (target, candidates)
 
     def _project(self, name, x, rows, sorted_rows, weights=None):
+        # This layer's arena views and this projection's own width (a per-layer store's differ).
         e = self._experts
-        w = (e.weights if weights is None else weights)[name]
-        if e.bits is not None:
+        w = (e.layer_weights(self.layer) if weights is None else weights)[name]
+        q = e.quant(self.layer, name)
+        if q is not None:
             return mx.gather_qmm(
                 x,
                 w["weight"],
@@ -66,8 +68,8 @@ class StreamedSwitchGLU(nn.Module):
                 w["biases"],
                 rhs_indices=rows,
                 transpose=True,
-                group_size=e.group_size,
-                bits=e.bits,
+                group_size=q[1],
+                bits=q[0],
                 sorted_indices=sorted_rows,
             )
         return mx.gather_mm(x, w["weight"].swapaxes(-1, -2), rhs_indices=rows, sorted_indices=sorted_rows)

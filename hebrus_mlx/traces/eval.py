@@ -194,7 +194,9 @@ def _record_bytes(model_path) -> int | None:
         return None
     m = untrusted.read_json(str(model_path), "manifest.json")  # bounded, strict (issue 22)
     store = next(s for s in m["stores"] if s["role"] == "experts")
-    return int(sum(n for *_, n in em.record_layout(C.family(m["family"]), store["codec"])))
+    # A per-layer store (codec per layer): the mean record, what a uniformly routed read costs.
+    g = em.Geometry(C.family(m["family"]), store.get("layer_codecs") or store["codec"])
+    return int(sum(g.layer_record_bytes) // len(g.layer_record_bytes))
 
 
 def run_eval(
