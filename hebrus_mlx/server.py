@@ -58,7 +58,7 @@ from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .text.chat_template import ChatError
-from .verb_flags import PROMPT_ERRORS, add_prompt_cache_dir_arguments, check_shared_flags, share_generate_flags
+from .verb_flags import PROMPT_ERRORS, add_prompt_cache_arguments, check_shared_flags, share_generate_flags
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -1326,12 +1326,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
     p.add_argument(
-        "--prompt-cache-bytes",
-        type=flags.integer(0, flags.INT64_MAX),
-        default=DEFAULT_PROMPT_CACHE_BYTES,
-        help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)",
-    )
-    p.add_argument(
         "--decode-concurrency",
         type=flags.integer(1),
         default=1,
@@ -1343,7 +1337,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="requests prefilling at once under --decode-concurrency > 1, a chunk per decode step",
     )
-    add_prompt_cache_dir_arguments(p)
+    add_prompt_cache_arguments(p, DEFAULT_PROMPT_CACHE_BYTES, "no prefix reuse")
     p.add_argument(
         "--max-body-bytes",
         type=flags.integer(1),

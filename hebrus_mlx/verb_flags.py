@@ -52,8 +52,15 @@ def refuse_unused(args, actions, used, verb):
             raise UsageError(a.option_strings[0], f"not supported by `hebrus-mlx {verb}` yet")
 
 
-def add_prompt_cache_dir_arguments(p):
-    """--prompt-cache-dir and its bound (server and chat)."""
+def add_prompt_cache_arguments(p, default_bytes, zero):
+    """The prefix-snapshot cache of chat and server: --prompt-cache-bytes in memory (`default_bytes`;
+    `zero` says what 0 means to the verb), --prompt-cache-dir and its bound on disk."""
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=flags.integer(0, flags.INT64_MAX),
+        default=default_bytes,
+        help=f"byte limit of cached prefix snapshots, LRU (0: {zero})",
+    )
     p.add_argument(
         "--prompt-cache-dir",
         default=None,
