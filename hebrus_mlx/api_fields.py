@@ -71,10 +71,11 @@ def _number(body, name, lo=None, hi=None):
     return v
 
 
-def _integer(body, name, lo=None, hi=INT32_MAX):
+def _integer(body, name, lo=None, hi=INT32_MAX, expected=None):
+    """body[name], an integer in [lo, hi]; the error says `expected` (default: that range)."""
     v = body[name]
     if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise RequestError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}", name)
+        raise RequestError(f"{name} must be {expected or f'an integer in [{lo}, {hi}]'}, got {_show(v)}", name)
     return v
 
 
@@ -99,9 +100,7 @@ def _not_yet(name, value):
 
 
 def _seed(body, name, vocab=None):
-    v = body[name]
-    if not _is_int(v) or not 0 <= v <= SEED_MAX:
-        raise RequestError(f"seed must be an integer in [0, 2**64 - 1], got {_show(v)}", name)
+    _integer(body, name, 0, SEED_MAX, "an integer in [0, 2**64 - 1]")
 
 
 def _stop(body, name, vocab=None):
@@ -197,11 +196,9 @@ def _no_op_number(default, lo=None, hi=None, lo_open=False):
 
 def _no_op_int(default, lo, hi):
     def check(body, name, vocab=None):
-        v = body[name]
-        if v is None:
+        if body[name] is None:
             return
-        if not _is_int(v) or not lo <= v <= hi:
-            raise RequestError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}", name)
+        v = _integer(body, name, lo, hi)
         if v != default:
             _not_yet(name, v)
 
@@ -223,9 +220,7 @@ def _no_op_bool(default):
 
 def _context_size(body, name, vocab=None):
     # The window of the matching penalty (mlx-lm's default 20); accepted alone, it changes nothing.
-    v = body[name]
-    if not _is_int(v) or not 1 <= v <= INT32_MAX:
-        raise RequestError(f"{name} must be an integer >= 1, got {_show(v)}", name)
+    _integer(body, name, 1, INT32_MAX, "an integer >= 1")
 
 
 def _response_format(body, name, vocab=None):

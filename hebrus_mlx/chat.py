@@ -10,21 +10,12 @@ import argparse
 import importlib
 import sys
 
-from . import flags
 from .cli_args import ArgumentParser, str2bool
 from .errors import UsageError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import make_sampler
 from .stream.errors import StreamError
-from .text.chat_template import ChatError
-from .text.tokenizer import TokenizerError
-from .verb_flags import (
-    USED,
-    add_prompt_cache_dir_arguments,
-    check_prompt_cache_dir,
-    refuse_unused,
-    share_generate_flags,
-)
+from .verb_flags import PROMPT_ERRORS, add_prompt_cache_arguments, check_shared_flags, share_generate_flags
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -39,13 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     # generate's model, cache and sampling flags (incl. --system-prompt), so the verbs cannot drift.
     p.shared = share_generate_flags(p, _NOT_SHARED)
     p.add_argument("--verbose", type=str2bool, default=True, help="print a stats line after each reply")
-    p.add_argument(
-        "--prompt-cache-bytes",
-        type=flags.integer(0, flags.INT64_MAX),
-        default=1 << 30,
-        help="byte limit of cached prefix snapshots (0: prefill the whole conversation every turn)",
-    )
-    add_prompt_cache_dir_arguments(p)
+    add_prompt_cache_arguments(p, 1 << 30, "prefill the whole conversation every turn")
     p.set_defaults(max_tokens=256)
     return p
 
@@ -65,10 +50,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     gen.check_args(args)
-    refuse_unused(args, parser.shared, USED | {"system_prompt"}, "chat")
-    if args.prompt_cache_bytes < 0:
-        raise UsageError("--prompt-cache-bytes", f"must be >= 0, got {args.prompt_cache_bytes}")
-    check_prompt_cache_dir(args)
+    check_shared_flags(args, parser, "chat", also_used={"system_prompt"})
     if args.seed is not None:
         import mlx.core as mx
 
@@ -133,7 +115,7 @@ def main(argv=None) -> int:
         except StreamError as e:
             print(f"[ERROR] {type(e).__name__}: {e}", flush=True)
             continue
-        except (ChatError, TokenizerError, gen.GenerationError) as e:
+        except PROMPT_ERRORS as e:
             print(f"[ERROR] {e}", flush=True)
             continue
         messages = turn + [{"role": "assistant", "content": reply}]

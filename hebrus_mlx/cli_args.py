@@ -1,6 +1,6 @@
 """Command-line pieces every verb shares: a parser whose errors are typed (one line, exit 2 at
-`cli.run`), the boolean flag type and the streaming flags (--prefetch*, --prefill-sweep) with their
-conversion into what the loader takes. generate's model, cache and sampling flags, their checks and
+`cli.run`), the boolean flag type and the streaming flags (--expert/--ple-cache-gb, --prefetch*,
+--prefill-sweep) with their conversion into what the loader takes. generate's model, cache and sampling flags, their checks and
 the loader they feed are `generate.build_parser`, `generate.check_args` and `generate.load_from_args`
 (chat and server reuse them)."""
 
@@ -13,6 +13,7 @@ from .flags import Parser
 __all__ = [
     "ArgumentParser",
     "str2bool",
+    "add_stream_cache_arguments",
     "add_prefetch_argument",
     "prefetch_from_args",
     "add_sweep_argument",
@@ -50,6 +51,18 @@ def str2bool(s: str) -> bool:
     if s.lower() in ("false", "f", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def add_stream_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--expert-cache-gb`` and ``--ple-cache-gb`` (generate and the verbs that share its flags,
+    perplexity): the sizes of the caches the two streamed stores go through."""
+    for store, what in (("expert", "routed experts"), ("ple", "PLE table pages")):
+        parser.add_argument(
+            f"--{store}-cache-gb",
+            type=flags.gib(),
+            default=None,
+            help=f"stream {what} through a cache of this many GiB (default: decide from free memory)",
+        )
 
 
 def add_prefetch_argument(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from . import flags
 from .cli_args import (
     ArgumentParser,
     add_prefetch_argument,
+    add_stream_cache_arguments,
     add_sweep_argument,
     prefetch_from_args,
     str2bool,
@@ -714,18 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="continue from a state saved by `hebrus-mlx cache-prompt`: --prompt is the rest of its message",
     )
-    p.add_argument(
-        "--expert-cache-gb",
-        type=flags.gib(),
-        default=None,
-        help="stream routed experts through a cache of this many GiB (default: decide from free memory)",
-    )
-    p.add_argument(
-        "--ple-cache-gb",
-        type=flags.gib(),
-        default=None,
-        help="stream PLE table pages through a cache of this many GiB (default: decide from free memory)",
-    )
+    add_stream_cache_arguments(p)
     add_prefetch_argument(p)
     p.add_argument(
         "--expert-mirror",

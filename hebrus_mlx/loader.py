@@ -89,28 +89,21 @@ def load_model(
     `path`: a directory, or an artifact's admitted Manifest."""
     from .artifact.manifest import Manifest
 
+    # The streaming options: an artifact's loader takes them all; an HF checkpoint refuses any that asks for streaming.
+    streaming = {
+        "expert_cache_gb": expert_cache_gb,
+        "ple_cache_gb": ple_cache_gb,
+        "prefetch": prefetch,
+        "expert_mirror": expert_mirror,
+        "prefill_sweep": prefill_sweep,
+    }
     if isinstance(path, Manifest) or is_artifact(path):
         from .loading.build_model import load_artifact_model  # admission runs before any graph buffer
 
-        return load_artifact_model(
-            path,
-            dtype=dtype,
-            expert_cache_gb=expert_cache_gb,
-            ple_cache_gb=ple_cache_gb,
-            prefetch=prefetch,
-            expert_mirror=expert_mirror,
-            prefill_sweep=prefill_sweep,
-            options=options,
-        )
+        return load_artifact_model(path, dtype=dtype, options=options, **streaming)
     path = Path(path)
-    for field, value in (
-        ("expert_cache_gb", expert_cache_gb),
-        ("ple_cache_gb", ple_cache_gb),
-        ("prefetch", prefetch),
-        ("expert_mirror", expert_mirror),
-        ("prefill_sweep", None if prefill_sweep in (None, "auto", "off") else prefill_sweep),
-    ):
-        if value is not None:
+    for field, value in streaming.items():
+        if value is not None and not (field == "prefill_sweep" and value in ("auto", "off")):
             raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype, options=options)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from . import flags
-from .cli_args import add_prefetch_argument, prefetch_from_args
+from .cli_args import add_prefetch_argument, add_stream_cache_arguments, prefetch_from_args
 from .errors import UsageError
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "demo" / "heldout.txt"
@@ -139,18 +139,7 @@ def build_parser():
     p.add_argument("--num-samples", type=flags.integer(-1), default=256, help="samples to score (-1: all)")
     p.add_argument("--batch-size", type=flags.integer(1), default=8, help="samples per forward")
     p.add_argument("--seed", type=flags.integer(0), default=123, help="shuffles the documents")
-    p.add_argument(
-        "--expert-cache-gb",
-        type=flags.gib(),
-        default=None,
-        help="stream the routed experts through a cache of this size (as generate)",
-    )
-    p.add_argument(
-        "--ple-cache-gb",
-        type=flags.gib(),
-        default=None,
-        help="stream the PLE table pages through a cache of this size (as generate)",
-    )
+    add_stream_cache_arguments(p)
     add_prefetch_argument(p)
     return p
 

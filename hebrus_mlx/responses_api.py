@@ -446,23 +446,12 @@ class ResponseBuilder:
             self.output.append(item)
             idx = len(self.output) - 1
             events.append(self._event("response.output_item.added", output_index=idx, item=dict(item)))
-            events.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=idx,
-                    delta=fn["arguments"],
-                )
-            )
+            # The arguments arrive whole: one delta carrying all of them, then done.
+            at = {"item_id": item["id"], "output_index": idx}
+            events.append(self._event("response.function_call_arguments.delta", **at, delta=fn["arguments"]))
             item.update(arguments=fn["arguments"], status="completed")
             events.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=idx,
-                    name=fn["name"],
-                    arguments=fn["arguments"],
-                )
+                self._event("response.function_call_arguments.done", **at, name=fn["name"], arguments=fn["arguments"])
             )
             events.append(self._event("response.output_item.done", output_index=idx, item=item))
         self.status = "incomplete" if finish == "length" else "completed"

@@ -58,14 +58,7 @@ from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .text.chat_template import ChatError
-from .text.tokenizer import TokenizerError
-from .verb_flags import (
-    USED,
-    add_prompt_cache_dir_arguments,
-    check_prompt_cache_dir,
-    refuse_unused,
-    share_generate_flags,
-)
+from .verb_flags import PROMPT_ERRORS, add_prompt_cache_arguments, check_shared_flags, share_generate_flags
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
@@ -763,7 +756,7 @@ class App:
                 return Response(status_code=400)  # nobody reads it
             except RequestError as e:
                 return self._refuse(request, e)
-            except (ChatError, TokenizerError, gen.GenerationError) as e:
+            except PROMPT_ERRORS as e:
                 return self._refuse(request, RequestError(str(e), _param_of(e)))
             except Exception as e:  # one line, no traceback, the server keeps serving
                 log.error("500 %s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
@@ -1286,7 +1279,7 @@ def _param_of(e) -> str | None:
 def _as_request_error(e) -> RequestError:
     if isinstance(e, RequestError):
         return e
-    if isinstance(e, (gen.GenerationError, ChatError, TokenizerError)):
+    if isinstance(e, PROMPT_ERRORS):
         return RequestError(_text(e))
     if isinstance(e, PipelineError):
         return RequestError(f"PipelineError: {_text(e)}", None, 503, "server_error")
@@ -1333,12 +1326,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
     p.add_argument(
-        "--prompt-cache-bytes",
-        type=flags.integer(0, flags.INT64_MAX),
-        default=DEFAULT_PROMPT_CACHE_BYTES,
-        help="byte limit of cached prefix snapshots, LRU (0 disables prefix reuse)",
-    )
-    p.add_argument(
         "--decode-concurrency",
         type=flags.integer(1),
         default=1,
@@ -1350,7 +1337,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="requests prefilling at once under --decode-concurrency > 1, a chunk per decode step",
     )
-    add_prompt_cache_dir_arguments(p)
+    add_prompt_cache_arguments(p, DEFAULT_PROMPT_CACHE_BYTES, "no prefix reuse")
     p.add_argument(
         "--max-body-bytes",
         type=flags.integer(1),
@@ -1458,16 +1445,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     gen.check_args(args)
     api_key = api_key_from(args)
-    refuse_unused(args, parser.shared, USED, "server")
+    check_shared_flags(args, parser, "server")
     if not 0 <= args.port <= 65535:
         raise UsageError("--port", f"must be in [0, 65535], got {args.port}")
-    if args.prompt_cache_bytes < 0:
-        raise UsageError("--prompt-cache-bytes", f"must be >= 0, got {args.prompt_cache_bytes}")
     if args.max_body_bytes < 1:
         raise UsageError("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
     if args.pipeline_split is not None and not pipeline_launched():
         raise UsageError("--pipeline-split", "needs a distributed launch (mlx.launch)")
-    check_prompt_cache_dir(args)
     if args.decode_concurrency > 1 and args.draft_model is not None:
         raise UsageError(
             "--decode-concurrency",

@@ -1,5 +1,6 @@
 """generate's flags that the chat and server verbs share: taken from generate's own parser, so the
-verbs cannot drift, and refused while a verb does not use them (never silently ignored)."""
+verbs cannot drift, and refused while a verb does not use them (never silently ignored). Also the
+errors both verbs report as the caller's (PROMPT_ERRORS)."""
 
 import argparse
 import importlib
@@ -9,8 +10,14 @@ from .cli_args import LOAD_FLAGS
 from .errors import UsageError
 from .pipeline import launched as pipeline_launched
 from .prompt_cache_disk import DEFAULT_DIR_BYTES
+from .text.chat_template import ChatError
+from .text.tokenizer import TokenizerError
 
 gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+
+# What a bad prompt or request raises (the template, the tokenizer, generation's own checks): chat
+# prints it as one line and goes on, the server answers 400. Never a fault of the process.
+PROMPT_ERRORS = (ChatError, TokenizerError, gen.GenerationError)
 
 # generate's flags that describe the model, its caches and sampling defaults; taken from its parser
 # so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
@@ -45,8 +52,15 @@ def refuse_unused(args, actions, used, verb):
             raise UsageError(a.option_strings[0], f"not supported by `hebrus-mlx {verb}` yet")
 
 
-def add_prompt_cache_dir_arguments(p):
-    """--prompt-cache-dir and its bound (server and chat)."""
+def add_prompt_cache_arguments(p, default_bytes, zero):
+    """The prefix-snapshot cache of chat and server: --prompt-cache-bytes in memory (`default_bytes`;
+    `zero` says what 0 means to the verb), --prompt-cache-dir and its bound on disk."""
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=flags.integer(0, flags.INT64_MAX),
+        default=default_bytes,
+        help=f"byte limit of cached prefix snapshots, LRU (0: {zero})",
+    )
     p.add_argument(
         "--prompt-cache-dir",
         default=None,
@@ -61,6 +75,16 @@ def add_prompt_cache_dir_arguments(p):
         metavar="N",
         help=f"byte limit of this model's snapshots in --prompt-cache-dir, LRU (default {DEFAULT_DIR_BYTES >> 30} GiB)",
     )
+
+
+def check_shared_flags(args, parser, verb, also_used=frozenset()):
+    """chat's and server's checks of what they share (after generate's own, `gen.check_args`): a
+    generate flag the verb does not use (USED | also_used) is refused, then --prompt-cache-bytes and
+    the --prompt-cache-dir pair are checked."""
+    refuse_unused(args, parser.shared, USED | also_used, verb)
+    if args.prompt_cache_bytes < 0:
+        raise UsageError("--prompt-cache-bytes", f"must be >= 0, got {args.prompt_cache_bytes}")
+    check_prompt_cache_dir(args)
 
 
 def check_prompt_cache_dir(args):

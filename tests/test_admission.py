@@ -144,32 +144,12 @@ NORM = "model.layers.0.linear_attn.norm.weight"
 
 # (id, mutation, stage, field prefix)
 NEGATIVE_FIXTURES = [
-    (
-        "manifest-unknown-field",
-        _set("extra", value=1),
-        "bounds",
-        "manifest.extra",
-    ),
-    (
-        "store-size",
-        _set("stores", 1, "size", value=1),
-        "bounds",
-        "stores[1].size",
-    ),
+    ("manifest-unknown-field", _set("extra", value=1), "bounds", "manifest.extra"),
+    ("store-size", _set("stores", 1, "size", value=1), "bounds", "stores[1].size"),
     ("stray-store-file", _stray_file, "bounds", "bounds.ple.9.hbpl"),
     ("family-unregistered", _set("family", value="qwen9"), "family", "family"),
-    (
-        "family-other-geometry",
-        _set("family", value="qwen3.8-flash-next"),
-        "constants",
-        "family.vocab_size",
-    ),
-    (
-        "profile",
-        _set("profile", value="text-affine5-g64"),
-        "family",
-        "profile",
-    ),
+    ("family-other-geometry", _set("family", value="qwen3.8-flash-next"), "constants", "family.vocab_size"),
+    ("profile", _set("profile", value="text-affine5-g64"), "family", "profile"),
     ("support-claim", _set("support", value="verified"), "family", "support"),
     ("config-digest", _bytes_edit("config.json", lambda b: b + b" "), "source", "source.files.config.json"),
     (
@@ -280,27 +260,12 @@ NEGATIVE_FIXTURES = [
     ("ple-store-width", _ple_header(28, "<I", 32), "ple", "ple.width"),
     ("ple-page-geometry", _ple_header(88, "<Q", 8192 * 2), "ple", "ple.page_stride"),
     ("ple-digest-table", _ple_header(512, "<I", 0xDEADBEEF), "ple", "ple.manifest_sha256"),
-    (
-        "ple-rows-per-page-record",
-        _set("stores", 2, "rows_per_page", value=7),
-        "ple",
-        "stores[2].rows_per_page",
-    ),
-    (
-        "ple-layer",
-        _set("stores", 2, "layer", value=1),
-        "ple",
-        "stores[2].layer",
-    ),
+    ("ple-rows-per-page-record", _set("stores", 2, "rows_per_page", value=7), "ple", "stores[2].rows_per_page"),
+    ("ple-layer", _set("stores", 2, "layer", value=1), "ple", "stores[2].layer"),
     ("mtp-store-not-a-head", _foreign_mtp_store, "mtp", "mtp.tensors.lm_head.weight"),
     ("vision-policy", _tensor(_add_tensor("model.visual.patch_embed.weight")), "policy", "policy.vision"),
     ("mtp-policy", _tensor(_add_tensor("mtp.fc.weight")), "policy", "policy.mtp"),
-    (
-        "modalities-policy",
-        _set("policy", "modalities", value=["text", "image"]),
-        "policy",
-        "policy",
-    ),
+    ("modalities-policy", _set("policy", "modalities", value=["text", "image"]), "policy", "policy"),
     ("exclusion-counts", lambda d: edit_manifest(d, lambda m: m["exclusions"].pop("mtp")), "policy", "exclusions"),
     (
         "consumed-count",

@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 from fault_injection import FaultyEngine
+from trace_fixture import generate_demo_trace
 
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
@@ -414,25 +415,7 @@ def test_simulate_reads_a_recorded_route_trace(tmp_path, capsys):
     """A trace captured by `generate --trace-out` (hebrus_mlx.traces) drives the projection; a trace
     of another geometry is refused naming --trace."""
     trace = tmp_path / "trace"
-    assert (
-        cli.main(
-            [
-                "generate",
-                "--model",
-                "demo",
-                "-p",
-                "def f(x):",
-                "--ignore-chat-template",
-                "-m",
-                "12",
-                "--trace-out",
-                str(trace),
-                "--verbose",
-                "false",
-            ]
-        )
-        == 0
-    )
+    generate_demo_trace(trace, 12)
     capsys.readouterr()
     assert (
         cli.main(

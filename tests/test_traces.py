@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from trace_fixture import generate_demo_trace
 
 from hebrus_mlx.generate import generate_step, stream_generate
 from hebrus_mlx.loader import DEMO_DIR, load
@@ -480,25 +481,7 @@ def test_cli_generate_trace_and_eval(tmp_path):
     from hebrus_mlx.cli import main
 
     d = tmp_path / "tr"
-    assert (
-        main(
-            [
-                "generate",
-                "--model",
-                "demo",
-                "-p",
-                "def f(x):",
-                "--ignore-chat-template",
-                "-m",
-                "6",
-                "--verbose",
-                "false",
-                "--trace-out",
-                str(d),
-            ]
-        )
-        == 0
-    )
+    generate_demo_trace(d, 6)
     (seq,) = read_trace(d).sequences
     assert seq.sampling["temp"] == 0.0 and seq.kinds[-1] == 1
     assert main(["traces", "replay", str(d)]) == 0

@@ -143,16 +143,19 @@ PLE_CODECS = ("bf16", "f32")  # PLE row codecs; affine PLE is not qualified
 COMPONENTS = ("dense", "experts", "ple")  # what a profile gives a codec (manifest.codecs)
 
 
+def _registered(table, key, error, field_name, unknown):
+    """table[key], else `error(field_name, unknown)`: the lookups of the codec and family registries."""
+    if key not in table:
+        raise error(field_name, unknown)
+    return table[key]
+
+
 def codec(name, field_name="codec"):
-    if name not in CODECS:
-        raise CodecError(field_name, f"unknown codec {name!r}; known: {sorted(CODECS)}")
-    return CODECS[name]
+    return _registered(CODECS, name, CodecError, field_name, f"unknown codec {name!r}; known: {sorted(CODECS)}")
 
 
 def codec_by_id(codec_id, field_name="codec_id"):
-    if codec_id not in CODECS_BY_ID:
-        raise CodecError(field_name, f"unknown codec id {codec_id}")
-    return CODECS_BY_ID[codec_id]
+    return _registered(CODECS_BY_ID, codec_id, CodecError, field_name, f"unknown codec id {codec_id}")
 
 
 # A profile binds one codec to each store. Dense: codec of the quantizable
@@ -271,6 +274,14 @@ def _ple_rows(base, heads, tables, align):
     return tuple(sum(s) for s in sizes), tuple(padded_rows(s, align) for s in sizes)
 
 
+# Descriptor fields that a model-constants dict holds under the same name, as they are (model, experts, PLE).
+_SAME_NAMED = (
+    *("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "hc_count"),
+    *("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    *("ple_embed_dim", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base"),
+)
+
+
 def derive_descriptor(constants, name, family_id):
     """Descriptor implied by a model-constants dict (see manifest.py)."""
     c = constants
@@ -282,23 +293,12 @@ def derive_descriptor(constants, name, family_id):
     return FamilyDescriptor(
         name=name,
         family_id=family_id,
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        num_hidden_layers=c["num_hidden_layers"],
         layer_types=tuple(c["layer_types"]),
-        max_position_embeddings=c["max_position_embeddings"],
-        hc_count=c["hc_count"],
-        num_experts=c["num_experts"],
-        num_experts_per_tok=c["num_experts_per_tok"],
-        moe_intermediate_size=c["moe_intermediate_size"],
         ple_tables=ple_tables,
-        ple_embed_dim=c["ple_embed_dim"],
-        ngram_size=c["ngram_size"],
-        heads_per_ngram=c["heads_per_ngram"],
-        ngram_vocab_size_base=c["ngram_vocab_size_base"],
         ngram_row_alignment=c["make_ngram_vocab_size_divisible_by"],
         ple_head_rows=head_rows,
         ple_rows=rows,
+        **{k: c[k] for k in _SAME_NAMED},
     )
 
 
@@ -310,56 +310,24 @@ def first_mismatch(a, b):
     return None
 
 
-# Qwen/Qwen3.8-Flash-Next @ de4b8e4d: GDN,GDN,GDN,QSA x 12; 512 experts top-10
-# of width 640; one PLE table of 16 prime heads, 320,001,446 rows padded to
-# 320,001,536 rows of 160 values (AFN-001..003).
 _GDN3_QSA = ("linear_attention",) * 3 + ("indexed_attention",)
 
+# The product's two families, positional in FamilyDescriptor order (as tests/families.py writes its own),
+# a line for the model and its experts, a line for the PLE tables:
+#   name, family_id, vocab, hidden, layers, layer_types, max_pos, hc, experts, top_k, moe_width,
+#   ple_tables, ple_dim, ngram, heads_per_ngram, ngram_base, row_align, ple_head_rows, ple_rows
+#
+# Qwen/Qwen3.8-Flash-Next @ de4b8e4d: GDN,GDN,GDN,QSA x 12; 512 experts top-10 of width 640; one PLE table
+# of 16 prime heads, 320,001,446 rows padded to 320,001,536 rows of 160 values (AFN-001..003).
 QWEN38_FLASH_NEXT = FamilyDescriptor(
-    name="qwen3.8-flash-next",
-    family_id=4,
-    vocab_size=248320,
-    hidden_size=2560,
-    num_hidden_layers=48,
-    layer_types=_GDN3_QSA * 12,
-    max_position_embeddings=262144,
-    hc_count=4,
-    num_experts=512,
-    num_experts_per_tok=10,
-    moe_intermediate_size=640,
-    ple_tables=1,
-    ple_embed_dim=2560,
-    ngram_size=3,
-    heads_per_ngram=8,
-    ngram_vocab_size_base=20_000_000,
-    ngram_row_alignment=128,
-    ple_head_rows=(320_001_446,),
-    ple_rows=(320_001_536,),
+    *("qwen3.8-flash-next", 4, 248320, 2560, 48, _GDN3_QSA * 12, 262144, 4, 512, 10, 640),
+    *(1, 2560, 3, 8, 20_000_000, 128, (320_001_446,), (320_001_536,)),
 )
-
-# The demo model of tools/train_demo.py (DemoDims defaults): hidden 128,
-# 8 layers, 64 experts top-4 of width 64, PLE on layers 1 and 5 (16 heads of
-# width 8, primes after 2047).
+# The demo model of tools/train_demo.py (DemoDims defaults): hidden 128, 8 layers, 64 experts top-4 of
+# width 64, PLE on layers 1 and 5 (16 heads of width 8, primes after 2047).
 QWEN4EXP_DEMO = FamilyDescriptor(
-    name="qwen4exp-demo",
-    family_id=0xDE70,
-    vocab_size=4224,
-    hidden_size=128,
-    num_hidden_layers=8,
-    layer_types=_GDN3_QSA * 2,
-    max_position_embeddings=4096,
-    hc_count=4,
-    num_experts=64,
-    num_experts_per_tok=4,
-    moe_intermediate_size=64,
-    ple_tables=2,
-    ple_embed_dim=128,
-    ngram_size=3,
-    heads_per_ngram=8,
-    ngram_vocab_size_base=2048,
-    ngram_row_alignment=128,
-    ple_head_rows=(33682, 35824),
-    ple_rows=(33792, 35840),
+    *("qwen4exp-demo", 0xDE70, 4224, 128, 8, _GDN3_QSA * 2, 4096, 4, 64, 4, 64),
+    *(2, 128, 3, 8, 2048, 128, (33682, 35824), (33792, 35840)),
 )
 
 # The product's registry: the real family and the shipped demo. Tests and tools that build other
@@ -383,15 +351,13 @@ register_family(QWEN4EXP_DEMO)
 
 
 def family(name, field_name="family"):
-    if name not in FAMILIES:
-        raise FamilyError(field_name, f"unregistered family {name!r}; known: {sorted(FAMILIES)}")
-    return FAMILIES[name]
+    return _registered(
+        FAMILIES, name, FamilyError, field_name, f"unregistered family {name!r}; known: {sorted(FAMILIES)}"
+    )
 
 
 def family_by_id(family_id, field_name="family_id"):
-    if family_id not in FAMILIES_BY_ID:
-        raise FamilyError(field_name, f"unregistered family id {family_id}")
-    return FAMILIES_BY_ID[family_id]
+    return _registered(FAMILIES_BY_ID, family_id, FamilyError, field_name, f"unregistered family id {family_id}")
 
 
 def match_family(constants, name):

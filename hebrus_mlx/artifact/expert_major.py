@@ -53,7 +53,7 @@ from .constants import (
     family_by_id,
 )
 from .errors import DigestError, GeometryError, HeaderError, TruncatedError
-from .store_file import StoreFile
+from .store_file import StoreFile, header_prelude
 
 _HEADER = struct.Struct("<8s10I6Q32s32s32s")
 _ENTRY = struct.Struct("<2I2Q18I32s")
@@ -203,11 +203,13 @@ class Geometry:
     def header_values(self):
         f = self.family
         return {
-            "magic": EXPERT_MAJOR_MAGIC,
-            "version": EXPERT_MAJOR_PER_LAYER_VERSION if self.per_layer else EXPERT_MAJOR_VERSION,
-            "header_bytes": EXPERT_MAJOR_HEADER_BYTES,
-            "family_id": f.family_id,
-            "codec_id": EXPERT_MAJOR_PER_LAYER_ID if self.per_layer else self.codec.codec_id,
+            **header_prelude(
+                EXPERT_MAJOR_MAGIC,
+                EXPERT_MAJOR_PER_LAYER_VERSION if self.per_layer else EXPERT_MAJOR_VERSION,
+                EXPERT_MAJOR_HEADER_BYTES,
+                f,
+                EXPERT_MAJOR_PER_LAYER_ID if self.per_layer else self.codec.codec_id,
+            ),
             "num_layers": f.num_hidden_layers,
             "num_experts": f.num_experts,
             "top_k": f.num_experts_per_tok,

@@ -41,7 +41,7 @@ from .constants import (
     codec,
 )
 from .errors import CodecError, DigestError, GeometryError, HeaderError, TruncatedError
-from .store_file import StoreFile
+from .store_file import StoreFile, header_prelude
 
 _HEADER = struct.Struct(f"<8s12I8Q{PLE_MAX_HEADS}I32s32s")
 _PAGE = struct.Struct("<4sIQQ8I")
@@ -126,11 +126,7 @@ class Geometry:
     def header_values(self):
         f = self.family
         return {
-            "magic": PLE_MAGIC,
-            "version": PLE_VERSION,
-            "header_bytes": PLE_HEADER_BYTES,
-            "family_id": f.family_id,
-            "codec_id": self.codec.codec_id,
+            **header_prelude(PLE_MAGIC, PLE_VERSION, PLE_HEADER_BYTES, f, self.codec.codec_id),
             "group_size": self.codec.group_size,
             "width": self.width,
             "row_bytes": self.row_bytes,

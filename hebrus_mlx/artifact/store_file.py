@@ -7,6 +7,18 @@ from .constants import codec_by_id, family_by_id
 from .errors import DigestError, GeometryError, HeaderError, TruncatedError
 
 
+def header_prelude(magic, version, header_bytes, family, codec_id):
+    """The fields every store header opens with, as a writer fills them: magic, format version and
+    header size (read back by `StoreFile._check_prelude`), then the family and codec ids (`_identity`)."""
+    return {
+        "magic": magic,
+        "version": version,
+        "header_bytes": header_bytes,
+        "family_id": family.family_id,
+        "codec_id": codec_id,
+    }
+
+
 class StoreFile:
     """Subclasses implement `_open(*args)` to validate the file's header; a failed validation
     closes the descriptor before the error leaves the constructor."""

@@ -192,6 +192,11 @@ class _Snapshot:
         pipe._unsent[cache_id] = self
 
 
+def _of_local(name):
+    """A read-only attribute that is the one of the same name on `self.local`."""
+    return property(lambda self: getattr(self.local, name))
+
+
 class PipelineModel:
     """Rank 0's model: same call as `Model.__call__`, the other ranks' layers run remotely. Only
     the last row's logits cross back unless `all_logits` (a prefill chunk needs one row)."""
@@ -217,21 +222,12 @@ class PipelineModel:
         self.hidden_bytes = 0  # of comm_bytes: the final states sent back for MTP drafting
         self.forwards = 0
 
-    @property
-    def model(self):
-        return self.local.model
-
-    @property
-    def layers(self):
-        return self.local.layers
-
-    @property
-    def lm_head(self):
-        return self.local.lm_head  # rank 0's copy when it drafts with MTP, else a placeholder
-
-    @property
-    def mtp_head(self):
-        return self.local.mtp_head
+    # Read-only views of rank 0's pruned Model, as Model names them (the drafters use them). lm_head:
+    # rank 0's copy when it drafts with MTP, else a placeholder.
+    model = _of_local("model")
+    layers = _of_local("layers")
+    lm_head = _of_local("lm_head")
+    mtp_head = _of_local("mtp_head")
 
     @property
     def on_stall(self):

@@ -106,6 +106,11 @@ def _replay(args) -> int:
     return 0 if not bad else 1
 
 
+def _flags_as_named(args, *names) -> dict:
+    """The flags a verb passes on as they are, to a keyword of the same name."""
+    return {name: getattr(args, name) for name in names}
+
+
 def _export(args) -> int:
     from .export import export
 
@@ -121,11 +126,8 @@ def _export(args) -> int:
     m = export(
         args.trace_dir,
         args.out,
-        split_by=args.split_by,
         fractions=fractions,
-        shard_tokens=args.shard_tokens,
-        id_dtype=args.id_dtype,
-        weight_dtype=args.weight_dtype,
+        **_flags_as_named(args, "split_by", "shard_tokens", "id_dtype", "weight_dtype"),
     )
     print(
         f"exported {m['counts']['tokens']} tokens, {m['counts']['sequences']} sequences to {args.out}: "
@@ -154,16 +156,12 @@ def _eval(args) -> int:
         raise UsageError("--cache-sizes", f"percentages must be <= 100, got {args.cache_sizes!r}")
     report = run_eval(
         args.source,
-        model=args.model,
         budgets=budgets,
-        split=args.split,
-        chunk=args.prefill_step_size,
-        cache_sim=args.cache_sim,
         cache_sizes=sizes,
-        seed=args.seed,
+        chunk=args.prefill_step_size,
         json_path=args.json,
         plot_path=args.plot,
-        overwrite=args.overwrite,
+        **_flags_as_named(args, "model", "split", "cache_sim", "seed", "overwrite"),
     )
     print(report["text"])
     return 0
