@@ -242,12 +242,7 @@ int Engine::add_store(const std::string& path, const std::string& digest_id) {
   }
   int direct_fd = open_uncached(path, fd, opts_);
   std::lock_guard<std::mutex> lk(mu_);
-  Store st;
-  st.path = path;
-  st.digest_id = digest_id;
-  st.fd = fd;
-  st.direct_fd = direct_fd;
-  stores_.push_back(std::move(st));
+  stores_.emplace_back(path, digest_id, fd, direct_fd);
   return static_cast<int>(stores_.size()) - 1;
 }
 
@@ -1025,13 +1020,7 @@ bool Engine::set_hint(
     int store, uint64_t offset, uint64_t length, double p, int arena,
     const RecordCheck& check) {
   std::lock_guard<std::mutex> lk(mu_);
-  Request r;
-  r.store = store;
-  r.offset = offset;
-  r.length = length;
-  r.arena = arena;
-  r.check = check;
-  auto it = index_.find(key_of(r));
+  auto it = index_.find(make_key(store, offset, length, arena, check));
   if (it == index_.end()) {
     return false;
   }

@@ -434,12 +434,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
           arena == o.arena && check == o.check;
     }
   };
-  static Key key_of(const Request& r) {
-    Key k{r.store, r.offset, r.length, r.arena, r.check};
-    if (k.check.kind == Check::kNone) {
-      k.check.digest = Digest{};
+  // A slot's identity; an unchecked record's digest bytes do not count.
+  static Key make_key(
+      int store, uint64_t offset, uint64_t length, int arena, RecordCheck check) {
+    if (check.kind == Check::kNone) {
+      check.digest = Digest{};
     }
-    return k;
+    return Key{store, offset, length, arena, check};
+  }
+  static Key key_of(const Request& r) {
+    return make_key(r.store, r.offset, r.length, r.arena, r.check);
   }
   struct KeyHash {
     size_t operator()(const Key& k) const {
@@ -520,6 +524,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     int direct_fd = -1;
   };
   struct Store {
+    Store(std::string p, std::string digest, int fd_, int direct_fd_)
+        : path(std::move(p)), digest_id(std::move(digest)), fd(fd_), direct_fd(direct_fd_) {}
     std::string path;
     std::string digest_id;
     int fd = -1;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <unordered_map>
+#include <utility>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -82,20 +83,6 @@ class Waves {
   size_t next_ = 0; // tickets_[:next_] are consumed and released
 };
 
-// Allocates `out` and returns the CPU encoder with `inputs` and `out`
-// registered: the prologue of every copying op here.
-mx::cpu::CommandEncoder& cpu_encoder(
-    const mx::Stream& stream, const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream);
-  for (const auto& in : inputs) {
-    enc.set_input_array(in);
-  }
-  enc.set_output_array(out);
-  return enc;
-}
-
 // The indices as contiguous uint32 on `s` (the op's own stream, so a GPU
 // op's host task reads them once the GPU has produced them).
 mx::array index_input(const mx::array& indices, mx::Stream s) {
@@ -105,14 +92,37 @@ mx::array index_input(const mx::array& indices, mx::Stream s) {
   return mx::contiguous(mx::astype(indices, mx::uint32, s), false, s);
 }
 
-// Allocates each output: the prologue of every GPU-event eval_gpu (the host
-// task writes the buffers; MLX's Metal allocator makes them shared memory).
+// Allocates each output: the first step of a writing op's bind (the host
+// task writes the buffers; under MLX's Metal allocator they are shared
+// memory the GPU consumers read).
 void allocate(std::vector<mx::array>& outputs) {
   for (auto& o : outputs) {
     o.set_data(mx::allocator::malloc(o.nbytes()));
   }
 }
 
+using Arrays = HostTaskPrimitive::Arrays;
+using Output = HostTaskPrimitive::Output;
+
+// A writing op over a table: its one output (shape, dtype; T its element
+// type) is filled by host(idx, dst) from `indices` as contiguous uint32,
+// which the op reads on its own stream.
+template <class T, class Host>
+mx::array table_op(
+    const char* name, mx::Shape shape, mx::Dtype dtype,
+    const mx::array& indices, Host host) {
+  mx::Stream s = op_stream();
+  return mx::array(
+      std::move(shape),
+      dtype,
+      std::make_shared<HostTaskPrimitive>(
+          s, name, Output::kWritten,
+          [host](const Arrays& inputs, Arrays& outputs) -> std::function<void()> {
+            allocate(outputs);
+            return [host, idx = inputs[0], dst = outputs[0].data<T>()]() { host(idx, dst); };
+          }),
+      {index_input(indices, s)});
+}
 
 uint64_t table_length(Engine& engine, int table) {
   const Table& t = engine.table(table);
@@ -142,6 +152,71 @@ Request TableRead::row(const Table& t, uint32_t id) const {
   return r;
 }
 
+std::function<void()> HostTaskPrimitive::prepare(
+    const Arrays& inputs, Arrays& outputs) {
+  if (output_ == Output::kPassThrough) {
+    // The value passes through untouched; the task runs after its producer,
+    // which is what makes its side effect (releasing pins, a mark) safe.
+    outputs[0].copy_shared_buffer(inputs[0]);
+  }
+  return bind_(inputs, outputs);
+}
+
+void HostTaskPrimitive::eval_cpu(const Arrays& inputs, Arrays& outputs) {
+  auto task = prepare(inputs, outputs);
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) {
+    enc.set_input_array(in);
+  }
+  if (output_ == Output::kWritten) {
+    for (auto& o : outputs) {
+      enc.set_output_array(o);
+    }
+  }
+  // The task runs in stream order (after the producers of `inputs`) and
+  // keeps them alive until it has run.
+  enc.dispatch([task = std::move(task), inputs]() { task(); });
+}
+
+void HostTaskPrimitive::eval_gpu(const Arrays& inputs, Arrays& outputs) {
+  // A writing op's task runs once the GPU has produced the inputs, and later
+  // GPU work waits for it; a pass-through op's runs once the GPU is past the
+  // value, and the GPU never waits for it.
+  bool written = output_ == Output::kWritten;
+  auto task = prepare(inputs, outputs);
+  eval_gpu_via_io(stream(), inputs, written ? outputs : Arrays{}, std::move(task), written);
+}
+
+// The host work of each op lives in one function, which the op's bind hands
+// to eval_cpu (a CPU stream task) or eval_gpu (a GPU-event host task).
+static void load_tickets_host(
+    const std::shared_ptr<Engine>& engine, const std::vector<uint64_t>& tickets,
+    uint64_t length, uint8_t* dst) {
+  Waves waves(*engine, [&](size_t i, const Engine::View& v) {
+    engine->copy_out(v, dst + i * length);
+  });
+  for (size_t i = 0; i < tickets.size(); ++i) {
+    waves.adopt(i, tickets[i]);
+  }
+  waves.drain();
+}
+
+// The tickets a load_tickets op owns until it is evaluated; if it never is,
+// they are given back (release is exactly-once).
+struct OwnedTickets {
+  OwnedTickets(std::shared_ptr<Engine> e, std::vector<uint64_t> t)
+      : engine(std::move(e)), tickets(std::move(t)) {}
+  OwnedTickets(const OwnedTickets&) = delete;
+  OwnedTickets& operator=(const OwnedTickets&) = delete;
+  ~OwnedTickets() {
+    for (uint64_t t : tickets) {
+      engine->release(t);
+    }
+  }
+  std::shared_ptr<Engine> engine;
+  std::vector<uint64_t> tickets;
+};
+
 mx::array load_tickets(
     std::shared_ptr<Engine> engine,
     std::vector<uint64_t> tickets) {
@@ -163,78 +238,22 @@ mx::array load_tickets(
   }
   mx::Shape shape{
       static_cast<int>(tickets.size()), static_cast<int>(length)};
+  auto owned = std::make_shared<OwnedTickets>(std::move(engine), std::move(tickets));
   return mx::array(
       shape,
       mx::uint8,
-      std::make_shared<LoadTickets>(
-          op_stream(), std::move(engine), std::move(tickets), length),
+      std::make_shared<HostTaskPrimitive>(
+          op_stream(), "HebrusLoadTickets", Output::kWritten,
+          [owned, length](const Arrays&, Arrays& outputs) {
+            allocate(outputs);
+            // The task owns the tickets from here: the primitive may be
+            // detached from the graph before the task runs.
+            return [engine = owned->engine, tickets = std::exchange(owned->tickets, {}), length,
+                    dst = outputs[0].data<uint8_t>()]() {
+              load_tickets_host(engine, tickets, length, dst);
+            };
+          }),
       {});
-}
-
-LoadTickets::~LoadTickets() {
-  // Never evaluated: give the tickets back (release is exactly-once).
-  for (uint64_t t : tickets_) {
-    engine_->release(t);
-  }
-}
-
-// The host work of each op lives in one function shared by eval_cpu (a CPU
-// stream task) and eval_gpu (a GPU-event host task, ops_metal.h).
-static void load_tickets_host(
-    const std::shared_ptr<Engine>& engine, const std::vector<uint64_t>& tickets,
-    uint64_t length, uint8_t* dst) {
-  Waves waves(*engine, [&](size_t i, const Engine::View& v) {
-    engine->copy_out(v, dst + i * length);
-  });
-  for (size_t i = 0; i < tickets.size(); ++i) {
-    waves.adopt(i, tickets[i]);
-  }
-  waves.drain();
-}
-
-void LoadTickets::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  auto& enc = cpu_encoder(stream(), inputs, out);
-  // The task owns the tickets from here: the primitive may be detached from
-  // the graph before the task runs.
-  enc.dispatch([engine = engine_,
-                tickets = std::move(tickets_),
-                length = length_,
-                dst = out.data<uint8_t>()]() {
-    load_tickets_host(engine, tickets, length, dst);
-  });
-  tickets_.clear();
-}
-
-void LoadTickets::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  std::vector<mx::array> outs{out};
-  allocate(outs);
-  eval_gpu_via_io(
-      stream(), inputs, outs,
-      [engine = engine_, tickets = std::move(tickets_), length = length_,
-       dst = out.data<uint8_t>()]() {
-        load_tickets_host(engine, tickets, length, dst);
-      },
-      true);
-  tickets_.clear();
-}
-
-mx::array gather_records(
-    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
-    uint64_t owner, uint64_t generation, int layer) {
-  uint64_t length = table_length(*engine, table);
-  mx::Shape shape = indices.shape();
-  shape.push_back(static_cast<int>(length));
-  return mx::array(
-      shape,
-      mx::uint8,
-      std::make_shared<GatherRecords>(
-          op_stream(),
-          TableRead{std::move(engine), table, owner, generation, layer}),
-      {index_input(indices, op_stream())});
 }
 
 static void gather_records_host(
@@ -260,47 +279,16 @@ static void gather_records_host(
   waves.drain();
 }
 
-void GatherRecords::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  auto& enc = cpu_encoder(stream(), inputs, out);
-  enc.dispatch([read = read_, idx = inputs[0], dst = out.data<uint8_t>()]() {
-    gather_records_host(read, idx, dst);
-  });
-}
-
-void GatherRecords::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  std::vector<mx::array> outs{out};
-  allocate(outs);
-  eval_gpu_via_io(
-      stream(), inputs, outs,
-      [read = read_, idx = inputs[0], dst = out.data<uint8_t>()]() {
-        gather_records_host(read, idx, dst);
-      },
-      true);
-}
-
-mx::array prefetch_records(
+mx::array gather_records(
     std::shared_ptr<Engine> engine, int table, const mx::array& indices,
-    int priority, double confidence, bool exact, uint64_t owner,
-    uint64_t generation, int layer) {
-  engine->table(table); // validates the id now, not at eval time
-  if (priority < 0 || priority >= kNumPriorities) {
-    throw StreamError(
-        ErrorCode::kBadRequest, "priority: must be 0, 1 or 2");
-  }
-  return mx::array(
-      mx::Shape{},
-      mx::uint32,
-      std::make_shared<PrefetchRecords>(
-          op_stream(),
-          TableRead{std::move(engine), table, owner, generation, layer},
-          priority,
-          confidence,
-          exact),
-      {index_input(indices, op_stream())});
+    uint64_t owner, uint64_t generation, int layer) {
+  uint64_t length = table_length(*engine, table);
+  mx::Shape shape = indices.shape();
+  shape.push_back(static_cast<int>(length));
+  TableRead read{std::move(engine), table, owner, generation, layer};
+  return table_op<uint8_t>(
+      "HebrusGatherRecords", std::move(shape), mx::uint8, indices,
+      [read](const mx::array& idx, uint8_t* dst) { gather_records_host(read, idx, dst); });
 }
 
 // Issues the hints for `idx` and writes how many were issued: the host work of both eval paths.
@@ -329,61 +317,24 @@ static void issue_hints(const TableRead& read, int priority, double confidence, 
   *dst = issued;
 }
 
-void PrefetchRecords::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  auto& enc = cpu_encoder(stream(), inputs, out);
-  enc.dispatch([read = read_, priority = priority_, confidence = confidence_, exact = exact_,
-                idx = inputs[0], dst = out.data<uint32_t>()]() {
-    issue_hints(read, priority, confidence, exact, idx, dst);
-  });
-}
-
-void PrefetchRecords::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  // The host issues the hints once the GPU has produced the indices; the GPU
-  // waits for the (µs-scale) issue so the count it may read is written.
-  std::vector<mx::array> outs{out};
-  allocate(outs);
-  eval_gpu_via_io(
-      stream(), inputs, outs,
-      [read = read_, priority = priority_, confidence = confidence_,
-       exact = exact_, idx = inputs[0], dst = out.data<uint32_t>()]() {
+mx::array prefetch_records(
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    int priority, double confidence, bool exact, uint64_t owner,
+    uint64_t generation, int layer) {
+  engine->table(table); // validates the id now, not at eval time
+  if (priority < 0 || priority >= kNumPriorities) {
+    throw StreamError(
+        ErrorCode::kBadRequest, "priority: must be 0, 1 or 2");
+  }
+  // On the GPU path the host issues the hints once the GPU has produced the
+  // indices; the GPU waits for the (µs-scale) issue so the count it may read
+  // is written.
+  TableRead read{std::move(engine), table, owner, generation, layer};
+  return table_op<uint32_t>(
+      "HebrusPrefetchRecords", mx::Shape{}, mx::uint32, indices,
+      [read, priority, confidence, exact](const mx::array& idx, uint32_t* dst) {
         issue_hints(read, priority, confidence, exact, idx, dst);
-      },
-      true);
-}
-
-mx::array gather_rows(
-    std::shared_ptr<Engine> engine, int table, const mx::array& row_ids,
-    uint64_t rows_per_page, uint64_t row_bytes, uint64_t header_bytes,
-    uint64_t owner, uint64_t generation, int layer) {
-  const Table& t = engine->table(table);
-  if (t.arena >= 0 || t.uniform_length == 0) {
-    throw StreamError(
-        ErrorCode::kBadRequest,
-        "table: gather_rows needs a slab table of equal-length pages");
-  }
-  if (rows_per_page == 0 || row_bytes == 0 ||
-      header_bytes + rows_per_page * row_bytes > t.uniform_length) {
-    throw StreamError(
-        ErrorCode::kBadRequest,
-        "rows_per_page/row_bytes/header_bytes: rows do not fit in a " +
-            std::to_string(t.uniform_length) + "-byte page");
-  }
-  mx::Shape shape = row_ids.shape();
-  shape.push_back(static_cast<int>(row_bytes));
-  return mx::array(
-      shape,
-      mx::uint8,
-      std::make_shared<GatherRows>(
-          op_stream(),
-          TableRead{std::move(engine), table, owner, generation, layer},
-          rows_per_page,
-          row_bytes,
-          header_bytes),
-      {index_input(row_ids, op_stream())});
+      });
 }
 
 static void gather_rows_host(
@@ -431,25 +382,31 @@ static void gather_rows_host(
   waves.drain();
 }
 
-void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto& enc = cpu_encoder(stream(), inputs, out);
-  enc.dispatch([read = read_, rpp = rows_per_page_, row_bytes = row_bytes_,
-                header = header_bytes_, idx = inputs[0],
-                dst = out.data<uint8_t>()]() {
-    gather_rows_host(read, rpp, row_bytes, header, idx, dst);
-  });
-}
-
-void GatherRows::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  std::vector<mx::array> outs{out};
-  allocate(outs);
-  eval_gpu_via_io(
-      stream(), inputs, outs,
-      [read = read_, rpp = rows_per_page_, row_bytes = row_bytes_,
-       header = header_bytes_, idx = inputs[0], dst = out.data<uint8_t>()]() {
-        gather_rows_host(read, rpp, row_bytes, header, idx, dst);
-      },
-      true);
+mx::array gather_rows(
+    std::shared_ptr<Engine> engine, int table, const mx::array& row_ids,
+    uint64_t rows_per_page, uint64_t row_bytes, uint64_t header_bytes,
+    uint64_t owner, uint64_t generation, int layer) {
+  const Table& t = engine->table(table);
+  if (t.arena >= 0 || t.uniform_length == 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "table: gather_rows needs a slab table of equal-length pages");
+  }
+  if (rows_per_page == 0 || row_bytes == 0 ||
+      header_bytes + rows_per_page * row_bytes > t.uniform_length) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "rows_per_page/row_bytes/header_bytes: rows do not fit in a " +
+            std::to_string(t.uniform_length) + "-byte page");
+  }
+  mx::Shape shape = row_ids.shape();
+  shape.push_back(static_cast<int>(row_bytes));
+  TableRead read{std::move(engine), table, owner, generation, layer};
+  return table_op<uint8_t>(
+      "HebrusGatherRows", std::move(shape), mx::uint8, row_ids,
+      [read, rows_per_page, row_bytes, header_bytes](const mx::array& idx, uint8_t* dst) {
+        gather_rows_host(read, rows_per_page, row_bytes, header_bytes, idx, dst);
+      });
 }
 
 std::pair<uint8_t*, std::shared_ptr<void>> allocate_mlx_slab(uint64_t size) {
@@ -528,27 +485,6 @@ std::pair<int, std::vector<mx::array>> create_arena(
   return {id, parts};
 }
 
-std::pair<mx::array, mx::array> resolve_records(
-    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
-    uint64_t owner, uint64_t generation, int layer) {
-  const Table& t = engine->table(table);
-  if (t.arena < 0) {
-    throw StreamError(
-        ErrorCode::kBadRequest,
-        "table " + std::to_string(table) + ": resolve needs an arena table");
-  }
-  mx::Stream s = op_stream();
-  mx::array idx = index_input(indices, s);
-  auto outs = mx::array::make_arrays(
-      {indices.shape(), mx::Shape{static_cast<int>(indices.size())}},
-      {mx::uint32, mx::uint64},
-      std::make_shared<ResolveRecords>(
-          s,
-          TableRead{std::move(engine), table, owner, generation, layer}),
-      {idx});
-  return {outs[0], outs[1]};
-}
-
 // The pins a resolve took, owned by its lease buffer: release_after releases
 // them when the consumer is computed; if the lease dies before that (the
 // evaluation stopped after queueing the resolve but before its release_after:
@@ -619,38 +555,43 @@ static void resolve_host(
   }
 }
 
-void ResolveRecords::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  auto pins = std::make_shared<LeasePins>(LeasePins{read_.engine, {}});
-  allocate_resolve(outputs, pins);
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(outputs[0]);
-  enc.set_output_array(outputs[1]);
-  enc.dispatch([read = read_,
-                idx = inputs[0],
-                rows = outputs[0].data<uint32_t>(),
-                lease = outputs[1].data<uint64_t>(),
-                pins]() {
-    resolve_host(read, idx, rows, lease, *pins);
-  });
+std::pair<mx::array, mx::array> resolve_records(
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    uint64_t owner, uint64_t generation, int layer) {
+  const Table& t = engine->table(table);
+  if (t.arena < 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "table " + std::to_string(table) + ": resolve needs an arena table");
+  }
+  mx::Stream s = op_stream();
+  mx::array idx = index_input(indices, s);
+  auto outs = mx::array::make_arrays(
+      {indices.shape(), mx::Shape{static_cast<int>(indices.size())}},
+      {mx::uint32, mx::uint64},
+      std::make_shared<HostTaskPrimitive>(
+          s, "HebrusResolveRecords", Output::kWritten,
+          [read = TableRead{std::move(engine), table, owner, generation, layer}](
+              const Arrays& inputs, Arrays& outputs) {
+            // On the GPU path the records are already in the arena (MLX
+            // buffers the GPU reads in place); the host task only pins them
+            // and writes rows/lease.
+            auto pins = std::make_shared<LeasePins>(LeasePins{read.engine, {}});
+            allocate_resolve(outputs, pins);
+            return [read, idx = inputs[0], rows = outputs[0].data<uint32_t>(),
+                    lease = outputs[1].data<uint64_t>(), pins]() {
+              resolve_host(read, idx, rows, lease, *pins);
+            };
+          }),
+      {idx});
+  return {outs[0], outs[1]};
 }
 
-void ResolveRecords::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  // The records are already in the arena (MLX buffers the GPU reads in
-  // place); the host task only pins them and writes rows/lease.
-  auto pins = std::make_shared<LeasePins>(LeasePins{read_.engine, {}});
-  allocate_resolve(outputs, pins);
-  eval_gpu_via_io(
-      stream(), inputs, outputs,
-      [read = read_, idx = inputs[0], rows = outputs[0].data<uint32_t>(),
-       lease = outputs[1].data<uint64_t>(), pins]() {
-        resolve_host(read, idx, rows, lease, *pins);
-      },
-      true);
+static void release_leases(Engine& engine, const mx::array& lease) {
+  const uint64_t* t = lease.data<uint64_t>();
+  for (size_t i = 0; i < lease.size(); ++i) {
+    engine.release(t[i]);
+  }
 }
 
 mx::array release_after(
@@ -663,43 +604,14 @@ mx::array release_after(
   return mx::array(
       value.shape(),
       value.dtype(),
-      std::make_shared<ReleaseAfter>(op_stream(), std::move(engine)),
+      std::make_shared<HostTaskPrimitive>(
+          op_stream(), "HebrusReleaseAfter", Output::kPassThrough,
+          [engine = std::move(engine)](const Arrays& inputs, Arrays&) {
+            // Pins are released once the value that read the records is
+            // computed (on the GPU path: once the GPU is past it).
+            return [engine, lease = inputs[1]]() { release_leases(*engine, lease); };
+          }),
       {value, lease});
-}
-
-static void release_leases(Engine& engine, const mx::array& lease) {
-  const uint64_t* t = lease.data<uint64_t>();
-  for (size_t i = 0; i < lease.size(); ++i) {
-    engine.release(t[i]);
-  }
-}
-
-void ReleaseAfter::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  // Pass the value through untouched; runs after its producer, which is
-  // what makes releasing the pins safe.
-  out.copy_shared_buffer(inputs[0]);
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_input_array(inputs[1]);
-  enc.dispatch([engine = engine_, lease = inputs[1], value = inputs[0]]() {
-    release_leases(*engine, lease);
-  });
-}
-
-void ReleaseAfter::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  // Pins are released once the GPU has computed the value that read the
-  // records; the GPU itself never waits for that.
-  out.copy_shared_buffer(inputs[0]);
-  eval_gpu_via_io(
-      stream(), inputs, {},
-      [engine = engine_, lease = inputs[1]]() {
-        release_leases(*engine, lease);
-      },
-      false);
 }
 
 } // namespace hebrus

@@ -3,6 +3,7 @@
 // evaluation (not Python) blocks on I/O, and only for the records it needs.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -90,117 +91,35 @@ struct TableRead {
   Request row(const Table& t, uint32_t id) const;
 };
 
-class GatherRows : public mx::UnaryPrimitive {
+// Every streaming op here (and mark_after, trace_ops.h) is this one MLX
+// primitive: its work is one host task, bound when it is evaluated. eval_cpu
+// dispatches the task on the op's CPU stream and eval_gpu runs it as a
+// GPU-event host task (ops_metal.h), so both paths share everything but the
+// dispatch. A writing op's bind allocates its outputs, and GPU work after it
+// waits for the task; a pass-through op's one output is inputs[0] unchanged
+// (aliased before bind) and its task only acts on the engine (release,
+// mark), so the GPU never waits for it.
+class HostTaskPrimitive : public mx::Primitive {
  public:
-  GatherRows(
-      mx::Stream s, TableRead read, uint64_t rows_per_page, uint64_t row_bytes,
-      uint64_t header_bytes)
-      : mx::UnaryPrimitive(s),
-        read_(std::move(read)),
-        rows_per_page_(rows_per_page),
-        row_bytes_(row_bytes),
-        header_bytes_(header_bytes) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  using Arrays = std::vector<mx::array>;
+  // Allocates the outputs (a writing op) and returns the host work bound to
+  // them and to the inputs. Called once per evaluation.
+  using Bind = std::function<std::function<void()>(const Arrays& inputs, Arrays& outputs)>;
+  enum class Output { kWritten, kPassThrough };
+
+  HostTaskPrimitive(mx::Stream s, const char* name, Output output, Bind bind)
+      : mx::Primitive(s), name_(name), output_(output), bind_(std::move(bind)) {}
+  void eval_cpu(const Arrays& inputs, Arrays& outputs) override;
+  void eval_gpu(const Arrays& inputs, Arrays& outputs) override;
   const char* name() const override {
-    return "HebrusGatherRows";
+    return name_;
   }
 
  private:
-  TableRead read_;
-  uint64_t rows_per_page_;
-  uint64_t row_bytes_;
-  uint64_t header_bytes_;
-};
-
-class ResolveRecords : public mx::Primitive {
- public:
-  ResolveRecords(mx::Stream s, TableRead read)
-      : mx::Primitive(s), read_(std::move(read)) {}
-  void eval_cpu(
-      const std::vector<mx::array>& inputs,
-      std::vector<mx::array>& outputs) override;
-  void eval_gpu(
-      const std::vector<mx::array>& inputs,
-      std::vector<mx::array>& outputs) override;
-  const char* name() const override {
-    return "HebrusResolveRecords";
-  }
-
- private:
-  TableRead read_;
-};
-
-class ReleaseAfter : public mx::UnaryPrimitive {
- public:
-  ReleaseAfter(mx::Stream s, std::shared_ptr<Engine> engine)
-      : mx::UnaryPrimitive(s), engine_(std::move(engine)) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override {
-    return "HebrusReleaseAfter";
-  }
-
- private:
-  std::shared_ptr<Engine> engine_;
-};
-
-class LoadTickets : public mx::UnaryPrimitive {
- public:
-  LoadTickets(
-      mx::Stream s, std::shared_ptr<Engine> engine,
-      std::vector<uint64_t> tickets, uint64_t length)
-      : mx::UnaryPrimitive(s),
-        engine_(std::move(engine)),
-        tickets_(std::move(tickets)),
-        length_(length) {}
-  ~LoadTickets() override;
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override {
-    return "HebrusLoadTickets";
-  }
-
- private:
-  std::shared_ptr<Engine> engine_;
-  std::vector<uint64_t> tickets_;
-  uint64_t length_;
-};
-
-class GatherRecords : public mx::UnaryPrimitive {
- public:
-  GatherRecords(mx::Stream s, TableRead read)
-      : mx::UnaryPrimitive(s), read_(std::move(read)) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override {
-    return "HebrusGatherRecords";
-  }
-
- private:
-  TableRead read_;
-};
-
-class PrefetchRecords : public mx::UnaryPrimitive {
- public:
-  PrefetchRecords(
-      mx::Stream s, TableRead read, int priority, double confidence, bool exact)
-      : mx::UnaryPrimitive(s),
-        read_(std::move(read)),
-        priority_(priority),
-        confidence_(confidence),
-        exact_(exact) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override {
-    return "HebrusPrefetchRecords";
-  }
-
- private:
-  TableRead read_;
-  int priority_;
-  double confidence_;
-  bool exact_;
+  std::function<void()> prepare(const Arrays& inputs, Arrays& outputs);
+  const char* name_;
+  Output output_;
+  Bind bind_;
 };
 
 } // namespace hebrus

@@ -7,7 +7,6 @@
 
 #include "engine.h"
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
 
 namespace hebrus {
 
@@ -18,24 +17,5 @@ namespace mx = mlx::core;
 // is off.
 mx::array mark_after(
     std::shared_ptr<Engine> engine, const mx::array& value, int layer, int tag);
-
-class MarkAfter : public mx::UnaryPrimitive {
- public:
-  MarkAfter(mx::Stream s, std::shared_ptr<Engine> engine, int layer, int tag)
-      : mx::UnaryPrimitive(s),
-        engine_(std::move(engine)),
-        layer_(layer),
-        tag_(tag) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override {
-    return "HebrusMarkAfter";
-  }
-
- private:
-  std::shared_ptr<Engine> engine_;
-  int layer_;
-  int tag_;
-};
 
 } // namespace hebrus

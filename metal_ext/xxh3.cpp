@@ -198,13 +198,26 @@ void accumulate_scalar(uint64_t* acc, const uint8_t* in, const uint8_t* secret, 
   }
 }
 
-void scramble_scalar(uint64_t* acc, const uint8_t* secret) {
-  for (int i = 0; i < 8; ++i) {
-    uint64_t a = acc[i];
+// scramble, written once for every lane width: V is uint64_t (one lane) or
+// a GCC vector of 2 or 4 uint64_t lanes (an SSE2 / AVX2 register once
+// inlined into the target function). Per accumulator, as the spec writes
+// it: acc ^= acc >> 47; acc ^= secret; acc *= PRIME32_1.
+template <class V>
+__attribute__((always_inline)) inline void scramble_lanes(uint64_t* acc, const uint8_t* secret) {
+  for (size_t b = 0; b < 64; b += sizeof(V)) {
+    V a;
+    V key;
+    std::memcpy(&a, reinterpret_cast<const uint8_t*>(acc) + b, sizeof(V));
+    std::memcpy(&key, secret + b, sizeof(V));
     a ^= a >> 47;
-    a ^= rd64(secret + 8 * i);
-    acc[i] = a * kP32_1;
+    a ^= key;
+    a *= kP32_1;
+    std::memcpy(reinterpret_cast<uint8_t*>(acc) + b, &a, sizeof(V));
   }
+}
+
+void scramble_scalar(uint64_t* acc, const uint8_t* secret) {
+  scramble_lanes<uint64_t>(acc, secret);
 }
 
 #if HEBRUS_XXH3_X86
@@ -232,18 +245,11 @@ __attribute__((target("sse2"))) void accumulate_sse2(
   }
 }
 
+using u64x2 = uint64_t __attribute__((vector_size(16)));
+using u64x4 = uint64_t __attribute__((vector_size(32)));
+
 __attribute__((target("sse2"))) void scramble_sse2(uint64_t* acc, const uint8_t* secret) {
-  const __m128i prime = _mm_set1_epi32(int(kP32_1));
-  for (int j = 0; j < 4; ++j) {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(acc + 2 * j));
-    a = _mm_xor_si128(a, _mm_srli_epi64(a, 47));
-    a = _mm_xor_si128(a, _mm_loadu_si128(reinterpret_cast<const __m128i*>(secret + 16 * j)));
-    // 64 x 32-bit multiply from two 32x32->64 halves.
-    __m128i lo = _mm_mul_epu32(a, prime);
-    __m128i hi = _mm_mul_epu32(_mm_srli_epi64(a, 32), prime);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(acc + 2 * j),
-                     _mm_add_epi64(lo, _mm_slli_epi64(hi, 32)));
-  }
+  scramble_lanes<u64x2>(acc, secret);
 }
 
 __attribute__((target("avx2"))) void accumulate_avx2(
@@ -267,16 +273,7 @@ __attribute__((target("avx2"))) void accumulate_avx2(
 }
 
 __attribute__((target("avx2"))) void scramble_avx2(uint64_t* acc, const uint8_t* secret) {
-  const __m256i prime = _mm256_set1_epi32(int(kP32_1));
-  for (int j = 0; j < 2; ++j) {
-    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + 4 * j));
-    a = _mm256_xor_si256(a, _mm256_srli_epi64(a, 47));
-    a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(secret + 32 * j)));
-    __m256i lo = _mm256_mul_epu32(a, prime);
-    __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), prime);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + 4 * j),
-                        _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32)));
-  }
+  scramble_lanes<u64x4>(acc, secret);
 }
 
 bool cpu_has_avx2() {

@@ -155,16 +155,10 @@ nb::class_<Engine> register_engine(nb::module_& m) {
             bool rdadvise,
             const std::string& policy,
             const std::string& backend) {
-           EngineOptions o;
-           o.threads = threads;
-           o.cache_bytes = cache_bytes;
-           o.direct = direct;
-           o.nocache = nocache;
-           o.rdadvise = rdadvise;
-           o.policy = policy;
-           o.backend = backend;
-           o.allocate_slab = allocate_mlx_slab;
-           return std::make_shared<Engine>(o);
+           return std::make_shared<Engine>(EngineOptions{
+               .threads = threads, .cache_bytes = cache_bytes, .direct = direct, .nocache = nocache,
+               .rdadvise = rdadvise, .policy = policy, .backend = backend,
+               .allocate_slab = allocate_mlx_slab});
          }),
          "threads"_a = 4,
          "cache_bytes"_a = uint64_t(1) << 30,
@@ -238,20 +232,13 @@ nb::class_<Engine> register_engine(nb::module_& m) {
              std::optional<nb::bytes> digest,
              std::optional<nb::bytes> fast_digest,
              int arena) {
-            Request r;
-            r.arena = arena;
-            r.store = store;
-            r.offset = offset;
-            r.length = length;
-            r.priority = priority;
-            r.exact = exact;
-            r.owner = owner;
-            r.generation = generation;
-            r.layer = layer;
-            r.expert = expert;
-            r.deadline_ns = deadline_ns ? *deadline_ns : INT64_MAX;
-            r.confidence = confidence;
-            r.check = to_check(digest, fast_digest, fast_digest ? "fast_digest" : "digest");
+            Request r{
+                .store = store, .offset = offset, .length = length, .priority = priority,
+                .exact = exact, .owner = owner, .generation = generation, .layer = layer,
+                .expert = expert, .deadline_ns = deadline_ns ? *deadline_ns : INT64_MAX,
+                .confidence = confidence,
+                .check = to_check(digest, fast_digest, fast_digest ? "fast_digest" : "digest"),
+                .arena = arena};
             nb::gil_scoped_release nogil;
             return e.request(r);
           },

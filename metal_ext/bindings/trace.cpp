@@ -1,3 +1,6 @@
+#include <array>
+#include <iterator>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -12,34 +15,30 @@ using namespace nb::literals;
 namespace {
 
 // Columns of trace events (oldest first); the Python side turns them into a
-// numpy structured array.
+// numpy structured array. One event's values, in kTraceColumns order.
+constexpr const char* kTraceColumns[] = {
+    "kind", "outcome", "priority", "exact", "promoted", "layer",
+    "expert", "bytes", "t0", "t1", "t2"};
+constexpr size_t kNumTraceColumns = std::size(kTraceColumns);
+
+std::array<nb::object, kNumTraceColumns> trace_row(const TraceEvent& e) {
+  return {nb::cast(int(e.kind)), nb::cast(trace_outcome_name(e)), nb::cast(int(e.priority)),
+          nb::cast(e.exact), nb::cast(e.promoted), nb::cast(e.layer), nb::cast(e.expert),
+          nb::cast(e.bytes), nb::cast(e.t0), nb::cast(e.t1), nb::cast(e.t2)};
+}
+
 nb::dict trace_dict(const std::vector<TraceEvent>& ev, uint64_t dropped) {
-  nb::list kind, outcome, priority, exact, promoted, layer, expert, bytes, t0, t1, t2;
+  std::array<nb::list, kNumTraceColumns> columns;
   for (const auto& e : ev) {
-    kind.append(int(e.kind));
-    outcome.append(trace_outcome_name(e));
-    priority.append(int(e.priority));
-    exact.append(e.exact);
-    promoted.append(e.promoted);
-    layer.append(e.layer);
-    expert.append(e.expert);
-    bytes.append(e.bytes);
-    t0.append(e.t0);
-    t1.append(e.t1);
-    t2.append(e.t2);
+    auto row = trace_row(e);
+    for (size_t c = 0; c < kNumTraceColumns; ++c) {
+      columns[c].append(row[c]);
+    }
   }
   nb::dict d;
-  d["kind"] = kind;
-  d["outcome"] = outcome;
-  d["priority"] = priority;
-  d["exact"] = exact;
-  d["promoted"] = promoted;
-  d["layer"] = layer;
-  d["expert"] = expert;
-  d["bytes"] = bytes;
-  d["t0"] = t0;
-  d["t1"] = t1;
-  d["t2"] = t2;
+  for (size_t c = 0; c < kNumTraceColumns; ++c) {
+    d[kTraceColumns[c]] = columns[c];
+  }
   d["dropped"] = dropped;
   return d;
 }
