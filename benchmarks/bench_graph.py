@@ -33,6 +33,30 @@ from hebrus_mlx.models import optimize
 from hebrus_mlx.models.options import GraphOptions
 from hebrus_mlx.models.qwen4exp import Model, ModelArgs
 
+# The bench's integer flags, one row each: (default, --help text); `--kv-heads` for kv_heads.
+# The model's dims (the hebrus graph's; the peers' where they have the field):
+DIMS = dict(
+    hidden=(512, "hidden size"),
+    layers=(8, "decoder layers"),
+    heads=(8, "attention heads (linear attention: as many value heads, half as many key heads)"),
+    kv_heads=(2, "key/value heads of full attention"),
+    head_dim=(64, "head dimension (attention, linear attention and the QSA indexer)"),
+    experts=(64, "routed experts per layer"),
+    top_k=(8, "experts per token"),
+    moe_inter=(256, "expert (and shared expert) intermediate size"),
+    vocab=(8192, "vocabulary size"),
+    hc_lowrank=(None, "hyper-connection low rank; default hidden/8, the real model's proportion"),
+    budget=(2048, "QSA indexer budget (indexer_budget)"),
+    ratio=(4, "QSA indexer compress ratio (indexer_compress_ratio)"),
+)
+# The work each measurement does:
+WORKLOAD = dict(
+    prompt=(256, "prompt tokens"),
+    decode=(32, "decoded tokens"),
+    short_context=(4096, "the QSA step's short context"),
+    long_context=(32768, "the QSA step's long context"),
+)
+
 
 def dims(a):
     return dict(
@@ -389,22 +413,11 @@ def paired_qsa_steps(a, contexts, steps=40):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--moe-inter", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--hc-lowrank", type=int, default=None, help="default hidden/8, the real model's proportion")
-    p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--ratio", type=int, default=4)
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--decode", type=int, default=32)
-    p.add_argument("--short-context", type=int, default=4096)
-    p.add_argument("--long-context", type=int, default=32768)
+    for title, flags in (("model dims", DIMS), ("workload", WORKLOAD)):
+        group = p.add_argument_group(title)
+        for name, (default, text) in flags.items():
+            shown = "" if default is None else f" (default {default})"
+            group.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=text + shown)
     p.add_argument(
         "--checkpoint",
         default=None,

@@ -19,6 +19,7 @@ Tests skip when it is not there.
 import importlib
 import json
 import os
+import struct
 import sys
 import types
 from pathlib import Path
@@ -102,6 +103,27 @@ def build_model(config):
     import copy
 
     return q4.Model(q4.ModelConfig.from_dict(copy.deepcopy(config)))
+
+
+def shard_tensors(d):
+    """{key: ndarray} of every safetensors shard in directory `d`, read here from the header with
+    numpy (not with the product's reader); BF16 as uint16 bits. The tests' oracle for the bytes
+    mlx-vlm wrote (and for what an import copied)."""
+    import numpy as np
+
+    dtypes = {"U32": np.uint32, "BF16": np.uint16, "F32": np.float32, "I64": np.int64}
+    out = {}
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(d, name), "rb") as f:
+                raw = f.read()
+            (n,) = struct.unpack("<Q", raw[:8])
+            header = json.loads(raw[8 : 8 + n])
+            header.pop("__metadata__", None)
+            for k, e in header.items():
+                a, b = e["data_offsets"]
+                out[k] = np.frombuffer(raw[8 + n + a : 8 + n + b], dtypes[e["dtype"]]).reshape(e["shape"])
+    return out
 
 
 def mlx_vlm_checkpoint(

@@ -38,29 +38,10 @@ def imported(tmp_path_factory):
     return src, art, convert(src, art, quiet=True).report
 
 
-def _source_tensors(src):
-    """{key: ndarray} of the source shards, read here from the safetensors
-    header with numpy (not with the product's reader); BF16 as uint16 bits."""
-    import struct
-
-    dtypes = {"U32": np.uint32, "BF16": np.uint16, "F32": np.float32, "I64": np.int64}
-    out = {}
-    for name in sorted(os.listdir(src)):
-        if name.endswith(".safetensors"):
-            raw = open(os.path.join(src, name), "rb").read()
-            (n,) = struct.unpack("<Q", raw[:8])
-            header = json.loads(raw[8 : 8 + n])
-            header.pop("__metadata__", None)
-            for k, e in header.items():
-                a, b = e["data_offsets"]
-                out[k] = np.frombuffer(raw[8 + n + a : 8 + n + b], dtypes[e["dtype"]]).reshape(e["shape"])
-    return out
-
-
 def test_profile_and_exclusions(imported):
     src, art, report = imported
     assert report["profile"] == "text-affine4-g64"
-    assert report["exclusions"]["vision"] == sum(k.startswith("vision_tower.") for k in _source_tensors(src))
+    assert report["exclusions"]["vision"] == sum(k.startswith("vision_tower.") for k in V.shard_tensors(src))
     assert report["exclusions"]["vision"] > 0
 
 
@@ -71,7 +52,7 @@ def test_expert_records_are_the_mlx_vlm_packed_arrays(imported):
     from hebrus_mlx.artifact import expert_major as em
 
     src, art, _ = imported
-    t = _source_tensors(src)
+    t = V.shard_tensors(src)
     checked = 0
     with em.ExpertMajorReader(os.path.join(art, "experts.hbem")) as r:
         layout = em.record_layout(r.family, "affine4-g64")
@@ -103,9 +84,9 @@ def test_dense_tensors_copied_or_decoded_exactly(imported):
     float32 `scale * code + bias`, computed here with numpy. Float tensors:
     the bf16 values, widened."""
     src, art, _ = imported
-    t = _source_tensors(src)
+    t = V.shard_tensors(src)
     cfg = json.load(open(os.path.join(src, "config.json")))["quantization"]
-    stored = _source_tensors(art)
+    stored = V.shard_tensors(art)
     man = json.load(open(os.path.join(art, "manifest.json")))["tensors"]
     kinds = {"copied": 0, "decoded": 0, "float": 0}
     for name, arr in stored.items():
@@ -261,7 +242,7 @@ def test_widths_and_mixed_import_as_is(hf, tmp_path, bits, group, expert_bits):
     m = admit(art)
     ew = bits if expert_bits is None else expert_bits
     assert m.codecs == {"dense": C.affine_name(bits, group), "experts": C.affine_name(ew, group), "ple": "bf16"}
-    t = _source_tensors(src)
+    t = V.shard_tensors(src)
     with ExpertMajorReader(m.file(m.experts), m.family, m.experts.codec) as r:
         got = r.read_expert(1, 2)["down"]
     stem = "language_model.model.layers.1.mlp.switch_mlp.down_proj"
@@ -294,7 +275,7 @@ def test_per_layer_mixed_expert_widths_import_as_is(hf, tmp_path):
     m = admit(art)
     assert m.codecs["experts"] == C.PER_LAYER and m.codecs["dense"] == "affine4-g64"
     assert m.experts.layer_codecs == tuple(("affine2-g64" if i == 1 else "affine4-g64",) * 3 for i in range(4))
-    t = _source_tensors(src)
+    t = V.shard_tensors(src)
     with ExpertMajorReader(m.file(m.experts), m.family, m.experts.layer_codecs) as r:
         for layer in (0, 1):
             got = r.read_expert(layer, 2)["down"]

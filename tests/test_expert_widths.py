@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
-from chunked_greedy import chunked_greedy
+from chunked_greedy import assert_streamed_equals_resident
 from stream_store import cache_gb
 
 from hebrus_mlx.admission import admit
@@ -158,12 +158,6 @@ def test_cli_refuses_unknown_width(hf, tmp_path, capsys):
         assert not os.path.exists(out)
 
 
-def _decode(model, prompt, steps, chunk):
-    """Chunked prefill then greedy decode; every forward's logits ([1, L, V])."""
-    tokens, logits = chunked_greedy(model, prompt, steps, chunk)
-    return tokens, [out[None] for out in logits]
-
-
 @pytest.mark.skipif(not se.available(), reason="extension not built")
 @pytest.mark.parametrize("bits", [b for b, _ in WIDTHS])
 def test_streamed_equals_resident_at_each_width(artifacts, bits):
@@ -176,13 +170,7 @@ def test_streamed_equals_resident_at_each_width(artifacts, bits):
     e = streamed.streaming.experts
     assert e.bits == bits and e.rows == rows
     prompt = np.random.default_rng(bits).integers(2, resident.args.vocab_size, 9).tolist()
-    want = _decode(resident, prompt, 12, e.max_chunk_tokens)
-    got = _decode(streamed, prompt, 12, e.max_chunk_tokens)
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1]):
-        np.testing.assert_array_equal(a, b)
-    c = e.engine.counters()
-    assert c["misses"] > 0 and c["evictions"] > 0 and c["errors"] == 0
+    assert_streamed_equals_resident(resident, streamed, prompt, 12)
 
 
 def test_mtp_head_experts_take_the_expert_width(hf, tmp_path):

@@ -21,7 +21,7 @@ import mlx_vlm_fixture as V
 import numpy as np
 import pytest
 from artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
-from chunked_greedy import chunked_greedy
+from chunked_greedy import assert_streamed_equals_resident
 
 pytestmark = pytest.mark.skipif(not V.available(), reason=f"mlx-vlm 0.7.10 not unpacked at {V.MLX_VLM_ROOT}")
 
@@ -58,23 +58,6 @@ def _source_widths(src):
     return out
 
 
-def _source_tensors(src):
-    import struct
-
-    dtypes = {"U32": np.uint32, "BF16": np.uint16, "F32": np.float32, "I64": np.int64}
-    out = {}
-    for name in sorted(os.listdir(src)):
-        if name.endswith(".safetensors"):
-            raw = open(os.path.join(src, name), "rb").read()
-            (n,) = struct.unpack("<Q", raw[:8])
-            header = json.loads(raw[8 : 8 + n])
-            header.pop("__metadata__", None)
-            for k, e in header.items():
-                a, b = e["data_offsets"]
-                out[k] = np.frombuffer(raw[8 + n + a : 8 + n + b], dtypes[e["dtype"]]).reshape(e["shape"])
-    return out
-
-
 def test_import_records_each_layers_codecs_and_copies_the_bytes(mixed):
     from hebrus_mlx.admission import admit
     from hebrus_mlx.artifact import constants as C
@@ -89,7 +72,7 @@ def test_import_records_each_layers_codecs_and_copies_the_bytes(mixed):
     assert m.experts.format == "expert_major.v3"
     want = tuple(tuple(f"affine{widths[layer, c][0]}-g{widths[layer, c][1]}" for c in COMPS) for layer in range(4))
     assert m.experts.layer_codecs == want
-    t = _source_tensors(src)
+    t = V.shard_tensors(src)
     with ExpertMajorReader(m.file(m.experts), m.family, m.experts.layer_codecs) as r:
         for layer in range(4):
             for e in (0, 5):
@@ -151,13 +134,7 @@ def test_streamed_equals_resident(mixed):
     e = streamed.streaming.experts
     assert e.per_layer and e.rows == rows and e.quant(2, "down") == (6, 64) and e.quant(0, "down") == (3, 64)
     prompt = np.random.default_rng(23).integers(2, resident.args.vocab_size, 9).tolist()
-    want = chunked_greedy(resident, prompt, 10, e.max_chunk_tokens)
-    got = chunked_greedy(streamed, prompt, 10, e.max_chunk_tokens)
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1]):
-        np.testing.assert_array_equal(a, b)
-    c = e.engine.counters()
-    assert c["misses"] > 0 and c["evictions"] > 0 and c["errors"] == 0
+    assert_streamed_equals_resident(resident, streamed, prompt, 10)
 
 
 def _tampered(art, tmp_path, edit):

@@ -16,15 +16,7 @@ import pytest
 from fault_injection import FaultyEngine
 
 from hebrus_mlx.stream import engine as se
-from hebrus_mlx.stream.errors import (
-    CacheFullError,
-    DigestMismatchError,
-    ShortReadError,
-    StaleGenerationError,
-    StreamIOError,
-    StreamRequestError,
-    TicketCancelledError,
-)
+from hebrus_mlx.stream import errors as E
 from hebrus_mlx.testing.stream_reference import ReferenceEngine
 
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
@@ -278,7 +270,7 @@ def test_cancel_releases_exactly_once(store):
     t = eng.request(s, *aligned[0])
     assert eng.cancel(t) is True
     assert eng.cancel(t) is False and eng.release(t) is False
-    with pytest.raises(TicketCancelledError):
+    with pytest.raises(E.TicketCancelledError):
         eng.wait(t)
     eng.hold(False)
     assert eng.memory()["slots_in_use"] == 0
@@ -297,9 +289,9 @@ def test_stale_generation_never_publishes(store):
     assert wait_until(lambda: eng.memory()["inflight_reads"] == 1)
     slot = eng.ticket_info(old)["slot"]
     assert eng.advance_generation(7, 1) == 1
-    with pytest.raises(StaleGenerationError):
+    with pytest.raises(E.StaleGenerationError):
         eng.wait(old)
-    with pytest.raises(StaleGenerationError):
+    with pytest.raises(E.StaleGenerationError):
         eng.request(s, *aligned[1], owner=7, generation=0)
     eng.set_read_delay_us(0)
     # The cache has one record of room: the old read still owns its slab, so
@@ -318,7 +310,7 @@ def test_stale_generation_never_publishes(store):
 
 
 @pytest.mark.parametrize(
-    "kind,err", [("eio", StreamIOError), ("short_read", ShortReadError), ("digest", DigestMismatchError)]
+    "kind,err", [("eio", E.StreamIOError), ("short_read", E.ShortReadError), ("digest", E.DigestMismatchError)]
 )
 def test_fault_clear_error_no_leak_next_ok(store, kind, err):
     """AFN-003/AFN-010: an injected fault gives a typed error naming the
@@ -366,10 +358,10 @@ def test_cancelled_ticket_in_graph_op(store):
     s = eng.add_store(path)
     t = eng.request(s, *aligned[0])
     eng.cancel(t)
-    with pytest.raises(TicketCancelledError):
+    with pytest.raises(E.TicketCancelledError):
         eng.load([t])
     ok = eng.request(s, *aligned[0])
-    with pytest.raises(StreamRequestError, match="once"):
+    with pytest.raises(E.StreamRequestError, match="once"):
         eng.load([ok, ok])
     arr = eng.load([ok])
     mx.eval(arr)
@@ -395,7 +387,7 @@ def test_threaded_stress_never_publishes_wrong_bytes(store):
                 t = eng.request(
                     s, off, n, owner=owner, generation=gen, priority=rng.randrange(3), exact=rng.random() < 0.5
                 )
-            except (CacheFullError, StaleGenerationError):
+            except (E.CacheFullError, E.StaleGenerationError):
                 continue
             r = rng.random()
             try:
@@ -408,7 +400,7 @@ def test_threaded_stress_never_publishes_wrong_bytes(store):
                 got = eng.read(t)
                 if got != data[off : off + n]:
                     errors.append((off, n))
-            except (StaleGenerationError, TicketCancelledError):
+            except (E.StaleGenerationError, E.TicketCancelledError):
                 pass
             finally:
                 eng.release(t)
@@ -481,7 +473,7 @@ def test_cache_full_is_clean_and_policies(store):
         b = eng.request(s, *aligned[1], exact=False)
         eng.wait(a), eng.wait(b)
         before = eng.memory()
-        with pytest.raises(CacheFullError):
+        with pytest.raises(E.CacheFullError):
             eng.request(s, *aligned[2])
         assert eng.memory() == before
         eng.release(a), eng.release(b)
@@ -508,9 +500,9 @@ def test_bad_requests_name_the_field(store):
         (dict(confidence=2.0), "confidence"),
     ]:
         args = dict(store=s, offset=0, length=REC) | kw
-        with pytest.raises(StreamRequestError, match=field):
+        with pytest.raises(E.StreamRequestError, match=field):
             eng.request(args.pop("store"), args.pop("offset"), args.pop("length"), **args)
-    with pytest.raises(StreamRequestError, match="path"):
+    with pytest.raises(E.StreamRequestError, match="path"):
         eng.add_store(path.parent / "missing.bin")
     assert eng.memory()["allocated"] == 0
     # The runtime engine has no test hooks at all (they live in hebrus_mlx._testing).
