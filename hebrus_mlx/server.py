@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from . import api_fields, flags, responses_api
@@ -353,6 +353,11 @@ class ServerDefaults:
     prompt_cache_dir_bytes: int = 8 << 30
     decode_concurrency: int = 1  # > 1: requests share decode steps (batch_generate.BatchGenerator)
     prompt_concurrency: int = 1  # requests prefilling at once, a chunk per round, under batching
+
+    @classmethod
+    def from_args(cls, args) -> ServerDefaults:
+        """The defaults the server's command line gives: each field is the flag of its name."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -1479,20 +1484,7 @@ def main(argv=None) -> int:
             return 0
     import uvicorn
 
-    defaults = ServerDefaults(
-        temp=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        max_tokens=args.max_tokens,
-        prefill_step_size=args.prefill_step_size,
-        draft_model=args.draft_model,
-        num_draft_tokens=args.num_draft_tokens,
-        prompt_cache_dir=args.prompt_cache_dir,
-        prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
-        decode_concurrency=args.decode_concurrency,
-        prompt_concurrency=args.prompt_concurrency,
-    )
+    defaults = ServerDefaults.from_args(args)
 
     def load():
         if args.seed is not None:  # on the worker thread, which samples
