@@ -342,20 +342,8 @@ def generate_step(
 
     `draft_model` (a hebrus_mlx.speculative Drafter) decodes speculatively with blocks of up to
     `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling)."""
-    for token, logprobs, _ in _generate(
-        prompt,
-        model,
-        effective_vocab_size=effective_vocab_size,
-        max_tokens=max_tokens,
-        sampler=sampler,
-        logits_processors=logits_processors,
-        prompt_cache=prompt_cache,
-        prefill_step_size=prefill_step_size,
-        max_kv_size=max_kv_size,
-        trace=trace,
-        draft_model=draft_model,
-        num_draft_tokens=num_draft_tokens,
-    ):
+    # mlx-lm's signature: every parameter is _generate's of the same name.
+    for token, logprobs, _ in _generate(**locals()):
         yield token, logprobs
 
 
@@ -382,22 +370,10 @@ def speculative_generate_step(
     speculative/governor.py), None (always the limit) or a Governor; stats: a SpeculativeStats to
     fill; trace: a list that receives a speculative.protocol.StepTrace per verify step (golden
     replay). Steps with no draft run pipelined exactly as generate_step's."""
-    yield from _generate(
-        prompt,
-        model,
-        effective_vocab_size=effective_vocab_size,
-        max_tokens=max_tokens,
-        sampler=sampler,
-        logits_processors=logits_processors,
-        prompt_cache=prompt_cache,
-        prefill_step_size=prefill_step_size,
-        max_kv_size=max_kv_size,
-        draft_model=draft_model,
-        num_draft_tokens=num_draft_tokens,
-        governor=governor,
-        stats=stats,
-        step_trace=trace,
-    )
+    # mlx-lm's signature: every parameter is _generate's of the same name, but `trace` is its step_trace.
+    kwargs = dict(locals())
+    kwargs["step_trace"] = kwargs.pop("trace")
+    yield from _generate(**kwargs)
 
 
 @contextmanager

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from . import api_fields, flags, responses_api
@@ -353,6 +353,11 @@ class ServerDefaults:
     prompt_cache_dir_bytes: int = 8 << 30
     decode_concurrency: int = 1  # > 1: requests share decode steps (batch_generate.BatchGenerator)
     prompt_concurrency: int = 1  # requests prefilling at once, a chunk per round, under batching
+
+    @classmethod
+    def from_args(cls, args) -> ServerDefaults:
+        """The defaults the server's command line gives: each field is the flag of its name."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -1303,6 +1308,36 @@ def _origins(value: str) -> list[str]:
     return origins
 
 
+# The server's own whole-number flags: (flag, type, default, help).
+_COUNT_FLAGS = (
+    (
+        "--decode-concurrency",
+        flags.integer(1),
+        1,
+        "requests that share each decode step (continuous batching; default 1: one at a time)",
+    ),
+    (
+        "--prompt-concurrency",
+        flags.integer(1),
+        1,
+        "requests prefilling at once under --decode-concurrency > 1, a chunk per decode step",
+    ),
+    (
+        "--max-body-bytes",
+        flags.integer(1),
+        DEFAULT_MAX_BODY_BYTES,
+        "larger request bodies are a 413, refused from the declared length (default %(default)s)",
+    ),
+    (
+        "--prep-process-bytes",
+        flags.integer(0, flags.INT64_MAX),
+        DEFAULT_PREP_PROCESS_BYTES,
+        "request bodies of at least this many bytes are rendered and tokenized in a separate "
+        "process, so the event loop never waits on them (default %(default)s; 0: all on threads)",
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="hebrus-mlx server",
@@ -1325,32 +1360,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT: seconds to let cancelled requests finish before exiting "
         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
-    p.add_argument(
-        "--decode-concurrency",
-        type=flags.integer(1),
-        default=1,
-        help="requests that share each decode step (continuous batching; default 1: one at a time)",
-    )
-    p.add_argument(
-        "--prompt-concurrency",
-        type=flags.integer(1),
-        default=1,
-        help="requests prefilling at once under --decode-concurrency > 1, a chunk per decode step",
-    )
     add_prompt_cache_arguments(p, DEFAULT_PROMPT_CACHE_BYTES, "no prefix reuse")
-    p.add_argument(
-        "--max-body-bytes",
-        type=flags.integer(1),
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="larger request bodies are a 413, refused from the declared length (default %(default)s)",
-    )
-    p.add_argument(
-        "--prep-process-bytes",
-        type=flags.integer(0, flags.INT64_MAX),
-        default=DEFAULT_PREP_PROCESS_BYTES,
-        help="request bodies of at least this many bytes are rendered and tokenized in a separate "
-        "process, so the event loop never waits on them (default %(default)s; 0: all on threads)",
-    )
+    for flag, kind, default, text in _COUNT_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument(
         "--allowed-origins",
         type=_origins,
@@ -1479,20 +1491,7 @@ def main(argv=None) -> int:
             return 0
     import uvicorn
 
-    defaults = ServerDefaults(
-        temp=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        max_tokens=args.max_tokens,
-        prefill_step_size=args.prefill_step_size,
-        draft_model=args.draft_model,
-        num_draft_tokens=args.num_draft_tokens,
-        prompt_cache_dir=args.prompt_cache_dir,
-        prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
-        decode_concurrency=args.decode_concurrency,
-        prompt_concurrency=args.prompt_concurrency,
-    )
+    defaults = ServerDefaults.from_args(args)
 
     def load():
         if args.seed is not None:  # on the worker thread, which samples

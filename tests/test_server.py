@@ -494,6 +494,35 @@ def test_cli_flags(monkeypatch, capsys):
     assert "--future-flag: not supported by `hebrus-mlx server` yet" in capsys.readouterr().err
 
 
+def test_server_defaults_from_args():
+    """Every ServerDefaults field is the server flag of its name: the defaults with no flags, and
+    each flag given lands in its field."""
+    import importlib
+    from dataclasses import asdict
+
+    srv = importlib.import_module("hebrus_mlx.server")
+    assert srv.ServerDefaults.from_args(srv.build_parser().parse_args([])) == srv.ServerDefaults()
+    argv = ["--temp", "0.5", "--top-p", "0.9", "--top-k", "7", "--min-p", "0.05", "--max-tokens", "33"]
+    argv += ["--prefill-step-size", "64", "--draft-model", "ngram", "--num-draft-tokens", "2"]
+    argv += ["--prompt-cache-dir", "/tmp/pc", "--prompt-cache-dir-bytes", "4096"]
+    argv += ["--decode-concurrency", "4", "--prompt-concurrency", "2"]
+    got = asdict(srv.ServerDefaults.from_args(srv.build_parser().parse_args(argv)))
+    assert got == {
+        "temp": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "min_p": 0.05,
+        "max_tokens": 33,
+        "prefill_step_size": 64,
+        "draft_model": "ngram",
+        "num_draft_tokens": 2,
+        "prompt_cache_dir": "/tmp/pc",
+        "prompt_cache_dir_bytes": 4096,
+        "decode_concurrency": 4,
+        "prompt_concurrency": 2,
+    }
+
+
 @pytest.mark.parametrize("draft", ["ngram", "mtp"])
 def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch):
     """Issue 16: the server takes generate's --draft-model; speculative decoding through the worker

@@ -106,6 +106,18 @@ def test_greedy_identical_with_governor_and_draft_model(demo, plain):
     assert got == want and stats.accepted >= 0.9 * stats.drafted
 
 
+def test_speculative_step_trace_records_every_verify_step(demo, plain):
+    """speculative_generate_step's `trace` (mlx-lm's name) is the golden-replay record: one StepTrace
+    per verify step, and the accepted drafts it records are the stats'."""
+    model, tok = demo
+    ids, want = plain
+    steps = []
+    got, stats = _spec(model, tok, ids, OracleDrafter(want), 3, governor=None, trace=steps)
+    assert got == want and stats.verify_steps > 0
+    assert len(steps) == stats.verify_steps and all(isinstance(t, P.StepTrace) for t in steps)
+    assert sum(t.accepted for t in steps) == stats.accepted
+
+
 def test_generate_step_takes_a_drafter(demo, plain):
     model, tok = demo
     ids, want = plain
