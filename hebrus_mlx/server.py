@@ -1308,36 +1308,6 @@ def _origins(value: str) -> list[str]:
     return origins
 
 
-# The server's own whole-number flags: (flag, type, default, help).
-_COUNT_FLAGS = (
-    (
-        "--decode-concurrency",
-        flags.integer(1),
-        1,
-        "requests that share each decode step (continuous batching; default 1: one at a time)",
-    ),
-    (
-        "--prompt-concurrency",
-        flags.integer(1),
-        1,
-        "requests prefilling at once under --decode-concurrency > 1, a chunk per decode step",
-    ),
-    (
-        "--max-body-bytes",
-        flags.integer(1),
-        DEFAULT_MAX_BODY_BYTES,
-        "larger request bodies are a 413, refused from the declared length (default %(default)s)",
-    ),
-    (
-        "--prep-process-bytes",
-        flags.integer(0, flags.INT64_MAX),
-        DEFAULT_PREP_PROCESS_BYTES,
-        "request bodies of at least this many bytes are rendered and tokenized in a separate "
-        "process, so the event loop never waits on them (default %(default)s; 0: all on threads)",
-    ),
-)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="hebrus-mlx server",
@@ -1360,9 +1330,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT: seconds to let cancelled requests finish before exiting "
         f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
+    p.add_argument(
+        "--decode-concurrency",
+        type=flags.integer(1),
+        default=1,
+        help="requests that share each decode step (continuous batching; default 1: one at a time)",
+    )
+    p.add_argument(
+        "--prompt-concurrency",
+        type=flags.integer(1),
+        default=1,
+        help="requests prefilling at once under --decode-concurrency > 1, a chunk per decode step",
+    )
     add_prompt_cache_arguments(p, DEFAULT_PROMPT_CACHE_BYTES, "no prefix reuse")
-    for flag, kind, default, text in _COUNT_FLAGS:
-        p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument(
+        "--max-body-bytes",
+        type=flags.integer(1),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are a 413, refused from the declared length (default %(default)s)",
+    )
+    p.add_argument(
+        "--prep-process-bytes",
+        type=flags.integer(0, flags.INT64_MAX),
+        default=DEFAULT_PREP_PROCESS_BYTES,
+        help="request bodies of at least this many bytes are rendered and tokenized in a separate "
+        "process, so the event loop never waits on them (default %(default)s; 0: all on threads)",
+    )
     p.add_argument(
         "--allowed-origins",
         type=_origins,
