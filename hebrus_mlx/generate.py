@@ -342,8 +342,20 @@ def generate_step(
 
     `draft_model` (a hebrus_mlx.speculative Drafter) decodes speculatively with blocks of up to
     `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling)."""
-    # mlx-lm's signature: every parameter is _generate's of the same name.
-    for token, logprobs, _ in _generate(**locals()):
+    for token, logprobs, _ in _generate(
+        prompt,
+        model,
+        effective_vocab_size=effective_vocab_size,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step_size,
+        max_kv_size=max_kv_size,
+        trace=trace,
+        draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens,
+    ):
         yield token, logprobs
 
 
@@ -370,10 +382,22 @@ def speculative_generate_step(
     speculative/governor.py), None (always the limit) or a Governor; stats: a SpeculativeStats to
     fill; trace: a list that receives a speculative.protocol.StepTrace per verify step (golden
     replay). Steps with no draft run pipelined exactly as generate_step's."""
-    # mlx-lm's signature: every parameter is _generate's of the same name, but `trace` is its step_trace.
-    kwargs = dict(locals())
-    kwargs["step_trace"] = kwargs.pop("trace")
-    yield from _generate(**kwargs)
+    yield from _generate(
+        prompt,
+        model,
+        effective_vocab_size=effective_vocab_size,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step_size,
+        max_kv_size=max_kv_size,
+        draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens,
+        governor=governor,
+        stats=stats,
+        step_trace=trace,
+    )
 
 
 @contextmanager
