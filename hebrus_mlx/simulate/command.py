@@ -819,9 +819,11 @@ def validate(args) -> dict:
             "pre_router 0.5 (assumption)",
             f"reads: {probe['source']} (its record checks included)",
             "reader CPU time taken from compute (the CPU backend computes on every core)",
+            f"a hint batch's reads landed before its next hint: {probe.get('batch_landed', 0.0):.0%} (probed)",
         ],
     )
     geom = S.ModelGeometry(str(args.model), L, E, k, st["record_bytes"])
+    batch_landed = probe.get("batch_landed", 0.0)
     # The arena persists across the bench's runs: before a timed run come the warm-up and earlier
     # runs of the same tokens; the replay sees the prompt and one earlier run of this config.
     prompt_and_prev = np.concatenate([warm1, decode, warm1])
@@ -839,7 +841,11 @@ def validate(args) -> dict:
         pred = preds.get(c["prefetch"])
         if pred is not None:  # the prompt's forward predicts nothing (one-token forwards only)
             pred = np.concatenate([none, pred, none, pred])
-        rep = S.replay(decode, E, cap, "clock", c["prefetch"], prompt_and_prev, predicted=pred)
+        # Hints of one batch that land before its next hint is requested are evictable by it
+        # (probed through the engine, not taken from these runs).
+        rep = S.replay(
+            decode, E, cap, "clock", c["prefetch"], prompt_and_prev, predicted=pred, batch_landed=batch_landed
+        )
         preds_s, meas, ratios = [], [], []
         for rnd in rounds:
             comp = next(r for r in rnd if r["config"] == base)["decode_tok_s_p50"]
@@ -909,15 +915,23 @@ def bench_probe(path, st, L, E, seed) -> dict:
 
     resolve, close = K.artifact_resolver(path, 16)
     try:
-        return K.engine_probe(resolve, L, E, st["record_bytes"], batches=6, seed=seed)
+        out = K.engine_probe(resolve, L, E, st["record_bytes"], batches=6, seed=seed)
     finally:
         close()
+    hint, reads, close = K.artifact_hinter(path, 16)
+    try:
+        out["hints"] = K.hint_probe(hint, reads, L, E, min(4, E), seed=seed)
+    finally:
+        close()
+    return out
 
 
 def _median_probe(probes: list[dict]) -> dict:
     out = dict(probes[0])
     out["gbps_by_qd"] = {q: statistics.median(p["gbps_by_qd"][q] for p in probes) for q in probes[0]["gbps_by_qd"]}
     out["cpu_us_per_record"] = statistics.median(p["cpu_us_per_record"] for p in probes)
+    if all("hints" in p for p in probes):
+        out["batch_landed"] = statistics.median(p["hints"]["batch_landed"] for p in probes)
     out["source"] = probes[0]["source"] + f" (median of {len(probes)} probes, before and after the runs)"
     return out
 
@@ -955,6 +969,12 @@ def print_validation(v: dict) -> None:
         + " GB/s"
         + (f", reader CPU {m['read_cpu_us']:.0f} us per record taken from compute" if m.get("read_cpu_us") else "")
         + (f" [{v['probe_source']}]" if v.get("probe_source") else "")
+        + (
+            f"; of a hint batch's reads {v['probe']['batch_landed']:.0%} landed before its next hint was requested "
+            "(probed; the replay lets later hints of the batch displace those)"
+            if (v.get("probe") or {}).get("batch_landed") is not None
+            else ""
+        )
     )
     timing = v.get("timing", "tok/s = 1 / the median inter-token time")
     print(

@@ -171,7 +171,7 @@ class Stack:
             mx.eval(st.eng.release_after(rows_, lease))
 
         try:
-            return K.engine_probe(
+            out = K.engine_probe(
                 resolve,
                 self.layers,
                 self.experts,
@@ -182,6 +182,21 @@ class Stack:
             )
         finally:
             st.eng.close()
+        st = self.make("off", max(16, 2 * self.top_k))
+        st.eng.enable_trace(1 << 14)
+
+        def hint(layer, ids):
+            ids = (np.asarray(ids) + layer * self.experts).astype(np.uint32)
+            mx.eval(st.eng.prefetch(st.table, mx.array(ids), priority=1, layer=layer))
+
+        try:
+            self.bs.drop_cache(self.path)  # the runs read a cold store
+            out["hints"] = K.hint_probe(
+                hint, lambda: st.eng.trace_events(clear=True)[0], self.layers, self.experts, self.top_k, 4, seed
+            )
+        finally:
+            st.eng.close()
+        return out
 
 
 def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: int, source: str) -> S.Machine:
@@ -230,9 +245,6 @@ def validate_decode(args) -> dict:
     # Each run starts cold: the replay warms on token 0 and counts tokens 1.. (as the timing).
     warm, topk = routes[:1], routes[1:]
     configs = [(r, m) for r in rows_list for m in modes]
-    reps = {}
-    for r, m in configs:
-        reps[r, m] = S.replay(topk, E, r, "clock", m, warm, predicted=preds.get(m))
     geom = S.ModelGeometry("bench_stream --decode", L, E, k, stack.rec)
     # A round: the reads probed through the engine, then per arena size its compute runs (every
     # record cached, same rows, per predictor) next to its streamed runs; sizes and runs in
@@ -256,8 +268,11 @@ def validate_decode(args) -> dict:
     out = []
     T = len(topk)
     source = rounds[0]["probe"]["source"] + " (probed in each round; the median shown)"
+    # The replay needs no timing but how a hint batch lands (probed in each round, not taken from
+    # the runs): a hint that landed before the batch's next one is evictable by it.
+    batch_landed = statistics.median(g["probe"].get("hints", {}).get("batch_landed", 0.0) for g in rounds)
     for r, m in configs:
-        rep = reps[r, m]
+        rep = S.replay(topk, E, r, "clock", m, warm, predicted=preds.get(m), batch_landed=batch_landed)
         ratios, pred_s, meas_s = [], [], []
         for got in rounds:
             hot, pre = got[r, f"hot:{m}"], got["pre"]
@@ -289,6 +304,7 @@ def validate_decode(args) -> dict:
         q: statistics.median(g["probe"]["gbps_by_qd"][q] for g in rounds) for q in probe["gbps_by_qd"]
     }
     probe["cpu_us_per_record"] = statistics.median(g["probe"]["cpu_us_per_record"] for g in rounds)
+    probe["batch_landed"] = batch_landed
     machine = machine_from_probe(probe, hot / L, pre, 8, source)
     load1 = K.load_average()
     return {
