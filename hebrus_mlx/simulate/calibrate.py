@@ -201,6 +201,8 @@ def validation_row(
         "spread": spread,
         "ratio": statistics.median(ratios),
         "ratios_by_round": ratios,
+        "predicted_tok_s_by_round": list(preds_s),
+        "measured_tok_s_by_round": list(meas),
         "compute_ms_per_token": compute_s * 1e3,
         "predicted_exact_misses": float(rep.demand_misses.sum()),
         "measured_exact_misses": cnt["exact_misses"],

@@ -779,13 +779,18 @@ def validate(args) -> dict:
     gb = lambda r: r * st["record_bytes"] / S.GIB  # noqa: E731
     # Compute: every record cached, once per predictor (an ahead predictor's extra router / mix
     # per layer is compute the streamed run pays too).
-    hot = {
-        pf: {"expert-cache-gb": f"{gb(total):.9f}", "prefetch": pf} for pf in ["off"] + [m for m in modes if m != "off"]
-    }
-    configs = list(hot.values())
-    for r in rows:
-        for pf in modes:
-            configs.append({"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf})
+    # Run order: per predictor its all-cached run, its streamed runs, and a second all-cached run
+    # (a label of its own: 1e-9 GB more, the same rows), so each streamed run's compute is the
+    # two all-cached runs that bracket it in time, interpolated to its place (the bench reverses
+    # every other round, the places stay symmetric). The load of a shared machine moves in
+    # seconds: a compute run 20 runs away measures another machine.
+    predictors = ["off"] + [m for m in modes if m != "off"]
+    hot = {pf: {"expert-cache-gb": f"{gb(total):.9f}", "prefetch": pf} for pf in predictors}
+    hot2 = {pf: {"expert-cache-gb": f"{gb(total) + 1e-9:.9f}", "prefetch": pf} for pf in predictors}
+    streamed = [{"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf} for r in rows for pf in modes]
+    configs = []
+    for pf in predictors:
+        configs += [hot[pf], *[c for c in streamed if c["prefetch"] == pf], hot2[pf]]
     bench = B.run_bench(
         args.model,
         [args.prompt_tokens],
@@ -805,7 +810,9 @@ def validate(args) -> dict:
     probe = _median_probe(probes)
     med = {s["config"]: s["metrics"] for s in bench["summary"]}
     # Per-token medians on both sides (robust to other processes on a shared machine).
-    compute_s = 1.0 / med[H.label(configs[0])]["decode_tok_s_p50"]["median"]
+    compute_s = statistics.median(
+        1.0 / r["decode_tok_s_p50"] for r in bench["runs"] if r["config"] in (H.label(hot["off"]), H.label(hot2["off"]))
+    )
     machine = S.Machine(
         name="this machine (measured)",
         ssd_gbps={int(q): v for q, v in probe["gbps_by_qd"].items()},
@@ -834,9 +841,11 @@ def validate(args) -> dict:
     n = len(configs)
     rounds = [bench["runs"][i : i + n] for i in range(0, len(bench["runs"]), n)]
     out = []
-    for c in configs[len(hot) :]:
+    for c in streamed:
         label = H.label(c)
-        base = H.label(hot[c["prefetch"]])
+        base, base2 = H.label(hot[c["prefetch"]]), H.label(hot2[c["prefetch"]])
+        group = [H.label(x) for x in configs if x["prefetch"] == c["prefetch"]]
+        at = group.index(label) / (len(group) - 1)  # its place between the two all-cached runs
         cap = _arena_rows(bench, label)
         pred = preds.get(c["prefetch"])
         if pred is not None:  # the prompt's forward predicts nothing (one-token forwards only)
@@ -848,9 +857,9 @@ def validate(args) -> dict:
         )
         preds_s, meas, ratios = [], [], []
         for rnd in rounds:
-            comp = next(r for r in rnd if r["config"] == base)["decode_tok_s_p50"]
+            a, b = (1.0 / next(r for r in rnd if r["config"] == x)["decode_tok_s_p50"] for x in (base, base2))
             run = next(r for r in rnd if r["config"] == label)["decode_tok_s_p50"]
-            mach = dataclasses.replace(machine, layer_s=1.0 / comp / L)
+            mach = dataclasses.replace(machine, layer_s=(a + (b - a) * at) / L)
             p = S.project(
                 mach,
                 geom,
@@ -863,7 +872,7 @@ def validate(args) -> dict:
             preds_s.append(p.tok_s)
             meas.append(run)
             ratios.append(p.tok_s / run)
-        comp = 1.0 / med[base]["decode_tok_s_p50"]["median"]
+        comp = statistics.median(1.0 / r["decode_tok_s_p50"] for r in bench["runs"] if r["config"] in (base, base2))
         p = S.project(
             dataclasses.replace(machine, layer_s=comp / L),
             geom,
@@ -904,6 +913,7 @@ def validate(args) -> dict:
         "token_records": L * k,
         "repeats": args.repeats,
         "stack": f"model {args.model}",
+        "pairing": "the two all-cached runs of its predictor that bracket it in its round (interpolated to its place)",
         "load_average": [load0, load1],
         "command": K.command_line(args),
     }
@@ -977,9 +987,10 @@ def print_validation(v: dict) -> None:
         )
     )
     timing = v.get("timing", "tok/s = 1 / the median inter-token time")
+    pairing = v.get("pairing", "its own round's compute run")
     print(
         f"method: {v['repeats']} interleaved rounds; {timing}; each run predicted "
-        "from its own round's compute run; pred/meas = the median over rounds (their range in brackets); counters "
+        f"from {pairing}; pred/meas = the median over rounds (their range in brackets); counters "
         "per decode token from the engine (stream.engine.counters), medians over the rounds"
     )
     cols = [
