@@ -188,9 +188,11 @@ def min_median_max(ratios: Sequence[float]) -> str:
 
 
 def validation_row(
-    label, cap, preds_s, meas, ratios, rep, p, spread, cnt, prefetch, compute_s, hit_rate, mb_per_token
+    label, cap, preds_s, meas, ratios, rep, p, spread, cnt, prefetch, compute_s, hit_rate, mb_per_token, read_bytes=None
 ) -> dict:
-    """One validated configuration: tok/s and every engine counter the model predicts, both sides."""
+    """One validated configuration: tok/s and every engine counter the model predicts, both sides.
+    `read_bytes`: bytes the engine reads per record where that is not the stride the timing uses
+    (the MB read per token then counts those, as the engine's counters do)."""
     need = cnt["predicted_hits"] + cnt["predicted_joins"] + cnt["exact_misses"]
     ahead = prefetch != "off"
     return {
@@ -216,7 +218,7 @@ def validation_row(
         "exact_hit_rate": p.hit_rate,
         "measured_hit_rate": hit_rate,
         "predicted_precision": rep.precision,
-        "predicted_mb_per_token": p.bytes_per_token / 1e6,
+        "predicted_mb_per_token": (rep.reads_per_token() * read_bytes if read_bytes else p.bytes_per_token) / 1e6,
         "measured_mb_per_token": mb_per_token,
         "predicted_exposed_ms": p.exposed_ms,
         "predicted_read_cpu_ms": p.read_cpu_ms,

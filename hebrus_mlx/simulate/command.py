@@ -899,6 +899,7 @@ def validate(args) -> dict:
                 comp,
                 (m["hit_rate"] or {}).get("median"),
                 ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6,
+                st.get("record_payload_bytes"),
             )
         )
     load1 = K.load_average()
