@@ -1039,6 +1039,18 @@ def print_validation(v: dict) -> None:
         if tr and 0 < len(big) < len(v["runs"])
         else ""
     )
+    gaps = []
+    for key, name in (("exact_misses", "exact misses"), ("reads_ahead", "reads ahead")):
+        d = [
+            (abs(r[f"predicted_{key}"] - r[f"measured_{key}"]), r["config"])
+            for r in v["runs"]
+            if r.get(f"predicted_{key}") is not None and r.get(f"measured_{key}") is not None
+        ]
+        if d:
+            gap, at = max(d)
+            gaps.append(f"{name} worst |pred - meas| {gap:.1f}/token ({at})")
+    if gaps:
+        print("engine counters: " + "; ".join(gaps))
     print(
         f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs "
         f"(pred/meas min/median/max: per run {per}, per round {rnd}; median measured spread ±{spread:.0%}, "
