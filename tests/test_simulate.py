@@ -643,6 +643,22 @@ def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):
     assert re.match(r"validation: worst \|predicted/measured - 1\| = [\d.]+% over 2 runs \(", last)
 
 
+def test_the_decode_stacks_all_cached_run_fits_a_token_beside_the_staging_rows():
+    """Issue 23 §3: with a predictor the loader keeps min(top_k * depth, rows // 4) staging rows,
+    so 40 rows (4 layers x top-10) hold only 30 exact records and the 'all-cached' run read the
+    rest again (its compute came out above the streamed run's token time). 50 rows hold them."""
+    from hebrus_mlx.simulate import decode_stack as D
+
+    assert D._hot_rows(20, 40, 10, "off") == 40
+    assert D._hot_rows(20, 40, 10, "router-reuse:1") == 50 == D._hot_rows(40, 40, 10, "previous")
+    assert D._hot_rows(20, 40, 10, "router-reuse:2") == 53  # 53 - min(20, 53 // 4) = 40
+    assert D._hot_rows(160, 40, 10, "previous") == 160
+    for m in ("previous", "router-reuse:1", "router-reuse:2"):
+        n = D._hot_rows(10, 40, 10, m)
+        depth = max(S.prefetch_kind(m)[1], 1)
+        assert n - min(10 * depth, n // 4) >= 40 > (n - 1) - min(10 * depth, (n - 1) // 4)
+
+
 def test_synthetic_predictions_have_the_stated_recall_and_only_wrong_fills():
     routes = S.synthetic_routes(300, 3, 64, 4, reuse=0.5, skew=0.2, seed=1)
     for recall in (0.0, 0.5, 1.0):

@@ -217,6 +217,16 @@ def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: 
     )
 
 
+def _hot_rows(rows: int, token_records: int, top_k: int, prefetch: str) -> int:
+    """Arena rows for an all-cached run: at least `rows` and enough that a token's records fit
+    beside the loader's staging rows for `prefetch` (min(top_k * depth, rows // 4))."""
+    kind, depth = S.prefetch_kind(prefetch)
+    n = max(rows, token_records)
+    while kind != "off" and n - min(top_k * max(depth, 1), n // 4) < token_records:
+        n += 1
+    return n
+
+
 def validate_decode(args) -> dict:
     from . import calibrate as K
 
@@ -249,14 +259,17 @@ def validate_decode(args) -> dict:
     # A round: the reads probed through the engine, then per arena size its compute runs (every
     # record cached, same rows, per predictor) next to its streamed runs; sizes and runs in
     # reverse order every other round (A B B A).
-    hot_rows = {r: max(r, L * k) for r in rows_list}  # a hot token needs its L x k records resident
+    # A hot token needs its L x k records resident. With a predictor the loader keeps staging rows
+    # for predictions (exact records hold at most rows - staging), so the all-cached run needs that
+    # many more rows, or its timed pass reads records again and is no compute run.
+    hot_rows = {(r, m): _hot_rows(r, L * k, k, m) for r in rows_list for m in modes}
     rounds = []
     for rnd in range(args.repeats):
         got = {"pre": stack.pre_router(max(rows_list[0], L * k)), "probe": stack.probe(rnd)}
         order = [(r, m) for r in rows_list for m in [f"hot:{x}" for x in modes] + modes]
         for r, m in order if rnd % 2 == 0 else order[::-1]:
             if m.startswith("hot:"):
-                got[r, m] = stack.hot(hot_rows[r], prefetch=m[4:])
+                got[r, m] = stack.hot(hot_rows[r, m[4:]], prefetch=m[4:])
             else:
                 times, rts, c = stack.run(m, r)
                 if not np.array_equal(rts, routes):
