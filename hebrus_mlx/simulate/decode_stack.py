@@ -307,6 +307,22 @@ def validate_decode(args) -> dict:
         mb = statistics.median((c["exact_bytes"] + c["predicted_bytes"]) for c in cs) / T / 1e6
         spread = (max(meas_s) - min(meas_s)) / 2 / statistics.median(meas_s) if len(meas_s) > 1 else 0.0
         comp = statistics.median(g[r, f"hot:{m}"] for g in rounds)
+        # The counters' side (exposed wait, recall) from the median inputs, not the last round's.
+        med = dict(rounds[0]["probe"])
+        med["gbps_by_qd"] = {
+            q: statistics.median(g["probe"]["gbps_by_qd"][q] for g in rounds) for q in med["gbps_by_qd"]
+        }
+        med["cpu_us_per_record"] = statistics.median(g["probe"]["cpu_us_per_record"] for g in rounds)
+        pre_med = statistics.median(g["pre"] for g in rounds)
+        p = S.project(
+            machine_from_probe(med, comp / L, pre_med, 8, source),
+            geom,
+            rep,
+            cache_gb=r * stack.rec / S.GIB,
+            capacity=r,
+            policy="clock",
+            prefetch=m,
+        )
         out.append(
             K.validation_row(f"rows={r},prefetch={m}", r, pred_s, meas_s, ratios, rep, p, spread, cnt, m, comp, hit, mb)
         )
