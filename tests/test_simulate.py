@@ -116,9 +116,10 @@ def test_router_reuse_predictions_are_issued_ahead_and_wasted_ones_counted():
         S.replay(topk, 4, 8, "clock", "router-reuse:1")
 
 
-def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
+def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None, one_by_one=False):
     """The same routes driven through the real StreamEngine arena (one layer at a time, hints
-    landed before the next request, as the replay assumes)."""
+    landed before the next request, as the replay assumes). `one_by_one`: each hint its own
+    prefetch op, landed before the next hint of the batch is requested (batch_landed=1)."""
     import time
 
     import mlx.core as mx
@@ -145,17 +146,20 @@ def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None):
             time.sleep(0.001)
         raise AssertionError("predicted reads did not land")
 
+    def hints(ids, layer):
+        for batch in [ids[i : i + 1] for i in range(len(ids))] if one_by_one else [ids]:
+            mx.eval(eng.prefetch(table, mx.array(batch.astype(np.uint32)), priority=1, layer=layer))
+            idle()
+
     for t in range(T):
         for l in range(L):
             if prefetch == "previous" and t > 0:
-                mx.eval(eng.prefetch(table, mx.array((topk[t - 1, l] + l * E).astype(np.uint32)), priority=1, layer=l))
-                idle()
+                hints(topk[t - 1, l] + l * E, l)
             rows_, lease = eng.resolve(table, mx.array((topk[t, l] + l * E).astype(np.uint32))[None], layer=l)
             mx.eval(rows_)  # pinned
             if pred is not None and l + 1 < L:  # router-reuse:1, while layer l's rows are pinned
                 ids = np.where(pred[t, l + 1] < 0, 2**32 - 1, pred[t, l + 1] + (l + 1) * E)  # -1: skipped
-                mx.eval(eng.prefetch(table, mx.array(ids.astype(np.uint32)), priority=1, layer=l + 1))
-                idle()
+                hints(ids, l + 1)
             mx.eval(eng.release_after(rows_, lease))
     c = eng.counters()
     eng.close()
@@ -192,6 +196,62 @@ def test_arena_replay_matches_the_engine_record_for_record(policy, prefetch, tmp
         assert c["exact_misses"] > 0
         predicted_reads += c["predicted_reads"]
     assert (prefetch == "off") == (predicted_reads == 0)
+
+
+@pytest.mark.parametrize("prefetch", ["previous", "router-reuse:1"])
+def test_hints_that_land_within_their_batch_are_displaced_by_it_as_in_the_engine(prefetch, tmp_path):
+    """Issue 23 §3: the old replay held a hint batch in flight while it was issued, so a later hint
+    of the batch never displaced an earlier one. When each hint has landed (is released and
+    evictable) before the next is requested, the engine lets the later hints displace it: in an
+    arena smaller than one token's records (5 rows < 3 layers x 3) the old replay under-counts the
+    engine's reads ahead (and misses others); with batch_landed=1 it matches them record for record."""
+    rng = np.random.default_rng(11)
+    T, L, E, k = 40, 3, 12, 3
+    topk = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(L)]) for _ in range(T)])
+    pred = np.where(rng.random(topk.shape) < 0.7, topk, rng.integers(0, E, topk.shape))
+    pred = np.array([[list(dict.fromkeys(r)) + [-1] * (k - len(set(r))) for r in tok] for tok in pred])
+    ahead = prefetch.startswith("router-reuse")
+    differs = False
+    for rows in (5, 12):
+        c = _engine_counts(topk, E, rows, "clock", prefetch, tmp_path, pred if ahead else None, one_by_one=True)
+        rep = S.replay(topk, E, rows, "clock", prefetch, predicted=pred if ahead else None, batch_landed=1.0)
+        got = (round(rep.demand_misses.sum() * T), round(rep.predicted_reads.sum() * T), round(rep.predicted_hits * T))
+        assert got == (c["exact_misses"], c["predicted_reads"], c["predicted_hits"] + c["predicted_joins"]), (rows, c)
+        old = S.replay(topk, E, rows, "clock", prefetch, predicted=pred if ahead else None)
+        if rows < L * k:
+            # the old replay drops the hints the engine reads (and so counts other misses)
+            assert round(old.predicted_reads.sum() * T) < c["predicted_reads"]
+            assert round(old.demand_misses.sum() * T) != c["exact_misses"]
+            differs = True
+    assert differs
+
+
+def test_reads_ahead_in_flight_hold_their_rows_through_the_exact_requests():
+    """A read ahead still in flight at its layer's exact requests is not evictable (the engine
+    indexes only ready, unpinned slots): an exact lookup of it joins it (the engine's
+    predicted_joins, late recall). Hand case: 2 layers, top-1, 4 rows (1 staging row), a perfect
+    router-reuse:1 predictor, every token new experts: each token layer 0 misses, its hint of layer
+    1's expert is read, and layer 1's lookup is served by it: landed (a predicted hit) or still in
+    flight (a join)."""
+    T = 4
+    topk = np.array([[[t % 4], [(t + 1) % 4]] for t in range(T)])
+    pred = np.array([[[-1], [(t + 1) % 4]] for t in range(T)])
+    landed = S.replay(topk, 4, 4, "clock", "router-reuse:1", predicted=pred)
+    flying = S.replay(topk, 4, 4, "clock", "router-reuse:1", predicted=pred, landed=0.0)
+    half = S.replay(topk, 4, 4, "clock", "router-reuse:1", predicted=pred, landed=0.5)
+    for r in (landed, flying, half):
+        assert r.predicted_hits == 1.0 and r.demand_misses.tolist() == [1.0, 0.0]
+    assert landed.predicted_joins is None and flying.predicted_joins == 1.0 and half.predicted_joins == 0.5
+    # in an arena smaller than a token's records with reads in flight: no row is lost or doubled
+    rng = np.random.default_rng(5)
+    topk = np.stack([np.stack([rng.choice(12, 3, replace=False) for _ in range(3)]) for _ in range(30)])
+    for landed_frac in (0.0, 0.5):
+        r = S.replay(topk, 12, 5, "clock", "previous", landed=landed_frac)
+        assert 0 <= r.predicted_joins <= r.predicted_hits and r.demand_misses.sum() <= 9
+    with pytest.raises(UsageError, match="landed"):
+        S.replay(topk, 12, 5, "clock", "previous", landed=1.5)
+    with pytest.raises(UsageError, match="batch_landed"):
+        S.replay(topk, 12, 5, "clock", "previous", batch_landed=-0.1)
 
 
 def test_warm_prefix_is_replayed_but_not_counted():
@@ -564,6 +624,22 @@ def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):
     C.print_validation(v)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.match(r"validation: worst \|predicted/measured - 1\| = [\d.]+% over 2 runs \(", last)
+
+
+def test_the_decode_stacks_all_cached_run_fits_a_token_beside_the_staging_rows():
+    """Issue 23 §3: with a predictor the loader keeps min(top_k * depth, rows // 4) staging rows,
+    so 40 rows (4 layers x top-10) hold only 30 exact records and the 'all-cached' run read the
+    rest again (its compute came out above the streamed run's token time). 50 rows hold them."""
+    from hebrus_mlx.simulate import decode_stack as D
+
+    assert D._hot_rows(20, 40, 10, "off") == 40
+    assert D._hot_rows(20, 40, 10, "router-reuse:1") == 50 == D._hot_rows(40, 40, 10, "previous")
+    assert D._hot_rows(20, 40, 10, "router-reuse:2") == 53  # 53 - min(20, 53 // 4) = 40
+    assert D._hot_rows(160, 40, 10, "previous") == 160
+    for m in ("previous", "router-reuse:1", "router-reuse:2"):
+        n = D._hot_rows(10, 40, 10, m)
+        depth = max(S.prefetch_kind(m)[1], 1)
+        assert n - min(10 * depth, n // 4) >= 40 > (n - 1) - min(10 * depth, (n - 1) // 4)
 
 
 def test_synthetic_predictions_have_the_stated_recall_and_only_wrong_fills():

@@ -269,3 +269,28 @@ def test_the_validation_line_prints_its_spread(capsys):
     assert last.startswith("validation: worst |predicted/measured - 1| = 30.0% over 3 runs (")
     assert "per run 0.90/1.05/1.30, per round 0.80/1.05/1.40" in last
     assert last.endswith("; arenas of at least one token's 32 records: worst 10.0% over 2 runs")
+
+
+def test_the_hint_probe_counts_reads_landed_before_their_batchs_next_request():
+    """calibrate.hint_probe on hand-made trace events: batches of 3 hinted records, where the first
+    read of each batch is published before the second is requested and the second is not before
+    the third: half the consecutive pairs landed. Exact reads and other kinds are ignored."""
+    from hebrus_mlx.stream.engine import TRACE_DTYPE
+
+    pending = []
+
+    def hint(layer, ids):
+        ev = np.zeros(len(ids) + 1, TRACE_DTYPE)
+        ev["kind"] = "read"
+        ev["issue_ns"] = [0, 10, 20, 5]
+        ev["end_ns"] = [5, 30, 40, 6]
+        ev["exact"][-1] = True  # an exact read in between: not a hint
+        pending.append(ev)
+
+    def reads():
+        out = np.concatenate(pending) if pending else np.zeros(0, TRACE_DTYPE)
+        pending.clear()
+        return out
+
+    got = K.hint_probe(hint, reads, layers=2, experts=6, batch=3, batches=4)
+    assert got["pairs"] == 8 and got["batch_landed"] == 0.5

@@ -78,6 +78,53 @@ def engine_probe(
     }
 
 
+def hint_probe(
+    hint: Callable[[int, np.ndarray], None],
+    reads: Callable[[], np.ndarray],
+    layers: int,
+    experts: int,
+    batch: int,
+    batches: int = 12,
+    seed: int = 0,
+) -> dict:
+    """How a hint batch lands, measured through the engine: `hint(layer, ids)` issues `ids` of
+    `layer` as one prefetch op (P1, released at once, as the predictors issue them) and waits for
+    the op; `reads()` returns the engine trace's `read` events since the last call (and clears
+    them). Each batch hints `batch` records no earlier batch touched; of each read of a batch, the
+    share that had landed (published) before the batch's next read was requested is
+    `batch_landed`: a landed prediction is released and evictable, so the batch's later hints may
+    displace it (model.replay_arena's `batch_landed`). A property of this machine's readers and
+    request loop, measured apart from the runs it is used to predict."""
+    rng = np.random.default_rng(seed + 1000)
+    fresh = {l: list(rng.permutation(experts)) for l in range(layers)}
+    landed, pairs = 0, 0
+    reads()
+    for _ in range(batches):
+        open_layers = [l for l in fresh if len(fresh[l]) >= batch]
+        if not open_layers:
+            break
+        layer = int(rng.choice(open_layers))
+        ids = np.array([int(fresh[layer].pop()) for _ in range(batch)])
+        hint(layer, ids)
+        ev = np.zeros(0)
+        for _ in range(2000):  # until every read of the batch has been published
+            time.sleep(0.001)
+            got = reads()
+            ev = got if not len(ev) else np.concatenate([ev, got])
+            if len(ev) >= batch:
+                break
+        ev = ev[(ev["kind"] == "read") & ~ev["exact"]] if len(ev) else ev
+        ev = ev[np.argsort(ev["issue_ns"], kind="stable")] if len(ev) else ev
+        for a, b in zip(ev[:-1], ev[1:]):
+            pairs += 1
+            landed += bool(a["end_ns"] <= b["issue_ns"])
+    return {
+        "batch_landed": landed / pairs if pairs else 0.0,
+        "pairs": pairs,
+        "source": "hint batches through the engine's prefetch op (trace: read published before the next request)",
+    }
+
+
 def artifact_resolver(path, rows: int, threads: int = 8):
     """(resolve, close) for `engine_probe` on an artifact's expert store, laid out as the loader
     lays it out (its arena parts, widening and digests)."""
@@ -92,6 +139,23 @@ def artifact_resolver(path, rows: int, threads: int = 8):
         mx.eval(ex.engine.release_after(r, lease))
 
     return resolve, ex.engine.close
+
+
+def artifact_hinter(path, rows: int, threads: int = 8):
+    """(hint, reads, close) for `hint_probe` on an artifact's expert store, laid out as the loader
+    lays it out, with the engine trace on."""
+    import mlx.core as mx
+
+    from ..stream.engine import P1
+    from ..stream.experts import StreamedExperts
+
+    ex = StreamedExperts.from_artifact(str(path), rows, threads=threads, prefetch_previous=False)
+    ex.engine.enable_trace(1 << 14)
+
+    def hint(layer, ids):
+        mx.eval(ex.prefetch(layer, mx.array(np.asarray(ids, np.uint32)), P1))
+
+    return hint, lambda: ex.engine.trace_events(clear=True)[0], ex.engine.close
 
 
 def load_average() -> tuple | None:
@@ -124,9 +188,11 @@ def min_median_max(ratios: Sequence[float]) -> str:
 
 
 def validation_row(
-    label, cap, preds_s, meas, ratios, rep, p, spread, cnt, prefetch, compute_s, hit_rate, mb_per_token
+    label, cap, preds_s, meas, ratios, rep, p, spread, cnt, prefetch, compute_s, hit_rate, mb_per_token, read_bytes=None
 ) -> dict:
-    """One validated configuration: tok/s and every engine counter the model predicts, both sides."""
+    """One validated configuration: tok/s and every engine counter the model predicts, both sides.
+    `read_bytes`: bytes the engine reads per record where that is not the stride the timing uses
+    (the MB read per token then counts those, as the engine's counters do)."""
     need = cnt["predicted_hits"] + cnt["predicted_joins"] + cnt["exact_misses"]
     ahead = prefetch != "off"
     return {
@@ -137,6 +203,8 @@ def validation_row(
         "spread": spread,
         "ratio": statistics.median(ratios),
         "ratios_by_round": ratios,
+        "predicted_tok_s_by_round": list(preds_s),
+        "measured_tok_s_by_round": list(meas),
         "compute_ms_per_token": compute_s * 1e3,
         "predicted_exact_misses": float(rep.demand_misses.sum()),
         "measured_exact_misses": cnt["exact_misses"],
@@ -150,7 +218,7 @@ def validation_row(
         "exact_hit_rate": p.hit_rate,
         "measured_hit_rate": hit_rate,
         "predicted_precision": rep.precision,
-        "predicted_mb_per_token": p.bytes_per_token / 1e6,
+        "predicted_mb_per_token": (rep.reads_per_token() * read_bytes if read_bytes else p.bytes_per_token) / 1e6,
         "measured_mb_per_token": mb_per_token,
         "predicted_exposed_ms": p.exposed_ms,
         "predicted_read_cpu_ms": p.read_cpu_ms,

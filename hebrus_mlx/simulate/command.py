@@ -779,13 +779,18 @@ def validate(args) -> dict:
     gb = lambda r: r * st["record_bytes"] / S.GIB  # noqa: E731
     # Compute: every record cached, once per predictor (an ahead predictor's extra router / mix
     # per layer is compute the streamed run pays too).
-    hot = {
-        pf: {"expert-cache-gb": f"{gb(total):.9f}", "prefetch": pf} for pf in ["off"] + [m for m in modes if m != "off"]
-    }
-    configs = list(hot.values())
-    for r in rows:
-        for pf in modes:
-            configs.append({"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf})
+    # Run order: per predictor its all-cached run, its streamed runs, and a second all-cached run
+    # (a label of its own: 1e-9 GB more, the same rows), so each streamed run's compute is the
+    # two all-cached runs that bracket it in time, interpolated to its place (the bench reverses
+    # every other round, the places stay symmetric). The load of a shared machine moves in
+    # seconds: a compute run 20 runs away measures another machine.
+    predictors = ["off"] + [m for m in modes if m != "off"]
+    hot = {pf: {"expert-cache-gb": f"{gb(total):.9f}", "prefetch": pf} for pf in predictors}
+    hot2 = {pf: {"expert-cache-gb": f"{gb(total) + 1e-9:.9f}", "prefetch": pf} for pf in predictors}
+    streamed = [{"expert-cache-gb": f"{gb(r):.9f}", "prefetch": pf} for r in rows for pf in modes]
+    configs = []
+    for pf in predictors:
+        configs += [hot[pf], *[c for c in streamed if c["prefetch"] == pf], hot2[pf]]
     bench = B.run_bench(
         args.model,
         [args.prompt_tokens],
@@ -805,7 +810,9 @@ def validate(args) -> dict:
     probe = _median_probe(probes)
     med = {s["config"]: s["metrics"] for s in bench["summary"]}
     # Per-token medians on both sides (robust to other processes on a shared machine).
-    compute_s = 1.0 / med[H.label(configs[0])]["decode_tok_s_p50"]["median"]
+    compute_s = statistics.median(
+        1.0 / r["decode_tok_s_p50"] for r in bench["runs"] if r["config"] in (H.label(hot["off"]), H.label(hot2["off"]))
+    )
     machine = S.Machine(
         name="this machine (measured)",
         ssd_gbps={int(q): v for q, v in probe["gbps_by_qd"].items()},
@@ -819,9 +826,11 @@ def validate(args) -> dict:
             "pre_router 0.5 (assumption)",
             f"reads: {probe['source']} (its record checks included)",
             "reader CPU time taken from compute (the CPU backend computes on every core)",
+            f"a hint batch's reads landed before its next hint: {probe.get('batch_landed', 0.0):.0%} (probed)",
         ],
     )
     geom = S.ModelGeometry(str(args.model), L, E, k, st["record_bytes"])
+    batch_landed = probe.get("batch_landed", 0.0)
     # The arena persists across the bench's runs: before a timed run come the warm-up and earlier
     # runs of the same tokens; the replay sees the prompt and one earlier run of this config.
     prompt_and_prev = np.concatenate([warm1, decode, warm1])
@@ -832,19 +841,25 @@ def validate(args) -> dict:
     n = len(configs)
     rounds = [bench["runs"][i : i + n] for i in range(0, len(bench["runs"]), n)]
     out = []
-    for c in configs[len(hot) :]:
+    for c in streamed:
         label = H.label(c)
-        base = H.label(hot[c["prefetch"]])
+        base, base2 = H.label(hot[c["prefetch"]]), H.label(hot2[c["prefetch"]])
+        group = [H.label(x) for x in configs if x["prefetch"] == c["prefetch"]]
+        at = group.index(label) / (len(group) - 1)  # its place between the two all-cached runs
         cap = _arena_rows(bench, label)
         pred = preds.get(c["prefetch"])
         if pred is not None:  # the prompt's forward predicts nothing (one-token forwards only)
             pred = np.concatenate([none, pred, none, pred])
-        rep = S.replay(decode, E, cap, "clock", c["prefetch"], prompt_and_prev, predicted=pred)
+        # Hints of one batch that land before its next hint is requested are evictable by it
+        # (probed through the engine, not taken from these runs).
+        rep = S.replay(
+            decode, E, cap, "clock", c["prefetch"], prompt_and_prev, predicted=pred, batch_landed=batch_landed
+        )
         preds_s, meas, ratios = [], [], []
         for rnd in rounds:
-            comp = next(r for r in rnd if r["config"] == base)["decode_tok_s_p50"]
+            a, b = (1.0 / next(r for r in rnd if r["config"] == x)["decode_tok_s_p50"] for x in (base, base2))
             run = next(r for r in rnd if r["config"] == label)["decode_tok_s_p50"]
-            mach = dataclasses.replace(machine, layer_s=1.0 / comp / L)
+            mach = dataclasses.replace(machine, layer_s=(a + (b - a) * at) / L)
             p = S.project(
                 mach,
                 geom,
@@ -857,7 +872,7 @@ def validate(args) -> dict:
             preds_s.append(p.tok_s)
             meas.append(run)
             ratios.append(p.tok_s / run)
-        comp = 1.0 / med[base]["decode_tok_s_p50"]["median"]
+        comp = statistics.median(1.0 / r["decode_tok_s_p50"] for r in bench["runs"] if r["config"] in (base, base2))
         p = S.project(
             dataclasses.replace(machine, layer_s=comp / L),
             geom,
@@ -884,6 +899,7 @@ def validate(args) -> dict:
                 comp,
                 (m["hit_rate"] or {}).get("median"),
                 ((m.get("expert_bytes_per_token") or {}).get("median") or 0) / 1e6,
+                st.get("record_payload_bytes"),
             )
         )
     load1 = K.load_average()
@@ -898,6 +914,7 @@ def validate(args) -> dict:
         "token_records": L * k,
         "repeats": args.repeats,
         "stack": f"model {args.model}",
+        "pairing": "the two all-cached runs of its predictor that bracket it in its round (interpolated to its place)",
         "load_average": [load0, load1],
         "command": K.command_line(args),
     }
@@ -909,15 +926,23 @@ def bench_probe(path, st, L, E, seed) -> dict:
 
     resolve, close = K.artifact_resolver(path, 16)
     try:
-        return K.engine_probe(resolve, L, E, st["record_bytes"], batches=6, seed=seed)
+        out = K.engine_probe(resolve, L, E, st["record_bytes"], batches=6, seed=seed)
     finally:
         close()
+    hint, reads, close = K.artifact_hinter(path, 16)
+    try:
+        out["hints"] = K.hint_probe(hint, reads, L, E, min(4, E), seed=seed)
+    finally:
+        close()
+    return out
 
 
 def _median_probe(probes: list[dict]) -> dict:
     out = dict(probes[0])
     out["gbps_by_qd"] = {q: statistics.median(p["gbps_by_qd"][q] for p in probes) for q in probes[0]["gbps_by_qd"]}
     out["cpu_us_per_record"] = statistics.median(p["cpu_us_per_record"] for p in probes)
+    if all("hints" in p for p in probes):
+        out["batch_landed"] = statistics.median(p["hints"]["batch_landed"] for p in probes)
     out["source"] = probes[0]["source"] + f" (median of {len(probes)} probes, before and after the runs)"
     return out
 
@@ -955,11 +980,18 @@ def print_validation(v: dict) -> None:
         + " GB/s"
         + (f", reader CPU {m['read_cpu_us']:.0f} us per record taken from compute" if m.get("read_cpu_us") else "")
         + (f" [{v['probe_source']}]" if v.get("probe_source") else "")
+        + (
+            f"; of a hint batch's reads {v['probe']['batch_landed']:.0%} landed before its next hint was requested "
+            "(probed; the replay lets later hints of the batch displace those)"
+            if (v.get("probe") or {}).get("batch_landed") is not None
+            else ""
+        )
     )
     timing = v.get("timing", "tok/s = 1 / the median inter-token time")
+    pairing = v.get("pairing", "its own round's compute run")
     print(
         f"method: {v['repeats']} interleaved rounds; {timing}; each run predicted "
-        "from its own round's compute run; pred/meas = the median over rounds (their range in brackets); counters "
+        f"from {pairing}; pred/meas = the median over rounds (their range in brackets); counters "
         "per decode token from the engine (stream.engine.counters), medians over the rounds"
     )
     cols = [
@@ -1007,6 +1039,18 @@ def print_validation(v: dict) -> None:
         if tr and 0 < len(big) < len(v["runs"])
         else ""
     )
+    gaps = []
+    for key, name in (("exact_misses", "exact misses"), ("reads_ahead", "reads ahead")):
+        d = [
+            (abs(r[f"predicted_{key}"] - r[f"measured_{key}"]), r["config"])
+            for r in v["runs"]
+            if r.get(f"predicted_{key}") is not None and r.get(f"measured_{key}") is not None
+        ]
+        if d:
+            gap, at = max(d)
+            gaps.append(f"{name} worst |pred - meas| {gap:.1f}/token ({at})")
+    if gaps:
+        print("engine counters: " + "; ".join(gaps))
     print(
         f"validation: worst |predicted/measured - 1| = {100 * v['worst']:.1f}% over {len(v['runs'])} runs "
         f"(pred/meas min/median/max: per run {per}, per round {rnd}; median measured spread ±{spread:.0%}, "

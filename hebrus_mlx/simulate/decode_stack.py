@@ -171,7 +171,7 @@ class Stack:
             mx.eval(st.eng.release_after(rows_, lease))
 
         try:
-            return K.engine_probe(
+            out = K.engine_probe(
                 resolve,
                 self.layers,
                 self.experts,
@@ -182,6 +182,21 @@ class Stack:
             )
         finally:
             st.eng.close()
+        st = self.make("off", max(16, 2 * self.top_k))
+        st.eng.enable_trace(1 << 14)
+
+        def hint(layer, ids):
+            ids = (np.asarray(ids) + layer * self.experts).astype(np.uint32)
+            mx.eval(st.eng.prefetch(st.table, mx.array(ids), priority=1, layer=layer))
+
+        try:
+            self.bs.drop_cache(self.path)  # the runs read a cold store
+            out["hints"] = K.hint_probe(
+                hint, lambda: st.eng.trace_events(clear=True)[0], self.layers, self.experts, self.top_k, 4, seed
+            )
+        finally:
+            st.eng.close()
+        return out
 
 
 def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: int, source: str) -> S.Machine:
@@ -200,6 +215,16 @@ def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: 
             "no record checks on this stack (its table has no digests)",
         ],
     )
+
+
+def _hot_rows(rows: int, token_records: int, top_k: int, prefetch: str) -> int:
+    """Arena rows for an all-cached run: at least `rows` and enough that a token's records fit
+    beside the loader's staging rows for `prefetch` (min(top_k * depth, rows // 4))."""
+    kind, depth = S.prefetch_kind(prefetch)
+    n = max(rows, token_records)
+    while kind != "off" and n - min(top_k * max(depth, 1), n // 4) < token_records:
+        n += 1
+    return n
 
 
 def validate_decode(args) -> dict:
@@ -230,21 +255,21 @@ def validate_decode(args) -> dict:
     # Each run starts cold: the replay warms on token 0 and counts tokens 1.. (as the timing).
     warm, topk = routes[:1], routes[1:]
     configs = [(r, m) for r in rows_list for m in modes]
-    reps = {}
-    for r, m in configs:
-        reps[r, m] = S.replay(topk, E, r, "clock", m, warm, predicted=preds.get(m))
     geom = S.ModelGeometry("bench_stream --decode", L, E, k, stack.rec)
     # A round: the reads probed through the engine, then per arena size its compute runs (every
     # record cached, same rows, per predictor) next to its streamed runs; sizes and runs in
     # reverse order every other round (A B B A).
-    hot_rows = {r: max(r, L * k) for r in rows_list}  # a hot token needs its L x k records resident
+    # A hot token needs its L x k records resident. With a predictor the loader keeps staging rows
+    # for predictions (exact records hold at most rows - staging), so the all-cached run needs that
+    # many more rows, or its timed pass reads records again and is no compute run.
+    hot_rows = {(r, m): _hot_rows(r, L * k, k, m) for r in rows_list for m in modes}
     rounds = []
     for rnd in range(args.repeats):
         got = {"pre": stack.pre_router(max(rows_list[0], L * k)), "probe": stack.probe(rnd)}
         order = [(r, m) for r in rows_list for m in [f"hot:{x}" for x in modes] + modes]
         for r, m in order if rnd % 2 == 0 else order[::-1]:
             if m.startswith("hot:"):
-                got[r, m] = stack.hot(hot_rows[r], prefetch=m[4:])
+                got[r, m] = stack.hot(hot_rows[r, m[4:]], prefetch=m[4:])
             else:
                 times, rts, c = stack.run(m, r)
                 if not np.array_equal(rts, routes):
@@ -256,8 +281,11 @@ def validate_decode(args) -> dict:
     out = []
     T = len(topk)
     source = rounds[0]["probe"]["source"] + " (probed in each round; the median shown)"
+    # The replay needs no timing but how a hint batch lands (probed in each round, not taken from
+    # the runs): a hint that landed before the batch's next one is evictable by it.
+    batch_landed = statistics.median(g["probe"].get("hints", {}).get("batch_landed", 0.0) for g in rounds)
     for r, m in configs:
-        rep = reps[r, m]
+        rep = S.replay(topk, E, r, "clock", m, warm, predicted=preds.get(m), batch_landed=batch_landed)
         ratios, pred_s, meas_s = [], [], []
         for got in rounds:
             hot, pre = got[r, f"hot:{m}"], got["pre"]
@@ -279,6 +307,22 @@ def validate_decode(args) -> dict:
         mb = statistics.median((c["exact_bytes"] + c["predicted_bytes"]) for c in cs) / T / 1e6
         spread = (max(meas_s) - min(meas_s)) / 2 / statistics.median(meas_s) if len(meas_s) > 1 else 0.0
         comp = statistics.median(g[r, f"hot:{m}"] for g in rounds)
+        # The counters' side (exposed wait, recall) from the median inputs, not the last round's.
+        med = dict(rounds[0]["probe"])
+        med["gbps_by_qd"] = {
+            q: statistics.median(g["probe"]["gbps_by_qd"][q] for g in rounds) for q in med["gbps_by_qd"]
+        }
+        med["cpu_us_per_record"] = statistics.median(g["probe"]["cpu_us_per_record"] for g in rounds)
+        pre_med = statistics.median(g["pre"] for g in rounds)
+        p = S.project(
+            machine_from_probe(med, comp / L, pre_med, 8, source),
+            geom,
+            rep,
+            cache_gb=r * stack.rec / S.GIB,
+            capacity=r,
+            policy="clock",
+            prefetch=m,
+        )
         out.append(
             K.validation_row(f"rows={r},prefetch={m}", r, pred_s, meas_s, ratios, rep, p, spread, cnt, m, comp, hit, mb)
         )
@@ -289,6 +333,7 @@ def validate_decode(args) -> dict:
         q: statistics.median(g["probe"]["gbps_by_qd"][q] for g in rounds) for q in probe["gbps_by_qd"]
     }
     probe["cpu_us_per_record"] = statistics.median(g["probe"]["cpu_us_per_record"] for g in rounds)
+    probe["batch_landed"] = batch_landed
     machine = machine_from_probe(probe, hot / L, pre, 8, source)
     load1 = K.load_average()
     return {

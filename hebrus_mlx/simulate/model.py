@@ -259,6 +259,9 @@ class Replay:
     prefetch_hits: float = 0.0  # hinted records already in the arena, per token
     predicted_wasted: float = 0.0  # predicted reads no layer of the same token used, per token
     predicted_hits: float = 0.0  # exact lookups served by any earlier prediction (the engine's count)
+    # Of those, the ones whose read was still in flight (the engine's predicted_joins), when the
+    # replay modelled reads in flight (`landed` < 1); None: every read landed before its layer.
+    predicted_joins: float | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -434,13 +437,28 @@ def replay_arena(
     policy: str = "clock",
     predicted: np.ndarray | None = None,
     staging: int | None = None,
+    landed=1.0,
+    batch_landed: float = 0.0,
 ) -> Replay:
     """Replay [T, L, k] routes through the engine's arena of `capacity` rows (`_Arena`), as the
     streamed layers drive it: with prefetch="previous" each layer first hints the previous
     token's top-k (StreamedSwitchGLU.layer_start); with "router-reuse:D" / "hyper-reuse" the
     predicted sets `predicted` [T0 + T, L, B] (for token t, target layer l; -1 = none) are hinted
     right after layer l - D's exact reads (predict_after_resolve). Staging rows default to the
-    loader's min(B * D, rows // 4). `warm` [T0, L, k] routes run first and are not counted."""
+    loader's min(B * D, rows // 4). `warm` [T0, L, k] routes run first and are not counted.
+
+    `landed` (a fraction, or one per target layer): of each hint batch's reads, the share (first
+    issued first) read before the target layer's exact requests. The rest are still in flight
+    there, and the engine cannot evict a read in flight (metal_ext/engine.cpp indexes only ready,
+    unpinned slots): they hold their rows through the target layer's exact requests, an exact
+    lookup of one joins it (a late prediction, `Replay.predicted_joins`), and an exact miss that
+    finds every row pinned or in flight waits for the oldest read to land (ops.cpp
+    request_with_room) and then takes a row. They land once the target layer's exact reads are
+    resolved. `batch_landed`: the share of a hint batch's reads in flight that land before its
+    next hint is requested (the oldest first; `calibrate.hint_probe` measures it through the
+    engine): a landed, released prediction is evictable, so a later hint of the same batch can
+    displace it (a read ahead wasted). batch_landed=0 and landed=1 is the replay that holds every
+    batch in flight while it is issued and lands it before the next exact request."""
     kind, depth = prefetch_kind(prefetch)
     if policy not in ("lru", "clock"):
         raise UsageError("policy", f"the engine's arena is lru or clock, not {policy!r}")
@@ -458,21 +476,49 @@ def replay_arena(
         budget = k
     if staging is None:
         staging = 0 if kind == "off" else min(budget * max(depth, 1), capacity // 4)
+    fracs = np.broadcast_to(np.asarray(landed, float), (L,))
+    if not np.all((fracs >= 0) & (fracs <= 1)):
+        raise UsageError("landed", f"fractions in [0, 1] are required, got {landed!r}")
+    if not 0 <= batch_landed <= 1:
+        raise UsageError("batch_landed", f"a fraction in [0, 1] is required, got {batch_landed!r}")
+    owed_batch = 0.0
     arena = _Arena(capacity, staging, policy)
     slots, clock = arena.slots, policy == "clock"
     demand, used, reads = np.zeros(L), np.zeros(L), np.zeros(L)
-    hint_lookups = hint_hits = promoted = 0
+    hint_lookups = hint_hits = promoted = joins = 0
+    inflight: list[tuple[int, int]] = []  # (target layer, record): predicted reads still being read
+    flying_set: set[int] = set()
+    owed = np.zeros(L)  # error diffusion: fractional landings carried to the next batch
+
+    def land(pred=lambda tl: True, oldest=False):
+        """Reads in flight land (unpinned: evictable again): the oldest one, or all for which pred."""
+        keep = []
+        for n, (tl, x) in enumerate(inflight):
+            if (n == 0) if oldest else pred(tl):
+                arena.unpin(x)
+                flying_set.discard(x)
+            else:
+                keep.append((tl, x))
+        inflight[:] = keep
+
     for i in range(len(ids)):
         count = i >= t0
 
         def hint(l, experts):
             # One prefetch op issues its hints together: a read still in flight is not
             # evictable, so a hint never displaces another of the same batch.
-            nonlocal hint_lookups, hint_hits
+            nonlocal hint_lookups, hint_hits, owed_batch
             flying = []
             for e in experts:
                 if e < 0:
                     continue
+                if flying and batch_landed:  # reads of this batch that landed before this hint
+                    owed_batch += batch_landed * len(flying)
+                    n_land = min(len(flying), int(owed_batch + 1e-9))
+                    owed_batch -= n_land
+                    for x in flying[:n_land]:
+                        arena.unpin(x)
+                    del flying[:n_land]
                 x = l * num_experts + e
                 res, _ = arena.lookup(x, False, (i, l))
                 if res == "miss":
@@ -482,8 +528,14 @@ def replay_arena(
                     hint_lookups += 1
                     hint_hits += res == "hit"
                     reads[l] += res == "miss"
-            for x in flying:
+            owed[l] += fracs[l] * len(flying)
+            n_land = min(len(flying), int(owed[l] + 1e-9))
+            owed[l] -= n_land
+            for x in flying[:n_land]:
                 arena.unpin(x)
+            for x in flying[n_land:]:
+                inflight.append((l, x))
+                flying_set.add(x)
 
         for l in range(L):
             base = l * num_experts
@@ -496,11 +548,20 @@ def replay_arena(
                     s[3] = True
                     s[4] += 1
                     continue
+                late = x in flying_set
                 res, tag = arena.lookup(x, True)
+                while res == "dropped":  # every row pinned or in flight: wait for the oldest read
+                    if not inflight:
+                        raise UsageError("cache", f"{capacity} rows cannot hold layer {l}'s {k} records")
+                    land(oldest=True)
+                    res, tag = arena.lookup(x, True)
                 if count:
                     demand[l] += res == "miss"
                     promoted += tag is not None
+                    joins += late and tag is not None
                     used[l] += tag == (i, l)  # read by this token's prediction for this layer
+            if inflight:  # the layer's exact reads are resolved: its late predictions have landed
+                land(lambda tl, l=l: tl <= l)
             if kind == "ahead" and l + depth < L:
                 hint(l + depth, pred[i][l + depth])
             for e in ids[i][l]:
@@ -518,6 +579,7 @@ def replay_arena(
         hint_hits / n,
         float(np.sum(reads) - np.sum(used)) / n,
         promoted / n,
+        None if np.all(fracs >= 1) else joins / n,
     )
 
 
@@ -536,13 +598,17 @@ def replay(
     prefetch: str = "off",
     warm: np.ndarray | None = None,
     predicted: np.ndarray | None = None,
+    landed=1.0,
+    batch_landed: float = 0.0,
 ) -> Replay:
     """The engine's arena for its policies (lru, clock; any prediction); demand paging through
     cachesim for the others (lfu, belady; no prediction). `warm` routes run first, uncounted (for
     online policies hits(warm + trace) - hits(warm) are the trace's own hits; for Belady, a bound
-    anyway, it is the same subtraction)."""
+    anyway, it is the same subtraction). `landed`, `batch_landed`: see replay_arena (reads ahead in flight)."""
     if policy in ("lru", "clock"):
-        return replay_arena(topk, num_experts, capacity, prefetch, warm, policy, predicted)
+        return replay_arena(
+            topk, num_experts, capacity, prefetch, warm, policy, predicted, landed=landed, batch_landed=batch_landed
+        )
     if prefetch != "off":
         raise UsageError("policy", f"prefetch={prefetch} is modelled with the engine's arena (lru, clock) only")
     t, L, k = topk.shape
