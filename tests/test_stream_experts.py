@@ -154,17 +154,29 @@ def _fds_and_threads():
     return fds, tasks
 
 
-def _new_since(before):
+def _new_since(before, settle=2.0):
     """Descriptors and threads that exist now and did not before. Sets, not counts: the test
     process is shared with every earlier test, whose leftovers may end while this one runs (an
     unclosed engine freed by the cyclic GC joins its workers; a subprocess pipe is closed when its
     Popen is collected; a server test's worker thread exits after its stop()), and a count would
-    blame that on the code under test. What was created here and is still open is ours."""
-    fds, tasks = _fds_and_threads()
-    return (
-        {fd: t for fd, t in fds.items() if before[0].get(fd) != t},
-        {tid: n for tid, n in tasks.items() if tid not in before[1]},
-    )
+    blame that on the code under test. What was created here and is still open is ours.
+
+    Polled for up to ``settle`` seconds: pthread_join returns once the kernel clears the joined
+    thread's tid, a moment before the kernel reaps it from /proc/self/task, so a worker the engine
+    did join can still be listed right after close() (a CI run saw exactly that). A leaked worker
+    waits for work forever and is still listed when the deadline passes."""
+    import time
+
+    deadline = time.monotonic() + settle
+    while True:
+        fds, tasks = _fds_and_threads()
+        new = (
+            {fd: t for fd, t in fds.items() if before[0].get(fd) != t},
+            {tid: n for tid, n in tasks.items() if tid not in before[1]},
+        )
+        if new == ({}, {}) or time.monotonic() >= deadline:
+            return new
+        time.sleep(0.01)
 
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs /proc")
