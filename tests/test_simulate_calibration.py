@@ -4,6 +4,8 @@ gains, reader CPU time), its recommendations (runtime flags only) and the engine
 Provenance: every expected number is derived by hand here from the machine and replay each test
 builds; the probe is checked against the engine's injected read delay (an independent clock)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -211,6 +213,18 @@ def test_the_engine_probe_times_the_engines_own_reads(tmp_path):
 def test_the_quiet_note_says_busy():
     assert "BUSY" in K.quiet_note((9.0, 0, 0), (8.0, 0, 0), cores=2)
     assert ": quiet" in K.quiet_note((0.3, 0, 0), (0.9, 0, 0), cores=2)
+    # The end load includes the validation's own runs: what they kept busy is not another process's.
+    assert ": quiet" in K.quiet_note((0.3, 0, 0), (1.6, 0, 0), cores=2, own=1.4)
+    assert "BUSY" in K.quiet_note((0.3, 0, 0), (1.6, 0, 0), cores=2, own=0.2)
+    assert "BUSY" in K.quiet_note((1.6, 0, 0), (1.6, 0, 0), cores=2, own=1.4)  # busy before they started
+
+
+def test_own_load_counts_this_process_cpu():
+    start = K.cpu_clock()
+    t = time.monotonic()
+    while time.monotonic() - t < 0.3:  # one core busy
+        pass
+    assert 0.5 < K.own_load(start) <= 1.5
 
 
 def test_every_recommendable_setting_is_a_flag_generate_accepts():

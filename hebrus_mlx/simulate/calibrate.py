@@ -165,14 +165,30 @@ def load_average() -> tuple | None:
         return None
 
 
-def quiet_note(before: tuple | None, after: tuple | None, cores: int | None = None) -> str:
-    """One line saying how loaded the machine was (the validation's numbers mean little on a busy one)."""
+def cpu_clock() -> tuple[float, float]:
+    """(CPU seconds of this process's threads and its reaped children; monotonic seconds): two of
+    them give its own load."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system, time.monotonic()
+
+
+def own_load(start: tuple[float, float]) -> float:
+    """Cores this process kept busy on average since `start` (a cpu_clock())."""
+    cpu, wall = cpu_clock()
+    return (cpu - start[0]) / max(wall - start[1], 1e-9)
+
+
+def quiet_note(before: tuple | None, after: tuple | None, cores: int | None = None, own: float | None = None) -> str:
+    """One line saying how loaded the machine was (the validation's numbers mean little on a busy one).
+    The load at the end includes the validation's own runs (`own`: cores they kept busy, from CPU time);
+    other processes are judged by the start and by the end less that."""
     cores = cores or os.cpu_count() or 1
     if before is None or after is None:
         return "load average: unknown"
-    worst = max(before[0], after[0])
-    verdict = "quiet" if worst <= 0.5 * cores else "BUSY: other processes share the cores; rerun on a quiet machine"
-    return f"load average (1 min) {before[0]:.2f} at start, {after[0]:.2f} at end on {cores} cores: {verdict}"
+    others = max(before[0], after[0] - (own or 0.0))
+    verdict = "quiet" if others <= 0.5 * cores else "BUSY: other processes share the cores; rerun on a quiet machine"
+    mine = "" if own is None else f" ({own:.2f} of it these runs' CPU)"
+    return f"load average (1 min) {before[0]:.2f} at start, {after[0]:.2f} at end{mine} on {cores} cores: {verdict}"
 
 
 def ratio_spread(ratios: Sequence[float]) -> tuple:

@@ -230,7 +230,7 @@ def _hot_rows(rows: int, token_records: int, top_k: int, prefetch: str) -> int:
 def validate_decode(args) -> dict:
     from . import calibrate as K
 
-    load0 = K.load_average()
+    load0, clock0 = K.load_average(), K.cpu_clock()
     from . import synthetic_stack as bs
 
     rows_list = [int(x) for x in args.rows.split(",")]
@@ -348,6 +348,7 @@ def validate_decode(args) -> dict:
         "stack": f"bench_stream --decode: {L} layers x {E} experts top-{k}, {stack.rec:,} B records, "
         f"{args.gen_tokens} tokens per cold run, store {stack.path}",
         "load_average": [load0, load1],
+        "own_load": K.own_load(clock0),
         "command": K.command_line(args),
         "timing": "tok/s = 1 / the mean time of tokens 1.. of each cold run (token 0 fills the empty arena)",
     }
