@@ -66,6 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hebrus_mlx.simulate.synthetic_stack import (  # the stack simulate --validate --stack decode times too
+    EXPAND,
     HIDDEN,
     DecodeStack,
     build_decode_store,
@@ -222,7 +223,7 @@ def run_decode(args):
     def stack(prefetch, rows=args.rows):
         eng = se.StreamEngine(cache_bytes=rec, threads=args.threads, backend=args.backend)
         s = eng.add_store(path)
-        aid, parts = eng.create_arena(pb, rows)
+        aid, parts = eng.create_arena(pb, rows, EXPAND)
         table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n, arena=aid)
         st = DecodeStack(eng, table, glu_weights(parts, rows), args.layers, args.experts, args.top_k, prefetch, mixers)
         # Staging rows for predictions, as stream.streaming.Streaming sets them.
@@ -552,7 +553,7 @@ def main():
         table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n)
         if kind in ("resolve", "glu", "glu_pf", "glu_hot"):
             rows = 4 * args.top_k
-            aid, parts = eng.create_arena(pb, rows)
+            aid, parts = eng.create_arena(pb, rows, EXPAND)
             table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n, arena=aid)
             weights = None if kind == "resolve" else glu_weights(parts, rows)
             todo = batches

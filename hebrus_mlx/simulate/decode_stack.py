@@ -56,7 +56,7 @@ class Stack:
         bs = self.bs
         eng = se.StreamEngine(cache_bytes=self.rec, threads=self.threads)
         s = eng.add_store(self.path)
-        aid, parts = eng.create_arena(bs.part_bytes(), rows)
+        aid, parts = eng.create_arena(bs.part_bytes(), rows, bs.EXPAND)
         table = eng.register_table(s, [i * self.rec for i in range(self.n)], [self.rec] * self.n, arena=aid)
         st = bs.DecodeStack(
             eng, table, bs.glu_weights(parts, rows), self.layers, self.experts, self.top_k, prefetch, self.mixers
