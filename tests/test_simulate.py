@@ -633,15 +633,15 @@ def test_the_decode_stacks_all_cached_run_fits_a_token_beside_the_staging_rows()
     from hebrus_mlx.simulate import decode_stack as D
 
     assert D._hot_rows(20, 40, 10, "off") == 40
-    assert D._hot_rows(20, 40, 10, "previous") == 50 == D._hot_rows(40, 40, 10, "previous")
-    # An ahead predictor's hints are other records than the token's: room for both.
+    # A predictor's hints are other records than the token's: room for both.
+    assert D._hot_rows(20, 40, 10, "previous") == 90 == D._hot_rows(40, 40, 10, "previous")
     assert D._hot_rows(20, 40, 10, "router-reuse:1") == 90  # 90 - min(10, 90 // 4) = 80
     assert D._hot_rows(20, 40, 10, "router-reuse:2") == 100  # 100 - min(20, 100 // 4) = 80
     assert D._hot_rows(160, 40, 10, "previous") == 160
     for m in ("previous", "router-reuse:1", "router-reuse:2"):
         n = D._hot_rows(10, 40, 10, m)
         kind, depth = S.prefetch_kind(m)
-        need = 80 if kind == "ahead" else 40
+        need = 40 if kind == "off" else 80
         depth = max(depth, 1)
         assert n - min(10 * depth, n // 4) >= need > (n - 1) - min(10 * depth, (n - 1) // 4)
 

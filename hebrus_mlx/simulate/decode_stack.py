@@ -224,11 +224,12 @@ def machine_from_probe(probe: dict, layer_s: float, pre_router: float, threads: 
 
 def _hot_rows(rows: int, token_records: int, top_k: int, prefetch: str) -> int:
     """Arena rows for an all-cached run: at least `rows` and enough that a token's records fit
-    beside the loader's staging rows for `prefetch` (min(top_k * depth, rows // 4)). An ahead
-    predictor's hinted sets are not the token's routes, so they need rows of their own too (at 50
-    rows router-reuse:1's timed pass read 12-22 records again, +25% "compute")."""
+    beside the loader's staging rows for `prefetch` (min(top_k * depth, rows // 4)). A predictor's
+    hinted sets are other records than the token's (the previous token's routes, or an ahead
+    router's guesses), so they need rows of their own too (at 50 rows router-reuse:1's timed pass
+    read 12-22 records again, +25% "compute"; previous read 5)."""
     kind, depth = S.prefetch_kind(prefetch)
-    need = token_records * (2 if kind == "ahead" else 1)
+    need = token_records * (1 if kind == "off" else 2)
     n = max(rows, need)
     while kind != "off" and n - min(top_k * max(depth, 1), n // 4) < need:
         n += 1
