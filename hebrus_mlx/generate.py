@@ -779,7 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Refuse bad values of generate's flags (UsageError naming the flag) before the model loads."""
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:  # None: the server's "not given"
         raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
     try:
         check_sampling_args(args.temp, args.top_p, args.min_p, args.top_k)

@@ -174,6 +174,38 @@ def check_fields(body: dict, vocab: int) -> tuple[dict, dict]:
     return sampling, options
 
 
+# POST /v1/responses/input_tokens: the fields that shape the prompt (the rest of a create request
+# is refused there as unknown, as OpenAI's endpoint does).
+INPUT_TOKENS_FIELDS = {
+    k: RESPONSES_FIELDS[k]
+    for k in (
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "previous_response_id",
+        "text",
+        "reasoning",
+        "truncation",
+        "chat_template_kwargs",
+    )
+}
+
+
+def check_count_fields(body: dict, vocab: int) -> dict:
+    """check_fields for /v1/responses/input_tokens; returns the template options."""
+    for name in body:
+        if name not in INPUT_TOKENS_FIELDS:
+            raise RequestError(f"unknown field {name!r} for /v1/responses/input_tokens", name)
+    for name, check in INPUT_TOKENS_FIELDS.items():
+        if check is not None and body.get(name) is not None:
+            check(body, name, vocab)
+    kwargs = body.get("chat_template_kwargs") or {}
+    return {"enable_thinking": kwargs["enable_thinking"]} if "enable_thinking" in kwargs else {}
+
+
 def chat_tools(tools) -> list | None:
     """Responses function tools in the chat API's shape (what the template renders)."""
     if not tools:
@@ -281,6 +313,58 @@ def to_messages(items, where: str = "input") -> list[dict]:
             out[-1]["reasoning_content"] = "\n".join(reasoning)
             reasoning = []
     return out
+
+
+def input_items(items) -> list[dict]:
+    """`input` (checked by to_messages) as the items GET /v1/responses/{id}/input_items lists: each
+    with an id and a status, a message's text as content parts."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        item = {**item, "type": kind, "status": item.get("status") or "completed"}
+        if kind == "message":
+            if isinstance(item["content"], str):
+                part = "output_text" if item["role"] == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item["id"] = item.get("id") or _new_id("msg_")
+        else:
+            item["id"] = item.get("id") or _new_id({"function_call": "fc_", "reasoning": "rs_"}.get(kind, "fco_"))
+        out.append(item)
+    return out
+
+
+MAX_LIST_LIMIT = 100
+LIST_QUERY = ("limit", "order", "after")  # GET /v1/responses/{id}/input_items
+
+
+def list_page(items: list[dict], query: dict) -> dict:
+    """A page of `items` as OpenAI's list object, from the query's limit (1..100, default 20), order
+    (asc or desc, the default) and after (an item id); other query parameters are refused."""
+    for k in query:
+        if k not in LIST_QUERY:
+            raise RequestError(f"unknown query parameter {k!r} (limit, order, after)", k)
+    limit = query.get("limit", "20")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= MAX_LIST_LIMIT):
+        raise RequestError(f"limit must be an integer in [1, {MAX_LIST_LIMIT}], got {limit!r}", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise RequestError(f"order must be asc or desc, got {order!r}", "order")
+    items = items if order == "asc" else items[::-1]
+    if "after" in query:
+        ids = [i["id"] for i in items]
+        if query["after"] not in ids:
+            raise RequestError(f"after {query['after']!r} is not an item of this response", "after")
+        items = items[ids.index(query["after"]) + 1 :]
+    page = items[: int(limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
 
 
 def with_instructions(instructions: str | None, messages: list[dict]) -> list[dict]:
@@ -500,12 +584,15 @@ class ResponseStore:
     def __len__(self):
         return len(self._entries)
 
-    def put(self, rid: str, messages: list[dict], response: dict) -> bool:
-        nbytes = len(json.dumps([messages, response]).encode())
+    def put(self, rid: str, messages: list[dict], response: dict, items: list[dict] = ()) -> bool:
+        """Store a response: its whole conversation `messages`, the response object and the
+        request's input `items` (input_items.list)."""
+        nbytes = len(json.dumps([messages, response, items]).encode())
         if nbytes > self.max_bytes or self.max_entries == 0:
             return False
+        record = {"messages": messages, "response": response, "items": list(items)}
         with self._lock:
-            self._entries[rid] = (self.clock() + self.ttl, nbytes, {"messages": messages, "response": response})
+            self._entries[rid] = (self.clock() + self.ttl, nbytes, record)
             self.nbytes += nbytes
             while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
                 _, (_, n, _) = self._entries.popitem(last=False)
@@ -523,3 +610,10 @@ class ResponseStore:
                 return None
             self._entries.move_to_end(rid)
             return entry[2]
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            entry = self._entries.pop(rid, None)
+            if entry is not None:
+                self.nbytes -= entry[1]
+            return entry is not None

@@ -46,7 +46,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from . import api_fields, flags, responses_api
+from . import anthropic_api, api_fields, flags, responses_api
 from .api_fields import RequestError
 from .artifact.untrusted import UntrustedFileError
 from .artifact.untrusted import loads as untrusted_loads
@@ -68,6 +68,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 DEFAULT_PREP_PROCESS_BYTES = 64 << 10  # bodies this large are rendered/tokenized in the prep process
+DEFAULT_MAX_TOKENS = 512  # a reply's cap when neither the request nor --max-tokens gives one (mlx_lm.server's)
 API_KEY_ENV = "HEBRUS_MLX_API_KEY"  # the key without a command line that `ps` shows
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -345,7 +346,7 @@ class ServerDefaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    max_tokens: int = 512
+    max_tokens: int | None = None  # --max-tokens; None: not given (see App._max_tokens)
     prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE
     draft_model: str | None = None  # speculative decoding: 'ngram', 'mtp' or a draft model dir
     num_draft_tokens: int | None = None
@@ -371,6 +372,7 @@ class Job:
     usage: Usage = field(default_factory=lambda: Usage(0, 0))
     tickets: Any = None  # its ticket scope (Streaming.request()) while it runs: a cancel fails its reads
     finished: bool = False
+    stop_hit: str | None = None  # the stop sequence that ended the reply (Anthropic's stop_sequence)
 
 
 class Worker:
@@ -722,7 +724,16 @@ class App:
                 Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
                 Route("/completions", self._wrap(self.completions), methods=["POST"]),
                 Route("/v1/responses", self._wrap(self.responses), methods=["POST"]),
+                Route("/v1/responses/input_tokens", self._wrap(self.response_input_tokens), methods=["POST"]),
                 Route("/v1/responses/{response_id}", self._wrap(self.stored_response), methods=["GET"]),
+                Route("/v1/responses/{response_id}", self._wrap(self.delete_response), methods=["DELETE"]),
+                Route("/v1/responses/{response_id}/input_items", self._wrap(self.input_items), methods=["GET"]),
+                Route("/v1/messages", self._wrap(self.messages, anthropic_api.error_body), methods=["POST"]),
+                Route(
+                    "/v1/messages/count_tokens",
+                    self._wrap(self.count_tokens, anthropic_api.error_body),
+                    methods=["POST"],
+                ),
                 Route("/v1/models", self._wrap(self.models), methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self._wrap(self.model), methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -737,9 +748,9 @@ class App:
 
         return JSONResponse(obj, status_code=status)
 
-    def _refuse(self, request, e: RequestError):
+    def _refuse(self, request, e: RequestError, shape=_error_body):
         log.warning("%d %s %s: %s", e.status, request.method, request.url.path, e)
-        return self._json(_error_body(e), e.status)
+        return self._json(shape(e), e.status)
 
     async def _not_found(self, request, exc):
         return self._refuse(request, RequestError(f"no route {request.url.path}", None, 404, "not_found_error"))
@@ -747,7 +758,10 @@ class App:
     async def _not_allowed(self, request, exc):
         return self._refuse(request, RequestError(f"{request.method} not allowed on {request.url.path}", None, 405))
 
-    def _wrap(self, handler):
+    def _wrap(self, handler, shape=_error_body):
+        """`handler` behind the key check; a refusal is the error object `shape` builds (OpenAI's
+        by default, Anthropic's on its routes)."""
+
         async def endpoint(request):
             try:
                 self._authorize(request)
@@ -760,26 +774,30 @@ class App:
                 log.info("%s %s: client disconnected before sending its body", request.method, request.url.path)
                 return Response(status_code=400)  # nobody reads it
             except RequestError as e:
-                return self._refuse(request, e)
+                return self._refuse(request, e, shape)
             except PROMPT_ERRORS as e:
-                return self._refuse(request, RequestError(str(e), _param_of(e)))
+                return self._refuse(request, RequestError(str(e), _param_of(e)), shape)
             except Exception as e:  # one line, no traceback, the server keeps serving
                 log.error("500 %s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
-                return self._json(_error_body(RequestError(f"{type(e).__name__}: {e}", None, 500, "server_error")), 500)
+                return self._json(shape(RequestError(f"{type(e).__name__}: {e}", None, 500, "server_error")), 500)
 
         return endpoint
 
     def _authorized(self, request) -> bool:
         if self.api_key is None:
             return True
-        got = request.headers.get("authorization", "")
-        want = "Bearer " + self.api_key
-        return hmac.compare_digest(got.encode(), want.encode())
+        # OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`.
+        want = self.api_key.encode()
+        bearer = hmac.compare_digest(request.headers.get("authorization", "").encode(), b"Bearer " + want)
+        return hmac.compare_digest(request.headers.get("x-api-key", "").encode(), want) or bearer
 
     def _authorize(self, request):
         if not self._authorized(request):
             raise RequestError(
-                "missing or wrong API key (Authorization: Bearer ...)", None, 401, "authentication_error"
+                "missing or wrong API key (Authorization: Bearer ... or x-api-key: ...)",
+                None,
+                401,
+                "authentication_error",
             )
 
     async def _off_loop(self, fn, *args, **kwargs):
@@ -889,12 +907,18 @@ class App:
             )
         return self._json(self._model_object())
 
-    def _max_tokens(self, s: Sampling, n_prompt: int, where: str) -> int:
+    def _max_tokens(self, s: Sampling, n_prompt: int, where: str, whole_context: bool = False) -> int:
+        """The request's cap on its reply. Without one: --max-tokens, else DEFAULT_MAX_TOKENS, or with
+        `whole_context` (/v1/responses) the context left, as OpenAI's Responses API does: a reply
+        the request did not bound ends by itself, not `incomplete` at an arbitrary cap."""
         room = None if self.worker.context is None else self.worker.context - n_prompt
         if room is not None and room < 1:
             raise RequestError(f"{where} has {n_prompt} tokens; the model context is {self.worker.context}", where)
         if s.max_tokens is None:
-            return self.worker.defaults.max_tokens if room is None else min(self.worker.defaults.max_tokens, room)
+            cap = self.worker.defaults.max_tokens
+            if cap is None:
+                cap = room if whole_context and room is not None else DEFAULT_MAX_TOKENS
+            return cap if room is None else min(cap, room)
         if room is not None and s.max_tokens > room:
             raise RequestError(
                 f"max_tokens {s.max_tokens} + {n_prompt} prompt tokens exceeds the model context {self.worker.context}",
@@ -903,7 +927,12 @@ class App:
         return s.max_tokens
 
     async def chat(self, request):
-        body = await self._body(request)
+        job, parse_tools, think = await self._chat_job(request, await self._body(request))
+        return await self._respond(request, job, chat=True, parse_tools=parse_tools, think=think)
+
+    async def _chat_job(self, request, body: dict):
+        """A chat-completions body as a queued-to-be job (/v1/messages comes here too): (the job,
+        whether tool calls are parsed out, the think state)."""
         tok = self.worker.tokenizer
         options = api_fields.check_fields(body, True, tok.effective_vocab_size)
         s = parse_sampling(body, self.worker.defaults)
@@ -924,13 +953,7 @@ class App:
         )
         max_tokens = self._max_tokens(s, len(ids), "messages")
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
-        return await self._respond(
-            request,
-            Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()),
-            chat=True,
-            parse_tools=parse_tools,
-            think=self._think_state(ids),
-        )
+        return Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()), parse_tools, self._think_state(ids)
 
     async def completions(self, request):
         body = await self._body(request)
@@ -964,16 +987,7 @@ class App:
         s = parse_sampling(sampling, self.worker.defaults)
         if body.get("input") is None:
             raise RequestError("input is required", "input")
-        history = []
-        if body.get("previous_response_id") is not None:
-            stored = self.stored.get(body["previous_response_id"])
-            if stored is None:
-                raise RequestError(
-                    f"previous response {body['previous_response_id']!r} not found (not stored, evicted or expired)",
-                    "previous_response_id",
-                )
-            history = stored["messages"]
-        conversation = history + responses_api.to_messages(body["input"])
+        conversation = self._history(body) + responses_api.to_messages(body["input"])
         tools = responses_api.chat_tools(body.get("tools"))
         if tok.chat_template is None:
             raise RequestError("this model has no chat template", "input")
@@ -985,7 +999,8 @@ class App:
             add_generation_prompt=True,
             **options,
         )
-        job = Job(ids, s, self._max_tokens(s, len(ids), "input"), asyncio.get_running_loop(), asyncio.Queue())
+        max_tokens = self._max_tokens(s, len(ids), "input", whole_context=True)
+        job = Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue())
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
         think = self._think_state(ids)
         builder = responses_api.ResponseBuilder(body, self.model_id, body.get("tools"))
@@ -1012,7 +1027,8 @@ class App:
                     for e in out:
                         yield e
             if body.get("store") is not False:
-                self.stored.put(builder.id, conversation + builder.messages(), builder.final)
+                items = responses_api.input_items(body["input"])
+                self.stored.put(builder.id, conversation + builder.messages(), builder.final, items)
 
         if not s.stream:
             try:
@@ -1039,14 +1055,132 @@ class App:
             sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
 
-    async def stored_response(self, request):
+    def _history(self, body: dict) -> list[dict]:
+        """The stored conversation `previous_response_id` names (none without it)."""
+        rid = body.get("previous_response_id")
+        if rid is None:
+            return []
+        stored = self.stored.get(rid)
+        if stored is None:
+            raise RequestError(
+                f"previous response {rid!r} not found (not stored, evicted or expired)", "previous_response_id"
+            )
+        return stored["messages"]
+
+    def _stored(self, request) -> tuple[str, dict]:
         rid = request.path_params["response_id"]
         stored = self.stored.get(rid)
         if stored is None:
             raise RequestError(
                 f"response {rid!r} not found (not stored, evicted or expired)", "response_id", 404, "not_found_error"
             )
-        return self._json(stored["response"])
+        return rid, stored
+
+    async def stored_response(self, request):
+        return self._json(self._stored(request)[1]["response"])
+
+    async def delete_response(self, request):
+        """DELETE /v1/responses/{id}: it no longer answers retrieve or previous_response_id."""
+        rid, _ = self._stored(request)
+        self.stored.delete(rid)
+        return self._json({"id": rid, "object": "response", "deleted": True})
+
+    async def input_items(self, request):
+        """GET /v1/responses/{id}/input_items: the request's input as items, a page of OpenAI's list."""
+        _, stored = self._stored(request)
+        return self._json(responses_api.list_page(stored["items"], dict(request.query_params)))
+
+    async def response_input_tokens(self, request):
+        """POST /v1/responses/input_tokens: the tokens a /v1/responses request would prefill."""
+        body = await self._body(request)
+        options = responses_api.check_count_fields(body, self.worker.tokenizer.effective_vocab_size)
+        if self.worker.tokenizer.chat_template is None:
+            raise RequestError("this model has no chat template", "input")
+        items = responses_api.to_messages(body["input"]) if body.get("input") is not None else []
+        conversation = self._history(body) + items
+        if not conversation:
+            raise RequestError("input is required (or previous_response_id)", "input")
+        ids = await self._ids(
+            request,
+            "apply_chat_template",
+            responses_api.with_instructions(body.get("instructions"), conversation),
+            tools=responses_api.chat_tools(body.get("tools")),
+            add_generation_prompt=True,
+            **options,
+        )
+        return self._json({"object": "response.input_tokens", "input_tokens": len(ids)})
+
+    async def messages(self, request):
+        """POST /v1/messages: Anthropic's Messages API on the chat path (anthropic_api.py)."""
+        chat, origins = anthropic_api.to_chat(await self._body(request))
+        try:
+            job, parse_tools, think = await self._chat_job(request, chat)
+        except RequestError as e:
+            raise anthropic_api.renamed(e, origins) from None
+        except PROMPT_ERRORS as e:
+            raise anthropic_api.renamed(RequestError(str(e), _param_of(e)), origins) from None
+        builder = anthropic_api.MessageBuilder(self.model_id, job.sampling.stop, len(job.ids))
+
+        async def events():
+            for e in builder.start():
+                yield e
+            async with aclosing(self._outputs(request, job, parse_tools, think)) as parts:
+                async for part in parts:
+                    if part[0] == "end":
+                        u = job.usage
+                        usage = anthropic_api.usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+                        out = builder.finish(part[1], part[2], job.stop_hit, usage)
+                    else:
+                        out = builder.add("thinking" if part[0] == "reasoning" else "text", part[1])
+                    for e in out:
+                        yield e
+
+        if not job.sampling.stream:
+            try:
+                async with aclosing(events()) as it:
+                    async for _ in it:
+                        pass
+            except Exception as e:
+                raise _as_request_error(e) from None
+            return self._json(builder.message)
+
+        from starlette.responses import StreamingResponse
+
+        async def sse():
+            try:
+                async with aclosing(events()) as it:
+                    async for e in it:
+                        yield e
+            except Exception as e:  # the response has started: an error event, never a traceback
+                err = _as_request_error(e)
+                log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
+                yield builder.error(err)
+
+        return StreamingResponse(
+            sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
+    async def count_tokens(self, request):
+        """POST /v1/messages/count_tokens: the tokens /v1/messages would prefill for the same body."""
+        chat, origins = anthropic_api.to_chat(await self._body(request), anthropic_api.COUNT_TOKENS)
+        tok = self.worker.tokenizer
+        try:
+            options = api_fields.check_fields(chat, True, tok.effective_vocab_size)
+            if tok.chat_template is None:
+                raise RequestError("this model has no chat template", "messages")
+            ids = await self._ids(
+                request,
+                "apply_chat_template",
+                chat["messages"],
+                tools=chat.get("tools"),
+                add_generation_prompt=True,
+                **options,
+            )
+        except RequestError as e:
+            raise anthropic_api.renamed(e, origins) from None
+        except PROMPT_ERRORS as e:
+            raise anthropic_api.renamed(RequestError(str(e), _param_of(e)), origins) from None
+        return self._json({"input_tokens": len(ids)})
 
     # Generation -----------------------------------------------------------------------------
     async def _events(self, request, job: Job):
@@ -1133,7 +1267,7 @@ class App:
                         if hit == TOOL_CALL_OPEN:
                             tool_text, matcher.buf = matcher.buf, ""
                         elif hit is not None:
-                            finish = "stop"
+                            finish, job.stop_hit = "stop", hit
                         if out:
                             yield ("content", out, pending)
                             pending = []
@@ -1370,7 +1504,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="server log level (default INFO)",
     )
-    p.set_defaults(max_tokens=512)
+    p.set_defaults(max_tokens=None)  # not given: DEFAULT_MAX_TOKENS, or the context left (/v1/responses)
     return p
 
 

@@ -244,3 +244,80 @@ def test_response_store_bounds_and_expiry():
     assert s.get("r1") is None and s.get("r2") is None and s.get("r3") and s.nbytes <= 400  # by bytes
     now[0] = 10.5
     assert s.get("r3") is None and len(s) == 0 and s.nbytes == 0  # expired
+
+
+def test_input_items_input_tokens_and_delete(served):
+    """GET /v1/responses/{id}/input_items lists the request's input (newest first by default, paged
+    by the client's cursor), POST /v1/responses/input_tokens counts what create prefills (the stored
+    conversation included), DELETE forgets the response."""
+    import openai
+
+    tok, c = served["tok"], served["client"]
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Sort a list."}]},
+    ]
+    r = c.responses.create(model="demo", instructions=INSTR, input=items, max_output_tokens=2)
+    listed = list(c.responses.input_items.list(r.id))
+    assert [(i.type, i.role, i.content[0].text) for i in listed] == [
+        ("message", "user", "Sort a list."),
+        ("message", "developer", "be brief"),
+    ]
+    page = c.responses.input_items.list(r.id, order="asc", limit=1)
+    assert len(page.data) == 1 and page.has_more
+    assert [i.id for i in page] == [i.id for i in reversed(listed)]  # the client fetches page 2 by `after`
+    assert len({i.id for i in listed}) == 2
+    n = c.responses.input_tokens.count(model="demo", instructions=INSTR, input=items)
+    msgs = [{"role": "system", "content": INSTR + "\n\nbe brief"}, {"role": "user", "content": "Sort a list."}]
+    assert n.object == "response.input_tokens" and n.input_tokens == r.usage.input_tokens
+    assert n.input_tokens == len(tok.apply_chat_template(msgs))
+    n2 = c.responses.input_tokens.count(model="demo", previous_response_id=r.id, input="more")
+    r2 = c.responses.create(model="demo", previous_response_id=r.id, input="more", max_output_tokens=1)
+    assert n2.input_tokens == r2.usage.input_tokens > n.input_tokens
+    assert [i.content[0].text for i in c.responses.input_items.list(r2.id)] == ["more"]  # this request's own
+    for query, param in [("limit=0", "limit"), ("order=up", "order"), ("after=nope", "after"), ("frob=1", "frob")]:
+        status, _, err = _raw(served, "GET", f"/v1/responses/{r.id}/input_items?{query}")
+        assert (status, err["error"]["param"]) == (400, param), err
+    status, _, err = _raw(served, "POST", "/v1/responses/input_tokens", {"input": "x", "max_output_tokens": 3})
+    assert (status, err["error"]["param"]) == (400, "max_output_tokens")
+    assert c.responses.delete(r.id) is None
+    for call in (c.responses.retrieve, c.responses.delete, c.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError):
+            call(r.id)
+    status, _, err = _raw(served, "POST", "/v1/responses", {"input": "x", "previous_response_id": r.id})
+    assert (status, err["error"]["param"]) == (400, "previous_response_id")
+    assert c.responses.retrieve(r2.id).id == r2.id  # the others stay
+
+
+def test_default_cap_lets_a_long_reply_complete(served):
+    """Without max_output_tokens a Responses reply may use the context left (OpenAI's default), so a
+    reply longer than the chat routes' default cap (512) completes and `responses.stream(...)
+    .get_final_response()` gets a completed response; --max-tokens, when the operator gives it,
+    still bounds every route's default."""
+    import openai
+    from scripted_server import scripted_worker, serving
+
+    from hebrus_mlx.server import Worker
+
+    caps = []
+
+    def emit(job):  # a 600-token reply, cut at the job's cap as the real worker cuts it
+        caps.append(job.max_tokens)
+        n = min(600, job.max_tokens)
+        job.usage.prompt_tokens, job.usage.completion_tokens = len(job.ids), n
+        Worker._emit(job, ("text", "word " * n))
+        Worker._emit(job, ("done", "stop" if n == 600 else "length"))
+
+    worker = scripted_worker(served["tok"], emit)
+    with serving(worker) as port:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        with c.responses.stream(model="scripted", input="Write at length.") as stream:
+            final = stream.get_final_response()
+        assert (final.status, final.usage.output_tokens) == ("completed", 600)
+        assert caps[-1] == worker.context - final.usage.input_tokens
+        r = c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Write at length."}])
+        assert (caps[-1], r.choices[0].finish_reason) == (512, "length")  # mlx_lm.server's default
+        worker.defaults.max_tokens = 100  # `--max-tokens 100`
+        r = c.responses.create(model="scripted", input="Write at length.")
+        assert (caps[-1], r.status) == (100, "incomplete")
+        assert c.responses.create(model="scripted", input="x", max_output_tokens=700).status == "completed"

@@ -462,7 +462,8 @@ def test_cli_flags(monkeypatch, capsys):
     srv = importlib.import_module("hebrus_mlx.server")
     gen = importlib.import_module("hebrus_mlx.generate")
     args = srv.build_parser().parse_args([])
-    assert (args.host, args.model, args.max_tokens) == ("127.0.0.1", "demo", 512)
+    # --max-tokens not given: None, so each route picks its default (App._max_tokens).
+    assert (args.host, args.model, args.max_tokens) == ("127.0.0.1", "demo", None)
     for argv, flag in [
         (["--port", "70000"], "--port"),
         (["--temp", "-1"], "--temp"),
