@@ -100,6 +100,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
             "hebrus_mlx.api_fields",
             "hebrus_mlx.chat",
             "hebrus_mlx.responses_api",
+            "hebrus_mlx.anthropic_api",
             "hebrus_mlx.prep_process",
         ),
         SERVING_R,
