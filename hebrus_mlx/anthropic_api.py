@@ -49,9 +49,14 @@ def _text_of(obj: dict, key: str, where: str) -> str:
 def _cache_control(block: dict, where: str):
     # Accepted as a no-op: the server caches every prompt's prefix on its own (prompt_cache.py).
     cc = block.get("cache_control")
-    if cc is not None and (not isinstance(cc, dict) or cc.get("type") != "ephemeral" or set(cc) - {"type", "ttl"}):
+    if cc is not None and (
+        not isinstance(cc, dict)
+        or cc.get("type") != "ephemeral"
+        or set(cc) - {"type", "ttl"}
+        or cc.get("ttl", "5m") not in ("5m", "1h")
+    ):
         name = f"{where}.cache_control" if where else "cache_control"
-        raise RequestError(f'{name} must be {{"type": "ephemeral"}}', name)
+        raise RequestError(f'{name} must be {{"type": "ephemeral"}} (ttl "5m" or "1h")', name)
 
 
 # -- request fields ------------------------------------------------------------------------------
@@ -396,6 +401,11 @@ def to_messages(system, messages) -> tuple[list[dict], list[str]]:
                 msg["reasoning_content"] = "\n".join(thinking)
             out.append(msg)
             origins.append(at)
+    if messages[-1]["role"] == "assistant":
+        # Anthropic continues a final assistant message (prefill); the chat path would render it as a
+        # finished turn and start a new one: a different request, so refused.
+        at = f"messages[{len(messages) - 1}]"
+        raise RequestError(f"{at}: a final assistant message (prefill) is not supported; end with a user turn", at)
     return out, origins
 
 

@@ -312,6 +312,8 @@ BAD = [
     (_msg(stop_sequences="x"), "stop_sequences"),
     (_msg(system=[{"type": "image"}]), "system[0]"),
     (_msg(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+    (_msg(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]), "messages[1]"),
+    (_msg(cache_control={"type": "ephemeral", "ttl": "1d"}), "cache_control"),
     (_msg(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "messages[0].content[0].type"),
     (_msg(messages=[{"role": "user", "content": [{"type": "tool_result"}]}]), "messages[0].content[0].tool_use_id"),
     (
@@ -411,3 +413,43 @@ def test_refusals_of_the_chat_path_name_anthropics_field():
     ]:
         e = renamed(RequestError("bad", chat_param), origins)
         assert e.param == ours and ours in error_body(e)["error"]["message"]
+
+
+def test_batched_worker_serves_messages(reference):
+    """--decode-concurrency 2: two /v1/messages requests sharing decode steps (one streamed) each
+    give the in-process greedy text: the Messages API runs on the chat path's worker."""
+    import threading
+
+    import anthropic
+
+    from hebrus_mlx import load
+    from hebrus_mlx.server import App, ServerDefaults, Worker
+
+    tok, run = reference
+    worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults(decode_concurrency=2, prompt_concurrency=2))
+    port, stop = _serve(App(worker, "demo"))
+    users = ["Sort a list in place.", "Reverse a string."]
+    got = [None, None]
+    try:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x", timeout=120, max_retries=0)
+        kwargs = [
+            dict(model="demo", max_tokens=12, system=SYSTEM, messages=[{"role": "user", "content": u}]) for u in users
+        ]
+
+        def go(i):
+            if i == 0:
+                got[i] = "".join(b.text for b in c.messages.create(**kwargs[i]).content)
+            else:
+                with c.messages.stream(**kwargs[i]) as s:
+                    got[i] = "".join(s.text_stream)
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == [run(tok.apply_chat_template(_chat(user=u)), 12) for u in users]
+        assert worker.batch.steps > 0
+    finally:
+        stop()
+        worker.stop()
