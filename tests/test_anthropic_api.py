@@ -453,3 +453,30 @@ def test_batched_worker_serves_messages(reference):
     finally:
         stop()
         worker.stop()
+
+
+def test_a_failed_generation_is_anthropics_error(reference):
+    """A generation that fails (an expert read, here scripted) is Anthropic's api_error: a 500
+    before the reply starts, an `error` event once it streams; never a traceback."""
+    import anthropic
+    from scripted_server import scripted_worker, serving
+
+    from hebrus_mlx.server import Worker
+    from hebrus_mlx.stream.errors import StreamError
+
+    def emit(job):
+        Worker._emit(job, ("text", "Hello"))
+        Worker._emit(job, ("error", StreamError("expert read failed")))
+
+    with serving(scripted_worker(reference[0], emit)) as port:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x", max_retries=0)
+        body = dict(model="scripted", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(anthropic.InternalServerError) as e:
+            c.messages.create(**body)
+        assert e.value.body["error"]["type"] == "api_error" and "expert read failed" in e.value.body["error"]["message"]
+        pieces = []
+        with pytest.raises(anthropic.APIStatusError, match="expert read failed"):
+            with c.messages.stream(**body) as stream:
+                for text in stream.text_stream:
+                    pieces.append(text)
+        assert pieces == ["Hello"]  # the text before the failure went out
