@@ -912,6 +912,7 @@ Engine::View Engine::wait(uint64_t id, double timeout_s) {
     int64_t waited = now_ns() - t0;
     counters_.exposed_wait_ns += waited;
     counters_.exposed_wait_ns_by_layer[it->second.req.layer] += waited;
+    counters_.exposed_wait_ns_by_store[it->second.req.store] += waited;
     trace_wait(
         it->second.state == TicketState::kReady ? TraceOutcome::kPublished
                                                 : TraceOutcome::kFailed);
@@ -1316,6 +1317,8 @@ void Engine::worker_loop() {
       latency_pos_ = (latency_pos_ + 1) % kLatencyWindow;
       counters_.latency_samples++;
       stall_ewma_ns_ = stall_ewma_ns_ == 0 ? lat : 0.9 * stall_ewma_ns_ + 0.1 * lat;
+      counters_.reads_by_store[job->key.store]++;
+      counters_.bytes_by_store[job->key.store] += job->key.length;
       if (s.exact) {
         counters_.exact_bytes += job->key.length;
         counters_.exact_read_ns += lat;

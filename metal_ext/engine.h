@@ -166,6 +166,11 @@ struct Counters {
   uint64_t predicted_reads = 0;
   uint64_t exact_misses = 0;
   std::map<int, uint64_t> exposed_wait_ns_by_layer;
+  // Per store (expert records and PLE pages live in different stores): reads
+  // published, their bytes, and the exposed wait on them.
+  std::map<int, uint64_t> reads_by_store;
+  std::map<int, uint64_t> bytes_by_store;
+  std::map<int, uint64_t> exposed_wait_ns_by_store;
   double latency_p50_ns = 0;
   double latency_p95_ns = 0;
   double latency_p99_ns = 0;

@@ -2,6 +2,7 @@
 #include "ops_metal.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <unordered_map>
 #include <utility>
@@ -69,7 +70,7 @@ class Waves {
   void drain() {
     for (; next_ < tickets_.size(); ++next_) {
       auto [tag, ticket] = tickets_[next_];
-      consume_(tag, engine_.wait(ticket));
+      consume_(tag, engine_.wait(ticket, task_wait_timeout()));
       engine_.release(ticket);
     }
     tickets_.clear();
@@ -110,13 +111,13 @@ using Output = HostTaskPrimitive::Output;
 template <class T, class Host>
 mx::array table_op(
     const char* name, mx::Shape shape, mx::Dtype dtype,
-    const mx::array& indices, Host host) {
+    const mx::array& indices, Host host, Output output = Output::kWritten) {
   mx::Stream s = op_stream();
   return mx::array(
       std::move(shape),
       dtype,
       std::make_shared<HostTaskPrimitive>(
-          s, name, Output::kWritten,
+          s, name, output,
           [host](const Arrays& inputs, Arrays& outputs) -> std::function<void()> {
             allocate(outputs);
             return [host, idx = inputs[0], dst = outputs[0].data<T>()]() { host(idx, dst); };
@@ -162,13 +163,31 @@ std::function<void()> HostTaskPrimitive::prepare(
   return bind_(inputs, outputs);
 }
 
+namespace {
+std::atomic<double> g_gpu_task_wait_bound{2.0};
+thread_local bool t_gpu_waits_on_task = false;
+} // namespace
+
+double gpu_task_wait_bound() {
+  return g_gpu_task_wait_bound.load();
+}
+
+void set_gpu_task_wait_bound(double seconds) {
+  g_gpu_task_wait_bound.store(seconds);
+}
+
+double task_wait_timeout() {
+  double bound = g_gpu_task_wait_bound.load();
+  return t_gpu_waits_on_task && bound > 0 ? bound : -1.0;
+}
+
 void HostTaskPrimitive::eval_cpu(const Arrays& inputs, Arrays& outputs) {
   auto task = prepare(inputs, outputs);
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) {
     enc.set_input_array(in);
   }
-  if (output_ == Output::kWritten) {
+  if (output_ != Output::kPassThrough) {
     for (auto& o : outputs) {
       enc.set_output_array(o);
     }
@@ -182,9 +201,21 @@ void HostTaskPrimitive::eval_gpu(const Arrays& inputs, Arrays& outputs) {
   // A writing op's task runs once the GPU has produced the inputs, and later
   // GPU work waits for it; a pass-through op's runs once the GPU is past the
   // value, and the GPU never waits for it.
-  bool written = output_ == Output::kWritten;
-  auto task = prepare(inputs, outputs);
-  eval_gpu_via_io(stream(), inputs, written ? outputs : Arrays{}, std::move(task), written);
+  bool written = output_ != Output::kPassThrough;
+  bool gpu_waits = output_ == Output::kWritten;
+  auto bound = [task = prepare(inputs, outputs), gpu_waits]() {
+    // The GPU holds a command buffer open while it waits for this task: bound its reads.
+    struct Scope {
+      explicit Scope(bool on) {
+        t_gpu_waits_on_task = on;
+      }
+      ~Scope() {
+        t_gpu_waits_on_task = false;
+      }
+    } scope(gpu_waits);
+    task();
+  };
+  eval_gpu_via_io(stream(), inputs, written ? outputs : Arrays{}, std::move(bound), gpu_waits);
 }
 
 // The host work of each op lives in one function, which the op's bind hands
@@ -327,14 +358,15 @@ mx::array prefetch_records(
         ErrorCode::kBadRequest, "priority: must be 0, 1 or 2");
   }
   // On the GPU path the host issues the hints once the GPU has produced the
-  // indices; the GPU waits for the (µs-scale) issue so the count it may read
-  // is written.
+  // indices, and no GPU work waits for that: the count only orders later ops
+  // (a hint is advisory; waiting for it cost a host round trip per layer).
   TableRead read{std::move(engine), table, owner, generation, layer};
   return table_op<uint32_t>(
       "HebrusPrefetchRecords", mx::Shape{}, mx::uint32, indices,
       [read, priority, confidence, exact](const mx::array& idx, uint32_t* dst) {
         issue_hints(read, priority, confidence, exact, idx, dst);
-      });
+      },
+      Output::kHint);
 }
 
 static void gather_rows_host(
@@ -543,7 +575,7 @@ static void resolve_host(
           [] { return false; }));
     }
     for (; waited < tickets.size(); ++waited) {
-      rows[waited] = engine->wait(tickets[waited]).row;
+      rows[waited] = engine->wait(tickets[waited], task_wait_timeout()).row;
       lease[waited] = tickets[waited];
     }
     pins.tickets = std::move(tickets);

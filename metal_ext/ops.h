@@ -105,7 +105,11 @@ class HostTaskPrimitive : public mx::Primitive {
   // Allocates the outputs (a writing op) and returns the host work bound to
   // them and to the inputs. Called once per evaluation.
   using Bind = std::function<std::function<void()>(const Arrays& inputs, Arrays& outputs)>;
-  enum class Output { kWritten, kPassThrough };
+  // kHint: written by its task like kWritten, but on the GPU path no GPU work
+  // waits for it: its output only orders later ops (mx.depends), so a read
+  // hint never makes the GPU wait on a host round trip. Its value is defined
+  // once the task has run (the CPU path: in stream order).
+  enum class Output { kWritten, kPassThrough, kHint };
 
   HostTaskPrimitive(mx::Stream s, const char* name, Output output, Bind bind)
       : mx::Primitive(s), name_(name), output_(output), bind_(std::move(bind)) {}
@@ -121,5 +125,15 @@ class HostTaskPrimitive : public mx::Primitive {
   Output output_;
   Bind bind_;
 };
+
+// How long a host task the GPU waits on may wait for one read: a stalled SSD
+// read must not hold a command buffer open past macOS's GPU watchdog. Past it
+// the read fails typed (StreamError kTimeout), the GPU is released and the
+// step rolls back (check_gpu_event_errors), as for any read error. CPU-stream
+// tasks wait without bound (they hold no GPU). Seconds; <= 0: unbounded.
+double gpu_task_wait_bound();
+void set_gpu_task_wait_bound(double seconds);
+// The bound that applies to the calling thread's current task (-1: none).
+double task_wait_timeout();
 
 } // namespace hebrus

@@ -109,7 +109,7 @@ def _goal_rows():
     rows = {}
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and re.fullmatch(r"[\d.]+", cells[1]) and cells[2].startswith("affine"):
+        if len(cells) == 10 and re.fullmatch(r"[\d.]+", cells[1]) and cells[2].startswith("affine"):
             rows[(cells[0], cells[2])] = cells
     return rows
 
@@ -119,7 +119,8 @@ def _goal_rows():
 )
 def test_the_goal_rows_are_what_simulate_prints_per_width(profile, name, goal):
     """Issue 23's goal section: at 4-, 3- and 2-bit experts the defaults' tok/s and their split into
-    compute + exposed reads + checks are what `simulate --profile P --expert-bits N` prints; the
+    compute + exposed reads + checks + host hand-off + PLE reads are what `simulate --profile P
+    --expert-bits N` prints (the five terms add up to the token); the
     verdict line names a width that meets the goal only if its row does."""
     rows = _goal_rows()
     assert {w for (n, w) in rows if n == name} == set(C.TABLE_CODECS)
@@ -130,6 +131,9 @@ def test_the_goal_rows_are_what_simulate_prints_per_width(profile, name, goal):
         cells = rows[(name, r["codec"])]
         assert cells[1] == f"{goal:g}" and cells[3] == f"{r['default_tok_s']:.1f}"
         assert cells[4].startswith(f"{1e3 / r['default_tok_s']:.1f} = {r['compute_ms_per_token']:.1f} + ")
+        total, terms = cells[4].split(" = ")
+        assert sum(map(float, terms.split(" + "))) == pytest.approx(float(total), abs=0.3)
+        assert len(terms.split(" + ")) == 5
     meets = [r for r in got if r["default_tok_s"] >= goal]
     verdict = next(line for line in text.splitlines() if line.startswith(f"- **{name}: "))
     if meets:

@@ -320,3 +320,24 @@ def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ShortReadError: short read of store" in err
     assert "Traceback" not in err and "[stream:" not in err
+
+
+def test_expert_and_ple_io_are_counted_apart():
+    """Expert records and PLE pages share one engine; its per-store counters report each apart
+    (bytes, reads, exposed wait), and together they are everything the engine read."""
+    from hebrus_mlx.stream.engine import io_by_kind, io_split_summary
+
+    gb, _ = _cache_gb(str(DEMO_DIR))
+    streamed = load_model(str(DEMO_DIR), expert_cache_gb=gb, ple_cache_gb=4 * 65536 / 2**30)
+    engine = streamed.streaming.engine
+    prompt = np.random.default_rng(2).integers(2, streamed.args.vocab_size, 6).tolist()
+    _decode(streamed, prompt, 4, streamed.streaming.experts.max_chunk_tokens)
+    c = engine.counters()
+    split = io_by_kind(c, engine.store_kinds)
+    assert set(split) == {"experts", "ple"}
+    assert split["experts"]["reads"] > 0 and split["ple"]["reads"] > 0
+    assert split["experts"]["bytes"] + split["ple"]["bytes"] == c["exact_bytes"] + c["predicted_bytes"]
+    assert sum(v["exposed_wait_ns"] for v in split.values()) == c["exposed_wait_ns"]
+    line = io_split_summary(c, engine.store_kinds)
+    assert line.startswith("I/O by store: experts ") and "; ple " in line
+    assert any(x.startswith("I/O by store:") for x in streamed.streaming.summary())

@@ -360,6 +360,7 @@ def project_profile(args, memo=None, progress=True) -> dict:
         plans.append(
             (codec, geom, inp, P.cache_sizes(budget, given, geom), pfs, S.compute_scale(fam, dense_gb, codec, dense))
         )
+    shares = {codec: S.expert_share(fam, dense_gb, codec, dense) for codec in codecs}
     total = sum(S.replays_needed(c, policies, pfs, inp.gains, depths) for _, _, inp, c, pfs, _ in plans)
     bar = None
     if progress and not args.quiet:
@@ -386,6 +387,7 @@ def project_profile(args, memo=None, progress=True) -> dict:
                     memo,
                     bar.update if bar else None,
                     compute_scale=scale,
+                    expert_share=shares[codec],
                 )
 
             rows = run(check)
@@ -394,6 +396,8 @@ def project_profile(args, memo=None, progress=True) -> dict:
                 (r.cache_gb, r.policy, r.prefetch, r.draft_depth): r for r in (rows if check == "off" else run("off"))
             }
             out.append(_codec_result(P, codec, geom, inp, rows, unchecked, budget))
+            if out[-1]["default"] is not None and check != "off":
+                out[-1]["batches"] = _batches(P, prof, where, check, scale, shares[codec], geom, inp, out[-1], memo)
             out[-1].update(P.width_note(prof, machine, fam, codec, dense, scale))
     finally:
         if bar:
@@ -524,6 +528,33 @@ def _codec_result(P, codec, geom, inp, rows, unchecked, budget) -> dict:
         "default_gain": None if off is None else default.tok_s / off.tok_s,
         "notes": inp.notes,
     }
+
+
+def _batches(P, prof, where, check, scale, share, geom, inp, result, memo) -> list[dict]:
+    """The defaults' cache at 1, 2, 4, 8 concurrent requests (projection.batch_section)."""
+    machine = P.runtime_machine(prof, where, check, scale, share)
+    cache = result["default"]["cache_gb"]
+    rows = S.project_batches(
+        machine, geom, inp.topk, cache, P.BATCHES, inp.warm, P.RUNTIME_POLICY, result["codec"], memo.replays
+    )
+    plain = S.project_batches(
+        dataclasses.replace(machine, check="off"),
+        geom,
+        inp.topk,
+        cache,
+        P.BATCHES,
+        inp.warm,
+        P.RUNTIME_POLICY,
+        result["codec"],
+        memo.replays,
+    )
+    out = []
+    for b, p, u in zip(P.BATCHES, rows, plain):
+        d = p.to_dict()
+        d["union"] = S.batch_union(inp.topk, b)
+        d["limit"] = P.limiting_term(p, max(p.exposed_ms - u.exposed_ms, 0.0))
+        out.append(d)
+    return out
 
 
 def print_projection(res: dict) -> None:

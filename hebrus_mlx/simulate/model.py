@@ -79,6 +79,18 @@ class Machine:
     # loses: on the CPU backend compute already takes every core (validation on this machine
     # measures it); 0 where the readers use cores the compute leaves idle (a Mac's GPU decodes).
     read_cpu_us: float = 0.0
+    # The GPU<->host hand-off of every streamed layer, per step: how long the GPU waits while a
+    # host task resolves the layer's routed records (its event signalled, the host thread woken,
+    # slots resolved and pinned, the event signalled back), hit or miss. 0 on the CPU backend,
+    # where that host task runs inline on the compute stream and is part of layer_ms.
+    handoff_ms: float = 0.0
+    # Fraction of a token's PLE page reads that the PLE row cache serves (--ple-cache-gb).
+    ple_hit: float = 0.0
+    # The wavefront (stream.switch): a layer's resident experts compute while its misses are read.
+    # expert_share is the routed experts' share of a layer's decode compute (memory-bound decode:
+    # their share of the bytes a token reads); 0 or wavefront False: a layer waits for all top-k.
+    wavefront: bool = False
+    expert_share: float = 0.0
 
     @property
     def check_gbps(self) -> float | None:
@@ -121,6 +133,10 @@ class Machine:
                 fast_check_gbps=opt("fast_check_gbps"),
                 predictor_overhead={str(k): float(v) for k, v in (d.get("predictor_overhead") or {}).items()},
                 read_cpu_us=float(d.get("read_cpu_us", 0.0)),
+                handoff_ms=float(d.get("handoff_ms", 0.0)),
+                ple_hit=float(d.get("ple_hit", 0.0)),
+                wavefront=bool(d.get("wavefront", False)),
+                expert_share=float(d.get("expert_share", 0.0)),
             )
         except KeyError as e:
             raise UsageError(f"{where}.{e.args[0]}", "missing") from None
@@ -133,6 +149,11 @@ class Machine:
         for k in ("verify_gbps", "fast_check_gbps"):
             if getattr(m, k) is not None and getattr(m, k) <= 0:
                 raise UsageError(f"{where}.{k}", f"must be > 0 GB/s, got {getattr(m, k)}")
+        if not (m.handoff_ms >= 0 and m.handoff_ms < 1e3):
+            raise UsageError(f"{where}.handoff_ms", f"must be in [0, 1000) ms, got {m.handoff_ms}")
+        for k in ("ple_hit", "expert_share"):
+            if not 0 <= getattr(m, k) <= 1:
+                raise UsageError(f"{where}.{k}", f"must be in [0, 1], got {getattr(m, k)}")
         for k, v in m.predictor_overhead.items():
             if not 0 <= v < 1:
                 raise UsageError(f"{where}.predictor_overhead.{k}", f"must be in [0, 1), got {v}")
@@ -153,6 +174,10 @@ class Machine:
             "memory_gb": self.memory_gb,
             "predictor_overhead": dict(self.predictor_overhead),
             "read_cpu_us": self.read_cpu_us,
+            "handoff_ms": self.handoff_ms,
+            "ple_hit": self.ple_hit,
+            "wavefront": self.wavefront,
+            "expert_share": self.expert_share,
             "sources": self.sources,
             "assumptions": self.assumptions,
         }
@@ -166,6 +191,10 @@ class ModelGeometry:
     top_k: int
     record_bytes: int  # bytes read per record (the aligned stride)
     resident_gb: float = 0.0  # dense weights + PLE/state kept in memory besides the expert cache
+    # PLE pages a token reads (one per n-gram head of each PLE table: hashed rows land on random
+    # pages) and the bytes of one page read (artifact/ple_pages.py: fixed pages, one read each).
+    ple_reads_per_token: int = 0
+    ple_page_bytes: int = 0
 
     @property
     def store_bytes(self) -> int:
@@ -220,9 +249,18 @@ def bits_per_weight(codec: str) -> float:
 
 def geometry_of_family(family, codec: str = "affine4-g64", resident_gb: float = 0.0) -> ModelGeometry:
     """From the artifact format: ExpertMajor v2 record stride for (family, codec)."""
+    from ..artifact import constants as C
+
     _, stride = expert_record_bytes(family, codec)
     return ModelGeometry(
-        family.name, family.num_hidden_layers, family.num_experts, family.num_experts_per_tok, stride, resident_gb
+        family.name,
+        family.num_hidden_layers,
+        family.num_experts,
+        family.num_experts_per_tok,
+        stride,
+        resident_gb,
+        ple_reads_per_token=family.ple_tables * family.ple_heads,
+        ple_page_bytes=C.PLE_DEFAULT_PAGE_BYTES if family.ple_tables else 0,
     )
 
 
@@ -241,6 +279,15 @@ def compute_scale(family, dense_gb: float | None, expert: str, dense: str = ANCH
         )
 
     return at(dense, expert) / at(ANCHOR_CODEC, ANCHOR_CODEC)
+
+
+def expert_share(family, dense_gb: float | None, expert: str, dense: str = ANCHOR_CODEC) -> float:
+    """The routed experts' share of the bytes a decode token reads at (dense width, expert width):
+    their share of a layer's compute on memory-bound decode (0 without dense_gb)."""
+    if dense_gb is None:
+        return 0.0
+    experts = family.num_hidden_layers * family.num_experts_per_tok * expert_record_bytes(family, expert)[0] / 1e9
+    return experts / (dense_gb * bits_per_weight(dense) / bits_per_weight(ANCHOR_CODEC) + experts)
 
 
 # ---- the arena -----------------------------------------------------------------------------------
@@ -626,6 +673,20 @@ def replay(
     return Replay(t, per_layer, np.zeros(L), np.zeros(L), L * k)
 
 
+def batch_union(topk: np.ndarray, batch: int, seed: int = 0, samples: int = 64) -> float:
+    """Mean distinct experts per layer of ``batch`` tokens from unrelated requests (positions drawn
+    apart in the trace), divided by batch * k: how much concurrent requests' routes overlap."""
+    t, L, k = topk.shape
+    if batch <= 1 or t < batch:
+        return 1.0
+    rng = np.random.default_rng(seed)
+    total = 0
+    for _ in range(samples):
+        rows = topk[rng.choice(t, size=batch, replace=False)]  # [batch, L, k]
+        total += sum(len(np.unique(rows[:, l])) for l in range(L))
+    return total / (samples * L * batch * k)
+
+
 def union_factor(topk: np.ndarray, depth: int) -> float:
     """Mean distinct experts per layer over windows of depth+1 consecutive tokens, divided by
     (depth+1) * k: how much a verify step's routes overlap."""
@@ -668,6 +729,10 @@ class Projection:
     check: str = ""
     basis: str = "replay"  # how the predictor's effect was obtained (replay, or a peer's measured gain)
     read_cpu_ms: float = 0.0  # reader CPU time taken from the compute, per token (Machine.read_cpu_us)
+    handoff_ms: float = 0.0  # the GPU waiting on the host per streamed layer, per token (Machine.handoff_ms)
+    ple_ms: float = 0.0  # exposed PLE page reads per token
+    ple_bytes_per_token: float = 0.0  # PLE bytes read per token (after the PLE cache)
+    batch: int = 1  # concurrent requests decoding together (tok_s is their aggregate)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -694,10 +759,18 @@ def project(
     acceptance: float = 0.0,
     union: float = 1.0,
     codec: str = "",
+    batch: int = 1,
 ) -> Projection:
-    """Tokens/s of one configuration from the replay's per-token misses and the machine's costs."""
+    """Tokens/s of one configuration from the replay's per-token misses and the machine's costs.
+
+    ``batch`` > 1: that many requests decode together (continuous batching), one token each per
+    step; ``union`` is then the overlap of their routes (``batch_union``): each routed record is
+    read once per step and, decode being memory-bound, the experts' compute follows the distinct
+    records while the dense weights are read once. Returns the aggregate tokens/s."""
     R = geom.record_bytes
     L = geom.num_layers
+    if batch > 1 and draft_depth:
+        raise UsageError("batch", "a batched projection has no draft depth")
     compute = (L * machine.layer_s + machine.other_s) * (1 + machine.predictor_overhead.get(prefetch, 0.0))
     kind, depth = prefetch_kind(prefetch)
     # How long before a layer's router its predicted reads were issued: at the layer's start
@@ -705,19 +778,40 @@ def project(
     window = {"off": 0.0, "previous": machine.pre_router * machine.layer_s}.get(kind, depth * machine.layer_s)
     exposed = 0.0
     late = 0.0
-    w = draft_depth + 1
+    w = max(batch, draft_depth + 1)
+    k = geom.top_k
     for l in range(L):
         # A verify step routes w tokens; their distinct experts miss at the per-token rate. The
         # disk serves the layer's predicted reads (used or wasted) and then its exact misses.
         d = rep.demand_misses[l] * w * union
         p = rep.predicted_reads[l] * w * union
-        exposed += max(machine.io_time(d, R), machine.io_time(d + p, R) - window)
+        wait = max(machine.io_time(d, R), machine.io_time(d + p, R) - window)
+        if machine.wavefront and d > 0:
+            # The layer's records already resident compute while its misses are read.
+            hits = max(k * w * union - d, 0.0) / max(k * w * union, 1e-9)
+            wait = max(0.0, wait - hits * machine.expert_share * machine.layer_s)
+        exposed += wait
         if p > 0 and rep.predicted_used[l] > 0:
             late += rep.predicted_used[l] * (1.0 - landed_fraction(machine, p, R, window))
+    # PLE pages: known from the token ids, read exact at the step's start on their own queue; the
+    # first PLE layer needs them (taken as layer 0 after its attention: the pessimistic case).
+    ple_n = geom.ple_reads_per_token * w * (1.0 - machine.ple_hit)
+    ple_io = machine.io_time(ple_n, geom.ple_page_bytes) if ple_n > 0 and geom.ple_page_bytes else 0.0
+    ple = max(0.0, ple_io - machine.pre_router * machine.layer_s)
+    # The GPU waits on the host once per streamed layer per step, hit or miss.
+    handoff = L * machine.handoff_ms * 1e-3
     # The readers' CPU time taken from the compute (0 on a Mac, see Machine.read_cpu_us).
-    steal = rep.reads_per_token() * w * union * machine.read_cpu_us * 1e-6
-    step = compute * (1 + machine.verify_extra * draft_depth) + exposed + steal
-    if draft_depth and acceptance > 0:
+    steal = (rep.reads_per_token() * w * union + ple_n) * machine.read_cpu_us * 1e-6
+    if batch > 1:
+        # Memory-bound decode: dense weights once per step, the experts' share per distinct record.
+        share = machine.expert_share
+        work = compute * ((1.0 - share) + share * batch * union)
+    else:
+        work = compute * (1 + machine.verify_extra * draft_depth)
+    step = work + exposed + ple + handoff + steal
+    if batch > 1:
+        per_step = float(batch)
+    elif draft_depth and acceptance > 0:
         a = min(acceptance, 0.999999)
         per_step = (1 - a**w) / (1 - a)
     else:
@@ -736,7 +830,7 @@ def project(
         acceptance,
         1.0 / token,
         token * 1e3,
-        compute * 1e3,
+        (work / per_step if batch > 1 else compute) * 1e3,  # per token: a batched step shares its compute
         exposed * 1e3 / per_step,
         rep.hit_rate,
         reads * R,
@@ -745,6 +839,10 @@ def project(
         codec,
         machine.check,
         read_cpu_ms=steal * 1e3 / per_step,
+        handoff_ms=handoff * 1e3 / per_step,
+        ple_ms=ple * 1e3 / per_step,
+        ple_bytes_per_token=ple_n * geom.ple_page_bytes / per_step,
+        batch=batch,
     )
 
 
@@ -848,6 +946,44 @@ def sweep(
                     if pf in prefetches:
                         out.append(p)
     return out
+
+
+def project_batches(
+    machine: Machine,
+    geom: ModelGeometry,
+    topk: np.ndarray,
+    cache_gb: float,
+    batches: Sequence[int] = (1, 2, 4, 8),
+    warm: np.ndarray | None = None,
+    policy: str = "clock",
+    codec: str = "",
+    replays: dict | None = None,
+) -> list[Projection]:
+    """Aggregate decode of ``batch`` concurrent requests (continuous batching) at one cache size.
+    A batched step is a multi-row forward, which predicts nothing ahead (as a verify step), so the
+    replay is prefetch off; each request's misses are the single stream's (the arena's reuse
+    across requests is not credited beyond the routes' overlap within a step)."""
+    replays = {} if replays is None else replays
+    cap = capacity_of(cache_gb, geom)
+    key = (id(topk), id(warm), cap, policy, "off", id(None))
+    if key not in replays:
+        replays[key] = (replay(topk, geom.num_experts, cap, policy, "off", warm), topk, warm, None)
+    rep = replays[key][0]
+    return [
+        project(
+            machine,
+            geom,
+            rep,
+            cache_gb=cache_gb,
+            capacity=cap,
+            policy=policy,
+            prefetch="off",
+            union=batch_union(topk, b),
+            codec=codec,
+            batch=b,
+        )
+        for b in batches
+    ]
 
 
 def replays_needed(cache_gbs, policies, prefetches, gains=None, draft_depths=(0,)) -> int:

@@ -33,6 +33,10 @@ from . import model as S
 GRID_GB = (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96)
 RUNTIME_POLICY = "clock"  # the loader's arena policy (loading/build_model.py); no flag selects another
 RUNTIME_PREFETCH = ("off", "previous", "router-reuse:1", "router-reuse:2", "hyper-reuse")  # --prefetch values
+# Whether the runtime's streamed MoE step computes a layer's resident experts while its misses are
+# read (stream.switch); the projection credits that overlap only when the runtime does it.
+RUNTIME_WAVEFRONT = False
+BATCHES = (1, 2, 4, 8)  # concurrent requests projected for agents (continuous batching)
 DEFAULT_PREFETCH = "router-reuse:1"  # stream.predict.DEFAULT (not imported: that module needs MLX)
 PREDICTOR_SOURCES = ("peer", "synthetic")
 CHECK_NAMES = {"fast": "fast check (XXH3-128)", "sha256": "SHA-256", "off": "no check"}
@@ -181,12 +185,9 @@ def project_one(
     memo: Memo,
     progress=None,
     compute_scale: float | None = None,
+    expert_share: float = 0.0,
 ) -> list[S.Projection]:
-    machine = machine_of(prof, where, check)
-    if compute_scale is not None:  # compute follows the weight bytes a token reads (S.compute_scale)
-        machine = dataclasses.replace(
-            machine, layer_s=machine.layer_s * compute_scale, other_s=machine.other_s * compute_scale
-        )
+    machine = runtime_machine(prof, where, check, compute_scale, expert_share)
     pfs = [p for p in prefetches if p in S.PREFETCH or p in inp.predicted or p in inp.gains]
     return S.sweep(
         machine,
@@ -204,6 +205,19 @@ def project_one(
         memo.replays,
         progress,
     )
+
+
+def runtime_machine(
+    prof: dict, where: str, check: str, compute_scale: float | None = None, expert_share: float = 0.0
+) -> S.Machine:
+    """The profile's machine running this runtime at one width: compute follows the weight bytes a
+    token reads (S.compute_scale), the experts' share of it is what a wavefront can overlap."""
+    machine = machine_of(prof, where, check)
+    if compute_scale is not None:
+        machine = dataclasses.replace(
+            machine, layer_s=machine.layer_s * compute_scale, other_s=machine.other_s * compute_scale
+        )
+    return dataclasses.replace(machine, wavefront=RUNTIME_WAVEFRONT, expert_share=expert_share)
 
 
 def dense_gb(prof: dict, where: str) -> float | None:
@@ -271,15 +285,22 @@ def flags(p: S.Projection) -> str:
 
 
 def limiting_term(p: S.Projection, check_ms: float) -> str:
-    """What a token's time is mostly made of: compute, the SSD, or the record check."""
+    """What a token's time is mostly made of: compute, the SSD, the record check, the GPU waiting
+    on the host per streamed layer, or PLE page reads."""
     disk = p.exposed_ms - check_ms
     # Per token: with a draft model a step's compute (and its verify cost) is shared by its tokens.
-    compute = p.token_ms - p.exposed_ms - p.read_cpu_ms if p.draft_depth else p.compute_ms
-    terms = {"compute": compute, "SSD reads": disk, "record checks": check_ms}
+    compute = p.token_ms - p.exposed_ms - p.read_cpu_ms - p.handoff_ms - p.ple_ms if p.draft_depth else p.compute_ms
+    terms = {
+        "compute": compute,
+        "SSD reads": disk,
+        "record checks": check_ms,
+        "host hand-off": p.handoff_ms,
+        "PLE reads": p.ple_ms,
+    }
     name = max(terms, key=terms.get)
     return (
         f"{name} ({terms[name]:.1f} of {p.token_ms:.1f} ms/token; compute {compute:.1f}, "
-        f"exposed reads {disk:.1f}, checks {check_ms:.1f})"
+        f"exposed reads {disk:.1f}, checks {check_ms:.1f}, hand-off {p.handoff_ms:.1f}, PLE {p.ple_ms:.1f})"
     )
 
 
@@ -342,9 +363,16 @@ GOALS = {"m5-pro-48gb": 25.0, "m5-pro-64gb": 30.0}
 
 GOAL_COLUMNS = (
     "| profile | goal (tok/s) | expert width | default settings, tok/s (fast check) | ms/token: compute + "
-    "exposed reads + checks | compute the goal leaves (ms/token) | dense weights at 3 bits too, tok/s | "
-    "best flags, tok/s |"
+    "exposed reads + checks + host hand-off + PLE reads | what limits it | compute the goal leaves (ms/token) | "
+    "without the hand-off, tok/s | dense weights at 3 bits too, tok/s | best flags, tok/s |"
 )
+
+
+def _terms(c: dict) -> tuple:
+    """(projection of the defaults, exposed expert reads, checks, hand-off, PLE) in ms/token."""
+    d = c["default"]
+    chk = c.get("default_check_ms") or 0.0
+    return d, d["exposed_ms"] - chk, chk, d.get("handoff_ms", 0.0), d.get("ple_ms", 0.0)
 
 
 def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> list[str]:
@@ -365,18 +393,18 @@ def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> list[str]:
         budget = 1e3 / goal
         meets, rows = [], []
         for c in res["by_codec"]:
-            d = c["default"]
-            if not d:
+            if not c["default"]:
                 continue
-            chk = c.get("default_check_ms") or 0.0
-            reads = d["exposed_ms"] - chk
+            d, reads, chk, hand, ple = _terms(c)
             w = next((x for x in (alt.get(name) or {}).get("by_codec", []) if x["codec"] == c["codec"]), None)
             wtok = (w or {}).get("default") or {}
-            rows.append((c, d, reads, chk, budget - reads - chk, wtok.get("tok_s")))
+            left = budget - reads - chk - hand - ple
+            rows.append((c, d, reads, chk, hand, ple, left, wtok.get("tok_s")))
+            limit = (c.get("default_limit") or "").split(" (")[0]
             lines.append(
                 f"| {res['machine']['name']} | {goal:g} | {c['codec']} | {d['tok_s']:.1f} | "
-                f"{d['token_ms']:.1f} = {d['compute_ms']:.1f} + {reads:.1f} + {chk:.1f} | "
-                f"{budget - reads - chk:.1f} (assumed {d['compute_ms']:.1f}) | "
+                f"{d['token_ms']:.1f} = {d['compute_ms']:.1f} + {reads:.1f} + {chk:.1f} + {hand:.1f} + {ple:.1f} | "
+                f"{limit} | {left:.1f} (assumed {d['compute_ms']:.1f}) | {1e3 / (d['token_ms'] - hand):.1f} | "
                 + ("n/a" if wtok.get("tok_s") is None else f"{wtok['tok_s']:.1f}")
                 + " | "
                 f"{c['best']['tok_s']:.1f} (`{c.get('best_flags')}`) |"
@@ -385,13 +413,13 @@ def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> list[str]:
                 meets.append((c["codec"], d["tok_s"]))
         if not rows:
             continue
-        first = rows[0]
         label = res["machine"]["name"]
-        fc, fd, freads, fchk = first[0], first[1], first[2], first[3]
+        fc, fd, freads, fchk, fhand, fple = rows[0][:6]
         at_default = (
             f"at the default {fc['codec']} it projects {fd['tok_s']:.1f} tok/s, a token being "
             f"{fd['token_ms']:.1f} ms: compute {fd['compute_ms']:.1f}, exposed reads {freads:.1f}, checks "
-            f"{fchk:.1f} (compute alone allows {1e3 / fd['compute_ms']:.1f} tok/s)"
+            f"{fchk:.1f}, host hand-off {fhand:.1f}, PLE reads {fple:.1f} (compute alone allows "
+            f"{1e3 / fd['compute_ms']:.1f} tok/s)"
         )
         if meets:
             widest = meets[0]  # the table lists the widest (least lossy) width first
@@ -406,11 +434,12 @@ def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> list[str]:
                 f"{best[0]['codec']}); {at_default}."
             )
         # Which term limits the fastest width, and what would move it.
-        c, d, reads, chk, left, wt = max(rows, key=lambda r: r[1]["tok_s"])
+        c, d, reads, chk, hand, ple, left, wt = max(rows, key=lambda r: r[1]["tok_s"])
         if d["tok_s"] >= goal:
             verdicts.append(
                 head + f" At {c['codec']} a token is {d['token_ms']:.1f} ms: compute {d['compute_ms']:.1f}, "
-                f"exposed reads {reads:.1f}, checks {chk:.1f}; the margin is {budget - d['token_ms']:.1f} ms."
+                f"exposed reads {reads:.1f}, checks {chk:.1f}, hand-off {hand:.1f}, PLE {ple:.1f}; the margin is "
+                f"{budget - d['token_ms']:.1f} ms."
             )
             continue
         if d["compute_ms"] >= budget:
@@ -420,15 +449,18 @@ def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> list[str]:
             )
         else:
             why = (
-                f"Reads limit it: compute {d['compute_ms']:.1f} ms leaves {budget - d['compute_ms']:.1f} ms for "
-                f"reads and checks, the projection exposes {reads + chk:.1f} ms."
+                f"Compute {d['compute_ms']:.1f} ms leaves {budget - d['compute_ms']:.1f} ms; the projection "
+                f"spends {reads + chk:.1f} ms on exposed reads and checks, {hand:.1f} ms with the GPU waiting on "
+                f"the host (48 streamed layers) and {ple:.1f} ms on PLE reads."
             )
         moves = [
+            f"no GPU wait on the host for layers whose records are all resident (hits resolved from a "
+            f"GPU-visible slot table): up to {1e3 / (d['token_ms'] - hand):.1f} tok/s with none at all",
             f"dense weights at 3 bits too ({'n/a' if wt is None else f'{wt:.1f}'} tok/s; quality not measured here)",
             f"a draft model (best {c['best']['tok_s']:.1f} tok/s with `{c.get('best_flags')}`, at the assumed "
             "MTP acceptance 0.5)",
             f"an M5 Pro that decodes faster than the assumed 0.6x an M4 Max: the goal needs compute <= "
-            f"{left:.1f} ms/token at {c['codec']} with these reads",
+            f"{left:.1f} ms/token at {c['codec']} with these reads and hand-offs",
         ]
         verdicts.append(head + " " + why + " What would move it: " + "; ".join(moves) + ".")
     lines += [""] + [f"- {v}" for v in verdicts]
@@ -439,11 +471,47 @@ def goal_section(results: Sequence[dict], whatif: Sequence[dict]) -> list[str]:
         "at each width (ASSUMPTION: memory-bandwidth-bound decode, anchored at the 4-bit measurement); SSD "
         "9.5 GB/s at QD1, 17.3 at QD8 (slotstream's M5 Pro); synthetic routes tuned to ~75% hits at 28 GiB; "
         "read-ahead credited with what public runtimes measured; the fast check at XXH3's public 36 GB/s "
-        "per core; 8 GB kept for the OS and apps. The quality of 2- and 3-bit experts is not part of a "
-        "projection (`benchmarks/bench_widths.py` measures perplexity on the demo).",
+        "per core; the GPU waiting on the host once per streamed layer (the profile's handoff_ms, an "
+        "ASSUMPTION until `hebrus-mlx qualify` measures it on a Mac); PLE pages read from the SSD at each "
+        "token's start (ple_hit 0: no PLE row cache credited); 8 GB kept for the OS and apps. The quality of "
+        "2- and 3-bit experts is not part of a projection (`benchmarks/bench_widths.py` measures perplexity "
+        "on the demo).",
         "",
     ]
+    lines += batch_section(results)
     return lines
+
+
+def batch_section(results: Sequence[dict]) -> list[str]:
+    """Agents: aggregate and per-request tok/s of 1, 2, 4, 8 concurrent requests at the defaults."""
+    lines = [
+        "## Agents: concurrent requests (continuous batching, default cache, fast check)",
+        "",
+        "Each routed record is read once per step for all the requests that route to it; decode being "
+        "memory-bound, a step reads the dense weights once and the distinct expert records of its rows. "
+        "Batched steps are multi-row forwards, which predict nothing ahead (read-ahead off). This CPU's "
+        "measured batching ratio (1.8x at 4, quiet) says little of a memory-bound GPU.",
+        "",
+        "| profile | expert width | requests | aggregate tok/s | per request tok/s | x one request | "
+        "distinct records per step / (requests x top-k) | what limits it |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for item in results:
+        if item["check"] != "fast" or item["profile_name"] not in GOALS:
+            continue
+        res = item["result"]
+        for c in res["by_codec"]:
+            batches = c.get("batches") or []
+            if not batches:
+                continue
+            one = batches[0]["tok_s"]
+            for b in batches:
+                lines.append(
+                    f"| {res['machine']['name']} | {c['codec']} | {b['batch']} | {b['tok_s']:.1f} | "
+                    f"{b['tok_s'] / b['batch']:.1f} | x{b['tok_s'] / one:.2f} | {b.get('union', 1.0):.2f} | "
+                    f"{b.get('limit', '')} |"
+                )
+    return lines + [""]
 
 
 def render_doc(results: Sequence[dict], command: str, whatif: Sequence[dict] = ()) -> str:

@@ -82,6 +82,29 @@ def io_summary(counters: dict, prefetch=None) -> str:
     ) + ("" if prefetch is None else "; " + _prefetch_summary(c, prefetch))
 
 
+def io_by_kind(counters: dict, kinds: dict) -> dict:
+    """``{kind: {"reads", "bytes", "exposed_wait_ns"}}``: the engine's per-store counters summed by
+    what each store holds (``StreamEngine.store_kinds``): expert records and PLE pages apart."""
+    out: dict = {}
+    for field in ("reads", "bytes", "exposed_wait_ns"):
+        for store, n in (counters.get(f"{field}_by_store") or {}).items():
+            kind = kinds.get(int(store), "other")
+            out.setdefault(kind, {"reads": 0, "bytes": 0, "exposed_wait_ns": 0})[field] += int(n)
+    return out
+
+
+def io_split_summary(counters: dict, kinds: dict) -> str | None:
+    """``I/O by store: experts 1.234 GB in 456 reads, exposed wait 0.1 s; ple ...`` (None: nothing read)."""
+    split = io_by_kind(counters, kinds)
+    if not split:
+        return None
+    parts = [
+        f"{k} {v['bytes'] / 1e9:.3f} GB in {v['reads']} reads, exposed wait {v['exposed_wait_ns'] / 1e9:.3f} s"
+        for k, v in sorted(split.items())
+    ]
+    return "I/O by store: " + "; ".join(parts)
+
+
 def mirror_summary(files: dict) -> str:
     """``mirror: reads 120 store / 118 mirror, 0 fallbacks`` from :meth:`StreamEngine.file_reads`."""
     r = files["reads"]
@@ -201,6 +224,18 @@ def default_backend() -> str:
     return _profile_backend
 
 
+def gpu_task_wait_bound(seconds: float | None = None) -> float:
+    """The longest a host task the GPU waits on may wait for one read (seconds; set it with
+    ``seconds``, <= 0 for no bound): past it the read fails typed and the step rolls back, so a
+    stalled SSD never holds a command buffer open into macOS's GPU watchdog. CPU-stream tasks
+    (the default path) are not bounded: they hold no GPU."""
+    if _ext is None:
+        raise StreamUnavailableError(unavailable_reason())
+    if seconds is not None:
+        _ext.set_gpu_task_wait_bound(float(seconds))
+    return float(_ext.gpu_task_wait_bound())
+
+
 def check_gpu_event_errors() -> None:
     """Raise (once) the first failure of a GPU-event host task since the last check (the records
     of that step were never written). A tagged RuntimeError, typed by `errors.translate`."""
@@ -256,6 +291,7 @@ class StreamEngine:
             backend=backend,
         )
         self._threads = threads
+        self.store_kinds: dict[int, str] = {}  # store id -> what it holds ("experts", "ple", ...)
 
     @property
     def backend(self) -> str:
@@ -266,8 +302,12 @@ class StreamEngine:
         return f"StreamEngine(backend={self.backend!r}, threads={self._threads}, cache_bytes={cap})"
 
     # Stores and record tables -------------------------------------------
-    def add_store(self, path: str, digest_id: str = "") -> int:
-        return self._e.add_store(str(path), digest_id)
+    def add_store(self, path: str, digest_id: str = "", kind: str = "other") -> int:
+        """Open a store file; ``kind`` names what it holds (``experts``, ``ple``) so the I/O it
+        costs is reported apart (:func:`io_by_kind`)."""
+        store = self._e.add_store(str(path), digest_id)
+        self.store_kinds[store] = kind
+        return store
 
     def add_mirror(self, store: int, path: str) -> int:
         """A byte-identical copy of ``store`` (``--expert-mirror``): reads alternate between

@@ -73,7 +73,7 @@ class StreamedExperts:
         self.rows = rows
         self.prefetch_previous = prefetch_previous
         self.store_path = str(reader.path)
-        store = engine.add_store(reader.path, reader.header["payload_sha256"].hex())
+        store = engine.add_store(reader.path, reader.header["payload_sha256"].hex(), kind="experts")
         self.store = store
         self.mirror = mirror
         if mirror is not None:  # admitted by admission.admit_mirror

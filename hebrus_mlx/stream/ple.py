@@ -40,7 +40,7 @@ class StreamedNGramTable(nn.Module):
         super().__init__()
         g = reader.geometry
         self._engine = engine
-        store = engine.add_store(reader.path, reader.payload_sha.hex())
+        store = engine.add_store(reader.path, reader.payload_sha.hex(), kind="ple")
         self.table = engine.register_table(
             store,
             [g.payload_offset + p * g.page_stride for p in range(g.num_pages)],

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..errors import UsageError
-from .engine import StreamEngine, io_summary, mirror_summary
+from .engine import StreamEngine, io_split_summary, io_summary, mirror_summary
 from .experts import StreamedExperts
 from .predict import Predictor, PrefetchSpec, parse_prefetch
 from .sweep import CROSSOVER, PrefillSweep, SweepBudgetError, parse_mode
@@ -182,7 +182,11 @@ class Streaming:
         """generate's stats lines: the prefill sweep (when there is something to say), the I/O line
         and, with a mirror, its read split."""
         lines = [] if self.sweep_summary() is None else [self.sweep_summary()]
-        lines.append(io_summary(self.engine.counters(), self.prefetch))
+        counters = self.engine.counters()
+        lines.append(io_summary(counters, self.prefetch))
+        split = io_split_summary(counters, self.engine.store_kinds)
+        if split is not None:
+            lines.append(split)
         if self.experts is not None and self.experts.mirror is not None:
             lines.append(mirror_summary(self.engine.file_reads(self.experts.store)))
         return lines

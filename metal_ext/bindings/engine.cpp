@@ -47,6 +47,15 @@ nb::dict counters_dict(const Counters& c) {
     by_layer[nb::int_(layer)] = ns;
   }
   d["exposed_wait_ns_by_layer"] = by_layer;
+  for (auto [name, m] : {std::pair{"reads_by_store", &c.reads_by_store},
+                         std::pair{"bytes_by_store", &c.bytes_by_store},
+                         std::pair{"exposed_wait_ns_by_store", &c.exposed_wait_ns_by_store}}) {
+    nb::dict by_store;
+    for (auto& [store, n] : *m) {
+      by_store[nb::int_(store)] = n;
+    }
+    d[name] = by_store;
+  }
   d["latency_p50_ns"] = c.latency_p50_ns;
   d["latency_p95_ns"] = c.latency_p95_ns;
   d["latency_p99_ns"] = c.latency_p99_ns;

@@ -1,6 +1,7 @@
 #include <nanobind/nanobind.h>
 
 #include "bindings.h"
+#include "ops.h"
 #include "ops_metal.h"
 
 namespace hebrus::bind {
@@ -14,6 +15,8 @@ void register_gpu_events(nb::module_& m) {
   m.def("gpu_events_enabled", &gpu_events_enabled);
   m.def("set_gpu_events", &set_gpu_events, "on"_a);
   m.def("check_gpu_event_errors", &check_gpu_event_errors);
+  m.def("gpu_task_wait_bound", &gpu_task_wait_bound);
+  m.def("set_gpu_task_wait_bound", &set_gpu_task_wait_bound, "seconds"_a);
 }
 
 } // namespace hebrus::bind

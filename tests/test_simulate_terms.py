@@ -1,0 +1,98 @@
+"""The projection's terms beyond compute and expert reads: the GPU waiting on the host per streamed
+layer, PLE page reads, the wavefront's overlap and concurrent requests (docs/PROJECTION.md)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hebrus_mlx.artifact import constants as C
+from hebrus_mlx.errors import UsageError
+from hebrus_mlx.simulate import model as S
+
+FAM = C.QWEN38_FLASH_NEXT
+
+
+def _machine(**kw):
+    base = dict(name="m", ssd_gbps={1: 2.0, 8: 4.0}, layer_s=0.7e-3, pre_router=0.5, threads=8)
+    base.update(kw)
+    return S.Machine(**base)
+
+
+def _replay(misses_per_layer=3.0, L=48, k=10):
+    return S.Replay(100, np.full(L, misses_per_layer), np.zeros(L), np.zeros(L), L * k)
+
+
+def _project(machine, geom=None, rep=None, **kw):
+    geom = geom or S.geometry_of_family(FAM, "affine2-g64")
+    return S.project(
+        machine, geom, rep or _replay(), cache_gb=8, capacity=1000, policy="clock", prefetch="off", **kw
+    )
+
+
+def test_the_hand_off_is_charged_once_per_streamed_layer():
+    base = _project(_machine())
+    with_h = _project(_machine(handoff_ms=0.25))
+    assert with_h.handoff_ms == pytest.approx(48 * 0.25)
+    assert with_h.token_ms - base.token_ms == pytest.approx(48 * 0.25)
+    # A verify step of 3 tokens pays it once: a third per token at full acceptance.
+    spec = _project(_machine(handoff_ms=0.25), draft_depth=2, acceptance=0.999999)
+    assert spec.handoff_ms == pytest.approx(48 * 0.25 / 3, rel=1e-4)
+
+
+def test_ple_pages_are_counted_and_a_slow_disk_exposes_them():
+    geom = S.geometry_of_family(FAM, "affine2-g64")
+    assert geom.ple_reads_per_token == 16 and geom.ple_page_bytes == C.PLE_DEFAULT_PAGE_BYTES
+    fast = _project(_machine())
+    assert fast.ple_bytes_per_token == 16 * C.PLE_DEFAULT_PAGE_BYTES
+    slow = _project(_machine(ssd_gbps={1: 0.01}))  # 1 MiB at 10 MB/s: ~100 ms, far past the window
+    window_ms = 0.5 * 0.7
+    assert slow.ple_ms == pytest.approx(16 * C.PLE_DEFAULT_PAGE_BYTES / 0.01e9 * 1e3 - window_ms)
+    cached = _project(_machine(ssd_gbps={1: 0.01}, ple_hit=1.0))
+    assert cached.ple_ms == 0 and cached.ple_bytes_per_token == 0
+    no_ple = dataclasses.replace(geom, ple_reads_per_token=0, ple_page_bytes=0)
+    assert _project(_machine(ssd_gbps={1: 0.01}), geom=no_ple).ple_ms == 0
+
+
+def test_the_wavefront_hides_misses_behind_resident_experts_only():
+    m = _machine(ssd_gbps={1: 0.5, 8: 1.0}, expert_share=0.3)
+    waits = _project(m)
+    wave = _project(dataclasses.replace(m, wavefront=True))
+    assert wave.exposed_ms < waits.exposed_ms
+    # 7 of 10 records resident per layer: at most 0.7 * 0.3 * layer_s hidden per layer.
+    assert waits.exposed_ms - wave.exposed_ms == pytest.approx(48 * 0.7 * 0.3 * 0.7, rel=1e-6)
+    # Every record a miss: nothing resident to compute meanwhile.
+    all_miss = _replay(misses_per_layer=10.0)
+    assert _project(dataclasses.replace(m, wavefront=True), rep=all_miss).exposed_ms == pytest.approx(
+        _project(m, rep=all_miss).exposed_ms
+    )
+
+
+def test_batch_union_counts_distinct_records_of_unrelated_tokens():
+    same = np.tile(np.arange(10), (50, 4, 1))  # every token routes to the same 10 experts
+    assert S.batch_union(same, 4) == pytest.approx(1 / 4)
+    rng = np.random.default_rng(0)
+    disjoint = np.stack([rng.permutation(512)[:10] for _ in range(50 * 4)]).reshape(50, 4, 10)
+    assert 0.9 < S.batch_union(disjoint, 4) <= 1.0
+
+
+def test_a_batched_step_shares_dense_compute_and_reads_each_record_once():
+    m = _machine(expert_share=0.2)
+    one = _project(m)
+    four = _project(m, batch=4, union=0.5)
+    # Compute per step: dense once + the experts' share per distinct record (4 x 0.5 = 2 tokens' worth).
+    assert four.compute_ms * 4 == pytest.approx(one.compute_ms * (0.8 + 0.2 * 2))
+    assert four.bytes_per_token == pytest.approx(one.bytes_per_token * 0.5)
+    assert four.tok_s > one.tok_s
+    with pytest.raises(UsageError):
+        _project(m, batch=2, draft_depth=1)
+
+
+@pytest.mark.parametrize(
+    "field,value", [("handoff_ms", -1), ("handoff_ms", float("nan")), ("ple_hit", 1.5), ("expert_share", -0.1)]
+)
+def test_profile_terms_out_of_range_are_refused_naming_the_field(field, value):
+    d = {"name": "x", "ssd_gbps": {"1": 1.0}, "layer_ms": 1.0, field: value}
+    with pytest.raises(UsageError) as e:
+        S.Machine.from_dict(d, "profile p")
+    assert e.value.field == f"profile p.{field}"
