@@ -21,6 +21,9 @@ import numpy as np
 from ..errors import HebrusError
 
 _GROW = 256  # attention buffers hold a multiple of this many tokens
+# Attention buffers grow by this factor: filling n rows copies at most n / (_GROWTH - 1) rows in all
+# (a fixed step copies O(n^2)), and at most a quarter of a buffer is spare.
+_GROWTH = 1.25
 
 
 class ContextLengthError(HebrusError, ValueError):
@@ -164,14 +167,14 @@ class AttentionCache(_FromState):
     def _grow(buf, needed, axis, like, limit=None):
         """`buf`, or a fresh buffer holding its live rows with room for `needed`.
 
-        Capacity doubles (capped at `limit`, the most rows the context can reach), so filling n rows
-        one token at a time copies fewer than 2n rows in all and reallocates O(log n) times; a fixed
-        step would copy O(n^2) rows on the way to a 262K context.
+        Capacity grows geometrically (`_GROWTH`, capped at `limit`: the most rows the context can
+        reach), so filling n rows one token at a time reallocates O(log n) times and copies O(n)
+        rows in all; a fixed step would copy O(n^2) rows on the way to a 262K context.
         """
         old = 0 if buf is None else buf.shape[axis]
         if old >= needed:
             return buf
-        cap = max(needed, 2 * old)
+        cap = max(needed, int(old * _GROWTH))
         cap = ((cap + _GROW - 1) // _GROW) * _GROW
         if limit is not None:
             cap = max(needed, min(cap, limit))
