@@ -9,10 +9,11 @@ and the step's peak memory above what was resident before it (`mx.reset_peak_mem
 `mx.get_peak_memory`), against the size one float32 mask row of the whole context would take.
 
 The cache is not prefilled (a 262K prefill is far too slow on a small CPU): the layer's K, V, raw
-index keys and pooled group keys are filled straight into its state with random bfloat16 values
-(`AttentionCache.state`), which has the same shapes and dtypes a prefill leaves. Each timed step is
-followed by `trim(1)`, so every step sees the same context; the first (untimed) step grows the
-buffers to the context limit.
+index keys (random bfloat16) and pooled group keys (random float32) are set straight into its
+state (`AttentionCache.state`), the shapes and dtypes a prefill leaves. Each timed step is followed
+by `trim(1)`, so every step sees the same context; the first (untimed) step grows the buffers
+(by 1.25x, capped at the 262,144 limit). All contexts are held at once and timed round-robin, so
+machine noise lands on each alike; the "x first" columns are ratios to the first context.
 
 Layer geometry: hidden 2560, 16 query heads, 2 KV heads, head_dim 256 (a quarter rotated), indexer
 16 heads x 128,
@@ -71,13 +72,15 @@ class GatherCounter:
 
 
 def filled_cache(args, n, dtype):
+    """A layer cache holding n tokens of random rows: K, V and raw index keys in `dtype`, pooled group
+    keys in float32 (what a prefill leaves: they come out of the float32 rotary tables)."""
     r, hkv = args.indexer_compress_ratio, args.num_key_value_heads
     c = AttentionCache()
     c.state = [
         mx.random.normal((1, hkv, n, args.head_dim), dtype=dtype),
         mx.random.normal((1, hkv, n, args.head_dim), dtype=dtype),
         mx.random.normal((1, n, args.indexer_head_dim), dtype=dtype),
-        mx.random.normal((1, n // r, args.indexer_head_dim), dtype=dtype),
+        mx.random.normal((1, n // r, args.indexer_head_dim)),
         n,
         n // r,
         0,
@@ -92,54 +95,44 @@ def live(c):
     return [c.keys, c.values, c.raw_keys, c.block_keys]
 
 
-def measure(attn, args, context, steps, dtype):
-    cache = filled_cache(args, context - 1, dtype)
-    x = mx.random.normal((1, 1, args.hidden_size), dtype=dtype)
-    mx.eval(x)
-    mx.eval(attn(x, cache), *live(cache))  # grows the buffers once
-    cache.trim(1)
-    layer_ms, attend_ms, gathered, peaks = [], [], [], []
-    for _ in range(steps):
+class Context:
+    """One context's cache (context - 1 tokens; the step decodes the last one) and its samples."""
+
+    def __init__(self, attn, args, context, dtype):
+        self.context = context
+        self.cache = filled_cache(args, context - 1, dtype)
+        self.x = mx.random.normal((1, 1, args.hidden_size), dtype=dtype)
+        mx.eval(self.x, attn(self.x, self.cache), *live(self.cache))  # grows the buffers once
+        self.cache.trim(1)
+        # One selection of this context, for timing the sparse attention alone.
+        self.queries = mx.random.normal((1, args.num_attention_heads, 1, args.head_dim), dtype=dtype)
+        index_q = mx.random.normal((1, args.indexer_n_heads, 1, args.indexer_head_dim), dtype=dtype)
+        self.idx, self.ok = attn.indexer.select(index_q, self.cache.block_keys_view(), context - 1, context)
+        mx.eval(self.queries, self.idx, self.ok)
+        self.layer_ms, self.attend_ms, self.gathered, self.peaks = [], [], [], []
+
+    def step(self, attn):
+        c = self.cache
         mx.synchronize()
         mx.reset_peak_memory()
         resident = mx.get_active_memory()
         t0 = time.perf_counter()
         with GatherCounter() as g:
-            out = attn(x, cache)
-            mx.eval(out, *live(cache))
-        layer_ms.append((time.perf_counter() - t0) * 1e3)
-        peaks.append(mx.get_peak_memory() - resident)
-        gathered.append(g.bytes)
-        cache.trim(1)
-    # The sparse attention alone, for one selection of this context.
-    queries = mx.random.normal((1, args.num_attention_heads, 1, args.head_dim), dtype=dtype)
-    index_q = mx.random.normal((1, args.indexer_n_heads, 1, args.indexer_head_dim), dtype=dtype)
-    idx, ok = attn.indexer.select(index_q, cache.block_keys_view(), context - 1, context)
-    mx.eval(queries, idx, ok)
-    k, v = cache.keys[:, :, : context - 1], cache.values[:, :, : context - 1]
-    for _ in range(steps):
+            mx.eval(attn(self.x, c), *live(c))
+        self.layer_ms.append((time.perf_counter() - t0) * 1e3)
+        self.peaks.append(mx.get_peak_memory() - resident)
+        self.gathered.append(g.bytes)
+        c.trim(1)
+        k, v = c.keys[:, :, : self.context - 1], c.values[:, :, : self.context - 1]
         t0 = time.perf_counter()
-        mx.eval(attn.attend(queries, k, v, idx, ok, context))
-        attend_ms.append((time.perf_counter() - t0) * 1e3)
-    resident = sum(a.nbytes for a in live(cache))
-    scored = cache.n_groups * args.indexer_head_dim * mx.float32.size
-    return dict(
-        context=context,
-        layer_ms=statistics.median(layer_ms),
-        attend_ms=statistics.median(attend_ms),
-        gathered=max(gathered),
-        width=idx.shape[-1],
-        scored=scored,
-        resident=resident,
-        peak=max(peaks),
-        mask_row=context * 4,
-    )
+        mx.eval(attn.attend(self.queries, k, v, self.idx, self.ok, self.context))
+        self.attend_ms.append((time.perf_counter() - t0) * 1e3)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="4096,32768,131072,262144")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="rounds (each times every context once)")
     a = p.parse_args()
     contexts = [int(c) for c in a.contexts.split(",")]
     args = q.ModelArgs.from_dict(GEOMETRY)
@@ -148,22 +141,28 @@ def main():
     attn = q.QSAAttention(args)
     attn.update(tree_map(lambda w: (w * 0.02).astype(dtype), attn.parameters()))
     mx.eval(attn.parameters())
-    rows = []
-    for context in contexts:
-        rows.append(measure(attn, args, context, a.steps, dtype))
-        mx.clear_cache()
-    base = rows[0]
+    ctxs = [Context(attn, args, context, dtype) for context in contexts]
+    # Contexts interleaved round by round, so machine noise lands on all of them alike.
+    for _ in range(a.steps):
+        for c in ctxs:
+            c.step(attn)
+    base = statistics.median(ctxs[0].layer_ms)
+    base_attend = statistics.median(ctxs[0].attend_ms)
     mb = 1 << 20
     print(
-        "| context | layer ms/step | x first | sparse attention ms | selected keys | bytes gathered/step "
-        "| group keys scored (bytes) | resident cache (MiB) | step peak above resident | f32 [1,S] mask row |"
+        "| context | layer ms/step (median) | x first | sparse attention ms (median) | x first | selected keys "
+        "| bytes gathered/step | group keys scored (bytes) | cache buffers (MiB) | step peak above resident (bytes) "
+        "| f32 [1,S] mask row (bytes) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for c in ctxs:
+        layer, attend = statistics.median(c.layer_ms), statistics.median(c.attend_ms)
+        scored = c.cache.n_groups * args.indexer_head_dim * c.cache.block_keys.dtype.size
+        buffers = sum(x.nbytes for x in live(c.cache))
         print(
-            f"| {r['context']:,} | {r['layer_ms']:.2f} | {r['layer_ms'] / base['layer_ms']:.2f} | "
-            f"{r['attend_ms']:.2f} | {r['width']:,} | {r['gathered']:,} | {r['scored']:,} | "
-            f"{r['resident'] / mb:.0f} | {r['peak']:,} | {r['mask_row']:,} |"
+            f"| {c.context:,} | {layer:.1f} | {layer / base:.2f} | {attend:.1f} | {attend / base_attend:.2f} | "
+            f"{c.idx.shape[-1]:,} | {max(c.gathered):,} | {scored:,} | {buffers / mb:.0f} | {max(c.peaks):,} | "
+            f"{c.context * 4:,} |"
         )
 
 
