@@ -32,6 +32,16 @@ class CMakeExtension(Extension):
         self.source_dir = str(source_dir)
 
 
+def mtlio_option(environ) -> str:
+    """The CMake switch for the MTLIO read backend: on only with HEBRUS_BUILD_MTLIO=1, since Apple's
+    compiler has never built io_mtlio.cpp and a first-build error there must not block
+    `pip install` on a Mac. Always passed, so a cached ON from an earlier build does not stick."""
+    value = environ.get("HEBRUS_BUILD_MTLIO", "0").strip()
+    if value not in ("0", "1", ""):
+        raise SystemExit(f"HEBRUS_BUILD_MTLIO: expected 0 or 1, got {value!r}")
+    return f"-DHEBRUS_BUILD_MTLIO={'ON' if value == '1' else 'OFF'}"
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         # For editable installs (build_ext --inplace) this is the source tree.
@@ -49,6 +59,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
+            mtlio_option(os.environ),
         ]
         # Extra configure options, the usual pip-build convention (the self-hosted Metal CI job
         # builds the GPU-event path with CMAKE_ARGS=-DHEBRUS_METAL_EVENTS=ON).

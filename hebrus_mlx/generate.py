@@ -66,7 +66,7 @@ def wired_limit(model):
     from mlx.utils import tree_reduce
 
     model_bytes = tree_reduce(lambda acc, x: acc + x.nbytes if isinstance(x, mx.array) else acc, model, 0)
-    max_rec = mx.metal.device_info()["max_recommended_working_set_size"]
+    max_rec = mx.device_info()["max_recommended_working_set_size"]
     old = mx.set_wired_limit(min(model_bytes, max_rec)) if model_bytes > 0.9 * max_rec else None
     try:
         yield

@@ -106,3 +106,48 @@ def test_fault_injection_is_compiled_only_into_the_test_module():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "hebrus_mlx._testing" not in r.stdout and "hebrus_mlx._ext" in r.stdout
+
+
+def _enclosing_ifs(cmake: str, needle: str):
+    """The conditions of the if() blocks around the first line containing `needle` (an elseif or
+    else replaces its block's condition)."""
+    stack = []
+    for line in cmake.splitlines():
+        s = line.strip()
+        if s.startswith("if("):
+            stack.append(s[3:])
+        elif s.startswith("elseif("):
+            stack[-1] = s[7:]
+        elif s.startswith("else("):
+            stack[-1] = "else of " + stack[-1]
+        elif s.startswith("endif("):
+            stack.pop()
+        elif needle in s:
+            return list(stack)
+    raise AssertionError(f"{needle} not in CMakeLists.txt")
+
+
+def test_mtlio_backend_is_opt_in_in_the_default_build():
+    """io_mtlio.cpp has never met Apple's compiler, so the default build (`pip install` on a Mac)
+    leaves it out: CMake compiles it only under HEBRUS_BUILD_MTLIO (default OFF), and setup.py
+    turns that on only for HEBRUS_BUILD_MTLIO=1, passing OFF otherwise (a cached ON does not
+    stick); any other value stops the build naming the variable. Read from the files, not built."""
+    import ast
+    import re
+
+    cmake = (ROOT / "metal_ext" / "CMakeLists.txt").read_text()
+    assert re.search(r'option\(HEBRUS_BUILD_MTLIO "[^"]*" OFF\)', cmake)
+    conditions = _enclosing_ifs(cmake, "io_mtlio.cpp")
+    assert "HEBRUS_BUILD_MTLIO" in conditions[0] and "else of" not in conditions[0], conditions
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "mtlio_option"]
+    scope = {}
+    exec(compile(ast.Module([fn], []), "setup.py", "exec"), scope)
+    option = scope["mtlio_option"]
+    assert option({}) == option({"HEBRUS_BUILD_MTLIO": "0"}) == "-DHEBRUS_BUILD_MTLIO=OFF"
+    assert option({"HEBRUS_BUILD_MTLIO": "1"}) == "-DHEBRUS_BUILD_MTLIO=ON"
+    with pytest.raises(SystemExit, match="^HEBRUS_BUILD_MTLIO: expected 0 or 1"):
+        option({"HEBRUS_BUILD_MTLIO": "yes"})
+    (build,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "build_extension"]
+    assert "mtlio_option(os.environ)" in ast.unparse(build)

@@ -276,3 +276,77 @@ def test_qsa_attention_metal_matches_ops():
     for scale, q, k, v, idx, ok, ops_out in _sparse_calls("tiny_a"):
         got = qsa_attention.metal(*(mx.array(t) for t in (q, k, v, idx, ok)), scale)
         np.testing.assert_allclose(np.array(got), ops_out, atol=1e-5)
+
+
+# ---- run-time lengths and strides (one compiled kernel for every decode step) ---------------------
+
+
+def _qsa_case(rng, hq, hkv, cap, S, L, W, D=8):
+    """A QSA call whose K/V are views over [Hkv, cap, D] buffers cut to S rows (as the cache's are)."""
+    q = rng.standard_normal((hq, L, D)).astype(np.float32)
+    k_buf, v_buf = (rng.standard_normal((hkv, cap, D)).astype(np.float32) for _ in range(2))
+    idx = np.stack([np.sort(rng.choice(S, W, replace=False)) for _ in range(L)]).astype(np.int32)
+    ok = rng.random((L, W)) < 0.8
+    ok[:, 0] = True
+    return q, k_buf[:, :S], v_buf[:, :S], idx, ok
+
+
+@needs_cxx
+def test_qsa_attention_compiles_one_kernel_for_every_context_length(monkeypatch):
+    """The context length S (and L, W) are read at run time: calls at different lengths build the
+    same source, so MLX compiles one Metal library, not one per decode token. K/V are strided
+    views over larger buffers (the cache's spare capacity) and are read through their strides."""
+    assert {name for name, _ in qsa_attention.launch(1, 4, 2, 8, mx.float32)["template"]} == {
+        "T",
+        "HQ",
+        "HKV",
+        "D",
+        "NSG",
+    }
+    sources = set()
+    build = msl_emulator.build_source
+    monkeypatch.setattr(msl_emulator, "build_source", lambda *a, **k: sources.add(build(*a, **k)) or build(*a, **k))
+    rng = np.random.default_rng(5)
+    for cap, S, L, W in ((64, 9, 1, 9), (64, 40, 1, 11), (128, 97, 3, 11), (128, 128, 2, 20)):
+        q, k, v, idx, ok = _qsa_case(rng, 4, 2, cap, S, L, W)
+        assert not k.flags.c_contiguous or S == cap
+        got = emu.qsa_attention(q, k, v, idx, ok, 0.35)
+        np.testing.assert_allclose(got, _attention_oracle(q, k, v, idx, ok, 0.35), atol=2e-6)
+    assert len(sources) == 1
+
+
+def test_qsa_metal_call_keeps_one_template_and_passes_the_cache_views(monkeypatch):
+    """On a Mac (faked here: the kernel object is a recorder) the call's template is the same at
+    every context length, K/V go in as the views they are, and the kernel is made without
+    ensure_row_contiguous (MLX would copy each K/V view per layer per step). Not verified on Metal."""
+    calls = []
+
+    def fake(inputs, output_shapes, output_dtypes, **launch):
+        calls.append((inputs, launch))
+        return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
+
+    monkeypatch.setattr(qsa_attention, "kernel_object", lambda: fake)
+    buf = mx.random.normal((1, 2, 64, 8))
+    for S in (10, 33):
+        q = mx.random.normal((1, 4, 1, 8))
+        idx = mx.broadcast_to(mx.arange(min(S, 6)), (1, 1, min(S, 6)))
+        qsa_attention.metal(q, buf[:, :, :S], buf[:, :, :S], idx, mx.ones(idx.shape, dtype=mx.bool_), 0.3)
+    (first, a), (second, b) = calls
+    assert a == b
+    assert first[1].shape == (2, 10, 8) and second[1].shape == (2, 33, 8)
+
+
+def test_qsa_kernel_is_made_without_row_contiguous_copies(monkeypatch):
+    """mx.fast.metal_kernel gets ensure_row_contiguous=False for QSA (it reads K/V through their
+    strides); the other kernels keep MLX's copy. Faked Metal; not verified on a device."""
+    made = {}
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(mx.fast, "metal_kernel", lambda **kw: made.setdefault(kw["name"], kw))
+    for module in (qsa_attention, hc_mix):
+        module.kernel_object.cache_clear()
+        try:
+            module.kernel_object()
+        finally:
+            module.kernel_object.cache_clear()
+    assert made["hebrus_qsa_attention"]["ensure_row_contiguous"] is False
+    assert made["hebrus_hc_mix"]["ensure_row_contiguous"] is True

@@ -61,3 +61,28 @@ def test_qualify_device_sections_say_not_qualified_on_a_cpu_backend_mac(metal_bu
     )
     entry = q.kernels_section(emulate=False)["hc_mix"]
     assert entry["status"] == prof.NOT_QUALIFIED and "max_abs_diff" not in entry
+
+
+def test_generation_wires_the_model_through_mx_device_info(metal_build, monkeypatch):
+    """generate's wired limit reads the working set from `mx.device_info()`, not the deprecated
+    `mx.metal.device_info()` (which warns on every Mac run); faked here, never run on Metal."""
+    import mlx.nn as nn
+
+    from hebrus_mlx.generate import wired_limit
+
+    real_info = mx.device_info
+    monkeypatch.setattr(
+        mx, "device_info", lambda device=None: {**real_info(device), "max_recommended_working_set_size": 64}
+    )
+
+    def deprecated():
+        raise AssertionError("mx.metal.device_info() is deprecated")
+
+    monkeypatch.setattr(mx.metal, "device_info", deprecated, raising=False)
+    limits = []
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: limits.append(n) or 7)
+    monkeypatch.setattr(mx, "synchronize", lambda *a: None)
+    monkeypatch.setitem(wired_limit.__wrapped__.__globals__, "generation_stream", lambda: None)
+    with wired_limit(nn.Linear(8, 8)):
+        assert limits == [64]
+    assert limits == [64, 7]

@@ -8,6 +8,8 @@ import json
 import shutil
 import subprocess
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from hebrus_mlx import kernels
@@ -321,3 +323,76 @@ def test_cli_bad_input_exits_2_naming_the_field(args, field, tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and field in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- kernels on a (faked) Metal device ----------------------------------------------------------
+
+BANNER = "Metal GPU Validation Enabled\n"  # printed on every validated run: not a report
+
+
+def _fake_metal_kernels(monkeypatch, raising=(), reported=()):
+    """A Mac as far as qualify's kernel section sees it: each kernel's `metal` is its ops path, or
+    raises as a Metal compile error does (`raising`); the validation child runs in-process and its
+    stderr carries Metal's banner plus, for kernels in `reported`, a report line in the form Metal
+    writes with MTL_SHADER_VALIDATION_REPORT_TO_STDERR=1."""
+    from hebrus_mlx.kernels import hc_mix, ple_gather, qsa_attention
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    for module in (hc_mix, ple_gather, qsa_attention):
+        name = module.NAME
+        if name in raising:
+
+            def fail(*a, _name=name, **k):
+                raise RuntimeError(f"[metal::Device] Unable to build metal library from source for {_name}")
+
+            monkeypatch.setattr(module, "metal", fail)
+        elif module is qsa_attention:
+
+            def sparse(*arrays_and_scale):
+                *arrays, scale = arrays_and_scale
+                return mx.array(q.qsa_attention_ops(*(np.array(t[0]) for t in arrays), scale))[None]
+
+            monkeypatch.setattr(module, "metal", sparse)
+        else:
+            monkeypatch.setattr(module, "metal", module.ops)
+    children = []
+
+    def run(argv, env, **kwargs):
+        names = argv[argv.index("--kernels-child") + 1 :] or list(kernels.KERNELS)
+        children.append((names, env.get("MTL_SHADER_VALIDATION"), env.get("MTL_SHADER_VALIDATION_REPORT_TO_STDERR")))
+        stderr = BANNER + "".join(
+            f'Invalid device load at offset 69632, executing kernel function: "custom_kernel_hebrus_{name}_float"\n'
+            for name in names
+            if name in reported
+        )
+        diffs = {n: d for n, d in q.check_kernels_metal().items() if n in names}
+        return subprocess.CompletedProcess(argv, 0, json.dumps(diffs) + "\n", stderr)
+
+    monkeypatch.setattr(q.subprocess, "run", run)
+    return children
+
+
+def test_a_kernel_that_fails_to_compile_fails_alone_and_qualify_goes_on(monkeypatch):
+    """One kernel's compile/launch error is that kernel's FAILED entry (with the error); the other
+    kernels still run and pass, and the streaming and I/O sections still run."""
+    children = _fake_metal_kernels(monkeypatch, raising={"qsa_attention"})
+    monkeypatch.setattr(q, "gpu_event_section", lambda *a: {"status": "ran"})
+    monkeypatch.setattr(q, "io_section", lambda *a: {"pread": {"status": "ran"}})
+    profile = q.qualify(emulate=False)
+    section = profile["kernels"]
+    assert section["qsa_attention"]["status"] == FAILED
+    assert "Unable to build metal library" in section["qsa_attention"]["error"]
+    assert section["hc_mix"]["status"] == PASSED and section["ple_gather"]["status"] == PASSED
+    assert profile["streaming"]["gpu_event"] == {"status": "ran"} and profile["io"]["pread"] == {"status": "ran"}
+    assert sorted(c[0] for c in children) == [["hc_mix"], ["ple_gather"]] and all(c[1:] == ("1", "1") for c in children)
+
+
+def test_shader_validation_fails_only_the_kernel_a_report_names(monkeypatch):
+    """Metal's "Validation Enabled" banner is on every validated run's stderr and is not a report;
+    a report line naming one kernel's function fails that kernel only."""
+    _fake_metal_kernels(monkeypatch, reported={"ple_gather"})
+    section = q.kernels_section(emulate=False)
+    assert section["hc_mix"]["status"] == PASSED and section["qsa_attention"]["status"] == PASSED
+    assert section["ple_gather"]["status"] == FAILED
+    assert section["ple_gather"]["shader_validation"]["reports"][0].startswith("Invalid device load")
+    assert q.validation_reports(BANNER, "hc_mix") == []

@@ -44,8 +44,9 @@ def enabled(name: str) -> bool:
     return name in _qualified and metal_available()
 
 
-def make_kernel(name: str, input_names, output_names, source: str, header: str = ""):
-    """`mx.fast.metal_kernel` for a kernel module, or None where Metal is absent."""
+def make_kernel(name: str, input_names, output_names, source: str, header: str = "", ensure_row_contiguous=True):
+    """`mx.fast.metal_kernel` for a kernel module, or None where Metal is absent. A kernel that
+    reads its inputs through `<name>_strides` passes ensure_row_contiguous=False (no copies)."""
     if not metal_available():
         return None
     return mx.fast.metal_kernel(
@@ -54,5 +55,5 @@ def make_kernel(name: str, input_names, output_names, source: str, header: str =
         output_names=list(output_names),
         source=source,
         header=header,
-        ensure_row_contiguous=True,
+        ensure_row_contiguous=ensure_row_contiguous,
     )

@@ -5,6 +5,12 @@ chronological order, then the tail block — AFN-017) and ok [L, W] validity. NS
 the W keys (lane-strided); each thread keeps an online softmax (running max, sum, D accumulators),
 the SIMD group merges with simd_max / simd_sum, and the groups merge through threadgroup memory.
 The ops path is `QSAAttention._sparse_attention` (gather + tiled online softmax).
+
+Lengths (L, W) and the K/V strides are read at run time (`q_shape`, `idx_shape`, `k_strides`,
+`v_strides`), not template arguments: the cache grows every decode token, and a length in the
+template would compile a new Metal library each time. K/V are the cache's views over its growable
+buffers, so the kernel reads them through their strides instead of MLX copying each one
+row-contiguous per layer per step (`ROW_CONTIGUOUS = False`). Not verified on Metal here.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ NAME = "qsa_attention"
 INPUTS = ("q", "k", "v", "idx", "ok", "scale")
 OUTPUTS = ("out",)
 NSG = 2  # SIMD groups per threadgroup
+ROW_CONTIGUOUS = False  # k / v are read through their strides; q, idx, ok are made contiguous
 
 SOURCE = """
     uint lane = thread_index_in_simdgroup;
@@ -26,6 +33,10 @@ SOURCE = """
     uint h = threadgroup_position_in_grid.y;
     uint qi = threadgroup_position_in_grid.z;
     uint kvh = h / (HQ / HKV);
+    const uint L = q_shape[1];
+    const int W = idx_shape[1];
+    const int64_t ks = k_strides[1], kd = k_strides[2];
+    const int64_t vs = v_strides[1], vd = v_strides[2];
     const device T* qp = q + (h * L + qi) * D;
     float m = -INFINITY;
     float l = 0.0f;
@@ -34,16 +45,16 @@ SOURCE = """
     for (uint j = sg * 32 + lane; j < uint(W); j += 32 * NSG) {
         if (!ok[qi * W + j]) continue;
         uint t = uint(idx[qi * W + j]);
-        const device T* kp = k + (kvh * S + t) * D;
-        const device T* vp = v + (kvh * S + t) * D;
+        const device T* kp = k + kvh * k_strides[0] + t * ks;
+        const device T* vp = v + kvh * v_strides[0] + t * vs;
         float s = 0.0f;
-        for (int d = 0; d < D; ++d) s += float(qp[d]) * float(kp[d]);
+        for (int d = 0; d < D; ++d) s += float(qp[d]) * float(kp[d * kd]);
         s *= scale[0];
         float nm = metal::max(m, s);
         float c = (m == -INFINITY) ? 0.0f : metal::exp(m - nm);
         float p = metal::exp(s - nm);
         l = l * c + p;
-        for (int d = 0; d < D; ++d) acc[d] = acc[d] * c + p * float(vp[d]);
+        for (int d = 0; d < D; ++d) acc[d] = acc[d] * c + p * float(vp[d * vd]);
         m = nm;
     }
     // Merge the lanes of this SIMD group.
@@ -73,29 +84,32 @@ SOURCE = """
 """
 
 
-def launch(L: int, hq: int, hkv: int, S: int, W: int, D: int, dtype):
+def launch(L: int, hq: int, hkv: int, D: int, dtype):
+    """Grid, threadgroup and template of a call: the template holds only what is fixed per model
+    (dtype, heads, head_dim), so every decode step reuses one compiled kernel."""
     return dict(
         grid=(32 * NSG, hq, L),
         threadgroup=(32 * NSG, 1, 1),
-        template=[("T", dtype), ("L", L), ("HQ", hq), ("HKV", hkv), ("S", S), ("W", W), ("D", D), ("NSG", NSG)],
+        template=[("T", dtype), ("HQ", hq), ("HKV", hkv), ("D", D), ("NSG", NSG)],
     )
 
 
 @cache
 def kernel_object():
-    return make_kernel(NAME, INPUTS, OUTPUTS, SOURCE)
+    return make_kernel(NAME, INPUTS, OUTPUTS, SOURCE, ensure_row_contiguous=ROW_CONTIGUOUS)
 
 
 def metal(queries, keys, values, idx, ok, scale: float):
     """queries [B, Hq, L, D]; keys/values [B, Hkv, S, D]; idx/ok [B, L, W] -> [B, L, Hq * D]."""
     B, hq, L, D = queries.shape
-    hkv, S = keys.shape[1], keys.shape[2]
-    W = idx.shape[-1]
+    hkv = keys.shape[1]
+    p = launch(L, hq, hkv, D, queries.dtype)
+    small = [mx.contiguous(queries), mx.contiguous(idx.astype(mx.int32)), mx.contiguous(ok)]
     outs = []
     for b in range(B):
-        p = launch(L, hq, hkv, S, W, D, queries.dtype)
+        q_b, idx_b, ok_b = (a[b] for a in small)
         (o,) = kernel_object()(
-            inputs=[queries[b], keys[b], values[b], idx[b].astype(mx.int32), ok[b], mx.array([scale], mx.float32)],
+            inputs=[q_b, keys[b], values[b], idx_b, ok_b, mx.array([scale], mx.float32)],
             output_shapes=[(L, hq * D)],
             output_dtypes=[queries.dtype],
             **p,

@@ -20,7 +20,10 @@ import numpy as np
 
 from ..errors import HebrusError
 
-_GROW = 256  # attention buffers grow in steps of this many tokens
+_GROW = 256  # attention buffers hold a multiple of this many tokens
+# Attention buffers grow by this factor: filling n rows copies at most n / (_GROWTH - 1) rows in all
+# (a fixed step copies O(n^2)), and at most a quarter of a buffer is spare.
+_GROWTH = 1.25
 
 
 class ContextLengthError(HebrusError, ValueError):
@@ -158,19 +161,30 @@ class AttentionCache(_FromState):
         self.n_groups = 0
         self.start_position = 0
         self.ratio = None  # tokens per indexer group, known once a group completes (for trim)
+        self.max_length = None  # rows the context can reach (set by SequenceCache.check_append)
 
     @staticmethod
-    def _grow(buf, needed, axis, like):
-        if buf is not None and buf.shape[axis] >= needed:
+    def _grow(buf, needed, axis, like, limit=None):
+        """`buf`, or a fresh buffer holding its live rows with room for `needed`.
+
+        Capacity grows geometrically (`_GROWTH`, capped at `limit`: the most rows the context can
+        reach), so filling n rows one token at a time reallocates O(log n) times and copies O(n)
+        rows in all; a fixed step would copy O(n^2) rows on the way to a 262K context.
+        """
+        old = 0 if buf is None else buf.shape[axis]
+        if old >= needed:
             return buf
-        cap = ((needed + _GROW - 1) // _GROW) * _GROW
+        cap = max(needed, int(old * _GROWTH))
+        cap = ((cap + _GROW - 1) // _GROW) * _GROW
+        if limit is not None:
+            cap = max(needed, min(cap, limit))
         shape = list(like.shape)
         shape[axis] = cap
         fresh = mx.zeros(shape, dtype=like.dtype)
         if buf is None:
             return fresh
         index = [slice(None)] * len(shape)
-        index[axis] = slice(0, buf.shape[axis])
+        index[axis] = slice(0, old)
         fresh[tuple(index)] = buf
         return fresh
 
@@ -178,9 +192,9 @@ class AttentionCache(_FromState):
         """Write new rows; returns the K/V views over the whole cached run."""
         prev, L = self.length, keys.shape[2]
         end = prev + L
-        self.keys = self._grow(self.keys, end, 2, keys)
-        self.values = self._grow(self.values, end, 2, values)
-        self.raw_keys = self._grow(self.raw_keys, end, 1, raw_keys)
+        self.keys = self._grow(self.keys, end, 2, keys, self.max_length)
+        self.values = self._grow(self.values, end, 2, values, self.max_length)
+        self.raw_keys = self._grow(self.raw_keys, end, 1, raw_keys, self.max_length)
         self.keys[:, :, prev:end] = keys
         self.values[:, :, prev:end] = values
         self.raw_keys[:, prev:end] = raw_keys
@@ -197,7 +211,8 @@ class AttentionCache(_FromState):
 
     def add_block_keys(self, block_keys):
         end = self.n_groups + block_keys.shape[1]
-        self.block_keys = self._grow(self.block_keys, end, 1, block_keys)
+        limit = None if self.max_length is None or not self.ratio else self.max_length // self.ratio
+        self.block_keys = self._grow(self.block_keys, end, 1, block_keys, limit)
         self.block_keys[:, self.n_groups : end] = block_keys
         self.n_groups = end
 
@@ -348,6 +363,7 @@ class SequenceCache(list):
         for layer in self:
             if isinstance(layer, AttentionCache):
                 layer.start_position = start
+                layer.max_length = max_positions - start
 
     def advance(self, n_tokens: int):
         self.offset += n_tokens

@@ -516,10 +516,14 @@ class QSAIndexer(nn.Module):
         tile = max(1, min(L, tile_budget // max(1, nh * G)))
         all_idx, all_ok = [], []
         for b in range(B):
+            # Kept 3-D: MLX copies the whole [G, Di] operand of a matmul taken as block_keys[b].
+            keys_t = block_keys[b : b + 1].astype(mx.float32).swapaxes(-1, -2)  # [1, Di, G]
             rows_idx, rows_ok = [], []
             for s in range(0, L, tile):
                 qs = q[b, :, s : s + tile].astype(mx.float32)  # [nh, t, Di]
-                scores = mx.maximum(qs @ block_keys[b].astype(mx.float32).T, 0.0).sum(axis=0)
+                t = qs.shape[1]
+                scores = (qs.reshape(1, nh * t, Di) @ keys_t).reshape(nh, t, G)
+                scores = mx.maximum(scores, 0.0).sum(axis=0)
                 scores = scores / math.sqrt(Di)
                 valid = mx.arange(G)[None, :] < complete[s : s + tile, None]
                 groups, ok = _select_groups(scores, valid, self.block_topk)

@@ -54,25 +54,25 @@ def ple_gather(
 def qsa_attention(
     queries: np.ndarray, keys: np.ndarray, values: np.ndarray, idx: np.ndarray, ok: np.ndarray, scale: float
 ) -> np.ndarray:
-    """One sequence: queries [Hq, L, D]; keys/values [Hkv, S, D]; idx/ok [L, W] -> [L, Hq * D]."""
+    """One sequence: queries [Hq, L, D]; keys/values [Hkv, S, D] (any strides, as the cache's views
+    are); idx/ok [L, W] -> [L, Hq * D]."""
     hq, L, D = queries.shape
-    hkv, S = keys.shape[:2]
-    W = idx.shape[-1]
-    p = _qsa_attention.launch(L, hq, hkv, S, W, D, mx.float32)
+    p = _qsa_attention.launch(L, hq, keys.shape[0], D, mx.float32)
     (out,) = msl_emulator.run(
         _qsa_attention.NAME,
         _qsa_attention.SOURCE,
         {
-            "q": queries,
+            "q": np.ascontiguousarray(queries),
             "k": keys,
             "v": values,
-            "idx": idx.astype(np.int32),
-            "ok": ok.astype(np.bool_),
+            "idx": np.ascontiguousarray(idx, np.int32),
+            "ok": np.ascontiguousarray(ok, np.bool_),
             "scale": np.array([scale], np.float32),
         },
         {"out": ((L, hq * D), queries.dtype)},
         p["grid"],
         p["threadgroup"],
         p["template"],
+        row_contiguous=_qsa_attention.ROW_CONTIGUOUS,
     )
     return out

@@ -14,8 +14,11 @@ one std::thread per GPU thread, one threadgroup at a time, over numpy buffers:
 What it checks: indexing, reductions, barriers and masking against a float64 oracle. What it does
 NOT check: Apple's compiler, its fast-math and rounding, `half`/`bfloat` arithmetic (mapped to
 float), memory-model subtleties beyond full barriers, occupancy or speed. Kernels must stay inside
-this subset (arrays only, row-contiguous inputs, grid a multiple of the threadgroup, threadgroup
-memory only as declared arrays). Needs a C++20 compiler (`g++`/`clang++`, or $CXX).
+this subset (arrays only, grid a multiple of the threadgroup, threadgroup memory only as declared
+arrays). As MLX does, an input `x` whose name appears in the source as `x_shape`, `x_strides` or
+`x_ndim` gets those arguments (int shape, int64 strides in elements, int ndim), and with
+`row_contiguous=False` inputs are passed as the views they are (their strides), as MLX passes them
+with `ensure_row_contiguous=False`. Needs a C++20 compiler (`g++`/`clang++`, or $CXX).
 """
 
 from __future__ import annotations
@@ -202,6 +205,16 @@ def _template_value(value) -> str:
     return _CTYPES[np.dtype(name)]
 
 
+def _shape_args(name: str, source: str):
+    """The (suffix, C parameter type, how the runner passes it) MLX adds after input `name`, in
+    MLX's order, for the ones the source uses."""
+    kinds = (("shape", "const constant int*", "(int*)"), ("strides", "const constant int64_t*", "(int64_t*)"))
+    out = [(k, t, cast) for k, t, cast in kinds if f"{name}_{k}" in source]
+    if f"{name}_ndim" in source:
+        out.append(("ndim", "const constant int&", "*(int*)"))
+    return out
+
+
 def build_source(
     name: str,
     source: str,
@@ -212,16 +225,27 @@ def build_source(
     output_dtypes,
     template: Sequence[tuple] = (),
 ) -> str:
-    params = [f"const device {_CTYPES[np.dtype(d)]}* {n}" for n, d in zip(input_names, input_dtypes)]
-    params += [f"device {_CTYPES[np.dtype(d)]}* {n}" for n, d in zip(output_names, output_dtypes)]
+    # Signature and call in MLX's order: each input then the shape arguments its name asks for,
+    # then the outputs. Buffers: inputs, outputs, then the shape arguments.
+    n_in, n_bufs = len(input_names), len(input_names) + len(output_names)
+    params, args, extra = [], [], 0
+    for i, (n, d) in enumerate(zip(input_names, input_dtypes)):
+        params.append(f"const device {_CTYPES[np.dtype(d)]}* {n}")
+        args.append(f"({_CTYPES[np.dtype(d)]}*)bufs[{i}]")
+        for kind, ctype, cast in _shape_args(n, source):
+            params.append(f"{ctype} {n}_{kind}")
+            args.append(f"{cast}bufs[{n_bufs + extra}]")
+            extra += 1
+    for i, (n, d) in enumerate(zip(output_names, output_dtypes)):
+        params.append(f"device {_CTYPES[np.dtype(d)]}* {n}")
+        args.append(f"({_CTYPES[np.dtype(d)]}*)bufs[{n_in + i}]")
     tparams = ", ".join(
         f"{'typename' if not isinstance(v, (int, bool)) else ('bool' if isinstance(v, bool) else 'int')} {k}"
         for k, v in template
     )
     targs = ", ".join(_template_value(v) for _, v in template)
     fn = f"emu_{name}"
-    casts = [f"({_CTYPES[np.dtype(d)]}*)bufs[{i}]" for i, d in enumerate(list(input_dtypes) + list(output_dtypes))]
-    call = f"{fn}{'<' + targs + '>' if template else ''}({', '.join(casts + [ATTRIBUTE_ARGS])})"
+    call = f"{fn}{'<' + targs + '>' if template else ''}({', '.join(args + [ATTRIBUTE_ARGS])})"
     sig = ", ".join(params + [ATTRIBUTES])
     kernel = (f"template <{tparams}>\n" if template else "") + f"void {fn}({sig}) {{\n{source}\n}}\n"
     runner = RUNNER.replace("__CALL__", call)
@@ -265,16 +289,18 @@ def run(
     template=(),
     header: str = "",
     init_value: float = 0,
+    row_contiguous: bool = True,
 ):
-    """Run `source` as MLX would with these inputs (name -> numpy array, row-contiguous) and outputs
+    """Run `source` as MLX would with these inputs (name -> numpy array) and outputs
     (name -> (shape, dtype)); returns the output arrays in order.
 
     grid / threadgroup are MLX's (x, y, z) thread counts; grid must be a multiple of threadgroup.
+    row_contiguous: MLX's ensure_row_contiguous (True: inputs are copied row-contiguous first).
     """
     grid, threadgroup = tuple(grid), tuple(threadgroup)
     if any(g % t for g, t in zip(grid, threadgroup)):
         raise ValueError(f"grid {grid} must be a multiple of threadgroup {threadgroup} in the emulator")
-    arrays = [np.ascontiguousarray(a) for a in inputs.values()]
+    arrays = [np.ascontiguousarray(a) if row_contiguous else np.asarray(a) for a in inputs.values()]
     outs = [np.full(shape, init_value, dtype=dtype) for shape, dtype in outputs.values()]
     in_types = [a.dtype for a in arrays]
     out_types = [o.dtype for o in outs]
@@ -286,6 +312,15 @@ def run(
     bufs = [a.astype(np.float32) if a.dtype == np.float16 else a for a in outs]
     code = build_source(name, source, header, list(inputs), in_types, list(outputs), out_types, template)
     lib = _library(code)
-    ptrs = (ctypes.c_void_p * (len(arrays) + len(bufs)))(*[a.ctypes.data for a in arrays + bufs])
+    extra = []
+    for n, a in zip(inputs, arrays):
+        for kind, _, _ in _shape_args(n, source):
+            if kind == "shape":
+                extra.append(np.array(a.shape, np.int32))
+            elif kind == "strides":
+                extra.append(np.array([st // a.itemsize for st in a.strides], np.int64))
+            else:
+                extra.append(np.array([a.ndim], np.int32))
+    ptrs = (ctypes.c_void_p * (len(arrays) + len(bufs) + len(extra)))(*[a.ctypes.data for a in arrays + bufs + extra])
     lib.emu_run(ptrs, *[ctypes.c_uint(v) for v in grid], *[ctypes.c_uint(v) for v in threadgroup])
     return [b.astype(o.dtype) if b.dtype != o.dtype else b for b, o in zip(bufs, outs)]
