@@ -131,6 +131,7 @@ def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
         "predictors": base.get("predictors", {}),
         "predictor_overhead": base.get("predictor_overhead", {}),
         "report_family": art.get("family"),
+        "chip": chip,
         "layer_ms_given": given,
         "status": "projection from a qualify report's measurements and the stated assumptions",
         "sources": [
@@ -156,17 +157,45 @@ def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
     return prof
 
 
-def check_family(prof: dict, family_name: str) -> None:
-    """The report's compute per layer was measured on its own family: another family's projection
-    needs its own (--layer-ms)."""
+def chip_profile(prof: dict) -> tuple[str, dict]:
+    """The shipped profile whose chip names the report's machine (M5 Pro, M5 Max; the closest
+    memory size), else the M5 Pro 48 GB one: (its file stem, its contents)."""
+    chip = str(prof.get("chip") or "").lower()
+    best = None
+    for path in sorted(PROFILES_DIR.glob("*.json")):
+        p = json.loads(path.read_text())
+        label = " ".join(p["name"].split()[:2]).lower()  # "m5 pro"
+        if label and label in chip:
+            gap = abs(float(p.get("memory_gb") or 0) - float(prof.get("memory_gb") or 0))
+            if best is None or gap < best[0]:
+                best = (gap, path.stem, p)
+    if best is None:
+        return "m5-pro-48gb", json.loads((PROFILES_DIR / "m5-pro-48gb.json").read_text())
+    return best[1], best[2]
+
+
+def check_family(prof: dict, family_name: str) -> dict:
+    """The report's compute per layer was measured on its own family. For another family (a Mac
+    user's report of the demo, projecting the real model) without --layer-ms, compute comes from
+    the shipped chip profile (labelled an assumption); SSD, checks and hand-off stay measured."""
     fam = prof.get("report_family")
     if fam is None or prof.get("layer_ms_given") or fam == family_name:
-        return
-    raise UsageError(
-        "--family",
-        f"the report measured compute on {fam}, not {family_name}: project "
-        f"--family {fam}, or give that family's compute with --layer-ms",
-    )
+        return prof
+    stem, chip = chip_profile(prof)
+    out = dict(prof)
+    out["layer_ms"] = float(chip["layer_ms"])
+    for key in ("dense_gb", "other_ms"):
+        if key in chip:
+            out[key] = chip[key]
+    out["sources"] = [s for s in prof["sources"] if not s.startswith("compute:")] + [
+        f"compute: the shipped {stem} profile's {chip['layer_ms']:.4f} ms per layer (the report measured "
+        f"compute on {fam}, not {family_name}; give --layer-ms to replace it)"
+    ]
+    out["assumptions"] = list(prof["assumptions"]) + [
+        a for a in chip["assumptions"] if "decodes" in a and "ASSUMPTION" in a
+    ]
+    out["compute_from"] = stem
+    return out
 
 
 # ---- validation ----------------------------------------------------------------------------------
