@@ -101,6 +101,18 @@ def compute_layer_ms(d: dict, flag: str) -> tuple:
     raise UsageError(flag, "the report's decode has no compute per layer")
 
 
+def handoff(d: dict) -> tuple[float, str]:
+    """(ms the GPU waits on the host per streamed layer, where it comes from): the report's
+    measurement on a Metal device with GPU events, else the shipped profile's assumption (a CPU
+    backend's host task is part of its measured compute)."""
+    h = (d.get("streaming") or {}).get("handoff") or {}
+    v = h.get("handoff_ms")
+    if h.get("device") == "metal" and isinstance(v, (int, float)) and 0 <= v < 1e3:
+        return float(v), "measured by qualify on this Mac (streamed all-resident layer vs resident layer)"
+    base = json.loads((PROFILES_DIR / "m5-pro-48gb.json").read_text())
+    return float(base.get("handoff_ms", 0.0)), "ASSUMPTION: the shipped m5-pro-48gb profile's (no Metal measurement)"
+
+
 def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
     """A simulator profile (the shape of the shipped ones) for the report's machine. The routes,
     memory reserve, resident size and speculative acceptance are the shipped M5 Pro 48 GB
@@ -132,6 +144,7 @@ def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
         "predictor_overhead": base.get("predictor_overhead", {}),
         "report_family": art.get("family"),
         "chip": chip,
+        "handoff_ms": handoff(d)[0],
         "layer_ms_given": given,
         "status": "projection from a qualify report's measurements and the stated assumptions",
         "sources": [
@@ -142,7 +155,10 @@ def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
             if given
             else f"compute: {measured:.4f} ms per layer on the report's {art.get('family')} ({how})",
         ],
-        "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads (the loader's)"]
+        "assumptions": [
+            "ASSUMPTION: pre_router 0.5, 8 reader threads (the loader's)",
+            f"hand-off {handoff(d)[0]:.3f} ms per streamed layer: {handoff(d)[1]}",
+        ]
         + (
             []
             if _fast_gbps(d)
