@@ -658,6 +658,113 @@ def gpu_event_section(artifact: str, rounds: int, tokens: int, measure: Callable
     return entry
 
 
+# ---- the GPU <-> host hand-off per streamed layer ----------------------------------------------------
+
+
+def _chain_ms(step, n: int, rounds: int) -> float:
+    """Median ms of evaluating a chain of n ``step`` ops (each consuming the last)."""
+    import mlx.core as mx
+
+    times = []
+    for _ in range(rounds + 1):  # the first run warms up
+        x = mx.zeros((16,), mx.float32)
+        mx.eval(x)
+        t = time.perf_counter()
+        for _ in range(n):
+            x = step(x)
+        mx.eval(x)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[1:])
+
+
+def event_round_trip(n: int = 64, rounds: int = 5) -> dict:
+    """ms per op of a chain of host tasks the device waits for (metal_ext host_roundtrip: no I/O)
+    over a chain of trivial device ops: what one streamed layer's hand-off costs before any read.
+    On a Metal device with GPU events on, the GPU -> host -> GPU event round trip; on the CPU
+    backend a CPU-stream task."""
+    from .stream.engine import _ext
+
+    plain = _chain_ms(lambda x: x + 1, n, rounds)
+    host = _chain_ms(_ext.host_roundtrip, n, rounds)
+    return {"ops": n, "rounds": rounds, "plain_ms": plain, "host_ms": host, "per_op_ms": max(host - plain, 0.0) / n}
+
+
+def _burn(procs: int):
+    """``procs`` child processes spinning a core each (the host under load); stop with .kill()."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(procs)]
+
+
+def handoff_section(
+    artifact: str, rounds: int, tokens: int, measure: Callable | None = None, round_trip: Callable | None = None
+) -> dict:
+    """streaming.handoff: one empty event round trip, the same under load (every core busy), and a
+    streamed layer with every record resident against the resident layer (decode ms per token over
+    the layers): the hand-off the simulator charges per streamed layer (Machine.handoff_ms).
+    Measured on whatever backend runs: only a Metal device's figures stand for a Mac's."""
+    from . import kernels
+    from .stream import engine
+
+    if not engine.available():
+        return {"status": NOT_QUALIFIED, "reason": engine.unavailable_reason()}
+    metal = kernels.metal_available()
+    gpu = metal and engine.gpu_events_compiled()
+    round_trip = round_trip or event_round_trip
+    if gpu:
+        engine._ext.set_gpu_events(True)
+    try:
+        quiet = round_trip()
+        burners = _burn(os.cpu_count() or 1)
+        try:
+            loaded = round_trip()
+        finally:
+            for b in burners:
+                b.kill()
+                b.wait()
+    finally:
+        if gpu:
+            engine._ext.set_gpu_events(False)
+    if measure is None:
+        from .loader import load
+
+        streamed, tok = _streamed_demo(artifact)
+        resident, _ = load(str(artifact))
+        prompt = "The quick brown fox"
+
+        def measure(which):
+            model = streamed if which == "streamed" else resident
+            return measure_streamed_decode(model, tok, prompt, tokens, gpu and which == "streamed")
+
+        measure("streamed")  # warm the arena: every record resident from here on
+    res = run_abba(lambda: measure("resident"), lambda: measure("streamed"), rounds)
+    med_r, med_s = statistics.median(res["a"]), statistics.median(res["b"])
+    layers = _layers(artifact)
+    per_layer = max(1e3 / med_s - 1e3 / med_r, 0.0) / layers if med_r > 0 and med_s > 0 else None
+    return {
+        "status": "measured",
+        "device": "metal" if gpu else "cpu",
+        "gpu_events": gpu,
+        "event_round_trip_ms": quiet["per_op_ms"],
+        "event_round_trip_loaded_ms": loaded["per_op_ms"],
+        "resident_tok_s": res["a"],
+        "streamed_all_resident_tok_s": res["b"],
+        "identical": res["identical"],
+        "layers": layers,
+        "handoff_ms": per_layer,
+        "reason": (
+            "GPU-event host tasks on a Metal device"
+            if gpu
+            else "CPU backend: host tasks run on the compute stream; not a Mac's hand-off"
+        ),
+    }
+
+
+def _layers(artifact: str) -> int:
+    from .admission import admit
+    from .loader import resolve_model_path
+
+    return admit(str(resolve_model_path(artifact))).family.num_hidden_layers
+
+
 def qualify(
     probe_dir=None,
     record_bytes=2704 * 1024,
@@ -673,7 +780,10 @@ def qualify(
         "created_unix": int(time.time()),
         "machine": this_machine(),
         "kernels": kernels_section(emulate),
-        "streaming": {"gpu_event": gpu_event_section(artifact, rounds, tokens)},
+        "streaming": {
+            "gpu_event": gpu_event_section(artifact, rounds, tokens),
+            "handoff": handoff_section(artifact, rounds, tokens),
+        },
         "io": io_section(probe_dir, record_bytes, probe_mib, store, artifact, rounds),
     }
 

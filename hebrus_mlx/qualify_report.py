@@ -228,10 +228,26 @@ def kernels_part(profile: dict) -> dict:
     return out
 
 
+HANDOFF_KEYS = (
+    "status",
+    "device",
+    "gpu_events",
+    "reason",
+    "event_round_trip_ms",
+    "event_round_trip_loaded_ms",
+    "resident_tok_s",
+    "streamed_all_resident_tok_s",
+    "identical",
+    "layers",
+    "handoff_ms",
+)
+
+
 def streaming_part(profile: dict) -> dict:
     io = profile.get("io") or {}
     return {
         "gpu_event": _pick((profile.get("streaming") or {}).get("gpu_event"), AB_KEYS),
+        "handoff": _pick((profile.get("streaming") or {}).get("handoff"), HANDOFF_KEYS),
         "mtlio_vs_pread": _pick(io.get("mtlio_vs_pread"), AB_KEYS),
     }
 

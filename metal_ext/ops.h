@@ -64,6 +64,11 @@ std::pair<mx::array, mx::array> resolve_records(
     std::shared_ptr<Engine> engine, int table, const mx::array& indices,
     uint64_t owner, uint64_t generation, int layer);
 
+// `value` copied by a host task that the device waits for: the hand-off a
+// streamed layer costs with no I/O at all (qualify's event round trip; on the
+// GPU path a GPU -> host -> GPU event round trip, else a CPU-stream task).
+mx::array host_roundtrip(const mx::array& value);
+
 // Identity on `value` that, when evaluated, releases the lease's pins.
 mx::array release_after(
     std::shared_ptr<Engine> engine, const mx::array& value,

@@ -153,13 +153,19 @@ def test_simulate_profile_projects_from_the_report(report):
     assert r["artifact"]["read_check"] == "xxh3-128"
     assert m["fast_check_gbps"] == pytest.approx(r["hashes"]["fast_check"]["xxh3_128_GBps_one_thread"])
     assert m["verify_gbps"] == pytest.approx(r["hashes"]["sha256_engine_GBps_one_thread"])
-    # The compute was measured on the demo: the real family's projection needs its own.
-    proc = _cli("simulate", "--profile", str(out))
-    assert proc.returncode == 2 and "--family" in proc.stderr and "Traceback" not in proc.stderr
+    # The compute was measured on the demo: the real family's projection takes the chip profile's
+    # compute, labelled, and keeps the report's measured SSD and check rates.
     from hebrus_mlx.simulate import report as SR
 
-    prof = SR.machine_profile(r, "r.json", layer_ms=0.7)  # that family's compute given: accepted
-    SR.check_family(prof, "qwen3.8-flash-next")
+    real = SR.check_family(SR.machine_profile(r, "r.json"), "qwen3.8-flash-next")
+    stem, chip = SR.chip_profile(real)
+    assert real["layer_ms"] == chip["layer_ms"] and real["compute_from"] == stem
+    assert real["ssd_gbps"] == {str(q): r["ssd"][f"qd{q}_GBps"] for q in (1, 8, 32)}
+    assert any(s.startswith(f"compute: the shipped {stem} profile") for s in real["sources"])
+    proc = _cli("simulate", "--profile", str(out), "--cache-gb", "8", "--draft-depths", "0")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    prof = SR.machine_profile(r, "r.json", layer_ms=0.7)  # that family's compute given: taken as is
+    assert SR.check_family(prof, "qwen3.8-flash-next") is prof
     assert prof["layer_ms"] == 0.7 and any("--layer-ms 0.7" in s for s in prof["sources"])
 
 

@@ -331,7 +331,7 @@ def project_profile(args, memo=None, progress=True) -> dict:
     where = f"profile {args.profile}"
     check = "off" if args.no_verify else args.check
     fam = C.family(args.family, "--family")
-    R.check_family(prof, fam.name)
+    prof = R.check_family(prof, fam.name)
     codecs = expert_codecs(args)
     dense = dense_codec(args)
     memo = memo or P.Memo()

@@ -101,6 +101,18 @@ def compute_layer_ms(d: dict, flag: str) -> tuple:
     raise UsageError(flag, "the report's decode has no compute per layer")
 
 
+def handoff(d: dict) -> tuple[float, str]:
+    """(ms the GPU waits on the host per streamed layer, where it comes from): the report's
+    measurement on a Metal device with GPU events, else the shipped profile's assumption (a CPU
+    backend's host task is part of its measured compute)."""
+    h = (d.get("streaming") or {}).get("handoff") or {}
+    v = h.get("handoff_ms")
+    if h.get("device") == "metal" and isinstance(v, (int, float)) and 0 <= v < 1e3:
+        return float(v), "measured by qualify on this Mac (streamed all-resident layer vs resident layer)"
+    base = json.loads((PROFILES_DIR / "m5-pro-48gb.json").read_text())
+    return float(base.get("handoff_ms", 0.0)), "ASSUMPTION: the shipped m5-pro-48gb profile's (no Metal measurement)"
+
+
 def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
     """A simulator profile (the shape of the shipped ones) for the report's machine. The routes,
     memory reserve, resident size and speculative acceptance are the shipped M5 Pro 48 GB
@@ -131,6 +143,8 @@ def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
         "predictors": base.get("predictors", {}),
         "predictor_overhead": base.get("predictor_overhead", {}),
         "report_family": art.get("family"),
+        "chip": chip,
+        "handoff_ms": handoff(d)[0],
         "layer_ms_given": given,
         "status": "projection from a qualify report's measurements and the stated assumptions",
         "sources": [
@@ -141,7 +155,10 @@ def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
             if given
             else f"compute: {measured:.4f} ms per layer on the report's {art.get('family')} ({how})",
         ],
-        "assumptions": ["ASSUMPTION: pre_router 0.5, 8 reader threads (the loader's)"]
+        "assumptions": [
+            "ASSUMPTION: pre_router 0.5, 8 reader threads (the loader's)",
+            f"hand-off {handoff(d)[0]:.3f} ms per streamed layer: {handoff(d)[1]}",
+        ]
         + (
             []
             if _fast_gbps(d)
@@ -156,17 +173,45 @@ def machine_profile(d: dict, where: str, layer_ms: float | None = None) -> dict:
     return prof
 
 
-def check_family(prof: dict, family_name: str) -> None:
-    """The report's compute per layer was measured on its own family: another family's projection
-    needs its own (--layer-ms)."""
+def chip_profile(prof: dict) -> tuple[str, dict]:
+    """The shipped profile whose chip names the report's machine (M5 Pro, M5 Max; the closest
+    memory size), else the M5 Pro 48 GB one: (its file stem, its contents)."""
+    chip = str(prof.get("chip") or "").lower()
+    best = None
+    for path in sorted(PROFILES_DIR.glob("*.json")):
+        p = json.loads(path.read_text())
+        label = " ".join(p["name"].split()[:2]).lower()  # "m5 pro"
+        if label and label in chip:
+            gap = abs(float(p.get("memory_gb") or 0) - float(prof.get("memory_gb") or 0))
+            if best is None or gap < best[0]:
+                best = (gap, path.stem, p)
+    if best is None:
+        return "m5-pro-48gb", json.loads((PROFILES_DIR / "m5-pro-48gb.json").read_text())
+    return best[1], best[2]
+
+
+def check_family(prof: dict, family_name: str) -> dict:
+    """The report's compute per layer was measured on its own family. For another family (a Mac
+    user's report of the demo, projecting the real model) without --layer-ms, compute comes from
+    the shipped chip profile (labelled an assumption); SSD, checks and hand-off stay measured."""
     fam = prof.get("report_family")
     if fam is None or prof.get("layer_ms_given") or fam == family_name:
-        return
-    raise UsageError(
-        "--family",
-        f"the report measured compute on {fam}, not {family_name}: project "
-        f"--family {fam}, or give that family's compute with --layer-ms",
-    )
+        return prof
+    stem, chip = chip_profile(prof)
+    out = dict(prof)
+    out["layer_ms"] = float(chip["layer_ms"])
+    for key in ("dense_gb", "other_ms"):
+        if key in chip:
+            out[key] = chip[key]
+    out["sources"] = [s for s in prof["sources"] if not s.startswith("compute:")] + [
+        f"compute: the shipped {stem} profile's {chip['layer_ms']:.4f} ms per layer (the report measured "
+        f"compute on {fam}, not {family_name}; give --layer-ms to replace it)"
+    ]
+    out["assumptions"] = list(prof["assumptions"]) + [
+        a for a in chip["assumptions"] if "decodes" in a and "ASSUMPTION" in a
+    ]
+    out["compute_from"] = stem
+    return out
 
 
 # ---- validation ----------------------------------------------------------------------------------

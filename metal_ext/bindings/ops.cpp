@@ -26,6 +26,7 @@ void register_ops(nb::module_& m) {
       "resolve_records", &resolve_records, "engine"_a, "table"_a, "indices"_a,
       "owner"_a = 0, "generation"_a = 0, "layer"_a = -1);
   m.def("release_after", &release_after, "engine"_a, "value"_a, "lease"_a);
+  m.def("host_roundtrip", &host_roundtrip, "value"_a);
   m.def("load_tickets", &load_tickets, "engine"_a, "tickets"_a);
   m.def(
       "gather_records", &gather_records, "engine"_a, "table"_a, "indices"_a,
