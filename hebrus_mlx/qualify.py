@@ -150,18 +150,22 @@ def check_kernels_metal(names=None) -> dict:
     return out
 
 
+def _qsa_graph(q, k, v, idx, ok, scale):
+    """The graph's own gather + online-softmax path on batched MLX inputs."""
+    from .models.qwen4exp import QSAAttention
+
+    self = QSAAttention.__new__(QSAAttention)
+    object.__setattr__(self, "n_kv_heads", k.shape[1])
+    object.__setattr__(self, "scale", scale)
+    return QSAAttention._sparse_attention(self, q, k, v, idx, ok)
+
+
 def qsa_attention_ops(q, k, v, idx, ok, scale):
     """The graph's own gather + online-softmax path on one sequence."""
     import mlx.core as mx
     import numpy as np
 
-    from .models.qwen4exp import QSAAttention
-
-    self = QSAAttention.__new__(QSAAttention)
-    object.__setattr__(self, "n_kv_heads", k.shape[0])
-    object.__setattr__(self, "scale", scale)
-    out = QSAAttention._sparse_attention(self, *(mx.array(t)[None] for t in (q, k, v, idx, ok)))
-    return np.array(out[0])
+    return np.array(_qsa_graph(*(mx.array(t)[None] for t in (q, k, v, idx, ok)), scale)[0])
 
 
 def check_kernels_emulated() -> dict:
@@ -250,9 +254,80 @@ def _shader_validation_clean(name: str) -> dict:
     }
 
 
-def kernels_section(emulate: bool = True) -> dict:
+def _speed_cases() -> dict:
+    """{kernel: (kernel_fn, ops_fn, shapes)} at the real model's decode shapes (one token: 4
+    hyper-connection streams of 2560; QSA 16 query / 2 KV heads of 256 over 2,048 selected keys at
+    an 8K context). PLE gather keeps the demo's table geometry (a 320M-row table is not built)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from .kernels import hc_mix, ple_gather, qsa_attention
+
+    rng = np.random.default_rng(1)
+    hc, hidden = 4, 2560
+    a = mx.array(rng.standard_normal((1, 1, hc * hidden)).astype(np.float32))
+    b = mx.array(rng.standard_normal((1, 1, hc * hidden)).astype(np.float32))
+    q, k, v, idx, ok, scale = (
+        mx.array(t)[None] if not isinstance(t, float) else t
+        for t in _qsa_case(rng, L=1, hq=16, hkv=2, D=256, S=8192, r=4, keep=511)
+    )
+    emb, history, n = _ple_embedding()
+    return {
+        "hc_mix": (lambda: hc_mix.metal(a, b, hc, hidden), lambda: hc_mix.ops(a, b, hc, hidden), "1x1x4x2560"),
+        "qsa_attention": (
+            lambda: qsa_attention.metal(q, k, v, idx, ok, scale),
+            lambda: _qsa_graph(q, k, v, idx, ok, scale),
+            "decode, 16/2 heads x 256, 2,047 selected keys of 8,192",
+        ),
+        "ple_gather": (
+            lambda: ple_gather.metal(emb, history, n),
+            lambda: ple_gather.ops(emb, history, n),
+            "the demo's PLE geometry, 40 tokens",
+        ),
+    }
+
+
+def _call_ms(fn, calls: int) -> float:
+    import mlx.core as mx
+
+    mx.eval(fn())  # compiled and warm
+    t = time.perf_counter()
+    for _ in range(calls):
+        mx.eval(fn())
+    return (time.perf_counter() - t) * 1e3 / calls
+
+
+def kernel_speed(name: str, rounds: int = 5, calls: int = 20, cases: dict | None = None) -> dict:
+    """A kernel against its ops path at the real model's shapes: ms per call of each, interleaved
+    A/B/B/A (A = ops, B = kernel), medians; the kernel is faster only if its median beats the ops
+    path's by MIN_GAIN. Correctness is checked apart (check_kernels_metal)."""
+    kernel, ops, shapes = (cases or _speed_cases())[name]
+    res = run_abba(lambda: (1e3 / _call_ms(ops, calls), None), lambda: (1e3 / _call_ms(kernel, calls), None), rounds)
+    ops_ms = [1e3 / r for r in res["a"]]
+    kernel_ms = [1e3 / r for r in res["b"]]
+    ratio = statistics.median(ops_ms) / statistics.median(kernel_ms)
+    faster = ratio >= MIN_GAIN
+    return {
+        "shapes": shapes,
+        "order": "ABBA",
+        "rounds": rounds,
+        "ops_ms": ops_ms,
+        "kernel_ms": kernel_ms,
+        "median_ratio": ratio,
+        "min_gain": MIN_GAIN,
+        "faster": faster,
+        "reason": f"kernel {ratio:.3f}x the ops path (median of interleaved runs; needs >= {MIN_GAIN})",
+    }
+
+
+def kernels_section(emulate: bool = True, speed: Callable | None = None) -> dict:
+    """Each kernel: emulated against float64, and on a Metal device checked against its ops path
+    and timed against it. A kernel passes (and `load` turns it on) only when it is correct within
+    tolerance, clean under shader validation **and** faster than the ops path here (AFN-013/016);
+    correct but not faster: no_gain, the ops path stays."""
     from . import kernels
 
+    speed = speed or kernel_speed
     section = {}
     emulated = {}
     if emulate:
@@ -271,9 +346,21 @@ def kernels_section(emulate: bool = True) -> dict:
         elif name in device:
             validation = _shader_validation_clean(name)
             ok = device[name] <= TOLERANCE[name] and validation["clean"]
-            entry.update(
-                status=PASSED if ok else FAILED, device="metal", max_abs_diff=device[name], shader_validation=validation
-            )
+            entry.update(device="metal", max_abs_diff=device[name], shader_validation=validation)
+            if not ok:
+                entry.update(status=FAILED, reason="not within tolerance or not clean under shader validation")
+            else:
+                try:
+                    timing = speed(name)
+                except Exception as e:  # noqa: BLE001  (a timing failure keeps the ops path, named)
+                    entry.update(status=FAILED, reason=f"timing failed: {type(e).__name__}: {e}")
+                else:
+                    entry.update(
+                        speed=timing,
+                        status=PASSED if timing["faster"] else NO_GAIN,
+                        reason=("correct and " if timing["faster"] else "correct but not faster: ops path stays; ")
+                        + timing["reason"],
+                    )
         else:
             entry.update(
                 status=NOT_QUALIFIED,

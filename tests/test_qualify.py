@@ -330,7 +330,7 @@ def test_cli_bad_input_exits_2_naming_the_field(args, field, tmp_path):
 BANNER = "Metal GPU Validation Enabled\n"  # printed on every validated run: not a report
 
 
-def _fake_metal_kernels(monkeypatch, raising=(), reported=()):
+def _fake_metal_kernels(monkeypatch, raising=(), reported=(), slower=()):
     """A Mac as far as qualify's kernel section sees it: each kernel's `metal` is its ops path, or
     raises as a Metal compile error does (`raising`); the validation child runs in-process and its
     stderr carries Metal's banner plus, for kernels in `reported`, a report line in the form Metal
@@ -338,6 +338,12 @@ def _fake_metal_kernels(monkeypatch, raising=(), reported=()):
     from hebrus_mlx.kernels import hc_mix, ple_gather, qsa_attention
 
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    # Timing on a fake device means nothing: each kernel is "faster" unless named in `slower`.
+    monkeypatch.setattr(
+        q,
+        "kernel_speed",
+        lambda name: {"faster": name not in slower, "median_ratio": 0.9 if name in slower else 1.5, "reason": "fake"},
+    )
     for module in (hc_mix, ple_gather, qsa_attention):
         name = module.NAME
         if name in raising:
@@ -377,6 +383,7 @@ def test_a_kernel_that_fails_to_compile_fails_alone_and_qualify_goes_on(monkeypa
     kernels still run and pass, and the streaming and I/O sections still run."""
     children = _fake_metal_kernels(monkeypatch, raising={"qsa_attention"})
     monkeypatch.setattr(q, "gpu_event_section", lambda *a: {"status": "ran"})
+    monkeypatch.setattr(q, "handoff_section", lambda *a: {"status": "ran"})
     monkeypatch.setattr(q, "io_section", lambda *a: {"pread": {"status": "ran"}})
     profile = q.qualify(emulate=False)
     section = profile["kernels"]
@@ -396,3 +403,49 @@ def test_shader_validation_fails_only_the_kernel_a_report_names(monkeypatch):
     assert section["ple_gather"]["status"] == FAILED
     assert section["ple_gather"]["shader_validation"]["reports"][0].startswith("Invalid device load")
     assert q.validation_reports(BANNER, "hc_mix") == []
+
+
+def test_a_correct_kernel_is_promoted_only_when_faster(monkeypatch):
+    """AFN-013/016: correct and clean is not enough: a kernel that does not beat the ops path here
+    (median of interleaved runs, by MIN_GAIN) is NO_GAIN and stays off; an incorrect kernel is never
+    timed."""
+    _fake_metal_kernels(monkeypatch, slower={"qsa_attention"})
+    section = q.kernels_section(emulate=False)
+    assert section["hc_mix"]["status"] == PASSED and section["hc_mix"]["speed"]["faster"]
+    assert section["qsa_attention"]["status"] == NO_GAIN and "ops path stays" in section["qsa_attention"]["reason"]
+    timed = []
+    monkeypatch.setattr(q, "kernel_speed", lambda name: timed.append(name) or pytest.fail("timed"))
+    monkeypatch.setattr(q, "check_kernels_metal", lambda: {n: 1.0 for n in kernels.KERNELS})  # far off
+    section = q.kernels_section(emulate=False)
+    assert all(e["status"] == FAILED for e in section.values()) and timed == []
+
+
+def test_a_timing_failure_fails_that_kernel_only(monkeypatch):
+    _fake_metal_kernels(monkeypatch)
+
+    def speed(name):
+        if name == "ple_gather":
+            raise RuntimeError("command buffer timed out")
+        return {"faster": True, "reason": "fake"}
+
+    monkeypatch.setattr(q, "kernel_speed", speed)
+    section = q.kernels_section(emulate=False)
+    assert section["ple_gather"]["status"] == FAILED and "timing failed" in section["ple_gather"]["reason"]
+    assert section["hc_mix"]["status"] == PASSED
+
+
+@pytest.mark.parametrize("ops_ms,kernel_ms,faster", [(3.0, 1.0, True), (1.0, 1.0, False), (1.0, 2.0, False)])
+def test_kernel_speed_compares_medians_of_interleaved_runs(monkeypatch, ops_ms, kernel_ms, faster):
+    """The decision is the medians' ratio against MIN_GAIN; the arms run A/B/B/A (times injected:
+    the verdict must not depend on this machine's speed)."""
+    order = []
+
+    def call_ms(fn, calls):
+        order.append(fn())
+        return {"ops": ops_ms, "kernel": kernel_ms}[order[-1]]
+
+    monkeypatch.setattr(q, "_call_ms", call_ms)
+    r = q.kernel_speed("k", rounds=2, cases={"k": (lambda: "kernel", lambda: "ops", "shape")})
+    assert order == ["ops", "kernel", "kernel", "ops"] * 2
+    assert r["faster"] is faster and r["median_ratio"] == pytest.approx(ops_ms / kernel_ms)
+    assert r["ops_ms"] == [pytest.approx(ops_ms)] * 4 and r["kernel_ms"] == [pytest.approx(kernel_ms)] * 4
