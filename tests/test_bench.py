@@ -126,6 +126,25 @@ def test_io_metrics_from_counter_deltas():
     assert resident["expert_bytes_per_token"] == 0.0 and resident["hit_rate"] is None
 
 
+def test_io_metrics_report_expert_and_ple_reads_apart():
+    """Expert records and PLE pages share one engine; with the engine's store kinds the bench
+    reports each apart (the expert column no longer counts PLE pages)."""
+    before = {"hits": 0, "joins": 0, "misses": 0, "exact_bytes": 0, "predicted_bytes": 0, "exposed_wait_ns": 0,
+              "exact_read_ns": 0, "reads_by_store": {0: 1, 1: 2}, "bytes_by_store": {0: 100, 1: 64},
+              "exposed_wait_ns_by_store": {0: 0, 1: 0}}  # fmt: skip
+    after = dict(before, exact_bytes=5000 + 128 * 4, exposed_wait_ns=9_000_000, exact_read_ns=1)
+    after.update(
+        reads_by_store={0: 5, 1: 18},
+        bytes_by_store={0: 5100, 1: 64 + 128 * 4},
+        exposed_wait_ns_by_store={0: 8e6, 1: 1e6},
+    )
+    m = H.io_metrics(before, after, tokens=4, record_bytes=None, kinds={0: "experts", 1: "ple"})
+    assert m["expert_bytes_per_token"] == 5000 / 4
+    assert m["ple_bytes_per_token"] == 128 and m["ple_reads_per_token"] == 4
+    assert m["ple_exposed_wait_ms_per_token"] == pytest.approx(0.25)
+    assert H.io_metrics(before, after, 4, None)["expert_bytes_per_token"] == (5000 + 512) / 4  # no kinds: one sum
+
+
 def test_summary_is_median_and_half_range():
     s = H.summarize([10.0, 12.0, 11.0, None])
     assert s == {"median": 11.0, "min": 10.0, "max": 12.0, "n": 3, "spread": pytest.approx(1 / 11)}

@@ -189,10 +189,22 @@ def _delta(after: dict, before: dict, key: str) -> float:
     return float(after.get(key, 0) - before.get(key, 0))
 
 
-def io_metrics(before: dict | None, after: dict | None, tokens: int, record_bytes: int | None) -> dict:
+def _split_delta(before: dict, after: dict, kinds: dict) -> dict:
+    """Per store kind (experts, ple): reads, bytes and exposed wait over the decode phase."""
+    from ..stream.engine import io_by_kind
+
+    a, b = io_by_kind(after, kinds), io_by_kind(before, kinds)
+    zero = {"reads": 0, "bytes": 0, "exposed_wait_ns": 0}
+    return {k: {f: a[k][f] - b.get(k, zero)[f] for f in zero} for k in a}
+
+
+def io_metrics(
+    before: dict | None, after: dict | None, tokens: int, record_bytes: int | None, kinds: dict | None = None
+) -> dict:
     """Engine counter deltas over the decode phase -> per-token I/O metrics (None when resident).
     ``engine_counters`` keeps every scalar counter's delta (simulate --validate compares its
-    replay with them)."""
+    replay with them). With ``kinds`` (StreamEngine.store_kinds) expert records and PLE pages are
+    reported apart; without it every byte read counts as expert bytes."""
     if before is None or after is None:
         return {
             "expert_bytes_per_token": 0.0 if before is None else None,
@@ -202,6 +214,9 @@ def io_metrics(before: dict | None, after: dict | None, tokens: int, record_byte
             "timely_recall": None,
             "late_recall": None,
             "precision": None,
+            "ple_bytes_per_token": 0.0 if before is None else None,
+            "ple_reads_per_token": 0.0 if before is None else None,
+            "ple_exposed_wait_ms_per_token": 0.0,
         }
     keys = [
         k
@@ -215,8 +230,16 @@ def io_metrics(before: dict | None, after: dict | None, tokens: int, record_byte
     # exact lookups nothing exact had cached (those plus the exact misses).
     need = d.get("predicted_hits", 0) + d.get("predicted_joins", 0) + d.get("exact_misses", 0)
     reads = d.get("predicted_reads", 0)
+    n = max(tokens, 1)
+    split = _split_delta(before, after, kinds) if kinds else {}
+    zero = {"reads": 0, "bytes": 0, "exposed_wait_ns": 0}
+    ple = split.get("ple", zero)
+    experts_bytes = split["experts"]["bytes"] if "experts" in split else d["exact_bytes"] + d["predicted_bytes"]
     return {
-        "expert_bytes_per_token": (d["exact_bytes"] + d["predicted_bytes"]) / max(tokens, 1),
+        "expert_bytes_per_token": experts_bytes / n,
+        "ple_bytes_per_token": ple["bytes"] / n,
+        "ple_reads_per_token": ple["reads"] / n,
+        "ple_exposed_wait_ms_per_token": ple["exposed_wait_ns"] / 1e6 / n,
         "hit_rate": (d["hits"] + d["joins"]) / lookups if lookups else None,
         "exposed_wait_ms_per_token": d["exposed_wait_ns"] / 1e6 / max(tokens, 1),
         "hidden_fraction": 1.0 - d["exposed_wait_ns"] / d["exact_read_ns"] if d["exact_read_ns"] > 0 else None,
@@ -277,7 +300,7 @@ def run_once(
         "acceptance": stats.accepted / stats.drafted if stats is not None and stats.drafted else None,
         "tokens_per_step": stats.committed / stats.verify_steps if stats is not None and stats.verify_steps else None,
     }
-    out.update(io_metrics(before, after, len(tokens) - 1, record_bytes))
+    out.update(io_metrics(before, after, len(tokens) - 1, record_bytes, None if eng is None else eng.store_kinds))
     if eng is not None:
         out["cache_bytes"] = eng.memory()["capacity"]
         experts = model.streaming.experts

@@ -14,6 +14,8 @@ COLUMNS = [  # (metric, header, format, scale)
     ("expert_bytes_per_token", "expert KiB/token", "{:.1f}", 1 / 1024),
     ("hit_rate", "hit rate", "{:.1%}", 1),
     ("exposed_wait_ms_per_token", "exposed wait ms/token", "{:.2f}", 1),
+    ("ple_bytes_per_token", "PLE KiB/token", "{:.1f}", 1 / 1024),
+    ("ple_exposed_wait_ms_per_token", "PLE wait ms/token", "{:.2f}", 1),
     ("hidden_fraction", "I/O hidden", "{:.0%}", 1),
     ("timely_recall", "timely recall", "{:.0%}", 1),
     ("acceptance", "spec. acceptance", "{:.0%}", 1),
