@@ -682,6 +682,9 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         if model.streaming is not None:
             for line in model.streaming.summary():
                 print(line)
+        from .models.optimize import implementations_line
+
+        print(implementations_line(model))
     return text
 
 

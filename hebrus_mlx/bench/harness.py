@@ -301,6 +301,9 @@ def run_once(
         "tokens_per_step": stats.committed / stats.verify_steps if stats is not None and stats.verify_steps else None,
     }
     out.update(io_metrics(before, after, len(tokens) - 1, record_bytes, None if eng is None else eng.store_kinds))
+    from ..models.optimize import implementations
+
+    out["implementations"] = implementations(model)
     if eng is not None:
         out["cache_bytes"] = eng.memory()["capacity"]
         experts = model.streaming.experts

@@ -80,6 +80,47 @@ def apply(model: nn.Module, options: GraphOptions | None = None) -> GraphOptions
     return options
 
 
+# The plain blocks of qwen4exp.py this pass may replace (each by a subclass with the same
+# parameters, keys and call signature; the methods each overrides are listed on the subclass).
+SWAPPABLE = (q.HyperConnection, q.PLELayer, q.NGramEmbedding, q.QSAAttention, q.SparseMoE, q.Model)
+
+
+def implementations(model: nn.Module) -> dict:
+    """What a loaded model runs: for each swappable block, {implementation class: count} (the plain
+    block's own name where nothing was swapped); the joined projection groups; the weight layout.
+    generate --verbose prints it (implementations_line) and bench records it."""
+    blocks: dict = {}
+    joined = 0
+    for _, m in model.named_modules():
+        base = next((b for b in SWAPPABLE if isinstance(m, b)), None)
+        if base is not None:
+            counts = blocks.setdefault(base.__name__, {})
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+        projector = m.__dict__.get("_projector")
+        if projector is not None and projector.joined is not None:
+            joined += 1
+    options = getattr(model, "options", None)
+    return {
+        "blocks": blocks,
+        "joined_projection_groups": joined,
+        "in_major": None if options is None else options.in_major,
+        "cpu_streams": None if options is None else options.cpu_streams,
+    }
+
+
+def implementations_line(model: nn.Module) -> str:
+    """``Graph: HyperConnection -> OneGraphHyperConnection x17, ...; 34 joined projection groups``."""
+    impl = implementations(model)
+    parts = [
+        f"{base} -> " + ", ".join(f"{cls} x{n}" for cls, n in sorted(counts.items()))
+        for base, counts in sorted(impl["blocks"].items())
+    ]
+    tail = f"{impl['joined_projection_groups']} joined projection groups"
+    if impl["in_major"] is not None:
+        tail += f", in_major {'on' if impl['in_major'] else 'off'}, {impl['cpu_streams']} CPU stream(s)"
+    return "Graph: " + "; ".join(parts + [tail])
+
+
 def _swap(module, cls):
     if type(module) in cls.__mro__[1:]:  # only the plain block, never a replaced module
         module.__class__ = cls

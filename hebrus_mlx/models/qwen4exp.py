@@ -4,6 +4,18 @@ Layer stack: hc_count residual streams; each layer optionally adds PLE (hashed n
 then a gated-residual hyper-connection around either Gated DeltaNet or QSA indexed attention, then
 another around the sparse MoE. A final hyper-connection mixer collapses the streams for lm_head.
 The pinned reference is transformers 5.24.0 `models/qwen4_exp`; tests compare against it.
+
+Each block keeps one implementation (the plain path). `models/optimize.apply` may replace a block's
+class by a subclass that overrides only these methods, with the same parameters, keys and results
+(`optimize.implementations(model)` says what a loaded model runs):
+
+- `HyperConnection.mix` (one compiled graph), `HyperConnection.combine` (Metal kernel);
+- `PLELayer.mix` (one compiled graph); `NGramEmbedding.lookup` (Metal kernel);
+- `QSAAttention.rotations`, `QSAAttention.attend` (rope tables, fused dense SDPA, Metal kernel);
+- `SparseMoE.routed_experts` (half the experts on a second CPU stream);
+- `Model._logits` (half the positions' logits on a second CPU stream).
+
+Anything else in this file is not a seam: change it here, and every implementation follows.
 """
 
 from __future__ import annotations
