@@ -294,16 +294,24 @@ def serialize_prompt_cache(
 
 
 def save_prompt_cache(
-    path, cache: SequenceCache, model, tokens: Sequence[int] | None = None, metadata: dict[str, str] | None = None
+    path,
+    cache: SequenceCache,
+    model,
+    tokens: Sequence[int] | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = True,
+    field: str = "prompt_cache_file",
 ) -> Path:
     """Write `cache` (one single-process sequence of `model`) to `path` in mlx-lm's layout,
     published atomically (artifact.atomic: temp + fsync + rename; a failure leaves `path` as it
-    was). Returns the path."""
-    from .artifact.atomic import publish_file_by_path
+    was). Never over a symlink or anything but a regular file, and over a regular file only with
+    `overwrite` (UsageError naming `field`). Returns the path."""
+    from .artifact.atomic import check_output_file, publish_file_by_path
     from .artifact.errors import PublishError
 
     payload = serialize_prompt_cache(cache, model, tokens, metadata)
     path = Path(path)
+    check_output_file(path, overwrite=overwrite, field=field)
 
     def write(tmp):
         with open(tmp, "r+b") as f:  # our locked temp, written in place (its inode is kept)
