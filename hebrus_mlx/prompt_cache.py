@@ -523,9 +523,10 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
         raise PromptCacheFileError(f"{path}: no such file") from None
     except OSError as e:
         raise PromptCacheFileError(f"{path}: cannot open ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PromptCacheFileError(f"{path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise PromptCacheFileError(f"{path}: not a regular file")
         os.set_blocking(fd, True)
         return read_prompt_cache(f, model, return_metadata, str(path))
 

@@ -69,7 +69,7 @@ def test_cache_prompt_alias_and_help_lists_only_used_flags(capsys):
     assert "hebrus-mlx cache-prompt" in out and "--prompt-cache-file" in out and "--overwrite" in out
     for used in ("--model", "--prompt", "--system-prompt", "--ignore-chat-template", "--prefill-step-size"):
         assert used in out, used
-    for refused in ("--temp", "--max-tokens", "--top-p", "--draft-model", "--seed-text"):
+    for refused in ("--temp", "--max-tokens", "--top-p", "--draft-model", "--trace-out", "--pipeline-split"):
         assert refused not in out, refused
     # A refused flag is still named as refused, not as unknown.
     _refused(capsys, ["cache_prompt", "--prompt", "x", "--prompt-cache-file", "f", "--temp", "0.5"], "--temp")
@@ -155,6 +155,14 @@ def test_a_malformed_prompt_cache_file_is_refused_naming_the_field(demo, saved, 
     assert e.value.field == field
 
 
+def test_a_prompt_cache_file_that_is_a_fifo_is_refused_not_waited_on(demo, tmp_path, capsys):
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    argv = ["generate", "--prompt-cache-file", str(fifo), "--prompt", "x", "--max-tokens", "1"]
+    err = _within(lambda: _refused(capsys, argv, "--prompt-cache-file"))
+    assert "not a regular file" in err
+
+
 def test_mlx_lm_helpers_round_trip_a_hebrus_file(demo, saved, tmp_path):
     """mlx-lm's own load_prompt_cache reads a file hebrus-mlx saved, its save_prompt_cache writes
     the loaded layers back, and hebrus restores that file bitwise (AFN-010)."""
@@ -171,3 +179,259 @@ def test_mlx_lm_helpers_round_trip_a_hebrus_file(demo, saved, tmp_path):
     mlx_lm_save(str(again), layers, their_meta)
     back, back_meta = load_prompt_cache(again, model, return_metadata=True)
     assert back.digest() == mine.digest() and back_meta["tokens"] == meta["tokens"]
+
+
+# -- --prompt-cache-dir: only what the cache provably wrote is ever removed ---------------------------
+
+
+def _disk(directory, model, max_bytes=1 << 30):
+    from hebrus_mlx.prompt_cache import PromptCache
+    from hebrus_mlx.prompt_cache_disk import DiskPromptCache
+
+    pc = PromptCache(1 << 30)
+    pc.disk = DiskPromptCache(directory, max_bytes, model)
+    return pc
+
+
+def _entry(demo, directory, text="def read(path):\n"):
+    """One entry written by the real cache (the prompt minus its last token), alone in `directory`
+    (a fresh one); (ids, its key)."""
+    from test_prompt_cache import _greedy
+
+    model, tok = demo
+    pc = _disk(directory, model)
+    ids = tok.encode(text)
+    _greedy(model, tok, ids, pc, 1)
+    assert pc.disk.flush(60)
+    (tokens,) = [t for t in pc.disk.entries if len(t) == len(ids) - 1]
+    key = pc.disk.entries[tokens]["key"]
+    for p in directory.glob("*.*"):  # the prompt + reply entry: a later prompt may start with it
+        if p.stem != key and p.suffix in (".json", ".safetensors"):
+            p.unlink()
+    return ids, key
+
+
+def _within(fn, seconds=120):
+    """fn() on a thread; fails (instead of hanging the suite) if it has not returned in `seconds`."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # re-raised on the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} did not return: it blocks on the file"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def _old(path, seconds=3600):
+    t = os.stat(path, follow_symlinks=False).st_mtime - seconds
+    os.utime(path, (t, t), follow_symlinks=False)
+
+
+def _snapshot(d):
+    return {p.name: (p.read_bytes() if p.is_file() else None) for p in d.iterdir() if p.name[0] != "."}
+
+
+def test_user_files_with_cache_like_names_are_never_deleted(demo, tmp_path, caplog):
+    import logging
+
+    import mlx.core as mx
+
+    model, _ = demo
+    d = tmp_path / "cache"
+    d.mkdir()
+    names = iter("%040x" % (0xABC0 + i) for i in range(10))
+    (d / f"{next(names)}.json").write_text("[1, 2, 3]")
+    (d / f"{next(names)}.json").write_text("my shopping list\n")
+    imitation = {"format": "hebrus-mlx/prompt-cache-dir/1", "tokens": [1, 2], "bytes": 1, "sha256": "0" * 64}
+    probe = _disk(tmp_path / "probe", model).disk
+    imitation |= {"artifact_digest": probe.digest, "dtype": probe.dtype}
+    (d / f"{next(names)}.json").write_text(json.dumps(imitation))  # its tokens do not hash to its name
+    raw = d / f"{next(names)}.safetensors"
+    raw.write_bytes(os.urandom(4096))
+    mine = d / f"{next(names)}.safetensors"
+    mx.save_safetensors(str(mine), {"w": mx.ones((4,))}, {"note": "my weights"})
+    for p in (raw, mine):
+        _old(p)
+    before = _snapshot(d)
+    caplog.set_level(logging.WARNING, logger="hebrus_mlx.prompt_cache")
+    pc = _disk(d, model)
+    assert len(pc.disk.entries) == 0 and pc.disk.refused == 0
+    assert _snapshot(d) == before
+    assert sum("left alone" in r.getMessage() for r in caplog.records) == 5
+    # Entries published beside them (each publish accounts from the directory) log them no more;
+    # neither that nor a restart deletes them.
+    from test_prompt_cache import _greedy
+
+    caplog.clear()
+    _greedy(model, demo[1], demo[1].encode("a = 1\n"), pc, 1)
+    assert pc.disk.flush(60) and pc.disk.saves == 2
+    assert not [r for r in caplog.records if "left alone" in r.getMessage()]
+    _disk(d, model)
+    assert {k: v for k, v in _snapshot(d).items() if k in before} == before
+
+
+def test_a_killed_write_of_the_cache_is_still_removed(demo, tmp_path):
+    """Control: a data file whose own metadata proves it is this cache's, left without its record by
+    a killed write, is removed once it is over a minute old (and not before)."""
+    d = tmp_path / "cache"
+    _, key = _entry(demo, d)
+    (d / f"{key}.json").unlink()
+    _disk(d, demo[0])
+    assert (d / f"{key}.safetensors").exists()  # young: a live write may still publish its record
+    _old(d / f"{key}.safetensors")
+    _disk(d, demo[0])
+    assert not (d / f"{key}.safetensors").exists()
+
+
+# -- --prompt-cache-dir: entries that are not regular files -------------------------------------------
+
+
+def _fifo(p):
+    p.unlink()
+    os.mkfifo(p)
+
+
+def _dev_zero(p):
+    p.unlink()
+    p.symlink_to("/dev/zero")
+
+
+def _directory(p):
+    p.unlink()
+    p.mkdir()
+
+
+@pytest.mark.parametrize("plant", [_fifo, _dev_zero, _directory])
+@pytest.mark.parametrize("when", ["before start-up", "after start-up"])
+def test_a_data_file_that_is_not_regular_is_refused_and_left_alone(demo, tmp_path, plant, when):
+    from test_prompt_cache import _greedy
+
+    from hebrus_mlx.prompt_cache import Usage
+
+    model, tok = demo
+    d = tmp_path / "cache"
+    ids, key = _entry(demo, d)
+    data = d / f"{key}.safetensors"
+    if when == "before start-up":
+        plant(data)
+    pc = _within(lambda: _disk(d, model))
+    if when == "after start-up":
+        plant(data)
+    kind = os.lstat(data).st_mode
+    longer = ids + tok.encode("    return 1\n")
+    u = Usage(0, 0)
+    tokens, _ = _within(lambda: _greedy(model, tok, longer, pc, 2, u))
+    assert u.cached_tokens == 0 and pc.disk.refused == 1
+    _within(lambda: _greedy(model, tok, longer, pc, 2))  # recomputed from then on, never an error
+    assert pc.disk.refused == 1 and os.lstat(data).st_mode == kind  # left where it is
+    assert tokens == _greedy(model, tok, longer, None, 2)[0]
+
+
+def test_a_fifo_or_deeply_nested_index_does_not_hang_or_crash_startup(demo, tmp_path):
+    model, _ = demo
+    d = tmp_path / "cache"
+    _, key = _entry(demo, d)
+    _, other = _entry(demo, tmp_path / "o", "x = 1\n")
+    for p in (tmp_path / "o").glob(f"{other}.*"):
+        os.replace(p, d / p.name)
+    _fifo(d / f"{key}.json")
+    (d / f"{other}.json").write_text("[" * 100000 + "]" * 100000)
+    pc = _within(lambda: _disk(d, model))
+    assert (d / f"{key}.json").is_fifo() and (d / f"{other}.json").stat().st_size == 200000
+    assert all(e["key"] not in (key, other) for e in pc.disk.entries.values())
+
+
+def test_a_data_file_linked_outside_the_directory_is_not_followed(demo, tmp_path):
+    model, tok = demo
+    d = tmp_path / "cache"
+    ids, key = _entry(demo, d)
+    outside = tmp_path / "elsewhere.safetensors"
+    os.replace(d / f"{key}.safetensors", outside)
+    (d / f"{key}.safetensors").symlink_to(outside)
+    _old(outside)
+    mtime, content = outside.stat().st_mtime_ns, outside.read_bytes()
+    from test_prompt_cache import _greedy
+
+    from hebrus_mlx.prompt_cache import Usage
+
+    pc = _disk(d, model)
+    u = Usage(0, 0)
+    _greedy(model, tok, ids + tok.encode("pass\n"), pc, 1, u)
+    assert u.cached_tokens == 0 and pc.disk.refused == 1
+    assert outside.stat().st_mtime_ns == mtime and outside.read_bytes() == content
+    assert (d / f"{key}.safetensors").is_symlink()
+
+
+# -- --prompt-cache-dir shared by two processes: one byte bound for the directory ---------------------
+
+
+def test_two_caches_sharing_a_directory_keep_its_bound(demo, tmp_path):
+    from test_prompt_cache import _greedy
+
+    model, tok = demo
+    _entry(demo, tmp_path / "probe")
+    per = max(p.stat().st_size for p in (tmp_path / "probe").glob("*.safetensors"))
+    d = tmp_path / "shared"
+    bound = int(per * 2.5)
+    a, b = _disk(d, model, bound), _disk(d, model, bound)  # two servers' caches over one directory
+    for pc, text in [(a, "a = 1\n"), (b, "b = 2\n"), (a, "c = 3\n"), (b, "d = 4\n")]:
+        _greedy(model, tok, tok.encode(text), pc, 1)
+        assert pc.disk.flush(60)
+    on_disk = sum(p.stat().st_size for p in d.glob("*.safetensors"))
+    assert on_disk <= bound and len(list(d.glob("*.json"))) == 2, (on_disk, bound)
+    # Each sees the other's entries (it accounts from the directory) and restores them.
+    d_ids = tok.encode("d = 4\n")
+    assert a.disk.longest(d_ids + [1]) is not None and b.disk.longest(d_ids + [1]) is not None
+
+
+# -- an unusable --prompt-cache-dir: one line, exit 2, before the model loads -------------------------
+
+
+def _no_load(monkeypatch):
+    import sys
+
+    def boom(args):
+        raise AssertionError("the model was loaded before --prompt-cache-dir was checked")
+
+    monkeypatch.setattr(sys.modules["hebrus_mlx.generate"], "load_from_args", boom)
+
+
+def test_an_unusable_cache_dir_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    _no_load(monkeypatch)
+    f = tmp_path / "file"
+    f.write_bytes(USER)
+    for verb in ("server", "chat"):
+        _refused(capsys, [verb, "--model", "demo", "--prompt-cache-dir", str(f / "sub")], "--prompt-cache-dir")
+    d = tmp_path / "cache"
+    d.mkdir()
+    os.mkfifo(d / ".hebrus-prompt-cache.lock")
+    err = _within(
+        lambda: _refused(capsys, ["server", "--model", "demo", "--prompt-cache-dir", str(d)], "--prompt-cache-dir")
+    )
+    assert "not a regular file" in err and f.read_bytes() == USER
+
+
+def test_an_unusable_cache_dir_exits_2_not_sigabrt(tmp_path):
+    import subprocess
+    import sys
+
+    for _ in range(3):  # the abort came in about 1 of 3 runs
+        r = subprocess.run(
+            [sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "demo", "--port", "0"]
+            + ["--prompt-cache-dir", "/proc/no-such-dir/cache"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (r.returncode, r.stderr)
+        assert "--prompt-cache-dir" in r.stderr
