@@ -10,7 +10,8 @@ template writes after it (end of turn, generation prompt). Both sides are tokeni
 
 The file is mlx-lm's prompt-cache layout bound to the artifact (prompt_cache.py): another model,
 dtype or layer layout is refused with the field named. Its metadata also records the token IDs and
-whether the chat template was used (a continuation in the other mode is refused).
+whether the chat template was used (a continuation in the other mode is refused). An existing file
+is replaced only with --overwrite, a symlink never.
 """
 
 import argparse

@@ -61,6 +61,26 @@ def test_cache_prompt_never_replaces_a_symlink(demo, capsys, tmp_path, overwrite
     assert os.path.islink(link) and os.readlink(link) == str(victim) and victim.read_bytes() == USER
 
 
+def test_the_library_save_never_replaces_a_symlink(demo, tmp_path):
+    """save_prompt_cache itself (the CLI's second check, right before the publish): a symlink is
+    never replaced, a regular file only with overwrite (its default, as mlx-lm's)."""
+    from hebrus_mlx.errors import UsageError
+    from hebrus_mlx.prompt_cache import save_prompt_cache
+
+    model, _ = demo
+    victim = tmp_path / "victim"
+    victim.write_bytes(USER)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(victim)
+    with pytest.raises(UsageError) as e:
+        save_prompt_cache(link, model.make_cache(), model)
+    assert e.value.field == "prompt_cache_file" and "symlink" in e.value.message
+    assert os.readlink(link) == str(victim) and victim.read_bytes() == USER
+    with pytest.raises(UsageError):
+        save_prompt_cache(victim, model.make_cache(), model, overwrite=False)
+    assert victim.read_bytes() == USER
+
+
 def test_cache_prompt_alias_and_help_lists_only_used_flags(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["cache_prompt", "--help"])
