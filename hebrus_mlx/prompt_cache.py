@@ -460,28 +460,60 @@ _ARRAYS = {  # field: (dims, axis counted by `length` (or `n_groups`), None: not
 }
 
 
-def _check_layers(layers, offset: int):
+def _model_shapes(model) -> list[dict] | None:
+    """Per layer, the shape of each state array this model keeps (None on the axis its counters
+    count) and the indexer's group ratio, read from its modules; None for a model that does not
+    expose them (then only the file's own consistency is checked)."""
+    try:
+        out = []
+        for layer in model.layers:
+            if layer.is_linear:
+                g = layer.linear_attn
+                d = {
+                    "conv_state": (1, g.conv_kernel_size - 1, g.conv_dim),
+                    "recurrent_state": (1, g.num_v_heads, g.head_v_dim, g.head_k_dim),
+                }
+            else:
+                a, ix = layer.self_attn, layer.self_attn.indexer
+                kv = (1, a.n_kv_heads, None, a.head_dim)
+                d = {"keys": kv, "values": kv, "raw_keys": (1, None, ix.head_dim), "block_keys": (1, None, ix.head_dim)}
+                d["ratio"] = ix.ratio
+            ple = getattr(layer, "ple", None)
+            if ple is not None:
+                d["ngram_context"] = (1, ple.ple_embedding.ngram_size - 1)
+                d["ple_conv_state"] = (1, ple.state_len, ple.hc_count * ple.hidden_size)
+            out.append(d)
+        return out
+    except AttributeError:
+        return None
+
+
+def _check_layers(layers, offset: int, shapes: list[dict] | None):
     """As strictly as an artifact's tensors: every array has its layer's rank, batch 1, exactly the
-    rows its counters say, the dtype and the other dimensions every layer of its kind has, and
-    finite values; a recurrent layer holds state exactly when the sequence does. A file that
-    passes continues generation as the run that saved it would."""
+    rows its counters say, the other dimensions this model's layer keeps (and every layer of its
+    kind in the file has), and finite values; a layer holds each state it keeps exactly when the
+    sequence is not empty. A file that passes continues generation as the run that saved it would."""
     seen: dict = {}  # (class, field) -> (shape without the counted axis, dtype, first layer)
     for i, layer in enumerate(layers):
         where = f"prompt_cache_file.layers.{i}"
-        if (
-            isinstance(layer, AttentionCache)
-            and layer.ratio is not None
-            and layer.n_groups != layer.length // layer.ratio
-        ):
-            raise PromptCacheFileError(
-                where, f"n_groups {layer.n_groups} != length {layer.length} // ratio {layer.ratio}"
-            )
-        if isinstance(layer, LinearCache) and (layer.conv_state is None or layer.recurrent_state is None) != (
-            offset == 0
-        ):
-            raise PromptCacheFileError(
-                where, f"recurrent state {'missing' if offset else 'present'} at offset {offset}"
-            )
+        want = shapes[i] if shapes is not None else None
+        if isinstance(layer, AttentionCache) and layer.ratio is not None:
+            if want is not None and layer.ratio != want["ratio"]:
+                raise PromptCacheFileError(f"{where}.ratio", f"{layer.ratio}, the model groups {want['ratio']} keys")
+            if layer.n_groups != layer.length // layer.ratio:
+                raise PromptCacheFileError(
+                    where, f"n_groups {layer.n_groups} != length {layer.length} // ratio {layer.ratio}"
+                )
+        if isinstance(layer, LinearCache):
+            kept = want if want is not None else {"conv_state": 0, "recurrent_state": 0}
+            for name in LinearCache.fields:
+                a = getattr(layer, name)
+                if name in kept and (a is None) != (offset == 0):
+                    raise PromptCacheFileError(
+                        f"{where}.{name}", f"{'missing' if offset else 'present'} at offset {offset}"
+                    )
+                if want is not None and name not in kept and a is not None:
+                    raise PromptCacheFileError(f"{where}.{name}", "this model's layer keeps no such state")
         for name, (dims, axis) in _ARRAYS[type(layer)].items():
             a = getattr(layer, name)
             if a is None:
@@ -493,6 +525,9 @@ def _check_layers(layers, offset: int):
                 rows = layer.n_groups if name == "block_keys" else layer.length
                 if a.shape[axis] != rows:
                     raise PromptCacheFileError(field, f"{a.shape[axis]} rows, its counters say {rows}")
+            if want is not None and any(w is not None and w != d for w, d in zip(want[name], a.shape)):
+                shown = tuple("L" if w is None else w for w in want[name])
+                raise PromptCacheFileError(field, f"shape {tuple(a.shape)}, this model keeps {shown}")
             sig = (tuple(d for k, d in enumerate(a.shape) if k != axis), a.dtype)
             first = seen.setdefault((type(layer), name), (*sig, i))
             if first[:2] != sig:
@@ -557,7 +592,7 @@ def read_prompt_cache(f, model, return_metadata: bool = False, name: str = "prom
         cache = SequenceCache.from_layers(layers, offset, _int_field(meta, "start_position"))
     except CacheHoleError as e:
         raise PromptCacheFileError(f"prompt_cache_file.{e.field}", e.message) from None
-    _check_layers(layers, cache.offset)
+    _check_layers(layers, cache.offset, _model_shapes(model))
     if not return_metadata:
         return cache
     out = dict(meta)

@@ -158,7 +158,34 @@ def _string_of_floats(arrays, meta):
     return f"prompt_cache_file.{keys[0]}"
 
 
-@pytest.mark.parametrize("craft", [_offset_disagrees, _not_finite, _none_made_scalar, _string_of_floats])
+def _narrow_heads(arrays, meta):
+    # Every attention layer's keys and values cut to half their head width: consistent across the
+    # file's layers, not the model's.
+    for layer in (3, 7):
+        keys, _ = _layer_keys(arrays, meta, layer)
+        for k in [k for k in keys if arrays[k].ndim == 4]:
+            arrays[k] = arrays[k][..., : arrays[k].shape[-1] // 2]
+    return "prompt_cache_file.layers.3.keys"
+
+
+def _ple_context_dropped(arrays, meta):
+    # A PLE layer without its n-gram context at a non-zero offset (its run would restart from EOS).
+    import mlx.core as mx
+
+    keys, _ = _layer_keys(arrays, meta, 0)
+    ngram = next(k for k in keys if arrays[k].dtype == mx.int64)
+    arrays[ngram] = mx.array([], dtype=mx.float32)
+    i = 1
+    while f"2.{i}.0" in meta:
+        i += 1
+    meta[f"2.{i}.0"], meta[f"2.{i}.1"] = ngram, "none"
+    return "prompt_cache_file.layers.0.ngram_context"
+
+
+CRAFTS = [_offset_disagrees, _not_finite, _none_made_scalar, _string_of_floats, _narrow_heads, _ple_context_dropped]
+
+
+@pytest.mark.parametrize("craft", CRAFTS)
 def test_a_malformed_prompt_cache_file_is_refused_naming_the_field(demo, saved, tmp_path, capsys, craft):
     import mlx.core as mx
 
