@@ -10,13 +10,15 @@ template writes after it (end of turn, generation prompt). Both sides are tokeni
 
 The file is mlx-lm's prompt-cache layout bound to the artifact (prompt_cache.py): another model,
 dtype or layer layout is refused with the field named. Its metadata also records the token IDs and
-whether the chat template was used (a continuation in the other mode is refused).
+whether the chat template was used (a continuation in the other mode is refused). An existing file
+is replaced only with --overwrite, a symlink never.
 """
 
 import argparse
 import sys
 import time
 
+from .artifact.atomic import check_output_file
 from .cli_args import LOAD_FLAGS, ArgumentParser
 from .errors import UsageError
 from .prompt_cache import PromptCacheFileError, load_prompt_cache, save_prompt_cache
@@ -85,12 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
         conflict_handler="resolve",
     )
     p.shared = share_generate_flags(p, {"help", "prompt_cache_file"})
+    for a in p.shared:  # still parsed, so using one says it is refused rather than unknown
+        if a.dest not in _USED:
+            a.help = argparse.SUPPRESS
     p.add_argument(
         "--prompt-cache-file",
         required=True,
         metavar="FILE",
-        help="where to write the state (.safetensors, mlx-lm's prompt-cache layout)",
+        help="where to write the state (.safetensors, mlx-lm's prompt-cache layout); "
+        "an existing file only with --overwrite, a symlink never",
     )
+    p.add_argument("--overwrite", action="store_true", help="let --prompt-cache-file replace an existing file")
     return p
 
 
@@ -105,6 +112,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     gen.check_args(args)
     refuse_unused(args, parser.shared, _USED, "cache-prompt")
+    # Before the model loads: an existing file only with --overwrite, a symlink never.
+    check_output_file(args.prompt_cache_file, overwrite=args.overwrite, field="--prompt-cache-file")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise UsageError("--prompt", "the prompt is empty")
@@ -126,6 +135,8 @@ def main(argv=None) -> int:
         model,
         tokens=ids,
         metadata={TEMPLATE_KEY: "1" if templated else "0", "model": str(args.model)},
+        overwrite=args.overwrite,
+        field="--prompt-cache-file",
     )
     if args.verbose:
         print(f"Prompt: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.3f} tokens-per-sec")

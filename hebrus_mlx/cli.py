@@ -25,6 +25,9 @@ VERBS = {
     "perplexity": "hebrus_mlx.perplexity",
 }
 
+# Other names of a verb: the ones mlx-lm users type (`mlx_lm.cache_prompt`).
+ALIASES = {"cache_prompt": "cache-prompt"}
+
 SUMMARY = {  # one line per verb for `hebrus-mlx --help`; each verb's own --help has the flags
     "generate": "generate text from a prompt (like mlx_lm.generate)",
     "convert": "convert a Hugging Face checkpoint into a hebrus-mlx artifact",
@@ -33,7 +36,7 @@ SUMMARY = {  # one line per verb for `hebrus-mlx --help`; each verb's own --help
     "upgrade": "give an older artifact the fast per-read check tables (replaced atomically)",
     "server": "OpenAI-compatible HTTP server (like mlx_lm.server)",
     "chat": "interactive chat in the terminal (like mlx_lm.chat)",
-    "cache-prompt": "prefill a prompt once and save its state for generate --prompt-cache-file",
+    "cache-prompt": "prefill a prompt once and save its state for generate --prompt-cache-file (alias cache_prompt)",
     "traces": "replay, export and evaluate expert-route traces",
     "qualify": "check kernels and I/O on this machine; write the profile load() reads (--report FILE)",
     "bench": "measure this model on this machine and recommend settings",
@@ -106,7 +109,7 @@ def main(argv=None):
     if argv[0] in ("-V", "--version"):
         print(f"hebrus-mlx {__version__}")
         return 0
-    verb, rest = argv[0], argv[1:]
+    verb, rest = ALIASES.get(argv[0], argv[0]), argv[1:]
     if verb not in VERBS:
         print(f"hebrus-mlx: unknown command {verb!r}; choose from {', '.join(VERBS)}", file=sys.stderr)
         return 2

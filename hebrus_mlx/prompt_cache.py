@@ -8,11 +8,12 @@ re-sends it) and prompt + generated tokens (the next turn continues from the rep
 client sends it back verbatim). Entries are evicted least recently used by bytes.
 
 `save_prompt_cache` / `load_prompt_cache` keep one sequence's state in mlx-lm's prompt-cache file
-(written by `mlx_lm.models.cache.save_prompt_cache`: every layer's protocol `state`), bound to the
-artifact it was computed with: a file from another model, dtype or layer layout is refused with a
-typed error, never restored. mlx-lm's own `load_prompt_cache` rebuilds only classes defined in
-mlx-lm, so the reader is ours; it maps the two recorded class names to hebrus's layer caches and
-nothing else (a file names no code to run).
+(written by `mlx_lm.models.cache.save_prompt_cache`: every layer's protocol `state` in an mlx-lm
+`ArraysCache`, so mlx-lm's own loader and saver round-trip the file), bound to the artifact it was
+computed with: a file from another model, dtype or layer layout, or whose state is not exactly a
+layer cache's, is refused with a typed error, never restored. The reader is ours: it maps
+`ArraysCache` and hebrus's two class names (what mlx-lm's saver writes for a hebrus cache) to
+hebrus's layer caches and nothing else (a file names no code to run).
 
 mlx-lm's `LRUPromptCache` is not used: it trims entries to shorter prefixes, which recurrent state
 cannot do, deep-copies whole caches, and cannot see a pipeline's remote layers (`detach` does).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_unflatten
 
 from .errors import HebrusError
 from .models.cache import AttentionCache, CacheHoleError, CacheStateError, LinearCache, SequenceCache
@@ -221,6 +222,7 @@ def _with_prefix(processors, prefix: Sequence[int]) -> list:
 
 FORMAT = "hebrus-mlx/prompt-cache/1"
 _LAYERS = {"LinearCache": LinearCache, "AttentionCache": AttentionCache}  # the only names a file may use
+CONTAINER = "ArraysCache"  # the mlx-lm class each layer's state is saved in (mlx-lm rebuilds it)
 _RESERVED = ("format", "artifact_digest", "dtype", "offset", "start_position", "tokens")
 
 
@@ -285,25 +287,39 @@ def serialize_prompt_cache(
     meta = prompt_cache_metadata(model, cache, tokens, metadata)
     import io
 
+    from mlx_lm.models.cache import ArraysCache
     from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save  # slow import: only when saving
 
     mx.eval(cache.arrays)
+    layers = []
+    for layer in cache:  # in containers mlx-lm's load_prompt_cache rebuilds (it knows no hebrus class)
+        box = ArraysCache(0)
+        box.cache = list(layer.state)
+        layers.append(box)
     buf = io.BytesIO()
-    mlx_lm_save(buf, cache, meta)
+    mlx_lm_save(buf, layers, meta)
     return buf.getvalue()
 
 
 def save_prompt_cache(
-    path, cache: SequenceCache, model, tokens: Sequence[int] | None = None, metadata: dict[str, str] | None = None
+    path,
+    cache: SequenceCache,
+    model,
+    tokens: Sequence[int] | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = True,
+    field: str = "prompt_cache_file",
 ) -> Path:
     """Write `cache` (one single-process sequence of `model`) to `path` in mlx-lm's layout,
     published atomically (artifact.atomic: temp + fsync + rename; a failure leaves `path` as it
-    was). Returns the path."""
-    from .artifact.atomic import publish_file_by_path
+    was). Never over a symlink or anything but a regular file, and over a regular file only with
+    `overwrite` (UsageError naming `field`). Returns the path."""
+    from .artifact.atomic import check_output_file, publish_file_by_path
     from .artifact.errors import PublishError
 
     payload = serialize_prompt_cache(cache, model, tokens, metadata)
     path = Path(path)
+    check_output_file(path, overwrite=overwrite, field=field)
 
     def write(tmp):
         with open(tmp, "r+b") as f:  # our locked temp, written in place (its inode is kept)
@@ -321,40 +337,83 @@ def save_prompt_cache(
     return path
 
 
+_MAX_KEY_PARTS = 8  # dotted metadata / array keys: our files use at most 4 parts
+
+
+def _unflatten(flat: dict, field: str):
+    """mlx's `tree_unflatten` for untrusted keys: bounded depth, list indices bounded by the number
+    of items (a key "0.99999999999" does not allocate a list that long), a key that is both a leaf
+    and a branch refused."""
+    root: dict = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        if len(parts) > _MAX_KEY_PARTS:
+            raise PromptCacheFileError(field, f"key {key[:80]!r} is nested deeper than {_MAX_KEY_PARTS} parts")
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise PromptCacheFileError(field, f"key {key[:80]!r} is both a value and a container")
+        if parts[-1] in node:
+            raise PromptCacheFileError(field, f"key {key[:80]!r} is both a value and a container")
+        node[parts[-1]] = value
+    return _listify(root, len(flat), field)
+
+
+def _listify(node, bound: int, field: str):
+    if not isinstance(node, dict):
+        return node
+    if node and all(k.isascii() and k.isdigit() and (k == "0" or k[0] != "0") for k in node):
+        n = max(int(k) for k in node) + 1
+        if n > bound:
+            raise PromptCacheFileError(field, f"list index {n - 1} past the {bound} items of the file")
+        return [_listify(node[str(i)], bound, field) if str(i) in node else {} for i in range(n)]
+    return {k: _listify(v, bound, field) for k, v in node.items()}
+
+
 def _decode_scalars(arrays: dict, scalars) -> dict:
-    """Undo mlx-lm's encoding of non-array state items (ints, strings and None as small arrays)."""
+    """Undo mlx-lm's encoding of non-array state items (ints and None as small arrays): a layer
+    state holds nothing else, so strings and floats are refused."""
+    if not scalars or scalars[0] != "":
+        raise PromptCacheFileError("prompt_cache_file.scalars", "not mlx-lm's scalar list")
     for entry in scalars[1:]:  # the first entry is mlx-lm's placeholder
-        if not isinstance(entry, list) or len(entry) != 2 or entry[0] not in arrays:
-            raise PromptCacheFileError(f"unreadable scalar entry {entry!r}")
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
+            raise PromptCacheFileError("prompt_cache_file.scalars", f"unreadable entry {str(entry)[:80]}")
         key, kind = entry
-        a = arrays[key]
-        if kind == "scalar":
-            arrays[key] = a.item()
-        elif kind == "none":
+        a = arrays.get(key)
+        if not isinstance(a, mx.array):
+            raise PromptCacheFileError("prompt_cache_file.scalars", f"{key[:80]!r} names no array of the file")
+        if kind == "scalar" and a.size == 1 and mx.issubdtype(a.dtype, mx.integer):
+            arrays[key] = int(a.item())
+        elif kind == "none" and a.size == 0:
             arrays[key] = None
-        elif kind == "string":
-            arrays[key] = "".join(chr(c) for c in a.tolist())
         else:
-            raise PromptCacheFileError(f"unknown scalar kind {kind!r}")
+            raise PromptCacheFileError(
+                f"prompt_cache_file.{key}",
+                f"{kind!r} of shape {tuple(a.shape)}: a layer state holds ints and None only",
+            )
     return arrays
 
 
-def _read(path: Path):
+def _read(f, name: str):
+    """(metadata, classes, states) of the prompt-cache file open as `f`."""
     try:
-        arrays, flat_meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        arrays, flat_meta = mx.load(f, format="safetensors", return_metadata=True)
     except (OSError, RuntimeError, ValueError) as e:
-        raise PromptCacheFileError(f"{path}: not a readable safetensors file ({e})") from None
-    meta = tree_unflatten(list(flat_meta.items()))
+        raise PromptCacheFileError(f"{name}: not a readable safetensors file ({e})") from None
+    meta = _unflatten(flat_meta, "prompt_cache_file.metadata")
     if not (
         isinstance(meta, list)
         and len(meta) == 3
         and isinstance(meta[0], dict)
+        and all(isinstance(v, str) for v in meta[0].values())
         and isinstance(meta[1], list)
+        and all(isinstance(c, str) for c in meta[1])
         and isinstance(meta[2], list)
     ):
-        raise PromptCacheFileError(f"{path}: not an mlx-lm prompt-cache file (metadata, classes, scalars)")
+        raise PromptCacheFileError(f"{name}: not an mlx-lm prompt-cache file (metadata, classes, scalars)")
     user, classes, scalars = meta
-    states = tree_unflatten(list(_decode_scalars(dict(arrays), scalars).items())) if arrays else []
+    states = _unflatten(_decode_scalars(dict(arrays), scalars), "prompt_cache_file.layers") if arrays else []
     return user, classes, states
 
 
@@ -370,17 +429,146 @@ def _int_field(meta, key) -> int:
     return value
 
 
+def _layer_states(classes, states, expected) -> list:
+    """Each layer's own state: the file names hebrus's classes (mlx-lm's `save_prompt_cache` on a
+    hebrus cache), or holds each state in an mlx-lm `ArraysCache` (what `save_prompt_cache` here
+    writes, so mlx-lm's own loader reads it)."""
+    n = len(expected)
+    if not isinstance(states, list) or len(states) != n or len(classes) != n:
+        raise PromptCacheFileError("prompt_cache_file.layers", f"the file holds {classes}, the model has {expected}")
+    if classes == expected:
+        return states
+    if classes != [CONTAINER] * n:
+        raise PromptCacheFileError("prompt_cache_file.layers", f"the file holds {classes}, the model has {expected}")
+    out = []
+    for i, state in enumerate(states):
+        # ArraysCache.state: (its arrays, left_padding, lengths); one unpadded sequence has neither
+        if not (isinstance(state, list) and len(state) == 3 and state[1] is None and state[2] is None):
+            raise PromptCacheFileError(f"prompt_cache_file.layers.{i}", f"not an unpadded {CONTAINER} state")
+        out.append(state[0])
+    return out
+
+
+_ARRAYS = {  # field: (dims, axis counted by `length` (or `n_groups`), None: not counted)
+    AttentionCache: {"keys": (4, 2), "values": (4, 2), "raw_keys": (3, 1), "block_keys": (3, 1)},
+    LinearCache: {
+        "conv_state": (3, None),
+        "recurrent_state": (4, None),
+        "ngram_context": (2, None),
+        "ple_conv_state": (3, None),
+    },
+}
+
+
+def _model_shapes(model) -> list[dict] | None:
+    """Per layer, the shape of each state array this model keeps (None on the axis its counters
+    count) and the indexer's group ratio, read from its modules; None for a model that does not
+    expose them (then only the file's own consistency is checked)."""
+    try:
+        out = []
+        for layer in model.layers:
+            if layer.is_linear:
+                g = layer.linear_attn
+                d = {
+                    "conv_state": (1, g.conv_kernel_size - 1, g.conv_dim),
+                    "recurrent_state": (1, g.num_v_heads, g.head_v_dim, g.head_k_dim),
+                }
+            else:
+                a, ix = layer.self_attn, layer.self_attn.indexer
+                kv = (1, a.n_kv_heads, None, a.head_dim)
+                d = {"keys": kv, "values": kv, "raw_keys": (1, None, ix.head_dim), "block_keys": (1, None, ix.head_dim)}
+                d["ratio"] = ix.ratio
+            ple = getattr(layer, "ple", None)
+            if ple is not None:
+                d["ngram_context"] = (1, ple.ple_embedding.ngram_size - 1)
+                d["ple_conv_state"] = (1, ple.state_len, ple.hc_count * ple.hidden_size)
+            out.append(d)
+        return out
+    except AttributeError:
+        return None
+
+
+def _check_layers(layers, offset: int, shapes: list[dict] | None):
+    """As strictly as an artifact's tensors: every array has its layer's rank, batch 1, exactly the
+    rows its counters say, the other dimensions this model's layer keeps (and every layer of its
+    kind in the file has), and finite values; a layer holds each state it keeps exactly when the
+    sequence is not empty. A file that passes continues generation as the run that saved it would."""
+    seen: dict = {}  # (class, field) -> (shape without the counted axis, dtype, first layer)
+    for i, layer in enumerate(layers):
+        where = f"prompt_cache_file.layers.{i}"
+        want = shapes[i] if shapes is not None else None
+        if isinstance(layer, AttentionCache) and layer.ratio is not None:
+            if want is not None and layer.ratio != want["ratio"]:
+                raise PromptCacheFileError(f"{where}.ratio", f"{layer.ratio}, the model groups {want['ratio']} keys")
+            if layer.n_groups != layer.length // layer.ratio:
+                raise PromptCacheFileError(
+                    where, f"n_groups {layer.n_groups} != length {layer.length} // ratio {layer.ratio}"
+                )
+        if isinstance(layer, LinearCache):
+            kept = want if want is not None else {"conv_state": 0, "recurrent_state": 0}
+            for name in LinearCache.fields:
+                a = getattr(layer, name)
+                if name in kept and (a is None) != (offset == 0):
+                    raise PromptCacheFileError(
+                        f"{where}.{name}", f"{'missing' if offset else 'present'} at offset {offset}"
+                    )
+                if want is not None and name not in kept and a is not None:
+                    raise PromptCacheFileError(f"{where}.{name}", "this model's layer keeps no such state")
+        for name, (dims, axis) in _ARRAYS[type(layer)].items():
+            a = getattr(layer, name)
+            if a is None:
+                continue
+            field = f"{where}.{name}"
+            if a.ndim != dims or a.shape[0] != 1:
+                raise PromptCacheFileError(field, f"shape {tuple(a.shape)}: expected {dims} dimensions, batch 1")
+            if axis is not None:
+                rows = layer.n_groups if name == "block_keys" else layer.length
+                if a.shape[axis] != rows:
+                    raise PromptCacheFileError(field, f"{a.shape[axis]} rows, its counters say {rows}")
+            if want is not None and any(w is not None and w != d for w, d in zip(want[name], a.shape)):
+                shown = tuple("L" if w is None else w for w in want[name])
+                raise PromptCacheFileError(field, f"shape {tuple(a.shape)}, this model keeps {shown}")
+            sig = (tuple(d for k, d in enumerate(a.shape) if k != axis), a.dtype)
+            first = seen.setdefault((type(layer), name), (*sig, i))
+            if first[:2] != sig:
+                raise PromptCacheFileError(
+                    field, f"shape {tuple(a.shape)} {a.dtype}, layer {first[2]} holds {first[0]} {first[1]}"
+                )
+            if name == "ngram_context":
+                if not mx.issubdtype(a.dtype, mx.integer) or (a.size and mx.min(a).item() < 0):
+                    raise PromptCacheFileError(field, "must hold token IDs >= 0")
+            elif not mx.issubdtype(a.dtype, mx.floating) or not mx.all(mx.isfinite(a)).item():
+                raise PromptCacheFileError(field, f"must hold finite floats ({a.dtype})")
+
+
 def load_prompt_cache(path, model, return_metadata: bool = False):
     """The `SequenceCache` saved in `path`, ready to continue generation on `model`; with
     `return_metadata`, also the file's metadata (`tokens`, when recorded, decoded to a list).
 
-    Refused with PromptCacheFileError naming the field: a file not bound to this artifact
-    (`artifact_digest`), computed in another dtype (`dtype`), with another layer layout (`layers`)
-    or with state that does not describe a layer cache."""
+    Refused with PromptCacheFileError naming the field: anything but a regular file, a file not
+    bound to this artifact (`artifact_digest`), computed in another dtype (`dtype`), with another
+    layer layout (`layers`), or with state that does not describe a layer cache exactly
+    (`layers.I.FIELD`: rank, rows against its counters, finite values)."""
+    import stat
+
     path = Path(path)
-    if not path.is_file():
-        raise PromptCacheFileError(f"{path}: no such file")
-    meta, classes, states = _read(path)
+    try:  # O_NONBLOCK: a FIFO does not hang the open (refused next)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise PromptCacheFileError(f"{path}: no such file") from None
+    except OSError as e:
+        raise PromptCacheFileError(f"{path}: cannot open ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PromptCacheFileError(f"{path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        os.set_blocking(fd, True)
+        return read_prompt_cache(f, model, return_metadata, str(path))
+
+
+def read_prompt_cache(f, model, return_metadata: bool = False, name: str = "prompt cache"):
+    """`load_prompt_cache` of a binary file object (e.g. bytes already checked by their owner)."""
+    meta, classes, states = _read(f, name)
     if meta.get("format") != FORMAT:
         raise PromptCacheFileError(
             "prompt_cache_file.format",
@@ -393,18 +581,18 @@ def load_prompt_cache(path, model, return_metadata: bool = False):
                 f"prompt_cache_file.{key}", f"the file was computed with {meta.get(key)!r}, this model is {want!r}"
             )
     expected = [type(layer).__name__ for layer in model.make_cache()]
-    if classes != expected or len(states) != len(expected):
-        raise PromptCacheFileError("prompt_cache_file.layers", f"the file holds {classes}, the model has {expected}")
     layers = []
-    for i, (name, state) in enumerate(zip(classes, states)):
+    for i, (name, state) in enumerate(zip(expected, _layer_states(classes, states, expected))):
         try:
             layers.append(_LAYERS[name].from_state(state))
         except CacheStateError as e:
             raise PromptCacheFileError(f"prompt_cache_file.layers.{i}", e.message) from None
+    offset = _int_field(meta, "offset")
     try:
-        cache = SequenceCache.from_layers(layers, _int_field(meta, "offset"), _int_field(meta, "start_position"))
+        cache = SequenceCache.from_layers(layers, offset, _int_field(meta, "start_position"))
     except CacheHoleError as e:
         raise PromptCacheFileError(f"prompt_cache_file.{e.field}", e.message) from None
+    _check_layers(layers, cache.offset, _model_shapes(model))
     if not return_metadata:
         return cache
     out = dict(meta)

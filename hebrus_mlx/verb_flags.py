@@ -9,7 +9,7 @@ from . import flags
 from .cli_args import LOAD_FLAGS
 from .errors import UsageError
 from .pipeline import launched as pipeline_launched
-from .prompt_cache_disk import DEFAULT_DIR_BYTES
+from .prompt_cache_disk import DEFAULT_DIR_BYTES, open_dir
 from .text.chat_template import ChatError
 from .text.tokenizer import TokenizerError
 
@@ -73,7 +73,8 @@ def add_prompt_cache_arguments(p, default_bytes, zero):
         type=flags.integer(1, flags.INT64_MAX),
         default=DEFAULT_DIR_BYTES,
         metavar="N",
-        help=f"byte limit of this model's snapshots in --prompt-cache-dir, LRU (default {DEFAULT_DIR_BYTES >> 30} GiB)",
+        help=f"byte limit of this model's snapshots in --prompt-cache-dir, LRU, shared by every process using "
+        f"the directory (default {DEFAULT_DIR_BYTES >> 30} GiB)",
     )
 
 
@@ -98,3 +99,6 @@ def check_prompt_cache_dir(args):
 
     if os.path.exists(args.prompt_cache_dir) and not os.path.isdir(args.prompt_cache_dir):
         raise UsageError("--prompt-cache-dir", f"{args.prompt_cache_dir}: not a directory")
+    # Usable (created, writable, its lock file a regular file) before the model loads: a failure
+    # later, on the server's worker thread, would end the process from its exit path.
+    os.close(open_dir(args.prompt_cache_dir))

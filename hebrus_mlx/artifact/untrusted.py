@@ -37,6 +37,7 @@ LIMITS = {
     "safetensors_header": 32 * MiB,
     "json": 16 * MiB,  # any other small JSON file of a directory
     "api_key": 4096,  # server --api-key-file: one line
+    "prompt_cache_index": 64 * MiB,  # --prompt-cache-dir's KEY.json: the token IDs of one entry
 }
 SAFETENSORS_MAX_ENTRIES = 1 << 18  # tensors in one safetensors header
 JSON_MAX_DEPTH = 64  # nesting of objects and arrays; real files use < 10
