@@ -98,10 +98,13 @@ def storage_dtype(codec_name):
     return {"bf16": np.uint16, "f32": np.float32}.get(codec_name, np.uint8)
 
 
-def _bf16_bits(a):
-    """Round-to-nearest-even float32 -> bf16 bits (finite inputs)."""
-    bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+def _bf16_bits(a, up):
+    """float32 -> bf16 bits rounded toward +inf (up) or -inf (finite inputs)."""
+    a = np.ascontiguousarray(a, np.float32)
+    bits = (a.view(np.uint32) >> 16).astype(np.uint16)  # toward zero
+    v = _bf16_values(bits)
+    bits[(v < a) if up else (v > a)] += 1  # one step away from zero: the other direction
+    return bits
 
 
 def _bf16_values(bits):
@@ -117,9 +120,9 @@ def affine_layout(cod, width):
 
 
 def encode_rows(values, codec_name):
-    """[n, width] float rows -> [n, row_bytes] uint8 affine rows (min/max per group; q is taken
-    against the bf16-rounded scale and bias, so rounding them costs nothing beyond the clip at
-    the ends)."""
+    """[n, width] float rows -> [n, row_bytes] uint8 affine rows: per group the bias is the min
+    rounded down to bf16 and the scale the step rounded up, so every value lies within the
+    2**bits levels and is off by at most half a step (bf16 scales and biases cost no clip)."""
     values = np.ascontiguousarray(values, np.float32)
     if values.ndim != 2:
         raise GeometryError("ple.rows", f"rows must be [n, width], got {values.shape}")
@@ -131,9 +134,10 @@ def encode_rows(values, codec_name):
     x = values.reshape(n, -1, group)
     lo, hi = x.min(axis=2), x.max(axis=2)
     levels = (1 << bits) - 1
-    scale = _bf16_bits((hi - lo) / levels)
-    bias = _bf16_bits(lo)
-    s, b = _bf16_values(scale)[..., None], _bf16_values(bias)[..., None]
+    bias = _bf16_bits(lo, up=False)
+    b = _bf16_values(bias)
+    scale = _bf16_bits((hi - b) / levels, up=True)
+    s, b = _bf16_values(scale)[..., None], b[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(s > 0, np.rint((x - b) / s), 0)
     q = np.clip(q, 0, levels).astype(np.uint8).reshape(n, width)
