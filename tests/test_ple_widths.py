@@ -240,6 +240,8 @@ def test_geometry_refuses_codecs_that_do_not_fit(tmp_path):
 
 
 def test_convert_cli_refuses_an_unknown_ple_width(hf, tmp_path, capsys):
+    """One line naming the flag and the widths there are; nothing written."""
     rc = cli_main(["convert", "--hf-path", hf, "--out", str(tmp_path / "o"), "--ple-dtype", "q3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--ple-dtype" in err[0] and not os.path.exists(tmp_path / "o")
+    assert "'q8', 'q4'" in err[0], err  # the widths it offers
