@@ -261,6 +261,9 @@ def main(argv=None):
             convert(hf, ref_art, dtype="bfloat16", quiet=True, mtp=False)
         ple_arts = {}
         for w in ple_widths:
+            if w == "bfloat16" and 4 in arts:  # the 4-bit expert width's artifact
+                ple_arts[w] = arts[4]
+                continue
             ple_arts[w] = os.path.join(root, f"p{w}")
             if not os.path.exists(ple_arts[w]):
                 convert(
