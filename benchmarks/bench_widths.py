@@ -11,10 +11,18 @@ shipped demo artifact holds 4-bit weights only) once per expert width, dense wei
   - the simulator's projection for --profile (M5 Pro 48 GB) at that width on the real geometry
     (`hebrus-mlx simulate --expert-bits N`; "n/a" where this build's simulate has no such flag).
 
-Then the real model's (qwen3.8-flash-next) expert store size and MB per token at each width.
+Then the PLE row widths (--ple-widths, `convert --ple-dtype`, experts at 4 bits): perplexity,
+PLE store MB and PLE bytes per token; and for every expert and PLE width the next-token
+distributions against a bf16 reference conversion of the same source (`convert --dtype bfloat16`:
+dense, experts and PLE rows all bf16) as `hebrus-mlx perplexity --kl-divergence` computes them:
+mean and p99 KL, top-1 agreement.
 
-    python benchmarks/bench_widths.py [--hf-path DEMO_HF] [--widths 8,6,4,3,2] [--q-bits 4]
-        [--tokens 32] [--rounds 4] [--cache-fraction 0.05] [--profile m5-pro-48gb] [--keep DIR] [--json FILE]
+Then the real model's (qwen3.8-flash-next) expert store size and MB per token at each width, and
+its PLE table's size per PLE width (from the page-store layout).
+
+    python benchmarks/bench_widths.py [--hf-path DEMO_HF] [--widths 8,6,4,3,2] [--ple-widths bfloat16,q8,q4]
+        [--q-bits 4] [--tokens 32] [--rounds 4] [--cache-fraction 0.05] [--profile m5-pro-48gb]
+        [--skip-projection] [--keep DIR] [--json FILE]
 """
 
 import argparse
@@ -33,6 +41,7 @@ import numpy as np
 from hebrus_mlx import perplexity as PPL
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import constants as C
+from hebrus_mlx.artifact import ple_pages
 from hebrus_mlx.artifact.expert_major import Geometry
 from hebrus_mlx.convert import convert
 from hebrus_mlx.loader import DEMO_DIR, load
@@ -175,6 +184,37 @@ def real_geometry(widths, group):
     return out
 
 
+def ple_geometry(m):
+    """(PLE store MB, row bytes read per token, page bytes per token at a cold cache) of artifact `m`:
+    every table gathers one row per n-gram head per token, each from its own page."""
+    row = page = 0
+    for s in m.ple:
+        g = ple_pages.Geometry(m.family, s.table, s.codec)
+        heads = len(g.heads)
+        row, page = row + heads * g.row_bytes, page + heads * g.page_stride
+    return sum(s.size for s in m.ple) / 1e6, row, page
+
+
+def real_ple(ple_widths):
+    fam, out = C.QWEN38_FLASH_NEXT, []
+    for w in ple_widths:
+        g = ple_pages.Geometry(fam, 0, C.PLE_DTYPES[w])
+        out.append(
+            {
+                "ple_dtype": w,
+                "codec": g.codec.name,
+                "group": g.group_size,
+                "row_bytes": g.row_bytes,
+                "rows_per_page": g.rows_per_page,
+                "pages": g.num_pages,
+                "store_gb": g.file_bytes / 1e9,
+                "payload_gb": g.total_rows * g.row_bytes / 1e9,
+                "row_bytes_per_token": len(g.heads) * g.row_bytes * fam.ple_tables,
+            }
+        )
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -184,6 +224,7 @@ def main(argv=None):
         "4-bit weights, dequantized (see demo_float_checkpoint)",
     )
     p.add_argument("--widths", default="8,6,4,3,2")
+    p.add_argument("--ple-widths", default="bfloat16,q8,q4", help="convert --ple-dtype values (experts at 4 bits)")
     p.add_argument("--q-bits", type=int, default=4, help="dense weights' width (all widths share it)")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per streamed run")
@@ -191,10 +232,12 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=4, help="streamed decode runs per width, interleaved")
     p.add_argument("--ppl-seq-len", type=int, default=256)
     p.add_argument("--profile", default="m5-pro-48gb")
+    p.add_argument("--skip-projection", action="store_true", help="leave out the simulator's projection (minutes)")
     p.add_argument("--keep", default=None, help="keep the artifacts in this directory")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     widths = [int(x) for x in a.widths.split(",")]
+    ple_widths = a.ple_widths.split(",")
     root = a.keep or tempfile.mkdtemp(prefix="bench_widths_")
     rows = []
     try:
@@ -213,6 +256,37 @@ def main(argv=None):
                     quiet=True,
                     mtp=False,
                 )
+        ref_art = os.path.join(root, "ref-bf16")
+        if not os.path.exists(ref_art):
+            convert(hf, ref_art, dtype="bfloat16", quiet=True, mtp=False)
+        ple_arts = {}
+        for w in ple_widths:
+            if w == "bfloat16" and 4 in arts:  # the 4-bit expert width's artifact
+                ple_arts[w] = arts[4]
+                continue
+            ple_arts[w] = os.path.join(root, f"p{w}")
+            if not os.path.exists(ple_arts[w]):
+                convert(
+                    hf,
+                    ple_arts[w],
+                    q_bits=a.q_bits,
+                    q_group_size=a.group_size,
+                    expert_bits=4,
+                    expert_group_size=a.group_size,
+                    ple_dtype=w,
+                    quiet=True,
+                    mtp=False,
+                )
+        ref_model, _ = load(ref_art)
+        kl_rows = []
+
+        def kl(label, model, data):
+            if any(r["artifact"] == label for r in kl_rows):  # PLE bf16 at 4-bit experts is the e4 artifact
+                return
+            k = PPL.kl_divergence(model, ref_model, data, batch_size=4)
+            kl_rows.append({"artifact": label, **k})
+            print(f"{label}: KL {k['kl_mean']:.5f} p99 {k['kl_p99']:.5f} top-1 {k['top1']:.4f}", file=sys.stderr)
+
         streamed, want = {}, {}
         for b in widths:
             m = admit(arts[b])
@@ -240,6 +314,28 @@ def main(argv=None):
                 }
             )
             print(f"e{b}: ppl {ppl:.3f} ± {se:.3f}", file=sys.stderr)
+            kl(f"experts {m.experts.codec}, PLE {m.codecs['ple']}", resident, data)
+        ple_rows = []
+        for w in ple_widths:
+            m = admit(ple_arts[w])
+            model, tok = load(ple_arts[w])
+            data = PPL.load_data(tok, PPL.DEFAULT_DATA, -1, a.ppl_seq_len, 123)
+            ppl, se, n = PPL.perplexity(model, data, batch_size=4)
+            mb, row_bytes, page_bytes = ple_geometry(m)
+            ple_rows.append(
+                {
+                    "ple_dtype": w,
+                    "codec": m.codecs["ple"],
+                    "ppl": ppl,
+                    "ppl_se": se,
+                    "store_mb": mb,
+                    "row_bytes_per_token": row_bytes,
+                    "page_bytes_per_token": page_bytes,
+                }
+            )
+            print(f"ple {w}: ppl {ppl:.3f} ± {se:.3f}", file=sys.stderr)
+            kl(f"experts {m.experts.codec}, PLE {m.codecs['ple']}", model, data)
+        ref_ppl = PPL.perplexity(ref_model, data, batch_size=4)
         # Decode speed side by side: rounds interleave the widths (forward, then backward order),
         # each run a fresh cache over the model's warm-or-cold arena as the previous round left it.
         by = {r["expert_bits"]: r for r in rows}
@@ -253,7 +349,7 @@ def main(argv=None):
             r["stream_tok_s_range"] = [min(r["tok_s"]), max(r["tok_s"])]
         for model in streamed.values():
             model.streaming.close()
-        proj = projection(widths, a.profile)
+        proj = "skipped" if a.skip_projection else projection(widths, a.profile)
     finally:
         if a.keep is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -301,9 +397,51 @@ def main(argv=None):
         print(
             f"| affine{r['expert_bits']}-g{a.group_size} | {r['record_mib']:.2f} | {r['store_gb']:.1f} | {r['mb_per_token']:.0f} |"
         )
+    print()
+    print(f"PLE row widths on the demo (dense affine{a.q_bits}-g{a.group_size}, experts affine4-g{a.group_size}):")
+    print()
+    print("| PLE width | perplexity | PLE store MB | PLE row bytes/token | PLE page bytes/token (cold) |")
+    print("|---|---|---|---|---|")
+    for r in ple_rows:
+        print(
+            f"| {r['codec']} | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | {r['store_mb']:.2f} | {r['row_bytes_per_token']} "
+            f"| {r['page_bytes_per_token']} |"
+        )
+    print()
+    print(
+        f"Next-token distributions vs the bf16 reference conversion (perplexity {ref_ppl[0]:.3f} ± {ref_ppl[1]:.3f}), "
+        f"{kl_rows[0]['tokens']} tokens; ± analytic SE (mean, top-1), bootstrap SE (p99):"
+    )
+    print()
+    print("| artifact | mean KL | p99 KL | same top-1 |")
+    print("|---|---|---|---|")
+    for r in kl_rows:
+        print(
+            f"| {r['artifact']} | {r['kl_mean']:.5f} ± {r['kl_mean_se']:.5f} | {r['kl_p99']:.4f} ± {r['kl_p99_se']:.4f} "
+            f"| {100 * r['top1']:.2f}% ± {100 * r['top1_se']:.2f} |"
+        )
+    print()
+    fam = C.QWEN38_FLASH_NEXT
+    print(
+        f"Real PLE table ({fam.name}: {fam.ple_rows[0]:,} rows x {fam.ple_width} values, {len(fam.ple_head_sizes(0))} "
+        "rows per token; whole file incl. header, digest table, 64-byte page headers and page padding):"
+    )
+    print()
+    print("| PLE width | group | row bytes | rows/page | pages | payload rows GB | store GB | row bytes/token |")
+    print("|---|---|---|---|---|---|---|---|")
+    real_p = real_ple(ple_widths)
+    for r in real_p:
+        print(
+            f"| {r['codec']} | {r['group'] or '-'} | {r['row_bytes']} | {r['rows_per_page']} | {r['pages']:,} "
+            f"| {r['payload_gb']:.2f} | {r['store_gb']:.2f} | {r['row_bytes_per_token']} |"
+        )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"demo": rows, "projection": proj, "real": real}, f, indent=1)
+            json.dump(
+                {"demo": rows, "projection": proj, "real": real, "ple": ple_rows, "kl": kl_rows, "real_ple": real_p},
+                f,
+                indent=1,
+            )
     return 0
 
 

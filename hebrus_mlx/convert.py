@@ -37,7 +37,7 @@ from .sources import _COMPONENT, Source, encode
 def profile_for(q_bits, q_group_size, dtype, expert_bits=None, expert_group_size=None, ple_dtype=None):
     """The profile of per-component widths: dense at q_bits/q_group_size (or `dtype`), routed
     experts at expert_bits/expert_group_size (default: the dense width, or `dtype`'s when the
-    dense store is float), the PLE table at ple_dtype (default bf16, f32 under --dtype float32)."""
+    dense store is float), the PLE table at ple_dtype (C.PLE_DTYPES; default bf16, f32 under --dtype float32)."""
     floats = {"bfloat16": "bf16", "float32": "f32"}
 
     def affine(bits, group, field):
@@ -57,7 +57,7 @@ def profile_for(q_bits, q_group_size, dtype, expert_bits=None, expert_group_size
         bits = expert_bits if expert_bits is not None else (q_bits if dtype is None else 4)
         group = expert_group_size if expert_group_size is not None else (q_group_size if dtype is None else 64)
         experts = affine(bits, group, "expert_bits" if expert_bits is not None else "expert_group_size")
-    ple = floats[ple_dtype] if ple_dtype is not None else ("f32" if dtype == "float32" else "bf16")
+    ple = C.PLE_DTYPES[ple_dtype] if ple_dtype is not None else ("f32" if dtype == "float32" else "bf16")
     return C.profile_name({"dense": dense, "experts": experts, "ple": ple}, "quantization")
 
 
@@ -300,7 +300,7 @@ def convert(
     ple_dtype=None,
 ):
     """expert_bits / expert_group_size: the routed experts' own affine width (default: the dense
-    one); ple_dtype: the PLE table's ("bfloat16" or "float32"). mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
+    one); ple_dtype: the PLE table's ("bfloat16", "float32", "q8" or "q4"). mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
     store; False excludes it (counted under the "mtp" exclusion rule). overwrite: `out` may be an
     earlier artifact, replaced once the new one is admitted (`check_out`)."""
     widths = (expert_bits, expert_group_size, ple_dtype)
@@ -572,8 +572,9 @@ def build_parser():
     )
     p.add_argument(
         "--ple-dtype",
-        choices=("bfloat16", "float32"),
-        help="the PLE table's row dtype (default bfloat16; float32 under --dtype float32)",
+        choices=tuple(C.PLE_DTYPES),
+        help="the PLE table's rows: bfloat16, float32, or affine 8-/4-bit rows q8/q4 (group 32, bf16 scales and "
+        "biases; default bfloat16, float32 under --dtype float32)",
     )
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
     p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")

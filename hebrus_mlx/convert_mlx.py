@@ -145,7 +145,7 @@ def source_profile(
         want = e.bits if flag == "expert_bits" else e.group_size
         if got != want:
             raise MlxSourceError(flag, f"{got} but the source is quantized with {want}; refusing to requantize")
-    ple = {"float32": "f32", "bfloat16": "bf16", None: "bf16"}[ple_dtype]
+    ple = C.PLE_DTYPES[ple_dtype or "bfloat16"]
     return C.profile_name({"dense": dense, "experts": experts, "ple": ple}, "quantization")
 
 

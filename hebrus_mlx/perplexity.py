@@ -11,6 +11,10 @@ What differs: `--data-path` is a local file (`.txt`: documents separated by two 
 `--ple-cache-gb`, as generate) runs each row in chunks of at most the tokens its expert arena can
 pin at once (the same chunks generate's prefill takes); `perplexity()` takes `chunk` so a resident
 run can use the very same chunks (their results are then bitwise equal, tests/test_perplexity.py).
+
+`--kl-divergence REF` (as llama.cpp's): the model's next-token distributions against those of a
+reference model REF (an artifact or "demo") on the same rows: KL(P_ref || P_model) per predicted
+token, its mean and 99th percentile, and how often both models' top-1 tokens agree.
 """
 
 import json
@@ -23,7 +27,7 @@ import numpy as np
 
 from . import flags
 from .cli_args import add_prefetch_argument, add_stream_cache_arguments, prefetch_from_args
-from .errors import UsageError
+from .errors import HebrusError, UsageError
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "demo" / "heldout.txt"
 MAX_DATA_BYTES = 1 << 30  # a held-out set, not a corpus: refuse anything larger before reading it
@@ -115,6 +119,59 @@ def perplexity(model, data: np.ndarray, batch_size: int = 8, chunk: int | None =
     return ppl, ppl * se, int(losses.size)
 
 
+KL_BOOTSTRAP = 200  # resamples for the p99's standard error
+
+
+def kl_divergence(model, ref, data: np.ndarray, batch_size: int = 8, chunk: int | None = None, seed: int = 0):
+    """KL(P_ref || P_model) of every predicted token of `data` and the top-1 agreement: {"kl_mean",
+    "kl_mean_se", "kl_p99", "kl_p99_se", "top1", "top1_se", "tokens"}. Standard errors treat the
+    tokens as independent: analytic for the mean (s / sqrt(n)) and the agreement (binomial), a
+    seeded bootstrap of KL_BOOTSTRAP resamples for the p99. Each forward is reduced to per-token
+    numbers at once, so a large vocabulary never holds more than one chunk's logits."""
+    import mlx.core as mx
+
+    kls, agree = [], []
+    for s in range(0, len(data), batch_size):
+        inputs = mx.array(data[s : s + batch_size, :-1])
+        n = inputs.shape[1]
+        step = n if chunk is None else chunk
+        caches = (model.make_cache(), ref.make_cache()) if step < n else (None, None)
+        for i in range(0, n, step):
+            x = inputs[:, i : i + step]
+            lq = model(x, caches[0]).astype(mx.float32)
+            lp = ref(x, caches[1]).astype(mx.float32)
+            lq, lp = lq - mx.logsumexp(lq, -1, keepdims=True), lp - mx.logsumexp(lp, -1, keepdims=True)
+            kl = (mx.exp(lp) * (lp - lq)).sum(-1)
+            same = mx.argmax(lp, -1) == mx.argmax(lq, -1)
+            mx.eval(kl, same)
+            kls.append(np.array(kl).reshape(-1))
+            agree.append(np.array(same).reshape(-1))
+    kl, agree = np.concatenate(kls).astype(np.float64), np.concatenate(agree).astype(np.float64)
+    n = kl.size
+    boot = np.random.default_rng(seed).integers(0, n, (KL_BOOTSTRAP, n))
+    p99 = np.percentile(kl[boot], 99, axis=1)
+    top1 = float(agree.mean())
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_mean_se": float(kl.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"),
+        "kl_p99": float(np.percentile(kl, 99)),
+        "kl_p99_se": float(p99.std(ddof=1)),
+        "top1": top1,
+        "top1_se": math.sqrt(top1 * (1 - top1) / n),
+        "tokens": n,
+    }
+
+
+def check_reference(model, tokenizer, ref, ref_tokenizer, data_path):
+    """REF must score the same token ids: same vocabulary size and the same ids for the text."""
+    got, want = ref.args.vocab_size, model.args.vocab_size
+    if got != want:
+        raise UsageError("--kl-divergence", f"the reference's vocabulary has {got} tokens, the model's {want}")
+    for doc in read_documents(data_path):
+        if ref_tokenizer.encode(doc) != tokenizer.encode(doc):
+            raise UsageError("--kl-divergence", "the reference's tokenizer gives other token ids for the text")
+
+
 def stream_chunk(model, batch_size: int) -> (int | None, int):
     """(tokens per row per forward, rows per forward) a model takes: a streamed model pins every
     expert one forward routes to, so batch x chunk stays within its arena (max_chunk_tokens)."""
@@ -139,6 +196,12 @@ def build_parser():
     p.add_argument("--num-samples", type=flags.integer(-1), default=256, help="samples to score (-1: all)")
     p.add_argument("--batch-size", type=flags.integer(1), default=8, help="samples per forward")
     p.add_argument("--seed", type=flags.integer(0), default=123, help="shuffles the documents")
+    p.add_argument(
+        "--kl-divergence",
+        metavar="REF",
+        help="also compare the next-token distributions with reference model REF ('demo' or an artifact with "
+        "the same tokenizer): mean and p99 KL(REF || model) and top-1 agreement, with standard errors",
+    )
     add_stream_cache_arguments(p)
     add_prefetch_argument(p)
     return p
@@ -150,8 +213,15 @@ def main(argv=None):
         raise UsageError("--num-samples", "must be -1 (all) or at least 1")
     prefetch = prefetch_from_args(a)
     read_documents(a.data_path)  # a bad path fails before the model loads
-    from .hub import resolve_model
+    from .hub import resolve_model, resolve_model_path
     from .loader import load
+
+    ref_path = None
+    if a.kl_divergence is not None:
+        try:
+            ref_path = resolve_model_path(a.kl_divergence)
+        except HebrusError as e:  # ModelNotFoundError: names --model otherwise
+            raise UsageError("--kl-divergence", e.message) from None
 
     print(f"Loading model from {a.model}...", file=sys.stderr)
     model, tokenizer = load(
@@ -165,6 +235,11 @@ def main(argv=None):
             file=sys.stderr,
         )
     chunk, rows = stream_chunk(model, a.batch_size)
+    ref = None
+    if ref_path is not None:
+        print(f"Loading reference from {a.kl_divergence}...", file=sys.stderr)
+        ref, ref_tok = load(ref_path)
+        check_reference(model, tokenizer, ref, ref_tok, a.data_path)
 
     def progress(i, n):
         print(f"  Processed {i}/{n} batches...", end="\r", file=sys.stderr, flush=True)
@@ -182,6 +257,13 @@ def main(argv=None):
     print(f"Data: {a.data_path}: {len(data)} samples x {a.sequence_length} tokens, seed {a.seed}")
     print(f"Perplexity: {ppl:.3f} ± {se:.3f}")
     print(f"Evaluation time: {dt:.2f} seconds ({n / dt:.0f} tokens/s)")
+    if ref is not None:
+        k = kl_divergence(model, ref, data, rows, chunk)
+        print(f"KL divergence vs {a.kl_divergence} ({k['tokens']} tokens):")
+        print(f"  Mean KLD: {k['kl_mean']:.6f} ± {k['kl_mean_se']:.6f}")
+        print(f"  99.0% KLD: {k['kl_p99']:.6f} ± {k['kl_p99_se']:.6f}")
+        print(f"  Same top-1: {100 * k['top1']:.2f} ± {100 * k['top1_se']:.2f} %")
+        print(f"  (± : analytic standard error for the mean and top-1, bootstrap of {KL_BOOTSTRAP} for the p99)")
     return 0
 
 

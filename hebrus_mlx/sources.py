@@ -9,7 +9,7 @@ import numpy as np
 
 from . import admission
 from .artifact import constants as C
-from .artifact import untrusted
+from .artifact import ple_pages, untrusted
 from .artifact.errors import ArtifactError, GeometryError
 from .convert_fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
 from .format import checkpoint_keys as keys
@@ -144,6 +144,8 @@ def encode(a, src_dtype, codec_name):
         return {"weight": np.ascontiguousarray(a, np.float32)}
     if codec_name == "bf16":
         return {"weight": to_bf16_bits(a, src_dtype)}
+    if codec_name in C.PLE_AFFINE_CODECS:  # [n, width] PLE rows -> self-contained encoded rows
+        return {"weight": ple_pages.encode_rows(a, codec_name)}
     import mlx.core as mx  # quantization is the one MLX step of conversion
 
     rows, cols = a.shape

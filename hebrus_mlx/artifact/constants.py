@@ -133,13 +133,37 @@ def _affine_codecs():
             yield Codec(affine_name(bits, g), cid, bits, g)
 
 
+# PLE row codecs below 16 bits (AFN-003's codec fields): affine rows, each row self-contained as
+# [packed values][bf16 scales][bf16 biases] so one page read decodes it. Group 32: the largest MLX
+# group dividing the real table's 160-value rows (one scale per 160 values lets a single outlier
+# widen every step of a 16-level row); a row narrower than 32 is one group. Only PLE stores take
+# them (not an MLX quantize layout: the demo's 8-value rows are below MLX's smallest group).
+PLE_AFFINE_BITS = (4, 8)
+PLE_AFFINE_GROUP = 32
+
+
+def ple_affine_name(bits):
+    return f"ple-affine{bits}"
+
+
 CODECS = {
     c.name: c
-    for c in sorted((*_affine_codecs(), Codec("bf16", 3, 16, 0), Codec("f32", 4, 32, 0)), key=lambda c: c.codec_id)
+    for c in sorted(
+        (
+            *_affine_codecs(),
+            Codec("bf16", 3, 16, 0),
+            Codec("f32", 4, 32, 0),
+            *(Codec(ple_affine_name(b), 0x200 | b << 4, b, PLE_AFFINE_GROUP) for b in PLE_AFFINE_BITS),
+        ),
+        key=lambda c: c.codec_id,
+    )
 }
 CODECS_BY_ID = {c.codec_id: c for c in CODECS.values()}
 assert len(CODECS_BY_ID) == len(CODECS)
-PLE_CODECS = ("bf16", "f32")  # PLE row codecs; affine PLE is not qualified
+PLE_AFFINE_CODECS = tuple(ple_affine_name(b) for b in PLE_AFFINE_BITS)
+PLE_CODECS = ("bf16", "f32", *PLE_AFFINE_CODECS)  # PLE row codecs
+# `convert --ple-dtype` values -> PLE codec
+PLE_DTYPES = {"bfloat16": "bf16", "float32": "f32", "q8": ple_affine_name(8), "q4": ple_affine_name(4)}
 COMPONENTS = ("dense", "experts", "ple")  # what a profile gives a codec (manifest.codecs)
 
 
@@ -182,6 +206,8 @@ def profile_name(codecs, field_name="profile"):
     for comp in COMPONENTS:
         if not (comp == "experts" and codecs[comp] == PER_LAYER):
             codec(codecs[comp], f"{field_name}.{comp}")
+        if comp != "ple" and codecs[comp] in PLE_AFFINE_CODECS:
+            raise CodecError(f"{field_name}.{comp}", f"{codecs[comp]!r} is a PLE row codec only")
     if codecs["ple"] not in PLE_CODECS:
         raise CodecError(f"{field_name}.ple", f"{codecs['ple']!r} is not a PLE row codec {PLE_CODECS}")
     for name, c in PROFILES.items():

@@ -10,6 +10,11 @@ shards concatenated, rows in runtime order). Layout (little-endian):
                                page = 64-byte header repeating its geometry,
                                rows_per_page encoded rows, zero fill
 
+A bf16/f32 row is its width's values; an affine row (codecs ple-affine4/8) is self-contained:
+width * bits / 8 bytes of values packed LSB first (as MLX packs uint32 words), then one bf16
+scale per group, then one bf16 bias per group; value = q * scale + bias. The group is the
+codec's (32) or the whole row when the row is narrower; the header's group_size records it.
+
 Row r lives at page r // rows_per_page, slot r % rows_per_page; there is no
 per-row index. A row read takes ONE page snapshot: pread the page, check its
 header, check its digest, then copy out. The manifest digest (header + digest
@@ -89,7 +94,72 @@ _DIGEST_OFF = _HEADER.size - 64  # payload digest, then manifest digest
 
 
 def storage_dtype(codec_name):
-    return {"bf16": np.uint16, "f32": np.float32}[codec_name]
+    """numpy dtype of a stored row's elements: bf16 bits, float32, or an affine row's bytes."""
+    return {"bf16": np.uint16, "f32": np.float32}.get(codec_name, np.uint8)
+
+
+def _bf16_bits(a, up):
+    """float32 -> bf16 bits rounded toward +inf (up) or -inf (finite inputs)."""
+    a = np.ascontiguousarray(a, np.float32)
+    bits = (a.view(np.uint32) >> 16).astype(np.uint16)  # toward zero
+    v = _bf16_values(bits)
+    bits[(v < a) if up else (v > a)] += 1  # one step away from zero: the other direction
+    return bits
+
+
+def _bf16_values(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def affine_layout(cod, width):
+    """(group, row_bytes) of an affine PLE row of `width` values under codec `cod`."""
+    group = min(cod.group_size, width)
+    if width % group or width * cod.bits % 8:
+        raise CodecError("ple.width", f"{cod.name}: rows of {width} values do not split into groups")
+    return group, width * cod.bits // 8 + 4 * (width // group)
+
+
+def encode_rows(values, codec_name):
+    """[n, width] float rows -> [n, row_bytes] uint8 affine rows: per group the bias is the min
+    rounded down to bf16 and the scale the step rounded up, so every value lies within the
+    2**bits levels and is off by at most half a step (bf16 scales and biases cost no clip)."""
+    values = np.ascontiguousarray(values, np.float32)
+    if values.ndim != 2:
+        raise GeometryError("ple.rows", f"rows must be [n, width], got {values.shape}")
+    if not np.isfinite(values).all():
+        raise CodecError("ple.rows", f"{codec_name}: non-finite PLE values cannot be quantized")
+    cod = codec(codec_name, "ple.codec")
+    n, width, bits = *values.shape, cod.bits
+    group, _ = affine_layout(cod, width)
+    x = values.reshape(n, -1, group)
+    lo, hi = x.min(axis=2), x.max(axis=2)
+    levels = (1 << bits) - 1
+    bias = _bf16_bits(lo, up=False)
+    b = _bf16_values(bias)
+    scale = _bf16_bits((hi - b) / levels, up=True)
+    s, b = _bf16_values(scale)[..., None], b[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s > 0, np.rint((x - b) / s), 0)
+    q = np.clip(q, 0, levels).astype(np.uint8).reshape(n, width)
+    if bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    return np.concatenate([q, scale.view(np.uint8).reshape(n, -1), bias.view(np.uint8).reshape(n, -1)], axis=1)
+
+
+def decode_rows(rows, codec_name, width):
+    """[n, row_bytes] uint8 affine rows -> [n, width] float32 (the reference decode)."""
+    rows = np.ascontiguousarray(rows, np.uint8)
+    cod = codec(codec_name, "ple.codec")
+    n, bits = len(rows), cod.bits
+    group, _ = affine_layout(cod, width)
+    packed, groups = width * bits // 8, width // group
+    q = rows[:, :packed]
+    if bits == 4:
+        q = np.stack([q & 0xF, q >> 4], axis=2).reshape(n, width)
+    scale = _bf16_values(np.ascontiguousarray(rows[:, packed : packed + 2 * groups]).view(np.uint16))
+    bias = _bf16_values(np.ascontiguousarray(rows[:, packed + 2 * groups :]).view(np.uint16))
+    x = q.astype(np.float32).reshape(n, groups, group) * scale[..., None] + bias[..., None]
+    return x.reshape(n, width)
 
 
 class Geometry:
@@ -103,7 +173,13 @@ class Geometry:
         self.family, self.table = family, table
         self.codec = codec(codec_name)
         self.width = family.ple_width
-        self.row_bytes = self.codec.nbytes(1, self.width, "ple.width")
+        if self.codec.affine:
+            self.group_size, self.row_bytes = affine_layout(self.codec, self.width)
+            self.row_values = self.row_bytes  # a stored row is its bytes
+        else:
+            self.group_size = 0
+            self.row_bytes = self.codec.nbytes(1, self.width, "ple.width")
+            self.row_values = self.width
         self.heads = family.ple_head_sizes(table)
         self.total_rows = family.ple_rows[table]
         self.head_rows = family.ple_head_rows[table]
@@ -127,7 +203,7 @@ class Geometry:
         f = self.family
         return {
             **header_prelude(PLE_MAGIC, PLE_VERSION, PLE_HEADER_BYTES, f, self.codec.codec_id),
-            "group_size": self.codec.group_size,
+            "group_size": self.group_size,
             "width": self.width,
             "row_bytes": self.row_bytes,
             "rows_per_page": self.rows_per_page,
@@ -157,7 +233,7 @@ class Geometry:
             "row_bytes": self.row_bytes,
             "rows_per_page": self.rows_per_page,
             "codec_id": self.codec.codec_id,
-            "group_size": self.codec.group_size,
+            "group_size": self.group_size,
             "table_index": self.table,
             "reserved": 0,
         }
@@ -187,8 +263,9 @@ def _pack_page_header(values):
 def write(w, family, table, codec_name, chunks, rows_per_page=None, progress=None):
     """Stream rows into pages; memory is one page plus the digest table.
 
-    chunks: iterable of [n, width] arrays in storage dtype (uint16 bf16 bits
-    or float32), in runtime row order, totalling the family's padded rows.
+    chunks: iterable of [n, row_values] arrays in storage dtype (uint16 bf16 bits,
+    float32, or encode_rows' uint8 affine rows), in runtime row order, totalling the
+    family's padded rows.
     """
     g = Geometry(family, table, codec_name, rows_per_page)
     dtype = storage_dtype(codec_name)
@@ -212,9 +289,14 @@ def write(w, family, table, codec_name, chunks, rows_per_page=None, progress=Non
         fill, page_index = 0, page_index + 1
 
     for chunk in chunks:
-        if not isinstance(chunk, np.ndarray) or chunk.dtype != dtype or chunk.ndim != 2 or chunk.shape[1] != g.width:
+        if (
+            not isinstance(chunk, np.ndarray)
+            or chunk.dtype != dtype
+            or chunk.ndim != 2
+            or chunk.shape[1] != g.row_values
+        ):
             got = (getattr(chunk, "dtype", type(chunk).__name__), getattr(chunk, "shape", None))
-            raise GeometryError("ple.rows", f"chunk must be {np.dtype(dtype)}[n, {g.width}], got {got}")
+            raise GeometryError("ple.rows", f"chunk must be {np.dtype(dtype)}[n, {g.row_values}], got {got}")
         if row + chunk.shape[0] > g.total_rows:
             raise GeometryError("ple.total_rows", f"more than {g.total_rows} rows supplied")
         data = np.ascontiguousarray(chunk).view(np.uint8).reshape(chunk.shape[0], g.row_bytes)
@@ -332,10 +414,10 @@ class PleReader(StoreFile):
         return out
 
     def read_rows(self, rows):
-        """[len(rows), width] array in storage dtype; each page read once."""
+        """[len(rows), row_values] array in storage dtype; each page read once."""
         g = self.geometry
         rows = [int(r) for r in rows]
-        out = np.empty((len(rows), g.width), dtype=storage_dtype(self.codec.name))
+        out = np.empty((len(rows), g.row_values), dtype=storage_dtype(self.codec.name))
         raw = out.view(np.uint8).reshape(len(rows), g.row_bytes)
         by_page = {}
         for i, r in enumerate(rows):

@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from .. import admission
 from ..artifact import constants as C
 from ..artifact import expert_major as em
-from ..artifact import fast_check
+from ..artifact import fast_check, ple_pages
 from ..artifact.errors import AdmissionError, DigestError, GeometryError, TruncatedError
 from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
@@ -38,7 +38,7 @@ from ..artifact.ple_pages import PleReader
 from ..errors import UsageError
 from ..models import optimize
 from ..models.mtp_head import MTPHead, attach_mtp_head
-from ..models.qwen4exp import Model, set_norm_weights
+from ..models.qwen4exp import Model, QuantizedNGramTable, set_norm_weights
 from ..stream import crossover as sweep_crossover
 from ..stream.engine import StreamEngine
 from ..stream.experts import StreamedExperts
@@ -204,9 +204,21 @@ def _ple(m: Manifest, layers=None):
                 raw[first : first + n] = np.frombuffer(
                     data, np.uint8, n * g.row_bytes, C.PLE_PAGE_HEADER_BYTES
                 ).reshape(n, -1)
-            table = raw.view(np.uint16 if g.codec.name == "bf16" else np.float32)
+            table = raw if g.codec.affine else raw.view(np.uint16 if g.codec.name == "bf16" else np.float32)
         out[f"model.layers.{s.layer}.ple.ple_embedding.ngram_embedding.weight"] = _to_mx(table)
     return out
+
+
+def _quantized_ple_tables(m: Manifest, model, dtype, layers=None):
+    """Give every resident PLE table of affine rows (of ``layers``) a QuantizedNGramTable, which
+    holds the rows as stored and decodes the gathered ones."""
+    for s in _ple_stores(m, layers):
+        g = ple_pages.Geometry(m.family, s.table, s.codec)
+        if g.codec.affine:
+            emb = model.model.layers[s.layer].ple.ple_embedding
+            emb.ngram_embedding = QuantizedNGramTable(
+                g.total_rows, g.width, g.codec.bits, g.group_size, g.row_bytes, dtype
+            )
 
 
 def _store_bytes(m: Manifest, roles):
@@ -473,6 +485,7 @@ def load_artifact_model(
         if experts is None:
             weights.update(_experts(m, layers))
         if ple_cache is None:
+            _quantized_ple_tables(m, model, dtype, layers)
             weights.update(_ple(m, layers))
         if dtype is not None:
             weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}

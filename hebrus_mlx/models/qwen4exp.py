@@ -666,6 +666,36 @@ def _row_ids_fn(ngram_size: int, heads_per_ngram: int, eos: int, n_new: int):
     return row_ids
 
 
+def dequantize_ple_rows(raw: mx.array, bits: int, group_size: int, width: int) -> mx.array:
+    """[..., row_bytes] uint8 affine PLE rows (artifact.ple_pages: values packed LSB first, then
+    bf16 scales, then bf16 biases per group) -> [..., width] float32. The resident table and the
+    streamed pages decode through this one function, so both give the same bits."""
+    lead = raw.shape[:-1]
+    packed, groups = width * bits // 8, width // group_size
+    q = raw[..., :packed]
+    if bits == 4:
+        q = mx.stack([q & 0xF, q >> 4], axis=-1)
+    q = q.reshape(*lead, groups, group_size).astype(mx.float32)
+    scales = raw[..., packed : packed + 2 * groups].view(mx.bfloat16).astype(mx.float32)
+    biases = raw[..., packed + 2 * groups :].view(mx.bfloat16).astype(mx.float32)
+    return (q * scales[..., None] + biases[..., None]).reshape(*lead, width)
+
+
+class QuantizedNGramTable(nn.Module):
+    """A resident PLE table of affine rows (`weight`: [rows, row_bytes] uint8, the page store's
+    rows as stored), decoded after the gather: the table stays at its stored size in memory."""
+
+    def __init__(self, rows: int, width: int, bits: int, group_size: int, row_bytes: int, dtype=mx.float32):
+        super().__init__()
+        self.weight = mx.zeros((rows, row_bytes), dtype=mx.uint8)
+        self.width, self.bits, self.group_size, self.dtype = width, bits, group_size, dtype
+        self.freeze()
+
+    def __call__(self, rows: mx.array) -> mx.array:
+        out = dequantize_ple_rows(self.weight[rows], self.bits, self.group_size, self.width)
+        return out if self.dtype is None else out.astype(self.dtype)
+
+
 class NGramEmbedding(nn.Module):
     """Hashed n-gram rows for one PLE layer; history is per sequence and carried across calls (AFN-012)."""
 

@@ -23,6 +23,7 @@ from ..admission import admit
 from ..artifact import constants as C
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
+from ..models.qwen4exp import dequantize_ple_rows
 from .engine import P0, StreamEngine
 
 
@@ -51,9 +52,11 @@ class StreamedNGramTable(nn.Module):
         self.rows_per_page = g.rows_per_page
         self.row_bytes = g.row_bytes
         self.header_bytes = C.PLE_PAGE_HEADER_BYTES
-        self.stored = mx.bfloat16 if g.codec.name == "bf16" else mx.float32
         self.dtype = dtype
-        self.dims = g.row_bytes // (2 if g.codec.name == "bf16" else 4)
+        # affine rows: (bits, group, width), decoded like the resident QuantizedNGramTable
+        self.affine = (g.codec.bits, g.group_size, g.width) if g.codec.affine else None
+        self.stored = mx.bfloat16 if g.codec.name == "bf16" else mx.float32
+        self.dims = g.width
 
     def __call__(self, rows: mx.array) -> mx.array:
         rows = rows.astype(mx.uint32)
@@ -61,7 +64,10 @@ class StreamedNGramTable(nn.Module):
         # Evaluated now, not with the layer: the pages are known exactly.
         mx.async_eval(self._engine.prefetch(self.table, pages, priority=P0, exact=True))
         out = self._engine.gather_rows(self.table, rows, self.rows_per_page, self.row_bytes, self.header_bytes)
-        out = out.view(self.stored).reshape(*rows.shape, self.dims)
+        if self.affine is not None:
+            out = dequantize_ple_rows(out.reshape(*rows.shape, self.row_bytes), *self.affine)
+        else:
+            out = out.view(self.stored).reshape(*rows.shape, self.dims)
         return out if self.dtype is None else out.astype(self.dtype)
 
 
