@@ -96,3 +96,11 @@ def test_profile_terms_out_of_range_are_refused_naming_the_field(field, value):
     with pytest.raises(UsageError) as e:
         S.Machine.from_dict(d, "profile p")
     assert e.value.field == f"profile p.{field}"
+
+
+def test_a_ple_row_codec_is_not_an_expert_codec():
+    assert S.expert_codec("affine4-g64").bits == 4
+    for name in C.PLE_AFFINE_CODECS:
+        with pytest.raises(UsageError) as e:
+            S.expert_codec(name)
+        assert e.value.field == "--codec"

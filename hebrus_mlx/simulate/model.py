@@ -214,7 +214,7 @@ def expert_codec(name: str, field_name: str = "--codec"):
 
     from ..artifact import constants as C
 
-    if name in C.CODECS:
+    if name in C.CODECS and name not in C.PLE_AFFINE_CODECS:  # a PLE row codec is no expert codec
         return C.CODECS[name]
     m = re.fullmatch(r"affine(\d+)-g(\d+)", name)
     if not m or int(m.group(1)) not in AFFINE_BITS or int(m.group(2)) not in AFFINE_GROUPS:
