@@ -25,9 +25,7 @@ def _replay(misses_per_layer=3.0, L=48, k=10):
 
 def _project(machine, geom=None, rep=None, **kw):
     geom = geom or S.geometry_of_family(FAM, "affine2-g64")
-    return S.project(
-        machine, geom, rep or _replay(), cache_gb=8, capacity=1000, policy="clock", prefetch="off", **kw
-    )
+    return S.project(machine, geom, rep or _replay(), cache_gb=8, capacity=1000, policy="clock", prefetch="off", **kw)
 
 
 def test_the_hand_off_is_charged_once_per_streamed_layer():
