@@ -19,6 +19,7 @@ batch has its own matcher.
 
 import json
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -40,20 +41,23 @@ class GrammarError(UsageError):
 
 
 _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_tokenizers_lock = threading.Lock()
 
 
 def grammar_tokenizer(tok):
     """llguidance's tokenizer for a TextTokenizer (built from its tokenizer.json once per tokenizer:
-    about 20 ms for the demo, seconds for a 150k vocabulary). Its vocabulary is the logits' width
-    (physical); IDs past the effective vocabulary have no bytes and are never allowed."""
+    20 ms for the demo, 10 s holding the GIL for the 248k Qwen vocabulary on a slow x86 core; the
+    server builds it before it listens). Its vocabulary is the logits' width (physical); IDs past
+    the effective vocabulary have no bytes and are never allowed."""
     import llguidance
 
-    llt = _tokenizers.get(tok)
-    if llt is None:
-        llt = llguidance.LLTokenizer(
-            tok.backend.to_str(), n_vocab=tok.physical_vocab_size, eos_token=sorted(tok.stop_token_ids)
-        )
-        _tokenizers[tok] = llt
+    with _tokenizers_lock:
+        llt = _tokenizers.get(tok)
+        if llt is None:
+            llt = llguidance.LLTokenizer(
+                tok.backend.to_str(), n_vocab=tok.physical_vocab_size, eos_token=sorted(tok.stop_token_ids)
+            )
+            _tokenizers[tok] = llt
     return llt
 
 
@@ -110,8 +114,10 @@ class Spec:
     think: bool | None = None
 
 
-def build_lark(spec: Spec) -> tuple[str, bool]:
-    """The Lark grammar of `spec` and whether it is lazy (starts at the first <tool_call>)."""
+def build_lark(spec: Spec, added: dict[str, int]) -> tuple[str, bool]:
+    """The Lark grammar of `spec` and whether it is lazy (starts at the first <tool_call>).
+    `added`: the tokenizer's added tokens; the markers are named by ID (`<[id]>`), which holds
+    whether or not the tokenizer flags them special (Qwen's <tool_call> and <think> are not)."""
     rules = []
     lazy = spec.calls == "auto" and spec.schema is None
     if spec.tools is not None and spec.calls is not None:
@@ -131,7 +137,7 @@ def build_lark(spec: Spec) -> tuple[str, bool]:
         more = " (/\\n?/ call)*" if spec.parallel else ""
         rules += [
             f"calls: call{more}",
-            f'call: <{TOOL_CALL_OPEN[1:-1]}> "\\n" args "\\n" <{TOOL_CALL_CLOSE[1:-1]}>',
+            f'call: <[{added[TOOL_CALL_OPEN]}]> "\\n" args "\\n" <[{added[TOOL_CALL_CLOSE]}]>',
             f"args: %json {json.dumps(_styled(call))}",
         ]
     if spec.schema is not None:
@@ -143,7 +149,7 @@ def build_lark(spec: Spec) -> tuple[str, bool]:
     if spec.calls == "required":
         body = "calls"
     if spec.think:  # the prompt opened the block: the reply closes it first
-        start = f"start: /(?s:.*)/ <{THINK_CLOSE[1:-1]}> /[ \\n]*/ {body}"
+        start = f"start: /(?s:.*)/ <[{added[THINK_CLOSE]}]> /[ \\n]*/ {body}"
     else:  # outside a thinking block the reply is the structured output itself
         start = f"start: {body}"
     return "\n".join([start, *rules]), False
@@ -153,7 +159,7 @@ def compile_spec(tok, spec: Spec, field: str) -> "GrammarProcessor":
     """A fresh processor for one generation under `spec` (compiling is bounded by llguidance's fuel
     limits, and drops the GIL; the server runs it on a prep thread, never on the worker);
     GrammarError naming `field` if llguidance refuses the grammar."""
-    lark, lazy = build_lark(spec)
+    lark, lazy = build_lark(spec, tok.added_tokens)
     return compile_lark(tok, lark, field, tok.added_tokens.get(TOOL_CALL_OPEN) if lazy else None)
 
 
@@ -205,16 +211,17 @@ class GrammarProcessor:
             log.warning("constrained decoding: %s", _first_line(self.matcher.get_error()))
         self.seen = n
 
-    def mask(self) -> np.ndarray | None:
-        """The allowed columns ([V] bool) now, or None (unconstrained: lazy, not triggered)."""
+    def bitmask(self) -> np.ndarray | None:
+        """The allowed columns now as llguidance's bitmask (uint32 words, bit j of word i: column
+        32 i + j), or None (unconstrained: lazy, not triggered)."""
         if self.fed_from is None:
             return None
         if self.matcher.is_error():  # cannot happen for tokens it allowed; end the reply
-            allowed = np.zeros(self.vocab, dtype=bool)
-            allowed[self.stops] = True
-            return allowed
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return bits[: self.vocab].astype(bool)
+            words = np.zeros((self.vocab + 31) // 32, dtype=np.uint32)
+            for t in self.stops:
+                words[t // 32] |= np.uint32(1 << (t % 32))
+            return words
+        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)
 
     def __call__(self, history, logits):
         import mlx.core as mx
@@ -222,7 +229,9 @@ class GrammarProcessor:
         if self.start is None:
             self.start = history.shape[-1]
         self._sync(history)
-        allowed = self.mask()
-        if allowed is None:
+        words = self.bitmask()
+        if words is None:
             return logits
+        # Unpacked by numpy: on MLX's CPU backend the shift-and-mask graph cost 14x more (bench).
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
         return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -44,13 +44,11 @@ def _greedy(model, tok, ids, n, processors=None):
     return [r.token for r in stream_generate(model, tok, ids, max_tokens=n, logits_processors=processors)]
 
 
-def _allowed(tok, proc_factory, prefix):
-    """The grammar's allowed columns after `prefix`, from a fresh matcher fed it directly."""
-    proc = proc_factory()
-    history = mx.array([0] + list(prefix), dtype=mx.int32)
-    proc.start = 1
-    proc._sync(history)
-    return proc.mask()
+def _allowed(tok, proc, prefix):
+    """The grammar's allowed columns after `prefix`, from a fresh processor over zero logits."""
+    zeros = mx.zeros((1, tok.physical_vocab_size))
+    proc(mx.array([0], dtype=mx.int32), zeros)
+    return np.isfinite(np.array(proc(mx.array([0] + list(prefix), dtype=mx.int32), zeros)[0]))
 
 
 def test_constrained_greedy_is_plain_greedy_wherever_the_grammar_allows_it(demo):
@@ -68,7 +66,7 @@ def test_constrained_greedy_is_plain_greedy_wherever_the_grammar_allows_it(demo)
     agreed = overruled = 0
     for i, token in enumerate(out):
         plain = _greedy(model, tok, ids + out[:i], 1)[0]
-        allowed = _allowed(tok, lambda: constrain.compile_spec(tok, spec, "s"), out[:i])
+        allowed = _allowed(tok, constrain.compile_spec(tok, spec, "s"), out[:i])
         assert allowed[token], (i, tok.decode(out[: i + 1]))
         if allowed[plain]:
             assert token == plain, (i, tok.decode(out[:i]))
@@ -200,3 +198,20 @@ def test_constrained_request_on_a_drafting_server_decodes_plainly(demo, monkeypa
         worker.stop()
     assert made == ["ngram"]  # only the unconstrained request drafted
     assert got == want and json.loads(got)
+
+
+def test_a_reply_inside_thinking_closes_it_before_the_structured_part(demo):
+    """A prompt that leaves the reply inside <think>: free text (no special token) up to </think>,
+    then the schema's JSON, then only a stop token."""
+    _, tok = demo
+    proc = constrain.compile_spec(tok, constrain.Spec(schema=SCHEMA_B, think=True), "s")
+    close = tok.added_tokens["</think>"]
+    zeros = mx.zeros((1, tok.physical_vocab_size))
+    thought = tok.encode("Cats have four legs.", add_special_tokens=False)
+    history = [1, 2]
+    proc(mx.array(history, dtype=mx.int32), zeros)
+    allowed = np.isfinite(np.array(proc(mx.array(history + thought, dtype=mx.int32), zeros)[0]))
+    assert allowed[close] and not allowed[tok.added_tokens["<tool_call>"]]
+    reply = tok.encode('\n\n{"count": 4}', add_special_tokens=False)
+    allowed = np.isfinite(np.array(proc(mx.array(history + thought + [close] + reply, dtype=mx.int32), zeros)[0]))
+    assert set(np.nonzero(allowed)[0].tolist()) == set(tok.stop_token_ids)
