@@ -3,8 +3,8 @@ tool calls, as a per-step token mask.
 
 The grammar engine is llguidance (the one vLLM, SGLang and llama.cpp use). It was chosen over
 outlines-core for speed and maintenance: it computes a mask in tens of microseconds from an Earley
-parser over a token trie, with no per-schema precompiled automaton (outlines-core builds an index
-over the whole vocabulary per schema, seconds for large schemas), and it is actively maintained
+parser over a token trie, with no per-schema index over the vocabulary to build first (outlines-core
+compiles one per schema, growing with the schema and the vocabulary), and it is actively maintained
 with JSON Schema, Lark grammars with special tokens, and bounded compile/step work (fuel limits).
 
 The mask is a logits processor (`GrammarProcessor`): columns the grammar forbids become -inf before

@@ -215,3 +215,47 @@ def test_a_reply_inside_thinking_closes_it_before_the_structured_part(demo):
     reply = tok.encode('\n\n{"count": 4}', add_special_tokens=False)
     allowed = np.isfinite(np.array(proc(mx.array(history + thought + [close] + reply, dtype=mx.int32), zeros)[0]))
     assert set(np.nonzero(allowed)[0].tolist()) == set(tok.stop_token_ids)
+
+
+def test_server_batch_two_schemas_each_request_its_own_grammar(demo):
+    """--decode-concurrency 2: two constrained requests with different schemas decode together in
+    the worker; each reply is its solo constrained run's and follows its own schema."""
+    from hebrus_mlx import load
+    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+
+    model, tok = demo
+    prompts = [_prompt(tok, "Is water wet?"), _prompt(tok, "How many legs has a cat?")]
+    specs = [constrain.Spec(schema=SCHEMA_A), constrain.Spec(schema=SCHEMA_B)]
+    want = []
+    for p, s in zip(prompts, specs):
+        out = _greedy(model, tok, p, 20, [constrain.compile_spec(tok, s, "s")])
+        want.append(tok.decode([t for t in out if t not in tok.stop_token_ids]))
+    worker = Worker(lambda: load("demo"), 1 << 28, ServerDefaults(decode_concurrency=2, prompt_concurrency=2))
+    sampling = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False)
+
+    async def one(job):
+        text = ""
+        while True:
+            kind, value = await asyncio.wait_for(job.events.get(), 60)
+            if kind != "text":
+                return text
+            text += value
+
+    async def scenario():
+        jobs = []
+        for p, s in zip(prompts, specs):
+            job = Job(p, sampling, 20, asyncio.get_running_loop(), asyncio.Queue())
+            job.grammar = constrain.compile_spec(tok, s, "s")
+            jobs.append(job)
+        for job in jobs:  # both queued before the worker takes either
+            worker.jobs.put(job)
+        return await asyncio.gather(*(one(j) for j in jobs)), [j.usage.completion_tokens for j in jobs]
+
+    try:
+        got, generated = asyncio.run(scenario())
+        steps = worker.batch.steps
+    finally:
+        worker.stop()
+    assert got == want
+    assert steps < sum(generated)  # the rows shared steps
+    assert set(json.loads(got[0])) == {"answer", "sure"} and set(json.loads(got[1])) == {"count"}
