@@ -97,7 +97,7 @@ def _styled(schema: dict) -> dict:
 @dataclass
 class Tool:
     name: str
-    parameters: dict | None  # the schema its arguments follow (strict), None: any JSON object
+    parameters: dict | None  # the schema its arguments follow; None: any JSON object
 
 
 @dataclass

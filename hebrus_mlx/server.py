@@ -1338,7 +1338,14 @@ class App:
                     if strict:
                         params = params or {"type": "object", "properties": {}, "additionalProperties": False}
                         constrain.check_schema(tok, params, where)
-                    tools.append(constrain.Tool(name, params if strict else None))
+                    elif params is not None:
+                        # Not strict: its schema guides the call where the engine takes it (as vLLM
+                        # does for forced calls), else any object; never a refusal.
+                        try:
+                            constrain.check_schema(tok, params, where)
+                        except constrain.GrammarError:
+                            params = None
+                    tools.append(constrain.Tool(name, params))
             spec = constrain.Spec(schema, tools, c["calls"], c["parallel"], think)
             return constrain.compile_spec(tok, spec, "tools" if c["calls"] else c["schema"][1])
         except constrain.GrammarError as e:

@@ -178,3 +178,32 @@ def test_litellm_json_object(served):
     assert text.startswith("{")
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_forced_call_of_a_non_strict_tool_follows_its_schema_where_it_compiles(client):
+    """A non-strict tool under tool_choice required: its parameters guide the call when the engine
+    compiles them; a schema it refuses falls back to any JSON object (the call is still forced)
+    instead of a 400."""
+    import json
+
+    def pick(params):
+        return client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "Pick one."}],
+            tools=[{"type": "function", "function": {"name": "pick", "parameters": params}}],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=32,
+            temperature=0,
+        ).choices[0]
+
+    enum = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"], "additionalProperties": False}
+    (call,) = pick(enum).message.tool_calls
+    assert json.loads(call.function.arguments) in ({"n": 1}, {"n": 2})
+    c = pick({"type": "nope"})
+    if c.message.tool_calls:
+        assert isinstance(json.loads(c.message.tool_calls[0].function.arguments), dict)
+    else:  # the demo's free-form object outran max_tokens: still the forced call's shape
+        assert c.finish_reason == "length" and c.message.content.startswith(
+            '<tool_call>\n{"name": "pick", "arguments": {'
+        )
