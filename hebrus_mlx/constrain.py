@@ -54,9 +54,12 @@ def grammar_tokenizer(tok):
     with _tokenizers_lock:
         llt = _tokenizers.get(tok)
         if llt is None:
-            llt = llguidance.LLTokenizer(
-                tok.backend.to_str(), n_vocab=tok.physical_vocab_size, eos_token=sorted(tok.stop_token_ids)
-            )
+            try:
+                llt = llguidance.LLTokenizer(
+                    tok.backend.to_str(), n_vocab=tok.physical_vocab_size, eos_token=sorted(tok.stop_token_ids)
+                )
+            except (ValueError, RuntimeError) as e:
+                raise GrammarError("tokenizer", f"the grammar engine cannot read this tokenizer: {e}") from None
             _tokenizers[tok] = llt
     return llt
 
@@ -79,11 +82,10 @@ def check_schema(tok, schema, field: str) -> None:
 
     if not isinstance(schema, dict):
         raise GrammarError(field, "must be a JSON Schema object")
+    llt = grammar_tokenizer(tok)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-        failed, errors = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, grammar_tokenizer(tok), limits=_limits()
-        )
+        failed, errors = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llt, limits=_limits())
     except (ValueError, TypeError, RuntimeError) as e:
         raise GrammarError(field, f"schema not supported: {e}") from None
     if failed:

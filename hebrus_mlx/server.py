@@ -415,7 +415,10 @@ class Worker:
             if hasattr(self.tokenizer, "backend"):
                 # Built before serving: for a 248k vocabulary it holds the GIL for seconds, which on
                 # a first structured request would stall the event loop and every stream.
-                constrain.grammar_tokenizer(self.tokenizer)
+                try:
+                    constrain.grammar_tokenizer(self.tokenizer)
+                except constrain.GrammarError as e:  # plain requests are still served
+                    log.warning("structured output unavailable: %s", e.message)
             # The loaded model, tokenizer and modules never die: out of the collector's reach, a
             # collection that a big request's allocations trigger (on a prep thread, holding the
             # GIL) walks only the request's objects, not ~200k startup objects.

@@ -259,3 +259,21 @@ def test_server_batch_two_schemas_each_request_its_own_grammar(demo):
     assert got == want
     assert steps < sum(generated)  # the rows shared steps
     assert set(json.loads(got[0])) == {"answer", "sure"} and set(json.loads(got[1])) == {"count"}
+
+
+def test_a_tokenizer_the_engine_cannot_read_is_a_typed_error(monkeypatch):
+    """A tokenizer llguidance refuses: GrammarError naming `tokenizer` (the server logs it at start
+    and answers structured requests 400), never a traceback."""
+    import llguidance
+
+    from hebrus_mlx import load
+
+    _, tok = load("demo")  # a new tokenizer object: not in the bridge's cache
+
+    def refuse(*a, **k):
+        raise ValueError("unsupported pre-tokenizer")
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", refuse)
+    with pytest.raises(constrain.GrammarError) as e:
+        constrain.check_schema(tok, {"type": "object"}, "response_format.json_schema.schema")
+    assert e.value.field == "tokenizer" and "unsupported pre-tokenizer" in e.value.message
