@@ -5,10 +5,11 @@ Each field of /v1/chat/completions and /v1/completions is in exactly one of thre
 
 - HONOURED: validated (type and range) and used. Since issue 24 that includes the logits
   processors (logit_bias, repetition/presence/frequency penalties and their context sizes),
-  logprobs/top_logprobs and chat_template_kwargs;
+  logprobs/top_logprobs and chat_template_kwargs; structured output (response_format, strict
+  tools, tool_choice, parallel_tool_calls: constrain.py) and reasoning_effort (the template's
+  thinking switch); store, metadata and service_tier are validated documented no-ops;
 - NOT YET: validated, accepted at its no-op value (``xtc_probability: 0``, ``echo: false``,
-  ``response_format: {"type": "text"}``, ...) and otherwise refused with "not supported by this
-  server yet";
+  ...) and otherwise refused with "not supported by this server yet";
 - anything else: refused as an unknown field. Clients built on the `openai` package send only the
   parameters their caller passes (plus `model`), so strictness does not break them; a misspelt
   or unsupported option is an error instead of a silently different generation.
@@ -156,17 +157,32 @@ def _tools(body, name, vocab=None):
             raise RequestError(
                 f"{where}.function.parameters must be a JSON Schema object", f"{where}.function.parameters"
             )
-        if "strict" in fn and fn["strict"] not in (False, None):
-            _not_yet(f"{where}.function.strict", fn["strict"])
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise RequestError(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
 
 
 def _tool_choice(body, name, vocab=None):
     v = body[name]
-    if v in ("none", "auto"):
+    if v in ("none", "auto", "required"):
+        if v == "required" and not body.get("tools"):
+            raise RequestError('tool_choice "required" needs tools', name)
         return
-    if v == "required" or isinstance(v, dict):
-        _not_yet(name, v)
-    raise RequestError(f'tool_choice must be "none", "auto", "required" or a function object, got {_show(v)}', name)
+    if isinstance(v, dict) and v.get("type") == "function" and set(v) == {"type", "function"}:
+        fn = v["function"]
+        if isinstance(fn, dict) and set(fn) == {"name"} and isinstance(fn["name"], str):
+            names = [t.get("function", {}).get("name") for t in body.get("tools") or [] if isinstance(t, dict)]
+            if fn["name"] not in names:
+                raise RequestError(f"{name} names the function {fn['name']!r}, which is not in tools", name)
+            return
+    raise RequestError(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, '
+        f"got {_show(v)}",
+        name,
+    )
+
+
+def _bool(body, name, vocab=None):
+    _type(body, name, bool, "a boolean")
 
 
 def _logit_bias(body, name, vocab=None):
@@ -224,15 +240,99 @@ def _context_size(body, name, vocab=None):
 
 
 def _response_format(body, name, vocab=None):
-    v = body[name]
-    if v is None:
-        return
+    check_format(body[name], name, "json_schema")
+
+
+def check_format(v, name: str, nested: str | None) -> None:
+    """A response format: {"type": "text"}, {"type": "json_object"} or a json_schema one, its
+    schema under `nested` (chat: {"type": "json_schema", "json_schema": {"name", "schema", ...}})
+    or beside the type (None: the Responses API's text.format)."""
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError(f"{name} must be an object with type text, json_object or json_schema, got {_show(v)}", name)
+    if v["type"] != "json_schema":
+        if set(v) != {"type"}:
+            raise RequestError(f"{name} of type {v['type']} takes no other field", name)
+        return
+    where, fmt = (name, v) if nested is None else (f"{name}.{nested}", v.get(nested))
+    if nested is not None:
+        if set(v) != {"type", nested} or not isinstance(fmt, dict):
+            raise RequestError(f"{name} of type json_schema takes one field, {nested} (an object)", name)
+    allowed = {"name", "schema", "strict", "description"} | ({"type"} if nested is None else set())
+    for k in fmt:
+        if k not in allowed:
+            raise RequestError(f"{where}.{k} is not a json_schema field", f"{where}.{k}")
+    if not isinstance(fmt.get("name"), str) or not 0 < len(fmt["name"]) <= 64:
+        raise RequestError(f"{where}.name must be a string of 1 to 64 characters", f"{where}.name")
+    if not isinstance(fmt.get("schema"), dict):
+        raise RequestError(f"{where}.schema must be a JSON Schema object", f"{where}.schema")
+    if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+        raise RequestError(f"{where}.strict must be a boolean", f"{where}.strict")
+    if fmt.get("description") is not None and not isinstance(fmt["description"], str):
+        raise RequestError(f"{where}.description must be a string", f"{where}.description")
+
+
+def format_schema(v, name: str, nested: str | None) -> tuple[dict, str] | None:
+    """(schema the reply's JSON follows, the field naming it) of a checked response format, or
+    None for text. json_object is any JSON object; a json_schema one is constrained whether
+    `strict` or not (a stronger promise than OpenAI's non-strict "try")."""
+    if v is None or v["type"] == "text":
+        return None
+    if v["type"] == "json_object":
+        return {"type": "object"}, name
+    fmt, where = (v, name) if nested is None else (v[nested], f"{name}.{nested}")
+    return fmt["schema"], f"{where}.schema"
+
+
+def constraint(tools, tool_choice, parallel, schema) -> dict | None:
+    """What a checked request constrains, or None: `tools` as (name, parameters, strict, field),
+    `tool_choice` "none"/"auto"/"required"/a function name, `parallel` parallel_tool_calls,
+    `schema` format_schema's answer. A named or required choice forces calls; auto constrains
+    calls once opened when a tool is strict or only one call is allowed."""
+    calls = None
+    if tools and tool_choice != "none":
+        if tool_choice not in (None, "auto", "required"):
+            tools, calls = [t for t in tools if t[0] == tool_choice], "required"
+        elif tool_choice == "required":
+            calls = "required"
+        elif any(t[2] for t in tools) or parallel is False:
+            calls = "auto"
+    if calls is None and schema is None:
+        return None
+    return {"tools": tools if calls else None, "calls": calls, "parallel": parallel is not False, "schema": schema}
+
+
+# Accepted and not acted on (documented in docs/STRUCTURED_OUTPUT.md): nothing is stored, metadata
+# is not kept, every request is served at the same tier.
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+MAX_METADATA_KEYS = 16
+
+
+def _metadata(body, name, vocab=None):
+    v = body[name]
+    if (
+        not isinstance(v, dict)
+        or len(v) > MAX_METADATA_KEYS
+        or not all(isinstance(k, str) and len(k) <= 64 and isinstance(x, str) and len(x) <= 512 for k, x in v.items())
+    ):
         raise RequestError(
-            f"response_format must be an object with type text, json_object or json_schema, got {_show(v)}", name
+            f"metadata must be an object of at most {MAX_METADATA_KEYS} string keys (<= 64 "
+            "characters) to strings (<= 512 characters)",
+            name,
         )
-    if v["type"] != "text" or set(v) != {"type"}:
-        _not_yet(name, v)
+
+
+def _one_of(values):
+    def check(body, name, vocab=None):
+        if body[name] not in values:
+            raise RequestError(f"{name} must be one of {', '.join(values)}, got {_show(body[name])}", name)
+
+    return check
+
+
+def thinking_of(effort: str) -> bool:
+    """reasoning_effort -> the template's thinking switch: none/minimal off, any other on."""
+    return effort not in ("none", "minimal")
 
 
 def _chat_template_kwargs(body, name, vocab=None):
@@ -304,11 +404,15 @@ CHAT_FIELDS = {
         "max_completion_tokens": lambda b, n, v=None: _integer(b, n, 1),
         "tools": _tools,
         "tool_choice": _tool_choice,
-        "parallel_tool_calls": _no_op_bool(True),
+        "parallel_tool_calls": _bool,
         "logprobs": _logprobs,
         "top_logprobs": _top_logprobs,
         "response_format": _response_format,
         "chat_template_kwargs": _chat_template_kwargs,
+        "store": _bool,
+        "metadata": _metadata,
+        "service_tier": _one_of(SERVICE_TIERS),
+        "reasoning_effort": _one_of(REASONING_EFFORTS),
     },
 }
 COMPLETION_FIELDS = {
@@ -338,4 +442,27 @@ def check_fields(body: dict, chat: bool, vocab: int) -> dict:
     kwargs = body.get("chat_template_kwargs") or {}
     if "enable_thinking" in kwargs:
         options["enable_thinking"] = kwargs["enable_thinking"]
+    if chat and body.get("reasoning_effort") is not None:
+        think = thinking_of(body["reasoning_effort"])
+        if options.get("enable_thinking", think) != think:
+            raise RequestError("reasoning_effort and chat_template_kwargs.enable_thinking disagree", "reasoning_effort")
+        options["enable_thinking"] = think
     return options
+
+
+def chat_constraint(body: dict) -> dict | None:
+    """constraint() of a checked /v1/chat/completions body."""
+    tools = [
+        (
+            t["function"]["name"],
+            t["function"].get("parameters"),
+            t["function"].get("strict") is True,
+            f"tools[{i}].function.parameters",
+        )
+        for i, t in enumerate(body.get("tools") or [])
+    ]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        choice = choice["function"]["name"]
+    fmt = format_schema(body.get("response_format"), "response_format", "json_schema")
+    return constraint(tools, choice, body.get("parallel_tool_calls"), fmt)

@@ -64,17 +64,23 @@ def _tools(body, name, vocab=None):
             raise RequestError(f"{where}.description must be a string", f"{where}.description")
         if "parameters" in t and not isinstance(t["parameters"], (dict, type(None))):
             raise RequestError(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")
-        if t.get("strict"):  # constrained decoding is not implemented: refused, not pretended
-            api_fields._not_yet(f"{where}.strict", t["strict"])
+        if t.get("strict") is not None and not isinstance(t["strict"], bool):
+            raise RequestError(f"{where}.strict must be a boolean", f"{where}.strict")
 
 
 def _tool_choice(body, name, vocab=None):
     v = body[name]
-    if v in ("none", "auto"):
+    if v in ("none", "auto", "required"):
+        if v == "required" and not body.get("tools"):
+            raise RequestError('tool_choice "required" needs tools', name)
         return
-    if v == "required" or isinstance(v, dict):
-        api_fields._not_yet(name, v)
-    raise RequestError(f'tool_choice must be "none", "auto", "required" or an object, got {_show(v)}', name)
+    if isinstance(v, dict) and set(v) == {"type", "name"} and v["type"] == "function" and isinstance(v["name"], str):
+        if v["name"] not in [t.get("name") for t in body.get("tools") or [] if isinstance(t, dict)]:
+            raise RequestError(f"{name} names the function {v['name']!r}, which is not in tools", name)
+        return
+    raise RequestError(
+        f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, got {_show(v)}', name
+    )
 
 
 def _metadata(body, name, vocab=None):
@@ -92,9 +98,27 @@ def _metadata(body, name, vocab=None):
 
 
 def _text(body, name, vocab=None):
-    v = body[name]
-    if v != {"format": {"type": "text"}} and v != {}:
-        api_fields._not_yet(name, v)
+    v = api_fields._type(body, name, dict, "an object")
+    for k in v:
+        if k not in ("format", "verbosity"):
+            raise RequestError(f"text.{k} is not a known field (format, verbosity)", f"text.{k}")
+    if v.get("verbosity") not in (None, "medium"):
+        api_fields._not_yet("text.verbosity", v["verbosity"])
+    if v.get("format") is not None:
+        api_fields.check_format(v["format"], "text.format", None)
+
+
+def constraint(body: dict) -> dict | None:
+    """api_fields.constraint() of a checked /v1/responses body."""
+    tools = [
+        (t["name"], t.get("parameters"), t.get("strict") is True, f"tools[{i}].parameters")
+        for i, t in enumerate(body.get("tools") or [])
+    ]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        choice = choice["name"]
+    fmt = api_fields.format_schema((body.get("text") or {}).get("format"), "text.format", None)
+    return api_fields.constraint(tools, choice, body.get("parallel_tool_calls"), fmt)
 
 
 def _only(value, what):
@@ -138,7 +162,7 @@ RESPONSES_FIELDS = {
     "instructions": _string,
     "tools": _tools,
     "tool_choice": _tool_choice,
-    "parallel_tool_calls": api_fields._no_op_bool(True),
+    "parallel_tool_calls": _bool,
     "stream": _bool,
     "store": _bool,
     "previous_response_id": _string,
@@ -399,13 +423,13 @@ class ResponseBuilder:
             "previous_response_id": body.get("previous_response_id"),
             "tools": tools or [],
             "tool_choice": body.get("tool_choice") or "auto",
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "temperature": body.get("temperature"),
             "top_p": body.get("top_p"),
             "max_output_tokens": body.get("max_output_tokens"),
             "store": body.get("store") is not False,
             "metadata": body.get("metadata") or {},
-            "text": {"format": {"type": "text"}},
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "truncation": "disabled",
             "reasoning": None,
             "user": body.get("user"),

@@ -46,7 +46,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from . import anthropic_api, api_fields, flags, responses_api
+from . import anthropic_api, api_fields, constrain, flags, responses_api
 from .api_fields import RequestError
 from .artifact.untrusted import UntrustedFileError
 from .artifact.untrusted import loads as untrusted_loads
@@ -373,6 +373,7 @@ class Job:
     tickets: Any = None  # its ticket scope (Streaming.request()) while it runs: a cancel fails its reads
     finished: bool = False
     stop_hit: str | None = None  # the stop sequence that ended the reply (Anthropic's stop_sequence)
+    grammar: Any = None  # constrain.GrammarProcessor of a structured-output / strict-tool request
 
 
 class Worker:
@@ -411,6 +412,13 @@ class Worker:
                 )
             if hasattr(self.model, "on_stall"):
                 self.model.on_stall = self._on_stall
+            if hasattr(self.tokenizer, "backend"):
+                # Built before serving: for a 248k vocabulary it holds the GIL for seconds, which on
+                # a first structured request would stall the event loop and every stream.
+                try:
+                    constrain.grammar_tokenizer(self.tokenizer)
+                except constrain.GrammarError as e:  # plain requests are still served
+                    log.warning("structured output unavailable: %s", e.message)
             # The loaded model, tokenizer and modules never die: out of the collector's reach, a
             # collection that a big request's allocations trigger (on a prep thread, holding the
             # GIL) walks only the request's objects, not ~200k startup objects.
@@ -557,7 +565,7 @@ class Worker:
                 [job.ids],
                 max_tokens=[job.max_tokens],
                 samplers=[sampler],
-                logits_processors=[s.logits_processors(self.tokenizer.effective_vocab_size)],
+                logits_processors=[self._processors(job)],
                 seeds=[None if s.seed is None else s.seed],
             )
         except (gen.GenerationError, ValueError) as e:
@@ -617,7 +625,12 @@ class Worker:
         if s.seed is not None:
             mx.random.seed(s.seed)
         sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
-        processors = s.logits_processors(self.tokenizer.effective_vocab_size)
+        processors = self._processors(job)
+        draft = self.defaults.draft_model
+        if draft is not None and job.grammar is not None:
+            # Drafted tokens are not checked against the grammar: this request decodes plainly.
+            log.info("constrained request: speculative drafting off for it (drafts are not grammar-checked)")
+            draft = None
         finish = None
         for r in stream_with_cache(
             self.model,
@@ -629,7 +642,7 @@ class Worker:
             prefill_step_size=self.defaults.prefill_step_size,
             cancelled=job.cancel.is_set,
             usage=job.usage,
-            draft_model=self.defaults.draft_model,
+            draft_model=draft,
             num_draft_tokens=self.defaults.num_draft_tokens,
             logits_processors=processors,
         ):
@@ -639,6 +652,11 @@ class Worker:
             self._emit(job, ("text", r.text))
         if not job.cancel.is_set():
             self._emit(job, ("done", finish or "stop"))
+
+    def _processors(self, job: Job) -> list:
+        """The job's logits processors; the grammar mask last (it only sets columns to -inf)."""
+        out = job.sampling.logits_processors(self.tokenizer.effective_vocab_size)
+        return out + ([job.grammar] if job.grammar is not None else [])
 
     def cancel(self, job: Job):
         """From any thread: stop `job` (queued or running) and fail its pending expert reads, so
@@ -953,7 +971,10 @@ class App:
         )
         max_tokens = self._max_tokens(s, len(ids), "messages")
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
-        return Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue()), parse_tools, self._think_state(ids)
+        think = self._think_state(ids)
+        job = Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue())
+        job.grammar = await self._grammar(api_fields.chat_constraint(body), think)
+        return job, parse_tools, think
 
     async def completions(self, request):
         body = await self._body(request)
@@ -1003,6 +1024,7 @@ class App:
         job = Job(ids, s, max_tokens, asyncio.get_running_loop(), asyncio.Queue())
         parse_tools = bool(tools) and self.tool_markers and body.get("tool_choice") != "none"
         think = self._think_state(ids)
+        job.grammar = await self._grammar(responses_api.constraint(body), think)
         builder = responses_api.ResponseBuilder(body, self.model_id, body.get("tools"))
 
         def usage():
@@ -1290,6 +1312,47 @@ class App:
                 yield ("content", extra, pending)
                 pending = []
         yield ("end", "tool_calls" if calls else (finish or "stop"), calls, pending)
+
+    async def _grammar(self, c: dict | None, think: bool | None):
+        """The grammar processor of a request's constraint (api_fields.constraint), compiled on a
+        prep thread: llguidance bounds the work by fuel, so a hostile schema costs that thread a
+        bounded time and never the worker; a schema it refuses is a 400 naming the field."""
+        if c is None:
+            return None
+        if c["calls"] is not None and not self.tool_markers:
+            raise RequestError(
+                "this model's chat template writes no <tool_call> blocks: tool calls cannot be constrained "
+                "(strict tools, tool_choice required or a named function, parallel_tool_calls false)",
+                "tool_choice",
+            )
+        return await self._off_loop(self._compile, c, think)
+
+    def _compile(self, c: dict, think: bool | None):
+        tok = self.worker.tokenizer
+        try:
+            schema = None
+            if c["schema"] is not None:
+                schema, field = c["schema"]
+                constrain.check_schema(tok, schema, field)
+            tools = None
+            if c["tools"] is not None:
+                tools = []
+                for name, params, strict, where in c["tools"]:
+                    if strict:
+                        params = params or {"type": "object", "properties": {}, "additionalProperties": False}
+                        constrain.check_schema(tok, params, where)
+                    elif params is not None:
+                        # Not strict: its schema guides the call where the engine takes it (as vLLM
+                        # does for forced calls), else any object; never a refusal.
+                        try:
+                            constrain.check_schema(tok, params, where)
+                        except constrain.GrammarError:
+                            params = None
+                    tools.append(constrain.Tool(name, params))
+            spec = constrain.Spec(schema, tools, c["calls"], c["parallel"], think)
+            return constrain.compile_spec(tok, spec, "tools" if c["calls"] else c["schema"][1])
+        except constrain.GrammarError as e:
+            raise RequestError(f"{e.field}: {e.message}", e.field) from None
 
     def _think_state(self, ids: list[int]) -> bool | None:
         """None when the template does not separate thinking, else whether the prompt leaves the

@@ -62,6 +62,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
         (
             "hebrus_mlx.generate",
             "hebrus_mlx.sample_utils",
+            "hebrus_mlx.constrain",
             "hebrus_mlx.prompt_cache",
             "hebrus_mlx.cli_args",
             "hebrus_mlx.batch",
