@@ -21,11 +21,14 @@ import mlx.core as mx
 
 from . import flags
 from .cli_args import (
+    MLX_LM_REFUSED,
     ArgumentParser,
     add_prefetch_argument,
+    add_refused_arguments,
     add_stream_cache_arguments,
     add_sweep_argument,
     prefetch_from_args,
+    refuse_mlx_lm_flags,
     str2bool,
     sweep_from_args,
 )
@@ -695,12 +698,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="message to send; '-' reads stdin")
     p.add_argument("--system-prompt", default=None)
-    p.add_argument("--max-tokens", "-m", type=flags.integer(1), default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temp", type=flags.number(0, 1e6), default=0.0)
-    p.add_argument("--top-p", type=flags.number(0, 1), default=1.0)
-    p.add_argument("--top-k", type=flags.integer(0), default=0)
-    p.add_argument("--min-p", type=flags.number(0, 1), default=0.0)
-    p.add_argument("--seed", type=flags.seed(), default=None)
+    p.add_argument(
+        "--max-tokens",
+        "-m",
+        type=flags.integer(1),
+        default=DEFAULT_MAX_TOKENS,
+        help="tokens to generate (default %(default)s)",
+    )
+    p.add_argument(
+        "--temp", type=flags.number(0, 1e6), default=0.0, help="sampling temperature (default %(default)s: greedy)"
+    )
+    p.add_argument("--top-p", type=flags.number(0, 1), default=1.0, help="sampling top-p (default %(default)s: off)")
+    p.add_argument("--top-k", type=flags.integer(0), default=0, help="sampling top-k (default %(default)s: off)")
+    p.add_argument("--min-p", type=flags.number(0, 1), default=0.0, help="sampling min-p (default %(default)s: off)")
+    p.add_argument(
+        "--min-tokens-to-keep",
+        type=flags.integer(1),
+        default=1,
+        help="tokens min-p always keeps (default %(default)s)",
+    )
+    p.add_argument(
+        "--xtc-probability",
+        type=flags.number(0, 1),
+        default=0.0,
+        help="XTC sampling: probability of excluding the top choices (default %(default)s: off)",
+    )
+    p.add_argument(
+        "--xtc-threshold",
+        type=flags.number(0, 0.5),
+        default=0.1,
+        help="XTC sampling: probability above which a choice may be excluded (default %(default)s)",
+    )
+    p.add_argument("--seed", type=flags.seed(), default=None, help="random seed (default: unseeded)")
     p.add_argument("--ignore-chat-template", action="store_true", help="tokenize the prompt as plain text")
     p.add_argument(
         "--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)"
@@ -774,6 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)",
     )
+    add_refused_arguments(p, MLX_LM_REFUSED)
     return p
 
 
@@ -781,8 +811,17 @@ def check_args(args) -> None:
     """Refuse bad values of generate's flags (UsageError naming the flag) before the model loads."""
     if args.max_tokens < 1:
         raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
+    refuse_mlx_lm_flags(args)
     try:
-        check_sampling_args(args.temp, args.top_p, args.min_p, args.top_k)
+        check_sampling_args(
+            args.temp,
+            args.top_p,
+            args.min_p,
+            args.top_k,
+            args.min_tokens_to_keep,
+            args.xtc_probability,
+            args.xtc_threshold,
+        )
     except SamplingError as e:  # name the flag
         raise UsageError("--" + e.field.replace("_", "-"), e.message) from None
     if args.prefill_step_size < 1:
@@ -894,7 +933,17 @@ def main(argv=None) -> int:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    sampler = make_sampler(
+        temp=args.temp,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        top_k=args.top_k,
+        min_tokens_to_keep=args.min_tokens_to_keep,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        # as mlx_lm.generate: XTC never excludes a newline or a stop token
+        xtc_special_tokens=tokenizer.encode("\n") + sorted(tokenizer.stop_token_ids),
+    )
     text = generate(
         model,
         tokenizer,

@@ -50,7 +50,7 @@ from . import api_fields, flags, responses_api
 from .api_fields import RequestError
 from .artifact.untrusted import UntrustedFileError
 from .artifact.untrusted import loads as untrusted_loads
-from .cli_args import ArgumentParser, prefetch_from_args
+from .cli_args import MLX_LM_SERVER_REFUSED, ArgumentParser, add_refused_arguments, prefetch_from_args
 from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
@@ -1370,6 +1370,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="server log level (default INFO)",
     )
+    add_refused_arguments(p, MLX_LM_SERVER_REFUSED)
     p.set_defaults(max_tokens=512)
     return p
 
