@@ -326,7 +326,7 @@ def generate_step(
     prompt: mx.array,
     model,
     *,
-    effective_vocab_size: int,
+    effective_vocab_size: int | None = None,
     max_tokens: int = 256,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
@@ -338,7 +338,8 @@ def generate_step(
     num_draft_tokens: int | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; logprobs are over the physical width, -inf past the
-    effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops.
+    effective vocabulary (AFN-005; default: the one `hebrus_mlx.load` gave the model, from its
+    tokenizer). `max_tokens=-1` runs until the caller stops.
 
     trace: a `traces.capture.TraceRecorder` records the native routes of every token fed (read
     back once per step or prefill chunk); the caller closes it.
@@ -367,7 +368,7 @@ def speculative_generate_step(
     model,
     draft_model,
     *,
-    effective_vocab_size: int,
+    effective_vocab_size: int | None = None,
     max_tokens: int = 256,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
@@ -412,7 +413,7 @@ def _generate(
     prompt,
     model,
     *,
-    effective_vocab_size,
+    effective_vocab_size=None,
     max_tokens=256,
     sampler=None,
     logits_processors=None,
@@ -439,6 +440,14 @@ def _generate(
     if prefill_step_size < 1:
         raise GenerationError("prefill_step_size", f"must be >= 1, got {prefill_step_size}")
     _check_max_kv_size(max_kv_size, "max_kv_size")
+    if effective_vocab_size is None:
+        # AFN-005: the logits rows past the tokenizer's IDs are masked, so the width must be known.
+        effective_vocab_size = getattr(model, "effective_vocab_size", None)
+        if effective_vocab_size is None:
+            raise UsageError(
+                "effective_vocab_size",
+                "this model does not carry one (models from hebrus_mlx.load do): give the tokenizer's",
+            )
     cache = model.make_cache() if prompt_cache is None else prompt_cache
     sampler = sampler or make_sampler()  # the vocabulary mask is this loop's (DecodeStep)
     streaming = getattr(model, "streaming", None)
@@ -573,6 +582,7 @@ def stream_generate(
     trace_out: record a route trace of this sequence into that directory (off by default; token
     IDs are sensitive). trace_features=N also records the router input of every Nth position;
     trace_owner/trace_generation are opaque labels; trace_sampling describes the sampler."""
+    _check_step_kwargs(kwargs)
     ids = _prompt_ids(tokenizer, prompt)
     limit = context_limit(model)
     if limit is not None and ids.size > limit:
@@ -627,6 +637,28 @@ def stream_generate(
     finally:
         if trace_out is not None:
             kwargs["trace"].close()
+
+
+_SAMPLER_HINT = "give sampler=make_sampler(...) (hebrus_mlx.sample_utils, as mlx-lm's)"
+# mlx-lm's generate_step arguments with no meaning here, and why; any other unknown name is refused too.
+_REFUSED_KWARGS = {
+    **{k: _SAMPLER_HINT for k in ("temp", "top_p", "min_p", "top_k", "xtc_probability", "xtc_threshold")},
+    "kv_bits": MLX_LM_REFUSED["--kv-bits"][1],
+    "kv_group_size": MLX_LM_REFUSED["--kv-group-size"][1],
+    "quantized_kv_start": MLX_LM_REFUSED["--quantized-kv-start"][1],
+    "input_embeddings": "not supported: Qwen4Exp here takes token IDs",
+    "prompt_progress_callback": "not supported yet",
+}
+
+
+def _check_step_kwargs(kwargs: dict) -> None:
+    """A keyword stream_generate does not pass on (an mlx-lm one included) is a UsageError naming
+    it before any work, not a TypeError from deep inside the loop."""
+    taken = set(_generate.__kwdefaults__) - {"max_tokens", "draft_model", "num_draft_tokens", "stats"}
+    for name in kwargs:
+        if name not in taken:
+            reason = _REFUSED_KWARGS.get(name, f"not an argument of generate (takes {', '.join(sorted(taken))})")
+            raise UsageError(name, reason)
 
 
 def _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic):

@@ -287,6 +287,7 @@ def load(
     )
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources, **tokenizer_overrides)
     model.source_path = path  # route traces pin the artifact by its digest
+    model.effective_vocab_size = tokenizer.effective_vocab_size  # generate_step's default (AFN-005)
     if return_config:
         config = dict(source.config) if sources is not None else load_config(path)
         return model, tokenizer, config
