@@ -267,3 +267,26 @@ def test_sampling_flags_show_their_defaults_in_help():
     for flag, default in (("--temp", "0.0"), ("--top-p", "1.0"), ("--top-k", "0"), ("--min-p", "0.0")):
         start = text.index(f"{flag} {flag[2:].upper().replace('-', '_')} ")
         assert f"(default {default}" in text[start : start + 120], flag
+
+
+def test_mlx_lm_spellings_of_convert_and_bench():
+    """What an mlx-lm user types: convert's --model / --mlx-path / -q name our source, output and
+    (default) quantization; bench's short flags mean what they mean to the installed
+    mlx_lm.benchmark (-n trials, -g generated tokens, -p prompt tokens)."""
+    from mlx_lm.benchmark import setup_arg_parser
+
+    convert = importlib.import_module("hebrus_mlx.convert").build_parser()
+    a = convert.parse_args(["--model", "h", "--mlx-path", "o", "-q"])
+    assert (a.hf_path, a.out, a.quantize) == ("h", "o", True)
+    buf = io.StringIO()
+    with redirect_stderr(buf):
+        assert main(["convert", "--model", "/nonexistent", "--mlx-path", "o", "-q", "--dtype", "float32"]) == 2
+    assert buf.getvalue().startswith("hebrus-mlx convert: error: --quantize: contradicts --dtype float32")
+
+    theirs = {o: a.dest for a in setup_arg_parser()._actions for o in a.option_strings}
+    ours = importlib.import_module("hebrus_mlx.bench.command").build_parser()
+    meaning = {"num_trials": "repeats", "generation_tokens": "gen_tokens", "prompt_tokens": "prompt_tokens"}
+    for short in ("-n", "-g", "-p"):
+        assert ours._option_string_actions[short].dest == meaning[theirs[short]], short
+        long = next(o for o, d in theirs.items() if d == theirs[short] and o.startswith("--"))
+        assert ours._option_string_actions[long].dest == meaning[theirs[short]], long
