@@ -1,6 +1,7 @@
 """Command-line pieces every verb shares: a parser whose errors are typed (one line, exit 2 at
 `cli.run`), the boolean flag type and the streaming flags (--expert/--ple-cache-gb, --prefetch*,
---prefill-sweep) with their conversion into what the loader takes. generate's model, cache and sampling flags, their checks and
+--prefill-sweep, --graph) with their conversion into what the loader takes, and mlx-lm's flags that are
+refused with a reason (MLX_LM_REFUSED). generate's model, cache and sampling flags, their checks and
 the loader they feed are `generate.build_parser`, `generate.check_args` and `generate.load_from_args`
 (chat and server reuse them)."""
 
@@ -17,6 +18,7 @@ __all__ = [
     "add_prefetch_argument",
     "prefetch_from_args",
     "add_sweep_argument",
+    "graph_options_from_args",
     "sweep_from_args",
     "LOAD_FLAGS",
     "MLX_LM_REFUSED",
@@ -151,6 +153,13 @@ def prefetch_from_args(args):
         return parse_prefetch(args.prefetch or PREFETCH_DEFAULT, args.prefetch_budget, args.prefetch_threshold)
     except UsageError as e:
         raise UsageError("--" + e.field, e.message) from None
+
+
+def graph_options_from_args(args):
+    """`--graph` as a GraphOptions (None: the defaults); a bad key or value is a UsageError."""
+    from .models.options import GraphOptions
+
+    return None if getattr(args, "graph", None) is None else GraphOptions.parse(args.graph)
 
 
 def add_sweep_argument(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from .cli_args import (
     add_refused_arguments,
     add_stream_cache_arguments,
     add_sweep_argument,
+    graph_options_from_args,
     prefetch_from_args,
     refuse_mlx_lm_flags,
     str2bool,
@@ -895,13 +896,6 @@ def load_from_args(args):
         prefill_sweep=sweep_from_args(args),
         options=graph_options_from_args(args),
     )
-
-
-def graph_options_from_args(args):
-    """`--graph` as a GraphOptions (None: the defaults); a bad key or value is a UsageError."""
-    from .models.options import GraphOptions
-
-    return None if getattr(args, "graph", None) is None else GraphOptions.parse(args.graph)
 
 
 def _trace_kwargs(args) -> dict:
