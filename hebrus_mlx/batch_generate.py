@@ -68,6 +68,7 @@ class Response:
     token: int
     logprobs: mx.array  # [V] log-probabilities (-inf past the effective vocabulary)
     finish_reason: str | None  # "stop", "length" or None
+    prompt_cache: Any = None  # with a finish_reason: the sequence's cache (its offset: tokens it holds)
 
 
 @dataclass(eq=False)  # identity: a request is itself
@@ -80,6 +81,7 @@ class _Seq:
     stops: frozenset
     seed: int | None  # seeded draws, independent of the other requests (_own_key)
     cache: Any = None
+    start: int = 0  # tokens a cache given at insert held before `ids` (mlx-lm's prompt_caches)
     cached_tokens: int = 0
     chunks: Any = None  # the prefill_chunks generator while prefilling
     step: Any = None  # generate.DecodeStep (processors, mask, sampler)
@@ -154,9 +156,12 @@ class BatchGenerator:
         logits_processors=None,
         stop_tokens=None,
         seeds=None,
+        caches=None,
     ) -> list[int]:
         """Queue requests; per-request lists (or None: the defaults). `seeds[i]` seeds request i's
-        draws on their own, so they do not depend on what else runs. Returns their uids."""
+        draws on their own, so they do not depend on what else runs. `caches[i]` (mlx-lm's): a
+        sequence cache holding a prefix that `prompts[i]` continues; it is copied, not updated in
+        place. Returns their uids."""
         n = len(prompts)
 
         def each(values, name):
@@ -166,15 +171,18 @@ class BatchGenerator:
                 raise UsageError(name, f"needs one entry per prompt ({n}), got {len(values)}")
             return list(values)
 
+        if caches is not None and self.prompt_cache is not None:
+            raise UsageError("caches", "cannot be combined with the generator's prompt_cache (prefix reuse): give one")
         limit = gen.context_limit(self.model)
         seqs = []
-        for ids, mt, smp, procs, stops, seed in zip(
+        for ids, mt, smp, procs, stops, seed, given in zip(
             prompts,
             each(max_tokens, "max_tokens"),
             each(samplers, "samplers"),
             each(logits_processors, "logits_processors"),
             each(stop_tokens, "stop_tokens"),
             each(seeds, "seeds"),
+            each(caches, "caches"),
         ):
             ids = [int(t) for t in ids]
             if not ids:
@@ -182,9 +190,12 @@ class BatchGenerator:
             mt = self.max_tokens if mt is None else mt
             if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
                 raise GenerationError("max_tokens", f"must be an int >= 1, got {mt!r}")
-            if limit is not None and len(ids) + mt > limit:
+            start = 0 if given is None else given.offset
+            if limit is not None and start + len(ids) + mt > limit:
+                held = f" + {start} cached" if start else ""
                 raise GenerationError(
-                    "max_tokens", f"max_tokens {mt} + prompt {len(ids)} tokens exceeds the model context {limit}"
+                    "max_tokens",
+                    f"max_tokens {mt} + prompt {len(ids)}{held} tokens exceeds the model context {limit}",
                 )
             seqs.append(
                 _Seq(
@@ -195,6 +206,8 @@ class BatchGenerator:
                     processors=list(self.logits_processors if procs is None else procs),
                     stops=self.stop_tokens if stops is None else frozenset(stops),
                     seed=seed,
+                    cache=None if given is None else given.copy(),
+                    start=start,
                 )
             )
         uids = []
@@ -270,7 +283,9 @@ class BatchGenerator:
             self._queued and len(self._prefilling) < self.prompt_concurrency and self.active < self.decode_concurrency
         ):
             s = self._queued.popleft()
-            if self.prompt_cache is not None:
+            if s.cache is not None:
+                pass  # given at insert
+            elif self.prompt_cache is not None:
                 s.cache, s.cached_tokens = self.prompt_cache.fetch(self.model, s.ids)
             else:
                 s.cache = self.model.make_cache()
@@ -292,7 +307,7 @@ class BatchGenerator:
         """Prefill chunks from where the cache stands (its start, or a failed chunk's rollback)."""
         s.chunks = gen.prefill_chunks(
             self.model,
-            mx.array(s.ids[s.cache.offset : -1], dtype=mx.int32),
+            mx.array(s.ids[s.cache.offset - s.start : -1], dtype=mx.int32),
             s.cache,
             self.prefill_step_size,
             s.step.prefill_forward,
@@ -304,7 +319,7 @@ class BatchGenerator:
             history = s.step.history
             try:
                 next(s.chunks)
-                if s.cache.offset >= len(s.ids) - 1:  # the last chunk is in: join this round's step
+                if s.cache.offset - s.start >= len(s.ids) - 1:  # the last chunk is in: join this round's step
                     s.chunks.close()
                     done.append(s)
             except StopIteration:
@@ -414,7 +429,7 @@ class BatchGenerator:
             token = token.item()
             s.tokens.append(token)
             finish = "stop" if token in s.stops else ("length" if len(s.tokens) == s.max_tokens else None)
-            out.append(Response(s.uid, token, logprobs, finish))
+            out.append(Response(s.uid, token, logprobs, finish, None if finish is None else s.cache))
             s.y = token
             if finish is not None:
                 self._finish(s)
@@ -480,6 +495,8 @@ class BatchResponse:
     token_ids: list[list[int]]
     finish_reasons: list[str | None]
     stats: dict[str, float]
+    caches: list | None = None  # return_prompt_caches: each sequence's cache (its offset: tokens it holds)
+    logprobs: list[list[float]] | None = None  # return_logprobs: each generated token's log-probability
 
 
 def batch_generate(
@@ -495,10 +512,20 @@ def batch_generate(
     prompt_concurrency: int = 1,
     prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE,
     prompt_cache=None,
+    prompt_caches=None,
+    return_prompt_caches: bool = False,
+    return_logprobs: bool = False,
 ) -> BatchResponse:
     """Generate for several prompts at once (strings are encoded as data, or token id lists);
     `max_tokens` an int or one per prompt. Each sequence's tokens are its solo run's (greedy: the
-    same tokens; docs/GENERATION.md)."""
+    same tokens; docs/GENERATION.md).
+
+    mlx-lm's keywords: `prompt_caches` (one sequence cache per prompt, holding a prefix the prompt
+    continues; copied, not updated in place; not with `prompt_cache`, the shared prefix cache),
+    `return_prompt_caches` (`caches`: each sequence's cache after it), `return_logprobs`
+    (`logprobs`: each generated token's log-probability); `token_ids` are always there."""
+    if prompt_caches is not None and prompt_cache is not None:
+        raise UsageError("prompt_caches", "cannot be combined with prompt_cache (prefix reuse): give one")
     ids = [gen._prompt_ids(tokenizer, p).tolist() for p in prompts]
     per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(ids)
     g = BatchGenerator(
@@ -512,14 +539,20 @@ def batch_generate(
         prefill_step_size=prefill_step_size,
         prompt_cache=prompt_cache,
     )
-    uids = g.insert(ids, max_tokens=per)
+    uids = g.insert(ids, max_tokens=per, caches=prompt_caches)
     tokens = {u: [] for u in uids}
     finish: dict[int, str | None] = {u: None for u in uids}
+    caches: dict[int, Any] = {}
+    logprobs: dict[int, list[float]] = {u: [] for u in uids}
     tic = time.perf_counter()
     while len(g):
         for r in g.next():
             if r.finish_reason != "stop":
                 tokens[r.uid].append(r.token)
+                if return_logprobs:
+                    logprobs[r.uid].append(r.logprobs[r.token].item())
+            if r.prompt_cache is not None:
+                caches[r.uid] = r.prompt_cache
             finish[r.uid] = r.finish_reason
     elapsed = time.perf_counter() - tic
     texts = [tokenizer.decode(tokens[u]) for u in uids]
@@ -534,4 +567,11 @@ def batch_generate(
         for i, t in enumerate(texts):
             print(f"[{i}] {t}")
         print(f"Generation: {n} tokens, {stats['tokens_per_second']:.3f} tokens-per-sec ({g.steps} steps)")
-    return BatchResponse(texts, [tokens[u] for u in uids], [finish[u] for u in uids], stats)
+    return BatchResponse(
+        texts,
+        [tokens[u] for u in uids],
+        [finish[u] for u in uids],
+        stats,
+        caches=[caches[u] for u in uids] if return_prompt_caches else None,
+        logprobs=[logprobs[u] for u in uids] if return_logprobs else None,
+    )

@@ -1,6 +1,7 @@
 """Command-line pieces every verb shares: a parser whose errors are typed (one line, exit 2 at
 `cli.run`), the boolean flag type and the streaming flags (--expert/--ple-cache-gb, --prefetch*,
---prefill-sweep) with their conversion into what the loader takes. generate's model, cache and sampling flags, their checks and
+--prefill-sweep, --graph) with their conversion into what the loader takes, and mlx-lm's flags that are
+refused with a reason (MLX_LM_REFUSED). generate's model, cache and sampling flags, their checks and
 the loader they feed are `generate.build_parser`, `generate.check_args` and `generate.load_from_args`
 (chat and server reuse them)."""
 
@@ -17,8 +18,13 @@ __all__ = [
     "add_prefetch_argument",
     "prefetch_from_args",
     "add_sweep_argument",
+    "graph_options_from_args",
     "sweep_from_args",
     "LOAD_FLAGS",
+    "MLX_LM_REFUSED",
+    "MLX_LM_SERVER_REFUSED",
+    "add_refused_arguments",
+    "refuse_mlx_lm_flags",
 ]
 
 # generate's flags that name the model and say how it is loaded, streamed and prefilled: shared by the
@@ -37,6 +43,52 @@ LOAD_FLAGS = frozenset(
         "prefill_sweep",
     }
 )
+
+_KV_QUANT = "a quantized KV cache is not supported (QSA's indexer selects keys by exact scores; quantizing them would change which keys it picks)"
+_TEMPLATE = "not supported: the model's own chat template is used (--ignore-chat-template for plain text)"
+
+# mlx-lm's flags that hebrus-mlx does not take, each with its reason: parsed, then refused in one
+# line, so an mlx-lm user hears why instead of "unrecognized arguments". flag -> (takes a value, reason).
+MLX_LM_REFUSED = {
+    "--kv-bits": (True, _KV_QUANT),
+    "--kv-group-size": (True, _KV_QUANT),
+    "--quantized-kv-start": (True, _KV_QUANT),
+    "--adapter-path": (
+        True,
+        "LoRA adapters are not supported; fuse them into the checkpoint before `hebrus-mlx convert`",
+    ),
+    "--trust-remote-code": (False, "not needed: no code from the model repository is run (Qwen4Exp is built in)"),
+    "--extra-eos-token": (True, "not supported: stop tokens come from the artifact's tokenizer and generation config"),
+    "--image": (True, "not supported: Qwen4Exp here is text only"),
+    "--prefill-response": (True, "not supported: the reply starts after the chat template's generation prompt"),
+    "--use-default-chat-template": (False, _TEMPLATE),
+    "--chat-template-config": (True, _TEMPLATE),
+    "--quantize-activations": (False, "not supported: activations run in --dtype"),
+}
+# mlx_lm.server's own (the server adds them to generate's).
+MLX_LM_SERVER_REFUSED = {
+    "--chat-template": (True, _TEMPLATE),
+    "--chat-template-args": (True, "give chat_template_kwargs (enable_thinking) in the request body"),
+    "--prompt-cache-size": (True, "the prefix cache is bounded in bytes here: --prompt-cache-bytes"),
+    "--pipeline": (False, "not needed: under mlx.launch the layers are split across ranks by --pipeline-split"),
+}
+
+
+def add_refused_arguments(parser: argparse.ArgumentParser, names) -> None:
+    """Add the MLX_LM_REFUSED flags `names`; `refuse_mlx_lm_flags` refuses them once parsed."""
+    for name in names:
+        takes_value, reason = {**MLX_LM_REFUSED, **MLX_LM_SERVER_REFUSED}[name]
+        kw = {"metavar": "X"} if takes_value else {"action": "store_true"}
+        parser.add_argument(
+            name, default=None if takes_value else False, help="mlx-lm's flag; refused: " + reason, **kw
+        )
+
+
+def refuse_mlx_lm_flags(args) -> None:
+    """UsageError naming the first MLX_LM_REFUSED flag the user gave, with its reason."""
+    for name, (_, reason) in {**MLX_LM_REFUSED, **MLX_LM_SERVER_REFUSED}.items():
+        if getattr(args, name[2:].replace("-", "_"), None) not in (None, False):
+            raise UsageError(name, reason)
 
 
 class ArgumentParser(Parser):
@@ -101,6 +153,13 @@ def prefetch_from_args(args):
         return parse_prefetch(args.prefetch or PREFETCH_DEFAULT, args.prefetch_budget, args.prefetch_threshold)
     except UsageError as e:
         raise UsageError("--" + e.field, e.message) from None
+
+
+def graph_options_from_args(args):
+    """`--graph` as a GraphOptions (None: the defaults); a bad key or value is a UsageError."""
+    from .models.options import GraphOptions
+
+    return None if getattr(args, "graph", None) is None else GraphOptions.parse(args.graph)
 
 
 def add_sweep_argument(parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from .artifact import constants as C
 from .artifact import fast_check as FC
 from .artifact import manifest as M
 from .artifact.errors import ArtifactError, GeometryError
+from .errors import UsageError
 from .format import checkpoint_keys as keys
 from .format.qwen4exp_config import mtp_layer_args
 from .sources import _COMPONENT, Source, encode
@@ -553,8 +554,14 @@ def _collector(units, path):
 
 def build_parser():
     p = flags.Parser(prog="hebrus-mlx convert", description="Convert a Qwen4Exp HF checkpoint")
-    p.add_argument("--hf-path", required=True, help="local directory or Hugging Face repo id")
-    p.add_argument("--out", required=True, help="artifact directory to publish")
+    p.add_argument("--hf-path", "--model", required=True, help="local directory or Hugging Face repo id")
+    p.add_argument("--out", "--mlx-path", required=True, help="artifact directory to publish")
+    p.add_argument(
+        "-q",
+        "--quantize",
+        action="store_true",
+        help="mlx_lm.convert's flag: quantizing is the default here (--dtype stores unquantized)",
+    )
     p.add_argument("--q-bits", type=flags.integer(1, 16), help="default 4 (an MLX-quantized source keeps its own)")
     p.add_argument(
         "--q-group-size", type=flags.integer(1, 1 << 16), help="default 64 (an MLX-quantized source keeps its own)"
@@ -589,6 +596,8 @@ def build_parser():
 def main(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
+    if a.quantize and a.dtype is not None:
+        raise UsageError("--quantize", f"contradicts --dtype {a.dtype} (which stores the weights unquantized)")
     report = convert(
         a.hf_path,
         a.out,

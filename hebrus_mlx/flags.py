@@ -7,6 +7,7 @@ traceback deep in MLX or an empty result.
 """
 
 import argparse
+import difflib
 import math
 import re
 
@@ -26,6 +27,11 @@ class Parser(argparse.ArgumentParser):
         m = re.match(r"argument ([^:/\s]+)(?:/\S+)?: (.*)", message, re.S)
         if m:
             raise UsageError(m.group(1), m.group(2))
+        m = re.match(r"unrecognized arguments: (-\S+)", message)
+        if m:
+            flag = m.group(1).split("=", 1)[0]
+            close = difflib.get_close_matches(flag, [o for o in self._option_string_actions if o.startswith("--")], 1)
+            raise UsageError(flag, "unrecognized argument" + (f"; did you mean {close[0]}?" if close else ""))
         raise UsageError("arguments", message)
 
 

@@ -21,11 +21,15 @@ import mlx.core as mx
 
 from . import flags
 from .cli_args import (
+    MLX_LM_REFUSED,
     ArgumentParser,
     add_prefetch_argument,
+    add_refused_arguments,
     add_stream_cache_arguments,
     add_sweep_argument,
+    graph_options_from_args,
     prefetch_from_args,
+    refuse_mlx_lm_flags,
     str2bool,
     sweep_from_args,
 )
@@ -323,7 +327,7 @@ def generate_step(
     prompt: mx.array,
     model,
     *,
-    effective_vocab_size: int,
+    effective_vocab_size: int | None = None,
     max_tokens: int = 256,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
@@ -335,7 +339,8 @@ def generate_step(
     num_draft_tokens: int | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; logprobs are over the physical width, -inf past the
-    effective vocabulary (AFN-005). `max_tokens=-1` runs until the caller stops.
+    effective vocabulary (AFN-005; default: the one `hebrus_mlx.load` gave the model, from its
+    tokenizer). `max_tokens=-1` runs until the caller stops.
 
     trace: a `traces.capture.TraceRecorder` records the native routes of every token fed (read
     back once per step or prefill chunk); the caller closes it.
@@ -364,7 +369,7 @@ def speculative_generate_step(
     model,
     draft_model,
     *,
-    effective_vocab_size: int,
+    effective_vocab_size: int | None = None,
     max_tokens: int = 256,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
@@ -409,7 +414,7 @@ def _generate(
     prompt,
     model,
     *,
-    effective_vocab_size,
+    effective_vocab_size=None,
     max_tokens=256,
     sampler=None,
     logits_processors=None,
@@ -436,6 +441,14 @@ def _generate(
     if prefill_step_size < 1:
         raise GenerationError("prefill_step_size", f"must be >= 1, got {prefill_step_size}")
     _check_max_kv_size(max_kv_size, "max_kv_size")
+    if effective_vocab_size is None:
+        # AFN-005: the logits rows past the tokenizer's IDs are masked, so the width must be known.
+        effective_vocab_size = getattr(model, "effective_vocab_size", None)
+        if effective_vocab_size is None:
+            raise UsageError(
+                "effective_vocab_size",
+                "this model does not carry one (models from hebrus_mlx.load do): give the tokenizer's",
+            )
     cache = model.make_cache() if prompt_cache is None else prompt_cache
     sampler = sampler or make_sampler()  # the vocabulary mask is this loop's (DecodeStep)
     streaming = getattr(model, "streaming", None)
@@ -570,6 +583,7 @@ def stream_generate(
     trace_out: record a route trace of this sequence into that directory (off by default; token
     IDs are sensitive). trace_features=N also records the router input of every Nth position;
     trace_owner/trace_generation are opaque labels; trace_sampling describes the sampler."""
+    _check_step_kwargs(kwargs)
     ids = _prompt_ids(tokenizer, prompt)
     limit = context_limit(model)
     if limit is not None and ids.size > limit:
@@ -624,6 +638,28 @@ def stream_generate(
     finally:
         if trace_out is not None:
             kwargs["trace"].close()
+
+
+_SAMPLER_HINT = "give sampler=make_sampler(...) (hebrus_mlx.sample_utils, as mlx-lm's)"
+# mlx-lm's generate_step arguments with no meaning here, and why; any other unknown name is refused too.
+_REFUSED_KWARGS = {
+    **{k: _SAMPLER_HINT for k in ("temp", "top_p", "min_p", "top_k", "xtc_probability", "xtc_threshold")},
+    "kv_bits": MLX_LM_REFUSED["--kv-bits"][1],
+    "kv_group_size": MLX_LM_REFUSED["--kv-group-size"][1],
+    "quantized_kv_start": MLX_LM_REFUSED["--quantized-kv-start"][1],
+    "input_embeddings": "not supported: Qwen4Exp here takes token IDs",
+    "prompt_progress_callback": "not supported yet",
+}
+
+
+def _check_step_kwargs(kwargs: dict) -> None:
+    """A keyword stream_generate does not pass on (an mlx-lm one included) is a UsageError naming
+    it before any work, not a TypeError from deep inside the loop."""
+    taken = set(_generate.__kwdefaults__) - {"max_tokens", "draft_model", "num_draft_tokens", "stats"}
+    for name in kwargs:
+        if name not in taken:
+            reason = _REFUSED_KWARGS.get(name, f"not an argument of generate (takes {', '.join(sorted(taken))})")
+            raise UsageError(name, reason)
 
 
 def _responses(steps, ids, tokenizer, detok, stops, max_tokens, tic):
@@ -698,12 +734,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="message to send; '-' reads stdin")
     p.add_argument("--system-prompt", default=None)
-    p.add_argument("--max-tokens", "-m", type=flags.integer(1), default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temp", type=flags.number(0, 1e6), default=0.0)
-    p.add_argument("--top-p", type=flags.number(0, 1), default=1.0)
-    p.add_argument("--top-k", type=flags.integer(0), default=0)
-    p.add_argument("--min-p", type=flags.number(0, 1), default=0.0)
-    p.add_argument("--seed", type=flags.seed(), default=None)
+    p.add_argument(
+        "--max-tokens",
+        "-m",
+        type=flags.integer(1),
+        default=DEFAULT_MAX_TOKENS,
+        help="tokens to generate (default %(default)s)",
+    )
+    p.add_argument(
+        "--temp", type=flags.number(0, 1e6), default=0.0, help="sampling temperature (default %(default)s: greedy)"
+    )
+    p.add_argument("--top-p", type=flags.number(0, 1), default=1.0, help="sampling top-p (default %(default)s: off)")
+    p.add_argument("--top-k", type=flags.integer(0), default=0, help="sampling top-k (default %(default)s: off)")
+    p.add_argument("--min-p", type=flags.number(0, 1), default=0.0, help="sampling min-p (default %(default)s: off)")
+    p.add_argument(
+        "--min-tokens-to-keep",
+        type=flags.integer(1),
+        default=1,
+        help="tokens min-p always keeps (default %(default)s)",
+    )
+    p.add_argument(
+        "--xtc-probability",
+        type=flags.number(0, 1),
+        default=0.0,
+        help="XTC sampling: probability of excluding the top choices (default %(default)s: off)",
+    )
+    p.add_argument(
+        "--xtc-threshold",
+        type=flags.number(0, 0.5),
+        default=0.1,
+        help="XTC sampling: probability above which a choice may be excluded (default %(default)s)",
+    )
+    p.add_argument("--seed", type=flags.seed(), default=None, help="random seed (default: unseeded)")
     p.add_argument("--ignore-chat-template", action="store_true", help="tokenize the prompt as plain text")
     p.add_argument(
         "--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)"
@@ -777,6 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)",
     )
+    add_refused_arguments(p, MLX_LM_REFUSED)
     return p
 
 
@@ -784,8 +847,17 @@ def check_args(args) -> None:
     """Refuse bad values of generate's flags (UsageError naming the flag) before the model loads."""
     if args.max_tokens is not None and args.max_tokens < 1:  # None: the server's "not given"
         raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
+    refuse_mlx_lm_flags(args)
     try:
-        check_sampling_args(args.temp, args.top_p, args.min_p, args.top_k)
+        check_sampling_args(
+            args.temp,
+            args.top_p,
+            args.min_p,
+            args.top_k,
+            args.min_tokens_to_keep,
+            args.xtc_probability,
+            args.xtc_threshold,
+        )
     except SamplingError as e:  # name the flag
         raise UsageError("--" + e.field.replace("_", "-"), e.message) from None
     if args.prefill_step_size < 1:
@@ -827,13 +899,6 @@ def load_from_args(args):
         prefill_sweep=sweep_from_args(args),
         options=graph_options_from_args(args),
     )
-
-
-def graph_options_from_args(args):
-    """`--graph` as a GraphOptions (None: the defaults); a bad key or value is a UsageError."""
-    from .models.options import GraphOptions
-
-    return None if getattr(args, "graph", None) is None else GraphOptions.parse(args.graph)
 
 
 def _trace_kwargs(args) -> dict:
@@ -897,7 +962,17 @@ def main(argv=None) -> int:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    sampler = make_sampler(
+        temp=args.temp,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        top_k=args.top_k,
+        min_tokens_to_keep=args.min_tokens_to_keep,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        # as mlx_lm.generate: XTC never excludes a newline or a stop token
+        xtc_special_tokens=tokenizer.encode("\n") + sorted(tokenizer.stop_token_ids),
+    )
     text = generate(
         model,
         tokenizer,

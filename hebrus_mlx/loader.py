@@ -130,17 +130,25 @@ def _apply_machine_profile(options=None):
     try:
         profile = read_profile()
     except ProfileError as e:
-        warnings.warn(f"{e}; optional kernels stay off (re-run `hebrus-mlx qualify`)", stacklevel=3)
+        warnings.warn(f"{e}; optional kernels stay off (re-run `hebrus-mlx qualify`)", stacklevel=4)
         profile = None
     ignored = ignored_claims(profile)
     if ignored:
         warnings.warn(
             f"machine profile: {', '.join(ignored)} marked passed but not honoured here (written on "
             "another machine, OS or MLX, or no Metal device); they stay off (re-run `hebrus-mlx qualify`)",
-            stacklevel=3,
+            stacklevel=4,
         )
     stream_engine.configure(profile, options)
     return kernels.configure(profile)
+
+
+def configure_runtime(options=None) -> None:
+    """What every load does before it builds a graph, `load` and a pipeline stage's
+    (`pipeline.load_pipeline`) alike: switch on what the machine profile qualified (AFN-013) for
+    these GraphOptions and say when the graph will be compiled."""
+    _apply_machine_profile(options)
+    _say_if_compiling(options)
 
 
 def _say_if_compiling(options) -> None:
@@ -265,8 +273,7 @@ def load(
         if dtype not in DTYPES:
             raise UsageError("dtype", f"expected one of {', '.join(DTYPES)}, an mlx dtype or None, got {dtype!r}")
         dtype = default_dtype() if dtype == "auto" else DTYPES[dtype]
-    _apply_machine_profile(options)
-    _say_if_compiling(options)
+    configure_runtime(options)
     path = _resolve(path_or_name, revision)
     source, sources = path, None
     if is_artifact(path):
@@ -287,6 +294,7 @@ def load(
     )
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources, **tokenizer_overrides)
     model.source_path = path  # route traces pin the artifact by its digest
+    model.effective_vocab_size = tokenizer.effective_vocab_size  # generate_step's default (AFN-005)
     if return_config:
         config = dict(source.config) if sources is not None else load_config(path)
         return model, tokenizer, config

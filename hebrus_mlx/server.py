@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import hmac
 import importlib
@@ -50,7 +51,7 @@ from . import anthropic_api, api_fields, constrain, flags, responses_api
 from .api_fields import RequestError
 from .artifact.untrusted import UntrustedFileError
 from .artifact.untrusted import loads as untrusted_loads
-from .cli_args import ArgumentParser, prefetch_from_args
+from .cli_args import MLX_LM_SERVER_REFUSED, ArgumentParser, add_refused_arguments, prefetch_from_args
 from .errors import HebrusError, UsageError
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
@@ -1567,6 +1568,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="server log level (default INFO)",
     )
+    add_refused_arguments(p, MLX_LM_SERVER_REFUSED)
     p.set_defaults(max_tokens=None)  # not given: DEFAULT_MAX_TOKENS, or the context left (/v1/responses)
     return p
 
@@ -1609,6 +1611,24 @@ def api_key_from(args, environ=None) -> str | None:
     if not value or any(c.isspace() or not c.isprintable() for c in value):
         raise UsageError(field, "the API key must be one non-empty word of printable characters")
     return value
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket (before the "listening on" line: a client may connect once it reads it);
+    a taken port or an address this machine lacks is a UsageError naming the flag."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(
+                "--port", f"port {port} on {host} is in use; give another --port (0 picks a free one)"
+            ) from None
+        raise UsageError("--host", f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    return sock
 
 
 class _Server:
@@ -1694,15 +1714,12 @@ def main(argv=None) -> int:
             return model, tokenizer
         return gen.load_from_args(args)
 
+    sock = _listen(args.host, args.port)  # before the model loads: a taken port is the user's one line
     worker = Worker(load, args.prompt_cache_bytes, defaults)
     if pipe is not None:
         from .pipeline.cli import finish
 
         worker.close = lambda: finish(pipe.model)  # stops the serving ranks, prints one line per rank
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)  # before the line below: a client may connect as soon as it reads it
     app = App(worker, args.model, api_key, args.max_body_bytes, args.allowed_origins, args.prep_process_bytes)
     # Rendering and tokenizing a big request on a prep thread is Python-heavy: every time the
     # event loop gives up the GIL for I/O it waits for the prep thread's next switch (5 ms by

@@ -460,3 +460,37 @@ def test_server_process_with_decode_concurrency():
         proc.terminate()
         proc.wait(30)
         proc.stdout.close()
+
+
+def test_mlx_lm_prompt_caches_logprobs_and_returned_caches(resident):
+    """mlx-lm's batch_generate keywords: `prompt_caches` (a prefix per prompt, the prompt continues
+    it; the caller's caches are not changed) gives generate_step's tokens from a copy of the same
+    cache; `return_logprobs` each generated token's log-probability (generate_step's);
+    `return_prompt_caches` each sequence's cache after it."""
+    prefixes = [list(range(40, 70)), [5, 6, 7]]
+    rests = [[9, 8, 7], [11, 12]]
+    given = [_prefilled(resident, p + [0]) for p in prefixes]  # holds exactly the prefix
+    assert [c.offset for c in given] == [len(p) for p in prefixes]
+    digests = [c.digest() for c in given]
+    res = batch_generate(
+        resident,
+        _Tok(),
+        rests,
+        max_tokens=4,
+        prompt_caches=given,
+        return_prompt_caches=True,
+        return_logprobs=True,
+    )
+    assert [c.digest() for c in given] == digests
+    for cache, rest, toks, lps, out in zip(given, rests, res.token_ids, res.logprobs, res.caches):
+        steps = list(
+            generate_step(mx.array(rest), resident, effective_vocab_size=VOCAB, max_tokens=4, prompt_cache=cache.copy())
+        )
+        assert toks == [t for t, _ in steps]
+        np.testing.assert_allclose(lps, [lp[t].item() for t, lp in steps], rtol=1e-5)
+        assert out.offset in (cache.offset + len(rest) + 3, cache.offset + len(rest) + 4)
+    plain = batch_generate(resident, _Tok(), rests, max_tokens=2)
+    assert plain.caches is None and plain.logprobs is None
+    with pytest.raises(UsageError, match="prompt_cache") as info:
+        batch_generate(resident, _Tok(), rests, max_tokens=2, prompt_caches=given, prompt_cache=PromptCache(1 << 20))
+    assert info.value.field == "prompt_caches"

@@ -153,3 +153,24 @@ def test_a_bug_is_not_turned_into_a_one_line_error(monkeypatch):
     monkeypatch.setattr(gen, "load_from_args", bug)
     with pytest.raises(KeyError, match="planted bug"):
         main(["generate", "-p", "hi"])
+
+
+def test_server_on_a_taken_port_names_it_before_loading():
+    """`server --port P` with P taken: one line naming --port and P (exit 2), before any model load."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = subprocess.run(
+            [sys.executable, "-m", "hebrus_mlx.cli", "server", "--model", "/nonexistent/model", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == (
+        f"hebrus-mlx server: error: --port: port {port} on 127.0.0.1 is in use; "
+        "give another --port (0 picks a free one)\n"
+    )

@@ -207,3 +207,86 @@ def test_version_prints_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"hebrus-mlx {hebrus_mlx.__version__}"
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert f'\nversion = "{hebrus_mlx.__version__}"\n' in pyproject  # the one the package is built with
+
+
+class _Captured(Exception):
+    pass
+
+
+def _mlx_lm_server_options(monkeypatch):
+    """mlx_lm.server builds its parser inside main(): catch it at parse_args."""
+    import argparse
+
+    import mlx_lm.server
+
+    def capture(self, *a, **k):
+        raise _Captured(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(_Captured) as e:
+        mlx_lm.server.main()
+    monkeypatch.undo()
+    return [o for a in e.value.args[0]._actions for o in a.option_strings if o.startswith("--")]
+
+
+def test_every_mlx_lm_flag_is_taken_or_refused_with_a_reason(monkeypatch):
+    """An mlx-lm user's flag is never 'unrecognized': every option of the installed mlx_lm.generate
+    and mlx_lm.server parsers is one hebrus-mlx takes, or one it refuses in one line with a reason."""
+    from mlx_lm.generate import setup_arg_parser
+
+    from hebrus_mlx.cli_args import MLX_LM_REFUSED, MLX_LM_SERVER_REFUSED
+
+    refused = {**MLX_LM_REFUSED, **MLX_LM_SERVER_REFUSED}
+    for verb, options in (
+        ("generate", [o for a in setup_arg_parser()._actions for o in a.option_strings if o.startswith("--")]),
+        ("server", _mlx_lm_server_options(monkeypatch)),
+    ):
+        ours = importlib.import_module(PARSERS[verb][0]).build_parser()
+        known = set(ours._option_string_actions)
+        assert [o for o in options if o not in known] == [], verb
+        for flag in (o for o in options if o in refused):
+            takes_value, reason = refused[flag]
+            buf = io.StringIO()
+            with redirect_stderr(buf):
+                assert main([verb, flag, *(["4"] if takes_value else [])]) == 2
+            assert buf.getvalue() == f"hebrus-mlx {verb}: error: {flag}: {reason}\n"
+
+
+def test_a_mistyped_flag_names_the_closest_one():
+    buf = io.StringIO()
+    with redirect_stderr(buf):
+        assert main(["generate", "--max-tokes", "5"]) == 2
+    assert (
+        buf.getvalue() == "hebrus-mlx generate: error: --max-tokes: unrecognized argument; did you mean --max-tokens?\n"
+    )
+
+
+def test_sampling_flags_show_their_defaults_in_help():
+    text = importlib.import_module("hebrus_mlx.generate").build_parser().format_help()
+    text = " ".join(text.split())
+    for flag, default in (("--temp", "0.0"), ("--top-p", "1.0"), ("--top-k", "0"), ("--min-p", "0.0")):
+        start = text.index(f"{flag} {flag[2:].upper().replace('-', '_')} ")
+        assert f"(default {default}" in text[start : start + 120], flag
+
+
+def test_mlx_lm_spellings_of_convert_and_bench():
+    """What an mlx-lm user types: convert's --model / --mlx-path / -q name our source, output and
+    (default) quantization; bench's short flags mean what they mean to the installed
+    mlx_lm.benchmark (-n trials, -g generated tokens, -p prompt tokens)."""
+    from mlx_lm.benchmark import setup_arg_parser
+
+    convert = importlib.import_module("hebrus_mlx.convert").build_parser()
+    a = convert.parse_args(["--model", "h", "--mlx-path", "o", "-q"])
+    assert (a.hf_path, a.out, a.quantize) == ("h", "o", True)
+    buf = io.StringIO()
+    with redirect_stderr(buf):
+        assert main(["convert", "--model", "/nonexistent", "--mlx-path", "o", "-q", "--dtype", "float32"]) == 2
+    assert buf.getvalue().startswith("hebrus-mlx convert: error: --quantize: contradicts --dtype float32")
+
+    theirs = {o: a.dest for a in setup_arg_parser()._actions for o in a.option_strings}
+    ours = importlib.import_module("hebrus_mlx.bench.command").build_parser()
+    meaning = {"num_trials": "repeats", "generation_tokens": "gen_tokens", "prompt_tokens": "prompt_tokens"}
+    for short in ("-n", "-g", "-p"):
+        assert ours._option_string_actions[short].dest == meaning[theirs[short]], short
+        long = next(o for o, d in theirs.items() if d == theirs[short] and o.startswith("--"))
+        assert ours._option_string_actions[long].dest == meaning[theirs[short]], long

@@ -154,6 +154,43 @@ def test_max_kv_size_is_refused_before_any_work():
     assert p.stderr == "hebrus-mlx generate: error: --max-kv-size: " + gen.MAX_KV_SIZE_UNSUPPORTED + "\n"
 
 
+def test_mlx_lm_keywords_are_refused_by_name(tok):
+    """`hebrus_mlx.generate(model, tok, prompt, kv_bits=4)` (mlx-lm's keyword) is a UsageError naming
+    kv_bits with the reason, before any work; an mlx-lm sampling keyword points at make_sampler."""
+    import hebrus_mlx
+    from hebrus_mlx.errors import UsageError
+
+    m = HistoryModel()
+    with pytest.raises(UsageError, match="quantized KV cache") as info:
+        hebrus_mlx.generate(m, tok, [1, 2], kv_bits=4)
+    assert info.value.field == "kv_bits" and m.calls == []
+    with pytest.raises(UsageError, match="make_sampler") as info:
+        hebrus_mlx.generate(m, tok, [1, 2], temp=0.7)
+    assert info.value.field == "temp"
+    with pytest.raises(UsageError, match="not an argument of generate") as info:
+        list(stream_generate(m, tok, [1, 2], promt_cache=None))
+    assert info.value.field == "promt_cache" and m.calls == []
+
+
+def test_effective_vocab_size_defaults_to_the_loaded_models(demo):
+    """AFN-005: generate_step without effective_vocab_size masks with the width `load` gave the model
+    (the demo's tokenizer's), the same tokens and log-probabilities as passing it; a model that does
+    not carry one is a UsageError naming the argument, never the physical width."""
+    from hebrus_mlx.errors import UsageError
+
+    model, tokenizer = demo
+    assert model.effective_vocab_size == tokenizer.effective_vocab_size < model.args.vocab_size
+    prompt = mx.array(tokenizer.encode("def fibonacci(n):"))
+    given = list(generate_step(prompt, model, effective_vocab_size=tokenizer.effective_vocab_size, max_tokens=4))
+    default = list(generate_step(prompt, model, max_tokens=4))
+    assert [t for t, _ in default] == [t for t, _ in given]
+    assert all(mx.array_equal(a, b, equal_nan=True).item() for (_, a), (_, b) in zip(default, given))
+    assert mx.all(default[0][1][tokenizer.effective_vocab_size :] == -mx.inf).item()
+    with pytest.raises(UsageError) as info:
+        next(generate_step(mx.array([1, 2]), HistoryModel()))
+    assert info.value.field == "effective_vocab_size"
+
+
 def test_logprobs_are_masked_and_normalised():
     """AFN-005: logprobs are -inf past the effective vocabulary and sum to 1 over valid rows."""
     ((_, lp),) = list(generate_step(mx.array([1, 2]), HistoryModel(), effective_vocab_size=EFFECTIVE, max_tokens=1))

@@ -426,9 +426,9 @@ def test_bench_under_a_launch_runs_the_harness_on_rank_0(tmp_path):
                     "demo",
                     "-p",
                     "24",
-                    "-n",
+                    "-g",
                     "10",
-                    "-r",
+                    "-n",
                     "1",
                     "--warmup",
                     "0",
@@ -671,3 +671,24 @@ def test_speculative_decoding_through_two_ranks_equals_one_process(tmp_path):
             assert hidden == 0
         if draft == "ngram":
             assert stats.reruns > 0  # a rejected suffix was rolled back on both ranks
+
+
+def test_pipeline_load_applies_graph_options_and_the_machine_profile(monkeypatch):
+    """One load route: under mlx.launch, `--graph` reaches the stage's graph and the machine profile
+    is applied (AFN-013), as `load` does; a world of one rank runs the same load in this process."""
+    from hebrus_mlx import machine_profile
+    from hebrus_mlx.generate import build_parser
+    from hebrus_mlx.pipeline import stage as stage_module
+    from hebrus_mlx.pipeline.cli import load_or_serve
+
+    reads = []
+    real = machine_profile.read_profile
+    monkeypatch.setattr(machine_profile, "read_profile", lambda *a, **k: reads.append(1) or real(*a, **k))
+    monkeypatch.setattr(stage_module, "terminate_as_error", lambda: None)  # no SIGTERM handler in pytest
+    args = build_parser().parse_args(["--graph", "join_projections=off,dense_sdpa=off"])
+    pipe, model, tok = load_or_serve(DEMO_DIR, args)
+    assert pipe.size == 1 and reads == [1]
+    assert (model.local.options.join_projections, model.local.options.dense_sdpa) == (False, False)
+    assert model.effective_vocab_size == tok.effective_vocab_size
+    plain = load_or_serve(DEMO_DIR, build_parser().parse_args([]))[1]
+    assert (plain.local.options.join_projections, plain.local.options.dense_sdpa) == (True, True)

@@ -1,7 +1,9 @@
 """Malformed configs fail with a ValueError naming the field, before any weight is read."""
 
 import copy
+import io
 import json
+from contextlib import redirect_stderr
 
 import pytest
 from parity_fixtures import PARITY
@@ -91,3 +93,23 @@ def test_config_errors_come_before_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_mutate(("indexer_kv_heads",), 2)))
     with pytest.raises(ConfigError, match="indexer_kv_heads"):
         load_hf_model(tmp_path)
+
+
+def test_another_model_type_is_named_not_a_missing_field(tmp_path):
+    """An mlx-lm user's Qwen3 or Llama directory: the one line says its model_type is not supported,
+    not which Qwen4Exp field the other architecture lacks (exit 2, before any weight is read)."""
+    from hebrus_mlx.cli import main
+
+    llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(["generate", "--model", str(tmp_path), "-p", "hi"]) == 2
+    assert err.getvalue() == (
+        "hebrus-mlx generate: error: config.model_type: model_type 'llama' is not supported "
+        "(hebrus-mlx runs Qwen4Exp: qwen4_exp, qwen4_exp_text)\n"
+    )
+    outer = {"model_type": "qwen4_exp", "text_config": dict(_base(), model_type="qwen3_next")}
+    with pytest.raises(ConfigError, match="model_type 'qwen3_next' is not supported") as info:
+        ModelArgs.from_dict(outer)
+    assert info.value.field == "config.text_config.model_type"

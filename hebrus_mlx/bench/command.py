@@ -34,9 +34,18 @@ def build_parser():
     p = ArgumentParser(prog="hebrus-mlx bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", "-m", default="demo", help="'demo', an artifact or an HF checkpoint directory")
     p.add_argument("--prompt-tokens", "-p", default="128", help="prompt sizes, e.g. 512,2048")
-    p.add_argument("--gen-tokens", "-n", default="64", help="generation lengths, e.g. 128")
+    # -n and -g mean what they mean to mlx_lm.benchmark: trials and generated tokens.
     p.add_argument(
-        "--repeats", "-r", type=flags.integer(1, 1 << 20), default=4, help="timed runs per configuration and size"
+        "--gen-tokens", "--generation-tokens", "-g", default="64", help="generation lengths, e.g. 128 (default 64)"
+    )
+    p.add_argument(
+        "--repeats",
+        "--num-trials",
+        "-n",
+        "-r",
+        type=flags.integer(1, 1 << 20),
+        default=4,
+        help="timed runs per configuration and size (default 4)",
     )
     p.add_argument("--warmup", type=flags.integer(0, 1 << 20), default=1, help="untimed runs per configuration first")
     p.add_argument(

@@ -24,11 +24,26 @@ QSA_FIELDS = (
 )
 
 
+# The model types this runtime builds: the text model and the conditional-generation wrapper around it.
+MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
+
+
 class ConfigError(HebrusError, ValueError):
     """A config.json field is malformed or unsupported; `field` is ``config.<name>``."""
 
     def __init__(self, field_name: str, message: str):
         super().__init__(f"config.{field_name}", message)
+
+
+def _check_model_type(params: dict, where: str = "") -> None:
+    # Before any field check: another architecture's config would otherwise fail on the first
+    # Qwen4Exp field it lacks, which tells the user nothing. A config without one is taken as Qwen4Exp.
+    kind = params.get("model_type")
+    if kind is not None and kind not in MODEL_TYPES:
+        raise ConfigError(
+            where + "model_type",
+            f"model_type {kind!r} is not supported (hebrus-mlx runs Qwen4Exp: {', '.join(MODEL_TYPES)})",
+        )
 
 
 def _require_int(name, value, minimum=None):
@@ -94,12 +109,14 @@ class ModelArgs:
         if not isinstance(config, dict):
             raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}")
         params = dict(config)
+        _check_model_type(params)
         if "text_config" in params:
             text = params["text_config"]
             if not isinstance(text, dict):
                 raise ConfigError("text_config", "must be a JSON object")
             outer_eos = params.get("eos_token_id")
             params = dict(text)
+            _check_model_type(params, "text_config.")
             if params.get("eos_token_id") is None and outer_eos is not None:
                 params["eos_token_id"] = outer_eos
         names = inspect.signature(cls).parameters

@@ -70,15 +70,19 @@ def load_pipeline(
     prefetch=None,
     mtp: bool = False,
     prefill_sweep=None,
+    options=None,
 ) -> Pipeline:
     """Admit the artifact on this rank, agree on the split with the other ranks (each rank's free
     memory, gathered over the group), load this rank's stage only — streaming its experts / PLE
     pages from its own SSD when its share does not fit or a cache size is given. `mtp`: rank 0
-    also loads the final mixer, lm_head and MTP head (when the artifact has one) to draft with it."""
+    also loads the final mixer, lm_head and MTP head (when the artifact has one) to draft with it.
+    options: the GraphOptions the stage is built with, as `load`'s (the machine profile applied
+    the same way: `loader.configure_runtime`)."""
     import mlx.core as mx
 
     from .. import admission
     from ..artifact import constants as C
+    from ..loader import configure_runtime
     from ..loading.build_model import load_artifact_model
     from ..loading.plan import RESERVE_BYTES, available_memory
     from .stage import DEFAULT_TIMEOUT_S, PipelineModel, set_nodelay, terminate_as_error
@@ -103,6 +107,7 @@ def load_pipeline(
         per_layer, first, last, budgets, parse_split(split, n, size) if split else None, streamable=streamable
     )
     stage = stages(counts, heads)[rank]
+    configure_runtime(options)
     model = load_artifact_model(
         manifest,
         stage=stage,
@@ -110,6 +115,7 @@ def load_pipeline(
         ple_cache_gb=ple_cache_gb,
         prefetch=prefetch,
         prefill_sweep=prefill_sweep,
+        options=options,
     )
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if rank == 0:

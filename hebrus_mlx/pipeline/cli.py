@@ -11,7 +11,7 @@ from .stage import PipelineError
 
 def load_or_serve(path, args):
     """(pipeline, model, tokenizer) on rank 0; (None, None, None) on a serving rank once done."""
-    from ..cli_args import prefetch_from_args, sweep_from_args
+    from ..cli_args import graph_options_from_args, prefetch_from_args, sweep_from_args
     from ..errors import UsageError
 
     if args.dtype != "auto":
@@ -27,6 +27,7 @@ def load_or_serve(path, args):
         prefetch=prefetch_from_args(args),
         prefill_sweep=sweep_from_args(args),
         mtp=getattr(args, "draft_model", None) == "mtp",
+        options=graph_options_from_args(args),
     )
     return serve_or_return(pipe, path)
 
@@ -46,6 +47,7 @@ def serve_or_return(pipe, path):
         _barrier(pipe.group)  # rank 0 may still be writing its report: stay until it is done
         return None, None, None
     tokenizer = load_tokenizer(path, physical_vocab_size=pipe.model.args.vocab_size)
+    pipe.model.effective_vocab_size = tokenizer.effective_vocab_size  # generate_step's default, as load's
     return pipe, pipe.model, tokenizer
 
 
