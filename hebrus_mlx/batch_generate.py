@@ -26,7 +26,6 @@ refuses `--draft-model` with `--decode-concurrency` > 1).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections import deque
@@ -39,11 +38,19 @@ import mlx.core as mx
 
 from .batch import batch_forward, max_batch_rows
 from .errors import GenerationError, HebrusError, UsageError
+from .generate import (
+    CLEAR_CACHE_EVERY,
+    DEFAULT_PREFILL_STEP_SIZE,
+    DecodeStep,
+    context_limit,
+    generation_stream,
+    prefill_chunks,
+    prompt_ids,
+)
 from .sample_utils import make_sampler
 from .stream.errors import translate
 from .stream.rollback import rollback_on_error
 
-gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 log = logging.getLogger("hebrus_mlx.batch")
 
 __all__ = ["BatchGenerator", "BatchResponse", "BatchStepError", "Response", "batch_generate"]
@@ -113,7 +120,7 @@ class BatchGenerator:
         logits_processors: list[Callable] | None = None,
         decode_concurrency: int = 8,
         prompt_concurrency: int = 1,
-        prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
         prompt_cache=None,
     ):
         for name, value in (
@@ -173,7 +180,7 @@ class BatchGenerator:
 
         if caches is not None and self.prompt_cache is not None:
             raise UsageError("caches", "cannot be combined with the generator's prompt_cache (prefix reuse): give one")
-        limit = gen.context_limit(self.model)
+        limit = context_limit(self.model)
         seqs = []
         for ids, mt, smp, procs, stops, seed, given in zip(
             prompts,
@@ -250,7 +257,7 @@ class BatchGenerator:
     # -- rounds --------------------------------------------------------------------------------------
     def next(self) -> list[Response]:
         """One round: admissions, a prefill chunk per prefilling request, one decode step."""
-        with mx.stream(gen.generation_stream()), self._tickets():
+        with mx.stream(generation_stream()), self._tickets():
             self._admit()
             self._prefill_round()
             out, self._carry = self._carry, []
@@ -289,7 +296,7 @@ class BatchGenerator:
                 s.cache, s.cached_tokens = self.prompt_cache.fetch(self.model, s.ids)
             else:
                 s.cache = self.model.make_cache()
-            s.step = gen.DecodeStep(
+            s.step = DecodeStep(
                 self.model,
                 s.cache,
                 effective_vocab_size=self.effective_vocab_size,
@@ -305,7 +312,7 @@ class BatchGenerator:
 
     def _start_prefill(self, s: _Seq):
         """Prefill chunks from where the cache stands (its start, or a failed chunk's rollback)."""
-        s.chunks = gen.prefill_chunks(
+        s.chunks = prefill_chunks(
             self.model,
             mx.array(s.ids[s.cache.offset - s.start : -1], dtype=mx.int32),
             s.cache,
@@ -433,7 +440,7 @@ class BatchGenerator:
             s.y = token
             if finish is not None:
                 self._finish(s)
-        if self.rows % gen.CLEAR_CACHE_EVERY < len(step.rows):
+        if self.rows % CLEAR_CACHE_EVERY < len(step.rows):
             mx.clear_cache()
         return out
 
@@ -510,7 +517,7 @@ def batch_generate(
     logits_processors=None,
     decode_concurrency: int = 8,
     prompt_concurrency: int = 1,
-    prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     prompt_cache=None,
     prompt_caches=None,
     return_prompt_caches: bool = False,
@@ -526,7 +533,7 @@ def batch_generate(
     (`logprobs`: each generated token's log-probability); `token_ids` are always there."""
     if prompt_caches is not None and prompt_cache is not None:
         raise UsageError("prompt_caches", "cannot be combined with prompt_cache (prefix reuse): give one")
-    ids = [gen._prompt_ids(tokenizer, p).tolist() for p in prompts]
+    ids = [prompt_ids(tokenizer, p).tolist() for p in prompts]
     per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(ids)
     g = BatchGenerator(
         model,

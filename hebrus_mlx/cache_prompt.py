@@ -21,8 +21,10 @@ import time
 from .artifact.atomic import check_output_file
 from .cli_args import LOAD_FLAGS, ArgumentParser
 from .errors import UsageError
+from .generate import context_limit, prefill
 from .prompt_cache import PromptCacheFileError, load_prompt_cache, save_prompt_cache
 from .text.chat_template import DATA
+from .verb_flags import check_args, load_from_args
 
 TEMPLATE_KEY = "chat_template"  # "1": the cached prompt opens a user message; "0": plain text
 
@@ -103,31 +105,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """`hebrus-mlx cache-prompt`; typed errors propagate to `cli.run` (one line, exit 2)."""
-    import importlib
-
     from .verb_flags import refuse_unused
 
-    gen = importlib.import_module("hebrus_mlx.generate")
     parser = build_parser()
     args = parser.parse_args(argv)
-    gen.check_args(args)
+    check_args(args)
     refuse_unused(args, parser.shared, _USED, "cache-prompt")
     # Before the model loads: an existing file only with --overwrite, a symlink never.
     check_output_file(args.prompt_cache_file, overwrite=args.overwrite, field="--prompt-cache-file")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise UsageError("--prompt", "the prompt is empty")
-    model, tok = gen.load_from_args(args)
+    model, tok = load_from_args(args)
     templated = not args.ignore_chat_template and tok.chat_template is not None
     ids = cached_prompt_ids(tok, prompt, args.system_prompt, templated)
-    limit = gen.context_limit(model)
+    limit = context_limit(model)
     if limit is not None and len(ids) >= limit:
         raise UsageError("--prompt", f"{len(ids)} tokens; the model context is {limit}")
     import mlx.core as mx
 
     cache = model.make_cache()
     tic = time.perf_counter()
-    gen.prefill(model, mx.array(ids, dtype=mx.int32), cache, args.prefill_step_size)
+    prefill(model, mx.array(ids, dtype=mx.int32), cache, args.prefill_step_size)
     seconds = time.perf_counter() - tic
     save_prompt_cache(
         args.prompt_cache_file,

@@ -7,17 +7,22 @@ previous one. Commands: /reset (forget the conversation, keep the system prompt)
 """
 
 import argparse
-import importlib
 import sys
 
 from .cli_args import ArgumentParser, str2bool
 from .errors import UsageError
+from .generate import GenerationError, context_limit
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import make_sampler
 from .stream.errors import StreamError
-from .verb_flags import PROMPT_ERRORS, add_prompt_cache_arguments, check_shared_flags, share_generate_flags
-
-gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+from .verb_flags import (
+    PROMPT_ERRORS,
+    add_prompt_cache_arguments,
+    check_args,
+    check_shared_flags,
+    load_from_args,
+    share_generate_flags,
+)
 
 HELP = "Type a message. /reset clears the conversation, /help shows this, /exit or q quits."
 _NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose", "prompt_cache_file"}
@@ -49,13 +54,13 @@ def main(argv=None) -> int:
     """`hebrus-mlx chat`; typed errors propagate to `cli.run` (one line, exit 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    gen.check_args(args)
+    check_args(args)
     check_shared_flags(args, parser, "chat", also_used={"system_prompt"})
     if args.seed is not None:
         import mlx.core as mx
 
         mx.random.seed(args.seed)
-    model, tok = gen.load_from_args(args)
+    model, tok = load_from_args(args)
     if tok.chat_template is None:
         raise UsageError("--model", f"model {args.model!r} has no chat template")
 
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
         atexit.register(cache.disk.flush, 60)  # the writer thread publishes the last turn's snapshots
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
     messages = list(system)
-    limit = gen.context_limit(model)
+    limit = context_limit(model)
     print(f"[INFO] Chatting with {args.model}. {HELP}", flush=True)
     while True:
         try:
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
             ids = tok.apply_chat_template(turn)
             max_tokens = args.max_tokens if limit is None else min(args.max_tokens, limit - len(ids))
             if max_tokens < 1:
-                raise gen.GenerationError(f"the conversation has {len(ids)} tokens, the context is {limit}; /reset")
+                raise GenerationError(f"the conversation has {len(ids)} tokens, the context is {limit}; /reset")
             usage, reply = Usage(0, 0), ""
             for r in stream_with_cache(
                 model,

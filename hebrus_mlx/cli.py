@@ -10,7 +10,7 @@ from . import __version__
 from .errors import HebrusError
 
 VERBS = {
-    "generate": "hebrus_mlx.generate",
+    "generate": "hebrus_mlx.commands.generate",
     "convert": "hebrus_mlx.convert",
     "admit": "hebrus_mlx.admission",
     "verify": "hebrus_mlx.verify",

@@ -1,15 +1,13 @@
 """Text generation with the feel of `mlx_lm.generate`: `generate_step`, `speculative_generate_step`,
-`stream_generate`, `generate` and the `hebrus-mlx generate` / `python -m hebrus_mlx.generate` command.
+`stream_generate` and `generate` (library code, as mlx-lm's; the `hebrus-mlx generate` verb is
+commands/generate.py, the flags it shares with chat and server verb_flags.py).
 
 One loop serves every path: `prefill_chunks` / `prefill` feed a prompt chunk by chunk (the chunk
 cap, rollback, evaluation), `DecodeStep` turns one forward into log-probabilities and a token, and
 the pipelined decode queues the next step before reading the current token; speculative decoding is
 a strategy that loop calls (speculative/protocol.py). The prompt cache and trace replay use the
-same prefill. The CLI helpers chat and server share are public here: `build_parser`, `check_args`,
-`load_from_args`, `context_limit` (and `cli_args`)."""
+same prefill."""
 
-import argparse
-import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -19,23 +17,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import flags
-from .cli_args import (
-    MLX_LM_REFUSED,
-    ArgumentParser,
-    add_prefetch_argument,
-    add_refused_arguments,
-    add_stream_cache_arguments,
-    add_sweep_argument,
-    graph_options_from_args,
-    prefetch_from_args,
-    refuse_mlx_lm_flags,
-    str2bool,
-    sweep_from_args,
-)
+from .cli_args import MLX_LM_REFUSED
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
-from .pipeline import launched as pipeline_launched
-from .sample_utils import SamplingError, check_sampling_args, make_sampler, masked_logprobs
+from .sample_utils import make_sampler, masked_logprobs
 from .stream.rollback import rollback_on_error
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
@@ -102,7 +86,7 @@ MAX_KV_SIZE_UNSUPPORTED = (
 )
 
 
-def _check_max_kv_size(max_kv_size, field):
+def check_max_kv_size(max_kv_size, field):
     if max_kv_size is not None:
         raise UsageError(field, MAX_KV_SIZE_UNSUPPORTED)
 
@@ -440,7 +424,7 @@ def _generate(
         raise GenerationError("prompt must be a non-empty 1-D array of token IDs")
     if prefill_step_size < 1:
         raise GenerationError("prefill_step_size", f"must be >= 1, got {prefill_step_size}")
-    _check_max_kv_size(max_kv_size, "max_kv_size")
+    check_max_kv_size(max_kv_size, "max_kv_size")
     if effective_vocab_size is None:
         # AFN-005: the logits rows past the tokenizer's IDs are masked, so the width must be known.
         effective_vocab_size = getattr(model, "effective_vocab_size", None)
@@ -541,7 +525,7 @@ def _decode(step: DecodeStep, spec, y: mx.array, max_tokens: int):
         pending = step.queue(mx.array([token], dtype=mx.int32))
 
 
-def _prompt_ids(tokenizer, prompt) -> mx.array:
+def prompt_ids(tokenizer, prompt) -> mx.array:
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)  # caller text: DATA, no special-token resolution
     elif isinstance(prompt, mx.array):
@@ -584,7 +568,7 @@ def stream_generate(
     IDs are sensitive). trace_features=N also records the router input of every Nth position;
     trace_owner/trace_generation are opaque labels; trace_sampling describes the sampler."""
     _check_step_kwargs(kwargs)
-    ids = _prompt_ids(tokenizer, prompt)
+    ids = prompt_ids(tokenizer, prompt)
     limit = context_limit(model)
     if limit is not None and ids.size > limit:
         raise GenerationError(f"prompt has {ids.size} tokens; the model context is {limit}")
@@ -722,279 +706,3 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
 
         print(implementations_line(model))
     return text
-
-
-# -- command line -------------------------------------------------------------------------------------
-# generate's flags are the model, cache and sampling flags of every generating verb: chat and server
-# take them from `build_parser`, validate them with `check_args` and load with `load_from_args`.
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="hebrus-mlx generate", description="Generate text with a hebrus-mlx model.")
-    p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
-    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="message to send; '-' reads stdin")
-    p.add_argument("--system-prompt", default=None)
-    p.add_argument(
-        "--max-tokens",
-        "-m",
-        type=flags.integer(1),
-        default=DEFAULT_MAX_TOKENS,
-        help="tokens to generate (default %(default)s)",
-    )
-    p.add_argument(
-        "--temp", type=flags.number(0, 1e6), default=0.0, help="sampling temperature (default %(default)s: greedy)"
-    )
-    p.add_argument("--top-p", type=flags.number(0, 1), default=1.0, help="sampling top-p (default %(default)s: off)")
-    p.add_argument("--top-k", type=flags.integer(0), default=0, help="sampling top-k (default %(default)s: off)")
-    p.add_argument("--min-p", type=flags.number(0, 1), default=0.0, help="sampling min-p (default %(default)s: off)")
-    p.add_argument(
-        "--min-tokens-to-keep",
-        type=flags.integer(1),
-        default=1,
-        help="tokens min-p always keeps (default %(default)s)",
-    )
-    p.add_argument(
-        "--xtc-probability",
-        type=flags.number(0, 1),
-        default=0.0,
-        help="XTC sampling: probability of excluding the top choices (default %(default)s: off)",
-    )
-    p.add_argument(
-        "--xtc-threshold",
-        type=flags.number(0, 0.5),
-        default=0.1,
-        help="XTC sampling: probability above which a choice may be excluded (default %(default)s)",
-    )
-    p.add_argument("--seed", type=flags.seed(), default=None, help="random seed (default: unseeded)")
-    p.add_argument("--ignore-chat-template", action="store_true", help="tokenize the prompt as plain text")
-    p.add_argument(
-        "--verbose", type=str2bool, default=True, help="stream text and stats (true) or print only the text (false)"
-    )
-    p.add_argument("--prefill-step-size", type=flags.integer(1), default=DEFAULT_PREFILL_STEP_SIZE)
-    p.add_argument(
-        "--max-kv-size", type=flags.integer(1), default=None, help="mlx-lm's flag; refused: " + MAX_KV_SIZE_UNSUPPORTED
-    )
-    p.add_argument(
-        "--prompt-cache-file",
-        default=None,
-        metavar="FILE",
-        help="continue from a state saved by `hebrus-mlx cache-prompt`: --prompt is the rest of its message",
-    )
-    add_stream_cache_arguments(p)
-    add_prefetch_argument(p)
-    p.add_argument(
-        "--expert-mirror",
-        default=None,
-        metavar="DIR",
-        help="a directory holding a copy of the expert store (e.g. on a second disk); streamed reads "
-        "alternate between the two (not verified on two disks here)",
-    )
-    add_sweep_argument(p)
-    p.add_argument(
-        "--graph",
-        default=None,
-        metavar="KEY=VALUE,...",
-        help="how the graph is built (models/options.py GraphOptions), e.g. compile=on,cpu_streams=1 or plain; "
-        "every choice keeps tokens identical (default: measured per backend)",
-    )
-    p.add_argument(
-        "--trace-out",
-        default=None,
-        metavar="DIR",
-        help="record the native expert routes of this run into DIR (off by default; token IDs are sensitive)",
-    )
-    p.add_argument(
-        "--trace-features",
-        type=flags.integer(0),
-        default=0,
-        metavar="N",
-        help="with --trace-out, also record the router input of every Nth position (0 = off)",
-    )
-    p.add_argument("--trace-owner", default="local", help="opaque owner label stored in the trace")
-    p.add_argument(
-        "--draft-model",
-        default=None,
-        help="speculative decoding: 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a draft model directory",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16", "stored"),
-        help="float dtype to run in: auto = float32 on the CPU backend, the stored dtype on Metal",
-    )
-    p.add_argument(
-        "--pipeline-split",
-        default=None,
-        help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)",
-    )
-    p.add_argument(
-        "--pipeline-timeout",
-        type=flags.seconds(),
-        default=None,
-        help="under mlx.launch: seconds a rank waits on another before the run ends with an error (default 60)",
-    )
-    p.add_argument(
-        "--num-draft-tokens",
-        type=flags.integer(1, MAX_DRAFT_TOKENS),
-        default=None,
-        help="most draft tokens per verify step (default 3; a governor picks each step's block up to it)",
-    )
-    add_refused_arguments(p, MLX_LM_REFUSED)
-    return p
-
-
-def check_args(args) -> None:
-    """Refuse bad values of generate's flags (UsageError naming the flag) before the model loads."""
-    if args.max_tokens is not None and args.max_tokens < 1:  # None: the server's "not given"
-        raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
-    refuse_mlx_lm_flags(args)
-    try:
-        check_sampling_args(
-            args.temp,
-            args.top_p,
-            args.min_p,
-            args.top_k,
-            args.min_tokens_to_keep,
-            args.xtc_probability,
-            args.xtc_threshold,
-        )
-    except SamplingError as e:  # name the flag
-        raise UsageError("--" + e.field.replace("_", "-"), e.message) from None
-    if args.prefill_step_size < 1:
-        raise UsageError("--prefill-step-size", f"must be >= 1, got {args.prefill_step_size}")
-    if args.max_kv_size is not None and args.max_kv_size < 1:
-        raise UsageError("--max-kv-size", f"must be >= 1, got {args.max_kv_size}")
-    _check_max_kv_size(args.max_kv_size, "--max-kv-size")
-    for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
-        if value is not None and not (0 < value < float("inf")):
-            raise UsageError(flag, f"must be a positive number of GiB, got {value}")
-    if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
-        raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
-    sweep_from_args(args)  # a bad --prefill-sweep fails before the model loads
-    if getattr(args, "prompt_cache_file", None) is not None and pipeline_launched():  # generate, cache-prompt
-        raise UsageError("--prompt-cache-file", "not supported under mlx.launch (each rank holds its own layers)")
-    graph_options_from_args(args)
-    if args.trace_features < 0:
-        raise UsageError("--trace-features", f"must be >= 0, got {args.trace_features}")
-    if args.num_draft_tokens is not None:
-        if args.draft_model is None:
-            raise UsageError("--num-draft-tokens", "needs --draft-model")
-        if args.num_draft_tokens < 1:
-            raise UsageError("--num-draft-tokens", f"must be >= 1, got {args.num_draft_tokens}")
-
-
-def load_from_args(args):
-    """(model, tokenizer) named by generate's model and cache flags (`--model`: demo, a local
-    directory or a Hub repo id, downloaded after a disk check)."""
-    from .hub import resolve_model
-    from .loader import load
-
-    return load(
-        resolve_model(args.model),
-        dtype=None if args.dtype == "stored" else args.dtype,
-        expert_cache_gb=args.expert_cache_gb,
-        ple_cache_gb=args.ple_cache_gb,
-        prefetch=prefetch_from_args(args),
-        expert_mirror=args.expert_mirror,
-        prefill_sweep=sweep_from_args(args),
-        options=graph_options_from_args(args),
-    )
-
-
-def _trace_kwargs(args) -> dict:
-    if args.trace_out is None:
-        return {}
-    sampling = {"temp": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed}
-    return {
-        "trace_out": args.trace_out,
-        "trace_features": args.trace_features,
-        "trace_owner": args.trace_owner,
-        "trace_sampling": sampling,
-    }
-
-
-def _draft_kwargs(args) -> dict:
-    if args.draft_model is None:
-        return {}
-    return {"draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens}
-
-
-def main(argv=None) -> int:
-    """`hebrus-mlx generate`; typed errors propagate to `cli.run` (one line, exit 2)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt.strip():
-        raise UsageError("--prompt", "the prompt is empty")
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    if pipeline_launched():
-        from .hub import resolve_model
-        from .pipeline.cli import load_or_serve
-
-        pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
-        if pipe is None:
-            return 0  # a serving rank: rank 0 prints
-    else:
-        model, tokenizer = load_from_args(args)
-    extra = {}
-    if args.prompt_cache_file is not None:
-        from .cache_prompt import load_for_generate
-
-        if args.system_prompt is not None:
-            raise UsageError(
-                "--system-prompt", "with --prompt-cache-file the system prompt is in the file (give it to cache-prompt)"
-            )
-        extra["prompt_cache"], ids = load_for_generate(
-            args.prompt_cache_file, model, tokenizer, prompt, args.ignore_chat_template
-        )
-        limit = context_limit(model)
-        held = extra["prompt_cache"].offset
-        if limit is not None and held + len(ids) + args.max_tokens > limit:
-            raise UsageError(
-                "--max-tokens",
-                f"{held} cached + {len(ids)} prompt + {args.max_tokens} tokens exceed the model context {limit}",
-            )
-    elif args.ignore_chat_template or tokenizer.chat_template is None:
-        ids = tokenizer.encode(prompt)
-    else:
-        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
-        messages.append({"role": "user", "content": prompt})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    sampler = make_sampler(
-        temp=args.temp,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        top_k=args.top_k,
-        min_tokens_to_keep=args.min_tokens_to_keep,
-        xtc_probability=args.xtc_probability,
-        xtc_threshold=args.xtc_threshold,
-        # as mlx_lm.generate: XTC never excludes a newline or a stop token
-        xtc_special_tokens=tokenizer.encode("\n") + sorted(tokenizer.stop_token_ids),
-    )
-    text = generate(
-        model,
-        tokenizer,
-        ids,
-        verbose=args.verbose,
-        max_tokens=args.max_tokens,
-        sampler=sampler,
-        prefill_step_size=args.prefill_step_size,
-        **_trace_kwargs(args),
-        **_draft_kwargs(args),
-        **extra,
-    )
-    if not args.verbose:
-        print(text, flush=True)
-    if pipeline_launched():
-        from .pipeline.cli import finish
-
-        finish(model, verbose=args.verbose)  # last: the launcher ends rank 0 once a peer exits
-    return 0
-
-
-if __name__ == "__main__":
-    from .cli import run
-
-    sys.exit(run("generate", main))

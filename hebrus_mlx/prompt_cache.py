@@ -21,7 +21,6 @@ cannot do, deep-copies whole caches, and cannot see a pipeline's remote layers (
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import time
@@ -33,9 +32,15 @@ from pathlib import Path
 import mlx.core as mx
 
 from .errors import HebrusError
+from .generate import (
+    DEFAULT_PREFILL_STEP_SIZE,
+    GenerationError,
+    GenerationResponse,
+    context_limit,
+    prefill,
+    stream_generate,
+)
 from .models.cache import AttentionCache, CacheHoleError, CacheStateError, LinearCache, SequenceCache
-
-_gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
 
 @dataclass
@@ -135,13 +140,13 @@ def stream_with_cache(
     prompt_cache: PromptCache | None,
     max_tokens: int,
     sampler=None,
-    prefill_step_size: int = _gen.DEFAULT_PREFILL_STEP_SIZE,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     cancelled: Callable[[], bool] = lambda: False,
     usage: Usage | None = None,
     draft_model=None,
     num_draft_tokens: int | None = None,
     logits_processors: list | None = None,
-) -> Iterator[_gen.GenerationResponse]:
+) -> Iterator[GenerationResponse]:
     """`stream_generate` over a prompt whose longest cached prefix is restored instead of
     prefilled. Fills `usage` as it goes. Stops early (no error) when `cancelled()` turns true.
     `draft_model` / `num_draft_tokens` decode speculatively as `stream_generate` does (the drafter
@@ -150,11 +155,11 @@ def stream_with_cache(
     see the whole prompt then the generated tokens, as in `generate_step` over the full prompt
     (the restored and prefilled prefix is prepended to the history the decode loop keeps)."""
     ids = list(ids)
-    limit = _gen.context_limit(model)
+    limit = context_limit(model)
     if not ids:
-        raise _gen.GenerationError("prompt is empty")
+        raise GenerationError("prompt is empty")
     if limit is not None and len(ids) + max_tokens > limit:
-        raise _gen.GenerationError(
+        raise GenerationError(
             f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the model context {limit}"
         )
     tic = time.perf_counter()
@@ -165,14 +170,14 @@ def stream_with_cache(
     if usage is not None:
         usage.prompt_tokens, usage.cached_tokens = len(ids), n
     # generate's prefill (chunk cap, rollback); the last token is the decode loop's first input.
-    if not _gen.prefill(model, mx.array(ids[n:-1], dtype=mx.int32), cache, prefill_step_size, cancelled):
+    if not prefill(model, mx.array(ids[n:-1], dtype=mx.int32), cache, prefill_step_size, cancelled):
         return
     if prompt_cache is not None and len(ids) - 1 > n:
         prompt_cache.insert(ids[:-1], cache)
     extra = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
     if logits_processors:
         extra["logits_processors"] = _with_prefix(logits_processors, ids[:-1])
-    steps = _gen.stream_generate(
+    steps = stream_generate(
         model,
         tokenizer,
         ids[-1:],

@@ -31,7 +31,6 @@ import asyncio
 import errno
 import gc
 import hmac
-import importlib
 import json
 import logging
 import math
@@ -53,15 +52,21 @@ from .artifact.untrusted import UntrustedFileError
 from .artifact.untrusted import loads as untrusted_loads
 from .cli_args import MLX_LM_SERVER_REFUSED, ArgumentParser, add_refused_arguments, prefetch_from_args
 from .errors import HebrusError, UsageError
+from .generate import DEFAULT_PREFILL_STEP_SIZE, GenerationError, context_limit, generation_stream
 from .pipeline import launched as pipeline_launched
 from .pipeline.stage import PipelineError
 from .prompt_cache import PromptCache, Usage, stream_with_cache
 from .sample_utils import SamplingError, check_sampling_args, make_sampler
 from .stream.errors import StreamError
 from .text.chat_template import ChatError
-from .verb_flags import PROMPT_ERRORS, add_prompt_cache_arguments, check_shared_flags, share_generate_flags
-
-gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
+from .verb_flags import (
+    PROMPT_ERRORS,
+    add_prompt_cache_arguments,
+    check_args,
+    check_shared_flags,
+    load_from_args,
+    share_generate_flags,
+)
 
 log = logging.getLogger("hebrus_mlx.server")
 
@@ -348,7 +353,7 @@ class ServerDefaults:
     top_k: int = 0
     min_p: float = 0.0
     max_tokens: int | None = None  # --max-tokens; None: not given (see App._max_tokens)
-    prefill_step_size: int = gen.DEFAULT_PREFILL_STEP_SIZE
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE
     draft_model: str | None = None  # speculative decoding: 'ngram', 'mtp' or a draft model dir
     num_draft_tokens: int | None = None
     prompt_cache_dir: str | None = None  # prefix snapshots on disk (prompt_cache_disk.py)
@@ -400,7 +405,7 @@ class Worker:
 
     @property
     def context(self) -> int | None:
-        return gen.context_limit(self.model)
+        return context_limit(self.model)
 
     def _run(self, load):
         try:
@@ -449,7 +454,7 @@ class Worker:
                 self.broken = e
                 log.error("pipeline down, refusing further requests: %s", e)
                 self._emit(job, ("error", e))
-            except (StreamError, gen.GenerationError, ValueError) as e:
+            except (StreamError, GenerationError, ValueError) as e:
                 if job.cancel.is_set():  # its tickets were failed on purpose
                     log.info("cancelled request stopped: %s: %s", type(e).__name__, e)
                 else:
@@ -569,7 +574,7 @@ class Worker:
                 logits_processors=[self._processors(job)],
                 seeds=[None if s.seed is None else s.seed],
             )
-        except (gen.GenerationError, ValueError) as e:
+        except (GenerationError, ValueError) as e:
             self._emit(job, ("error", e))
             return
         job.usage.prompt_tokens = len(job.ids)
@@ -590,7 +595,7 @@ class Worker:
         import mlx.core as mx
 
         try:
-            mx.synchronize(gen.generation_stream())  # the worker thread's generation stream
+            mx.synchronize(generation_stream())  # the worker thread's generation stream
             mx.synchronize()
         except Exception as e:
             if job.cancel.is_set():
@@ -1665,7 +1670,7 @@ def main(argv=None) -> int:
     """`hebrus-mlx server`; typed errors propagate to `cli.run` (one line, exit 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    gen.check_args(args)
+    check_args(args)
     api_key = api_key_from(args)
     check_shared_flags(args, parser, "server")
     if not 0 <= args.port <= 65535:
@@ -1712,7 +1717,7 @@ def main(argv=None) -> int:
             nonlocal pipe
             pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
             return model, tokenizer
-        return gen.load_from_args(args)
+        return load_from_args(args)
 
     sock = _listen(args.host, args.port)  # before the model loads: a taken port is the user's one line
     worker = Worker(load, args.prompt_cache_bytes, defaults)

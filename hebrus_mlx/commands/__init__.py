@@ -1,0 +1,1 @@
+"""The verbs' command lines: one module per `hebrus-mlx` verb (cli.VERBS), over the library."""
