@@ -512,8 +512,8 @@ def batch_generate(
     seeds=None,
 ) -> BatchResponse:
     """Generate for several prompts at once (strings are encoded as data, or token id lists);
-    `max_tokens` an int or one per prompt; `seeds` None or one per prompt (None: unseeded). Each sequence's tokens are its solo run's (greedy: the
-    same tokens; docs/GENERATION.md)."""
+    `max_tokens` an int or one per prompt; `seeds` None or one per prompt (None: unseeded). Each
+    sequence's tokens are its solo run's (greedy: the same tokens; docs/GENERATION.md)."""
     ids = [gen._prompt_ids(tokenizer, p).tolist() for p in prompts]
     per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(ids)
     g = BatchGenerator(

@@ -904,8 +904,9 @@ class Model(nn.Module):
     mtp_head = None
     # The GraphOptions models/optimize.apply built this model with; None: the active ones.
     options: graph_options.GraphOptions | None = None
-    # The tokenizer's IDs [0, effective_vocab_size) (AFN-005), set by `load` for a product family's
-    # vocabulary (admission.product_vocabulary): the logits of the unassigned rows past it are -inf,
+    # The tokenizer's IDs [0, effective_vocab_size) (AFN-005), set by the loader for a product
+    # family (admission.EFFECTIVE_VOCAB; an HF checkpoint by admission.product_vocabulary): the
+    # logits of the unassigned rows past it are -inf,
     # so a loop that samples without hebrus's vocabulary mask (mlx-lm's) cannot pick one. None: no
     # mask.
     effective_vocab_size: int | None = None
