@@ -4,8 +4,8 @@
 load's `options` (how the graph is built: models/options.py). They are imported on first
 use so that `import hebrus_mlx` (and CPU-only admission, AFN-004) stays free of MLX. Because the
 function `generate` shares its name with the submodule `hebrus_mlx.generate`, the package attribute
-always resolves to the function; reach the module with `importlib.import_module("hebrus_mlx.generate")`
-(the same for `batch_generate`).
+always resolves to the function; import from the module by name (`from hebrus_mlx.generate import
+generate_step`) or reach it as `sys.modules["hebrus_mlx.generate"]` (the same for `batch_generate`).
 """
 
 import importlib

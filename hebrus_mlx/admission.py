@@ -45,6 +45,19 @@ STAGES = (
     "ownership",
 )
 
+# The tokenizer's effective vocabulary of the product's families (AFN-005): IDs [0, n) name tokens,
+# the physical rows past n (family vocab_size: 248,320 and 4,224) are unassigned. Both numbers are
+# admission equalities; a family registered elsewhere (tests, tools) pins none.
+EFFECTIVE_VOCAB = {C.QWEN38_FLASH_NEXT.name: 248_077, C.QWEN4EXP_DEMO.name: 4105}
+
+
+def product_vocabulary(physical_rows: int, effective_ids: int) -> bool:
+    """Whether (physical output rows, tokenizer IDs) is a product family's pair (248,320 / 248,077;
+    the demo's 4,224 / 4,105), artifact or HF checkpoint alike: the loaded model then masks its
+    unassigned rows itself (models.qwen4exp.Model.effective_vocab_size)."""
+    return any((C.family(name).vocab_size, n) == (physical_rows, effective_ids) for name, n in EFFECTIVE_VOCAB.items())
+
+
 _TENSOR_FIELDS = {"dtype", "shape", "data_offsets", "codec", "sha256"}  # sha256: optional, all or none
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _REQUIRED_KEYS = {
@@ -231,6 +244,15 @@ class _Admission:
         top = max(ids + list(added), default=-1)
         if top >= self.consts["vocab_size"]:
             raise AdmissionError("tokenizer.vocab", f"token id {top} >= physical vocab {self.consts['vocab_size']}")
+        want = EFFECTIVE_VOCAB.get(self.fam.name)
+        if want is not None:
+            n = len(set(ids) | set(added))
+            if n != want or top != n - 1:
+                raise AdmissionError(
+                    "tokenizer.effective_vocab_size",
+                    f"{n} token IDs up to {top}; family {self.fam.name} has IDs 0..{want - 1} "
+                    f"({want} of {self.consts['vocab_size']} physical rows)",
+                )
 
     # 6 ------------------------------------------------------------------
     def tensors(self):

@@ -18,7 +18,10 @@ and stores each prompt and each finished sequence, as the one-at-a-time server d
 
 A failed round (a streamed read's I/O error, a bad digest) rolls every sequence it touched back to
 its state before the round and raises `BatchStepError` naming their uids: the caller removes them
-(the server fails those requests) or calls `next()` again, which continues them exactly.
+(the server fails those requests) or calls `next()` again, which continues them exactly. A step
+whose logits went non-finite (NaN, infinity) is rolled back the same way; its error
+(`NonFiniteError`, field ``logits``) names only the rows that went non-finite (AFN-010). A prompt
+prefix enters the `PromptCache` once its first token's logits were finite.
 
 Speculative drafting is not run inside a batch: `BatchGenerator` takes no drafter (the server
 refuses `--draft-model` with `--decode-concurrency` > 1).
@@ -37,11 +40,12 @@ from typing import Any
 import mlx.core as mx
 
 from .batch import batch_forward, max_batch_rows
-from .errors import GenerationError, HebrusError, UsageError
+from .errors import GenerationError, HebrusError, NonFiniteError, UsageError
 from .generate import (
     CLEAR_CACHE_EVERY,
     DEFAULT_PREFILL_STEP_SIZE,
     DecodeStep,
+    check_seed,
     context_limit,
     generation_stream,
     prefill_chunks,
@@ -57,7 +61,8 @@ __all__ = ["BatchGenerator", "BatchResponse", "BatchStepError", "Response", "bat
 
 
 class BatchStepError(HebrusError, RuntimeError):
-    """A batched round failed; `uids` are the requests it touched (rolled back to before it) and
+    """A batched round failed; `uids` are the requests that failed (every row it touched was rolled
+    back to before it: all of them, or for a NonFiniteError the rows that went non-finite) and
     `cause` the typed error (e.g. a StreamIOError)."""
 
     default_field = "batch"
@@ -86,7 +91,7 @@ class _Seq:
     sampler: Callable
     processors: list[Callable]
     stops: frozenset
-    seed: int | None  # seeded draws, independent of the other requests (_own_key)
+    seed: int | None  # its own random key (generate.DecodeStep), independent of the other requests
     cache: Any = None
     start: int = 0  # tokens a cache given at insert held before `ids` (mlx-lm's prompt_caches)
     cached_tokens: int = 0
@@ -94,7 +99,7 @@ class _Seq:
     step: Any = None  # generate.DecodeStep (processors, mask, sampler)
     y: int = 0  # the next input token
     tokens: list[int] = field(default_factory=list)
-    drawn: int = 0  # decode steps built for it (its seeded draws' index)
+    prefix: Any = None  # the prompt's state for the PromptCache, stored once a token came out finite
 
 
 def _stop_set(tokenizer) -> frozenset:
@@ -165,10 +170,10 @@ class BatchGenerator:
         seeds=None,
         caches=None,
     ) -> list[int]:
-        """Queue requests; per-request lists (or None: the defaults). `seeds[i]` seeds request i's
-        draws on their own, so they do not depend on what else runs. `caches[i]` (mlx-lm's): a
-        sequence cache holding a prefix that `prompts[i]` continues; it is copied, not updated in
-        place. Returns their uids."""
+        """Queue requests; per-request lists (or None: the defaults). `seeds[i]` gives request i its
+        own random key: its tokens are its solo run's with that seed (generate_step(seed=)),
+        whatever else runs. `caches[i]` (mlx-lm's): a sequence cache holding a prefix that
+        `prompts[i]` continues; it is copied, not updated in place. Returns their uids."""
         n = len(prompts)
 
         def each(values, name):
@@ -194,6 +199,7 @@ class BatchGenerator:
             ids = [int(t) for t in ids]
             if not ids:
                 raise GenerationError("prompt is empty")
+            check_seed(seed, smp or self.sampler)
             mt = self.max_tokens if mt is None else mt
             if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
                 raise GenerationError("max_tokens", f"must be an int >= 1, got {mt!r}")
@@ -302,6 +308,7 @@ class BatchGenerator:
                 effective_vocab_size=self.effective_vocab_size,
                 sampler=s.sampler,
                 logits_processors=s.processors,
+                seed=s.seed,
             )
             if s.processors and s.cache.offset:  # processors see the whole prompt, restored prefix included
                 s.step.history = mx.array(s.ids[: s.cache.offset], dtype=mx.int32)
@@ -339,7 +346,7 @@ class BatchGenerator:
             s.chunks = None
             self._prefilling.remove(s)
             if self.prompt_cache is not None and len(s.ids) - 1 > s.cached_tokens:
-                self.prompt_cache.insert(s.ids[:-1], s.cache)
+                s.prefix = s.cache.snapshot()
             self._decoding.append(s)
 
     def _decode_round(self) -> list[Response]:
@@ -376,8 +383,9 @@ class BatchGenerator:
         """Queue one batched step for `rows`; a row in `prev` feeds prev's token (lazy)."""
         carried = {} if prev is None else {id(s): j for j, s in enumerate(prev.rows)}
         inputs = [prev.picks[carried[id(s)]][0] if id(s) in carried else mx.array([s.y], dtype=mx.int32) for s in rows]
-        snaps = [(s.cache.snapshot(), s.step.history, s.drawn) for s in rows]
+        snaps = [(s.cache.snapshot(), s.step.history, s.step.key) for s in rows]
         step = _Step(rows, [None] * len(rows), snaps)
+        finite = [None] * len(rows)
         try:
             ys = mx.concatenate(inputs) if len(inputs) > 1 else inputs[0]
             logits = batch_forward(self.model, ys, [s.cache for s in rows])
@@ -388,21 +396,20 @@ class BatchGenerator:
                 if not s.processors and s.seed is None:
                     shared.setdefault(id(s.sampler), []).append(b)
                     continue
-                logprobs = s.step.logprobs(logits[b : b + 1], inputs[b])
-                with _own_key(s):
-                    token = s.step._sample(logprobs)
+                logprobs, finite[b] = s.step.checked(logits[b : b + 1], inputs[b])
+                token = s.step.draw(logprobs)
                 s.step.fed(inputs[b])
                 step.picks[b] = (token, logprobs[0])
             for group in shared.values():
                 first = rows[group[0]].step
                 part = logits if len(group) == len(rows) else logits[mx.array(group)]
-                logprobs = first.logprobs(part, None)
-                tokens = first._sample(logprobs)
+                logprobs, ok = first.checked(part, None)
+                tokens = first.draw(logprobs)  # unseeded: the global generator
                 for j, b in enumerate(group):
                     step.picks[b] = (tokens[j : j + 1], logprobs[j])
-            for s in rows:
-                s.drawn += 1
-            mx.async_eval([p for pair in step.picks for p in pair])
+                    finite[b] = ok[j : j + 1]
+            step.finite = mx.concatenate(finite)
+            mx.async_eval([p for pair in step.picks for p in pair], step.finite)
         except Exception as e:  # refused (e.g. the context), or a read failed as it started
             _restore(rows, snaps)
             touched = list(rows)
@@ -415,10 +422,15 @@ class BatchGenerator:
 
     def _read(self, step: _Step, following: _Step | None) -> list[Response]:
         """Wait for `step`'s tokens and hand them out. A failure rolls its rows back to before it,
-        and `following` (queued on it) with them; BatchStepError names every row touched."""
+        and `following` (queued on it) with them; BatchStepError names every row touched (non-finite
+        logits: the rows that went non-finite)."""
+        failed = []
         try:
             with rollback_on_error(None, None):
-                mx.eval([p for pair in step.picks for p in pair])
+                mx.eval([p for pair in step.picks for p in pair], step.finite)
+            failed = [s.uid for s, ok in zip(step.rows, step.finite.tolist()) if not ok]
+            if failed:
+                raise NonFiniteError("logits", f"requests {failed}: the step computed NaN or infinity")
         except Exception as e:
             touched = list(step.rows)
             if following is not None:
@@ -426,7 +438,7 @@ class BatchGenerator:
                 _restore(following.rows, following.snaps)
                 touched += [s for s in following.rows if s not in step.rows]
             _restore(step.rows, step.snaps)
-            raise BatchStepError(e, [s.uid for s in touched]) from e
+            raise BatchStepError(e, failed or [s.uid for s in touched]) from e
         self.steps += 1
         self.rows += len(step.rows)
         out = []
@@ -435,6 +447,8 @@ class BatchGenerator:
                 continue  # cancelled while its step was in flight
             token = token.item()
             s.tokens.append(token)
+            if s.prefix is not None:  # its prompt's state gave finite logits: stored now (AFN-010)
+                self._store_prefix(s)
             finish = "stop" if token in s.stops else ("length" if len(s.tokens) == s.max_tokens else None)
             out.append(Response(s.uid, token, logprobs, finish, None if finish is None else s.cache))
             s.y = token
@@ -443,6 +457,15 @@ class BatchGenerator:
         if self.rows % CLEAR_CACHE_EVERY < len(step.rows):
             mx.clear_cache()
         return out
+
+    def _store_prefix(self, s: _Seq):
+        live = s.cache.snapshot()
+        s.cache.restore(s.prefix)
+        try:
+            self.prompt_cache.insert(s.ids[:-1], s.cache)
+        finally:
+            s.cache.restore(live)
+            s.prefix = None
 
     def _finish(self, s: _Seq):
         self._decoding.remove(s)
@@ -462,19 +485,20 @@ class BatchGenerator:
 @dataclass
 class _Step:
     """One queued batched decode step: its rows, their lazy (token [1], logprobs [V]) and each
-    row's state before it (cache snapshot, processors' history, draws)."""
+    row's state before it (cache snapshot, processors' history, random key)."""
 
     rows: list[_Seq]
     picks: list[Any]
     snaps: list[Any]
+    finite: Any = None  # [rows] bool: each row's logits were finite
 
 
 def _restore(rows, snaps):
     """AFN-010 for a batched step: each row back to its state before the step."""
-    for s, (snap, history, drawn) in zip(rows, snaps):
+    for s, (snap, history, key) in zip(rows, snaps):
         s.cache.restore(snap)
         s.step.history = history
-        s.drawn = drawn
+        s.step.key = key
 
 
 def _settle_quietly(step: _Step):
@@ -484,16 +508,6 @@ def _settle_quietly(step: _Step):
         mx.eval([p for pair in step.picks for p in pair])
     except Exception as e:
         log.info("discarded step failed: %s", e)
-
-
-@contextmanager
-def _own_key(s: _Seq):
-    """Seeded requests draw from a generator seeded by (seed, token index) alone, so their tokens
-    do not depend on what else shares the step (MLX's global PRNG cannot be handed a
-    per-request key: docs/GENERATION.md)."""
-    if s.seed is not None:
-        mx.random.seed(hash((s.seed, s.drawn)) & 0xFFFFFFFFFFFF)
-    yield
 
 
 @dataclass
@@ -522,10 +536,11 @@ def batch_generate(
     prompt_caches=None,
     return_prompt_caches: bool = False,
     return_logprobs: bool = False,
+    seeds=None,
 ) -> BatchResponse:
     """Generate for several prompts at once (strings are encoded as data, or token id lists);
-    `max_tokens` an int or one per prompt. Each sequence's tokens are its solo run's (greedy: the
-    same tokens; docs/GENERATION.md).
+    `max_tokens` an int or one per prompt; `seeds` None or one per prompt (None: unseeded). Each
+    sequence's tokens are its solo run's (greedy: the same tokens; docs/GENERATION.md).
 
     mlx-lm's keywords: `prompt_caches` (one sequence cache per prompt, holding a prefix the prompt
     continues; copied, not updated in place; not with `prompt_cache`, the shared prefix cache),
@@ -546,7 +561,7 @@ def batch_generate(
         prefill_step_size=prefill_step_size,
         prompt_cache=prompt_cache,
     )
-    uids = g.insert(ids, max_tokens=per, caches=prompt_caches)
+    uids = g.insert(ids, max_tokens=per, caches=prompt_caches, seeds=seeds)
     tokens = {u: [] for u in uids}
     finish: dict[int, str | None] = {u: None for u in uids}
     caches: dict[int, Any] = {}

@@ -39,6 +39,13 @@ class UsageError(HebrusError, ValueError):
     default_field = "arguments"
 
 
+class NonFiniteError(HebrusError, RuntimeError):
+    """A step computed NaN or infinity where a finite value is published (AFN-010); `field` names
+    what (``logits``). The sequence was rolled back to before the step."""
+
+    default_field = "logits"
+
+
 class GenerationError(HebrusError, ValueError):
     """Bad generation input (empty prompt, prompt beyond the context, bad arguments)."""
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import flags
 from .cli_args import MLX_LM_REFUSED
 from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
-from .sample_utils import make_sampler, masked_logprobs
+from .sample_utils import check_finite, checked_logprobs, make_sampler
 from .stream.rollback import rollback_on_error
 from .traces.schema import KIND_DECODE, KIND_PREFILL
 
@@ -186,10 +187,21 @@ class PendingStep:
     staged: Any = None  # the trace record of the token it fed
     hidden: mx.array | None = None  # [1, D] state after the fed token (drafters that ask for it)
     routes: mx.array | None = None  # [layers, 1, k] (the speculative governor's unique experts)
+    finite: mx.array | None = None  # [1] bool: the logits were finite (AFN-010)
 
     def arrays(self) -> list:
         extra = [] if self.staged is None else list(self.staged.arrays)
-        return extra + [a for a in (self.hidden, self.routes) if a is not None]
+        return extra + [a for a in (self.hidden, self.routes, self.finite) if a is not None]
+
+
+def check_seed(seed, sampler) -> None:
+    """Refuse a seed `DecodeStep` cannot honour (UsageError naming `seed`)."""
+    if seed is None:
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= flags.SEED_MAX:
+        raise UsageError("seed", f"must be an integer in [0, 2**64 - 1], got {seed!r}")
+    if not getattr(sampler, "takes_key", False):
+        raise UsageError("seed", "needs a sampler that takes a key (hebrus_mlx.sample_utils.make_sampler)")
 
 
 class DecodeStep:
@@ -198,7 +210,12 @@ class DecodeStep:
     speculative verify and prefill all feed the model through it.
 
     hidden: forwards also return the pre-mixer state rows (drafters that need them); routes:
-    forwards asked for them capture the routed experts (not across a pipeline)."""
+    forwards asked for them capture the routed experts (not across a pipeline).
+
+    seed: the sequence draws from its own key (`mx.random.key(seed)`, split per draw), so its
+    tokens depend on nothing else that runs and MLX's global generator is never reseeded; None:
+    draws from the global generator, which no seeded sequence moves (fresh per process unless
+    the caller seeds it)."""
 
     def __init__(
         self,
@@ -211,7 +228,9 @@ class DecodeStep:
         trace=None,
         hidden: bool = False,
         routes: bool = False,
+        seed: int | None = None,
     ):
+        check_seed(seed, sampler)
         self.model, self.cache = model, cache
         self.effective_vocab_size = effective_vocab_size
         self.sampler = sampler
@@ -223,6 +242,19 @@ class DecodeStep:
         self.pipeline = getattr(model, "last_row_logits", False)  # rank 0 of a pipeline: no route capture
         self.routes = routes and not self.pipeline
         self.history: mx.array | None = None  # every token fed (kept for logits processors)
+        self.key = None if seed is None else mx.random.key(seed)  # the next draw's parent key
+
+    def next_key(self) -> mx.array | None:
+        """A key for one draw of this sequence (None: unseeded, the global generator)."""
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def draw(self, logprobs: mx.array) -> mx.array:
+        """The sampler's tokens for `logprobs` (masked, normalised), from this sequence's key."""
+        key = self.next_key()
+        return self._sample(logprobs) if key is None else self._sample(logprobs, key=key)
 
     def guard(self, snap):
         return _guarded(self.cache, snap, self.model)
@@ -260,6 +292,10 @@ class DecodeStep:
     def logprobs(self, logits: mx.array, fed: mx.array) -> mx.array:
         """[L, V] logits of the forward that fed `fed` -> [L, V] log-probabilities, -inf past the
         effective vocabulary; each row's processors see the history through that row's input."""
+        return self.checked(logits, fed)[0]
+
+    def checked(self, logits: mx.array, fed: mx.array) -> tuple[mx.array, mx.array]:
+        """`logprobs` and [L] bools: each row's logits were finite (`check_finite`)."""
         if self.processors:
             out = []
             for i in range(logits.shape[0]):
@@ -270,7 +306,7 @@ class DecodeStep:
                     row = proc(history, row)
                 out.append(row)
             logits = out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
-        return masked_logprobs(logits, self.effective_vocab_size)
+        return checked_logprobs(logits, self.effective_vocab_size)
 
     def prefill_forward(self, chunk: mx.array):
         """`prefill_chunks`' forward: the chunk's trace record and hidden rows come back."""
@@ -284,24 +320,31 @@ class DecodeStep:
         snap = _snapshot(self.cache)
         with self.guard(snap):
             logits, hidden, staged, routes = self.forward(y, KIND_DECODE, routes=True)
-            logprobs = self.logprobs(logits[-1:], y)
-            step = PendingStep(self._sample(logprobs), logprobs[0], snap, staged, hidden, routes)
+            logprobs, finite = self.checked(logits[-1:], y)
+            step = PendingStep(self.draw(logprobs), logprobs[0], snap, staged, hidden, routes, finite)
             self.fed(y)
             mx.async_eval(step.y, logprobs, *step.arrays())
         return step
 
     def read(self, step: PendingStep) -> int:
-        """The step's token (waits for it); its trace record is committed first."""
+        """The step's token (waits for it); its trace record is committed first. Non-finite
+        logits raise NonFiniteError (the caller's guard rolls the sequence back)."""
+        check_finite(step.finite)
         if step.staged is not None:
             self.trace.commit(step.staged)
         return step.y.item()
 
     def finish(self, step: PendingStep) -> None:
         """Evaluate a step nobody reads (queued on the last token), so the cache and the streamed
-        experts' leases are settled when the caller gets control."""
+        experts' leases are settled when the caller gets control. Non-finite logits take the
+        cache back to before it: every token was handed out, but the state it fed is not kept
+        (the prompt cache then stores nothing of it, AFN-010)."""
+        mx.eval(step.y, step.logprobs, *step.arrays())
+        if not step.finite.all().item():
+            self.cache.restore(step.snap)
+            return
         if step.staged is not None:
             self.trace.commit(step.staged)
-        mx.eval(step.y, step.logprobs, *step.arrays())
 
 
 # -- the generation loop --------------------------------------------------------------------------------
@@ -321,6 +364,7 @@ def generate_step(
     trace=None,
     draft_model=None,
     num_draft_tokens: int | None = None,
+    seed: int | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; logprobs are over the physical width, -inf past the
     effective vocabulary (AFN-005; default: the one `hebrus_mlx.load` gave the model, from its
@@ -330,7 +374,9 @@ def generate_step(
     back once per step or prefill chunk); the caller closes it.
 
     `draft_model` (a hebrus_mlx.speculative Drafter) decodes speculatively with blocks of up to
-    `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling)."""
+    `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling).
+
+    seed: this sequence's own random key (DecodeStep); None draws from MLX's global generator."""
     for token, logprobs, _ in _generate(
         prompt,
         model,
@@ -344,6 +390,7 @@ def generate_step(
         trace=trace,
         draft_model=draft_model,
         num_draft_tokens=num_draft_tokens,
+        seed=seed,
     ):
         yield token, logprobs
 
@@ -411,6 +458,7 @@ def _generate(
     governor="auto",
     stats=None,
     step_trace=None,
+    seed=None,
 ):
     """The one loop: prefill all but the last prompt token, then the pipelined decode, with the
     speculative blocks a drafter's strategy chooses in between. Yields (token, logprobs, from_draft)."""
@@ -464,6 +512,7 @@ def _generate(
             trace=trace,
             hidden=spec is not None and spec.needs_hidden,
             routes=spec is not None and spec.track_routes,
+            seed=seed,
         )
         if trace is not None:
             trace.begin(getattr(cache, "next_position", 0))

@@ -259,6 +259,7 @@ def load(
     with a UsageError naming the argument: `adapter_path`, `lazy=True`, `trust_remote_code=True`,
     any `model_config` key, and any argument load does not know.
     """
+    from .admission import product_vocabulary
     from .text.tokenizer import load_tokenizer
 
     tokenizer_overrides = _check_mlx_lm_kwargs(
@@ -293,6 +294,8 @@ def load(
         options=options,
     )
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources, **tokenizer_overrides)
+    if product_vocabulary(model.args.vocab_size, tokenizer.effective_vocab_size):
+        model.effective_vocab_size = tokenizer.effective_vocab_size  # the model masks its unassigned rows (AFN-005)
     model.source_path = path  # route traces pin the artifact by its digest
     model.effective_vocab_size = tokenizer.effective_vocab_size  # generate_step's default (AFN-005)
     if return_config:

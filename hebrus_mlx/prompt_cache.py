@@ -146,6 +146,7 @@ def stream_with_cache(
     draft_model=None,
     num_draft_tokens: int | None = None,
     logits_processors: list | None = None,
+    seed: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """`stream_generate` over a prompt whose longest cached prefix is restored instead of
     prefilled. Fills `usage` as it goes. Stops early (no error) when `cancelled()` turns true.
@@ -153,15 +154,14 @@ def stream_with_cache(
     sees the tokens from the last cached position on, so a prompt-lookup drafter finds fewer
     matches after a long cached prefix; the tokens are the same either way). `logits_processors`
     see the whole prompt then the generated tokens, as in `generate_step` over the full prompt
-    (the restored and prefilled prefix is prepended to the history the decode loop keeps)."""
+    (the restored and prefilled prefix is prepended to the history the decode loop keeps).
+    `seed`: the request's own random key (generate_step's)."""
     ids = list(ids)
     limit = context_limit(model)
     if not ids:
         raise GenerationError("prompt is empty")
     if limit is not None and len(ids) + max_tokens > limit:
-        raise GenerationError(
-            f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the model context {limit}"
-        )
+        raise GenerationError(f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the model context {limit}")
     tic = time.perf_counter()
     if prompt_cache is not None:
         cache, n = prompt_cache.fetch(model, ids)
@@ -172,8 +172,8 @@ def stream_with_cache(
     # generate's prefill (chunk cap, rollback); the last token is the decode loop's first input.
     if not prefill(model, mx.array(ids[n:-1], dtype=mx.int32), cache, prefill_step_size, cancelled):
         return
-    if prompt_cache is not None and len(ids) - 1 > n:
-        prompt_cache.insert(ids[:-1], cache)
+    # The prompt's state is stored once its first token's logits came out finite (AFN-010).
+    prefix = cache.snapshot() if prompt_cache is not None and len(ids) - 1 > n else None
     extra = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
     if logits_processors:
         extra["logits_processors"] = _with_prefix(logits_processors, ids[:-1])
@@ -185,12 +185,19 @@ def stream_with_cache(
         sampler=sampler,
         prompt_cache=cache,
         prefill_step_size=prefill_step_size,
+        seed=seed,
         **extra,
     )
     tokens: list[int] = []
     finished = False
     try:
         for r in steps:
+            if prefix is not None:
+                live = cache.snapshot()
+                cache.restore(prefix)
+                prompt_cache.insert(ids[:-1], cache)
+                cache.restore(live)
+                prefix = None
             tokens.append(r.token)
             if usage is not None:
                 if len(tokens) == 1:

@@ -18,11 +18,13 @@ from numbers import Real
 
 import mlx.core as mx
 
-from .errors import HebrusError
+from .errors import HebrusError, NonFiniteError
 
 __all__ = [
     "apply_vocab_mask",
     "masked_logprobs",
+    "checked_logprobs",
+    "check_finite",
     "make_sampler",
     "check_sampling_args",
     "make_logits_processors",
@@ -54,8 +56,23 @@ def apply_vocab_mask(logits: mx.array, effective_vocab_size: int) -> mx.array:
 def masked_logprobs(logits: mx.array, effective_vocab_size: int) -> mx.array:
     """Log-probabilities over the effective vocabulary (last axis): columns past it are -inf, the
     rest renormalised. The one mask + log-softmax of every loop (plain, speculative, drafters)."""
+    return checked_logprobs(logits, effective_vocab_size)[0]
+
+
+def checked_logprobs(logits: mx.array, effective_vocab_size: int) -> tuple[mx.array, mx.array]:
+    """`masked_logprobs` and, per row, whether its log-normaliser is finite (bool, the leading
+    shape): a NaN or +inf logit, or no finite one, makes it not (AFN-010). The check reuses the
+    log-softmax's own reduction: one isfinite on a scalar per row."""
     logits = apply_vocab_mask(logits, effective_vocab_size)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    norm = mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits - norm, mx.isfinite(norm[..., 0])
+
+
+def check_finite(finite: mx.array) -> None:
+    """Raise NonFiniteError (field ``logits``) unless every row was finite (`finite`: the bools of
+    `checked_logprobs`). Raised inside a step's guard, the sequence goes back to before the step."""
+    if not finite.all().item():
+        raise NonFiniteError("logits", "the step computed NaN or infinity; the sequence was rolled back to before it")
 
 
 def _is_number(x) -> bool:
@@ -104,7 +121,8 @@ def check_sampling_args(
 
 # -- filters: log-probabilities [..., V] in, the same with dropped rows at -inf -------------------------
 # Compiled once per argument values (mlx-lm does the same): the elementwise tails fuse. The random
-# ones take and advance MLX's global random state, so a seed reproduces their draws.
+# ones take and advance MLX's global random state, so a seed reproduces their draws; given a `key`
+# (a request's own, generate.DecodeStep), they draw from it instead and leave the global state alone.
 _compiled = functools.partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
 
 
@@ -142,8 +160,7 @@ def _top_k(x: mx.array, top_k: int) -> mx.array:
     return mx.put_along_axis(x, rest, _neg_inf(x), axis=-1)
 
 
-@_compiled
-def _xtc(x: mx.array, probability: float, threshold: float, special: list[int]) -> mx.array:
+def _xtc_drop(x: mx.array, draw: mx.array, probability: float, threshold: float, special: list[int]) -> mx.array:
     # "Exclude top choices": with the given probability, drop every token above `threshold` except
     # the least probable of them; special tokens (e.g. EOS) are never dropped.
     probs = mx.softmax(x.astype(mx.float32), axis=-1)
@@ -151,13 +168,27 @@ def _xtc(x: mx.array, probability: float, threshold: float, special: list[int]) 
     drop = probs > lowest_above
     if special:
         drop[..., special] = False
-    apply = mx.random.uniform(0, 1) <= probability
-    return mx.where(apply & drop, _neg_inf(x), x)
+    return mx.where((draw <= probability) & drop, _neg_inf(x), x)
+
+
+@_compiled
+def _xtc(x: mx.array, probability: float, threshold: float, special: list[int]) -> mx.array:
+    return _xtc_drop(x, mx.random.uniform(0, 1), probability, threshold, special)
+
+
+@mx.compile
+def _xtc_keyed(x: mx.array, key: mx.array, probability: float, threshold: float, special: list[int]) -> mx.array:
+    return _xtc_drop(x, mx.random.uniform(0, 1, key=key), probability, threshold, special)
 
 
 @_compiled
 def _categorical(x: mx.array, temp: float) -> mx.array:
     return mx.random.categorical(x * (1.0 / temp))
+
+
+@mx.compile
+def _categorical_keyed(x: mx.array, key: mx.array, temp: float) -> mx.array:
+    return mx.random.categorical(x * (1.0 / temp), key=key)
 
 
 def _renormalised(x: mx.array, effective_vocab_size: int | None) -> mx.array:
@@ -182,9 +213,11 @@ def make_sampler(
 
     `temp=0` is argmax. `effective_vocab_size`: mask columns at and past it first (AFN-005); hebrus's
     own loops mask before sampling, so leave it None there and set it when the sampler goes to a loop
-    that does not (mlx-lm's). The sampler's `distribution` (absent with XTC, whose random exclusion no
-    fixed distribution describes; None for argmax) is what the speculative protocol's rejection
-    sampling needs.
+    that does not (mlx-lm's). `sampler(logprobs, key=k)` draws from the random key `k` (a seeded
+    request's own, split per draw) instead of MLX's global generator, which it then leaves as it
+    was; `sampler.takes_key` marks a sampler that accepts it. The sampler's `distribution` (absent
+    with XTC, whose random exclusion no fixed distribution describes; None for argmax) is what the
+    speculative protocol's rejection sampling needs.
     """
     check_sampling_args(
         temp, top_p, min_p, top_k, min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens
@@ -193,36 +226,47 @@ def make_sampler(
         raise SamplingError("effective_vocab_size", f"must be an int >= 1, got {effective_vocab_size!r}")
     if temp == 0:
 
-        def greedy(logprobs: mx.array, vocab=effective_vocab_size) -> mx.array:
+        def greedy(logprobs: mx.array, vocab=effective_vocab_size, key=None) -> mx.array:
             return mx.argmax(_renormalised(logprobs, vocab), axis=-1)
 
         greedy.distribution = None
+        greedy.takes_key = True
         greedy.from_logprobs = functools.partial(greedy, vocab=None)
         return greedy
 
     special = list(xtc_special_tokens or [])
-    chain = []
+    chain = []  # filters f(x, key): only XTC draws
     if 0 < top_p < 1.0:
-        chain.append(lambda x: _top_p(x, top_p))
+        chain.append(lambda x, key: _top_p(x, top_p))
     if min_p != 0.0:
-        chain.append(lambda x: _min_p(x, min_p, min_tokens_to_keep))
+        chain.append(lambda x, key: _min_p(x, min_p, min_tokens_to_keep))
     if xtc_probability > 0.0:
-        chain.append(lambda x: _xtc(x, xtc_probability, xtc_threshold, special))
+
+        def xtc(x, key):
+            if key is None:
+                return _xtc(x, xtc_probability, xtc_threshold, special)
+            return _xtc_keyed(x, key, xtc_probability, xtc_threshold, special)
+
+        chain.append(xtc)
     if top_k > 0:
-        chain.append(lambda x: _top_k(x, top_k))
+        chain.append(lambda x, key: _top_k(x, top_k))
     scale = 1.0 / temp
 
-    def filtered(logprobs, vocab):
+    def filtered(logprobs, vocab, key=None):
         x = _renormalised(logprobs, vocab)
         for f in chain:
-            x = f(x)
+            x = f(x, key)
         return x
 
-    def sampler(logprobs: mx.array, vocab=effective_vocab_size) -> mx.array:
-        return _categorical(filtered(logprobs, vocab), temp)
+    def sampler(logprobs: mx.array, vocab=effective_vocab_size, key=None) -> mx.array:
+        if key is None:
+            return _categorical(filtered(logprobs, vocab), temp)
+        xtc_key, key = mx.random.split(key)
+        return _categorical_keyed(filtered(logprobs, vocab, xtc_key), key, temp)
 
     # A loop that masked and renormalised already (generate's decode step) draws through this.
     sampler.from_logprobs = functools.partial(sampler, vocab=None)
+    sampler.takes_key = True
     if xtc_probability == 0.0:
 
         def distribution(logprobs: mx.array) -> mx.array:

@@ -572,7 +572,7 @@ class Worker:
                 max_tokens=[job.max_tokens],
                 samplers=[sampler],
                 logits_processors=[self._processors(job)],
-                seeds=[None if s.seed is None else s.seed],
+                seeds=[s.seed],
             )
         except (GenerationError, ValueError) as e:
             self._emit(job, ("error", e))
@@ -625,11 +625,7 @@ class Worker:
             self._decode(job)
 
     def _decode(self, job: Job):
-        import mlx.core as mx
-
         s = job.sampling
-        if s.seed is not None:
-            mx.random.seed(s.seed)
         sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
         processors = self._processors(job)
         draft = self.defaults.draft_model
@@ -651,6 +647,7 @@ class Worker:
             draft_model=draft,
             num_draft_tokens=self.defaults.num_draft_tokens,
             logits_processors=processors,
+            seed=s.seed,  # its own key: MLX's global generator stays the unseeded requests'
         ):
             finish = r.finish_reason
             if s.logprobs and finish != "stop":  # the stop token is not part of the text

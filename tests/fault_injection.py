@@ -30,3 +30,34 @@ def _testing():
     from hebrus_mlx import _testing as mod
 
     return mod
+
+
+class Poison:
+    """NaN after one graph stage of a Qwen4Exp model (AFN-010: failure injection after the graph
+    stages, beside the engine's I/O faults above): `stage` "layer:I" multiplies decoder layer I's
+    output streams by NaN, "logits" the vocabulary projection's output (of `model`'s class, and so
+    of every model of that class). The first `after` calls of that stage stay clean; `armed =
+    False` switches it off. Patched through `monkeypatch`, so it ends with the test."""
+
+    def __init__(self, monkeypatch, model, stage: str, after: int = 0):
+        from hebrus_mlx.models import qwen4exp as q
+
+        self.after, self.calls, self.armed = after, 0, True
+        if stage == "logits":
+            cls = type(model)
+            logits = cls._logits
+            monkeypatch.setattr(cls, "_logits", lambda m, h: self._apply(logits(m, h)))
+            return
+        kind, index = stage.split(":")
+        assert kind == "layer", stage
+        layer_call = q.DecoderLayer.__call__
+
+        def call(layer, *args, **kwargs):
+            out = layer_call(layer, *args, **kwargs)
+            return self._apply(out) if layer.layer == int(index) else out
+
+        monkeypatch.setattr(q.DecoderLayer, "__call__", call)
+
+    def _apply(self, x):
+        self.calls += 1
+        return x * float("nan") if self.armed and self.calls > self.after else x

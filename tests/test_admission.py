@@ -429,3 +429,31 @@ def test_a_bug_in_a_stage_is_not_relabelled_as_a_rejection(artifact, monkeypatch
     monkeypatch.setattr(admission._Admission, "policy", broken)
     with pytest.raises(KeyError, match="planted"):
         admit(artifact)
+
+
+def test_effective_vocabulary_is_checked_beside_the_physical_rows(tmp_path):
+    """AFN-005: a product family's tokenizer must name exactly its effective vocabulary (the real
+    family: IDs 0..248,076 of 248,320 physical rows; the demo: 0..4,104 of 4,224); one token more
+    or less, or a gap, is refused at the tokenizer stage naming `tokenizer.effective_vocab_size`."""
+    from hebrus_mlx.admission import EFFECTIVE_VOCAB, product_vocabulary
+    from hebrus_mlx.artifact import constants as C
+    from hebrus_mlx.loader import DEMO_DIR
+
+    assert (EFFECTIVE_VOCAB["qwen3.8-flash-next"], C.QWEN38_FLASH_NEXT.vocab_size) == (248_077, 248_320)  # contract
+    # the pairs whose loaded model masks its unassigned rows itself (tests/test_mlx_lm_generate.py)
+    assert product_vocabulary(248_320, 248_077) and product_vocabulary(4224, 4105)
+    assert not product_vocabulary(248_320, 248_320) and not product_vocabulary(512, 3)
+    assert admit(str(DEMO_DIR)).family.name == "qwen4exp-demo"
+    extra = {"id": 4105, "content": "<|extra|>", "special": True, "single_word": False}
+    extra.update(lstrip=False, rstrip=False, normalized=False)
+    cases = {
+        "one-more": lambda t: {**t, "added_tokens": t["added_tokens"] + [extra]},
+        "one-fewer": lambda t: {**t, "added_tokens": t["added_tokens"][:-1]},
+        "gap": lambda t: {**t, "added_tokens": t["added_tokens"][:-1] + [{**t["added_tokens"][-1], "id": 4200}]},
+    }
+    for name, mutate in cases.items():
+        d = copy_artifact(str(DEMO_DIR), str(tmp_path / name))
+        edit_source_file(d, "tokenizer.json", lambda b, mutate=mutate: json.dumps(mutate(json.loads(b))).encode())
+        with pytest.raises(ArtifactError) as e:
+            admit(d)
+        assert (e.value.stage, e.value.field) == ("tokenizer", "tokenizer.effective_vocab_size"), (name, str(e.value))

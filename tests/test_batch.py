@@ -245,6 +245,61 @@ def test_seeded_sampling_does_not_depend_on_the_batch(resident):
     assert run(PROMPTS) == alone and run(PROMPTS[:1]) == alone
 
 
+def _sampled(model, prompt, n, seed):
+    from hebrus_mlx.sample_utils import make_sampler
+
+    steps = generate_step(
+        mx.array(prompt), model, effective_vocab_size=VOCAB, max_tokens=n, sampler=make_sampler(temp=1.0), seed=seed
+    )
+    return [t for t, _ in steps]
+
+
+def test_seeded_solo_request_has_its_own_key_and_unseeded_ones_stay_fresh(resident):
+    """A seeded request draws from its own key: the same tokens each time, MLX's global generator
+    not moved (it used to be reseeded, so every unseeded request after a `seed: 5` one drew the
+    same tokens); unseeded requests after seeded ones keep drawing fresh tokens."""
+    prompt = PROMPTS[0]
+    seeded = _sampled(resident, prompt, 12, 5)
+    mx.random.seed(9)
+    want = mx.random.uniform(shape=(8,))
+    mx.random.seed(9)
+    assert _sampled(resident, prompt, 12, 5) == seeded
+    assert mx.array_equal(mx.random.uniform(shape=(8,)), want)
+    unseeded = []
+    for _ in range(3):
+        _sampled(resident, prompt, 12, 5)
+        unseeded.append(tuple(_sampled(resident, prompt, 12, None)))
+    assert len(set(unseeded)) == 3
+
+
+def test_batched_seeded_row_is_its_solo_run_and_unseeded_rows_stay_fresh(resident):
+    """Batched: a seeded row draws its solo run's tokens (the same key, split per draw) whatever
+    shares the step; an unseeded row beside it draws fresh tokens each run (the batch used to
+    reseed the global generator before the seeded row's draw and never restore it, so the unseeded
+    row's tokens were the same every run)."""
+    from hebrus_mlx.sample_utils import make_sampler
+
+    solo = _sampled(resident, PROMPTS[0], 10, 5)
+    unseeded = []
+    for _ in range(3):
+        res = batch_generate(
+            resident, _Tok(), PROMPTS[:2], max_tokens=10, sampler=make_sampler(temp=1.0), seeds=[5, None]
+        )
+        assert res.token_ids[0] == solo
+        unseeded.append(tuple(res.token_ids[1]))
+    assert len(set(unseeded)) == 3
+
+
+def test_seed_needs_a_keyed_sampler(resident):
+    g = BatchGenerator(resident, effective_vocab_size=VOCAB, sampler=lambda lp: mx.argmax(lp, axis=-1))
+    with pytest.raises(UsageError) as e:
+        g.insert([[1, 2]], seeds=[3])
+    assert e.value.field == "seed" and len(g) == 0
+    for bad in (-1, 1.5, 2**64):
+        with pytest.raises(UsageError, match="seed"):
+            list(generate_step(mx.array([1, 2]), resident, effective_vocab_size=VOCAB, max_tokens=1, seed=bad))
+
+
 def test_bad_requests_are_refused_naming_the_field(resident):
     with pytest.raises(UsageError, match="decode_concurrency"):
         BatchGenerator(resident, effective_vocab_size=VOCAB, decode_concurrency=0)

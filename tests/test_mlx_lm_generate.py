@@ -88,16 +88,49 @@ class Padded:
 
 
 def test_vocabulary_boundary_in_mlx_lms_loop_comes_from_the_sampler(demo):
-    """AFN-005: mlx-lm's loop does not mask, so its default argmax picks an unassigned row here
-    (control); with hebrus's sampler and `effective_vocab_size` it picks what hebrus's loop does."""
+    """AFN-005: mlx-lm's loop does not mask, so over a model without the mask its default argmax
+    picks an unassigned row here (control); with hebrus's sampler and `effective_vocab_size` it
+    picks what hebrus's loop does."""
     model, tok = demo
     padded = Padded(model, tok.effective_vocab_size)
-    bare = _tokens(mlx_lm.stream_generate(padded, tok, PROMPTS[0], max_tokens=4))
-    assert all(t >= tok.effective_vocab_size for t in bare)
-    sampler = make_sampler(effective_vocab_size=tok.effective_vocab_size)
-    guarded = _tokens(mlx_lm.stream_generate(padded, tok, PROMPTS[0], max_tokens=N, sampler=sampler))
-    assert guarded == _tokens(hebrus_stream(padded, tok, PROMPTS[0], max_tokens=N))
+    model.effective_vocab_size = None  # the model's own mask off (the next test has it on)
+    try:
+        bare = _tokens(mlx_lm.stream_generate(padded, tok, PROMPTS[0], max_tokens=4))
+        assert all(t >= tok.effective_vocab_size for t in bare)
+        sampler = make_sampler(effective_vocab_size=tok.effective_vocab_size)
+        guarded = _tokens(mlx_lm.stream_generate(padded, tok, PROMPTS[0], max_tokens=N, sampler=sampler))
+        assert guarded == _tokens(hebrus_stream(padded, tok, PROMPTS[0], max_tokens=N))
+    finally:
+        model.effective_vocab_size = tok.effective_vocab_size
     assert guarded == _tokens(hebrus_stream(model, tok, PROMPTS[0], max_tokens=N))
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_model_masks_its_unassigned_rows_for_mlx_lms_own_loop(demo, temp):
+    """AFN-005: the model's logits are -inf past the effective vocabulary (loaded with its
+    tokenizer), so mlx-lm's own generate_step, with mlx-lm's sampler and a processor pushing every
+    unassigned row up by 1e4, never emits one; the valid rows' logits are the unmasked model's."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
+
+    model, tok = demo
+    eff = tok.effective_vocab_size
+    assert model.effective_vocab_size == eff < model.args.vocab_size
+
+    def push(tokens, logits):
+        return mx.where(mx.arange(logits.shape[-1]) >= eff, logits + 1e4, logits)
+
+    prompt = mx.array(tok.encode(PROMPTS[2]))
+    steps = generate_step(prompt, model, max_tokens=N, sampler=mlx_make_sampler(temp=temp), logits_processors=[push])
+    tokens = [int(t) for t, _ in steps]
+    assert len(tokens) == N and max(tokens) < eff
+    masked = model(prompt[None])[0]
+    model.effective_vocab_size = None
+    try:
+        raw = model(prompt[None])[0]
+    finally:
+        model.effective_vocab_size = eff
+    assert mx.array_equal(masked[:, :eff], raw[:, :eff]) and bool(mx.all(masked[:, eff:] == -mx.inf))
 
 
 def test_stop_set_needs_the_wrapper_from_to_mlx_lm(demo):

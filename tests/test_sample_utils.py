@@ -162,3 +162,26 @@ def test_from_logprobs_draws_the_same_chain_on_masked_input():
         mx.random.seed(11)
         b = [s.from_logprobs(x).tolist() for _ in range(3)]
         assert a == b
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temp": 1.0}, {"temp": 0.7, "top_k": 20, "top_p": 0.9}, {"temp": 1.0, "xtc_probability": 0.5}]
+)
+def test_keyed_draws_are_the_keys_and_leave_the_global_generator_alone(kwargs):
+    """A request's own key (generate.DecodeStep's seed) decides its draws: the same key, the same
+    tokens, whatever the global generator holds, and the global generator is not moved by them (a
+    seeded request must not decide what the unseeded ones draw next)."""
+    mx.random.seed(3)
+    x = mx.random.normal((4, 300)) * 3
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    sampler = make_sampler(**kwargs)
+    assert sampler.takes_key
+    keys = mx.random.split(mx.random.key(5), 30)
+    mx.random.seed(1)
+    first = [sampler(logprobs, key=k).tolist() for k in keys]
+    after_keyed = mx.random.uniform(shape=(8,))
+    mx.random.seed(2)
+    assert [sampler(logprobs, key=k).tolist() for k in keys] == first
+    assert len({tuple(d) for d in first}) > 1
+    mx.random.seed(1)
+    assert mx.array_equal(mx.random.uniform(shape=(8,)), after_keyed)

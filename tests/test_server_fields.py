@@ -357,3 +357,37 @@ def test_batched_worker_honours_processors_and_logprobs(served):
     finally:
         stop()
         worker.stop()
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_unseeded_requests_do_not_follow_a_seeded_one(served, concurrency):
+    """A `seed: 5` request draws from its own key, one at a time or batched: its text repeats, and
+    an unseeded `temperature: 1` request after it draws fresh text each time (the worker used to
+    reseed MLX's global generator per seeded request, so the unseeded one after it was always the
+    same text)."""
+    from hebrus_mlx import load
+    from hebrus_mlx.server import App, ServerDefaults, Worker
+
+    if concurrency == 1:
+        c = served["client"]
+        stop = worker = None
+    else:
+        import openai
+
+        worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults(decode_concurrency=2, prompt_concurrency=2))
+        port, stop = _serve(App(worker, "demo"))
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=120, max_retries=0)
+    try:
+
+        def complete(**fields):
+            return c.completions.create(model="demo", prompt="Once upon a time", max_tokens=12, **fields).choices[0]
+
+        seeded, unseeded = set(), set()
+        for _ in range(3):
+            seeded.add(complete(temperature=1.0, seed=5).text)
+            unseeded.add(complete(temperature=1.0).text)
+        assert len(seeded) == 1 and len(unseeded) == 3
+    finally:
+        if stop is not None:
+            stop()
+            worker.stop()

@@ -25,7 +25,7 @@ from hebrus_mlx.traces import cachesim
 from hebrus_mlx.traces.capture import TraceRecorder
 from hebrus_mlx.traces.eval import history_rankings, score
 from hebrus_mlx.traces.export import export, read_export
-from hebrus_mlx.traces.replay import _tie_groups_ok, replay
+from hebrus_mlx.traces.replay import replay
 from hebrus_mlx.traces.schema import TraceError
 from hebrus_mlx.traces.shards import read_trace, write_shard
 
@@ -240,17 +240,44 @@ def test_dropped_token_is_named(demo, decoded, tmp_path):
     assert not r.ok and r.diagnosis.startswith("divergence from position 9")
 
 
-def test_tie_rule():
-    # k = 2; replay order [5, 7, 9] with p(7) == p(9): rank 1 is ambiguous between 7 and 9.
-    probs = np.array([[0.5, 0.2, 0.2]] * 3, np.float32)
-    ranked = np.array([[5, 7, 9]] * 3)
-    ok, tied = _tie_groups_ok(np.array([[5, 9], [5, 7], [9, 5]]), ranked, probs)
-    assert tied.all() and ok.tolist() == [True, True, False]
-    ok, tied = _tie_groups_ok(np.array([[5, 9]]), ranked[:1], np.array([[0.5, 0.3, 0.2]], np.float32))
-    assert not tied[0] and not ok[0]  # without a tie the rank order is exact
+def test_replay_parity_is_exact_on_tied_routes(demo, tmp_path):
+    """AFN-001: with two pairs of layer-2 router rows duplicated (exactly equal probabilities), the
+    recorded routes list tied experts by id and replay matches them exactly; the same trace with the
+    tied experts swapped (what an equal-probability tolerance used to accept) is a mismatch on
+    every row where both were routed."""
+    model, tok = demo
+    gate = model.model.layers[2].mlp.gate
+    orig = gate.weight
+    w = np.array(orig)
+    w[40], w[3] = w[12], w[28]  # 12 == 40 (12 first) and 3 == 28 (3 first)
+    try:
+        gate.weight = mx.array(w)
+        d = tmp_path / "tied"
+        _run(model, tok, PROMPT, 16, d)
+        (seq,) = read_trace(d).sequences
+        rows = seq.topk_ids[:, 2].tolist()
+        both = [r for r in rows if {12, 40} <= set(r) or {3, 28} <= set(r)]
+        assert both  # the precondition: tied experts were routed together
+        for r in both:
+            for lo, hi in ((12, 40), (3, 28)):
+                assert hi not in r or r.index(lo) < r.index(hi)
+        (res,) = replay(model, tok, read_trace(d), chunk=4)
+        assert res.ok and res.tied_per_layer[2] > 0, (res.diagnosis, res.examples)
 
+        def swap(t, h):
+            ids = t["topk_ids"]
+            for lo, hi in ((12, 40), (3, 28)):
+                pair = (ids[:, 2] == lo).any(-1) & (ids[:, 2] == hi).any(-1)
+                layer2 = ids[pair, 2]
+                ids[pair, 2] = np.where(layer2 == lo, hi, np.where(layer2 == hi, lo, layer2))
 
-# ---- shards -------------------------------------------------------------------------------------
+        assert len(seq.shards) == 1
+        _rewrite(d / seq.shards[0], fn=swap)
+        (res,) = replay(model, tok, read_trace(d), chunk=4)
+        assert not res.ok and res.mismatches_per_layer[2] == len(both)
+        assert res.mismatches_per_layer[:2] == [0, 0] and res.mismatches_per_layer[3:] == [0] * 5
+    finally:
+        gate.weight = orig
 
 
 def test_crash_while_publishing_leaves_only_complete_shards(demo, tmp_path):

@@ -463,6 +463,8 @@ def load_artifact_model(
     # switch_mlp replaces are exactly the resident ones; the replaced
     # modules' lazy initial values are never evaluated.
     model = Model(m.args)
+    # A product family's model masks its unassigned vocabulary rows itself (AFN-005).
+    model.effective_vocab_size = admission.EFFECTIVE_VOCAB.get(m.family.name)
     if stage is not None:
         prune(model, stage)
     if plan_:

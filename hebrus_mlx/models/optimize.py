@@ -367,7 +367,7 @@ class SplitLogitsModel(q.Model):
         half = h.shape[-2] // 2
         with mx.stream(side):
             late = self.lm_head(h[..., half:, :])
-        return mx.concatenate([self.lm_head(h[..., :half, :]), late], axis=-2)
+        return self.mask_unassigned(mx.concatenate([self.lm_head(h[..., :half, :]), late], axis=-2))
 
 
 # ---- qualified Metal kernels -------------------------------------------------------------------

@@ -806,17 +806,28 @@ class SharedExpert(nn.Module):
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def ranked_experts(probs: mx.array, k: int) -> mx.array:
+    """The `k` most probable experts of router probabilities `probs` (float32 >= 0, last axis) in
+    rank order: probability descending, then expert id ascending (AFN-001's frozen tie rule, one
+    rule for the model, its fast paths and trace replay). Each expert's key is its probability's
+    float32 bits (ordered as integers for values >= 0) above its reversed id, so no two keys are
+    equal and argpartition/argsort have no order of their own left to choose. uint32 [..., k]."""
+    n = probs.shape[-1]
+    bits = mx.view(mx.stop_gradient(probs).astype(mx.float32), mx.uint32).astype(mx.int64)
+    key = bits * n + (n - 1 - mx.arange(n, dtype=mx.int64))
+    inds = mx.argpartition(-key, kth=k - 1, axis=-1)[..., :k]
+    order = mx.argsort(-mx.take_along_axis(key, inds, axis=-1), axis=-1)
+    return mx.take_along_axis(inds, order, axis=-1)
+
+
 @cache
 def _route_fn(k: int, norm_topk_prob: bool):
     @_compiled
     def route(logits):
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         # Indices carry no gradient (as in mlx-lm); stopping them lets the graph train (MTP head).
-        inds = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
+        inds = mx.stop_gradient(ranked_experts(probs, k))
         scores = mx.take_along_axis(probs, inds, axis=-1)
-        order = mx.stop_gradient(mx.argsort(-scores, axis=-1))
-        inds = mx.take_along_axis(inds, order, axis=-1)
-        scores = mx.take_along_axis(scores, order, axis=-1)
         if norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
         return inds, scores
@@ -825,7 +836,8 @@ def _route_fn(k: int, norm_topk_prob: bool):
 
 
 class SparseMoE(nn.Module):
-    """float32 softmax router, top-k (rank order = probability desc), shared expert with sigmoid gate.
+    """float32 softmax router, top-k (`ranked_experts`: probability desc, then expert id asc), shared
+    expert with sigmoid gate.
 
     `switch_mlp` is the routed-expert interface (x, indices) -> [..., k, hidden]; the streaming
     engine substitutes its own module with the same call shape.
@@ -938,6 +950,12 @@ class Model(nn.Module):
     mtp_head = None
     # The GraphOptions models/optimize.apply built this model with; None: the active ones.
     options: graph_options.GraphOptions | None = None
+    # The tokenizer's IDs [0, effective_vocab_size) (AFN-005), set by the loader for a product
+    # family (admission.EFFECTIVE_VOCAB; an HF checkpoint by admission.product_vocabulary): the
+    # logits of the unassigned rows past it are -inf,
+    # so a loop that samples without hebrus's vocabulary mask (mlx-lm's) cannot pick one. None: no
+    # mask.
+    effective_vocab_size: int | None = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -979,7 +997,14 @@ class Model(nn.Module):
             return self._logits(out)
 
     def _logits(self, h):
-        return self.lm_head(h)
+        return self.mask_unassigned(self.lm_head(h))
+
+    def mask_unassigned(self, logits):
+        """-inf on the logits of rows past `effective_vocab_size` (last axis); the rest unchanged."""
+        n, width = self.effective_vocab_size, logits.shape[-1]
+        if n is None or n >= width:
+            return logits
+        return mx.where(mx.arange(width) < n, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     @property
     def streaming(self) -> Streaming | None:

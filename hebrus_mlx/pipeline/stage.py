@@ -400,7 +400,7 @@ def serve(model, stage: Stage, group, timeout: float = DEFAULT_TIMEOUT_S) -> dic
         if stage.last:
             # The same ops over the same rows as one process (then sliced), so logits match bit for bit.
             mixed, _ = model.model.hyper_connection_mixer.mix(streams)
-            out = model.lm_head(mixed).astype(mx.float32)
+            out = model.mask_unassigned(model.lm_head(mixed)).astype(mx.float32)
             out = out if flags & ALL_LOGITS else out[:, -1:]
         else:
             out = _payload(streams, ids)

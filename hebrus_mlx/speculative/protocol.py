@@ -40,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..sample_utils import apply_vocab_mask, make_sampler, masked_logprobs
+from ..sample_utils import apply_vocab_mask, check_finite, make_sampler, masked_logprobs
 from .base import Drafter, DrafterError, Proposal
 
 
@@ -76,10 +76,14 @@ class StepTrace:
     bonus: int
 
 
-def accept_block(logprobs: mx.array, proposal: Proposal, sampler: Callable) -> tuple[int, int, list[int]]:
+def accept_block(
+    logprobs: mx.array, proposal: Proposal, sampler: Callable, key: mx.array | None = None
+) -> tuple[int, int, list[int]]:
     """Decide a verified block. logprobs: [n+1, V] target log-probabilities (vocab-masked) at the
     block's positions; row i predicts the token after block input i. Returns
-    (accepted draft count a, bonus token, target tokens per row for the trace)."""
+    (accepted draft count a, bonus token, target tokens per row for the trace). key: the
+    sequence's own random key for this block's draws (None: MLX's global generator)."""
+    keys = [None, None] if key is None else list(mx.random.split(key))
     drafts = proposal.tokens
     n = len(drafts)
     distribution = getattr(sampler, "distribution", "missing")
@@ -90,7 +94,8 @@ def accept_block(logprobs: mx.array, proposal: Proposal, sampler: Callable) -> t
             a += 1
         return a, target[a], target
     if distribution == "missing":  # opaque sampler: draw it at each position
-        target = np.array(sampler(logprobs)).reshape(-1).tolist()
+        drawn = sampler(logprobs) if key is None else sampler(logprobs, key=key)
+        target = np.array(drawn).reshape(-1).tolist()
         a = 0
         while a < n and drafts[a] == target[a]:
             a += 1
@@ -102,7 +107,7 @@ def accept_block(logprobs: mx.array, proposal: Proposal, sampler: Callable) -> t
         d = mx.array(drafts)
         p_d = p[rows, d]
         q_d = mx.ones((n,)) if q is None else q.astype(mx.float32)[rows, d]
-        u = mx.random.uniform(shape=(n,))
+        u = mx.random.uniform(shape=(n,), key=keys[0])
         ok = np.array(u * q_d < p_d).tolist()  # u < p/q without dividing by q
     else:
         ok = []
@@ -114,9 +119,9 @@ def accept_block(logprobs: mx.array, proposal: Proposal, sampler: Callable) -> t
             residual = p[a] * (mx.arange(p.shape[-1]) != drafts[a])
         else:
             residual = mx.maximum(p[a] - q[a].astype(mx.float32), 0.0)
-        bonus = int(mx.random.categorical(mx.log(residual)).item())
+        bonus = int(mx.random.categorical(mx.log(residual), key=keys[1]).item())
     else:
-        bonus = int(mx.random.categorical(mx.log(p[n])).item())
+        bonus = int(mx.random.categorical(mx.log(p[n]), key=keys[1]).item())
     return a, bonus, drafts[:a] + [bonus]
 
 
@@ -224,10 +229,11 @@ class Speculation:
         t1 = time.perf_counter()
         with step.guard(snap):
             logits, h, _, routes = step.forward(block, rows=True, routes=True)
-            lp = step.logprobs(logits, block)
-            mx.eval(lp, *(a for a in (h, routes) if a is not None), *cache.arrays)
+            lp, finite = step.checked(logits, block)
+            mx.eval(lp, finite, *(a for a in (h, routes) if a is not None), *cache.arrays)
+            check_finite(finite)  # the rows of the tokens it would commit (AFN-010)
         t_verify = time.perf_counter() - t1
-        a, bonus, target = accept_block(lp, proposal, self.sampler)
+        a, bonus, target = accept_block(lp, proposal, self.sampler, step.next_key())
         if self.governor is not None:
             self.governor.observe_block(len(drafts), a)
             self._observe(len(drafts) + 1, t_verify, routes, a + 1, io0, self._t_draft, len(drafts))

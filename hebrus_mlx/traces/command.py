@@ -80,7 +80,7 @@ def _replay(args) -> int:
         f"chunk {args.prefill_step_size}"
     )
     print("mismatched rows per layer: " + " ".join(str(x) for x in per_layer))
-    print("exact-tie rows per layer (tie rule applied): " + " ".join(str(x) for x in tied))
+    print("exact-tie rows per layer (ranked by expert id, checked exactly): " + " ".join(str(x) for x in tied))
     print(f"max |weight diff| on matching rows: {max((r.max_weight_diff for r in results), default=0):.2e}")
     for r in bad:
         print(f"sequence {r.sequence_id} (owner {r.owner}): {r.diagnosis}")

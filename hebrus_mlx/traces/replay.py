@@ -4,11 +4,11 @@ For every recorded sequence the token IDs are fed to a fresh cache in chunks of 
 the native router's top-k IDs at every (position, layer) must equal the recorded ones, in rank
 order. Weights are compared with a declared tolerance (WEIGHT_ATOL) and reported separately.
 
-Tie rule: the replay also computes the router's full float32 probabilities. Where two of the
-top-(k+1) probabilities are exactly equal, the rank order (or, at rank k, the selection) is
-ambiguous: argpartition/argsort make no promise between equal keys. Such rows are counted as
-`tied`; a recorded ID at rank j is accepted there if it lies in the group of experts whose
-probability equals the replay's rank-j probability. Every other row must match exactly.
+Tie rule (AFN-001): the router ranks experts by probability descending, then expert id ascending
+(`models.qwen4exp.ranked_experts`, the one rule of every path), so equal probabilities have one
+order and parity is exact on every row, tied or not. The replay also ranks the router's full
+float32 probabilities; rows where two of the top-(k+1) are exactly equal are counted as `tied`
+(reported, not excused).
 
 Failures are named: identity (artifact/tokenizer digests), a sequence that does not start at
 position 0 (wrong position offset), position gaps (dropped token; caught by the reader), routes
@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..generate import prefill_chunks
-from ..models.qwen4exp import Capture
+from ..models.qwen4exp import Capture, ranked_experts
 from .capture import stack_capture
 from .schema import TraceError, model_identity
 from .shards import TraceSet
@@ -62,7 +62,7 @@ def recompute(model, token_ids, chunk: int, on_chunk: Callable | None = None) ->
         for layer in range(L):
             x = cap.router_inputs[layer]
             probs = mx.softmax(model.model.layers[layer].mlp.gate(x).astype(mx.float32), axis=-1)
-            order = mx.argsort(-probs, axis=-1)[..., : k + 1]
+            order = ranked_experts(probs, k + 1)
             ranked_i.append(order)
             ranked_p.append(mx.take_along_axis(probs, order, axis=-1))
         ri, rp = mx.stack(ranked_i, axis=-2)[0], mx.stack(ranked_p, axis=-2)[0]
@@ -81,23 +81,12 @@ def recompute(model, token_ids, chunk: int, on_chunk: Callable | None = None) ->
     return Recomputed(*(np.concatenate(c) for c in cols))
 
 
-def _tie_groups_ok(rec_ids, ranked_ids, ranked_probs):
-    """Per row (flattened [R, k]): recorded ID at rank j lies in the replay's equal-probability
-    group of rank j. Returns (ok [R] bool, tied [R] bool)."""
-    k = rec_ids.shape[-1]
-    eq = ranked_probs[:, 1:] == ranked_probs[:, :-1]  # [R, k]
-    tied = eq.any(axis=1)
-    ok = np.all(rec_ids == ranked_ids[:, :k], axis=1)
-    for r in np.flatnonzero(tied & ~ok):
-        p = ranked_probs[r]
-        good = True
-        for j in range(k):
-            group = set(ranked_ids[r][p == p[j]].tolist())
-            if rec_ids[r, j] not in group:
-                good = False
-                break
-        ok[r] = good and len(set(rec_ids[r].tolist())) == k
-    return ok, tied
+def route_parity(rec_ids, rep_ids, ranked_probs):
+    """Rows [..., k] of recorded and replayed routes: (match [...] bool: the same IDs in the same
+    order, ties included; tied [...] bool: two of the replay's top-(k+1) probabilities are equal)."""
+    match = np.all(rec_ids == rep_ids, axis=-1)
+    tied = (ranked_probs[..., 1:] == ranked_probs[..., :-1]).any(axis=-1)
+    return match, tied
 
 
 @dataclass
@@ -163,7 +152,6 @@ def replay(model, tokenizer, traces: TraceSet, chunk: int = 2048, check_identity
         if diff is not None:
             field_name = diff.split(":", 1)[0]
             raise TraceError(field_name, f"the trace was recorded against a different runtime ({diff})")
-    L, k = traces.identity.num_layers, traces.identity.top_k
     out = []
     for seq in traces.sequences:
         if seq.positions[0] != 0:
@@ -174,10 +162,7 @@ def replay(model, tokenizer, traces: TraceSet, chunk: int = 2048, check_identity
             )
         rep = recompute(model, seq.token_ids, chunk)
         n = len(seq.positions)
-        ok, tied = _tie_groups_ok(
-            seq.topk_ids.reshape(n * L, k), rep.ranked_ids.reshape(n * L, k + 1), rep.ranked_probs.reshape(n * L, k + 1)
-        )
-        match, tied = ok.reshape(n, L), tied.reshape(n, L)
+        match, tied = route_parity(seq.topk_ids, rep.topk_ids, rep.ranked_probs)
         wdiff = np.abs(seq.topk_weights - rep.topk_weights).max(axis=2)
         res = SequenceParity(
             sequence_id=seq.sequence_id,
