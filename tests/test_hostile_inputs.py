@@ -1,0 +1,171 @@
+"""Hostile or malformed input must end in one typed line naming the field (exit 2 at the CLI),
+never a crash, a hang, a traceback or a read outside the directory the user named.
+
+Provenance: every trace here is recorded by `generate --trace-out` on the shipped demo and then
+altered by hand (re-signed with a recomputed digest: a buggy or hostile recorder, not a corrupt
+file); every other input is written by the test itself.
+"""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import numpy as np
+import pytest
+from trace_fixture import generate_demo_trace
+
+from hebrus_mlx.cli import main
+from hebrus_mlx.testing.processes import cli_argv
+from hebrus_mlx.traces.shards import write_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def _run(argv, stdin=None):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _one_line(rc, err, verb, *needles):
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, (rc, err[-3000:])
+    assert err.startswith(f"hebrus-mlx {verb}: error: "), err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def _refused(verb, argv, *needles):
+    rc, _, err = _run([verb, *argv])
+    return _one_line(rc, err, verb, *needles)
+
+
+def _refused_in_process(verb, argv, *needles, timeout=180, stdin=None):
+    """The same check in a child process: a crash (signal) or a hang must fail the test, not kill it."""
+    r = subprocess.run(cli_argv(verb, *argv), capture_output=True, cwd=ROOT, env=ENV, timeout=timeout, input=stdin)
+    return _one_line(r.returncode, r.stderr.decode(errors="replace"), verb, *needles)
+
+
+# ---- route traces ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trace")
+    generate_demo_trace(d, 4)
+    return d
+
+
+@pytest.fixture
+def trace(recorded, tmp_path):
+    d = tmp_path / "trace"
+    shutil.copytree(recorded, d)
+    return d
+
+
+def _resign(path, fn):
+    """Alter a shard's tensors/header with `fn` and sign it again (digest recomputed)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        header = json.loads(f.metadata()["header"])
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    fn(t, header)
+    os.unlink(path)
+    write_shard(path, t, header)
+
+
+def _first_shard(d):
+    return sorted(d.glob("*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("verb", [["replay"], ["eval", "--prefill-step-size", "8"]])
+def test_out_of_vocabulary_token_id_is_refused_not_a_crash(trace, verb):
+    """An ID past the embedding table used to be gathered unchecked (SIGSEGV in replay and eval)."""
+    _resign(_first_shard(trace), lambda t, h: t["token_ids"].__setitem__(1, 1 << 30))
+    _refused_in_process("traces", [verb[0], str(trace), "--model", "demo", *verb[1:]], "token_ids", str(1 << 30))
+
+
+@pytest.mark.parametrize("verb", ["replay", "eval", "export"])
+def test_fifo_named_like_a_shard_is_refused_not_read(trace, tmp_path, verb):
+    os.mkfifo(trace / "zz-000000.safetensors")
+    extra = {"replay": ["--model", "demo"], "eval": [], "export": ["--out", str(tmp_path / "out")]}[verb]
+    _refused_in_process("traces", [verb, str(trace), *extra], "zz-000000.safetensors", "not a regular file", timeout=60)
+    assert not (tmp_path / "out").exists()
+
+
+def _negative_token(t, h):
+    t["token_ids"][0] = -5
+
+
+def _unknown_kind(t, h):
+    t["kinds"][0] = 7
+
+
+def _features_wrong_shape(t, h):
+    n = len(t["positions"])
+    t["feature_positions"] = t["positions"][:1].copy()
+    t["features"] = np.zeros((1, 3, n), np.float32)
+
+
+def _features_alone(t, h):
+    t["features"] = np.zeros((0, 8, 64), np.float32)
+
+
+def _unknown_tensor(t, h):
+    t["extra"] = np.zeros(1, np.int32)
+
+
+@pytest.mark.parametrize(
+    "damage, field",
+    [
+        (_negative_token, "token_ids: negative token ID -5"),
+        (_unknown_kind, "kinds: unknown kind 7"),
+        (_features_wrong_shape, ".features: shapes"),
+        (_features_alone, ".features: present without"),
+        (_unknown_tensor, ".extra: not a tensor"),
+    ],
+)
+def test_shard_with_bad_values_is_refused(trace, tmp_path, damage, field):
+    shard = _first_shard(trace)
+    _resign(shard, damage)
+    _refused("traces", ["export", str(trace), "--out", str(tmp_path / "out")], shard.name, field)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_manifest_path_outside_the_export_is_refused(trace, tmp_path):
+    from hebrus_mlx.traces.export import export
+
+    out = tmp_path / "out"
+    export(trace, out)
+    m = json.loads((out / "manifest.json").read_text())
+    victim = tmp_path / "victim.safetensors"
+    shard = out / m["shards"][0]["file"]
+    victim.write_bytes(shard.read_bytes())  # a valid shard outside OUT, digest and all
+    os.unlink(shard)
+    m["shards"][0]["file"] = "../victim.safetensors"
+    (out / "manifest.json").write_text(json.dumps(m))
+    _refused(
+        "traces", ["eval", str(out), "--split", m["shards"][0]["split"]], "manifest.shards[0].file", "plain file name"
+    )
+
+
+@pytest.mark.parametrize(
+    "entry, field",
+    [("not-an-object", "manifest.shards[0]: not an object"), ({"file": 3}, "manifest.shards[0].file: expected str")],
+)
+def test_export_manifest_bad_shard_entry_is_refused(trace, tmp_path, entry, field):
+    from hebrus_mlx.traces.export import export
+
+    out = tmp_path / "out"
+    export(trace, out)
+    m = json.loads((out / "manifest.json").read_text())
+    m["shards"][0] = entry
+    (out / "manifest.json").write_text(json.dumps(m))
+    _refused("traces", ["eval", str(out)], field)
