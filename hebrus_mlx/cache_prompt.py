@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from .cli_args import LOAD_FLAGS, ArgumentParser
+from .cli_args import LOAD_FLAGS, ArgumentParser, read_prompt
 from .errors import UsageError
 from .prompt_cache import PromptCacheFileError, load_prompt_cache, save_prompt_cache
 from .text.chat_template import DATA
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     gen.check_args(args)
     refuse_unused(args, parser.shared, _USED, "cache-prompt")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("--prompt", "the prompt is empty")
     model, tok = gen.load_from_args(args)

@@ -26,6 +26,7 @@ from .cli_args import (
     add_stream_cache_arguments,
     add_sweep_argument,
     prefetch_from_args,
+    read_prompt,
     str2bool,
     sweep_from_args,
 )
@@ -856,7 +857,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("--prompt", "the prompt is empty")
     if args.seed is not None:

@@ -13,7 +13,6 @@ pin at once (the same chunks generate's prefill takes); `perplexity()` takes `ch
 run can use the very same chunks (their results are then bitwise equal, tests/test_perplexity.py).
 """
 
-import json
 import math
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from . import flags
+from .artifact import untrusted
 from .cli_args import add_prefetch_argument, add_stream_cache_arguments, prefetch_from_args
 from .errors import UsageError
 
@@ -51,10 +51,11 @@ def read_documents(path) -> list:
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise UsageError("--data-path", f"{path}:{n}: not JSON ({e})") from None
+            try:  # strict and bounded: nesting capped, no lone surrogates the tokenizer cannot encode
+                obj = untrusted.loads(line, f"{path}:{n}", root="")
+            except untrusted.UntrustedFileError as e:
+                where = f"{path}:{n}" + (f": {e.field}" if e.field != f"{path}:{n}" else "")
+                raise UsageError("--data-path", f"{where}: {e.message}") from None
             if type(obj) is not dict or type(obj.get("text")) is not str:
                 raise UsageError("--data-path", f"{path}:{n}: expected an object with a string 'text'")
             docs.append(obj["text"])

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -169,3 +170,52 @@ def test_export_manifest_bad_shard_entry_is_refused(trace, tmp_path, entry, fiel
     m["shards"][0] = entry
     (out / "manifest.json").write_text(json.dumps(m))
     _refused("traces", ["eval", str(out)], field)
+
+
+# ---- raw prompts and held-out text ----------------------------------------------------------------
+
+RAW = ["--model", "demo", "--ignore-chat-template", "-m", "2", "--verbose", "false"]
+
+
+def _stdin(monkeypatch, data: bytes):
+    stream = io.BytesIO(data)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(stream))
+    return stream
+
+
+@pytest.mark.parametrize("verb", ["generate", "cache-prompt"])
+def test_non_utf8_prompt_is_refused(verb, monkeypatch, tmp_path):
+    """Undecodable bytes on stdin, and undecodable argv bytes (lone surrogates), on the raw path."""
+    extra = ["--prompt-cache-file", str(tmp_path / "c.safetensors")] if verb == "cache-prompt" else ["-m", "2"]
+    argv = [a for a in RAW if verb == "generate" or a not in ("-m", "2")] + extra
+    _stdin(monkeypatch, b"def f(x):\n\xff\xfe return x\n")
+    _refused(verb, [*argv, "-p", "-"], "--prompt", "stdin is not UTF-8", "byte 10")
+    _refused(verb, [*argv, "-p", "def \udcff(x):"], "--prompt", "not valid UTF-8")
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_stdin_prompt_is_read_with_a_bound(monkeypatch):
+    """`-p -` reads at most MAX_STDIN_PROMPT_BYTES + 1 bytes, then refuses naming the limit."""
+    from hebrus_mlx import cli_args
+
+    monkeypatch.setattr(cli_args, "MAX_STDIN_PROMPT_BYTES", 1000)
+    stream = _stdin(monkeypatch, b"a" * 5000)
+    _refused("generate", [*RAW, "-p", "-"], "--prompt", "more than", "MAX_STDIN_PROMPT_BYTES")
+    assert stream.tell() == 1001  # the limit and one byte past it, never the rest
+    _stdin(monkeypatch, b"def f(x):")
+    assert _run(["generate", *RAW, "-p", "-"])[0] == 0  # within the bound: read as before
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ('{"text": "a\\udc80b"}', "lone UTF-16 surrogate"),
+        ("[" * 100_000, "nested deeper than"),
+        ('{"text": "a", "text": "b"}', "duplicate JSON key"),
+    ],
+    ids=["surrogate", "nested", "duplicate"],
+)
+def test_perplexity_jsonl_hostile_line_is_refused(tmp_path, line, needle):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "fine"}\n' + line + "\n")
+    _refused("perplexity", ["--model", "demo", "--data-path", str(p)], "--data-path", f"{p}:2", needle)
