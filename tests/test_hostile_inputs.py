@@ -219,3 +219,68 @@ def test_perplexity_jsonl_hostile_line_is_refused(tmp_path, line, needle):
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "fine"}\n' + line + "\n")
     _refused("perplexity", ["--model", "demo", "--data-path", str(p)], "--data-path", f"{p}:2", needle)
+
+
+# ---- simulate --profile and bench --against -------------------------------------------------------
+
+
+def _shipped_profile():
+    from hebrus_mlx.simulate.command import PROFILES_DIR
+
+    return json.loads((PROFILES_DIR / "m5-pro-48gb.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"layer_ms": float("nan")}, "layer_ms: must be a finite number"),
+        ({"verify_extra": -1.0}, "verify_extra: must be a finite number in [0, 100]"),
+        ({"acceptance": 2.0}, "acceptance: must be a finite number in [0, 0.999]"),
+        ({"reserve_gb": -8}, "reserve_gb:"),
+        ({"threads": 10**9}, "threads: must be an integer in [1, 1024]"),
+        ({"ssd_gbps": {"1": 9.5, "x": 3}}, "ssd_gbps: queue depth 'x'"),
+        ({"predictor_overhead": [0.1]}, "predictor_overhead: must be an object"),
+        ({"synthetic_routes": {"tokens": 10**9, "reuse": 0.5, "skew": 0.2}}, "synthetic_routes.tokens"),
+        ({"synthetic_routes": {"tokens": 400, "warm": 400, "reuse": 0.5, "skew": 0.2}}, "synthetic_routes.warm"),
+        ({"synthetic_routes": {"tokens": 400, "reuse": float("inf"), "skew": 0.2}}, "synthetic_routes.reuse"),
+    ],
+    ids=["nan", "negative", "acceptance", "reserve", "threads", "qd", "overhead", "tokens", "warm", "inf"],
+)
+def test_simulate_hostile_profile_value_is_refused(tmp_path, change, field):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({**_shipped_profile(), **change}))
+    _refused("simulate", ["--profile", str(p), "--quiet"], "--profile", f"{p}: {field}")
+
+
+def _bench_json(**change):
+    run = {"config": "plain", "prompt_tokens": 8, "requested": 4, "tokens": [1, 2, 3, 4]}
+    d = {"schema": "hebrus-mlx.bench", "version": 1, "artifact_digest": "manifest:" + "0" * 64, "runs": [run]}
+    return {**d, **change}
+
+
+@pytest.mark.parametrize(
+    "content, field",
+    [
+        ([1, 2], "(top level): not a JSON object"),
+        ({"schema": "hebrus-mlx.qualify-report", "version": 1}, "schema: expected 'hebrus-mlx.bench'"),
+        (_bench_json(version=2), "version: this build reads version 1"),
+        (_bench_json(artifact_digest=None), "artifact_digest"),
+        (_bench_json(runs={"a": 1}), "runs: expected a list"),
+        (_bench_json(runs=["x"]), "runs[0]: not an object"),
+        (_bench_json(runs=[{"config": "a", "prompt_tokens": 8, "requested": 4, "tokens": ["1"]}]), "runs[0].tokens"),
+        (_bench_json(runs=[{"config": "a", "prompt_tokens": 8, "tokens": []}]), "runs[0].requested"),
+    ],
+    ids=["list", "schema", "version", "digest", "runs", "run", "tokens", "requested"],
+)
+def test_bench_against_malformed_file_is_refused_before_measuring(tmp_path, monkeypatch, content, field):
+    from hebrus_mlx.bench import command
+
+    def measured(*a, **k):
+        raise AssertionError("the bench ran before --against was checked")
+
+    monkeypatch.setattr(command, "run_bench", measured)
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps(content))
+    out = tmp_path / "o"
+    _refused("bench", ["--model", "demo", "--against", str(f), "--out", str(out)], "--against", f"{f}: {field}")
+    assert not out.exists()
