@@ -1415,13 +1415,14 @@ def api_key_from(args, environ=None) -> str | None:
 
 
 class _Server:
-    """uvicorn's server, stopped our way: the first SIGTERM/SIGINT cancels every in-flight
+    """uvicorn's server, stopped our way: the first SIGTERM/SIGINT/SIGHUP cancels every in-flight
     generation (App.begin_shutdown) and uvicorn stops accepting and waits at most
     --shutdown-timeout for the responses; main() then exits 0 (uvicorn's re-raise of the
     signal after its shutdown is absorbed)."""
 
     @staticmethod
     def run(app: App, config, sock):
+        import contextlib
         import signal
 
         import uvicorn
@@ -1434,9 +1435,20 @@ class _Server:
                     log.warning("signal %d: stopping (cancelling %d request(s))", sig, len(app.live))
                     app.begin_shutdown()
 
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # uvicorn handles SIGINT/SIGTERM only; SIGHUP (the terminal closed) would kill the
+                # process with requests in flight: it takes the same graceful path.
+                with super().capture_signals():
+                    hup = signal.signal(signal.SIGHUP, self.handle_exit)
+                    try:
+                        yield
+                    finally:
+                        signal.signal(signal.SIGHUP, hup)
+
         # uvicorn restores these and raises the caught signal again once it has shut down: make
         # that a no-op so the worker is stopped and the process exits normally.
-        previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             Server(config).run(sockets=[sock])
         finally:

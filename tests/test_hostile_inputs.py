@@ -284,3 +284,42 @@ def test_bench_against_malformed_file_is_refused_before_measuring(tmp_path, monk
     out = tmp_path / "o"
     _refused("bench", ["--model", "demo", "--against", str(f), "--out", str(out)], "--against", f"{f}: {field}")
     assert not out.exists()
+
+
+# ---- server signals -------------------------------------------------------------------------------
+
+
+def test_sighup_stops_the_server_gracefully(tmp_path):
+    """SIGHUP (the terminal closed) takes SIGTERM's path: requests cancelled, exit 0, no traceback.
+    Before, its default action killed the process at once (exit -1)."""
+    import signal
+    import time
+
+    from hebrus_mlx.testing.processes import child_env, server_argv
+
+    log = tmp_path / "stderr.txt"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            server_argv("--shutdown-timeout", "3", log_level="INFO"),
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        deadline, line = time.monotonic() + 120, ""
+        while "listening on" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGHUP)
+        rc = proc.wait(60)
+        text = log.read_text()
+        assert rc == 0, (rc, text[-3000:])
+        assert f"signal {int(signal.SIGHUP)}: stopping" in text and "Traceback" not in text, text[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stdout.close()
