@@ -323,3 +323,24 @@ def test_sighup_stops_the_server_gracefully(tmp_path):
             proc.kill()
             proc.wait(30)
         proc.stdout.close()
+
+
+# ---- qualify --report ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("report", ["/proc/self/r.json", "/proc/1/r.json"], ids=["proc-self", "proc-1"])
+def test_qualify_report_into_an_unwritable_place_is_refused_before_measuring(tmp_path, monkeypatch, report):
+    """The report's directory exists but nothing can be created in it (even as root): refused
+    before any probe runs, naming the path the user gave (not the publisher's temp name)."""
+    from hebrus_mlx import qualify
+
+    def measured(*a, **k):
+        raise AssertionError("qualify measured before --report was checked")
+
+    monkeypatch.setattr(qualify, "qualify", measured)
+    err = _refused("qualify", ["--report", report, "--out", str(tmp_path / "p.json")], "--report", report)
+    assert ".tmp-" not in err and not (tmp_path / "p.json").exists()
+
+
+def test_qualify_probe_smaller_than_one_record_is_refused(tmp_path):
+    _refused("qualify", ["--probe-mib", "1", "--record-kib", "2704", "--out", str(tmp_path / "p.json")], "--probe-mib")
