@@ -344,3 +344,37 @@ def test_qualify_report_into_an_unwritable_place_is_refused_before_measuring(tmp
 
 def test_qualify_probe_smaller_than_one_record_is_refused(tmp_path):
     _refused("qualify", ["--probe-mib", "1", "--record-kib", "2704", "--out", str(tmp_path / "p.json")], "--probe-mib")
+
+
+# ---- chat commands --------------------------------------------------------------------------------
+
+
+def test_chat_unknown_or_malformed_commands_are_refused_not_sent(monkeypatch, capsys):
+    """`/reset now`, `/unknown` and `q extra` were sent to the model as text; now each is one
+    [ERROR] line and the session goes on. `//text` sends `/text`."""
+    import importlib
+
+    from hebrus_mlx import load
+
+    chat, generate = (importlib.import_module(f"hebrus_mlx.{m}") for m in ("chat", "generate"))
+    demo = load("demo")
+    sent = []
+
+    def stream(model, tok, ids, *a, **k):
+        sent.append(tok.decode(ids))
+        return iter(())
+
+    monkeypatch.setattr(generate, "load_from_args", lambda *a, **k: demo)
+    monkeypatch.setattr(chat, "stream_with_cache", stream)
+    monkeypatch.setattr("sys.stdin", io.StringIO("/reset now\n/unknown\nq extra\n/exit please\n//etc/hosts\nq\n"))
+    assert chat.main(["--model", "demo", "--max-tokens", "2", "--verbose", "false"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    errors = [line[line.index("[ERROR]") :] for line in out if "[ERROR]" in line]  # after the ">> " prompt
+    assert [e.split(".")[0] for e in errors] == [
+        "[ERROR] /reset takes no arguments",
+        "[ERROR] unknown command /unknown",
+        "[ERROR] q takes no arguments",
+        "[ERROR] /exit takes no arguments",
+    ]
+    assert len(sent) == 1 and "/etc/hosts" in sent[0] and "//etc" not in sent[0]
+    assert not any(w in sent[0] for w in ("/reset now", "/unknown", "q extra"))
