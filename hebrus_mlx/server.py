@@ -973,7 +973,7 @@ class App:
                     "previous_response_id",
                 )
             history = stored["messages"]
-        conversation = history + responses_api.to_messages(body["input"])
+        conversation = history + responses_api.to_messages(body["input"], history=history)
         tools = responses_api.chat_tools(body.get("tools"))
         if tok.chat_template is None:
             raise RequestError("this model has no chat template", "input")
@@ -1411,6 +1411,8 @@ def api_key_from(args, environ=None) -> str | None:
             raise UsageError(field, f"{value}: not UTF-8") from None
     if not value or any(c.isspace() or not c.isprintable() for c in value):
         raise UsageError(field, "the API key must be one non-empty word of printable characters")
+    if not value.isascii():  # an HTTP header cannot carry it as sent: no client could ever match it
+        raise UsageError(field, "the API key must be ASCII (it travels in the Authorization header)")
     return value
 
 

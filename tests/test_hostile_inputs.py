@@ -47,9 +47,9 @@ def _refused(verb, argv, *needles):
     return _one_line(rc, err, verb, *needles)
 
 
-def _refused_in_process(verb, argv, *needles, timeout=180, stdin=None):
+def _refused_in_process(verb, argv, *needles, timeout=180, env=ENV):
     """The same check in a child process: a crash (signal) or a hang must fail the test, not kill it."""
-    r = subprocess.run(cli_argv(verb, *argv), capture_output=True, cwd=ROOT, env=ENV, timeout=timeout, input=stdin)
+    r = subprocess.run(cli_argv(verb, *argv), capture_output=True, cwd=ROOT, env=env, timeout=timeout)
     return _one_line(r.returncode, r.stderr.decode(errors="replace"), verb, *needles)
 
 
@@ -378,3 +378,78 @@ def test_chat_unknown_or_malformed_commands_are_refused_not_sent(monkeypatch, ca
     ]
     assert len(sent) == 1 and "/etc/hosts" in sent[0] and "//etc" not in sent[0]
     assert not any(w in sent[0] for w in ("/reset now", "/unknown", "q extra"))
+
+
+# ---- server requests ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served():
+    from test_server_fields import _serve
+
+    from hebrus_mlx import load
+    from hebrus_mlx.server import App, ServerDefaults, Worker
+
+    worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults())
+    port, stop = _serve(App(worker, "demo"))
+    try:
+        yield {"port": port}
+    finally:
+        stop()
+        worker.stop()
+
+
+U = {"role": "user", "content": "hi"}
+CALL = {"type": "function_call", "name": "f", "call_id": "c1", "arguments": "{}"}
+
+
+@pytest.mark.parametrize(
+    "items, param",
+    [
+        ([U, {"type": "reasoning", "content": "abc"}], "input[1].content"),  # was a 500
+        ([U, {"type": "reasoning", "summary": {"text": "x"}}], "input[1].summary"),  # was a 500
+        ([U, dict(CALL, arguments="not json")], "input[1].arguments"),  # named messages[1].tool_calls[0]...
+        ([U, dict(CALL, arguments="[1, 2]")], "input[1].arguments"),
+        ([U, {"type": "function_call_output", "call_id": "nope", "output": "x"}], "input[1].call_id"),  # accepted
+        ([U, CALL, {"type": "function_call_output", "call_id": "c2", "output": "x"}], "input[2].call_id"),
+    ],
+    ids=["reasoning-content", "reasoning-summary", "arguments-json", "arguments-list", "unknown-call", "other-call"],
+)
+def test_responses_bad_item_is_a_400_naming_the_responses_field(served, items, param):
+    from test_server_fields import _raw
+
+    status, _, body = _raw(served, "POST", "/v1/responses", {"input": items, "max_output_tokens": 2})
+    assert status == 400 and body["error"]["param"] == param, (status, body)
+    assert "messages[" not in body["error"]["message"], body
+
+
+def test_responses_function_call_output_answering_a_call_is_accepted(served):
+    from test_server_fields import _raw
+
+    items = [U, CALL, {"type": "function_call_output", "call_id": "c1", "output": "3"}]
+    status, _, body = _raw(served, "POST", "/v1/responses", {"input": items, "max_output_tokens": 2})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize(
+    "bias, needle",
+    [({"1" * 5000: 1}, "is not a token ID"), ({"01": 1, "1": 2}, "name the same token 1")],
+    ids=["past-int-string-limit", "same-token"],
+)
+def test_logit_bias_bad_keys_are_a_400(served, bias, needle):
+    from test_server_fields import _raw
+
+    body = {"messages": [U], "max_tokens": 2, "logit_bias": bias}
+    status, _, r = _raw(served, "POST", "/v1/chat/completions", body)
+    assert status == 400 and r["error"]["param"] == "logit_bias" and needle in r["error"]["message"], (status, r)
+
+
+def test_non_ascii_api_key_is_refused_at_start_up(tmp_path):
+    """No client can send a non-ASCII key in an HTTP header: refuse it before loading (exit 2).
+    In a child process: a server that starts anyway must fail the test (timeout), not hang it."""
+    env = {k: v for k, v in ENV.items() if k != "HEBRUS_MLX_API_KEY"}
+    argv = ["--model", "demo", "--port", "0"]
+    _refused_in_process("server", [*argv, "--api-key", "clé-secrète"], "--api-key", "ASCII", timeout=60, env=env)
+    f = tmp_path / "key"
+    f.write_text("clé\n")
+    _refused_in_process("server", [*argv, "--api-key-file", str(f)], "--api-key-file", "ASCII", timeout=60, env=env)
