@@ -29,6 +29,7 @@ from .cli_args import (
     add_sweep_argument,
     graph_options_from_args,
     prefetch_from_args,
+    read_prompt,
     refuse_mlx_lm_flags,
     str2bool,
     sweep_from_args,
@@ -972,7 +973,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("--prompt", "the prompt is empty")
     if args.seed is not None:
