@@ -189,9 +189,17 @@ def _logit_bias(body, name, vocab=None):
     v = body[name]
     if not isinstance(v, dict):
         raise RequestError(f"logit_bias must be an object of token ID -> bias, got {_show(v)}", name)
+    seen = {}
     for k, b in v.items():
-        if not (isinstance(k, str) and k.isascii() and k.isdigit() and (vocab is None or int(k) < vocab)):
+        # Length first: int() of a key past Python's int-string limit (4300 digits) raises.
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12):
+            raise RequestError(f"logit_bias key {_show(k)} is not a token ID in [0, {vocab})", name)
+        t = int(k)
+        if vocab is not None and t >= vocab:
             raise RequestError(f"logit_bias key {k!r} is not a token ID in [0, {vocab})", name)
+        if t in seen:  # "01" and "1": one would silently replace the other
+            raise RequestError(f"logit_bias keys {seen[t]!r} and {k!r} name the same token {t}", name)
+        seen[t] = k
         if not _is_number(b) or not -100 <= b <= 100:
             raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {_show(b)}", name)
 

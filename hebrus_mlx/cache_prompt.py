@@ -19,7 +19,7 @@ import sys
 import time
 
 from .artifact.atomic import check_output_file
-from .cli_args import LOAD_FLAGS, ArgumentParser
+from .cli_args import LOAD_FLAGS, ArgumentParser, read_prompt
 from .errors import UsageError
 from .generate import context_limit, prefill
 from .prompt_cache import PromptCacheFileError, load_prompt_cache, save_prompt_cache
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     refuse_unused(args, parser.shared, _USED, "cache-prompt")
     # Before the model loads: an existing file only with --overwrite, a symlink never.
     check_output_file(args.prompt_cache_file, overwrite=args.overwrite, field="--prompt-cache-file")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("--prompt", "the prompt is empty")
     model, tok = load_from_args(args)

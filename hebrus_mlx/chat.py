@@ -3,7 +3,8 @@
 Each turn renders the whole conversation with the checkpoint's template (caller text stays DATA,
 AFN-006) and restores the longest cached prefix, so a turn prefills only what is new since the
 previous one. Commands: /reset (forget the conversation, keep the system prompt), /help, /exit
-(or q, or end of input).
+(or q, or end of input); a command with arguments or an unknown /word is refused in one line and
+never sent to the model (a message starting with // is sent with one leading / removed).
 """
 
 import argparse
@@ -24,7 +25,11 @@ from .verb_flags import (
     share_generate_flags,
 )
 
-HELP = "Type a message. /reset clears the conversation, /help shows this, /exit or q quits."
+HELP = (
+    "Type a message. /reset clears the conversation, /help shows this, /exit or q quits; "
+    "start a message with // to send one that begins with /."
+)
+COMMANDS = ("/exit", "q", "/help", "/reset")
 _NOT_SHARED = {"help", "prompt", "ignore_chat_template", "verbose", "prompt_cache_file"}
 
 
@@ -84,14 +89,23 @@ def main(argv=None) -> int:
             print()
             return 0
         text = line.strip()
-        if text in ("/exit", "q"):
+        word, _, rest = text.partition(" ")
+        if text.startswith("//"):  # the escape for a message that starts with "/"
+            line = line.lstrip()[1:]
+        elif word in COMMANDS and rest.strip():
+            print(f"[ERROR] {word} takes no arguments. {HELP}", flush=True)
+            continue
+        elif word in ("/exit", "q"):
             return 0
-        if text == "/help":
+        elif word == "/help":
             print(HELP)
             continue
-        if text == "/reset":
+        elif word == "/reset":
             messages = list(system)
             print("[INFO] conversation cleared")
+            continue
+        elif word.startswith("/"):  # never sent to the model as text
+            print(f"[ERROR] unknown command {word}. {HELP}", flush=True)
             continue
         if not text:
             continue

@@ -20,12 +20,18 @@ __all__ = [
     "add_sweep_argument",
     "graph_options_from_args",
     "sweep_from_args",
+    "read_prompt",
+    "MAX_STDIN_PROMPT_BYTES",
     "LOAD_FLAGS",
     "MLX_LM_REFUSED",
     "MLX_LM_SERVER_REFUSED",
     "add_refused_arguments",
     "refuse_mlx_lm_flags",
 ]
+
+# `-p -` reads at most this much: a 1M-token context is ~4 MB of text; past it the prompt is
+# refused without reading on (a stream that never ends must not fill memory).
+MAX_STDIN_PROMPT_BYTES = 16 << 20
 
 # generate's flags that name the model and say how it is loaded, streamed and prefilled: shared by the
 # verbs that load a model the way generate does (chat and server: verb_flags.USED; cache-prompt).
@@ -186,3 +192,26 @@ def sweep_from_args(args):
         return parse_mode(value)
     except UsageError as e:
         raise UsageError("--prefill-sweep", e.message) from None
+
+
+def read_prompt(value: str) -> str:
+    """The text of `--prompt`: the argument, or stdin for ``-`` (at most MAX_STDIN_PROMPT_BYTES).
+    Either must be valid UTF-8: undecodable argv bytes arrive as lone surrogates, which the
+    tokenizer cannot encode."""
+    if value != "-":
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UsageError("--prompt", f"not valid UTF-8 text (undecodable byte at character {e.start})") from None
+        return value
+    import sys
+
+    data = sys.stdin.buffer.read(MAX_STDIN_PROMPT_BYTES + 1)
+    if len(data) > MAX_STDIN_PROMPT_BYTES:
+        raise UsageError(
+            "--prompt", f"stdin holds more than {MAX_STDIN_PROMPT_BYTES >> 20} MiB (cli_args.MAX_STDIN_PROMPT_BYTES)"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError("--prompt", f"stdin is not UTF-8 ({e.reason} at byte {e.start})") from None

@@ -17,7 +17,6 @@ reference model REF (an artifact or "demo") on the same rows: KL(P_ref || P_mode
 token, its mean and 99th percentile, and how often both models' top-1 tokens agree.
 """
 
-import json
 import math
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from . import flags
+from .artifact import untrusted
 from .cli_args import add_prefetch_argument, add_stream_cache_arguments, prefetch_from_args
 from .errors import HebrusError, UsageError
 
@@ -55,10 +55,11 @@ def read_documents(path) -> list:
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise UsageError("--data-path", f"{path}:{n}: not JSON ({e})") from None
+            try:  # strict and bounded: nesting capped, no lone surrogates the tokenizer cannot encode
+                obj = untrusted.loads(line, f"{path}:{n}", root="")
+            except untrusted.UntrustedFileError as e:
+                where = f"{path}:{n}" + (f": {e.field}" if e.field != f"{path}:{n}" else "")
+                raise UsageError("--data-path", f"{where}: {e.message}") from None
             if type(obj) is not dict or type(obj.get("text")) is not str:
                 raise UsageError("--data-path", f"{path}:{n}: expected an object with a string 'text'")
             docs.append(obj["text"])

@@ -924,6 +924,8 @@ def main(argv=None, hooks=None):
         raise UsageError("--probe-dir", f"{a.probe_dir!r} is not a directory")
     if a.store and not Path(a.store).is_file():
         raise UsageError("--store", f"{a.store!r} is not a file")
+    if not a.store and a.probe_mib * 1024 < a.record_kib:
+        raise UsageError("--probe-mib", f"{a.probe_mib} MiB is smaller than one --record-kib {a.record_kib} read")
     if a.artifact != "demo" and not (Path(a.artifact) / "manifest.json").is_file():
         raise UsageError("--artifact", f"{a.artifact!r} is not an artifact directory (no manifest.json)")
     from .artifact.atomic import check_output_file

@@ -76,6 +76,21 @@ def check_arguments(a) -> None:
 
     for out in (Path(a.report).expanduser(), summary_path(Path(a.report).expanduser())):  # before the runs
         check_output_file(out, overwrite=a.overwrite, field="--report")
+    _check_writable(Path(a.report).expanduser(), a.report)
+
+
+def _check_writable(path: Path, given: str) -> None:
+    """Create and remove a hidden file beside the report: a directory the report cannot be
+    published into (read-only, /proc, no permission) is refused now, naming the user's path, not
+    after minutes of measuring with the publisher's temp name."""
+    from .errors import UsageError
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=path.resolve().parent)
+    except OSError as e:
+        raise UsageError("--report", f"cannot write {given}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def parse_caches(s: str) -> list[float]:

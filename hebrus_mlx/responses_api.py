@@ -27,6 +27,7 @@ from collections import OrderedDict
 
 from . import api_fields
 from .api_fields import RequestError, _show
+from .artifact import untrusted
 
 DEFAULT_STORE_ENTRIES = 256
 DEFAULT_STORE_BYTES = 64 << 20
@@ -273,14 +274,18 @@ def _string_field(item, key, where):
     return v
 
 
-def to_messages(items, where: str = "input") -> list[dict]:
-    """`input` (a string or a list of items) as chat messages; RequestError naming the item."""
+def to_messages(items, where: str = "input", history: list | None = None) -> list[dict]:
+    """`input` (a string or a list of items) as chat messages; RequestError naming the item.
+    Everything the chat layer would check is checked here, so errors name the caller's Responses
+    field (`input[1].arguments`), never the chat message it became. `history`: the stored
+    conversation `input` continues (its tool calls may be answered by function_call_output)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise RequestError(f"{where} must be a string or a non-empty list of items", where)
     out: list[dict] = []
     reasoning: list[str] = []  # a reasoning item given back: the next assistant turn's thinking
+    calls = {c.get("id") for m in history or () for c in m.get("tool_calls") or () if isinstance(c, dict)}
 
     def assistant():  # consecutive assistant items (text, calls) are one turn
         if out and out[-1]["role"] == "assistant":
@@ -309,6 +314,13 @@ def to_messages(items, where: str = "input") -> list[dict]:
             args = item.get("arguments", "{}")
             if not isinstance(args, str):
                 raise RequestError(f"{at}.arguments must be a JSON string", f"{at}.arguments")
+            try:
+                parsed = untrusted.loads(args, f"{at}.arguments", root=f"{at}.arguments")
+            except untrusted.UntrustedFileError as e:
+                raise RequestError(f"{at}.arguments is not valid JSON: {e.message}", f"{at}.arguments") from None
+            if not isinstance(parsed, dict):
+                raise RequestError(f"{at}.arguments must be a JSON object string", f"{at}.arguments")
+            calls.add(call_id)
             msg = assistant()
             msg.setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
@@ -320,8 +332,16 @@ def to_messages(items, where: str = "input") -> list[dict]:
                 output = _content_text(output, f"{at}.output", False)
             if not isinstance(output, str):
                 raise RequestError(f"{at}.output must be a string", f"{at}.output")
+            if call_id not in calls:
+                raise RequestError(
+                    f"{at}.call_id {call_id!r} answers no function_call before it (in input or the previous response)",
+                    f"{at}.call_id",
+                )
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
+            for key in ("content", "summary"):
+                if item.get(key) is not None and not isinstance(item[key], list):
+                    raise RequestError(f"{at}.{key} must be a list of parts", f"{at}.{key}")
             parts = (item.get("content") or []) + (item.get("summary") or [])
             for p in parts:
                 if not isinstance(p, dict) or not isinstance(p.get("text"), str):

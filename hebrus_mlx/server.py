@@ -1011,7 +1011,8 @@ class App:
         s = parse_sampling(sampling, self.worker.defaults)
         if body.get("input") is None:
             raise RequestError("input is required", "input")
-        conversation = self._history(body) + responses_api.to_messages(body["input"])
+        history = self._history(body)
+        conversation = history + responses_api.to_messages(body["input"], history=history)
         tools = responses_api.chat_tools(body.get("tools"))
         if tok.chat_template is None:
             raise RequestError("this model has no chat template", "input")
@@ -1612,6 +1613,8 @@ def api_key_from(args, environ=None) -> str | None:
             raise UsageError(field, f"{value}: not UTF-8") from None
     if not value or any(c.isspace() or not c.isprintable() for c in value):
         raise UsageError(field, "the API key must be one non-empty word of printable characters")
+    if not value.isascii():  # an HTTP header cannot carry it as sent: no client could ever match it
+        raise UsageError(field, "the API key must be ASCII (it travels in the Authorization header)")
     return value
 
 
@@ -1634,13 +1637,14 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 class _Server:
-    """uvicorn's server, stopped our way: the first SIGTERM/SIGINT cancels every in-flight
+    """uvicorn's server, stopped our way: the first SIGTERM/SIGINT/SIGHUP cancels every in-flight
     generation (App.begin_shutdown) and uvicorn stops accepting and waits at most
     --shutdown-timeout for the responses; main() then exits 0 (uvicorn's re-raise of the
     signal after its shutdown is absorbed)."""
 
     @staticmethod
     def run(app: App, config, sock):
+        import contextlib
         import signal
 
         import uvicorn
@@ -1653,9 +1657,20 @@ class _Server:
                     log.warning("signal %d: stopping (cancelling %d request(s))", sig, len(app.live))
                     app.begin_shutdown()
 
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # uvicorn handles SIGINT/SIGTERM only; SIGHUP (the terminal closed) would kill the
+                # process with requests in flight: it takes the same graceful path.
+                with super().capture_signals():
+                    hup = signal.signal(signal.SIGHUP, self.handle_exit)
+                    try:
+                        yield
+                    finally:
+                        signal.signal(signal.SIGHUP, hup)
+
         # uvicorn restores these and raises the caught signal again once it has shut down: make
         # that a no-op so the worker is stopped and the process exits normally.
-        previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             Server(config).run(sockets=[sock])
         finally:

@@ -6,6 +6,8 @@ generated; the other ranks serve. Modes:
   restore    forward A, snapshot, B, restore, B again, then C: all logits (exercises RESTORE/FREE)
   kill       rank 1 exits hard after 3 forwards
   stall      rank 1 sleeps forever after 3 forwards (rank 0's watchdog must end the run)
+  kill_at_finish  rank 1 exits hard when its serve loop ends, before the final counters are
+             gathered; rank 0 generates, then reports the counters as the CLI does (pipeline.cli.finish)
   stream     as generate, each rank streaming its experts and PLE pages through a small cache;
              every rank also writes OUT.rank<r>.json: the layers its engine read records of
   spec       greedy speculative decoding with each drafter in $DRAFT (comma-separated: ngram, mtp, a
@@ -72,6 +74,8 @@ def dump_layers():
 
 if pipe.rank != 0:
     pipe.serve()
+    if mode == "kill_at_finish":
+        os._exit(7)
     if streamed:
         dump_layers()
     sys.exit(0)
@@ -136,6 +140,14 @@ try:
         logprobs.append(np.array(lp))
 except S.PipelineError as e:
     print(f"TYPED {type(e).__name__} after {time.monotonic() - t0:.2f}s: {e}", flush=True)
+    sys.exit(0)
+if mode == "kill_at_finish":
+    from hebrus_mlx.pipeline.cli import finish
+
+    try:
+        finish(model)
+    except S.PipelineError as e:
+        print(f"TYPED {type(e).__name__}: {e}", flush=True)
     sys.exit(0)
 model.stop()
 if streamed:

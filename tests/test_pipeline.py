@@ -229,6 +229,16 @@ def test_killed_rank_is_a_typed_error_on_rank_0(tmp_path):
     assert elapsed < 30
 
 
+def test_rank_killed_before_the_final_counters_is_a_typed_error_on_rank_0(tmp_path):
+    """A peer gone during a collective outside the forward loop (here the counters `finish` gathers)
+    was a RuntimeError traceback on rank 0; now a PipelineError naming the rank and the step."""
+    _, results, _ = _launch(tmp_path, 2, DEMO_DIR, "kill_at_finish", timeout=30, wait=90)
+    rc0, out0, err0 = results[0]
+    assert results[1][0] == 7
+    assert rc0 == 0 and "TYPED PipelineError" in out0, (out0, err0[-3000:])
+    assert "rank 0 lost its link during the final counters" in out0 and "Traceback" not in err0, (out0, err0)
+
+
 def test_stalled_rank_ends_the_run_within_the_timeout(tmp_path):
     _, results, elapsed = _launch(tmp_path, 2, DEMO_DIR, "stall", timeout=3, wait=60, reap=True)
     rc0, _, err0 = results[0]

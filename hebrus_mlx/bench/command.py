@@ -210,8 +210,8 @@ def run_bench(
             )
     first_name = plans[0][0]
     return {
-        "schema": "hebrus-mlx.bench",
-        "version": 1,
+        "schema": H.BENCH_SCHEMA,
+        "version": H.BENCH_VERSION,
         "model": model,
         "artifact_digest": next(iter(digests.values())),
         "machine": M.record(resolve_model_path(first_name), probe=probe, reuse_profile=reuse_profile),
@@ -253,6 +253,7 @@ def main(argv=None) -> int:
             raise UsageError("--against", f"cannot read {args.against}: {e.message}") from None
         except (OSError, ValueError) as e:
             raise UsageError("--against", f"cannot read {args.against}: {e}") from None
+        H.check_bench_result(against, str(args.against))
     if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
         raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
     pipe = loaded = None

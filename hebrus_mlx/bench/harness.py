@@ -415,6 +415,39 @@ def artifact_digest(path) -> str:
     return "hf:" + h.hexdigest()
 
 
+BENCH_SCHEMA = "hebrus-mlx.bench"
+BENCH_VERSION = 1
+
+
+def check_bench_result(d, where: str) -> dict:
+    """An earlier bench.json (`--against`) as `compare_results` reads it, checked before a run of
+    minutes: another file's schema or version, or a malformed run, is one line naming the field."""
+
+    def bad(field, msg):
+        raise UsageError("--against", f"{where}: {field}: {msg}")
+
+    if not isinstance(d, dict):
+        bad("(top level)", "not a JSON object")
+    if d.get("schema") != BENCH_SCHEMA:
+        bad("schema", f"expected {BENCH_SCHEMA!r} (a hebrus-mlx bench.json), got {d.get('schema')!r}")
+    if d.get("version") != BENCH_VERSION:
+        bad("version", f"this build reads version {BENCH_VERSION}, got {d.get('version')!r}")
+    if not isinstance(d.get("artifact_digest"), str):
+        bad("artifact_digest", f"expected a string, got {d.get('artifact_digest')!r}")
+    runs = d.get("runs")
+    if not isinstance(runs, list):
+        bad("runs", f"expected a list, got {type(runs).__name__}")
+    for i, r in enumerate(runs):
+        if not isinstance(r, dict):
+            bad(f"runs[{i}]", "not an object")
+        for key, want in (("config", str), ("prompt_tokens", int), ("requested", int), ("tokens", list)):
+            if type(r.get(key)) is not want:
+                bad(f"runs[{i}].{key}", f"expected {want.__name__}, got {r.get(key)!r}"[:200])
+        if not all(type(t) is int for t in r["tokens"]):
+            bad(f"runs[{i}].tokens", "expected a list of token IDs (integers)")
+    return d
+
+
 def compare_results(a: dict, b: dict) -> None:
     """Two bench JSON results are comparable only with the same artifact and identical tokens."""
     if a.get("artifact_digest") != b.get("artifact_digest"):

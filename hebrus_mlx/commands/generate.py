@@ -5,6 +5,7 @@ import sys
 
 import mlx.core as mx
 
+from ..cli_args import read_prompt
 from ..errors import UsageError
 from ..generate import context_limit, generate
 from ..pipeline import launched as pipeline_launched
@@ -17,7 +18,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("--prompt", "the prompt is empty")
     if args.seed is not None:

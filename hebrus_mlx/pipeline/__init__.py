@@ -85,7 +85,7 @@ def load_pipeline(
     from ..loader import configure_runtime
     from ..loading.build_model import load_artifact_model
     from ..loading.plan import RESERVE_BYTES, available_memory
-    from .stage import DEFAULT_TIMEOUT_S, PipelineModel, set_nodelay, terminate_as_error
+    from .stage import DEFAULT_TIMEOUT_S, PipelineModel, collective, set_nodelay, terminate_as_error
 
     group = group or mx.distributed.init()
     set_nodelay()
@@ -96,7 +96,7 @@ def load_pipeline(
     manifest = admission.admit(str(path))
     reserve = RESERVE_BYTES if reserve_bytes is None else reserve_bytes
     mine = max(available_memory() - reserve, 0) >> 20  # MiB: exact in float32 up to 16 TiB
-    budgets = mx.distributed.all_gather(mx.array([float(mine)]), group=group)
+    budgets = collective(group, "the split agreement", mx.distributed.all_gather(mx.array([float(mine)]), group=group))
     budgets = [int(b) << 20 for b in budgets.tolist()]
     per_layer, first, last, streamable = layer_bytes(manifest)
     n = manifest.family.num_hidden_layers
@@ -132,5 +132,7 @@ def gather_stats(group, forwards: int, comm_seconds: float, comm_bytes: int) -> 
     """Every rank's (peak memory GB, communication seconds, bytes, forwards), gathered on all."""
     import mlx.core as mx
 
+    from .stage import collective
+
     mine = mx.array([[mx.get_peak_memory() / 1e9, comm_seconds, float(comm_bytes), float(forwards)]])
-    return mx.distributed.all_gather(mine, group=group).tolist()
+    return collective(group, "the final counters", mx.distributed.all_gather(mine, group=group)).tolist()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from . import gather_stats, load_pipeline
-from .stage import PipelineError
+from .stage import PipelineError, collective
 
 
 def load_or_serve(path, args):
@@ -54,7 +54,7 @@ def serve_or_return(pipe, path):
 def _barrier(group):
     import mlx.core as mx
 
-    mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=group))
+    collective(group, "the closing barrier", mx.distributed.all_sum(mx.array([1.0]), group=group))
 
 
 def release(model):

@@ -45,6 +45,23 @@ class PipelineError(HebrusError, RuntimeError):
     default_field = "pipeline"
 
 
+def link_lost(e: RuntimeError) -> bool:
+    """A collective failed because a peer rank went away (the ring backend's wording)."""
+    return "[ring]" in str(e) or "connection" in str(e)
+
+
+def collective(group, what: str, array):
+    """Evaluate a collective outside the forward loop (the split agreement, the final counters):
+    a peer that died turns into a PipelineError naming this rank, not a RuntimeError traceback."""
+    try:
+        mx.eval(array)
+    except RuntimeError as e:
+        if link_lost(e):
+            raise PipelineError(f"rank {group.rank()} lost its link during {what}: {e}") from None
+        raise
+    return array
+
+
 class _Watchdog:
     """Bounds every wait on another rank. MLX's collectives cannot be interrupted from Python,
     so on expiry the process reports the typed error on one line and exits (status 3): a stalled
@@ -85,7 +102,7 @@ class _Watchdog:
         try:
             mx.eval(*arrays)
         except RuntimeError as e:
-            if "[ring]" in str(e) or "connection" in str(e):
+            if link_lost(e):
                 raise PipelineError(f"rank {self.rank} lost its link while waiting for {what}: {e}") from None
             raise
         finally:

@@ -275,9 +275,78 @@ def _qualify_fast_check(pread: dict, base: dict) -> dict:
     }
 
 
+# Every number a profile may give, with the range a real machine can have: a hostile or mistyped
+# value (NaN, a negative rate, acceptance 2.0 which doubles the projection, 1e9 synthetic tokens
+# which fills memory) is refused naming its key before anything is projected.
+# key: (int?, lo, hi, lo_open); None is allowed where the key is optional in Machine.
+PROFILE_NUMBERS = {
+    "memory_gb": (False, 0, 1e5, False),
+    "threads": (True, 1, 1024, False),
+    "layer_ms": (False, 0, 1e4, False),
+    "other_ms": (False, 0, 1e5, False),
+    "pre_router": (False, 0, 1, False),
+    "verify_gbps": (False, 0, 1e4, True),
+    "fast_check_gbps": (False, 0, 1e4, True),
+    "verify_extra": (False, 0, 100, False),
+    "resident_gb": (False, 0, 1e5, False),
+    "dense_gb": (False, 0, 1e5, False),
+    "reserve_gb": (False, 0, 1e5, False),
+    "acceptance": (False, 0, 0.999, False),  # --acceptance takes [0, 1): 1 would be free tokens
+    "read_cpu_us": (False, 0, 1e7, False),
+}
+MAX_SYNTHETIC_TOKENS = 1 << 16  # the [tokens, layers, top_k] routes stay a few hundred MB at most
+SYNTHETIC_ROUTES = {
+    "tokens": (True, 2, MAX_SYNTHETIC_TOKENS, False),
+    "warm": (True, 0, MAX_SYNTHETIC_TOKENS, False),
+    "reuse": (False, 0, 1, False),
+    "skew": (False, 0, 100, False),
+    "seed": (True, 0, 2**32 - 1, False),
+}
+
+
+def _check_number(v, spec, field: str) -> None:
+    import math
+
+    integer, lo, hi, lo_open = spec
+    kind = "an integer" if integer else "a finite number"
+    ok = (isinstance(v, int) if integer else isinstance(v, (int, float))) and not isinstance(v, bool)
+    ok = ok and math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi
+    if not ok:
+        raise UsageError("--profile", f"{field}: must be {kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+
+
+def check_profile(d: dict, where: str) -> dict:
+    """Refuse a profile whose numbers no machine has (see PROFILE_NUMBERS); returns `d`."""
+    for key, spec in PROFILE_NUMBERS.items():
+        if d.get(key) is not None:
+            _check_number(d[key], spec, f"{where}: {key}")
+    ssd = d.get("ssd_gbps")
+    if not isinstance(ssd, dict) or not ssd:
+        raise UsageError("--profile", f"{where}: ssd_gbps: must be an object of queue depth -> GB/s, got {ssd!r}")
+    for qd, v in ssd.items():
+        if not (isinstance(qd, str) and qd.isdigit() and 1 <= int(qd) <= 4096):
+            raise UsageError("--profile", f"{where}: ssd_gbps: queue depth {qd!r} is not an integer in [1, 4096]")
+        _check_number(v, (False, 0, 1e4, True), f"{where}: ssd_gbps.{qd}")
+    overhead = d.get("predictor_overhead") or {}
+    if not isinstance(overhead, dict):
+        raise UsageError("--profile", f"{where}: predictor_overhead: must be an object, got {overhead!r}")
+    for name, v in overhead.items():
+        _check_number(v, (False, 0, 0.99, False), f"{where}: predictor_overhead.{name}")
+    sr = d.get("synthetic_routes")
+    if sr is not None:
+        if not isinstance(sr, dict):
+            raise UsageError("--profile", f"{where}: synthetic_routes: must be an object, got {sr!r}")
+        for key, spec in SYNTHETIC_ROUTES.items():
+            if key in sr:
+                _check_number(sr[key], spec, f"{where}: synthetic_routes.{key}")
+        if isinstance(sr.get("tokens"), int) and sr.get("warm", 0) >= sr["tokens"]:
+            raise UsageError("--profile", f"{where}: synthetic_routes.warm: must be < tokens ({sr['tokens']})")
+    return d
+
+
 def load_profile(name: str, layer_ms: float | None = None) -> dict:
     if name == "machine":
-        return qualify_machine(layer_ms)
+        return check_profile(qualify_machine(layer_ms), "machine")
     path = PROFILES_DIR / f"{name}.json"
     if not path.is_file():
         path = Path(name)
@@ -295,8 +364,8 @@ def load_profile(name: str, layer_ms: float | None = None) -> dict:
     if not isinstance(d, dict):
         raise UsageError("--profile", f"{path}: not a JSON object")
     if R.is_report(d):
-        return R.machine_profile(d, str(path), layer_ms)
-    return d
+        return check_profile(R.machine_profile(d, str(path), layer_ms), str(path))
+    return check_profile(d, str(path))
 
 
 def load_trace(path: str, geom: S.ModelGeometry) -> np.ndarray:

@@ -26,6 +26,7 @@ from .schema import EXPORT_SCHEMA, EXPORT_SCHEMA_VERSION, KIND_DECODE, SCHEMA_VE
 from .shards import read_trace
 
 SPLITS = ("train", "validation", "test")
+EXPORT_TENSORS = ("token_ids", "sequence_ids", "positions", "topk_ids", "topk_weights")
 
 
 def write_json(path, obj) -> None:
@@ -192,6 +193,16 @@ def _earlier_export(path) -> str | None:
     return f"{extra[0]!r} is not a file of its manifest" if extra else None
 
 
+def _check_shard_entry(sh, where: str) -> None:
+    if not isinstance(sh, dict):
+        raise TraceError(where, "not an object")
+    for key, want in (("file", str), ("split", str), ("sha256", str), ("tokens", int)):
+        if type(sh.get(key)) is not want:
+            raise TraceError(f"{where}.{key}", f"expected {want.__name__}, got {sh.get(key)!r}")
+    if sh["split"] not in SPLITS:
+        raise TraceError(f"{where}.split", f"expected one of {', '.join(SPLITS)}, got {sh['split']!r}")
+
+
 def read_export(out, verify_digests: bool = True) -> dict:
     """Validate OUT and return {"manifest", "identity", "splits": {name: {tensor: array}}} (fails closed)."""
     from safetensors import safe_open
@@ -200,7 +211,7 @@ def read_export(out, verify_digests: bool = True) -> dict:
     mpath = out / "manifest.json"
     if not mpath.is_file():
         raise TraceError("manifest.json", f"missing in {out}")
-    from ..artifact.untrusted import UntrustedFileError, read_json
+    from ..artifact.untrusted import UntrustedFileError, read_json, resolve
 
     try:  # bounded and strict, symlinks refused: an export may be handed to us (issue 22)
         m = read_json(str(out), "manifest.json")
@@ -219,25 +230,40 @@ def read_export(out, verify_digests: bool = True) -> dict:
     L, k = ident.num_layers, ident.top_k
     data = {sp: {} for sp in SPLITS}
     total = 0
-    for sh in m.get("shards", []):
-        p = out / sh["file"]
-        if not p.is_file():
-            raise TraceError(f"shards.{sh['file']}", "missing")
+    shards = m.get("shards")
+    if not isinstance(shards, list):
+        raise TraceError("manifest.shards", "not a list")
+    for i, sh in enumerate(shards):
+        _check_shard_entry(sh, f"manifest.shards[{i}]")
+        try:  # a plain name of a regular file in OUT: never `../x`, a symlink or a FIFO
+            p = resolve(str(out), sh["file"], f"manifest.shards[{i}].file")
+        except FileNotFoundError:
+            raise TraceError(f"shards.{sh['file']}", "missing") from None
+        except UntrustedFileError as e:
+            raise TraceError(e.field, e.message) from None
         if verify_digests and _sha256(p) != sh["sha256"]:
             raise TraceError(f"shards.{sh['file']}.sha256", "digest mismatch (partial or changed shard)")
         try:
-            with safe_open(str(p), framework="numpy") as f:
+            with safe_open(p, framework="numpy") as f:
                 t = {key: f.get_tensor(key) for key in f.keys()}
         except Exception as e:
             raise TraceError(f"shards.{sh['file']}", f"partial or corrupt ({type(e).__name__})") from None
-        n = len(t.get("token_ids", ()))
+        missing = [key for key in EXPORT_TENSORS if key not in t]
+        if missing:
+            raise TraceError(f"shards.{sh['file']}.{missing[0]}", "missing tensor")
+        n = len(t["token_ids"])
         if n != sh["tokens"] or t["topk_ids"].shape != (n, L, k):
             raise TraceError(
                 f"shards.{sh['file']}.tokens", f"holds {n} rows / {t['topk_ids'].shape}, manifest says {sh['tokens']}"
             )
+        if n and t["token_ids"].min() < 0:
+            raise TraceError(f"shards.{sh['file']}.token_ids", f"negative token ID {int(t['token_ids'].min())}")
         for key, v in t.items():
             data[sh["split"]].setdefault(key, []).append(v)
         total += n
+    counts = m.get("counts")
+    if not isinstance(counts, dict) or type(counts.get("tokens")) is not int:
+        raise TraceError("manifest.counts.tokens", "missing or not an int")
     if total != m["counts"]["tokens"]:
         raise TraceError("manifest.counts.tokens", f"shards hold {total} tokens, manifest says {m['counts']['tokens']}")
     splits = {}

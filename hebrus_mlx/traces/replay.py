@@ -43,12 +43,25 @@ class Recomputed:
     ranked_probs: np.ndarray  # float32 [N, L, k+1]
 
 
+def check_token_ids(model, token_ids, sequence=None) -> None:
+    """Refuse token IDs outside the model's embedding rows: the embedding gather does not check
+    its indices, and an ID past the table reads outside it (a crash, or garbage routes)."""
+    ids = np.asarray(token_ids)
+    vocab = model.args.vocab_size
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        i = int(bad[0])
+        at = f"sequence {sequence.sequence_id} position {int(sequence.positions[i])}" if sequence else f"row {i}"
+        raise TraceError("token_ids", f"{at}: token ID {int(ids[i])} is outside the model's vocabulary [0, {vocab})")
+
+
 def recompute(model, token_ids, chunk: int, on_chunk: Callable | None = None) -> Recomputed:
     """Causal prefill of `token_ids` on a fresh cache by generate's prefill (chunks of `chunk`
     tokens, capped as a streamed model needs); one readback per chunk. `on_chunk(start, capture)`
     may add device work per chunk (it sees router inputs)."""
     if chunk < 1:
         raise TraceError("prefill_step_size", f"must be >= 1, got {chunk}")
+    check_token_ids(model, token_ids)
     a = model.args
     L, k = a.num_hidden_layers, a.num_experts_per_tok
     cache = model.make_cache()
@@ -152,6 +165,8 @@ def replay(model, tokenizer, traces: TraceSet, chunk: int = 2048, check_identity
         if diff is not None:
             field_name = diff.split(":", 1)[0]
             raise TraceError(field_name, f"the trace was recorded against a different runtime ({diff})")
+    for seq in traces.sequences:  # before any sequence is replayed
+        check_token_ids(model, seq.token_ids, seq)
     out = []
     for seq in traces.sequences:
         if seq.positions[0] != 0:

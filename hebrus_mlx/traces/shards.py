@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .schema import SCHEMA, SCHEMA_VERSION, Identity, TraceError
+from .schema import KIND_DECODE, KIND_PREFILL, SCHEMA, SCHEMA_VERSION, Identity, TraceError
 
 SHARD_SUFFIX = ".safetensors"
 REQUIRED = {
@@ -29,6 +29,8 @@ REQUIRED = {
     "topk_ids": np.int32,
     "topk_weights": np.float32,
 }
+FEATURES = {"feature_positions": np.int32, "features": np.float32}  # both or neither
+KINDS = (KIND_PREFILL, KIND_DECODE)
 
 
 def payload_sha256(tensors: dict) -> str:
@@ -90,9 +92,15 @@ class TraceSet:
 def _read_one(path: Path):
     from safetensors import safe_open
 
+    from ..artifact.untrusted import UntrustedFileError, resolve
+
     name = path.name
+    try:  # a FIFO or device named like a shard would block or never end: regular files only
+        real = resolve(str(path.parent), name, links=True)
+    except UntrustedFileError as e:
+        raise TraceError(name, e.message) from None
     try:
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(real, framework="numpy") as f:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises untyped errors on truncated/corrupt files
@@ -104,7 +112,7 @@ def _read_one(path: Path):
             f"{name}.schema_version",
             f"unknown version {meta.get('schema_version')!r} (this build reads {SCHEMA_VERSION})",
         )
-    from ..artifact.untrusted import UntrustedFileError, loads
+    from ..artifact.untrusted import loads
 
     try:  # strict and bounded: a shard may be handed to us (issue 22)
         header = loads(meta["header"], f"{name}.header")
@@ -121,6 +129,9 @@ def _read_one(path: Path):
             raise TraceError(f"{name}.{key}", "missing tensor")
         if tensors[key].dtype != dtype:
             raise TraceError(f"{name}.{key}", f"dtype {tensors[key].dtype}, expected {np.dtype(dtype)}")
+    extra = sorted(set(tensors) - set(REQUIRED) - set(FEATURES))
+    if extra:
+        raise TraceError(f"{name}.{extra[0]}", "not a tensor of the route-trace schema")
     for key in ("owner", "sequence_id"):
         if not isinstance(header.get(key), str) or not header[key]:
             raise TraceError(f"{name}.{key}", "missing")
@@ -128,6 +139,33 @@ def _read_one(path: Path):
         if not isinstance(header.get(key), int) or isinstance(header.get(key), bool) or header[key] < 0:
             raise TraceError(f"{name}.{key}", f"expected an int >= 0, got {header.get(key)!r}")
     return header, tensors
+
+
+def _check_values(name: str, tensors: dict, identity: Identity) -> None:
+    """Token IDs, kinds and the optional router features of one shard (shapes already checked).
+    Token IDs are checked against the model's vocabulary where one is loaded (replay)."""
+    tok = tensors["token_ids"]
+    if tok.size and tok.min() < 0:
+        raise TraceError(f"{name}.token_ids", f"negative token ID {int(tok.min())}")
+    kinds = tensors["kinds"]
+    unknown = np.setdiff1d(kinds, KINDS)
+    if unknown.size:
+        raise TraceError(f"{name}.kinds", f"unknown kind {int(unknown[0])} (known: {', '.join(map(str, KINDS))})")
+    have = [key for key in FEATURES if key in tensors]
+    if not have:
+        return
+    if len(have) == 1:
+        raise TraceError(f"{name}.{have[0]}", "present without the other router-feature tensor")
+    for key, dtype in FEATURES.items():
+        if tensors[key].dtype != dtype:
+            raise TraceError(f"{name}.{key}", f"dtype {tensors[key].dtype}, expected {np.dtype(dtype)}")
+    fp, f = tensors["feature_positions"], tensors["features"]
+    m = len(fp)
+    want = (m, identity.num_layers, identity.hidden_size)
+    if fp.shape != (m,) or f.shape != want:
+        raise TraceError(f"{name}.features", f"shapes {fp.shape} and {f.shape}, expected ({m},) and {want}")
+    if not np.isin(fp, tensors["positions"]).all() or np.any(np.diff(fp) <= 0):
+        raise TraceError(f"{name}.feature_positions", "not increasing positions of this shard")
 
 
 def read_trace(directory) -> TraceSet:
@@ -158,6 +196,7 @@ def read_trace(directory) -> TraceSet:
         ids = tensors["topk_ids"]
         if ids.size and (ids.min() < 0 or ids.max() >= identity.num_experts):
             raise TraceError(f"{p.name}.topk_ids", f"expert ID outside [0, {identity.num_experts})")
+        _check_values(p.name, tensors, identity)
         by_seq.setdefault(header["sequence_id"], []).append((header, tensors, p.name))
     sequences = []
     for sid, parts in by_seq.items():
