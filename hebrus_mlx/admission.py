@@ -16,9 +16,7 @@ No stage reads a sparse payload, and this module imports no MLX at all
 import hashlib
 import json
 import os
-import sys
 
-from . import flags
 from .artifact import constants as C
 from .artifact import expert_major as em
 from .artifact import fast_check as FC
@@ -635,17 +633,3 @@ def admit_mirror(m: M.Manifest, directory) -> str:
             raise
         raise AdmissionError(f"{field}.{e.field}", f"{path}: {e.message}") from None
     return path
-
-
-def main(argv=None):
-    p = flags.Parser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
-    p.add_argument("path", help="artifact directory")
-    args = p.parse_args(argv)
-    print(admit(args.path).report.to_json())  # a rejection is one line on stderr (cli.run)
-    return 0
-
-
-if __name__ == "__main__":
-    from .cli import run
-
-    sys.exit(run("admit", main))

@@ -12,12 +12,12 @@ from .errors import HebrusError
 VERBS = {
     "generate": "hebrus_mlx.commands.generate",
     "convert": "hebrus_mlx.convert",
-    "admit": "hebrus_mlx.admission",
+    "admit": "hebrus_mlx.commands.admit",
     "verify": "hebrus_mlx.verify",
     "upgrade": "hebrus_mlx.upgrade",
     "server": "hebrus_mlx.server",
     "chat": "hebrus_mlx.chat",
-    "cache-prompt": "hebrus_mlx.cache_prompt",
+    "cache-prompt": "hebrus_mlx.commands.cache_prompt",
     "traces": "hebrus_mlx.traces.command",
     "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
     "bench": "hebrus_mlx.bench.command",

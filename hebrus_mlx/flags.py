@@ -104,3 +104,11 @@ def items(s, flag, conv):
         return [conv(x) for x in parts]
     except argparse.ArgumentTypeError as e:
         raise UsageError(flag, f"{e} (in {s!r})") from None
+
+
+def positive_ints(s, flag):
+    """`--flag 4,8,16` -> [4, 8, 16]; a typed error naming the flag otherwise."""
+    out = items(s, flag, integer(1))
+    if not out or min(out) < 1:
+        raise UsageError(flag, f"expected integers >= 1, got {s!r}")
+    return out

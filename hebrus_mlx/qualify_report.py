@@ -392,8 +392,8 @@ def decode_section(
     schedule, identical tokens required), and the routes they took."""
     import numpy as np
 
-    from .bench import command as B
     from .bench import harness as H
+    from .bench import run as B
     from .bench.machine import memory_bytes
     from .loader import load
     from .stream import engine
@@ -664,7 +664,7 @@ def summary_path(path) -> Path:
 
 
 def write_report(report: dict, path, overwrite: bool = False) -> tuple:
-    from .bench.report import write_text_atomic
+    from .output_files import write_text_atomic
 
     p = Path(path).expanduser()
     write_text_atomic(p, json.dumps(report, indent=1) + "\n", field="--report", overwrite=overwrite)

@@ -269,7 +269,7 @@ def test_bench_refuses_two_artifacts_before_loading(tmp_path, capsys):
 def test_bench_refuses_when_a_configuration_changes_the_tokens(monkeypatch):
     """A configuration that claims exactness but changes greedy output is refused (the run is
     perturbed here to stand in for a broken speed feature)."""
-    from hebrus_mlx.bench import command as B
+    from hebrus_mlx.bench import run as B
 
     real = H.run_once
 
@@ -306,7 +306,7 @@ def test_bad_bench_input_is_one_typed_line(argv, field, capsys, tmp_path):
 def test_speculative_option_plugs_in_and_reports_acceptance(tmp_path):
     """draft-model reaches generate by signature; the MTP configuration reports its acceptance and
     its greedy tokens equal the plain run's (else the bench would refuse)."""
-    from hebrus_mlx.bench import command as B
+    from hebrus_mlx.bench import run as B
 
     # 12 tokens: the block-size governor starts with plain steps and first drafts at its 8th step.
     res = B.run_bench(

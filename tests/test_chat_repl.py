@@ -7,11 +7,11 @@ import io
 import re
 
 import pytest
+from verb_loading import patch_load_from_args
 
 from hebrus_mlx import load, stream_generate
 from hebrus_mlx.cli import main as cli_main
 
-gen = importlib.import_module("hebrus_mlx.generate")
 chat = importlib.import_module("hebrus_mlx.chat")
 
 
@@ -21,7 +21,7 @@ def demo():
 
 
 def _run(monkeypatch, capsys, demo, stdin, *argv):
-    monkeypatch.setattr(gen, "load_from_args", lambda *a, **k: demo)
+    patch_load_from_args(monkeypatch, lambda *a, **k: demo)
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
     assert chat.main(["--model", "demo", *argv]) == 0
     return capsys.readouterr().out

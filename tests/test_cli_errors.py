@@ -143,14 +143,12 @@ def test_convert_refuses_a_missing_local_dir_in_one_line(tmp_path):
 
 def test_a_bug_is_not_turned_into_a_one_line_error(monkeypatch):
     """Only typed errors are shortened: an untyped exception keeps its traceback."""
-    import importlib
-
-    gen = importlib.import_module("hebrus_mlx.generate")
+    from verb_loading import patch_load_from_args
 
     def bug(*a, **k):
         raise KeyError("planted bug")
 
-    monkeypatch.setattr(gen, "load_from_args", bug)
+    patch_load_from_args(monkeypatch, bug)
     with pytest.raises(KeyError, match="planted bug"):
         main(["generate", "-p", "hi"])
 

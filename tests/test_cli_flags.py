@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = ["nan", "NaN", "inf", "-inf", "-1", "-0.5", "1e300", "-1e300", str(2**70), "-" + str(2**70), "x", ""]
 # verb -> (module, argv prefix needed to reach the flags: required args, sub-command)
 PARSERS = {
-    "generate": ("hebrus_mlx.generate", []),
+    "generate": ("hebrus_mlx.verb_flags", []),
     "server": ("hebrus_mlx.server", []),
     "chat": ("hebrus_mlx.chat", []),
     "convert": ("hebrus_mlx.convert", ["--hf-path", "h", "--out", "o"]),
@@ -262,7 +262,7 @@ def test_a_mistyped_flag_names_the_closest_one():
 
 
 def test_sampling_flags_show_their_defaults_in_help():
-    text = importlib.import_module("hebrus_mlx.generate").build_parser().format_help()
+    text = importlib.import_module("hebrus_mlx.verb_flags").build_parser().format_help()
     text = " ".join(text.split())
     for flag, default in (("--temp", "0.0"), ("--top-p", "1.0"), ("--top-k", "0"), ("--min-p", "0.0")):
         start = text.index(f"{flag} {flag[2:].upper().replace('-', '_')} ")

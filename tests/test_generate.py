@@ -277,9 +277,11 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     model = ScriptModel(tok.encode("ok") + [IM_END])
     ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
     model.prompt_len = len(ids)
+    from verb_loading import patch_load_from_args
+
     from hebrus_mlx.cli import main
 
-    monkeypatch.setattr(gen, "load_from_args", lambda *a, **k: (model, tok))
+    patch_load_from_args(monkeypatch, lambda *a, **k: (model, tok))
     assert main(["generate", "-p", "q", "--system-prompt", "s", "--verbose", "false"]) == 0
     assert capsys.readouterr().out == "ok\n"
     model.args.max_position_embeddings = 4
@@ -317,7 +319,11 @@ CLI_ERRORS = [
 @pytest.mark.parametrize("argv,stdin,needle", CLI_ERRORS, ids=[" ".join(a) for a, _, _ in CLI_ERRORS])
 def test_cli_errors_exit_2_with_one_line(argv, stdin, needle):
     p = subprocess.run(
-        [sys.executable, "-m", "hebrus_mlx.generate", *argv], input=stdin, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "hebrus_mlx.commands.generate", *argv],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert p.returncode == 2, p.stderr
     assert p.stdout == ""
@@ -384,7 +390,7 @@ def test_end_to_end_on_tiny_checkpoint(tmp_path):
     assert all(r.token < 259 for r in rs)
 
     p = subprocess.run(
-        [sys.executable, "-m", "hebrus_mlx.generate", "--model", str(d), "-p", "hi", "-m", "5"],
+        [sys.executable, "-m", "hebrus_mlx.commands.generate", "--model", str(d), "-p", "hi", "-m", "5"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -407,7 +413,7 @@ def test_cli_streamed_demo_prints_io_line_and_resident_text():
             [
                 sys.executable,
                 "-m",
-                "hebrus_mlx.generate",
+                "hebrus_mlx.commands.generate",
                 "--model",
                 "demo",
                 "-p",

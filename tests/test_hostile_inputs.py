@@ -356,7 +356,9 @@ def test_chat_unknown_or_malformed_commands_are_refused_not_sent(monkeypatch, ca
 
     from hebrus_mlx import load
 
-    chat, generate = (importlib.import_module(f"hebrus_mlx.{m}") for m in ("chat", "generate"))
+    from verb_loading import patch_load_from_args
+
+    chat = importlib.import_module("hebrus_mlx.chat")
     demo = load("demo")
     sent = []
 
@@ -364,7 +366,7 @@ def test_chat_unknown_or_malformed_commands_are_refused_not_sent(monkeypatch, ca
         sent.append(tok.decode(ids))
         return iter(())
 
-    monkeypatch.setattr(generate, "load_from_args", lambda *a, **k: demo)
+    patch_load_from_args(monkeypatch, lambda *a, **k: demo)
     monkeypatch.setattr(chat, "stream_with_cache", stream)
     monkeypatch.setattr("sys.stdin", io.StringIO("/reset now\n/unknown\nq extra\n/exit please\n//etc/hosts\nq\n"))
     assert chat.main(["--model", "demo", "--max-tokens", "2", "--verbose", "false"]) == 0

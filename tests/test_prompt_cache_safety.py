@@ -445,12 +445,12 @@ def test_two_caches_sharing_a_directory_keep_its_bound(demo, tmp_path):
 
 
 def _no_load(monkeypatch):
-    import sys
+    from verb_loading import patch_load_from_args
 
     def boom(args):
         raise AssertionError("the model was loaded before --prompt-cache-dir was checked")
 
-    monkeypatch.setattr(sys.modules["hebrus_mlx.generate"], "load_from_args", boom)
+    patch_load_from_args(monkeypatch, boom)
 
 
 def test_an_unusable_cache_dir_is_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):

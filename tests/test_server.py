@@ -460,7 +460,7 @@ def test_cli_flags(monkeypatch, capsys):
     from hebrus_mlx.cli import main as cli_main
 
     srv = importlib.import_module("hebrus_mlx.server")
-    gen = importlib.import_module("hebrus_mlx.generate")
+    flags_mod = importlib.import_module("hebrus_mlx.verb_flags")
     args = srv.build_parser().parse_args([])
     # --max-tokens not given: None, so each route picks its default (App._max_tokens).
     assert (args.host, args.model, args.max_tokens) == ("127.0.0.1", "demo", None)
@@ -482,14 +482,14 @@ def test_cli_flags(monkeypatch, capsys):
         capsys.readouterr().err
         == "hebrus-mlx server: error: --pipeline-split: needs a distributed launch (mlx.launch)\n"
     )
-    original = gen.build_parser
+    original = flags_mod.build_parser
 
     def with_new_flag():
         p = original()
         p.add_argument("--future-flag", default=None)
         return p
 
-    monkeypatch.setattr(gen, "build_parser", with_new_flag)
+    monkeypatch.setattr(flags_mod, "build_parser", with_new_flag)
     assert "--future-flag" in srv.build_parser().format_help()
     assert cli_main(["server", "--future-flag", "x"]) == 2
     assert "--future-flag: not supported by `hebrus-mlx server` yet" in capsys.readouterr().err

@@ -303,16 +303,15 @@ def test_cancelled_ticket_mid_step_is_typed_and_clean():
 def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     """AFN-010: a read failure during `hebrus-mlx generate` prints one line
     naming the typed error and the store read, no traceback, and exits 2."""
-    import importlib
 
     from hebrus_mlx.loader import load
-
-    gen = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function
 
     gb, rows = _cache_gb(str(DEMO_DIR))
     model, tok = load("demo", expert_cache_gb=gb)
     eng = _testing_experts(model, rows).engine
-    monkeypatch.setattr(gen, "load_from_args", lambda *a, **k: (model, tok))
+    from verb_loading import patch_load_from_args
+
+    patch_load_from_args(monkeypatch, lambda *a, **k: (model, tok))
     eng.inject_fault("short_read", 1)
     from hebrus_mlx.cli import main
 

@@ -3,8 +3,7 @@ with spread, and a per-token timeline of compute vs exposed I/O from the engine 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from ..output_files import PNG_METADATA, json_bytes, write_bytes_atomic, write_text_atomic  # noqa: F401 (public here too)
 
 COLUMNS = [  # (metric, header, format, scale)
     ("decode_tok_s", "decode tok/s", "{:.2f}", 1),
@@ -23,34 +22,8 @@ COLUMNS = [  # (metric, header, format, scale)
 ]
 
 
-def write_bytes_atomic(path, data: bytes, *, field: str = "--out", overwrite: bool = False) -> None:
-    """temp + fsync + rename + directory fsync (the project's one publisher), never over a file
-    hebrus-mlx did not write unless `overwrite` (artifact.atomic.publish_output, issue 22)."""
-    from ..artifact.atomic import publish_output
-
-    publish_output(Path(path), data, field=field, overwrite=overwrite)
-
-
-def write_text_atomic(path, text: str, *, field: str = "--out", overwrite: bool = False) -> None:
-    write_bytes_atomic(path, text.encode(), field=field, overwrite=overwrite)
-
-
-def json_bytes(obj, schema: str, sort_keys: bool = False) -> bytes:
-    """JSON with a `schema` key first (how hebrus-mlx recognises its own output later)."""
-    if sort_keys:  # nested keys sorted, the schema still first
-        obj = json.loads(json.dumps(obj, sort_keys=True, default=float))
-    if not (isinstance(obj.get("schema"), str) and obj["schema"].startswith("hebrus-mlx")):
-        obj = {"schema": schema, **{k: v for k, v in obj.items() if k != "schema"}}
-    else:
-        obj = {"schema": obj["schema"], **obj}
-    return (json.dumps(obj, indent=1, sort_keys=False, default=float) + "\n").encode()
-
-
 def write_json(path, obj, *, field: str = "--out", overwrite: bool = False, schema: str = "hebrus-mlx.report") -> None:
     write_bytes_atomic(path, json_bytes(obj, schema), field=field, overwrite=overwrite)
-
-
-PNG_METADATA = {"Software": "hebrus-mlx"}  # a tEXt chunk: how a later run recognises its own plot
 
 
 def _cell(stat, fmt, scale) -> str:

@@ -743,7 +743,7 @@ def whatif_results(args, profiles=None, codecs=None) -> list[dict]:
 
 def write_table(args) -> dict:
     """`simulate --table FILE`: the markdown table of every shipped profile x width x check."""
-    from ..bench.report import write_text_atomic
+    from ..output_files import write_text_atomic
     from . import projection as P
 
     if (
@@ -851,8 +851,8 @@ def record_routes(model, prompt: list[int], n: int, kinds=()):
 
 
 def validate(args) -> dict:
-    from ..bench import command as B
     from ..bench import harness as H
+    from ..bench import run as B
     from ..loader import load, resolve_model_path
     from . import calibrate as K
 

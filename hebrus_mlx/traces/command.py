@@ -16,6 +16,7 @@ import sys
 from .. import flags
 from ..cli_args import ArgumentParser
 from ..errors import UsageError
+from ..flags import positive_ints
 
 
 def build_parser():
@@ -48,14 +49,6 @@ def build_parser():
     v.add_argument("--cache-sizes", default="5,10,20,30,50", help="percent of the expert store")
     v.add_argument("--seed", type=flags.seed(), default=0)
     return p
-
-
-def positive_ints(s, flag):
-    """`--flag 4,8,16` -> [4, 8, 16]; a typed error naming the flag otherwise."""
-    out = flags.items(s, flag, flags.integer(1))
-    if not out or min(out) < 1:
-        raise UsageError(flag, f"expected integers >= 1, got {s!r}")
-    return out
 
 
 def _replay(args) -> int:

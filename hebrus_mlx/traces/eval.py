@@ -321,7 +321,7 @@ def plot(r, path, overwrite=False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..bench.report import PNG_METADATA, write_bytes_atomic
+    from ..output_files import PNG_METADATA, write_bytes_atomic
 
     k = r["identity"]["top_k"]
     n = 3 if "cache_sim" in r else 2

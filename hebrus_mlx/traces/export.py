@@ -36,7 +36,7 @@ def write_json(path, obj) -> None:
 
 def write_report_json(path, obj, *, field: str, overwrite: bool, schema: str) -> None:
     """A user-named report (replay/eval --json): never over a file hebrus-mlx did not write."""
-    from ..bench.report import json_bytes, write_bytes_atomic
+    from ..output_files import json_bytes, write_bytes_atomic
 
     write_bytes_atomic(path, json_bytes(obj, schema, sort_keys=True), field=field, overwrite=overwrite)
 
