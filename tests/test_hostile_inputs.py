@@ -354,9 +354,9 @@ def test_chat_unknown_or_malformed_commands_are_refused_not_sent(monkeypatch, ca
     [ERROR] line and the session goes on. `//text` sends `/text`."""
     import importlib
 
-    from hebrus_mlx import load
-
     from verb_loading import patch_load_from_args
+
+    from hebrus_mlx import load
 
     chat = importlib.import_module("hebrus_mlx.chat")
     demo = load("demo")
