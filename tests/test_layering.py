@@ -192,8 +192,7 @@ def test_string_imports_are_counted():
     tree = ast.parse('import importlib\nm = importlib.import_module("hebrus_mlx.server")')
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call))
     assert _string_import(call) == "hebrus_mlx.server"
-    users = sorted(m for m, deps in import_graph().items() if "hebrus_mlx.speculative.mtp_drafter" in deps)
-    assert "hebrus_mlx.speculative" in users  # its lazy drafter import is a string import
+    assert _string_import(ast.parse('import_module("numpy")').body[0].value) is None
 
 
 def _verb_modules():

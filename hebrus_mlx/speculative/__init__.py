@@ -51,7 +51,7 @@ def _ngram(model, args):
 
 def _mtp(model, args):
     try:
-        mod = importlib.import_module("hebrus_mlx.speculative.mtp_drafter")
+        from . import mtp_drafter as mod
     except ModuleNotFoundError as e:
         if e.name != "hebrus_mlx.speculative.mtp_drafter":
             raise
