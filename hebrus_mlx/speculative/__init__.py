@@ -11,7 +11,6 @@ head is a DrafterError (one line, exit 2 at the CLI).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
