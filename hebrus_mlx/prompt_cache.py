@@ -244,7 +244,7 @@ class PromptCacheFileError(HebrusError, ValueError):
     default_field = "prompt_cache_file"
 
 
-def _artifact_digest(model) -> str:
+def model_artifact_digest(model) -> str:
     from .traces.schema import artifact_digest
 
     source = getattr(model, "source_path", None)
@@ -255,7 +255,7 @@ def _artifact_digest(model) -> str:
     return artifact_digest(source)
 
 
-def _runtime_dtype(model) -> str:
+def runtime_dtype(model) -> str:
     # The dtype the model computes in (float32 on CPU by default, the stored one on Metal): the state
     # of one run does not continue another.
     return str(model.model.embed_tokens(mx.array([[0]])).dtype)
@@ -276,8 +276,8 @@ def prompt_cache_metadata(
         out[k] = v
     out.update(
         format=FORMAT,
-        artifact_digest=_artifact_digest(model),
-        dtype=_runtime_dtype(model),
+        artifact_digest=model_artifact_digest(model),
+        dtype=runtime_dtype(model),
         offset=str(cache.offset),
         start_position=str(cache.start_position),
     )
@@ -587,7 +587,7 @@ def read_prompt_cache(f, model, return_metadata: bool = False, name: str = "prom
             f"expected {FORMAT!r}, got {meta.get('format')!r} "
             "(write it with hebrus_mlx.prompt_cache.save_prompt_cache or its metadata)",
         )
-    for key, want in (("artifact_digest", _artifact_digest(model)), ("dtype", _runtime_dtype(model))):
+    for key, want in (("artifact_digest", model_artifact_digest(model)), ("dtype", runtime_dtype(model))):
         if meta.get(key) != want:
             raise PromptCacheFileError(
                 f"prompt_cache_file.{key}", f"the file was computed with {meta.get(key)!r}, this model is {want!r}"

@@ -58,9 +58,9 @@ from .errors import UsageError
 from .prompt_cache import (
     FORMAT,
     PromptCacheFileError,
-    _artifact_digest,
-    _runtime_dtype,
+    model_artifact_digest,
     read_prompt_cache,
+    runtime_dtype,
     serialize_prompt_cache,
 )
 
@@ -116,8 +116,8 @@ class DiskPromptCache:
         self.max_bytes = max_bytes
         self.model = model
         self._lock_fd = open_dir(directory)
-        self.digest = _artifact_digest(model)
-        self.dtype = _runtime_dtype(model)
+        self.digest = model_artifact_digest(model)
+        self.dtype = runtime_dtype(model)
         self.entries: dict[tuple[int, ...], dict] = {}  # tokens -> {"key", "bytes", "used", "sha256", "index"}
         self.nbytes = 0
         self.hits = self.saves = self.refused = 0

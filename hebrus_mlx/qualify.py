@@ -157,7 +157,7 @@ def _qsa_graph(q, k, v, idx, ok, scale):
     self = QSAAttention.__new__(QSAAttention)
     object.__setattr__(self, "n_kv_heads", k.shape[1])
     object.__setattr__(self, "scale", scale)
-    return QSAAttention._sparse_attention(self, q, k, v, idx, ok)
+    return QSAAttention.sparse_attention(self, q, k, v, idx, ok)
 
 
 def qsa_attention_ops(q, k, v, idx, ok, scale):

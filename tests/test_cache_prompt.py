@@ -55,7 +55,7 @@ def test_plain_text_mode_and_refusals(demo, tmp_path, capsys, monkeypatch):
     assert "--system-prompt" in capsys.readouterr().err
     import hebrus_mlx.prompt_cache as pcm
 
-    monkeypatch.setattr(pcm, "_artifact_digest", lambda model: "0" * 64)
+    monkeypatch.setattr(pcm, "model_artifact_digest", lambda model: "0" * 64)
     g = tmp_path / "foreign.safetensors"
     assert cli_main(["cache-prompt", "--prompt", "x", "--prompt-cache-file", str(g), "--verbose", "false"]) == 0
     monkeypatch.undo()

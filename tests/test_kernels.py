@@ -150,14 +150,14 @@ def _sparse_calls(name, decode_steps=1):
     window, then decode steps."""
     m = model(name)
     calls = []
-    orig = QSAAttention._sparse_attention
+    orig = QSAAttention.sparse_attention
 
     def record(self, q, k, v, idx, ok, *a, **kw):
         out = orig(self, q, k, v, idx, ok, *a, **kw)
         calls.append((self.scale, *(np.array(t) for t in (q, k, v, idx, ok, out))))
         return out
 
-    QSAAttention._sparse_attention = record
+    QSAAttention.sparse_attention = record
     try:
         ids = mx.array(capture(name)["input_ids"])
         cache = m.make_cache()
@@ -166,7 +166,7 @@ def _sparse_calls(name, decode_steps=1):
             logits = m(mx.argmax(logits[:, -1:], axis=-1), cache=cache)
             mx.eval(logits)
     finally:
-        QSAAttention._sparse_attention = orig
+        QSAAttention.sparse_attention = orig
     assert calls, "no sparse call: the prompt must pass the QSA window"
     return calls
 

@@ -82,8 +82,8 @@ def _foreign_data(d):
     for p in d.glob("*.json"):
         rec = json.loads(p.read_text())
         data = p.with_suffix(".safetensors")
-        real = pcm._artifact_digest
-        pcm._artifact_digest = lambda model: "0" * 64
+        real = pcm.model_artifact_digest
+        pcm.model_artifact_digest = lambda model: "0" * 64
         try:
             from hebrus_mlx import load
 
@@ -93,7 +93,7 @@ def _foreign_data(d):
             _feed(model, cache, [ids])
             payload = serialize_prompt_cache(cache, model, ids)
         finally:
-            pcm._artifact_digest = real
+            pcm.model_artifact_digest = real
         data.write_bytes(payload)
         import hashlib
 

@@ -103,7 +103,7 @@ def test_sparse_equals_dense_oracle_up_to_its_last_accepted_size(model_name):
         v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim).transpose(0, 2, 1, 3)
         dense = dense_qsa_oracle(q, k, v, attn.scale, window, n_visible=n)
         idx, ok = attn.indexer.select(attn.indexer.project(x, attn.rotary, cos, sin)[0], _blocks(attn, x, n), 0, n)
-        sparse = attn._sparse_attention(q, k, v, idx, ok)
+        sparse = attn.sparse_attention(q, k, v, idx, ok)
         np.testing.assert_allclose(np.array(sparse), np.array(dense.transpose(0, 2, 1, 3).reshape(1, n, -1)), atol=1e-5)
     with pytest.raises(DenseOracleLimitError, match="at most"):
         dense_qsa_oracle(None, None, None, 1.0, window, n_visible=window + 1)

@@ -4,7 +4,7 @@ Input is the indexer's compact selection: idx [L, W] cache indices (the chosen b
 chronological order, then the tail block — AFN-017) and ok [L, W] validity. NSG SIMD groups split
 the W keys (lane-strided); each thread keeps an online softmax (running max, sum, D accumulators),
 the SIMD group merges with simd_max / simd_sum, and the groups merge through threadgroup memory.
-The ops path is `QSAAttention._sparse_attention` (gather + tiled online softmax).
+The ops path is `QSAAttention.sparse_attention` (gather + tiled online softmax).
 
 Lengths (L, W) and the K/V strides are read at run time (`q_shape`, `idx_shape`, `k_strides`,
 `v_strides`), not template arguments: the cache grows every decode token, and a length in the

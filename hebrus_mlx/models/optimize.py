@@ -227,16 +227,16 @@ def _rhs(linear: nn.Module) -> mx.array | None:
     per call); None for anything else (quantized, biased)."""
     if type(linear) is not nn.Linear or "bias" in linear:
         return None
-    return q._derived(linear, "_rhs", linear.weight, lambda w: w.T)
+    return q.derived(linear, "_rhs", linear.weight, lambda w: w.T)
 
 
 @cache
 def _hc_mix_fn(hc_count: int, hidden: int, eps: float, lowrank: int, inject: bool):
     """HyperConnection.mix as one compiled graph on [rows, width] (no batch axes around the matmuls,
     one fused sigmoid-product): the same ops in the same order as the per-part path."""
-    fns = q._hc_fns(hc_count, hidden)
+    fns = q.hc_fns(hc_count, hidden)
 
-    @q._compiled
+    @q.compiled_region
     def mix(streams, scale, down_rhs, up_rhs):
         lead = streams.shape[:-1]
         grouped = streams.reshape(-1, hc_count, hidden)
@@ -285,13 +285,13 @@ class OneGraphHyperConnection(q.HyperConnection):
 @cache
 def _ple_mix_fn(hc_count: int, hidden: int, eps: float, dilation: int):
     """PLELayer.mix (norms, gate, dilated conv) as one compiled graph."""
-    norm = q._group_norm_fn(hidden, eps)
+    norm = q.group_norm_fn(hidden, eps)
 
-    @q._compiled
+    @q.compiled_region
     def mix(key, value, streams, state, conv_w, key_scale, query_scale, conv_scale):
         split = (*streams.shape[:-1], hc_count, hidden)
-        gated = q._ple_gate(norm(key, key_scale).reshape(split), norm(streams, query_scale).reshape(split), value)
-        conv, state = q._causal_depthwise_conv(norm(gated, conv_scale), state, conv_w, dilation=dilation)
+        gated = q.ple_gate(norm(key, key_scale).reshape(split), norm(streams, query_scale).reshape(split), value)
+        conv, state = q.causal_depthwise_conv(norm(gated, conv_scale), state, conv_w, dilation=dilation)
         return gated + silu(conv), state
 
     return mix

@@ -66,7 +66,7 @@ class Capture:
 # ---- norms -------------------------------------------------------------------------------------
 
 
-def _compiled(fn):
+def compiled_region(fn):
     """`fn`, run mx.compile'd while the active GraphOptions say so (models/options.py)."""
     compiled = mx.compile(fn)
 
@@ -76,7 +76,7 @@ def _compiled(fn):
     return call
 
 
-def _derived(owner: nn.Module, key: str, source: mx.array, make, evaluate: bool = True) -> mx.array:
+def derived(owner: nn.Module, key: str, source: mx.array, make, evaluate: bool = True) -> mx.array:
     """`make(source)`, kept on `owner` as a plain attribute (never a parameter) and made again only
     when `source` is another array (a load, update or quantization replaced it)."""
     cached = owner.__dict__.get(key)
@@ -100,7 +100,7 @@ def _project(owner: nn.Module, linears, x):
 @cache
 def _norm_fn(eps: float):
     # Compiled: the CPU fallback of mx.fast.rms_norm is ~11 ops, 3 nodes once fused.
-    @_compiled
+    @compiled_region
     def norm(x, scale):
         return mx.fast.rms_norm(x, scale, eps)
 
@@ -108,8 +108,8 @@ def _norm_fn(eps: float):
 
 
 @cache
-def _group_norm_fn(group_size: int, eps: float):
-    @_compiled
+def group_norm_fn(group_size: int, eps: float):
+    @compiled_region
     def norm(x, scale):
         grouped = x.reshape(*x.shape[:-1], -1, group_size)
         out = mx.fast.rms_norm(grouped, None, eps) * scale  # scale: [groups, group_size]
@@ -139,18 +139,18 @@ class ZeroCenteredRMSNorm(nn.Module):
     def scale(self):
         if self.stored_folded:
             return self.weight
-        return _derived(self, "_folded", self.weight, lambda w: 1.0 + w, evaluate=False)
+        return derived(self, "_folded", self.weight, lambda w: 1.0 + w, evaluate=False)
 
     @property
     def grouped_scale(self):
         """`scale` as [groups, group_size], evaluated once per scale array (a view: no reshape node
         per call)."""
-        return _derived(self, "_grouped", self.scale, lambda s: s.reshape(-1, self.group_size))
+        return derived(self, "_grouped", self.scale, lambda s: s.reshape(-1, self.group_size))
 
     def __call__(self, x):
         if self.group_size is None:
             return _norm_fn(self.eps)(x, self.scale)
-        return _group_norm_fn(self.group_size, self.eps)(x, self.grouped_scale)
+        return group_norm_fn(self.group_size, self.eps)(x, self.grouped_scale)
 
 
 def set_norm_weights(module: nn.Module, folded: bool) -> None:
@@ -177,7 +177,7 @@ class GatedRMSNorm(nn.Module):
 
 @cache
 def _gated_norm_fn(activation, eps: float):
-    @_compiled
+    @compiled_region
     def norm(x, weight, gate):
         return mx.fast.rms_norm(x, weight, eps) * activation(gate)
 
@@ -215,7 +215,7 @@ class Rotary:
         return _rope_apply_fn(self.dims)(x, cos, sin)
 
 
-@_compiled
+@compiled_region
 def _rope_tables(positions, inv_freq):
     freqs = positions.astype(mx.float32)[:, None] * inv_freq[None, :]
     freqs = mx.concatenate([freqs, freqs], axis=-1)
@@ -224,7 +224,7 @@ def _rope_tables(positions, inv_freq):
 
 @cache
 def _rope_apply_fn(d: int):
-    @_compiled
+    @compiled_region
     def apply(x, cos, sin):
         rot, rest = x[..., :d], x[..., d:]
         half = d // 2
@@ -258,7 +258,7 @@ class HyperConnection(nn.Module):
 
     def mix(self, streams, inject: bool = False):
         """(mixed block input, normed streams[, inject logits when `inject`])."""
-        fns = _hc_fns(self.hc_count, self.hidden_size)
+        fns = hc_fns(self.hc_count, self.hidden_size)
         normed = self.hc_norm(streams)
         down, *logits = _project(self, self.projections(inject), normed)
         weights = self.input_mix_weight_up(fns.activate(down))
@@ -267,11 +267,11 @@ class HyperConnection(nn.Module):
 
     def combine(self, weights, normed):
         """The streams weighted by sigmoid(weights), averaged: [..., hc * hidden] -> [..., hidden]."""
-        return _hc_fns(self.hc_count, self.hidden_size).mix(weights, normed)
+        return hc_fns(self.hc_count, self.hidden_size).mix(weights, normed)
 
     def __call__(self, streams, block):
         """Run `block` on the mixed input and add its output back into every stream."""
-        fns = _hc_fns(self.hc_count, self.hidden_size)
+        fns = hc_fns(self.hc_count, self.hidden_size)
         mixed, _, inject = self.mix(streams, inject=True)
         out = block(mixed)
         return fns.inject(streams, out, inject)
@@ -281,16 +281,16 @@ class _HCFns:
     """The hyper-connection's elementwise parts, compiled once per (hc_count, hidden)."""
 
     def __init__(self, hc_count: int, hidden: int):
-        @_compiled
+        @compiled_region
         def activate(down):
             return silu(down / hc_count)
 
-        @_compiled
+        @compiled_region
         def mix(up, normed):
             shape = (*normed.shape[:-1], hc_count, hidden)
             return (mx.sigmoid(up).reshape(shape) * normed.reshape(shape)).mean(axis=-2)
 
-        @_compiled
+        @compiled_region
         def inject(streams, out, logits):
             # Added on the [..., hc, hidden] view so the product and the sum fuse into one kernel.
             gate = 2.0 * mx.sigmoid(logits / hc_count)
@@ -301,14 +301,14 @@ class _HCFns:
 
 
 @cache
-def _hc_fns(hc_count: int, hidden: int) -> _HCFns:
+def hc_fns(hc_count: int, hidden: int) -> _HCFns:
     return _HCFns(hc_count, hidden)
 
 
 # ---- Gated DeltaNet ------------------------------------------------------------------------------
 
 
-def _causal_depthwise_conv(x, state, weight, dilation=1):
+def causal_depthwise_conv(x, state, weight, dilation=1):
     """Depthwise causal conv over [state; x]; returns (output of len(x), new state)."""
     full = mx.concatenate([state, x], axis=1)
     out = mx.conv1d(full, weight, dilation=dilation, groups=x.shape[-1])
@@ -319,7 +319,7 @@ def _causal_depthwise_conv(x, state, weight, dilation=1):
 def _gdn_gates_fn(q_scale: float):
     """Normalised q/k, beta and the log decay g, as one compiled elementwise graph."""
 
-    @_compiled
+    @compiled_region
     def gates(q, k, b, a, A_log, dt_bias):
         q = gated_delta.l2_normalize(q) * q_scale
         k = gated_delta.l2_normalize(k)
@@ -338,10 +338,10 @@ def _gdn_recurrent_fn(dims):
     gates = _gdn_gates_fn(d_k**-0.5)
     norm = _gated_norm_fn(activation, eps)
 
-    @_compiled
+    @compiled_region
     def step(qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, state, norm_w):
         B, L, _ = qkv.shape
-        qkv, conv_state = _causal_depthwise_conv(qkv, conv_state, conv_w)
+        qkv, conv_state = causal_depthwise_conv(qkv, conv_state, conv_w)
         q, k, v = mx.split(silu(qkv), [n_k * d_k, 2 * n_k * d_k], axis=-1)
         q, k, beta, g = gates(q.reshape(B, L, n_k, d_k), k.reshape(B, L, n_k, d_k), b, a, A_log, dt_bias)
         out, state = gated_delta.recurrent_step(q, k, v.reshape(B, L, n_v, d_v), g, beta, state)
@@ -402,7 +402,7 @@ class GatedDeltaNet(nn.Module):
                 qkv, z, b, a, conv_state, self.conv1d.weight, self.A_log, self.dt_bias, state, self.norm.weight
             )
             return self.out_proj(out)
-        qkv, cache.conv_state = _causal_depthwise_conv(qkv, conv_state, self.conv1d.weight)
+        qkv, cache.conv_state = causal_depthwise_conv(qkv, conv_state, self.conv1d.weight)
         qkv = silu(qkv)
         q, k, v = mx.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = q.reshape(B, L, self.num_k_heads, self.head_k_dim)
@@ -604,9 +604,9 @@ class QSAAttention(nn.Module):
 
     def attend(self, queries, keys, values, idx, ok, n_tokens: int):
         """Attention of each query over its selected keys (idx, ok) among the `n_tokens` cached."""
-        return self._sparse_attention(queries, keys, values, idx, ok)
+        return self.sparse_attention(queries, keys, values, idx, ok)
 
-    def _sparse_attention(self, queries, keys, values, idx, ok, gather_budget: int = 1 << 18):
+    def sparse_attention(self, queries, keys, values, idx, ok, gather_budget: int = 1 << 18):
         """Gather only the selected K/V rows, then online softmax over them (AFN-016).
 
         Queries go in tiles so the gathered rows (tile x W per KV head) stay bounded in prefill.
@@ -638,7 +638,7 @@ class QSAAttention(nn.Module):
 def _row_ids_fn(ngram_size: int, heads_per_ngram: int, eos: int, n_new: int):
     """NGramEmbedding.row_ids as one compiled integer graph (the hash is exact integer arithmetic)."""
 
-    @_compiled
+    @compiled_region
     def row_ids(history, multipliers, head_sizes, head_offsets):
         B, T = history.shape
         pos = mx.arange(T)
@@ -769,12 +769,12 @@ class PLELayer(nn.Module):
         split = (*streams.shape[:-1], self.hc_count, self.hidden_size)
         key = self.norm_key(key).reshape(split)
         query = self.norm_query(streams).reshape(split)
-        gated = _ple_gate(key, query, value)
-        conv, state = _causal_depthwise_conv(self.norm_conv(gated), state, self.conv1d.weight, dilation=self.dilation)
+        gated = ple_gate(key, query, value)
+        conv, state = causal_depthwise_conv(self.norm_conv(gated), state, self.conv1d.weight, dilation=self.dilation)
         return gated + silu(conv), state
 
 
-def _ple_gate(key, query, value):
+def ple_gate(key, query, value):
     """key, query [B, L, hc, hidden], value [B, L, hidden] -> the gated value on every stream."""
     B, L, hc, hidden = key.shape
     gate = (key * query).sum(axis=-1, keepdims=True) / math.sqrt(hidden)
@@ -785,12 +785,12 @@ def _ple_gate(key, query, value):
 # ---- MoE ---------------------------------------------------------------------------------------------
 
 
-@_compiled
+@compiled_region
 def _swiglu(gate, up):
     return silu(gate) * up
 
 
-@_compiled
+@compiled_region
 def _moe_combine(routed, scores, shared_logit, shared):
     return (routed * scores[..., None]).sum(axis=-2) + mx.sigmoid(shared_logit) * shared
 
@@ -822,7 +822,7 @@ def ranked_experts(probs: mx.array, k: int) -> mx.array:
 
 @cache
 def _route_fn(k: int, norm_topk_prob: bool):
-    @_compiled
+    @compiled_region
     def route(logits):
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         # Indices carry no gradient (as in mlx-lm); stopping them lets the graph train (MTP head).
