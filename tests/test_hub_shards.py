@@ -1,0 +1,153 @@
+"""Shard-by-shard conversion of a Hub checkpoint (`hub_shards`, `convert --stream-shards`).
+
+No network: the fetcher is a recording stand-in that copies files out of a local directory holding
+a multi-shard checkpoint (transformers `save_pretrained(max_shard_size=...)` of the tiny config,
+seed 0). What is checked: the artifact equals the whole-snapshot conversion of the same checkpoint
+(every store and dense tensor digest), at most two fetched shards exist at once and each is deleted
+after use, an interrupted run fetches only the shards it had not staged, and the free-disk check
+refuses before any shard is fetched.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+from artifact_fixture import TEMPLATE, TOKENIZER
+
+from hebrus_mlx import hub, hub_shards
+from hebrus_mlx.cli import main as cli_main
+from hebrus_mlx.convert import convert
+from hebrus_mlx.testing.tiny_configs import TINY_QWEN4EXP
+
+REPO = "org/tiny"
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    import torch
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    d = str(tmp_path_factory.mktemp("sharded"))
+    torch.manual_seed(0)
+    Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP)).save_pretrained(d, max_shard_size="300KB")
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump(TOKENIZER, f)
+    with open(os.path.join(d, "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATE)
+    assert len([n for n in os.listdir(d) if n.endswith(".safetensors")]) >= 6
+    return d
+
+
+@pytest.fixture(scope="module")
+def whole(sharded, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("whole") / "a")
+    convert(sharded, out, q_bits=4, quiet=True)
+    return _digests(out)
+
+
+class DirFetcher:
+    """Serves `root`'s files by copying them into the directory asked for; records each fetch,
+    the most fetched shards present at once, and raises on the shard named `fail`."""
+
+    def __init__(self, root, fail=None):
+        self.root, self.fail = root, fail
+        self.fetched, self.live, self.peak = [], set(), 0
+
+    def sizes(self):
+        return {n: os.path.getsize(os.path.join(self.root, n)) for n in os.listdir(self.root)}
+
+    def __call__(self, name, dest):
+        if name == self.fail:
+            raise ConnectionError(f"network down at {name}")
+        self.fetched.append(name)
+        path = os.path.join(dest, name)
+        shutil.copyfile(os.path.join(self.root, name), path)
+        if name.endswith(".safetensors"):
+            self.live = {p for p in self.live if os.path.exists(p)} | {path}
+            self.peak = max(self.peak, len(self.live))
+        return path
+
+
+def _digests(out):
+    with open(os.path.join(out, "manifest.json")) as f:
+        man = json.load(f)
+    return {"stores": man["stores"], "tensors": man["tensors"], "source_files": man["source"]["files"]}
+
+
+def _shards(d):
+    return sorted(n for n in os.listdir(d) if n.endswith(".safetensors"))
+
+
+def test_streamed_artifact_equals_whole_snapshot_conversion(sharded, whole, tmp_path):
+    """Same checkpoint, same widths: every store's SHA-256 and every dense tensor's digest equal."""
+    out = str(tmp_path / "b")
+    fetch = DirFetcher(sharded)
+    hub_shards.convert_streamed(REPO, out, fetch=fetch, quiet=True, q_bits=4)
+    assert _digests(out) == whole
+    assert sorted(n for n in fetch.fetched if n.endswith(".safetensors")) == _shards(sharded)
+    assert not os.path.exists(hub_shards.stage_dir(out))  # staging removed once published
+
+
+def test_at_most_two_shards_on_disk_and_each_deleted(sharded, tmp_path):
+    out = str(tmp_path / "b")
+    fetch = DirFetcher(sharded)
+    hub_shards.convert_streamed(REPO, out, fetch=fetch, quiet=True, q_bits=4)
+    assert fetch.peak == 2  # one being encoded, one fetched ahead
+    assert all(not os.path.exists(p) for p in fetch.live)
+    assert len(fetch.fetched) == len(set(fetch.fetched))  # nothing fetched twice
+
+
+def test_interrupted_run_resumes_without_refetching_staged_shards(sharded, whole, tmp_path):
+    out = str(tmp_path / "b")
+    shards = _shards(sharded)
+    k = 5
+    first = DirFetcher(sharded, fail=shards[k])
+    with pytest.raises(ConnectionError):
+        hub_shards.convert_streamed(REPO, out, fetch=first, quiet=True, q_bits=4)
+    assert not os.path.exists(out)
+    stage = hub_shards.stage_dir(out)
+    assert not os.path.exists(os.path.join(stage, "fetch"))  # no fetched shard left behind
+    second = DirFetcher(sharded)
+    hub_shards.convert_streamed(REPO, out, fetch=second, quiet=True, q_bits=4)
+    assert [n for n in second.fetched if n.endswith(".safetensors")] == shards[k:]
+    assert _digests(out) == whole
+
+
+def test_resume_refetches_a_shard_whose_staged_file_is_damaged(sharded, whole, tmp_path):
+    """A staged file that no longer matches its recorded digest is never trusted."""
+    out = str(tmp_path / "b")
+    shards = _shards(sharded)
+    with pytest.raises(ConnectionError):
+        hub_shards.convert_streamed(REPO, out, fetch=DirFetcher(sharded, fail=shards[3]), quiet=True, q_bits=4)
+    stage = hub_shards.stage_dir(out)
+    victim = shards[1]
+    with open(os.path.join(stage, "done", victim + ".json")) as f:
+        fname = sorted(json.load(f)["files"])[0]
+    with open(os.path.join(stage, fname), "r+b") as f:
+        f.write(b"\xff\xff")
+    second = DirFetcher(sharded)
+    hub_shards.convert_streamed(REPO, out, fetch=second, quiet=True, q_bits=4)
+    assert [n for n in second.fetched if n.endswith(".safetensors")] == sorted([victim, *shards[3:]])
+    assert _digests(out) == whole
+
+
+def test_free_disk_check_refuses_before_any_shard_is_fetched(sharded, tmp_path, monkeypatch):
+    real = shutil.disk_usage
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda p: type(real(p))(real(p).total, real(p).used, 1000))
+    fetch = DirFetcher(sharded)
+    out = str(tmp_path / "b")
+    with pytest.raises(hub.DiskSpaceError) as e:
+        hub_shards.convert_streamed(REPO, out, fetch=fetch, quiet=True, q_bits=4)
+    assert e.value.field == "out" and "only 1000 bytes" in str(e.value)
+    sizes = sorted(os.path.getsize(os.path.join(sharded, n)) for n in _shards(sharded))
+    needed = int(str(e.value).split(" needs ")[1].split()[0])
+    assert needed > sizes[-1] + sizes[-2]  # the artifact plus the two largest shards
+    assert not [n for n in fetch.fetched if n.endswith(".safetensors")]
+    assert not os.path.exists(out)
+
+
+def test_cli_stream_shards_refuses_a_local_directory(sharded, tmp_path, capsys):
+    rc = cli_main(["convert", "--hf-path", sharded, "--out", str(tmp_path / "b"), "--stream-shards"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--stream-shards" in err and len(err.strip().splitlines()) == 1
