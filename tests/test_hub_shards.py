@@ -12,8 +12,11 @@ import json
 import os
 import shutil
 
+import huggingface_hub
 import pytest
 from artifact_fixture import TEMPLATE, TOKENIZER
+from convert_fixture import parity_source
+from mtp_fixture import add_mtp_tensors
 
 from hebrus_mlx import hub, hub_shards
 from hebrus_mlx.cli import main as cli_main
@@ -151,3 +154,75 @@ def test_cli_stream_shards_refuses_a_local_directory(sharded, tmp_path, capsys):
     rc = cli_main(["convert", "--hf-path", sharded, "--out", str(tmp_path / "b"), "--stream-shards"])
     err = capsys.readouterr().err
     assert rc == 2 and "--stream-shards" in err and len(err.strip().splitlines()) == 1
+
+
+def _reshard(single, d, n):
+    """`single`'s one model.safetensors split into `n` shards (tensors in key order) with an index,
+    the layout `save_pretrained(max_shard_size=...)` writes; the other files copied."""
+    from safetensors.numpy import load_file, save_file
+
+    os.makedirs(d)
+    tensors = load_file(os.path.join(single, "model.safetensors"))
+    names = sorted(tensors)
+    step = -(-len(names) // n)
+    weight_map = {}
+    for i in range(n):
+        shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        part = names[i * step : (i + 1) * step]
+        save_file({k: tensors[k] for k in part}, os.path.join(d, shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    with open(os.path.join(d, hub_shards.INDEX_NAME), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    for name in os.listdir(single):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(single, name), d)
+    return d
+
+
+def test_per_expert_source_with_mtp_head_equals_whole_snapshot(tmp_path):
+    """The per-expert layout (one tensor per expert and projection, split across shards) and the MTP
+    head (read back from the staged raw tensors) give the whole-snapshot conversion's artifact."""
+    single = add_mtp_tensors(parity_source("tiny_a", str(tmp_path / "single")), layout="unfused")
+    sharded = _reshard(single, str(tmp_path / "sharded"), 7)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    convert(single, a, dtype="float32", quiet=True)
+    fetch = DirFetcher(sharded)
+    hub_shards.convert_streamed(REPO, b, fetch=fetch, quiet=True, dtype="float32")
+    assert any(s["role"] == "mtp" for s in _digests(b)["stores"])
+    assert _digests(b) == _digests(a)
+    assert fetch.peak == 2
+
+
+def test_cli_stream_shards_converts_a_repo_through_the_hub_client(sharded, whole, tmp_path, monkeypatch, capsys):
+    """`convert --hf-path ORG/NAME --stream-shards`: sizes from one model_info call, each file
+    downloaded with hf_hub_download into the staging directory (never the HF cache)."""
+    from types import SimpleNamespace as N
+
+    calls = []
+
+    class Api:
+        def model_info(self, repo_id, revision=None, files_metadata=False):
+            calls.append(("model_info", repo_id, revision, files_metadata))
+            names = sorted(os.listdir(sharded))
+            return N(
+                sha="c0ffee", siblings=[N(rfilename=n, size=os.path.getsize(os.path.join(sharded, n))) for n in names]
+            )
+
+    def hf_hub_download(repo_id, filename, revision=None, local_dir=None):
+        calls.append(("hf_hub_download", repo_id, filename, revision))
+        assert local_dir is not None
+        shutil.copyfile(os.path.join(sharded, filename), os.path.join(local_dir, filename))
+        return os.path.join(local_dir, filename)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    out = str(tmp_path / "b")
+    rc = cli_main(["convert", "--hf-path", REPO, "--out", out, "--stream-shards"])
+    assert rc == 0, capsys.readouterr().err
+    assert _digests(out) == whole
+    assert calls[0] == ("model_info", REPO, None, True)
+    shards = [c[2] for c in calls[1:] if c[2].endswith(".safetensors")]
+    assert sorted(shards) == _shards(sharded) and len(shards) == len(set(shards))
+    assert all(c[3] == "c0ffee" for c in calls[1:])  # pinned to the commit the sizes came from
+    with open(os.path.join(out, "manifest.json")) as f:
+        assert json.load(f)["source"]["repo"] == REPO
