@@ -173,44 +173,43 @@ class StagedSource(Source):
         self.index = {k: None for k in weight_map}
         self.entries, self.left = {}, {}
         self.reclaimed_bytes = 0
+        self.raw = None
 
     def load(self, done):
         for rec in done.values():
             self.entries.update(rec["entries"])
             for fname, f in rec["files"].items():
-                if not fname.endswith(".raw.bin"):  # constants and MTP tensors are read again and again
+                if fname.endswith(".bin"):  # the raw tensors are read again and again: kept to the end
                     self.reclaimed_bytes += f["size"]
+        if any(name.endswith(".safetensors") for name in os.listdir(self.stage)):
+            self.raw = Source(self.stage)
         for loc in self.entries.values():
             for part in loc.values():
                 self.left[part[0]] = self.left.get(part[0], 0) + 1
 
-    def _parts(self, entry, consume=True, start=None, stop=None):
+    def _parts(self, entry):
         if entry not in self.entries:
             raise ArtifactError(f"source.{entry}", "missing from the staged shards")
         out = {}
-        for part, (fname, dtype, shape, offset, _) in self.entries[entry].items():
-            shape = list(shape)
-            row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        for part, (fname, dtype, shape, offset) in self.entries[entry].items():
             count = int(np.prod(shape, dtype=np.int64))
-            if start is not None:
-                offset += start * row * np.dtype(dtype).itemsize
-                count, shape[0] = (stop - start) * row, stop - start
             a = np.fromfile(os.path.join(self.stage, fname), dtype=dtype, count=count, offset=offset)
             if a.size != count:
                 raise ArtifactError(f"source.{entry}", f"staged file {fname} is short")
             out[part] = a.reshape(shape)
-            if consume:
-                self.left[fname] -= 1
-                if self.left[fname] == 0:
-                    os.remove(os.path.join(self.stage, fname))
+            self.left[fname] -= 1
+            if self.left[fname] == 0:
+                os.remove(os.path.join(self.stage, fname))
         return out
 
+    # PLE constants and the MTP head: the source's own bytes, read as the source would be.
     def read(self, key, start=None, stop=None):
-        loc = self.entries.get(f"raw|{key}", {}).get("data")
-        return self._parts(f"raw|{key}", False, start, stop)["data"], (loc[4] if loc else None)
+        if self.raw is None or key not in self.raw.index:
+            raise ArtifactError(f"source.{key}", "missing from the staged shards")
+        return self.raw.read(key, start, stop)
 
     def shape(self, key):
-        return tuple(self.entries[f"raw|{key}"]["data"][2])
+        return self.raw.shape(key)
 
     def dense_parts(self, key, shape, codec_name):
         return self._parts(f"dense|{key}")
@@ -228,7 +227,7 @@ class StagedSource(Source):
 
 def _jobs(src, args, fam, profile, experts, layout, mtp_report):
     """{raw key: [(group, produce)]}: what each source tensor is staged as; `produce(shard_src,
-    raw)` yields (entry, {part: array}, source dtype), the arrays the whole-snapshot conversion
+    raw)` yields (entry, {part: array}), the arrays the whole-snapshot conversion
     computes from that tensor."""
     jobs = {}
 
@@ -239,7 +238,7 @@ def _jobs(src, args, fam, profile, experts, layout, mtp_report):
     shapes = M.dense_shapes(args)
     for key in sorted(shapes):
         codec_name = M.dense_codec(key, shapes[key], profile)
-        add(key, "dense", lambda s, raw, k=key, c=codec_name: [(f"dense|{k}", s.dense_parts(k, shapes[k], c), None)])
+        add(key, "dense", lambda s, raw, k=key, c=codec_name: [(f"dense|{k}", s.dense_parts(k, shapes[k], c))])
 
     for layer in range(fam.num_hidden_layers):
         row = experts if isinstance(experts, str) else experts[layer]
@@ -258,16 +257,11 @@ def _jobs(src, args, fam, profile, experts, layout, mtp_report):
             key = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding.shard_{s}.weight"
             add(key, f"ple.{t}", _ple(layer_id - 1, s, codecs["ple"]))
         for name in ple_constants(args, t):
-            add(f"model.layers.{layer_id - 1}.ple.ple_embedding.{name}", "raw", _raw)
+            add(f"model.layers.{layer_id - 1}.ple.ple_embedding.{name}", "raw", None)
     if mtp_report is not None:
         for raw in mtp_report["keys"].values():
-            jobs.setdefault(raw, []).append(("raw", _raw))
+            jobs.setdefault(raw, []).append(("raw", None))
     return jobs
-
-
-def _raw(s, raw):
-    a, dt = s.read(raw)
-    return [(f"raw|{raw}", {"data": a}, dt)]
 
 
 def _expert(layer, comp, fam, codec_name, e=None):
@@ -282,7 +276,7 @@ def _expert(layer, comp, fam, codec_name, e=None):
     def produce(s, raw):
         if e is not None:  # one expert's component (the unfused layout)
             a, dt = s.read(raw)
-            return [(f"expert|{layer}|{e}|{comp}", checked(f"{e}.{comp}", a, dt, comp), None)]
+            return [(f"expert|{layer}|{e}|{comp}", checked(f"{e}.{comp}", a, dt, comp))]
         if s.shape(raw) != want[comp]:
             raise GeometryError(f"source.{raw}.shape", f"{list(s.shape(raw))} != expected {list(want[comp])}")
         return _fused(s, raw, layer, comp, fam, checked)
@@ -295,10 +289,10 @@ def _fused(s, raw, layer, comp, fam, checked):
     for e in range(fam.num_experts):
         a, dt = s.read(raw, e, e + 1)
         if comp == "down":
-            yield f"expert|{layer}|{e}|down", checked(f"{e}.down", a[0], dt, "down"), None
+            yield f"expert|{layer}|{e}|down", checked(f"{e}.down", a[0], dt, "down")
         else:
-            yield f"expert|{layer}|{e}|gate", checked(f"{e}.gate", a[0, :m], dt, "gate"), None
-            yield f"expert|{layer}|{e}|up", checked(f"{e}.up", a[0, m:], dt, "up"), None
+            yield f"expert|{layer}|{e}|gate", checked(f"{e}.gate", a[0, :m], dt, "gate")
+            yield f"expert|{layer}|{e}|up", checked(f"{e}.up", a[0, m:], dt, "up")
 
 
 def _ple(layer, s, codec_name):
@@ -306,7 +300,7 @@ def _ple(layer, s, codec_name):
         rows = src.shape(raw)[0]
         for c, start in enumerate(range(0, rows, PLE_CHUNK_ROWS)):
             a, dt = src.read(raw, start, min(rows, start + PLE_CHUNK_ROWS))
-            yield f"ple|{layer}|{s}|{c}", {"weight": encode(a, dt, codec_name)["weight"]}, None
+            yield f"ple|{layer}|{s}|{c}", {"weight": encode(a, dt, codec_name)["weight"]}
 
     return produce
 
@@ -325,6 +319,12 @@ def _stage_shard(stage, shard, path, weight_map, jobs, config):
             groups.setdefault(group, []).append((raw, produce))
     rec = {"files": {}, "entries": {}}
     stem = shard[: -len(".safetensors")]
+    raw = [k for k, _ in groups.pop("raw", ())]
+    if raw:  # copied byte for byte into a safetensors file of their own
+        fname = f"{stem}.raw.safetensors"
+        atomic.publish_file(os.path.join(stage, fname), lambda w: _copy_tensors(w, src, raw))
+        path_ = os.path.join(stage, fname)
+        rec["files"][fname] = {"size": os.path.getsize(path_), "sha256": M.sha256_file(path_)}
     for group, items in groups.items():
         fname = f"{stem}.{group}.bin"
         digest, offset = hashlib.sha256(), 0
@@ -332,18 +332,38 @@ def _stage_shard(stage, shard, path, weight_map, jobs, config):
         def write(w, items=items, fname=fname):
             nonlocal offset
             for raw, produce in items:
-                for entry, parts, dt in produce(src, raw):
+                for entry, parts in produce(src, raw):
                     loc = rec["entries"].setdefault(entry, {})
                     for part, arr in parts.items():
                         data = np.ascontiguousarray(arr).tobytes()
                         w.write(data)
                         digest.update(data)
-                        loc[part] = [fname, str(arr.dtype), list(arr.shape), offset, dt]
+                        loc[part] = [fname, str(arr.dtype), list(arr.shape), offset]
                         offset += len(data)
 
         atomic.publish_file(os.path.join(stage, fname), write)
         rec["files"][fname] = {"size": offset, "sha256": digest.hexdigest()}
     return rec
+
+
+def _copy_tensors(w, src, names):
+    """Tensors `names` of shard source `src` as one safetensors file, their bytes unchanged."""
+    entries = [src.index[k] for k in names]
+    header, off = {}, 0
+    for k, (_, _, e) in zip(names, entries):
+        n = e["data_offsets"][1] - e["data_offsets"][0]
+        header[k] = {"dtype": e["dtype"], "shape": e["shape"], "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    w.write(len(raw).to_bytes(8, "little") + raw)
+    for k, (path, base, e) in zip(names, entries):
+        begin, end = e["data_offsets"]
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), end - begin, base + begin)
+        if len(data) != end - begin:
+            raise ArtifactError(f"source.{k}", "short read")
+        w.write(data)
 
 
 def _resume(stage, identity, shards, quiet):
@@ -373,7 +393,7 @@ def _resume(stage, identity, shards, quiet):
         os.remove(os.path.join(records, name))
     keep = {f for rec in done.values() for f in rec["files"]}
     for name in os.listdir(stage):
-        if name.endswith(".bin") and name not in keep:
+        if name.endswith((".bin", ".safetensors")) and name not in keep:
             os.remove(os.path.join(stage, name))
     if not same:
         _publish_json(os.path.join(stage, PLAN_NAME), plan_)
@@ -399,7 +419,7 @@ def _check_stage_is_ours(stage):
     for name in os.listdir(stage):
         if (
             name not in ("meta", "fetch", DONE_DIR, PLAN_NAME)
-            and not name.endswith(".bin")
+            and not name.endswith((".bin", ".safetensors"))
             and not name.startswith(".")
         ):
             raise ArtifactError("--out", f"{stage} holds {name!r}, not a file of a shard-by-shard conversion")
