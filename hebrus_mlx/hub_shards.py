@@ -29,7 +29,7 @@ from .artifact import atomic, untrusted
 from .artifact import constants as C
 from .artifact import manifest as M
 from .artifact.errors import ArtifactError, GeometryError
-from .convert import artifact_bytes, convert, expert_spec, plan
+from .convert import artifact_bytes, check_out, convert, expert_spec, plan
 from .convert_fp8 import block_config
 from .format import checkpoint_keys as keys
 from .format.qwen4exp_config import ple_constants
@@ -83,6 +83,7 @@ def convert_streamed(repo, out, fetch=None, revision=None, quiet=False, mtp=True
     ({file name: bytes} of the repo) and `fetch(name, dest) -> path` (the file downloaded into
     directory `dest`); default `HubFetcher(repo, revision)`. `widths`: convert's q_bits,
     q_group_size, dtype, expert_bits, expert_group_size, ple_dtype. Returns the admitted artifact."""
+    check_out(out, overwrite)  # refused now, not after hours of fetching
     fetch = fetch or HubFetcher(repo, revision)
     stage = stage_dir(out)
     sizes = fetch.sizes()

@@ -21,6 +21,7 @@ from mtp_fixture import add_mtp_tensors
 from hebrus_mlx import hub, hub_shards
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.convert import convert
+from hebrus_mlx.errors import HebrusError
 from hebrus_mlx.testing.tiny_configs import TINY_QWEN4EXP
 
 REPO = "org/tiny"
@@ -226,3 +227,56 @@ def test_cli_stream_shards_converts_a_repo_through_the_hub_client(sharded, whole
     assert all(c[3] == "c0ffee" for c in calls[1:])  # pinned to the commit the sizes came from
     with open(os.path.join(out, "manifest.json")) as f:
         assert json.load(f)["source"]["repo"] == REPO
+
+
+def _tree_bytes(root):
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(root) for n in names)
+
+
+def test_peak_disk_is_the_artifact_plus_two_shards(sharded, tmp_path, monkeypatch):
+    """Bytes under the output's parent, sampled at every shard fetch and before every staged-file
+    deletion (the peaks of the fetch and assembly phases), stay within the artifact plus the two
+    largest shards plus the small files kept to the end (config/tokenizer copies, PLE constants);
+    the whole-snapshot path would hold every shard and the artifact."""
+    root = tmp_path / "disk"
+    root.mkdir()
+    out = str(root / "b")
+    samples = []
+
+    class Sampling(DirFetcher):
+        def __call__(self, name, dest):
+            path = super().__call__(name, dest)
+            samples.append(_tree_bytes(root))
+            return path
+
+    sampling = Sampling(sharded)
+    real_remove = os.remove
+
+    def remove(path, *a, **k):
+        if str(path).startswith(str(root)):
+            samples.append(_tree_bytes(root))
+        return real_remove(path, *a, **k)
+
+    monkeypatch.setattr(hub_shards.os, "remove", remove)
+    hub_shards.convert_streamed(REPO, out, fetch=sampling, quiet=True, q_bits=4)
+    monkeypatch.setattr(hub_shards.os, "remove", real_remove)
+    shards = sorted(os.path.getsize(os.path.join(sharded, n)) for n in _shards(sharded))
+    small = sum(os.path.getsize(os.path.join(sharded, n)) for n in os.listdir(sharded) if not n.endswith("safetensors"))
+    artifact = _tree_bytes(out)
+    assert len(samples) > len(shards)
+    assert max(samples) <= artifact + shards[-1] + shards[-2] + small + 64 * 1024
+    assert max(samples) < artifact + sum(shards)  # what the whole-snapshot path holds
+    print(
+        f"peak {max(samples)} B; artifact {artifact} B, two largest shards {shards[-1] + shards[-2]} B, all {sum(shards)} B"
+    )
+
+
+def test_an_occupied_out_is_refused_before_anything_is_fetched(sharded, tmp_path):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    fetch = DirFetcher(sharded)
+    with pytest.raises(HebrusError) as e:
+        hub_shards.convert_streamed(REPO, str(out), fetch=fetch, quiet=True, q_bits=4)
+    assert e.value.field == "--out" and fetch.fetched == []
+    assert (out / "notes.txt").read_text() == "mine"
