@@ -40,6 +40,7 @@ SINGLE_NAME = "model.safetensors"
 PLAN_NAME = "plan.json"  # what the staged files were made for
 DONE_DIR = "done"  # one record per staged shard: its files' sizes and SHA-256, its entries
 PLAN_SCHEMA = "hebrus-mlx.shard-progress.v1"
+WIDTHS = ("q_bits", "q_group_size", "dtype", "expert_bits", "expert_group_size", "ple_dtype")  # plan()'s order
 _COMPONENTS = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
 
 
@@ -104,9 +105,7 @@ def convert_streamed(repo, out, fetch=None, revision=None, quiet=False, mtp=True
     for s in shards:
         if sizes.get(s) is None:
             raise hub.HubError("model", f"{repo}: the Hub gave no size for {s}")
-    widths_ = tuple(widths.get(k) for k in ("q_bits", "q_group_size", "dtype"))
-    rest = tuple(widths.get(k) for k in ("expert_bits", "expert_group_size", "ple_dtype"))
-    profile, args, _, fam = plan(config, *widths_, *rest)
+    profile, args, _, fam = plan(config, *(widths.get(k) for k in WIDTHS))
     experts = expert_spec(config, profile)
     staged = StagedSource(stage, weight_map)
     counts = keys.check_key_set(list(weight_map), args)
