@@ -41,6 +41,7 @@ PLAN_NAME = "plan.json"  # what the staged files were made for
 DONE_DIR = "done"  # one record per staged shard: its files' sizes and SHA-256, its entries
 PLAN_SCHEMA = "hebrus-mlx.shard-progress.v1"
 WIDTHS = ("q_bits", "q_group_size", "dtype", "expert_bits", "expert_group_size", "ple_dtype")  # plan()'s order
+_DTYPES = ("uint8", "uint16", "uint32", "float32")  # what the store encoders give
 _COMPONENTS = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
 
 
@@ -383,7 +384,7 @@ def _resume(stage, identity, shards, quiet):
         if same and name.endswith(".json") and shard in shards:
             try:
                 rec = untrusted.read_json(records, name, "json")
-                if all(_verify(stage, fname, f) for fname, f in rec["files"].items()):
+                if _entries_ok(rec) and all(_verify(stage, fname, f) for fname, f in rec["files"].items()):
                     done[shard] = rec
                     continue
             except (OSError, ArtifactError, ValueError, KeyError, TypeError, AttributeError):
@@ -398,6 +399,17 @@ def _resume(stage, identity, shards, quiet):
     if not same:
         _publish_json(os.path.join(stage, PLAN_NAME), plan_)
     return done
+
+
+def _entries_ok(rec):
+    """Every entry names one of the record's own files, a plain dtype, a shape and an offset."""
+    for loc in rec["entries"].values():
+        for fname, dtype, shape, offset in loc.values():
+            if fname not in rec["files"] or dtype not in _DTYPES or type(offset) is not int or offset < 0:
+                return False
+            if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+                return False
+    return True
 
 
 def _verify(stage, fname, f):

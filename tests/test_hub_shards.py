@@ -307,3 +307,27 @@ def test_a_run_killed_while_assembling_the_stores_resumes(sharded, whole, tmp_pa
     hub_shards.convert_streamed(REPO, out, fetch=second, quiet=True, q_bits=4)
     assert sorted(n for n in second.fetched if n.endswith(".safetensors")) == sorted(gone)
     assert _digests(out) == whole
+
+
+def test_a_record_naming_a_file_outside_the_staging_directory_is_not_trusted(sharded, whole, tmp_path):
+    """A staging record is input too: an entry naming another file makes its shard be fetched again,
+    and that file is neither read nor deleted."""
+    out = str(tmp_path / "b")
+    shards = _shards(sharded)
+    with pytest.raises(ConnectionError):
+        hub_shards.convert_streamed(REPO, out, fetch=DirFetcher(sharded, fail=shards[2]), quiet=True, q_bits=4)
+    bystander = tmp_path / "mine.bin"
+    bystander.write_bytes(b"\0" * 4096)
+    record = os.path.join(hub_shards.stage_dir(out), "done", shards[0] + ".json")
+    with open(record) as f:
+        rec = json.load(f)
+    for loc in rec["entries"].values():
+        for part in loc.values():
+            part[0] = "../mine.bin"
+    with open(record, "w") as f:
+        json.dump(rec, f)
+    second = DirFetcher(sharded)
+    hub_shards.convert_streamed(REPO, out, fetch=second, quiet=True, q_bits=4)
+    assert [n for n in second.fetched if n.endswith(".safetensors")] == [shards[0], *shards[2:]]
+    assert bystander.read_bytes() == b"\0" * 4096
+    assert _digests(out) == whole
