@@ -92,9 +92,10 @@ def convert_streamed(repo, out, fetch=None, revision=None, quiet=False, mtp=True
     meta = os.path.join(stage, "meta")
     if os.path.lexists(stage):
         _check_stage_is_ours(stage)
-    os.makedirs(meta, exist_ok=True)
+    shutil.rmtree(meta, ignore_errors=True)  # small files, fetched afresh: the repo may have moved on
+    os.makedirs(meta)
     for name in sorted(set(C.SOURCE_FILES) | {INDEX_NAME}):
-        if name in sizes and not os.path.isfile(os.path.join(meta, name)):
+        if name in sizes:
             _fetch_into(fetch, name, meta)
     config = untrusted.read_json(meta, "config.json")
     if convert_mlx.is_mlx_config(config) or block_config(config) is not None:

@@ -331,3 +331,15 @@ def test_a_record_naming_a_file_outside_the_staging_directory_is_not_trusted(sha
     assert [n for n in second.fetched if n.endswith(".safetensors")] == [shards[0], *shards[2:]]
     assert bystander.read_bytes() == b"\0" * 4096
     assert _digests(out) == whole
+
+
+def test_other_widths_start_over(sharded, tmp_path):
+    """Parts staged for one profile are never reused for another: every shard is fetched again."""
+    out = str(tmp_path / "b")
+    shards = _shards(sharded)
+    with pytest.raises(ConnectionError):
+        hub_shards.convert_streamed(REPO, out, fetch=DirFetcher(sharded, fail=shards[4]), quiet=True, q_bits=4)
+    second = DirFetcher(sharded)
+    report = hub_shards.convert_streamed(REPO, out, fetch=second, quiet=True, q_bits=8).report
+    assert [n for n in second.fetched if n.endswith(".safetensors")] == shards
+    assert report["profile"] == "text-affine8-g64"
