@@ -343,3 +343,30 @@ def test_other_widths_start_over(sharded, tmp_path):
     report = hub_shards.convert_streamed(REPO, out, fetch=second, quiet=True, q_bits=8).report
     assert [n for n in second.fetched if n.endswith(".safetensors")] == shards
     assert report["profile"] == "text-affine8-g64"
+
+
+def test_cli_too_small_disk_is_one_line_naming_out(sharded, tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace as N
+
+    fetched = []
+
+    class Api:
+        def model_info(self, repo_id, revision=None, files_metadata=False):
+            names = sorted(os.listdir(sharded))
+            return N(
+                sha="c0ffee", siblings=[N(rfilename=n, size=os.path.getsize(os.path.join(sharded, n))) for n in names]
+            )
+
+    def hf_hub_download(repo_id, filename, revision=None, local_dir=None):
+        fetched.append(filename)
+        shutil.copyfile(os.path.join(sharded, filename), os.path.join(local_dir, filename))
+        return os.path.join(local_dir, filename)
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda p: type(real(p))(real(p).total, real(p).used, 1000))
+    rc = cli_main(["convert", "--hf-path", REPO, "--out", str(tmp_path / "b"), "--stream-shards"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "out" in err[0] and "only 1000 bytes" in err[0], err
+    assert not [n for n in fetched if n.endswith(".safetensors")]
