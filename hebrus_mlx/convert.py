@@ -299,8 +299,12 @@ def convert(
     expert_bits=None,
     expert_group_size=None,
     ple_dtype=None,
+    source=None,
 ):
-    """expert_bits / expert_group_size: the routed experts' own affine width (default: the dense
+    """source: an open source answering what `Source` answers (check, dense_parts, expert_parts,
+    ple_chunks, index), read instead of opening `hf_path`'s shards (hf_path still gives config.json
+    and the source files), e.g. a generated checkpoint of the real geometry.
+    expert_bits / expert_group_size: the routed experts' own affine width (default: the dense
     one); ple_dtype: the PLE table's ("bfloat16", "float32", "q8" or "q4"). mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
     store; False excludes it (counted under the "mtp" exclusion rule). overwrite: `out` may be an
     earlier artifact, replaced once the new one is admitted (`check_out`)."""
@@ -325,14 +329,16 @@ def convert(
     profile, args, constants, fam = plan(config, q_bits, q_group_size, dtype, *widths)
     codecs = C.profile_codecs(profile)
     experts = expert_spec(config, profile)
-    src = open_source(hf_path, config)
+    src = source if source is not None else open_source(hf_path, config)
     counts = src.check(args)
     mtp_report = keys.check_mtp_key_set(list(src.index), args) if mtp else None
     if mtp_report is not None:
         mtp_layer_args(args)  # the head's QSA layer needs the indexer fields
     # The artifact is written next to `out` before the rename: refuse up front
     # rather than fail with ENOSPC after hours of a 100+ GB conversion.
-    hub.check_free(artifact_bytes(args, fam, profile, experts), out, f"converting into {out}", field="out")
+    # A staged source (hub_shards) deletes its files as the stores take them: those bytes come back.
+    needed = artifact_bytes(args, fam, profile, experts) - getattr(src, "reclaimed_bytes", 0)
+    hub.check_free(max(0, needed), out, f"converting into {out}", field="out")
 
     def bar(label, total):
         # Bytes written; shown on a terminal only (tqdm's disable=None).
@@ -584,6 +590,13 @@ def build_parser():
         "biases; default bfloat16, float32 under --dtype float32)",
     )
     p.add_argument("--revision", help="source revision (recorded; used for repo downloads)")
+    p.add_argument(
+        "--stream-shards",
+        action="store_true",
+        help="with a Hub repo id: fetch, convert and delete one shard at a time (the next fetched ahead), so the "
+        "disk holds the artifact plus about two shards instead of the whole download too; an interrupted run "
+        "resumes. Off by default: the whole-snapshot path keeps the download in the HF cache for reuse",
+    )
     p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")
     p.add_argument(
         "--overwrite",
@@ -598,6 +611,18 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.quantize and a.dtype is not None:
         raise UsageError("--quantize", f"contradicts --dtype {a.dtype} (which stores the weights unquantized)")
+    if a.stream_shards:
+        from . import hub_shards
+
+        if os.path.exists(a.hf_path) or not hub.is_repo_id(a.hf_path):
+            raise UsageError("--stream-shards", f"takes a Hub repo id (ORG/NAME), not {a.hf_path!r}")
+        widths = dict(q_bits=a.q_bits, q_group_size=a.q_group_size, dtype=a.dtype, expert_bits=a.expert_bits)
+        widths.update(expert_group_size=a.expert_group_size, ple_dtype=a.ple_dtype)
+        report = hub_shards.convert_streamed(
+            a.hf_path, a.out, revision=a.revision, mtp=not a.no_mtp, overwrite=a.overwrite, **widths
+        ).report
+        print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
+        return 0
     report = convert(
         a.hf_path,
         a.out,
