@@ -298,8 +298,12 @@ def convert(
     expert_bits=None,
     expert_group_size=None,
     ple_dtype=None,
+    source=None,
 ):
-    """expert_bits / expert_group_size: the routed experts' own affine width (default: the dense
+    """source: an open source answering what `Source` answers (check, dense_parts, expert_parts,
+    ple_chunks, index), read instead of opening `hf_path`'s shards (hf_path still gives config.json
+    and the source files), e.g. a generated checkpoint of the real geometry.
+    expert_bits / expert_group_size: the routed experts' own affine width (default: the dense
     one); ple_dtype: the PLE table's ("bfloat16" or "float32"). mtp: keep the checkpoint's `mtp.*` head (when it has one) as the artifact's optional MTP
     store; False excludes it (counted under the "mtp" exclusion rule). overwrite: `out` may be an
     earlier artifact, replaced once the new one is admitted (`check_out`)."""
@@ -324,7 +328,7 @@ def convert(
     profile, args, constants, fam = plan(config, q_bits, q_group_size, dtype, *widths)
     codecs = C.profile_codecs(profile)
     experts = expert_spec(config, profile)
-    src = open_source(hf_path, config)
+    src = source if source is not None else open_source(hf_path, config)
     counts = src.check(args)
     mtp_report = keys.check_mtp_key_set(list(src.index), args) if mtp else None
     if mtp_report is not None:
