@@ -30,11 +30,12 @@ TEMPLATE = os.path.join(
 PROMPT_IDS = [9707, 11, 1879, 0, 576, 374, 264]
 
 
-def io_counters():
-    """(read_bytes, write_bytes) this process caused at the block layer (/proc/self/io)."""
+def io_counters(cached=False):
+    """(read, written) bytes of this process (/proc/self/io): at the block layer, or with `cached`
+    every byte through read/write calls, page-cache hits included (rchar, wchar)."""
     with open("/proc/self/io") as f:
         d = dict(line.split(": ") for line in f.read().splitlines())
-    return int(d["read_bytes"]), int(d["write_bytes"])
+    return (int(d["rchar"]), int(d["wchar"])) if cached else (int(d["read_bytes"]), int(d["write_bytes"]))
 
 
 def peak_rss_gb():
@@ -66,9 +67,18 @@ def qwen_tokenizer(root):
     return path
 
 
-def source_dir(root, ple_base, seed):
+def config_of(a):
+    """The run's config: the real geometry, or with --layers/--experts a smaller smoke run of it."""
+    over = {}
+    if a.layers != 48:
+        over.update(num_hidden_layers=a.layers, layer_types=S.real_config()["text_config"]["layer_types"][: a.layers])
+    if a.experts != 512:
+        over.update(num_experts=a.experts)
+    return S.real_config(a.ple_base, **over)
+
+
+def source_dir(root, config, seed):
     path = os.path.join(root, "source")
-    config = S.real_config(ple_base)
     S.write(path, config, seed, files=[qwen_tokenizer(root), TEMPLATE])
     S.register_family(config)
     return path, config
@@ -113,12 +123,21 @@ def phase_convert(a, src_path, config, art, out):
 
 
 def phase_admit(art, out):
-    r0, _ = io_counters()
+    r0, c0 = io_counters()[0], io_counters(True)[0]
     t = time.perf_counter()
     m = admission.admit(art)
     wall = time.perf_counter() - t
-    r1, _ = io_counters()
-    emit(out, "admit", wall_s=round(wall, 3), read_bytes=r1 - r0, family=m.family.name)
+    r1, c1 = io_counters()[0], io_counters(True)[0]
+    stores = sum(s.size for s in m.stores)
+    emit(
+        out,
+        "admit",
+        wall_s=round(wall, 3),
+        disk_read_bytes=r1 - r0,
+        read_call_bytes=c1 - c0,
+        store_bytes=stores,
+        family=m.family.name,
+    )
 
 
 def worker(art, cache_gb, prefetch, tokens, out_path):
@@ -135,11 +154,11 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
     avail = plan.available_memory()
     ple_cache = build_model.plan_ple_residency(m)
     rows = build_model.plan_expert_residency(m, expert_cache_gb=cache_gb, ple_cache_bytes=ple_cache)
-    r0, _ = io_counters()
+    r0 = io_counters(True)[0]
     t = time.perf_counter()
     model, _ = load(art, expert_cache_gb=cache_gb, prefetch=prefetch)
     load_s = time.perf_counter() - t
-    r1, _ = io_counters()
+    r1 = io_counters(True)[0]
     rss_load = rss_gb()
     dense_gb = m.dense.size / 2**30
     record = build_model.em.Geometry(m.family, m.experts.expert_codec).record_stride
@@ -172,7 +191,8 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
         "expert_cache_gb_flag": cache_gb,
         "prefetch": prefetch,
         "load_s": round(load_s, 2),
-        "load_read_bytes": r1 - r0,
+        "load_read_call_bytes": r1 - r0,
+        "dense_store_bytes": m.dense.size,
         "rss_after_load_gb": round(rss_load, 2),
         "plan": planned,
         "first_token_s": round(first_s, 2),
@@ -191,8 +211,7 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
 def run_worker(a, art, cache_gb, prefetch, out):
     """`worker` in a child process (each load gets a fresh process: the memory it reports is its own)."""
     path = os.path.join(a.dir, f"gen-{cache_gb}-{prefetch}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--dir", a.dir, "--ple-base", str(a.ple_base)]
-    cmd += ["--_worker", json.dumps([art, cache_gb, prefetch, a.tokens, path])]
+    cmd = _self(a) + ["--_worker", json.dumps([art, cache_gb, prefetch, a.tokens, path])]
     subprocess.run(cmd, check=True)
     with open(path) as f:
         res = json.load(f)
@@ -242,8 +261,7 @@ def phase_kill(a, art, out, at=0.5):
     temporary before anything else (it may then refuse for free disk: it needs the artifact twice)."""
     before = _snapshot(art)
     total = _tree_bytes(art)
-    cmd = [sys.executable, os.path.abspath(__file__), "--dir", a.dir, "--ple-base", str(a.ple_base)]
-    cmd += ["--phases", "convert", "--expert-bits", str(a.expert_bits)]
+    cmd = _self(a) + ["--phases", "convert", "--expert-bits", str(a.expert_bits)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t, killed_at = time.perf_counter(), None
     while proc.poll() is None:
@@ -274,10 +292,15 @@ def phase_kill(a, art, out, at=0.5):
     )
 
 
+def _self(a):
+    """This script with the run's geometry flags (a child process registers the same family)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--dir", a.dir, "--ple-base", str(a.ple_base)]
+    return cmd + ["--layers", str(a.layers), "--experts", str(a.experts)]
+
+
 def _cli(a, args):
     """A hebrus-mlx verb in a child process that registers the run's family first."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--dir", a.dir, "--ple-base", str(a.ple_base), "--_cli"]
-    return cmd + [json.dumps(args)]
+    return _self(a) + ["--_cli", json.dumps(args)]
 
 
 def phase_server(a, art, out, cache_gb=4.0, chats=4):
@@ -298,7 +321,7 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4):
             url = line.strip().rsplit(" ", 1)[-1]
             break
     ready_s = time.perf_counter() - t0
-    results = [None] * chats
+    results = [None] * (chats + 1)  # the last: the request in flight at SIGTERM
 
     def chat(i):
         body = {"messages": [{"role": "user", "content": f"chat {i}"}], "max_tokens": a.tokens, "temperature": 0}
@@ -319,7 +342,7 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4):
     for th in threads:
         th.join()
     # SIGTERM with one more request in flight: it must be cancelled and the process exit cleanly.
-    late = threading.Thread(target=chat, args=(0,))
+    late = threading.Thread(target=chat, args=(chats,))
     late.start()
     time.sleep(5)
     t = time.perf_counter()
@@ -331,7 +354,8 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4):
         "server",
         ready_s=round(ready_s, 1),
         expert_cache_gb=cache_gb,
-        chats=results[1:] + [results[0]],
+        chats=results[:chats],
+        in_flight_at_sigterm=results[chats],
         sigterm_exit_s=round(time.perf_counter() - t, 1),
         sigterm_rc=rc,
     )
@@ -387,13 +411,15 @@ def main(argv=None):
     p.add_argument("--ple-dtype", default=None, help="PLE codec passed to convert (default bf16)")
     p.add_argument("--expert-bits", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=48, help="smoke runs only: fewer layers than the real 48")
+    p.add_argument("--experts", type=int, default=512, help="smoke runs only: fewer experts than the real 512")
     p.add_argument("--json", default=None, help="write every phase's row here")
     p.add_argument("--cache-gb", default="default,2,4,8", help="expert caches for generate ('default': the plan)")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._worker or a._cli:
-        S.register_family(S.real_config(a.ple_base))
+        S.register_family(config_of(a))
         if a._cli:
             from hebrus_mlx.cli import main as cli_main
 
@@ -406,7 +432,7 @@ def main(argv=None):
         p.error(f"--phases: unknown {bad}; known {list(PHASES)}")
     os.makedirs(a.dir, exist_ok=True)
     out = []
-    src_path, config = source_dir(a.dir, a.ple_base, a.seed)
+    src_path, config = source_dir(a.dir, config_of(a), a.seed)
     art = os.path.join(a.dir, "artifact")
     if "convert" in phases:
         phase_convert(a, src_path, config, art, out)

@@ -243,14 +243,15 @@ REAL_TENSORS, REAL_VISION_TENSORS, REAL_MTP_TENSORS = 1658, 333, 31
 REAL_SHARDS, REAL_BYTES = 131, 359_999_963_128
 
 
-def real_config(ngram_vocab_size_base=None, split_ngram_parts=128):
+def real_config(ngram_vocab_size_base=None, split_ngram_parts=128, **overrides):
     """HF config.json (conditional generation, text + vision) of Qwen3.8-Flash-Next as far as the repo
     pins it: the family descriptor's fields (layers, hidden, layer pattern, context, experts, PLE)
     and transformers' defaults for the rest. Not pinned anywhere here and chosen: the PLE layer
     (id 1), the indexer dims (16 heads of 128, budget 2048, ratio 4), the rope fields, and
     split_ngram_parts=128 (the value that makes the inventory 1,658 tensors: 320,001,536 rows split
     evenly either way). `ngram_vocab_size_base` below 20,000,000 shrinks the PLE table to fewer rows
-    of the real width (another family, `register_family`)."""
+    of the real width (another family, `register_family`). `overrides`: text-config fields replaced
+    (a smaller smoke run of the same code path, e.g. num_hidden_layers with its layer_types)."""
     from transformers import Qwen4ExpConfig
 
     from ..artifact import constants as C
@@ -287,4 +288,5 @@ def real_config(ngram_vocab_size_base=None, split_ngram_parts=128):
             "mrope_interleaved": True,
         },
     )
+    text.update(overrides)
     return Qwen4ExpConfig(text_config=text).to_dict()
