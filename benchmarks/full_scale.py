@@ -160,15 +160,20 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
     load_s = time.perf_counter() - t
     r1 = io_counters(True)[0]
     rss_load = rss_gb()
-    dense_gb = m.dense.size / 2**30
-    record = build_model.em.Geometry(m.family, m.experts.expert_codec).record_stride
+    # In-memory bytes (GiB) the plan stands for: the CPU graph runs fp32, so bf16 scales/biases of
+    # the arena and the bf16 PLE rows are held widened to fp32.
+    g = build_model.em.Geometry(m.family, m.experts.expert_codec)
+    row = sum(2 * n if d == "uint16" else n for *_, d, _, _, n in g.layer_layout(0))
+    ple_rows = sum(s.size for s in m.stores if s.role == "ple") * 2
     planned = {
-        "available_gb": round(avail / 2**30, 2),
-        "dense_gb": round(dense_gb, 2),
-        "expert_cache_gb": None if rows is None else round(rows * record / 2**30, 2),
+        "available_gib": round(avail / 2**30, 2),
+        "dense_gib": round(m.dense.size / 2**30, 2),
+        "expert_arena_gib": round((g.count if rows is None else rows) * row / 2**30, 2),
         "expert_rows": rows,
-        "ple_cache_gb": None if ple_cache is None else round(ple_cache / 2**30, 2),
+        "ple_gib": round((ple_rows if ple_cache is None else ple_cache) / 2**30, 2),
+        "ple_resident": ple_cache is None,
     }
+    planned["total_gib"] = round(sum(planned[k] for k in ("dense_gib", "expert_arena_gib", "ple_gib")), 2)
     streaming = model.streaming
     cache = model.make_cache()
     t = time.perf_counter()
@@ -193,14 +198,14 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
         "load_s": round(load_s, 2),
         "load_read_call_bytes": r1 - r0,
         "dense_store_bytes": m.dense.size,
-        "rss_after_load_gb": round(rss_load, 2),
+        "rss_after_load_gib": round(rss_load, 2),
         "plan": planned,
         "first_token_s": round(first_s, 2),
         "decode_s_per_token": [round(x, 2) for x in per_token],
         "tokens": ids,
         "logits_finite": bool(np.isfinite(last).all()),
         "final_logits_sha256": hashlib.sha256(last.tobytes()).hexdigest(),
-        "peak_rss_gb": round(peak_rss_gb(), 2),
+        "peak_rss_gib": round(peak_rss_gb(), 2),
         "counters_per_token": counters,
         "counters_total": streaming.counters() if streaming is not None else None,
     }
@@ -267,7 +272,8 @@ def phase_kill(a, art, out, at=0.5):
     while proc.poll() is None:
         temps = _temps(a.dir)
         done = sum(_tree_bytes(os.path.join(a.dir, n)) for n in temps)
-        if done >= at * total:
+        # The disk is shared: kill early rather than leave it under 10 GB free.
+        if done >= at * total or shutil.disk_usage(a.dir).free < 10e9:
             proc.kill()  # SIGKILL: no handler, no cleanup
             killed_at = done
             break
@@ -366,7 +372,7 @@ def phase_simulate(a, art, out):
     path = os.path.join(a.dir, "simulate.json")
     cmd = _cli(a, ["simulate", "--validate", "--model", art, "--gen-tokens", str(a.tokens), "--prompt-tokens", "7"])
     cmd[-1] = json.dumps(
-        json.loads(cmd[-1]) + ["--repeats", "1", "--prefetch-modes", "off", "--rows", "1400,2800", "--json", path]
+        json.loads(cmd[-1]) + ["--repeats", "1", "--prefetch-modes", "off", "--rows", "64,256", "--json", path]
     )
     r = subprocess.run(cmd, capture_output=True, text=True)
     res = json.load(open(path)) if r.returncode == 0 and os.path.exists(path) else {"stderr": r.stderr[-600:]}
@@ -419,7 +425,10 @@ def main(argv=None):
     p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._worker or a._cli:
-        S.register_family(config_of(a))
+        # The config the parent wrote (not rebuilt: that imports transformers and torch, whose
+        # memory would count in the RSS the worker reports).
+        with open(os.path.join(a.dir, "source", "config.json")) as f:
+            S.register_family(json.load(f))
         if a._cli:
             from hebrus_mlx.cli import main as cli_main
 
