@@ -252,7 +252,7 @@ def _snapshot(art):
 
 
 def _temps(root):
-    return sorted(n for n in os.listdir(root) if n.startswith(".artifact.tmpdir-"))
+    return sorted(n for n in os.listdir(root) if n.startswith(".artifact") and ".tmpdir-" in n)
 
 
 def _tree_bytes(path):
@@ -266,7 +266,10 @@ def phase_kill(a, art, out, at=0.5):
     temporary before anything else (it may then refuse for free disk: it needs the artifact twice)."""
     before = _snapshot(art)
     total = _tree_bytes(art)
-    cmd = _self(a) + ["--phases", "convert", "--expert-bits", str(a.expert_bits)]
+    # Replacing the artifact needs it twice on disk; without that room the killed run converts
+    # beside it (a new --out) and the earlier artifact is the one next to it.
+    name = "artifact" if shutil.disk_usage(a.dir).free > 1.1 * total else "artifact-killed"
+    cmd = _self(a) + ["--phases", "convert", "--expert-bits", str(a.expert_bits), "--out-name", name]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t, killed_at = time.perf_counter(), None
     while proc.poll() is None:
@@ -286,6 +289,7 @@ def phase_kill(a, art, out, at=0.5):
     emit(
         out,
         "kill",
+        out_name=name,
         killed_after_s=round(time.perf_counter() - t, 1),
         killed_at_gb=None if killed_at is None else round(killed_at / 1e9, 2),
         artifact_gb=round(total / 1e9, 2),
@@ -423,6 +427,7 @@ def main(argv=None):
     p.add_argument("--cache-gb", default="default,2,4,8", help="expert caches for generate ('default': the plan)")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out-name", default="artifact", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._worker or a._cli:
         # The config the parent wrote (not rebuilt: that imports transformers and torch, whose
@@ -442,7 +447,7 @@ def main(argv=None):
     os.makedirs(a.dir, exist_ok=True)
     out = []
     src_path, config = source_dir(a.dir, config_of(a), a.seed)
-    art = os.path.join(a.dir, "artifact")
+    art = os.path.join(a.dir, a.out_name)
     if "convert" in phases:
         phase_convert(a, src_path, config, art, out)
     if "kill" in phases:
@@ -468,7 +473,7 @@ def main(argv=None):
         # Only what this script made (the source, tokenizer, artifact and its temporaries).
         for name in os.listdir(a.dir):
             full = os.path.join(a.dir, name)
-            if name in ("source", "tokenizer", "artifact") or name.startswith(".artifact.tmpdir-"):
+            if name in ("source", "tokenizer", "artifact", "artifact-killed") or name.startswith(".artifact"):
                 shutil.rmtree(full)
         emit(out, "clean", left=os.listdir(a.dir))
     if a.json:
@@ -478,4 +483,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hebrus_mlx.errors import HebrusError
+
+    try:
+        sys.exit(main())
+    except HebrusError as e:  # e.g. not enough free disk: one line, not a traceback
+        print(f"full_scale: error: {e}", file=sys.stderr)
+        sys.exit(2)
