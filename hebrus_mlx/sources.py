@@ -92,7 +92,14 @@ class Source:
         return counts
 
     def dense_parts(self, key, shape, codec_name):
-        a, dt = self.read(self.key(key))
+        raw = self.key(key)
+        if len(shape) == 2 and self.shape(raw) == tuple(shape) and shape[0] * shape[1] > DENSE_CHUNK_VALUES:
+            # Row blocks: encoding is per row, so the parts are those of the whole tensor, while
+            # memory holds one block's floats instead of the whole (the embedding is 2.5 GB).
+            step = max(1, DENSE_CHUNK_VALUES // shape[1])
+            pieces = [encode(*self.read(raw, s, min(shape[0], s + step)), codec_name) for s in range(0, shape[0], step)]
+            return {part: np.concatenate([p[part] for p in pieces]) for part in pieces[0]}
+        a, dt = self.read(raw)
         if key.endswith(keys.DEPTHWISE_CONV_SUFFIXES):
             a = a.transpose(0, 2, 1)  # HF [C, 1, K] -> MLX [C, K, 1]
         if tuple(a.shape) != tuple(shape):
@@ -154,6 +161,9 @@ def encode(a, src_dtype, codec_name):
     q, s, b = mx.quantize(w, group_size=c.group_size, bits=c.bits)
     return {"weight": np.array(q), "scales": np.array(s.view(mx.uint16)), "biases": np.array(b.view(mx.uint16))}
 
+
+# Values of a large 2-D dense tensor read and encoded per step (64 MiB of float32).
+DENSE_CHUNK_VALUES = 1 << 24
 
 # Rows of a PLE shard read per step: bounds conversion memory by a constant
 # however large a shard is.

@@ -230,3 +230,27 @@ def test_artifact_without_expert_store_is_a_typed_error(tmp_path):
     (art / C.MANIFEST_NAME).write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match="experts"):
         StreamedExperts.from_artifact(str(art), rows=4)
+
+
+def test_planned_arena_rows_stay_within_the_engine_part_bound():
+    """The real family's 2-bit store planned from ~10 GiB of free memory (or --expert-cache-gb 8) asked
+    for more arena rows than the engine's per-part bound (rows * largest part < 2^31): load raised
+    an internal StreamRequestError. The planner caps the rows at the bound, and the engine accepts
+    exactly that many rows of such a part and refuses one more (the bound is the engine's own)."""
+    from hebrus_mlx.loading.plan import ARENA_PART_BYTES_MAX
+
+    fam = C.QWEN38_FLASH_NEXT
+    g = em.Geometry(fam, "affine2-g64")
+    part = max(n for *_, n in g.layer_layout(0))  # the gate/up weight part: 409,600 bytes
+    rec = g.record_stride
+    rows = plan_experts(g.payload_bytes, rec, available=24 * GIB, reserve=4 * GIB, part_bytes=part)
+    assert rows == ARENA_PART_BYTES_MAX // part < 20 * GIB // rec
+    assert plan_experts(g.payload_bytes, rec, 0, 0, expert_cache_gb=8, part_bytes=part) == rows
+    eng = se.StreamEngine(cache_bytes=1 << 20)
+    try:
+        small = 64  # the bound in a few KiB of arena: 64-byte parts
+        limit = ARENA_PART_BYTES_MAX // small
+        with pytest.raises(se.StreamRequestError, match="part_bytes"):
+            eng.create_arena([small], limit + 1)
+    finally:
+        eng.close()

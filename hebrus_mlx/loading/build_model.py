@@ -285,6 +285,9 @@ def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, p
     for layer, row in enumerate(g.layer_codecs):
         first.setdefault(row, layer)
     record = sum(size(layer) for layer in first.values())
+    part = max(
+        2 * n if wide and d == "uint16" else n for layer in first.values() for *_, d, _, _, n in g.layer_layout(layer)
+    )
     resident = sum(size(layer) for layer in own) * fam.num_experts
     resident_other = _dense_bytes(m, stage)
     if ple_cache_bytes is None:
@@ -298,6 +301,7 @@ def plan_expert_residency(m: Manifest, dtype=mx.float32, expert_cache_gb=None, p
         RESERVE_BYTES + resident_other,
         expert_cache_gb,
         min_rows=fam.num_experts_per_tok,
+        part_bytes=part,
     )
 
 

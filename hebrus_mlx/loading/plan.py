@@ -64,6 +64,11 @@ def plan_stream(
     return int(n)
 
 
+# The stream engine's bound on one arena part (metal_ext/ops.cpp create_arena): rows * part bytes
+# (fp32-widened where expanded) at most INT32_MAX - 4096.
+ARENA_PART_BYTES_MAX = (1 << 31) - 1 - 4096
+
+
 def plan_experts(
     store_bytes: int,
     record_bytes: int,
@@ -71,13 +76,19 @@ def plan_experts(
     reserve: int,
     expert_cache_gb: float | None = None,
     min_rows: int = 1,
+    part_bytes: int | None = None,
 ) -> int | None:
     """None (resident) or the arena rows to stream routed experts through; at least ``min_rows``
-    (one layer's top-k for the largest token chunk)."""
+    (one layer's top-k for the largest token chunk). ``part_bytes``: the arena's largest part per
+    row (in memory); the rows stay within the engine's ARENA_PART_BYTES_MAX for it, whatever the
+    budget (the real family's 2-bit gate part caps an arena at 5,242 rows, ~8 GiB)."""
+    units = store_bytes // record_bytes
+    if part_bytes:
+        units = min(units, ARENA_PART_BYTES_MAX // part_bytes)
     return plan_stream(
         store_bytes,
         record_bytes,
-        store_bytes // record_bytes,
+        units,
         available,
         reserve,
         expert_cache_gb,

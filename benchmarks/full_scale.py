@@ -1,0 +1,492 @@
+"""Full-scale run of the real Qwen3.8-Flash-Next geometry on this machine: a generated checkpoint
+(hebrus_mlx/testing/synthetic_source.py: 48 layers, 512 experts top-10 at their real record size,
+the PLE table at its real row width with fewer rows) through `convert`, `admit`, `verify`, `load`,
+`generate` at several expert-cache sizes, the server, and `simulate`.
+
+    nice -n 10 python benchmarks/full_scale.py --dir /work/fullscale --phases convert,admit,verify,load,generate
+
+Each phase prints one JSON line of what it measured; --json collects them. Random weights: no
+quality can be read from the tokens; routing is near uniform (the hardest regime for an expert
+cache); the CPU backend is not a Mac's speed."""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+from hebrus_mlx import admission
+from hebrus_mlx.convert import artifact_bytes, convert, expert_spec, plan
+from hebrus_mlx.testing import synthetic_source as S
+
+PHASES = ("convert", "kill", "admit", "verify", "load", "generate", "server", "simulate", "clean")
+# The shipped demo's Qwen-style chat template (admission requires one).
+TEMPLATE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hebrus_mlx", "demo", "model", "chat_template.jinja"
+)
+PROMPT_IDS = [9707, 11, 1879, 0, 576, 374, 264]
+
+
+def io_counters(cached=False):
+    """(read, written) bytes of this process (/proc/self/io): at the block layer, or with `cached`
+    every byte through read/write calls, page-cache hits included (rchar, wchar)."""
+    with open("/proc/self/io") as f:
+        d = dict(line.split(": ") for line in f.read().splitlines())
+    return (int(d["rchar"]), int(d["wchar"])) if cached else (int(d["read_bytes"]), int(d["write_bytes"]))
+
+
+def peak_rss_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def rss_gb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def emit(out, phase, **fields):
+    row = {"phase": phase, **fields}
+    print(json.dumps(row), flush=True)
+    out.append(row)
+
+
+def qwen_tokenizer(root):
+    """The pinned Qwen 248k tokenizer.json (tools/build_qwen_tokenizer.py), built once under `root`."""
+    path = os.path.join(root, "tokenizer", "tokenizer.json")
+    if not os.path.isfile(path):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+        from build_qwen_tokenizer import build
+
+        build(os.path.dirname(path), check_digest=True)
+    return path
+
+
+def config_of(a):
+    """The run's config: the real geometry, or with --layers/--experts a smaller smoke run of it."""
+    over = {}
+    if a.layers != 48:
+        over.update(num_hidden_layers=a.layers, layer_types=S.real_config()["text_config"]["layer_types"][: a.layers])
+    if a.experts != 512:
+        over.update(num_experts=a.experts)
+    return S.real_config(a.ple_base, **over)
+
+
+def source_dir(root, config, seed):
+    path = os.path.join(root, "source")
+    S.write(path, config, seed, files=[qwen_tokenizer(root), TEMPLATE])
+    S.register_family(config)
+    return path, config
+
+
+def phase_convert(a, src_path, config, art, out):
+    profile, args, _, fam = plan(config, 4, 64, None, a.expert_bits, 64, a.ple_dtype)
+    need = artifact_bytes(args, fam, profile, expert_spec(config, profile))
+    free = shutil.disk_usage(a.dir).free
+    emit(out, "disk", need_gb=round(need / 1e9, 2), free_gb=round(free / 1e9, 2), profile=profile)
+    # convert() itself refuses when this does not fit, after removing a killed run's temporaries.
+    src = S.SyntheticSource(src_path)
+    r0, w0 = io_counters()
+    t = time.perf_counter()
+    convert(
+        src_path,
+        art,
+        q_bits=4,
+        q_group_size=64,
+        expert_bits=a.expert_bits,
+        expert_group_size=64,
+        ple_dtype=a.ple_dtype,
+        mtp=False,
+        overwrite=True,
+        source=src,
+    )
+    wall = time.perf_counter() - t
+    r1, w1 = io_counters()
+    size = sum(os.path.getsize(os.path.join(art, n)) for n in os.listdir(art))
+    emit(
+        out,
+        "convert",
+        wall_s=round(wall, 1),
+        peak_rss_gb=round(peak_rss_gb(), 2),
+        written_gb=round((w1 - w0) / 1e9, 2),
+        read_gb=round((r1 - r0) / 1e9, 2),
+        artifact_gb=round(size / 1e9, 2),
+        ple_rows=list(fam.ple_rows),
+        ple_rows_real=[320_001_536],
+        ple_dtype=a.ple_dtype or "bfloat16",
+    )
+
+
+def phase_admit(art, out):
+    r0, c0 = io_counters()[0], io_counters(True)[0]
+    t = time.perf_counter()
+    m = admission.admit(art)
+    wall = time.perf_counter() - t
+    r1, c1 = io_counters()[0], io_counters(True)[0]
+    stores = sum(s.size for s in m.stores)
+    emit(
+        out,
+        "admit",
+        wall_s=round(wall, 3),
+        disk_read_bytes=r1 - r0,
+        read_call_bytes=c1 - c0,
+        store_bytes=stores,
+        family=m.family.name,
+    )
+
+
+def worker(art, cache_gb, prefetch, tokens, out_path):
+    """One load + greedy decode in this (fresh) process; its measurements to `out_path` as JSON."""
+    import hashlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    from hebrus_mlx.loader import load
+    from hebrus_mlx.loading import build_model, plan
+
+    m = admission.admit(art)
+    avail = plan.available_memory()
+    ple_cache = build_model.plan_ple_residency(m)
+    rows = build_model.plan_expert_residency(m, expert_cache_gb=cache_gb, ple_cache_bytes=ple_cache)
+    r0 = io_counters(True)[0]
+    t = time.perf_counter()
+    model, _ = load(art, expert_cache_gb=cache_gb, prefetch=prefetch)
+    load_s = time.perf_counter() - t
+    r1 = io_counters(True)[0]
+    rss_load = rss_gb()
+    # In-memory bytes (GiB) the plan stands for: the CPU graph runs fp32, so bf16 scales/biases of
+    # the arena and the bf16 PLE rows are held widened to fp32.
+    g = build_model.em.Geometry(m.family, m.experts.expert_codec)
+    row = sum(2 * n if d == "uint16" else n for *_, d, _, _, n in g.layer_layout(0))
+    ple_rows = sum(s.size for s in m.stores if s.role == "ple") * 2
+    planned = {
+        "available_gib": round(avail / 2**30, 2),
+        "dense_gib": round(m.dense.size / 2**30, 2),
+        "expert_arena_gib": round((g.count if rows is None else rows) * row / 2**30, 2),
+        "expert_rows": rows,
+        "ple_gib": round((ple_rows if ple_cache is None else ple_cache) / 2**30, 2),
+        "ple_resident": ple_cache is None,
+    }
+    planned["total_gib"] = round(sum(planned[k] for k in ("dense_gib", "expert_arena_gib", "ple_gib")), 2)
+    streaming = model.streaming
+    cache = model.make_cache()
+    t = time.perf_counter()
+    logits = model(mx.array([PROMPT_IDS]), cache)[0, -1]
+    tok = int(logits.argmax())
+    first_s = time.perf_counter() - t
+    ids, per_token, counters = [tok], [], []
+    for _ in range(tokens - 1):
+        c0 = streaming.counters() if streaming is not None else None
+        t = time.perf_counter()
+        logits = model(mx.array([[tok]]), cache)[0, -1]
+        tok = int(logits.argmax())
+        per_token.append(time.perf_counter() - t)
+        ids.append(tok)
+        if c0 is not None:
+            c1 = streaming.counters()
+            counters.append({k: c1[k] - c0[k] for k in c1 if isinstance(c1[k], int) and isinstance(c0.get(k), int)})
+    last = np.array(logits.astype(mx.float32))
+    res = {
+        "expert_cache_gb_flag": cache_gb,
+        "prefetch": prefetch,
+        "load_s": round(load_s, 2),
+        "load_read_call_bytes": r1 - r0,
+        "dense_store_bytes": m.dense.size,
+        "rss_after_load_gib": round(rss_load, 2),
+        "plan": planned,
+        "first_token_s": round(first_s, 2),
+        "decode_s_per_token": [round(x, 2) for x in per_token],
+        "tokens": ids,
+        "logits_finite": bool(np.isfinite(last).all()),
+        "final_logits_sha256": hashlib.sha256(last.tobytes()).hexdigest(),
+        "peak_rss_gib": round(peak_rss_gb(), 2),
+        "counters_per_token": counters,
+        "counters_total": streaming.counters() if streaming is not None else None,
+    }
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+def run_worker(a, art, cache_gb, prefetch, out):
+    """`worker` in a child process (each load gets a fresh process: the memory it reports is its own)."""
+    path = os.path.join(a.dir, f"gen-{cache_gb}-{prefetch}.json")
+    cmd = _self(a) + ["--_worker", json.dumps([art, cache_gb, prefetch, a.tokens, path])]
+    subprocess.run(cmd, check=True)
+    with open(path) as f:
+        res = json.load(f)
+    os.unlink(path)
+    per = res.pop("counters_per_token")
+    total = res.pop("counters_total") or {}
+    n = max(1, len(per))
+    mean = lambda k: sum(c.get(k, 0) for c in per) / n  # noqa: E731
+    lookups = sum(c.get("hits", 0) + c.get("joins", 0) + c.get("misses", 0) for c in per)
+    hits = sum(c.get("hits", 0) + c.get("joins", 0) for c in per)
+    dec = res["decode_s_per_token"]
+    res.update(
+        tok_s=round(len(dec) / sum(dec), 3) if dec else None,
+        read_mb_per_token=round((mean("exact_bytes") + mean("predicted_bytes")) / 1e6, 1),
+        exposed_wait_s_per_token=round(mean("exposed_wait_ns") / 1e9, 3),
+        hit_rate=round(hits / lookups, 3) if lookups else None,
+        engine_read_gb_s=round(
+            sum(c.get("exact_bytes", 0) for c in per) / max(1, sum(c.get("exact_read_ns", 0) for c in per)), 3
+        ),
+        counters_total={k: v for k, v in total.items() if isinstance(v, (int, float))},
+    )
+    emit(out, "generate", **res)
+    return res
+
+
+def _snapshot(art):
+    """Every file of the artifact: (size, mtime_ns, inode), and the manifest's bytes."""
+    snap = {
+        n: (st.st_size, st.st_mtime_ns, st.st_ino) for n in os.listdir(art) for st in [os.stat(os.path.join(art, n))]
+    }
+    with open(os.path.join(art, "manifest.json"), "rb") as f:
+        return snap, f.read()
+
+
+def _temps(root):
+    return sorted(n for n in os.listdir(root) if n.startswith(".artifact") and ".tmpdir-" in n)
+
+
+def _tree_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def phase_kill(a, art, out, at=0.5):
+    """`convert --overwrite` over the finished artifact, SIGKILLed once its temp directory holds
+    `at` of the artifact's bytes; then the earlier artifact must be untouched (every file's size,
+    mtime and inode, the manifest's bytes, admission), and the next run must remove the stale
+    temporary before anything else (it may then refuse for free disk: it needs the artifact twice)."""
+    before = _snapshot(art)
+    total = _tree_bytes(art)
+    # Replacing the artifact needs it twice on disk; without that room the killed run converts
+    # beside it (a new --out) and the earlier artifact is the one next to it.
+    name = "artifact" if shutil.disk_usage(a.dir).free > 1.1 * total else "artifact-killed"
+    cmd = _self(a) + ["--phases", "convert", "--expert-bits", str(a.expert_bits), "--out-name", name]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t, killed_at = time.perf_counter(), None
+    while proc.poll() is None:
+        temps = _temps(a.dir)
+        done = sum(_tree_bytes(os.path.join(a.dir, n)) for n in temps)
+        # The disk is shared: kill early rather than leave it under 10 GB free.
+        if done >= at * total or shutil.disk_usage(a.dir).free < 10e9:
+            proc.kill()  # SIGKILL: no handler, no cleanup
+            killed_at = done
+            break
+        time.sleep(1)
+    proc.wait()
+    stale = _temps(a.dir)
+    unchanged = _snapshot(art) == before
+    admission.admit(art)
+    rerun = subprocess.run(cmd, capture_output=True, text=True)
+    emit(
+        out,
+        "kill",
+        out_name=name,
+        killed_after_s=round(time.perf_counter() - t, 1),
+        killed_at_gb=None if killed_at is None else round(killed_at / 1e9, 2),
+        artifact_gb=round(total / 1e9, 2),
+        stale_temps_after_kill=len(stale),
+        earlier_artifact_unchanged=unchanged,
+        rerun_rc=rerun.returncode,
+        rerun_said=[line for line in rerun.stderr.splitlines() if "removed" in line or "free" in line][-3:],
+        stale_temps_left=[n for n in stale if n in _temps(a.dir)],
+        artifact_unchanged_after_refused_rerun=None if rerun.returncode == 0 else _snapshot(art) == before,
+    )
+
+
+def _self(a):
+    """This script with the run's geometry flags (a child process registers the same family)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--dir", a.dir, "--ple-base", str(a.ple_base)]
+    return cmd + ["--layers", str(a.layers), "--experts", str(a.experts)]
+
+
+def _cli(a, args):
+    """A hebrus-mlx verb in a child process that registers the run's family first."""
+    return _self(a) + ["--_cli", json.dumps(args)]
+
+
+def phase_server(a, art, out, cache_gb=4.0, chats=4):
+    """The server on the artifact, `chats` concurrent chat completions, then SIGTERM mid-run."""
+    import signal
+    import threading
+    import urllib.request
+
+    proc = subprocess.Popen(
+        _cli(a, ["server", "--model", art, "--port", "0", "--expert-cache-gb", str(cache_gb)]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    t0, url = time.perf_counter(), None
+    for line in proc.stdout:
+        if "listening on" in line:
+            url = line.strip().rsplit(" ", 1)[-1]
+            break
+    ready_s = time.perf_counter() - t0
+    results = [None] * (chats + 1)  # the last: the request in flight at SIGTERM
+
+    def chat(i):
+        body = {"messages": [{"role": "user", "content": f"chat {i}"}], "max_tokens": a.tokens, "temperature": 0}
+        req = urllib.request.Request(
+            url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        t = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                d = json.load(r)
+            results[i] = {"s": round(time.perf_counter() - t, 1), "tokens": d["usage"]["completion_tokens"]}
+        except Exception as e:  # noqa: BLE001  (reported, not raised: the row says what failed)
+            results[i] = {"s": round(time.perf_counter() - t, 1), "error": str(e)[:120]}
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(chats)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    # SIGTERM with one more request in flight: it must be cancelled and the process exit cleanly.
+    late = threading.Thread(target=chat, args=(chats,))
+    late.start()
+    time.sleep(5)
+    t = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=600)
+    late.join()
+    emit(
+        out,
+        "server",
+        ready_s=round(ready_s, 1),
+        expert_cache_gb=cache_gb,
+        chats=results[:chats],
+        in_flight_at_sigterm=results[chats],
+        sigterm_exit_s=round(time.perf_counter() - t, 1),
+        sigterm_rc=rc,
+    )
+
+
+def phase_simulate(a, art, out):
+    """`simulate --validate` on the artifact: the projection's prediction against its own measured run."""
+    path = os.path.join(a.dir, "simulate.json")
+    cmd = _cli(a, ["simulate", "--validate", "--model", art, "--gen-tokens", str(a.tokens), "--prompt-tokens", "7"])
+    cmd[-1] = json.dumps(
+        json.loads(cmd[-1]) + ["--repeats", "1", "--prefetch-modes", "off", "--rows", "64,256", "--json", path]
+    )
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    res = json.load(open(path)) if r.returncode == 0 and os.path.exists(path) else {"stderr": r.stderr[-600:]}
+    emit(out, "simulate", rc=r.returncode, result=res)
+
+
+def phase_verify(art, out):
+    from hebrus_mlx.verify import verify
+
+    m = admission.admit(art)
+    size = sum(s.size for s in m.stores)
+    t = time.perf_counter()
+    verify(art)
+    wall = time.perf_counter() - t
+    # A raw sequential read of the same disk for the ratio: the expert store, page cache dropped first.
+    path = m.file(m.experts)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    n, t = 0, time.perf_counter()
+    while n < min(size, 8 << 30) and (b := os.read(fd, 16 << 20)):
+        n += len(b)
+    raw = n / (time.perf_counter() - t)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    emit(
+        out,
+        "verify",
+        wall_s=round(wall, 1),
+        bytes=size,
+        verify_gb_s=round(size / wall / 1e9, 3),
+        raw_read_gb_s=round(raw / 1e9, 3),
+        ratio=round(size / wall / raw, 3),
+    )
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", required=True, help="work directory (source config, artifact); emptied by 'clean'")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {','.join(PHASES)}")
+    p.add_argument("--tokens", type=int, default=4, help="tokens per generate run (~3.5 s each here)")
+    p.add_argument("--ple-base", type=int, default=200_000, help="ngram_vocab_size_base (real: 20,000,000)")
+    p.add_argument("--ple-dtype", default=None, help="PLE codec passed to convert (default bf16)")
+    p.add_argument("--expert-bits", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=48, help="smoke runs only: fewer layers than the real 48")
+    p.add_argument("--experts", type=int, default=512, help="smoke runs only: fewer experts than the real 512")
+    p.add_argument("--json", default=None, help="write every phase's row here")
+    p.add_argument("--cache-gb", default="default,2,4,8", help="expert caches for generate ('default': the plan)")
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out-name", default="artifact", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a._worker or a._cli:
+        # The config the parent wrote (not rebuilt: that imports transformers and torch, whose
+        # memory would count in the RSS the worker reports).
+        with open(os.path.join(a.dir, "source", "config.json")) as f:
+            S.register_family(json.load(f))
+        if a._cli:
+            from hebrus_mlx.cli import main as cli_main
+
+            return cli_main(json.loads(a._cli))
+        worker(*json.loads(a._worker))
+        return 0
+    phases = a.phases.split(",")
+    bad = sorted(set(phases) - set(PHASES))
+    if bad:
+        p.error(f"--phases: unknown {bad}; known {list(PHASES)}")
+    os.makedirs(a.dir, exist_ok=True)
+    out = []
+    src_path, config = source_dir(a.dir, config_of(a), a.seed)
+    art = os.path.join(a.dir, a.out_name)
+    if "convert" in phases:
+        phase_convert(a, src_path, config, art, out)
+    if "kill" in phases:
+        phase_kill(a, art, out)
+    if "admit" in phases:
+        phase_admit(art, out)
+    if "verify" in phases:
+        phase_verify(art, out)
+    if "generate" in phases or "load" in phases:
+        sizes = [None if c == "default" else float(c) for c in a.cache_gb.split(",")]
+        if "generate" not in phases:
+            a.tokens, sizes = 1, sizes[:1]
+        runs = [run_worker(a, art, gb, None, out) for gb in sizes]
+        if "generate" in phases:
+            runs.append(run_worker(a, art, sizes[-1], "off", out))
+            same = {(tuple(r["tokens"]), r["final_logits_sha256"]) for r in runs}
+            emit(out, "exactness", runs=len(runs), identical=len(same) == 1)
+    if "server" in phases:
+        phase_server(a, art, out)
+    if "simulate" in phases:
+        phase_simulate(a, art, out)
+    if "clean" in phases:
+        # Only what this script made (the source, tokenizer, artifact and its temporaries).
+        for name in os.listdir(a.dir):
+            full = os.path.join(a.dir, name)
+            if name in ("source", "tokenizer", "artifact", "artifact-killed") or name.startswith(".artifact"):
+                shutil.rmtree(full)
+        emit(out, "clean", left=os.listdir(a.dir))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    from hebrus_mlx.errors import HebrusError
+
+    try:
+        sys.exit(main())
+    except HebrusError as e:  # e.g. not enough free disk: one line, not a traceback
+        print(f"full_scale: error: {e}", file=sys.stderr)
+        sys.exit(2)
