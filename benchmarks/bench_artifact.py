@@ -141,7 +141,7 @@ _BULK_CHILD = (
     "def hwm():\n"
     "    return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
     "cap = int(sys.argv[1])\n"
-    "from hebrus_mlx.convert import main\n"
+    "from hebrus_mlx.commands.convert import main\n"
     "base = hwm()\n"
     "resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))\n"
     "t = time.perf_counter()\n"

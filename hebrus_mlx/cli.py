@@ -11,7 +11,7 @@ from .errors import HebrusError
 
 VERBS = {
     "generate": "hebrus_mlx.commands.generate",
-    "convert": "hebrus_mlx.convert",
+    "convert": "hebrus_mlx.commands.convert",
     "admit": "hebrus_mlx.commands.admit",
     "verify": "hebrus_mlx.verify",
     "upgrade": "hebrus_mlx.upgrade",

@@ -30,7 +30,7 @@ PARSERS = {
     "generate": ("hebrus_mlx.verb_flags", []),
     "server": ("hebrus_mlx.server", []),
     "chat": ("hebrus_mlx.chat", []),
-    "convert": ("hebrus_mlx.convert", ["--hf-path", "h", "--out", "o"]),
+    "convert": ("hebrus_mlx.commands.convert", ["--hf-path", "h", "--out", "o"]),
     "qualify": ("hebrus_mlx.qualify", []),
     "bench": ("hebrus_mlx.bench.command", []),
     "simulate": ("hebrus_mlx.simulate.command", []),
@@ -275,7 +275,7 @@ def test_mlx_lm_spellings_of_convert_and_bench():
     mlx_lm.benchmark (-n trials, -g generated tokens, -p prompt tokens)."""
     from mlx_lm.benchmark import setup_arg_parser
 
-    convert = importlib.import_module("hebrus_mlx.convert").build_parser()
+    convert = importlib.import_module("hebrus_mlx.commands.convert").build_parser()
     a = convert.parse_args(["--model", "h", "--mlx-path", "o", "-q"])
     assert (a.hf_path, a.out, a.quantize) == ("h", "o", True)
     buf = io.StringIO()

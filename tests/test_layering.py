@@ -82,6 +82,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
             "hebrus_mlx.verify",
             "hebrus_mlx.upgrade",
             "hebrus_mlx.convert",
+            "hebrus_mlx.hub_shards",
             "hebrus_mlx.convert_fp8",
             "hebrus_mlx.convert_mlx",
             "hebrus_mlx.sources",
