@@ -10,6 +10,15 @@ position limit would be passed; the arena and engine persist).
     python benchmarks/bench_stream_decode.py [--artifact DIR] [--rows 2]
         [--tokens 2000] [--ple-cache-kib 256] [--long-resident]
 
+With --wavefront-ab N it only compares the two streamed decode paths (AFN-019 H4): the
+wavefront (each routed expert computed as its record lands) and the resolve-all path (every
+top-k record waited for before any expert runs), N interleaved rounds of --compare tokens each,
+the same arena size, a fresh engine and arena (cold) per run; prints the engine's exposed wait
+per token and tok/s of each, medians, and the ratios. Tokens must match the resident run.
+
+    python benchmarks/bench_stream_decode.py --artifact hebrus_mlx/demo/model --rows 26 \
+        --compare 32 --wavefront-ab 6
+
 With --ple-cache-kib the PLE rows stream too (page cache of that size,
 through the same engine) in the streamed runs and the long run.
 
@@ -20,6 +29,7 @@ transformers, as the tests do).
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +65,31 @@ def decode(model, first, n, limit, report=None):
     return tokens, time.perf_counter() - t0
 
 
+def wavefront_ab(model, reader, args, resident, limit):
+    """Interleaved rounds of wavefront on/off at one arena size: (exposed wait ms/token, tok/s)."""
+    stats = {True: [], False: []}
+    for r in range(args.wavefront_ab):
+        for wavefront in (True, False) if r % 2 == 0 else (False, True):
+            eng = se.StreamEngine(cache_bytes=1 << 20, threads=4)
+            experts = StreamedExperts(eng, reader, rows=args.rows, wavefront=wavefront)
+            model.streaming = Streaming(eng, experts, attach([layer.mlp for layer in model.model.layers], experts))
+            tokens, dt = decode(model, 3, args.compare, limit)
+            c = eng.counters()
+            if tokens != resident:
+                raise SystemExit(f"wavefront={wavefront}: tokens differ from the resident run")
+            stats[wavefront].append((c["exposed_wait_ns"] / 1e6 / args.compare, args.compare / dt))
+            eng.close()
+    med = {w: [statistics.median(v[i] for v in stats[w]) for i in range(2)] for w in stats}
+    for w, name in ((False, "resolve-all"), (True, "wavefront  ")):
+        runs = ", ".join(f"{a:.2f}/{b:.1f}" for a, b in stats[w])
+        print(f"  {name}: exposed wait {med[w][0]:.2f} ms/token, {med[w][1]:.1f} tok/s (median; runs {runs})")
+    wait_ratio = med[True][0] / med[False][0] if med[False][0] > 0 else float("nan")
+    print(
+        f"  wavefront / resolve-all: exposed wait x{wait_ratio:.2f}, tok/s x{med[True][1] / med[False][1]:.2f}; "
+        "tokens identical to resident in every run"
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--artifact")
@@ -65,6 +100,9 @@ def main():
     p.add_argument("--long-resident", action="store_true", help="long run on the resident model (the RSS control)")
     p.add_argument(
         "--ple-cache-kib", type=int, default=0, help="also stream PLE rows with a page cache this size (0: resident)"
+    )
+    p.add_argument(
+        "--wavefront-ab", type=int, default=0, help="only compare wavefront on/off, this many interleaved rounds"
     )
     args = p.parse_args()
 
@@ -90,6 +128,9 @@ def main():
         f"{f'streamed, {args.ple_cache_kib} KiB page cache' if args.ple_cache_kib else 'resident'}; "
         f"resident {args.compare / t_res:.1f} tok/s"
     )
+    if args.wavefront_ab:
+        wavefront_ab(model, reader, args, resident, limit)
+        return
     for prefetch in (False, True):
         eng = se.StreamEngine(cache_bytes=max(1 << 20, args.ple_cache_kib << 10), threads=4)
         if args.ple_cache_kib:

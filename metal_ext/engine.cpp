@@ -1188,7 +1188,7 @@ ErrorCode Engine::do_read(const Job& job, std::string& msg, ReadHooks* hooks) {
   }
   if (hooks) {
     ReadOutcome r{moved, got, detail, static_cast<uint8_t*>(segs[0].iov_base),
-                  job.key.check.kind != Check::kNone};
+                  job.key.check.kind != Check::kNone, job.key.offset};
     hooks->after_read(r);
     moved = r.code;
     got = r.got;
@@ -1360,6 +1360,57 @@ bool Engine::wait_progress() {
         counters_.stale_drops != drops;
   });
   return true;
+}
+
+size_t Engine::wait_any(const std::vector<uint64_t>& ids, double timeout_s) {
+  if (ids.empty()) {
+    throw StreamError(ErrorCode::kBadRequest, "tickets: need at least one");
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  auto first_done = [&]() -> size_t {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto it = tickets_.find(ids[i]);
+      if (it == tickets_.end() || it->second.state != TicketState::kPending) {
+        return i;
+      }
+    }
+    return ids.size();
+  };
+  size_t i = first_done();
+  if (i < ids.size()) {
+    return i;
+  }
+  auto it = tickets_.find(ids[0]);
+  const int layer = it->second.req.layer, store = it->second.req.store;
+  int64_t t0 = now_ns();
+  auto deadline = std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(
+                          timeout_s < 0 ? 1e9 : timeout_s));
+  bool timed_out = false;
+  while ((i = first_done()) == ids.size()) {
+    if (done_cv_.wait_until(lk, deadline) == std::cv_status::timeout) {
+      i = first_done();
+      timed_out = i == ids.size();
+      break;
+    }
+  }
+  int64_t t = now_ns();
+  counters_.waits_blocked++;
+  counters_.exposed_wait_ns += t - t0;
+  counters_.exposed_wait_ns_by_layer[layer] += t - t0;
+  counters_.exposed_wait_ns_by_store[store] += t - t0;
+  if (trace_) {
+    trace_->push(TraceEvent{
+        TraceKind::kWait,
+        uint8_t(timed_out ? TraceOutcome::kTimeout : TraceOutcome::kPublished),
+        -1, false, false, layer, -1, 0, t0, t, t});
+  }
+  if (timed_out) {
+    throw StreamError(
+        ErrorCode::kTimeout, "no ticket of the wave ready within timeout");
+  }
+  return i;
 }
 
 TicketInfo Engine::ticket_info(uint64_t id) {

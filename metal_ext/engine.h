@@ -223,6 +223,7 @@ struct ReadOutcome {
   std::string detail; // why, when code is an error
   uint8_t* first; // the record's first byte in its destination
   bool checked; // the record will be checked against a digest
+  uint64_t offset = 0; // the record's offset in its store file
 };
 
 // Test seam: the test build's fault injector (metal_ext/testing/, the
@@ -396,6 +397,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // if none is queued or in flight: lets a caller refused with kCacheFull
   // wait for prefetches to drain instead of failing.
   bool wait_progress();
+  // Blocks until one of `tickets` is no longer pending (published, failed,
+  // or released/cancelled) and returns the first such index in list order:
+  // a wavefront takes records in arrival order, resident ones first. The
+  // time blocked counts as exposed wait (by the first ticket's layer).
+  size_t wait_any(const std::vector<uint64_t>& tickets, double timeout_s = -1.0);
 
   TicketInfo ticket_info(uint64_t ticket);
   Counters counters();

@@ -619,6 +619,144 @@ std::pair<mx::array, mx::array> resolve_records(
   return {outs[0], outs[1]};
 }
 
+// What a wave's issue op and take ops share: the tickets in position order
+// (written once by the issue task, before any take task runs: each take op
+// reads the lease) and which are taken. Owned by the lease buffer and the
+// ops; whatever is still held when the last owner drops is released.
+struct Wave::State {
+  std::shared_ptr<Engine> engine;
+  std::vector<uint64_t> tickets;
+  std::vector<uint8_t> taken;
+  ~State() {
+    for (uint64_t t : tickets) {
+      engine->release(t);
+    }
+  }
+  void cancel_all() {
+    for (uint64_t t : tickets) {
+      engine->cancel(t);
+    }
+  }
+};
+
+static void wave_issue_host(
+    const TableRead& read, int64_t deadline_ns, const mx::array& idx,
+    uint64_t* lease, Wave::State& state) {
+  Engine& engine = *read.engine;
+  std::memset(lease, 0, idx.size() * sizeof(uint64_t));
+  const Table& t = engine.table(read.table);
+  const uint32_t* ix = idx.data<uint32_t>();
+  try {
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (ix[i] >= t.rows.size()) {
+        throw StreamError(
+            ErrorCode::kBadRequest,
+            "indices: " + std::to_string(ix[i]) + " out of range for table " +
+                std::to_string(read.table));
+      }
+      Request r = read.row(t, ix[i]);
+      r.deadline_ns = deadline_ns;
+      // Every record is pinned at once, as in resolve.
+      state.tickets.push_back(
+          request_with_room(engine, r, [] { return false; }));
+    }
+  } catch (...) {
+    state.cancel_all();
+    throw;
+  }
+  state.taken.assign(state.tickets.size(), 0);
+  std::memcpy(lease, state.tickets.data(), state.tickets.size() * sizeof(uint64_t));
+}
+
+static void wave_take_host(Wave::State& state, uint32_t* row, uint32_t* pos) {
+  Engine& engine = *state.engine;
+  std::vector<uint64_t> open;
+  std::vector<uint32_t> where;
+  for (size_t i = 0; i < state.tickets.size(); ++i) {
+    if (!state.taken[i]) {
+      open.push_back(state.tickets[i]);
+      where.push_back(static_cast<uint32_t>(i));
+    }
+  }
+  if (open.empty()) {
+    throw StreamError(ErrorCode::kBadRequest, "wave: every record is taken");
+  }
+  try {
+    size_t i = engine.wait_any(open, task_wait_timeout());
+    *row = engine.wait(open[i], task_wait_timeout()).row;
+    *pos = where[i];
+    state.taken[where[i]] = 1;
+  } catch (...) {
+    state.cancel_all();
+    throw;
+  }
+}
+
+std::shared_ptr<Wave> resolve_wave(
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    uint64_t owner, uint64_t generation, int layer, double deadline_s) {
+  const Table& t = engine->table(table);
+  if (t.arena < 0) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "table " + std::to_string(table) + ": a wave needs an arena table");
+  }
+  if (indices.size() == 0) {
+    throw StreamError(ErrorCode::kBadRequest, "indices: need at least one");
+  }
+  auto state = std::make_shared<Wave::State>();
+  state->engine = engine;
+  int64_t budget = deadline_s > 0 ? int64_t(deadline_s * 1e9) : -1;
+  mx::Stream s = op_stream();
+  mx::array idx = index_input(indices, s);
+  mx::array lease(
+      mx::Shape{static_cast<int>(indices.size())},
+      mx::uint64,
+      std::make_shared<HostTaskPrimitive>(
+          s, "HebrusWaveIssue", Output::kWritten,
+          [read = TableRead{std::move(engine), table, owner, generation, layer}, budget,
+           state](const Arrays& inputs, Arrays& outputs) {
+            mx::allocator::Buffer buf = mx::allocator::allocator().malloc(outputs[0].nbytes());
+            if (!buf.ptr()) {
+              throw std::runtime_error("[wave] could not allocate the lease");
+            }
+            // The lease buffer keeps the wave's pins until it is freed.
+            outputs[0].set_data(mx::allocator::Data(buf, [state](mx::allocator::Buffer b) {
+              mx::allocator::allocator().free(b);
+            }));
+            return [read, budget, idx = inputs[0], lease = outputs[0].data<uint64_t>(), state]() {
+              int64_t deadline = budget < 0 ? INT64_MAX : now_ns() + budget;
+              wave_issue_host(read, deadline, idx, lease, *state);
+            };
+          }),
+      {idx});
+  return std::make_shared<Wave>(std::move(state), std::move(lease), static_cast<int>(indices.size()));
+}
+
+std::pair<mx::array, mx::array> Wave::take(const mx::array& after) {
+  if (built_ >= size_) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "wave: take called more often than the wave has records (" +
+            std::to_string(size_) + ")");
+  }
+  built_++;
+  mx::Stream s = op_stream();
+  auto outs = mx::array::make_arrays(
+      {mx::Shape{1}, mx::Shape{1}},
+      {mx::uint32, mx::uint32},
+      std::make_shared<HostTaskPrimitive>(
+          s, "HebrusWaveTake", Output::kWritten,
+          [state = state_](const Arrays&, Arrays& outputs) {
+            allocate(outputs);
+            return [state, row = outputs[0].data<uint32_t>(), pos = outputs[1].data<uint32_t>()]() {
+              wave_take_host(*state, row, pos);
+            };
+          }),
+      {lease_, after});
+  return {outs[0], outs[1]};
+}
+
 static void release_leases(Engine& engine, const mx::array& lease) {
   const uint64_t* t = lease.data<uint64_t>();
   for (size_t i = 0; i < lease.size(); ++i) {

@@ -64,6 +64,39 @@ std::pair<mx::array, mx::array> resolve_records(
     std::shared_ptr<Engine> engine, int table, const mx::array& indices,
     uint64_t owner, uint64_t generation, int layer);
 
+// A decode step's wavefront over one layer's routed records (AFN-019 H4):
+// resolve_wave's issue op requests table[indices] (P0 exact, deadline
+// now + deadline_s when it runs; <= 0: none) and pins them without waiting;
+// then take(), called once per record, returns the next record in arrival
+// order as (row uint32 [1], position in indices uint32 [1]). Its task runs
+// after `after` (e.g. the previous expert's output, so the stream computes
+// that expert while later reads land) and blocks until one more record is
+// ready: those already ready come first, in position order. `lease` goes to
+// release_after once every taken row's consumer is computed.
+class Wave {
+ public:
+  struct State;
+  Wave(std::shared_ptr<State> state, mx::array lease, int size)
+      : state_(std::move(state)), lease_(std::move(lease)), size_(size) {}
+  const mx::array& lease() const {
+    return lease_;
+  }
+  int size() const {
+    return size_;
+  }
+  std::pair<mx::array, mx::array> take(const mx::array& after);
+
+ private:
+  std::shared_ptr<State> state_;
+  mx::array lease_;
+  int size_;
+  int built_ = 0; // take ops built so far
+};
+
+std::shared_ptr<Wave> resolve_wave(
+    std::shared_ptr<Engine> engine, int table, const mx::array& indices,
+    uint64_t owner, uint64_t generation, int layer, double deadline_s);
+
 // `value` copied by a host task that the device waits for: the hand-off a
 // streamed layer costs with no I/O at all (qualify's event round trip; on the
 // GPU path a GPU -> host -> GPU event round trip, else a CPU-stream task).

@@ -25,6 +25,11 @@ class FaultyEngine(se.StreamEngine):
         """Every read stays in flight ``us`` microseconds longer."""
         _testing().set_read_delay_us(self._e, us)
 
+    def set_offset_delay_us(self, offset: int, us: int) -> None:
+        """The read of the record at store ``offset`` stays in flight ``us`` microseconds longer
+        (on top of ``set_read_delay_us``), so a test can order arrivals; 0 clears it."""
+        _testing().set_offset_delay_us(self._e, offset, us)
+
 
 def _testing():
     from hebrus_mlx import _testing as mod

@@ -456,6 +456,23 @@ class StreamEngine:
         Pass the consumer's output and ``lease`` to :meth:`release_after`."""
         return _ext.resolve_records(self._e, table, indices, owner, generation, layer)
 
+    def resolve_wave(
+        self,
+        table: int,
+        indices: mx.array,
+        owner: int = 0,
+        generation: int = 0,
+        layer: int = -1,
+        deadline_s: float = 0.0,
+    ):
+        """Graph op for a wavefront (AFN-019 H4): requests ``table[indices]``
+        (P0 exact, due ``deadline_s`` after the op runs; 0: no deadline) and
+        pins them without waiting. Returns a wave: ``wave.take(after)`` (once
+        per record) gives ``(row, position)`` ([1] uint32 each) of the next
+        record in arrival order, its task running after ``after``; pass the
+        consumer's output and ``wave.lease`` to :meth:`release_after`."""
+        return _ext.resolve_wave(self._e, table, indices, owner, generation, layer, float(deadline_s))
+
     def release_after(self, value: mx.array, lease: mx.array) -> mx.array:
         """Graph op: ``value`` unchanged; unpins the lease once ``value`` has
         been computed (so the rows stay valid while they are read)."""

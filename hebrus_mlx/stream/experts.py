@@ -27,6 +27,9 @@ from ..artifact.expert_major import ExpertMajorReader
 from ..artifact.manifest import Manifest
 from .engine import P1, StreamEngine
 
+# A wave's exact misses are due this long after they are issued (a decode layer's budget).
+WAVE_DEADLINE_S = 0.05
+
 # Store dtypes -> MLX; uint16 parts are bf16 bit patterns (artifact convention).
 _MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
 
@@ -49,6 +52,11 @@ class StreamedExperts:
     fast_digests: one XXH3-128 digest per record (``Manifest.fast_table``):
         every read is checked against it; None checks each read against
         the record's SHA-256 (artifacts without fast digests).
+    wavefront: a one-token step computes each routed expert as its record
+        lands (resident ones first) instead of waiting for all top-k
+        (StreamedSwitchGLU; AFN-019 H4). None (default): on when the default
+        device is the CPU (on the GPU each expert would cost a host round
+        trip; not measured there). False: the resolve-all path.
     """
 
     def __init__(
@@ -60,6 +68,7 @@ class StreamedExperts:
         dtype=mx.float32,
         mirror: str | None = None,
         fast_digests: list | None = None,
+        wavefront: bool | None = None,
     ):
         wide = dtype is not None
         if wide and dtype != mx.float32:
@@ -72,6 +81,9 @@ class StreamedExperts:
         self.top_k = reader.family.num_experts_per_tok
         self.rows = rows
         self.prefetch_previous = prefetch_previous
+        self.wavefront = mx.default_device() == mx.cpu if wavefront is None else bool(wavefront)
+        # P0 deadline of a wave's exact misses (the engine counts reads published later).
+        self.wave_deadline_s = WAVE_DEADLINE_S
         self.store_path = str(reader.path)
         store = engine.add_store(reader.path, reader.header["payload_sha256"].hex(), kind="experts")
         self.store = store
@@ -149,6 +161,7 @@ class StreamedExperts:
         dtype=mx.float32,
         engine: StreamEngine | None = None,
         mirror: str | None = None,
+        wavefront: bool | None = None,
     ) -> StreamedExperts:
         """Open an artifact's expert store (``artifact``: the admitted
         manifest, or a directory, which is admitted first) and stream it
@@ -164,7 +177,7 @@ class StreamedExperts:
             # The arena is the cache; the slab budget only backs copying ops.
             if engine is None:
                 engine = owned = StreamEngine(cache_bytes=reader.geometry.record_stride, threads=threads)
-            return cls(engine, reader, rows, prefetch_previous, dtype, mirror, m.fast_table(m.experts))
+            return cls(engine, reader, rows, prefetch_previous, dtype, mirror, m.fast_table(m.experts), wavefront)
         except BaseException:
             if owned is not None:
                 owned.close()  # joins its reader threads now, not at GC
@@ -187,6 +200,14 @@ class StreamedExperts:
         Feed ``rows`` to gather_qmm as ``rhs_indices`` over ``self.layer_weights(layer)``
         and pass its output with ``lease`` to ``engine.release_after``."""
         return self.engine.resolve(self._table(layer)[0], self._records(layer, indices), owner, generation, layer)
+
+    def wave(self, layer: int, indices: mx.array, owner: int = 0, generation: int = 0):
+        """A wave over this layer's routed ``indices`` (P0 exact, with the
+        ``wave_deadline_s`` deadline): ``take`` each record in arrival order
+        (``StreamEngine.resolve_wave``)."""
+        return self.engine.resolve_wave(
+            self._table(layer)[0], self._records(layer, indices), owner, generation, layer, self.wave_deadline_s
+        )
 
     def prefetch(self, layer: int, indices: mx.array, priority: int = P1, confidence: float = 1.0) -> mx.array:
         """Non-blocking hint, e.g. the previous token's top-k for ``layer``; ids outside

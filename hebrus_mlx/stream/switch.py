@@ -22,6 +22,13 @@ zero-training lookahead control (AFN-019) a real predictor has to beat.
 Hints issued for every layer at token start crowd out layer 0's exact
 misses; a hint hung on the previous layer's output is issued too late.
 
+A one-token step streams as a wavefront (``experts.wavefront``, AFN-019 H4):
+the op that issues the top-k reads does not wait, and each expert is
+computed as soon as its record is ready, resident ones first, while the
+later reads land. Each expert's output goes back to its route position
+before the model's weighted sum, so that sum runs in the same order
+whatever the arrival order: bitwise the resolve-all result.
+
 Prefill chunks need ``rows >= min(num_experts, tokens * top_k)`` (every
 distinct expert of the chunk is pinned at once).
 """
@@ -106,6 +113,35 @@ class StreamedSwitchGLU(nn.Module):
         self._prev = indices[..., -1, :] if indices.ndim > 1 else indices
         return y.squeeze(-2)
 
+    def _issue_ahead(self, after: mx.array, x: mx.array) -> mx.array:
+        """``x`` made to depend on the predicted reads (set by ``predict_after_resolve``), issued as
+        P1 after ``after`` (this layer's P0 requests): they overlap the expert compute and the next
+        layer's attention, never this layer's misses."""
+        if self._ahead is None:
+            return x
+        target, cands = self._ahead
+        self._ahead = None
+        return mx.depends(x, self._experts.prefetch(target, mx.depends(cands, after), P1))
+
+    def _wavefront(self, x, indices):
+        # One token: take each routed record as it lands and compute its expert on its own row
+        # (the same per-row gather_qmm the k-row call runs); the outputs are put back in route
+        # order, so the model's sum over experts does not depend on the arrival order.
+        wave = self._experts.wave(self.layer, indices, self.owner, self.generation)
+        x = mx.expand_dims(self._issue_ahead(wave.lease, x), (-2, -3))
+        after, ys, positions = wave.lease, [], []
+        for _ in range(indices.shape[-1]):
+            row, pos = wave.take(after)
+            row = row.reshape(indices.shape[:-1] + (1,))
+            up = self._project("up", x, row, False)
+            after = self._project("down", swiglu(self._project("gate", x, row, False), up), row, False)
+            ys.append(after)
+            positions.append(pos)
+        # ys in arrival order; argsort(positions)[p] is the arrival index of route position p.
+        y = mx.take(mx.concatenate(ys, axis=-3), mx.argsort(mx.concatenate(positions)), axis=-3)
+        self._prev = indices[..., -1, :] if indices.ndim > 1 else indices
+        return self._experts.engine.release_after(y.squeeze(-2), wave.lease)
+
     def __call__(self, x, indices) -> mx.array:
         indices = mx.stop_gradient(indices)
         if self.sweeping(indices.size // indices.shape[-1]):
@@ -114,14 +150,11 @@ class StreamedSwitchGLU(nn.Module):
             sweep = self._sweep
             x = sweep.wait(self.layer, x)
             return self._matmuls(x, indices, sweep.rows(self.layer, indices), sweep.weights)
+        if self._experts.wavefront and indices.size == indices.shape[-1]:
+            return self._wavefront(x, indices)
         rows, lease = self._experts.resolve(self.layer, indices, self.owner, self.generation)
-        if self._ahead is not None:
-            target, cands = self._ahead
-            self._ahead = None
-            # After this layer's P0 reads (rows), before its matmuls (x): the predicted reads
-            # overlap the expert compute and the next layer's attention, never this layer's misses.
-            issued = self._experts.prefetch(target, mx.depends(cands, rows), P1)
-            x = mx.depends(x, issued)
+        # After this layer's P0 reads (rows), before its matmuls (x).
+        x = self._issue_ahead(rows, x)
         return self._experts.engine.release_after(self._matmuls(x, indices, rows), lease)
 
 

@@ -25,6 +25,13 @@ void register_ops(nb::module_& m) {
   m.def(
       "resolve_records", &resolve_records, "engine"_a, "table"_a, "indices"_a,
       "owner"_a = 0, "generation"_a = 0, "layer"_a = -1);
+  nb::class_<Wave>(m, "Wave")
+      .def_prop_ro("lease", &Wave::lease)
+      .def_prop_ro("size", &Wave::size)
+      .def("take", &Wave::take, "after"_a);
+  m.def(
+      "resolve_wave", &resolve_wave, "engine"_a, "table"_a, "indices"_a,
+      "owner"_a = 0, "generation"_a = 0, "layer"_a = -1, "deadline_s"_a = 0.0);
   m.def("release_after", &release_after, "engine"_a, "value"_a, "lease"_a);
   m.def("host_roundtrip", &host_roundtrip, "value"_a);
   m.def("load_tickets", &load_tickets, "engine"_a, "tickets"_a);

@@ -36,12 +36,28 @@ void FaultInjector::set_delay_us(int64_t us) {
   delay_us_ = us;
 }
 
+void FaultInjector::set_offset_delay_us(uint64_t offset, int64_t us) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (us > 0) {
+    offset_delay_us_[offset] = us;
+  } else {
+    offset_delay_us_.erase(offset);
+  }
+}
+
 bool FaultInjector::held() const {
   return hold_;
 }
 
 void FaultInjector::after_read(ReadOutcome& r) {
   int64_t delay = delay_us_;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = offset_delay_us_.find(r.offset);
+    if (it != offset_delay_us_.end()) {
+      delay += it->second;
+    }
+  }
   if (delay > 0) {
     std::this_thread::sleep_for(std::chrono::microseconds(delay));
   }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "engine.h"
 
@@ -33,6 +34,10 @@ class FaultInjector : public ReadHooks {
   void hold(bool on);
   // Every read stays in flight `us` microseconds longer.
   void set_delay_us(int64_t us);
+  // The read of the record at store offset `offset` stays in flight `us`
+  // microseconds longer (on top of set_delay_us): a test orders arrivals.
+  // 0 clears that offset's delay.
+  void set_offset_delay_us(uint64_t offset, int64_t us);
 
   bool held() const override;
   void after_read(ReadOutcome& r) override;
@@ -43,6 +48,7 @@ class FaultInjector : public ReadHooks {
   int count_ = 0;
   std::atomic<bool> hold_{false};
   std::atomic<int64_t> delay_us_{0};
+  std::unordered_map<uint64_t, int64_t> offset_delay_us_; // under mu_
 };
 
 // The injector installed on `engine`, installing one first (an engine has at

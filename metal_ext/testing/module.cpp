@@ -37,4 +37,12 @@ NB_MODULE(_testing, m) {
       [](Engine& e, int64_t us) { injector(e)->set_delay_us(us); },
       "engine"_a,
       "us"_a);
+  m.def(
+      "set_offset_delay_us",
+      [](Engine& e, uint64_t offset, int64_t us) {
+        injector(e)->set_offset_delay_us(offset, us);
+      },
+      "engine"_a,
+      "offset"_a,
+      "us"_a);
 }
