@@ -15,9 +15,11 @@ wavefront (each routed expert computed as its record lands) and the resolve-all 
 top-k record waited for before any expert runs), N interleaved rounds of --compare tokens each,
 the same arena size, a fresh engine and arena (cold) per run; prints the engine's exposed wait
 per token and tok/s of each, medians, and the ratios. Tokens must match the resident run.
+--read-delay-us keeps every read in flight that much longer (the tests' fault-injection engine,
+tests/fault_injection.py): SSD-like latency for a store that sits in the page cache here.
 
     python benchmarks/bench_stream_decode.py --artifact hebrus_mlx/demo/model --rows 26 \
-        --compare 32 --wavefront-ab 6
+        --compare 32 --wavefront-ab 6 [--wave-widths 1,2,5] [--read-delay-us 2000]
 
 With --ple-cache-kib the PLE rows stream too (page cache of that size,
 through the same engine) in the streamed runs and the long run.
@@ -66,28 +68,35 @@ def decode(model, first, n, limit, report=None):
 
 
 def wavefront_ab(model, reader, args, resident, limit):
-    """Interleaved rounds of wavefront on/off at one arena size: (exposed wait ms/token, tok/s)."""
-    stats = {True: [], False: []}
+    """Interleaved rounds of the resolve-all path and the wavefront at each --wave-widths, one arena
+    size: prints exposed wait ms/token and tok/s (medians) and their ratios to resolve-all."""
+    engine_cls = se.StreamEngine
+    if args.read_delay_us:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+        from fault_injection import FaultyEngine as engine_cls
+    variants = [("resolve-all", None)] + [(f"wavefront, width {w}", w) for w in args.wave_widths]
+    stats = {name: [] for name, _ in variants}
     for r in range(args.wavefront_ab):
-        for wavefront in (True, False) if r % 2 == 0 else (False, True):
-            eng = se.StreamEngine(cache_bytes=1 << 20, threads=4)
-            experts = StreamedExperts(eng, reader, rows=args.rows, wavefront=wavefront)
+        # Each round in another order, so drift in the machine's load hits every variant alike.
+        for name, width in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            eng = engine_cls(cache_bytes=1 << 20, threads=4)
+            if args.read_delay_us:
+                eng.set_read_delay_us(args.read_delay_us)
+            experts = StreamedExperts(eng, reader, rows=args.rows, wavefront=width is not None)
+            experts.wave_width = width or 1
             model.streaming = Streaming(eng, experts, attach([layer.mlp for layer in model.model.layers], experts))
             tokens, dt = decode(model, 3, args.compare, limit)
-            c = eng.counters()
             if tokens != resident:
-                raise SystemExit(f"wavefront={wavefront}: tokens differ from the resident run")
-            stats[wavefront].append((c["exposed_wait_ns"] / 1e6 / args.compare, args.compare / dt))
+                raise SystemExit(f"{name}: tokens differ from the resident run")
+            stats[name].append((eng.counters()["exposed_wait_ns"] / 1e6 / args.compare, args.compare / dt))
             eng.close()
-    med = {w: [statistics.median(v[i] for v in stats[w]) for i in range(2)] for w in stats}
-    for w, name in ((False, "resolve-all"), (True, "wavefront  ")):
-        runs = ", ".join(f"{a:.2f}/{b:.1f}" for a, b in stats[w])
-        print(f"  {name}: exposed wait {med[w][0]:.2f} ms/token, {med[w][1]:.1f} tok/s (median; runs {runs})")
-    wait_ratio = med[True][0] / med[False][0] if med[False][0] > 0 else float("nan")
-    print(
-        f"  wavefront / resolve-all: exposed wait x{wait_ratio:.2f}, tok/s x{med[True][1] / med[False][1]:.2f}; "
-        "tokens identical to resident in every run"
-    )
+    med = {n: [statistics.median(v[i] for v in stats[n]) for i in range(2)] for n in stats}
+    base = med["resolve-all"]
+    for name, _ in variants:
+        wait, tps = med[name]
+        ratio = f" (x{wait / base[0]:.2f} wait, x{tps / base[1]:.2f} tok/s)" if name != "resolve-all" else ""
+        print(f"  {name:20s}: exposed wait {wait:6.2f} ms/token, {tps:5.1f} tok/s, medians{ratio}")
+    print("  tokens identical to resident in every run")
 
 
 def main():
@@ -104,6 +113,10 @@ def main():
     p.add_argument(
         "--wavefront-ab", type=int, default=0, help="only compare wavefront on/off, this many interleaved rounds"
     )
+    p.add_argument(
+        "--wave-widths", type=lambda t: [int(w) for w in t.split(",")], default=[1], help="(--wavefront-ab) e.g. 1,2,5"
+    )
+    p.add_argument("--read-delay-us", type=int, default=0, help="(--wavefront-ab) added latency of every read")
     args = p.parse_args()
 
     art = args.artifact

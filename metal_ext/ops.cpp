@@ -668,24 +668,26 @@ static void wave_issue_host(
   std::memcpy(lease, state.tickets.data(), state.tickets.size() * sizeof(uint64_t));
 }
 
-static void wave_take_host(Wave::State& state, uint32_t* row, uint32_t* pos) {
+static void wave_take_host(Wave::State& state, int n, uint32_t* rows, uint32_t* pos) {
   Engine& engine = *state.engine;
-  std::vector<uint64_t> open;
-  std::vector<uint32_t> where;
-  for (size_t i = 0; i < state.tickets.size(); ++i) {
-    if (!state.taken[i]) {
-      open.push_back(state.tickets[i]);
-      where.push_back(static_cast<uint32_t>(i));
-    }
-  }
-  if (open.empty()) {
-    throw StreamError(ErrorCode::kBadRequest, "wave: every record is taken");
-  }
   try {
-    size_t i = engine.wait_any(open, task_wait_timeout());
-    *row = engine.wait(open[i], task_wait_timeout()).row;
-    *pos = where[i];
-    state.taken[where[i]] = 1;
+    for (int j = 0; j < n; ++j) {
+      std::vector<uint64_t> open;
+      std::vector<uint32_t> where;
+      for (size_t i = 0; i < state.tickets.size(); ++i) {
+        if (!state.taken[i]) {
+          open.push_back(state.tickets[i]);
+          where.push_back(static_cast<uint32_t>(i));
+        }
+      }
+      if (open.empty()) {
+        throw StreamError(ErrorCode::kBadRequest, "wave: every record is taken");
+      }
+      size_t i = engine.wait_any(open, task_wait_timeout());
+      rows[j] = engine.wait(open[i], task_wait_timeout()).row;
+      pos[j] = where[i];
+      state.taken[where[i]] = 1;
+    }
   } catch (...) {
     state.cancel_all();
     throw;
@@ -733,24 +735,25 @@ std::shared_ptr<Wave> resolve_wave(
   return std::make_shared<Wave>(std::move(state), std::move(lease), static_cast<int>(indices.size()));
 }
 
-std::pair<mx::array, mx::array> Wave::take(const mx::array& after) {
-  if (built_ >= size_) {
+std::pair<mx::array, mx::array> Wave::take(const mx::array& after, int n) {
+  if (n < 1 || built_ + n > size_) {
     throw StreamError(
         ErrorCode::kBadRequest,
-        "wave: take called more often than the wave has records (" +
-            std::to_string(size_) + ")");
+        "n: takes must cover the wave's " + std::to_string(size_) +
+            " records once (" + std::to_string(size_ - built_) + " left, asked " +
+            std::to_string(n) + ")");
   }
-  built_++;
+  built_ += n;
   mx::Stream s = op_stream();
   auto outs = mx::array::make_arrays(
-      {mx::Shape{1}, mx::Shape{1}},
+      {mx::Shape{n}, mx::Shape{n}},
       {mx::uint32, mx::uint32},
       std::make_shared<HostTaskPrimitive>(
           s, "HebrusWaveTake", Output::kWritten,
-          [state = state_](const Arrays&, Arrays& outputs) {
+          [state = state_, n](const Arrays&, Arrays& outputs) {
             allocate(outputs);
-            return [state, row = outputs[0].data<uint32_t>(), pos = outputs[1].data<uint32_t>()]() {
-              wave_take_host(*state, row, pos);
+            return [state, n, rows = outputs[0].data<uint32_t>(), pos = outputs[1].data<uint32_t>()]() {
+              wave_take_host(*state, n, rows, pos);
             };
           }),
       {lease_, after});

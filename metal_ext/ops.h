@@ -67,11 +67,12 @@ std::pair<mx::array, mx::array> resolve_records(
 // A decode step's wavefront over one layer's routed records (AFN-019 H4):
 // resolve_wave's issue op requests table[indices] (P0 exact, deadline
 // now + deadline_s when it runs; <= 0: none) and pins them without waiting;
-// then take(), called once per record, returns the next record in arrival
-// order as (row uint32 [1], position in indices uint32 [1]). Its task runs
-// after `after` (e.g. the previous expert's output, so the stream computes
-// that expert while later reads land) and blocks until one more record is
-// ready: those already ready come first, in position order. `lease` goes to
+// then take(after, n) returns the next n records in arrival order as
+// (rows uint32 [n], positions in indices uint32 [n]); the takes of a wave
+// cover its records once. Its task runs after `after` (e.g. the previous
+// experts' output, so the stream computes those while later reads land) and
+// blocks until n more records are ready: those already ready come first, in
+// position order. `lease` goes to
 // release_after once every taken row's consumer is computed.
 class Wave {
  public:
@@ -84,7 +85,7 @@ class Wave {
   int size() const {
     return size_;
   }
-  std::pair<mx::array, mx::array> take(const mx::array& after);
+  std::pair<mx::array, mx::array> take(const mx::array& after, int n = 1);
 
  private:
   std::shared_ptr<State> state_;

@@ -29,6 +29,8 @@ from .engine import P1, StreamEngine
 
 # A wave's exact misses are due this long after they are issued (a decode layer's budget).
 WAVE_DEADLINE_S = 0.05
+# Experts computed per wavefront step (AFN-019 H4: widths 1, 2, 4 ... trade op count against waits).
+WAVE_WIDTH = 1
 
 # Store dtypes -> MLX; uint16 parts are bf16 bit patterns (artifact convention).
 _MX_DTYPES = {"uint32": mx.uint32, "uint16": mx.bfloat16, "float32": mx.float32}
@@ -84,6 +86,8 @@ class StreamedExperts:
         self.wavefront = mx.default_device() == mx.cpu if wavefront is None else bool(wavefront)
         # P0 deadline of a wave's exact misses (the engine counts reads published later).
         self.wave_deadline_s = WAVE_DEADLINE_S
+        # Records per wavefront step: one gather_qmm call per projection for this many experts.
+        self.wave_width = WAVE_WIDTH
         self.store_path = str(reader.path)
         store = engine.add_store(reader.path, reader.header["payload_sha256"].hex(), kind="experts")
         self.store = store

@@ -124,15 +124,17 @@ class StreamedSwitchGLU(nn.Module):
         return mx.depends(x, self._experts.prefetch(target, mx.depends(cands, after), P1))
 
     def _wavefront(self, x, indices):
-        # One token: take each routed record as it lands and compute its expert on its own row
-        # (the same per-row gather_qmm the k-row call runs); the outputs are put back in route
+        # One token: take the routed records as they land, `wave_width` at a time, and compute
+        # those experts (gather_qmm computes each rhs row on its own, as in the k-row call); the outputs are put back in route
         # order, so the model's sum over experts does not depend on the arrival order.
         wave = self._experts.wave(self.layer, indices, self.owner, self.generation)
         x = mx.expand_dims(self._issue_ahead(wave.lease, x), (-2, -3))
         after, ys, positions = wave.lease, [], []
-        for _ in range(indices.shape[-1]):
-            row, pos = wave.take(after)
-            row = row.reshape(indices.shape[:-1] + (1,))
+        k, width = indices.shape[-1], self._experts.wave_width
+        for start in range(0, k, width):
+            n = min(width, k - start)
+            row, pos = wave.take(after, n)
+            row = row.reshape(indices.shape[:-1] + (n,))
             up = self._project("up", x, row, False)
             after = self._project("down", swiglu(self._project("gate", x, row, False), up), row, False)
             ys.append(after)

@@ -28,7 +28,7 @@ void register_ops(nb::module_& m) {
   nb::class_<Wave>(m, "Wave")
       .def_prop_ro("lease", &Wave::lease)
       .def_prop_ro("size", &Wave::size)
-      .def("take", &Wave::take, "after"_a);
+      .def("take", &Wave::take, "after"_a, "n"_a = 1);
   m.def(
       "resolve_wave", &resolve_wave, "engine"_a, "table"_a, "indices"_a,
       "owner"_a = 0, "generation"_a = 0, "layer"_a = -1, "deadline_s"_a = 0.0);
