@@ -50,7 +50,11 @@ drawn from the engine's trace of a normal run (per-read timestamps plus
 in-graph marks; no host sync).
 
     python benchmarks/bench_stream.py --decode [--layers 6] [--experts 512]
-        [--rows 30] [--tokens 16]
+        [--rows 30] [--tokens 16] [--wavefront both]
+
+With ``--wavefront both`` every prefetch mode also runs with the decode wavefront
+(``<mode>+wavefront``: each routed expert computed as its record lands, AFN-019 H4), interleaved
+with the others; each line then also gives the engine's exposed wait per token.
 """
 
 import argparse
@@ -220,20 +224,23 @@ def run_decode(args):
     pb = part_bytes()
     mixers = make_mixers(args.layers)
 
-    def stack(prefetch, rows=args.rows):
+    def stack(prefetch, rows=args.rows, wavefront=False):
         eng = se.StreamEngine(cache_bytes=rec, threads=args.threads, backend=args.backend)
         s = eng.add_store(path)
         aid, parts = eng.create_arena(pb, rows, EXPAND)
         table = eng.register_table(s, [i * rec for i in range(n)], [rec] * n, arena=aid)
-        st = DecodeStack(eng, table, glu_weights(parts, rows), args.layers, args.experts, args.top_k, prefetch, mixers)
+        st = DecodeStack(
+            eng, table, glu_weights(parts, rows), args.layers, args.experts, args.top_k, prefetch, mixers, wavefront
+        )
         # Staging rows for predictions, as stream.streaming.Streaming sets them.
         if st.spec.kind != "off":
             eng.set_staging(aid, min(args.top_k * st.spec.depth, rows // 4))
         return st
 
-    def streamed(prefetch):
+    def streamed(mode):
         drop_cache(path)
-        st = stack(prefetch)
+        prefetch, wavefront = wave_mode(mode)
+        st = stack(prefetch, wavefront=wavefront)
         times, routes = [], []
         for h in hs:
             t0 = time.perf_counter()
@@ -264,7 +271,10 @@ def run_decode(args):
 
     # Hot, off and on take turns (order reversed every round): load from
     # other jobs on this shared machine hits all three alike.
+    # With --wavefront both, each prefetch mode also runs as "<mode>+wavefront" (AFN-019 H4).
     modes = args.prefetch_modes.split(",")
+    if args.wavefront == "both":
+        modes = [m + w for m in modes for w in ("", WAVE)]
     res, hot_runs = {}, []
     for r in range(args.rounds):
         order = ["hot", *modes]
@@ -304,15 +314,25 @@ def run_decode(args):
         t = statistics.median([m for m, _, _ in res[pf]])
         c = res[pf][0][2]
         same = all(r == routes for _, r, _ in res[pf])
+        wait = statistics.median([c["exposed_wait_ns"] / 1e6 / toks for _, _, c in res[pf]])
         print(
             f"  prefetch {pf}: {t * 1e3:.1f} ms/token "
             f"(runs {' '.join(f'{m * 1e3:.1f}' for m, _, _ in res[pf])}), x{ctrl / t:.3f} vs {modes[0]}, "
-            f"bound/streamed {bound / t:.3f}x; predicted hits/joins {c['predicted_hits']}/{c['predicted_joins']}, "
+            f"bound/streamed {bound / t:.3f}x; exposed wait {wait:.1f} ms/token; "
+            f"predicted hits/joins {c['predicted_hits']}/{c['predicted_joins']}, "
             f"routes {'identical' if same else 'DIFFER'}"
         )
-        print("    " + se.io_summary(c, parse_prefetch(pf)))
+        print("    " + se.io_summary(c, parse_prefetch(wave_mode(pf)[0])))
     if not args.no_timeline:
         timeline(stack, hs, path, args)
+
+
+WAVE = "+wavefront"
+
+
+def wave_mode(mode):
+    """(prefetch mode, wavefront) of a --decode mode label."""
+    return (mode[: -len(WAVE)], True) if mode.endswith(WAVE) else (mode, False)
 
 
 def raw_bandwidth(path, routes, rec, args):
@@ -493,6 +513,12 @@ def main():
         "(off, previous, router-reuse:1, router-reuse:2)",
     )
     p.add_argument("--no-timeline", action="store_true", help="(c) skip the engine-trace timeline plot")
+    p.add_argument(
+        "--wavefront",
+        choices=["off", "both"],
+        default="off",
+        help="(c) both: also run every prefetch mode with the decode wavefront (mode+wavefront)",
+    )
     p.add_argument(
         "--backend",
         default="pread",

@@ -144,9 +144,11 @@ class DecodeStack:
     resolve -> SwitchGLU + shared expert, the routed experts streamed from
     one arena table. With prefetch, the previous token's top-k of layer l
     is issued as P1 when layer l starts (its input depends on the hint), as
-    StreamedSwitchGLU.layer_start does in the model."""
+    StreamedSwitchGLU.layer_start does in the model. With wavefront, each layer's
+    routed experts are computed one by one as their records land (resolve_wave, as
+    StreamedSwitchGLU does for a one-token step) instead of after all top-k."""
 
-    def __init__(self, eng, table, weights, layers, experts, top_k, prefetch, mixers):
+    def __init__(self, eng, table, weights, layers, experts, top_k, prefetch, mixers, wavefront=False):
         import mlx.core as mx
 
         from hebrus_mlx.models.cache import LinearCache
@@ -161,6 +163,7 @@ class DecodeStack:
             raise SystemExit("--prefetch-modes: the synthetic stack has no hyper-connections (hyper-reuse)")
         self.spec = spec
         self.prefetch, self.mixers = spec.kind == "previous", mixers
+        self.wavefront = wavefront
         self.caches = [LinearCache() for _ in range(layers)]
         key = mx.random.key(3)
         self.routers = [
@@ -185,6 +188,21 @@ class DecodeStack:
         y = self.eng.release_after(switch_glu(h.reshape(1, 1, 1, HIDDEN), self.weights, rows), lease)
         return x + shared(h) + y.mean(axis=1).reshape(1, 1, HIDDEN)
 
+    def _wave_experts(self, l, x, h, wave):
+        import mlx.core as mx
+
+        _, shared = self.mixers[l]
+        after, ys, positions = wave.lease, [], []
+        for _ in range(self.top_k):
+            row, pos = wave.take(after)
+            after = switch_glu(h.reshape(1, 1, 1, HIDDEN), self.weights, row.reshape(1, 1))
+            ys.append(after)
+            positions.append(pos)
+        # Back in route order, so the mean sums in one order whatever the arrival order.
+        y = mx.take(mx.concatenate(ys, axis=1), mx.argsort(mx.concatenate(positions)), axis=1)
+        y = self.eng.release_after(y, wave.lease)
+        return x + shared(h) + y.mean(axis=1).reshape(1, 1, HIDDEN)
+
     def layer(self, l, x):
         import mlx.core as mx
 
@@ -193,7 +211,11 @@ class DecodeStack:
         if self.prefetch and self.prev is not None:
             x = mx.depends(x, self.eng.prefetch(self.table, self.prev[l] + l * self.experts, priority=1, layer=l))
         x, h, idx = self._route(l, x)
-        rows, lease = self.eng.resolve(self.table, idx + l * self.experts, layer=l)
+        if self.wavefront:
+            wave = self.eng.resolve_wave(self.table, idx + l * self.experts, layer=l, deadline_s=0.05)
+            rows = lease = wave.lease  # what later ops are ordered after
+        else:
+            rows, lease = self.eng.resolve(self.table, idx + l * self.experts, layer=l)
         target = l + self.spec.depth
         if self.spec.kind == "router-reuse" and target < self.layers:
             # Layer l+D's router on layer l's router input, issued after l's exact reads and
@@ -201,6 +223,8 @@ class DecodeStack:
             probs = mx.softmax((h @ self.routers[target]).reshape(1, self.experts), axis=-1)
             cand = mx.depends(candidates(probs, self.top_k, 0.0), rows) + target * self.experts
             h = mx.depends(h, self.eng.prefetch(self.table, cand, priority=1, layer=target))
+        if self.wavefront:
+            return self._wave_experts(l, x, h, wave), idx
         return self._experts(l, x, h, rows, lease), idx
 
     def snapshot(self):
