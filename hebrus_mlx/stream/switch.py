@@ -125,8 +125,9 @@ class StreamedSwitchGLU(nn.Module):
 
     def _wavefront(self, x, indices):
         # One token: take the routed records as they land, `wave_width` at a time, and compute
-        # those experts (gather_qmm computes each rhs row on its own, as in the k-row call); the outputs are put back in route
-        # order, so the model's sum over experts does not depend on the arrival order.
+        # those experts (gather_qmm computes each rhs row on its own, as in the k-row call); the
+        # outputs go back in route order, so the model's sum over experts ignores arrival order.
+        # The P1 predictions are issued after the P0 requests, which the engine serves first.
         wave = self._experts.wave(self.layer, indices, self.owner, self.generation)
         x = mx.expand_dims(self._issue_ahead(wave.lease, x), (-2, -3))
         after, ys, positions = wave.lease, [], []
