@@ -217,3 +217,27 @@ def test_p2_reads_start_only_when_no_p0_or_p1_read_waits(threads):
     assert [starts[base + e][0] for e in (0, 1, 2, 10, 11, 20, 21)] == [se.P2] * 3 + [se.P1] * 2 + [se.P0] * 2
     assert max(p0) <= min(p1 + p2)
     assert max(p1) <= min(p2)
+
+
+def test_wave_reads_are_p0_exact_with_a_deadline():
+    """AFN-019: a wave's exact misses are P0 requests due ``wave_deadline_s`` after the issue op
+    ran (the engine orders P0 by deadline and counts reads published after it); a read held past
+    it is counted as a deadline miss, and the wave still completes."""
+    experts, _ = _demo_experts(rows=16)
+    eng = experts.engine
+    experts.wave_deadline_s = 0.02
+    eng.hold(True)
+    wave = experts.wave(2, mx.array([[3, 4]], dtype=mx.uint32))
+    t0 = se.trace_clock_ns()
+    mx.eval(wave.lease)
+    infos = [eng.ticket_info(int(t)) for t in np.array(wave.lease)]
+    assert [(i["priority"], i["exact"]) for i in infos] == [(se.P0, True)] * 2
+    assert all(t0 < i["deadline_ns"] <= se.trace_clock_ns() + 20_000_000 for i in infos)
+    time.sleep(0.05)  # past the deadline before any read starts
+    eng.hold(False)
+    after = wave.lease
+    for _ in range(2):
+        after, _pos = wave.take(after)
+    mx.eval(eng.release_after(after, wave.lease))
+    assert eng.counters()["deadline_misses"] == 2
+    assert eng.memory()["pinned_slots"] == 0
