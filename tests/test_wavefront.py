@@ -72,9 +72,10 @@ def test_wave_takes_records_in_arrival_order_resident_first():
     resident = mx.array([[ids[3]]], dtype=mx.uint32)  # position 3 is in the arena before the wave
     rows, lease = experts.resolve(0, resident)
     mx.eval(eng.release_after(rows, lease))
-    # Misses land in reverse route order: position 4 first, then 2, 1, 0.
+    # Misses land in reverse route order: position 4 first, then 2, 1, 0, 150 ms apart (wide
+    # enough that a take on this loaded machine runs before the next record lands).
     for pos, e in enumerate(ids):
-        eng.set_offset_delay_us(offsets[e], (5 - pos) * 40_000)
+        eng.set_offset_delay_us(offsets[e], (5 - pos) * 150_000)
     wave = experts.wave(0, mx.array([ids], dtype=mx.uint32))
     after, rows, positions = wave.lease, [], []
     for n in (2, 1, 2):  # takes of several records too
