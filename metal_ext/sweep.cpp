@@ -259,7 +259,8 @@ void SweepRing::read_span(uint32_t slot, uint32_t first, uint32_t a, uint32_t b)
       }
       if (hooks) {
         ReadOutcome o{ErrorCode::kNone, r.length, "",
-                      static_cast<uint8_t*>(segs[0].iov_base), r.check.kind != Check::kNone};
+                      static_cast<uint8_t*>(segs[0].iov_base), r.check.kind != Check::kNone,
+                      r.offset};
         hooks->after_read(o);
         if (o.code != ErrorCode::kNone || o.got < r.length) {
           fail(o.code != ErrorCode::kNone ? o.code : ErrorCode::kShortRead,
