@@ -242,20 +242,18 @@ def main(argv=None):
     rows = []
     try:
         hf = a.hf_path or demo_float_checkpoint(str(DEMO_DIR), os.path.join(root, "hf"))
-        arts = {}
-        for b in widths:
-            arts[b] = os.path.join(root, f"e{b}")
-            if not os.path.exists(arts[b]):
-                convert(
-                    hf,
-                    arts[b],
-                    q_bits=a.q_bits,
-                    q_group_size=a.group_size,
-                    expert_bits=b,
-                    expert_group_size=a.group_size,
-                    quiet=True,
-                    mtp=False,
-                )
+
+        # What every quantized artifact shares: dense width and one group size for all weights.
+        shared = {"q_bits": a.q_bits, "q_group_size": a.group_size, "expert_group_size": a.group_size}
+
+        def quantized(name, **kw):
+            """The artifact `name` under root at these widths (converted unless it is there)."""
+            path = os.path.join(root, name)
+            if not os.path.exists(path):
+                convert(hf, path, quiet=True, mtp=False, **shared, **kw)
+            return path
+
+        arts = {b: quantized(f"e{b}", expert_bits=b) for b in widths}
         ref_art = os.path.join(root, "ref-bf16")
         if not os.path.exists(ref_art):
             convert(hf, ref_art, dtype="bfloat16", quiet=True, mtp=False)
@@ -264,19 +262,7 @@ def main(argv=None):
             if w == "bfloat16" and 4 in arts:  # the 4-bit expert width's artifact
                 ple_arts[w] = arts[4]
                 continue
-            ple_arts[w] = os.path.join(root, f"p{w}")
-            if not os.path.exists(ple_arts[w]):
-                convert(
-                    hf,
-                    ple_arts[w],
-                    q_bits=a.q_bits,
-                    q_group_size=a.group_size,
-                    expert_bits=4,
-                    expert_group_size=a.group_size,
-                    ple_dtype=w,
-                    quiet=True,
-                    mtp=False,
-                )
+            ple_arts[w] = quantized(f"p{w}", expert_bits=4, ple_dtype=w)
         ref_model, _ = load(ref_art)
         kl_rows = []
 

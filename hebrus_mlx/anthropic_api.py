@@ -22,7 +22,15 @@ import math
 import re
 import secrets
 
-from .api_fields import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TOOL_NAME_CHARS, MAX_TOOLS, RequestError
+from .api_fields import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_TOOL_NAME_CHARS,
+    BlankHold,
+    RequestError,
+    stop_strings,
+    tool_objects,
+)
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
@@ -99,12 +107,7 @@ def _system(body, name):
 
 
 def _stop_sequences(body, name):
-    v = body[name]
-    if (
-        not isinstance(v, list)
-        or len(v) > MAX_STOP_SEQUENCES
-        or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in v)
-    ):
+    if not stop_strings(body[name]):
         raise RequestError(
             f"stop_sequences must be a list of at most {MAX_STOP_SEQUENCES} non-empty strings "
             f"(each at most {MAX_STOP_CHARS} characters)",
@@ -113,13 +116,7 @@ def _stop_sequences(body, name):
 
 
 def _tools(body, name):
-    v = body[name]
-    if not isinstance(v, list) or len(v) > MAX_TOOLS:
-        raise RequestError(f"tools must be a list of at most {MAX_TOOLS} tools", name)
-    for i, t in enumerate(v):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise RequestError(f"{where} must be an object", where)
+    for where, t in tool_objects(body, name, "tools"):
         if t.get("type", "custom") != "custom":  # Anthropic's server tools (web search, ...) run there
             raise RequestError(f"{where}.type {_show(t['type'])} is not supported (only custom tools)", f"{where}.type")
         _keys(t, ("type", "name", "description", "input_schema", "strict", "cache_control"), where)
@@ -420,7 +417,7 @@ class MessageBuilder:
         self.stops = stops
         self.content: list[dict] = []
         self.open: dict | None = None  # the thinking or text block being written
-        self.blank = ""  # text whitespace held until text follows (none before a tool call)
+        self.blank = BlankHold()
         self.message = {
             "id": self.id,
             "type": "message",
@@ -448,10 +445,7 @@ class MessageBuilder:
     def add(self, kind: str, text: str) -> list[str]:
         """A piece of the reply: "thinking" or "text"."""
         if kind == "text" and (self.open is None or self.open["type"] != "text"):
-            self.blank += text
-            if not self.blank.strip():
-                return []
-            text, self.blank = self.blank, ""
+            text = self.blank.pass_on(text)
         if not text:
             return []
         events = []

@@ -104,15 +104,20 @@ def _seed(body, name, vocab=None):
     _integer(body, name, 0, SEED_MAX, "an integer in [0, 2**64 - 1]")
 
 
+def stop_strings(v) -> bool:
+    """Whether `v` is a list of at most MAX_STOP_SEQUENCES non-empty strings of at most MAX_STOP_CHARS
+    characters (stop sequences on every API)."""
+    return (
+        isinstance(v, list)
+        and len(v) <= MAX_STOP_SEQUENCES
+        and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in v)
+    )
+
+
 def _stop(body, name, vocab=None):
     v = body[name]
     stops = [v] if isinstance(v, str) else v
-    if (
-        not isinstance(stops, list)
-        or not stops
-        or len(stops) > MAX_STOP_SEQUENCES
-        or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)
-    ):
+    if not stops or not stop_strings(stops):
         raise RequestError(
             f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} of them "
             f"(each at most {MAX_STOP_CHARS} characters)",
@@ -129,14 +134,20 @@ def _stream_options(body, name, vocab=None):
         raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
 
 
-def _tools(body, name, vocab=None):
+def tool_objects(body, name, what):
+    """(where, tool) for each object of a `tools` list of at most MAX_TOOLS `what` (every API)."""
     v = body[name]
     if not isinstance(v, list) or len(v) > MAX_TOOLS:
-        raise RequestError(f"tools must be a list of at most {MAX_TOOLS} tool objects", name)
+        raise RequestError(f"tools must be a list of at most {MAX_TOOLS} {what}", name)
     for i, t in enumerate(v):
         where = f"tools[{i}]"
         if not isinstance(t, dict):
             raise RequestError(f"{where} must be an object", where)
+        yield where, t
+
+
+def _tools(body, name, vocab=None):
+    for where, t in tool_objects(body, name, "tool objects"):
         for k in t:
             if k not in ("type", "function"):
                 raise RequestError(f"{where}.{k} is not a tool field (type, function)", f"{where}.{k}")
@@ -161,12 +172,21 @@ def _tools(body, name, vocab=None):
             raise RequestError(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
 
 
-def _tool_choice(body, name, vocab=None):
+def tool_choice_mode(body, name) -> bool:
+    """Whether tool_choice is one of the modes "none", "auto", "required" (which needs tools), the same
+    on every OpenAI endpoint; a function it names differs in shape between them."""
     v = body[name]
-    if v in ("none", "auto", "required"):
-        if v == "required" and not body.get("tools"):
-            raise RequestError('tool_choice "required" needs tools', name)
+    if v not in ("none", "auto", "required"):
+        return False
+    if v == "required" and not body.get("tools"):
+        raise RequestError('tool_choice "required" needs tools', name)
+    return True
+
+
+def _tool_choice(body, name, vocab=None):
+    if tool_choice_mode(body, name):
         return
+    v = body[name]
     if isinstance(v, dict) and v.get("type") == "function" and set(v) == {"type", "function"}:
         fn = v["function"]
         if isinstance(fn, dict) and set(fn) == {"name"} and isinstance(fn["name"], str):
@@ -316,7 +336,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_METADATA_KEYS = 16
 
 
-def _metadata(body, name, vocab=None):
+def check_metadata(body, name, vocab=None):
+    """OpenAI's `metadata` (chat completions and responses): a small map of strings to strings."""
     v = body[name]
     if (
         not isinstance(v, dict)
@@ -418,7 +439,7 @@ CHAT_FIELDS = {
         "response_format": _response_format,
         "chat_template_kwargs": _chat_template_kwargs,
         "store": _bool,
-        "metadata": _metadata,
+        "metadata": check_metadata,
         "service_tier": _one_of(SERVICE_TIERS),
         "reasoning_effort": _one_of(REASONING_EFFORTS),
     },
@@ -474,3 +495,19 @@ def chat_constraint(body: dict) -> dict | None:
         choice = choice["function"]["name"]
     fmt = format_schema(body.get("response_format"), "response_format", "json_schema")
     return constraint(tools, choice, body.get("parallel_tool_calls"), fmt)
+
+
+class BlankHold:
+    """Reply text that is whitespace alone, held until other text follows: an API builder opens no
+    text block for it (e.g. the newline a model writes before a tool call)."""
+
+    def __init__(self):
+        self.held = ""
+
+    def pass_on(self, text: str) -> str:
+        """What of the held text and `text` to emit now ("" while all of it is whitespace)."""
+        self.held += text
+        if not self.held.strip():
+            return ""
+        text, self.held = self.held, ""
+        return text

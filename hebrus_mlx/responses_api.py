@@ -32,7 +32,6 @@ from .artifact import untrusted
 DEFAULT_STORE_ENTRIES = 256
 DEFAULT_STORE_BYTES = 64 << 20
 DEFAULT_STORE_TTL = 3600.0  # seconds a stored response answers previous_response_id
-MAX_METADATA_KEYS = 16
 
 _ROLES = ("user", "system", "developer", "assistant")
 
@@ -45,13 +44,7 @@ def _new_id(prefix: str) -> str:
 
 
 def _tools(body, name, vocab=None):
-    v = body[name]
-    if not isinstance(v, list) or len(v) > api_fields.MAX_TOOLS:
-        raise RequestError(f"tools must be a list of at most {api_fields.MAX_TOOLS} function tools", name)
-    for i, t in enumerate(v):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise RequestError(f"{where} must be an object", where)
+    for where, t in api_fields.tool_objects(body, name, "function tools"):
         if t.get("type") != "function":
             raise RequestError(
                 f"{where}.type {_show(t.get('type'))} is not supported (only function tools)", f"{where}.type"
@@ -70,11 +63,9 @@ def _tools(body, name, vocab=None):
 
 
 def _tool_choice(body, name, vocab=None):
-    v = body[name]
-    if v in ("none", "auto", "required"):
-        if v == "required" and not body.get("tools"):
-            raise RequestError('tool_choice "required" needs tools', name)
+    if api_fields.tool_choice_mode(body, name):
         return
+    v = body[name]
     if isinstance(v, dict) and set(v) == {"type", "name"} and v["type"] == "function" and isinstance(v["name"], str):
         if v["name"] not in [t.get("name") for t in body.get("tools") or [] if isinstance(t, dict)]:
             raise RequestError(f"{name} names the function {v['name']!r}, which is not in tools", name)
@@ -82,20 +73,6 @@ def _tool_choice(body, name, vocab=None):
     raise RequestError(
         f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, got {_show(v)}', name
     )
-
-
-def _metadata(body, name, vocab=None):
-    v = body[name]
-    if (
-        not isinstance(v, dict)
-        or len(v) > MAX_METADATA_KEYS
-        or not all(isinstance(k, str) and len(k) <= 64 and isinstance(x, str) and len(x) <= 512 for k, x in v.items())
-    ):
-        raise RequestError(
-            f"metadata must be an object of at most {MAX_METADATA_KEYS} string keys (<= 64 "
-            "characters) to strings (<= 512 characters)",
-            name,
-        )
 
 
 def _text(body, name, vocab=None):
@@ -168,7 +145,7 @@ RESPONSES_FIELDS = {
     "store": _bool,
     "previous_response_id": _string,
     "max_output_tokens": lambda b, n, v=None: api_fields._integer(b, n, 1),
-    "metadata": _metadata,
+    "metadata": api_fields.check_metadata,
     "text": _text,
     "reasoning": _only(None, "reasoning effort cannot be steered"),
     "truncation": _only("disabled", "the context is never truncated"),
@@ -183,20 +160,27 @@ RESPONSES_FIELDS = {
 def check_fields(body: dict, vocab: int) -> tuple[dict, dict]:
     """Refuse unknown fields, validate known ones; returns (a chat-completions body with the
     sampling fields, for server.parse_sampling; the template options)."""
-    for name in body:
-        if name not in RESPONSES_FIELDS:
-            raise RequestError(f"unknown field {name!r} for /v1/responses", name)
-    for name, check in RESPONSES_FIELDS.items():
-        if check is not None and body.get(name) is not None:
-            check(body, name, vocab)
+    _check(body, RESPONSES_FIELDS, "/v1/responses", vocab)
     sampling = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
     if body.get("max_output_tokens") is not None:
         sampling["max_tokens"] = body["max_output_tokens"]
     sampling["stream"] = bool(body.get("stream"))
-    options = {}
-    if "enable_thinking" in (body.get("chat_template_kwargs") or {}):
-        options["enable_thinking"] = body["chat_template_kwargs"]["enable_thinking"]
-    return sampling, options
+    return sampling, _template_options(body)
+
+
+def _check(body: dict, fields: dict, endpoint: str, vocab: int) -> None:
+    """Refuse fields `fields` does not name; run the check of each present one."""
+    for name in body:
+        if name not in fields:
+            raise RequestError(f"unknown field {name!r} for {endpoint}", name)
+    for name, check in fields.items():
+        if check is not None and body.get(name) is not None:
+            check(body, name, vocab)
+
+
+def _template_options(body: dict) -> dict:
+    kwargs = body.get("chat_template_kwargs") or {}
+    return {"enable_thinking": kwargs["enable_thinking"]} if "enable_thinking" in kwargs else {}
 
 
 # POST /v1/responses/input_tokens: the fields that shape the prompt (the rest of a create request
@@ -221,14 +205,8 @@ INPUT_TOKENS_FIELDS = {
 
 def check_count_fields(body: dict, vocab: int) -> dict:
     """check_fields for /v1/responses/input_tokens; returns the template options."""
-    for name in body:
-        if name not in INPUT_TOKENS_FIELDS:
-            raise RequestError(f"unknown field {name!r} for /v1/responses/input_tokens", name)
-    for name, check in INPUT_TOKENS_FIELDS.items():
-        if check is not None and body.get(name) is not None:
-            check(body, name, vocab)
-    kwargs = body.get("chat_template_kwargs") or {}
-    return {"enable_thinking": kwargs["enable_thinking"]} if "enable_thinking" in kwargs else {}
+    _check(body, INPUT_TOKENS_FIELDS, "/v1/responses/input_tokens", vocab)
+    return _template_options(body)
 
 
 def chat_tools(tools) -> list | None:
@@ -433,7 +411,7 @@ class ResponseBuilder:
         self.output: list[dict] = []
         self.current: dict | None = None  # the open item: a message or reasoning
         self.text = ""
-        self.blank = ""  # message whitespace held until text follows
+        self.blank = api_fields.BlankHold()
         self.head = {
             "id": self.id,
             "object": "response",
@@ -527,11 +505,7 @@ class ResponseBuilder:
     def add(self, kind: str, text: str) -> list[str]:
         """A piece of content ("message") or reasoning ("reasoning")."""
         if kind == "message" and (self.current is None or self.current["type"] != "message"):
-            # Whitespace alone (e.g. before a tool call) opens no message.
-            self.blank += text
-            if not self.blank.strip():
-                return []
-            text, self.blank = self.blank, ""
+            text = self.blank.pass_on(text)  # whitespace alone (e.g. before a tool call) opens no message
         if not text:
             return []
         events = [] if self.current is not None and self.current["type"] == kind else self._open(kind)

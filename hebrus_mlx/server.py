@@ -1041,29 +1041,51 @@ class App:
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
             }
 
-        async def events():
-            for e in builder.start():
-                yield e
-            async with aclosing(self._outputs(request, job, parse_tools, think)) as parts:
-                async for part in parts:
-                    if part[0] == "end":
-                        out = builder.finish(part[1], part[2], usage())
-                    else:
-                        out = builder.add("reasoning" if part[0] == "reasoning" else "message", part[1])
-                    for e in out:
-                        yield e
+        def step(part):
+            if part[0] == "end":
+                return builder.finish(part[1], part[2], usage())
+            return builder.add("reasoning" if part[0] == "reasoning" else "message", part[1])
+
+        def done():
             if body.get("store") is not False:
                 items = responses_api.input_items(body["input"])
                 self.stored.put(builder.id, conversation + builder.messages(), builder.final, items)
 
-        if not s.stream:
+        return await self._event_response(
+            request,
+            (job, parse_tools, think),
+            builder.start,
+            step,
+            lambda: builder.final,
+            lambda err: builder._event("error", code=err.kind, message=str(err), param=err.param),
+            done,
+        )
+
+    async def _event_response(self, request, generation, start, step, final, error_event, done=None):
+        """The events of an API builder over one generation: `start()`'s, then `step(part)`'s for each
+        output part of `generation` (job, parse_tools, think), then `done()` runs. Without streaming
+        they run to the end and `final()` is the JSON answer; streamed, a failure ends with
+        `error_event(err)`: the response has started, so an error event, never a traceback."""
+        job = generation[0]
+
+        async def events():
+            for e in start():
+                yield e
+            async with aclosing(self._outputs(request, *generation)) as parts:
+                async for part in parts:
+                    for e in step(part):
+                        yield e
+            if done is not None:
+                done()
+
+        if not job.sampling.stream:
             try:
                 async with aclosing(events()) as it:
                     async for _ in it:
                         pass
             except Exception as e:
                 raise _as_request_error(e) from None
-            return self._json(builder.final)
+            return self._json(final())
 
         from starlette.responses import StreamingResponse
 
@@ -1072,10 +1094,10 @@ class App:
                 async with aclosing(events()) as it:
                     async for e in it:
                         yield e
-            except Exception as e:  # the response has started: an error event, never a traceback
+            except Exception as e:
                 err = _as_request_error(e)
                 log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
-                yield builder._event("error", code=err.kind, message=str(err), param=err.param)
+                yield error_event(err)
 
         return StreamingResponse(
             sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -1147,43 +1169,15 @@ class App:
             raise anthropic_api.renamed(RequestError(str(e), _param_of(e)), origins) from None
         builder = anthropic_api.MessageBuilder(self.model_id, job.sampling.stop, len(job.ids))
 
-        async def events():
-            for e in builder.start():
-                yield e
-            async with aclosing(self._outputs(request, job, parse_tools, think)) as parts:
-                async for part in parts:
-                    if part[0] == "end":
-                        u = job.usage
-                        usage = anthropic_api.usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
-                        out = builder.finish(part[1], part[2], job.stop_hit, usage)
-                    else:
-                        out = builder.add("thinking" if part[0] == "reasoning" else "text", part[1])
-                    for e in out:
-                        yield e
+        def step(part):
+            if part[0] == "end":
+                u = job.usage
+                usage = anthropic_api.usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+                return builder.finish(part[1], part[2], job.stop_hit, usage)
+            return builder.add("thinking" if part[0] == "reasoning" else "text", part[1])
 
-        if not job.sampling.stream:
-            try:
-                async with aclosing(events()) as it:
-                    async for _ in it:
-                        pass
-            except Exception as e:
-                raise _as_request_error(e) from None
-            return self._json(builder.message)
-
-        from starlette.responses import StreamingResponse
-
-        async def sse():
-            try:
-                async with aclosing(events()) as it:
-                    async for e in it:
-                        yield e
-            except Exception as e:  # the response has started: an error event, never a traceback
-                err = _as_request_error(e)
-                log.warning("%d %s %s (stream): %s", err.status, request.method, request.url.path, err)
-                yield builder.error(err)
-
-        return StreamingResponse(
-            sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return await self._event_response(
+            request, (job, parse_tools, think), builder.start, step, lambda: builder.message, builder.error
         )
 
     async def count_tokens(self, request):

@@ -66,6 +66,18 @@ def tiny_artifact(root, dtype="float32", q_bits=4):
     return hf, out
 
 
+def quantized_artifacts(hf, root, variants):
+    """{key: artifact dir}: `hf` converted into root/NAME for each key -> (NAME, convert keywords),
+    dense weights at 4 bits, group 64."""
+    from hebrus_mlx.convert import convert
+
+    out = {}
+    for key, (name, kw) in variants.items():
+        out[key] = str(root / name)
+        convert(hf, out[key], q_bits=4, q_group_size=64, quiet=True, **kw)
+    return out
+
+
 def copy_artifact(src, dst):
     shutil.copytree(src, dst)
     return dst

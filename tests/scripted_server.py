@@ -64,12 +64,17 @@ async def run_job(worker, ids, sampling, max_tokens, timeout=60):
 
     job = Job(ids, sampling, max_tokens, asyncio.get_running_loop(), asyncio.Queue())
     worker.jobs.put(job)
+    return await job_text(job, timeout), job.usage
+
+
+async def job_text(job, timeout=60):
+    """The text of a queued job's events, up to its "done" (an error fails)."""
     text = ""
     while True:
         kind, value = await asyncio.wait_for(job.events.get(), timeout)
         if kind != "text":
             assert kind == "done", value
-            return text, job.usage
+            return text
         text += value
 
 

@@ -7,15 +7,13 @@ boundary (the demo never calls tools on its own) and checks what the template go
 
 import http.client
 import json
-import subprocess
-import time
 
 import pytest
 from test_server_fields import ScriptWorker, _serve
 
 from hebrus_mlx.anthropic_api import error_body, renamed, to_chat
 from hebrus_mlx.api_fields import RequestError
-from hebrus_mlx.testing.processes import ROOT, child_env, server_argv
+from hebrus_mlx.testing.processes import server_port, start_server, stop_server
 
 KEY = "anthropic-key-456"
 SYSTEM = "You write Python."
@@ -34,26 +32,11 @@ CHAT_WEATHER = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "stderr.txt"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            server_argv("--api-key", KEY), cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=err, text=True
-        )
+    proc = start_server(log, "--api-key", KEY)
     try:
-        deadline, line = time.monotonic() + 90, ""
-        while time.monotonic() < deadline and "listening on" not in line:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"server exited: {log.read_text()}")
-        port = int(line.rsplit(":", 1)[1])
-        yield {"port": port, "log": log}
+        yield {"port": server_port(proc, log), "log": log}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        proc.stdout.close()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

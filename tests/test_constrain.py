@@ -165,7 +165,7 @@ def test_bad_schema_names_the_field(demo):
 def test_constrained_request_on_a_drafting_server_decodes_plainly(demo, monkeypatch):
     """--draft-model: drafted tokens are not checked against a grammar, so a constrained request
     runs without the drafter (none is made) and its tokens are the plain constrained run's."""
-    from scripted_server import run_job
+    from scripted_server import job_text, run_job
 
     import hebrus_mlx.speculative as spec
     from hebrus_mlx import load
@@ -184,12 +184,7 @@ def test_constrained_request_on_a_drafting_server_decodes_plainly(demo, monkeypa
         job = Job(ids, sampling, 20, asyncio.get_running_loop(), asyncio.Queue())
         job.grammar = constrain.compile_spec(tok, constrain.Spec(schema=SCHEMA_A), "s")
         worker.jobs.put(job)
-        text = ""
-        while True:
-            kind, value = await asyncio.wait_for(job.events.get(), 60)
-            if kind != "text":
-                return text
-            text += value
+        return await job_text(job)
 
     try:
         got = asyncio.run(scenario())
@@ -220,6 +215,8 @@ def test_a_reply_inside_thinking_closes_it_before_the_structured_part(demo):
 def test_server_batch_two_schemas_each_request_its_own_grammar(demo):
     """--decode-concurrency 2: two constrained requests with different schemas decode together in
     the worker; each reply is its solo constrained run's and follows its own schema."""
+    from scripted_server import job_text
+
     from hebrus_mlx import load
     from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
 
@@ -233,14 +230,6 @@ def test_server_batch_two_schemas_each_request_its_own_grammar(demo):
     worker = Worker(lambda: load("demo"), 1 << 28, ServerDefaults(decode_concurrency=2, prompt_concurrency=2))
     sampling = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False)
 
-    async def one(job):
-        text = ""
-        while True:
-            kind, value = await asyncio.wait_for(job.events.get(), 60)
-            if kind != "text":
-                return text
-            text += value
-
     async def scenario():
         jobs = []
         for p, s in zip(prompts, specs):
@@ -249,7 +238,7 @@ def test_server_batch_two_schemas_each_request_its_own_grammar(demo):
             jobs.append(job)
         for job in jobs:  # both queued before the worker takes either
             worker.jobs.put(job)
-        return await asyncio.gather(*(one(j) for j in jobs)), [j.usage.completion_tokens for j in jobs]
+        return await asyncio.gather(*(job_text(j) for j in jobs)), [j.usage.completion_tokens for j in jobs]
 
     try:
         got, generated = asyncio.run(scenario())

@@ -14,7 +14,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
+from artifact_fixture import load_manifest, quantized_artifacts, save_manifest, tiny_checkpoint
 from chunked_greedy import assert_streamed_equals_resident
 from stream_store import cache_gb
 
@@ -37,12 +37,8 @@ def hf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def artifacts(hf, tmp_path_factory):
     """{expert bits: artifact dir}, dense at 4 bits / group 64, experts at each width."""
-    root = tmp_path_factory.mktemp("widths-art")
-    out = {}
-    for bits, group in WIDTHS:
-        out[bits] = str(root / f"e{bits}")
-        convert(hf, out[bits], q_bits=4, q_group_size=64, expert_bits=bits, expert_group_size=group, quiet=True)
-    return out
+    variants = {bits: (f"e{bits}", {"expert_bits": bits, "expert_group_size": group}) for bits, group in WIDTHS}
+    return quantized_artifacts(hf, tmp_path_factory.mktemp("widths-art"), variants)
 
 
 def _record_bytes(bits, group, fam):

@@ -293,26 +293,13 @@ def test_sighup_stops_the_server_gracefully(tmp_path):
     """SIGHUP (the terminal closed) takes SIGTERM's path: requests cancelled, exit 0, no traceback.
     Before, its default action killed the process at once (exit -1)."""
     import signal
-    import time
 
-    from hebrus_mlx.testing.processes import child_env, server_argv
+    from hebrus_mlx.testing.processes import server_port, start_server
 
     log = tmp_path / "stderr.txt"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            server_argv("--shutdown-timeout", "3", log_level="INFO"),
-            cwd=ROOT,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
+    proc = start_server(log, "--shutdown-timeout", "3", log_level="INFO")
     try:
-        deadline, line = time.monotonic() + 120, ""
-        while "listening on" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
+        server_port(proc, log, 120)
         proc.send_signal(signal.SIGHUP)
         rc = proc.wait(60)
         text = log.read_text()

@@ -12,19 +12,9 @@ import io
 import os
 
 import pytest
-
-from hebrus_mlx.cli import main as cli
+from cli_refused import refused
 
 USER = b"my notes: not written by any tool\n"
-
-
-def _refused(capsys, argv, field):
-    rc = cli(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert f"error: {field}: " in err, err
-    return err
 
 
 CASES = [  # (argv with {f} for the user file, the flag named in the error)
@@ -42,14 +32,14 @@ CASES = [  # (argv with {f} for the user file, the flag named in the error)
 def test_a_user_file_is_refused_without_overwrite(capsys, tmp_path, argv, field):
     f = tmp_path / "mine.json"
     f.write_bytes(USER)
-    err = _refused(capsys, [a.format(f=f, d=tmp_path / "traces") for a in argv], field)
+    err = refused(capsys, [a.format(f=f, d=tmp_path / "traces") for a in argv], field)
     assert "--overwrite" in err
     assert f.read_bytes() == USER and sorted(os.listdir(tmp_path)) == ["mine.json"]
 
 
 def test_bench_out_refuses_a_user_file_in_the_directory(capsys, tmp_path):
     (tmp_path / "bench.md").write_bytes(USER)
-    _refused(capsys, ["bench", "--model", "demo", "--out", str(tmp_path)], "--out")
+    refused(capsys, ["bench", "--model", "demo", "--out", str(tmp_path)], "--out")
     assert (tmp_path / "bench.md").read_bytes() == USER
 
 
@@ -65,7 +55,7 @@ def test_a_symlink_is_never_followed_even_with_overwrite(capsys, tmp_path, argv,
     victim.write_bytes(USER)
     link = tmp_path / "out.json"
     link.symlink_to(victim)
-    err = _refused(capsys, [a.format(f=link, d=tmp_path / "traces") for a in argv] + ["--overwrite"], field)
+    err = refused(capsys, [a.format(f=link, d=tmp_path / "traces") for a in argv] + ["--overwrite"], field)
     assert "symlink" in err
     assert victim.read_bytes() == USER and os.readlink(link) == str(victim)
 

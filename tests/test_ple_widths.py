@@ -15,14 +15,20 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
-from artifact_fixture import copy_artifact, edit_manifest, load_manifest, patch_bytes, tiny_checkpoint
+from artifact_fixture import (
+    copy_artifact,
+    edit_manifest,
+    load_manifest,
+    patch_bytes,
+    quantized_artifacts,
+    tiny_checkpoint,
+)
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import ple_pages as pp
 from hebrus_mlx.artifact.errors import ArtifactError, CodecError, GeometryError
 from hebrus_mlx.cli import main as cli_main
-from hebrus_mlx.convert import convert
 from hebrus_mlx.loader import load_model
 from hebrus_mlx.models.qwen4exp import QuantizedNGramTable, dequantize_ple_rows
 from hebrus_mlx.stream import engine as se
@@ -39,12 +45,8 @@ def hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def arts(hf, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ple-widths-art")
-    out = {}
-    for w in WIDTHS:
-        out[w] = str(root / w)
-        convert(hf, out[w], q_bits=4, q_group_size=64, ple_dtype=w, quiet=True, mtp=False)
-    return out
+    variants = {w: (w, {"ple_dtype": w, "mtp": False}) for w in WIDTHS}
+    return quantized_artifacts(hf, tmp_path_factory.mktemp("ple-widths-art"), variants)
 
 
 def _source_table(hf):

@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+from cli_refused import refused
 
 from hebrus_mlx.cli import main as cli_main
 
@@ -24,15 +25,6 @@ def demo():
     return load("demo")
 
 
-def _refused(capsys, argv, field):
-    rc = cli_main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert f"error: {field}: " in err, err
-    return err
-
-
 # -- cache-prompt --prompt-cache-file ------------------------------------------------------------------
 
 
@@ -43,7 +35,7 @@ def _cache_prompt(f, *extra):
 def test_cache_prompt_refuses_an_existing_file_without_overwrite(demo, capsys, tmp_path):
     f = tmp_path / "mine.safetensors"
     f.write_bytes(USER)
-    err = _refused(capsys, _cache_prompt(f), "--prompt-cache-file")
+    err = refused(capsys, _cache_prompt(f), "--prompt-cache-file")
     assert "--overwrite" in err
     assert f.read_bytes() == USER and os.listdir(tmp_path) == ["mine.safetensors"]
     assert cli_main(_cache_prompt(f, "--overwrite")) == 0
@@ -56,7 +48,7 @@ def test_cache_prompt_never_replaces_a_symlink(demo, capsys, tmp_path, overwrite
     victim.write_bytes(USER)
     link = tmp_path / "link.safetensors"
     link.symlink_to(victim)
-    err = _refused(capsys, _cache_prompt(link, *(["--overwrite"] if overwrite else [])), "--prompt-cache-file")
+    err = refused(capsys, _cache_prompt(link, *(["--overwrite"] if overwrite else [])), "--prompt-cache-file")
     assert "symlink" in err
     assert os.path.islink(link) and os.readlink(link) == str(victim) and victim.read_bytes() == USER
 
@@ -89,10 +81,10 @@ def test_cache_prompt_alias_and_help_lists_only_used_flags(capsys):
     assert "hebrus-mlx cache-prompt" in out and "--prompt-cache-file" in out and "--overwrite" in out
     for used in ("--model", "--prompt", "--system-prompt", "--ignore-chat-template", "--prefill-step-size"):
         assert used in out, used
-    for refused in ("--temp", "--max-tokens", "--top-p", "--draft-model", "--trace-out", "--pipeline-split"):
-        assert refused not in out, refused
+    for flag in ("--temp", "--max-tokens", "--top-p", "--draft-model", "--trace-out", "--pipeline-split"):
+        assert flag not in out, flag
     # A refused flag is still named as refused, not as unknown.
-    _refused(capsys, ["cache_prompt", "--prompt", "x", "--prompt-cache-file", "f", "--temp", "0.5"], "--temp")
+    refused(capsys, ["cache_prompt", "--prompt", "x", "--prompt-cache-file", "f", "--temp", "0.5"], "--temp")
 
 
 # -- malformed --prompt-cache-file: refused naming the field, never restored --------------------------
@@ -194,7 +186,7 @@ def test_a_malformed_prompt_cache_file_is_refused_naming_the_field(demo, saved, 
     bad = tmp_path / "bad.safetensors"
     mx.save_safetensors(str(bad), arrays, meta)
     argv = ["generate", "--prompt-cache-file", str(bad), "--prompt", "x", "--ignore-chat-template"]
-    _refused(capsys, argv + ["--max-tokens", "2"], "--prompt-cache-file")
+    refused(capsys, argv + ["--max-tokens", "2"], "--prompt-cache-file")
     from hebrus_mlx.prompt_cache import PromptCacheFileError, load_prompt_cache
 
     with pytest.raises(PromptCacheFileError) as e:
@@ -206,7 +198,7 @@ def test_a_prompt_cache_file_that_is_a_fifo_is_refused_not_waited_on(demo, tmp_p
     fifo = tmp_path / "pipe.safetensors"
     os.mkfifo(fifo)
     argv = ["generate", "--prompt-cache-file", str(fifo), "--prompt", "x", "--max-tokens", "1"]
-    err = _within(lambda: _refused(capsys, argv, "--prompt-cache-file"))
+    err = _within(lambda: refused(capsys, argv, "--prompt-cache-file"))
     assert "not a regular file" in err
 
 
@@ -458,12 +450,12 @@ def test_an_unusable_cache_dir_is_refused_before_the_model_loads(capsys, tmp_pat
     f = tmp_path / "file"
     f.write_bytes(USER)
     for verb in ("server", "chat"):
-        _refused(capsys, [verb, "--model", "demo", "--prompt-cache-dir", str(f / "sub")], "--prompt-cache-dir")
+        refused(capsys, [verb, "--model", "demo", "--prompt-cache-dir", str(f / "sub")], "--prompt-cache-dir")
     d = tmp_path / "cache"
     d.mkdir()
     os.mkfifo(d / ".hebrus-prompt-cache.lock")
     err = _within(
-        lambda: _refused(capsys, ["server", "--model", "demo", "--prompt-cache-dir", str(d)], "--prompt-cache-dir")
+        lambda: refused(capsys, ["server", "--model", "demo", "--prompt-cache-dir", str(d)], "--prompt-cache-dir")
     )
     assert "not a regular file" in err and f.read_bytes() == USER
 

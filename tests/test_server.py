@@ -8,14 +8,13 @@ independent path: no HTTP, no worker thread, no prefix cache)."""
 import http.client
 import json
 import socket
-import subprocess
 import time
 
 import pytest
 from scripted_server import run_concurrently
 
 from hebrus_mlx.server import StopMatcher, parse_tool_calls
-from hebrus_mlx.testing.processes import ROOT, child_env, server_argv
+from hebrus_mlx.testing.processes import server_port, start_server, stop_server
 
 KEY = "test-key-123"
 EXPERT_CACHE_GB = "0.002"  # about 137 of the demo's 512 expert records: streamed, not resident
@@ -25,37 +24,17 @@ EXPERT_CACHE_GB = "0.002"  # about 137 of the demo's 512 expert records: streame
 def _proc(tmp_path_factory):
     """The server process, started first so it loads while the reference model loads here."""
     log = tmp_path_factory.mktemp("server") / "stderr.txt"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            server_argv("--api-key", KEY, "--expert-cache-gb", EXPERT_CACHE_GB, "--max-body-bytes", "65536"),
-            cwd=ROOT,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
+    proc = start_server(log, "--api-key", KEY, "--expert-cache-gb", EXPERT_CACHE_GB, "--max-body-bytes", "65536")
     try:
         yield proc, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        proc.stdout.close()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
 def server(_proc, reference):
     proc, log = _proc
-    deadline = time.monotonic() + 90
-    line = ""
-    while time.monotonic() < deadline and "listening on" not in line:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()}")
-    port = int(line.rsplit(":", 1)[1])
+    port = server_port(proc, log)
     return {"port": port, "url": f"http://127.0.0.1:{port}/v1", "log": log, "proc": proc}
 
 

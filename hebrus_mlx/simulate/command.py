@@ -1077,8 +1077,7 @@ def print_validation(v: dict) -> None:
     print(
         f"inputs measured here: compute {v['compute_ms_per_token']:.2f} ms/token with every record cached "
         f"(per predictor, in the same rounds); {m['pre_router']:.0%} of a layer before its router; reads "
-        + ", ".join(f"QD{q} {g:.3f}" for q, g in m["ssd_gbps"].items())
-        + " GB/s"
+        + R.ssd_rates(m["ssd_gbps"], ".3f")
         + (f", reader CPU {m['read_cpu_us']:.0f} us per record taken from compute" if m.get("read_cpu_us") else "")
         + (f" [{v['probe_source']}]" if v.get("probe_source") else "")
         + (

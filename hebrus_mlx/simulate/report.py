@@ -304,14 +304,18 @@ def validate_report(args) -> dict:
     }
 
 
+def ssd_rates(ssd_gbps: dict, fmt: str) -> str:
+    """A machine's SSD read rates, one per queue depth: "QD1 x, QD32 y GB/s"."""
+    return ", ".join(f"QD{q} {g:{fmt}}" for q, g in ssd_gbps.items()) + " GB/s"
+
+
 def print_validation(v: dict) -> None:
     m = v["machine"]
     num = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     print(
         f"validation against a qualify report ({v['report']['machine']}, {v['report']['family']}): compute "
         f"{v['compute_ms_per_token']:.2f} ms/token, SSD "
-        + ", ".join(f"QD{q} {g:.2f}" for q, g in m["ssd_gbps"].items())
-        + " GB/s"
+        + ssd_rates(m["ssd_gbps"], ".2f")
         + (f", SHA-256 {m['verify_gbps']:.2f} GB/s" if m.get("verify_gbps") else "")
         + "; the report's routes replayed at each run's arena rows (prefetch off, CLOCK); pred/meas = the "
         "median over rounds of each run predicted from its own round's all-cached compute, where recorded"
