@@ -1637,11 +1637,15 @@ class _Server:
     signal after its shutdown is absorbed)."""
 
     @staticmethod
-    def run(app: App, config, sock):
+    def run(app: App, config, sock, announce=lambda: None):
+        """`announce()` (the "listening on" line) runs once a stop signal can no longer kill the
+        process: one that arrives before uvicorn installs its handlers is held and replayed."""
         import contextlib
         import signal
 
         import uvicorn
+
+        pending = []
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
@@ -1657,6 +1661,8 @@ class _Server:
                 # process with requests in flight: it takes the same graceful path.
                 with super().capture_signals():
                     hup = signal.signal(signal.SIGHUP, self.handle_exit)
+                    for sig in pending:  # arrived between the announcement and these handlers
+                        self.handle_exit(sig, None)
                     try:
                         yield
                     finally:
@@ -1664,8 +1670,12 @@ class _Server:
 
         # uvicorn restores these and raises the caught signal again once it has shut down: make
         # that a no-op so the worker is stopped and the process exits normally.
-        previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        previous = {
+            s: signal.signal(s, lambda sig, _frame: pending.append(sig))
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        }
         try:
+            announce()
             Server(config).run(sockets=[sock])
         finally:
             for s, h in previous.items():
@@ -1737,7 +1747,6 @@ def main(argv=None) -> int:
     # default, several times per /health). 1 ms keeps that wait small (benchmarks/bench_server_stall.py).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     host, port = sock.getsockname()[:2]
-    print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
     config = uvicorn.Config(
         app.app,
         log_level=args.log_level.lower(),
@@ -1746,7 +1755,9 @@ def main(argv=None) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     try:
-        _Server.run(app, config, sock)
+        _Server.run(
+            app, config, sock, lambda: print(f"hebrus-mlx server: listening on http://{host}:{port}", flush=True)
+        )
     finally:
         worker.stop()
         # The worker drains its cancelled step (its expert reads already failed); a pipeline also

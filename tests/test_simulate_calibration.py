@@ -242,7 +242,7 @@ def test_every_recommendable_setting_is_a_flag_generate_accepts():
     import shlex
 
     from hebrus_mlx.cli_args import prefetch_from_args
-    from hebrus_mlx.generate import build_parser
+    from hebrus_mlx.verb_flags import build_parser
 
     parser = build_parser()
     for pf in P.RUNTIME_PREFETCH:
