@@ -8,6 +8,7 @@ the pipelined decode queues the next step before reading the current token; spec
 a strategy that loop calls (speculative/protocol.py). The prompt cache and trace replay use the
 same prefill."""
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -475,7 +476,7 @@ def _generate(
     check_max_kv_size(max_kv_size, "max_kv_size")
     if effective_vocab_size is None:
         # AFN-005: the logits rows past the tokenizer's IDs are masked, so the width must be known.
-        effective_vocab_size = getattr(model, "effective_vocab_size", None)
+        effective_vocab_size = getattr(model, "tokenizer_vocab_size", None)
         if effective_vocab_size is None:
             raise UsageError(
                 "effective_vocab_size",
@@ -751,7 +752,9 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
         if model.streaming is not None:
             for line in model.streaming.summary():
                 print(line)
-        from .models.optimize import implementations_line
+        if hasattr(model, "named_modules"):  # an MLX model (not a stand-in exposing only __call__)
+            from .models.optimize import implementations_line
 
-        print(implementations_line(model))
+            # On stderr: stdout keeps mlx_lm.generate's layout (the stats end with its own lines).
+            print(implementations_line(model), file=sys.stderr)
     return text

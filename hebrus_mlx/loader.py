@@ -297,7 +297,7 @@ def load(
     if product_vocabulary(model.args.vocab_size, tokenizer.effective_vocab_size):
         model.effective_vocab_size = tokenizer.effective_vocab_size  # the model masks its unassigned rows (AFN-005)
     model.source_path = path  # route traces pin the artifact by its digest
-    model.effective_vocab_size = tokenizer.effective_vocab_size  # generate_step's default (AFN-005)
+    model.tokenizer_vocab_size = tokenizer.effective_vocab_size  # generate_step's default (AFN-005)
     if return_config:
         config = dict(source.config) if sources is not None else load_config(path)
         return model, tokenizer, config

@@ -179,7 +179,7 @@ def test_effective_vocab_size_defaults_to_the_loaded_models(demo):
     from hebrus_mlx.errors import UsageError
 
     model, tokenizer = demo
-    assert model.effective_vocab_size == tokenizer.effective_vocab_size < model.args.vocab_size
+    assert model.tokenizer_vocab_size == tokenizer.effective_vocab_size < model.args.vocab_size
     prompt = mx.array(tokenizer.encode("def fibonacci(n):"))
     given = list(generate_step(prompt, model, effective_vocab_size=tokenizer.effective_vocab_size, max_tokens=4))
     default = list(generate_step(prompt, model, max_tokens=4))
@@ -445,8 +445,10 @@ def test_cli_streamed_demo_prints_io_line_and_resident_text():
         r"precision [0-9.]+%",
         io_line,
     ), io_line
-    # (The prefill sweep line, stream.sweep, sits between mlx_lm's stats and the I/O line.)
-    assert streamed[-3].startswith("Peak memory:") and streamed[-2].startswith("Prefill sweep auto: ")
+    # (The prefill sweep line, stream.sweep, and the expert / PLE split sit between mlx_lm's stats
+    # and the I/O line.)
+    assert streamed[-4].startswith("Peak memory:") and streamed[-3].startswith("Prefill sweep auto: ")
+    assert streamed[-2].startswith("I/O by store: experts ")
     assert "; prefetch hyper-reuse: timely recall " in hyper[-1], hyper[-1]
     text = lambda out: out[1 : out.index("=" * 10, 1)]  # noqa: E731
     assert text(streamed) == text(resident) == text(hyper)

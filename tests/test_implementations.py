@@ -24,7 +24,7 @@ def test_plain_options_run_the_plain_blocks_and_defaults_name_their_swaps():
     assert line.startswith("Graph: ") and "HyperConnection -> OneGraphHyperConnection x" in line
 
 
-def test_generate_verbose_prints_the_graph_line():
+def test_generate_verbose_prints_the_graph_line_on_stderr():
     proc = subprocess.run(
         [sys.executable, "-m", "hebrus_mlx.cli", "generate", "--model", "demo", "-p", "hi", "-m", "2"],
         capture_output=True,
@@ -33,4 +33,5 @@ def test_generate_verbose_prints_the_graph_line():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-1000:]
-    assert any(line.startswith("Graph: ") for line in proc.stdout.splitlines())
+    assert any(line.startswith("Graph: ") for line in proc.stderr.splitlines())
+    assert proc.stdout.splitlines()[-1].startswith("Peak memory: ")  # mlx_lm.generate's layout kept

@@ -47,7 +47,7 @@ def serve_or_return(pipe, path):
         _barrier(pipe.group)  # rank 0 may still be writing its report: stay until it is done
         return None, None, None
     tokenizer = load_tokenizer(path, physical_vocab_size=pipe.model.args.vocab_size)
-    pipe.model.effective_vocab_size = tokenizer.effective_vocab_size  # generate_step's default, as load's
+    pipe.model.tokenizer_vocab_size = tokenizer.effective_vocab_size  # generate_step's default, as load's
     return pipe, pipe.model, tokenizer
 
 

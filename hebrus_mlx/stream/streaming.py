@@ -183,10 +183,10 @@ class Streaming:
         and, with a mirror, its read split."""
         lines = [] if self.sweep_summary() is None else [self.sweep_summary()]
         counters = self.engine.counters()
-        lines.append(io_summary(counters, self.prefetch))
         split = io_split_summary(counters, self.engine.store_kinds)
         if split is not None:
             lines.append(split)
+        lines.append(io_summary(counters, self.prefetch))  # last, as generate's stats always ended
         if self.experts is not None and self.experts.mirror is not None:
             lines.append(mirror_summary(self.engine.file_reads(self.experts.store)))
         return lines
