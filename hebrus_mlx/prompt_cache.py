@@ -173,7 +173,14 @@ def stream_with_cache(
     if not prefill(model, mx.array(ids[n:-1], dtype=mx.int32), cache, prefill_step_size, cancelled):
         return
     # The prompt's state is stored once its first token's logits came out finite (AFN-010).
-    prefix = cache.snapshot() if prompt_cache is not None and len(ids) - 1 > n else None
+    staged = prompt_cache is not None and len(ids) - 1 > n
+    if staged and getattr(cache, "pipe", None) is not None:
+        # A pipeline's other ranks take a snapshot only with the next forward and cannot be put back
+        # to one they never took (pipeline/stage.py), so the restore dance below would lose their
+        # state: the prompt's state is stored at once there, before its first token is checked.
+        prompt_cache.insert(ids[:-1], cache)
+        staged = False
+    prefix = cache.snapshot() if staged else None
     extra = {} if draft_model is None else {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
     if logits_processors:
         extra["logits_processors"] = _with_prefix(logits_processors, ids[:-1])

@@ -91,7 +91,9 @@ def implementations(model: nn.Module) -> dict:
     generate --verbose prints it (implementations_line) and bench records it."""
     blocks: dict = {}
     joined = 0
-    for _, m in model.named_modules():
+    # A pipeline stage's model wraps its Model (`.model`); a stand-in without modules runs no block here.
+    modules = model if hasattr(model, "named_modules") else getattr(model, "model", None)
+    for _, m in modules.named_modules() if hasattr(modules, "named_modules") else ():
         base = next((b for b in SWAPPABLE if isinstance(m, b)), None)
         if base is not None:
             counts = blocks.setdefault(base.__name__, {})
@@ -99,7 +101,7 @@ def implementations(model: nn.Module) -> dict:
         projector = m.__dict__.get("_projector")
         if projector is not None and projector.joined is not None:
             joined += 1
-    options = getattr(model, "options", None)
+    options = getattr(modules, "options", None)
     return {
         "blocks": blocks,
         "joined_projection_groups": joined,
