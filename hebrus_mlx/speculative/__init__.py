@@ -50,7 +50,7 @@ def _ngram(model, args):
 
 def _mtp(model, args):
     try:
-        from . import mtp_drafter as mod
+        import hebrus_mlx.speculative.mtp_drafter as mod
     except ModuleNotFoundError as e:
         if e.name != "hebrus_mlx.speculative.mtp_drafter":
             raise
