@@ -13,5 +13,8 @@ VERB_MODULES = (
 
 
 def patch_load_from_args(monkeypatch, fake) -> None:
-    for name in VERB_MODULES:
-        monkeypatch.setattr(importlib.import_module(name), "load_from_args", fake)
+    # Import every module first: one imported after verb_flags is patched would bind the fake as
+    # its own, and monkeypatch would then "restore" the fake there.
+    modules = [importlib.import_module(name) for name in VERB_MODULES]
+    for module in modules:
+        monkeypatch.setattr(module, "load_from_args", fake)
