@@ -36,7 +36,7 @@ MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
 
 
-def _show(v) -> str:
+def show_value(v) -> str:
     text = json.dumps(v, ensure_ascii=False)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -50,7 +50,7 @@ def _keys(obj: dict, allowed: tuple, where: str):
 def _text_of(obj: dict, key: str, where: str) -> str:
     v = obj.get(key)
     if not isinstance(v, str):
-        raise RequestError(f"{where}.{key} must be a string, got {_show(v)}", f"{where}.{key}")
+        raise RequestError(f"{where}.{key} must be a string, got {show_value(v)}", f"{where}.{key}")
     return v
 
 
@@ -70,11 +70,11 @@ def _cache_control(block: dict, where: str):
 # -- request fields ------------------------------------------------------------------------------
 
 
-def _integer(lo):
+def integer_field(lo):
     def check(body, name):
         v = body[name]
         if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 2**31 - 1:
-            raise RequestError(f"{name} must be an integer in [{lo}, 2**31 - 1], got {_show(v)}", name)
+            raise RequestError(f"{name} must be an integer in [{lo}, 2**31 - 1], got {show_value(v)}", name)
 
     return check
 
@@ -83,15 +83,15 @@ def _number(lo, hi):
     def check(body, name):
         v = body[name]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not lo <= v <= hi:
-            raise RequestError(f"{name} must be a number in [{lo}, {hi}], got {_show(v)}", name)
+            raise RequestError(f"{name} must be a number in [{lo}, {hi}], got {show_value(v)}", name)
 
     return check
 
 
-def _type(types, what):
+def typed_field(types, what):
     def check(body, name):
         if not isinstance(body[name], types) or (bool not in types and isinstance(body[name], bool)):
-            raise RequestError(f"{name} must be {what}, got {_show(body[name])}", name)
+            raise RequestError(f"{name} must be {what}, got {show_value(body[name])}", name)
 
     return check
 
@@ -118,7 +118,9 @@ def _stop_sequences(body, name):
 def _tools(body, name):
     for where, t in tool_objects(body, name, "tools"):
         if t.get("type", "custom") != "custom":  # Anthropic's server tools (web search, ...) run there
-            raise RequestError(f"{where}.type {_show(t['type'])} is not supported (only custom tools)", f"{where}.type")
+            raise RequestError(
+                f"{where}.type {show_value(t['type'])} is not supported (only custom tools)", f"{where}.type"
+            )
         _keys(t, ("type", "name", "description", "input_schema", "strict", "cache_control"), where)
         tname = t.get("name")
         if not isinstance(tname, str) or not 0 < len(tname) <= MAX_TOOL_NAME_CHARS:
@@ -136,7 +138,7 @@ def _tool_choice(body, name):
     v = body[name]
     kinds = ("auto", "any", "tool", "none")
     if not isinstance(v, dict) or v.get("type") not in kinds:
-        raise RequestError(f"tool_choice must be an object with type {', '.join(kinds)}, got {_show(v)}", name)
+        raise RequestError(f"tool_choice must be an object with type {', '.join(kinds)}, got {show_value(v)}", name)
     _keys(
         v,
         ("type", "name", "disable_parallel_tool_use") if v["type"] == "tool" else ("type", "disable_parallel_tool_use"),
@@ -145,7 +147,9 @@ def _tool_choice(body, name):
     if v["type"] == "tool":
         names = [t.get("name") for t in body.get("tools") or []]
         if v.get("name") not in names:
-            raise RequestError(f"tool_choice.name {_show(v.get('name'))} is not one of the tools", "tool_choice.name")
+            raise RequestError(
+                f"tool_choice.name {show_value(v.get('name'))} is not one of the tools", "tool_choice.name"
+            )
     if not isinstance(v.get("disable_parallel_tool_use", False), bool):
         raise RequestError(
             "tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice.disable_parallel_tool_use"
@@ -155,7 +159,7 @@ def _tool_choice(body, name):
 def _thinking(body, name):
     v = body[name]
     if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled"):
-        raise RequestError(f'thinking must be {{"type": "enabled" | "disabled"}}, got {_show(v)}', name)
+        raise RequestError(f'thinking must be {{"type": "enabled" | "disabled"}}, got {show_value(v)}', name)
     if v["type"] == "disabled":
         _keys(v, ("type",), name)
         return
@@ -165,7 +169,7 @@ def _thinking(body, name):
     budget = v.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
         raise RequestError(
-            f"thinking.budget_tokens must be an integer >= 1024, got {_show(budget)}", "thinking.budget_tokens"
+            f"thinking.budget_tokens must be an integer >= 1024, got {show_value(budget)}", "thinking.budget_tokens"
         )
     if isinstance(body.get("max_tokens"), int) and budget >= body["max_tokens"]:
         raise RequestError("thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")
@@ -174,7 +178,7 @@ def _thinking(body, name):
 def _output_config(body, name):
     v = body[name]
     if not isinstance(v, dict):
-        raise RequestError(f"output_config must be an object, got {_show(v)}", name)
+        raise RequestError(f"output_config must be an object, got {show_value(v)}", name)
     _keys(v, ("format", "effort"), name)
     if v.get("effort") is not None:  # the template's thinking is on/off, no effort levels
         raise RequestError("output_config.effort is not supported by this server", "output_config.effort")
@@ -191,7 +195,7 @@ def _metadata(body, name):
     # Accepted as a no-op (Anthropic's abuse tracking): checked, then unused.
     v = body[name]
     if not isinstance(v, dict):
-        raise RequestError(f"metadata must be an object, got {_show(v)}", name)
+        raise RequestError(f"metadata must be an object, got {show_value(v)}", name)
     _keys(v, ("user_id",), name)
     if v.get("user_id") is not None and not isinstance(v["user_id"], str):
         raise RequestError("metadata.user_id must be a string", "metadata.user_id")
@@ -199,15 +203,15 @@ def _metadata(body, name):
 
 # Every field of each route: its check (None: to_chat checks it). docs/API_FIELDS.md lists them.
 MESSAGES_FIELDS = {
-    "model": _type((str,), "a string"),
+    "model": typed_field((str,), "a string"),
     "messages": None,
-    "max_tokens": _integer(1),
+    "max_tokens": integer_field(1),
     "system": _system,
     "stop_sequences": _stop_sequences,
-    "stream": _type((bool,), "a boolean"),
+    "stream": typed_field((bool,), "a boolean"),
     "temperature": _number(0, 1),
     "top_p": _number(0, 1),
-    "top_k": _integer(0),
+    "top_k": integer_field(0),
     "tools": _tools,
     "tool_choice": _tool_choice,
     "thinking": _thinking,
@@ -307,7 +311,7 @@ def renamed(e: RequestError, origins: list[str]) -> RequestError:
 def _text_block(block, where: str) -> str:
     if not isinstance(block, dict) or block.get("type") != "text":
         kind = block.get("type") if isinstance(block, dict) else block
-        raise RequestError(f"{where}: block {_show(kind)} is not a text block", where)
+        raise RequestError(f"{where}: block {show_value(kind)} is not a text block", where)
     _keys(block, ("type", "text", "cache_control", "citations"), where)
     if block.get("citations"):
         raise RequestError(f"{where}.citations are not supported", f"{where}.citations")
@@ -361,7 +365,7 @@ def to_messages(system, messages) -> tuple[list[dict], list[str]]:
         _keys(m, ("role", "content"), at)
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise RequestError(f"{at}.role {_show(role)} is not user or assistant", f"{at}.role")
+            raise RequestError(f"{at}.role {show_value(role)} is not user or assistant", f"{at}.role")
         content = m.get("content")
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -392,7 +396,9 @@ def to_messages(system, messages) -> tuple[list[dict], list[str]]:
                 thinking.append(_text_of(block, "thinking", where))
             else:
                 allowed = "text, tool_use, thinking" if role == "assistant" else "text, tool_result"
-                raise RequestError(f"{where}: block type {_show(kind)} is not supported ({allowed})", f"{where}.type")
+                raise RequestError(
+                    f"{where}: block type {show_value(kind)} is not supported ({allowed})", f"{where}.type"
+                )
         if role == "assistant":
             if thinking:
                 msg["reasoning_content"] = "\n".join(thinking)

@@ -57,7 +57,7 @@ def _is_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _show(v):
+def show_value(v):
     import json
 
     text = json.dumps(v, ensure_ascii=False)
@@ -68,30 +68,30 @@ def _number(body, name, lo=None, hi=None):
     v = body[name]
     if not _is_number(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (f" >= {lo}" if lo is not None else "")
-        raise RequestError(f"{name} must be a finite number{rng}, got {_show(v)}", name)
+        raise RequestError(f"{name} must be a finite number{rng}, got {show_value(v)}", name)
     return v
 
 
-def _integer(body, name, lo=None, hi=INT32_MAX, expected=None):
+def integer_field(body, name, lo=None, hi=INT32_MAX, expected=None):
     """body[name], an integer in [lo, hi]; the error says `expected` (default: that range)."""
     v = body[name]
     if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise RequestError(f"{name} must be {expected or f'an integer in [{lo}, {hi}]'}, got {_show(v)}", name)
+        raise RequestError(f"{name} must be {expected or f'an integer in [{lo}, {hi}]'}, got {show_value(v)}", name)
     return v
 
 
-def _type(body, name, types, what):
+def typed_field(body, name, types, what):
     v = body[name]
     if not isinstance(v, types) or (
         bool not in (types if isinstance(types, tuple) else (types,)) and isinstance(v, bool)
     ):
-        raise RequestError(f"{name} must be {what}, got {_show(v)}", name)
+        raise RequestError(f"{name} must be {what}, got {show_value(v)}", name)
     return v
 
 
-def _not_yet(name, value):
+def not_yet_supported(name, value):
     raise RequestError(
-        f"{name}={_show(value)} is not supported by this server yet (only its default is accepted)", name
+        f"{name}={show_value(value)} is not supported by this server yet (only its default is accepted)", name
     )
 
 
@@ -101,7 +101,7 @@ def _not_yet(name, value):
 
 
 def _seed(body, name, vocab=None):
-    _integer(body, name, 0, SEED_MAX, "an integer in [0, 2**64 - 1]")
+    integer_field(body, name, 0, SEED_MAX, "an integer in [0, 2**64 - 1]")
 
 
 def stop_strings(v) -> bool:
@@ -126,7 +126,7 @@ def _stop(body, name, vocab=None):
 
 
 def _stream_options(body, name, vocab=None):
-    v = _type(body, name, dict, "an object")
+    v = typed_field(body, name, dict, "an object")
     for k in v:
         if k != "include_usage":
             raise RequestError(f"stream_options.{k} is not a known option (only include_usage)", f"stream_options.{k}")
@@ -152,7 +152,7 @@ def _tools(body, name, vocab=None):
             if k not in ("type", "function"):
                 raise RequestError(f"{where}.{k} is not a tool field (type, function)", f"{where}.{k}")
         if t.get("type") != "function":
-            raise RequestError(f'{where}.type must be "function", got {_show(t.get("type"))}', f"{where}.type")
+            raise RequestError(f'{where}.type must be "function", got {show_value(t.get("type"))}', f"{where}.type")
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise RequestError(f"{where}.function must be an object", f"{where}.function")
@@ -196,24 +196,24 @@ def _tool_choice(body, name, vocab=None):
             return
     raise RequestError(
         'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, '
-        f"got {_show(v)}",
+        f"got {show_value(v)}",
         name,
     )
 
 
 def _bool(body, name, vocab=None):
-    _type(body, name, bool, "a boolean")
+    typed_field(body, name, bool, "a boolean")
 
 
 def _logit_bias(body, name, vocab=None):
     v = body[name]
     if not isinstance(v, dict):
-        raise RequestError(f"logit_bias must be an object of token ID -> bias, got {_show(v)}", name)
+        raise RequestError(f"logit_bias must be an object of token ID -> bias, got {show_value(v)}", name)
     seen = {}
     for k, b in v.items():
         # Length first: int() of a key past Python's int-string limit (4300 digits) raises.
         if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12):
-            raise RequestError(f"logit_bias key {_show(k)} is not a token ID in [0, {vocab})", name)
+            raise RequestError(f"logit_bias key {show_value(k)} is not a token ID in [0, {vocab})", name)
         t = int(k)
         if vocab is not None and t >= vocab:
             raise RequestError(f"logit_bias key {k!r} is not a token ID in [0, {vocab})", name)
@@ -221,7 +221,7 @@ def _logit_bias(body, name, vocab=None):
             raise RequestError(f"logit_bias keys {seen[t]!r} and {k!r} name the same token {t}", name)
         seen[t] = k
         if not _is_number(b) or not -100 <= b <= 100:
-            raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {_show(b)}", name)
+            raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {show_value(b)}", name)
 
 
 def _no_op_number(default, lo=None, hi=None, lo_open=False):
@@ -231,9 +231,9 @@ def _no_op_number(default, lo=None, hi=None, lo_open=False):
             return
         if not _is_number(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
             rng = f"in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
-            raise RequestError(f"{name} must be a finite number {rng}, got {_show(v)}", name)
+            raise RequestError(f"{name} must be a finite number {rng}, got {show_value(v)}", name)
         if v != default:
-            _not_yet(name, v)
+            not_yet_supported(name, v)
 
     return check
 
@@ -242,9 +242,9 @@ def _no_op_int(default, lo, hi):
     def check(body, name, vocab=None):
         if body[name] is None:
             return
-        v = _integer(body, name, lo, hi)
+        v = integer_field(body, name, lo, hi)
         if v != default:
-            _not_yet(name, v)
+            not_yet_supported(name, v)
 
     return check
 
@@ -255,16 +255,16 @@ def _no_op_bool(default):
         if v is None:
             return
         if not isinstance(v, bool):
-            raise RequestError(f"{name} must be a boolean, got {_show(v)}", name)
+            raise RequestError(f"{name} must be a boolean, got {show_value(v)}", name)
         if v != default:
-            _not_yet(name, v)
+            not_yet_supported(name, v)
 
     return check
 
 
 def _context_size(body, name, vocab=None):
     # The window of the matching penalty (mlx-lm's default 20); accepted alone, it changes nothing.
-    _integer(body, name, 1, INT32_MAX, "an integer >= 1")
+    integer_field(body, name, 1, INT32_MAX, "an integer >= 1")
 
 
 def _response_format(body, name, vocab=None):
@@ -276,7 +276,9 @@ def check_format(v, name: str, nested: str | None) -> None:
     schema under `nested` (chat: {"type": "json_schema", "json_schema": {"name", "schema", ...}})
     or beside the type (None: the Responses API's text.format)."""
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
-        raise RequestError(f"{name} must be an object with type text, json_object or json_schema, got {_show(v)}", name)
+        raise RequestError(
+            f"{name} must be an object with type text, json_object or json_schema, got {show_value(v)}", name
+        )
     if v["type"] != "json_schema":
         if set(v) != {"type"}:
             raise RequestError(f"{name} of type {v['type']} takes no other field", name)
@@ -354,7 +356,7 @@ def check_metadata(body, name, vocab=None):
 def _one_of(values):
     def check(body, name, vocab=None):
         if body[name] not in values:
-            raise RequestError(f"{name} must be one of {', '.join(values)}, got {_show(body[name])}", name)
+            raise RequestError(f"{name} must be one of {', '.join(values)}, got {show_value(body[name])}", name)
 
     return check
 
@@ -364,8 +366,8 @@ def thinking_of(effort: str) -> bool:
     return effort not in ("none", "minimal")
 
 
-def _chat_template_kwargs(body, name, vocab=None):
-    v = _type(body, name, dict, "an object")
+def chat_template_kwargs_field(body, name, vocab=None):
+    v = typed_field(body, name, dict, "an object")
     for k, x in v.items():
         if k != "enable_thinking":
             raise RequestError(f"chat_template_kwargs.{k} is not supported (only enable_thinking)", f"{name}.{k}")
@@ -374,20 +376,20 @@ def _chat_template_kwargs(body, name, vocab=None):
 
 
 def _string(body, name, vocab=None):
-    _type(body, name, str, "a string")
+    typed_field(body, name, str, "a string")
 
 
 def _completions_logprobs(body, name, vocab=None):
     # The legacy API's logprobs: how many alternatives per position (0: the chosen token's only).
-    _integer(body, name, 0, MAX_TOP_LOGPROBS)
+    integer_field(body, name, 0, MAX_TOP_LOGPROBS)
 
 
 def _logprobs(body, name, vocab=None):
-    _type(body, name, bool, "a boolean")
+    typed_field(body, name, bool, "a boolean")
 
 
 def _top_logprobs(body, name, vocab=None):
-    v = _integer(body, name, 0, MAX_TOP_LOGPROBS)
+    v = integer_field(body, name, 0, MAX_TOP_LOGPROBS)
     if v and body.get("logprobs") is not True:  # OpenAI's rule: alternatives come with logprobs
         raise RequestError("top_logprobs needs logprobs: true", name)
 
@@ -396,18 +398,18 @@ def _suffix(body, name, vocab=None):
     v = body[name]
     if v not in (None, ""):
         if not isinstance(v, str):
-            raise RequestError(f"suffix must be a string, got {_show(v)}", name)
-        _not_yet(name, v)
+            raise RequestError(f"suffix must be a string, got {show_value(v)}", name)
+        not_yet_supported(name, v)
 
 
-_COMMON = {
+COMMON_FIELDS = {
     "model": _string,
     "user": _string,
     # Honoured sampling fields: range-checked here, read by server.parse_sampling.
-    "max_tokens": lambda b, n, v=None: _integer(b, n, 1),
+    "max_tokens": lambda b, n, v=None: integer_field(b, n, 1),
     "temperature": lambda b, n, v=None: _number(b, n, 0, 1e6),
     "top_p": lambda b, n, v=None: _number(b, n, 0, 1),
-    "top_k": lambda b, n, v=None: _integer(b, n, 0),
+    "top_k": lambda b, n, v=None: integer_field(b, n, 0),
     "min_p": lambda b, n, v=None: _number(b, n, 0, 1),
     "seed": _seed,
     "stop": _stop,
@@ -427,17 +429,17 @@ _COMMON = {
     "logit_bias": _logit_bias,
 }
 CHAT_FIELDS = {
-    **_COMMON,
+    **COMMON_FIELDS,
     **{
         "messages": None,  # the chat renderer checks every message
-        "max_completion_tokens": lambda b, n, v=None: _integer(b, n, 1),
+        "max_completion_tokens": lambda b, n, v=None: integer_field(b, n, 1),
         "tools": _tools,
         "tool_choice": _tool_choice,
         "parallel_tool_calls": _bool,
         "logprobs": _logprobs,
         "top_logprobs": _top_logprobs,
         "response_format": _response_format,
-        "chat_template_kwargs": _chat_template_kwargs,
+        "chat_template_kwargs": chat_template_kwargs_field,
         "store": _bool,
         "metadata": check_metadata,
         "service_tier": _one_of(SERVICE_TIERS),
@@ -445,7 +447,7 @@ CHAT_FIELDS = {
     },
 }
 COMPLETION_FIELDS = {
-    **_COMMON,
+    **COMMON_FIELDS,
     **{
         "prompt": None,  # checked by the endpoint (string or token IDs)
         "logprobs": _completions_logprobs,

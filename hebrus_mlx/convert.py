@@ -31,7 +31,7 @@ from .artifact import manifest as M
 from .artifact.errors import ArtifactError, GeometryError
 from .format import checkpoint_keys as keys
 from .format.qwen4exp_config import mtp_layer_args
-from .sources import _COMPONENT, Source, encode
+from .sources import COMPONENT_HF_NAMES, Source, encode
 
 
 def profile_for(q_bits, q_group_size, dtype, expert_bits=None, expert_group_size=None, ple_dtype=None):
@@ -142,7 +142,7 @@ def _mtp_expert(src, raw, layout, e, comp, fam):
     """(float32 [rows, in], source dtype) of MTP expert e's component, one expert's rows read."""
     m = fam.moe_intermediate_size
     if layout == "unfused":
-        return src.read(raw[f"mtp.layers.0.mlp.experts.{e}.{_COMPONENT[comp]}.weight"])
+        return src.read(raw[f"mtp.layers.0.mlp.experts.{e}.{COMPONENT_HF_NAMES[comp]}.weight"])
     if comp == "down":
         d, dt = src.read(raw["mtp.layers.0.mlp.experts.down_proj"], e, e + 1)
         return d[0], dt
@@ -178,7 +178,9 @@ def write_mtp(w, src, args, fam, profile, report, progress=None):
         for e in range(args.num_experts):
             a, dt = _mtp_expert(src, keys_by_name, report["expert_layout"], e, comp, fam)
             if tuple(a.shape) != tuple(shape):
-                raise GeometryError(f"source.mtp.layers.0.mlp.experts.{e}.{_COMPONENT[comp]}", f"shape {list(a.shape)}")
+                raise GeometryError(
+                    f"source.mtp.layers.0.mlp.experts.{e}.{COMPONENT_HF_NAMES[comp]}", f"shape {list(a.shape)}"
+                )
             put(stem, encode(a, dt, codec_name), e)
     return header
 

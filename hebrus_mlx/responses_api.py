@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 
 from . import api_fields
-from .api_fields import RequestError, _show
+from .api_fields import RequestError, show_value
 from .artifact import untrusted
 
 DEFAULT_STORE_ENTRIES = 256
@@ -47,7 +47,7 @@ def _tools(body, name, vocab=None):
     for where, t in api_fields.tool_objects(body, name, "function tools"):
         if t.get("type") != "function":
             raise RequestError(
-                f"{where}.type {_show(t.get('type'))} is not supported (only function tools)", f"{where}.type"
+                f"{where}.type {show_value(t.get('type'))} is not supported (only function tools)", f"{where}.type"
             )
         for k in t:
             if k not in ("type", "name", "description", "parameters", "strict"):
@@ -71,17 +71,18 @@ def _tool_choice(body, name, vocab=None):
             raise RequestError(f"{name} names the function {v['name']!r}, which is not in tools", name)
         return
     raise RequestError(
-        f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, got {_show(v)}', name
+        f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, got {show_value(v)}',
+        name,
     )
 
 
 def _text(body, name, vocab=None):
-    v = api_fields._type(body, name, dict, "an object")
+    v = api_fields.typed_field(body, name, dict, "an object")
     for k in v:
         if k not in ("format", "verbosity"):
             raise RequestError(f"text.{k} is not a known field (format, verbosity)", f"text.{k}")
     if v.get("verbosity") not in (None, "medium"):
-        api_fields._not_yet("text.verbosity", v["verbosity"])
+        api_fields.not_yet_supported("text.verbosity", v["verbosity"])
     if v.get("format") is not None:
         api_fields.check_format(v["format"], "text.format", None)
 
@@ -102,21 +103,21 @@ def constraint(body: dict) -> dict | None:
 def _only(value, what):
     def check(body, name, vocab=None):
         if body[name] != value:
-            api_fields._not_yet(name, body[name])
+            api_fields.not_yet_supported(name, body[name])
 
     check.__doc__ = what
     return check
 
 
 def _bool(body, name, vocab=None):
-    api_fields._type(body, name, bool, "a boolean")
+    api_fields.typed_field(body, name, bool, "a boolean")
 
 
 def _string(body, name, vocab=None):
-    api_fields._type(body, name, str, "a string")
+    api_fields.typed_field(body, name, str, "a string")
 
 
-_C = api_fields._COMMON
+_C = api_fields.COMMON_FIELDS
 # The sampling fields, handed on to server.parse_sampling as a chat-completions body.
 _SAMPLING_KEYS = (
     "temperature",
@@ -144,14 +145,14 @@ RESPONSES_FIELDS = {
     "stream": _bool,
     "store": _bool,
     "previous_response_id": _string,
-    "max_output_tokens": lambda b, n, v=None: api_fields._integer(b, n, 1),
+    "max_output_tokens": lambda b, n, v=None: api_fields.integer_field(b, n, 1),
     "metadata": api_fields.check_metadata,
     "text": _text,
     "reasoning": _only(None, "reasoning effort cannot be steered"),
     "truncation": _only("disabled", "the context is never truncated"),
     "include": _only([], "no extra output"),
     "top_logprobs": _only(0, "logprobs of the Responses API are not implemented"),
-    "chat_template_kwargs": api_fields._chat_template_kwargs,
+    "chat_template_kwargs": api_fields.chat_template_kwargs_field,
     # Sampling and logits processors, as for /v1/chat/completions.
     **{k: _C[k] for k in _SAMPLING_KEYS},
 }
@@ -237,7 +238,9 @@ def _content_text(content, where: str, assistant: bool) -> str:
         at = f"{where}[{j}]"
         if not isinstance(part, dict) or part.get("type") not in kinds + ("text",):
             kind = part.get("type") if isinstance(part, dict) else part
-            raise RequestError(f"{at}: content part {_show(kind)} is not supported (text only: {', '.join(kinds)})", at)
+            raise RequestError(
+                f"{at}: content part {show_value(kind)} is not supported (text only: {', '.join(kinds)})", at
+            )
         text = part.get("text", part.get("refusal"))
         if not isinstance(text, str):
             raise RequestError(f"{at}.text must be a string", f"{at}.text")
@@ -280,7 +283,7 @@ def to_messages(items, where: str = "input", history: list | None = None) -> lis
         if kind == "message":
             role = item.get("role")
             if role not in _ROLES:
-                raise RequestError(f"{at}.role {_show(role)} is not one of {', '.join(_ROLES)}", f"{at}.role")
+                raise RequestError(f"{at}.role {show_value(role)} is not one of {', '.join(_ROLES)}", f"{at}.role")
             text = _content_text(item.get("content"), f"{at}.content", role == "assistant")
             if role == "assistant":
                 msg = assistant()
@@ -328,7 +331,7 @@ def to_messages(items, where: str = "input", history: list | None = None) -> lis
             continue
         else:
             raise RequestError(
-                f"{at}.type {_show(kind)} is not supported (message, function_call, function_call_output, reasoning)",
+                f"{at}.type {show_value(kind)} is not supported (message, function_call, function_call_output, reasoning)",
                 f"{at}.type",
             )
         if reasoning and out[-1]["role"] == "assistant":

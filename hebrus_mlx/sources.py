@@ -15,7 +15,7 @@ from .convert_fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
 from .format import checkpoint_keys as keys
 from .format.qwen4exp_config import ple_constants
 
-_COMPONENT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+COMPONENT_HF_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
 class Source:
@@ -110,7 +110,9 @@ class Source:
         parts = {}
         for comp, (a, dt) in _expert_matrices(self, layout, layer, e, fam).items():
             if tuple(a.shape) != fam.component_shapes()[comp]:
-                raise GeometryError(f"source.layers.{layer}.experts.{e}.{_COMPONENT[comp]}", f"shape {list(a.shape)}")
+                raise GeometryError(
+                    f"source.layers.{layer}.experts.{e}.{COMPONENT_HF_NAMES[comp]}", f"shape {list(a.shape)}"
+                )
             parts[comp] = encode(a, dt, codec_name)
         return parts
 
@@ -188,7 +190,7 @@ def _expert_matrices(src, layout, layer, e, fam):
     m, h = fam.moe_intermediate_size, fam.hidden_size
     prefix = f"model.layers.{layer}.mlp.experts."
     if layout == "unfused":
-        return {comp: src.read(src.key(f"{prefix}{e}.{hf}.weight")) for comp, hf in _COMPONENT.items()}
+        return {comp: src.read(src.key(f"{prefix}{e}.{hf}.weight")) for comp, hf in COMPONENT_HF_NAMES.items()}
     gate_up, down = src.key(prefix + "gate_up_proj"), src.key(prefix + "down_proj")
     want = {gate_up: (fam.num_experts, 2 * m, h), down: (fam.num_experts, h, m)}
     for key, shape in want.items():
