@@ -699,6 +699,6 @@ def test_pipeline_load_applies_graph_options_and_the_machine_profile(monkeypatch
     pipe, model, tok = load_or_serve(DEMO_DIR, args)
     assert pipe.size == 1 and reads == [1]
     assert (model.local.options.join_projections, model.local.options.dense_sdpa) == (False, False)
-    assert model.effective_vocab_size == tok.effective_vocab_size
+    assert model.tokenizer_vocab_size == tok.effective_vocab_size
     plain = load_or_serve(DEMO_DIR, build_parser().parse_args([]))[1]
     assert (plain.local.options.join_projections, plain.local.options.dense_sdpa) == (True, True)
