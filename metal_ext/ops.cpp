@@ -139,6 +139,13 @@ uint64_t table_length(Engine& engine, int table) {
 } // namespace
 
 Request TableRead::row(const Table& t, uint32_t id) const {
+  if (id >= t.rows.size()) {
+    throw StreamError(
+        ErrorCode::kBadRequest,
+        "indices: " + std::to_string(id) + " out of range for table " +
+            std::to_string(table) + " with " + std::to_string(t.rows.size()) +
+            " rows");
+  }
   const TableRow& row = t.rows[id];
   Request r;
   r.store = t.store;
@@ -298,14 +305,7 @@ static void gather_records_host(
     engine.copy_out(v, dst + i * length);
   });
   for (size_t i = 0; i < idx.size(); ++i) {
-    if (ix[i] >= t.rows.size()) {
-      throw StreamError(
-          ErrorCode::kBadRequest,
-          "indices: " + std::to_string(ix[i]) + " out of range for table " +
-              std::to_string(read.table) + " with " +
-              std::to_string(t.rows.size()) + " rows");
-    }
-    waves.issue(i, read.row(t, ix[i]));
+    waves.issue(i, read.row(t, ix[i])); // out of range: kBadRequest
   }
   waves.drain();
 }
@@ -563,12 +563,6 @@ static void resolve_host(
     // Every record must be pinned at once (the kernel reads them all), so
     // a full arena is an error here rather than a wave boundary.
     for (size_t i = 0; i < idx.size(); ++i) {
-      if (ix[i] >= t.rows.size()) {
-        throw StreamError(
-            ErrorCode::kBadRequest,
-            "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                std::to_string(read.table));
-      }
       // Rows held by draining prefetches free up; our own pins do not.
       tickets.push_back(request_with_room(
           *engine, read.row(t, ix[i]),
@@ -648,12 +642,6 @@ static void wave_issue_host(
   const uint32_t* ix = idx.data<uint32_t>();
   try {
     for (size_t i = 0; i < idx.size(); ++i) {
-      if (ix[i] >= t.rows.size()) {
-        throw StreamError(
-            ErrorCode::kBadRequest,
-            "indices: " + std::to_string(ix[i]) + " out of range for table " +
-                std::to_string(read.table));
-      }
       Request r = read.row(t, ix[i]);
       r.deadline_ns = deadline_ns;
       // Every record is pinned at once, as in resolve.

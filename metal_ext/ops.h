@@ -126,7 +126,8 @@ struct TableRead {
   uint64_t owner;
   uint64_t generation;
   int layer;
-  // The exact P0 request for row `id` (callers lower priority / exact).
+  // The exact P0 request for row `id` (callers lower priority / exact); an id
+  // past the table is a StreamError (kBadRequest) naming `indices`.
   Request row(const Table& t, uint32_t id) const;
 };
 

@@ -242,3 +242,25 @@ def test_wave_reads_are_p0_exact_with_a_deadline():
     mx.eval(eng.release_after(after, wave.lease))
     assert eng.counters()["deadline_misses"] == 2
     assert eng.memory()["pinned_slots"] == 0
+
+
+def test_an_index_past_the_table_is_refused_by_every_table_op():
+    """gather, resolve and the wave share one bounds check (TableRead::row): an expert id past
+    the layer's table is a StreamRequestError naming `indices`, and nothing stays pinned or open."""
+    from hebrus_mlx.stream.errors import StreamRequestError, translate
+
+    experts, _ = _demo_experts(rows=16)
+    eng = experts.engine
+    bad = mx.array([[3, experts.num_layers * experts.num_experts]], dtype=mx.uint32)  # record ids
+    ops = {
+        "gather": lambda: eng.gather(experts.table, bad),
+        "resolve": lambda: eng.resolve(experts.table, bad)[0],
+        "wave": lambda: eng.resolve_wave(experts.table, bad).lease,
+    }
+    for name, op in ops.items():
+        with pytest.raises(RuntimeError) as e:  # a failed graph op: tagged, typed by translate
+            mx.eval(op())
+        typed = translate(e.value)
+        assert isinstance(typed, StreamRequestError) and "indices" in str(typed), name
+        assert "out of range" in str(typed), name
+        assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0, name
