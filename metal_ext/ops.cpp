@@ -615,18 +615,28 @@ std::pair<mx::array, mx::array> resolve_records(
 
 // What a wave's issue op and take ops share: the tickets in position order
 // (written once by the issue task, before any take task runs: each take op
-// reads the lease) and which are taken. Owned by the lease buffer and the
-// ops; whatever is still held when the last owner drops is released.
+// reads the lease) and which positions are taken. Owned by the lease buffer
+// and the ops; whatever is still held when the last owner drops is released.
+//
+// A wave fails once: the task that meets the failure (the issue, or a take
+// whose record failed or was cancelled) cancels every ticket and raises;
+// the wave's later takes then give row 0 for each position still open and
+// raise nothing. MLX clears a stream's error once the main thread has
+// raised it, and a pipelined step's main thread can raise it while the
+// failed step's later takes are still queued: a second error from one of
+// them would fail the next, healthy evaluation, naming this wave's ticket.
 struct Wave::State {
   std::shared_ptr<Engine> engine;
   std::vector<uint64_t> tickets;
-  std::vector<uint8_t> taken;
+  std::vector<uint8_t> taken; // one per position, set by resolve_wave
+  std::atomic<bool> failed{false};
   ~State() {
     for (uint64_t t : tickets) {
       engine->release(t);
     }
   }
-  void cancel_all() {
+  void fail() {
+    failed.store(true);
     for (uint64_t t : tickets) {
       engine->cancel(t);
     }
@@ -649,14 +659,35 @@ static void wave_issue_host(
           request_with_room(engine, r, [] { return false; }));
     }
   } catch (...) {
-    state.cancel_all();
+    state.fail();
     throw;
   }
-  state.taken.assign(state.tickets.size(), 0);
   std::memcpy(lease, state.tickets.data(), state.tickets.size() * sizeof(uint64_t));
 }
 
+// After a failure: the open positions in order, each with row 0 (a valid
+// arena row; the evaluation has already failed, so nothing reads it as a
+// record).
+static void wave_take_failed(Wave::State& state, int n, uint32_t* rows, uint32_t* pos) {
+  size_t i = 0;
+  for (int j = 0; j < n; ++j) {
+    while (i < state.taken.size() && state.taken[i]) {
+      ++i;
+    }
+    // Takes cover the positions once (checked when they are built).
+    pos[j] = static_cast<uint32_t>(std::min(i, state.taken.size() - 1));
+    rows[j] = 0;
+    if (i < state.taken.size()) {
+      state.taken[i] = 1;
+    }
+  }
+}
+
 static void wave_take_host(Wave::State& state, int n, uint32_t* rows, uint32_t* pos) {
+  if (state.failed.load()) {
+    wave_take_failed(state, n, rows, pos);
+    return;
+  }
   Engine& engine = *state.engine;
   try {
     for (int j = 0; j < n; ++j) {
@@ -677,7 +708,7 @@ static void wave_take_host(Wave::State& state, int n, uint32_t* rows, uint32_t* 
       state.taken[where[i]] = 1;
     }
   } catch (...) {
-    state.cancel_all();
+    state.fail();
     throw;
   }
 }
@@ -696,6 +727,7 @@ std::shared_ptr<Wave> resolve_wave(
   }
   auto state = std::make_shared<Wave::State>();
   state->engine = engine;
+  state->taken.assign(indices.size(), 0);
   int64_t budget = deadline_s > 0 ? int64_t(deadline_s * 1e9) : -1;
   mx::Stream s = op_stream();
   mx::array idx = index_input(indices, s);

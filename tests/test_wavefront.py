@@ -264,3 +264,35 @@ def test_an_index_past_the_table_is_refused_by_every_table_op():
         assert isinstance(typed, StreamRequestError) and "indices" in str(typed), name
         assert "out of range" in str(typed), name
         assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0, name
+
+
+@pytest.mark.parametrize("fault", ["cancel", "eio"])
+def test_a_failed_wave_raises_once_and_its_later_takes_stay_quiet(fault):
+    """A wave whose record fails (its ticket cancelled, or its read failing) raises from the take
+    that meets the failure; the wave's later takes raise nothing. MLX clears a stream's error once
+    the main thread has raised it, and a pipelined step's main thread raises it while the failed
+    step's later takes may still be queued: a second error from one of them would fail the next,
+    healthy step (naming the failed step's ticket). Here the main thread raises the first error
+    before the later takes run, every time: they must not fail again, and nothing stays pinned."""
+    from hebrus_mlx.stream.errors import StreamIOError, TicketCancelledError, translate
+
+    experts, _ = _demo_experts(rows=16)
+    eng = experts.engine
+    eng.hold(True)
+    wave = experts.wave(0, mx.array([[3, 4, 5]], dtype=mx.uint32))
+    mx.eval(wave.lease)
+    first, _pos = wave.take(wave.lease)
+    rest, _pos = wave.take(first, 2)
+    if fault == "cancel":
+        assert eng.cancel(int(np.array(wave.lease)[0]))
+    else:
+        eng.inject_fault("eio", 1)
+        eng.set_read_delay_us(0)
+    eng.hold(False)
+    with pytest.raises(RuntimeError) as e:
+        mx.eval(first)
+    assert type(translate(e.value)) is (TicketCancelledError if fault == "cancel" else StreamIOError)
+    # The failed step's later takes run after the main thread has raised (and MLX cleared) its error.
+    mx.eval(eng.release_after(rest, wave.lease))
+    mx.eval(mx.array(1) + 1)  # no error left for the next evaluation
+    assert eng.memory()["pinned_slots"] == 0 and eng.memory()["tickets"] == 0
