@@ -34,7 +34,8 @@ GRID_GB = (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96)
 RUNTIME_POLICY = "clock"  # the loader's arena policy (loading/build_model.py); no flag selects another
 RUNTIME_PREFETCH = ("off", "previous", "router-reuse:1", "router-reuse:2", "hyper-reuse")  # --prefetch values
 # Whether the runtime's streamed MoE step computes a layer's resident experts while its misses are
-# read (stream.switch); the projection credits that overlap only when the runtime does it.
+# read (stream.switch); the projection credits that overlap only when the runtime does it. It does
+# by default on the CPU device only, not on the GPU the projected Macs decode on.
 RUNTIME_WAVEFRONT = False
 BATCHES = (1, 2, 4, 8)  # concurrent requests projected for agents (continuous batching)
 DEFAULT_PREFETCH = "router-reuse:1"  # stream.predict.DEFAULT (not imported: that module needs MLX)

@@ -56,11 +56,12 @@ class StreamedExperts:
         the record's SHA-256 (artifacts without fast digests).
     wavefront: a one-token step computes each routed expert as its record
         lands (resident ones first) instead of waiting for all top-k
-        (StreamedSwitchGLU; AFN-019 H4). True: opt in. None (default) and
-        False: the resolve-all path. Off by default while a ticket cancelled
-        mid-wave can leave the next step naming it (tests/test_stream_model.py
-        ::test_cancelled_ticket_mid_step_is_typed_and_clean failed 1 run in 3
-        with it on); on the GPU each expert would also cost a host round trip.
+        (StreamedSwitchGLU; AFN-019 H4). None (default): on when the default
+        device is the CPU (on the GPU each expert would cost a host round
+        trip the GPU waits on; not measured there). False: the resolve-all
+        path. It pays where an expert's compute is long against a read
+        (real geometry: exposed wait x0.18-0.20); the demo's experts compute
+        in microseconds and its decode is slower with it (docs/BENCHMARKS.md).
     """
 
     def __init__(
@@ -85,7 +86,7 @@ class StreamedExperts:
         self.top_k = reader.family.num_experts_per_tok
         self.rows = rows
         self.prefetch_previous = prefetch_previous
-        self.wavefront = bool(wavefront)
+        self.wavefront = mx.default_device() == mx.cpu if wavefront is None else bool(wavefront)
         # P0 deadline of a wave's exact misses (the engine counts reads published later).
         self.wave_deadline_s = WAVE_DEADLINE_S
         # Records per wavefront step: one gather_qmm call per projection for this many experts.
