@@ -307,6 +307,49 @@ def test_streamed_5pct_greedy_identical_and_tickets_retired(plain):
     model.streaming.engine.close()
 
 
+def test_streamed_draft_tokens_are_read_at_p2_never_ahead_of_p0(plain):
+    """Before each draft, speculation requests the records its draft tokens are expected to route
+    to (the last token's routes, every streamed layer) at P2: such reads run on spare bandwidth
+    only, none starting while a P0 read is queued (the trace's issue/start times), and greedy
+    tokens stay plain decoding's."""
+    from hebrus_mlx.stream import engine as se
+
+    if not se.available():
+        pytest.skip("extension not built")
+    from test_stream_model import _cache_gb
+
+    gb, _ = _cache_gb(str(DEMO_DIR))
+    model, tok = load("demo", expert_cache_gb=gb)
+    ids, want = plain
+    experts, eng = model.streaming.experts, model.streaming.engine
+    requested = []
+    prefetch = experts.prefetch
+
+    def spy(layer, indices, priority=se.P1, confidence=1.0):
+        requested.append(priority)
+        return prefetch(layer, indices, priority, confidence)
+
+    experts.prefetch = spy
+    eng.enable_trace(1 << 16)
+    try:
+        got, stats = _spec(model, tok, ids, Perturbed(want), 3, governor=None)
+        ev, dropped = eng.trace_events()
+    finally:
+        eng.close()
+    assert got == want and dropped == 0
+    layers = len(model.layers)
+    drafted_blocks = sum(v for k, v in stats.block_sizes.items() if k > 0)
+    # Every draft requested each layer's predicted records at P2 (the first has no routes yet:
+    # the prompt's last token routed them).
+    assert drafted_blocks > 0 and requested.count(se.P2) == drafted_blocks * layers
+    reads = ev[ev["kind"] == "read"]
+    p0 = reads[reads["priority"] == se.P0]
+    p2 = reads[reads["priority"] == se.P2]
+    assert len(p2) > 0  # some ran from the P2 queue (the rest were hits or joined by P0/P1)
+    for r in p2:  # no P0 read was queued when a P2 read started
+        assert not ((p0["issue_ns"] < r["start_ns"]) & (p0["start_ns"] > r["start_ns"])).any()
+
+
 # -- sampling: the target's distribution ------------------------------------------------------------
 
 

@@ -43,6 +43,10 @@ class Streaming(Protocol):
     max_chunk_tokens: int | None  # tokens one forward may take (a chunk pins every expert it routes to)
     prefill_chunk_cap: int | None  # what prefill chunks are capped at (None with a prefill sweep ring)
 
+    def prefetch_drafts(self) -> None:
+        """Speculation is about to draft: request the records the draft tokens are expected to
+        route to at P2 (spare read bandwidth only, never ahead of a P0 or P1 read)."""
+
     def request(self) -> AbstractContextManager[TicketScope]:
         """``with streaming.request() as scope:`` the ticket scope of one request; a request
         opened inside another shares its scope."""

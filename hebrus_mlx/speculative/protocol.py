@@ -212,6 +212,9 @@ class Speculation:
         self.stats.block_sizes[0] = self.stats.block_sizes.get(0, 0) + 1
 
     def propose(self, n: int) -> Proposal:
+        if n > 0 and self._io is not None:
+            # The draft tokens' records at P2 while the drafter runs (spare bandwidth only).
+            self._io.prefetch_drafts()
         t0 = time.perf_counter()
         proposal = self.drafter.propose(n).truncate(n)
         self._t_draft = time.perf_counter() - t0

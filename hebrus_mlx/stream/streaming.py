@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..errors import UsageError
-from .engine import StreamEngine, io_split_summary, io_summary, mirror_summary
+from .engine import P2, StreamEngine, io_split_summary, io_summary, mirror_summary
 from .experts import StreamedExperts
 from .predict import Predictor, PrefetchSpec, parse_prefetch
 from .sweep import CROSSOVER, PrefillSweep, SweepBudgetError, parse_mode
@@ -198,6 +198,21 @@ class Streaming:
     def memory(self) -> dict:
         """The engine's memory view (open tickets, pinned slots; StreamEngine.memory)."""
         return self.engine.memory()
+
+    def prefetch_drafts(self) -> None:
+        """Speculation is about to draft (speculative.protocol.Speculation.propose): request, in
+        every streamed layer, the records the draft tokens are expected to route to, at P2. The
+        prediction is the last token's routes (consecutive tokens share most of theirs; the
+        control the P1 layer-start hint uses), issued before the drafter runs instead of as each
+        layer of the verify forward starts. P2 is spare bandwidth only: the engine starts a P2
+        read only while no P0 or P1 read is queued, and a P0 or P1 request for a record still
+        queued at P2 moves that read up. Non-exact reads: a wrong guess is never pinned. Nothing
+        with read-ahead off (``--prefetch off``: exact misses only)."""
+        if self.prefetch is None or self.prefetch.kind == "off":
+            return
+        hints = [h for s in self.switches if (h := s.prefetch_previous_at(P2)) is not None]
+        if hints:
+            mx.async_eval(*hints)
 
     @property
     def streams_experts(self) -> bool:

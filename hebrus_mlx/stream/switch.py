@@ -86,6 +86,13 @@ class StreamedSwitchGLU(nn.Module):
         failed step whose routes must not be evaluated by the next sequence."""
         self._prev = None
 
+    def prefetch_previous_at(self, priority: int) -> mx.array | None:
+        """The previous token's routes of this layer requested at ``priority`` (a hint; None
+        before this layer has routed a token)."""
+        if self._prev is None:
+            return None
+        return self._experts.prefetch(self.layer, self._prev, priority)
+
     def layer_start(self, x: mx.array) -> mx.array:
         """``x`` (the layer's input), made to depend on the P1 hint."""
         if not self._experts.prefetch_previous or self._prev is None:
