@@ -8,7 +8,8 @@ What is swapped, and where it applies:
 - joined projections: each block's same-input Linears as one matmul for inputs up to
   `join_max_tokens` positions (a projector on the block, consulted by `qwen4exp._project`);
 - `[in, out]` layout: resident float weights re-stored transposed (values and module code unchanged);
-- one-graph blocks: the hyper-connection mix and the PLE mix as one compiled graph;
+- one-graph blocks: the hyper-connection mix, the PLE mix and the MoE after its projections (decode
+  sizes, one CPU stream) each as one compiled graph;
 - second CPU stream: half the routed experts, the prefill projections and half the positions'
   logits on another CPU stream (models/cpu_streams.py), from the active options' `cpu_streams`;
 - QSA: one rope table per call (`rope_tables`), the dense regime through fused SDPA (`dense_sdpa`);
@@ -32,7 +33,7 @@ from . import cpu_streams
 from . import qwen4exp as q
 from .activations import silu
 from .options import GraphOptions
-from .switch_layers import SwitchGLU, SwitchLinear
+from .switch_layers import SORT_MIN_PAIRS, SwitchGLU, SwitchLinear
 
 # Below this many multiply-adds a split site stays on one CPU stream: the cross-stream events cost
 # about what half of it saves (docs/BENCHMARKS.md, "second CPU stream").
@@ -71,6 +72,8 @@ def apply(model: nn.Module, options: GraphOptions | None = None) -> GraphOptions
                 object.__setattr__(m, "_metal", metal)
         elif isinstance(m, q.SparseMoE) and options.cpu_streams == 2:
             _swap(m, SplitSparseMoE)
+        elif isinstance(m, q.SparseMoE) and options.join_projections:
+            _swap(m, OneGraphSparseMoE)
         elif isinstance(m, q.Model) and options.cpu_streams == 2:
             _swap(m, SplitLogitsModel)
     if options.in_major:
@@ -150,7 +153,14 @@ class _Joined:
         self.splits = ends[:-1]
 
     def intact(self, linears) -> bool:
-        return len(linears) == len(self.parts) and all(m.weight is w for m, w in zip(linears, self.parts))
+        # dict.get: a Module keeps its arrays as dict items, and `m.weight` reaches them only after
+        # a failed attribute lookup (this runs for every joined group of every decode step).
+        if len(linears) != len(self.parts):
+            return False
+        for m, w in zip(linears, self.parts):
+            if dict.get(m, "weight") is not w:
+                return False
+        return True
 
 
 def _joinable(linears) -> bool:
@@ -229,7 +239,7 @@ def _rhs(linear: nn.Module) -> mx.array | None:
     per call); None for anything else (quantized, biased)."""
     if type(linear) is not nn.Linear or "bias" in linear:
         return None
-    return q.derived(linear, "_rhs", linear.weight, lambda w: w.T)
+    return q.derived(linear, "_rhs", dict.get(linear, "weight"), lambda w: w.T)
 
 
 @cache
@@ -256,13 +266,46 @@ def _hc_mix_fn(hc_count: int, hidden: int, eps: float, lowrank: int, inject: boo
 
 
 class OneGraphHyperConnection(q.HyperConnection):
-    """Decode steps and short blocks: the whole mix as one compiled graph over 2-D rows."""
+    """Decode steps and short blocks: the whole mix as one compiled graph over 2-D rows.
+
+    What the graph reads (the compiled function, the folded norm scale, the two right-hand sides) is
+    worked out once and kept with the arrays it came from; each call checks those by identity only
+    (`dict.get`: a Module keeps its arrays as dict items, slower to reach as attributes), so a load,
+    update or quantization of any of them makes it worked out again, or the per-part path taken."""
 
     def _one_graph_rhs(self, streams, inject: bool):
         """(down, up) right-hand sides, or None where the one graph does not apply: longer inputs,
         quantized or replaced parts, a joined group no longer intact."""
+        plan = self._plan(streams, inject)
+        return None if plan is None else plan[2:]
+
+    def _plan(self, streams, inject: bool):
         projector = self.__dict__.get("_projector")
         if projector is None or streams.shape[-2] > projector.max_tokens:
+            return None
+        get = dict.get
+        norm, down_l, up_l = get(self, "hc_norm"), get(self, "input_mix_weight_down"), get(self, "input_mix_weight_up")
+        inject_l = get(self, "block_inject_weight") if inject else None
+        sources = (
+            norm,
+            get(norm, "weight"),
+            norm.stored_folded,
+            down_l,
+            get(down_l, "weight"),
+            up_l,
+            get(up_l, "weight"),
+            inject_l,
+            None if inject_l is None else get(inject_l, "weight"),
+        )
+        cached = self.__dict__.get("_plans", {}).get(inject)
+        if cached is not None and all(a is b for a, b in zip(cached[0], sources)):
+            return cached[1]
+        plan = self._make_plan(projector, inject)
+        object.__setattr__(self, "_plans", {**self.__dict__.get("_plans", {}), inject: (sources, plan)})
+        return plan
+
+    def _make_plan(self, projector, inject: bool):
+        if type(self.hc_norm) is not q.ZeroCenteredRMSNorm:
             return None
         up = _rhs(self.input_mix_weight_up)
         if inject:
@@ -272,16 +315,18 @@ class OneGraphHyperConnection(q.HyperConnection):
             down = j.rhs
         else:
             down = _rhs(self.input_mix_weight_down)
-        return None if down is None or up is None else (down, up)
+        if down is None or up is None:
+            return None
+        lowrank = self.input_mix_weight_up.weight.shape[-1]
+        fn = _hc_mix_fn(self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank, inject)
+        return fn, self.hc_norm.grouped_scale, down, up
 
     def mix(self, streams, inject: bool = False):
-        rhs = self._one_graph_rhs(streams, inject)
-        if rhs is None:
+        plan = self._plan(streams, inject)
+        if plan is None:
             return super().mix(streams, inject)
-        lowrank = self.input_mix_weight_up.weight.shape[-1]
-        return _hc_mix_fn(self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank, inject)(
-            streams, self.hc_norm.grouped_scale, *rhs
-        )
+        fn, *arrays = plan
+        return fn(streams, *arrays)
 
 
 @cache
@@ -337,6 +382,49 @@ class FastQSAAttention(q.QSAAttention):
         return super().attend(queries, keys, values, idx, ok, n_tokens)
 
 
+# ---- one-graph MoE -----------------------------------------------------------------------------
+
+
+@cache
+def _moe_fn(k: int, norm_topk_prob: bool):
+    """SparseMoE.experts for resident float experts at decode sizes (rows left in token order) as one
+    compiled graph: the same ops in the same order as the plain path's route, SwitchGLU, shared
+    expert and combine."""
+
+    @q.compiled_region
+    def experts(x, logits, shared_logit, shared_gate, shared_up, gate_rhs, up_rhs, down_rhs, shared_down_rhs):
+        inds, scores = q.route_logits(logits, k, norm_topk_prob)
+        scores = scores.astype(x.dtype)
+        rows = mx.expand_dims(x, (-2, -3))
+        up = mx.gather_mm(rows, up_rhs, rhs_indices=inds)
+        gate = mx.gather_mm(rows, gate_rhs, rhs_indices=inds)
+        routed = mx.gather_mm(silu(gate) * up, down_rhs, rhs_indices=inds).squeeze(-2)
+        shared = (silu(shared_gate) * shared_up) @ shared_down_rhs
+        out = (routed * scores[..., None]).sum(axis=-2) + mx.sigmoid(shared_logit) * shared
+        return out, inds, scores
+
+    return experts
+
+
+class OneGraphSparseMoE(q.SparseMoE):
+    """Decode steps: everything after the projections as one compiled graph, where the routed
+    experts are the resident float SwitchGLU (not streamed, not quantized) and the shared expert's
+    down projection a bias-free float Linear; else the plain parts."""
+
+    def experts(self, x, logits, shared_logit, shared_gate, shared_up):
+        switch = dict.get(self, "switch_mlp")
+        if type(switch) is not SwitchGLU or x.size // x.shape[-1] * self.top_k >= SORT_MIN_PAIRS:
+            return super().experts(x, logits, shared_logit, shared_gate, shared_up)
+        parts = [dict.get(switch, name) for name in ("gate_proj", "up_proj", "down_proj")]
+        shared_down = _rhs(dict.get(dict.get(self, "shared_expert"), "down_proj"))
+        if shared_down is None or any(type(p) is not SwitchLinear for p in parts):
+            return super().experts(x, logits, shared_logit, shared_gate, shared_up)
+        gate, up, down = (p.rhs() for p in parts)
+        return _moe_fn(self.top_k, self.norm_topk_prob)(
+            x, logits, shared_logit, shared_gate, shared_up, gate, up, down, shared_down
+        )
+
+
 # ---- second CPU stream -------------------------------------------------------------------------
 
 
@@ -368,8 +456,8 @@ class SplitLogitsModel(q.Model):
         # of the weight would be a strided view, copied per call; row halves of `h` are contiguous).
         half = h.shape[-2] // 2
         with mx.stream(side):
-            late = self.lm_head(h[..., half:, :])
-        return self.mask_unassigned(mx.concatenate([self.lm_head(h[..., :half, :]), late], axis=-2))
+            late = q.linear(self.lm_head, h[..., half:, :])
+        return self.mask_unassigned(mx.concatenate([q.linear(self.lm_head, h[..., :half, :]), late], axis=-2))
 
 
 # ---- qualified Metal kernels -------------------------------------------------------------------

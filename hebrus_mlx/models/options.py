@@ -83,7 +83,10 @@ class GraphOptions:
         )
 
     def resolved(self) -> GraphOptions:
-        """The None fields decided for the default device."""
+        """The None fields decided for the default device (itself when none is None: a model's
+        options are resolved once at load, and each forward asks again)."""
+        if None not in (self.compile, self.in_major, self.rope_tables, self.cpu_streams):
+            return self
         cpu = mx.default_device() == mx.cpu
         auto = {"compile": not cpu, "in_major": cpu, "rope_tables": cpu, "cpu_streams": min(2, _cores())}
         return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})

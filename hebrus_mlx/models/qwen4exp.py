@@ -12,7 +12,8 @@ class by a subclass that overrides only these methods, with the same parameters,
 - `HyperConnection.mix` (one compiled graph), `HyperConnection.combine` (Metal kernel);
 - `PLELayer.mix` (one compiled graph); `NGramEmbedding.lookup` (Metal kernel);
 - `QSAAttention.rotations`, `QSAAttention.attend` (rope tables, fused dense SDPA, Metal kernel);
-- `SparseMoE.routed_experts` (half the experts on a second CPU stream);
+- `SparseMoE.routed_experts` (half the experts on a second CPU stream), `SparseMoE.experts` (one
+  compiled graph after the projections);
 - `Model._logits` (half the positions' logits on a second CPU stream).
 
 Anything else in this file is not a seam: change it here, and every implementation follows.
@@ -86,6 +87,18 @@ def derived(owner: nn.Module, key: str, source: mx.array, make, evaluate: bool =
             mx.eval(cached[1])
         object.__setattr__(owner, key, cached)
     return cached[1]
+
+
+def linear(m: nn.Module, x: mx.array) -> mx.array:
+    """m(x). A bias-free nn.Linear multiplies by its weight's transposed view, kept with the weight
+    (`derived`, lazy: gradients still reach a replaced weight) instead of a transpose node per call."""
+    if type(m) is nn.Linear and "bias" not in m:
+        return x @ derived(m, "_rhs", dict.get(m, "weight"), _transposed, evaluate=False)
+    return m(x)
+
+
+def _transposed(w: mx.array) -> mx.array:
+    return w.T
 
 
 def _project(owner: nn.Module, linears, x):
@@ -401,7 +414,7 @@ class GatedDeltaNet(nn.Module):
             out, cache.conv_state, cache.recurrent_state = _gdn_recurrent_fn(self._dims())(
                 qkv, z, b, a, conv_state, self.conv1d.weight, self.A_log, self.dt_bias, state, self.norm.weight
             )
-            return self.out_proj(out)
+            return linear(self.out_proj, out)
         qkv, cache.conv_state = causal_depthwise_conv(qkv, conv_state, self.conv1d.weight)
         qkv = silu(qkv)
         q, k, v = mx.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
@@ -413,7 +426,7 @@ class GatedDeltaNet(nn.Module):
         cache.recurrent_state = state
         z = z.reshape(B, L, self.num_v_heads, self.head_v_dim)
         out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape(B, L, -1))
+        return linear(self.out_proj, out.reshape(B, L, -1))
 
 
 # ---- QSA indexed attention -------------------------------------------------------------------------
@@ -596,7 +609,7 @@ class QSAAttention(nn.Module):
 
         out = self.attend(queries, keys, values, idx, ok, cache.length)
         out = out * mx.sigmoid(gate.reshape(B, L, -1))
-        return self.o_proj(out)
+        return linear(self.o_proj, out)
 
     def rotations(self, offset: int, L: int):
         """(rotate(t) for the L positions from `offset`, the indexer's rope keywords)."""
@@ -803,7 +816,7 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+        return linear(self.down_proj, _swiglu(linear(self.gate_proj, x), linear(self.up_proj, x)))
 
 
 def ranked_experts(probs: mx.array, k: int) -> mx.array:
@@ -820,17 +833,22 @@ def ranked_experts(probs: mx.array, k: int) -> mx.array:
     return mx.take_along_axis(inds, order, axis=-1)
 
 
+def route_logits(logits, k: int, norm_topk_prob: bool):
+    """(expert ids [..., k] in rank order, their float32 weights) for router logits [..., experts]."""
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    # Indices carry no gradient (as in mlx-lm); stopping them lets the graph train (MTP head).
+    inds = mx.stop_gradient(ranked_experts(probs, k))
+    scores = mx.take_along_axis(probs, inds, axis=-1)
+    if norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds, scores
+
+
 @cache
 def _route_fn(k: int, norm_topk_prob: bool):
     @compiled_region
     def route(logits):
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-        # Indices carry no gradient (as in mlx-lm); stopping them lets the graph train (MTP head).
-        inds = mx.stop_gradient(ranked_experts(probs, k))
-        scores = mx.take_along_axis(probs, inds, axis=-1)
-        if norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
-        return inds, scores
+        return route_logits(logits, k, norm_topk_prob)
 
     return route
 
@@ -853,7 +871,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
     def route(self, x):
-        inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(self.gate(x))
+        inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(linear(self.gate, x))
         return inds, scores.astype(x.dtype)
 
     def projections(self):
@@ -862,17 +880,22 @@ class SparseMoE(nn.Module):
         return [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
 
     def __call__(self, x, capture: Capture | None = None, layer: int = -1):
-        logits, shared_logit, shared_gate, shared_up = _project(self, self.projections(), x)
-        inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(logits)
-        scores = scores.astype(x.dtype)
+        out, inds, scores = self.experts(x, *_project(self, self.projections(), x))
         if capture is not None:
             capture.routes[layer] = inds
             capture.route_weights[layer] = scores
             if capture.router_inputs is not None:
                 capture.router_inputs[layer] = x  # post-hyper-connection MLP input
+        return out
+
+    def experts(self, x, logits, shared_logit, shared_gate, shared_up):
+        """After the projections: route, routed and shared experts, combined -> (output, expert ids,
+        their weights in x's dtype)."""
+        inds, scores = _route_fn(self.top_k, self.norm_topk_prob)(logits)
+        scores = scores.astype(x.dtype)
         routed = self.routed_experts(x, inds)
-        shared = self.shared_expert.down_proj(_swiglu(shared_gate, shared_up))
-        return _moe_combine(routed, scores, shared_logit, shared)
+        shared = linear(self.shared_expert.down_proj, _swiglu(shared_gate, shared_up))
+        return _moe_combine(routed, scores, shared_logit, shared), inds, scores
 
     def routed_experts(self, x, inds):
         """The routed experts' outputs [..., k, hidden] for the chosen expert ids `inds` [..., k]."""
@@ -997,7 +1020,7 @@ class Model(nn.Module):
             return self._logits(out)
 
     def _logits(self, h):
-        return self.mask_unassigned(self.lm_head(h))
+        return self.mask_unassigned(linear(self.lm_head, h))
 
     def mask_unassigned(self, logits):
         """-inf on the logits of rows past `effective_vocab_size` (last axis); the rest unchanged."""

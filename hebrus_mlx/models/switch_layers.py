@@ -56,8 +56,18 @@ class SwitchLinear(nn.Module):
         bound = math.sqrt(1 / input_dims)
         self.weight = mx.random.uniform(-bound, bound, (num_experts, output_dims, input_dims))
 
+    def rhs(self) -> mx.array:
+        """The weight as [experts, in, out], a view kept with the weight (no swapaxes node per call);
+        a replaced weight gets its own (lazy, so gradients still reach it)."""
+        weight = dict.get(self, "weight")
+        cached = self.__dict__.get("_rhs")
+        if cached is None or cached[0] is not weight:
+            cached = (weight, weight.swapaxes(-1, -2))
+            object.__setattr__(self, "_rhs", cached)
+        return cached[1]
+
     def __call__(self, x, indices, sorted_indices: bool = False):
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return mx.gather_mm(x, self.rhs(), rhs_indices=indices, sorted_indices=sorted_indices)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
         """This layer's weights quantized (the hook `nn.quantize` calls)."""
