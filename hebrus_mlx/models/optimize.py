@@ -23,6 +23,7 @@ to the per-Linear matmuls.
 
 from __future__ import annotations
 
+import operator
 from functools import cache
 
 import mlx.core as mx
@@ -246,9 +247,25 @@ def _rhs(linear: nn.Module) -> mx.array | None:
 def _hc_mix_fn(hc_count: int, hidden: int, eps: float, lowrank: int, inject: bool):
     """HyperConnection.mix as one compiled graph on [rows, width] (no batch axes around the matmuls,
     one fused sigmoid-product): the same ops in the same order as the per-part path."""
-    fns = q.hc_fns(hc_count, hidden)
+    return q.compiled_region(_hc_mix(hc_count, hidden, eps, lowrank, inject))
+
+
+@cache
+def _hc_inject_mix_fn(hc_count: int, hidden: int, eps: float, lowrank: int):
+    """HyperConnection.inject_then_mix as one compiled graph: the previous inject, then the mix."""
+    mix = _hc_mix(hc_count, hidden, eps, lowrank, True)
 
     @q.compiled_region
+    def inject_then_mix(streams, out, logits, scale, down_rhs, up_rhs):
+        streams = q.hc_inject(streams, out, logits, hc_count, hidden)
+        return (streams, *mix(streams, scale, down_rhs, up_rhs))
+
+    return inject_then_mix
+
+
+def _hc_mix(hc_count: int, hidden: int, eps: float, lowrank: int, inject: bool):
+    fns = q.hc_fns(hc_count, hidden)
+
     def mix(streams, scale, down_rhs, up_rhs):
         lead = streams.shape[:-1]
         grouped = streams.reshape(-1, hc_count, hidden)
@@ -277,7 +294,7 @@ class OneGraphHyperConnection(q.HyperConnection):
         """(down, up) right-hand sides, or None where the one graph does not apply: longer inputs,
         quantized or replaced parts, a joined group no longer intact."""
         plan = self._plan(streams, inject)
-        return None if plan is None else plan[2:]
+        return None if plan is None else plan[3:]
 
     def _plan(self, streams, inject: bool):
         projector = self.__dict__.get("_projector")
@@ -298,7 +315,7 @@ class OneGraphHyperConnection(q.HyperConnection):
             None if inject_l is None else get(inject_l, "weight"),
         )
         cached = self.__dict__.get("_plans", {}).get(inject)
-        if cached is not None and all(a is b for a, b in zip(cached[0], sources)):
+        if cached is not None and all(map(operator.is_, cached[0], sources)):
             return cached[1]
         plan = self._make_plan(projector, inject)
         object.__setattr__(self, "_plans", {**self.__dict__.get("_plans", {}), inject: (sources, plan)})
@@ -318,15 +335,21 @@ class OneGraphHyperConnection(q.HyperConnection):
         if down is None or up is None:
             return None
         lowrank = self.input_mix_weight_up.weight.shape[-1]
-        fn = _hc_mix_fn(self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank, inject)
-        return fn, self.hc_norm.grouped_scale, down, up
+        dims = (self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank)
+        fused = _hc_inject_mix_fn(*dims) if inject else None
+        return _hc_mix_fn(*dims, inject), fused, self.hc_norm.grouped_scale, down, up
 
     def mix(self, streams, inject: bool = False):
         plan = self._plan(streams, inject)
         if plan is None:
             return super().mix(streams, inject)
-        fn, *arrays = plan
-        return fn(streams, *arrays)
+        return plan[0](streams, *plan[2:])
+
+    def inject_then_mix(self, streams, out, logits):
+        plan = self._plan(streams, True)
+        if plan is None:
+            return super().inject_then_mix(streams, out, logits)
+        return plan[1](streams, out, logits, *plan[2:])
 
 
 @cache
@@ -412,17 +435,28 @@ class OneGraphSparseMoE(q.SparseMoE):
     down projection a bias-free float Linear; else the plain parts."""
 
     def experts(self, x, logits, shared_logit, shared_gate, shared_up):
-        switch = dict.get(self, "switch_mlp")
-        if type(switch) is not SwitchGLU or x.size // x.shape[-1] * self.top_k >= SORT_MIN_PAIRS:
+        rhs = self._rhs() if x.size // x.shape[-1] * self.top_k < SORT_MIN_PAIRS else None
+        if rhs is None:
             return super().experts(x, logits, shared_logit, shared_gate, shared_up)
-        parts = [dict.get(switch, name) for name in ("gate_proj", "up_proj", "down_proj")]
-        shared_down = _rhs(dict.get(dict.get(self, "shared_expert"), "down_proj"))
-        if shared_down is None or any(type(p) is not SwitchLinear for p in parts):
-            return super().experts(x, logits, shared_logit, shared_gate, shared_up)
-        gate, up, down = (p.rhs() for p in parts)
-        return _moe_fn(self.top_k, self.norm_topk_prob)(
-            x, logits, shared_logit, shared_gate, shared_up, gate, up, down, shared_down
-        )
+        return _moe_fn(self.top_k, self.norm_topk_prob)(x, logits, shared_logit, shared_gate, shared_up, *rhs)
+
+    def _rhs(self):
+        """(gate, up, down, shared down) right-hand sides, kept with the modules and weights they
+        came from (checked by identity each call); None where a part is streamed, quantized or
+        replaced."""
+        get = dict.get
+        switch, shared = get(self, "switch_mlp"), get(self, "shared_expert")
+        parts = (get(switch, "gate_proj"), get(switch, "up_proj"), get(switch, "down_proj"), get(shared, "down_proj"))
+        sources = (switch, shared, *parts, *(get(p, "weight") for p in parts))
+        cached = self.__dict__.get("_plan")
+        if cached is not None and all(map(operator.is_, cached[0], sources)):
+            return cached[1]
+        rhs = None
+        if type(switch) is SwitchGLU and all(type(p) is SwitchLinear for p in parts[:3]):
+            shared_down = _rhs(parts[3])
+            rhs = None if shared_down is None else (*(p.rhs() for p in parts[:3]), shared_down)
+        object.__setattr__(self, "_plan", (sources, rhs))
+        return rhs
 
 
 # ---- second CPU stream -------------------------------------------------------------------------

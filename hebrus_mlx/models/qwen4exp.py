@@ -9,7 +9,8 @@ Each block keeps one implementation (the plain path). `models/optimize.apply` ma
 class by a subclass that overrides only these methods, with the same parameters, keys and results
 (`optimize.implementations(model)` says what a loaded model runs):
 
-- `HyperConnection.mix` (one compiled graph), `HyperConnection.combine` (Metal kernel);
+- `HyperConnection.mix`, `HyperConnection.inject_then_mix` (one compiled graph each),
+  `HyperConnection.combine` (Metal kernel);
 - `PLELayer.mix` (one compiled graph); `NGramEmbedding.lookup` (Metal kernel);
 - `QSAAttention.rotations`, `QSAAttention.attend` (rope tables, fused dense SDPA, Metal kernel);
 - `SparseMoE.routed_experts` (half the experts on a second CPU stream), `SparseMoE.experts` (one
@@ -289,6 +290,20 @@ class HyperConnection(nn.Module):
         out = block(mixed)
         return fns.inject(streams, out, inject)
 
+    def inject_then_mix(self, streams, out, logits):
+        """The previous hyper-connection's block output `out` added into `streams` (with its inject
+        logits), then this one's mix: (streams, mixed block input, normed streams, inject logits)."""
+        streams = hc_fns(self.hc_count, self.hidden_size).inject(streams, out, logits)
+        return (streams, *self.mix(streams, inject=True))
+
+
+def hc_inject(streams, out, logits, hc_count: int, hidden: int):
+    """`out` added into every stream, gated by 2 * sigmoid(logits / hc_count)."""
+    # Added on the [..., hc, hidden] view so the product and the sum fuse into one kernel.
+    gate = 2.0 * mx.sigmoid(logits / hc_count)
+    grouped = streams.reshape(*streams.shape[:-1], hc_count, hidden)
+    return (grouped + out[..., None, :] * gate[..., :, None]).reshape(streams.shape)
+
 
 class _HCFns:
     """The hyper-connection's elementwise parts, compiled once per (hc_count, hidden)."""
@@ -305,10 +320,7 @@ class _HCFns:
 
         @compiled_region
         def inject(streams, out, logits):
-            # Added on the [..., hc, hidden] view so the product and the sum fuse into one kernel.
-            gate = 2.0 * mx.sigmoid(logits / hc_count)
-            grouped = streams.reshape(*streams.shape[:-1], hc_count, hidden)
-            return (grouped + out[..., None, :] * gate[..., :, None]).reshape(streams.shape)
+            return hc_inject(streams, out, logits, hc_count, hidden)
 
         self.activate, self.mix, self.inject = activate, mix, inject
 
@@ -497,14 +509,24 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def project(self, x, rotary: Rotary, cos=None, sin=None, *, offset: int | None = None, qk=None):
-        """Index queries (rotated by the cos/sin tables, or at consecutive positions from `offset`)
-        and the raw keys. `qk`: index_qk_proj(x) when the caller already has it (fused projection)."""
+    def dense(self, n_tokens: int) -> bool:
+        """Every visible key of a run of `n_tokens` fits the window: the selection is the whole
+        causal prefix, no scoring (and no index queries) needed."""
+        return n_tokens <= self.budget + self.ratio - 1
+
+    def project(
+        self, x, rotary: Rotary, cos=None, sin=None, *, offset: int | None = None, qk=None, queries: bool = True
+    ):
+        """Index queries (rotated by the cos/sin tables, or at consecutive positions from `offset`;
+        None unless `queries`) and the raw keys. `qk`: index_qk_proj(x) when the caller already has
+        it (fused projection)."""
         B, L, _ = x.shape
         if qk is None:
             qk = self.index_qk_proj(x)
-        q = qk[..., : self.n_heads * self.head_dim].reshape(B, L, self.n_heads, self.head_dim)
         raw_keys = qk[..., self.n_heads * self.head_dim :]
+        if not queries:
+            return None, raw_keys
+        q = qk[..., : self.n_heads * self.head_dim].reshape(B, L, self.n_heads, self.head_dim)
         q = self.q_layernorm(q).transpose(0, 2, 1, 3)  # [B, nh, L, Di]
         if offset is not None:
             return rotary.at_offset(q, offset), raw_keys
@@ -519,17 +541,18 @@ class QSAIndexer(nn.Module):
         cos, sin = rotary.tables(starts)
         return rotary.apply(pooled, cos, sin)
 
-    def select(self, q, block_keys, first_query, n_tokens, tile_budget: int = 1 << 22):
+    def select(self, q, block_keys, first_query, n_tokens, tile_budget: int = 1 << 22, *, rows=None):
         """Token ids each query may attend (compact, chronological) and their validity.
 
-        q: [B, nh, L, Di] for cache indices first_query..first_query+L-1; block_keys: [B, G, Di].
+        q: [B, nh, L, Di] for cache indices first_query..first_query+L-1 (None where `dense`, with
+        `rows` = (B, L)); block_keys: [B, G, Di].
         Returns (idx [B, L, W], ok [B, L, W]) with W = min(budget + ratio - 1, n_tokens).
         """
-        B, nh, L, Di = q.shape
+        B, nh, L, Di = (rows[0], None, rows[1], None) if q is None else q.shape
         G = block_keys.shape[1]
         r = self.ratio
         query_idx = first_query + mx.arange(L, dtype=mx.int32)
-        if n_tokens <= self.budget + r - 1:
+        if self.dense(n_tokens):
             # Every visible key fits the window, so the selection is the whole causal prefix,
             # already chronological (AFN-017 dense parity); no scoring needed.
             idx = mx.broadcast_to(mx.arange(n_tokens, dtype=mx.int32), (B, L, n_tokens))
@@ -595,13 +618,15 @@ class QSAAttention(nn.Module):
         keys = rotate(self.k_norm(k.reshape(B, L, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3))
         values = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
 
-        index_q, raw_keys = self.indexer.project(x, self.rotary, qk=index_qk, **index_rope)
+        # The index queries are read only past the dense regime (cache.length after the append).
+        dense = self.indexer.dense(first + L)
+        index_q, raw_keys = self.indexer.project(x, self.rotary, qk=index_qk, queries=not dense, **index_rope)
         keys, values = cache.append(keys, values, raw_keys)
         new_groups = cache.pending_groups(self.indexer.ratio)
         if new_groups is not None:
             first_group, raw = new_groups
             cache.add_block_keys(self.indexer.block_keys(raw, first_group, self.rotary, cache.start_position))
-        idx, ok = self.indexer.select(index_q, cache.block_keys_view(), first, cache.length)
+        idx, ok = self.indexer.select(index_q, cache.block_keys_view(), first, cache.length, rows=(B, L))
         # A hard selection has no gradient; stopping it lets the graph train (MTP head trainer).
         idx, ok = mx.stop_gradient(idx), mx.stop_gradient(ok)
         if capture is not None:
@@ -929,15 +954,17 @@ class DecoderLayer(nn.Module):
             mixer = lambda h: self.linear_attn(h, cache)  # noqa: E731
         else:
             mixer = lambda h: self.self_attn(h, cache, capture, self.layer)  # noqa: E731
-        streams = self.attn_hyper_connection(streams, mixer)
-
-        def mlp(h):
-            if streaming is not None:
-                # Cross-layer route predictors see this layer's MoE input and its streams.
-                h = streaming.before_router(self.layer, streams, h)
-            return self.mlp(h, capture, self.layer)
-
-        return self.mlp_hyper_connection(streams, mlp)
+        # attn_hyper_connection(streams, mixer), then mlp_hyper_connection(streams, moe), with the
+        # first's inject and the second's mix in one call (one compiled graph where swapped in).
+        mixed, _, logits = self.attn_hyper_connection.mix(streams, inject=True)
+        streams, h, _, logits = self.mlp_hyper_connection.inject_then_mix(streams, mixer(mixed), logits)
+        if streaming is not None:
+            # Cross-layer route predictors see this layer's MoE input and its streams.
+            h = streaming.before_router(self.layer, streams, h)
+        out = self.mlp(h, capture, self.layer)
+        return hc_fns(self.mlp_hyper_connection.hc_count, self.mlp_hyper_connection.hidden_size).inject(
+            streams, out, logits
+        )
 
 
 class TextModel(nn.Module):
