@@ -124,6 +124,45 @@ def test_joined_projections_match_the_per_linear_matmuls():
     print("max |fused - per-linear| logit diff:", float(np.abs(fused_logits - plain_logits).max()))
 
 
+def test_decode_regions_are_bit_identical_to_the_per_part_blocks():
+    """One CPU stream (Metal's choice), compiled: each decode step's MoE after its projections is one
+    graph (OneGraphSparseMoE) and the attention hyper-connection's inject runs with the MoE one's mix
+    (inject_then_mix). The same model with those blocks put back to the per-part classes decodes the
+    same logits bit for bit, before and after its expert weights are replaced (the one graph reads the
+    new ones)."""
+    from parity_fixtures import PARITY, capture
+
+    from hebrus_mlx.loader import load_hf_model
+    from hebrus_mlx.models import optimize
+    from hebrus_mlx.models import qwen4exp as q
+
+    model = load_hf_model(PARITY / "tiny_a", options=GraphOptions(compile=True, cpu_streams=1))
+    blocks = optimize.implementations(model)["blocks"]
+    assert set(blocks["SparseMoE"]) == {"OneGraphSparseMoE"} and set(blocks["HyperConnection"]) == {
+        "OneGraphHyperConnection"
+    }
+    ids = mx.array(capture("tiny_a")["input_ids"]).reshape(1, -1)[:, :12]
+    swapped = [
+        m for _, m in model.named_modules() if type(m) in (optimize.OneGraphSparseMoE, optimize.OneGraphHyperConnection)
+    ]
+
+    def both():
+        fast = _decode(model, ids, 12)
+        for m in swapped:
+            m.__class__ = type(m).__mro__[1]
+        parts = _decode(model, ids, 12)
+        for m in swapped:
+            m.__class__ = optimize.OneGraphSparseMoE if isinstance(m, q.SparseMoE) else optimize.OneGraphHyperConnection
+        assert fast[0] == parts[0] and np.array_equal(fast[1], parts[1])
+        return fast[1]
+
+    before = both()
+    for layer in model.layers:
+        down = layer.mlp.switch_mlp.down_proj
+        down.weight = down.weight * 0.5
+    assert not np.array_equal(both(), before)
+
+
 def test_in_major_weights_keep_logits_bit_identical():
     """With GraphOptions.in_major (the CPU default) the loaders re-store resident float weights [in, out]; reloading
     the same values as fresh [out, in] arrays undoes it (and the joined groups). Prefill (per-Linear

@@ -49,7 +49,8 @@ class GraphOptions:
     # The dense QSA regime (every visible key selected) through the fused SDPA kernel instead of the
     # sparse gather.
     dense_sdpa: bool = True
-    # CPU streams for the resident graph (models/cpu_streams.py): 1 or 2. None: 2 on >= 2 cores.
+    # CPU streams for the resident graph (models/cpu_streams.py): 1 or 2. None: 2 on the CPU backend
+    # with >= 2 cores, else 1 (a GPU runs each op wide on its one stream).
     cpu_streams: int | None = None
     # Metal kernels the machine profile qualified on this device (kernels/__init__.py); False: none.
     metal_kernels: bool = True
@@ -88,7 +89,7 @@ class GraphOptions:
         if None not in (self.compile, self.in_major, self.rope_tables, self.cpu_streams):
             return self
         cpu = mx.default_device() == mx.cpu
-        auto = {"compile": not cpu, "in_major": cpu, "rope_tables": cpu, "cpu_streams": min(2, _cores())}
+        auto = {"compile": not cpu, "in_major": cpu, "rope_tables": cpu, "cpu_streams": min(2, _cores()) if cpu else 1}
         return dataclasses.replace(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
     def replace(self, **changes) -> GraphOptions:
