@@ -23,6 +23,7 @@ Anything else in this file is not a seam: change it here, and every implementati
 from __future__ import annotations
 
 import math
+import operator
 from functools import cache
 
 import mlx.core as mx
@@ -412,6 +413,20 @@ class GatedDeltaNet(nn.Module):
             self.norm.activation,
         )
 
+    def _recurrent_step(self):
+        """(the one-graph step, conv weight, A_log, dt_bias, norm weight), or None where the norm is
+        replaced. Kept with the modules and arrays it came from, checked by identity each call (a
+        Module's arrays are dict items, slower to reach as attributes; this runs per layer per token)."""
+        get = dict.get
+        conv, norm = get(self, "conv1d"), get(self, "norm")
+        sources = (conv, norm, get(conv, "weight"), get(self, "A_log"), get(self, "dt_bias"), get(norm, "weight"))
+        cached = self.__dict__.get("_step")
+        if cached is not None and all(map(operator.is_, cached[0], sources)):
+            return cached[1]
+        step = (_gdn_recurrent_fn(self._dims()), *sources[2:]) if type(norm) is GatedRMSNorm else None
+        object.__setattr__(self, "_step", (sources, step))
+        return step
+
     def __call__(self, x, cache: LinearCache):
         B, L, _ = x.shape
         conv_state = cache.conv_state
@@ -421,10 +436,12 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent_state
         if state is None:
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
-        if L <= gated_delta.RECURRENT_MAX_TOKENS and type(self.norm) is GatedRMSNorm:
+        step = self._recurrent_step() if L <= gated_delta.RECURRENT_MAX_TOKENS else None
+        if step is not None:
             # decode and speculative verify blocks: everything after the projections is one compiled graph
-            out, cache.conv_state, cache.recurrent_state = _gdn_recurrent_fn(self._dims())(
-                qkv, z, b, a, conv_state, self.conv1d.weight, self.A_log, self.dt_bias, state, self.norm.weight
+            fn, conv_w, A_log, dt_bias, norm_w = step
+            out, cache.conv_state, cache.recurrent_state = fn(
+                qkv, z, b, a, conv_state, conv_w, A_log, dt_bias, state, norm_w
             )
             return linear(self.out_proj, out)
         qkv, cache.conv_state = causal_depthwise_conv(qkv, conv_state, self.conv1d.weight)
