@@ -103,6 +103,12 @@ def _transposed(w: mx.array) -> mx.array:
     return w.T
 
 
+def children(module: nn.Module, *names: str) -> list:
+    """[module.name for name in names] read as the dict items a Module keeps its children in (an
+    attribute read reaches them only after a failed lookup: slower, on paths run per token)."""
+    return [dict.get(module, name) for name in names]
+
+
 def _project(owner: nn.Module, linears, x):
     """[m(x) for m in linears]: the same-input projections of a block. `models/optimize.apply` may
     give `owner` a projector that computes the same outputs as one matmul or across two CPU streams."""
@@ -401,7 +407,7 @@ class GatedDeltaNet(nn.Module):
 
     def projections(self):
         """The Linears that read the layer input (joined into one matmul by models/optimize)."""
-        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        return children(self, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
     def _dims(self):
         return (
@@ -620,7 +626,7 @@ class QSAAttention(nn.Module):
 
     def projections(self):
         """The Linears that read the layer input (joined into one matmul by models/optimize)."""
-        return [self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj]
+        return [*children(self, "q_proj", "k_proj", "v_proj"), dict.get(dict.get(self, "indexer"), "index_qk_proj")]
 
     def __call__(self, x, cache: AttentionCache, capture: Capture | None = None, layer: int = -1):
         B, L, _ = x.shape
@@ -807,7 +813,7 @@ class PLELayer(nn.Module):
 
     def projections(self):
         """The Linears that read the n-gram embedding (joined into one matmul by models/optimize)."""
-        return [self.key_proj, self.value_proj]
+        return children(self, "key_proj", "value_proj")
 
     def __call__(self, streams, ids, cache: LinearCache):
         B, L, width = streams.shape
@@ -918,8 +924,7 @@ class SparseMoE(nn.Module):
 
     def projections(self):
         """The Linears that read the MoE input (joined into one matmul by models/optimize)."""
-        se = self.shared_expert
-        return [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
+        return [*children(self, "gate", "shared_expert_gate"), *children(self.shared_expert, "gate_proj", "up_proj")]
 
     def __call__(self, x, capture: Capture | None = None, layer: int = -1):
         out, inds, scores = self.experts(x, *_project(self, self.projections(), x))
@@ -965,23 +970,23 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = HyperConnection(args)
 
     def __call__(self, streams, ids, cache, capture: Capture | None = None, streaming: Streaming | None = None):
+        get = dict.get  # a Module's children are dict items, slower to reach as attributes (per layer per token)
         if self.has_ple:
-            streams = streams + self.ple(streams, ids, cache)
-        if self.is_linear:
-            mixer = lambda h: self.linear_attn(h, cache)  # noqa: E731
-        else:
-            mixer = lambda h: self.self_attn(h, cache, capture, self.layer)  # noqa: E731
+            streams = streams + get(self, "ple")(streams, ids, cache)
+        attn_hc, mlp_hc = get(self, "attn_hyper_connection"), get(self, "mlp_hyper_connection")
         # attn_hyper_connection(streams, mixer), then mlp_hyper_connection(streams, moe), with the
         # first's inject and the second's mix in one call (one compiled graph where swapped in).
-        mixed, _, logits = self.attn_hyper_connection.mix(streams, inject=True)
-        streams, h, _, logits = self.mlp_hyper_connection.inject_then_mix(streams, mixer(mixed), logits)
+        mixed, _, logits = attn_hc.mix(streams, inject=True)
+        if self.is_linear:
+            out = get(self, "linear_attn")(mixed, cache)
+        else:
+            out = get(self, "self_attn")(mixed, cache, capture, self.layer)
+        streams, h, _, logits = mlp_hc.inject_then_mix(streams, out, logits)
         if streaming is not None:
             # Cross-layer route predictors see this layer's MoE input and its streams.
             h = streaming.before_router(self.layer, streams, h)
-        out = self.mlp(h, capture, self.layer)
-        return hc_fns(self.mlp_hyper_connection.hc_count, self.mlp_hyper_connection.hidden_size).inject(
-            streams, out, logits
-        )
+        out = get(self, "mlp")(h, capture, self.layer)
+        return hc_fns(mlp_hc.hc_count, mlp_hc.hidden_size).inject(streams, out, logits)
 
 
 class TextModel(nn.Module):
