@@ -360,6 +360,7 @@ LOWER = [
     "hebrus_mlx.cli",
     "hebrus_mlx.admission",
     "hebrus_mlx.verify",
+    "hebrus_mlx.commands.verify",
     "hebrus_mlx.cli_args",
     "hebrus_mlx.loading.plan",
     "hebrus_mlx.stream.errors",
