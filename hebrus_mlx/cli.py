@@ -16,7 +16,7 @@ VERBS = {
     "verify": "hebrus_mlx.commands.verify",
     "upgrade": "hebrus_mlx.commands.upgrade",
     "server": "hebrus_mlx.server",
-    "chat": "hebrus_mlx.chat",
+    "chat": "hebrus_mlx.commands.chat",
     "cache-prompt": "hebrus_mlx.commands.cache_prompt",
     "traces": "hebrus_mlx.traces.command",
     "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report

@@ -29,7 +29,7 @@ HOSTILE = ["nan", "NaN", "inf", "-inf", "-1", "-0.5", "1e300", "-1e300", str(2**
 PARSERS = {
     "generate": ("hebrus_mlx.verb_flags", []),
     "server": ("hebrus_mlx.server", []),
-    "chat": ("hebrus_mlx.chat", []),
+    "chat": ("hebrus_mlx.commands.chat", []),
     "convert": ("hebrus_mlx.commands.convert", ["--hf-path", "h", "--out", "o"]),
     "qualify": ("hebrus_mlx.qualify", []),
     "bench": ("hebrus_mlx.bench.command", []),

@@ -339,13 +339,11 @@ def test_qualify_probe_smaller_than_one_record_is_refused(tmp_path):
 def test_chat_unknown_or_malformed_commands_are_refused_not_sent(monkeypatch, capsys):
     """`/reset now`, `/unknown` and `q extra` were sent to the model as text; now each is one
     [ERROR] line and the session goes on. `//text` sends `/text`."""
-    import importlib
-
     from verb_loading import patch_load_from_args
 
     from hebrus_mlx import load
+    from hebrus_mlx.commands import chat
 
-    chat = importlib.import_module("hebrus_mlx.chat")
     demo = load("demo")
     sent = []
 

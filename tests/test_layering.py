@@ -103,7 +103,6 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
             "hebrus_mlx.commands.",
             "hebrus_mlx.server",
             "hebrus_mlx.api_fields",
-            "hebrus_mlx.chat",
             "hebrus_mlx.responses_api",
             "hebrus_mlx.anthropic_api",
             "hebrus_mlx.prep_process",
@@ -351,7 +350,7 @@ def test_the_product_executes_no_source_file():
 
 def test_verbs_chat_and_server_are_leaves():
     """Nothing imports the chat or server verb modules (chat once took its flags from server)."""
-    users = sorted(m for m, deps in import_graph().items() if deps & {"hebrus_mlx.chat", "hebrus_mlx.server"})
+    users = sorted(m for m, deps in import_graph().items() if deps & {"hebrus_mlx.commands.chat", "hebrus_mlx.server"})
     assert users == []
 
 
