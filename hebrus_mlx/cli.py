@@ -22,7 +22,7 @@ VERBS = {
     "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
     "bench": "hebrus_mlx.bench.command",
     "simulate": "hebrus_mlx.simulate.command",
-    "perplexity": "hebrus_mlx.perplexity",
+    "perplexity": "hebrus_mlx.commands.perplexity",
 }
 
 # Other names of a verb: the ones mlx-lm users type (`mlx_lm.cache_prompt`).
