@@ -18,10 +18,10 @@ VERBS = {
     "server": "hebrus_mlx.server",
     "chat": "hebrus_mlx.commands.chat",
     "cache-prompt": "hebrus_mlx.commands.cache_prompt",
-    "traces": "hebrus_mlx.traces.command",
+    "traces": "hebrus_mlx.commands.traces",
     "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
-    "bench": "hebrus_mlx.bench.command",
-    "simulate": "hebrus_mlx.simulate.command",
+    "bench": "hebrus_mlx.commands.bench",
+    "simulate": "hebrus_mlx.commands.simulate",
     "perplexity": "hebrus_mlx.commands.perplexity",
 }
 

@@ -225,7 +225,7 @@ def test_perplexity_jsonl_hostile_line_is_refused(tmp_path, line, needle):
 
 
 def _shipped_profile():
-    from hebrus_mlx.simulate.command import PROFILES_DIR
+    from hebrus_mlx.simulate.run import PROFILES_DIR
 
     return json.loads((PROFILES_DIR / "m5-pro-48gb.json").read_text())
 
@@ -273,7 +273,7 @@ def _bench_json(**change):
     ids=["list", "schema", "version", "digest", "runs", "run", "tokens", "requested"],
 )
 def test_bench_against_malformed_file_is_refused_before_measuring(tmp_path, monkeypatch, content, field):
-    from hebrus_mlx.bench import command
+    from hebrus_mlx.commands import bench as command
 
     def measured(*a, **k):
         raise AssertionError("the bench ran before --against was checked")
