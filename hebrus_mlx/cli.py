@@ -19,7 +19,7 @@ VERBS = {
     "chat": "hebrus_mlx.commands.chat",
     "cache-prompt": "hebrus_mlx.commands.cache_prompt",
     "traces": "hebrus_mlx.commands.traces",
-    "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
+    "qualify": "hebrus_mlx.commands.qualify",
     "bench": "hebrus_mlx.commands.bench",
     "simulate": "hebrus_mlx.commands.simulate",
     "perplexity": "hebrus_mlx.commands.perplexity",

@@ -31,7 +31,7 @@ PARSERS = {
     "server": ("hebrus_mlx.server", []),
     "chat": ("hebrus_mlx.commands.chat", []),
     "convert": ("hebrus_mlx.commands.convert", ["--hf-path", "h", "--out", "o"]),
-    "qualify": ("hebrus_mlx.qualify", []),
+    "qualify": ("hebrus_mlx.commands.qualify", []),
     "bench": ("hebrus_mlx.commands.bench", []),
     "simulate": ("hebrus_mlx.commands.simulate", []),
     "traces replay": ("hebrus_mlx.commands.traces", ["replay", "d"]),

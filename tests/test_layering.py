@@ -338,6 +338,46 @@ def test_no_flag_definitions_below_the_verbs():
     assert bad == []
 
 
+# Command-line helpers outside hebrus_mlx/commands/: the flag types every verb parses with, the
+# shared flag sets, and the server verb until its command line moves into commands/.
+CLI_OUTSIDE_COMMANDS = {"hebrus_mlx.cli", "hebrus_mlx.flags", "hebrus_mlx.cli_args", "hebrus_mlx.verb_flags"}
+CLI_OUTSIDE_COMMANDS |= {"hebrus_mlx.server"}
+
+
+def _command_line(tree) -> list:
+    """What makes a module a command line: importing argparse, or a top-level `main`."""
+    found = [
+        f"import {a.name}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import)
+        for a in n.names
+        if a.name.split(".")[0] == "argparse"
+    ]
+    found += [
+        f"from {n.module} import" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "argparse"
+    ]
+    found += [f"def {n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    return found
+
+
+def test_library_modules_hold_no_command_line():
+    """argparse and each verb's `main(argv)` live in hebrus_mlx/commands/ (cli.VERBS), as in mlx-lm
+    the library (generate, verify, qualify, simulate, ...) has none."""
+    assert _command_line(ast.parse("import argparse\ndef main(argv=None):\n    pass")) == [
+        "import argparse",
+        "def main",
+    ]
+    bad = {
+        m: found
+        for m, path in MODULES.items()
+        if not m.startswith("hebrus_mlx.commands") and m not in CLI_OUTSIDE_COMMANDS
+        if (found := _command_line(ast.parse(path.read_text())))
+    }
+    assert bad == {}
+    verbs = _verb_modules() - {"hebrus_mlx.server"}
+    assert verbs and all(v.startswith("hebrus_mlx.commands.") for v in verbs), sorted(verbs)
+
+
 def test_the_product_executes_no_source_file():
     """Nothing in the package loads a script by path (simulate once exec'd benchmarks/bench_stream.py)."""
     bad = [
