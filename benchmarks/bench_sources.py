@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from hebrus_mlx import sources as CV
-from hebrus_mlx.convert_fp8 import E4M3FN
+from hebrus_mlx.convert import sources as CV
+from hebrus_mlx.convert.fp8 import E4M3FN
 
 H, M = 2560, 640
 SHAPES = {"gate_proj": (M, H), "up_proj": (M, H), "down_proj": (H, M)}
@@ -105,7 +105,7 @@ def main(argv=None):
         mlx_dir = os.path.join(d, "mlx")
         os.makedirs(mlx_dir)
         mx.save_safetensors(os.path.join(mlx_dir, "model.safetensors"), stacked)
-        from hebrus_mlx.convert_mlx import MlxSource
+        from hebrus_mlx.convert.mlx_source import MlxSource
 
         src_m = MlxSource(mlx_dir, {"quantization": {"group_size": 64, "bits": 4}})
 

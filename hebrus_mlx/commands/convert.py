@@ -6,9 +6,9 @@ import json
 import os
 import sys
 
-from .. import flags, hub, hub_shards
+from .. import flags, hub
 from ..artifact import constants as C
-from ..convert import convert
+from ..convert import convert, hub_shards
 from ..errors import UsageError
 
 

@@ -24,15 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import convert_mlx, hub
-from .artifact import atomic, untrusted
-from .artifact import constants as C
-from .artifact import manifest as M
-from .artifact.errors import ArtifactError, GeometryError
-from .convert import artifact_bytes, check_out, convert, expert_spec, plan
-from .convert_fp8 import block_config
-from .format import checkpoint_keys as keys
-from .format.qwen4exp_config import ple_constants
+from .. import hub
+from ..artifact import atomic, untrusted
+from ..artifact import constants as C
+from ..artifact import manifest as M
+from ..artifact.errors import ArtifactError, GeometryError
+from ..format import checkpoint_keys as keys
+from ..format.qwen4exp_config import ple_constants
+from . import mlx_source as convert_mlx
+from .build import artifact_bytes, check_out, convert, expert_spec, plan
+from .fp8 import block_config
 from .sources import PLE_CHUNK_ROWS, Source, encode
 
 INDEX_NAME = "model.safetensors.index.json"
