@@ -4,8 +4,8 @@
     float8_e4m3fn + float32 scale per 128x128 block) read and dequantized
     to float32 by `sources.Source.read`, vs the same matrices stored bf16;
   * an MLX affine4-g64 stacked switch_mlp (mlx-vlm layout) copied per expert
-    by `convert_mlx.MlxSource.expert_parts`, vs quantizing the bf16 expert
-    with `convert.encode` (what a float source costs).
+    by `mlx_source.MlxSource.expert_parts`, vs quantizing the bf16 expert
+    with `sources.encode` (what a float source costs).
 
 Reported per expert (3 matrices) and as ratios. Files live in a temp dir and
 are read warm (page cache), so this is the CPU cost of the formats.

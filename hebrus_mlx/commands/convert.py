@@ -1,6 +1,6 @@
-"""`hebrus-mlx convert` (like mlx_lm.convert): the verb's command line over hebrus_mlx/convert.py
-(a whole checkpoint at once) and hebrus_mlx/hub_shards.py (`--stream-shards`: a Hub repo shard by
-shard)."""
+"""`hebrus-mlx convert` (like mlx_lm.convert): the verb's command line over hebrus_mlx/convert/build.py
+(a whole checkpoint at once) and hebrus_mlx/convert/hub_shards.py (`--stream-shards`: a Hub repo shard
+by shard)."""
 
 import json
 import os

@@ -1,8 +1,8 @@
 """`hebrus-mlx convert`: HF Qwen4Exp checkpoint -> hebrus-mlx artifact directory.
 
 Sources: an HF checkpoint directory (bf16/f32/f16 safetensors, or block-FP8,
-`convert_fp8`), an MLX-quantized conversion (mlx-vlm / mlx-community layout,
-imported without requantizing, `convert_mlx`), or a Hub repo id (`hub`).
+`convert.fp8`), an MLX-quantized conversion (mlx-vlm / mlx-community layout,
+imported without requantizing, `convert.mlx_source`), or a Hub repo id (`hub`).
 
 Tensors are read one at a time straight from the safetensors shards (pread of
 one tensor's bytes), so peak memory is about the largest tensor plus a
@@ -121,7 +121,7 @@ def write_dense(w, src, args, profile, progress, digests=None):
 def expert_spec(config, profile):
     """What the expert store is written with: the profile's expert codec, or for a per-layer
     profile (an MLX source whose routed experts differ in width per layer or projection) the
-    per-layer (gate, up, down) table of the source (convert_mlx.expert_codecs)."""
+    per-layer (gate, up, down) table of the source (mlx_source.expert_codecs)."""
     name = C.profile_codecs(profile)["experts"]
     if name != C.PER_LAYER:
         return name
@@ -220,7 +220,7 @@ def artifact_bytes(args, fam, profile, experts=None):
 
 def open_source(path, config):
     """The reader for a checkpoint directory: HF safetensors (bf16/f32, or
-    block-FP8), or an MLX-quantized conversion (`convert_mlx`)."""
+    block-FP8), or an MLX-quantized conversion (`mlx_source`)."""
     from . import mlx_source as convert_mlx
 
     if convert_mlx.is_mlx_config(config):

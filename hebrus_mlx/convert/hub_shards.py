@@ -4,7 +4,7 @@ The whole-snapshot path (`hub.download`) needs the source (the real checkpoint: 
 shards) and the artifact on disk at once. Here each shard is fetched, every tensor in it encoded
 into staged store parts (the same arrays the whole-snapshot conversion computes from it), and the
 shard deleted, while the next shard is fetched ahead. The staged parts are then handed to
-`convert.convert` as its source, which deletes each staged file once the store it feeds has taken
+`build.convert` as its source, which deletes each staged file once the store it feeds has taken
 all of it; so the disk holds about the artifact plus two shards at any time.
 
 Staging lives in `.NAME.shards` beside `--out`. `done/SHARD.json` there records, per shard, the

@@ -1,6 +1,6 @@
 """Checkpoint sources for `convert`: one tensor at a time out of an HF checkpoint's safetensors
-shards (bf16/f32/f16, or block-FP8 dequantized exactly, `convert_fp8`), and the encoders that
-turn a float tensor into a store codec's parts. `convert_mlx.MlxSource` extends `Source` for
+shards (bf16/f32/f16, or block-FP8 dequantized exactly, `fp8`), and the encoders that
+turn a float tensor into a store codec's parts. `mlx_source.MlxSource` extends `Source` for
 MLX-quantized conversions."""
 
 import os
