@@ -3,8 +3,8 @@
 format (errors, flags, artifact/*, format/*: the MLX-free config and key tables) -> admission ->
 graph (models/, kernels/, the machine profile) -> streaming (stream/) -> load (loading/*, loader,
 hub, text/) -> generation (generate, sampling, the prompt cache, speculative/, traces/, pipeline/,
-the shared CLI flags, and the verbs that sit on them: convert, verify, qualify, bench, simulate, ...)
--> serving (server, chat, the CLI). The test oracles (testing/) sit above everything: no product
+the shared CLI flags, and the libraries the verbs sit on: convert/, verify, qualify, bench/,
+simulate/, ...) -> serving (server, the verbs' command lines in commands/, the CLI). The test oracles (testing/) sit above everything: no product
 module imports them (one named exception). Checked on the source (an AST scan that also sees
 function-local imports, where hidden cycles live) and by importing the lower layers in a fresh
 interpreter.
