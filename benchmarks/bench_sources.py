@@ -4,8 +4,8 @@
     float8_e4m3fn + float32 scale per 128x128 block) read and dequantized
     to float32 by `sources.Source.read`, vs the same matrices stored bf16;
   * an MLX affine4-g64 stacked switch_mlp (mlx-vlm layout) copied per expert
-    by `convert_mlx.MlxSource.expert_parts`, vs quantizing the bf16 expert
-    with `convert.encode` (what a float source costs).
+    by `mlx_source.MlxSource.expert_parts`, vs quantizing the bf16 expert
+    with `sources.encode` (what a float source costs).
 
 Reported per expert (3 matrices) and as ratios. Files live in a temp dir and
 are read warm (page cache), so this is the CPU cost of the formats.
@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from hebrus_mlx import sources as CV
-from hebrus_mlx.convert_fp8 import E4M3FN
+from hebrus_mlx.convert import sources as CV
+from hebrus_mlx.convert.fp8 import E4M3FN
 
 H, M = 2560, 640
 SHAPES = {"gate_proj": (M, H), "up_proj": (M, H), "down_proj": (H, M)}
@@ -105,7 +105,7 @@ def main(argv=None):
         mlx_dir = os.path.join(d, "mlx")
         os.makedirs(mlx_dir)
         mx.save_safetensors(os.path.join(mlx_dir, "model.safetensors"), stacked)
-        from hebrus_mlx.convert_mlx import MlxSource
+        from hebrus_mlx.convert.mlx_source import MlxSource
 
         src_m = MlxSource(mlx_dir, {"quantization": {"group_size": 64, "bits": 4}})
 

@@ -127,7 +127,7 @@ def decode(model, ids, steps):
 def projection(widths, profile):
     """{bits: (default tok/s, best tok/s, limiting term)} from the simulator, or a reason string."""
     try:
-        from hebrus_mlx.simulate.command import project_widths
+        from hebrus_mlx.commands.simulate import project_widths
     except ImportError:
         project_widths = None
     if project_widths is not None:

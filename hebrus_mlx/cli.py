@@ -13,16 +13,16 @@ VERBS = {
     "generate": "hebrus_mlx.commands.generate",
     "convert": "hebrus_mlx.commands.convert",
     "admit": "hebrus_mlx.commands.admit",
-    "verify": "hebrus_mlx.verify",
-    "upgrade": "hebrus_mlx.upgrade",
+    "verify": "hebrus_mlx.commands.verify",
+    "upgrade": "hebrus_mlx.commands.upgrade",
     "server": "hebrus_mlx.server",
-    "chat": "hebrus_mlx.chat",
+    "chat": "hebrus_mlx.commands.chat",
     "cache-prompt": "hebrus_mlx.commands.cache_prompt",
-    "traces": "hebrus_mlx.traces.command",
-    "qualify": "hebrus_mlx.qualify_report",  # qualify's main with --report
-    "bench": "hebrus_mlx.bench.command",
-    "simulate": "hebrus_mlx.simulate.command",
-    "perplexity": "hebrus_mlx.perplexity",
+    "traces": "hebrus_mlx.commands.traces",
+    "qualify": "hebrus_mlx.commands.qualify",
+    "bench": "hebrus_mlx.commands.bench",
+    "simulate": "hebrus_mlx.commands.simulate",
+    "perplexity": "hebrus_mlx.commands.perplexity",
 }
 
 # Other names of a verb: the ones mlx-lm users type (`mlx_lm.cache_prompt`).

@@ -20,6 +20,11 @@ MAX_CACHE_GB = float(1 << 20)  # 1 PiB: any --*-cache-gb beyond is a typo (and o
 MAX_SECONDS = 1e6  # ~11.6 days; time.sleep / thread timeouts overflow near 1e300
 
 
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """A flag value out of its type's range: argparse shows the message as it is, and a library
+    that parses a list of such values catches it as a ValueError."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with typed errors: ``argument --seed: must be ...`` becomes UsageError("--seed", ...)."""
 
@@ -50,9 +55,9 @@ def integer(lo=None, hi=INT32_MAX):
         try:
             v = int(s, 10)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+            raise BadValue(f"expected an integer, got {s!r}") from None
         if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"must be an integer {_range_text(lo, hi)}, got {s}")
+            raise BadValue(f"must be an integer {_range_text(lo, hi)}, got {s}")
         return v
 
     parse.__name__ = "integer"
@@ -67,14 +72,12 @@ def number(lo=None, hi=None, lo_open=False, hi_open=False):
         try:
             v = float(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+            raise BadValue(f"expected a number, got {s!r}") from None
         ok = math.isfinite(v)
         ok = ok and (lo is None or (v > lo if lo_open else v >= lo))
         ok = ok and (hi is None or (v < hi if hi_open else v <= hi))
         if not ok:
-            raise argparse.ArgumentTypeError(
-                f"must be a finite number {_range_text(lo, hi, lo_open, hi_open)}, got {s}"
-            )
+            raise BadValue(f"must be a finite number {_range_text(lo, hi, lo_open, hi_open)}, got {s}")
         return v
 
     parse.__name__ = "number"

@@ -28,7 +28,6 @@ The profile is JSON at $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json, publ
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -42,9 +41,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import flags
-from .errors import UsageError
-from .machine_profile import FAILED, NOT_QUALIFIED, PASSED, SCHEMA, this_machine, write_profile
+from .machine_profile import FAILED, NOT_QUALIFIED, PASSED, SCHEMA, this_machine
 
 NO_GAIN = "no gain"  # correct, but not faster here: stays off
 MIN_GAIN = 1.02  # a promoted path must beat the default's median by 2% (noise must not promote)
@@ -875,77 +872,7 @@ def qualify(
     }
 
 
-def build_parser():
-    p = flags.Parser(prog="hebrus-mlx qualify", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)"
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="let --out/--report replace a file hebrus-mlx did not write"
-    )
-    p.add_argument("--probe-dir", default=None, help="directory on the SSD the model lives on (probe file)")
-    p.add_argument("--store", default=None, help="read an existing file (e.g. an artifact's experts.hbem) instead")
-    p.add_argument(
-        "--record-kib", type=flags.integer(1, 1 << 20), default=2704, help="read size (default: one real expert record)"
-    )
-    p.add_argument("--probe-mib", type=flags.integer(1, 1 << 20), default=128)
-    p.add_argument("--no-emulate", action="store_true")
-    p.add_argument(
-        "--artifact",
-        default="demo",
-        help="artifact whose expert store the MTLIO and GPU-event A/Bs stream and the prefill sweep's "
-        "crossover is measured on (default: demo; the loader uses that crossover only for stores "
-        "of the same record size on the same file system)",
-    )
-    p.add_argument(
-        "--rounds", type=flags.integer(1, 1000), default=2, help="A/B/B/A rounds of each device A/B (default 2)"
-    )
-    p.add_argument(
-        "--tokens", type=flags.integer(1, 1 << 20), default=32, help="greedy tokens per GPU-event A/B run (default 32)"
-    )
-    p.add_argument("--kernels-child", choices=sorted(TOLERANCE), default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def main(argv=None, hooks=None):
-    """`hooks` (hebrus_mlx.qualify_report, the verb's entry) adds flags (add_arguments), checks
-    them before anything is measured (check_arguments) and runs after the profile is written (run)."""
-    p = build_parser()
-    if hooks is not None:
-        hooks.add_arguments(p)
-    a = p.parse_args(argv)
-    if a.kernels_child:
-        print(json.dumps(check_kernels_metal([a.kernels_child])))
-        return 0
-    for field in ("record_kib", "probe_mib", "rounds", "tokens"):
-        if getattr(a, field) < 1:
-            raise UsageError("--" + field.replace("_", "-"), f"must be >= 1, got {getattr(a, field)}")
-    if a.probe_dir and not Path(a.probe_dir).is_dir():
-        raise UsageError("--probe-dir", f"{a.probe_dir!r} is not a directory")
-    if a.store and not Path(a.store).is_file():
-        raise UsageError("--store", f"{a.store!r} is not a file")
-    if not a.store and a.probe_mib * 1024 < a.record_kib:
-        raise UsageError("--probe-mib", f"{a.probe_mib} MiB is smaller than one --record-kib {a.record_kib} read")
-    if a.artifact != "demo" and not (Path(a.artifact) / "manifest.json").is_file():
-        raise UsageError("--artifact", f"{a.artifact!r} is not an artifact directory (no manifest.json)")
-    from .artifact.atomic import check_output_file
-    from .machine_profile import profile_path
-
-    check_output_file(a.out or profile_path(), overwrite=a.overwrite, field="--out")  # before the probes
-    if hooks is not None:
-        hooks.check_arguments(a)
-    profile = qualify(
-        a.probe_dir, a.record_kib * 1024, a.probe_mib, a.store, not a.no_emulate, a.artifact, a.rounds, a.tokens
-    )
-    path = write_profile(profile, a.out, overwrite=a.overwrite)
-    print(json.dumps(profile, indent=1))
-    print(f"profile written to {path}", file=sys.stderr)
-    if hooks is not None:
-        hooks.run(a, profile)
-    return 0
-
-
-if __name__ == "__main__":
-    from .cli import run
-
-    sys.exit(run("qualify", main))
+if __name__ == "__main__":  # _shader_validation_clean's child, one kernel under shader validation
+    if len(sys.argv) != 3 or sys.argv[1] != "--kernels-child" or sys.argv[2] not in TOLERANCE:
+        sys.exit(f"usage: python -m hebrus_mlx.qualify --kernels-child {{{','.join(sorted(TOLERANCE))}}}")
+    print(json.dumps(check_kernels_metal([sys.argv[2]])))

@@ -29,7 +29,6 @@ import os
 import platform
 import re
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -40,57 +39,6 @@ NOT_AVAILABLE = "not available in this build"
 PROMPT_TOKENS = 32
 CACHE_FRACTIONS = (0.1, 0.3)  # of the expert store: a small and a medium expert cache
 REDACTED = "<redacted>"
-
-
-def add_arguments(p) -> None:
-    p.add_argument(
-        "--report",
-        default=None,
-        metavar="FILE",
-        help="also write the qualify report (JSON, and a .md summary beside it) to attach to an issue",
-    )
-    p.add_argument(
-        "--report-cache-gb",
-        default=None,
-        metavar="A,B",
-        help="with --report: the two expert-cache sizes (GiB) of the streamed decodes "
-        f"(default {' and '.join(f'{f:.0%}%' for f in CACHE_FRACTIONS)} of the expert store)",
-    )
-
-
-def check_arguments(a) -> None:
-    """Typed refusals before anything is measured."""
-    from .errors import UsageError
-
-    if a.report is None:
-        if a.report_cache_gb is not None:
-            raise UsageError("--report-cache-gb", "needs --report")
-        return
-    if not a.report.strip() or Path(a.report).is_dir():
-        raise UsageError("--report", f"{a.report!r} is a directory or empty: give a file name")
-    if not Path(a.report).expanduser().resolve().parent.is_dir():
-        raise UsageError("--report", f"the directory of {a.report!r} does not exist")
-    if a.report_cache_gb is not None:
-        parse_caches(a.report_cache_gb)
-    from .artifact.atomic import check_output_file
-
-    for out in (Path(a.report).expanduser(), summary_path(Path(a.report).expanduser())):  # before the runs
-        check_output_file(out, overwrite=a.overwrite, field="--report")
-    _check_writable(Path(a.report).expanduser(), a.report)
-
-
-def _check_writable(path: Path, given: str) -> None:
-    """Create and remove a hidden file beside the report: a directory the report cannot be
-    published into (read-only, /proc, no permission) is refused now, naming the user's path, not
-    after minutes of measuring with the publisher's temp name."""
-    from .errors import UsageError
-
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=path.resolve().parent)
-    except OSError as e:
-        raise UsageError("--report", f"cannot write {given}: {e.strerror or e}") from None
-    os.close(fd)
-    os.unlink(probe)
 
 
 def parse_caches(s: str) -> list[float]:
@@ -671,29 +619,3 @@ def write_report(report: dict, path, overwrite: bool = False) -> tuple:
     md = summary_path(p)
     write_text_atomic(md, markdown(report), field="--report", overwrite=overwrite)
     return p, md
-
-
-def run(a, profile: dict) -> None:
-    """qualify's --report: assemble from the profile just measured plus the report's own runs."""
-    if not a.report:
-        return
-    caches = parse_caches(a.report_cache_gb) if a.report_cache_gb else None
-    extra = [a.probe_dir or "", a.store or "", str(Path(a.report).expanduser().resolve().parent)]
-    report = build_report(
-        profile, a.artifact, gen_tokens=max(a.tokens, 2), repeats=2 * a.rounds, cache_gb=caches, extra_secrets=extra
-    )
-    p, md = write_report(report, a.report, overwrite=a.overwrite)
-    print(f"qualify report written to {p} (summary {md.name}): attach both to an issue", file=sys.stderr)
-
-
-def main(argv=None):
-    """`hebrus-mlx qualify`: qualify's own main, with --report."""
-    from . import qualify
-
-    return qualify.main(argv, hooks=sys.modules[__name__])
-
-
-if __name__ == "__main__":
-    from .cli import run as _run
-
-    sys.exit(_run("qualify", main))

@@ -14,13 +14,10 @@ again from the SHA-256-verified bytes (e.g. after its stores were rebuilt).
 
 import errno
 import hashlib
-import json
 import os
-import sys
 
 from tqdm import tqdm
 
-from . import flags
 from .admission import admit
 from .artifact import atomic, untrusted
 from .artifact import constants as C
@@ -109,25 +106,3 @@ def upgrade(path, stream=None, refresh=False):
 
     atomic.publish_dir(d, build, verify=admit)
     return admit(d), {"upgraded": True, "fast_checks": {p: len(t) // FC.DIGEST_BYTES for p, t in tables.items()}}
-
-
-def main(argv=None):
-    p = flags.Parser(
-        prog="hebrus-mlx upgrade", description="add the fast per-read check (XXH3-128 tables) to an older artifact"
-    )
-    p.add_argument("path", help="artifact directory (replaced atomically)")
-    p.add_argument(
-        "--refresh",
-        action="store_true",
-        help="recompute the tables of an artifact that has them (from SHA-256-verified bytes)",
-    )
-    a = p.parse_args(argv)
-    _, summary = upgrade(a.path, refresh=a.refresh)  # a failure is one line on stderr (cli.run)
-    print(json.dumps(summary, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    from .cli import run
-
-    sys.exit(run("upgrade", main))

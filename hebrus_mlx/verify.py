@@ -11,12 +11,9 @@ false alarm. Progress bars (tqdm) show on a terminal only.
 """
 
 import hashlib
-import json
-import sys
 
 from tqdm import tqdm
 
-from . import flags
 from .admission import admit
 from .artifact import fast_check
 from .artifact.errors import DigestError
@@ -86,18 +83,3 @@ def verify(path, stream=None):
             checked["fast_checks"] = checked.get("fast_checks", 0) + fast.i
     checked["stores"] = len(m.stores)
     return m.report, checked
-
-
-def main(argv=None):
-    p = flags.Parser(prog="hebrus-mlx verify", description="verify every artifact digest")
-    p.add_argument("path")
-    a = p.parse_args(argv)
-    _, checked = verify(a.path)  # a failure is one line on stderr (cli.run)
-    print(json.dumps({"verified": True, **checked}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    from .cli import run
-
-    sys.exit(run("verify", main))

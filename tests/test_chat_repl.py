@@ -2,7 +2,6 @@
 provenance-safe IDs, turn 2 restores turn 1 (prompt + reply) instead of prefilling it, /reset
 forgets the conversation, a bad turn prints one error line and the session goes on."""
 
-import importlib
 import io
 import re
 
@@ -11,8 +10,7 @@ from verb_loading import patch_load_from_args
 
 from hebrus_mlx import load, stream_generate
 from hebrus_mlx.cli import main as cli_main
-
-chat = importlib.import_module("hebrus_mlx.chat")
+from hebrus_mlx.commands import chat
 
 
 @pytest.fixture(scope="module")

@@ -29,14 +29,14 @@ HOSTILE = ["nan", "NaN", "inf", "-inf", "-1", "-0.5", "1e300", "-1e300", str(2**
 PARSERS = {
     "generate": ("hebrus_mlx.verb_flags", []),
     "server": ("hebrus_mlx.server", []),
-    "chat": ("hebrus_mlx.chat", []),
+    "chat": ("hebrus_mlx.commands.chat", []),
     "convert": ("hebrus_mlx.commands.convert", ["--hf-path", "h", "--out", "o"]),
-    "qualify": ("hebrus_mlx.qualify", []),
-    "bench": ("hebrus_mlx.bench.command", []),
-    "simulate": ("hebrus_mlx.simulate.command", []),
-    "traces replay": ("hebrus_mlx.traces.command", ["replay", "d"]),
-    "traces export": ("hebrus_mlx.traces.command", ["export", "d", "--out", "o"]),
-    "traces eval": ("hebrus_mlx.traces.command", ["eval", "d"]),
+    "qualify": ("hebrus_mlx.commands.qualify", []),
+    "bench": ("hebrus_mlx.commands.bench", []),
+    "simulate": ("hebrus_mlx.commands.simulate", []),
+    "traces replay": ("hebrus_mlx.commands.traces", ["replay", "d"]),
+    "traces export": ("hebrus_mlx.commands.traces", ["export", "d", "--out", "o"]),
+    "traces eval": ("hebrus_mlx.commands.traces", ["eval", "d"]),
 }
 
 
@@ -284,7 +284,7 @@ def test_mlx_lm_spellings_of_convert_and_bench():
     assert buf.getvalue().startswith("hebrus-mlx convert: error: --quantize: contradicts --dtype float32")
 
     theirs = {o: a.dest for a in setup_arg_parser()._actions for o in a.option_strings}
-    ours = importlib.import_module("hebrus_mlx.bench.command").build_parser()
+    ours = importlib.import_module("hebrus_mlx.commands.bench").build_parser()
     meaning = {"num_trials": "repeats", "generation_tokens": "gen_tokens", "prompt_tokens": "prompt_tokens"}
     for short in ("-n", "-g", "-p"):
         assert ours._option_string_actions[short].dest == meaning[theirs[short]], short

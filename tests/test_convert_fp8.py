@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from artifact_fixture import sha, tiny_checkpoint
 
-from hebrus_mlx import sources as sources_mod
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.convert import convert
-from hebrus_mlx.convert_fp8 import E4M3FN, Fp8Error
+from hebrus_mlx.convert import sources as sources_mod
+from hebrus_mlx.convert.fp8 import E4M3FN, Fp8Error
 
 E4M3_MAX = 448.0
 

@@ -152,7 +152,7 @@ def test_ple_rows_decode_like_mlx_vlm_quantized_embedding():
     import mlx.core as mx
     import mlx.nn as nn
 
-    from hebrus_mlx.convert_mlx import MlxSource
+    from hebrus_mlx.convert.mlx_source import MlxSource
 
     mx.random.seed(3)
     emb = nn.Embedding(300, 32)
@@ -288,7 +288,7 @@ def test_per_layer_mixed_expert_widths_import_as_is(hf, tmp_path):
 
 def test_flags_that_would_requantize_are_refused(imported, tmp_path):
     from hebrus_mlx.convert import convert
-    from hebrus_mlx.convert_mlx import MlxSourceError
+    from hebrus_mlx.convert.mlx_source import MlxSourceError
 
     src, _, _ = imported
     for kwargs, field in (

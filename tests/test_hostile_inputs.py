@@ -225,7 +225,7 @@ def test_perplexity_jsonl_hostile_line_is_refused(tmp_path, line, needle):
 
 
 def _shipped_profile():
-    from hebrus_mlx.simulate.command import PROFILES_DIR
+    from hebrus_mlx.simulate.run import PROFILES_DIR
 
     return json.loads((PROFILES_DIR / "m5-pro-48gb.json").read_text())
 
@@ -273,7 +273,7 @@ def _bench_json(**change):
     ids=["list", "schema", "version", "digest", "runs", "run", "tokens", "requested"],
 )
 def test_bench_against_malformed_file_is_refused_before_measuring(tmp_path, monkeypatch, content, field):
-    from hebrus_mlx.bench import command
+    from hebrus_mlx.commands import bench as command
 
     def measured(*a, **k):
         raise AssertionError("the bench ran before --against was checked")
@@ -339,13 +339,11 @@ def test_qualify_probe_smaller_than_one_record_is_refused(tmp_path):
 def test_chat_unknown_or_malformed_commands_are_refused_not_sent(monkeypatch, capsys):
     """`/reset now`, `/unknown` and `q extra` were sent to the model as text; now each is one
     [ERROR] line and the session goes on. `//text` sends `/text`."""
-    import importlib
-
     from verb_loading import patch_load_from_args
 
     from hebrus_mlx import load
+    from hebrus_mlx.commands import chat
 
-    chat = importlib.import_module("hebrus_mlx.chat")
     demo = load("demo")
     sent = []
 

@@ -18,9 +18,9 @@ from artifact_fixture import TEMPLATE, TOKENIZER
 from convert_fixture import parity_source
 from mtp_fixture import add_mtp_tensors
 
-from hebrus_mlx import hub, hub_shards
+from hebrus_mlx import hub
 from hebrus_mlx.cli import main as cli_main
-from hebrus_mlx.convert import convert
+from hebrus_mlx.convert import convert, hub_shards
 from hebrus_mlx.errors import HebrusError
 from hebrus_mlx.testing.tiny_configs import TINY_QWEN4EXP
 
@@ -294,7 +294,7 @@ def test_an_occupied_out_is_refused_before_anything_is_fetched(sharded, tmp_path
 def test_a_run_killed_while_assembling_the_stores_resumes(sharded, whole, tmp_path, monkeypatch):
     """Staged files the stores already took are gone: exactly the shards they came from are fetched
     again (their records no longer verify), and the artifact is the same."""
-    from hebrus_mlx import convert as convert_module
+    from hebrus_mlx.convert import build as convert_module
 
     out = str(tmp_path / "b")
 

@@ -3,8 +3,8 @@
 format (errors, flags, artifact/*, format/*: the MLX-free config and key tables) -> admission ->
 graph (models/, kernels/, the machine profile) -> streaming (stream/) -> load (loading/*, loader,
 hub, text/) -> generation (generate, sampling, the prompt cache, speculative/, traces/, pipeline/,
-the shared CLI flags, and the verbs that sit on them: convert, verify, qualify, bench, simulate, ...)
--> serving (server, chat, the CLI). The test oracles (testing/) sit above everything: no product
+the shared CLI flags, and the libraries the verbs sit on: convert/, verify, qualify, bench/,
+simulate/, ...) -> serving (server, the verbs' command lines in commands/, the CLI). The test oracles (testing/) sit above everything: no product
 module imports them (one named exception). Checked on the source (an AST scan that also sees
 function-local imports, where hidden cycles live) and by importing the lower layers in a fresh
 interpreter.
@@ -82,10 +82,7 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
             "hebrus_mlx.verify",
             "hebrus_mlx.upgrade",
             "hebrus_mlx.convert",
-            "hebrus_mlx.hub_shards",
-            "hebrus_mlx.convert_fp8",
-            "hebrus_mlx.convert_mlx",
-            "hebrus_mlx.sources",
+            "hebrus_mlx.convert.",
             "hebrus_mlx.qualify",
             "hebrus_mlx.qualify_report",
             "hebrus_mlx.bench",
@@ -103,7 +100,6 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
             "hebrus_mlx.commands.",
             "hebrus_mlx.server",
             "hebrus_mlx.api_fields",
-            "hebrus_mlx.chat",
             "hebrus_mlx.responses_api",
             "hebrus_mlx.anthropic_api",
             "hebrus_mlx.prep_process",
@@ -209,7 +205,7 @@ def test_a_verb_never_imports_another_verb():
     """Each verb sits on the library and the shared flags (verb_flags, cli_args), never on another
     verb's module (bench once took a flag parser from the traces verb)."""
     verbs = _verb_modules()
-    assert "hebrus_mlx.commands.generate" in verbs and "hebrus_mlx.bench.command" in verbs
+    assert "hebrus_mlx.commands.generate" in verbs and "hebrus_mlx.commands.bench" in verbs
     graph = import_graph()
     bad = sorted((m, d) for m in verbs for d in graph.get(m, ()) if d in verbs and d != m)
     assert bad == []
@@ -339,6 +335,46 @@ def test_no_flag_definitions_below_the_verbs():
     assert bad == []
 
 
+# Command-line helpers outside hebrus_mlx/commands/: the flag types every verb parses with, the
+# shared flag sets, and the server verb until its command line moves into commands/.
+CLI_OUTSIDE_COMMANDS = {"hebrus_mlx.cli", "hebrus_mlx.flags", "hebrus_mlx.cli_args", "hebrus_mlx.verb_flags"}
+CLI_OUTSIDE_COMMANDS |= {"hebrus_mlx.server"}
+
+
+def _command_line(tree) -> list:
+    """What makes a module a command line: importing argparse, or a top-level `main`."""
+    found = [
+        f"import {a.name}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import)
+        for a in n.names
+        if a.name.split(".")[0] == "argparse"
+    ]
+    found += [
+        f"from {n.module} import" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "argparse"
+    ]
+    found += [f"def {n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    return found
+
+
+def test_library_modules_hold_no_command_line():
+    """argparse and each verb's `main(argv)` live in hebrus_mlx/commands/ (cli.VERBS), as in mlx-lm
+    the library (generate, verify, qualify, simulate, ...) has none."""
+    assert _command_line(ast.parse("import argparse\ndef main(argv=None):\n    pass")) == [
+        "import argparse",
+        "def main",
+    ]
+    bad = {
+        m: found
+        for m, path in MODULES.items()
+        if not m.startswith("hebrus_mlx.commands") and m not in CLI_OUTSIDE_COMMANDS
+        if (found := _command_line(ast.parse(path.read_text())))
+    }
+    assert bad == {}
+    verbs = _verb_modules() - {"hebrus_mlx.server"}
+    assert verbs and all(v.startswith("hebrus_mlx.commands.") for v in verbs), sorted(verbs)
+
+
 def test_the_product_executes_no_source_file():
     """Nothing in the package loads a script by path (simulate once exec'd benchmarks/bench_stream.py)."""
     bad = [
@@ -351,7 +387,7 @@ def test_the_product_executes_no_source_file():
 
 def test_verbs_chat_and_server_are_leaves():
     """Nothing imports the chat or server verb modules (chat once took its flags from server)."""
-    users = sorted(m for m, deps in import_graph().items() if deps & {"hebrus_mlx.chat", "hebrus_mlx.server"})
+    users = sorted(m for m, deps in import_graph().items() if deps & {"hebrus_mlx.commands.chat", "hebrus_mlx.server"})
     assert users == []
 
 
@@ -360,6 +396,7 @@ LOWER = [
     "hebrus_mlx.cli",
     "hebrus_mlx.admission",
     "hebrus_mlx.verify",
+    "hebrus_mlx.commands.verify",
     "hebrus_mlx.cli_args",
     "hebrus_mlx.loading.plan",
     "hebrus_mlx.stream.errors",

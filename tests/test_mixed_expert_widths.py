@@ -173,7 +173,7 @@ def test_tampered_codec_entries_are_refused_naming_the_field(mixed, tmp_path, ed
 
 def test_codec_table_entries_without_a_codec_are_refused(mixed):
     """What has no artifact codec is still refused, naming the `quantization` entry."""
-    from hebrus_mlx.convert_mlx import MlxSourceError, source_profile
+    from hebrus_mlx.convert.mlx_source import MlxSourceError, source_profile
 
     src, _ = mixed
     cfg = json.load(open(os.path.join(src, "config.json")))
@@ -238,7 +238,7 @@ def test_experts_stored_unquantized_are_refused_not_quantized(mixed, tmp_path):
     import mlx.core as mx
 
     from hebrus_mlx.convert import convert
-    from hebrus_mlx.convert_mlx import MlxSourceError
+    from hebrus_mlx.convert.mlx_source import MlxSourceError
 
     src, _ = mixed
     d = str(tmp_path / "float-experts")

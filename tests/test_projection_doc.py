@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hebrus_mlx.simulate import command as C
+from hebrus_mlx.commands import simulate as SC
 from hebrus_mlx.simulate import model as S
 from hebrus_mlx.simulate import projection as P
+from hebrus_mlx.simulate import run as C
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "PROJECTION.md"
 
@@ -36,7 +37,7 @@ def test_the_doc_has_a_row_for_every_shipped_profile_and_width():
 
 
 def _project(check, caches):
-    args = C.build_parser().parse_args(
+    args = SC.build_parser().parse_args(
         [
             "--profile",
             "m5-pro-48gb",
@@ -126,7 +127,7 @@ def test_the_goal_rows_are_what_simulate_prints_per_width(profile, name, goal):
     assert {w for (n, w) in rows if n == name} == set(C.TABLE_CODECS)
     text = DOC.read_text()
     budget = float(_rows()[(name, "affine4-g64")][3])
-    got = C.project_widths(profile, (4, 3, 2), cache_gb=f"{budget:g}", draft_depths="0", memo=MEMO)
+    got = SC.project_widths(profile, (4, 3, 2), cache_gb=f"{budget:g}", draft_depths="0", memo=MEMO)
     for r in got:
         cells = rows[(name, r["codec"])]
         assert cells[1] == f"{goal:g}" and cells[3] == f"{r['default_tok_s']:.1f}"

@@ -14,10 +14,11 @@ from fault_injection import FaultyEngine
 from trace_fixture import generate_demo_trace
 
 from hebrus_mlx import cli
+from hebrus_mlx.commands import simulate as SC
 from hebrus_mlx.errors import UsageError
-from hebrus_mlx.simulate import command as C
 from hebrus_mlx.simulate import model as S
 from hebrus_mlx.simulate import projection as P
+from hebrus_mlx.simulate import run as C
 from hebrus_mlx.traces import cachesim
 
 R = 1_000_000  # bytes per record in the hand cases
@@ -326,7 +327,7 @@ def test_projection_follows_the_expert_width():
     """Fewer bits per expert: smaller records (more in the same cache, fewer MB read per token)
     and less compute (bandwidth-bound decode): every width projects faster than the next wider
     one; without the profile's dense_gb compute stays put (said so)."""
-    rows = C.project_widths("m5-pro-48gb", (2, 3, 4, 6, 8), cache_gb="8", draft_depths="0", memo=MEMO)
+    rows = SC.project_widths("m5-pro-48gb", (2, 3, 4, 6, 8), cache_gb="8", draft_depths="0", memo=MEMO)
     assert [r["expert_bits"] for r in rows] == [2, 3, 4, 6, 8]
     for a, b in zip(rows, rows[1:]):
         assert a["record_bytes"] < b["record_bytes"]
@@ -336,8 +337,8 @@ def test_projection_follows_the_expert_width():
     four = rows[2]
     assert four["compute_scale"] == pytest.approx(1.0) and "ASSUMPTION: memory-bandwidth-bound" in four["compute_note"]
     # Dense weights at 3 bits: less compute and more room for the cache than at 4.
-    d3 = C.project_widths("m5-pro-48gb", (4,), dense_bits=3, draft_depths="0", memo=MEMO)[0]
-    d4 = C.project_widths("m5-pro-48gb", (4,), draft_depths="0", memo=MEMO)[0]
+    d3 = SC.project_widths("m5-pro-48gb", (4,), dense_bits=3, draft_depths="0", memo=MEMO)[0]
+    d4 = SC.project_widths("m5-pro-48gb", (4,), draft_depths="0", memo=MEMO)[0]
     assert d3["compute_ms_per_token"] < d4["compute_ms_per_token"] and d3["cache_budget_gb"] > d4["cache_budget_gb"]
 
 

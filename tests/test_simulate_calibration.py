@@ -12,9 +12,9 @@ import pytest
 from hebrus_mlx import cli
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.simulate import calibrate as K
-from hebrus_mlx.simulate import command as C
 from hebrus_mlx.simulate import model as S
 from hebrus_mlx.simulate import projection as P
+from hebrus_mlx.simulate import run as C
 
 R = 1_000_000
 

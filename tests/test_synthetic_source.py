@@ -8,10 +8,10 @@ import json
 import numpy as np
 from artifact_fixture import TEMPLATE, word_level_tokenizer
 
-from hebrus_mlx import admission, sources
+from hebrus_mlx import admission
 from hebrus_mlx.artifact import expert_major
 from hebrus_mlx.artifact import manifest as M
-from hebrus_mlx.convert import convert
+from hebrus_mlx.convert import convert, sources
 from hebrus_mlx.format import checkpoint_keys as keys
 from hebrus_mlx.testing import synthetic_source as S
 from hebrus_mlx.testing.tiny_configs import TINY_QWEN4EXP, TINY_VISION

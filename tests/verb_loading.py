@@ -6,7 +6,7 @@ import importlib
 VERB_MODULES = (
     "hebrus_mlx.verb_flags",
     "hebrus_mlx.commands.generate",
-    "hebrus_mlx.chat",
+    "hebrus_mlx.commands.chat",
     "hebrus_mlx.server",
     "hebrus_mlx.commands.cache_prompt",
 )

@@ -1,5 +1,5 @@
 """`run_bench`: the bench's measurement over its configurations (the `hebrus-mlx bench` verb, its
-flags and output are bench/command.py; qualify --report and simulate --validate run it too)."""
+flags and output are commands/bench.py; qualify --report and simulate --validate run it too)."""
 
 from __future__ import annotations
 

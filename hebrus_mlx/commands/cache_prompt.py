@@ -81,6 +81,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import run
+    from ..cli import run
 
     sys.exit(run("cache-prompt", main))

@@ -1,14 +1,14 @@
-"""`hebrus-mlx convert` (like mlx_lm.convert): the verb's command line over hebrus_mlx/convert.py
-(a whole checkpoint at once) and hebrus_mlx/hub_shards.py (`--stream-shards`: a Hub repo shard by
-shard)."""
+"""`hebrus-mlx convert` (like mlx_lm.convert): the verb's command line over hebrus_mlx/convert/build.py
+(a whole checkpoint at once) and hebrus_mlx/convert/hub_shards.py (`--stream-shards`: a Hub repo shard
+by shard)."""
 
 import json
 import os
 import sys
 
-from .. import flags, hub, hub_shards
+from .. import flags, hub
 from ..artifact import constants as C
-from ..convert import convert
+from ..convert import convert, hub_shards
 from ..errors import UsageError
 
 

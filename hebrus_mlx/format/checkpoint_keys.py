@@ -193,7 +193,7 @@ def _index(m, raw_key, what, limit_name, limit) -> int:
 def expected_hf_keys(args, expert_layout: str = "unfused") -> set[str]:
     """The exact text-model key set (without the conditional prefix) a checkpoint must hold.
 
-    expert_layout "mlx" is the mlx-lm / mlx-vlm layout (`convert_mlx`): experts stacked as
+    expert_layout "mlx" is the mlx-lm / mlx-vlm layout (`convert/mlx_source.py`): experts stacked as
     `mlp.switch_mlp.{gate,up,down}_proj.weight`, PLE shards as `ngram_embedding.shards.{s}.weight`;
     one key per module (a quantized module's .scales/.biases are parts of it, not counted)."""
     if expert_layout not in ("unfused", "fused", "mlx"):

@@ -19,7 +19,7 @@ import zlib
 
 import numpy as np
 
-from ..sources import Source
+from ..convert.sources import Source
 
 MARKER = "synthetic.json"
 # Normal draws shared by every tensor (64 MiB of float32): long enough that no two tensors of a

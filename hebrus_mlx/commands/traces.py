@@ -53,8 +53,8 @@ def build_parser():
 
 def _replay(args) -> int:
     from ..loader import load
-    from .replay import replay
-    from .shards import read_trace
+    from ..traces.replay import replay
+    from ..traces.shards import read_trace
 
     if args.prefill_step_size < 1:
         raise UsageError("--prefill-step-size", f"must be >= 1, got {args.prefill_step_size}")
@@ -83,7 +83,7 @@ def _replay(args) -> int:
             )
     print("parity: " + ("exact" if not bad else f"FAILED in {len(bad)} of {len(results)} sequences"))
     if args.json:
-        from .export import write_report_json
+        from ..traces.export import write_report_json
 
         write_report_json(
             args.json,
@@ -105,7 +105,7 @@ def _flags_as_named(args, *names) -> dict:
 
 
 def _export(args) -> int:
-    from .export import export
+    from ..traces.export import export
 
     fr = args.fractions.split(",")
     try:
@@ -140,7 +140,7 @@ def _check_outputs(args, names) -> None:
 
 
 def _eval(args) -> int:
-    from .eval import run_eval
+    from ..traces.eval import run_eval
 
     _check_outputs(args, ("--json", "--plot"))
     budgets = positive_ints(args.budgets, "--budgets") if args.budgets else None

@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 from .. import flags
+from ..bench import harness as H
+from ..bench import report as R
+from ..bench.run import pipeline_stage, run_bench
 from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..flags import positive_ints
 from ..pipeline import launched as pipeline_launched
-from . import harness as H
-from . import report as R
-from .run import pipeline_stage, run_bench
 
 
 def build_parser():

@@ -1,8 +1,8 @@
 """`hebrus-mlx convert`: HF Qwen4Exp checkpoint -> hebrus-mlx artifact directory.
 
 Sources: an HF checkpoint directory (bf16/f32/f16 safetensors, or block-FP8,
-`convert_fp8`), an MLX-quantized conversion (mlx-vlm / mlx-community layout,
-imported without requantizing, `convert_mlx`), or a Hub repo id (`hub`).
+`convert.fp8`), an MLX-quantized conversion (mlx-vlm / mlx-community layout,
+imported without requantizing, `convert.mlx_source`), or a Hub repo id (`hub`).
 
 Tensors are read one at a time straight from the safetensors shards (pread of
 one tensor's bytes), so peak memory is about the largest tensor plus a
@@ -23,14 +23,14 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from . import admission, hub
-from .artifact import atomic, expert_major, ple_pages, untrusted
-from .artifact import constants as C
-from .artifact import fast_check as FC
-from .artifact import manifest as M
-from .artifact.errors import ArtifactError, GeometryError
-from .format import checkpoint_keys as keys
-from .format.qwen4exp_config import mtp_layer_args
+from .. import admission, hub
+from ..artifact import atomic, expert_major, ple_pages, untrusted
+from ..artifact import constants as C
+from ..artifact import fast_check as FC
+from ..artifact import manifest as M
+from ..artifact.errors import ArtifactError, GeometryError
+from ..format import checkpoint_keys as keys
+from ..format.qwen4exp_config import mtp_layer_args
 from .sources import COMPONENT_HF_NAMES, Source, encode
 
 
@@ -121,11 +121,11 @@ def write_dense(w, src, args, profile, progress, digests=None):
 def expert_spec(config, profile):
     """What the expert store is written with: the profile's expert codec, or for a per-layer
     profile (an MLX source whose routed experts differ in width per layer or projection) the
-    per-layer (gate, up, down) table of the source (convert_mlx.expert_codecs)."""
+    per-layer (gate, up, down) table of the source (mlx_source.expert_codecs)."""
     name = C.profile_codecs(profile)["experts"]
     if name != C.PER_LAYER:
         return name
-    from . import convert_mlx
+    from . import mlx_source as convert_mlx
 
     return convert_mlx.expert_codecs(config)
 
@@ -220,8 +220,8 @@ def artifact_bytes(args, fam, profile, experts=None):
 
 def open_source(path, config):
     """The reader for a checkpoint directory: HF safetensors (bf16/f32, or
-    block-FP8), or an MLX-quantized conversion (`convert_mlx`)."""
-    from . import convert_mlx
+    block-FP8), or an MLX-quantized conversion (`mlx_source`)."""
+    from . import mlx_source as convert_mlx
 
     if convert_mlx.is_mlx_config(config):
         return convert_mlx.MlxSource(path, config)
@@ -232,7 +232,7 @@ def plan(config, q_bits=None, q_group_size=None, dtype=None, expert_bits=None, e
     """(profile, args, constants, family) of a source config; q_bits and
     q_group_size default to 4/64 for float sources, experts to the dense width;
     an MLX-quantized source imports into the profile of its own quantization."""
-    from . import convert_mlx
+    from . import mlx_source as convert_mlx
 
     if convert_mlx.is_mlx_config(config):
         profile = convert_mlx.source_profile(
@@ -453,7 +453,7 @@ def add_mtp(artifact, mtp_source, quiet=False):
     holding exactly the `mtp.*` tensors, e.g. a trained head), encoded with the artifact's own
     profile codecs. Every other file is copied byte for byte; the new directory is admitted before
     it atomically replaces the old one. Replaces an MTP store already present."""
-    from .format.qwen4exp_config import ModelArgs
+    from ..format.qwen4exp_config import ModelArgs
 
     admission.admit(artifact)
     man = untrusted.read_json(artifact, C.MANIFEST_NAME, "manifest")

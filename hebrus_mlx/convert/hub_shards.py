@@ -4,7 +4,7 @@ The whole-snapshot path (`hub.download`) needs the source (the real checkpoint: 
 shards) and the artifact on disk at once. Here each shard is fetched, every tensor in it encoded
 into staged store parts (the same arrays the whole-snapshot conversion computes from it), and the
 shard deleted, while the next shard is fetched ahead. The staged parts are then handed to
-`convert.convert` as its source, which deletes each staged file once the store it feeds has taken
+`build.convert` as its source, which deletes each staged file once the store it feeds has taken
 all of it; so the disk holds about the artifact plus two shards at any time.
 
 Staging lives in `.NAME.shards` beside `--out`. `done/SHARD.json` there records, per shard, the
@@ -24,15 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import convert_mlx, hub
-from .artifact import atomic, untrusted
-from .artifact import constants as C
-from .artifact import manifest as M
-from .artifact.errors import ArtifactError, GeometryError
-from .convert import artifact_bytes, check_out, convert, expert_spec, plan
-from .convert_fp8 import block_config
-from .format import checkpoint_keys as keys
-from .format.qwen4exp_config import ple_constants
+from .. import hub
+from ..artifact import atomic, untrusted
+from ..artifact import constants as C
+from ..artifact import manifest as M
+from ..artifact.errors import ArtifactError, GeometryError
+from ..format import checkpoint_keys as keys
+from ..format.qwen4exp_config import ple_constants
+from . import mlx_source as convert_mlx
+from .build import artifact_bytes, check_out, convert, expert_spec, plan
+from .fp8 import block_config
 from .sources import PLE_CHUNK_ROWS, Source, encode
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -10,13 +10,13 @@ never sent to the model (a message starting with // is sent with one leading / r
 import argparse
 import sys
 
-from .cli_args import ArgumentParser, str2bool
-from .errors import UsageError
-from .generate import GenerationError, context_limit
-from .prompt_cache import PromptCache, Usage, stream_with_cache
-from .sample_utils import make_sampler
-from .stream.errors import StreamError
-from .verb_flags import (
+from ..cli_args import ArgumentParser, str2bool
+from ..errors import UsageError
+from ..generate import GenerationError, context_limit
+from ..prompt_cache import PromptCache, Usage, stream_with_cache
+from ..sample_utils import make_sampler
+from ..stream.errors import StreamError
+from ..verb_flags import (
     PROMPT_ERRORS,
     add_prompt_cache_arguments,
     check_args,
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     cache = PromptCache(args.prompt_cache_bytes)
     if args.prompt_cache_dir is not None:  # earlier sessions' prefixes (e.g. a long system prompt)
-        from .prompt_cache_disk import DiskPromptCache
+        from ..prompt_cache_disk import DiskPromptCache
 
         cache.disk = DiskPromptCache(args.prompt_cache_dir, args.prompt_cache_dir_bytes, model)
         import atexit
@@ -143,6 +143,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import run
+    from ..cli import run
 
     sys.exit(run("chat", main))

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from .artifact.errors import ArtifactError
+from ..artifact.errors import ArtifactError
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16", "F16")

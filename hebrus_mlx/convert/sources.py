@@ -1,19 +1,19 @@
 """Checkpoint sources for `convert`: one tensor at a time out of an HF checkpoint's safetensors
-shards (bf16/f32/f16, or block-FP8 dequantized exactly, `convert_fp8`), and the encoders that
-turn a float tensor into a store codec's parts. `convert_mlx.MlxSource` extends `Source` for
+shards (bf16/f32/f16, or block-FP8 dequantized exactly, `fp8`), and the encoders that
+turn a float tensor into a store codec's parts. `mlx_source.MlxSource` extends `Source` for
 MLX-quantized conversions."""
 
 import os
 
 import numpy as np
 
-from . import admission
-from .artifact import constants as C
-from .artifact import ple_pages, untrusted
-from .artifact.errors import ArtifactError, GeometryError
-from .convert_fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
-from .format import checkpoint_keys as keys
-from .format.qwen4exp_config import ple_constants
+from .. import admission
+from ..artifact import constants as C
+from ..artifact import ple_pages, untrusted
+from ..artifact.errors import ArtifactError, GeometryError
+from ..format import checkpoint_keys as keys
+from ..format.qwen4exp_config import ple_constants
+from .fp8 import FP8_DTYPE, Fp8Scales, block_config, decode_e4m3
 
 COMPONENT_HF_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 

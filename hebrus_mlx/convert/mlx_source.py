@@ -41,12 +41,12 @@ import re
 
 import numpy as np
 
+from ..artifact import constants as C
+from ..artifact import manifest as M
+from ..artifact.errors import ArtifactError, CodecError, GeometryError
+from ..format import checkpoint_keys as keys
+from ..format.qwen4exp_config import ple_constants
 from . import sources as _sources
-from .artifact import constants as C
-from .artifact import manifest as M
-from .artifact.errors import ArtifactError, CodecError, GeometryError
-from .format import checkpoint_keys as keys
-from .format.qwen4exp_config import ple_constants
 
 PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 EXCLUDED = (("vision", "vision_tower."), ("mtp", "mtp."))
