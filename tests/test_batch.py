@@ -371,7 +371,8 @@ def _serve(worker, requests, cancel_after=None):
     """Submit (ids, max_tokens) jobs at once; their texts (a cancelled one: what it got)."""
     import asyncio
 
-    from hebrus_mlx.server import Job, Sampling
+    from hebrus_mlx.serve.sampling import Sampling
+    from hebrus_mlx.serve.worker import Job
 
     sampling = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False)
 
@@ -402,7 +403,7 @@ def test_server_worker_batches_and_keeps_each_text():
     cancelled after 3 tokens) each get the text of its one-at-a-time run; the prefix cache
     serves a second turn (cached tokens reported)."""
     from hebrus_mlx import load, stream_generate
-    from hebrus_mlx.server import ServerDefaults, Worker
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     model, tok = load("demo")
     prompts = ["def fibonacci(n):", "import json\n", "for i in range(10):", "class Stack:", "x = [1, 2"]

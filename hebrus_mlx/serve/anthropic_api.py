@@ -416,7 +416,7 @@ def to_messages(system, messages) -> tuple[list[dict], list[str]]:
 
 
 class MessageBuilder:
-    """Turns server._outputs parts into content blocks and (when streaming) SSE events."""
+    """Turns output.parts parts into content blocks and (when streaming) SSE events."""
 
     def __init__(self, model_id: str, stops: list[str], input_tokens: int):
         self.id = "msg_" + secrets.token_hex(12)
