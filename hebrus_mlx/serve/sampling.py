@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from .. import constrain
-from ..sample_utils import SamplingError, check_sampling_args, make_logits_processors
+from ..sample_utils import SamplingError, check_sampling_args, make_logits_processors, make_sampler
 from .api_fields import RequestError, check_sampling_fields, is_int
 
 
@@ -33,6 +33,10 @@ class Sampling:
     frequency_context_size: int = 20
     logprobs: bool = False  # report each token's log-probability
     top_logprobs: int = 0  # and this many alternatives
+
+    def sampler(self):
+        """The sampler of these settings (sample_utils.make_sampler)."""
+        return make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
 
     def logits_processors(self, vocab_size: int) -> list:
         return make_logits_processors(

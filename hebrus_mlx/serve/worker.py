@@ -23,7 +23,6 @@ from .. import constrain
 from ..generate import DEFAULT_PREFILL_STEP_SIZE, GenerationError, context_limit, generation_stream
 from ..pipeline.stage import PipelineError
 from ..prompt_cache import PromptCache, Usage, stream_with_cache
-from ..sample_utils import make_sampler
 from ..stream.errors import StreamError
 from .sampling import Sampling, token_logprob
 
@@ -56,6 +55,9 @@ class ServerDefaults:
 
 @dataclass
 class Job:
+    """One request queued for the worker: its prompt IDs and sampling, and the asyncio queue its
+    events go to (("text", str), ("logprob", entry), ("done", finish_reason), ("error", exc))."""
+
     ids: list[int]
     sampling: Sampling
     max_tokens: int
@@ -252,7 +254,7 @@ class Worker:
             return
         s = job.sampling
         try:
-            sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+            sampler = s.sampler()
             (uid,) = g.insert(
                 [job.ids],
                 max_tokens=[job.max_tokens],
@@ -308,7 +310,7 @@ class Worker:
 
     def _decode(self, job: Job):
         s = job.sampling
-        sampler = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+        sampler = s.sampler()
         processors = self._processors(job)
         draft = self.defaults.draft_model
         if draft is not None and job.grammar is not None:
@@ -373,6 +375,3 @@ class Worker:
     def alive(self) -> bool:
         """Whether the worker's thread still runs."""
         return self._thread.is_alive()
-
-
-# -- HTTP -----------------------------------------------------------------------------------------
