@@ -15,7 +15,7 @@ VERBS = {
     "admit": "hebrus_mlx.commands.admit",
     "verify": "hebrus_mlx.commands.verify",
     "upgrade": "hebrus_mlx.commands.upgrade",
-    "server": "hebrus_mlx.server",
+    "server": "hebrus_mlx.commands.server",
     "chat": "hebrus_mlx.commands.chat",
     "cache-prompt": "hebrus_mlx.commands.cache_prompt",
     "traces": "hebrus_mlx.commands.traces",

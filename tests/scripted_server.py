@@ -11,7 +11,7 @@ from contextlib import contextmanager
 def scripted_worker(tok, emit):
     """A Worker stand-in: records each job's prompt IDs in `.seen`, then `emit(job)` answers it."""
     from hebrus_mlx.prompt_cache import PromptCache
-    from hebrus_mlx.server import ServerDefaults
+    from hebrus_mlx.serve.worker import ServerDefaults
 
     class ScriptWorker:
         def __init__(self):
@@ -37,7 +37,7 @@ def serving(worker, name="scripted", **app_kwargs):
     (the worker and any prep process stop then)."""
     import uvicorn
 
-    from hebrus_mlx.server import App
+    from hebrus_mlx.serve.app import App
 
     app = App(worker, name, **app_kwargs)
     sock = socket.socket()
@@ -60,7 +60,7 @@ def serving(worker, name="scripted", **app_kwargs):
 
 async def run_job(worker, ids, sampling, max_tokens, timeout=60):
     """(text, usage) of one request through a worker's queue, as the App submits it."""
-    from hebrus_mlx.server import Job
+    from hebrus_mlx.serve.worker import Job
 
     job = Job(ids, sampling, max_tokens, asyncio.get_running_loop(), asyncio.Queue())
     worker.jobs.put(job)

@@ -11,8 +11,8 @@ import json
 import pytest
 from test_server_fields import ScriptWorker, _serve
 
-from hebrus_mlx.anthropic_api import error_body, renamed, to_chat
-from hebrus_mlx.api_fields import RequestError
+from hebrus_mlx.serve.anthropic_api import error_body, renamed, to_chat
+from hebrus_mlx.serve.api_fields import RequestError
 from hebrus_mlx.testing.processes import server_port, start_server, stop_server
 
 KEY = "anthropic-key-456"
@@ -206,7 +206,7 @@ def test_tool_round_trip_scripted(reference):
     tool_result turn renders the whole exchange as the chat template writes it."""
     import anthropic
 
-    from hebrus_mlx.server import App
+    from hebrus_mlx.serve.app import App
 
     tok = reference[0]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -405,7 +405,8 @@ def test_batched_worker_serves_messages(reference):
     import anthropic
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import App, ServerDefaults, Worker
+    from hebrus_mlx.serve.app import App
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     tok, run = reference
     worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults(decode_concurrency=2, prompt_concurrency=2))
@@ -443,12 +444,11 @@ def test_a_failed_generation_is_anthropics_error(reference):
     import anthropic
     from scripted_server import scripted_worker, serving
 
-    from hebrus_mlx.server import Worker
     from hebrus_mlx.stream.errors import StreamError
 
     def emit(job):
-        Worker._emit(job, ("text", "Hello"))
-        Worker._emit(job, ("error", StreamError("expert read failed")))
+        job.emit(("text", "Hello"))
+        job.emit(("error", StreamError("expert read failed")))
 
     with serving(scripted_worker(reference[0], emit)) as port:
         c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x", max_retries=0)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hebrus_mlx import anthropic_api, api_fields, responses_api
+from hebrus_mlx.serve import anthropic_api, api_fields, responses_api
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "API_FIELDS.md").read_text()
 ROUTES = {

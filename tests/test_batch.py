@@ -371,7 +371,8 @@ def _serve(worker, requests, cancel_after=None):
     """Submit (ids, max_tokens) jobs at once; their texts (a cancelled one: what it got)."""
     import asyncio
 
-    from hebrus_mlx.server import Job, Sampling
+    from hebrus_mlx.serve.sampling import Sampling
+    from hebrus_mlx.serve.worker import Job
 
     sampling = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False)
 
@@ -402,7 +403,7 @@ def test_server_worker_batches_and_keeps_each_text():
     cancelled after 3 tokens) each get the text of its one-at-a-time run; the prefix cache
     serves a second turn (cached tokens reported)."""
     from hebrus_mlx import load, stream_generate
-    from hebrus_mlx.server import ServerDefaults, Worker
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     model, tok = load("demo")
     prompts = ["def fibonacci(n):", "import json\n", "for i in range(10):", "class Stack:", "x = [1, 2"]
@@ -424,6 +425,84 @@ def test_server_worker_batches_and_keeps_each_text():
             assert text == want[i] and usage.completion_tokens == lengths[i] and usage.prompt_tokens == len(ids[i])
     assert again[0] == "".join(r.text for r in stream_generate(model, tok, turn2, max_tokens=6))
     assert again[2].cached_tokens >= len(ids[0])
+
+
+def _events(worker, requests):
+    """Every event (kind, value) of each of `requests` ((ids, max_tokens, top_logprobs), logprobs on)
+    submitted at once, up to its "done"."""
+    import asyncio
+
+    from hebrus_mlx.serve.sampling import Sampling
+    from hebrus_mlx.serve.worker import Job
+
+    async def one(ids, n, top):
+        s = Sampling(None, 0.0, 1.0, 0, 0.0, None, [], True, False, logprobs=True, top_logprobs=top)
+        job = Job(ids, s, n, asyncio.get_running_loop(), asyncio.Queue())
+        worker.jobs.put(job)
+        out = []
+        while out[-1:] == [] or out[-1][0] != "done":
+            out.append(await asyncio.wait_for(job.events.get(), 120))
+            assert out[-1][0] != "error", out[-1]
+        return out
+
+    async def all_of():
+        return await asyncio.gather(*(one(*r) for r in requests))
+
+    return asyncio.run(all_of())
+
+
+def test_single_and_batched_loops_emit_the_same_events():
+    """The worker's two loops (one request at a time; --decode-concurrency 2) hand each token to the
+    one output path: the same greedy text, the same logprob entries (token, id, alternatives) in the
+    same places, the same finish reasons."""
+    from hebrus_mlx import load
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
+
+    _, tok = load("demo")
+    requests = [(tok.encode("def fibonacci(n):"), 9, 2), (tok.encode("import json\n"), 6, 0)]
+    runs = []
+    for d in (ServerDefaults(), ServerDefaults(decode_concurrency=2, prompt_concurrency=2)):
+        worker = Worker(lambda: load("demo"), 1 << 30, d)
+        try:
+            runs.append(_events(worker, requests))
+        finally:
+            worker.stop()
+            assert worker.join(60) and not worker.alive
+    for single, batched in zip(*runs):
+
+        def shape(events):
+            out = []
+            for kind, value in events:
+                if kind == "logprob":
+                    value = (value["id"], value["token"], [(x["id"], x["token"]) for x in value["top"]])
+                out.append((kind, value))
+            return out
+
+        assert shape(single) == shape(batched)
+        assert any(k == "logprob" for k, _ in single) and single[-1][0] == "done"
+        lp = [v["logprob"] for k, v in single if k == "logprob"]
+        assert np.allclose(lp, [v["logprob"] for k, v in batched if k == "logprob"], atol=1e-3)
+
+
+def test_the_worker_codes_the_token_output_once():
+    """Both decode loops emit a token's logprob and text through Worker._token: the worker's source
+    has one place that emits each (the batched loop once coded it a second time)."""
+    import ast
+    from pathlib import Path
+
+    import hebrus_mlx.serve.worker as w
+
+    tree = ast.parse(Path(w.__file__).read_text())
+    kinds = [  # job.emit(("text", ...)), as the old self._emit(job, ("text", ...)) too
+        n.args[-1].elts[0].value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "attr", "") in ("emit", "_emit")
+        and n.args
+        and isinstance(n.args[-1], ast.Tuple)
+        and isinstance(n.args[-1].elts[0], ast.Constant)
+    ]
+    assert kinds.count("text") == 1 and kinds.count("logprob") == 1, kinds
 
 
 def test_server_flags_for_batching(capsys):

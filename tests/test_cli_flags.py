@@ -28,7 +28,7 @@ HOSTILE = ["nan", "NaN", "inf", "-inf", "-1", "-0.5", "1e300", "-1e300", str(2**
 # verb -> (module, argv prefix needed to reach the flags: required args, sub-command)
 PARSERS = {
     "generate": ("hebrus_mlx.verb_flags", []),
-    "server": ("hebrus_mlx.server", []),
+    "server": ("hebrus_mlx.commands.server", []),
     "chat": ("hebrus_mlx.commands.chat", []),
     "convert": ("hebrus_mlx.commands.convert", ["--hf-path", "h", "--out", "o"]),
     "qualify": ("hebrus_mlx.commands.qualify", []),

@@ -169,7 +169,8 @@ def test_constrained_request_on_a_drafting_server_decodes_plainly(demo, monkeypa
 
     import hebrus_mlx.speculative as spec
     from hebrus_mlx import load
-    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+    from hebrus_mlx.serve.sampling import Sampling
+    from hebrus_mlx.serve.worker import Job, ServerDefaults, Worker
 
     model, tok = demo
     made, real = [], spec.make_drafter
@@ -218,7 +219,8 @@ def test_server_batch_two_schemas_each_request_its_own_grammar(demo):
     from scripted_server import job_text
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+    from hebrus_mlx.serve.sampling import Sampling
+    from hebrus_mlx.serve.worker import Job, ServerDefaults, Worker
 
     model, tok = demo
     prompts = [_prompt(tok, "Is water wet?"), _prompt(tok, "How many legs has a cat?")]

@@ -375,7 +375,8 @@ def served():
     from test_server_fields import _serve
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import App, ServerDefaults, Worker
+    from hebrus_mlx.serve.app import App
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults())
     port, stop = _serve(App(worker, "demo"))

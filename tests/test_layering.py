@@ -4,7 +4,8 @@ format (errors, flags, artifact/*, format/*: the MLX-free config and key tables)
 graph (models/, kernels/, the machine profile) -> streaming (stream/) -> load (loading/*, loader,
 hub, text/) -> generation (generate, sampling, the prompt cache, speculative/, traces/, pipeline/,
 the shared CLI flags, and the libraries the verbs sit on: convert/, verify, qualify, bench/,
-simulate/, ...) -> serving (server, the verbs' command lines in commands/, the CLI). The test oracles (testing/) sit above everything: no product
+simulate/, ...) -> serving (the serve/ package: the HTTP server's routes, worker, sampling and output
+parsing) -> the command lines (commands/, the CLI). The test oracles (testing/) sit above everything: no product
 module imports them (one named exception). Checked on the source (an AST scan that also sees
 function-local imports, where hidden cycles live) and by importing the lower layers in a fresh
 interpreter.
@@ -32,7 +33,7 @@ FORMAT = (
     "hebrus_mlx.format.",
     "hebrus_mlx.pipeline.split",
 )
-FORMAT_R, ADMISSION_R, GRAPH_R, STREAMING_R, LOAD_R, GENERATION_R, SERVING_R, TESTING_R = range(8)
+FORMAT_R, ADMISSION_R, GRAPH_R, STREAMING_R, LOAD_R, GENERATION_R, SERVING_R, COMMANDS_R, TESTING_R = range(9)
 RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one module
     (FORMAT, FORMAT_R),
     (("hebrus_mlx.admission",), ADMISSION_R),
@@ -92,20 +93,8 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
         ),
         GENERATION_R,
     ),
-    (
-        (
-            "hebrus_mlx.cli",
-            "hebrus_mlx",
-            "hebrus_mlx.commands",
-            "hebrus_mlx.commands.",
-            "hebrus_mlx.server",
-            "hebrus_mlx.api_fields",
-            "hebrus_mlx.responses_api",
-            "hebrus_mlx.anthropic_api",
-            "hebrus_mlx.prep_process",
-        ),
-        SERVING_R,
-    ),
+    (("hebrus_mlx.serve", "hebrus_mlx.serve."), SERVING_R),
+    (("hebrus_mlx.cli", "hebrus_mlx", "hebrus_mlx.commands", "hebrus_mlx.commands."), COMMANDS_R),
     (("hebrus_mlx.testing", "hebrus_mlx.testing."), TESTING_R),
 ]
 # The one product use of the oracles: `hebrus-mlx qualify` runs the shipped MSL sources through the
@@ -186,9 +175,9 @@ def _nearest_module(name):
 def test_string_imports_are_counted():
     """Control: a literal import_module of one of ours is an edge of the graph, so hiding an import
     in a string (as six modules once did for hebrus_mlx.generate) cannot hide a cycle."""
-    tree = ast.parse('import importlib\nm = importlib.import_module("hebrus_mlx.server")')
+    tree = ast.parse('import importlib\nm = importlib.import_module("hebrus_mlx.serve.app")')
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call))
-    assert _string_import(call) == "hebrus_mlx.server"
+    assert _string_import(call) == "hebrus_mlx.serve.app"
     assert _string_import(ast.parse('import_module("numpy")').body[0].value) is None
 
 
@@ -278,7 +267,7 @@ def _up_edges(graph):
 
 
 def test_layers_point_one_way():
-    assert {_rank(m) for m in MODULES} == set(range(8))  # every module has exactly one layer
+    assert {_rank(m) for m in MODULES} == set(range(9))  # every module has exactly one layer
     assert _up_edges(import_graph()) == []
 
 
@@ -294,12 +283,14 @@ def test_layers_point_one_way():
         ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.stream.streaming"),  # the graph past its protocol
         ("hebrus_mlx.stream.engine", "hebrus_mlx.loader"),  # streaming reaches up into load
         ("hebrus_mlx.loader", "hebrus_mlx.generate"),  # load reaches up into generation
-        ("hebrus_mlx.generate", "hebrus_mlx.server"),  # generation reaches up into serving
+        ("hebrus_mlx.generate", "hebrus_mlx.serve.app"),  # generation reaches up into serving
+        ("hebrus_mlx.serve.worker", "hebrus_mlx.commands.server"),  # serving reaches up into a verb's CLI
     ],
 )
 def test_each_layer_violation_fails(importer, imported):
-    """Control: the ranks separate format, admission, graph, streaming, load, generation and serving,
-    so each of these imports (the boundaries issue 26 names) would be an upward edge."""
+    """Control: the ranks separate format, admission, graph, streaming, load, generation, serving and
+    the command lines, so each of these imports (the boundaries issue 26 names) would be an upward
+    edge."""
     graph = import_graph()
     graph[importer] = graph[importer] | {imported}
     assert (importer, imported) in _up_edges(graph)
@@ -336,9 +327,8 @@ def test_no_flag_definitions_below_the_verbs():
 
 
 # Command-line helpers outside hebrus_mlx/commands/: the flag types every verb parses with, the
-# shared flag sets, and the server verb until its command line moves into commands/.
+# shared flag sets.
 CLI_OUTSIDE_COMMANDS = {"hebrus_mlx.cli", "hebrus_mlx.flags", "hebrus_mlx.cli_args", "hebrus_mlx.verb_flags"}
-CLI_OUTSIDE_COMMANDS |= {"hebrus_mlx.server"}
 
 
 def _command_line(tree) -> list:
@@ -371,7 +361,7 @@ def test_library_modules_hold_no_command_line():
         if (found := _command_line(ast.parse(path.read_text())))
     }
     assert bad == {}
-    verbs = _verb_modules() - {"hebrus_mlx.server"}
+    verbs = _verb_modules()
     assert verbs and all(v.startswith("hebrus_mlx.commands.") for v in verbs), sorted(verbs)
 
 
@@ -387,7 +377,8 @@ def test_the_product_executes_no_source_file():
 
 def test_verbs_chat_and_server_are_leaves():
     """Nothing imports the chat or server verb modules (chat once took its flags from server)."""
-    users = sorted(m for m, deps in import_graph().items() if deps & {"hebrus_mlx.commands.chat", "hebrus_mlx.server"})
+    verbs = {"hebrus_mlx.commands.chat", "hebrus_mlx.commands.server"}
+    users = sorted(m for m, deps in import_graph().items() if deps & verbs)
     assert users == []
 
 

@@ -93,7 +93,7 @@ def test_server_fails_the_request_typed_and_serves_the_next(monkeypatch):
     from scripted_server import serving
 
     from hebrus_mlx import load, stream_generate
-    from hebrus_mlx.server import ServerDefaults, Worker
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     ref_model, tok = load("demo")
     prompt = "def fibonacci(n):\n    if n < 2:"

@@ -173,7 +173,8 @@ def test_server_worker_restores_across_a_restart(demo, tmp_path):
     from scripted_server import run_job
 
     from hebrus_mlx import load, stream_generate
-    from hebrus_mlx.server import Sampling, ServerDefaults, Worker
+    from hebrus_mlx.serve.sampling import Sampling
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     model, tok = demo
     ids = tok.encode("class Reader:\n    def __init__(self, path):\n")

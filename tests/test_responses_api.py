@@ -7,7 +7,7 @@ import json
 import pytest
 from test_server_fields import ScriptWorker, _raw, _reference, _serve, _text
 
-from hebrus_mlx.responses_api import ResponseStore, to_messages
+from hebrus_mlx.serve.responses_api import ResponseStore, to_messages
 
 INSTR = "You write Python."
 
@@ -17,7 +17,8 @@ def served():
     import openai
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import App, ServerDefaults, Worker
+    from hebrus_mlx.serve.app import App
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults())
     port, stop = _serve(App(worker, "demo"))
@@ -112,7 +113,7 @@ def _tool_script(tok):
 def test_tool_round_trip_and_stream(served):
     import openai
 
-    from hebrus_mlx.server import App
+    from hebrus_mlx.serve.app import App
 
     tok = served["tok"]
     call_text, script = _tool_script(tok)
@@ -308,16 +309,14 @@ def test_default_cap_lets_a_long_reply_complete(served):
     import openai
     from scripted_server import scripted_worker, serving
 
-    from hebrus_mlx.server import Worker
-
     caps = []
 
     def emit(job):  # a 600-token reply, cut at the job's cap as the real worker cuts it
         caps.append(job.max_tokens)
         n = min(600, job.max_tokens)
         job.usage.prompt_tokens, job.usage.completion_tokens = len(job.ids), n
-        Worker._emit(job, ("text", "word " * n))
-        Worker._emit(job, ("done", "stop" if n == 600 else "length"))
+        job.emit(("text", "word " * n))
+        job.emit(("done", "stop" if n == 600 else "length"))
 
     worker = scripted_worker(served["tok"], emit)
     with serving(worker) as port:

@@ -13,7 +13,7 @@ import time
 import pytest
 from scripted_server import run_concurrently
 
-from hebrus_mlx.server import StopMatcher, parse_tool_calls
+from hebrus_mlx.serve.output import StopMatcher, parse_tool_calls
 from hebrus_mlx.testing.processes import server_port, start_server, stop_server
 
 KEY = "test-key-123"
@@ -326,7 +326,8 @@ def test_cancel_fails_pending_expert_tickets(reference, draft_model):
     from test_stream_model import _testing_experts
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import Job, Sampling, ServerDefaults, Worker
+    from hebrus_mlx.serve.sampling import Sampling
+    from hebrus_mlx.serve.worker import Job, ServerDefaults, Worker
 
     tok, run = reference
 
@@ -391,8 +392,6 @@ def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
     import openai
     from scripted_server import scripted_worker, serving
 
-    from hebrus_mlx.server import Worker
-
     tok, _ = reference
     script = [
         "Checking.",
@@ -404,8 +403,8 @@ def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
 
     def emit(job):
         for piece in script:
-            Worker._emit(job, ("text", piece))
-        Worker._emit(job, ("done", "stop"))
+            job.emit(("text", piece))
+        job.emit(("done", "stop"))
 
     worker = scripted_worker(tok, emit)
     with serving(worker) as port:
@@ -437,10 +436,10 @@ def test_cli_flags(monkeypatch, capsys):
     import importlib
 
     from hebrus_mlx.cli import main as cli_main
+    from hebrus_mlx.commands.server import build_parser
 
-    srv = importlib.import_module("hebrus_mlx.server")
     flags_mod = importlib.import_module("hebrus_mlx.verb_flags")
-    args = srv.build_parser().parse_args([])
+    args = build_parser().parse_args([])
     # --max-tokens not given: None, so each route picks its default (App._max_tokens).
     assert (args.host, args.model, args.max_tokens) == ("127.0.0.1", "demo", None)
     for argv, flag in [
@@ -469,7 +468,7 @@ def test_cli_flags(monkeypatch, capsys):
         return p
 
     monkeypatch.setattr(flags_mod, "build_parser", with_new_flag)
-    assert "--future-flag" in srv.build_parser().format_help()
+    assert "--future-flag" in build_parser().format_help()
     assert cli_main(["server", "--future-flag", "x"]) == 2
     assert "--future-flag: not supported by `hebrus-mlx server` yet" in capsys.readouterr().err
 
@@ -477,16 +476,17 @@ def test_cli_flags(monkeypatch, capsys):
 def test_server_defaults_from_args():
     """Every ServerDefaults field is the server flag of its name: the defaults with no flags, and
     each flag given lands in its field."""
-    import importlib
     from dataclasses import asdict
 
-    srv = importlib.import_module("hebrus_mlx.server")
-    assert srv.ServerDefaults.from_args(srv.build_parser().parse_args([])) == srv.ServerDefaults()
+    from hebrus_mlx.commands.server import build_parser
+    from hebrus_mlx.serve.worker import ServerDefaults
+
+    assert ServerDefaults.from_args(build_parser().parse_args([])) == ServerDefaults()
     argv = ["--temp", "0.5", "--top-p", "0.9", "--top-k", "7", "--min-p", "0.05", "--max-tokens", "33"]
     argv += ["--prefill-step-size", "64", "--draft-model", "ngram", "--num-draft-tokens", "2"]
     argv += ["--prompt-cache-dir", "/tmp/pc", "--prompt-cache-dir-bytes", "4096"]
     argv += ["--decode-concurrency", "4", "--prompt-concurrency", "2"]
-    got = asdict(srv.ServerDefaults.from_args(srv.build_parser().parse_args(argv)))
+    got = asdict(ServerDefaults.from_args(build_parser().parse_args(argv)))
     assert got == {
         "temp": 0.5,
         "top_p": 0.9,
@@ -514,7 +514,8 @@ def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch)
 
     import hebrus_mlx.speculative as spec
     from hebrus_mlx import load
-    from hebrus_mlx.server import Sampling, ServerDefaults, Worker
+    from hebrus_mlx.serve.sampling import Sampling
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     made, real = [], spec.make_drafter
     monkeypatch.setattr(spec, "make_drafter", lambda *a, **k: made.append(a[0]) or real(*a, **k))

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from hebrus_mlx.server import ThinkSplitter, developer_as_system
+from hebrus_mlx.serve.app import developer_as_system
+from hebrus_mlx.serve.output import ThinkSplitter
 
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list in place."}]
 
@@ -41,7 +42,8 @@ def served():
     import openai
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import App, ServerDefaults, Worker
+    from hebrus_mlx.serve.app import App
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults())
     app = App(worker, "demo", allowed_origins=["http://ui.example:3000"])
@@ -280,15 +282,13 @@ def ScriptWorker(tok, script):
     or calls tools on its own); everything from the HTTP request to the response is real."""
     from scripted_server import scripted_worker
 
-    from hebrus_mlx.server import Worker
-
     def emit(job):
         job.usage.prompt_tokens = len(job.ids)
         pieces = script(job) if callable(script) else script
         for piece in pieces:
-            Worker._emit(job, ("text", piece))
+            job.emit(("text", piece))
         job.usage.completion_tokens = len(pieces)
-        Worker._emit(job, ("done", "stop"))
+        job.emit(("done", "stop"))
 
     worker = scripted_worker(tok, emit)
     worker.stop = lambda: worker.jobs.put(None)
@@ -298,7 +298,7 @@ def ScriptWorker(tok, script):
 def test_reasoning_field_from_think_blocks(served):
     import openai
 
-    from hebrus_mlx.server import App
+    from hebrus_mlx.serve.app import App
 
     worker = ScriptWorker(served["tok"], ["<think>", "\nweigh the", " options\n", "</think>", "\n\nUse sort", "()."])
     port, stop = _serve(App(worker, "scripted"))
@@ -322,7 +322,8 @@ def test_batched_worker_honours_processors_and_logprobs(served):
     import openai
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import App, ServerDefaults, Worker
+    from hebrus_mlx.serve.app import App
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     tok = served["tok"]
     worker = Worker(lambda: load("demo"), 1 << 30, ServerDefaults(decode_concurrency=2, prompt_concurrency=2))
@@ -366,7 +367,8 @@ def test_unseeded_requests_do_not_follow_a_seeded_one(served, concurrency):
     reseed MLX's global generator per seeded request, so the unseeded one after it was always the
     same text)."""
     from hebrus_mlx import load
-    from hebrus_mlx.server import App, ServerDefaults, Worker
+    from hebrus_mlx.serve.app import App
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     if concurrency == 1:
         c = served["client"]

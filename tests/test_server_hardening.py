@@ -512,8 +512,8 @@ def test_env_key_and_sigint_mid_nonstreaming_generation(tmp_path):
 
 
 def test_api_key_sources_are_exclusive_and_checked(tmp_path):
+    from hebrus_mlx.commands.server import api_key_from, build_parser
     from hebrus_mlx.errors import UsageError
-    from hebrus_mlx.server import api_key_from, build_parser
 
     def key(argv, env=None):
         return api_key_from(build_parser().parse_args(argv), env or {})
@@ -542,15 +542,14 @@ def test_hostile_template_at_the_server_is_a_4xx_quickly():
     from scripted_server import scripted_worker, serving
 
     from hebrus_mlx.loader import DEMO_DIR
-    from hebrus_mlx.server import Worker
     from hebrus_mlx.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(DEMO_DIR, 4224)
     tok.chat_template = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
 
     def emit(job):
-        Worker._emit(job, ("text", "ok"))
-        Worker._emit(job, ("done", "stop"))
+        job.emit(("text", "ok"))
+        job.emit(("done", "stop"))
 
     with serving(scripted_worker(tok, emit)) as port:
         where = {"port": port}
@@ -616,7 +615,7 @@ def test_the_grace_period_is_one_budget_from_the_signal():
 
     import mlx.core  # noqa: F401  (the server module needs MLX first)
 
-    from hebrus_mlx.server import App
+    from hebrus_mlx.serve.app import App
 
     assert App.grace_left(SimpleNamespace(stop_started=None), 3.0) == 3.0
     left = App.grace_left(SimpleNamespace(stop_started=time.monotonic() - 2.0), 3.0)

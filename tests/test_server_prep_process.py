@@ -77,11 +77,10 @@ def _no_in_process(tok):
 
 
 def _serve_all(tok, **app_kwargs):
-    from hebrus_mlx.server import Worker
 
     def emit(job):
-        Worker._emit(job, ("text", "ok"))
-        Worker._emit(job, ("done", "stop"))
+        job.emit(("text", "ok"))
+        job.emit(("done", "stop"))
 
     worker = scripted_worker(tok, emit)
     answers = []
@@ -120,14 +119,13 @@ def test_the_prep_process_gives_the_in_process_ids_and_errors():
 
 
 def test_a_hostile_template_in_the_prep_process_is_the_same_typed_4xx():
-    from hebrus_mlx.server import Worker
 
     tok = _no_in_process(_tok())
     tok.chat_template = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
 
     def emit(job):
-        Worker._emit(job, ("text", "ok"))
-        Worker._emit(job, ("done", "stop"))
+        job.emit(("text", "ok"))
+        job.emit(("done", "stop"))
 
     with serving(scripted_worker(tok, emit), prep_process_bytes=1) as port:
         status, err = _chat({"port": port}, {"messages": [{"role": "user", "content": "hi"}]}, key=None)
@@ -188,8 +186,8 @@ def test_typed_errors_pickle_as_they_are():
     subclass's __init__ takes (ConfigError prefixes `config.`)."""
     import pickle
 
-    from hebrus_mlx.api_fields import RequestError
     from hebrus_mlx.format.qwen4exp_config import ConfigError
+    from hebrus_mlx.serve.api_fields import RequestError
     from hebrus_mlx.text.chat_template import TemplateLimitError
     from hebrus_mlx.text.tokenizer import TokenizerError
 
@@ -205,11 +203,10 @@ def test_typed_errors_pickle_as_they_are():
 
 def test_a_dead_prep_process_is_replaced():
     """A child killed mid-service (e.g. for memory) is replaced; the next big request is served."""
-    from hebrus_mlx.server import Worker
 
     def emit(job):
-        Worker._emit(job, ("text", "ok"))
-        Worker._emit(job, ("done", "stop"))
+        job.emit(("text", "ok"))
+        job.emit(("done", "stop"))
 
     with serving(scripted_worker(_no_in_process(_tok()), emit), prep_process_bytes=1) as port:
         where = {"port": port}

@@ -23,7 +23,7 @@ def served():
     from scripted_server import serving
 
     from hebrus_mlx import load
-    from hebrus_mlx.server import ServerDefaults, Worker
+    from hebrus_mlx.serve.worker import ServerDefaults, Worker
 
     worker = Worker(lambda: load("demo"), 1 << 28, ServerDefaults())
     with serving(worker, "demo") as port:

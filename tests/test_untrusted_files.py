@@ -332,7 +332,7 @@ def test_deep_tool_call_in_model_output_stays_content():
     in the content, never a RecursionError (a 500)."""
     import mlx.core  # noqa: F401  (the server module needs MLX first)
 
-    from hebrus_mlx.server import parse_tool_calls
+    from hebrus_mlx.serve.output import parse_tool_calls
 
     text = "<tool_call>\n" + DEEP + "\n</tool_call>"
     assert parse_tool_calls(text) == (text, [])

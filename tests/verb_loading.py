@@ -7,7 +7,7 @@ VERB_MODULES = (
     "hebrus_mlx.verb_flags",
     "hebrus_mlx.commands.generate",
     "hebrus_mlx.commands.chat",
-    "hebrus_mlx.server",
+    "hebrus_mlx.commands.server",
     "hebrus_mlx.commands.cache_prompt",
 )
 

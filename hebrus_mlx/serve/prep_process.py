@@ -44,8 +44,8 @@ def _start(spec: dict, parent: int):
 
     from tokenizers import Tokenizer
 
-    from .text.chat_template import ChatRenderer
-    from .text.tokenizer import TextTokenizer
+    from ..text.chat_template import ChatRenderer
+    from ..text.tokenizer import TextTokenizer
 
     global _TOK
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is the server's to handle

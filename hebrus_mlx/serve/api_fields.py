@@ -20,8 +20,8 @@ lone surrogates), parsed off the event loop by the server. No MLX here.
 
 import math
 
-from .artifact import untrusted
-from .flags import INT32_MAX, SEED_MAX
+from ..artifact import untrusted
+from ..flags import INT32_MAX, SEED_MAX
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
@@ -49,11 +49,13 @@ def parse_body(data: bytes) -> dict:
     return body
 
 
-def _is_int(x):
+def is_int(x) -> bool:
+    """An integer that is not a bool (JSON's true is not 1 here)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x):
+def is_number(x) -> bool:
+    """A finite int or float that is not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -64,9 +66,10 @@ def show_value(v):
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _number(body, name, lo=None, hi=None):
+def number_field(body, name, lo=None, hi=None):
+    """body[name], a finite number in [lo, hi] (a bound None: open)."""
     v = body[name]
-    if not _is_number(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+    if not is_number(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (f" >= {lo}" if lo is not None else "")
         raise RequestError(f"{name} must be a finite number{rng}, got {show_value(v)}", name)
     return v
@@ -75,12 +78,13 @@ def _number(body, name, lo=None, hi=None):
 def integer_field(body, name, lo=None, hi=INT32_MAX, expected=None):
     """body[name], an integer in [lo, hi]; the error says `expected` (default: that range)."""
     v = body[name]
-    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+    if not is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         raise RequestError(f"{name} must be {expected or f'an integer in [{lo}, {hi}]'}, got {show_value(v)}", name)
     return v
 
 
 def typed_field(body, name, types, what):
+    """body[name], an instance of `types` (a bool only where `types` names bool); the error says `what`."""
     v = body[name]
     if not isinstance(v, types) or (
         bool not in (types if isinstance(types, tuple) else (types,)) and isinstance(v, bool)
@@ -96,8 +100,8 @@ def not_yet_supported(name, value):
 
 
 # -- the fields -----------------------------------------------------------------------------------
-# Honoured fields whose type/range parse_sampling (server.py) checks are listed here too; these
-# checks run first so every field is checked the same way.
+# The honoured sampling fields are checked here too (sampling.parse_sampling reads them): one
+# validator per field for every route.
 
 
 def _seed(body, name, vocab=None):
@@ -205,6 +209,11 @@ def _bool(body, name, vocab=None):
     typed_field(body, name, bool, "a boolean")
 
 
+def _n(body, name, vocab=None):
+    if not is_int(body[name]) or body[name] != 1:
+        raise RequestError(f"only n=1 is supported, got {show_value(body[name])}", name)
+
+
 def _logit_bias(body, name, vocab=None):
     v = body[name]
     if not isinstance(v, dict):
@@ -220,7 +229,7 @@ def _logit_bias(body, name, vocab=None):
         if t in seen:  # "01" and "1": one would silently replace the other
             raise RequestError(f"logit_bias keys {seen[t]!r} and {k!r} name the same token {t}", name)
         seen[t] = k
-        if not _is_number(b) or not -100 <= b <= 100:
+        if not is_number(b) or not -100 <= b <= 100:
             raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {show_value(b)}", name)
 
 
@@ -229,7 +238,7 @@ def _no_op_number(default, lo=None, hi=None, lo_open=False):
         v = body[name]
         if v is None:
             return
-        if not _is_number(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        if not is_number(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
             rng = f"in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
             raise RequestError(f"{name} must be a finite number {rng}, got {show_value(v)}", name)
         if v != default:
@@ -405,22 +414,22 @@ def _suffix(body, name, vocab=None):
 COMMON_FIELDS = {
     "model": _string,
     "user": _string,
-    # Honoured sampling fields: range-checked here, read by server.parse_sampling.
+    # Honoured sampling fields (SAMPLING_FIELDS): checked here, read by sampling.parse_sampling.
     "max_tokens": lambda b, n, v=None: integer_field(b, n, 1),
-    "temperature": lambda b, n, v=None: _number(b, n, 0, 1e6),
-    "top_p": lambda b, n, v=None: _number(b, n, 0, 1),
+    "temperature": lambda b, n, v=None: number_field(b, n, 0, 1e6),
+    "top_p": lambda b, n, v=None: number_field(b, n, 0, 1),
     "top_k": lambda b, n, v=None: integer_field(b, n, 0),
-    "min_p": lambda b, n, v=None: _number(b, n, 0, 1),
+    "min_p": lambda b, n, v=None: number_field(b, n, 0, 1),
     "seed": _seed,
     "stop": _stop,
-    "stream": None,
+    "stream": _bool,
     "stream_options": _stream_options,
-    "n": None,
+    "n": _n,
     # Logits processors (sample_utils.make_logits_processors), in mlx-lm's order: logit_bias, then
     # the repetition, presence and frequency penalties; 0 (and repetition 1) is off.
-    "frequency_penalty": lambda b, n, v=None: _number(b, n, -2, 2),
-    "presence_penalty": lambda b, n, v=None: _number(b, n, -2, 2),
-    "repetition_penalty": lambda b, n, v=None: _number(b, n, 0, 1e6),
+    "frequency_penalty": lambda b, n, v=None: number_field(b, n, -2, 2),
+    "presence_penalty": lambda b, n, v=None: number_field(b, n, -2, 2),
+    "repetition_penalty": lambda b, n, v=None: number_field(b, n, 0, 1e6),
     "repetition_context_size": _context_size,
     "presence_context_size": _context_size,
     "frequency_context_size": _context_size,
@@ -428,6 +437,7 @@ COMMON_FIELDS = {
     "xtc_threshold": _no_op_number(0, 0, 0.5),
     "logit_bias": _logit_bias,
 }
+SAMPLING_FIELDS = tuple(k for k in COMMON_FIELDS if k not in ("model", "user")) + ("max_completion_tokens",)
 CHAT_FIELDS = {
     **COMMON_FIELDS,
     **{
@@ -479,6 +489,13 @@ def check_fields(body: dict, chat: bool, vocab: int) -> dict:
             raise RequestError("reasoning_effort and chat_template_kwargs.enable_thinking disagree", "reasoning_effort")
         options["enable_thinking"] = think
     return options
+
+
+def check_sampling_fields(body: dict) -> None:
+    """Run the validator of each sampling field `body` gives (SAMPLING_FIELDS: the chat API's)."""
+    for name in SAMPLING_FIELDS:
+        if body.get(name) is not None:
+            CHAT_FIELDS[name](body, name)
 
 
 def chat_constraint(body: dict) -> dict | None:

@@ -18,27 +18,24 @@ ping, then per content block (thinking, text, tool_use) content_block_start, its
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 
+from . import api_fields
 from .api_fields import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_TOOL_NAME_CHARS,
     BlankHold,
     RequestError,
+    is_int,
+    show_value,
     stop_strings,
     tool_objects,
 )
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
-
-
-def show_value(v) -> str:
-    text = json.dumps(v, ensure_ascii=False)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _keys(obj: dict, allowed: tuple, where: str):
@@ -70,30 +67,17 @@ def _cache_control(block: dict, where: str):
 # -- request fields ------------------------------------------------------------------------------
 
 
-def integer_field(lo):
-    def check(body, name):
-        v = body[name]
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 2**31 - 1:
-            raise RequestError(f"{name} must be an integer in [{lo}, 2**31 - 1], got {show_value(v)}", name)
-
-    return check
+# api_fields' validators, in the (body, name) form of this module's tables.
+def _integer(lo):
+    return lambda body, name: api_fields.integer_field(body, name, lo)
 
 
 def _number(lo, hi):
-    def check(body, name):
-        v = body[name]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not lo <= v <= hi:
-            raise RequestError(f"{name} must be a number in [{lo}, {hi}], got {show_value(v)}", name)
-
-    return check
+    return lambda body, name: api_fields.number_field(body, name, lo, hi)
 
 
-def typed_field(types, what):
-    def check(body, name):
-        if not isinstance(body[name], types) or (bool not in types and isinstance(body[name], bool)):
-            raise RequestError(f"{name} must be {what}, got {show_value(body[name])}", name)
-
-    return check
+def _typed(types, what):
+    return lambda body, name: api_fields.typed_field(body, name, types, what)
 
 
 def _system(body, name):
@@ -167,11 +151,11 @@ def _thinking(body, name):
     # length is bounded by max_tokens alone.
     _keys(v, ("type", "budget_tokens"), name)
     budget = v.get("budget_tokens")
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+    if not is_int(budget) or budget < 1024:
         raise RequestError(
             f"thinking.budget_tokens must be an integer >= 1024, got {show_value(budget)}", "thinking.budget_tokens"
         )
-    if isinstance(body.get("max_tokens"), int) and budget >= body["max_tokens"]:
+    if is_int(body.get("max_tokens")) and budget >= body["max_tokens"]:
         raise RequestError("thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")
 
 
@@ -203,15 +187,15 @@ def _metadata(body, name):
 
 # Every field of each route: its check (None: to_chat checks it). docs/API_FIELDS.md lists them.
 MESSAGES_FIELDS = {
-    "model": typed_field((str,), "a string"),
+    "model": _typed(str, "a string"),
     "messages": None,
-    "max_tokens": integer_field(1),
+    "max_tokens": _integer(1),
     "system": _system,
     "stop_sequences": _stop_sequences,
-    "stream": typed_field((bool,), "a boolean"),
+    "stream": _typed(bool, "a boolean"),
     "temperature": _number(0, 1),
     "top_p": _number(0, 1),
-    "top_k": integer_field(0),
+    "top_k": _integer(0),
     "tools": _tools,
     "tool_choice": _tool_choice,
     "thinking": _thinking,
@@ -416,7 +400,7 @@ def to_messages(system, messages) -> tuple[list[dict], list[str]]:
 
 
 class MessageBuilder:
-    """Turns server._outputs parts into content blocks and (when streaming) SSE events."""
+    """Turns output.parts parts into content blocks and (when streaming) SSE events."""
 
     def __init__(self, model_id: str, stops: list[str], input_tokens: int):
         self.id = "msg_" + secrets.token_hex(12)

@@ -25,9 +25,9 @@ import threading
 import time
 from collections import OrderedDict
 
+from ..artifact import untrusted
 from . import api_fields
 from .api_fields import RequestError, show_value
-from .artifact import untrusted
 
 DEFAULT_STORE_ENTRIES = 256
 DEFAULT_STORE_BYTES = 64 << 20
@@ -118,7 +118,7 @@ def _string(body, name, vocab=None):
 
 
 _C = api_fields.COMMON_FIELDS
-# The sampling fields, handed on to server.parse_sampling as a chat-completions body.
+# The sampling fields, handed on to sampling.parse_sampling as a chat-completions body.
 _SAMPLING_KEYS = (
     "temperature",
     "top_p",
@@ -160,7 +160,7 @@ RESPONSES_FIELDS = {
 
 def check_fields(body: dict, vocab: int) -> tuple[dict, dict]:
     """Refuse unknown fields, validate known ones; returns (a chat-completions body with the
-    sampling fields, for server.parse_sampling; the template options)."""
+    sampling fields, for sampling.parse_sampling; the template options)."""
     _check(body, RESPONSES_FIELDS, "/v1/responses", vocab)
     sampling = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
     if body.get("max_output_tokens") is not None:
@@ -405,7 +405,7 @@ def with_instructions(instructions: str | None, messages: list[dict]) -> list[di
 
 
 class ResponseBuilder:
-    """Turns server._outputs parts into output items and (when streaming) SSE events."""
+    """Turns output.parts parts into output items and (when streaming) SSE events."""
 
     def __init__(self, body: dict, model_id: str, tools: list | None):
         self.id = _new_id("resp_")
