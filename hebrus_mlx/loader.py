@@ -61,6 +61,7 @@ def load_hf_model(path, dtype: mx.Dtype | None = mx.float32, options=None):
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
+    del weights  # the model holds them: optimize.apply's re-stored copies must free the originals
     mx.eval(model.parameters())
     # HF checkpoints store the zero-centred norm weights (the format's convention): fold them now.
     set_norm_weights(model, folded=False)
