@@ -50,6 +50,22 @@ def rss_gb():
     return 0.0
 
 
+def memory_now():
+    """GiB: anonymous and file-backed resident memory (/proc/self/smaps_rollup), MLX's live arrays
+    and its allocator cache."""
+    import mlx.core as mx
+
+    with open("/proc/self/smaps_rollup") as f:
+        d = {p[0].rstrip(":"): int(p[1]) for p in (line.split() for line in f) if len(p) == 3}
+    return {
+        "rss": round(d["Rss"] / 2**20, 2),
+        "anonymous": round(d["Anonymous"] / 2**20, 2),
+        "file": round((d["Rss"] - d["Anonymous"]) / 2**20, 2),
+        "mlx_active": round(mx.get_active_memory() / 2**30, 2),
+        "mlx_cache": round(mx.get_cache_memory() / 2**30, 2),
+    }
+
+
 def emit(out, phase, **fields):
     row = {"phase": phase, **fields}
     print(json.dumps(row), flush=True)
@@ -161,10 +177,10 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
     r1 = io_counters(True)[0]
     rss_load = rss_gb()
     # In-memory bytes (GiB) the plan stands for: the CPU graph runs fp32, so bf16 scales/biases of
-    # the arena and the bf16 PLE rows are held widened to fp32.
+    # the arena and the dense store, and bf16 PLE rows, are held widened to fp32.
     g = build_model.em.Geometry(m.family, m.experts.expert_codec)
     row = sum(2 * n if d == "uint16" else n for *_, d, _, _, n in g.layer_layout(0))
-    ple_rows = sum(s.size for s in m.stores if s.role == "ple") * 2
+    ple_rows = sum(s.size * (2 if s.codec == "bf16" else 1) for s in m.ple)  # affine rows stay packed
     planned = {
         "available_gib": round(avail / 2**30, 2),
         "dense_gib": round(m.dense.size / 2**30, 2),
@@ -173,8 +189,22 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
         "ple_gib": round((ple_rows if ple_cache is None else ple_cache) / 2**30, 2),
         "ple_resident": ple_cache is None,
     }
-    planned["total_gib"] = round(sum(planned[k] for k in ("dense_gib", "expert_arena_gib", "ple_gib")), 2)
     streaming = model.streaming
+    # What the loader built (the default plan gives the prefill sweep's two-layer ring its rows out
+    # of the arena; a forced cache keeps its rows and the ring comes on top).
+    experts = streaming.experts if streaming is not None else None
+    if experts is not None:
+        planned["expert_rows"] = experts.rows
+        planned["expert_arena_gib"] = round(experts.rows * row / 2**30, 2)
+    sweep = streaming.sweep if streaming is not None else None
+    planned["sweep_ring_gib"] = round((sweep.bytes if sweep is not None else 0) / 2**30, 2)
+    # bf16 dense tensors (scales, biases) are held widened to fp32: the store's bytes undercount them.
+    planned["dense_widened_gib"] = round(
+        sum(t["data_offsets"][1] - t["data_offsets"][0] for t in m.tensors.values() if t["dtype"] == "BF16") / 2**30, 2
+    )
+    parts = ("dense_gib", "dense_widened_gib", "expert_arena_gib", "ple_gib", "sweep_ring_gib")
+    planned["total_gib"] = round(sum(planned[k] for k in parts), 2)
+    memory = memory_now()
     cache = model.make_cache()
     t = time.perf_counter()
     logits = model(mx.array([PROMPT_IDS]), cache)[0, -1]
@@ -199,6 +229,7 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
         "load_read_call_bytes": r1 - r0,
         "dense_store_bytes": m.dense.size,
         "rss_after_load_gib": round(rss_load, 2),
+        "memory_after_load_gib": memory,
         "plan": planned,
         "first_token_s": round(first_s, 2),
         "decode_s_per_token": [round(x, 2) for x in per_token],
@@ -383,32 +414,59 @@ def phase_simulate(a, art, out):
     emit(out, "simulate", rc=r.returncode, result=res)
 
 
+def _drop_cache(paths):
+    """Evict the files' pages from the page cache (clean pages only: they were written and synced
+    by convert), so the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _raw_read(paths, chunk=16 << 20):
+    """Bytes/s of a plain sequential read of every file, front to back (no hashing)."""
+    n, t = 0, time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while b := os.read(fd, chunk):
+                n += len(b)
+        finally:
+            os.close(fd)
+    return n, time.perf_counter() - t
+
+
 def phase_verify(art, out):
+    """`verify` against a raw sequential read of the same store files, side by side: page cache
+    dropped before each, raw first (the same bytes in the same order, no hashing)."""
     from hebrus_mlx.verify import verify
 
     m = admission.admit(art)
+    paths = [m.file(s) for s in m.stores]
     size = sum(s.size for s in m.stores)
+    _drop_cache(paths)
+    n, raw_s = _raw_read(paths)
+    _drop_cache(paths)
+    c0 = os.times()
     t = time.perf_counter()
     verify(art)
     wall = time.perf_counter() - t
-    # A raw sequential read of the same disk for the ratio: the expert store, page cache dropped first.
-    path = m.file(m.experts)
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    n, t = 0, time.perf_counter()
-    while n < min(size, 8 << 30) and (b := os.read(fd, 16 << 20)):
-        n += len(b)
-    raw = n / (time.perf_counter() - t)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    c1 = os.times()
+    _drop_cache(paths)
     emit(
         out,
         "verify",
         wall_s=round(wall, 1),
+        cpu_s=round(c1.user + c1.system - c0.user - c0.system, 1),
         bytes=size,
         verify_gb_s=round(size / wall / 1e9, 3),
-        raw_read_gb_s=round(raw / 1e9, 3),
-        ratio=round(size / wall / raw, 3),
+        raw_s=round(raw_s, 1),
+        raw_read_gb_s=round(n / raw_s / 1e9, 3),
+        ratio=round((size / wall) / (n / raw_s), 3),
+        load_avg=os.getloadavg()[0],
     )
 
 
