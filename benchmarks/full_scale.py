@@ -222,6 +222,7 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
             c1 = streaming.counters()
             counters.append({k: c1[k] - c0[k] for k in c1 if isinstance(c1[k], int) and isinstance(c0.get(k), int)})
     last = np.array(logits.astype(mx.float32))
+    vocab = model.effective_vocab_size or last.size
     res = {
         "expert_cache_gb_flag": cache_gb,
         "prefetch": prefetch,
@@ -234,7 +235,10 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
         "first_token_s": round(first_s, 2),
         "decode_s_per_token": [round(x, 2) for x in per_token],
         "tokens": ids,
-        "logits_finite": bool(np.isfinite(last).all()),
+        # Rows past the tokenizer's vocabulary are masked to -inf by the model (AFN-005): finite
+        # means every other logit is, and those rows are exactly -inf.
+        "logits_finite": bool(np.isfinite(last[:vocab]).all() and np.isneginf(last[vocab:]).all()),
+        "masked_rows": int(last.size - vocab),
         "final_logits_sha256": hashlib.sha256(last.tobytes()).hexdigest(),
         "peak_rss_gib": round(peak_rss_gb(), 2),
         "counters_per_token": counters,
