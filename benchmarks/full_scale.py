@@ -1,7 +1,7 @@
 """Full-scale run of the real Qwen3.8-Flash-Next geometry on this machine: a generated checkpoint
 (hebrus_mlx/testing/synthetic_source.py: 48 layers, 512 experts top-10 at their real record size,
 the PLE table at its real row width with fewer rows) through `convert`, `admit`, `verify`, `load`,
-`generate` at several expert-cache sizes, the server, and `simulate`.
+`generate` at several expert-cache sizes, the prompt cache across a restart, the server, and `simulate`.
 
     nice -n 10 python benchmarks/full_scale.py --dir /work/fullscale --phases convert,admit,verify,load,generate
 
@@ -22,12 +22,13 @@ from hebrus_mlx import admission
 from hebrus_mlx.convert import artifact_bytes, convert, expert_spec, plan
 from hebrus_mlx.testing import synthetic_source as S
 
-PHASES = ("convert", "kill", "admit", "verify", "load", "generate", "server", "simulate", "clean")
+PHASES = ("convert", "kill", "admit", "verify", "load", "generate", "restart", "server", "simulate", "clean")
 # The shipped demo's Qwen-style chat template (admission requires one).
 TEMPLATE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hebrus_mlx", "demo", "model", "chat_template.jinja"
 )
 PROMPT_IDS = [9707, 11, 1879, 0, 576, 374, 264]
+TAIL_IDS = [1446, 3405, 30]  # the continuation the `restart` phase feeds after the cached prompt
 
 
 def io_counters(cached=False):
@@ -246,6 +247,77 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
     }
     with open(out_path, "w") as f:
         json.dump(res, f)
+
+
+def restart_worker(art, mode, cache_file, tokens, out_path):
+    """One leg of the `restart` phase in a fresh process. save: prefill PROMPT_IDS and write the
+    prompt cache; resume: load that file, feed TAIL_IDS and decode greedily; whole: the same
+    prefill, tail and decode in one process with the cache kept in memory (the uninterrupted run)."""
+    import hashlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    from hebrus_mlx.loader import load
+    from hebrus_mlx.prompt_cache import load_prompt_cache, save_prompt_cache
+
+    t = time.perf_counter()
+    model, _ = load(art)
+    res = {"mode": mode, "load_s": round(time.perf_counter() - t, 1)}
+    t = time.perf_counter()
+    if mode == "resume":
+        cache = load_prompt_cache(cache_file, model)
+        res["cache_load_s"] = round(time.perf_counter() - t, 2)
+    else:
+        cache = model.make_cache()
+        mx.eval(model(mx.array([PROMPT_IDS]), cache))
+        res["prefill_s"] = round(time.perf_counter() - t, 1)
+    if mode == "save":
+        t = time.perf_counter()
+        save_prompt_cache(cache_file, cache, model, tokens=PROMPT_IDS, overwrite=False)
+        res.update(save_s=round(time.perf_counter() - t, 2), cache_file_bytes=os.path.getsize(cache_file))
+    else:
+        t = time.perf_counter()
+        logits = model(mx.array([TAIL_IDS]), cache)[0, -1]
+        ids = [int(logits.argmax())]
+        for _ in range(tokens - 1):
+            logits = model(mx.array([[ids[-1]]]), cache)[0, -1]
+            ids.append(int(logits.argmax()))
+        last = np.array(logits.astype(mx.float32))
+        res.update(
+            decode_s=round(time.perf_counter() - t, 1),
+            tokens=ids,
+            final_logits_sha256=hashlib.sha256(last.tobytes()).hexdigest(),
+        )
+    res["peak_rss_gib"] = round(peak_rss_gb(), 2)
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+def phase_restart(a, art, out):
+    """The prompt cache across a restart: save after the prompt in one process, load it in a new
+    one and continue; the tokens and final logits must equal one process that never stopped."""
+    cache_file = os.path.join(a.dir, "restart-prompt-cache.safetensors")
+    if os.path.lexists(cache_file):
+        os.unlink(cache_file)  # this phase's own file from an earlier run
+    legs = {}
+    for mode in ("save", "resume", "whole"):
+        path = os.path.join(a.dir, f"restart-{mode}.json")
+        cmd = _self(a) + ["--_restart", json.dumps([art, mode, cache_file, a.tokens, path])]
+        subprocess.run(cmd, check=True)
+        with open(path) as f:
+            legs[mode] = json.load(f)
+        os.unlink(path)
+    os.unlink(cache_file)
+    r, w = legs["resume"], legs["whole"]
+    emit(
+        out,
+        "restart",
+        **{k: v for k, v in legs["save"].items() if k != "mode"},
+        resume=r,
+        whole=w,
+        identical=r["tokens"] == w["tokens"] and r["final_logits_sha256"] == w["final_logits_sha256"],
+    )
 
 
 def run_worker(a, art, cache_gb, prefetch, out):
@@ -489,9 +561,10 @@ def main(argv=None):
     p.add_argument("--cache-gb", default="default,2,4,8", help="expert caches for generate ('default': the plan)")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_restart", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-name", default="artifact", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a._worker or a._cli:
+    if a._worker or a._cli or a._restart:
         # The config the parent wrote (not rebuilt: that imports transformers and torch, whose
         # memory would count in the RSS the worker reports).
         with open(os.path.join(a.dir, "source", "config.json")) as f:
@@ -500,6 +573,9 @@ def main(argv=None):
             from hebrus_mlx.cli import main as cli_main
 
             return cli_main(json.loads(a._cli))
+        if a._restart:
+            restart_worker(*json.loads(a._restart))
+            return 0
         worker(*json.loads(a._worker))
         return 0
     phases = a.phases.split(",")
@@ -527,6 +603,8 @@ def main(argv=None):
             runs.append(run_worker(a, art, sizes[-1], "off", out))
             same = {(tuple(r["tokens"]), r["final_logits_sha256"]) for r in runs}
             emit(out, "exactness", runs=len(runs), identical=len(same) == 1)
+    if "restart" in phases:
+        phase_restart(a, art, out)
     if "server" in phases:
         phase_server(a, art, out)
     if "simulate" in phases:
