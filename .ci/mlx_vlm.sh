@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Unpack the independent MLX oracle (mlx-vlm 0.7.10) as .ci/run does - never installed: its
-# package __init__ pulls heavy dependencies the tests do not need (tests/mlx_vlm_fixture.py) -
+# package __init__ pulls heavy dependencies the tests do not need (tests/support/mlx_vlm_fixture.py) -
 # and print its root for MLX_VLM_ROOT.
 set -euo pipefail
 cd "$(dirname "$0")/.."

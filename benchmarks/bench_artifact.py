@@ -7,7 +7,7 @@
 * conversion throughput and peak RSS of `hebrus-mlx convert` on the tiny
   checkpoint (subprocess, ru_maxrss);
 * bounded-memory conversion: the ~390 MiB expert-heavy bulk checkpoint
-  (tests/convert_fixture.py) converted by `hebrus-mlx convert` in a child
+  (tests/support/convert_fixture.py) converted by `hebrus-mlx convert` in a child
   whose RLIMIT_DATA is capped well below the checkpoint size.
 
   python benchmarks/bench_artifact.py [--lookups 2000]
@@ -112,13 +112,13 @@ def main():
             rate, cost = _mib_s(r.verify_all, r.geometry.payload_bytes)
         print(f"{'PLE verify_all (64 KiB)':<28}{rate:10.0f}{cost:12.3f}")
 
-        from artifact_fixture import tiny_checkpoint
+        from support.artifact_fixture import tiny_checkpoint
 
         hf = tiny_checkpoint(os.path.join(root, "hf"))
         src = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf))
         out = os.path.join(root, "art")
         code = (
-            f"import sys, time, resource; sys.path.insert(0, {TESTS!r}); import families; "
+            f"import sys, time, resource; sys.path.insert(0, {TESTS!r}); from support import families; "
             "from hebrus_mlx.convert import convert; t = time.perf_counter(); "
             "convert(sys.argv[1], sys.argv[2], quiet=True); "
             "print(time.perf_counter() - t, [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
@@ -152,7 +152,7 @@ _BULK_CHILD = (
 
 
 def _bulk(root, cap=160 << 20):
-    from convert_fixture import bulk_checkpoint
+    from support.convert_fixture import bulk_checkpoint
 
     hf = os.path.join(root, "bulk")
     size = bulk_checkpoint(hf)

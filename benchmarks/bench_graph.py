@@ -13,12 +13,19 @@ experts on another core, in prefill also projections and half of the logits; the
 with >= 2 cores) and on one stream, as the peers run; --cpu-streams 1 measures only the latter.
 Targets (issue 14): decode and prefill >= 1.0x mlx-vlm and >= 1.0x mlx-lm; QSA step at 32K <= 1.5x 4K.
 Run: python benchmarks/bench_graph.py [--layers 8 --hidden 512 ...] [--checkpoint DIR] [--skip-vlm] [--split-ablation | --options-ablation]
+
+Against an earlier tree: `--record FILE` saves this run's rows (tok/s, ms, the load average) as JSON;
+`--against FILE` prints each row beside that record with the ratio now/record, and the ratio of the
+two runs' hebrus/peer ratios (the peer ran in both, so that one cancels a load change between them).
+Alternate the trees run by run (A, B, A, B), each with --record, to compare two commits on a shared
+machine: PYTHONPATH=<other tree> runs this script against that tree's hebrus_mlx.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -443,39 +450,80 @@ def main(argv=None):
     p.add_argument("--skip-vlm", action="store_true")
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--skip-qsa", action="store_true")
+    p.add_argument("--record", metavar="FILE", help="save this run's rows as JSON (for a later --against)")
+    p.add_argument("--against", metavar="FILE", help="print each row beside a --record of an earlier run")
     a = p.parse_args(argv)
     if a.split_ablation:
         return split_ablation(a)
     if a.options_ablation:
         return options_ablation(a)
+    against = None if a.against is None else json.loads(Path(a.against).read_text())
+    rows: dict[str, float] = {}  # "kind: name" -> tok/s (or ms for the QSA step)
 
     if not a.skip_vlm:
         out = vlm_comparison(a)
         if out is not None:
-            rows, parity = out
-            for kind, h, v in rows:
+            vlm_rows, parity = out
+            for kind, h, v in vlm_rows:
                 print(ratio_line(kind, h, "mlx-vlm qwen4_exp", v))
+                rows.update(_named(kind, h, "mlx-vlm qwen4_exp", v, "vs mlx-vlm"))
             print(parity)
-    if a.skip_mlx_lm:
-        return
+    if not a.skip_mlx_lm:
+        prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
+        ours, theirs = built(a), mlx_lm_model(a)
+        init_weights(theirs)
+        print(
+            f"dims: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} experts={a.experts} top-k={a.top_k}"
+        )
+        models = [*variants(ours, a.cpu_streams), theirs]
+        decode, tokens = paired_decode(models, prompt, a.decode)
+        results = {"decode": decode, "prefill": paired_prefill(models, prompt)}
+        for kind, v in results.items():
+            print(ratio_line(kind, v[:-1], "mlx-lm qwen3_next", v[-1]))
+            rows.update(_named(kind, v[:-1], "mlx-lm qwen3_next", v[-1], "vs mlx-lm"))
+        print(f"hebrus greedy tokens on 2 vs 1 CPU streams: {'identical' if tokens[0] == tokens[-2] else 'DIFFER'}")
+        if not a.skip_qsa:
+            short, long = paired_qsa_steps(a, [a.short_context, a.long_context])
+            print(
+                f"QSA decode step: {a.short_context} ctx {short * 1e3:.2f} ms, {a.long_context} ctx {long * 1e3:.2f} ms, "
+                f"ratio {long / short:.2f}x (budget {a.budget}, ratio {a.ratio})"
+            )
+            rows[f"QSA step ms: {a.short_context} ctx"] = short * 1e3
+            rows[f"QSA step ms: {a.long_context} ctx"] = long * 1e3
+    record = {"rows": rows, "argv": sys.argv[1:] if argv is None else argv, "loadavg": list(os.getloadavg())}
+    if a.record:
+        Path(a.record).write_text(json.dumps(record, indent=1) + "\n")
+    if against is not None:
+        print(against_table(record, against))
 
-    prompt = mx.array(np.random.default_rng(1).integers(1, a.vocab, size=(1, a.prompt)).astype(np.int32))
-    ours, theirs = built(a), mlx_lm_model(a)
-    init_weights(theirs)
-    print(f"dims: hidden={a.hidden} layers={a.layers} heads={a.heads}/{a.kv_heads} experts={a.experts} top-k={a.top_k}")
-    models = [*variants(ours, a.cpu_streams), theirs]
-    decode, tokens = paired_decode(models, prompt, a.decode)
-    results = {"decode": decode, "prefill": paired_prefill(models, prompt)}
-    for kind, v in results.items():
-        print(ratio_line(kind, v[:-1], "mlx-lm qwen3_next", v[-1]))
-    print(f"hebrus greedy tokens on 2 vs 1 CPU streams: {'identical' if tokens[0] == tokens[-2] else 'DIFFER'}")
-    if a.skip_qsa:
-        return
-    short, long = paired_qsa_steps(a, [a.short_context, a.long_context])
-    print(
-        f"QSA decode step: {a.short_context} ctx {short * 1e3:.2f} ms, {a.long_context} ctx {long * 1e3:.2f} ms, "
-        f"ratio {long / short:.2f}x (budget {a.budget}, ratio {a.ratio})"
-    )
+
+def _named(kind, ours, peer_name, peer, group):
+    """One run's rows by name: each hebrus variant and the peer it ran beside."""
+    label = ["2 CPU streams", "1 CPU stream"][-len(ours) :]
+    out = {f"{kind} {group}: hebrus ({l})": v for l, v in zip(label, ours)}
+    out[f"{kind} {group}: {peer_name}"] = peer
+    return out
+
+
+def against_table(now: dict, then: dict) -> str:
+    """Each row of this run beside the record: now/record (for ms rows record/now, so > 1 is faster
+    either way), and for hebrus rows the same ratio over the peer's, which cancels a load change."""
+    lines = [f"{'row':58s} {'now':>9s} {'record':>9s} {'speed':>7s} {'vs peer':>8s}"]
+    peers = {k.split(": ")[0]: v for k, v in now["rows"].items() if "hebrus" not in k and "QSA" not in k}
+    peers_then = {k.split(": ")[0]: v for k, v in then["rows"].items() if "hebrus" not in k and "QSA" not in k}
+    for name, v in now["rows"].items():
+        old = then["rows"].get(name)
+        if old is None:
+            continue
+        speed = old / v if name.startswith("QSA") else v / old
+        group = name.split(": ")[0]
+        relative = ""
+        if "hebrus" in name and group in peers and group in peers_then:
+            relative = f"{speed / (peers[group] / peers_then[group]):7.2f}x"
+        lines.append(f"{name:58s} {v:9.2f} {old:9.2f} {speed:6.2f}x {relative:>8s}")
+    load = lambda r: "/".join(f"{x:.1f}" for x in r.get("loadavg", []))  # noqa: E731
+    lines.append(f"load average (1/5/15 min) at the end: now {load(now)}, record {load(then)}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Speculative acceptance of the demo's MTP head on held-out text (greedy, exact verify).
 
-Uses the minimal verify loop of tests/spec_loop.py (the protocol in hebrus_mlx.speculative
+Uses the minimal verify loop of tests/support/spec_loop.py (the protocol in hebrus_mlx.speculative
 replaces it once merged). For each of the first --files held-out files of the demo's split, a
 --prompt-tokens prompt from the middle of the file, --tokens greedy tokens with --draft drafts per
 step; checks the tokens equal plain greedy decoding and prints accepted / drafted.
@@ -24,7 +24,7 @@ def main(argv=None):
     p.add_argument("--draft", type=int, default=3)
     a = p.parse_args(argv)
 
-    from spec_loop import plain_greedy, speculative_greedy
+    from support.spec_loop import plain_greedy, speculative_greedy
     from tokenizers import Tokenizer
     from train_demo import DEFAULT_CORPUS, list_corpus, read_text, split_files
 

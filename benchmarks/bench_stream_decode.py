@@ -16,7 +16,7 @@ top-k record waited for before any expert runs), N interleaved rounds of --compa
 the same arena size, a fresh engine and arena (cold) per run; prints the engine's exposed wait
 per token and tok/s of each, medians, and the ratios. Tokens must match the resident run.
 --read-delay-us keeps every read in flight that much longer (the tests' fault-injection engine,
-tests/fault_injection.py): SSD-like latency for a store that sits in the page cache here.
+tests/support/fault_injection.py): SSD-like latency for a store that sits in the page cache here.
 
     python benchmarks/bench_stream_decode.py --artifact hebrus_mlx/demo/model --rows 26 \
         --compare 32 --wavefront-ab 6 [--wave-widths 1,2,5] [--read-delay-us 2000]
@@ -73,7 +73,7 @@ def wavefront_ab(model, reader, args, resident, limit):
     engine_cls = se.StreamEngine
     if args.read_delay_us:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-        from fault_injection import FaultyEngine as engine_cls
+        from support.fault_injection import FaultyEngine as engine_cls
     variants = [("resolve-all", None)] + [(f"wavefront, width {w}", w) for w in args.wave_widths]
     stats = {name: [] for name, _ in variants}
     for r in range(args.wavefront_ab):
@@ -122,7 +122,7 @@ def main():
     art = args.artifact
     if art is None:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-        from artifact_fixture import tiny_artifact
+        from support.artifact_fixture import tiny_artifact
 
         _, art = tiny_artifact(tempfile.mkdtemp(prefix="hebrus_bench_"), "float32", 4)
     model = load_model(art)

@@ -13,7 +13,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from artifact_fixture import fuzz, tiny_artifact  # noqa: E402
+from support.artifact_fixture import fuzz, tiny_artifact  # noqa: E402
 
 
 def main():

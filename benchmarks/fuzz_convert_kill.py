@@ -1,6 +1,6 @@
 """kill -9 a conversion N times at random points, then convert once more (issue 22 §1).
 
-Converts the tiny_a reference checkpoint (tests/fixtures/parity) into an artifact, then starts
+Converts the tiny_a reference checkpoint (tests/support/fixtures/parity) into an artifact, then starts
 `hebrus-mlx convert --overwrite` N times and SIGKILLs each one at a random moment after its temp
 directory appears. Prints: how many kills landed mid-write, the stale temporaries they left (and
 their bytes), whether the earlier artifact stayed byte-identical after every kill, and what the
@@ -20,7 +20,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
 
-from convert_fixture import parity_source  # noqa: E402
+from support.convert_fixture import parity_source  # noqa: E402
 from test_convert_out import _convert, _snapshot, _start_and_wait_for_temp, _temps  # noqa: E402
 
 

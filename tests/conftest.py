@@ -4,8 +4,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import families  # noqa: F401  (registers the test checkpoints' family descriptors)
 import pytest
+from support import families  # noqa: F401  (registers the test checkpoints' family descriptors)
 
 # The independent MLX oracle (mlx-vlm 0.7.10) is unpacked, never installed (its package __init__
 # pulls heavy dependencies). .ci/run provides it; a developer's `python -m pytest` fetches the wheel

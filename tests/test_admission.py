@@ -2,7 +2,7 @@
 stage and field; plus the positive case and the no-MLX property.
 
 Fixture provenance (AFN-014): the admitted artifact is converted from an
-upstream transformers checkpoint (tests/artifact_fixture.py); every negative
+upstream transformers checkpoint (tests/support/artifact_fixture.py); every negative
 is a contract control that mutates exactly one field of it.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from artifact_fixture import (
+from support.artifact_fixture import (
     copy_artifact,
     edit_manifest,
     edit_safetensors_header,
@@ -317,7 +317,7 @@ def test_admit_cli_imports_no_mlx(artifact, tmp_path):
     edit_manifest(bad, lambda m: m.__setitem__("profile", "nope"))
     code = (
         "import sys, json\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r}); import families  # the tiny family\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r}); from support import families  # the tiny family\n"
         "from hebrus_mlx.cli import main\n"
         "rcs = [main(['admit', sys.argv[1]]), main(['admit', sys.argv[2]])]\n"
         "print(json.dumps({'rcs': rcs, 'mlx': any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules)}))\n"

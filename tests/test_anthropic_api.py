@@ -442,7 +442,7 @@ def test_a_failed_generation_is_anthropics_error(reference):
     """A generation that fails (an expert read, here scripted) is Anthropic's api_error: a 500
     before the reply starts, an `error` event once it streams; never a traceback."""
     import anthropic
-    from scripted_server import scripted_worker, serving
+    from support.scripted_server import scripted_worker, serving
 
     from hebrus_mlx.stream.errors import StreamError
 

@@ -2,11 +2,11 @@
 
 Provenance (AFN-014):
   * tiny_a/b/c: committed upstream-captured reference checkpoints
-    (tests/fixtures/parity); the reference side of every comparison is
+    (tests/support/fixtures/parity); the reference side of every comparison is
     `load_hf_model` on the same HF directory, an independent load path (the
     HF key tables and `mx.load` of the source shards), not the artifact code.
   * the quantized round trip uses the transformers `save_pretrained`
-    checkpoint of tests/artifact_fixture.py (group-64-compatible dims); its
+    checkpoint of tests/support/artifact_fixture.py (group-64-compatible dims); its
     exact reference is an independent cross-check: the HF-loaded model
     quantized in memory by `nn.quantize` with the layer set the issue names,
     from bf16-rounded weights (the codec's input).
@@ -19,9 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from artifact_fixture import copy_artifact, edit_manifest, tiny_checkpoint
-from convert_fixture import parity_source
-from parity_fixtures import CONFIG_NAMES, capture
+from support.artifact_fixture import copy_artifact, edit_manifest, tiny_checkpoint
+from support.convert_fixture import parity_source
+from support.parity_fixtures import CONFIG_NAMES, capture
 
 from hebrus_mlx.artifact.errors import AdmissionError, DigestError
 from hebrus_mlx.convert import convert

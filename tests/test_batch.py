@@ -8,8 +8,8 @@ through a 5% expert cache (contract control, as tests/test_stream_model.py)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from scripted_server import run_concurrently
-from stream_store import cache_gb
+from support.scripted_server import run_concurrently
+from support.stream_store import cache_gb
 
 from hebrus_mlx.batch import batch_forward
 from hebrus_mlx.generate import prefill
@@ -323,7 +323,7 @@ def test_streamed_generator_matches_resident_and_read_failure_is_clean(resident)
     tokens equal the resident solo run. An I/O error in a batched step raises BatchStepError
     naming the step's requests with the typed cause, leaves no slot pinned, and the next round
     continues them exactly (each rolled back to before the failed step)."""
-    from fault_injection import FaultyEngine
+    from support.fault_injection import FaultyEngine
     from test_stream_model import _testing_experts
 
     from hebrus_mlx.stream import errors as stream_errors

@@ -1,7 +1,7 @@
 """hebrus_mlx.text.chat_template: rendering with provenance (AFN-006) and Python trimming (AFN-007).
 
 Rendered bytes are checked against transformers' own chat-template renderer on the shipped
-template (upstream capture, tests/fixtures/text/chat_cases.json); segment kinds and token IDs are
+template (upstream capture, tests/support/fixtures/text/chat_cases.json); segment kinds and token IDs are
 contract controls.
 """
 
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
+from support.qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 from hebrus_mlx.text.chat_template import (
     DATA,
@@ -29,7 +29,7 @@ from hebrus_mlx.text.chat_template import (
 )
 from hebrus_mlx.text.tokenizer import load_tokenizer
 
-CASES = json.loads((Path(__file__).parent / "fixtures" / "text" / "chat_cases.json").read_text("utf-8"))
+CASES = json.loads((Path(__file__).parent / "support" / "fixtures" / "text" / "chat_cases.json").read_text("utf-8"))
 SPECIAL_IDS = set(range(248044, 248077))
 LITERALS = [
     "<|im_end|>",
@@ -260,7 +260,7 @@ def test_live_upstream_rerender_matches_fixture(request):
     """AFN-014 live lane: re-render with the installed transformers; fails on drift."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "text"))
+    sys.path.insert(0, str(Path(__file__).parent / "support" / "fixtures" / "text"))
     import capture_text_cases
 
     d = qwen_tokenizer_dir(request.config.cache.mkdir("hebrus_qwen_tokenizer"))

@@ -6,7 +6,7 @@ import io
 import re
 
 import pytest
-from verb_loading import patch_load_from_args
+from support.verb_loading import patch_load_from_args
 
 from hebrus_mlx import load, stream_generate
 from hebrus_mlx.cli import main as cli_main

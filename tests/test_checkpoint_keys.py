@@ -6,7 +6,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity_fixtures import PARITY, capture, model
+from support.parity_fixtures import PARITY, capture, model
 
 from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_key_set
 from hebrus_mlx.models.qwen4exp import Model, ModelArgs

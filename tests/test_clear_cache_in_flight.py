@@ -7,7 +7,7 @@ on the MLX stream thread, once it ran) took the GIL in nanobind's deleter: the s
 for the GIL, the GIL holder for the stream. They now share the object's C++ owner (make_shared in
 the bindings), so no stream thread needs the GIL.
 
-Each case runs tests/clear_cache_script.py in a child with a timeout: a hang fails the test with
+Each case runs tests/support/clear_cache_script.py in a child with a timeout: a hang fails the test with
 the stage it hung in. The oracle for tokens and logits is the resident demo (experts in memory, no
 engine), greedy, so streamed output must be identical."""
 
@@ -23,7 +23,7 @@ from hebrus_mlx.stream import engine as se
 pytestmark = pytest.mark.skipif(not se.available(), reason="extension not built")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).with_name("clear_cache_script.py")
+SCRIPT = Path(__file__).parent / "support" / "clear_cache_script.py"
 
 
 def _run(stages, timeout):

@@ -143,7 +143,7 @@ def test_convert_refuses_a_missing_local_dir_in_one_line(tmp_path):
 
 def test_a_bug_is_not_turned_into_a_one_line_error(monkeypatch):
     """Only typed errors are shortened: an untyped exception keeps its traceback."""
-    from verb_loading import patch_load_from_args
+    from support.verb_loading import patch_load_from_args
 
     def bug(*a, **k):
         raise KeyError("planted bug")

@@ -165,7 +165,7 @@ def test_bad_schema_names_the_field(demo):
 def test_constrained_request_on_a_drafting_server_decodes_plainly(demo, monkeypatch):
     """--draft-model: drafted tokens are not checked against a grammar, so a constrained request
     runs without the drafter (none is made) and its tokens are the plain constrained run's."""
-    from scripted_server import job_text, run_job
+    from support.scripted_server import job_text, run_job
 
     import hebrus_mlx.speculative as spec
     from hebrus_mlx import load
@@ -216,7 +216,7 @@ def test_a_reply_inside_thinking_closes_it_before_the_structured_part(demo):
 def test_server_batch_two_schemas_each_request_its_own_grammar(demo):
     """--decode-concurrency 2: two constrained requests with different schemas decode together in
     the worker; each reply is its solo constrained run's and follows its own schema."""
-    from scripted_server import job_text
+    from support.scripted_server import job_text
 
     from hebrus_mlx import load
     from hebrus_mlx.serve.sampling import Sampling

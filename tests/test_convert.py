@@ -4,7 +4,7 @@ bounded memory.
 Provenance (AFN-014): tiny_a is the committed upstream-captured reference
 checkpoint; its fused twin takes gate_up_proj/down_proj from the upstream
 transformers module's own fused parameters (an independent cross-check of
-the gate-rows-first split). The bulk checkpoint (tests/convert_fixture.py) is
+the gate-rows-first split). The bulk checkpoint (tests/support/convert_fixture.py) is
 a contract control used for memory only.
 """
 
@@ -14,9 +14,9 @@ import sys
 import textwrap
 
 import pytest
-from artifact_fixture import sha, tiny_checkpoint
-from convert_fixture import bulk_checkpoint, parity_source
-from parity_fixtures import CONFIG_NAMES
+from support.artifact_fixture import sha, tiny_checkpoint
+from support.convert_fixture import bulk_checkpoint, parity_source
+from support.parity_fixtures import CONFIG_NAMES
 
 from hebrus_mlx.artifact.errors import CodecError
 from hebrus_mlx.convert import convert
@@ -92,7 +92,7 @@ _CHILD = textwrap.dedent("""
     def hwm():
         return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
     cap, mode = int(sys.argv[1]), sys.argv[2]
-    import families  # the bulk family (tests/ is on PYTHONPATH)
+    from support import families  # the bulk family (tests/ is on PYTHONPATH)
     from hebrus_mlx.convert import convert
     import numpy as np
     base = hwm()

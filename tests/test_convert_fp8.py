@@ -16,7 +16,7 @@ import shutil
 
 import numpy as np
 import pytest
-from artifact_fixture import sha, tiny_checkpoint
+from support.artifact_fixture import sha, tiny_checkpoint
 
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.convert import convert
@@ -266,7 +266,7 @@ def test_partial_blocks_match_mlx_vlm_dequantizer(hf, tmp_path):
     shards): the torch oracle equals mlx-vlm's independent block-FP8
     dequantizer (pad, reshape, scale; square blocks only) bit for bit, so the
     partial-block semantics are not this test's invention."""
-    import mlx_vlm_fixture as V
+    from support import mlx_vlm_fixture as V
 
     if not V.available():
         pytest.skip("mlx-vlm not unpacked")

@@ -3,7 +3,7 @@ already downloaded (mlx-vlm / mlx-community layout) without dequantizing or
 requantizing the quantized weights.
 
 Provenance (AFN-014): the source checkpoint is written by mlx-vlm 0.7.10's own
-sanitize / quantize_model / save_weights (tests/mlx_vlm_fixture.py) from the
+sanitize / quantize_model / save_weights (tests/support/mlx_vlm_fixture.py) from the
 tiny transformers checkpoint. The oracles are that file's bytes, read with
 safetensors' own numpy reader (not the product's), and the logits of the
 model mlx-vlm's own `load_model` builds from it.
@@ -13,10 +13,10 @@ import json
 import os
 from pathlib import Path
 
-import mlx_vlm_fixture as V
 import numpy as np
 import pytest
-from artifact_fixture import tiny_checkpoint
+from support import mlx_vlm_fixture as V
+from support.artifact_fixture import tiny_checkpoint
 
 from hebrus_mlx.cli import main as cli_main
 

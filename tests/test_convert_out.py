@@ -21,16 +21,16 @@ import time
 from pathlib import Path
 
 import pytest
-from convert_fixture import parity_source
+from support.convert_fixture import parity_source
 
 from hebrus_mlx.artifact import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
-# The tiny families are registered by tests/families.py; the child is the real CLI entry point.
+# The tiny families are registered by tests/support/families.py; the child is the real CLI entry point.
 _CLI = textwrap.dedent("""
     import sys
-    import families
+    from support import families
     from hebrus_mlx.cli import main
     sys.exit(main(sys.argv[1:]))
 """)

@@ -38,7 +38,7 @@ def _ids(tokenizer, text):
 
 def test_trained_weights_match_reference_logits_and_expert_ids(demo):
     pytest.importorskip("transformers")
-    import demo_reference as dr
+    from support import demo_reference as dr
 
     model, tokenizer = demo
     ref = dr.reference_model(model, json.loads((DEMO_DIR / "config.json").read_text()))

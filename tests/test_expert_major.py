@@ -7,9 +7,9 @@ cross-checked through `mx.gather_qmm` against `mx.quantized_matmul`."""
 
 import os
 
-import families
 import numpy as np
 import pytest
+from support import families
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em

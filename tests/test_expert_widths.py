@@ -14,9 +14,9 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from artifact_fixture import load_manifest, quantized_artifacts, save_manifest, tiny_checkpoint
-from chunked_greedy import assert_streamed_equals_resident
-from stream_store import cache_gb
+from support.artifact_fixture import load_manifest, quantized_artifacts, save_manifest, tiny_checkpoint
+from support.chunked_greedy import assert_streamed_equals_resident
+from support.stream_store import cache_gb
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import constants as C
@@ -172,7 +172,7 @@ def test_streamed_equals_resident_at_each_width(artifacts, bits):
 def test_mtp_head_experts_take_the_expert_width(hf, tmp_path):
     """The MTP head's routed experts are stored at the expert width, its dense tensors at the
     dense one; the artifact admits and the head loads at those widths."""
-    from mtp_fixture import add_mtp_tensors
+    from support.mtp_fixture import add_mtp_tensors
 
     src = add_mtp_tensors(shutil.copytree(hf, tmp_path / "hf"), seed=5)
     art = str(tmp_path / "art")

@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import xxhash
-from artifact_fixture import edit_manifest, load_manifest, refresh_store, save_manifest
-from stream_store import flip_byte
+from support.artifact_fixture import edit_manifest, load_manifest, refresh_store, save_manifest
+from support.stream_store import flip_byte
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact import fast_check as FC
@@ -88,7 +88,7 @@ def test_demo_carries_fast_checks_equal_to_the_oracle():
 def test_convert_writes_both_digests(tmp_path):
     """A fresh conversion publishes SHA-256 (store tables, whole-file digests) and the fast
     tables, and the fast tables equal the oracle over the verified bytes."""
-    from artifact_fixture import tiny_artifact
+    from support.artifact_fixture import tiny_artifact
 
     _, out = tiny_artifact(str(tmp_path))
     m = admit(out)

@@ -3,7 +3,7 @@ file end in a typed error or byte-identical data, never a crash and never
 silently different bytes. Mutations are contract controls (seeded)."""
 
 import pytest
-from artifact_fixture import fuzz, tiny_artifact
+from support.artifact_fixture import fuzz, tiny_artifact
 
 CASES = 360
 

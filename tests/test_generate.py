@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
+from support.qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 from hebrus_mlx.generate import generate, generate_step, stream_generate
 from hebrus_mlx.testing.processes import cli_argv
@@ -277,7 +277,7 @@ def test_cli_in_process_with_chat_template(tok, monkeypatch, capsys):
     model = ScriptModel(tok.encode("ok") + [IM_END])
     ids = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])
     model.prompt_len = len(ids)
-    from verb_loading import patch_load_from_args
+    from support.verb_loading import patch_load_from_args
 
     from hebrus_mlx.cli import main
 
@@ -308,7 +308,7 @@ CLI_ERRORS = [
     (["--expert-cache-gb", "nan"], "", "--expert-cache-gb"),
     (["--expert-cache-gb", "inf"], "", "--expert-cache-gb"),
     (["--expert-cache-gb", "lots"], "", "--expert-cache-gb"),
-    (["--model", "tests/fixtures/parity/tiny_a", "--expert-cache-gb", "1", "-p", "hi"], "", "expert_cache_gb"),
+    (["--model", "tests/support/fixtures/parity/tiny_a", "--expert-cache-gb", "1", "-p", "hi"], "", "expert_cache_gb"),
     (["--expert-cache-gb", "1e-9", "-p", "hi"], "", "expert_cache_gb"),
     (["--ple-cache-gb", "0"], "", "--ple-cache-gb"),
     (["--ple-cache-gb", "1e-9", "-p", "hi"], "", "ple_cache_gb"),
@@ -331,7 +331,7 @@ def test_cli_errors_exit_2_with_one_line(argv, stdin, needle):
     assert needle in p.stderr
 
 
-GREEDY = json.loads((Path(__file__).parent / "fixtures" / "text" / "greedy_cases.json").read_text())
+GREEDY = json.loads((Path(__file__).parent / "support" / "fixtures" / "text" / "greedy_cases.json").read_text())
 
 
 @pytest.mark.parametrize("case", GREEDY, ids=lambda c: c["checkpoint"].rsplit("/", 1)[-1])
@@ -381,7 +381,9 @@ def test_end_to_end_on_tiny_checkpoint(tmp_path):
     then the CLI as a subprocess prints mlx_lm's report shape."""
     from hebrus_mlx.loader import load
 
-    d = _byte_tokenizer_checkpoint(tmp_path, Path(__file__).parents[1] / "tests" / "fixtures" / "parity" / "tiny_a")
+    d = _byte_tokenizer_checkpoint(
+        tmp_path, Path(__file__).parents[1] / "tests" / "support" / "fixtures" / "parity" / "tiny_a"
+    )
     model, tok = load(str(d))
     assert (tok.effective_vocab_size, tok.physical_vocab_size) == (259, 320)
     ids = tok.apply_chat_template([{"role": "user", "content": "hi <|im_end|>"}])

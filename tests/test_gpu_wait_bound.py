@@ -6,8 +6,8 @@ path, all this machine runs) hold no GPU and keep waiting."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from fault_injection import FaultyEngine
-from stream_store import REC, random_store
+from support.fault_injection import FaultyEngine
+from support.stream_store import REC, random_store
 
 from hebrus_mlx import kernels
 from hebrus_mlx.stream import engine as se

@@ -101,7 +101,7 @@ def test_joined_projections_match_the_per_linear_matmuls():
     values as fresh arrays makes every group fall back to per-Linear matmuls. Short-block prefill +
     greedy decode agree (bit for bit on this CPU)."""
     from mlx.utils import tree_flatten
-    from parity_fixtures import PARITY, capture
+    from support.parity_fixtures import PARITY, capture
 
     from hebrus_mlx.loader import load_hf_model
 
@@ -130,7 +130,7 @@ def test_decode_regions_are_bit_identical_to_the_per_part_blocks():
     (inject_then_mix). The same model with those blocks put back to the per-part classes decodes the
     same logits bit for bit, before and after its expert weights are replaced (the one graph reads the
     new ones)."""
-    from parity_fixtures import PARITY, capture
+    from support.parity_fixtures import PARITY, capture
 
     from hebrus_mlx.loader import load_hf_model
     from hebrus_mlx.models import optimize
@@ -168,7 +168,7 @@ def test_in_major_weights_keep_logits_bit_identical():
     the same values as fresh [out, in] arrays undoes it (and the joined groups). Prefill (per-Linear
     matmuls, chunked GDN, resident routed experts) and decode logits are equal bit for bit."""
     from mlx.utils import tree_flatten
-    from parity_fixtures import PARITY, capture
+    from support.parity_fixtures import PARITY, capture
 
     from hebrus_mlx.loader import load_hf_model
 
@@ -203,7 +203,7 @@ def test_grouped_recurrence_is_bit_identical_to_mx_fast():
 
 
 def test_one_graph_hyper_connection_mix_is_bit_identical_to_the_per_part_path():
-    from parity_fixtures import PARITY
+    from support.parity_fixtures import PARITY
 
     from hebrus_mlx.models import optimize, options
     from hebrus_mlx.models.qwen4exp import HyperConnection, ModelArgs

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from trace_fixture import generate_demo_trace
+from support.trace_fixture import generate_demo_trace
 
 from hebrus_mlx.cli import main
 from hebrus_mlx.testing.processes import cli_argv
@@ -339,7 +339,7 @@ def test_qualify_probe_smaller_than_one_record_is_refused(tmp_path):
 def test_chat_unknown_or_malformed_commands_are_refused_not_sent(monkeypatch, capsys):
     """`/reset now`, `/unknown` and `q extra` were sent to the model as text; now each is one
     [ERROR] line and the session goes on. `//text` sends `/text`."""
-    from verb_loading import patch_load_from_args
+    from support.verb_loading import patch_load_from_args
 
     from hebrus_mlx import load
     from hebrus_mlx.commands import chat

@@ -170,7 +170,7 @@ def test_unknown_repo_is_one_line(monkeypatch, capsys):
 
 
 def test_convert_downloads_a_repo_and_checks_the_output_disk(monkeypatch, tmp_path, capsys):
-    from artifact_fixture import tiny_checkpoint
+    from support.artifact_fixture import tiny_checkpoint
 
     hf = tiny_checkpoint(str(tmp_path / "snap"))
     size = sum(os.path.getsize(os.path.join(hf, n)) for n in os.listdir(hf))

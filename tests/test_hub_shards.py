@@ -14,9 +14,9 @@ import shutil
 
 import huggingface_hub
 import pytest
-from artifact_fixture import TEMPLATE, TOKENIZER
-from convert_fixture import parity_source
-from mtp_fixture import add_mtp_tensors
+from support.artifact_fixture import TEMPLATE, TOKENIZER
+from support.convert_fixture import parity_source
+from support.mtp_fixture import add_mtp_tensors
 
 from hebrus_mlx import hub
 from hebrus_mlx.cli import main as cli_main

@@ -10,7 +10,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity_fixtures import capture, model
+from support.parity_fixtures import capture, model
 
 from hebrus_mlx import kernels
 from hebrus_mlx.kernels import hc_mix, ple_gather, qsa_attention
@@ -227,7 +227,7 @@ def test_kernels_switch_on_only_when_the_profile_passed_them_on_metal(monkeypatc
     assert kernels.configure(profile) == {"hc_mix"}
     assert kernels.enabled("hc_mix") == kernels.metal_available()
     # The load-time pass swaps a qualified kernel in, unless the options switch Metal kernels off.
-    from parity_fixtures import PARITY
+    from support.parity_fixtures import PARITY
 
     from hebrus_mlx.models import optimize
     from hebrus_mlx.models.options import GraphOptions

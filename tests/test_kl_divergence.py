@@ -11,7 +11,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from artifact_fixture import tiny_checkpoint
+from support.artifact_fixture import tiny_checkpoint
 
 from hebrus_mlx import perplexity as P
 from hebrus_mlx.cli import main as cli_main

@@ -277,7 +277,7 @@ def test_layers_point_one_way():
         ("hebrus_mlx.artifact.manifest", "hebrus_mlx.models.qwen4exp"),  # format reads the graph's config
         ("hebrus_mlx.admission", "hebrus_mlx.models.cache"),  # admission reaches into the graph
         ("hebrus_mlx.kernels.hc_mix", "hebrus_mlx.testing.msl_emulator"),  # a kernel imports the emulator
-        ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.testing.qsa_oracle"),  # the graph ships an oracle
+        ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.testing.tiny_configs"),  # the graph imports test configs
         ("hebrus_mlx.stream.streaming", "hebrus_mlx.testing.stream_reference"),
         ("hebrus_mlx.speculative.drafters", "hebrus_mlx.testing.drafters"),
         ("hebrus_mlx.models.qwen4exp", "hebrus_mlx.stream.streaming"),  # the graph past its protocol
@@ -460,7 +460,7 @@ def test_verify_reads_each_store_once():
 
 
 def test_product_family_registry_holds_only_the_real_family_and_the_demo():
-    """Test-only descriptors (tiny, parity, bulk) are registered by tests/families.py, not shipped."""
+    """Test-only descriptors (tiny, parity, bulk) are registered by tests/support/families.py, not shipped."""
     code = (
         "import json; from hebrus_mlx.artifact import constants as C; "
         "print(json.dumps([sorted(C.FAMILIES), sorted(C.FAMILIES_BY_ID)]))"

@@ -4,7 +4,7 @@
 streamed.
 
 Provenance (AFN-014): the source is written by mlx-vlm 0.7.10's own quantize_model / save_weights
-(tests/mlx_vlm_fixture.py) with mlx-lm's own `mixed_quant_predicate_builder("mixed_3_6")` choosing
+(tests/support/mlx_vlm_fixture.py) with mlx-lm's own `mixed_quant_predicate_builder("mixed_3_6")` choosing
 each routed-expert projection's width (down_proj at 6 bits in layers 2 and 3 of the tiny model, 3
 bits elsewhere; dense at 4). The oracles are the source's bytes read with numpy here, the widths
 in the source's own config.json, the logits of mlx-vlm's `load_model` on the source (MLX
@@ -17,11 +17,11 @@ import os
 import shutil
 from pathlib import Path
 
-import mlx_vlm_fixture as V
 import numpy as np
 import pytest
-from artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
-from chunked_greedy import assert_streamed_equals_resident
+from support import mlx_vlm_fixture as V
+from support.artifact_fixture import load_manifest, save_manifest, tiny_checkpoint
+from support.chunked_greedy import assert_streamed_equals_resident
 
 pytestmark = pytest.mark.skipif(not V.available(), reason=f"mlx-vlm 0.7.10 not unpacked at {V.MLX_VLM_ROOT}")
 

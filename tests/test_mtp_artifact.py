@@ -8,8 +8,14 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from artifact_fixture import copy_artifact, edit_manifest, edit_safetensors_header, load_manifest, tiny_checkpoint
-from mtp_fixture import add_mtp_tensors
+from support.artifact_fixture import (
+    copy_artifact,
+    edit_manifest,
+    edit_safetensors_header,
+    load_manifest,
+    tiny_checkpoint,
+)
+from support.mtp_fixture import add_mtp_tensors
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact.errors import ArtifactError

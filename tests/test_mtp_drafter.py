@@ -1,14 +1,14 @@
 """MTPDrafter: greedy speculative decoding with the MTP head drafting is token-for-token plain
-greedy decoding (tests/spec_loop.py is a minimal exact verify loop; the real protocol is
+greedy decoding (tests/support/spec_loop.py is a minimal exact verify loop; the real protocol is
 hebrus_mlx.speculative's), the head's cache is rolled back exactly, and acceptance on the shipped
 demo is real (its trained head)."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mtp_fixture import mtp_checkpoint
-from parity_fixtures import PARITY, capture
-from spec_loop import plain_greedy, speculative_greedy
+from support.mtp_fixture import mtp_checkpoint
+from support.parity_fixtures import PARITY, capture
+from support.spec_loop import plain_greedy, speculative_greedy
 
 from hebrus_mlx.loader import load_hf_model, load_model
 from hebrus_mlx.models.qwen4exp import Capture
@@ -81,7 +81,7 @@ def test_rollback_leaves_the_same_state_as_a_fresh_drafter(tiny):
 
 def test_demo_ships_a_trained_head_and_speculation_is_exact():
     """Demo: greedy with the MTP drafter == plain greedy, with a real (nonzero) acceptance."""
-    from demo_reference import PROMPT_TEXT
+    from support.demo_reference import PROMPT_TEXT
 
     from hebrus_mlx.loader import resolve_model_path
     from hebrus_mlx.text.tokenizer import load_tokenizer

@@ -1,12 +1,12 @@
 """MTP head (`mtp.*`) against an independent implementation: mlx-vlm 0.7.10's qwen4_exp_mtp drafter
-on the same weights (tests/mtp_fixture.py). fp32, prompt longer than the QSA window so the head's
+on the same weights (tests/support/mtp_fixture.py). fp32, prompt longer than the QSA window so the head's
 sparse selection is exercised, then autoregressive draft steps on the head's own streams."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mtp_fixture import mlx_vlm_available, mlx_vlm_drafter, mtp_checkpoint, mtp_tensors
-from parity_fixtures import capture
+from support.mtp_fixture import mlx_vlm_available, mlx_vlm_drafter, mtp_checkpoint, mtp_tensors
+from support.parity_fixtures import capture
 
 from hebrus_mlx.format.checkpoint_keys import CheckpointKeyError, check_mtp_key_set
 from hebrus_mlx.loader import load_hf_model
@@ -65,7 +65,7 @@ def test_draft_logits_match_mlx_vlm(ckpt):
 
 
 def test_checkpoint_without_mtp_has_no_head():
-    from parity_fixtures import PARITY
+    from support.parity_fixtures import PARITY
 
     assert load_hf_model(PARITY / "tiny_a").mtp_head is None
 
@@ -73,7 +73,7 @@ def test_checkpoint_without_mtp_has_no_head():
 def test_malformed_mtp_key_sets_are_named():
     import json
 
-    from parity_fixtures import PARITY
+    from support.parity_fixtures import PARITY
 
     from hebrus_mlx.format.qwen4exp_config import ModelArgs
 

@@ -2,13 +2,13 @@
 ``logits``); it never hands out a token drawn from NaN logits, and the state it fed is not
 published (the sequence, the prompt cache and the next request continue as if it never ran).
 
-The NaN comes from fault injection after a graph stage (tests/fault_injection.py `Poison`: a
+The NaN comes from fault injection after a graph stage (tests/support/fault_injection.py `Poison`: a
 decoder layer's output or the vocabulary projection); the expected tokens from the same model's
 clean greedy run. Model: the shipped demo, resident."""
 
 import mlx.core as mx
 import pytest
-from fault_injection import Poison
+from support.fault_injection import Poison
 
 from hebrus_mlx.batch_generate import BatchGenerator, BatchStepError
 from hebrus_mlx.errors import NonFiniteError
@@ -90,7 +90,7 @@ def test_server_fails_the_request_typed_and_serves_the_next(monkeypatch):
     """Through the server: the poisoned request is an error naming the logits (no text streamed,
     nothing stored in the prefix cache); the same request afterwards gets the clean text."""
     import openai
-    from scripted_server import serving
+    from support.scripted_server import serving
 
     from hebrus_mlx import load, stream_generate
     from hebrus_mlx.serve.worker import ServerDefaults, Worker

@@ -14,7 +14,7 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
-from artifact_fixture import copy_artifact, edit_manifest, load_manifest, refresh_store
+from support.artifact_fixture import copy_artifact, edit_manifest, load_manifest, refresh_store
 
 from hebrus_mlx.admission import admit
 from hebrus_mlx.artifact.errors import ArtifactError

@@ -12,7 +12,7 @@ import io
 import os
 
 import pytest
-from cli_refused import refused
+from support.cli_refused import refused
 
 USER = b"my notes: not written by any tool\n"
 

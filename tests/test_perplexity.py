@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from stream_store import cache_gb
+from support.stream_store import cache_gb
 
 from hebrus_mlx import perplexity as P
 from hebrus_mlx.cli import main as cli_main

@@ -18,7 +18,7 @@ from hebrus_mlx.pipeline import local_hostfile
 from hebrus_mlx.pipeline.split import PipelineSplitError, layer_bytes, parse_split, plan_split, stages
 from hebrus_mlx.testing.processes import ROOT, child_env, cli_argv, server_argv
 
-SCRIPT = Path(__file__).with_name("pipeline_script.py")
+SCRIPT = Path(__file__).parent / "support" / "pipeline_script.py"
 
 
 def _rank_env(hostfile, rank, **extra):
@@ -199,8 +199,7 @@ def test_streamed_stages_equal_resident_and_read_only_their_own_layers(tmp_path)
 
 @pytest.fixture(scope="module")
 def tiny_artifact_dir(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from artifact_fixture import tiny_artifact
+    from support.artifact_fixture import tiny_artifact
 
     return tiny_artifact(str(tmp_path_factory.mktemp("pipe")), dtype="float32")[1]
 

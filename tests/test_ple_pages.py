@@ -8,9 +8,9 @@ import hashlib
 import os
 import struct
 
-import families
 import numpy as np
 import pytest
+from support import families
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import ple_pages as pp

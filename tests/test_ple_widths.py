@@ -15,7 +15,7 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
-from artifact_fixture import (
+from support.artifact_fixture import (
     copy_artifact,
     edit_manifest,
     load_manifest,

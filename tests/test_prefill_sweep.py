@@ -15,8 +15,8 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from chunked_greedy import chunked_greedy
-from stream_store import cache_gb
+from support.chunked_greedy import chunked_greedy
+from support.stream_store import cache_gb
 
 from hebrus_mlx import cli, cli_args
 from hebrus_mlx.errors import UsageError
@@ -99,7 +99,7 @@ def test_demo_streamed_small_cache_sweep_is_bit_identical():
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory):
-    from artifact_fixture import tiny_artifact
+    from support.artifact_fixture import tiny_artifact
 
     return tiny_artifact(str(tmp_path_factory.mktemp("sweep")), dtype="bfloat16", q_bits=4)[1]
 

@@ -170,7 +170,7 @@ def test_server_worker_restores_across_a_restart(demo, tmp_path):
     the first one's prefix from disk and gives the same text as the in-process run."""
     import asyncio
 
-    from scripted_server import run_job
+    from support.scripted_server import run_job
 
     from hebrus_mlx import load, stream_generate
     from hebrus_mlx.serve.sampling import Sampling

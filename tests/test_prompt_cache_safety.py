@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-from cli_refused import refused
+from support.cli_refused import refused
 
 from hebrus_mlx.cli import main as cli_main
 
@@ -437,7 +437,7 @@ def test_two_caches_sharing_a_directory_keep_its_bound(demo, tmp_path):
 
 
 def _no_load(monkeypatch):
-    from verb_loading import patch_load_from_args
+    from support.verb_loading import patch_load_from_args
 
     def boom(args):
         raise AssertionError("the model was loaded before --prompt-cache-dir was checked")

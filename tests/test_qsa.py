@@ -5,10 +5,10 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity_fixtures import model
+from support.parity_fixtures import model
+from support.qsa_oracle import DenseOracleLimitError, dense_qsa_oracle
 
 from hebrus_mlx.models.qwen4exp import QSAAttention, _online_softmax_attention, _select_groups
-from hebrus_mlx.testing.qsa_oracle import DenseOracleLimitError, dense_qsa_oracle
 
 
 def test_ties_choose_lower_positions_and_emit_chronologically():

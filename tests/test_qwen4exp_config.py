@@ -6,7 +6,7 @@ import json
 from contextlib import redirect_stderr
 
 import pytest
-from parity_fixtures import PARITY
+from support.parity_fixtures import PARITY
 
 from hebrus_mlx.format.qwen4exp_config import ConfigError, ModelArgs
 

@@ -7,7 +7,7 @@ import importlib.util
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity_fixtures import CONFIG_NAMES, PARITY, capture, model
+from support.parity_fixtures import CONFIG_NAMES, PARITY, capture, model
 
 from hebrus_mlx.models.qwen4exp import Capture
 

@@ -4,7 +4,7 @@ Defends AFN-010 (state moves as one unit), AFN-012 (PLE history across ubatches)
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity_fixtures import capture, model
+from support.parity_fixtures import capture, model
 
 from hebrus_mlx.models.cache import CacheHoleError, ContextLengthError, LinearCache
 from hebrus_mlx.models.qwen4exp import Capture

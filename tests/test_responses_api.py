@@ -307,7 +307,7 @@ def test_default_cap_lets_a_long_reply_complete(served):
     .get_final_response()` gets a completed response; --max-tokens, when the operator gives it,
     still bounds every route's default."""
     import openai
-    from scripted_server import scripted_worker, serving
+    from support.scripted_server import scripted_worker, serving
 
     caps = []
 

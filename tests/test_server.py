@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from scripted_server import run_concurrently
+from support.scripted_server import run_concurrently
 
 from hebrus_mlx.serve.output import StopMatcher, parse_tool_calls
 from hebrus_mlx.testing.processes import server_port, start_server, stop_server
@@ -390,7 +390,7 @@ def test_tool_calls_parsed_from_output_stream_and_nonstream(reference):
     """`tools`: calls the model writes in the template's format come back as `tool_calls`, in both
     modes (the marker split across tokens). The model is scripted here: the demo never calls."""
     import openai
-    from scripted_server import scripted_worker, serving
+    from support.scripted_server import scripted_worker, serving
 
     tok, _ = reference
     script = [
@@ -510,7 +510,7 @@ def test_draft_model_in_the_server_keeps_the_text(reference, draft, monkeypatch)
     in-process text at temperature 0."""
     import asyncio
 
-    from scripted_server import run_job
+    from support.scripted_server import run_job
 
     import hebrus_mlx.speculative as spec
     from hebrus_mlx import load

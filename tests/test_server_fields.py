@@ -280,7 +280,7 @@ def test_enable_thinking_reaches_the_template(served):
 def ScriptWorker(tok, script):
     """The worker boundary scripted: each job gets `script`'s text pieces (the demo never thinks
     or calls tools on its own); everything from the HTTP request to the response is real."""
-    from scripted_server import scripted_worker
+    from support.scripted_server import scripted_worker
 
     def emit(job):
         job.usage.prompt_tokens = len(job.ids)

@@ -539,7 +539,7 @@ def test_api_key_sources_are_exclusive_and_checked(tmp_path):
 def test_hostile_template_at_the_server_is_a_4xx_quickly():
     """The digest-valid nested-loop template behind the real App: a 400 naming the template's
     limit within seconds, and the server keeps answering."""
-    from scripted_server import scripted_worker, serving
+    from support.scripted_server import scripted_worker, serving
 
     from hebrus_mlx.loader import DEMO_DIR
     from hebrus_mlx.text.tokenizer import load_tokenizer

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core  # noqa: F401  (the server module needs MLX first)
 import pytest
-from scripted_server import scripted_worker, serving
+from support.scripted_server import scripted_worker, serving
 from test_server_hardening import SHUTDOWN, _chat, _request, _start, _stop
 
 TOOLS = [

@@ -10,8 +10,8 @@ import re
 
 import numpy as np
 import pytest
-from fault_injection import FaultyEngine
-from trace_fixture import generate_demo_trace
+from support.fault_injection import FaultyEngine
+from support.trace_fixture import generate_demo_trace
 
 from hebrus_mlx import cli
 from hebrus_mlx.commands import simulate as SC

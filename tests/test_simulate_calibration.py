@@ -183,7 +183,7 @@ def test_the_engine_probe_times_the_engines_own_reads(tmp_path):
     noise): one record per batch reads at ~R / 20 ms, never faster, four at once (8 threads) at
     ~4x that; hits are subtracted, every probed record was a miss."""
     import mlx.core as mx
-    from fault_injection import FaultyEngine
+    from support.fault_injection import FaultyEngine
 
     L, E, rec = 2, 24, 4096
     path = tmp_path / "store.bin"

@@ -250,7 +250,7 @@ def test_replay_refuses_foreign_trace(demo, plain, field, value):
 
 
 def test_target_revision_tells_models_apart(demo):
-    from parity_fixtures import model as tiny
+    from support.parity_fixtures import model as tiny
 
     assert P.target_contract(demo[0])["target_revision"] != P.target_contract(tiny("tiny_a"))["target_revision"]
 
@@ -372,7 +372,7 @@ def test_rejection_sampling_keeps_target_distribution():
     q = a sharper draft distribution of the same logits (temp 0.4, top-k 8). The first committed token of a
     2-draft block must follow p[0] exactly; the 'accept if the target's draw equals' shortcut and
     a buggy residual (p instead of (p - q)+) must fail the same test."""
-    from parity_fixtures import model as tiny
+    from support.parity_fixtures import model as tiny
 
     model = tiny("tiny_a")
     V = model.args.vocab_size
@@ -410,7 +410,7 @@ def test_sampled_generation_follows_target_end_to_end():
     tokens against the exact target probabilities (enumerated by direct forwards). Fails for a
     verifier that accepts drafts without the p/q test; the residual's exact form is checked with
     more power by the accept_block test above."""
-    from parity_fixtures import model as tiny
+    from support.parity_fixtures import model as tiny
 
     model = tiny("tiny_a")
     V = model.args.vocab_size

@@ -12,8 +12,8 @@ import os
 import sys
 
 import pytest
-from fault_injection import FaultyEngine
-from stream_store import REC, random_store
+from support.fault_injection import FaultyEngine
+from support.stream_store import REC, random_store
 
 from hebrus_mlx import kernels
 from hebrus_mlx.stream import engine as se

@@ -11,7 +11,7 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from fault_injection import FaultyEngine
+from support.fault_injection import FaultyEngine
 
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors

@@ -11,8 +11,8 @@ The corruption is made on disk by the test after the first read.
 import hashlib
 
 import pytest
-from fault_injection import FaultyEngine
-from stream_store import REC, flip_byte, random_store
+from support.fault_injection import FaultyEngine
+from support.stream_store import REC, flip_byte, random_store
 
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.errors import DigestMismatchError

@@ -7,10 +7,10 @@ ExpertMajorReader.read_expert (an independent read path: Python pread +
 hashlib), not through the engine.
 """
 
-import families
 import mlx.core as mx
 import numpy as np
 import pytest
+from support import families
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em

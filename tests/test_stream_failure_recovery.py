@@ -65,7 +65,7 @@ STEPS = 4
 def _streamed(prefetch):
     """The demo model at a 5% cache, its experts read by a FaultyEngine; ``prefetch`` off or
     previous (the P1 hint: its reads fail too, silently, and the exact reads then fail the step)."""
-    from fault_injection import FaultyEngine
+    from support.fault_injection import FaultyEngine
     from test_stream_model import _cache_gb, _experts_store
 
     from hebrus_mlx.artifact import expert_major as em

@@ -12,7 +12,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from stream_store import REC, random_store
+from support.stream_store import REC, random_store
 
 from hebrus_mlx import cli
 from hebrus_mlx.admission import admit, admit_mirror

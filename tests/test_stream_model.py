@@ -17,9 +17,9 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from chunked_greedy import chunked_greedy
-from fault_injection import FaultyEngine
-from stream_store import cache_gb
+from support.chunked_greedy import chunked_greedy
+from support.fault_injection import FaultyEngine
+from support.stream_store import cache_gb
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
@@ -61,7 +61,7 @@ def _assert_same(got, want):
 
 @pytest.fixture(scope="module")
 def tiny_affine4(tmp_path_factory):
-    from artifact_fixture import tiny_artifact
+    from support.artifact_fixture import tiny_artifact
 
     _, art = tiny_artifact(str(tmp_path_factory.mktemp("tiny4")), dtype=None, q_bits=4)
     assert _experts_store(art)[2] == "affine4-g64"
@@ -120,7 +120,9 @@ def test_streamed_load_reads_no_expert_bytes(monkeypatch):
     with pytest.raises(AssertionError, match="expert store read"):
         load_model(DEMO_DIR)  # fits: resident, which reads the store
     with pytest.raises(ValueError, match="expert_cache_gb"):
-        load_model(os.path.join(os.path.dirname(__file__), "fixtures", "parity", "tiny_a"), expert_cache_gb=1.0)
+        load_model(
+            os.path.join(os.path.dirname(__file__), "support", "fixtures", "parity", "tiny_a"), expert_cache_gb=1.0
+        )
 
 
 def _testing_experts(model, rows):
@@ -309,7 +311,7 @@ def test_cli_stream_failure_is_one_line(monkeypatch, capsys):
     gb, rows = _cache_gb(str(DEMO_DIR))
     model, tok = load("demo", expert_cache_gb=gb)
     eng = _testing_experts(model, rows).engine
-    from verb_loading import patch_load_from_args
+    from support.verb_loading import patch_load_from_args
 
     patch_load_from_args(monkeypatch, lambda *a, **k: (model, tok))
     eng.inject_fault("short_read", 1)

@@ -10,7 +10,7 @@ hashlib), an independent read path; prompts are seeded random ids
 import mlx.core as mx
 import numpy as np
 import pytest
-from fault_injection import FaultyEngine
+from support.fault_injection import FaultyEngine
 
 from hebrus_mlx.artifact import ple_pages
 from hebrus_mlx.loader import DEMO_DIR, load_model

@@ -14,8 +14,8 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from chunked_greedy import chunked_greedy
-from stream_store import cache_gb
+from support.chunked_greedy import chunked_greedy
+from support.stream_store import cache_gb
 
 from hebrus_mlx import cli, cli_args
 from hebrus_mlx.errors import UsageError

@@ -6,13 +6,13 @@ upstream reference; its per-expert arrays are written to an ExpertMajor
 store by the artifact writer and streamed back by the engine.
 """
 
-import families
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
+from support import families
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em
@@ -115,7 +115,7 @@ def test_tiny_model_streamed_equals_resident(tmp_path):
     import json
     import os
 
-    from artifact_fixture import tiny_artifact
+    from support.artifact_fixture import tiny_artifact
 
     from hebrus_mlx.loader import load_model
 

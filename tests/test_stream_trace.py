@@ -16,8 +16,8 @@ import time
 
 import mlx.core as mx
 import pytest
-from fault_injection import FaultyEngine
-from stream_store import REC, random_store
+from support.fault_injection import FaultyEngine
+from support.stream_store import REC, random_store
 
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream import errors

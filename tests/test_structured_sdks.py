@@ -20,7 +20,7 @@ class Verdict(BaseModel):
 
 @pytest.fixture(scope="module")
 def served():
-    from scripted_server import serving
+    from support.scripted_server import serving
 
     from hebrus_mlx import load
     from hebrus_mlx.serve.worker import ServerDefaults, Worker

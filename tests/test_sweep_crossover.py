@@ -14,7 +14,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from stream_store import cache_gb
+from support.stream_store import cache_gb
 
 from hebrus_mlx import machine_profile as prof
 from hebrus_mlx import qualify as q

@@ -6,7 +6,7 @@ import collections
 import json
 
 import numpy as np
-from artifact_fixture import TEMPLATE, word_level_tokenizer
+from support.artifact_fixture import TEMPLATE, word_level_tokenizer
 
 from hebrus_mlx import admission
 from hebrus_mlx.artifact import expert_major

@@ -1,8 +1,8 @@
 """hebrus_mlx.text.tokenizer against the digest-pinned Qwen 248k tokenizer.json.
 
-Fixture provenance is per column in tests/fixtures/text/tokenizer_cases.json (AFN-014):
+Fixture provenance is per column in tests/support/fixtures/text/tokenizer_cases.json (AFN-014):
 upstream captures from transformers/tokenizers, an independent tiktoken cross-check, and
-contract controls. Recompute with tests/fixtures/text/capture_text_cases.py.
+contract controls. Recompute with tests/support/fixtures/text/capture_text_cases.py.
 """
 
 import importlib.util
@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
+from support.qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 from hebrus_mlx.text.chat_template import DATA, TRUSTED_CONTROL
 from hebrus_mlx.text.tokenizer import (
@@ -22,7 +22,7 @@ from hebrus_mlx.text.tokenizer import (
     load_tokenizer,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "text" / "tokenizer_cases.json"
+FIXTURE = Path(__file__).parent / "support" / "fixtures" / "text" / "tokenizer_cases.json"
 CASES = json.loads(FIXTURE.read_text("utf-8"))
 IM_START, IM_END, EOT = 248045, 248046, 248044
 
@@ -211,7 +211,7 @@ def test_live_upstream_recapture_matches_fixture(qwen_dir):
     """AFN-014 live lane: recompute the captures with the installed upstream; fails on drift."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "text"))
+    sys.path.insert(0, str(Path(__file__).parent / "support" / "fixtures" / "text"))
     import capture_text_cases
 
     assert capture_text_cases.tokenizer_cases(qwen_dir) == CASES

@@ -12,7 +12,7 @@ is the tokenizers library itself.
 import random
 
 import pytest
-from qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
+from support.qwen_asset import PHYSICAL_VOCAB, qwen_tokenizer_dir
 
 from hebrus_mlx.loader import DEMO_DIR
 from hebrus_mlx.text import tokenizer as T

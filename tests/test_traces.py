@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from trace_fixture import generate_demo_trace
+from support.trace_fixture import generate_demo_trace
 
 from hebrus_mlx.generate import generate_step, stream_generate
 from hebrus_mlx.loader import DEMO_DIR, load

@@ -107,7 +107,7 @@ def test_checkpoint_links_must_stay_inside(tmp_path):
 
 
 def test_hf_checkpoint_tokenizer_symlinked_outside_is_refused(tmp_path):
-    from convert_fixture import parity_source
+    from support.convert_fixture import parity_source
 
     from hebrus_mlx.text.tokenizer import load_tokenizer
 
@@ -136,7 +136,7 @@ print("maxrss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 def test_oversized_tokenizer_is_refused_before_it_is_read(tmp_path):
     """A 600 MB tokenizer.json (sparse) is refused by its size, naming the cap; the process never
     holds it (peak RSS far below the file)."""
-    from convert_fixture import parity_source
+    from support.convert_fixture import parity_source
 
     d = Path(parity_source("tiny_a", str(tmp_path / "hf")))
     size = 600 << 20

@@ -3,7 +3,7 @@ record lands instead of waiting for all top-k, and stays bitwise equal to the re
 to the resolve-all streamed path whatever order the reads land in. Also the engine's priority rule
 the wavefront's reads rely on: P2 (speculative) reads only take bandwidth P0/P1 leave spare.
 
-Reads are ordered with the test-only fault injector (tests/fault_injection.py): a per-record
+Reads are ordered with the test-only fault injector (tests/support/fault_injection.py): a per-record
 delay (``set_offset_delay_us``) makes later route positions land first, or any other order."""
 
 import json
@@ -13,9 +13,9 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from chunked_greedy import chunked_greedy
-from fault_injection import FaultyEngine
-from stream_store import cache_gb
+from support.chunked_greedy import chunked_greedy
+from support.fault_injection import FaultyEngine
+from support.stream_store import cache_gb
 
 from hebrus_mlx.artifact import constants as C
 from hebrus_mlx.artifact import expert_major as em

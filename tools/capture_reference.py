@@ -1,6 +1,6 @@
 """Build tiny Qwen4Exp checkpoints and capture the pinned reference's outputs on them.
 
-For each parity config this writes tests/fixtures/parity/<name>/:
+For each parity config this writes tests/support/fixtures/parity/<name>/:
   config.json, model.safetensors  - save_pretrained of a Qwen4ExpForCausalLM whose weights were
                                      randomised away from their zero/one inits (contract control)
   capture.npz                      - upstream captures from transformers 5.24.0 / torch 2.13.0
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "parity"
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "support" / "fixtures" / "parity"
 PINNED = {"transformers": "5.24.0", "torch": "2.13.0"}
 
 # Three tiny configs with every feature on, differing in hidden size, heads, rotary fraction, PLE layers,

@@ -338,7 +338,7 @@ def first_mismatch(a, b):
 
 _GDN3_QSA = ("linear_attention",) * 3 + ("indexed_attention",)
 
-# The product's two families, positional in FamilyDescriptor order (as tests/families.py writes its own),
+# The product's two families, positional in FamilyDescriptor order (as tests/support/families.py writes its own),
 # a line for the model and its experts, a line for the PLE tables:
 #   name, family_id, vocab, hidden, layers, layer_types, max_pos, hc, experts, top_k, moe_width,
 #   ple_tables, ple_dim, ngram, heads_per_ngram, ngram_base, row_align, ple_head_rows, ple_rows

@@ -2,7 +2,7 @@
 build their small models from: each user takes it whole or with a few fields overridden
 (`dict(TINY_QWEN4EXP, field=value)`), so the shared geometry is written once.
 
-It is the config of the tests' tiny checkpoint (tests/artifact_fixture.py: `save_pretrained` of a
+It is the config of the tests' tiny checkpoint (tests/support/artifact_fixture.py: `save_pretrained` of a
 seeded transformers model) and of its converted artifact; changing a value changes every model built
 from it. Plain data only; nothing here reads hebrus-mlx code."""
 

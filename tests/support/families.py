@@ -6,7 +6,7 @@ Pinned as literals (AFN-003): admission derives a descriptor from each checkpoin
 must find exactly these.
   tiny: hidden 64, 4 layers (GDN x3, QSA), 8 experts top-2 of width 64, one PLE table of 4 heads
         (primes after 999), 16 wide.
-  parity a/b/c: the reference checkpoints of tests/fixtures/parity (tools/capture_reference.py);
+  parity a/b/c: the reference checkpoints of tests/support/fixtures/parity (tools/capture_reference.py);
         deliberately irregular (hidden 80/48, expert width 24/32) so affine group-64 codecs must
         reject them (AFN-002).
   bulk: expert-heavy synthetic family for the bounded-memory conversion evidence

@@ -18,6 +18,8 @@ import os
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: `support`
+
 import mlx.core as mx
 import numpy as np
 
@@ -43,7 +45,7 @@ def warm_buffer_cache():
 
 
 def engine_stage():
-    from fault_injection import FaultyEngine
+    from support.fault_injection import FaultyEngine
 
     rec = 4096
     path = os.path.join(tempfile.mkdtemp(), "store.bin")

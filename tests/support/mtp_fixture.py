@@ -1,6 +1,6 @@
 """Tiny checkpoints with an MTP head, and mlx-vlm 0.7.10's drafter as the independent oracle.
 
-`mtp_checkpoint`: a transformers-written tiny Qwen4Exp checkpoint (tests/fixtures/parity, made by
+`mtp_checkpoint`: a transformers-written tiny Qwen4Exp checkpoint (tests/support/fixtures/parity, made by
 `save_pretrained`) plus random `mtp.*` tensors in the released layout (per-expert or fused
 experts). Provenance (AFN-014): the text-model tensors are the committed upstream checkpoint; the
 MTP tensors are a contract control (seeded noise, shapes from the key tables).
@@ -20,9 +20,9 @@ import types
 from pathlib import Path
 
 import numpy as np
-from parity_fixtures import PARITY
 
 from hebrus_mlx.testing.bare_packages import register_bare_packages
+from support.parity_fixtures import PARITY
 
 MLX_VLM = Path(os.environ.get("MLX_VLM_ROOT", "/work/pkgs/mlx_vlm_0710"))  # .ci/run unpacks it
 

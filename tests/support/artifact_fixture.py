@@ -12,9 +12,8 @@ import os
 import shutil
 import struct
 
-import families  # noqa: F401  (registers the tiny and parity families)
-
 from hebrus_mlx.testing.tiny_configs import TINY_QWEN4EXP
+from support import families  # noqa: F401  (registers the tiny and parity families)
 
 TINY_CONFIG = TINY_QWEN4EXP  # the shared tiny config (hebrus_mlx/testing/tiny_configs.py)
 

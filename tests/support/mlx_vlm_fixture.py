@@ -47,7 +47,7 @@ def import_mlx_vlm():
         pil.Image.Image = type("Image", (), {})
         pil.ImageOps = types.ModuleType("PIL.ImageOps")
         sys.modules.update({"PIL": pil, "PIL.Image": pil.Image, "PIL.ImageOps": pil.ImageOps})
-    # tests/mtp_fixture.py registers model packages bare (its drafter needs only submodules): import
+    # tests/support/mtp_fixture.py registers model packages bare (its drafter needs only submodules): import
     # them for real here, whatever ran first.
     for name in [
         n

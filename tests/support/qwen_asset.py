@@ -4,7 +4,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PHYSICAL_VOCAB = 248320  # Qwen3.8-Flash-Next lm_head rows (AFN-005)
 
 

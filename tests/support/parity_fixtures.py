@@ -1,4 +1,4 @@
-"""Shared access to the committed reference fixtures (tests/fixtures/parity, see
+"""Shared access to the committed reference fixtures (tests/support/fixtures/parity, see
 tools/capture_reference.py for how they were made and provenance.json for each array)."""
 
 from functools import cache

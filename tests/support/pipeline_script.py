@@ -18,12 +18,14 @@ import os
 import sys
 import time
 
-import families  # noqa: F401 (registers the test-only families, e.g. the tiny converted checkpoint's)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: `support`
+
 import mlx.core as mx
 import numpy as np
 
 from hebrus_mlx.pipeline import load_pipeline
 from hebrus_mlx.pipeline import stage as S
+from support import families  # noqa: F401 (registers the test-only families, e.g. the tiny converted checkpoint's)
 
 model_path, out, mode = sys.argv[1:4]
 split = sys.argv[4] if len(sys.argv) > 4 else None

@@ -1,6 +1,6 @@
 """Conversion sources for the loader and convert tests.
 
-`parity_source`: a reference checkpoint of tests/fixtures/parity staged with
+`parity_source`: a reference checkpoint of tests/support/fixtures/parity staged with
 a tokenizer. Provenance (AFN-014): config and tensors are the committed
 upstream-captured checkpoint; tokenizer.json (the config's EOS ids as special
 tokens) and the chat template are contract controls written here.
@@ -18,10 +18,11 @@ import json
 import os
 import shutil
 
-import families  # noqa: F401  (registers the bulk family)
 import numpy as np
-from artifact_fixture import TINY_CONFIG, word_level_tokenizer
-from parity_fixtures import PARITY
+
+from support import families  # noqa: F401  (registers the bulk family)
+from support.artifact_fixture import TINY_CONFIG, word_level_tokenizer
+from support.parity_fixtures import PARITY
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
