@@ -50,3 +50,11 @@ class GenerationError(HebrusError, ValueError):
     """Bad generation input (empty prompt, prompt beyond the context, bad arguments)."""
 
     default_field = "prompt"
+
+
+# Why a quantized KV cache is refused, in mlx-lm's flags (--kv-bits, ...) and generate_step's keywords
+# (kv_bits, ...) alike.
+KV_QUANT_UNSUPPORTED = (
+    "a quantized KV cache is not supported (QSA's indexer selects keys by exact scores; "
+    "quantizing them would change which keys it picks)"
+)

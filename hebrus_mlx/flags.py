@@ -3,13 +3,13 @@ one of these, so NaN, infinities, negatives and huge values end as one line nami
 (``hebrus-mlx VERB: error: --flag: must be ...``, exit 2) before any work starts, never as a
 traceback deep in MLX or an empty result.
 
-`Parser` is the verbs' ArgumentParser: its errors are UsageErrors naming the flag. No MLX.
+The types are argparse types (a bad value raises `BadValue`, an ArgumentTypeError, whose message
+argparse shows as it is); library code parses comma-separated lists with them (`items`). The parser
+whose errors name the flag is commands/cli_args.py's `ArgumentParser`. No MLX.
 """
 
 import argparse
-import difflib
 import math
-import re
 
 from .errors import UsageError
 
@@ -23,21 +23,6 @@ MAX_SECONDS = 1e6  # ~11.6 days; time.sleep / thread timeouts overflow near 1e30
 class BadValue(argparse.ArgumentTypeError, ValueError):
     """A flag value out of its type's range: argparse shows the message as it is, and a library
     that parses a list of such values catches it as a ValueError."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with typed errors: ``argument --seed: must be ...`` becomes UsageError("--seed", ...)."""
-
-    def error(self, message):
-        m = re.match(r"argument ([^:/\s]+)(?:/\S+)?: (.*)", message, re.S)
-        if m:
-            raise UsageError(m.group(1), m.group(2))
-        m = re.match(r"unrecognized arguments: (-\S+)", message)
-        if m:
-            flag = m.group(1).split("=", 1)[0]
-            close = difflib.get_close_matches(flag, [o for o in self._option_string_actions if o.startswith("--")], 1)
-            raise UsageError(flag, "unrecognized argument" + (f"; did you mean {close[0]}?" if close else ""))
-        raise UsageError("arguments", message)
 
 
 def _range_text(lo, hi, lo_open=False, hi_open=False):

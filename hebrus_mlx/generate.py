@@ -1,6 +1,6 @@
 """Text generation with the feel of `mlx_lm.generate`: `generate_step`, `speculative_generate_step`,
 `stream_generate` and `generate` (library code, as mlx-lm's; the `hebrus-mlx generate` verb is
-commands/generate.py, the flags it shares with chat and server verb_flags.py).
+commands/generate.py, the flags it shares with chat and server commands/verb_flags.py).
 
 One loop serves every path: `prefill_chunks` / `prefill` feed a prompt chunk by chunk (the chunk
 cap, rollback, evaluation), `DecodeStep` turns one forward into log-probabilities and a token, and
@@ -19,8 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import flags
-from .cli_args import MLX_LM_REFUSED
-from .errors import GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
+from .errors import KV_QUANT_UNSUPPORTED, GenerationError, UsageError  # noqa: F401 (GenerationError: public here)
 from .sample_utils import check_finite, checked_logprobs, make_sampler
 from .stream.rollback import rollback_on_error
 from .traces.schema import KIND_DECODE, KIND_PREFILL
@@ -678,9 +677,9 @@ _SAMPLER_HINT = "give sampler=make_sampler(...) (hebrus_mlx.sample_utils, as mlx
 # mlx-lm's generate_step arguments with no meaning here, and why; any other unknown name is refused too.
 _REFUSED_KWARGS = {
     **{k: _SAMPLER_HINT for k in ("temp", "top_p", "min_p", "top_k", "xtc_probability", "xtc_threshold")},
-    "kv_bits": MLX_LM_REFUSED["--kv-bits"][1],
-    "kv_group_size": MLX_LM_REFUSED["--kv-group-size"][1],
-    "quantized_kv_start": MLX_LM_REFUSED["--quantized-kv-start"][1],
+    "kv_bits": KV_QUANT_UNSUPPORTED,
+    "kv_group_size": KV_QUANT_UNSUPPORTED,
+    "quantized_kv_start": KV_QUANT_UNSUPPORTED,
     "input_embeddings": "not supported: Qwen4Exp here takes token IDs",
     "prompt_progress_callback": "not supported yet",
 }

@@ -10,7 +10,7 @@ import mlx.core as mx
 from .errors import UsageError
 
 # Model names resolve in hub.py (demo -> local dir -> Hub repo id); re-exported for load's callers.
-from .hub import DEMO_DIR, ModelNotFoundError, is_repo_id, resolve_model, resolve_model_path  # noqa: F401
+from .loading.hub import DEMO_DIR, ModelNotFoundError, is_repo_id, resolve_model, resolve_model_path  # noqa: F401
 
 
 def is_artifact(path: Path) -> bool:

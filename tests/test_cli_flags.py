@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = ["nan", "NaN", "inf", "-inf", "-1", "-0.5", "1e300", "-1e300", str(2**70), "-" + str(2**70), "x", ""]
 # verb -> (module, argv prefix needed to reach the flags: required args, sub-command)
 PARSERS = {
-    "generate": ("hebrus_mlx.verb_flags", []),
+    "generate": ("hebrus_mlx.commands.verb_flags", []),
     "server": ("hebrus_mlx.commands.server", []),
     "chat": ("hebrus_mlx.commands.chat", []),
     "convert": ("hebrus_mlx.commands.convert", ["--hf-path", "h", "--out", "o"]),
@@ -234,7 +234,7 @@ def test_every_mlx_lm_flag_is_taken_or_refused_with_a_reason(monkeypatch):
     and mlx_lm.server parsers is one hebrus-mlx takes, or one it refuses in one line with a reason."""
     from mlx_lm.generate import setup_arg_parser
 
-    from hebrus_mlx.cli_args import MLX_LM_REFUSED, MLX_LM_SERVER_REFUSED
+    from hebrus_mlx.commands.cli_args import MLX_LM_REFUSED, MLX_LM_SERVER_REFUSED
 
     refused = {**MLX_LM_REFUSED, **MLX_LM_SERVER_REFUSED}
     for verb, options in (
@@ -262,7 +262,7 @@ def test_a_mistyped_flag_names_the_closest_one():
 
 
 def test_sampling_flags_show_their_defaults_in_help():
-    text = importlib.import_module("hebrus_mlx.verb_flags").build_parser().format_help()
+    text = importlib.import_module("hebrus_mlx.commands.verb_flags").build_parser().format_help()
     text = " ".join(text.split())
     for flag, default in (("--temp", "0.0"), ("--top-p", "1.0"), ("--top-k", "0"), ("--min-p", "0.0")):
         start = text.index(f"{flag} {flag[2:].upper().replace('-', '_')} ")

@@ -196,7 +196,7 @@ def test_non_utf8_prompt_is_refused(verb, monkeypatch, tmp_path):
 
 def test_stdin_prompt_is_read_with_a_bound(monkeypatch):
     """`-p -` reads at most MAX_STDIN_PROMPT_BYTES + 1 bytes, then refuses naming the limit."""
-    from hebrus_mlx import cli_args
+    from hebrus_mlx.commands import cli_args
 
     monkeypatch.setattr(cli_args, "MAX_STDIN_PROMPT_BYTES", 1000)
     stream = _stdin(monkeypatch, b"a" * 5000)

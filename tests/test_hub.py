@@ -18,9 +18,9 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants
 
-from hebrus_mlx import hub
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.loader import DEMO_DIR
+from hebrus_mlx.loading import hub
 
 GB = 10**9
 generate = importlib.import_module("hebrus_mlx.generate")  # the package attribute is the function

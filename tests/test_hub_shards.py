@@ -18,10 +18,10 @@ from support.artifact_fixture import TEMPLATE, TOKENIZER
 from support.convert_fixture import parity_source
 from support.mtp_fixture import add_mtp_tensors
 
-from hebrus_mlx import hub
 from hebrus_mlx.cli import main as cli_main
 from hebrus_mlx.convert import convert, hub_shards
 from hebrus_mlx.errors import HebrusError
+from hebrus_mlx.loading import hub
 from hebrus_mlx.testing.tiny_configs import TINY_QWEN4EXP
 
 REPO = "org/tiny"

@@ -1,11 +1,11 @@
 """Issue 10 / 26: one artifact model, read once; layers point one way.
 
 format (errors, flags, artifact/*, format/*: the MLX-free config and key tables) -> admission ->
-graph (models/, kernels/, the machine profile) -> streaming (stream/) -> load (loading/*, loader,
-hub, text/) -> generation (generate, sampling, the prompt cache, speculative/, traces/, pipeline/,
-the shared CLI flags, and the libraries the verbs sit on: convert/, verify, qualify, bench/,
+graph (models/, kernels/, the machine profile) -> streaming (stream/) -> load (loading/* with the
+Hub resolver, loader, text/) -> generation (generate, sampling, the prompt cache, speculative/,
+traces/, pipeline/, and the libraries the verbs sit on: convert/, verify, qualify, bench/,
 simulate/, ...) -> serving (the serve/ package: the HTTP server's routes, worker, sampling and output
-parsing) -> the command lines (commands/, the CLI). The test oracles (testing/) sit above everything: no product
+parsing) -> the command lines (commands/ with the flags the verbs share, the CLI). The test oracles (testing/) sit above everything: no product
 module imports them (one named exception). Checked on the source (an AST scan that also sees
 function-local imports, where hidden cycles live) and by importing the lower layers in a fresh
 interpreter.
@@ -53,7 +53,6 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
             "hebrus_mlx.loading",
             "hebrus_mlx.loading.",
             "hebrus_mlx.loader",
-            "hebrus_mlx.hub",
             "hebrus_mlx.text",
             "hebrus_mlx.text.",
         ),
@@ -66,20 +65,18 @@ RANKS = [  # (names, rank): "pkg." is every module below pkg, anything else one 
             "hebrus_mlx.sample_utils",
             "hebrus_mlx.constrain",
             "hebrus_mlx.prompt_cache",
-            "hebrus_mlx.cli_args",
             "hebrus_mlx.batch",
             "hebrus_mlx.batch_generate",
             "hebrus_mlx.prompt_cache_disk",
             "hebrus_mlx.perplexity",
             "hebrus_mlx.cache_prompt",
-            "hebrus_mlx.verb_flags",
             "hebrus_mlx.speculative",
             "hebrus_mlx.speculative.",
             "hebrus_mlx.traces",
             "hebrus_mlx.traces.",
             "hebrus_mlx.pipeline",
             "hebrus_mlx.pipeline.stage",
-            "hebrus_mlx.pipeline.cli",
+            "hebrus_mlx.pipeline.ranks",
             "hebrus_mlx.verify",
             "hebrus_mlx.upgrade",
             "hebrus_mlx.convert",
@@ -191,8 +188,8 @@ def _verb_modules():
 
 
 def test_a_verb_never_imports_another_verb():
-    """Each verb sits on the library and the shared flags (verb_flags, cli_args), never on another
-    verb's module (bench once took a flag parser from the traces verb)."""
+    """Each verb sits on the library and the shared flags (commands/verb_flags, commands/cli_args),
+    never on another verb's module (bench once took a flag parser from the traces verb)."""
     verbs = _verb_modules()
     assert "hebrus_mlx.commands.generate" in verbs and "hebrus_mlx.commands.bench" in verbs
     graph = import_graph()
@@ -315,7 +312,7 @@ def _calls(tree):
 
 
 def test_no_flag_definitions_below_the_verbs():
-    """argparse flags are defined by the verbs and cli_args, never in graph, streaming or load."""
+    """argparse flags are defined by the verbs (commands/), never in graph, streaming or load."""
     bad = []
     for m, path in MODULES.items():
         if _rank(m) in (GRAPH_R, STREAMING_R, LOAD_R):
@@ -326,9 +323,12 @@ def test_no_flag_definitions_below_the_verbs():
     assert bad == []
 
 
-# Command-line helpers outside hebrus_mlx/commands/: the flag types every verb parses with, the
-# shared flag sets.
-CLI_OUTSIDE_COMMANDS = {"hebrus_mlx.cli", "hebrus_mlx.flags", "hebrus_mlx.cli_args", "hebrus_mlx.verb_flags"}
+# Outside hebrus_mlx/commands/: the `hebrus-mlx` entry point (cli: it dispatches to the verbs), and
+# flags, whose range-checked value types are argparse `type=` callables (their BadValue is an
+# argparse.ArgumentTypeError, so argparse shows its message as it is). The library parses with
+# them too (simulate.run's and qualify_report's comma-separated lists; loading.plan, generate and
+# serve.api_fields take their bounds), so they sit in the format layer; flags builds no parser.
+CLI_OUTSIDE_COMMANDS = {"hebrus_mlx.cli", "hebrus_mlx.flags"}
 
 
 def _command_line(tree) -> list:
@@ -388,7 +388,7 @@ LOWER = [
     "hebrus_mlx.admission",
     "hebrus_mlx.verify",
     "hebrus_mlx.commands.verify",
-    "hebrus_mlx.cli_args",
+    "hebrus_mlx.commands.cli_args",
     "hebrus_mlx.loading.plan",
     "hebrus_mlx.stream.errors",
 ] + sorted(m for m in MODULES if m.startswith(FORMAT))

@@ -686,9 +686,8 @@ def test_pipeline_load_applies_graph_options_and_the_machine_profile(monkeypatch
     """One load route: under mlx.launch, `--graph` reaches the stage's graph and the machine profile
     is applied (AFN-013), as `load` does; a world of one rank runs the same load in this process."""
     from hebrus_mlx import machine_profile
+    from hebrus_mlx.commands.verb_flags import build_parser, load_or_serve
     from hebrus_mlx.pipeline import stage as stage_module
-    from hebrus_mlx.pipeline.cli import load_or_serve
-    from hebrus_mlx.verb_flags import build_parser
 
     reads = []
     real = machine_profile.read_profile

@@ -18,7 +18,8 @@ import pytest
 from support.chunked_greedy import chunked_greedy
 from support.stream_store import cache_gb
 
-from hebrus_mlx import cli, cli_args
+from hebrus_mlx import cli
+from hebrus_mlx.commands import cli_args
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.stream import engine as se

@@ -438,7 +438,7 @@ def test_cli_flags(monkeypatch, capsys):
     from hebrus_mlx.cli import main as cli_main
     from hebrus_mlx.commands.server import build_parser
 
-    flags_mod = importlib.import_module("hebrus_mlx.verb_flags")
+    flags_mod = importlib.import_module("hebrus_mlx.commands.verb_flags")
     args = build_parser().parse_args([])
     # --max-tokens not given: None, so each route picks its default (App._max_tokens).
     assert (args.host, args.model, args.max_tokens) == ("127.0.0.1", "demo", None)

@@ -241,8 +241,8 @@ def test_every_recommendable_setting_is_a_flag_generate_accepts():
     and prefetch spec; the policies no flag selects are never in a recommendation."""
     import shlex
 
-    from hebrus_mlx.cli_args import prefetch_from_args
-    from hebrus_mlx.verb_flags import build_parser
+    from hebrus_mlx.commands.cli_args import prefetch_from_args
+    from hebrus_mlx.commands.verb_flags import build_parser
 
     parser = build_parser()
     for pf in P.RUNTIME_PREFETCH:

@@ -17,7 +17,8 @@ import pytest
 from support.chunked_greedy import chunked_greedy
 from support.stream_store import cache_gb
 
-from hebrus_mlx import cli, cli_args
+from hebrus_mlx import cli
+from hebrus_mlx.commands import cli_args
 from hebrus_mlx.errors import UsageError
 from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.stream import engine as se
@@ -44,9 +45,7 @@ def test_parse_prefetch_and_typed_errors():
         assert e.value.field == field, bad
     with pytest.raises(UsageError, match="prefetch-budget"):
         P.parse_prefetch("hyper-reuse", budget=0)
-    from hebrus_mlx.flags import Parser
-
-    p = Parser()
+    p = cli_args.ArgumentParser()
     cli_args.add_prefetch_argument(p)
     assert cli_args.prefetch_from_args(p.parse_args([])) is None
     assert cli_args.prefetch_from_args(p.parse_args(["--prefetch", "router-reuse:2"])).depth == 2

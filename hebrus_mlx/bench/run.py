@@ -12,8 +12,8 @@ from . import machine as M
 
 
 def _load(name, load_kwargs):
-    from ..hub import resolve_model
     from ..loader import load
+    from ..loading.hub import resolve_model
 
     return load(resolve_model(name), **load_kwargs)
 
@@ -21,9 +21,9 @@ def _load(name, load_kwargs):
 def pipeline_stage(model: str, configs: list[dict], split, timeout):
     """Under mlx.launch: load this rank's stage of the one pipeline every configuration shares.
     Rank 0 gets (pipeline, (model, tokenizer)); a serving rank serves, then gets (None, None)."""
-    from ..hub import resolve_model
+    from ..loading.hub import resolve_model
     from ..pipeline import load_pipeline
-    from ..pipeline.cli import serve_or_return
+    from ..pipeline.ranks import serve_or_return
 
     loads, mtp = set(), False
     for c in configs:

@@ -3,12 +3,12 @@ is imported (AFN-004)."""
 
 import sys
 
-from .. import flags
 from ..admission import admit
+from .cli_args import ArgumentParser
 
 
 def main(argv=None):
-    p = flags.Parser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
+    p = ArgumentParser(prog="hebrus-mlx admit", description="CPU-only artifact admission")
     p.add_argument("path", help="artifact directory")
     args = p.parse_args(argv)
     print(admit(args.path).report.to_json())  # a rejection is one line on stderr (cli.run)

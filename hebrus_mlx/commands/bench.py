@@ -23,10 +23,10 @@ from .. import flags
 from ..bench import harness as H
 from ..bench import report as R
 from ..bench.run import pipeline_stage, run_bench
-from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..flags import positive_ints
 from ..pipeline import launched as pipeline_launched
+from .cli_args import ArgumentParser
 
 
 def build_parser():
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         reuse_profile=not args.fresh_probe,
     )
     if pipe is not None:
-        from ..pipeline.cli import finish
+        from ..pipeline.ranks import finish
 
         result["pipeline"] = finish(pipe.model, release_ranks=False)  # one line per rank
     if against is not None:
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     else:
         print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}")
     if pipe is not None:
-        from ..pipeline.cli import release
+        from ..pipeline.ranks import release
 
         release(pipe.model)  # last: the launcher ends rank 0 once a peer exits
     return 0

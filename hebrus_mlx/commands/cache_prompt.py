@@ -7,18 +7,18 @@ import time
 
 from ..artifact.atomic import check_output_file
 from ..cache_prompt import TEMPLATE_KEY, cached_prompt_ids
-from ..cli_args import LOAD_FLAGS, ArgumentParser, read_prompt
 from ..errors import UsageError
 from ..generate import context_limit, prefill
 from ..prompt_cache import save_prompt_cache
-from ..verb_flags import check_args, load_from_args
+from .cli_args import LOAD_FLAGS, ArgumentParser, read_prompt
+from .verb_flags import check_args, load_from_args
 
 # generate's flags that describe the model and how to load and prefill it.
 _USED = LOAD_FLAGS | {"prompt", "system_prompt", "ignore_chat_template", "dtype", "seed", "verbose"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..verb_flags import share_generate_flags
+    from .verb_flags import share_generate_flags
 
     p = ArgumentParser(
         prog="hebrus-mlx cache-prompt",
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """`hebrus-mlx cache-prompt`; typed errors propagate to `cli.run` (one line, exit 2)."""
-    from ..verb_flags import refuse_unused
+    from .verb_flags import refuse_unused
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -10,14 +10,14 @@ never sent to the model (a message starting with // is sent with one leading / r
 import argparse
 import sys
 
-from ..cli_args import ArgumentParser, str2bool
 from ..errors import UsageError
 from ..generate import GenerationError, context_limit
 from ..prompt_cache import PromptCache, Usage, stream_with_cache
 from ..sample_utils import make_sampler
 from ..stream.errors import StreamError
-from ..verb_flags import (
-    PROMPT_ERRORS,
+from ..text.tokenizer import PROMPT_ERRORS
+from .cli_args import ArgumentParser, str2bool
+from .verb_flags import (
     add_prompt_cache_arguments,
     check_args,
     check_shared_flags,

@@ -6,10 +6,11 @@ the loader they feed are `generate.build_parser`, `generate.check_args` and `gen
 (chat and server reuse them)."""
 
 import argparse
+import difflib
+import re
 
-from . import flags
-from .errors import UsageError
-from .flags import Parser
+from .. import flags
+from ..errors import KV_QUANT_UNSUPPORTED, UsageError
 
 __all__ = [
     "ArgumentParser",
@@ -50,7 +51,7 @@ LOAD_FLAGS = frozenset(
     }
 )
 
-_KV_QUANT = "a quantized KV cache is not supported (QSA's indexer selects keys by exact scores; quantizing them would change which keys it picks)"
+_KV_QUANT = KV_QUANT_UNSUPPORTED
 _TEMPLATE = "not supported: the model's own chat template is used (--ignore-chat-template for plain text)"
 
 # mlx-lm's flags that hebrus-mlx does not take, each with its reason: parsed, then refused in one
@@ -97,9 +98,21 @@ def refuse_mlx_lm_flags(args) -> None:
             raise UsageError(name, reason)
 
 
-class ArgumentParser(Parser):
-    """argparse whose usage errors raise a UsageError naming the flag (flags.Parser) instead of
-    exiting; numeric flags take their types from `hebrus_mlx.flags`."""
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise a UsageError naming the flag instead of exiting
+    (``argument --seed: must be ...`` becomes UsageError("--seed", ...)); numeric flags take their
+    types from `hebrus_mlx.flags`."""
+
+    def error(self, message):
+        m = re.match(r"argument ([^:/\s]+)(?:/\S+)?: (.*)", message, re.S)
+        if m:
+            raise UsageError(m.group(1), m.group(2))
+        m = re.match(r"unrecognized arguments: (-\S+)", message)
+        if m:
+            flag = m.group(1).split("=", 1)[0]
+            close = difflib.get_close_matches(flag, [o for o in self._option_string_actions if o.startswith("--")], 1)
+            raise UsageError(flag, "unrecognized argument" + (f"; did you mean {close[0]}?" if close else ""))
+        raise UsageError("arguments", message)
 
 
 def str2bool(s: str) -> bool:
@@ -126,7 +139,7 @@ def add_stream_cache_arguments(parser: argparse.ArgumentParser) -> None:
 def add_prefetch_argument(parser: argparse.ArgumentParser) -> None:
     """``--prefetch`` (+ ``--prefetch-budget``, ``--prefetch-threshold``) for generate/server/bench;
     turn the parsed namespace into a spec with :func:`prefetch_from_args`."""
-    from .stream.predict import DEFAULT as PREFETCH_DEFAULT  # streaming (MLX) only once a parser is built
+    from ..stream.predict import DEFAULT as PREFETCH_DEFAULT  # streaming (MLX) only once a parser is built
 
     parser.add_argument(
         "--prefetch",
@@ -150,8 +163,8 @@ def add_prefetch_argument(parser: argparse.ArgumentParser) -> None:
 
 def prefetch_from_args(args):
     """The stream.predict.PrefetchSpec the flags name; None when none was given (the loader's default)."""
-    from .stream.predict import DEFAULT as PREFETCH_DEFAULT
-    from .stream.predict import parse_prefetch
+    from ..stream.predict import DEFAULT as PREFETCH_DEFAULT
+    from ..stream.predict import parse_prefetch
 
     if args.prefetch is None and args.prefetch_budget is None and not args.prefetch_threshold:
         return None
@@ -163,14 +176,14 @@ def prefetch_from_args(args):
 
 def graph_options_from_args(args):
     """`--graph` as a GraphOptions (None: the defaults); a bad key or value is a UsageError."""
-    from .models.options import GraphOptions
+    from ..models.options import GraphOptions
 
     return None if getattr(args, "graph", None) is None else GraphOptions.parse(args.graph)
 
 
 def add_sweep_argument(parser: argparse.ArgumentParser) -> None:
     """``--prefill-sweep`` for generate/server/chat/bench (wherever ``--prefetch`` is)."""
-    from .stream.sweep import DEFAULT as SWEEP_DEFAULT
+    from ..stream.sweep import DEFAULT as SWEEP_DEFAULT
 
     parser.add_argument(
         "--prefill-sweep",
@@ -183,7 +196,7 @@ def add_sweep_argument(parser: argparse.ArgumentParser) -> None:
 
 def sweep_from_args(args):
     """The mode the flag names; None when not given (the loader's default)."""
-    from .stream.sweep import parse_mode
+    from ..stream.sweep import parse_mode
 
     value = getattr(args, "prefill_sweep", None)
     if value is None:

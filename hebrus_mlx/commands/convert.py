@@ -6,14 +6,16 @@ import json
 import os
 import sys
 
-from .. import flags, hub
+from .. import flags
 from ..artifact import constants as C
 from ..convert import convert, hub_shards
 from ..errors import UsageError
+from ..loading import hub
+from .cli_args import ArgumentParser
 
 
 def build_parser():
-    p = flags.Parser(prog="hebrus-mlx convert", description="Convert a Qwen4Exp HF checkpoint")
+    p = ArgumentParser(prog="hebrus-mlx convert", description="Convert a Qwen4Exp HF checkpoint")
     p.add_argument("--hf-path", "--model", required=True, help="local directory or Hugging Face repo id")
     p.add_argument("--out", "--mlx-path", required=True, help="artifact directory to publish")
     p.add_argument(

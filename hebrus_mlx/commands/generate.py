@@ -5,12 +5,12 @@ import sys
 
 import mlx.core as mx
 
-from ..cli_args import read_prompt
 from ..errors import UsageError
 from ..generate import context_limit, generate
 from ..pipeline import launched as pipeline_launched
 from ..sample_utils import make_sampler
-from ..verb_flags import build_parser, check_args, draft_kwargs, load_from_args, trace_kwargs
+from .cli_args import read_prompt
+from .verb_flags import build_parser, check_args, draft_kwargs, load_from_args, trace_kwargs
 
 
 def main(argv=None) -> int:
@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     if args.seed is not None:
         mx.random.seed(args.seed)
     if pipeline_launched():
-        from ..hub import resolve_model
-        from ..pipeline.cli import load_or_serve
+        from ..loading.hub import resolve_model
+        from .verb_flags import load_or_serve
 
         pipe, model, tokenizer = load_or_serve(resolve_model(args.model), args)
         if pipe is None:
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     if not args.verbose:
         print(text, flush=True)
     if pipeline_launched():
-        from ..pipeline.cli import finish
+        from ..pipeline.ranks import finish
 
         finish(model, verbose=args.verbose)  # last: the launcher ends rank 0 once a peer exits
     return 0

@@ -5,7 +5,6 @@ import sys
 import time
 
 from .. import flags
-from ..cli_args import add_prefetch_argument, add_stream_cache_arguments, prefetch_from_args
 from ..errors import HebrusError, UsageError
 from ..perplexity import (
     DEFAULT_DATA,
@@ -17,10 +16,11 @@ from ..perplexity import (
     read_documents,
     stream_chunk,
 )
+from .cli_args import ArgumentParser, add_prefetch_argument, add_stream_cache_arguments, prefetch_from_args
 
 
 def build_parser():
-    p = flags.Parser(prog="hebrus-mlx perplexity", description="Perplexity of a model on held-out text")
+    p = ArgumentParser(prog="hebrus-mlx perplexity", description="Perplexity of a model on held-out text")
     p.add_argument("--model", default="demo", help="'demo', a hebrus artifact or an HF checkpoint directory")
     p.add_argument(
         "--data-path",
@@ -49,8 +49,8 @@ def main(argv=None):
         raise UsageError("--num-samples", "must be -1 (all) or at least 1")
     prefetch = prefetch_from_args(a)
     read_documents(a.data_path)  # a bad path fails before the model loads
-    from ..hub import resolve_model, resolve_model_path
     from ..loader import load
+    from ..loading.hub import resolve_model, resolve_model_path
 
     ref_path = None
     if a.kl_divergence is not None:

@@ -17,10 +17,11 @@ from ..machine_profile import write_profile
 from ..qualify import TOLERANCE, check_kernels_metal, qualify
 from ..qualify import __doc__ as QUALIFY_DOC
 from ..qualify_report import CACHE_FRACTIONS, build_report, parse_caches, summary_path, write_report
+from .cli_args import ArgumentParser
 
 
 def build_parser():
-    p = flags.Parser(prog="hebrus-mlx qualify", description=QUALIFY_DOC.splitlines()[0])
+    p = ArgumentParser(prog="hebrus-mlx qualify", description=QUALIFY_DOC.splitlines()[0])
     p.add_argument(
         "--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)"
     )

@@ -19,12 +19,12 @@ import socket
 import sys
 
 from .. import flags
-from ..cli_args import MLX_LM_SERVER_REFUSED, ArgumentParser, add_refused_arguments, prefetch_from_args
 from ..errors import UsageError
 from ..pipeline import launched as pipeline_launched
 from ..serve.app import DEFAULT_MAX_BODY_BYTES, App
 from ..serve.worker import ServerDefaults, Worker
-from ..verb_flags import (
+from .cli_args import MLX_LM_SERVER_REFUSED, ArgumentParser, add_refused_arguments, prefetch_from_args
+from .verb_flags import (
     add_prompt_cache_arguments,
     check_args,
     check_shared_flags,
@@ -263,8 +263,8 @@ def main(argv=None) -> int:
     if pipeline_launched():
         import mlx.core as mx
 
-        from ..hub import resolve_model
-        from ..pipeline.cli import load_or_serve
+        from ..loading.hub import resolve_model
+        from .verb_flags import load_or_serve
 
         if mx.distributed.init().rank() != 0:
             load_or_serve(resolve_model(args.model), args)  # serves until rank 0 stops
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     sock = _listen(args.host, args.port)  # before the model loads: a taken port is the user's one line
     worker = Worker(load, args.prompt_cache_bytes, defaults)
     if pipe is not None:
-        from ..pipeline.cli import finish
+        from ..pipeline.ranks import finish
 
         worker.close = lambda: finish(pipe.model)  # stops the serving ranks, prints one line per rank
     app = App(worker, args.model, api_key, args.max_body_bytes, args.allowed_origins, args.prep_process_bytes)

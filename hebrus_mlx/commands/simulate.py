@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 from .. import flags
-from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..simulate import model as S
 from ..simulate import report as R
@@ -22,6 +21,7 @@ from ..simulate.run import (
     validate,
     write_table,
 )
+from .cli_args import ArgumentParser
 
 
 def build_parser():

@@ -14,9 +14,9 @@ import argparse
 import sys
 
 from .. import flags
-from ..cli_args import ArgumentParser
 from ..errors import UsageError
 from ..flags import positive_ints
+from .cli_args import ArgumentParser
 
 
 def build_parser():

@@ -4,12 +4,12 @@ check's XXH3-128 tables for an older artifact, swapped in atomically)."""
 import json
 import sys
 
-from .. import flags
 from ..upgrade import upgrade
+from .cli_args import ArgumentParser
 
 
 def main(argv=None):
-    p = flags.Parser(
+    p = ArgumentParser(
         prog="hebrus-mlx upgrade", description="add the fast per-read check (XXH3-128 tables) to an older artifact"
     )
     p.add_argument("path", help="artifact directory (replaced atomically)")

@@ -1,12 +1,23 @@
 """The model, cache and sampling flags of every generating verb: `build_parser` (generate's whole
 parser), `check_args` (their values, before the model loads) and `load_from_args`. chat and server
 take the ones they use from generate's parser, so the verbs cannot drift, and refuse the rest while
-they do not use them (never silently ignored). Also the errors both verbs report as the caller's
-(PROMPT_ERRORS)."""
+they do not use them (never silently ignored)."""
 
 import argparse
 
-from . import flags
+from .. import flags
+from ..errors import UsageError
+from ..generate import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PREFILL_STEP_SIZE,
+    DEFAULT_PROMPT,
+    MAX_DRAFT_TOKENS,
+    MAX_KV_SIZE_UNSUPPORTED,
+    check_max_kv_size,
+)
+from ..pipeline import launched as pipeline_launched
+from ..prompt_cache_disk import DEFAULT_DIR_BYTES, open_dir
+from ..sample_utils import SamplingError, check_sampling_args
 from .cli_args import (
     LOAD_FLAGS,
     MLX_LM_REFUSED,
@@ -21,24 +32,6 @@ from .cli_args import (
     str2bool,
     sweep_from_args,
 )
-from .errors import GenerationError, UsageError
-from .generate import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_PREFILL_STEP_SIZE,
-    DEFAULT_PROMPT,
-    MAX_DRAFT_TOKENS,
-    MAX_KV_SIZE_UNSUPPORTED,
-    check_max_kv_size,
-)
-from .pipeline import launched as pipeline_launched
-from .prompt_cache_disk import DEFAULT_DIR_BYTES, open_dir
-from .sample_utils import SamplingError, check_sampling_args
-from .text.chat_template import ChatError
-from .text.tokenizer import TokenizerError
-
-# What a bad prompt or request raises (the template, the tokenizer, generation's own checks): chat
-# prints it as one line and goes on, the server answers 400. Never a fault of the process.
-PROMPT_ERRORS = (ChatError, TokenizerError, GenerationError)
 
 # generate's flags that describe the model, its caches and sampling defaults; taken from its parser
 # so the two verbs cannot drift. A flag generate gains later appears here too, and is refused
@@ -285,8 +278,8 @@ def check_args(args) -> None:
 def load_from_args(args):
     """(model, tokenizer) named by generate's model and cache flags (`--model`: demo, a local
     directory or a Hub repo id, downloaded after a disk check)."""
-    from .hub import resolve_model
-    from .loader import load
+    from ..loader import load
+    from ..loading.hub import resolve_model
 
     return load(
         resolve_model(args.model),
@@ -316,3 +309,27 @@ def draft_kwargs(args) -> dict:
     if args.draft_model is None:
         return {}
     return {"draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens}
+
+
+def load_or_serve(path, args):
+    """Under `mlx.launch`: this rank's stage, loaded as `args` say. (pipeline, model, tokenizer) on
+    rank 0; (None, None, None) on a serving rank once done."""
+    from ..pipeline import load_pipeline
+    from ..pipeline.ranks import serve_or_return
+
+    if args.dtype != "auto":
+        raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
+    if getattr(args, "expert_mirror", None) is not None:
+        raise UsageError("--expert-mirror", "pipeline stages do not read a mirror yet")
+    pipe = load_pipeline(
+        path,
+        split=args.pipeline_split,
+        timeout=args.pipeline_timeout,
+        expert_cache_gb=args.expert_cache_gb,
+        ple_cache_gb=args.ple_cache_gb,
+        prefetch=prefetch_from_args(args),
+        prefill_sweep=sweep_from_args(args),
+        mtp=getattr(args, "draft_model", None) == "mtp",
+        options=graph_options_from_args(args),
+    )
+    return serve_or_return(pipe, path)

@@ -4,12 +4,12 @@ digest the artifact holds)."""
 import json
 import sys
 
-from .. import flags
 from ..verify import verify
+from .cli_args import ArgumentParser
 
 
 def main(argv=None):
-    p = flags.Parser(prog="hebrus-mlx verify", description="verify every artifact digest")
+    p = ArgumentParser(prog="hebrus-mlx verify", description="verify every artifact digest")
     p.add_argument("path")
     a = p.parse_args(argv)
     _, checked = verify(a.path)  # a failure is one line on stderr (cli.run)

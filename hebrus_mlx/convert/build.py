@@ -23,7 +23,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from .. import admission, hub
+from .. import admission
 from ..artifact import atomic, expert_major, ple_pages, untrusted
 from ..artifact import constants as C
 from ..artifact import fast_check as FC
@@ -31,6 +31,7 @@ from ..artifact import manifest as M
 from ..artifact.errors import ArtifactError, GeometryError
 from ..format import checkpoint_keys as keys
 from ..format.qwen4exp_config import mtp_layer_args
+from ..loading import hub
 from .sources import COMPONENT_HF_NAMES, Source, encode
 
 

@@ -24,13 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .. import hub
 from ..artifact import atomic, untrusted
 from ..artifact import constants as C
 from ..artifact import manifest as M
 from ..artifact.errors import ArtifactError, GeometryError
 from ..format import checkpoint_keys as keys
 from ..format.qwen4exp_config import ple_constants
+from ..loading import hub
 from . import mlx_source as convert_mlx
 from .build import artifact_bytes, check_out, convert, expert_spec, plan
 from .fp8 import block_config

@@ -18,8 +18,8 @@ import re
 import shutil
 from pathlib import Path
 
-from .artifact.errors import ArtifactError
-from .errors import HebrusError
+from ..artifact.errors import ArtifactError
+from ..errors import HebrusError
 
 # What a text checkpoint needs (weights, configs, tokenizer, chat template),
 # and a published hebrus-mlx artifact's stores.
@@ -38,7 +38,7 @@ ALLOW_PATTERNS = [
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo" / "model"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo" / "model"
 
 
 class ModelNotFoundError(HebrusError, FileNotFoundError):
@@ -131,7 +131,7 @@ def read_config(repo_id, revision=None, cache_dir=None):
     """config.json of a repo (one small download, or the cache when offline)."""
     from huggingface_hub import hf_hub_download
 
-    from .artifact import untrusted
+    from ..artifact import untrusted
 
     if not is_repo_id(repo_id):
         raise HubError("model", f"{repo_id!r} is neither a local directory nor a Hub repo id (ORG/NAME)")

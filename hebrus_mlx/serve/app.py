@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
-from ..verb_flags import PROMPT_ERRORS
+from ..text.tokenizer import PROMPT_ERRORS
 from . import anthropic_api, api_fields, openai_api, output, responses_api
 from .api_fields import RequestError, is_int
 from .output import THINK_CLOSE, THINK_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN

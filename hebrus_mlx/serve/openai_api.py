@@ -14,7 +14,7 @@ from contextlib import aclosing
 from ..errors import HebrusError
 from ..pipeline.stage import PipelineError
 from ..text.chat_template import ChatError
-from ..verb_flags import PROMPT_ERRORS
+from ..text.tokenizer import PROMPT_ERRORS
 from .api_fields import RequestError
 
 log = logging.getLogger("hebrus_mlx.server")

@@ -15,8 +15,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ..artifact import untrusted
-from ..errors import HebrusError
-from .chat_template import DATA, TRUSTED_CONTROL, ChatRenderer, Rendered
+from ..errors import GenerationError, HebrusError
+from .chat_template import DATA, TRUSTED_CONTROL, ChatError, ChatRenderer, Rendered
 
 # Tokens that end a chat turn or a document when the tokenizer defines them.
 STOP_TOKEN_STRINGS = ("<|endoftext|>", "<|im_end|>")
@@ -26,6 +26,11 @@ class TokenizerError(HebrusError, ValueError):
     """Bad tokenizer files or arguments."""
 
     default_field = "tokenizer"
+
+
+# What a bad prompt or request raises (the chat template, the tokenizer, generation's own checks):
+# chat prints it as one line and goes on, the server answers 400. Never a fault of the process.
+PROMPT_ERRORS = (ChatError, TokenizerError, GenerationError)
 
 
 class TokenIdError(TokenizerError):

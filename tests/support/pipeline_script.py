@@ -7,7 +7,7 @@ generated; the other ranks serve. Modes:
   kill       rank 1 exits hard after 3 forwards
   stall      rank 1 sleeps forever after 3 forwards (rank 0's watchdog must end the run)
   kill_at_finish  rank 1 exits hard when its serve loop ends, before the final counters are
-             gathered; rank 0 generates, then reports the counters as the CLI does (pipeline.cli.finish)
+             gathered; rank 0 generates, then reports the counters as the CLI does (pipeline.ranks.finish)
   stream     as generate, each rank streaming its experts and PLE pages through a small cache;
              every rank also writes OUT.rank<r>.json: the layers its engine read records of
   spec       greedy speculative decoding with each drafter in $DRAFT (comma-separated: ngram, mtp, a
@@ -144,7 +144,7 @@ except S.PipelineError as e:
     print(f"TYPED {type(e).__name__} after {time.monotonic() - t0:.2f}s: {e}", flush=True)
     sys.exit(0)
 if mode == "kill_at_finish":
-    from hebrus_mlx.pipeline.cli import finish
+    from hebrus_mlx.pipeline.ranks import finish
 
     try:
         finish(model)

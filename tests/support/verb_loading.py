@@ -1,10 +1,10 @@
 """Replace how the verbs load their model, for tests: each verb module binds `load_from_args` (from
-hebrus_mlx.verb_flags) by name, so the fake goes into every one of them."""
+hebrus_mlx.commands.verb_flags) by name, so the fake goes into every one of them."""
 
 import importlib
 
 VERB_MODULES = (
-    "hebrus_mlx.verb_flags",
+    "hebrus_mlx.commands.verb_flags",
     "hebrus_mlx.commands.generate",
     "hebrus_mlx.commands.chat",
     "hebrus_mlx.commands.server",

@@ -1,35 +1,14 @@
-"""The CLI side of a pipeline launch: rank 0 loads its stage and the tokenizer and returns them to
-the verb; every other rank serves until rank 0 stops it, then reports its counters."""
+"""What each rank does once its stage is loaded under `mlx.launch`: rank 0 gets its stage and the
+tokenizer back to generate with; every other rank serves until rank 0 stops it, then reports its
+counters (`finish` prints one line per rank). The verbs' flags reach `load_pipeline` through
+commands/verb_flags.py's `load_or_serve`."""
 
 from __future__ import annotations
 
 import sys
 
-from . import gather_stats, load_pipeline
+from . import gather_stats
 from .stage import PipelineError, collective
-
-
-def load_or_serve(path, args):
-    """(pipeline, model, tokenizer) on rank 0; (None, None, None) on a serving rank once done."""
-    from ..cli_args import graph_options_from_args, prefetch_from_args, sweep_from_args
-    from ..errors import UsageError
-
-    if args.dtype != "auto":
-        raise UsageError("--dtype", "pipeline stages run in the default dtype (float32 on CPU) for now")
-    if getattr(args, "expert_mirror", None) is not None:
-        raise UsageError("--expert-mirror", "pipeline stages do not read a mirror yet")
-    pipe = load_pipeline(
-        path,
-        split=args.pipeline_split,
-        timeout=args.pipeline_timeout,
-        expert_cache_gb=args.expert_cache_gb,
-        ple_cache_gb=args.ple_cache_gb,
-        prefetch=prefetch_from_args(args),
-        prefill_sweep=sweep_from_args(args),
-        mtp=getattr(args, "draft_model", None) == "mtp",
-        options=graph_options_from_args(args),
-    )
-    return serve_or_return(pipe, path)
 
 
 def serve_or_return(pipe, path):
