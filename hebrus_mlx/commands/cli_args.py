@@ -2,8 +2,8 @@
 `cli.run`), the boolean flag type and the streaming flags (--expert/--ple-cache-gb, --prefetch*,
 --prefill-sweep, --graph) with their conversion into what the loader takes, and mlx-lm's flags that are
 refused with a reason (MLX_LM_REFUSED). generate's model, cache and sampling flags, their checks and
-the loader they feed are `generate.build_parser`, `generate.check_args` and `generate.load_from_args`
-(chat and server reuse them)."""
+the loader they feed are verb_flags.py's `build_parser`, `check_args` and `load_from_args` (chat and
+server reuse them). MLX-free: `admit` and `verify` parse with it."""
 
 import argparse
 import difflib
