@@ -96,46 +96,54 @@ def _reads(size, units, chunk=READ_BYTES):
 
 
 def _read_all(fd, reads, depth, field):
-    """Yield (start, bytes, units) for each read in order; with `depth` > 0 a thread keeps up to
-    `depth` reads in flight ahead of the consumer."""
+    """Yield (start, view of the bytes, units) for each read in order, into reused buffers (no
+    fresh allocation per read); a view is valid until the next one is asked for. With `depth` > 0
+    a thread keeps up to `depth` reads in flight ahead of the consumer."""
+    size = max((end - start for start, end, _ in reads), default=0)
     if depth <= 0:
+        buf = bytearray(size)
         for start, end, units in reads:
-            yield start, _pread(fd, start, end, field), units
+            yield start, _fill(fd, buf, start, end, field), units
         return
-    q, stop = queue.Queue(maxsize=depth), threading.Event()
+    free, full, stop = queue.Queue(), queue.Queue(), threading.Event()
+    for _ in range(depth + 1):
+        free.put(bytearray(size))
 
     def reader():
         try:
             for start, end, units in reads:
+                buf = free.get()
                 if stop.is_set():
                     return
-                q.put((start, _pread(fd, start, end, field), units))
-            q.put(None)
+                full.put((start, _fill(fd, buf, start, end, field), units, buf))
+            full.put(None)
         except BaseException as e:  # handed to the consumer
-            q.put(e)
+            full.put(e)
 
     t = threading.Thread(target=reader, name="verify-read", daemon=True)
     t.start()
     try:
-        while (item := q.get()) is not None:
+        while (item := full.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            start, view, units, buf = item
+            yield start, view, units
+            free.put(buf)
     finally:
         stop.set()
-        while t.is_alive():  # unblock a reader waiting on a full queue
-            try:
-                q.get(timeout=0.05)
-            except queue.Empty:
-                pass
+        free.put(bytearray(0))  # wakes a reader waiting for a buffer
         t.join()
 
 
-def _pread(fd, start, end, field):
-    data = os.pread(fd, end - start, start)
-    if len(data) != end - start:
-        raise TruncatedError(field, f"read {len(data)} of {end - start} bytes at offset {start}")
-    return data
+def _fill(fd, buf, start, end, field):
+    """`buf[:end - start]` filled from the file at `start` (a view), or TruncatedError."""
+    view, done = memoryview(buf)[: end - start], 0
+    while done < end - start:
+        got = os.preadv(fd, [view[done:]], start + done)
+        if got == 0:
+            raise TruncatedError(field, f"read {done} of {end - start} bytes at offset {start}")
+        done += got
+    return view
 
 
 def _scan(full, s, units, fast, progress):
@@ -143,13 +151,13 @@ def _scan(full, s, units, fast, progress):
     digest = hashlib.sha256()
     fd = os.open(full, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        if hasattr(os, "posix_fadvise"):  # not on macOS, whose read-ahead needs no hint
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for start, data, group in _read_all(fd, _reads(s.size, units), READ_AHEAD, f"stores.{s.path}.size"):
             digest.update(data)
             if fast is not None:
-                view = memoryview(data)
                 for off, n in group:
-                    fast(view[off - start : off - start + n])
+                    fast(data[off - start : off - start + n])
             progress(len(data))
     finally:
         os.close(fd)
