@@ -4,8 +4,8 @@ Admission (cheap, no payload) runs first. Then each store is read once, front to
 reads, and every byte is hashed once with SHA-256: the whole-file digest the manifest records,
 which is what verify trusts (docs/INTEGRITY.md). The fast per-read check's XXH3-128 tables, where
 the artifact has them, are compared with the same bytes in the same pass, so a verified artifact
-streams without a false alarm. A reader thread keeps the next read in flight while the current
-one is hashed (hashlib and os.pread release the GIL).
+streams without a false alarm. Reads are inline by default (the kernel's sequential read-ahead
+keeps the disk busy while a read is hashed); READ_AHEAD > 0 moves them to a thread.
 
 A store whose whole-file digest mismatches is read a second time, checking each record or page
 against the store's own SHA-256 table (each dense tensor against its manifest digest), so the
@@ -32,7 +32,10 @@ from .artifact.ple_pages import PleReader
 
 _CHUNK = 8 << 20  # deep pass: whole-file stores' read size
 READ_BYTES = 16 << 20  # default pass: bytes per read (whole units, at least this much)
-READ_AHEAD = 2  # default pass: reads in flight ahead of the hashing thread (0: read inline)
+# Default pass: reads a thread keeps in flight ahead of the hashing (0: read inline, the kernel's
+# sequential read-ahead overlapping the disk). 2 measured no faster on 2 shared cores
+# (docs/FULL_SCALE.md), so reads are inline unless set.
+READ_AHEAD = 0
 
 
 def _bar(label, total, stream):
