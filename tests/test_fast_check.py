@@ -181,11 +181,11 @@ def test_a_flipped_ple_page_and_mtp_chunk_are_refused_by_their_domain(domain, ne
         load_model(d)
 
 
-def test_a_deliberate_edit_that_rewrites_the_fast_digest_is_caught_by_verify(new):
+def test_a_deliberate_edit_that_rewrites_the_fast_digest_is_caught_by_verify_deep(new):
     """The threat model: the fast check catches bit rot, torn and misplaced records, not an edit
-    made on purpose. Edit a record and rewrite its fast digest (and the table's SHA-256 in the
-    manifest): admission passes and streaming serves the edited bytes, but `verify` refuses them
-    by the record's SHA-256, the publication digest."""
+    made on purpose. Edit a record and rewrite its fast digest (and the table's SHA-256 and the
+    store's whole-file SHA-256 in the manifest): admission passes and streaming serves the edited
+    bytes, but `verify --deep` refuses them by the record's SHA-256 in the store's own table."""
     g = _geometry(new)
     i = g.index(2, 5)
     off = g.record_offset(i)
@@ -203,8 +203,11 @@ def test_a_deliberate_edit_that_rewrites_the_fast_digest_is_caught_by_verify(new
     mx.eval(ex.engine.release_after(rows, lease))
     ex.engine.close()
     assert got != open(DEMO_DIR / "experts.hbem", "rb").read()[off : off + len(got)]  # the edit streams
+    # Default verify trusts the manifest, whose whole-file digest now describes the edited bytes;
+    # --deep also checks the store's own record digests, which the edit left behind.
+    assert verify(new, stream=QUIET)[1]["stores"] == 5
     with pytest.raises(DigestError, match=rf"experts\.record\[{i}\]"):
-        verify(new, stream=QUIET)
+        verify(new, stream=QUIET, deep=True)
 
 
 def _resolve_one(d, layer, expert):
