@@ -175,15 +175,15 @@ class Splits(Variant):
         self.proj, self.head = proj, head
 
     def __call__(self, x, cache=None):
-        project, logits = optimize.Projector.__call__, optimize.SplitLogitsModel._logits
+        project, logits = optimize.Projector.__call__, optimize.SplitLogitsModel.head_logits
         if not self.proj:
             optimize.Projector.__call__ = _one_stream(project)
         if not self.head:
-            optimize.SplitLogitsModel._logits = _one_stream(logits)
+            optimize.SplitLogitsModel.head_logits = _one_stream(logits)
         try:
             return super().__call__(x, cache)
         finally:
-            optimize.Projector.__call__, optimize.SplitLogitsModel._logits = project, logits
+            optimize.Projector.__call__, optimize.SplitLogitsModel.head_logits = project, logits
 
 
 def _one_stream(fn):

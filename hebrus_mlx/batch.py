@@ -153,6 +153,6 @@ def _forward(model, tokens, caches):
     mixed, _ = text.hyper_connection_mixer.mix(streams)
     for c in caches:
         c.advance(1)
-    # The rows as one sequence axis: `_logits` splits a multi-row input between the two CPU
+    # The rows as one sequence axis: `head_logits` splits a multi-row input between the two CPU
     # streams (each row's product is the same matmul either way).
-    return model._logits(mixed.reshape(1, len(caches), -1))[0]
+    return model.head_logits(mixed.reshape(1, len(caches), -1))[0]

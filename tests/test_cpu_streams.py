@@ -101,7 +101,7 @@ def test_each_split_site_matches_its_single_stream_op(sides):
             got = {
                 "moe": moe(x),
                 "project": q._project(gdn, joined, x) + q._project(gdn, joined, wide),
-                "logits": model._logits(wide),
+                "logits": model.head_logits(wide),
             }
         mx.eval(got)
         if streams == 1:

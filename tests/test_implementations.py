@@ -35,3 +35,64 @@ def test_generate_verbose_prints_the_graph_line_on_stderr():
     assert proc.returncode == 0, proc.stderr[-1000:]
     assert any(line.startswith("Graph: ") for line in proc.stderr.splitlines())
     assert proc.stdout.splitlines()[-1].startswith("Peak memory: ")  # mlx_lm.generate's layout kept
+
+
+def test_a_block_missing_a_seam_is_refused_at_load_naming_it(monkeypatch):
+    """qwen4exp.SEAMS is the contract the load-time pass overrides; a block class without one of its
+    methods (or taking other parameters) is refused when the pass swaps it, not when the method runs."""
+    import pytest
+
+    from hebrus_mlx.models import qwen4exp as q
+
+    monkeypatch.delattr(q.HyperConnection, "inject_then_mix")
+    with pytest.raises(optimize.SeamError, match=r"HyperConnection\.inject_then_mix"):
+        load("demo", options=GraphOptions(join_projections=True, cpu_streams=1))
+    monkeypatch.undo()
+    monkeypatch.setattr(q.QSAAttention, "attend", lambda self, queries, keys, values: None)
+    with pytest.raises(optimize.SeamError, match=r"QSAAttention\.attend: QSAAttention takes \(self, queries, keys"):
+        load("demo", options=GraphOptions(rope_tables=True, cpu_streams=1))
+    monkeypatch.undo()
+    assert load("demo", options=GraphOptions(join_projections=True, rope_tables=True, cpu_streams=1))[0] is not None
+
+
+def test_a_swap_overriding_a_method_that_is_no_seam_is_refused():
+    import pytest
+
+    from hebrus_mlx.models import qwen4exp as q
+
+    class Bad(q.SparseMoE):
+        def projections(self):
+            return []
+
+    with pytest.raises(optimize.SeamError, match=r"SparseMoE\.projections: not a seam"):
+        optimize.check_seams(q.SparseMoE, Bad)
+    for cls in optimize.SWAPS:
+        base = next(b for b in cls.__mro__[1:] if b in optimize.SWAPPABLE)
+        optimize.check_seams(base, cls)  # every shipped swap keeps to the contract
+
+
+def test_the_pass_runs_again_from_the_plain_blocks_when_weights_change():
+    """A second apply, and nn.quantize on a loaded model (update_modules), start from the plain
+    blocks: a one-graph mix or MoE is no longer swapped in where its Linears became quantized (a float
+    checkpoint: the demo's quantized experts never get the one-graph MoE)."""
+    import mlx.nn as nn
+    from support.parity_fixtures import PARITY
+
+    from hebrus_mlx.loader import load_hf_model
+
+    demo, _ = load("demo", options=GraphOptions(join_projections=True, cpu_streams=1))
+    assert set(optimize.implementations(demo)["blocks"]["SparseMoE"]) == {"SparseMoE"}
+    model = load_hf_model(PARITY / "tiny_a", options=GraphOptions(join_projections=True, cpu_streams=1))
+    before = optimize.implementations(model)
+    assert set(before["blocks"]["SparseMoE"]) == {"OneGraphSparseMoE"}
+    optimize.apply(model, model.options)
+    assert optimize.implementations(model) == before
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=8,
+        class_predicate=lambda p, m: p.endswith(("input_mix_weight_down", "switch_mlp.gate_proj")),
+    )
+    blocks = optimize.implementations(model)["blocks"]
+    assert blocks["HyperConnection"] == {"HyperConnection": sum(before["blocks"]["HyperConnection"].values())}
+    assert blocks["SparseMoE"] == {"SparseMoE": sum(before["blocks"]["SparseMoE"].values())}

@@ -15,15 +15,21 @@ What is swapped, and where it applies:
 - QSA: one rope table per call (`rope_tables`), the dense regime through fused SDPA (`dense_sdpa`);
 - Metal kernels the machine profile qualified on this device (`metal_kernels`; never here).
 
-Swaps change a module's class to a subclass (same parameters, keys and call signature) or hang a
-plain attribute on it (never a parameter), so checkpoints, `load_weights` and callers see no change.
-A weight replaced after the pass (a load, update or quantization) makes its joined group fall back
-to the per-Linear matmuls.
+Swaps change a module's class to a subclass (same parameters, keys and call signature) that
+overrides only the methods `qwen4exp.SEAMS` lists for its block, or hang a plain attribute on it
+(never a parameter), so checkpoints and callers see no change. The contract is checked here, once
+per swap: a block lacking a listed method, or whose method takes other parameters, is refused with
+`SeamError` naming it. What each swap needs (plain float Linears, plain norms, an in-memory n-gram
+table, resident experts) is decided here too, and what a swapped method reads (joined and transposed
+weights, folded norm scales, its compiled function) is worked out here, so it runs without checking
+the module at call time. The pass runs once after the weights are final; a Model's `update` /
+`update_modules` (`load_weights`, `nn.quantize`) run it again from the plain blocks. Whoever replaces
+a child after the pass any other way puts the parent back first (`plain_block`) or runs it again.
 """
 
 from __future__ import annotations
 
-import operator
+import inspect
 from functools import cache
 
 import mlx.core as mx
@@ -41,13 +47,29 @@ from .switch_layers import SORT_MIN_PAIRS, SwitchGLU, SwitchLinear
 SIDE_MIN_MACS = 1 << 20
 
 
+class SeamError(TypeError):
+    """A block's class does not offer a method the load-time pass overrides (qwen4exp.SEAMS)."""
+
+
 def apply(model: nn.Module, options: GraphOptions | None = None) -> GraphOptions:
     """Swap in what `options` (default: GraphOptions()) asks for on `model` (a Model, the MTP head
-    or any block); returns the resolved options, also kept as `model.options` on a Model."""
+    or any block); returns the resolved options, also kept as `model.options` on a Model. Run again
+    on the same model, it starts from the plain blocks (weights replaced since are joined anew)."""
     from .. import kernels
 
     options = (options or GraphOptions()).resolved()
     modules = [m for _, m in model.named_modules()]
+    _restore(modules)
+    checked: set = set()
+
+    def swap(module, cls):
+        if type(module) not in cls.__mro__[1:]:  # only the plain block, never a replaced module
+            return
+        if (type(module), cls) not in checked:
+            check_seams(type(module), cls)
+            checked.add((type(module), cls))
+        module.__class__ = cls
+
     for m in modules:
         if hasattr(type(m), "projections") and (options.join_projections or options.cpu_streams == 2):
             group = (
@@ -59,34 +81,89 @@ def apply(model: nn.Module, options: GraphOptions | None = None) -> GraphOptions
             object.__setattr__(m, "_projector", Projector(joined, options.join_max_tokens))
         if isinstance(m, q.HyperConnection):
             if options.metal_kernels and kernels.enabled("hc_mix"):
-                _swap(m, MetalHyperConnection)
+                swap(m, MetalHyperConnection)
             elif options.join_projections:
-                _swap(m, OneGraphHyperConnection)
-        elif isinstance(m, q.PLELayer) and options.join_projections:
-            _swap(m, OneGraphPLELayer)
+                swap(m, OneGraphHyperConnection)
+        elif isinstance(m, q.PLELayer) and options.join_projections and OneGraphPLELayer.applies(m):
+            swap(m, OneGraphPLELayer)
         elif isinstance(m, q.NGramEmbedding) and options.metal_kernels and kernels.enabled("ple_gather"):
-            _swap(m, MetalNGramEmbedding)
+            if MetalNGramEmbedding.applies(m):
+                swap(m, MetalNGramEmbedding)
         elif isinstance(m, q.QSAAttention):
             metal = options.metal_kernels and kernels.enabled("qsa_attention")
             if options.rope_tables or options.dense_sdpa or metal:
-                _swap(m, FastQSAAttention)
+                swap(m, FastQSAAttention)
                 object.__setattr__(m, "_metal", metal)
         elif isinstance(m, q.SparseMoE) and options.cpu_streams == 2:
-            _swap(m, SplitSparseMoE)
+            if SplitSparseMoE.applies(m):
+                swap(m, SplitSparseMoE)
         elif isinstance(m, q.SparseMoE) and options.join_projections:
-            _swap(m, OneGraphSparseMoE)
+            swap(m, OneGraphSparseMoE)
         elif isinstance(m, q.Model) and options.cpu_streams == 2:
-            _swap(m, SplitLogitsModel)
+            swap(m, SplitLogitsModel)
     if options.in_major:
         _store_in_major(modules)
+    # The one-graph arguments read the weights as stored (after the layout above); a block whose parts
+    # do not fit (quantized, biased, streamed, a replaced norm) goes back to its plain class.
+    for m in modules:
+        if type(m) in (OneGraphHyperConnection, OneGraphSparseMoE) and not type(m).prepare(m):
+            plain_block(m)
     if isinstance(model, q.Model):
         model.options = options
+        model.after_update = apply  # a plain function: no reference cycle through the model
     return options
 
 
-# The plain blocks of qwen4exp.py this pass may replace (each by a subclass with the same
-# parameters, keys and call signature; the methods each overrides are listed on the subclass).
-SWAPPABLE = (q.HyperConnection, q.PLELayer, q.NGramEmbedding, q.QSAAttention, q.SparseMoE, q.Model)
+def check_seams(block: type, cls: type) -> None:
+    """Raise SeamError unless `cls` (a swap for `block`'s plain class) overrides only the methods
+    qwen4exp.SEAMS lists for it, and `block` offers each of them with the same parameters."""
+    base = next((b for b in cls.__mro__[1:] if b in q.SEAMS), None)
+    if base is None:
+        raise SeamError(f"{cls.__name__}: replaces no block qwen4exp.SEAMS lists")
+    seams = q.SEAMS[base]
+    for name in seams:
+        mine = getattr(block, name, None)
+        if not callable(mine):
+            raise SeamError(f"{base.__name__}.{name}: the block {block.__name__} has no such method (qwen4exp.SEAMS)")
+        theirs = cls.__dict__.get(name)
+        if theirs is not None and _params(mine) != _params(theirs):
+            raise SeamError(
+                f"{base.__name__}.{name}: {block.__name__} takes ({', '.join(_params(mine))}), "
+                f"{cls.__name__} overrides it as ({', '.join(_params(theirs))})"
+            )
+    for name, value in cls.__dict__.items():
+        if callable(value) and not name.startswith("__") and hasattr(base, name) and name not in seams:
+            raise SeamError(f"{base.__name__}.{name}: not a seam (qwen4exp.SEAMS), {cls.__name__} overrides it")
+
+
+def _params(fn) -> list[str]:
+    return [
+        f"{p.name}={p.default!r}" if p.default is not p.empty else p.name
+        for p in inspect.signature(fn).parameters.values()
+    ]
+
+
+def plain_block(module: nn.Module) -> None:
+    """`module` back to its plain block if the pass swapped it. Whoever replaces a child the pass
+    decided from after it ran (streamed experts or PLE tables attached to a loaded model) calls this
+    on the parent, or runs the pass again."""
+    if type(module) in SWAPS:
+        module.__class__ = next(b for b in type(module).__mro__[1:] if b in q.SEAMS)
+    for key in ("_plans", "_plan"):
+        module.__dict__.pop(key, None)
+
+
+def _restore(modules):
+    """Each swapped module back to its plain block, its projector and derived attributes dropped."""
+    for m in modules:
+        plain_block(m)
+        m.__dict__.pop("_projector", None)
+        m.__dict__.pop("_metal", None)
+
+
+# The plain blocks of qwen4exp.py this pass may replace (qwen4exp.SEAMS: each by a subclass with the
+# same parameters, keys and call signature that overrides only the methods listed there).
+SWAPPABLE = tuple(q.SEAMS)
 
 
 def implementations(model: nn.Module) -> dict:
@@ -127,18 +204,13 @@ def implementations_line(model: nn.Module) -> str:
     return "Graph: " + "; ".join(parts + [tail])
 
 
-def _swap(module, cls):
-    if type(module) in cls.__mro__[1:]:  # only the plain block, never a replaced module
-        module.__class__ = cls
-
-
 # ---- joined projections ------------------------------------------------------------------------
 
 
 class _Joined:
     """One weight for several bias-free float Linears that read the same input. Each Linear's weight
-    is re-pointed at its rows of the joint array (a view, no second copy); the joint matmul is used
-    only while every Linear still holds exactly that view."""
+    is re-pointed at its rows of the joint array (a view, no second copy); a load or update that
+    replaces one runs the pass again (Model.update), which joins the new arrays."""
 
     def __init__(self, linears, in_major: bool):
         joint = mx.concatenate([m.weight for m in linears], axis=0)
@@ -153,16 +225,6 @@ class _Joined:
         self.parts = tuple(m.weight for m in linears)
         self.splits = ends[:-1]
 
-    def intact(self, linears) -> bool:
-        # dict.get: a Module keeps its arrays as dict items, and `m.weight` reaches them only after
-        # a failed attribute lookup (this runs for every joined group of every decode step).
-        if len(linears) != len(self.parts):
-            return False
-        for m, w in zip(linears, self.parts):
-            if dict.get(m, "weight") is not w:
-                return False
-        return True
-
 
 def _joinable(linears) -> bool:
     return (
@@ -173,15 +235,16 @@ def _joinable(linears) -> bool:
 
 
 class Projector:
-    """[m(x) for m in linears] as one joint matmul (short inputs, group intact) or split across the
-    two CPU streams (long inputs, enough work), else per Linear."""
+    """[m(x) for m in linears] as one joint matmul (short inputs) or split across the two CPU
+    streams (long inputs, enough work), else per Linear. `linears` are the group it was built for
+    (the block's `projections()`; the pass runs again when a Model's weights are replaced)."""
 
     def __init__(self, joined: _Joined | None, max_tokens: int = 0):
         self.joined, self.max_tokens = joined, max_tokens
 
     def __call__(self, linears, x):
         j = self.joined
-        if j is not None and x.shape[-2] <= self.max_tokens and j.intact(linears):
+        if j is not None and x.shape[-2] <= self.max_tokens:
             return mx.split(x @ j.rhs, j.splits, axis=-1)
         side = cpu_streams.side_stream()
         if (
@@ -286,67 +349,50 @@ class OneGraphHyperConnection(q.HyperConnection):
     """Decode steps and short blocks: the whole mix as one compiled graph over 2-D rows.
 
     What the graph reads (the compiled function, the folded norm scale, the two right-hand sides) is
-    worked out once and kept with the arrays it came from; each call checks those by identity only
-    (`dict.get`: a Module keeps its arrays as dict items, slower to reach as attributes), so a load,
-    update or quantization of any of them makes it worked out again, or the per-part path taken."""
+    worked out by the pass (`prepare`), per `inject`, and read from a plain attribute per call; the
+    pass runs again when a Model's weights are replaced."""
 
-    def _one_graph_rhs(self, streams, inject: bool):
-        """(down, up) right-hand sides, or None where the one graph does not apply: longer inputs,
-        quantized or replaced parts, a joined group no longer intact."""
-        plan = self._plan(streams, inject)
-        return None if plan is None else plan[3:]
-
-    def _plan(self, streams, inject: bool):
-        projector = self.__dict__.get("_projector")
-        if projector is None or streams.shape[-2] > projector.max_tokens:
-            return None
-        get = dict.get
-        norm, down_l, up_l = get(self, "hc_norm"), get(self, "input_mix_weight_down"), get(self, "input_mix_weight_up")
-        inject_l = get(self, "block_inject_weight") if inject else None
-        sources = (
-            norm,
-            get(norm, "weight"),
-            norm.stored_folded,
-            down_l,
-            get(down_l, "weight"),
-            up_l,
-            get(up_l, "weight"),
-            inject_l,
-            None if inject_l is None else get(inject_l, "weight"),
-        )
-        cached = self.__dict__.get("_plans", {}).get(inject)
-        if cached is not None and all(map(operator.is_, cached[0], sources)):
-            return cached[1]
-        plan = self._make_plan(projector, inject)
-        object.__setattr__(self, "_plans", {**self.__dict__.get("_plans", {}), inject: (sources, plan)})
-        return plan
-
-    def _make_plan(self, projector, inject: bool):
-        if type(self.hc_norm) is not q.ZeroCenteredRMSNorm:
-            return None
-        up = _rhs(self.input_mix_weight_up)
-        if inject:
-            j = projector.joined
-            if j is None or not j.intact(self.projections(inject=True)):
-                return None
-            down = j.rhs
-        else:
-            down = _rhs(self.input_mix_weight_down)
-        if down is None or up is None:
-            return None
-        lowrank = self.input_mix_weight_up.weight.shape[-1]
-        dims = (self.hc_count, self.hidden_size, self.hc_norm.eps, lowrank)
-        fused = _hc_inject_mix_fn(*dims) if inject else None
-        return _hc_mix_fn(*dims, inject), fused, self.hc_norm.grouped_scale, down, up
+    @staticmethod
+    def prepare(block) -> bool:
+        """Keep on `block` the one-graph arguments for the mix with and without inject (None where
+        its parts are quantized, biased or replaced); False where neither applies."""
+        projector = block.__dict__.get("_projector")
+        if projector is None or type(block.hc_norm) is not q.ZeroCenteredRMSNorm:
+            return False
+        up = _rhs(block.input_mix_weight_up)
+        lowrank = block.input_mix_weight_up.weight.shape[-1]
+        dims = (block.hc_count, block.hidden_size, block.hc_norm.eps, lowrank)
+        plans = {}
+        for inject in (False, True):
+            if inject:
+                j = projector.joined if "block_inject_weight" in block else None
+                down = None if j is None else j.rhs
+            else:
+                down = _rhs(block.input_mix_weight_down)
+            plans[inject] = (
+                None
+                if down is None or up is None
+                else (
+                    _hc_mix_fn(*dims, inject),
+                    _hc_inject_mix_fn(*dims) if inject else None,
+                    block.hc_norm.grouped_scale,
+                    down,
+                    up,
+                )
+            )
+        object.__setattr__(block, "_plans", (projector.max_tokens, plans))
+        return any(p is not None for p in plans.values())
 
     def mix(self, streams, inject: bool = False):
-        plan = self._plan(streams, inject)
+        max_tokens, plans = self.__dict__["_plans"]
+        plan = plans[inject] if streams.shape[-2] <= max_tokens else None
         if plan is None:
             return super().mix(streams, inject)
         return plan[0](streams, *plan[2:])
 
     def inject_then_mix(self, streams, out, logits):
-        plan = self._plan(streams, True)
+        max_tokens, plans = self.__dict__["_plans"]
+        plan = plans[True] if streams.shape[-2] <= max_tokens else None
         if plan is None:
             return super().inject_then_mix(streams, out, logits)
         return plan[1](streams, out, logits, *plan[2:])
@@ -368,10 +414,12 @@ def _ple_mix_fn(hc_count: int, hidden: int, eps: float, dilation: int):
 
 
 class OneGraphPLELayer(q.PLELayer):
+    @staticmethod
+    def applies(block) -> bool:
+        return all(type(n) is q.ZeroCenteredRMSNorm for n in (block.norm_key, block.norm_query, block.norm_conv))
+
     def mix(self, key, value, streams, state):
         norms = (self.norm_key, self.norm_query, self.norm_conv)
-        if not all(type(n) is q.ZeroCenteredRMSNorm for n in norms):  # a replaced norm: the plain parts
-            return super().mix(key, value, streams, state)
         return _ple_mix_fn(self.hc_count, self.hidden_size, self.norm_key.eps, self.dilation)(
             key, value, streams, state, self.conv1d.weight, *(n.grouped_scale for n in norms)
         )
@@ -432,40 +480,41 @@ def _moe_fn(k: int, norm_topk_prob: bool):
 class OneGraphSparseMoE(q.SparseMoE):
     """Decode steps: everything after the projections as one compiled graph, where the routed
     experts are the resident float SwitchGLU (not streamed, not quantized) and the shared expert's
-    down projection a bias-free float Linear; else the plain parts."""
+    down projection a bias-free float Linear (decided by the pass); longer inputs take the plain parts."""
+
+    @staticmethod
+    def prepare(block) -> bool:
+        """Keep on `block` the (gate, up, down, shared down) right-hand sides; False where a part is
+        streamed, quantized or replaced."""
+        switch = block.switch_mlp
+        if type(switch) is not SwitchGLU:
+            return False
+        parts = (switch.gate_proj, switch.up_proj, switch.down_proj)
+        shared_down = _rhs(block.shared_expert.down_proj)
+        if shared_down is None or not all(type(p) is SwitchLinear for p in parts):
+            return False
+        object.__setattr__(block, "_plan", (*(p.rhs() for p in parts), shared_down))
+        return True
 
     def experts(self, x, logits, shared_logit, shared_gate, shared_up):
-        rhs = self._rhs() if x.size // x.shape[-1] * self.top_k < SORT_MIN_PAIRS else None
-        if rhs is None:
+        if x.size // x.shape[-1] * self.top_k >= SORT_MIN_PAIRS:
             return super().experts(x, logits, shared_logit, shared_gate, shared_up)
-        return _moe_fn(self.top_k, self.norm_topk_prob)(x, logits, shared_logit, shared_gate, shared_up, *rhs)
-
-    def _rhs(self):
-        """(gate, up, down, shared down) right-hand sides, kept with the modules and weights they
-        came from (checked by identity each call); None where a part is streamed, quantized or
-        replaced."""
-        get = dict.get
-        switch, shared = get(self, "switch_mlp"), get(self, "shared_expert")
-        parts = (get(switch, "gate_proj"), get(switch, "up_proj"), get(switch, "down_proj"), get(shared, "down_proj"))
-        sources = (switch, shared, *parts, *(get(p, "weight") for p in parts))
-        cached = self.__dict__.get("_plan")
-        if cached is not None and all(map(operator.is_, cached[0], sources)):
-            return cached[1]
-        rhs = None
-        if type(switch) is SwitchGLU and all(type(p) is SwitchLinear for p in parts[:3]):
-            shared_down = _rhs(parts[3])
-            rhs = None if shared_down is None else (*(p.rhs() for p in parts[:3]), shared_down)
-        object.__setattr__(self, "_plan", (sources, rhs))
-        return rhs
+        return _moe_fn(self.top_k, self.norm_topk_prob)(
+            x, logits, shared_logit, shared_gate, shared_up, *self.__dict__["_plan"]
+        )
 
 
 # ---- second CPU stream -------------------------------------------------------------------------
 
 
 class SplitSparseMoE(q.SparseMoE):
+    @staticmethod
+    def applies(block) -> bool:
+        return type(block.switch_mlp) is SwitchGLU  # resident experts (not streamed)
+
     def routed_experts(self, x, inds):
-        side = cpu_streams.side_stream() if type(self.switch_mlp) is SwitchGLU else None
-        w = self.switch_mlp.gate_proj.weight if side is not None else None
+        side = cpu_streams.side_stream()
+        w = self.switch_mlp.gate_proj.weight
         if (
             side is None
             or self.top_k < 2
@@ -481,11 +530,11 @@ class SplitSparseMoE(q.SparseMoE):
 
 
 class SplitLogitsModel(q.Model):
-    def _logits(self, h):
+    def head_logits(self, h):
         big = h.shape[-2] > 1 and h.size * self.lm_head.weight.shape[0] >= SIDE_MIN_MACS
         side = cpu_streams.side_stream() if big else None
         if side is None:
-            return super()._logits(h)
+            return super().head_logits(h)
         # Prefill and verify blocks: the positions in two halves, one per CPU stream (a column half
         # of the weight would be a strided view, copied per call; row halves of `h` are contiguous).
         half = h.shape[-2] // 2
@@ -505,9 +554,24 @@ class MetalHyperConnection(q.HyperConnection):
 
 
 class MetalNGramEmbedding(q.NGramEmbedding):
+    @staticmethod
+    def applies(block) -> bool:
+        return type(block.ngram_embedding) is nn.Embedding  # not a streamed or quantized table
+
     def lookup(self, history, n_new: int):
-        if type(self.ngram_embedding) is not nn.Embedding:  # streamed or quantized table
-            return super().lookup(history, n_new)
         from ..kernels import ple_gather
 
         return ple_gather.metal(self, history, n_new)
+
+
+# Every class apply may swap in (implementations() and a second apply know them by this).
+SWAPS = (
+    OneGraphHyperConnection,
+    MetalHyperConnection,
+    OneGraphPLELayer,
+    MetalNGramEmbedding,
+    FastQSAAttention,
+    OneGraphSparseMoE,
+    SplitSparseMoE,
+    SplitLogitsModel,
+)

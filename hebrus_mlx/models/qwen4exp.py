@@ -6,8 +6,10 @@ another around the sparse MoE. A final hyper-connection mixer collapses the stre
 The pinned reference is transformers 5.24.0 `models/qwen4_exp`; tests compare against it.
 
 Each block keeps one implementation (the plain path). `models/optimize.apply` may replace a block's
-class by a subclass that overrides only these methods, with the same parameters, keys and results
-(`optimize.implementations(model)` says what a loaded model runs):
+class by a subclass that overrides only the methods `SEAMS` (end of this file) lists, with the same
+parameters, keys, call signature and results; the pass checks that contract once, when it swaps,
+and refuses a block that lacks a listed method or whose method takes other parameters
+(`optimize.SeamError`). `optimize.implementations(model)` says what a loaded model runs:
 
 - `HyperConnection.mix`, `HyperConnection.inject_then_mix` (one compiled graph each),
   `HyperConnection.combine` (Metal kernel);
@@ -15,9 +17,12 @@ class by a subclass that overrides only these methods, with the same parameters,
 - `QSAAttention.rotations`, `QSAAttention.attend` (rope tables, fused dense SDPA, Metal kernel);
 - `SparseMoE.routed_experts` (half the experts on a second CPU stream), `SparseMoE.experts` (one
   compiled graph after the projections);
-- `Model._logits` (half the positions' logits on a second CPU stream).
+- `Model.head_logits` (half the positions' logits on a second CPU stream).
 
-Anything else in this file is not a seam: change it here, and every implementation follows.
+What a swapped method reads (joined and transposed weights, folded norm scales) is worked out by the
+pass, which runs once after the weights are final; `Model.update` and `Model.update_modules` (so
+`load_weights` and `nn.quantize` on the model) run it again from the plain blocks. Anything else in
+this file is not a seam: change it here, and every implementation follows.
 """
 
 from __future__ import annotations
@@ -1028,6 +1033,9 @@ class Model(nn.Module):
     # so a loop that samples without hebrus's vocabulary mask (mlx-lm's) cannot pick one. None: no
     # mask.
     effective_vocab_size: int | None = None
+    # Called as after_update(model, model.options) once `update` / `update_modules` replaced weights:
+    # models/optimize.apply sets it to itself, to run the pass again. Not a child module or parameter.
+    after_update = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -1065,10 +1073,26 @@ class Model(nn.Module):
             out = self.model(inputs, cache, capture, return_hidden)
             cache.advance(inputs.shape[1])
             if return_hidden:
-                return self._logits(out[0]), out[1]
-            return self._logits(out)
+                return self.head_logits(out[0]), out[1]
+            return self.head_logits(out)
 
-    def _logits(self, h):
+    def update(self, parameters: dict, strict: bool = True) -> Model:
+        """nn.Module.update, then the load-time pass again (its joined weights, layouts and one-graph
+        arguments were made from the arrays this replaces)."""
+        super().update(parameters, strict)
+        self._weights_changed()
+        return self
+
+    def update_modules(self, modules: dict, strict: bool = True) -> Model:
+        super().update_modules(modules, strict)
+        self._weights_changed()
+        return self
+
+    def _weights_changed(self):
+        if self.after_update is not None:
+            self.after_update(self, self.options)
+
+    def head_logits(self, h):
         return self.mask_unassigned(linear(self.lm_head, h))
 
     def mask_unassigned(self, logits):
@@ -1149,3 +1173,15 @@ class Model(nn.Module):
         got = np.array(value).astype(np.int64).tolist()
         if got != expected:
             raise CheckpointKeyError(f"{raw_key}: checkpoint value {got} differs from the config-derived {expected}")
+
+
+# The overridable methods of each block (the module docstring): the written contract between this
+# file and models/optimize.py, checked by `optimize.apply` when it swaps a block's class.
+SEAMS: dict[type, tuple[str, ...]] = {
+    HyperConnection: ("mix", "combine", "inject_then_mix"),
+    PLELayer: ("mix",),
+    NGramEmbedding: ("lookup",),
+    QSAAttention: ("rotations", "attend"),
+    SparseMoE: ("experts", "routed_experts"),
+    Model: ("head_logits",),
+}

@@ -23,6 +23,7 @@ from ..admission import admit
 from ..artifact import constants as C
 from ..artifact.manifest import Manifest
 from ..artifact.ple_pages import PleReader
+from ..models.optimize import plain_block
 from ..models.qwen4exp import dequantize_ple_rows
 from .engine import P0, StreamEngine
 
@@ -90,6 +91,7 @@ def attach_ple(
             engine = StreamEngine(cache_bytes=256 * page, threads=threads)
         for s, r in zip(stores, readers):
             emb = model.model.layers[s.layer].ple.ple_embedding
+            plain_block(emb)  # an in-memory-table kernel the load-time pass may have swapped in
             emb.ngram_embedding = StreamedNGramTable(engine, r, dtype, m.fast_table(s))
     finally:
         for r in readers:

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models.optimize import plain_block
 from ..models.switch_layers import SORT_MIN_PAIRS, sort_by_expert, swiglu, unsort
 from .engine import P1
 from .experts import StreamedExperts
@@ -181,6 +182,7 @@ def attach(
         )
     switches = []
     for layer, moe in zip(layers, moe_modules):
+        plain_block(moe)  # a resident-experts implementation the load-time pass may have swapped in
         moe.switch_mlp = StreamedSwitchGLU(experts, layer)
         switches.append(moe.switch_mlp)
     return switches

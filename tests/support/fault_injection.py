@@ -50,8 +50,8 @@ class Poison:
         self.after, self.calls, self.armed = after, 0, True
         if stage == "logits":
             cls = type(model)
-            logits = cls._logits
-            monkeypatch.setattr(cls, "_logits", lambda m, h: self._apply(logits(m, h)))
+            logits = cls.head_logits
+            monkeypatch.setattr(cls, "head_logits", lambda m, h: self._apply(logits(m, h)))
             return
         kind, index = stage.split(":")
         assert kind == "layer", stage
