@@ -516,8 +516,8 @@ def _raw_read(paths, chunk=16 << 20):
 
 
 def phase_verify(art, out):
-    """`verify` (default: one SHA-256 pass, reads inline; the same with a reader thread two reads
-    ahead; then `--deep`) against a raw sequential read of the same store files, side by side: page cache
+    """`verify` (default: one SHA-256 pass, a reader thread checking XXH3-128 two reads ahead;
+    the same read and checked inline; then `--deep`) against a raw sequential read of the same store files, side by side: page cache
     dropped before each, raw first (the same bytes in the same order, no hashing). Each verify
     includes admission (its time alone, with the store files unread, is `admit_s`)."""
     from hebrus_mlx import verify as V
@@ -533,7 +533,7 @@ def phase_verify(art, out):
     n, raw_s = _raw_read(paths)
     row = dict(bytes=size, admit_s=round(admit_s, 1), raw_s=round(raw_s, 1), raw_read_gb_s=round(n / raw_s / 1e9, 3))
     ahead = V.READ_AHEAD
-    for name, deep, depth in (("default", False, ahead), ("read_ahead", False, 2), ("deep", True, ahead)):
+    for name, deep, depth in (("default", False, ahead), ("inline", False, 0), ("deep", True, ahead)):
         V.READ_AHEAD = depth
         _drop_cache(paths)
         c0 = os.times()

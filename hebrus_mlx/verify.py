@@ -4,8 +4,10 @@ Admission (cheap, no payload) runs first. Then each store is read once, front to
 reads, and every byte is hashed once with SHA-256: the whole-file digest the manifest records,
 which is what verify trusts (docs/INTEGRITY.md). The fast per-read check's XXH3-128 tables, where
 the artifact has them, are compared with the same bytes in the same pass, so a verified artifact
-streams without a false alarm. Reads are inline by default (the kernel's sequential read-ahead
-keeps the disk busy while a read is hashed); READ_AHEAD > 0 moves them to a thread.
+streams without a false alarm. A reader thread keeps READ_AHEAD reads in flight and checks each
+read's units against the XXH3-128 table while the caller's thread computes the SHA-256 of the
+read before: both release the GIL, so on two cores the pass costs about one SHA-256 per byte in
+wall time (READ_AHEAD = 0 reads and checks inline).
 
 A store whose whole-file digest mismatches is read a second time, checking each record or page
 against the store's own SHA-256 table (each dense tensor against its manifest digest), so the
@@ -32,10 +34,8 @@ from .artifact.ple_pages import PleReader
 
 _CHUNK = 8 << 20  # deep pass: whole-file stores' read size
 READ_BYTES = 16 << 20  # default pass: bytes per read (whole units, at least this much)
-# Default pass: reads a thread keeps in flight ahead of the hashing (0: read inline, the kernel's
-# sequential read-ahead overlapping the disk). 2 measured no faster on 2 shared cores
-# (docs/FULL_SCALE.md), so reads are inline unless set.
-READ_AHEAD = 0
+# Default pass: reads a thread keeps in flight ahead of the SHA-256 (0: read and check inline).
+READ_AHEAD = 2
 
 
 def _bar(label, total, stream):
@@ -50,7 +50,7 @@ class _FastTable:
         self.store, self.table, self.xxh3, self.i, self.bad = store, table, xxh3, 0, None
 
     def __call__(self, data):
-        if self.bad is None and self.xxh3(bytes(data)) != self.table[self.i]:
+        if self.bad is None and self.xxh3(data) != self.table[self.i]:
             self.bad = self.i
         self.i += 1
 
@@ -98,15 +98,23 @@ def _reads(size, units, chunk=READ_BYTES):
     return out
 
 
-def _read_all(fd, reads, depth, field):
-    """Yield (start, view of the bytes, units) for each read in order, into reused buffers (no
-    fresh allocation per read); a view is valid until the next one is asked for. With `depth` > 0
-    a thread keeps up to `depth` reads in flight ahead of the consumer."""
+def _read_all(fd, reads, depth, field, on_read=None):
+    """Yield (start, view of the bytes) for each read in order, into reused buffers (no fresh
+    allocation per read); a view is valid until the next one is asked for. `on_read(start, view,
+    units)` sees each read first. With `depth` > 0 a thread keeps up to `depth` reads in flight
+    ahead of the consumer and calls `on_read` itself."""
+
+    def fill(buf, start, end, units):
+        view = _fill(fd, buf, start, end, field)
+        if on_read is not None:
+            on_read(start, view, units)
+        return view
+
     size = max((end - start for start, end, _ in reads), default=0)
     if depth <= 0:
         buf = bytearray(size)
         for start, end, units in reads:
-            yield start, _fill(fd, buf, start, end, field), units
+            yield start, fill(buf, start, end, units)
         return
     free, full, stop = queue.Queue(), queue.Queue(), threading.Event()
     for _ in range(depth + 1):
@@ -118,7 +126,7 @@ def _read_all(fd, reads, depth, field):
                 buf = free.get()
                 if stop.is_set():
                     return
-                full.put((start, _fill(fd, buf, start, end, field), units, buf))
+                full.put((start, fill(buf, start, end, units), buf))
             full.put(None)
         except BaseException as e:  # handed to the consumer
             full.put(e)
@@ -129,8 +137,8 @@ def _read_all(fd, reads, depth, field):
         while (item := full.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            start, view, units, buf = item
-            yield start, view, units
+            start, view, buf = item
+            yield start, view
             free.put(buf)
     finally:
         stop.set()
@@ -150,17 +158,23 @@ def _fill(fd, buf, start, end, field):
 
 
 def _scan(full, s, units, fast, progress):
-    """One sequential pass: the whole-file SHA-256 (hex) of every byte, each unit fed to `fast`."""
+    """One sequential pass: the whole-file SHA-256 (hex) of every byte, each unit fed to `fast`
+    (on the reader's thread when there is one)."""
+
+    def check_units(start, data, group):
+        for off, n in group:
+            fast(data[off - start : off - start + n])
+
     digest = hashlib.sha256()
     fd = os.open(full, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):  # not on macOS, whose read-ahead needs no hint
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for start, data, group in _read_all(fd, _reads(s.size, units), READ_AHEAD, f"stores.{s.path}.size"):
+        reads = _read_all(
+            fd, _reads(s.size, units), READ_AHEAD, f"stores.{s.path}.size", None if fast is None else check_units
+        )
+        for _start, data in reads:
             digest.update(data)
-            if fast is not None:
-                for off, n in group:
-                    fast(data[off - start : off - start + n])
             progress(len(data))
     finally:
         os.close(fd)

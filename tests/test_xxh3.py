@@ -45,6 +45,21 @@ def test_every_backend_matches_the_published_vectors_and_the_xxhash_package():
             assert _hash.xxh3_128(m, backend=b) == want, (n, b)
 
 
+def test_any_contiguous_buffer_is_hashed_in_place_and_others_are_refused():
+    """verify and the converter hash slices of their read buffers (memoryview of a bytearray)
+    without copying them to bytes: the digest is the bytes' digest. A non-contiguous view or a
+    str is a TypeError/BufferError, never a digest of something else."""
+    data = bytearray(random.Random(5).randbytes(300_000))
+    for a, b in ((0, 300_000), (7, 100_007), (1, 2), (250_001, 299_999)):
+        view = memoryview(data)[a:b]
+        want = xxhash.xxh3_128(bytes(view)).digest()
+        assert _hash.xxh3_128(view) == _hash.xxh3_128(bytes(view)) == want
+    with pytest.raises((TypeError, BufferError)):
+        _hash.xxh3_128(memoryview(data)[::2])
+    with pytest.raises(TypeError):
+        _hash.xxh3_128("text")
+
+
 def test_native_driver_streams_every_backend_like_one_shot():
     """The C++ incremental hasher (what the engine feeds arena parts through) against the oracle,
     for every backend of this CPU."""

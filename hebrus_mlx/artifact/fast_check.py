@@ -41,7 +41,8 @@ def mtp_units(size):
 
 
 def xxh3_128():
-    """The XXH3-128 function (bytes -> 16 canonical bytes), or None where the extension is not
+    """The XXH3-128 function (any contiguous buffer -> 16 canonical bytes; slices of a read
+    buffer are hashed in place, the GIL released), or None where the extension is not
     built (then converted artifacts carry SHA-256 only, like artifacts from before the check)."""
     try:
         from .. import _hash
@@ -62,7 +63,7 @@ class Collector:
         self._buf = bytearray()
 
     def __call__(self, data):
-        self._buf += self._hash(bytes(data))
+        self._buf += self._hash(data)
 
     def table(self):
         if len(self._buf) != DIGEST_BYTES * self.units:
@@ -90,7 +91,7 @@ def checker(table):
     xxh3 = xxh3_128() if table is not None else None
     if xxh3 is None:
         return None
-    return lambda i, data: xxh3(bytes(data)) == table[i]
+    return lambda i, data: xxh3(data) == table[i]
 
 
 def entry(store_path, table):

@@ -46,6 +46,31 @@ Xxh3Digest xxh3_fd(int fd, Xxh3Backend backend) {
   }
 }
 
+// A read-only view of any contiguous buffer (bytes, bytearray, memoryview, a
+// numpy array): readers hash slices of their read buffers without a copy.
+class ByteView {
+ public:
+  explicit ByteView(nb::handle obj) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_SIMPLE) != 0) {
+      throw nb::python_error();
+    }
+  }
+  ~ByteView() {
+    PyBuffer_Release(&view_);
+  }
+  ByteView(const ByteView&) = delete;
+  ByteView& operator=(const ByteView&) = delete;
+  const uint8_t* data() const {
+    return static_cast<const uint8_t*>(view_.buf);
+  }
+  size_t size() const {
+    return size_t(view_.len);
+  }
+
+ private:
+  Py_buffer view_{};
+};
+
 } // namespace
 
 void register_hash(nb::module_& m) {
@@ -62,12 +87,13 @@ void register_hash(nb::module_& m) {
   // pin "scalar" to check the portable path next to the SIMD one.
   m.def(
       "xxh3_128",
-      [](const nb::bytes& b, const std::string& backend) {
+      [](nb::handle data, const std::string& backend) {
         Xxh3Backend id = xxh3_backend_named(backend);
+        ByteView b(data);
         Xxh3Digest d;
         {
           nb::gil_scoped_release nogil;
-          d = xxh3_128(reinterpret_cast<const uint8_t*>(b.c_str()), b.size(), id);
+          d = xxh3_128(b.data(), b.size(), id);
         }
         return as_bytes(d.data(), d.size());
       },
