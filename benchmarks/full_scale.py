@@ -157,15 +157,19 @@ def phase_admit(art, out):
     )
 
 
-def worker(art, cache_gb, prefetch, tokens, out_path):
-    """One load + greedy decode in this (fresh) process; its measurements to `out_path` as JSON."""
+def worker(art, cache_gb, prefetch, tokens, out_path, trace_dir=None):
+    """One load + greedy decode in this (fresh) process through `generate_step`, the loop
+    `hebrus-mlx generate` runs (no stop tokens: every run decodes `tokens`); its measurements to
+    `out_path` as JSON. `trace_dir`: record the run's expert routes there (hebrus_mlx.traces)."""
     import hashlib
 
     import mlx.core as mx
     import numpy as np
 
+    from hebrus_mlx.generate import generate_step
     from hebrus_mlx.loader import load
     from hebrus_mlx.loading import build_model, plan
+    from hebrus_mlx.traces.capture import TraceRecorder
 
     m = admission.admit(art)
     avail = plan.available_memory()
@@ -173,7 +177,7 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
     rows = build_model.plan_expert_residency(m, expert_cache_gb=cache_gb, ple_cache_bytes=ple_cache)
     r0 = io_counters(True)[0]
     t = time.perf_counter()
-    model, _ = load(art, expert_cache_gb=cache_gb, prefetch=prefetch)
+    model, tokenizer = load(art, expert_cache_gb=cache_gb, prefetch=prefetch)
     load_s = time.perf_counter() - t
     r1 = io_counters(True)[0]
     rss_load = rss_gb()
@@ -206,23 +210,33 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
     parts = ("dense_gib", "dense_widened_gib", "expert_arena_gib", "ple_gib", "sweep_ring_gib")
     planned["total_gib"] = round(sum(planned[k] for k in parts), 2)
     memory = memory_now()
-    cache = model.make_cache()
+    trace = None if trace_dir is None else TraceRecorder.for_model(trace_dir, model, tokenizer)
+    steps = generate_step(mx.array(PROMPT_IDS), model, max_tokens=tokens, trace=trace)
+    ids, per_token, counters, first_s = [], [], [], None
     t = time.perf_counter()
-    logits = model(mx.array([PROMPT_IDS]), cache)[0, -1]
-    tok = int(logits.argmax())
-    first_s = time.perf_counter() - t
-    ids, per_token, counters = [tok], [], []
-    for _ in range(tokens - 1):
-        c0 = streaming.counters() if streaming is not None else None
-        t = time.perf_counter()
-        logits = model(mx.array([[tok]]), cache)[0, -1]
-        tok = int(logits.argmax())
-        per_token.append(time.perf_counter() - t)
-        ids.append(tok)
-        if c0 is not None:
-            c1 = streaming.counters()
-            counters.append({k: c1[k] - c0[k] for k in c1 if isinstance(c1[k], int) and isinstance(c0.get(k), int)})
-    last = np.array(logits.astype(mx.float32))
+    c0, last = None, None
+    try:
+        for tok, logprobs in steps:
+            last = logprobs
+            now = time.perf_counter()
+            if first_s is None:
+                first_s = now - t
+            else:
+                per_token.append(now - t)
+            ids.append(int(tok))
+            if streaming is not None:
+                c1 = streaming.counters()
+                if c0 is not None:
+                    counters.append(
+                        {k: c1[k] - c0[k] for k in c1 if isinstance(c1[k], int) and isinstance(c0.get(k), int)}
+                    )
+                c0 = c1
+            t = time.perf_counter()
+    finally:
+        if trace is not None:
+            trace.close()
+    # The last step's log-probabilities (log-softmax of the final logits, over the physical width).
+    last = np.array(last.astype(mx.float32))
     vocab = model.effective_vocab_size or last.size
     res = {
         "expert_cache_gb_flag": cache_gb,
@@ -238,9 +252,10 @@ def worker(art, cache_gb, prefetch, tokens, out_path):
         "tokens": ids,
         # Rows past the tokenizer's vocabulary are masked to -inf by the model (AFN-005): finite
         # means every other logit is, and those rows are exactly -inf.
-        "logits_finite": bool(np.isfinite(last[:vocab]).all() and np.isneginf(last[vocab:]).all()),
+        "final_logprobs_finite": bool(np.isfinite(last[:vocab]).all() and np.isneginf(last[vocab:]).all()),
         "masked_rows": int(last.size - vocab),
-        "final_logits_sha256": hashlib.sha256(last.tobytes()).hexdigest(),
+        "final_logprobs_sha256": hashlib.sha256(last.tobytes()).hexdigest(),
+        "trace_dir": trace_dir,
         "peak_rss_gib": round(peak_rss_gb(), 2),
         "counters_per_token": counters,
         "counters_total": streaming.counters() if streaming is not None else None,
@@ -320,10 +335,10 @@ def phase_restart(a, art, out):
     )
 
 
-def run_worker(a, art, cache_gb, prefetch, out):
+def run_worker(a, art, cache_gb, prefetch, out, trace_dir=None):
     """`worker` in a child process (each load gets a fresh process: the memory it reports is its own)."""
     path = os.path.join(a.dir, f"gen-{cache_gb}-{prefetch}.json")
-    cmd = _self(a) + ["--_worker", json.dumps([art, cache_gb, prefetch, a.tokens, path])]
+    cmd = _self(a) + ["--_worker", json.dumps([art, cache_gb, prefetch, a.tokens, path, trace_dir])]
     subprocess.run(cmd, check=True)
     with open(path) as f:
         res = json.load(f)
@@ -420,14 +435,34 @@ def _cli(a, args):
     return _self(a) + ["--_cli", json.dumps(args)]
 
 
-def phase_server(a, art, out, cache_gb=4.0, chats=4):
-    """The server on the artifact, `chats` concurrent chat completions, then SIGTERM mid-run."""
+def _proc_sample(pid):
+    """(RSS GiB, open files, threads) of a process from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        st = dict(line.split(":", 1) for line in f if ":" in line)
+    return (
+        int(st["VmRSS"].split()[0]) / 2**20,
+        len(os.listdir(f"/proc/{pid}/fd")),
+        int(st["Threads"]),
+    )
+
+
+def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
+    """`hebrus-mlx server --decode-concurrency CHATS` on the artifact: one chat alone (the
+    reference), then CHATS concurrent chats of --tokens each, the first the lone one's request again
+    (its tokens and log-probabilities must be the same inside the batch); expert bytes read per
+    token while decoding (from /health's engine counters, between the moment every stream has its
+    first token and the end: prefill's reads excluded); the server's RSS, open files and threads
+    every 2 s throughout (the soak); then SIGTERM with one more request in flight."""
     import signal
     import threading
     import urllib.request
 
     proc = subprocess.Popen(
-        _cli(a, ["server", "--model", art, "--port", "0", "--expert-cache-gb", str(cache_gb)]),
+        _cli(
+            a,
+            ["server", "--model", art, "--port", "0", "--expert-cache-gb", str(cache_gb)]
+            + ["--decode-concurrency", str(chats)],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -438,56 +473,200 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4):
             url = line.strip().rsplit(" ", 1)[-1]
             break
     ready_s = time.perf_counter() - t0
-    results = [None] * (chats + 1)  # the last: the request in flight at SIGTERM
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain the log
+    samples, stop = [], threading.Event()
 
-    def chat(i):
-        body = {"messages": [{"role": "user", "content": f"chat {i}"}], "max_tokens": a.tokens, "temperature": 0}
+    def sampler():
+        while not stop.is_set():
+            try:
+                samples.append((round(time.perf_counter() - t0, 1), *_proc_sample(proc.pid)))
+            except (OSError, KeyError, ValueError):
+                return
+            stop.wait(2.0)
+
+    threading.Thread(target=sampler, daemon=True).start()
+
+    def health():
+        with urllib.request.urlopen(url + "/health", timeout=60) as r:
+            return json.load(r)
+
+    def counters():
+        return health().get("stream_counters") or {}
+
+    def chat(i, tokens, res, first=None):
+        """A streamed greedy chat with log-probabilities: res[i] = its tokens' (text, logprob)."""
+        body = {
+            "messages": [{"role": "user", "content": f"Say something about the number {i}."}],
+            "max_tokens": tokens,
+            "temperature": 0,
+            "stream": True,
+            "logprobs": True,
+        }
         req = urllib.request.Request(
             url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
-        t = time.perf_counter()
+        t, got = time.perf_counter(), []
         try:
-            with urllib.request.urlopen(req, timeout=3600) as r:
-                d = json.load(r)
-            results[i] = {"s": round(time.perf_counter() - t, 1), "tokens": d["usage"]["completion_tokens"]}
+            with urllib.request.urlopen(req, timeout=7200) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for c in json.loads(line[6:]).get("choices", []):
+                        for e in (c.get("logprobs") or {}).get("content") or []:
+                            got.append((e["token"], e["logprob"]))
+                            if len(got) == 1 and first is not None:
+                                first[i] = time.perf_counter()
+            res[i] = {"s": round(time.perf_counter() - t, 1), "tokens": got}
         except Exception as e:  # noqa: BLE001  (reported, not raised: the row says what failed)
-            results[i] = {"s": round(time.perf_counter() - t, 1), "error": str(e)[:120]}
+            res[i] = {"s": round(time.perf_counter() - t, 1), "tokens": got, "error": str(e)[:160]}
 
-    threads = [threading.Thread(target=chat, args=(i,)) for i in range(chats)]
+    def window_rate(c0, c1, tokens):
+        moved = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("exact_bytes", "predicted_bytes", "hits", "joins", "misses")}
+        looked = moved["hits"] + moved["joins"] + moved["misses"]
+        return {
+            "decode_tokens": tokens,
+            "expert_mb_per_token": round((moved["exact_bytes"] + moved["predicted_bytes"]) / 1e6 / max(1, tokens), 1),
+            "hit_rate": round((moved["hits"] + moved["joins"]) / looked, 3) if looked else None,
+        }
+
+    # One request alone: the reference tokens and the lone read cost per token.
+    alone, first = [None], [None]
+    th = threading.Thread(target=chat, args=(0, alone_tokens, alone, first))
+    th.start()
+    while first[0] is None and th.is_alive():
+        time.sleep(0.2)
+    c0, n0 = counters(), 1
+    th.join()
+    alone_row = window_rate(c0, counters(), len(alone[0]["tokens"]) - n0)
+    alone_row.update(s=alone[0]["s"], tokens=len(alone[0]["tokens"]), error=alone[0].get("error"))
+    # CHATS at once; chat 0 repeats the lone request.
+    results, firsts = [None] * chats, [None] * chats
+    threads = [threading.Thread(target=chat, args=(i, a.tokens, results, firsts)) for i in range(chats)]
+    t_batch = time.perf_counter()
     for th in threads:
         th.start()
+    while any(f is None for f in firsts) and any(th.is_alive() for th in threads):
+        time.sleep(0.2)
+    warm_at = time.perf_counter() - t0
+    c0 = counters()
+    started = [len(r["tokens"]) if r else 0 for r in results]  # tokens already out (>= 1 each)
     for th in threads:
         th.join()
-    # SIGTERM with one more request in flight: it must be cancelled and the process exit cleanly.
-    late = threading.Thread(target=chat, args=(chats,))
-    late.start()
+    batch_s = time.perf_counter() - t_batch
+    after = [len(r["tokens"]) for r in results]
+    batch_row = window_rate(c0, counters(), sum(after) - sum(started))
+    h = health()
+    # SIGTERM with one more request in flight: it must end and the process exit cleanly.
+    late = [None]
+    lt = threading.Thread(target=chat, args=(chats, 4, late))
+    lt.start()
     time.sleep(5)
     t = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=600)
-    late.join()
+    stop.set()
+    lt.join()
+    ref, same = alone[0]["tokens"], results[0]["tokens"][: len(alone[0]["tokens"])]
+    warm = [x for x in samples if x[0] >= warm_at] or samples[-1:]
+    rss = [x[1] for x in warm]
     emit(
         out,
         "server",
         ready_s=round(ready_s, 1),
         expert_cache_gb=cache_gb,
-        chats=results[:chats],
-        in_flight_at_sigterm=results[chats],
+        decode_concurrency=chats,
+        alone=alone_row,
+        batch={
+            **batch_row,
+            "s": round(batch_s, 1),
+            "tokens_per_chat": after,
+            "errors": [r.get("error") for r in results],
+            "decode_steps": (h.get("batch") or {}).get("decode_steps"),
+            "rows": (h.get("batch") or {}).get("rows"),
+        },
+        batch_over_alone_mb_per_token=round(batch_row["expert_mb_per_token"] / alone_row["expert_mb_per_token"], 3)
+        if alone_row["expert_mb_per_token"]
+        else None,
+        # Chat 0 inside the batch against the same request alone: every token and its log-probability.
+        batch_equals_alone=len(ref) > 0 and same == ref,
+        generated_tokens=sum(after) + len(ref),
+        soak={
+            "samples": len(samples),
+            "warm_from_s": round(warm_at, 1),
+            "rss_gib_first_last_max": [round(rss[0], 3), round(rss[-1], 3), round(max(rss), 3)],
+            "rss_growth_after_warm": round(max(rss) / rss[0] - 1, 4),
+            "open_files_first_last_max": [warm[0][2], warm[-1][2], max(x[2] for x in warm)],
+            "threads_first_last_max": [warm[0][3], warm[-1][3], max(x[3] for x in warm)],
+            "rss_gib_over_time": [(x[0], round(x[1], 3)) for x in samples[:: max(1, len(samples) // 40)]],
+        },
+        in_flight_at_sigterm={k: v for k, v in (late[0] or {}).items() if k != "tokens"},
         sigterm_exit_s=round(time.perf_counter() - t, 1),
         sigterm_rc=rc,
     )
 
 
 def phase_simulate(a, art, out):
-    """`simulate --validate` on the artifact: the projection's prediction against its own measured run."""
-    path = os.path.join(a.dir, "simulate.json")
-    cmd = _cli(a, ["simulate", "--validate", "--model", art, "--gen-tokens", str(a.tokens), "--prompt-tokens", "7"])
-    cmd[-1] = json.dumps(
-        json.loads(cmd[-1]) + ["--repeats", "1", "--prefetch-modes", "off", "--rows", "64,256", "--json", path]
+    """`simulate --profile machine` against the generate phase's runs: this machine's qualify
+    profile (its SSD probe read from the artifact's expert store), the compute per layer given by
+    --layer-ms (a resident decode of a smaller stack, not the runs it is checked against), the
+    route trace the generate phase's first run recorded; the predicted tok/s at each cache size
+    beside the measured one, at the same read-ahead."""
+    from hebrus_mlx.stream.predict import DEFAULT as DEFAULT_PREFETCH
+
+    if a.layer_ms is None:
+        raise SystemExit("full_scale: error: --layer-ms: the simulate phase needs the compute per layer")
+    with open(os.path.join(a.dir, "generate-rows.json")) as f:
+        measured = json.load(f)
+    profile = os.path.join(a.dir, "profile.json")
+    env = {**os.environ, "HEBRUS_PROFILE": profile}
+    m = admission.admit(art)
+    t = time.perf_counter()
+    q = subprocess.run(
+        _cli(a, ["qualify", "--out", profile, "--overwrite", "--store", m.file(m.experts)]),
+        capture_output=True,
+        text=True,
+        env=env,
     )
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    res = json.load(open(path)) if r.returncode == 0 and os.path.exists(path) else {"stderr": r.stderr[-600:]}
-    emit(out, "simulate", rc=r.returncode, result=res)
+    qualify_s = time.perf_counter() - t
+    if q.returncode != 0:
+        emit(out, "simulate", qualify_rc=q.returncode, stderr=q.stderr[-800:])
+        return
+    sizes = sorted({r["expert_cache_gb_flag"] for r in measured if r["expert_cache_gb_flag"] is not None})
+    path = os.path.join(a.dir, "simulate.json")
+    args = ["simulate", "--profile", "machine", "--layer-ms", str(a.layer_ms), "--family", m.family.name]
+    args += ["--expert-bits", str(a.expert_bits), "--trace", os.path.join(a.dir, "trace")]
+    args += ["--cache-gb", ",".join(str(x) for x in sizes), "--policies", "clock", "--json", path, "--overwrite"]
+    r = subprocess.run(_cli(a, args), capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        emit(out, "simulate", qualify_s=round(qualify_s, 1), rc=r.returncode, stderr=r.stderr[-800:])
+        return
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    compare = []
+    for run in measured:
+        gb, mode = run["expert_cache_gb_flag"], run["prefetch"] or DEFAULT_PREFETCH
+        pred = [x for x in rows if x["cache_gb"] == gb and x["prefetch"] == mode and x["draft_depth"] == 0]
+        if gb is None or not pred or not run.get("tok_s"):
+            continue
+        p = pred[0]
+        compare.append(
+            {
+                "cache_gb": gb,
+                "prefetch": mode,
+                "measured_tok_s": run["tok_s"],
+                "predicted_tok_s": round(p["tok_s"], 4),
+                "error": round(p["tok_s"] / run["tok_s"] - 1, 3),
+                "predicted_hit_rate": round(p["hit_rate"], 3),
+                "measured_hit_rate": run["hit_rate"],
+                "predicted_mb_per_token": round(p["bytes_per_token"] / 1e6, 1),
+                "measured_mb_per_token": run["read_mb_per_token"],
+                "predicted_compute_ms": round(p["compute_ms"], 1),
+                "predicted_exposed_ms": round(p["exposed_ms"], 1),
+                "measured_exposed_ms": round(run["exposed_wait_s_per_token"] * 1e3, 1),
+            }
+        )
+    emit(out, "simulate", qualify_s=round(qualify_s, 1), layer_ms=a.layer_ms, rows=compare)
 
 
 def _drop_cache(paths):
@@ -568,6 +747,7 @@ def main(argv=None):
     p.add_argument("--experts", type=int, default=512, help="smoke runs only: fewer experts than the real 512")
     p.add_argument("--json", default=None, help="write every phase's row here")
     p.add_argument("--cache-gb", default="default,2,4,8", help="expert caches for generate ('default': the plan)")
+    p.add_argument("--layer-ms", type=float, default=None, help="simulate: compute per layer at 4-bit (ms)")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_restart", default=None, help=argparse.SUPPRESS)
@@ -607,10 +787,17 @@ def main(argv=None):
         sizes = [None if c == "default" else float(c) for c in a.cache_gb.split(",")]
         if "generate" not in phases:
             a.tokens, sizes = 1, sizes[:1]
-        runs = [run_worker(a, art, gb, None, out) for gb in sizes]
+        # The first run records its routes: the trace `simulate` replays (the routes of every run
+        # are the same when the tokens are).
+        trace = os.path.join(a.dir, "trace") if "generate" in phases else None
+        if trace is not None and os.path.exists(trace):
+            shutil.rmtree(trace)
+        runs = [run_worker(a, art, gb, None, out, trace if i == 0 else None) for i, gb in enumerate(sizes)]
         if "generate" in phases:
             runs.append(run_worker(a, art, sizes[-1], "off", out))
-            same = {(tuple(r["tokens"]), r["final_logits_sha256"]) for r in runs}
+            with open(os.path.join(a.dir, "generate-rows.json"), "w") as f:
+                json.dump(runs, f)
+            same = {(tuple(r["tokens"]), r["final_logprobs_sha256"]) for r in runs}
             emit(out, "exactness", runs=len(runs), identical=len(same) == 1)
     if "restart" in phases:
         phase_restart(a, art, out)
@@ -622,7 +809,17 @@ def main(argv=None):
         # Only what this script made (the source, tokenizer, artifact and its temporaries).
         for name in os.listdir(a.dir):
             full = os.path.join(a.dir, name)
-            if name in ("source", "tokenizer", "artifact", "artifact-killed") or name.startswith(".artifact"):
+            made = (
+                "source",
+                "tokenizer",
+                "artifact",
+                "artifact-killed",
+                "trace",
+                "profile.json",
+                "simulate.json",
+                "generate-rows.json",
+            )
+            if name in made or name.startswith(".artifact"):
                 shutil.rmtree(full)
         emit(out, "clean", left=os.listdir(a.dir))
     if a.json:

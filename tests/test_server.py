@@ -238,6 +238,10 @@ def test_disconnect_cancels_and_next_request_is_unaffected(server, client, refer
     assert h["stream"] == {"tickets": 0, "pinned_slots": 0}
     r = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == want
+    # The engine's running totals grow with the request served (the per-token read cost).
+    before, after = h["stream_counters"], _health(server)["stream_counters"]
+    looked_up = lambda c: c["hits"] + c["joins"] + c["misses"]  # noqa: E731
+    assert looked_up(after) > looked_up(before) and after["exact_bytes"] >= before["exact_bytes"]
     # Non-streamed too: the server notices the closed connection while it waits for tokens.
     _idle(server)
     s = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)

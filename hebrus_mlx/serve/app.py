@@ -279,6 +279,9 @@ class App:
         if streaming is not None:
             mem = streaming.memory()
             out["stream"] = {"tickets": mem.get("tickets"), "pinned_slots": mem.get("pinned_slots")}
+            # The engine's running totals (bytes read, hits, misses, waits): an operator's per-token
+            # read cost is the difference between two reads of this over the tokens between them.
+            out["stream_counters"] = {k: v for k, v in streaming.counters().items() if isinstance(v, int)}
         stages = getattr(w.model, "all_stages", None)
         if stages is not None:  # under mlx.launch: who holds which layers, and whether the pipeline is up
             out["pipeline"] = {"ranks": [[st.start, st.stop - 1] for st in stages], "down": w.broken is not None}
