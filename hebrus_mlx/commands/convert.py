@@ -11,7 +11,7 @@ from ..artifact import constants as C
 from ..convert import convert, hub_shards
 from ..errors import UsageError
 from ..loading import hub
-from .cli_args import ArgumentParser
+from .cli_args import ArgumentParser, add_overwrite_argument
 
 
 def build_parser():
@@ -54,11 +54,7 @@ def build_parser():
         "resumes. Off by default: the whole-snapshot path keeps the download in the HF cache for reuse",
     )
     p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace --out when it is an earlier hebrus-mlx artifact (never anything else)",
-    )
+    add_overwrite_argument(p, help="replace --out when it is an earlier hebrus-mlx artifact (never anything else)")
     return p
 
 
