@@ -26,7 +26,7 @@ from ..bench.run import pipeline_stage, run_bench
 from ..errors import UsageError
 from ..flags import positive_ints
 from ..pipeline import launched as pipeline_launched
-from .cli_args import ArgumentParser
+from .cli_args import ArgumentParser, add_overwrite_argument, add_pipeline_arguments, check_pipeline_timeout
 
 
 def build_parser():
@@ -56,11 +56,7 @@ def build_parser():
         "draft-model=none,mtp, prefetch=off,previous",
     )
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace bench.json/.md/.png in --out even if hebrus-mlx did not write them",
-    )
+    add_overwrite_argument(p, help="replace bench.json/.md/.png in --out even if hebrus-mlx did not write them")
     p.add_argument("--seed", type=flags.seed(), default=0, help="prompt token seed")
     p.add_argument("--no-probe", action="store_true", help="skip the SSD read probe")
     p.add_argument(
@@ -71,13 +67,7 @@ def build_parser():
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--against", default=None, help="an earlier bench.json: refuse unless comparable")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--pipeline-split", default=None, help="under mlx.launch: layers per rank, e.g. 5,3")
-    p.add_argument(
-        "--pipeline-timeout",
-        type=flags.seconds(),
-        default=None,
-        help="under mlx.launch: seconds a rank waits on another before the run ends with an error",
-    )
+    add_pipeline_arguments(p, state_defaults=False)
     return p
 
 
@@ -105,8 +95,7 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             raise UsageError("--against", f"cannot read {args.against}: {e}") from None
         H.check_bench_result(against, str(args.against))
-    if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
-        raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
+    check_pipeline_timeout(args)
     pipe = loaded = None
     if pipeline_launched():
         pipe, loaded = pipeline_stage(args.model, configs, args.pipeline_split, args.pipeline_timeout)

@@ -10,7 +10,7 @@ from ..cache_prompt import TEMPLATE_KEY, cached_prompt_ids
 from ..errors import UsageError
 from ..generate import context_limit, prefill
 from ..prompt_cache import save_prompt_cache
-from .cli_args import LOAD_FLAGS, ArgumentParser, read_prompt
+from .cli_args import LOAD_FLAGS, ArgumentParser, add_overwrite_argument, read_prompt
 from .verb_flags import check_args, load_from_args
 
 # generate's flags that describe the model and how to load and prefill it.
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the state (.safetensors, mlx-lm's prompt-cache layout); "
         "an existing file only with --overwrite, a symlink never",
     )
-    p.add_argument("--overwrite", action="store_true", help="let --prompt-cache-file replace an existing file")
+    add_overwrite_argument(p, help="let --prompt-cache-file replace an existing file")
     return p
 
 

@@ -1,9 +1,10 @@
 """Command-line pieces every verb shares: a parser whose errors are typed (one line, exit 2 at
 `cli.run`), the boolean flag type and the streaming flags (--expert/--ple-cache-gb, --prefetch*,
---prefill-sweep, --graph) with their conversion into what the loader takes, and mlx-lm's flags that are
-refused with a reason (MLX_LM_REFUSED). generate's model, cache and sampling flags, their checks and
-the loader they feed are verb_flags.py's `build_parser`, `check_args` and `load_from_args` (chat and
-server reuse them). MLX-free: `admit` and `verify` parse with it."""
+--prefill-sweep, --graph) with their conversion into what the loader takes, the flags several verbs
+add alike (--overwrite, --pipeline-split/--pipeline-timeout), and mlx-lm's flags that are refused with
+a reason (MLX_LM_REFUSED). generate's model, cache and sampling flags, their checks and the loader
+they feed are verb_flags.py's `build_parser`, `check_args` and `load_from_args` (chat and server
+reuse them). MLX-free: `admit` and `verify` parse with it."""
 
 import argparse
 import difflib
@@ -19,6 +20,9 @@ __all__ = [
     "add_prefetch_argument",
     "prefetch_from_args",
     "add_sweep_argument",
+    "add_overwrite_argument",
+    "add_pipeline_arguments",
+    "check_pipeline_timeout",
     "graph_options_from_args",
     "sweep_from_args",
     "read_prompt",
@@ -205,6 +209,42 @@ def sweep_from_args(args):
         return parse_mode(value)
     except UsageError as e:
         raise UsageError("--prefill-sweep", e.message) from None
+
+
+def add_overwrite_argument(
+    parser: argparse.ArgumentParser, outputs: str | None = None, *, help: str | None = None
+) -> None:
+    """``--overwrite`` of every verb that writes files (artifact.atomic.check_output_file and the
+    writers refuse a file hebrus-mlx did not write without it). help: "let OUTPUTS replace a file
+    hebrus-mlx did not write" unless the verb says more."""
+    if help is None:
+        help = f"let {outputs} replace a file hebrus-mlx did not write"
+    parser.add_argument("--overwrite", action="store_true", help=help)
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser, *, state_defaults: bool = True) -> None:
+    """``--pipeline-split`` and ``--pipeline-timeout`` (under mlx.launch) for generate's verbs and
+    bench; check the timeout with :func:`check_pipeline_timeout`. state_defaults: the help names the
+    loader's defaults (bench's does not)."""
+    parser.add_argument(
+        "--pipeline-split",
+        default=None,
+        help="under mlx.launch: layers per rank, e.g. 5,3"
+        + (" (default: from each rank's free memory)" if state_defaults else ""),
+    )
+    parser.add_argument(
+        "--pipeline-timeout",
+        type=flags.seconds(),
+        default=None,
+        help="under mlx.launch: seconds a rank waits on another before the run ends with an error"
+        + (" (default 60)" if state_defaults else ""),
+    )
+
+
+def check_pipeline_timeout(args) -> None:
+    """A --pipeline-timeout that is not a positive, finite number of seconds is a UsageError."""
+    if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
+        raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
 
 
 def read_prompt(value: str) -> str:

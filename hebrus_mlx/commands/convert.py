@@ -11,7 +11,7 @@ from ..artifact import constants as C
 from ..convert import convert, hub_shards
 from ..errors import UsageError
 from ..loading import hub
-from .cli_args import ArgumentParser
+from .cli_args import ArgumentParser, add_overwrite_argument
 
 
 def build_parser():
@@ -54,11 +54,7 @@ def build_parser():
         "resumes. Off by default: the whole-snapshot path keeps the download in the HF cache for reuse",
     )
     p.add_argument("--no-mtp", action="store_true", help="leave out the checkpoint's MTP head (mtp.*)")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace --out when it is an earlier hebrus-mlx artifact (never anything else)",
-    )
+    add_overwrite_argument(p, help="replace --out when it is an earlier hebrus-mlx artifact (never anything else)")
     return p
 
 
@@ -67,31 +63,18 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.quantize and a.dtype is not None:
         raise UsageError("--quantize", f"contradicts --dtype {a.dtype} (which stores the weights unquantized)")
+    # The stored widths, the same for both paths (convert_streamed takes convert's names).
+    widths = dict(q_bits=a.q_bits, q_group_size=a.q_group_size, dtype=a.dtype, expert_bits=a.expert_bits)
+    widths.update(expert_group_size=a.expert_group_size, ple_dtype=a.ple_dtype)
     if a.stream_shards:
         if os.path.exists(a.hf_path) or not hub.is_repo_id(a.hf_path):
             raise UsageError("--stream-shards", f"takes a Hub repo id (ORG/NAME), not {a.hf_path!r}")
-        widths = dict(q_bits=a.q_bits, q_group_size=a.q_group_size, dtype=a.dtype, expert_bits=a.expert_bits)
-        widths.update(expert_group_size=a.expert_group_size, ple_dtype=a.ple_dtype)
-        report = hub_shards.convert_streamed(
-            a.hf_path, a.out, revision=a.revision, mtp=not a.no_mtp, overwrite=a.overwrite, **widths
-        ).report
-        print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
-        return 0
-    report = convert(
-        a.hf_path,
-        a.out,
-        a.q_bits,
-        a.q_group_size,
-        a.dtype,
-        a.revision,
-        mtp=not a.no_mtp,
-        overwrite=a.overwrite,
-        expert_bits=a.expert_bits,
-        expert_group_size=a.expert_group_size,
-        ple_dtype=a.ple_dtype,
-    ).report  # errors: cli.run
+        run = hub_shards.convert_streamed
+    else:
+        run = convert
+    report = run(a.hf_path, a.out, revision=a.revision, mtp=not a.no_mtp, overwrite=a.overwrite, **widths).report
     print(json.dumps({k: report[k] for k in ("family", "profile", "support", "stores", "exclusions")}, indent=1))
-    return 0
+    return 0  # errors: cli.run
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from ..generate import context_limit, generate
 from ..pipeline import launched as pipeline_launched
 from ..sample_utils import make_sampler
 from .cli_args import read_prompt
-from .verb_flags import build_parser, check_args, draft_kwargs, load_from_args, trace_kwargs
+from .verb_flags import build_parser, check_args, draft_kwargs, load_from_args, sampling_from_args, trace_kwargs
 
 
 def main(argv=None) -> int:
@@ -57,13 +57,7 @@ def main(argv=None) -> int:
         messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     sampler = make_sampler(
-        temp=args.temp,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        top_k=args.top_k,
-        min_tokens_to_keep=args.min_tokens_to_keep,
-        xtc_probability=args.xtc_probability,
-        xtc_threshold=args.xtc_threshold,
+        **sampling_from_args(args),
         # as mlx_lm.generate: XTC never excludes a newline or a stop token
         xtc_special_tokens=tokenizer.encode("\n") + sorted(tokenizer.stop_token_ids),
     )

@@ -17,7 +17,7 @@ from ..machine_profile import write_profile
 from ..qualify import TOLERANCE, check_kernels_metal, qualify
 from ..qualify import __doc__ as QUALIFY_DOC
 from ..qualify_report import CACHE_FRACTIONS, build_report, parse_caches, summary_path, write_report
-from .cli_args import ArgumentParser
+from .cli_args import ArgumentParser, add_overwrite_argument
 
 
 def build_parser():
@@ -25,9 +25,7 @@ def build_parser():
     p.add_argument(
         "--out", default=None, help="profile path (default $HEBRUS_PROFILE or ~/.cache/hebrus-mlx/profile.json)"
     )
-    p.add_argument(
-        "--overwrite", action="store_true", help="let --out/--report replace a file hebrus-mlx did not write"
-    )
+    add_overwrite_argument(p, "--out/--report")
     p.add_argument("--probe-dir", default=None, help="directory on the SSD the model lives on (probe file)")
     p.add_argument("--store", default=None, help="read an existing file (e.g. an artifact's experts.hbem) instead")
     p.add_argument(

@@ -21,7 +21,7 @@ from ..simulate.run import (
     validate,
     write_table,
 )
-from .cli_args import ArgumentParser
+from .cli_args import ArgumentParser, add_overwrite_argument
 
 
 def build_parser():
@@ -100,9 +100,7 @@ def build_parser():
         "e.g. docs/PROJECTION.md) and print it",
     )
     p.add_argument("--json", default=None, help="write the projection/validation as JSON")
-    p.add_argument(
-        "--overwrite", action="store_true", help="let --table/--json replace a file hebrus-mlx did not write"
-    )
+    add_overwrite_argument(p, "--table/--json")
     p.add_argument("--validate", action="store_true", help="predicted vs measured on this machine")
     p.add_argument("--model", default="demo", help="with --validate: the model to run")
     p.add_argument(

@@ -16,7 +16,7 @@ import sys
 from .. import flags
 from ..errors import UsageError
 from ..flags import positive_ints
-from .cli_args import ArgumentParser
+from .cli_args import ArgumentParser, add_overwrite_argument
 
 
 def build_parser():
@@ -27,7 +27,7 @@ def build_parser():
     r.add_argument("--model", default="demo")
     r.add_argument("--prefill-step-size", type=flags.integer(1), default=2048)
     r.add_argument("--json", default=None, help="write the per-sequence parity report here")
-    r.add_argument("--overwrite", action="store_true", help="let --json replace a file hebrus-mlx did not write")
+    add_overwrite_argument(r, "--json")
     e = sub.add_parser("export", help="write a safetensors dataset + manifest.json for external trainers")
     e.add_argument("trace_dir")
     e.add_argument("--out", required=True)
@@ -44,7 +44,7 @@ def build_parser():
     v.add_argument("--prefill-step-size", type=flags.integer(1), default=512)
     v.add_argument("--json", default=None)
     v.add_argument("--plot", default=None)
-    v.add_argument("--overwrite", action="store_true", help="let --json/--plot replace a file hebrus-mlx did not write")
+    add_overwrite_argument(v, "--json/--plot")
     v.add_argument("--cache-sim", action="store_true")
     v.add_argument("--cache-sizes", default="5,10,20,30,50", help="percent of the expert store")
     v.add_argument("--seed", type=flags.seed(), default=0)

@@ -22,10 +22,12 @@ from .cli_args import (
     LOAD_FLAGS,
     MLX_LM_REFUSED,
     ArgumentParser,
+    add_pipeline_arguments,
     add_prefetch_argument,
     add_refused_arguments,
     add_stream_cache_arguments,
     add_sweep_argument,
+    check_pipeline_timeout,
     graph_options_from_args,
     prefetch_from_args,
     refuse_mlx_lm_flags,
@@ -214,17 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "float32", "bfloat16", "float16", "stored"),
         help="float dtype to run in: auto = float32 on the CPU backend, the stored dtype on Metal",
     )
-    p.add_argument(
-        "--pipeline-split",
-        default=None,
-        help="under mlx.launch: layers per rank, e.g. 5,3 (default: from each rank's free memory)",
-    )
-    p.add_argument(
-        "--pipeline-timeout",
-        type=flags.seconds(),
-        default=None,
-        help="under mlx.launch: seconds a rank waits on another before the run ends with an error (default 60)",
-    )
+    add_pipeline_arguments(p)
     p.add_argument(
         "--num-draft-tokens",
         type=flags.integer(1, MAX_DRAFT_TOKENS),
@@ -241,15 +233,7 @@ def check_args(args) -> None:
         raise UsageError("--max-tokens", f"must be >= 1, got {args.max_tokens}")
     refuse_mlx_lm_flags(args)
     try:
-        check_sampling_args(
-            args.temp,
-            args.top_p,
-            args.min_p,
-            args.top_k,
-            args.min_tokens_to_keep,
-            args.xtc_probability,
-            args.xtc_threshold,
-        )
+        check_sampling_args(**sampling_from_args(args))
     except SamplingError as e:  # name the flag
         raise UsageError("--" + e.field.replace("_", "-"), e.message) from None
     if args.prefill_step_size < 1:
@@ -260,8 +244,7 @@ def check_args(args) -> None:
     for flag, value in (("--expert-cache-gb", args.expert_cache_gb), ("--ple-cache-gb", args.ple_cache_gb)):
         if value is not None and not (0 < value < float("inf")):
             raise UsageError(flag, f"must be a positive number of GiB, got {value}")
-    if args.pipeline_timeout is not None and not (0 < args.pipeline_timeout < float("inf")):
-        raise UsageError("--pipeline-timeout", f"must be a positive number of seconds, got {args.pipeline_timeout}")
+    check_pipeline_timeout(args)
     sweep_from_args(args)  # a bad --prefill-sweep fails before the model loads
     if getattr(args, "prompt_cache_file", None) is not None and pipeline_launched():  # generate, cache-prompt
         raise UsageError("--prompt-cache-file", "not supported under mlx.launch (each rank holds its own layers)")
@@ -273,6 +256,20 @@ def check_args(args) -> None:
             raise UsageError("--num-draft-tokens", "needs --draft-model")
         if args.num_draft_tokens < 1:
             raise UsageError("--num-draft-tokens", f"must be >= 1, got {args.num_draft_tokens}")
+
+
+def sampling_from_args(args) -> dict:
+    """generate's sampling flags as the keyword arguments of sample_utils.make_sampler (and
+    check_sampling_args): what check_args checks is what generate samples with."""
+    return {
+        "temp": args.temp,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "top_k": args.top_k,
+        "min_tokens_to_keep": args.min_tokens_to_keep,
+        "xtc_probability": args.xtc_probability,
+        "xtc_threshold": args.xtc_threshold,
+    }
 
 
 def load_from_args(args):
