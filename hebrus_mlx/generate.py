@@ -377,9 +377,21 @@ def generate_step(
     `num_draft_tokens`; the tokens are the same (greedy) or identically distributed (sampling).
 
     seed: this sequence's own random key (DecodeStep); None draws from MLX's global generator."""
-    # Every parameter of generate_step is one of _generate's, by the same name (only the arguments
-    # so far are local here): the loop gets them all as given, without a second list to keep in step.
-    for token, logprobs, _ in _generate(**locals()):
+    for token, logprobs, _ in _generate(
+        prompt,
+        model,
+        effective_vocab_size=effective_vocab_size,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step_size,
+        max_kv_size=max_kv_size,
+        trace=trace,
+        draft_model=draft_model,
+        num_draft_tokens=num_draft_tokens,
+        seed=seed,
+    ):
         yield token, logprobs
 
 
