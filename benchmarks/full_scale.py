@@ -457,23 +457,22 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
     import threading
     import urllib.request
 
-    proc = subprocess.Popen(
-        _cli(
-            a,
-            ["server", "--model", art, "--port", "0", "--expert-cache-gb", str(cache_gb)]
-            + ["--decode-concurrency", str(chats)],
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    t0, url = time.perf_counter(), None
-    for line in proc.stdout:
-        if "listening on" in line:
-            url = line.strip().rsplit(" ", 1)[-1]
-            break
+    pcache = os.path.join(a.dir, "server-prompt-cache")
+    shutil.rmtree(pcache, ignore_errors=True)
+    server_args = ["server", "--model", art, "--port", "0", "--expert-cache-gb", str(cache_gb)]
+    server_args += ["--decode-concurrency", str(chats), "--prompt-cache-dir", pcache]
+
+    def start():
+        p = subprocess.Popen(_cli(a, server_args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in p.stdout:
+            if "listening on" in line:
+                threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()  # drain the log
+                return p, line.strip().rsplit(" ", 1)[-1]
+        raise SystemExit(f"full_scale: error: the server exited before listening (rc {p.wait()})")
+
+    t0 = time.perf_counter()
+    proc, url = start()
     ready_s = time.perf_counter() - t0
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain the log
     samples, stop = [], threading.Event()
 
     def sampler():
@@ -501,23 +500,27 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
             "temperature": 0,
             "stream": True,
             "logprobs": True,
+            "stream_options": {"include_usage": True},
         }
         req = urllib.request.Request(
             url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
-        t, got = time.perf_counter(), []
+        t, got, usage = time.perf_counter(), [], None
         try:
             with urllib.request.urlopen(req, timeout=7200) as r:
                 for raw in r:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    for c in json.loads(line[6:]).get("choices", []):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for c in chunk.get("choices", []):
                         for e in (c.get("logprobs") or {}).get("content") or []:
                             got.append((e["token"], e["logprob"]))
                             if len(got) == 1 and first is not None:
                                 first[i] = time.perf_counter()
-            res[i] = {"s": round(time.perf_counter() - t, 1), "tokens": got}
+            cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+            res[i] = {"s": round(time.perf_counter() - t, 1), "tokens": got, "cached_tokens": cached}
         except Exception as e:  # noqa: BLE001  (reported, not raised: the row says what failed)
             res[i] = {"s": round(time.perf_counter() - t, 1), "tokens": got, "error": str(e)[:160]}
 
@@ -532,10 +535,12 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
 
     # One request alone: the reference tokens and the lone read cost per token.
     alone, first = [None], [None]
-    th = threading.Thread(target=chat, args=(0, alone_tokens, alone, first))
+    th = threading.Thread(target=chat, args=(0, min(alone_tokens, a.tokens), alone, first))
+    t_alone = time.perf_counter()
     th.start()
     while first[0] is None and th.is_alive():
         time.sleep(0.2)
+    alone_first_token_s = round(first[0] - t_alone, 1) if first[0] else None
     c0, n0 = counters(), 1
     th.join()
     alone_row = window_rate(c0, counters(), len(alone[0]["tokens"]) - n0)
@@ -558,15 +563,35 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
     batch_row = window_rate(c0, counters(), sum(after) - sum(started))
     h = health()
     # SIGTERM with one more request in flight: it must end and the process exit cleanly.
-    late = [None]
+    late = {}
     lt = threading.Thread(target=chat, args=(chats, 4, late))
     lt.start()
     time.sleep(5)
     t = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=600)
+    sigterm_exit_s = round(time.perf_counter() - t, 1)
     stop.set()
     lt.join()
+    # A new server on the same --prompt-cache-dir: the lone request's prefix comes from disk, and
+    # its first tokens and log-probabilities are the ones the first server gave.
+    t = time.perf_counter()
+    proc2, url = start()
+    again, again_first = {}, {}
+    restart_tokens = min(4, len(alone[0]["tokens"]))
+    t_req = time.perf_counter()
+    chat(0, restart_tokens, again, again_first)
+    proc2.send_signal(signal.SIGTERM)
+    restart = {
+        "ready_s": round(t_req - t, 1),
+        "first_token_s": round(again_first[0] - t_req, 1) if 0 in again_first else None,
+        "lone_first_token_s": alone_first_token_s,
+        "cached_tokens": again[0].get("cached_tokens"),
+        "lone_request_cached_tokens": alone[0].get("cached_tokens"),
+        "tokens_equal": again[0]["tokens"] == alone[0]["tokens"][:restart_tokens],
+        "error": again[0].get("error"),
+        "rc": proc2.wait(timeout=600),
+    }
     ref, same = alone[0]["tokens"], results[0]["tokens"][: len(alone[0]["tokens"])]
     warm = [x for x in samples if x[0] >= warm_at] or samples[-1:]
     rss = [x[1] for x in warm]
@@ -600,9 +625,14 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
             "threads_first_last_max": [warm[0][3], warm[-1][3], max(x[3] for x in warm)],
             "rss_gib_over_time": [(x[0], round(x[1], 3)) for x in samples[:: max(1, len(samples) // 40)]],
         },
-        in_flight_at_sigterm={k: v for k, v in (late[0] or {}).items() if k != "tokens"},
-        sigterm_exit_s=round(time.perf_counter() - t, 1),
+        in_flight_at_sigterm={
+            "s": late.get(chats, {}).get("s"),
+            "tokens": len(late.get(chats, {}).get("tokens", [])),
+            "error": late.get(chats, {}).get("error"),
+        },
+        sigterm_exit_s=sigterm_exit_s,
         sigterm_rc=rc,
+        prompt_cache_restart=restart,
     )
 
 
