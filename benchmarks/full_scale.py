@@ -644,10 +644,12 @@ def phase_simulate(a, art, out):
     beside the measured one, at the same read-ahead."""
     from hebrus_mlx.stream.predict import DEFAULT as DEFAULT_PREFETCH
 
-    if a.layer_ms is None:
-        raise SystemExit("full_scale: error: --layer-ms: the simulate phase needs the compute per layer")
     with open(os.path.join(a.dir, "generate-rows.json")) as f:
         measured = json.load(f)
+    anchor = None
+    if a.layer_ms is None:
+        anchor = anchor_layer_ms(a)
+        a.layer_ms = anchor["layer_ms"]
     profile = os.path.join(a.dir, "profile.json")
     env = {**os.environ, "HEBRUS_PROFILE": profile}
     m = admission.admit(art)
@@ -696,7 +698,52 @@ def phase_simulate(a, art, out):
                 "measured_exposed_ms": round(run["exposed_wait_s_per_token"] * 1e3, 1),
             }
         )
-    emit(out, "simulate", qualify_s=round(qualify_s, 1), layer_ms=a.layer_ms, rows=compare)
+    emit(out, "simulate", qualify_s=round(qualify_s, 1), layer_ms=a.layer_ms, anchor=anchor, rows=compare)
+
+
+def anchor_layer_ms(a, layers=(2, 4), expert_bits=4, tokens=32):
+    """The compute per layer `simulate` takes, measured apart from the runs it is checked against:
+    `hebrus-mlx bench` decodes on stacks of the same widths with 2 and 4 layers, every expert
+    record held in the arena (after the warm-up run the experts read nothing), at 4-bit experts,
+    the width simulate's --layer-ms is defined at (it scales compute to --expert-bits). A token's
+    compute is fixed + layers x per-layer (embeddings, PLE and the 248k-row head are the fixed
+    part); simulate has one compute term per layer, so it gets per-layer + fixed / 48."""
+    rows = []
+    for n in layers:
+        d = os.path.join(a.dir, f"anchor-{n}")
+        shutil.rmtree(d, ignore_errors=True)
+        geometry = ["--dir", d, "--layers", str(n), "--experts", str(a.experts), "--ple-base", str(a.ple_base)]
+        me = [sys.executable, os.path.abspath(__file__), *geometry]
+        conv = me + ["--phases", "convert", "--expert-bits", str(expert_bits)]
+        conv += ["--ple-dtype", a.ple_dtype] if a.ple_dtype else []
+        subprocess.run(conv, check=True, capture_output=True, text=True)
+        bench = ["bench", "--model", os.path.join(d, "artifact"), "-p", "7", "-g", str(tokens), "-n", "2"]
+        bench += ["--warmup", "1", "--no-probe", "--no-plot", "--quiet", "--out", os.path.join(d, "bench")]
+        # An arena for every record of the stack (a 4-bit record is 2.76 MB, ~3.1 MB widened): no reads.
+        bench += ["--ab", f"expert-cache-gb={round(n * a.experts * 3.5e6 / 1e9 + 1.0, 1)}"]
+        subprocess.run(me + ["--_cli", json.dumps(bench)], check=True, capture_output=True, text=True)
+        with open(os.path.join(d, "bench", "bench.json")) as f:
+            runs = json.load(f)["runs"]
+        shutil.rmtree(d)
+        ms = [1e3 / r["decode_tok_s"] for r in runs]
+        rows.append(
+            {
+                "layers": n,
+                "ms_per_token": round(min(ms), 1),
+                "expert_mb_per_token": round(max(r["expert_bytes_per_token"] for r in runs) / 1e6, 2),
+            }
+        )
+    (n0, t0), (n1, t1) = [(r["layers"], r["ms_per_token"]) for r in rows]
+    per_layer = (t1 - t0) / (n1 - n0)
+    fixed = t0 - n0 * per_layer
+    L = S.real_config()["text_config"]["num_hidden_layers"] if a.layers == 48 else a.layers
+    return {
+        "expert_bits": expert_bits,
+        "stacks": rows,
+        "per_layer_ms": round(per_layer, 1),
+        "fixed_ms": round(fixed, 1),
+        "layer_ms": round(per_layer + fixed / L, 2),
+    }
 
 
 def phase_engine(a, art, out, tokens=4, rounds=3):
@@ -839,7 +886,9 @@ def main(argv=None):
     p.add_argument("--experts", type=int, default=512, help="smoke runs only: fewer experts than the real 512")
     p.add_argument("--json", default=None, help="write every phase's row here")
     p.add_argument("--cache-gb", default="default,2,4,8", help="expert caches for generate ('default': the plan)")
-    p.add_argument("--layer-ms", type=float, default=None, help="simulate: compute per layer at 4-bit (ms)")
+    p.add_argument(
+        "--layer-ms", type=float, default=None, help="simulate: compute per layer at 4-bit (ms; default: measured)"
+    )
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_restart", default=None, help=argparse.SUPPRESS)
