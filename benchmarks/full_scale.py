@@ -559,6 +559,7 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
     for th in threads:
         th.join()
     batch_s = time.perf_counter() - t_batch
+    batch_end = time.perf_counter() - t0
     after = [len(r["tokens"]) for r in results]
     batch_row = window_rate(c0, counters(), sum(after) - sum(started))
     h = health()
@@ -593,8 +594,21 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
         "rc": proc2.wait(timeout=600),
     }
     ref, same = alone[0]["tokens"], results[0]["tokens"][: len(alone[0]["tokens"])]
-    warm = [x for x in samples if x[0] >= warm_at] or samples[-1:]
+    # The soak: the batch's decode, from the moment every stream has its first token (prefills and
+    # first allocations behind) to the last token; the late request's prefill comes after it.
+    warm = [x for x in samples if warm_at <= x[0] <= batch_end] or samples[-1:]
     rss = [x[1] for x in warm]
+    peak = max(warm, key=lambda x: x[1])
+    with open(os.path.join(a.dir, "server-samples.json"), "w") as f:
+        json.dump(
+            {
+                "columns": ["s", "rss_gib", "open_files", "threads"],
+                "warm_at": warm_at,
+                "batch_end": batch_end,
+                "samples": samples,
+            },
+            f,
+        )
     emit(
         out,
         "server",
@@ -618,9 +632,12 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
         generated_tokens=sum(after) + len(ref),
         soak={
             "samples": len(samples),
-            "warm_from_s": round(warm_at, 1),
+            "window_s": [round(warm_at, 1), round(batch_end, 1)],
             "rss_gib_first_last_max": [round(rss[0], 3), round(rss[-1], 3), round(max(rss), 3)],
-            "rss_growth_after_warm": round(max(rss) / rss[0] - 1, 4),
+            "rss_peak_at_s": peak[0],
+            "rss_last_over_first": round(rss[-1] / rss[0] - 1, 4),
+            "rss_max_over_first": round(max(rss) / rss[0] - 1, 4),
+            "rss_gib_after_window_max": round(max([x[1] for x in samples if x[0] > batch_end] or [0]), 3),
             "open_files_first_last_max": [warm[0][2], warm[-1][2], max(x[2] for x in warm)],
             "threads_first_last_max": [warm[0][3], warm[-1][3], max(x[3] for x in warm)],
             "rss_gib_over_time": [(x[0], round(x[1], 3)) for x in samples[:: max(1, len(samples) // 40)]],
@@ -642,6 +659,8 @@ def phase_simulate(a, art, out):
     --layer-ms (a resident decode of a smaller stack, not the runs it is checked against), the
     route trace the generate phase's first run recorded; the predicted tok/s at each cache size
     beside the measured one, at the same read-ahead."""
+    import statistics
+
     from hebrus_mlx.stream.predict import DEFAULT as DEFAULT_PREFETCH
 
     with open(os.path.join(a.dir, "generate-rows.json")) as f:
@@ -678,14 +697,25 @@ def phase_simulate(a, art, out):
     compare = []
     for run in measured:
         gb, mode = run["expert_cache_gb_flag"], run["prefetch"] or DEFAULT_PREFETCH
-        pred = [x for x in rows if x["cache_gb"] == gb and x["prefetch"] == mode and x["draft_depth"] == 0]
+
+        def at(m):
+            return [x for x in rows if x["cache_gb"] == gb and x["prefetch"] == m and x["draft_depth"] == 0]
+
+        # A machine profile carries no predictor table, so simulate replays no ahead predictor
+        # (the runtime's default, router-reuse:1): those runs are set beside prefetch off, said so.
+        pred, pred_mode = at(mode), mode
+        if not pred:
+            pred, pred_mode = at("off"), "off"
         if gb is None or not pred or not run.get("tok_s"):
             continue
         p = pred[0]
+        compute_s = statistics.mean(run["decode_s_per_token"]) - run["exposed_wait_s_per_token"]
         compare.append(
             {
                 "cache_gb": gb,
                 "prefetch": mode,
+                "predicted_with_prefetch": pred_mode,
+                "measured_compute_ms": round(compute_s * 1e3, 1),
                 "measured_tok_s": run["tok_s"],
                 "predicted_tok_s": round(p["tok_s"], 4),
                 "error": round(p["tok_s"] / run["tok_s"] - 1, 3),
@@ -961,9 +991,16 @@ def main(argv=None):
                 "profile.json",
                 "simulate.json",
                 "generate-rows.json",
+                "server-prompt-cache",
+                "server-samples.json",
+                "anchor-2",
+                "anchor-4",
             )
             if name in made or name.startswith(".artifact"):
-                shutil.rmtree(full)
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full)
+                else:
+                    os.remove(full)
         emit(out, "clean", left=os.listdir(a.dir))
     if a.json:
         with open(a.json, "w") as f:
