@@ -477,7 +477,7 @@ def sha256_cost(record_bytes: int, rounds: int = 32) -> dict:
     from .stream import engine
 
     if engine.available():
-        ext = engine._ext
+        ext = engine.native()
         t0 = time.perf_counter()
         for _ in range(rounds):
             ext.sha256(buf)
@@ -694,9 +694,10 @@ def measure_streamed_decode(model, tokenizer, prompt, tokens: int, gpu_events: b
     """Greedy decode on the streamed model with the streamed ops on the GPU stream (GPU events) or the
     CPU stream: (tok/s, tokens)."""
     from .generate import stream_generate
-    from .stream.engine import _ext
+    from .stream.engine import native
 
-    _ext.set_gpu_events(gpu_events)
+    ext = native()
+    ext.set_gpu_events(gpu_events)
     try:
         out, tps = [], 0.0
         for r in stream_generate(model, tokenizer, prompt, max_tokens=tokens):
@@ -704,7 +705,7 @@ def measure_streamed_decode(model, tokenizer, prompt, tokens: int, gpu_events: b
             tps = r.generation_tps
         return tps, out
     finally:
-        _ext.set_gpu_events(False)
+        ext.set_gpu_events(False)
 
 
 def _streamed_demo(artifact: str):
@@ -766,10 +767,12 @@ def event_round_trip(n: int = 64, rounds: int = 5) -> dict:
     over a chain of trivial device ops: what one streamed layer's hand-off costs before any read.
     On a Metal device with GPU events on, the GPU -> host -> GPU event round trip; on the CPU
     backend a CPU-stream task."""
-    from .stream.engine import _ext
+    from .stream.engine import native
+
+    ext = native()
 
     plain = _chain_ms(lambda x: x + 1, n, rounds)
-    host = _chain_ms(_ext.host_roundtrip, n, rounds)
+    host = _chain_ms(ext.host_roundtrip, n, rounds)
     return {"ops": n, "rounds": rounds, "plain_ms": plain, "host_ms": host, "per_op_ms": max(host - plain, 0.0) / n}
 
 
@@ -794,7 +797,7 @@ def handoff_section(
     gpu = metal and engine.gpu_events_compiled()
     round_trip = round_trip or event_round_trip
     if gpu:
-        engine._ext.set_gpu_events(True)
+        engine.native().set_gpu_events(True)
     try:
         quiet = round_trip()
         burners = _burn(os.cpu_count() or 1)
@@ -806,7 +809,7 @@ def handoff_section(
                 b.wait()
     finally:
         if gpu:
-            engine._ext.set_gpu_events(False)
+            engine.native().set_gpu_events(False)
     if measure is None:
         from .loader import load
 

@@ -151,7 +151,7 @@ def identity() -> dict:
     if engine.available():
         build.update(
             read_backends=list(engine.backends()),
-            sha256_backend=engine._ext.sha256_backend(),
+            sha256_backend=engine.native().sha256_backend(),
             gpu_events_compiled=bool(engine.gpu_events_compiled()),
         )
     else:

@@ -508,3 +508,70 @@ def test_load_reads_every_source_file_once(monkeypatch):
         "chat_template.jinja",
     ):
         assert seen.count(name) == 1, (name, seen)
+
+
+# Compiled extension modules, imported from the package itself: their names start with "_" by
+# convention, they are not private names (reaching one through another module's global is).
+EXTENSIONS = {"_ext", "_hash", "_bench", "_testing"}
+
+
+def private_uses(root: Path, package: str = "hebrus_mlx") -> list:
+    """(module, name) for every private name one module takes from another of the package:
+    `from pkg.mod import _x` and `mod._x` on an imported package module (issue 35 §1: the calls
+    into other modules' private names became a small public surface)."""
+    files = {}
+    for p in root.rglob("*.py"):
+        parts = p.relative_to(root.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    found = []
+    for name, p in files.items():
+        tree = ast.parse(p.read_text())
+        here = name if p.name == "__init__.py" else name.rpartition(".")[0]
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                if not base.startswith(package):
+                    continue
+                for a in node.names:
+                    if f"{base}.{a.name}" in files:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+                    elif _private(a.name) and not (base == package and a.name in EXTENSIONS):
+                        found.append((name, f"{base}.{a.name}"))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith(package) and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                attr, target = node.attr, aliases[node.value.id]
+                if _private(attr) and target != name and not (target == package and attr in EXTENSIONS):
+                    found.append((name, f"{target}.{attr}"))
+    return sorted(set(found))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_uses_another_modules_private_names():
+    assert private_uses(PKG) == []
+
+
+def test_the_private_name_scan_sees_both_spellings(tmp_path):
+    """Control: a planted `from .a import _x` and `a._y` are both found; extensions are not."""
+    pkg = tmp_path / "hebrus_mlx"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("_x = 1\n_y = 2\n")
+    (pkg / "b.py").write_text(
+        "from .a import _x\nfrom . import a\nfrom hebrus_mlx import _ext\nz = a._y + _x + a._ext\n"
+    )
+    assert private_uses(pkg) == [
+        ("hebrus_mlx.b", "hebrus_mlx.a._ext"),
+        ("hebrus_mlx.b", "hebrus_mlx.a._x"),
+        ("hebrus_mlx.b", "hebrus_mlx.a._y"),
+    ]

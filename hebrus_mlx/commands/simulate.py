@@ -14,7 +14,7 @@ from ..simulate import model as S
 from ..simulate import report as R
 from ..simulate.run import (
     PROFILES_DIR,
-    _list,
+    parse_list,
     print_projection,
     print_validation,
     project_profile,
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
                 raise UsageError(flag, f"must be >= 1, got {v}")
         if args.prefetch_modes is None:
             args.prefetch_modes = "off,previous,router-reuse:1" + ("" if args.stack == "decode" else ",hyper-reuse")
-        for m in _list(args.prefetch_modes, str, "--prefetch-modes"):
+        for m in parse_list(args.prefetch_modes, str, "--prefetch-modes"):
             try:
                 S.prefetch_kind(m)
             except UsageError as e:
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
 
             if args.gen_tokens < 2:
                 raise UsageError("--gen-tokens", "the decode stack times tokens 1.. of a cold run: give >= 2")
-            args.rows = ",".join(str(x) for x in _list(args.rows or "20,40,80,160", flags.integer(1), "--rows"))
+            args.rows = ",".join(str(x) for x in parse_list(args.rows or "20,40,80,160", flags.integer(1), "--rows"))
             res = validate_decode(args)
         else:
             res = validate(args)

@@ -41,7 +41,7 @@ from . import report as R
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
-def _list(s: str, conv, flag: str) -> list:
+def parse_list(s: str, conv, flag: str) -> list:
     try:
         v = [conv(x) for x in s.split(",") if x.strip()]
     except ValueError as e:
@@ -55,11 +55,11 @@ def expert_codecs(args) -> list[str]:
     """The expert widths to project: --expert-bits N[,N...] (affineN-g64) or --codec."""
     bits = getattr(args, "expert_bits", None)
     if bits is None:
-        return [S.expert_codec(c, "--codec").name for c in _list(args.codec, str, "--codec")]
+        return [S.expert_codec(c, "--codec").name for c in parse_list(args.codec, str, "--codec")]
     if args.codec != "affine4-g64":
         raise UsageError("--expert-bits", "give --expert-bits or --codec, not both")
     out = []
-    for b in _list(str(bits), int, "--expert-bits"):
+    for b in parse_list(str(bits), int, "--expert-bits"):
         if b not in S.AFFINE_BITS:
             raise UsageError("--expert-bits", f"{b}: MLX's affine widths are {', '.join(map(str, S.AFFINE_BITS))}")
         out.append(f"affine{b}-g64")
@@ -285,13 +285,13 @@ def project_profile(args, memo=None, progress=True) -> dict:
         resident += dense_gb * (S.bits_per_weight(dense) / S.bits_per_weight(S.ANCHOR_CODEC) - 1)
     machine = P.machine_of(prof, where, check)
     budget = (machine.memory_gb or 0) - resident - float(prof.get("reserve_gb", 0))
-    given = _list(args.cache_gb, flags.gib(), "--cache-gb") if args.cache_gb else None
+    given = parse_list(args.cache_gb, flags.gib(), "--cache-gb") if args.cache_gb else None
     acceptance = args.acceptance if args.acceptance is not None else float(prof.get("acceptance", 0.0))
-    policies = _list(args.policies, str, "--policies")
+    policies = parse_list(args.policies, str, "--policies")
     for pol in policies:  # before any replay starts (and its progress bar)
         if pol not in cachesim.POLICIES:
             raise UsageError("policy", f"unknown {pol!r}; choose from {', '.join(cachesim.POLICIES)}")
-    depths = _list(args.draft_depths, flags.integer(0, 64), "--draft-depths")
+    depths = parse_list(args.draft_depths, flags.integer(0, 64), "--draft-depths")
     if min(depths) < 0:
         raise UsageError("--draft-depths", f"must be >= 0, got {min(depths)}")
     trace = _trace_routes(args, fam)
@@ -670,11 +670,11 @@ def validate(args) -> dict:
 
     load0, clock0 = K.load_average(), K.cpu_clock()
     path = resolve_model_path(args.model)
-    rows = _list(args.rows or "8,16,64,192", flags.integer(1), "--rows")
+    rows = parse_list(args.rows or "8,16,64,192", flags.integer(1), "--rows")
     model, tok = load(str(path))
     if model.streaming is not None:
         raise UsageError("--model", "validation records routes on the resident model; this one streams")
-    modes = _list(args.prefetch_modes, str, "--prefetch-modes")
+    modes = parse_list(args.prefetch_modes, str, "--prefetch-modes")
     for m in modes:
         S.prefetch_kind(m)
     prompt = H.prompt_ids(tok, args.prompt_tokens, 0)

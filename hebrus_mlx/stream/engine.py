@@ -175,6 +175,14 @@ def available() -> bool:
     return _ext is not None
 
 
+def native():
+    """The compiled extension (``hebrus_mlx._ext``) for the callers that drive it directly (qualify's
+    probes, the prefill sweep); StreamUnavailableError when it did not import."""
+    if _ext is None:
+        raise StreamUnavailableError(unavailable_reason())
+    return _ext
+
+
 def unavailable_reason() -> str | None:
     if _ext is not None:
         return None

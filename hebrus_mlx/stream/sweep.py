@@ -33,7 +33,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..errors import HebrusError, UsageError
-from .engine import _ext
+from . import engine
 
 MODES = ("auto", "on", "off")
 DEFAULT = "auto"
@@ -104,7 +104,7 @@ class PrefillSweep:
                 f"the two-layer ring needs {self.bytes / 2**30:.3f} GiB, "
                 f"the budget leaves {max(budget, 0) / 2**30:.3f} GiB"
             )
-        self._ring = _ext.SweepRing(
+        self._ring = engine.native().SweepRing(
             experts.engine._e,
             experts.table,
             experts.store_path,
@@ -137,11 +137,11 @@ class PrefillSweep:
     def issue(self, layer: int, dep: mx.array) -> mx.array:
         """``dep`` unchanged; evaluating it starts reading ``layer``'s extent (non-blocking). ``dep``
         must come after every read of the slot's previous layer (two streamed layers back)."""
-        return _ext.sweep_issue(self._ring, dep, self.slot(layer), self._first(layer))
+        return engine.native().sweep_issue(self._ring, dep, self.slot(layer), self._first(layer))
 
     def wait(self, layer: int, value: mx.array) -> mx.array:
         """``value`` unchanged; evaluating it blocks until ``layer``'s extent is read and verified."""
-        return _ext.sweep_wait(self._ring, value, self.slot(layer), self._first(layer))
+        return engine.native().sweep_wait(self._ring, value, self.slot(layer), self._first(layer))
 
     def rows(self, layer: int, indices: mx.array) -> mx.array:
         """Ring rows of ``layer``'s routed expert ids."""
