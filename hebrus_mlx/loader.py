@@ -11,6 +11,7 @@ from .errors import UsageError
 
 # Model names resolve in hub.py (demo -> local dir -> Hub repo id); re-exported for load's callers.
 from .loading.hub import DEMO_DIR, ModelNotFoundError, is_repo_id, resolve_model, resolve_model_path  # noqa: F401
+from .loading.settings import StreamSettings
 
 
 def is_artifact(path: Path) -> bool:
@@ -83,29 +84,32 @@ def load_model(
     expert_mirror=None,
     prefill_sweep=None,
     options=None,
+    settings=None,
 ):
     """Artifacts decide resident vs streamed routed experts and PLE tables from their size and
     available memory; `expert_cache_gb` / `ple_cache_gb` force streaming through a cache of that
     size (see `loading.build_model.load_artifact_model`). HF checkpoint dirs always load resident.
-    `path`: a directory, or an artifact's admitted Manifest."""
+    `path`: a directory, or an artifact's admitted Manifest. The five streaming keywords, or one
+    `settings` (a loading.settings.StreamSettings), checked once."""
     from .artifact.manifest import Manifest
+    from .loading.settings import resolve
 
-    # The streaming options: an artifact's loader takes them all; an HF checkpoint refuses any that asks for streaming.
-    streaming = {
-        "expert_cache_gb": expert_cache_gb,
-        "ple_cache_gb": ple_cache_gb,
-        "prefetch": prefetch,
-        "expert_mirror": expert_mirror,
-        "prefill_sweep": prefill_sweep,
-    }
+    settings = resolve(
+        settings,
+        expert_cache_gb=expert_cache_gb,
+        ple_cache_gb=ple_cache_gb,
+        prefetch=prefetch,
+        expert_mirror=expert_mirror,
+        prefill_sweep=prefill_sweep,
+    )
     if isinstance(path, Manifest) or is_artifact(path):
         from .loading.build_model import load_artifact_model  # admission runs before any graph buffer
 
-        return load_artifact_model(path, dtype=dtype, options=options, **streaming)
+        return load_artifact_model(path, dtype=dtype, options=options, settings=settings)
     path = Path(path)
-    for field, value in streaming.items():
-        if value is not None and not (field == "prefill_sweep" and value in ("auto", "off")):
-            raise UsageError(field, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
+    asked = settings.streaming_asked()
+    if asked is not None:  # an HF checkpoint loads resident
+        raise UsageError(asked, f"streaming needs a converted artifact, {path} is an HF checkpoint dir")
     return load_hf_model(path, dtype=dtype, options=options)
 
 
@@ -275,6 +279,14 @@ def load(
         if dtype not in DTYPES:
             raise UsageError("dtype", f"expected one of {', '.join(DTYPES)}, an mlx dtype or None, got {dtype!r}")
         dtype = default_dtype() if dtype == "auto" else DTYPES[dtype]
+    # The streaming settings, checked here once (before the Hub resolves a name or a byte is read).
+    settings = StreamSettings(
+        expert_cache_gb=expert_cache_gb,
+        ple_cache_gb=ple_cache_gb,
+        prefetch=prefetch,
+        expert_mirror=expert_mirror,
+        prefill_sweep=prefill_sweep,
+    )
     configure_runtime(options)
     path = _resolve(path_or_name, revision)
     source, sources = path, None
@@ -284,16 +296,7 @@ def load(
         # One admission: the graph and the tokenizer use exactly the bytes it checked.
         source = admit(str(path))
         sources = source.sources
-    model = load_model(
-        source,
-        dtype=dtype,
-        expert_cache_gb=expert_cache_gb,
-        ple_cache_gb=ple_cache_gb,
-        prefetch=prefetch,
-        expert_mirror=expert_mirror,
-        prefill_sweep=prefill_sweep,
-        options=options,
-    )
+    model = load_model(source, dtype=dtype, options=options, settings=settings)
     tokenizer = load_tokenizer(path, physical_vocab_size=model.args.vocab_size, sources=sources, **tokenizer_overrides)
     if product_vocabulary(model.args.vocab_size, tokenizer.effective_vocab_size):
         model.effective_vocab_size = tokenizer.effective_vocab_size  # the model masks its unassigned rows (AFN-005)

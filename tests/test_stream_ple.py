@@ -15,6 +15,7 @@ from support.fault_injection import FaultyEngine
 from hebrus_mlx.artifact import ple_pages
 from hebrus_mlx.loader import DEMO_DIR, load_model
 from hebrus_mlx.loading.plan import plan_ple
+from hebrus_mlx.loading.settings import StreamSettings
 from hebrus_mlx.stream import engine as se
 from hebrus_mlx.stream.ple import StreamedNGramTable, attach_ple
 from hebrus_mlx.stream.switch import StreamedSwitchGLU
@@ -119,6 +120,6 @@ def test_plan_ple_fields():
     with pytest.raises(ValueError, match="ple_cache_gb"):
         plan_ple(100, 10, 10, 1000, 500, ple_cache_gb=5 / 2**30)
     with pytest.raises(ValueError, match="ple_cache_gb"):
-        plan_ple(100, 10, 10, 1000, 500, ple_cache_gb=0)
+        StreamSettings(ple_cache_gb=0)  # the range: checked once, where the settings are made
     with pytest.raises(ValueError, match="available memory"):
         plan_ple(1000, 10, 100, available=1000, reserve=995)

@@ -46,10 +46,10 @@ from ..stream.ple import attach_ple
 from ..stream.predict import DEFAULT as DEFAULT_PREFETCH
 from ..stream.predict import parse_prefetch
 from ..stream.streaming import Streaming
-from ..stream.sweep import parse_mode as parse_sweep_mode
 from ..stream.switch import attach
 from . import plan
 from .plan import RESERVE_BYTES
+from .settings import resolve
 
 
 def _quant_params(codec_name):
@@ -399,6 +399,7 @@ def load_artifact_model(
     expert_mirror=None,
     prefill_sweep=None,
     options=None,
+    settings=None,
 ) -> Model:
     """Admit `path` (or take an already admitted Manifest), then build and fill the graph from the
     admitted manifest (manifest.json and config.json are not read again).
@@ -409,7 +410,8 @@ def load_artifact_model(
     quantized matmul then equals the dequantized fp32 product; bf16 scales
     make a quantized embedding emit bf16 activations, ~0.5% off).
 
-    expert_cache_gb: stream the routed experts through a cache of this size
+    settings: a loading.settings.StreamSettings, or its five fields as keywords (checked once,
+    there). expert_cache_gb: stream the routed experts through a cache of this size
     instead of deciding from available memory (:func:`plan_expert_residency`);
     the expert store is then never read into memory. ple_cache_gb: the same
     for the PLE tables' pages (:func:`plan_ple_residency`). Streamed experts
@@ -440,18 +442,26 @@ def load_artifact_model(
     the machine profile measured for this store's geometry and file system (``hebrus-mlx qualify``,
     ``stream.crossover``), else at the built-in one; the sweep line names which.
     """
-    # Admission raises before anything below allocates.
+    # The settings are checked before admission; admission raises before anything below allocates.
+    settings = resolve(
+        settings,
+        expert_cache_gb=expert_cache_gb,
+        ple_cache_gb=ple_cache_gb,
+        prefetch=prefetch,
+        expert_mirror=expert_mirror,
+        prefill_sweep=prefill_sweep,
+    )
+    expert_cache_gb, prefetch, expert_mirror = settings.expert_cache_gb, settings.prefetch, settings.expert_mirror
+    sweep_mode = settings.prefill_sweep
     m = path if isinstance(path, Manifest) else admission.admit(str(Path(path)))
     plan_ = quantization_plan(m)
     layers = None
     if stage is not None:
         plan_ = {k: v for k, v in plan_.items() if stage.owns(k + ".weight")}
         layers = stage.layers
-    ple_cache = plan_ple_residency(m, dtype, ple_cache_gb, stage)
+    ple_cache = plan_ple_residency(m, dtype, settings.ple_cache_gb, stage)
     rows = plan_expert_residency(m, dtype, expert_cache_gb, ple_cache, stage)
-    sweep_mode = parse_sweep_mode(prefill_sweep)
     rows = _make_room_for_ring(m, dtype, rows, expert_cache_gb, sweep_mode)
-    prefetch = None if prefetch is None else parse_prefetch(prefetch)  # bad values fail before any buffer
     if prefetch is not None and prefetch.kind != "off" and rows is None:
         raise UsageError("prefetch", "only streamed routed experts are read ahead; this model's experts are resident")
     if expert_mirror is not None and rows is None:

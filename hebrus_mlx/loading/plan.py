@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-from .. import flags
 from ..errors import UsageError
 
 GIB = 1 << 30
@@ -51,9 +50,7 @@ def plan_stream(
         if resident_bytes <= budget:
             return None
         field = "available memory"
-    else:
-        if not 0 < cache_gb <= flags.MAX_CACHE_GB:  # NaN, inf and 1e300 (overflows the byte count) too
-            raise UsageError(cache_field, f"must be in (0, {flags.MAX_CACHE_GB:g}] GiB, got {cache_gb}")
+    else:  # a StreamSettings value: in (0, MAX_CACHE_GB], checked when the settings were made
         budget = int(cache_gb * GIB)
         field = cache_field
     n = min(budget // unit_bytes, units)

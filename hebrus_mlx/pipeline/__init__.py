@@ -71,6 +71,7 @@ def load_pipeline(
     mtp: bool = False,
     prefill_sweep=None,
     options=None,
+    settings=None,
 ) -> Pipeline:
     """Admit the artifact on this rank, agree on the split with the other ranks (each rank's free
     memory, gathered over the group), load this rank's stage only — streaming its experts / PLE
@@ -85,8 +86,17 @@ def load_pipeline(
     from ..loader import configure_runtime
     from ..loading.build_model import load_artifact_model
     from ..loading.plan import RESERVE_BYTES, available_memory
+    from ..loading.settings import resolve
     from .stage import DEFAULT_TIMEOUT_S, PipelineModel, collective, set_nodelay, terminate_as_error
 
+    # The streaming settings, checked once before any rank talks to another.
+    settings = resolve(
+        settings,
+        expert_cache_gb=expert_cache_gb,
+        ple_cache_gb=ple_cache_gb,
+        prefetch=prefetch,
+        prefill_sweep=prefill_sweep,
+    )
     group = group or mx.distributed.init()
     set_nodelay()
     rank, size = group.rank(), group.size()
@@ -108,15 +118,7 @@ def load_pipeline(
     )
     stage = stages(counts, heads)[rank]
     configure_runtime(options)
-    model = load_artifact_model(
-        manifest,
-        stage=stage,
-        expert_cache_gb=expert_cache_gb,
-        ple_cache_gb=ple_cache_gb,
-        prefetch=prefetch,
-        prefill_sweep=prefill_sweep,
-        options=options,
-    )
+    model = load_artifact_model(manifest, stage=stage, options=options, settings=settings)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     if rank == 0:
         import threading
