@@ -3,7 +3,10 @@
 the PLE table at its real row width with fewer rows) through `convert`, `admit`, `verify`, `load`,
 `generate` at several expert-cache sizes, the prompt cache across a restart, the server, and `simulate`.
 
-    nice -n 10 python benchmarks/full_scale.py --dir /work/fullscale --phases convert,admit,verify,load,generate
+    python benchmarks/full_scale.py --dir DIR --ple-dtype q4 --tokens 128 --cache-gb 2,4,8
+
+runs every phase in order (free-disk check first, `clean` last); `--phases` picks a subset.
+docs/FULL_SCALE.md has the figures, the disk and the time it needs.
 
 Each phase prints one JSON line of what it measured; --json collects them. Random weights: no
 quality can be read from the tokens; routing is near uniform (the hardest regime for an expert
