@@ -180,12 +180,16 @@ def test_ctrl_c_in_chat_is_a_clean_exit():
     p.stdin.write(b"Write a very long story about a lighthouse.\n")
     p.stdin.flush()
     seen = _read_until(p.stdout, b">> ")
-    while len(seen) < 40:  # a few tokens of the reply
-        seen += p.stdout.read() or b""
+    reply = seen.partition(b">> ")[2]
+    deadline = time.monotonic() + 60
+    while len(reply) < 40:  # a few tokens of the reply, after the prompt it answers
+        assert time.monotonic() < deadline and p.poll() is None, (seen + reply, p.poll())
+        reply += p.stdout.read() or b""
         time.sleep(0.02)
+    assert b">> " not in reply, reply  # still replying: the signal lands inside the reply
     p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=30)
-    assert p.returncode == 130 and b"Traceback" not in err and b"KeyboardInterrupt" not in err, err
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and b"Traceback" not in err and b"KeyboardInterrupt" not in err, (err, reply + out)
 
 
 def test_help_lists_each_verb_with_one_line(capsys):
