@@ -286,7 +286,9 @@ def test_a_failed_wave_raises_once_and_its_later_takes_stay_quiet(fault):
     if fault == "cancel":
         assert eng.cancel(int(np.array(wave.lease)[0]))
     else:
-        eng.inject_fault("eio", 1)
+        # Every read of the wave fails: which record the readers take first is the threads' choice,
+        # and the first take must meet a failure whichever it is.
+        eng.inject_fault("eio", 3)
         eng.set_read_delay_us(0)
     eng.hold(False)
     with pytest.raises(RuntimeError) as e:
