@@ -321,7 +321,7 @@ def phase_restart(a, art, out):
     legs = {}
     for mode in ("save", "resume", "whole"):
         path = os.path.join(a.dir, f"restart-{mode}.json")
-        cmd = _self(a) + ["--_restart", json.dumps([art, mode, cache_file, a.tokens, path])]
+        cmd = _self(a) + ["--_restart", json.dumps([art, mode, cache_file, a.restart_tokens, path])]
         subprocess.run(cmd, check=True)
         with open(path) as f:
             legs[mode] = json.load(f)
@@ -538,7 +538,7 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
 
     # One request alone: the reference tokens and the lone read cost per token.
     alone, first = [None], [None]
-    th = threading.Thread(target=chat, args=(0, min(alone_tokens, a.tokens), alone, first))
+    th = threading.Thread(target=chat, args=(0, min(alone_tokens, a.server_tokens), alone, first))
     t_alone = time.perf_counter()
     th.start()
     while first[0] is None and th.is_alive():
@@ -550,7 +550,7 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
     alone_row.update(s=alone[0]["s"], tokens=len(alone[0]["tokens"]), error=alone[0].get("error"))
     # CHATS at once; chat 0 repeats the lone request.
     results, firsts = [None] * chats, [None] * chats
-    threads = [threading.Thread(target=chat, args=(i, a.tokens, results, firsts)) for i in range(chats)]
+    threads = [threading.Thread(target=chat, args=(i, a.server_tokens, results, firsts)) for i in range(chats)]
     t_batch = time.perf_counter()
     for th in threads:
         th.start()
@@ -910,7 +910,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", required=True, help="work directory (source config, artifact); emptied by 'clean'")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {','.join(PHASES)}")
-    p.add_argument("--tokens", type=int, default=4, help="tokens per generate run (~3.5 s each here)")
+    p.add_argument("--tokens", type=int, default=4, help="tokens per generate run (~5 s each here)")
+    p.add_argument("--restart-tokens", type=int, default=8, help="tokens each restart leg decodes")
+    p.add_argument(
+        "--server-tokens", type=int, default=80, help="tokens per chat in the batch of 4 (the soak: 4x this + 32)"
+    )
     p.add_argument("--ple-base", type=int, default=200_000, help="ngram_vocab_size_base (real: 20,000,000)")
     p.add_argument("--ple-dtype", default=None, help="PLE codec passed to convert (default bf16)")
     p.add_argument("--expert-bits", type=int, default=2)
