@@ -385,16 +385,24 @@ def _tree_bytes(path):
 
 
 def phase_kill(a, art, out, at=0.5):
-    """`convert --overwrite` over the finished artifact, SIGKILLed once its temp directory holds
-    `at` of the artifact's bytes; then the earlier artifact must be untouched (every file's size,
-    mtime and inode, the manifest's bytes, admission), and the next run must remove the stale
-    temporary before anything else (it may then refuse for free disk: it needs the artifact twice)."""
-    before = _snapshot(art)
+    """A conversion SIGKILLed once its temp directory holds `at` of the artifact's bytes, then run
+    again. Where the disk holds the artifact twice: `convert --overwrite` over the finished
+    artifact, which must be untouched after the kill (every file's size, mtime and inode, the
+    manifest's bytes, admission), and the rerun removes the stale temporary before anything else.
+    Where it does not (--kill-mode rebuild, or auto on a disk that holds one): the artifact is
+    removed first (its manifest kept), the killed run must publish nothing, and the rerun must
+    remove its temporary and rebuild an artifact whose manifest is byte-identical to the kept one."""
     total = _tree_bytes(art)
-    # Replacing the artifact needs it twice on disk; without that room the killed run converts
-    # beside it (a new --out) and the earlier artifact is the one next to it.
-    name = "artifact" if shutil.disk_usage(a.dir).free > 1.1 * total else "artifact-killed"
-    cmd = _self(a) + ["--phases", "convert", "--expert-bits", str(a.expert_bits), "--out-name", name]
+    mode = a.kill_mode
+    if mode == "auto":
+        mode = "overwrite" if shutil.disk_usage(a.dir).free > 1.1 * total else "rebuild"
+    with open(os.path.join(art, "manifest.json"), "rb") as f:
+        manifest = f.read()
+    before = _snapshot(art)
+    if mode == "rebuild":
+        shutil.rmtree(art)
+    cmd = _self(a) + ["--phases", "convert", "--expert-bits", str(a.expert_bits)]
+    cmd += ["--ple-dtype", a.ple_dtype] if a.ple_dtype else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t, killed_at = time.perf_counter(), None
     while proc.poll() is None:
@@ -406,25 +414,37 @@ def phase_kill(a, art, out, at=0.5):
             killed_at = done
             break
         time.sleep(1)
-    proc.wait()
+    rc = proc.wait()
     stale = _temps(a.dir)
-    unchanged = _snapshot(art) == before
-    admission.admit(art)
+    row = {
+        "mode": mode,
+        "killed": killed_at is not None,
+        "killed_run_rc": rc,
+        "killed_after_s": round(time.perf_counter() - t, 1),
+        "killed_at_gb": None if killed_at is None else round(killed_at / 1e9, 2),
+        "artifact_gb": round(total / 1e9, 2),
+        "stale_temps_after_kill": len(stale),
+    }
+    if mode == "overwrite":
+        row["earlier_artifact_unchanged"] = _snapshot(art) == before
+        admission.admit(art)
+    else:
+        row["nothing_published_by_killed_run"] = not os.path.exists(art)
+    t = time.perf_counter()
     rerun = subprocess.run(cmd, capture_output=True, text=True)
-    emit(
-        out,
-        "kill",
-        out_name=name,
-        killed_after_s=round(time.perf_counter() - t, 1),
-        killed_at_gb=None if killed_at is None else round(killed_at / 1e9, 2),
-        artifact_gb=round(total / 1e9, 2),
-        stale_temps_after_kill=len(stale),
-        earlier_artifact_unchanged=unchanged,
+    row.update(
         rerun_rc=rerun.returncode,
+        rerun_s=round(time.perf_counter() - t, 1),
         rerun_said=[line for line in rerun.stderr.splitlines() if "removed" in line or "free" in line][-3:],
         stale_temps_left=[n for n in stale if n in _temps(a.dir)],
-        artifact_unchanged_after_refused_rerun=None if rerun.returncode == 0 else _snapshot(art) == before,
     )
+    if rerun.returncode == 0:
+        with open(os.path.join(art, "manifest.json"), "rb") as f:
+            row["manifest_byte_identical"] = f.read() == manifest
+        admission.admit(art)
+    elif mode == "overwrite":
+        row["artifact_unchanged_after_refused_rerun"] = _snapshot(art) == before
+    emit(out, "kill", **row)
 
 
 def _self(a):
@@ -656,12 +676,28 @@ def phase_server(a, art, out, cache_gb=4.0, chats=4, alone_tokens=32):
     )
 
 
-def phase_simulate(a, art, out):
+def predictor_recall(run) -> dict | None:
+    """The read-ahead predictor's recall and precision in one run's engine counters: of the records
+    that were not resident when routed, the share a prediction had brought in; of the records
+    predicted and read, the share a route then used."""
+    c = run.get("counters_total") or {}
+    need = c.get("predicted_hits", 0) + c.get("exact_misses", 0)
+    if not need or not c.get("predicted_reads"):
+        return None
+    return {
+        "recall": round(c["predicted_hits"] / need, 3),
+        "precision": round(min(1.0, c["predicted_hits"] / c["predicted_reads"]), 3),
+    }
+
+
+def phase_simulate(a, art, out, probes=3):
     """`simulate --profile machine` against the generate phase's runs: this machine's qualify
-    profile (its SSD probe read from the artifact's expert store), the compute per layer given by
-    --layer-ms (a resident decode of a smaller stack, not the runs it is checked against), the
-    route trace the generate phase's first run recorded; the predicted tok/s at each cache size
-    beside the measured one, at the same read-ahead."""
+    profile (its SSD probe read from the artifact's expert store; `probes` probes a few minutes
+    apart, one projection each: this disk's rate moves by 2x within the hour), the compute per
+    layer given by --layer-ms (a resident decode of smaller stacks at the run's widths, not the
+    runs it is checked against), the route trace the generate phase's first run recorded and the
+    predictor's recall and precision in that run's counters (the default plan's, not a compared
+    row's); the predicted tok/s at each cache size beside the measured one, at the same read-ahead."""
     import statistics
 
     from hebrus_mlx.stream.predict import DEFAULT as DEFAULT_PREFETCH
@@ -670,75 +706,108 @@ def phase_simulate(a, art, out):
         measured = json.load(f)
     anchor = None
     if a.layer_ms is None:
-        anchor = anchor_layer_ms(a)
+        anchor = anchor_layer_ms(a, expert_bits=a.expert_bits)
         a.layer_ms = anchor["layer_ms"]
+    traced = next((r for r in measured if r.get("trace_dir")), None)
+    recall = predictor_recall(traced) if traced is not None else None
+    m = admission.admit(art)
+    sizes = sorted({r["expert_cache_gb_flag"] for r in measured if r["expert_cache_gb_flag"] is not None})
     profile = os.path.join(a.dir, "profile.json")
     env = {**os.environ, "HEBRUS_PROFILE": profile}
-    m = admission.admit(art)
-    t = time.perf_counter()
-    q = subprocess.run(
-        _cli(a, ["qualify", "--out", profile, "--overwrite", "--store", m.file(m.experts)]),
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    qualify_s = time.perf_counter() - t
-    if q.returncode != 0:
-        emit(out, "simulate", qualify_rc=q.returncode, stderr=q.stderr[-800:])
-        return
-    sizes = sorted({r["expert_cache_gb_flag"] for r in measured if r["expert_cache_gb_flag"] is not None})
-    path = os.path.join(a.dir, "simulate.json")
-    args = ["simulate", "--profile", "machine", "--layer-ms", str(a.layer_ms), "--family", m.family.name]
-    args += ["--expert-bits", str(a.expert_bits), "--trace", os.path.join(a.dir, "trace")]
-    args += ["--cache-gb", ",".join(str(x) for x in sizes), "--policies", "clock", "--json", path, "--overwrite"]
-    r = subprocess.run(_cli(a, args), capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        emit(out, "simulate", qualify_s=round(qualify_s, 1), rc=r.returncode, stderr=r.stderr[-800:])
-        return
-    with open(path) as f:
-        rows = json.load(f)["rows"]
+    projections = []
+    for i in range(probes):
+        t = time.perf_counter()
+        q = subprocess.run(
+            _cli(a, ["qualify", "--out", profile, "--overwrite", "--store", m.file(m.experts)]),
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        qualify_s = time.perf_counter() - t
+        if q.returncode != 0:
+            emit(out, "simulate", qualify_rc=q.returncode, stderr=q.stderr[-800:])
+            return
+        with open(profile) as f:
+            pread = json.load(f)["io"]["pread"]
+        path = os.path.join(a.dir, "simulate.json")
+        args = ["simulate", "--profile", "machine", "--layer-ms", str(a.layer_ms), "--family", m.family.name]
+        args += ["--expert-bits", str(a.expert_bits), "--trace", os.path.join(a.dir, "trace")]
+        args += ["--cache-gb", ",".join(str(x) for x in sizes), "--policies", "clock", "--draft-depths", "0"]
+        args += ["--json", path, "--overwrite", "--quiet"]
+        if recall is not None:
+            args += ["--predictor-recall", f"{DEFAULT_PREFETCH}={recall['recall']}/{recall['precision']}"]
+        r = subprocess.run(_cli(a, args), capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            emit(out, "simulate", qualify_s=round(qualify_s, 1), rc=r.returncode, stderr=r.stderr[-800:])
+            return
+        with open(path) as f:
+            res = json.load(f)
+        projections.append(
+            {
+                "qualify_s": round(qualify_s, 1),
+                "ssd_gbps": {k: round(pread[f"qd{k}_GBps"], 3) for k in (1, 8, 32)},
+                "sources": [x for x in res["profile"].get("sources", []) if x.startswith("experts' share")],
+                "rows": res["rows"],
+            }
+        )
+        if i + 1 < probes:
+            time.sleep(60)
     compare = []
     for run in measured:
         gb, mode = run["expert_cache_gb_flag"], run["prefetch"] or DEFAULT_PREFETCH
-
-        def at(m):
-            return [x for x in rows if x["cache_gb"] == gb and x["prefetch"] == m and x["draft_depth"] == 0]
-
-        # A machine profile carries no predictor table, so simulate replays no ahead predictor
-        # (the runtime's default, router-reuse:1): those runs are set beside prefetch off, said so.
-        pred, pred_mode = at(mode), mode
-        if not pred:
-            pred, pred_mode = at("off"), "off"
-        if gb is None or not pred or not run.get("tok_s"):
+        if gb is None or not run.get("tok_s"):
             continue
-        p = pred[0]
+        # Without the predictor's counters (a run that read nothing ahead) its runs are set beside
+        # the projection without read-ahead, said in the row.
+        preds, pred_mode = [], mode
+        for want in (mode, "off"):
+            for proj in projections:
+                p = [x for x in proj["rows"] if x["cache_gb"] == gb and x["prefetch"] == want and x["draft_depth"] == 0]
+                preds += p[:1]
+            if preds:
+                pred_mode = want
+                break
+        if not preds:
+            continue
+        errors = [p["tok_s"] / run["tok_s"] - 1 for p in preds]
+        mid = preds[errors.index(statistics.median_low(errors))]
         compute_s = statistics.mean(run["decode_s_per_token"]) - run["exposed_wait_s_per_token"]
         compare.append(
             {
                 "cache_gb": gb,
                 "prefetch": mode,
                 "predicted_with_prefetch": pred_mode,
-                "measured_compute_ms": round(compute_s * 1e3, 1),
                 "measured_tok_s": run["tok_s"],
-                "predicted_tok_s": round(p["tok_s"], 4),
-                "error": round(p["tok_s"] / run["tok_s"] - 1, 3),
-                "predicted_hit_rate": round(p["hit_rate"], 3),
+                "predicted_tok_s": [round(p["tok_s"], 4) for p in preds],
+                "error": [round(e, 3) for e in errors],
+                "error_median": round(statistics.median_low(errors), 3),
+                "within_15pct": all(abs(e) <= 0.15 for e in errors),
+                "predicted_hit_rate": round(mid["hit_rate"], 3),
                 "measured_hit_rate": run["hit_rate"],
-                "predicted_mb_per_token": round(p["bytes_per_token"] / 1e6, 1),
+                "predicted_mb_per_token": round(mid["bytes_per_token"] / 1e6, 1),
                 "measured_mb_per_token": run["read_mb_per_token"],
-                "predicted_compute_ms": round(p["compute_ms"], 1),
-                "predicted_exposed_ms": round(p["exposed_ms"], 1),
+                "predicted_compute_ms": round(mid["compute_ms"], 1),
+                "measured_compute_ms": round(compute_s * 1e3, 1),
+                "predicted_exposed_ms": [round(p["exposed_ms"], 1) for p in preds],
                 "measured_exposed_ms": round(run["exposed_wait_s_per_token"] * 1e3, 1),
             }
         )
-    emit(out, "simulate", qualify_s=round(qualify_s, 1), layer_ms=a.layer_ms, anchor=anchor, rows=compare)
+    emit(
+        out,
+        "simulate",
+        layer_ms=a.layer_ms,
+        anchor=anchor,
+        predictor=recall,
+        probes=[{k: v for k, v in p.items() if k != "rows"} for p in projections],
+        rows=compare,
+    )
 
 
 def anchor_layer_ms(a, layers=(2, 4), expert_bits=4, tokens=32):
     """The compute per layer `simulate` takes, measured apart from the runs it is checked against:
     `hebrus-mlx bench` decodes on stacks of the same widths with 2 and 4 layers, every expert
-    record held in the arena (after the warm-up run the experts read nothing), at 4-bit experts,
-    the width simulate's --layer-ms is defined at (it scales compute to --expert-bits). A token's
+    record held in the arena (after the warm-up run the experts read nothing), at `expert_bits`
+    (on this CPU the width projected: compute-bound decode is not scaled by bytes). A token's
     compute is fixed + layers x per-layer (embeddings, PLE and the 248k-row head are the fixed
     part); simulate has one compute term per layer, so it gets per-layer + fixed / 48."""
     rows = []
@@ -752,7 +821,8 @@ def anchor_layer_ms(a, layers=(2, 4), expert_bits=4, tokens=32):
         subprocess.run(conv, check=True, capture_output=True, text=True)
         bench = ["bench", "--model", os.path.join(d, "artifact"), "-p", "7", "-g", str(tokens), "-n", "2"]
         bench += ["--warmup", "1", "--no-probe", "--no-plot", "--quiet", "--out", os.path.join(d, "bench")]
-        # An arena for every record of the stack (a 4-bit record is 2.76 MB, ~3.1 MB widened): no reads.
+        # An arena for every record of the stack (a 4-bit record is 2.76 MB, ~3.1 MB widened; 2-bit
+        # 1.54 MB): no reads.
         bench += ["--ab", f"expert-cache-gb={round(n * a.experts * 3.5e6 / 1e9 + 1.0, 1)}"]
         subprocess.run(me + ["--_cli", json.dumps(bench)], check=True, capture_output=True, text=True)
         with open(os.path.join(d, "bench", "bench.json")) as f:
@@ -922,9 +992,18 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=48, help="smoke runs only: fewer layers than the real 48")
     p.add_argument("--experts", type=int, default=512, help="smoke runs only: fewer experts than the real 512")
     p.add_argument("--json", default=None, help="write every phase's row here")
+    p.add_argument(
+        "--kill-mode",
+        choices=("auto", "overwrite", "rebuild"),
+        default="auto",
+        help="kill: convert over the artifact (needs it twice on disk) or rebuild it (auto: what fits)",
+    )
     p.add_argument("--cache-gb", default="default,2,4,8", help="expert caches for generate ('default': the plan)")
     p.add_argument(
-        "--layer-ms", type=float, default=None, help="simulate: compute per layer at 4-bit (ms; default: measured)"
+        "--layer-ms",
+        type=float,
+        default=None,
+        help="simulate: compute per layer at the run's widths (ms; default: measured)",
     )
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)

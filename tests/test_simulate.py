@@ -19,6 +19,7 @@ from hebrus_mlx.errors import UsageError
 from hebrus_mlx.simulate import model as S
 from hebrus_mlx.simulate import projection as P
 from hebrus_mlx.simulate import run as C
+from hebrus_mlx.simulate.run import PROFILES_DIR as S_PROFILES
 from hebrus_mlx.traces import cachesim
 
 R = 1_000_000  # bytes per record in the hand cases
@@ -590,6 +591,43 @@ def test_projection_from_the_qualify_profile(tmp_path, monkeypatch, capsys):
     m = json.loads((tmp_path / "p.json").read_text())["machine"]
     assert m["ssd_gbps"] == {"1": pread["qd1_GBps"], "8": pread["qd8_GBps"], "32": pread["qd32_GBps"]}
     assert m["layer_ms"] == 1.0
+
+
+def test_machine_profile_describes_the_runtime_on_this_cpu(tmp_path, monkeypatch, capsys):
+    """On the CPU device `--profile machine` is the runtime as it runs here: the wavefront on, the
+    experts' share measured (one expert's compute at each width), compute not scaled by bytes, and
+    a read-ahead predictor replayed when its recall is given."""
+    _qualify_profile(tmp_path, monkeypatch, 2_764_800 // 64)
+    out = tmp_path / "p.json"
+    args = ["simulate", "--profile", "machine", "--layer-ms", "100", "--expert-bits", "2,4", "--cache-gb", "8"]
+    args += ["--policies", "clock", "--draft-depths", "0", "--quiet", "--json", str(out)]
+    assert cli.main(args + ["--predictor-recall", "router-reuse:1=0.6/0.7"]) == 0
+    res = json.loads(out.read_text())
+    assert res["machine"]["wavefront"] is True
+    shares = [x for x in res["profile"]["sources"] if x.startswith("experts' share of a layer")]
+    assert len(shares) == 2 and all("measured now" in x for x in shares)
+    by_codec = {c["codec"]: c for c in res["by_codec"]}
+    assert by_codec["affine2-g64"]["compute_scale"] is None  # compute-bound: the same --layer-ms at each width
+    for c in by_codec.values():
+        assert all(r["compute_ms"] == pytest.approx(48 * 100.0) for r in c["rows"] if r["prefetch"] == "off")
+    modes = {r["prefetch"] for r in res["rows"]}
+    assert "router-reuse:1" in modes and "off" in modes
+    ahead = next(r for r in res["rows"] if r["prefetch"] == "router-reuse:1")
+    off = next(r for r in res["rows"] if r["prefetch"] == "off")
+    assert ahead["hit_rate"] > off["hit_rate"]  # predicted records that landed count as hits
+    capsys.readouterr()
+    for bad in ("router-reuse:1", "router-reuse:1=1.5", "router-reuse:1=0.5/0", "router-reuse:1=x"):
+        assert cli.main(args + ["--predictor-recall", bad]) == 2
+        assert "--predictor-recall" in capsys.readouterr().err
+
+
+def test_a_profile_file_with_a_bad_runtime_setting_is_refused(tmp_path, capsys):
+    base = json.loads((S_PROFILES / "m5-pro-48gb.json").read_text())
+    for key, value in (("wavefront", "yes"), ("expert_ms", -1.0), ("expert_ms", "fast")):
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({**base, key: value}))
+        assert cli.main(["simulate", "--profile", str(path), "--cache-gb", "8", "--quiet"]) == 2
+        assert key in capsys.readouterr().err
 
 
 def test_decode_stack_validation_plumbing(tmp_path, monkeypatch, capsys):

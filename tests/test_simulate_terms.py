@@ -52,17 +52,30 @@ def test_ple_pages_are_counted_and_a_slow_disk_exposes_them():
     assert _project(_machine(ssd_gbps={1: 0.01}), geom=no_ple).ple_ms == 0
 
 
-def test_the_wavefront_hides_misses_behind_resident_experts_only():
+def test_the_wavefront_computes_residents_first_then_each_miss_as_it_lands():
+    """The runtime's one-token wavefront (stream.switch): compute waits only where the reads run
+    ahead of it: for the first miss (behind the resident experts' compute) or the last (behind
+    every expert's compute but its own)."""
+    geom = S.geometry_of_family(FAM, "affine2-g64")
+    R = geom.record_bytes
     m = _machine(ssd_gbps={1: 0.5, 8: 1.0}, expert_share=0.3)
     waits = _project(m)
     wave = _project(dataclasses.replace(m, wavefront=True))
-    assert wave.exposed_ms < waits.exposed_ms
-    # 7 of 10 records resident per layer: at most 0.7 * 0.3 * layer_s hidden per layer.
-    assert waits.exposed_ms - wave.exposed_ms == pytest.approx(48 * 0.7 * 0.3 * 0.7, rel=1e-6)
-    # Every record a miss: nothing resident to compute meanwhile.
+    # 3 misses per layer at QD3 (0.5 + 2/7 * 0.5 GB/s): far longer than a layer's compute, so every
+    # expert but the last to land computes under the reads: 9 experts of 0.3 * 0.7 ms / 10 each.
+    t = 3 * R / ((0.5 + 2 / 7 * 0.5) * 1e9) * 1e3
+    assert waits.exposed_ms == pytest.approx(48 * t, rel=1e-6)
+    assert wave.exposed_ms == pytest.approx(48 * (t - 9 * 0.3 * 0.7 / 10), rel=1e-6)
+    # Experts that compute longer than the reads take: nothing exposed.
+    slow = dataclasses.replace(m, wavefront=True, expert_share=1.0, layer_s=0.1)
+    assert _project(slow).exposed_ms == 0.0
+    # No resident expert: the first miss is waited for whatever the compute (QD8, 1 GB/s).
     all_miss = _replay(misses_per_layer=10.0)
-    assert _project(dataclasses.replace(m, wavefront=True), rep=all_miss).exposed_ms == pytest.approx(
-        _project(m, rep=all_miss).exposed_ms
+    t10 = 10 * R / 1e9 * 1e3
+    assert _project(slow, rep=all_miss).exposed_ms == pytest.approx(48 * t10 / 10, rel=1e-6)
+    # A batched step resolves all its records first (the runtime's wavefront is one-token only).
+    assert _project(dataclasses.replace(m, wavefront=True), batch=4, union=0.5).exposed_ms == pytest.approx(
+        _project(m, batch=4, union=0.5).exposed_ms
     )
 
 

@@ -37,7 +37,13 @@ def build_parser():
         type=flags.number(0, 1e6),
         default=None,
         help="with --profile machine: decode compute per layer at 4-bit experts and dense weights (the anchor "
-        "--expert-bits / --dense-bits scale from)",
+        "--expert-bits / --dense-bits scale from); on a CPU device at the widths projected (not scaled)",
+    )
+    p.add_argument(
+        "--predictor-recall",
+        default=None,
+        help="NAME=RECALL[/PRECISION],...: a read-ahead predictor's recall (and precision) replayed through "
+        "the arena, e.g. router-reuse:1=0.62/0.72 from a run's counters (adds to the profile's table)",
     )
     p.add_argument("--family", default="qwen3.8-flash-next", help="model geometry for a projection")
     p.add_argument(

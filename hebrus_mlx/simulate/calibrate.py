@@ -158,6 +158,52 @@ def artifact_hinter(path, rows: int, threads: int = 8):
     return hint, lambda: ex.engine.trace_events(clear=True)[0], ex.engine.close
 
 
+def expert_ms(family, codec: str, repeats: int = 7, rows: int = 32, seed: int = 0) -> float:
+    """Milliseconds of one routed expert's compute for one token on this machine's default device,
+    at the family's widths and `codec`: the ops a one-token wavefront step runs per expert
+    (stream.switch: gate, up and down through `gather_qmm` on an arena of `rows` records, SwiGLU
+    between), top_k experts in turn as one graph; the median over `repeats` steps, per expert."""
+    import mlx.core as mx
+
+    from ..models.switch_layers import swiglu
+    from . import model as S
+
+    c = S.expert_codec(codec)
+    if not c.affine:
+        raise ValueError(f"expert_ms: {codec} is not an affine codec")
+    d, f, k = family.hidden_size, family.moe_intermediate_size, family.num_experts_per_tok
+    key = mx.random.key(seed)
+    parts = {}
+    for i, (name, shape) in enumerate((("gate", (rows, f, d)), ("up", (rows, f, d)), ("down", (rows, d, f)))):
+        w = mx.random.normal(shape, key=mx.random.split(key, 3)[i]) * 0.02
+        parts[name] = mx.quantize(w, group_size=c.group_size, bits=c.bits)
+    mx.eval(parts)
+    x = mx.random.normal((1, 1, 1, d), key=key).astype(mx.float32)
+
+    def project(name, x, row):
+        w, scales, biases = parts[name]
+        return mx.gather_qmm(
+            x, w, scales, biases, rhs_indices=row, transpose=True, group_size=c.group_size, bits=c.bits
+        )
+
+    def step(x, ids):
+        ys = []
+        for i in range(k):
+            row = mx.array([[int(ids[i])]], dtype=mx.uint32)
+            ys.append(project("down", swiglu(project("gate", x, row), project("up", x, row)), row))
+        return mx.concatenate(ys, axis=-3)
+
+    rng = np.random.default_rng(seed)
+    mx.eval(step(x, rng.permutation(rows)[:k]))  # warm-up (first-call allocations)
+    times = []
+    for _ in range(repeats):
+        ids = rng.permutation(rows)[:k]
+        t = time.perf_counter()
+        mx.eval(step(x, ids))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3 / k
+
+
 def load_average() -> tuple | None:
     try:
         return os.getloadavg()

@@ -86,9 +86,10 @@ class Machine:
     handoff_ms: float = 0.0
     # Fraction of a token's PLE page reads that the PLE row cache serves (--ple-cache-gb).
     ple_hit: float = 0.0
-    # The wavefront (stream.switch): a layer's resident experts compute while its misses are read.
-    # expert_share is the routed experts' share of a layer's decode compute (memory-bound decode:
-    # their share of the bytes a token reads); 0 or wavefront False: a layer waits for all top-k.
+    # The wavefront (stream.switch, one-token steps): a layer's resident experts compute while its
+    # misses are read, and each miss computes as it lands. expert_share is the routed experts'
+    # share of a layer's decode compute (on a memory-bound GPU their share of the bytes a token
+    # reads; on the CPU measured); 0 or wavefront False: a layer waits for all top-k.
     wavefront: bool = False
     expert_share: float = 0.0
 
@@ -786,10 +787,14 @@ def project(
         d = rep.demand_misses[l] * w * union
         p = rep.predicted_reads[l] * w * union
         wait = max(machine.io_time(d, R), machine.io_time(d + p, R) - window)
-        if machine.wavefront and d > 0:
-            # The layer's records already resident compute while its misses are read.
-            hits = max(k * w * union - d, 0.0) / max(k * w * union, 1e-9)
-            wait = max(0.0, wait - hits * machine.expert_share * machine.layer_s)
+        if machine.wavefront and w == 1 and d > 0:
+            # A one-token step's wavefront (stream.switch): the k - d resident experts compute
+            # first, then each miss as it lands (landings spread evenly over `wait`), so compute
+            # waits only where the reads run ahead of it: for the first miss (wait / d against the
+            # residents' compute) or for the last (wait against every expert's compute but its own).
+            e = machine.expert_share * machine.layer_s / k  # one routed expert's compute
+            h = max(k - d, 0.0)
+            wait = max(0.0, wait / max(d, 1.0) - h * e, wait - (h + max(d, 1.0) - 1.0) * e)
         exposed += wait
         if p > 0 and rep.predicted_used[l] > 0:
             late += rep.predicted_used[l] * (1.0 - landed_fraction(machine, p, R, window))

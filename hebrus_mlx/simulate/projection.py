@@ -35,7 +35,8 @@ RUNTIME_POLICY = "clock"  # the loader's arena policy (loading/build_model.py); 
 RUNTIME_PREFETCH = ("off", "previous", "router-reuse:1", "router-reuse:2", "hyper-reuse")  # --prefetch values
 # Whether the runtime's streamed MoE step computes a layer's resident experts while its misses are
 # read (stream.switch); the projection credits that overlap only when the runtime does it. It does
-# by default on the CPU device only, not on the GPU the projected Macs decode on.
+# by default on the CPU device only, not on the GPU the projected Macs decode on (a profile's own
+# "wavefront" says otherwise: --profile machine on this CPU).
 RUNTIME_WAVEFRONT = False
 BATCHES = (1, 2, 4, 8)  # concurrent requests projected for agents (continuous batching)
 DEFAULT_PREFETCH = "router-reuse:1"  # stream.predict.DEFAULT (not imported: that module needs MLX)
@@ -212,13 +213,16 @@ def runtime_machine(
     prof: dict, where: str, check: str, compute_scale: float | None = None, expert_share: float = 0.0
 ) -> S.Machine:
     """The profile's machine running this runtime at one width: compute follows the weight bytes a
-    token reads (S.compute_scale), the experts' share of it is what a wavefront can overlap."""
+    token reads (S.compute_scale), the experts' share of it is what a wavefront can overlap. A
+    profile that says whether the runtime runs the wavefront there (``--profile machine`` on a
+    CPU device does) keeps its setting; the shipped Mac profiles get the GPU's (off)."""
     machine = machine_of(prof, where, check)
     if compute_scale is not None:
         machine = dataclasses.replace(
             machine, layer_s=machine.layer_s * compute_scale, other_s=machine.other_s * compute_scale
         )
-    return dataclasses.replace(machine, wavefront=RUNTIME_WAVEFRONT, expert_share=expert_share)
+    wavefront = bool(prof["wavefront"]) if "wavefront" in prof else RUNTIME_WAVEFRONT
+    return dataclasses.replace(machine, wavefront=wavefront, expert_share=expert_share)
 
 
 def dense_gb(prof: dict, where: str) -> float | None:
@@ -239,8 +243,12 @@ def width_note(prof: dict, machine: S.Machine, family, codec: str, dense: str, s
     if scale is None:
         return {
             "compute_scale": None,
-            "compute_note": f"compute {base:.1f} ms/token resident, NOT scaled with the "
-            "width (the profile gives no dense_gb)",
+            "compute_note": f"compute {base:.1f} ms/token resident, NOT scaled with the width "
+            + (
+                "(compute-bound CPU decode: --layer-ms is taken at the widths projected)"
+                if prof.get("wavefront")
+                else "(the profile gives no dense_gb)"
+            ),
         }
     return {
         "compute_scale": scale,

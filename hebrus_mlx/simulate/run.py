@@ -98,6 +98,7 @@ def qualify_machine(layer_ms: float | None) -> dict:
         )
     ssd = {k[2:-5]: float(v) for k, v in pread.items() if k.startswith("qd") and k.endswith("_GBps")}
     base = load_profile("m5-pro-48gb")
+    runtime = _runtime_here()
     when = prof.get("created_unix")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)) if isinstance(when, (int, float)) else "unknown"
     return {
@@ -110,7 +111,7 @@ def qualify_machine(layer_ms: float | None) -> dict:
         "verify_gbps": pread.get("sha256_GBps_one_thread"),
         **_qualify_fast_check(pread, base),
         "resident_gb": base["resident_gb"],
-        "dense_gb": base.get("dense_gb"),
+        "dense_gb": None if runtime else base.get("dense_gb"),
         "reserve_gb": base["reserve_gb"],
         "acceptance": base["acceptance"],
         "synthetic_routes": base["synthetic_routes"],
@@ -126,7 +127,31 @@ def qualify_machine(layer_ms: float | None) -> dict:
             + _qualify_fast_check(pread, base)["fast_check_source"],
             "ASSUMPTION: resident/reserve GB, acceptance and synthetic routes of the shipped m5-pro-48gb profile",
         ]
-        + [a for a in base["assumptions"] if "synthetic" in a],
+        + [a for a in base["assumptions"] if "synthetic" in a]
+        + runtime.get("assumptions", []),
+        **{k: v for k, v in runtime.items() if k != "assumptions"},
+    }
+
+
+def _runtime_here() -> dict:
+    """How the runtime runs on this machine where that differs from the shipped (Mac GPU)
+    profiles: on the CPU device its one-token steps run the wavefront (stream.experts: on by
+    default there) and decode is compute-bound, so compute is not scaled by the bytes a width
+    reads: --layer-ms must be measured at the widths projected. {} on a GPU device."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return {}
+    return {
+        "wavefront": True,
+        "expert_ms": "measure",
+        "assumptions": [
+            "this machine decodes on the CPU device: the runtime's wavefront is on (each routed expert "
+            "computes as its record lands, resident ones first); one routed expert's compute is measured "
+            "at each width (simulate.calibrate.expert_ms)",
+            "compute-bound CPU decode: compute is NOT scaled by the bytes a width reads; --layer-ms is "
+            "taken at the expert and dense widths projected",
+        ],
     }
 
 
@@ -201,6 +226,11 @@ def check_profile(d: dict, where: str) -> dict:
         if not (isinstance(qd, str) and qd.isdigit() and 1 <= int(qd) <= 4096):
             raise UsageError("--profile", f"{where}: ssd_gbps: queue depth {qd!r} is not an integer in [1, 4096]")
         _check_number(v, (False, 0, 1e4, True), f"{where}: ssd_gbps.{qd}")
+    if "wavefront" in d and not isinstance(d["wavefront"], bool):
+        raise UsageError("--profile", f"{where}: wavefront: must be true or false, got {d['wavefront']!r}")
+    em = d.get("expert_ms")
+    if em is not None and em != "measure":
+        _check_number(em, (False, 0, 1e4, False), f"{where}: expert_ms")
     overhead = d.get("predictor_overhead") or {}
     if not isinstance(overhead, dict):
         raise UsageError("--profile", f"{where}: predictor_overhead: must be an object, got {overhead!r}")
@@ -265,12 +295,55 @@ def _trace_routes(args, fam):
     return load_trace(args.trace, S.geometry_of_family(fam))
 
 
+def _measured_shares(prof: dict, fam, codecs) -> dict:
+    """The routed experts' share of a layer's compute per width from one expert's compute (given,
+    or measured now: "measure") over --layer-ms; said in the profile's sources."""
+    from .calibrate import expert_ms
+
+    shares = {}
+    for codec in codecs:
+        given = prof["expert_ms"]
+        ms = expert_ms(fam, codec) if given == "measure" else float(given)
+        shares[codec] = min(1.0, ms * fam.num_experts_per_tok / prof["layer_ms"]) if prof["layer_ms"] else 0.0
+        how = "measured now" if given == "measure" else "given"
+        prof.setdefault("sources", []).append(
+            f"experts' share of a layer at {codec}: {fam.num_experts_per_tok} x {ms:.2f} ms per routed expert "
+            f"({how}) / {prof['layer_ms']:g} ms = {shares[codec]:.2f}"
+        )
+    return shares
+
+
+def add_predictor_recall(prof: dict, given: str | None, predictors: str) -> dict:
+    """--predictor-recall NAME=RECALL[/PRECISION],...: entries of the profile's predictor table
+    (the one --predictors reads), e.g. a recall and precision the runtime's counters measured."""
+    if not given:
+        return prof
+    field_name = "predictors" if predictors == "peer" else "synthetic_predictors"
+    table = dict(prof.get(field_name) or {})
+    for item in parse_list(given, str, "--predictor-recall"):
+        name, eq, value = item.partition("=")
+        recall, _, precision = value.partition("/")
+        try:
+            spec = {"recall": float(recall), "source": "--predictor-recall"}
+            if precision:
+                spec["precision"] = float(precision)
+        except ValueError:
+            raise UsageError("--predictor-recall", f"NAME=RECALL[/PRECISION], got {item!r}") from None
+        if not eq or not name:
+            raise UsageError("--predictor-recall", f"NAME=RECALL[/PRECISION], got {item!r}")
+        if not 0.0 <= spec["recall"] <= 1.0 or not 0.0 < spec.get("precision", 1.0) <= 1.0:
+            raise UsageError("--predictor-recall", f"{name}: recall in [0, 1], precision in (0, 1], got {value!r}")
+        table[name] = spec
+    return {**prof, field_name: table}
+
+
 def project_profile(args, memo=None, progress=True) -> dict:
     """One profile's projection at each --codec (expert width); see `projection`."""
     from ..artifact import constants as C
     from . import projection as P
 
     prof = load_profile(args.profile, args.layer_ms)
+    prof = add_predictor_recall(prof, getattr(args, "predictor_recall", None), args.predictors)
     where = f"profile {args.profile}"
     check = "off" if args.no_verify else args.check
     fam = C.family(args.family, "--family")
@@ -283,6 +356,8 @@ def project_profile(args, memo=None, progress=True) -> dict:
     resident = float(prof.get("resident_gb", 0.0))
     if dense_gb is not None:
         resident += dense_gb * (S.bits_per_weight(dense) / S.bits_per_weight(S.ANCHOR_CODEC) - 1)
+    if prof.get("expert_ms") is not None:  # before the machine is made: it lists the sources
+        measured_shares = _measured_shares(prof, fam, codecs)
     machine = P.machine_of(prof, where, check)
     budget = (machine.memory_gb or 0) - resident - float(prof.get("reserve_gb", 0))
     given = parse_list(args.cache_gb, flags.gib(), "--cache-gb") if args.cache_gb else None
@@ -304,6 +379,8 @@ def project_profile(args, memo=None, progress=True) -> dict:
             (codec, geom, inp, P.cache_sizes(budget, given, geom), pfs, S.compute_scale(fam, dense_gb, codec, dense))
         )
     shares = {codec: S.expert_share(fam, dense_gb, codec, dense) for codec in codecs}
+    if prof.get("expert_ms") is not None:
+        shares = measured_shares
     total = sum(S.replays_needed(c, policies, pfs, inp.gains, depths) for _, _, inp, c, pfs, _ in plans)
     bar = None
     if progress and not args.quiet:
