@@ -131,9 +131,9 @@ def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None, one_by_
     path = tmp_path / "store.bin"
     path.write_bytes(bytes(L * E * rec))
     eng = FaultyEngine(cache_bytes=rec, threads=2, policy=policy)
-    # Reads take 1 ms, so the hints of one prefetch op are all still in flight while it issues
-    # them (not evictable), as the replay assumes; without the delay that is a race.
-    eng.set_read_delay_us(1000)
+    # The readers are held while a prefetch op issues its hints, so they are all still in flight
+    # (not evictable) until it returns, as the replay assumes; a read delay alone raced under load
+    # (one CI-like run under a busy machine read 113 predicted records against the replay's 112).
     st = eng.add_store(str(path))
     aid, _ = eng.create_arena([rec], rows)
     table = eng.register_table(st, [i * rec for i in range(L * E)], [rec] * (L * E), arena=aid)
@@ -150,7 +150,11 @@ def _engine_counts(topk, E, rows, policy, prefetch, tmp_path, pred=None, one_by_
 
     def hints(ids, layer):
         for batch in [ids[i : i + 1] for i in range(len(ids))] if one_by_one else [ids]:
-            mx.eval(eng.prefetch(table, mx.array(batch.astype(np.uint32)), priority=1, layer=layer))
+            eng.hold(True)
+            try:
+                mx.eval(eng.prefetch(table, mx.array(batch.astype(np.uint32)), priority=1, layer=layer))
+            finally:
+                eng.hold(False)
             idle()
 
     for t in range(T):
