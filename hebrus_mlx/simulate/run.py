@@ -356,8 +356,11 @@ def project_profile(args, memo=None, progress=True) -> dict:
     resident = float(prof.get("resident_gb", 0.0))
     if dense_gb is not None:
         resident += dense_gb * (S.bits_per_weight(dense) / S.bits_per_weight(S.ANCHOR_CODEC) - 1)
-    if prof.get("expert_ms") is not None:  # before the machine is made: it lists the sources
-        measured_shares = _measured_shares(prof, fam, codecs)
+    # The experts' share of a layer per width (measured ones first: the machine lists the sources).
+    if prof.get("expert_ms") is not None:
+        shares = _measured_shares(prof, fam, codecs)
+    else:
+        shares = {codec: S.expert_share(fam, dense_gb, codec, dense) for codec in codecs}
     machine = P.machine_of(prof, where, check)
     budget = (machine.memory_gb or 0) - resident - float(prof.get("reserve_gb", 0))
     given = parse_list(args.cache_gb, flags.gib(), "--cache-gb") if args.cache_gb else None
@@ -378,9 +381,6 @@ def project_profile(args, memo=None, progress=True) -> dict:
         plans.append(
             (codec, geom, inp, P.cache_sizes(budget, given, geom), pfs, S.compute_scale(fam, dense_gb, codec, dense))
         )
-    shares = {codec: S.expert_share(fam, dense_gb, codec, dense) for codec in codecs}
-    if prof.get("expert_ms") is not None:
-        shares = measured_shares
     total = sum(S.replays_needed(c, policies, pfs, inp.gains, depths) for _, _, inp, c, pfs, _ in plans)
     bar = None
     if progress and not args.quiet:
