@@ -620,7 +620,7 @@ def test_machine_profile_describes_the_runtime_on_this_cpu(tmp_path, monkeypatch
     off = next(r for r in res["rows"] if r["prefetch"] == "off")
     assert ahead["hit_rate"] > off["hit_rate"]  # predicted records that landed count as hits
     capsys.readouterr()
-    for bad in ("router-reuse:1", "router-reuse:1=1.5", "router-reuse:1=0.5/0", "router-reuse:1=x"):
+    for bad in ("router-reuse:1", "router-reuse:1=1.5", "router-reuse:1=0.5/0", "router-reuse:1=x", "foo=0.5"):
         assert cli.main(args + ["--predictor-recall", bad]) == 2
         assert "--predictor-recall" in capsys.readouterr().err
 

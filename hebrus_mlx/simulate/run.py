@@ -318,6 +318,9 @@ def add_predictor_recall(prof: dict, given: str | None, predictors: str) -> dict
     (the one --predictors reads), e.g. a recall and precision the runtime's counters measured."""
     if not given:
         return prof
+    from . import projection as P
+
+    ahead = [p for p in P.RUNTIME_PREFETCH if S.prefetch_kind(p)[0] == "ahead"]
     field_name = "predictors" if predictors == "peer" else "synthetic_predictors"
     table = dict(prof.get(field_name) or {})
     for item in parse_list(given, str, "--predictor-recall"):
@@ -331,6 +334,8 @@ def add_predictor_recall(prof: dict, given: str | None, predictors: str) -> dict
             raise UsageError("--predictor-recall", f"NAME=RECALL[/PRECISION], got {item!r}") from None
         if not eq or not name:
             raise UsageError("--predictor-recall", f"NAME=RECALL[/PRECISION], got {item!r}")
+        if name not in ahead:
+            raise UsageError("--predictor-recall", f"{name}: not one of {', '.join(ahead)}")
         if not 0.0 <= spec["recall"] <= 1.0 or not 0.0 < spec.get("precision", 1.0) <= 1.0:
             raise UsageError("--predictor-recall", f"{name}: recall in [0, 1], precision in (0, 1], got {value!r}")
         table[name] = spec
