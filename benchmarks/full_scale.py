@@ -894,9 +894,16 @@ def phase_engine(a, art, out, tokens=4, rounds=3):
 
     load_before = os.getloadavg()[0]
     rates = {"raw": [], "engine": []}
+    raw_cpu = []  # CPU seconds per GB of the raw reads (the engine's: resolve_split)
+    gb = tokens * L * k * geom.record_bytes / 1e9
     for r in range(rounds):
         for name in ("raw", "engine") if r % 2 == 0 else ("engine", "raw"):
-            rates[name].append(raw() if name == "raw" else engine())
+            if name == "raw":
+                c = _cpu_s()
+                rates[name].append(raw())
+                raw_cpu.append((_cpu_s() - c) / gb)
+            else:
+                rates[name].append(engine())
     _drop_cache([store])
     split = resolve_split(m, plan(), k, geom.record_bytes)
     emit(
@@ -908,6 +915,7 @@ def phase_engine(a, art, out, tokens=4, rounds=3):
         raw_gb_s=[round(x, 3) for x in rates["raw"]],
         engine_gb_s=[round(x, 3) for x in rates["engine"]],
         engine_over_raw=round(statistics.median(e / r for e, r in zip(rates["engine"], rates["raw"])), 3),
+        raw_cpu_s_per_gb=[round(x, 3) for x in raw_cpu],
         resolve_split=split,
         load_avg_before=load_before,
         load_avg_after=os.getloadavg()[0],
@@ -929,6 +937,7 @@ def resolve_split(m, batches, rows, record_bytes):
     try:
         ex = StreamedExperts.from_artifact(m, rows=rows, engine=eng)
         cold, hit = [], []
+        cpu0 = _cpu_s()
         for layer, experts in batches:
             ids = mx.array(experts, dtype=mx.uint32)
             for times in (cold, hit):
@@ -937,9 +946,14 @@ def resolve_split(m, batches, rows, record_bytes):
                 mx.eval(got)
                 times.append(time.perf_counter() - t)
                 mx.eval(eng.release_after(mx.array(0.0), lease))
+        cpu = _cpu_s() - cpu0
         c, h = statistics.median(cold), statistics.median(hit)
         n = statistics.median(len(e) for _, e in batches)
+        gb = sum(len(e) for _, e in batches) * record_bytes / 1e9
         return {
+            # every thread's CPU over the cold and hit resolves, per GB read: the readers' check
+            # and widening, the op's graph and bookkeeping
+            "cpu_s_per_gb": round(cpu / gb, 3),
             "resolves": len(batches),
             "cold_ms": round(c * 1e3, 2),
             "hit_ms": round(h * 1e3, 2),
@@ -948,6 +962,11 @@ def resolve_split(m, batches, rows, record_bytes):
         }
     finally:
         eng.close()
+
+
+def _cpu_s():
+    """This process's user + system CPU seconds, every thread's."""
+    return sum(os.times()[:2])
 
 
 def _drop_cache(paths):

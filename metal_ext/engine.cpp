@@ -58,18 +58,24 @@ const char* check_name(Check kind) {
 
 bool check_matches(
     const RecordCheck& check, const struct iovec* segs, size_t nsegs,
-    uint64_t length) {
-  if (check.kind == Check::kNone) {
-    return true;
-  }
+    uint64_t length, const std::function<void(size_t)>& after) {
   auto each = [&](auto&& update) {
     uint64_t left = length;
-    for (size_t i = 0; i < nsegs && left > 0; ++i) {
+    for (size_t i = 0; i < nsegs; ++i) {
       uint64_t n = std::min<uint64_t>(left, segs[i].iov_len);
-      update(static_cast<const uint8_t*>(segs[i].iov_base), n);
+      if (n > 0) {
+        update(static_cast<const uint8_t*>(segs[i].iov_base), n);
+      }
       left -= n;
+      if (after) {
+        after(i);
+      }
     }
   };
+  if (check.kind == Check::kNone) {
+    each([](const uint8_t*, uint64_t) {});
+    return true;
+  }
   if (check.kind == Check::kXxh3) {
     Xxh3_128 h;
     each([&](const uint8_t* p, uint64_t n) { h.update(p, n); });
@@ -81,6 +87,26 @@ bool check_matches(
   Sha256 h;
   each([&](const uint8_t* p, uint64_t n) { h.update(p, n); });
   return h.finish() == check.digest;
+}
+
+void widen_bf16_in_place(uint8_t* base, uint64_t bf16_bytes) {
+  // Backwards a chunk at a time: a chunk's inputs are copied out first, and
+  // its outputs start at byte 4n, at or past the end (2n) of every input not
+  // yet copied. The inner loop then vectorizes (the scalar in-place loop did
+  // not: a reader spent twice its digest time there).
+  constexpr uint64_t kChunk = 2048;
+  uint16_t in[kChunk];
+  uint64_t n = bf16_bytes / 2;
+  while (n > 0) {
+    uint64_t c = std::min(n, kChunk);
+    n -= c;
+    std::memcpy(in, base + 2 * n, 2 * c);
+    uint8_t* out = base + 4 * n;
+    for (uint64_t j = 0; j < c; ++j) {
+      uint32_t f = uint32_t(in[j]) << 16;
+      std::memcpy(out + 4 * j, &f, 4);
+    }
+  }
 }
 
 std::string trace_outcome_name(const TraceEvent& e) {
@@ -127,7 +153,12 @@ Engine::Engine(const EngineOptions& options) : opts_(options) {
 #endif
   }
   latencies_.reserve(kLatencyWindow);
-  for (int i = 0; i < opts_.threads; ++i) {
+  // opts_.threads readers plus one checker per core (at most as many as
+  // readers): reads stay at opts_.threads in flight while the records
+  // already read are checked beside them.
+  int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  int workers = opts_.threads + std::min(opts_.threads, cores);
+  for (int i = 0; i < workers; ++i) {
     workers_.emplace_back([this] { worker_loop(); });
   }
 }
@@ -1031,6 +1062,9 @@ bool Engine::set_hint(
 }
 
 bool Engine::pick_job_locked(std::unique_ptr<Job>& job) {
+  if (reading_ >= opts_.threads) {
+    return false; // every read slot is moving bytes
+  }
   for (int p = 0; p < kNumPriorities; ++p) {
     // P2 only takes spare bandwidth: never while P0/P1 reads are queued, and
     // one worker stays free for an exact miss that may arrive next.
@@ -1058,6 +1092,7 @@ bool Engine::pick_job_locked(std::unique_ptr<Job>& job) {
       s.inflight = true;
       s.queued_priority = -1;
       inflight_[p]++;
+      reading_++;
       return true;
     }
   }
@@ -1120,7 +1155,9 @@ ErrorCode Engine::pread_into(
   return ErrorCode::kNone;
 }
 
-ErrorCode Engine::do_read(const Job& job, std::string& msg, ReadHooks* hooks) {
+ErrorCode Engine::do_read(
+    const Job& job, std::string& msg, ReadHooks* hooks,
+    const std::function<void()>& read_done) {
   auto where = [&] {
     std::ostringstream os;
     os << "store " << job.key.store << " offset " << job.key.offset
@@ -1194,6 +1231,9 @@ ErrorCode Engine::do_read(const Job& job, std::string& msg, ReadHooks* hooks) {
     got = r.got;
     detail = r.detail;
   }
+  if (read_done) {
+    read_done();
+  }
   if (moved != ErrorCode::kNone) {
     msg = "I/O error reading " + where() + ": " + detail;
     return moved;
@@ -1204,26 +1244,18 @@ ErrorCode Engine::do_read(const Job& job, std::string& msg, ReadHooks* hooks) {
     return ErrorCode::kShortRead;
   }
   // The reading thread checks its own record (the other readers keep
-  // their reads in flight meanwhile), on the bytes it will publish.
-  if (!check_matches(job.key.check, segs.data(), segs.size(), job.key.length)) {
+  // their reads in flight meanwhile), on the bytes it will publish, and
+  // widens each bf16 part right after hashing it, while it is in cache: a
+  // row whose record does not match is never published.
+  auto widen = [&](size_t p) {
+    if (p < expand.size() && expand[p]) {
+      widen_bf16_in_place(static_cast<uint8_t*>(segs[p].iov_base), segs[p].iov_len);
+    }
+  };
+  if (!check_matches(job.key.check, segs.data(), segs.size(), job.key.length, widen)) {
     msg = std::string(job.key.check.kind == Check::kXxh3 ? "XXH3-128" : "SHA-256") +
         " mismatch for " + where();
     return ErrorCode::kDigest;
-  }
-  // bf16 -> fp32 is a 16-bit left shift. Backwards, so element i (bytes
-  // 4i..4i+3) never overwrites a 16-bit input j < i (bytes 2j..2j+1). The
-  // row is not published yet, so nobody reads it meanwhile.
-  for (size_t p = 0; p < expand.size(); ++p) {
-    if (!expand[p]) {
-      continue;
-    }
-    uint8_t* base = static_cast<uint8_t*>(segs[p].iov_base);
-    for (uint64_t i = segs[p].iov_len / 2; i-- > 0;) {
-      uint16_t h;
-      std::memcpy(&h, base + 2 * i, 2);
-      uint32_t f = uint32_t(h) << 16;
-      std::memcpy(base + 4 * i, &f, 4);
-    }
   }
   return ErrorCode::kNone;
 }
@@ -1249,12 +1281,22 @@ void Engine::worker_loop() {
     }
     lk.unlock();
     std::string msg;
-    ErrorCode code = do_read(*job, msg, hooks.get());
+    bool reading = true;
+    auto read_done = [&] {
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        reading_--;
+        reading = false;
+      }
+      work_cv_.notify_one(); // a read slot is free: the next queued read starts
+    };
+    ErrorCode code = do_read(*job, msg, hooks.get(), read_done);
     bool fallback = false;
     if (job->file > 0 &&
         (code == ErrorCode::kIO || code == ErrorCode::kShortRead ||
          code == ErrorCode::kDigest)) {
-      // The mirror could not give the verified bytes: the primary can.
+      // The mirror could not give the verified bytes: the primary can. (This
+      // error path reads outside the read slots: one read over the depth.)
       Job primary = *job;
       primary.file = 0;
       primary.fd = job->primary_fd;
@@ -1264,6 +1306,9 @@ void Engine::worker_loop() {
       fallback = true;
     }
     lk.lock();
+    if (reading) {
+      reading_--; // do_read ended before its bytes moved
+    }
     {
       Store& st = stores_[job->key.store];
       st.file_reads[job->file]++;
@@ -1330,8 +1375,9 @@ void Engine::worker_loop() {
       recycle_slab_locked(job->slab);
       fail_slot_locked(job->slot, code, msg);
     }
+    // No other worker is woken: a completion queues no read, and the
+    // inflight count it frees is this worker's, which picks next itself.
     done_cv_.notify_all();
-    work_cv_.notify_all();
   }
 }
 

@@ -103,9 +103,16 @@ struct RecordCheck {
 // Whether the first `length` bytes of the segments (one record, scattered
 // over arena parts or in one slab) have the digest `check` names (true
 // for Check::kNone). The bytes are hashed where they lie, once.
+// `after(i)`, when given, runs for every segment i in order once its bytes
+// are hashed (a reader widens a part there while it is still in cache; the
+// row is published only if the whole record matched).
 bool check_matches(
     const RecordCheck& check, const struct iovec* segs, size_t nsegs,
-    uint64_t length);
+    uint64_t length, const std::function<void(size_t)>& after = {});
+
+// bf16 -> fp32 in place: the first `bf16_bytes` bytes at `base` widened to
+// 2 * bf16_bytes bytes (a 16-bit left shift per value).
+void widen_bf16_in_place(uint8_t* base, uint64_t bf16_bytes);
 
 struct Request {
   int store = 0;
@@ -568,7 +575,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   uint32_t alloc_slot_locked();
   bool drop_ticket_locked(uint64_t ticket, bool cancel);
   void free_slab(Slab& slab);
-  ErrorCode do_read(const Job& job, std::string& msg, ReadHooks* hooks);
+  // `read_done` (when given) runs once the bytes have moved, before the
+  // record is checked: the worker gives its read slot back there.
+  ErrorCode do_read(
+      const Job& job, std::string& msg, ReadHooks* hooks,
+      const std::function<void()>& read_done = {});
   ErrorCode pread_into(
       const Job& job, const std::vector<struct iovec>& segs, uint64_t& got,
       std::string& msg);
@@ -602,6 +613,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::map<int, std::set<std::tuple<double, uint64_t, uint32_t>>> evictable_;
   Queue queues_[kNumPriorities];
   int inflight_[kNumPriorities] = {0, 0, 0};
+  // Reads moving bytes now, at most opts_.threads (the queue depth the disk
+  // sees). Workers outnumber it so that a worker checking the record it
+  // read (digest, widening: CPU) does not hold a read slot meanwhile.
+  int reading_ = 0;
   uint64_t next_ticket_ = 1;
   uint64_t queue_seq_ = 0;
   uint64_t complete_seq_ = 0;

@@ -270,26 +270,19 @@ void SweepRing::read_span(uint32_t slot, uint32_t first, uint32_t a, uint32_t b)
         }
       }
       // This sweep thread checks the records it read while the slot's other
-      // threads keep reading theirs.
-      if (!check_matches(r.check, segs.data(), segs.size(), r.length)) {
+      // threads keep reading theirs, widening each bf16 part (in place, as
+      // the arena) once hashed; a failed check fails the sweep.
+      auto widen = [&](size_t p) {
+        if (expand_[p]) {
+          widen_bf16_in_place(static_cast<uint8_t*>(segs[p].iov_base), part_bytes_[p]);
+        }
+      };
+      if (!check_matches(r.check, segs.data(), segs.size(), r.length, widen)) {
         fail(ErrorCode::kDigest,
              std::string(r.check.kind == Check::kXxh3 ? "XXH3-128" : "SHA-256") +
                  " mismatch for record " + std::to_string(first + q) + " (offset " +
                  std::to_string(r.offset) + ") in a prefill sweep");
         return;
-      }
-      // bf16 -> fp32 after the check, backwards in place (as the arena).
-      for (size_t p = 0; p < np; ++p) {
-        if (!expand_[p]) {
-          continue;
-        }
-        uint8_t* base = ptrs_[p] + uint64_t(row) * 2 * part_bytes_[p];
-        for (uint64_t e = part_bytes_[p] / 2; e-- > 0;) {
-          uint16_t hv;
-          std::memcpy(&hv, base + 2 * e, 2);
-          uint32_t f = uint32_t(hv) << 16;
-          std::memcpy(base + 4 * e, &f, 4);
-        }
       }
     }
     i = j;

@@ -174,6 +174,10 @@ def test_priority_order_and_deadlines(store):
     path, data, aligned, _ = store
     eng = make(threads=1)
     s = eng.add_store(path)
+    # One read slot; a worker checks the record it read after giving the slot
+    # back, so completions follow the read order only when each read outlasts
+    # the check before it: a margin, not a timing check.
+    eng.set_read_delay_us(50_000)
     eng.hold(True)
     rec = iter(aligned)
     p2 = eng.request(s, *next(rec), priority=se.P2, exact=False)

@@ -183,3 +183,20 @@ def test_expanded_parts_hold_fp32_and_read_back_stored_bytes(experts):
     assert eng.memory()["pinned_slots"] == 0
     with pytest.raises(errors.StreamRequestError, match="expand"):
         eng.create_arena(part_bytes, rows, expand[:-1])
+
+
+@pytest.mark.parametrize("values", [0, 1, 2047, 2048, 2049, 4096 * 3 + 5, 25600])
+def test_in_place_widening_equals_mx_cast_across_chunks(values):
+    """AFN-003: the readers' in-place bf16 -> fp32 widening (the engine's and
+    the prefill sweep's; chunked, backwards) equals mx's own cast at sizes
+    around its 2,048-value chunk and at a real scale part (25,600 values),
+    every bit pattern class included (signed zeros, infinities, NaNs,
+    subnormals)."""
+    from hebrus_mlx import _testing
+
+    rng = np.random.default_rng(values)
+    bits = rng.integers(0, 1 << 16, size=values, dtype=np.uint16)
+    bits[: min(values, 8)] = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x0001, 0x8001, 0x3F80][: min(values, 8)]
+    got = _testing.widen_bf16(bits.tobytes())
+    want = np.array(mx.array(bits).view(mx.bfloat16).astype(mx.float32).view(mx.uint32))
+    assert got == want.tobytes()

@@ -5,6 +5,9 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <string>
+
+#include "engine.h"
 #include "faults.h"
 #include "py_errors.h"
 
@@ -45,4 +48,15 @@ NB_MODULE(_testing, m) {
       "engine"_a,
       "offset"_a,
       "us"_a);
+  m.def(
+      "widen_bf16",
+      [](nb::bytes bf16) {
+        // The readers' in-place widening, on a copy: bf16 in the first half
+        // of a buffer twice its size, fp32 out.
+        std::string buf(2 * bf16.size(), '\0');
+        std::memcpy(buf.data(), bf16.c_str(), bf16.size());
+        hebrus::widen_bf16_in_place(reinterpret_cast<uint8_t*>(buf.data()), bf16.size());
+        return nb::bytes(buf.data(), buf.size());
+      },
+      "bf16"_a);
 }
