@@ -694,8 +694,8 @@ def phase_simulate(a, art, out, probes=3):
     """`simulate --profile machine` against the generate phase's runs: this machine's qualify
     profile (its SSD probe read from the artifact's expert store; `probes` probes a few minutes
     apart, one projection each: this disk's rate moves by 2x within the hour), the compute per
-    layer given by --layer-ms (a resident decode of smaller stacks at the run's widths, not the
-    runs it is checked against), the route trace the generate phase's first run recorded and the
+    layer given by --layer-ms (default: the default plan's run, `run_anchor`, not a run it is
+    checked against), the route trace the generate phase's first run recorded and the
     predictor's recall and precision in that run's counters (the default plan's, not a compared
     row's); the predicted tok/s at each cache size beside the measured one, at the same read-ahead."""
     import statistics
@@ -706,7 +706,14 @@ def phase_simulate(a, art, out, probes=3):
         measured = json.load(f)
     anchor = None
     if a.layer_ms is None:
-        anchor = anchor_layer_ms(a, expert_bits=a.expert_bits)
+        anchor = run_anchor(measured, admission.admit(art).family.num_hidden_layers)
+        if anchor is None:
+            emit(
+                out,
+                "simulate",
+                error="no default-plan run to take the compute from (--cache-gb without 'default'); pass --layer-ms",
+            )
+            return
         a.layer_ms = anchor["layer_ms"]
     traced = next((r for r in measured if r.get("trace_dir")), None)
     recall = predictor_recall(traced) if traced is not None else None
@@ -803,56 +810,32 @@ def phase_simulate(a, art, out, probes=3):
     )
 
 
-def anchor_layer_ms(a, layers=(2, 4), expert_bits=4, tokens=32):
-    """The compute per layer `simulate` takes, measured apart from the runs it is checked against:
-    `hebrus-mlx bench` decodes on stacks of the same widths with 2 and 4 layers, every expert
-    record held in the arena (after the warm-up run the experts read nothing), at `expert_bits`
-    (on this CPU the width projected: compute-bound decode is not scaled by bytes). A token's
-    compute is fixed + layers x per-layer (embeddings, PLE and the 248k-row head are the fixed
-    part); simulate has one compute term per layer, so it gets per-layer + fixed / 48."""
-    rows = []
-    for n in layers:
-        d = os.path.join(a.dir, f"anchor-{n}")
-        shutil.rmtree(d, ignore_errors=True)
-        geometry = ["--dir", d, "--layers", str(n), "--experts", str(a.experts), "--ple-base", str(a.ple_base)]
-        me = [sys.executable, os.path.abspath(__file__), *geometry]
-        conv = me + ["--phases", "convert", "--expert-bits", str(expert_bits)]
-        conv += ["--ple-dtype", a.ple_dtype] if a.ple_dtype else []
-        subprocess.run(conv, check=True, capture_output=True, text=True)
-        bench = ["bench", "--model", os.path.join(d, "artifact"), "-p", "7", "-g", str(tokens), "-n", "2"]
-        bench += ["--warmup", "1", "--no-probe", "--no-plot", "--quiet", "--out", os.path.join(d, "bench")]
-        # An arena for every record of the stack (a 4-bit record is 2.76 MB, ~3.1 MB widened; 2-bit
-        # 1.54 MB): no reads.
-        bench += ["--ab", f"expert-cache-gb={round(n * a.experts * 3.5e6 / 1e9 + 1.0, 1)}"]
-        subprocess.run(me + ["--_cli", json.dumps(bench)], check=True, capture_output=True, text=True)
-        with open(os.path.join(d, "bench", "bench.json")) as f:
-            runs = json.load(f)["runs"]
-        shutil.rmtree(d)
-        ms = [1e3 / r["decode_tok_s"] for r in runs]
-        rows.append(
-            {
-                "layers": n,
-                "ms_per_token": round(min(ms), 1),
-                "expert_mb_per_token": round(max(r["expert_bytes_per_token"] for r in runs) / 1e6, 2),
-            }
-        )
-    (n0, t0), (n1, t1) = [(r["layers"], r["ms_per_token"]) for r in rows]
-    per_layer = (t1 - t0) / (n1 - n0)
-    fixed = t0 - n0 * per_layer
-    L = S.real_config()["text_config"]["num_hidden_layers"] if a.layers == 48 else a.layers
+def run_anchor(measured, layers):
+    """The compute per layer `simulate` takes: the default plan's run (the one that recorded the
+    trace; its cache size is not one the projection is checked at), its mean decode time per token
+    less its exposed read wait, over the model's layers (simulate has one compute term per layer;
+    the embeddings, PLE and head are folded in). Measured on the full model in the same sitting as
+    the runs it is checked against: a straight line through short stacks extrapolated to 48 layers
+    missed this model's compute by 27% on one host and by under 5% on another."""
+    import statistics
+
+    run = next((r for r in measured if r["expert_cache_gb_flag"] is None and r["prefetch"] is None), None)
+    if run is None or not run.get("decode_s_per_token"):
+        return None
+    compute_ms = (statistics.mean(run["decode_s_per_token"]) - run["exposed_wait_s_per_token"]) * 1e3
     return {
-        "expert_bits": expert_bits,
-        "stacks": rows,
-        "per_layer_ms": round(per_layer, 1),
-        "fixed_ms": round(fixed, 1),
-        "layer_ms": round(per_layer + fixed / L, 2),
+        "run": "default plan",
+        "tokens": len(run["decode_s_per_token"]),
+        "compute_ms_per_token": round(compute_ms, 1),
+        "layers": layers,
+        "layer_ms": round(compute_ms / layers, 2),
     }
 
 
-def phase_engine(a, art, out, tokens=4, rounds=3):
+def phase_engine(a, art, out, reads=1920, rounds=3):
     """The engine's cold read rate against a raw O_DIRECT pread of the same records at the same
-    queue depth, on the artifact's own expert store: per run, `tokens` decode steps of top-k
-    experts in every layer (records no other run reads, page cache dropped), resolved layer by
+    queue depth, on the artifact's own expert store: per run, `reads` records (four decode steps
+    of top-k experts in every layer at 48 layers; more steps on a smaller stack) (records no other run reads, page cache dropped), resolved layer by
     layer into a fresh arena by the engine as the loader builds it (8 reader threads, every record
     checked against its digest) against `_bench.raw_pread` of the same batches by 8 C threads, no
     check; A/B/B/A, median of per-round ratios."""
@@ -866,6 +849,7 @@ def phase_engine(a, art, out, tokens=4, rounds=3):
     m = admission.admit(art)
     fam = m.family
     L, E, k = fam.num_hidden_layers, fam.num_experts, fam.num_experts_per_tok
+    tokens = max(1, -(-reads // (L * k)))
     store = m.file(m.experts)
     reader = ExpertMajorReader(store, fam, m.experts.expert_codec)
     geom = reader.geometry
@@ -1061,7 +1045,7 @@ def main(argv=None):
         "--layer-ms",
         type=float,
         default=None,
-        help="simulate: compute per layer at the run's widths (ms; default: measured)",
+        help="simulate: compute per layer at the run's widths (ms; default: the default-plan run's)",
     )
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_cli", default=None, help=argparse.SUPPRESS)
@@ -1137,8 +1121,6 @@ def main(argv=None):
                 "generate-rows.json",
                 "server-prompt-cache",
                 "server-samples.json",
-                "anchor-2",
-                "anchor-4",
             )
             if name in made or name.startswith(".artifact"):
                 if os.path.isdir(full) and not os.path.islink(full):
