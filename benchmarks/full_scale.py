@@ -832,74 +832,103 @@ def run_anchor(measured, layers):
     }
 
 
-def phase_engine(a, art, out, reads=1920, rounds=3):
-    """The engine's cold read rate against a raw O_DIRECT pread of the same records at the same
-    queue depth, on the artifact's own expert store: per run, `reads` records (four decode steps
-    of top-k experts in every layer at 48 layers; more steps on a smaller stack) (records no other run reads, page cache dropped), resolved layer by
-    layer into a fresh arena by the engine as the loader builds it (8 reader threads, every record
-    checked against its digest) against `_bench.raw_pread` of the same batches by 8 C threads, no
-    check; A/B/B/A, median of per-round ratios."""
+def phase_engine(a, art, out, turns=40, batches_per_turn=8):
+    """The engine's cold read rate against a raw O_DIRECT pread of the same kind of records at the
+    same queue depth, on the artifact's own expert store, the two interleaved in short turns (this
+    disk's rate moves by tens of percent within seconds, so runs a second apart compared noise):
+    each turn `batches_per_turn` layer batches of top-k experts (records no earlier turn read
+    in that layer until every expert was read), one turn raw - `_bench.raw_pread` by 8 C threads,
+    batch by batch, no check - then one turn the engine - resolved batch by batch into its arena
+    (8 reader threads, every record checked against its digest; one engine for the phase, as in a
+    decode) - alternating which goes first. The rate of each arm over all its turns, their ratio,
+    and the median of the per-turn-pair ratios."""
     import random
     import statistics
 
+    import mlx.core as mx
+
     from hebrus_mlx import _bench
     from hebrus_mlx.artifact.expert_major import ExpertMajorReader
-    from hebrus_mlx.qualify import measure_resolve
+    from hebrus_mlx.stream.engine import StreamEngine
+    from hebrus_mlx.stream.experts import StreamedExperts
 
     m = admission.admit(art)
     fam = m.family
     L, E, k = fam.num_hidden_layers, fam.num_experts, fam.num_experts_per_tok
-    tokens = max(1, -(-reads // (L * k)))
     store = m.file(m.experts)
     reader = ExpertMajorReader(store, fam, m.experts.expert_codec)
     geom = reader.geometry
     reader.close()
     rng = random.Random(a.seed)
     unread = [[] for _ in range(L)]  # each layer's experts, read once each before any is read again
+    layer = [0]
 
     def pick(layer):
         if len(unread[layer]) < k:
             unread[layer] = rng.sample(range(E), E)
         return sorted(unread[layer].pop() for _ in range(k))
 
-    def plan():
-        return [(layer, pick(layer)) for _ in range(tokens) for layer in range(L)]
+    def turn_plan():
+        batches = []
+        for _ in range(batches_per_turn):
+            batches.append((layer[0], pick(layer[0])))
+            layer[0] = (layer[0] + 1) % L
+        return batches
 
-    def raw():
-        batches = plan()
-        offsets = [[geom.record_offset(geom.index(layer, e)) for e in ex] for layer, ex in batches]
+    turn_bytes = batches_per_turn * k * geom.record_bytes
+    eng = StreamEngine(cache_bytes=64 << 20, threads=8, backend="pread")
+    try:
+        ex = StreamedExperts.from_artifact(m, rows=k, engine=eng)
+
+        def raw(batches):
+            offsets = [[geom.record_offset(geom.index(lay, e)) for e in es] for lay, es in batches]
+            return _bench.raw_pread(store, offsets, geom.record_bytes, threads=8, direct=True)["elapsed_ns"] / 1e9
+
+        def engine(batches):
+            s = 0.0
+            for lay, es in batches:
+                t = time.perf_counter()
+                got, lease = ex.resolve(lay, mx.array(es, dtype=mx.uint32))
+                mx.eval(got)
+                s += time.perf_counter() - t
+                mx.eval(eng.release_after(mx.array(0.0), lease))
+            return s
+
+        load_before = os.getloadavg()[0]
         _drop_cache([store])
-        r = _bench.raw_pread(store, offsets, geom.record_bytes, threads=8, direct=True)
-        return r["bytes"] / r["elapsed_ns"]
-
-    def engine():
-        _drop_cache([store])
-        return measure_resolve(m, plan(), "pread", k)[0]
-
-    load_before = os.getloadavg()[0]
-    rates = {"raw": [], "engine": []}
-    raw_cpu = []  # CPU seconds per GB of the raw reads (the engine's: resolve_split)
-    gb = tokens * L * k * geom.record_bytes / 1e9
-    for r in range(rounds):
-        for name in ("raw", "engine") if r % 2 == 0 else ("engine", "raw"):
-            if name == "raw":
+        seconds = {"raw": [], "engine": []}
+        cpu = {"raw": 0.0, "engine": 0.0}
+        for i in range(turns):
+            for name in ("raw", "engine") if i % 2 == 0 else ("engine", "raw"):
                 c = _cpu_s()
-                rates[name].append(raw())
-                raw_cpu.append((_cpu_s() - c) / gb)
-            else:
-                rates[name].append(engine())
+                seconds[name].append((raw if name == "raw" else engine)(turn_plan()))
+                cpu[name] += _cpu_s() - c
+        counters = eng.counters()
+    finally:
+        eng.close()
+    gb = turns * turn_bytes / 1e9
+    rate = {name: gb / sum(v) for name, v in seconds.items()}
     _drop_cache([store])
-    split = resolve_split(m, plan(), k, geom.record_bytes)
+    split = resolve_split(m, [(lay % L, pick(lay % L)) for lay in range(4 * L)], k, geom.record_bytes)
     emit(
         out,
         "engine",
         record_bytes=geom.record_bytes,
-        reads_per_run=tokens * L * k,
         threads=8,
-        raw_gb_s=[round(x, 3) for x in rates["raw"]],
-        engine_gb_s=[round(x, 3) for x in rates["engine"]],
-        engine_over_raw=round(statistics.median(e / r for e, r in zip(rates["engine"], rates["raw"])), 3),
-        raw_cpu_s_per_gb=[round(x, 3) for x in raw_cpu],
+        turns=turns,
+        mb_per_turn=round(turn_bytes / 1e6, 1),
+        raw_gb_s=round(rate["raw"], 3),
+        engine_gb_s=round(rate["engine"], 3),
+        engine_over_raw=round(rate["engine"] / rate["raw"], 3),
+        engine_over_raw_turn_median=round(
+            statistics.median(r / e for r, e in zip(seconds["raw"], seconds["engine"])), 3
+        ),
+        raw_gb_s_range=[
+            round(turn_bytes / 1e9 / max(seconds["raw"]), 2),
+            round(turn_bytes / 1e9 / min(seconds["raw"]), 2),
+        ],
+        engine_hits=counters["hits"] + counters["joins"],  # 0: every resolve read its records
+        cpu_s_per_gb={name: round(v / gb, 3) for name, v in cpu.items()},
         resolve_split=split,
         load_avg_before=load_before,
         load_avg_after=os.getloadavg()[0],

@@ -106,6 +106,28 @@ def test_streamed_switch_glu_bit_identical_to_resident(experts):
     assert c["misses"] > 0 and c["evictions"] > 0
 
 
+@pytest.mark.parametrize("held", [4, 2])
+def test_a_resolve_past_rows_that_predictions_hold_waits_for_them(experts, held):
+    """Where queued predictions hold the rows a resolve needs (all four, or all but two), the
+    records past the free rows wait for the predictions to publish instead of failing: each
+    record read once, each row its record (the streamed SwitchGLU equals the resident one)."""
+    resident = experts[3]
+    eng, table, weights = open_arena(experts, rows=4)
+    eng.set_read_delay_us(50_000)  # the predictions are still reading when the resolve issues
+    mx.eval(eng.prefetch(table, mx.array(list(range(held))), priority=se.P1))
+    assert eng.memory()["arena_rows"] + eng.memory()["queued_reads"] + eng.memory()["inflight_reads"] >= held
+    x = mx.random.normal((2, 1, 1, H))
+    idx = mx.array([[6, 7], [8, 9]])
+    rows, lease = eng.resolve(table, idx)
+    streamed = eng.release_after(switch_glu(x, weights, rows), lease)
+    mx.eval(streamed)
+    assert mx.array_equal(streamed, switch_glu(x, resident, idx)).item()
+    c = eng.counters()
+    assert c["predicted_reads"] == held and c["exact_misses"] == 4 and c["errors"] == 0
+    m = eng.memory()
+    assert m["pinned_slots"] == 0 and m["tickets"] == 0
+
+
 def test_arena_read_matches_file_bytes(experts):
     """AFN-003: a record scattered over arena parts reads back as one
     snapshot identical to the file (preadv scatter + incremental SHA-256)."""
