@@ -145,9 +145,29 @@ def test_numeric_lists_refuse_hostile_items(argv, flag):
     assert f": error: {flag}: " in err, err
 
 
+# The chat as a terminal starts it: SIGINT at its default disposition. A process started with
+# SIGINT ignored (a runner that launched the suite as a background job of a non-interactive shell)
+# passes SIG_IGN on through exec, and Python then never installs its KeyboardInterrupt handler: the
+# signal is dropped and the reply runs to its end. The wrapper resets it before exec'ing the chat.
+_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, sys.argv[1:])"
+)
+
+
+def _sigint_ignored(pid) -> bool | None:
+    """Whether `pid` ignores SIGINT (its SigIgn mask in /proc), or None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line for line in f if line.startswith("SigIgn:"))
+    except OSError:
+        return None
+    return bool(int(mask.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+
+
 def _chat_proc():
+    chat = [sys.executable, "-m", "hebrus_mlx.cli", "chat", "--max-tokens", "2000", "--verbose", "false"]
     p = subprocess.Popen(
-        [sys.executable, "-m", "hebrus_mlx.cli", "chat", "--max-tokens", "2000", "--verbose", "false"],
+        [sys.executable, "-c", _DEFAULT_SIGINT, *chat],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -155,6 +175,7 @@ def _chat_proc():
     )
     line = p.stdout.readline()
     assert line.startswith(b"[INFO] Chatting"), (line, p.stderr.read() if p.poll() is not None else b"")
+    assert _sigint_ignored(p.pid) in (False, None)
     return p
 
 
