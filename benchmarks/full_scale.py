@@ -861,7 +861,7 @@ def phase_engine(a, art, out, turns=40, batches_per_turn=8):
     reader.close()
     rng = random.Random(a.seed)
     unread = [[] for _ in range(L)]  # each layer's experts, read once each before any is read again
-    layer = [0]
+    cursor = [0]  # the layer the next turn's first batch reads
 
     def pick(layer):
         if len(unread[layer]) < k:
@@ -871,8 +871,8 @@ def phase_engine(a, art, out, turns=40, batches_per_turn=8):
     def turn_plan():
         batches = []
         for _ in range(batches_per_turn):
-            batches.append((layer[0], pick(layer[0])))
-            layer[0] = (layer[0] + 1) % L
+            batches.append((cursor[0], pick(cursor[0])))
+            cursor[0] = (cursor[0] + 1) % L
         return batches
 
     turn_bytes = batches_per_turn * k * geom.record_bytes
