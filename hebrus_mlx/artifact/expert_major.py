@@ -53,7 +53,7 @@ from .constants import (
     family_by_id,
 )
 from .errors import DigestError, GeometryError, HeaderError, TruncatedError
-from .store_file import StoreFile, header_prelude
+from .store_file import StoreFile, header_prelude, verify_closed
 
 _HEADER = struct.Struct("<8s10I6Q32s32s32s")
 _ENTRY = struct.Struct("<2I2Q18I32s")
@@ -300,7 +300,7 @@ def publish(path, family, codec_name, records, faults=None, progress=None, fast=
     return atomic.publish_file(
         path,
         lambda w: write(w, family, codec_name, records, progress),
-        verify=lambda tmp: ExpertMajorReader(tmp, family, codec_name).verify_all(fast=fast),
+        verify=lambda tmp: verify_closed(ExpertMajorReader(tmp, family, codec_name), fast),
         faults=faults,
     )
 

@@ -46,7 +46,7 @@ from .constants import (
     codec,
 )
 from .errors import CodecError, DigestError, GeometryError, HeaderError, TruncatedError
-from .store_file import StoreFile, header_prelude
+from .store_file import StoreFile, header_prelude, verify_closed
 
 _HEADER = struct.Struct(f"<8s12I8Q{PLE_MAX_HEADS}I32s32s")
 _PAGE = struct.Struct("<4sIQQ8I")
@@ -327,7 +327,7 @@ def publish(path, family, table, codec_name, chunks, rows_per_page=None, faults=
     return atomic.publish_file(
         path,
         lambda w: write(w, family, table, codec_name, chunks, rows_per_page, progress),
-        verify=lambda tmp: PleReader(tmp, family, codec_name).verify_all(fast=fast),
+        verify=lambda tmp: verify_closed(PleReader(tmp, family, codec_name), fast),
         faults=faults,
     )
 

@@ -19,6 +19,14 @@ def header_prelude(magic, version, header_bytes, family, codec_id):
     }
 
 
+def verify_closed(reader, fast=None):
+    """`reader.verify_all(fast=fast)`, then the reader's descriptor closed: a publication's check
+    must not keep the published file open (a deleted artifact's bytes stay on disk while any
+    descriptor on them lives)."""
+    with reader:
+        return reader.verify_all(fast=fast)
+
+
 class StoreFile:
     """Subclasses implement `_open(*args)` to validate the file's header; a failed validation
     closes the descriptor before the error leaves the constructor."""
